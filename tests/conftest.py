@@ -1,0 +1,90 @@
+"""Random Hugging Face checkpoints built with `transformers` (the numerical reference)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_fixtures import build_tokenizer  # noqa: E402
+
+VOCAB_SIZE = 512
+
+# family -> (config class, extra config); all with 8 query and 2 KV heads
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+
+
+def build_hf_model(family: str, seed: int = 0, **overrides):
+    config_cls, extra = FAMILIES[family]
+    kwargs = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=256, initializer_range=0.5, rms_norm_eps=1e-6,
+        bos_token_id=0, eos_token_id=1, pad_token_id=3,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_cls)(**kwargs)
+    config.architectures = [config_cls.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def save_checkpoint(model, out_dir: Path, with_tokenizer: bool = True, max_shard_size: str | None = None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    if with_tokenizer:
+        build_tokenizer(out_dir, vocab_size=model.config.vocab_size)
+    return out_dir
+
+
+def rewrite_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, checkpoint directory); built once per session."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = build_hf_model(family)
+            cache[family] = (model, save_checkpoint(model, tmp_path_factory.mktemp(family)))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama(checkpoints):
+    return checkpoints("llama")
+
+
+def random_prompts(num: int, lengths: list[int] | None = None, seed: int = 0, vocab: int = VOCAB_SIZE) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = lengths or [3, 17, 40, 1, 9, 64, 33, 5][:num]
+    # avoid the special ids 0..5 so that no prompt holds an eos
+    return [torch.randint(6, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=3)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,6 @@
+"""torch_shift: PyTorch-native LLM inference that changes its parallel layout while it serves."""
+
+from torch_shift.engine import LLM, CompletionOutput, EngineArgs, LLMEngine, Logprob, RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

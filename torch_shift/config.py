@@ -1,0 +1,199 @@
+"""Frozen configuration dataclasses: model (from a Hugging Face config.json), cache, scheduler."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# architectures entry -> family name; one decoder implementation serves all of them.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = None) -> torch.dtype:
+    """`"auto"`/None takes the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        return _DTYPES.get(str(config_dtype), torch.float32) if config_dtype else torch.float32
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of 'auto', 'float32', 'bfloat16', 'float16'")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        # transformers 5.x: rope_parameters holds rope_theta and the scaling;
+        # transformers 4.x: rope_theta at top level and an optional rope_scaling dict.
+        params = dict(hf.get("rope_parameters") or {})
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = dict(params["full_attention"])
+        scaling = dict(hf.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the decoder needs from a Hugging Face config.json, normalised across families."""
+
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v bias (Qwen2)
+    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None
+    hidden_act: str = "silu"
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        architectures = hf.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            vocab = int(hf["vocab_size"])
+            inter = int(hf["intermediate_size"])
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        sliding_window = hf.get("sliding_window")
+        if family in ("qwen2", "qwen3"):
+            if hf.get("use_sliding_window"):
+                raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+            sliding_window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=int(sliding_window) if sliding_window else None,
+            hidden_act=act,
+            torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no config.json")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(hf)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; otherwise sized from memory
+    kv_cache_memory_bytes: int | None = None  # explicit budget in bytes
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use in all
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    policy: str = "fcfs"  # "fcfs" or "priority"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError(
+                "max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1, got "
+                f"{self.max_num_batched_tokens}, {self.max_num_seqs}, {self.max_model_len}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")

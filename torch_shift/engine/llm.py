@@ -1,0 +1,93 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
+from torch_shift.engine.outputs import RequestOutput
+from torch_shift.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        unknown = set(engine_args) - EngineArgs.names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        tokenized = []
+        for i, prompt in enumerate(prompts):  # every prompt is checked before any is queued
+            try:
+                tokenized.append(self.engine.tokenize_prompt(prompt))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p, prio in zip(request_ids, tokenized, params, priorities):
+                self.engine.add_request(rid, prompt, p, priority=prio)
+            return self._run(request_ids, use_tqdm)
+        finally:
+            for rid in request_ids:  # nothing stays queued after an error or an interrupt
+                self.engine.abort_request(rid)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
+        wanted = set(request_ids)
+        with bar:
+            while len(finished) < len(request_ids):
+                assert self.engine.has_unfinished_requests()
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template and generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

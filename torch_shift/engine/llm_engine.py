@@ -1,0 +1,353 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+request -> scheduler (step plan) -> model runner -> sampler -> outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from torch_shift.engine.model_runner import ModelRunner, RunnerOutput
+from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.sampler import Sampler, topk_logprobs
+from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
+from torch_shift.kv.block_manager import BlockManager
+from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.models.hub import resolve_model_dir
+from torch_shift.models.loader import load_model
+from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+_CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments, named as in vLLM where the concept is the same."""
+
+    model: str
+    tokenizer: str | None = None  # directory with tokenizer.json; defaults to the model directory
+    dtype: str = "auto"
+    device: str | None = None  # default: cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    revision: str | None = None
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass
+class _ParentRequest:
+    """A user request: `n` sequences sampled from one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    texts: list[str]
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        model_dir = resolve_model_dir(args.model, args.revision)
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_dir(model_dir)
+        mc = self.model_config
+        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = device
+
+        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
+        eos = set(mc.eos_token_id)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+
+        max_model_len = args.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=args.scheduling_policy,
+        )
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+
+        self.model = load_model(model_dir, self.dtype, device)
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, mc.num_key_value_heads,
+                                mc.head_dim, self.dtype, device)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window)
+        self.sampler = Sampler(mc.vocab_size, seed=args.seed)
+        self.parents: dict[str, _ParentRequest] = {}
+        self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
+        self.num_steps = 0
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, mc.num_key_value_heads, mc.head_dim,
+                                       self.dtype)
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
+        else:
+            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(self.device) // 4)
+        # never more than every sequence slot filled to the context
+        enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
+        num_blocks = min(budget // per_block, enough)
+        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
+                "or raise the budget"
+            )
+        return num_blocks
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
+        """Validate a prompt (text or token ids) and tokenize it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json: give the prompt as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            text = None
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise TypeError("a token-id prompt must be a list of ints")
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        max_len = self.scheduler_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        needed = self.block_manager.blocks_needed(len(token_ids) + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks; the pool holds only {self.block_manager.num_blocks}"
+            )
+        return TokenizedPrompt(text, token_ids)
+
+    def add_request(
+        self, request_id: str, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None, priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+        if not isinstance(prompt, TokenizedPrompt):
+            prompt = self.tokenize_prompt(prompt)
+        text, token_ids = prompt.text, prompt.token_ids
+        max_tokens = self.scheduler_config.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)  # sample i draws from seed + i
+            child = Request(
+                request_id if params.n == 1 else f"{request_id}#{i}", token_ids, child_params, max_tokens,
+                self.eos_token_ids, arrival_time=arrival_time, priority=priority,
+            )
+            if i > 0:
+                child.prompt_logprobs = None  # computed once per prompt
+            children.append(child)
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
+            for _ in children
+        ]
+        parent = _ParentRequest(request_id, text, token_ids, children, detokenizers, [""] * len(children))
+        self.parents[request_id] = parent
+        for i, child in enumerate(children):
+            self.child_to_parent[child.request_id] = (parent, i)
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            self.child_to_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of every request that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            assert not self.scheduler.running, "running requests but nothing scheduled"
+            return []
+        self.num_steps += 1
+        runner_output = self.runner.execute(plan)
+        sampled = self._sample(plan, runner_output)
+        now = time.monotonic()
+        updated = self.scheduler.update_from_output(plan, sampled)
+        touched: dict[str, _ParentRequest] = {}
+        for request in updated:
+            parent, index = self.child_to_parent[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._detokenize(parent, index, request)
+            touched[parent.request_id] = parent
+        outputs = [self._make_output(p) for p in touched.values()]
+        for out in outputs:
+            if out.finished:
+                parent = self.parents.pop(out.request_id)
+                for child in parent.children:
+                    self.child_to_parent.pop(child.request_id, None)
+        return outputs
+
+    def _sample(self, plan: SchedulerOutput, out: RunnerOutput) -> dict[str, int]:
+        requests = self.scheduler.requests
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        entry_by_id = {e.request_id: e for e in plan.scheduled}
+        for request_id, first_row, num_rows in out.logits_rows:
+            request = requests[request_id]
+            entry = entry_by_id[request_id]
+            if entry.prompt_logprobs:
+                self._record_prompt_logprobs(request, entry.num_computed_tokens,
+                                             out.logits[first_row:first_row + num_rows])
+            if entry.sample:
+                sample_rows.append(first_row + num_rows - 1)
+                sample_requests.append(request)
+        if not sample_requests:
+            return {}
+        result = self.sampler(out.logits[sample_rows], sample_requests)
+        for request, token_id, lp in zip(sample_requests, result.token_ids, result.logprobs):
+            if lp is not None:
+                chosen_lp, rank, top_ids, top_lps = lp
+                request.logprobs.append(self._position_logprobs(token_id, chosen_lp, rank, top_ids, top_lps))
+                request.cumulative_logprob += chosen_lp
+        return {r.request_id: t for r, t in zip(sample_requests, result.token_ids)}
+
+    def _record_prompt_logprobs(self, request: Request, first_position: int, logits: torch.Tensor) -> None:
+        """Row j of `logits` predicts the token at position first_position + j + 1."""
+        recorded = request.prompt_logprobs
+        start = len(recorded) - 1 - first_position  # first row not yet recorded (after a preemption)
+        stop = min(logits.shape[0], request.num_prompt_tokens - 1 - first_position)
+        if stop <= start:
+            return
+        targets = torch.tensor(request.prompt_token_ids[first_position + start + 1:first_position + stop + 1])
+        logprobs = torch.log_softmax(logits[start:stop].float(), dim=-1)
+        k = request.sampling_params.prompt_logprobs
+        chosen, ranks, top_ids, top_lps = topk_logprobs(logprobs, targets, k)
+        for j in range(len(chosen)):
+            recorded.append(self._position_logprobs(int(targets[j]), chosen[j], ranks[j], top_ids[j], top_lps[j]))
+
+    def _position_logprobs(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
+                           top_lps: list[float]) -> PositionLogprobs:
+        tok = self.tokenizer
+        entry = {token_id: Logprob(logprob, rank, tok.token_to_str(token_id) if tok else None)}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            if t not in entry:
+                entry[t] = Logprob(lp, r, tok.token_to_str(t) if tok else None)
+        return entry
+
+    def _detokenize(self, parent: _ParentRequest, index: int, request: Request) -> None:
+        detok = parent.detokenizers[index]
+        if detok is None:
+            return
+        new_text = detok.step(request.output_token_ids[-1])
+        if not new_text:
+            return
+        text = parent.texts[index] + new_text
+        params = request.sampling_params
+        if params.stop_strings and not request.status.finished:
+            for stop in params.stop_strings:
+                # only the new text and the tail it can complete a stop string with need looking at
+                idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
+                if idx != -1:
+                    text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                    request.stop_reason = stop
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    break
+        parent.texts[index] = text
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        completions = []
+        for i, child in enumerate(parent.children):
+            finish = child.status.value if child.status.finished else None
+            completions.append(CompletionOutput(
+                index=i,
+                text=parent.texts[i],
+                token_ids=list(child.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                logprobs=child.logprobs,
+                finish_reason=finish,
+                stop_reason=child.stop_reason,
+            ))
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=all(c.finish_reason is not None for c in completions),
+            num_cached_tokens=first.num_cached_tokens,
+        )

@@ -1,0 +1,142 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+
+Every operation runs on the whole batch; the only host transfer is the final one of the
+sampled ids (and of the logprobs asked for). A seeded request draws its noise from its own
+generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torch_shift.engine.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (sampled token logprob, its rank, top-k ids, top-k logprobs) when logprobs were asked
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+def topk_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[list, list, list, list]:
+    """For each row: logprob of `chosen`, its rank (1 = best), and the top-k ids and logprobs."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=1)
+    else:
+        top_lp = top_ids = logprobs.new_empty((logprobs.shape[0], 0))
+    return chosen_lp[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist()
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [len(requests), vocab] for the position after each request's last token."""
+        logits = logits[:, : self.vocab_size].float()
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+
+        logits = self._apply_penalties(logits, requests)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, requests, greedy)
+
+        token_ids = sampled.tolist()
+        row_logprobs: list = [None] * len(requests)
+        if raw_logprobs is not None:
+            rows = [i for i, k in enumerate(want_logprobs) if k is not None]
+            k_max = max(want_logprobs[i] for i in rows)
+            idx = torch.tensor(rows)
+            chosen, ranks, top_ids, top_lps = topk_logprobs(raw_logprobs[idx], sampled[idx], k_max)
+            for j, i in enumerate(rows):
+                k = want_logprobs[i]
+                row_logprobs[i] = (chosen[j], ranks[j], top_ids[j][:k], top_lps[j][:k])
+        return SamplerOutput(token_ids, row_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            suppress = r.num_output_tokens < p.min_tokens and (r.eos_token_ids or r.stop_token_ids)
+            if suppress or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                rows.append(i)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            r = requests[i]
+            p = r.sampling_params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                # Hugging Face / vLLM convention: over prompt and output tokens, shrink positive
+                # logits and push negative ones further down.
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                # OpenAI convention, over output tokens only.
+                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            if r.num_output_tokens < p.min_tokens:
+                banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if t < vocab]
+                row[banned] = _NEG_INF
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        logits_t = logits / temperature[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
+            logits_t = _top_k_top_p(logits_t, top_k, top_p)
+        probs = torch.softmax(logits_t, dim=-1)
+        if any(mp > 0.0 for mp in min_p):
+            mp = torch.tensor(min_p)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), draws from p.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            if len(unseeded) == len(requests):
+                noise.exponential_(generator=self.generator)
+            else:
+                idx = torch.tensor(unseeded)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k]).clamp(max=vocab)
+    positions = torch.arange(vocab)[None, :]
+    remove = positions >= k[:, None]
+    if any(p < 1.0 for p in top_p):
+        probs = torch.softmax(sorted_logits.masked_fill(remove, _NEG_INF), dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        remove |= cum_before >= torch.tensor(top_p)[:, None]
+        remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,80 @@
+"""Attention through the block table: write the step's K/V into their slots, read each sequence's
+context back by block table, and attend with SDPA (the fastest path measured on CPU).
+
+The tokens of a step are flattened: first the decode tokens (one per sequence), then the
+prefill chunks, each a run of consecutive tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from torch_shift.kv.cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first token of the chunk in the flattened step
+    num_tokens: int
+    num_computed_tokens: int  # tokens of the sequence already in the cache before this chunk
+    block_table: torch.Tensor  # [1, num_blocks]
+    mask: torch.Tensor | None  # [1, 1, num_tokens, context] when the chunk cannot use is_causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    num_decode_tokens: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillChunk]
+
+
+def key_mask(
+    query_positions: torch.Tensor, context_len: int, sliding_window: int | None
+) -> torch.Tensor:
+    """[num_queries, context_len] bool: key j is visible to a query at position p when j <= p
+    (and p - j < sliding_window)."""
+    key_positions = torch.arange(context_len, device=query_positions.device)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    return mask
+
+
+class PagedAttention:
+    """The model's `attention(layer_idx, q, k, v)` for one step."""
+
+    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata):
+        self.kv_cache = kv_cache
+        self.metadata = metadata
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = self.metadata
+        self.kv_cache.write(layer_idx, md.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        nd = md.num_decode_tokens
+        if nd:
+            k_ctx, v_ctx = self.kv_cache.gather(layer_idx, md.decode_block_table)
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), k_ctx, v_ctx, attn_mask=md.decode_mask, enable_gqa=True
+            )
+            out[:nd] = o.squeeze(2)
+        for chunk in md.prefills:
+            sl = slice(chunk.start, chunk.start + chunk.num_tokens)
+            q_chunk = q[sl].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            if chunk.num_computed_tokens == 0:
+                # the chunk is the whole context so far: attend to its own k/v, no gather
+                k_ctx = k[sl].transpose(0, 1).unsqueeze(0)
+                v_ctx = v[sl].transpose(0, 1).unsqueeze(0)
+            else:
+                k_ctx, v_ctx = self.kv_cache.gather(layer_idx, chunk.block_table)
+            if chunk.mask is None:
+                o = F.scaled_dot_product_attention(q_chunk, k_ctx, v_ctx, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q_chunk, k_ctx, v_ctx, attn_mask=chunk.mask, enable_gqa=True)
+            out[sl] = o[0].transpose(0, 1)
+        return out

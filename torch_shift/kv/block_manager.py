@@ -1,0 +1,137 @@
+"""Paged KV block bookkeeping in plain Python: allocation, reference counts, prefix caching.
+
+A block holds `block_size` consecutive tokens of one sequence. A full block whose tokens have
+been computed gets a key made of its parent block's key hash and its own token ids; a later
+request whose prompt starts with the same tokens reuses the block instead of computing it
+again. Freed blocks keep their key and sit in an LRU queue until a new allocation evicts them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, this block's token ids)
+_ROOT_HASH = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        # Blocks with no reference, oldest first; cached ones among them can still be hit.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[BlockKey, int] = {}
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_keys: dict[str, list[BlockKey]] = {}  # keys of the request's full, computed blocks
+        self.num_prefix_hits = 0  # tokens served from the prefix cache, over the manager's life
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def _keys(self, token_ids: Sequence[int], num_full_blocks: int, known: list[BlockKey]) -> list[BlockKey]:
+        keys = list(known[:num_full_blocks])
+        parent = hash(keys[-1]) if keys else _ROOT_HASH
+        bs = self.block_size
+        for i in range(len(keys), num_full_blocks):
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `token_ids`, leaving at least one token to compute
+        (the step needs a last position to sample from)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        keys = self._keys(token_ids, max_blocks, self.req_keys.get(request_id, []))
+        hits: list[int] = []
+        for key in keys:
+            block = self.cached_blocks.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
+        """Make the request own enough blocks for `num_tokens` tokens, starting a new request with
+        `cached_prefix`. False (and nothing changed) when the pool cannot hold them."""
+        blocks = self.req_blocks.get(request_id)
+        if blocks is None:
+            blocks = []
+            assert not cached_prefix or request_id not in self.req_keys
+        else:
+            assert not cached_prefix, "a cached prefix is only taken by a request that holds no block"
+        num_new = self.blocks_needed(num_tokens) - len(blocks) - len(cached_prefix)
+        revived = sum(1 for b in cached_prefix if self.ref_counts[b] == 0)
+        if num_new + revived > len(self.free_blocks):
+            return False
+        for b in cached_prefix:
+            if self.ref_counts[b] == 0:
+                del self.free_blocks[b]
+            self.ref_counts[b] += 1
+        blocks = self.req_blocks.setdefault(request_id, blocks)
+        blocks.extend(cached_prefix)
+        if cached_prefix:
+            self.req_keys[request_id] = [self.block_keys[b] for b in cached_prefix]
+            self.num_prefix_hits += len(cached_prefix) * self.block_size
+        for _ in range(max(num_new, 0)):
+            block, _ = self.free_blocks.popitem(last=False)
+            key = self.block_keys[block]
+            if key is not None:  # evict the least recently freed cached block
+                if self.cached_blocks.get(key) == block:
+                    del self.cached_blocks[key]
+                self.block_keys[block] = None
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return True
+
+    def cache_computed_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full of computed tokens, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        known = self.req_keys.setdefault(request_id, [])
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= len(known):
+            return
+        blocks = self.req_blocks[request_id]
+        keys = self._keys(token_ids, num_full, known)
+        for i in range(len(known), num_full):
+            key = keys[i]
+            if key not in self.cached_blocks:
+                self.cached_blocks[key] = blocks[i]
+                self.block_keys[blocks[i]] = key
+        self.req_keys[request_id] = keys
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references; its blocks go to the free queue, tail blocks first, so
+        that a prompt's first blocks are the last ones evicted."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.req_keys.pop(request_id, None)
+        for b in reversed(blocks):
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0
+            if self.ref_counts[b] == 0:
+                self.free_blocks[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.free_blocks:
+            self.block_keys[b] = None
+        self.cached_blocks = {k: b for k, b in self.cached_blocks.items() if self.ref_counts[b] > 0}

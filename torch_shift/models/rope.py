@@ -1,0 +1,63 @@
+"""Rotary position embeddings (default, linear and llama3 scaling), as Hugging Face computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_shift.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`,
+        # short ones kept, a linear blend between the two bands.
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position up to `max_positions`, indexed by each token's position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.register_buffer("cos_sin", self._table(None), persistent=False)
+
+    def _table(self, device: torch.device | None) -> torch.Tensor:
+        inv_freq = inverse_frequencies(self.rope, self.head_dim)
+        if device is not None:
+            inv_freq = inv_freq.to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return torch.stack((emb.cos(), emb.sin()))  # [2, max_positions, head_dim], float32
+
+    def materialize(self, device: torch.device) -> None:
+        """Rebuild the table after the module was created on the meta device."""
+        self.cos_sin = self._table(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        cos_sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [2, T, 1, head_dim]
+        cos, sin = cos_sin[0], cos_sin[1]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
