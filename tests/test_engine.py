@@ -1,0 +1,250 @@
+"""The offline engine end to end, against `transformers.generate` and against itself."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import hf_greedy, random_prompts, rewrite_config
+
+from torch_shift import LLM, SamplingParams
+
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(checkpoints):
+    refs = {}
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        hf_model, _ = checkpoints(family)
+        refs[family] = [hf_greedy(hf_model, p, MAX_TOKENS) for p in random_prompts(8, PROMPT_LENGTHS)]
+    return refs
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
+    {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
+], ids=["batched", "chunked", "preempted"])
+def test_greedy_matches_transformers_generate(checkpoints, greedy_refs, family, engine_args):
+    _, model_dir = checkpoints(family)
+    llm = LLM(str(model_dir), **engine_args)
+    outs = llm.generate(random_prompts(8, PROMPT_LENGTHS), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == greedy_refs[family]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    engine = llm.engine
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_logprobs_match_transformers(checkpoints):
+    hf_model, model_dir = checkpoints("qwen3")
+    llm = LLM(str(model_dir), max_num_batched_tokens=8)
+    prompt = random_prompts(1, [21])[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    generated = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt + generated])).logits[0].float(), dim=-1)
+    # prompt logprobs: None for the first token, then the actual token plus the top 3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert prompt[pos] in entry
+        assert math.isclose(entry[prompt[pos]].logprob, ref[pos - 1, prompt[pos]].item(), abs_tol=1e-4)
+        top = ref[pos - 1].topk(3)
+        for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert math.isclose(entry[tid].logprob, lp, abs_tol=1e-4) and entry[tid].rank == rank
+    # generated logprobs: one dict per token with the sampled token (rank 1 when greedy) and the top 5
+    logprobs = out.outputs[0].logprobs
+    assert len(logprobs) == len(generated)
+    for i, tok in enumerate(generated):
+        row = ref[len(prompt) + i - 1]
+        assert logprobs[i][tok].rank == 1
+        assert math.isclose(logprobs[i][tok].logprob, row[tok].item(), abs_tol=1e-4)
+        assert set(logprobs[i]) == set(row.topk(5).indices.tolist())
+    assert math.isclose(out.outputs[0].cumulative_logprob, sum(lp[t].logprob for lp, t in zip(logprobs, generated)),
+                        abs_tol=1e-4)
+
+
+def test_prefix_cache_hits_give_identical_outputs_and_compute_fewer_tokens(llama):
+    _, model_dir = llama
+    shared = random_prompts(1, [40], seed=3)[0]
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    cold = LLM(str(model_dir), enable_prefix_caching=False, block_size=8)
+    expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(model_dir), block_size=8)
+    first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    scheduled = []
+    original = llm.engine.scheduler.schedule
+
+    def counting_schedule():
+        plan = original()
+        scheduled.append(plan.num_scheduled_tokens)
+        return plan
+
+    llm.engine.scheduler.schedule = counting_schedule
+    second = llm.generate([prompts[1]], params, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 40  # five full blocks of the shared prefix
+    assert scheduled[0] == len(prompts[1]) - 40
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == expected
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    prompt = random_prompts(1, [10], seed=5)[0]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(6, [4, 20, 7, 33, 2, 15], seed=9)
+    batch_params = [SamplingParams(max_tokens=16, temperature=0.8) for _ in others] + [seeded]
+    batched = llm.generate(others + [prompt], batch_params, use_tqdm=False)[-1].outputs[0].token_ids
+    assert alone == batched
+    unseeded = [llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0), use_tqdm=False)[0]
+                .outputs[0].token_ids for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1  # without a seed the draws differ
+
+
+def test_n_samples_and_seeds(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    prompt = random_prompts(1, [8], seed=2)[0]
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7, logprobs=1)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 10 and len(c.logprobs) == 10 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    single = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=8), use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == out.outputs[1].token_ids  # sample i draws from seed + i
+
+
+def test_text_prompts_stop_strings_and_stop_tokens(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    free = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24),
+                        use_tqdm=False)[0].outputs[0]
+    assert free.text == llm.tokenizer.decode(free.token_ids)
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    cut = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]  # the stop string is not shown
+    assert free.token_ids[: len(cut.token_ids)] == cut.token_ids and len(cut.token_ids) < 24
+    kept = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, stop=stop,
+                                                              include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+
+    stop_token = free.token_ids[5]
+    by_token = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0.0,
+                                                                  stop_token_ids=[stop_token]),
+                            use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(stop_token)
+    assert by_token.token_ids == free.token_ids[: first + 1]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_token
+
+
+def test_eos_ends_generation_unless_ignored(llama, tmp_path):
+    _, model_dir = llama
+    prompt = random_prompts(1, [6], seed=11)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    tokens = LLM(str(model_dir)).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    eos = tokens[3]
+    copy = shutil.copytree(model_dir, tmp_path / "eos")
+    rewrite_config(copy, eos_token_id=[1, eos])  # a list, as Llama 3 configs write it
+    llm = LLM(str(copy))
+    assert llm.engine.eos_token_ids == frozenset({1, eos})
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == tokens[: tokens.index(eos) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    ignored = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == tokens and ignored.finish_reason == "length"
+
+
+def test_penalties_and_filters_change_only_what_they_should(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    prompt = random_prompts(1, [12], seed=4)[0]
+    base = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)[0]
+    tokens = base.outputs[0].token_ids
+    penalised = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=5.0,
+                                                      frequency_penalty=2.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(penalised)) >= len(set(tokens))
+    assert penalised != tokens or len(set(tokens)) == len(tokens)
+    top1 = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.5, top_k=1, seed=3),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert top1 == tokens  # top_k=1 is greedy
+    tiny_p = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.5, top_p=1e-6, seed=3),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert tiny_p == tokens
+    min_p = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.5, min_p=1.0, seed=3),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    assert min_p == tokens
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("", "empty"),
+    ([], "empty"),
+    ([5, 600], "outside the vocabulary"),
+    ([5, -1], "outside the vocabulary"),
+    (list(range(6, 6 + 256)), "context"),
+    (3.5, "string or a list"),
+])
+def test_bad_prompts_are_value_errors_and_disturb_nothing(llama, bad, match):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    good = random_prompts(1, [5])[0]
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate([good, bad], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    out = llm.generate([good], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_prompt_larger_than_the_kv_pool(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir), num_kv_blocks=4, block_size=4, max_model_len=200)
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([list(range(6, 26))], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"n": 0}, "n must"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop": [""]}, "stop"),
+    ({"max_tokens": "8"}, "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_stop_token_and_engine_arguments(llama):
+    _, model_dir = llama
+    with pytest.raises(TypeError, match="unknown engine arguments: max_seqs"):
+        LLM(str(model_dir), max_seqs=3)
+    llm = LLM(str(model_dir))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[6, 7]], SamplingParams(stop_token_ids=[10_000]), use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,149 @@
+"""The decoder and the loader against Hugging Face `transformers` on random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import FAMILIES, build_hf_model, random_prompts, rewrite_config, save_checkpoint
+
+from torch_shift import LLMEngine, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.models import load_model
+
+FP32_ATOL = 5e-5  # logits reach |15|: a few float32 ulps of accumulated rounding
+
+
+def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the paged-attention runner (chunked as scheduled)."""
+    engine.add_request("probe", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    rows = []
+    while True:
+        plan = engine.scheduler.schedule()
+        out = engine.runner.execute(plan)
+        (rid, first, n), = out.logits_rows
+        rows.append(out.logits[first:first + n])
+        engine.scheduler.update_from_output(plan, {"probe": 7} if plan.scheduled[0].sample else {})
+        if plan.scheduled[0].sample:
+            break
+    engine.abort_request("probe")
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(checkpoints, family):
+    hf_model, model_dir = checkpoints(family)
+    prompt = random_prompts(1, [50])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    engine = LLMEngine(EngineArgs(str(model_dir), block_size=8, max_num_batched_tokens=24))
+    got = engine_logits(engine, prompt)  # three chunks: 24 + 24 + 2 tokens
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, atol=FP32_ATOL, rtol=1e-5)
+    assert ref.abs().max() > 5  # logits not flat: the comparison means something
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_as_close_to_fp32_as_transformers(checkpoints, dtype):
+    """In half precision the engine errs from the fp32 logits no more than transformers does."""
+    hf_model, model_dir = checkpoints("llama")
+    prompt = random_prompts(1, [20])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        hf_half = build_hf_model("llama").to(getattr(torch, dtype))
+        hf_err = (hf_half(torch.tensor([prompt])).logits[0].float() - ref).abs().mean()
+    engine = LLMEngine(EngineArgs(str(model_dir), dtype=dtype))
+    assert engine.model.lm_head.weight.dtype == getattr(torch, dtype)
+    got = engine_logits(engine, prompt)
+    assert got.dtype == getattr(torch, dtype)
+    our_err = (got.float() - ref).abs().mean()
+    assert our_err < 1.5 * hf_err
+    assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_sharded_checkpoint_and_tied_embeddings(tmp_path, checkpoints):
+    hf_model, _ = checkpoints("llama_tied")
+    model_dir = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    assert len(list(model_dir.glob("*.safetensors"))) > 2
+    model = load_model(model_dir)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    prompt = random_prompts(1, [12])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt), ref,
+                               atol=FP32_ATOL, rtol=1e-5)
+
+
+def test_transformers_4_config_layout(tmp_path, checkpoints):
+    """config.json as transformers 4.x writes it: rope_theta and rope_scaling at the top level."""
+    hf_model, model_dir = checkpoints("llama3")
+    old = shutil.copytree(model_dir, tmp_path / "v4")
+    config = json.loads((old / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    (old / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_dir(old).rope == ModelConfig.from_dir(model_dir).rope
+    assert ModelConfig.from_dir(old).rope.rope_type == "llama3"
+    prompt = random_prompts(1, [40])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(old))), prompt), ref, atol=FP32_ATOL, rtol=1e-5)
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path, llama):
+    model_dir = shutil.copytree(llama[1], tmp_path / "gpt2")
+    rewrite_config(model_dir, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(model_dir)
+
+
+def test_missing_and_inconsistent_checkpoint_files(tmp_path, checkpoints):
+    hf_model, _ = checkpoints("llama")
+    sharded = save_checkpoint(hf_model, tmp_path / "sharded", with_tokenizer=False, max_shard_size="100KB")
+    shard = sorted(sharded.glob("*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"missing: {shard.name}"):
+        load_model(sharded)
+
+    wrong_shape = save_checkpoint(hf_model, tmp_path / "shape", with_tokenizer=False)
+    rewrite_config(wrong_shape, intermediate_size=96)
+    with pytest.raises(ValueError, match="mlp.*has shape .* config.json implies"):
+        load_model(wrong_shape)
+
+    fewer_layers = save_checkpoint(hf_model, tmp_path / "layers", with_tokenizer=False)
+    rewrite_config(fewer_layers, num_hidden_layers=3)
+    with pytest.raises(ValueError, match="lacks tensors for layers.2"):
+        load_model(fewer_layers)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(empty)
+    shutil.copy(sharded / "config.json", empty / "config.json")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(empty)
+
+
+def test_resolve_hub_id_from_local_cache(tmp_path, monkeypatch, llama):
+    """A hub id resolves through huggingface_hub's cache layout; an unknown one offline is a clear error."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny--llama" / "snapshots" / ("a" * 40)
+    shutil.copytree(llama[1], snapshot)
+    (cache / "models--tiny--llama" / "refs").mkdir()
+    (cache / "models--tiny--llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from torch_shift.models.hub import resolve_model_dir
+
+    assert resolve_model_dir("tiny/llama") == snapshot
+    with pytest.raises(ValueError, match=f"'tiny/absent'.*{cache}"):
+        resolve_model_dir("tiny/absent")
