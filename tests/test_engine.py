@@ -220,8 +220,11 @@ def test_bad_prompts_are_value_errors_and_disturb_nothing(llama, bad, match):
 def test_prompt_larger_than_the_kv_pool(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir), num_kv_blocks=4, block_size=4, max_model_len=200)
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ValueError, match="KV pool holds only 16 tokens"):
         llm.generate([list(range(6, 26))], use_tqdm=False)
+    # a sequence that would outgrow the whole pool ends with "length" instead of preempting itself forever
+    out = llm.generate([list(range(6, 11))], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16 - 5 and out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -176,10 +176,11 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
                 "(prompt plus at least one generated token)"
             )
-        needed = self.block_manager.blocks_needed(len(token_ids) + 1)
-        if needed > self.block_manager.num_blocks:
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(token_ids) >= pool_tokens:
             raise ValueError(
-                f"the prompt needs {needed} KV blocks; the pool holds only {self.block_manager.num_blocks}"
+                f"the prompt has {len(token_ids)} tokens; the KV pool holds only {pool_tokens} tokens "
+                f"({self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
             )
         return TokenizedPrompt(text, token_ids)
 
@@ -198,7 +199,10 @@ class LLMEngine:
         if not isinstance(prompt, TokenizedPrompt):
             prompt = self.tokenize_prompt(prompt)
         text, token_ids = prompt.text, prompt.token_ids
-        max_tokens = self.scheduler_config.max_model_len - len(token_ids)
+        # A sequence never outgrows the context nor the whole KV pool (which would leave it
+        # preempting itself forever): past either it finishes with "length".
+        max_len = min(self.scheduler_config.max_model_len, self.block_manager.num_blocks * self.args.block_size)
+        max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         children = []

@@ -141,6 +141,9 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        if self.config.policy == "priority":
+            # the worst request runs last, so it is the one preempted and nobody better waits behind it
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
         i = 0
         while i < len(self.running) and budget > 0:
