@@ -22,6 +22,7 @@ FAMILIES = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral_window": ("MistralConfig", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
 }

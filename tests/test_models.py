@@ -14,7 +14,7 @@ from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.models import load_model
 
-FP32_ATOL = 5e-5  # logits reach |15|: a few float32 ulps of accumulated rounding
+FP32_ATOL = 1e-4  # logits reach |15|: 7e-6 relative, a few float32 ulps of accumulated rounding
 
 
 def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:

@@ -54,6 +54,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    attention_backend: str = "sdpa"  # "sdpa": gather + SDPA (CPU and GPU); "flex": paged FlexAttention
     revision: str | None = None
 
     @classmethod
@@ -116,7 +117,7 @@ class LLMEngine:
                                 mc.head_dim, self.dtype, device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window)
+        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend)
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
@@ -317,6 +318,8 @@ class LLMEngine:
         if detok is None:
             return
         new_text = detok.step(request.output_token_ids[-1])
+        if request.status.finished:
+            new_text += detok.flush()  # bytes held back for an unfinished character
         if not new_text:
             return
         text = parent.texts[index] + new_text

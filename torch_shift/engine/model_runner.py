@@ -10,13 +10,14 @@ import torch
 from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
 from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
 from torch_shift.kv.cache import KVCache
+from torch_shift.kv.flex_attention import FlexMetadata, FlexPagedAttention, build_flex_metadata
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attention: AttentionMetadata
+    attention: AttentionMetadata | FlexMetadata
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
     # (request_id, first row in the logits, number of rows): rows are the chunk's positions when
     # prompt logprobs are wanted, else only its last position.
@@ -30,11 +31,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sliding_window: int | None = None):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sliding_window: int | None = None,
+                 attention_backend: str = "sdpa"):
+        if attention_backend not in ("sdpa", "flex"):
+            raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.sliding_window = sliding_window
+        self.attention_backend = attention_backend
         self.device = next(model.parameters()).device
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
@@ -100,24 +105,50 @@ class ModelRunner:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        return StepInputs(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
-            attention=AttentionMetadata(
+        if self.attention_backend == "flex":
+            attention = self._flex_metadata(ordered, as_tensor(slots), as_tensor(positions))
+        else:
+            attention = AttentionMetadata(
                 slot_mapping=as_tensor(slots),
                 num_decode_tokens=len(decodes),
                 decode_block_table=decode_block_table,
                 decode_mask=decode_mask,
                 prefills=prefill_chunks,
-            ),
+            )
+        return StepInputs(
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            attention=attention,
             logits_indices=as_tensor(logits_indices),
             logits_rows=logits_rows,
         )
 
+    def _flex_metadata(self, ordered: list[ScheduledRequest], slots: torch.Tensor,
+                       positions: torch.Tensor) -> FlexMetadata:
+        bs = self.block_size
+        offsets = np.arange(bs)
+        query_seq, context_slots, context_seq, context_pos = [], [], [], []
+        for i, e in enumerate(ordered):
+            ctx = e.num_computed_tokens + e.num_tokens
+            table = np.asarray(e.block_table[: -(-ctx // bs)], dtype=np.int64)
+            context_slots.append((table[:, None] * bs + offsets).reshape(-1)[:ctx])
+            context_seq.append(np.full(ctx, i))
+            context_pos.append(np.arange(ctx))
+            query_seq.append(np.full(e.num_tokens, i))
+
+        def as_tensor(parts: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(parts)).to(self.device)
+
+        return build_flex_metadata(slots, as_tensor(query_seq), positions, as_tensor(context_slots),
+                                   as_tensor(context_seq), as_tensor(context_pos), self.sliding_window)
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         inputs = self.prepare(plan)
-        attention = PagedAttention(self.kv_cache, inputs.attention)
+        if self.attention_backend == "flex":
+            attention = FlexPagedAttention(self.kv_cache, inputs.attention)
+        else:
+            attention = PagedAttention(self.kv_cache, inputs.attention)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return RunnerOutput(logits=logits, logits_rows=inputs.logits_rows)

@@ -1,0 +1,127 @@
+"""Tiny Hugging Face style model directories built locally for tests (no hub access)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import tokenizers
+import tokenizers.decoders
+import tokenizers.models
+import tokenizers.pre_tokenizers
+import tokenizers.processors
+import tokenizers.trainers
+
+# ChatML turns that start with bos, like Llama 3 / Qwen templates; exercises tools, tojson and raise_exception.
+CHATML_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "<|im_start|>system\nYou may call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] | trim }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TOKENIZER_SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS_WORDS = (
+    "the a an of to and in is it that for on with as was at by be this from or have not are but "
+    "model token cache engine request batch prompt layer attention tensor memory decode prefill "
+    "quick brown fox jumps over lazy dog river mountain city music light window garden morning "
+    "run runs running ran write writes writing wrote read reads reading small large fast slow "
+    "café naïve résumé déjà über straße façade jalapeño crème brûlée"
+).split()
+_CORPUS_CJK_AND_EMOJI = ["你好", "世界", "语言模型", "東京", "こんにちは", "한국어", "😀", "🚀", "👍🏽", "∑", "→"]
+_CORPUS_CODE_LINES = [
+    "def forward(self, x: torch.Tensor) -> torch.Tensor:",
+    "    return self.proj(torch.nn.functional.silu(x))",
+    "for i in range(10):",
+    "    print(f\"step {i}: loss={loss:.3f}\")",
+    "if __name__ == \"__main__\":",
+    "import numpy as np",
+    "    cache = {k: v for k, v in items.items() if v is not None}",
+    "class Tokenizer:",
+]
+
+
+def _tokenizer_training_corpus(num_lines: int = 400) -> list[str]:
+    rng = random.Random(1234)
+    lines = []
+    for i in range(num_lines):
+        if i % 8 == 0:
+            lines.append(_CORPUS_CODE_LINES[(i // 8) % len(_CORPUS_CODE_LINES)])
+            continue
+        words = [rng.choice(_CORPUS_WORDS) for _ in range(rng.randint(5, 15))]
+        if i % 3 == 0:
+            words.insert(rng.randrange(len(words)), rng.choice(_CORPUS_CJK_AND_EMOJI))
+        sentence = " ".join(words)
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice([".", "!", "?", ",", ": 42", " (1.5)"]))
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: bool = True) -> Path:
+    """Train a tiny deterministic byte-level BPE tokenizer and write it as a Hugging Face tokenizer directory.
+
+    Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir and returns it as a Path.
+    Takes about 20 ms for vocab_size=512.
+
+    Ids 0-5 are the special tokens <s> (bos), </s> (eos), <unk>, <pad>, <|im_start|>, <|im_end|>; then come the 256
+    byte-level symbols, then the BPE merges. The corpus yields about 740 tokens, so larger vocabularies are padded
+    with dummy vocabulary entries "<extra_N>" (N is the id): len(tokenizer) == vocab_size exactly, to pair the
+    tokenizer with a random checkpoint whose embedding has vocab_size rows. No merge produces the dummies, so
+    encoding never does, but they decode to their visible text, so a random model that samples them streams readable
+    output. They are not added tokens, which would make loading and streaming slow for large vocabularies.
+
+    The post-processor prepends <s> and tokenizer_config.json says add_bos_token=true, so both agree. With
+    chat_template=True, tokenizer_config.json carries a ChatML-style template that starts with bos_token; its turns
+    end with <|im_end|>, which is an eos only where a generation_config.json lists it.
+    """
+    minimum = len(_TOKENIZER_SPECIAL_TOKENS) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be at least {minimum} (special tokens + 256 byte symbols), got {vocab_size}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_TOKENIZER_SPECIAL_TOKENS,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_tokenizer_training_corpus(), trainer=trainer)
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    tokenizer_json = json.loads(tokenizer.to_str())
+    vocab = tokenizer_json["model"]["vocab"]
+    for token_id in range(len(vocab), vocab_size):
+        vocab[f"<extra_{token_id}>"] = token_id
+    if tokenizers.Tokenizer.from_str(json.dumps(tokenizer_json)).get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise AssertionError(f"built a tokenizer whose vocabulary is not {vocab_size} tokens")
+    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+
+    special_tokens = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_tokens,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+    }
+    if chat_template:
+        tokenizer_config["chat_template"] = CHATML_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_tokens, indent=2))
+    return out_dir

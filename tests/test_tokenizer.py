@@ -1,0 +1,314 @@
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from hf_fixtures import build_tokenizer
+from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello world",
+    "café naïve über 你好世界 😀 🚀 👍🏽",
+    "def forward(self, x):\n    return x * 2  # 東京",
+    "  leading and trailing spaces  ",
+    "",
+]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi 😀 你好"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Write  code."},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo → 東京 ☀️"}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tokenizer_dir: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def copy_dir(source: Path, destination: Path) -> Path:
+    shutil.copytree(source, destination)
+    return destination
+
+
+def edit_json(path: Path, **changes) -> None:
+    content = json.loads(path.read_text())
+    content.update(changes)
+    path.write_text(json.dumps(content))
+
+
+def test_build_tokenizer_has_exact_vocab_size_and_is_deterministic(tmp_path: Path) -> None:
+    for vocab_size in (262, 512, 1000):
+        out_dir = build_tokenizer(tmp_path / str(vocab_size), vocab_size=vocab_size)
+        assert len(Tokenizer.from_dir(out_dir)) == vocab_size
+    # The corpus yields fewer than 1000 tokens; the padding tokens decode to visible text.
+    assert Tokenizer.from_dir(tmp_path / "1000").decode([999]) == "<extra_999>"
+    again = build_tokenizer(tmp_path / "again", vocab_size=512)
+    assert (again / "tokenizer.json").read_bytes() == (tmp_path / "512" / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(tmp_path / "too_small", vocab_size=100)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_round_trip(tokenizer: Tokenizer, text: str) -> None:
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_special_token_attributes(tokenizer: Tokenizer) -> None:
+    assert (tokenizer.bos_token, tokenizer.bos_token_id) == ("<s>", 0)
+    assert (tokenizer.eos_token, tokenizer.eos_token_ids) == ("</s>", frozenset({1}))
+    assert tokenizer.pad_token_id == 3
+    assert tokenizer.vocab_size == 512
+
+
+def test_bos_is_added_exactly_once(tokenizer: Tokenizer) -> None:
+    assert tokenizer.add_bos_token
+    for text in ("Hello", "", "<s>Hello"):
+        token_ids = tokenizer.encode(text)
+        assert token_ids[0] == tokenizer.bos_token_id
+        assert token_ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.bos_token_id not in tokenizer.encode("Hello", add_special_tokens=False)
+
+
+def test_bos_from_tokenizer_config_when_post_processor_adds_none(tokenizer_dir: Path, tmp_path: Path) -> None:
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    edit_json(model_dir / "tokenizer.json", post_processor=None)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.add_bos_token
+    assert tokenizer.encode("Hello")[0] == tokenizer.bos_token_id
+    assert tokenizer.encode("<s>Hello").count(tokenizer.bos_token_id) == 1
+
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["add_bos_token"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert not tokenizer.add_bos_token
+    assert tokenizer.bos_token_id not in tokenizer.encode("Hello")
+
+
+def test_add_bos_token_inferred_from_post_processor(tokenizer_dir: Path, tmp_path: Path) -> None:
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["add_bos_token"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.add_bos_token
+    assert tokenizer.encode("Hello").count(tokenizer.bos_token_id) == 1
+
+
+def test_eos_token_ids_are_the_union_of_all_config_files(tokenizer_dir: Path, tmp_path: Path) -> None:
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    edit_json(model_dir / "tokenizer_config.json", eos_token={"content": "</s>", "special": True})
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5], "bos_token_id": 0}))
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.eos_token_ids == frozenset({1, 5, 7})
+    assert tokenizer.eos_token == "</s>"
+
+
+def test_special_tokens_fall_back_to_config_ids(tokenizer_dir: Path, tmp_path: Path) -> None:
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    (model_dir / "tokenizer_config.json").unlink()
+    (model_dir / "special_tokens_map.json").unlink()
+    (model_dir / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [5, 1], "pad_token_id": 3}))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert (tokenizer.bos_token, tokenizer.bos_token_id, tokenizer.pad_token_id) == ("<s>", 0, 3)
+    assert tokenizer.eos_token_ids == frozenset({1, 5})
+    assert tokenizer.chat_template is None
+
+
+def test_missing_tokenizer_json_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("tokenize", [False, True])
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_chat_template_matches_transformers(
+    tokenizer: Tokenizer, hf_tokenizer, tokenize: bool, add_generation_prompt: bool
+) -> None:
+    for kwargs in ({}, {"tools": TOOLS}):
+        ours = tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
+        )
+        reference = hf_tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=False, **kwargs
+        )
+        assert ours == reference
+    if tokenize:
+        assert ours.count(tokenizer.bos_token_id) == 1
+
+
+def test_chat_template_jinja_file_overrides_tokenizer_config(tokenizer_dir: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    # Multi-line, indented blocks depend on trim_blocks/lstrip_blocks; also uses break, strftime_now and tools.
+    template = """{{ bos_token }}Today is {{ strftime_now('%Y') }}.
+{% for message in messages %}
+    {% if loop.index > 3 %}{% break %}{% endif %}
+[{{ message.role | upper }}] {{ message.content }}{{ eos_token }}
+{% endfor %}
+    {% if tools is not none %}
+{{ tools | tojson(indent=2) }}
+    {% endif %}
+{% if add_generation_prompt %}[ASSISTANT]{% endif %}"""
+    (model_dir / "chat_template.jinja").write_text(template)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template == template
+    for kwargs in ({}, {"tools": TOOLS}):
+        ours = tokenizer.apply_chat_template(MESSAGES, **kwargs)
+        assert ours == reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs)
+
+
+def test_chat_template_raise_exception(tokenizer: Tokenizer) -> None:
+    with pytest.raises(Exception, match="Unknown role: robot"):
+        tokenizer.apply_chat_template([{"role": "robot", "content": "beep"}])
+
+
+def test_no_chat_template_raises(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_dir(build_tokenizer(tmp_path, chat_template=False))
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hello",
+        [{"role": "user"}],
+        [{"content": "hello"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": ["hello"]}],
+        [("user", "hello")],
+        None,
+    ],
+)
+def test_malformed_messages_raise(tokenizer: Tokenizer, messages) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        tokenizer.apply_chat_template(messages)
+
+
+def test_decode_skip_special_tokens(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    assert tokenizer.decode(token_ids) == "user\nHi\nassistant\n"
+    assert tokenizer.decode(token_ids, skip_special_tokens=False) == (
+        "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.token_to_str(tokenizer.bos_token_id) == "<s>"
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("Hello", add_special_tokens=False)) == ["H", "e", "ll", "o"]
+
+
+def detokenize(tokenizer: Tokenizer, prompt_ids: list[int], generated_ids: list[int], skip: bool = True) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
+    chunks = [detokenizer.step(token_id) for token_id in generated_ids]
+    assert detokenizer.output_text == "".join(chunks)
+    return chunks
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_equals_full_decode(tokenizer: Tokenizer, text: str) -> None:
+    prompt_ids = tokenizer.encode("Tell me something:")
+    generated_ids = tokenizer.encode(text, add_special_tokens=False)
+    chunks = detokenize(tokenizer, prompt_ids, generated_ids)
+    assert "".join(chunks) == tokenizer.decode(generated_ids)
+    assert not any("\ufffd" in chunk for chunk in chunks)
+
+
+def test_incremental_detokenizer_holds_back_split_characters(tokenizer: Tokenizer) -> None:
+    generated_ids = tokenizer.encode(" 😀你", add_special_tokens=False)
+    # The byte-level tokens split both characters, so decoding them one by one gives replacement characters.
+    assert any("\ufffd" in tokenizer.token_to_str(token_id) for token_id in generated_ids)
+    chunks = detokenize(tokenizer, tokenizer.encode("Hi"), generated_ids)
+    assert [chunk for chunk in chunks if chunk] == [" 😀", "你"]
+    assert chunks[0] == ""
+
+
+def test_incremental_detokenizer_after_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("Hi 😀 ok", add_special_tokens=False)
+    split = next(i for i in range(1, len(token_ids)) if tokenizer.decode(token_ids[:i]).endswith("\ufffd"))
+    chunks = detokenize(tokenizer, token_ids[:split], token_ids[split:])
+    assert "".join(chunks) == tokenizer.decode(token_ids[split:])
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_random_ids(tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        prompt_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 10))]
+        generated_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        chunks = [detokenizer.step(token_id) for token_id in generated_ids]
+        chunks.append(detokenizer.flush())
+        assert "".join(chunks) == tokenizer.decode(generated_ids, skip_special_tokens=skip_special_tokens)
+        assert detokenizer.output_text == "".join(chunks)
+
+
+def test_incremental_detokenizer_skip_special_tokens(tokenizer: Tokenizer) -> None:
+    generated_ids = [*tokenizer.encode("Hi", add_special_tokens=False), 5, 1]
+    assert "".join(detokenize(tokenizer, [0], generated_ids)) == "Hi"
+    assert "".join(detokenize(tokenizer, [0], generated_ids, skip=False)) == "Hi<|im_end|></s>"
+
+
+def test_flush_ends_detokenization(tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    first_byte_of_emoji = tokenizer.encode("😀", add_special_tokens=False)[0]
+    assert detokenizer.step(first_byte_of_emoji) == ""
+    assert detokenizer.flush() == "\ufffd"
+    with pytest.raises(RuntimeError):
+        detokenizer.step(first_byte_of_emoji)
+
+
+def test_incremental_detokenizer_keeps_sentencepiece_leading_space(tmp_path: Path) -> None:
+    words = ["<unk>", "<s>", "</s>", "▁Hello", "▁world", "▁how", "▁are", "▁you"]
+    backend = tokenizers.Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+
+    prompt_ids = [1, *tokenizer.encode("Hello world", add_special_tokens=False)]
+    generated_ids = tokenizer.encode("how are you", add_special_tokens=False)
+    # Decoded on its own, the first word loses its space; after the prompt it keeps it.
+    assert tokenizer.decode(generated_ids) == "how are you"
+    assert detokenize(tokenizer, prompt_ids, generated_ids) == [" how", " are", " you"]
+
+
+def test_incremental_detokenizer_survives_non_monotonic_decoder(tmp_path: Path) -> None:
+    backend = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4}, unk_token="<unk>"))
+    # Fused "ab" decodes to nothing, so text emitted for "a" disappears later: DecodeStream raises "Invalid prefix".
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "")])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    chunks = detokenize(Tokenizer.from_dir(tmp_path), [], [1, 2, 3, 4])
+    assert "".join(chunks).endswith("d")
+
+
+def test_chat_template_from_chat_template_json_or_named_list(tokenizer_dir: Path, tmp_path: Path) -> None:
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    edit_json(model_dir / "tokenizer_config.json", chat_template=[
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ messages[0].content }}!"},
+    ])
+    assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0].role }}?"}))
+    assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "user?"

@@ -1,0 +1,110 @@
+"""The `torch-shift` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face hub id (default: the embedded default model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from torch_shift import LLM, SamplingParams
+    from torch_shift.models.default import default_model_dir
+
+    model = args.model
+    if model is None:
+        model = str(default_model_dir())
+        print(f"[torch-shift] no --model given: using the embedded default model at {model}", file=sys.stderr)
+    params = SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
+        logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(model, **_engine_kwargs(args))
+    prompts: list = []
+    for p in args.prompts:
+        if args.token_ids:
+            prompts.append([int(t) for t in p.replace(",", " ").split()])
+        elif args.chat:
+            prompts.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
+        else:
+            prompts.append(p)
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}))
+            else:
+                head = f"--- prompt {out.prompt!r}" if out.prompt is not None else f"--- prompt {out.prompt_token_ids}"
+                print(f"{head} [sample {c.index}, {len(c.token_ids)} tokens, finish={c.finish_reason}]")
+                print((out.prompt or "") + c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torch-shift", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("prompts", nargs="+", help="prompt strings (or token ids with --token-ids)")
+    gen.add_argument("--token-ids", action="store_true", help="each prompt is a list of token ids: '1 2 3'")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
+    gen.add_argument("--json", action="store_true", help="one JSON object per line")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"torch-shift: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

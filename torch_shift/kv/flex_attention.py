@@ -1,0 +1,72 @@
+"""Paged attention with FlexAttention: one kernel call per layer for the whole step.
+
+The step's queries stay flattened (`[1, heads, T, head_dim]`); the keys are the context of
+every scheduled sequence read from the paged cache by slot, back to back with no padding
+(`[1, kv_heads, L, head_dim]`). A block mask built once per step lets each query see only its
+own sequence's earlier positions, so FlexAttention skips the blocks of other sequences. This is
+the path meant for GPUs; on CPU FlexAttention runs only compiled, with static shapes (inductor
+fails on its dynamic-shape CPU kernel in torch 2.13), so there SDPA over gathered blocks
+(`PagedAttention`) stays the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from torch_shift.kv.cache import KVCache
+
+_compiled: dict[str, object] = {}
+
+
+def compiled_flex_attention(device_type: str):
+    if device_type not in _compiled:
+        _compiled[device_type] = torch.compile(flex_attention, dynamic=device_type != "cpu")
+    return _compiled[device_type]
+
+
+@dataclass
+class FlexMetadata:
+    slot_mapping: torch.Tensor  # [T] where the step's own k/v are written
+    context_slots: torch.Tensor  # [L] cache slots of every sequence's context, sequence after sequence
+    block_mask: BlockMask
+
+
+def build_flex_metadata(
+    slot_mapping: torch.Tensor,
+    query_seq: torch.Tensor,  # [T] index of the query's sequence in the step
+    query_pos: torch.Tensor,  # [T]
+    context_slots: torch.Tensor,  # [L]
+    context_seq: torch.Tensor,  # [L]
+    context_pos: torch.Tensor,  # [L]
+    sliding_window: int | None,
+) -> FlexMetadata:
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = (query_seq[q_idx] == context_seq[kv_idx]) & (context_pos[kv_idx] <= query_pos[q_idx])
+        if sliding_window is not None:
+            visible = visible & (context_pos[kv_idx] > query_pos[q_idx] - sliding_window)
+        return visible
+
+    block_mask = create_block_mask(mask_mod, None, None, query_seq.numel(), context_slots.numel(),
+                                   device=query_seq.device)
+    return FlexMetadata(slot_mapping, context_slots, block_mask)
+
+
+class FlexPagedAttention:
+    """The model's `attention(layer_idx, q, k, v)` for one step, through FlexAttention."""
+
+    def __init__(self, kv_cache: KVCache, metadata: FlexMetadata):
+        self.kv_cache = kv_cache
+        self.metadata = metadata
+        self.flex = compiled_flex_attention(metadata.slot_mapping.device.type)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = self.metadata
+        self.kv_cache.write(layer_idx, md.slot_mapping, k, v)
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        k_ctx = k_cache.view(-1, *k_cache.shape[2:])[md.context_slots].transpose(0, 1).unsqueeze(0)
+        v_ctx = v_cache.view(-1, *v_cache.shape[2:])[md.context_slots].transpose(0, 1).unsqueeze(0)
+        out = self.flex(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, block_mask=md.block_mask, enable_gqa=True)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,322 @@
+"""Tokenizer loaded from a Hugging Face model directory: encode/decode, chat templates, incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens handed to DecodeStream as context, so that the first generated token decodes as it would after
+# the prompt (e.g. SentencePiece's leading space is kept instead of stripped as at the start of a text).
+_DETOKENIZER_CONTEXT_TOKENS = 8
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special tokens and chat template of its Hugging Face model directory."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        add_bos_token: bool | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        backend.no_truncation()
+        backend.no_padding()
+        self.backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.unk_token = unk_token
+        self.bos_token_id = self._token_id(bos_token)
+        self.pad_token_id = self._token_id(pad_token)
+        eos_token_id = self._token_id(eos_token)
+        self.eos_token_ids: frozenset[int] = frozenset(
+            [*([eos_token_id] if eos_token_id is not None else []), *extra_eos_token_ids]
+        )
+        self.chat_template = chat_template
+
+        self._post_processor_adds_bos = self.bos_token_id is not None and self._encode_adds_bos()
+        # A bos that tokenizer.json's post-processor adds is kept even if tokenizer_config.json says
+        # add_bos_token=false (transformers 5 ignores add_bos_token when tokenizer.json exists).
+        self._prepend_bos = bool(add_bos_token) and self.bos_token_id is not None and not self._post_processor_adds_bos
+        self.add_bos_token: bool = self._post_processor_adds_bos or self._prepend_bos
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json and, where present, tokenizer_config.json, special_tokens_map.json,
+        generation_config.json, config.json and chat_template.jinja / chat_template.json."""
+        model_dir = Path(path)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"No tokenizer.json in {model_dir}: torch_shift needs a Hugging Face 'fast' tokenizer file there"
+            )
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
+        generation_config = _read_json(model_dir / "generation_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        text_model_config = model_config.get("text_config") or {}
+
+        def special_token(name: str) -> str | None:
+            return _token_content(tokenizer_config.get(name)) or _token_content(special_tokens_map.get(name))
+
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        bos_token = special_token("bos_token")
+        eos_token = special_token("eos_token")
+        pad_token = special_token("pad_token")
+        eos_token_ids = [
+            *_int_list(generation_config.get("eos_token_id")),
+            *_int_list(model_config.get("eos_token_id")),
+            *_int_list(text_model_config.get("eos_token_id")),
+        ]
+        # Fall back to config ids for tokens that tokenizer_config.json does not name.
+        if bos_token is None:
+            bos_token = _first_token(backend, generation_config, model_config, text_model_config, key="bos_token_id")
+        if eos_token is None and eos_token_ids:
+            eos_token = backend.id_to_token(eos_token_ids[0])
+        if pad_token is None:
+            pad_token = _first_token(backend, generation_config, model_config, text_model_config, key="pad_token_id")
+
+        add_bos_token = tokenizer_config.get("add_bos_token")
+        return cls(
+            backend,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            pad_token=pad_token,
+            unk_token=special_token("unk_token"),
+            extra_eos_token_ids=eos_token_ids,
+            add_bos_token=bool(add_bos_token) if add_bos_token is not None else None,
+            chat_template=_read_chat_template(model_dir, tokenizer_config),
+        )
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; with add_special_tokens, the post-processor's special tokens and exactly one bos."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        token_ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.bos_token_id is not None:
+            bos = self.bos_token_id
+            if self._prepend_bos and token_ids[:1] != [bos]:
+                token_ids.insert(0, bos)
+            elif token_ids[:2] == [bos, bos]:  # text that already starts with the bos token, e.g. a rendered chat
+                del token_ids[0]
+        return token_ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """Text of one token, special tokens included, for display (e.g. logprobs)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
+        return [self.token_to_str(token_id) for token_id in token_ids]
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render messages with the chat template as transformers does; token ids if tokenize (no extra bos)."""
+        if self.chat_template is None:
+            raise ValueError(
+                "This tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or "
+                "chat_template.json); pass raw prompts instead of messages"
+            )
+        special_tokens = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+        }
+        template_variables = {
+            "tools": None,
+            "documents": None,
+            **{name: token for name, token in special_tokens.items() if token is not None},
+            **kwargs,
+        }
+        text = _compile_chat_template(self.chat_template).render(
+            messages=_validated_messages(messages), add_generation_prompt=add_generation_prompt, **template_variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def _encode_adds_bos(self) -> bool:
+        with_special = self.backend.encode("a", add_special_tokens=True).ids
+        without_special = self.backend.encode("a", add_special_tokens=False).ids
+        return with_special[:1] == [self.bos_token_id] and without_special[:1] != [self.bos_token_id]
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text one token at a time, never emitting part of a UTF-8 character.
+
+    step() returns the text completed by the token ("" while a character is still incomplete). The chunks
+    concatenate to the decoding of the generated ids that follow the prompt; flush() returns what is still held back
+    at the end (replacement characters for bytes that never completed a character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend
+        self._skip_special_tokens = skip_special_tokens
+        context_ids = list(prompt_token_ids[-_DETOKENIZER_CONTEXT_TOKENS:])
+        context_text = self._backend.decode(context_ids, skip_special_tokens=skip_special_tokens)
+        # DecodeStream would re-emit a context that ends in an incomplete character.
+        if context_text.endswith("\ufffd"):
+            context_ids, context_text = [], ""
+        self._context_ids = context_ids
+        self._context_text = context_text
+        self._stream = DecodeStream(context_ids, skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = []
+        self._chunks: list[str] = []
+        self._num_held_back_ids = 0
+        self._flushed = False
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def step(self, token_id: int) -> str:
+        if self._flushed:
+            raise RuntimeError("step() after flush(): flush() ends the detokenization")
+        self.token_ids.append(token_id)
+        try:
+            text = self._stream.step(self._backend, token_id)
+        except Exception as error:
+            # Decoders whose output is not monotonic in the ids (text already emitted changes) break DecodeStream;
+            # restart it, as vLLM does, rather than fail the request.
+            if not str(error).startswith("Invalid prefix"):
+                raise
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            text = self._stream.step(self._backend, token_id)
+        if not text:
+            self._num_held_back_ids += 1
+            return ""
+        self._num_held_back_ids = 0
+        self._chunks.append(text)
+        return text
+
+    def flush(self) -> str:
+        """Return the text held back for an incomplete character; call once, when generation ends."""
+        self._flushed = True
+        if self._num_held_back_ids == 0:
+            return ""
+        all_ids = self._context_ids + self.token_ids
+        full_text = self._backend.decode(all_ids, skip_special_tokens=self._skip_special_tokens)
+        remainder = full_text[len(self._context_text) + len(self.output_text) :]
+        if remainder:
+            self._chunks.append(remainder)
+        return remainder
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as file:
+        return json.load(file)
+
+
+def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
+    """Special tokens are written as a string or as a serialized AddedToken dict."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token
+
+
+def _int_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _first_token(backend: tokenizers.Tokenizer, *configs: Mapping[str, Any], key: str) -> str | None:
+    for config in configs:
+        token_ids = _int_list(config.get(key))
+        if token_ids:
+            return backend.id_to_token(token_ids[0])
+    return None
+
+
+def _read_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """chat_template.jinja, else chat_template.json, else tokenizer_config.json (the order transformers uses)."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    # Older configs store a list of named templates.
+    if isinstance(template, list):
+        named_templates = {entry["name"]: entry["template"] for entry in template}
+        template = named_templates.get("default")
+    return template
+
+
+def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    validated = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{index}] has no {key!r}")
+            if not isinstance(message[key], str):
+                raise TypeError(f"messages[{index}][{key!r}] must be a str, got {type(message[key]).__name__}")
+        # Like transformers: templates handle a missing key better than a None value.
+        validated.append({key: value for key, value in message.items() if value is not None})
+    return validated
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(chat_template: str) -> jinja2.Template:
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(chat_template)
