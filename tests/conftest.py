@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_fixtures import build_tokenizer  # noqa: E402
+from torch_shift.models.toy import build_tokenizer
 
 VOCAB_SIZE = 512
 

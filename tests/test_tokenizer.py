@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from hf_fixtures import build_tokenizer
+from torch_shift.models.toy import build_tokenizer
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [

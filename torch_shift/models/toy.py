@@ -1,12 +1,16 @@
-"""Tiny Hugging Face style model directories built locally for tests (no hub access)."""
+"""Small Hugging Face style model directories built locally (no hub access): a byte-level BPE
+tokenizer trained in milliseconds and random Llama-family checkpoints. Tests use them as fixtures and
+the embedded default model is built from them."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import tokenizers
+import torch
 import tokenizers.decoders
 import tokenizers.models
 import tokenizers.pre_tokenizers
@@ -124,4 +128,73 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: b
         tokenizer_config["chat_template"] = CHATML_TEMPLATE
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_tokens, indent=2))
+    return out_dir
+
+
+def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
+    """A Hugging Face config.json (transformers 5 layout) for a small Llama."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def write_random_checkpoint(
+    out_dir: str | Path, config: dict[str, Any], seed: int = 0, init_std: float = 0.02
+) -> Path:
+    """Write `config.json` and a `model.safetensors` of random weights under Hugging Face names."""
+    from safetensors.torch import save_file
+
+    from torch_shift.config import ModelConfig
+
+    mc = ModelConfig.from_hf_dict(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    d, hd = mc.hidden_size, mc.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * init_std
+
+    tensors = {"model.embed_tokens.weight": normal(mc.vocab_size, d), "model.norm.weight": torch.ones(d)}
+    if not mc.tie_word_embeddings:
+        tensors["lm_head.weight"] = normal(mc.vocab_size, d)
+    for i in range(mc.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(d),
+            p + "post_attention_layernorm.weight": torch.ones(d),
+            p + "self_attn.q_proj.weight": normal(mc.num_attention_heads * hd, d),
+            p + "self_attn.k_proj.weight": normal(mc.num_key_value_heads * hd, d),
+            p + "self_attn.v_proj.weight": normal(mc.num_key_value_heads * hd, d),
+            p + "self_attn.o_proj.weight": normal(d, mc.num_attention_heads * hd),
+            p + "mlp.gate_proj.weight": normal(mc.intermediate_size, d),
+            p + "mlp.up_proj.weight": normal(mc.intermediate_size, d),
+            p + "mlp.down_proj.weight": normal(d, mc.intermediate_size),
+        }
+        if mc.attention_bias:
+            tensors |= {p + f"self_attn.{x}_proj.bias": normal(r) for x, r in
+                        (("q", mc.num_attention_heads * hd), ("k", mc.num_key_value_heads * hd),
+                         ("v", mc.num_key_value_heads * hd))}
+        if mc.qk_norm:
+            tensors |= {p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd)}
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

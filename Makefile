@@ -1,0 +1,20 @@
+PYTHON ?= python3
+
+.PHONY: install demo test test-fast
+
+install:
+	PYTHON=$(PYTHON) scripts/install.sh
+
+# The main job: generate with the embedded default model (built locally on first use).
+demo:
+	PYTHON=$(PYTHON) scripts/install.sh
+	torch-shift generate "def fib(n):" "The quick brown fox" --max-tokens 32
+
+# Every test, the slow ones included (what CI runs).
+test:
+	PYTHON=$(PYTHON) scripts/install.sh dev
+	$(PYTHON) -m pytest -q --timeout=900 tests
+
+# The quick subset, while developing.
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow" tests
