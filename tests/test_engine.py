@@ -251,3 +251,26 @@ def test_unknown_stop_token_and_engine_arguments(llama):
         llm.generate([[6, 7]], SamplingParams(stop_token_ids=[10_000]), use_tqdm=False)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_kv_pool_sized_from_a_memory_budget(llama):
+    _, model_dir = llama
+    # 2 layers x (K + V) x 16 tokens x 2 KV heads x 8 dims x 4 bytes = 4096 bytes per block
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=300 * 4096 + 100, max_model_len=128)
+    assert llm.engine.block_manager.num_blocks == 300
+    assert llm.engine.kv_cache.k[0].shape == (300, 16, 2, 8)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        LLM(str(model_dir), kv_cache_memory_bytes=4 * 4096, max_model_len=128)
+
+
+def test_chat_renders_the_template(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    messages = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    expected = llm.generate([llm.tokenizer.encode(rendered, add_special_tokens=False)], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected.prompt_token_ids
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
