@@ -1,16 +1,15 @@
 """Build a model on the meta device and load it from Hugging Face safetensors files.
 
-Each family has one name map: Hugging Face tensor name -> (parameter name, shard), where
-the shard names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in
-`gate_up_proj`). Tensors are read one at a time with `safe_open`, so only one tensor is
-ever in memory beside the model.
+Each family has one name map: Hugging Face tensor name -> (parameter name, part), where the
+part names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`).
+`CheckpointReader` reads one part at a time, and only the slice a parallel plan asks for
+(`safe_open(...).get_slice`), so no rank ever materialises the whole model.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from safetensors import safe_open
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import DecoderLM
 
-# (pattern on the Hugging Face name, parameter name template, shard of a fused parameter)
+# (pattern on the Hugging Face name, parameter name template, part of a fused parameter)
 _LLAMA_NAMES: list[tuple[str, str, str | None]] = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -50,16 +49,52 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
+FUSED_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
-def fused_shard_rows(model: DecoderLM, param_name: str, shard: str) -> tuple[int, int]:
-    """(row offset, row count) of `shard` inside a fused parameter, from the module's local sizes."""
-    module = model.get_submodule(param_name.rsplit(".", 1)[0].rsplit(".", 1)[0])
-    if shard in ("q", "k", "v"):
-        q_rows = module.num_heads * module.head_dim
-        kv_rows = module.num_kv_heads * module.head_dim
-        return {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}[shard]
-    half = module.gate_up_proj.weight.shape[0] // 2
-    return {"gate": (0, half), "up": (half, half)}[shard]
+
+def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[int, ...]]:
+    """(parameter name, part) -> full shape, for every tensor a checkpoint of `config` holds."""
+    d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[tuple[str, str | None], tuple[int, ...]] = {
+        ("embed_tokens.weight", None): (config.vocab_size, d),
+        ("norm.weight", None): (d,),
+    }
+    if not config.tie_word_embeddings:
+        shapes[("lm_head.weight", None)] = (config.vocab_size, d)
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            (p + "input_norm.weight", None): (d,),
+            (p + "post_attention_norm.weight", None): (d,),
+            (p + "attn.qkv_proj.weight", "q"): (q_rows, d),
+            (p + "attn.qkv_proj.weight", "k"): (kv_rows, d),
+            (p + "attn.qkv_proj.weight", "v"): (kv_rows, d),
+            (p + "attn.o_proj.weight", None): (d, q_rows),
+            (p + "mlp.gate_up_proj.weight", "gate"): (inter, d),
+            (p + "mlp.gate_up_proj.weight", "up"): (inter, d),
+            (p + "mlp.down_proj.weight", None): (d, inter),
+        }
+        if config.attention_bias:
+            shapes |= {(p + "attn.qkv_proj.bias", "q"): (q_rows,), (p + "attn.qkv_proj.bias", "k"): (kv_rows,),
+                       (p + "attn.qkv_proj.bias", "v"): (kv_rows,)}
+        if config.qk_norm:
+            shapes |= {(p + "attn.q_norm.weight", None): (hd,), (p + "attn.k_norm.weight", None): (hd,)}
+    return shapes
+
+
+def part_views(model: torch.nn.Module, name: str) -> dict[str | None, torch.Tensor]:
+    """A (local) parameter of `model` split into its parts, as views; {None: param} if not fused."""
+    param = model.get_parameter(name)
+    leaf = name.split(".")[-2]
+    if leaf not in FUSED_PARTS:
+        return {None: param.data}
+    module = model.get_submodule(name.rsplit(".", 2)[0])
+    if leaf == "qkv_proj":
+        sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
+    else:
+        sizes = [param.shape[0] // 2] * 2
+    return dict(zip(FUSED_PARTS[leaf], param.data.split(sizes, dim=0)))
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -84,78 +119,73 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """Yield (tensor name, reader); each reader loads one tensor when called."""
-    by_file: dict[Path, list[str]] = {}
-    for name, f in checkpoint_files(model_dir).items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
-        with safe_open(f, framework="pt") as fh:
-            present = set(fh.keys())
-            for name in names:
-                if name not in present:
-                    raise ValueError(f"{f.name} does not contain {name!r}, which its index names")
-                yield name, lambda fh=fh, name=name: fh.get_tensor(name)
+class CheckpointReader:
+    """`reader(param_name, part, part_slice)` -> the tensor (or only the slice) from safetensors.
 
+    Construction checks that the checkpoint holds exactly the tensors `config` implies, each with
+    the implied shape, so a wrong checkpoint fails before anything is loaded.
+    """
 
-def _compile_name_map(family: str) -> list[tuple[re.Pattern, str, str | None]]:
-    return [(re.compile(p), target, shard) for p, target, shard in NAME_MAPS[family]]
+    def __init__(self, model_dir: str | Path, config: ModelConfig):
+        self.model_dir = Path(model_dir)
+        self.config = config
+        name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[config.family]]
+        self.expected = expected_parts(config)
+        self.index: dict[tuple[str, str | None], tuple[Path, str]] = {}
+        self._handles: dict[Path, object] = {}
+        for hf_name, path in checkpoint_files(self.model_dir).items():
+            if _IGNORED.match(hf_name):
+                continue
+            target = _map_name(name_map, hf_name)
+            if target is None:
+                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} is not part of a {config.architecture}")
+            if config.tie_word_embeddings and target == ("lm_head.weight", None):
+                continue  # tied: the embedding is the head
+            if target not in self.expected:
+                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} has no place in this model "
+                                 "(check config.json)")
+            self.index[target] = (path, hf_name)
+        missing = sorted(f"{n}[{p}]" if p else n for n, p in set(self.expected) - set(self.index))
+        if missing:
+            raise ValueError(f"{self.model_dir}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        for key, (path, hf_name) in self.index.items():
+            shape = tuple(self._handle(path).get_slice(hf_name).get_shape())
+            if shape != self.expected[key]:
+                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} has shape {shape}, "
+                                 f"config.json implies {self.expected[key]}")
 
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path]
 
-def load_weights(model: DecoderLM, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into the (already materialised) model parameters."""
-    model_dir = Path(model_dir)
-    config = model.config
-    name_map = _compile_name_map(config.family)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    expected: set[tuple[str, str | None]] = set()
-    for name, p in params.items():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-            expected |= {(name, s) for s in "qkv"}
-        elif name.endswith("gate_up_proj.weight"):
-            expected |= {(name, "gate"), (name, "up")}
-        else:
-            expected.add((name, None))
-    loaded: set[tuple[str, str | None]] = set()
-    for hf_name, read in iter_checkpoint(model_dir):
-        if _IGNORED.match(hf_name):
-            continue
-        target = _map_name(name_map, hf_name)
-        if target is None:
-            raise ValueError(f"{model_dir}: tensor {hf_name!r} is not part of a {config.architecture}")
-        param_name, shard = target
-        if config.tie_word_embeddings and param_name == "lm_head.weight":
-            continue  # tied: the embedding is the head
-        if param_name not in params:
-            raise ValueError(f"{model_dir}: tensor {hf_name!r} has no place in this model (check config.json)")
-        param = params[param_name]
-        dest = param.data
-        if shard is not None:
-            offset, rows = fused_shard_rows(model, param_name, shard)
-            dest = dest.narrow(0, offset, rows)
-        tensor = read()
-        if tuple(tensor.shape) != tuple(dest.shape):
-            raise ValueError(
-                f"{model_dir}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        loaded.add((param_name, shard))
-    missing = expected - loaded
-    if missing:
-        names = sorted(f"{n}[{s}]" if s else n for n, s in missing)
-        raise ValueError(f"{model_dir}: checkpoint lacks tensors for {', '.join(names[:8])}"
-                         + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
+        path, hf_name = self.index[(name, part)]
+        tensor_slice = self._handle(path).get_slice(hf_name)
+        if part_slice is None:
+            return tensor_slice[:]
+        window = slice(part_slice.start, part_slice.start + part_slice.length)
+        return tensor_slice[window] if part_slice.dim == 0 else tensor_slice[:, window]
+
+    def close(self) -> None:
+        self._handles.clear()
 
 
 def _map_name(name_map: list[tuple[re.Pattern, str, str | None]], hf_name: str) -> tuple[str, str | None] | None:
-    for pattern, target, shard in name_map:
+    for pattern, target, part in name_map:
         m = pattern.fullmatch(hf_name)
         if m:
-            return target.format(*m.groups()), shard
+            return target.format(*m.groups()), part
     return None
+
+
+def load_weights(model: DecoderLM, reader: CheckpointReader) -> None:
+    """Fill every (already materialised, full-size) parameter of `model` from the checkpoint."""
+    with torch.no_grad():
+        for name, _ in model.named_parameters():
+            for part, dest in part_views(model, name).items():
+                dest.copy_(reader(name, part))
 
 
 def load_model(
@@ -164,12 +194,13 @@ def load_model(
     """Build on the meta device, materialise empty parameters on `device`, fill them from safetensors."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    reader = CheckpointReader(model_dir, config)
     with torch.device("meta"):
         model = DecoderLM(config).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.materialize(torch.device(device))
-    with torch.no_grad():
-        load_weights(model, model_dir)
+    load_weights(model, reader)
+    reader.close()
     return model.eval().requires_grad_(False)
