@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from collections.abc import Sequence
 
@@ -19,6 +20,12 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args))
         self._ids = itertools.count()
+        if self.engine.parallel is not None:
+            atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the local ranks this process started (a no-op otherwise)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):
@@ -31,7 +38,22 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids."""
+        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids.
+
+        Under torchrun every rank calls this; rank 0 schedules and all ranks return its outputs.
+        """
+        engine = self.engine
+        if not engine.is_driver:
+            return engine.worker_loop()
+        try:
+            outputs = self._generate(prompts, sampling_params, use_tqdm, priority)
+        except BaseException as e:
+            engine.announce("error", f"{type(e).__name__}: {e}")
+            raise
+        engine.announce("outputs", outputs)
+        return outputs
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):

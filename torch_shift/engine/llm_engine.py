@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from torch_shift.engine.model_runner import ModelRunner, RunnerOutput
@@ -22,7 +24,10 @@ from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.hub import resolve_model_dir
-from torch_shift.models.loader import load_model
+from torch_shift.models.loader import CheckpointReader, load_model
+from torch_shift.parallel.plan import validate_mesh_for_model
+from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.shift import build_shift_module
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -56,6 +61,12 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "sdpa"  # "sdpa": gather + SDPA (CPU and GPU); "flex": paged FlexAttention
     revision: str | None = None
+    # shift parallelism (paper 000): base layout (SP, TP), full TP over SP x TP for small steps
+    sp: int = 1
+    tp: int = 1
+    shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
+    shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
+    distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
 
     @classmethod
     def names(cls) -> set[str]:
@@ -111,12 +122,28 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
         )
 
-        self.model = load_model(model_dir, self.dtype, device)
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, mc.num_key_value_heads,
+        self.parallel: ParallelRuntime | None = None
+        choose_layout = None
+        num_kv_heads = mc.num_key_value_heads
+        if args.sp * args.tp > 1:
+            validate_mesh_for_model(mc, args.sp, args.tp)
+            self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
+            self.device = device = self.parallel.device
+            reader = CheckpointReader(model_dir, mc)
+            self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
+                                            args.shift_threshold, args.shift_weights)
+            reader.close()
+            num_kv_heads = self.model.num_local_kv_heads
+            choose_layout = self.model.choose_layout
+        else:
+            self.model = load_model(model_dir, self.dtype, device)
+        num_blocks = self._num_kv_blocks(num_kv_heads)
+        if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
+            num_blocks = self.parallel.min_over_ranks(num_blocks)
+        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, num_kv_heads,
                                 mc.head_dim, self.dtype, device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, choose_layout)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend)
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
@@ -124,12 +151,11 @@ class LLMEngine:
         self.num_steps = 0
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, num_kv_heads: int) -> int:
         cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
-        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, mc.num_key_value_heads, mc.head_dim,
-                                       self.dtype)
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -247,6 +273,8 @@ class LLMEngine:
             assert not self.scheduler.running, "running requests but nothing scheduled"
             return []
         self.num_steps += 1
+        if self.parallel is not None:
+            self.parallel.broadcast(("step", plan))
         runner_output = self.runner.execute(plan)
         sampled = self._sample(plan, runner_output)
         now = time.monotonic()
@@ -358,3 +386,46 @@ class LLMEngine:
             finished=all(c.finish_reason is not None for c in completions),
             num_cached_tokens=first.num_cached_tokens,
         )
+
+    # -- parallel ranks -----------------------------------------------------------------------------------
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 (or the only rank): the one that schedules and samples."""
+        return self.parallel is None or self.parallel.rank == 0
+
+    def worker_loop(self) -> Any:
+        """Ranks other than 0: run the steps rank 0 broadcasts. Returns the payload of an "outputs"
+        message (torchrun: every rank's `generate` returns rank 0's outputs), None on "shutdown",
+        and raises on "error"."""
+        assert self.parallel is not None and not self.is_driver
+        while True:
+            kind, payload = self.parallel.broadcast()
+            if kind == "step":
+                self.runner.execute(payload)
+            elif kind == "outputs":
+                return payload
+            elif kind == "error":
+                raise RuntimeError(f"rank 0 failed: {payload}")
+            else:
+                assert kind == "shutdown", kind
+                return None
+
+    def announce(self, kind: str, payload: Any) -> None:
+        """Under torchrun, tell the other ranks (waiting in `worker_loop`) how `generate` ended."""
+        if self.parallel is not None and self.parallel.launched is None and dist.is_initialized():
+            try:
+                self.parallel.broadcast((kind, payload))
+            except RuntimeError:
+                if kind != "error":
+                    raise
+
+    def shutdown(self) -> None:
+        if self.parallel is not None and self.is_driver:
+            self.parallel.shutdown()
+
+
+def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
+    """A rank started by rank 0 (launch path (b)): serve steps until rank 0 shuts down."""
+    engine = LLMEngine(args)
+    while engine.worker_loop() is not None:
+        pass

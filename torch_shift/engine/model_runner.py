@@ -10,6 +10,7 @@ import torch
 from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
 from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
 from torch_shift.kv.cache import KVCache
+from torch_shift.parallel.shift import ShiftModule
 from torch_shift.kv.flex_attention import FlexMetadata, FlexPagedAttention, build_flex_metadata
 
 
@@ -149,8 +150,12 @@ class ModelRunner:
             attention = FlexPagedAttention(self.kv_cache, inputs.attention)
         else:
             attention = PagedAttention(self.kv_cache, inputs.attention)
-        hidden = self.model(inputs.input_ids, inputs.positions, attention)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if isinstance(self.model, ShiftModule):
+            logits = self.model.forward_step(inputs.input_ids, inputs.positions, attention, inputs.logits_indices,
+                                             plan.layout)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, attention)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return RunnerOutput(logits=logits, logits_rows=inputs.logits_rows)
 
 

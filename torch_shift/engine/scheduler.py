@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch_shift.config import SchedulerConfig
@@ -38,6 +39,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    layout: str = "base"  # the parallel layout of this step ("base" or "shift")
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -89,9 +91,11 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 choose_layout: Callable[[int], str] | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.choose_layout = choose_layout  # scheduled token count -> layout
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -181,6 +185,8 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(self._entry(request, num_new))
             budget -= num_new
+        if self.choose_layout is not None and output.scheduled:
+            output.layout = self.choose_layout(output.num_scheduled_tokens)
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:

@@ -1,0 +1,98 @@
+"""Process groups of a shift-parallel deployment, from a 2-D DeviceMesh ("sp", "tp").
+
+Global rank = sp * TP + tp (row-major, as `init_device_mesh` lays it out). After the Ulysses
+all-to-all, rank (sp, tp) holds head chunk tp * SP + sp of P = SP * TP chunks: its *shift
+rank* (paper 000, Fig. 7). The shift layout is full TP over all P ranks in shift-rank order,
+so every rank attends to the same heads in both layouts and one KV cache serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("sp", "tp")
+
+
+def shift_rank_order(sp: int, tp: int) -> list[int]:
+    """Global ranks listed by shift rank: entry r is the global rank of (sp=r % SP, tp=r // SP)."""
+    return [(r % sp) * tp + r // sp for r in range(sp * tp)]
+
+
+@dataclass
+class ShiftGroups:
+    mesh: DeviceMesh  # ("sp", "tp")
+    shift_mesh: DeviceMesh  # ("shift",), ranks in shift-rank order
+    sp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    shift_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup  # CPU (gloo) group for step plans and outputs
+
+    @property
+    def sp(self) -> int:
+        return self.mesh.size(0)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.size(1)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def sp_rank(self) -> int:
+        return self.mesh.get_local_rank("sp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def shift_rank(self) -> int:
+        return self.tp_rank * self.sp + self.sp_rank
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ShiftGroups:
+        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
+            raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES}, got axes {mesh.mesh_dim_names} "
+                             f"of shape {tuple(mesh.shape)}")
+        sp, tp = mesh.shape
+        expected = torch.arange(sp * tp).view(sp, tp)
+        if not torch.equal(mesh.mesh.cpu(), expected):
+            raise ValueError(f"the mesh must lay global ranks out row-major (rank = sp * TP + tp), got {mesh.mesh}")
+        if sp * tp != dist.get_world_size():
+            raise ValueError(f"SP x TP = {sp} x {tp} = {sp * tp} differs from the world size {dist.get_world_size()}")
+        order = shift_rank_order(sp, tp)
+        # new_group sorts its ranks unless told not to; the shift group must keep shift-rank order.
+        shift_group = dist.new_group(order, sort_ranks=False)
+        shift_mesh = DeviceMesh.from_group(shift_group, mesh.device_type, mesh=torch.tensor(order),
+                                           mesh_dim_names=("shift",))
+        backend = dist.get_backend()
+        control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group, control)
+
+
+def build_shift_groups(sp: int, tp: int, device_type: str | None = None) -> ShiftGroups:
+    """Groups over the initialised default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised")
+    if sp < 1 or tp < 1:
+        raise ValueError(f"sp and tp must be >= 1, got sp={sp}, tp={tp}")
+    world = dist.get_world_size()
+    if sp * tp != world:
+        raise ValueError(f"SP x TP = {sp} x {tp} = {sp * tp} differs from the world size {world}")
+    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    mesh = init_device_mesh(device_type, (sp, tp), mesh_dim_names=MESH_AXES)
+    return ShiftGroups.from_mesh(mesh)

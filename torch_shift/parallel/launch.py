@@ -1,0 +1,116 @@
+"""Start local ranks from one ordinary process (the torchrun-free path and the tests).
+
+On CPU ranks are forked (DESIGN.md section 3: a 4-rank start costs ~1 s instead of ~10 s
+spawned) and use one intra-op thread each unless told otherwise; with CUDA they are spawned,
+since CUDA cannot be used in a forked child. Each rank finds its place in the environment
+variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def default_start_method() -> str:
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, args) -> None:
+    os.environ.update(rank_environment(rank, world_size, port))
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+class LocalRanks:
+    """Processes running `fn(rank, world_size, *args)` for some ranks of a local world."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, ranks: list[int], *args: Any, port: int,
+                 threads: int | None = 1, start_method: str | None = None):
+        ctx = mp.get_context(start_method or default_start_method())
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.procs = {r: ctx.Process(target=_rank_main, args=(fn, r, world_size, port, threads, self.results, args),
+                                     daemon=True) for r in ranks}
+        for p in self.procs.values():
+            p.start()
+
+    def failed(self) -> str | None:
+        """What went wrong with a rank, if anything did (a reported error or a non-zero exit)."""
+        try:
+            rank, status, value = self.results.get_nowait()
+        except queue.Empty:
+            dead = [r for r, p in self.procs.items() if p.exitcode not in (None, 0)]
+            return f"rank {dead[0]} exited with code {self.procs[dead[0]].exitcode}" if dead else None
+        if status == "error":
+            return f"rank {rank} failed: {value}"
+        self.results.put((rank, status, value))
+        return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int | None = 1,
+              timeout_s: float = 300.0, start_method: str | None = None) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` local processes; return their results by
+    rank. When one rank fails, dies or the time runs out, every rank is stopped and RankFailed
+    names what happened."""
+    ranks = LocalRanks(fn, world_size, list(range(world_size)), *args, port=free_port(), threads=threads,
+                       start_method=start_method)
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, value = ranks.results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in ranks.procs.items() if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} exited with code {ranks.procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(outputs))} did not finish "
+                                     f"within {timeout_s:.0f} s") from None
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} failed: {value}")
+            outputs[rank] = value
+    finally:
+        ranks.stop(grace_s=5.0 if len(outputs) == world_size else 0.5)
+    return [outputs[r] for r in range(world_size)]

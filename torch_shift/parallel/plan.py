@@ -1,0 +1,141 @@
+"""Parallel plans as data: parameter name -> (mesh, DTensor placements).
+
+The base plan shards every weight over "tp" exactly as Megatron TP (q/k/v/gate/up by output
+rows, o/down by input columns) and replicates it over "sp"; tokens are split over "sp". The
+shift plan shards the same weights over all P ranks of the shift mesh (full TP in shift-rank
+order). The LM head is vocab-parallel over the shift mesh in both plans.
+
+Placements declare the layout; `shard_bounds` turns one into the slice a rank holds. Fused
+parameters are sharded part by part (q, k, v; gate, up), and attention weights in whole heads.
+With more head chunks than KV heads, the KV heads are replicated: chunk c of C holds KV head
+c // (C / h_kv) (the GQA rule, DESIGN.md section 2), which no plain `Shard` placement expresses.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from torch_shift.config import ModelConfig
+from torch_shift.parallel.groups import ShiftGroups
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    layout: str  # "base" or "shift"
+    placements: dict[str, tuple[DeviceMesh, tuple[Placement, ...]]]  # name pattern -> (mesh, placements)
+
+    def lookup(self, param_name: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        for pattern, entry in self.placements.items():
+            if fnmatch.fnmatchcase(param_name, pattern):
+                return entry
+        raise KeyError(param_name)
+
+    def shard_dim_and_axis(self, param_name: str) -> tuple[int, str] | None:
+        """(tensor dim, mesh axis) of the parameter's single Shard placement, or None if replicated."""
+        mesh, placements = self.lookup(param_name)
+        sharded = [(p.dim, mesh.mesh_dim_names[i]) for i, p in enumerate(placements) if isinstance(p, Shard)]
+        assert len(sharded) <= 1, f"{param_name}: one sharded mesh axis at most, got {placements}"
+        return sharded[0] if sharded else None
+
+
+def _megatron_entries(mesh: DeviceMesh, placements_for) -> dict:
+    return {
+        "layers.*.attn.qkv_proj.*": (mesh, placements_for(0)),
+        "layers.*.attn.o_proj.weight": (mesh, placements_for(1)),
+        "layers.*.mlp.gate_up_proj.weight": (mesh, placements_for(0)),
+        "layers.*.mlp.down_proj.weight": (mesh, placements_for(1)),
+    }
+
+
+def base_plan(groups: ShiftGroups) -> ParallelPlan:
+    mesh = groups.mesh
+    entries = _megatron_entries(mesh, lambda dim: (Replicate(), Shard(dim)))
+    entries["lm_head.weight"] = (groups.shift_mesh, (Shard(0),))
+    entries["*"] = (mesh, (Replicate(), Replicate()))
+    return ParallelPlan("base", entries)
+
+
+def shift_plan(groups: ShiftGroups) -> ParallelPlan:
+    mesh = groups.shift_mesh
+    entries = _megatron_entries(mesh, lambda dim: (Shard(dim),))
+    entries["lm_head.weight"] = (mesh, (Shard(0),))
+    entries["*"] = (mesh, (Replicate(),))
+    return ParallelPlan("shift", entries)
+
+
+def shard_bounds(num_units: int, num_chunks: int, chunk: int) -> tuple[int, int]:
+    """(first unit, unit count) of `chunk` of `num_chunks`; more chunks than units replicate units."""
+    if num_chunks <= num_units:
+        assert num_units % num_chunks == 0, (num_units, num_chunks)
+        per = num_units // num_chunks
+        return chunk * per, per
+    assert num_chunks % num_units == 0, (num_units, num_chunks)
+    return chunk // (num_chunks // num_units), 1
+
+
+def padded_vocab(vocab_size: int, num_chunks: int) -> int:
+    return -(-vocab_size // num_chunks) * num_chunks
+
+
+@dataclass(frozen=True)
+class PartSlice:
+    """Where one part of a parameter comes from: `length` rows/columns from `start` along `dim`
+    of the full (Hugging Face) tensor."""
+
+    dim: int
+    start: int
+    length: int
+
+
+def part_units(config: ModelConfig, param_name: str, part: str | None) -> tuple[int, int]:
+    """(number of units, unit size) along the sharded dim of one part of a parameter."""
+    leaf = param_name.split(".")[-2]
+    if leaf == "qkv_proj":
+        heads = config.num_attention_heads if part == "q" else config.num_key_value_heads
+        return heads, config.head_dim
+    if leaf == "o_proj":
+        return config.num_attention_heads, config.head_dim
+    if leaf in ("gate_up_proj", "down_proj"):
+        return config.intermediate_size, 1
+    if leaf == "lm_head":
+        return config.vocab_size, 1
+    raise KeyError(param_name)
+
+
+def local_part_slice(
+    plan: ParallelPlan, config: ModelConfig, param_name: str, part: str | None
+) -> PartSlice | None:
+    """The slice of the full tensor (one part of a fused one) this rank holds; None: the whole."""
+    sharded = plan.shard_dim_and_axis(param_name)
+    if sharded is None:
+        return None
+    dim, axis = sharded
+    mesh, _ = plan.lookup(param_name)
+    num_chunks, chunk = mesh.size(mesh.mesh_dim_names.index(axis)), mesh.get_local_rank(axis)
+    if param_name == "lm_head.weight":
+        rows = padded_vocab(config.vocab_size, num_chunks) // num_chunks
+        start = chunk * rows
+        return PartSlice(0, start, max(0, min(rows, config.vocab_size - start)))
+    num_units, unit = part_units(config, param_name, part)
+    first, count = shard_bounds(num_units, num_chunks, chunk)
+    return PartSlice(dim, first * unit, count * unit)
+
+
+def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
+    """A mesh must divide the heads (KV heads may be replicated) and the MLP width."""
+    p = sp * tp
+    h, h_kv = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if h % p:
+        problems.append(f"num_attention_heads={h} is not divisible by SP x TP = {sp} x {tp} = {p}")
+    for chunks, name in ((tp, "TP"), (p, "SP x TP")):
+        if chunks % h_kv and h_kv % chunks:
+            problems.append(f"num_key_value_heads={h_kv} and {name}={chunks}: neither divides the other")
+    if config.intermediate_size % p:
+        problems.append(f"intermediate_size={config.intermediate_size} is not divisible by SP x TP = {p}")
+    if problems:
+        raise ValueError("this mesh does not fit the model: " + "; ".join(problems))

@@ -1,0 +1,218 @@
+"""ShiftModule: one model in two layouts that share one paged KV cache (paper 000, Alg. 3).
+
+The base layout is combined (SP, TP) (Alg. 2): weights sharded over "tp", tokens over "sp",
+Ulysses all-to-alls around attention. The shift layout is full TP over all P ranks in
+shift-rank order. Both put head chunk `tp * SP + sp` on rank (sp, tp), so both read and write
+the same KV blocks. The shift shards are slices of the base shards: zero-copy views
+(`shift_weights="view"`) or contiguous copies (`"copy"`, +1/SP of the sharded weights, the
+paper's choice).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from torch_shift.config import ModelConfig
+from torch_shift.models.decoder import AttentionFn, DecoderLM
+from torch_shift.models.loader import part_views
+from torch_shift.parallel import comm
+from torch_shift.parallel.groups import ShiftGroups
+from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
+from torch_shift.parallel.plan import (
+    ParallelPlan,
+    PartSlice,
+    base_plan,
+    local_part_slice,
+    padded_vocab,
+    shard_bounds,
+    shift_plan,
+    validate_mesh_for_model,
+)
+from torch_shift.parallel.ulysses import UlyssesAttention, kv_send_index
+
+# Reads one part of a parameter (our name, part or None), restricted to a slice (None: all of it).
+TensorReader = Callable[[str, str | None, PartSlice | None], torch.Tensor]
+
+LAYOUTS = ("base", "shift")
+
+
+def _local_heads(config: ModelConfig, num_chunks: int, chunk: int) -> tuple[int, int]:
+    _, q = shard_bounds(config.num_attention_heads, num_chunks, chunk)
+    _, kv = shard_bounds(config.num_key_value_heads, num_chunks, chunk)
+    return q, kv
+
+
+def _sharded_skeleton(config: ModelConfig, groups: ShiftGroups, plan: ParallelPlan, num_chunks: int,
+                      chunk: int, group) -> DecoderLM:
+    """A DecoderLM on the meta device with local shapes and the plan's parallel layers."""
+    with torch.device("meta"):
+        model = DecoderLM(config)
+        heads, kv_heads = _local_heads(config, num_chunks, chunk)
+        d, hd = config.hidden_size, config.head_dim
+        inter = config.intermediate_size // num_chunks
+        for layer in model.layers:
+            attn = layer.attn
+            attn.num_heads, attn.num_kv_heads = heads, kv_heads
+            attn.qkv_proj = nn.Linear(d, (heads + 2 * kv_heads) * hd, bias=config.attention_bias)
+            attn.o_proj = RowParallelLinear(torch.empty(d, heads * hd), group)
+            layer.mlp.gate_up_proj = nn.Linear(d, 2 * inter, bias=False)
+            layer.mlp.down_proj = RowParallelLinear(torch.empty(d, inter), group)
+        p = groups.world_size
+        model.lm_head = VocabParallelLMHead(torch.empty(padded_vocab(config.vocab_size, p) // p, d),
+                                            config.vocab_size, groups.shift_group)
+    return model
+
+
+def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
+              device: torch.device) -> DecoderLM:
+    """The base-layout model with only this rank's shards read."""
+    plan = base_plan(groups)
+    model = _sharded_skeleton(config, groups, plan, groups.tp, groups.tp_rank, groups.tp_group)
+    model.to(dtype).to_empty(device=device)
+    model.rotary.materialize(device)
+    with torch.no_grad():
+        for name, _ in model.named_parameters():
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for part, dest in part_views(model, name).items():
+                part_slice = local_part_slice(plan, config, name, part)
+                tensor = read(name, part, part_slice)
+                if name == "lm_head.weight":
+                    dest.zero_()  # rows past the vocabulary (padding to a multiple of P)
+                    dest = dest[: tensor.shape[0]]
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(f"{name}[{part}]: read shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+        if config.tie_word_embeddings:
+            head = model.lm_head.weight.data
+            head.zero_()
+            sl = local_part_slice(plan, config, "lm_head.weight", None)
+            head[: sl.length].copy_(model.embed_tokens.weight.data[sl.start: sl.start + sl.length])
+    return model.eval().requires_grad_(False)
+
+
+def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
+    """The shift-layout model: its shards are slices of the base shards (views or copies); the
+    embedding, norms, rotary tables and LM head are the base model's own modules."""
+    if shift_weights not in ("view", "copy"):
+        raise ValueError(f"shift_weights must be 'view' or 'copy', got {shift_weights!r}")
+    b_plan, s_plan = base_plan(groups), shift_plan(groups)
+    shift = copy.copy(base)  # shallow: shares every submodule until replaced below
+    shift._modules = dict(base._modules)
+    shift.layers = nn.ModuleList()
+    heads, kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
+
+    def shift_slice(name: str, part: str | None, base_tensor: torch.Tensor) -> torch.Tensor:
+        b, s = local_part_slice(b_plan, config, name, part), local_part_slice(s_plan, config, name, part)
+        assert b.dim == s.dim and b.start <= s.start and s.start + s.length <= b.start + b.length, (name, part)
+        view = base_tensor.narrow(s.dim, s.start - b.start, s.length)
+        return view if shift_weights == "view" else view.contiguous()
+
+    for i, base_layer in enumerate(base.layers):
+        layer = copy.copy(base_layer)
+        layer._modules = dict(base_layer._modules)
+        attn = copy.copy(base_layer.attn)
+        attn._modules = dict(base_layer.attn._modules)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        prefix = f"layers.{i}."
+        qkv_name = prefix + "attn.qkv_proj.weight"
+        weights = [shift_slice(qkv_name, p, t) for p, t in part_views(base, qkv_name).items()]
+        biases = None
+        if config.attention_bias:
+            bias_name = prefix + "attn.qkv_proj.bias"
+            biases = [shift_slice(bias_name, p, t) for p, t in part_views(base, bias_name).items()]
+        attn.qkv_proj = _fused(weights, biases, shift_weights)
+        o_name = prefix + "attn.o_proj.weight"
+        attn.o_proj = RowParallelLinear(shift_slice(o_name, None, base.get_parameter(o_name).data),
+                                        groups.shift_group)
+        mlp = copy.copy(base_layer.mlp)
+        mlp._modules = dict(base_layer.mlp._modules)
+        gu_name = prefix + "mlp.gate_up_proj.weight"
+        mlp.gate_up_proj = _fused([shift_slice(gu_name, p, t) for p, t in part_views(base, gu_name).items()],
+                                  None, shift_weights)
+        down_name = prefix + "mlp.down_proj.weight"
+        mlp.down_proj = RowParallelLinear(shift_slice(down_name, None, base.get_parameter(down_name).data),
+                                          groups.shift_group)
+        layer.attn, layer.mlp = attn, mlp
+        shift.layers.append(layer)
+    return shift
+
+
+def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift_weights: str) -> nn.Module:
+    if shift_weights == "view":
+        return PartsLinear(weights, biases)
+    linear = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases is not None,
+                       device="meta")
+    linear.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+    if biases is not None:
+        linear.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return linear
+
+
+class ShiftModule(nn.Module):
+    """`forward_step` runs one step in the layout the step plan names and returns its logits."""
+
+    def __init__(self, base: DecoderLM, shift: DecoderLM | None, groups: ShiftGroups, config: ModelConfig,
+                 shift_threshold: int | None, shift_weights: str):
+        super().__init__()
+        self.base = base
+        self.shift = shift
+        self.groups = groups
+        self.config = config
+        self.shift_threshold = shift_threshold
+        self.shift_weights = shift_weights
+        self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
+        self.layout_counts: Counter[str] = Counter()
+        _, self.num_local_kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
+
+    def choose_layout(self, num_scheduled_tokens: int) -> str:
+        """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
+        if self.shift is None or num_scheduled_tokens > self.shift_threshold:
+            return "base"
+        return "shift"
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
+        self.layout_counts[layout] += 1
+        with comm.layout_scope(layout):
+            if layout == "shift":
+                assert self.shift is not None, "this ShiftModule was built without a shift layout"
+                hidden = self.shift(input_ids, positions, attention)
+                return self.shift.compute_logits(hidden[logits_indices])
+            return self._base_step(input_ids, positions, attention, logits_indices)
+
+    def _base_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+        sp, sp_rank = self.groups.sp, self.groups.sp_rank
+        n = input_ids.shape[0]
+        n_local = -(-n // sp)
+        pad = sp * n_local - n
+        if pad:  # padding goes at the end; Ulysses drops it before attention
+            input_ids = torch.cat((input_ids, input_ids.new_zeros(pad)))
+            positions = torch.cat((positions, positions.new_zeros(pad)))
+        start = sp_rank * n_local
+        ulysses = UlyssesAttention(attention, self.groups.sp_group, sp, n, self.kv_send_index)
+        hidden = self.base(input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
+        # the LM head needs the sampled positions' hidden states on every rank: each SP rank fills
+        # the rows of its own tokens and a sum over "sp" assembles them
+        local = logits_indices - start
+        mine = (local >= 0) & (local < n_local)
+        rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
+        rows = comm.all_reduce(rows, self.groups.sp_group)
+        return self.base.compute_logits(rows)
+
+
+def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
+                       device: torch.device, shift_threshold: int | None = 256,
+                       shift_weights: str = "copy") -> ShiftModule:
+    validate_mesh_for_model(config, groups.sp, groups.tp)
+    if shift_threshold is not None and shift_threshold < 0:
+        raise ValueError(f"shift_threshold must be >= 0 or None, got {shift_threshold}")
+    base = load_base(config, groups, read, dtype, device)
+    shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None else None
+    return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)

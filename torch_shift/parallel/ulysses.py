@@ -1,0 +1,66 @@
+"""Ulysses attention for inference over "sp" (paper 000, Alg. 2 lines 4-6).
+
+Each SP rank holds n/SP tokens (n padded to a multiple of SP, padding at the end) and all its
+TP-local heads. One fused all-to-all of q, k and v turns that into all n tokens of 1/SP of the
+heads: head chunk tp * SP + sp, the rank's shift rank. Attention runs on the real tokens only
+(padding never reaches the KV cache), and a second all-to-all brings the output back.
+
+KV heads: with more head chunks than KV heads, the K/V heads are repeated before the all-to-all
+so that segment s carries the KV heads of head chunk tp * SP + s (the repeat-interleave
+equivalent of paper 000, Alg. 1). That keeps q, k and v in one all-to-all; it sends the
+replicated heads once each instead of running Alg. 1's all-to-all plus all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_shift.models.decoder import AttentionFn
+from torch_shift.parallel import comm
+
+
+class UlyssesAttention:
+    def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, sp: int, num_tokens: int,
+                 kv_send_index: torch.Tensor | None):
+        self.inner = inner
+        self.group = group
+        self.sp = sp
+        self.num_tokens = num_tokens  # real tokens in the step, before padding
+        self.kv_send_index = kv_send_index  # TP-local KV head for each (segment, head) slot; None: identity
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sp = self.sp
+        n_local, hq, d = q.shape
+        if self.kv_send_index is not None:
+            k = k.index_select(1, self.kv_send_index)
+            v = v.index_select(1, self.kv_send_index)
+        hq_chunk, hkv_chunk = hq // sp, k.shape[1] // sp
+        # [n_local, SP, heads of one chunk * d] per tensor, fused, then segment-major for the all-to-all
+        send = torch.cat((q.reshape(n_local, sp, hq_chunk * d), k.reshape(n_local, sp, hkv_chunk * d),
+                          v.reshape(n_local, sp, hkv_chunk * d)), dim=-1)
+        recv = comm.all_to_all(send.transpose(0, 1).reshape(sp * n_local, -1), self.group)
+        # rows of recv: SP rank 0's tokens, then rank 1's ...: the global token order
+        n = self.num_tokens
+        q_all, k_all, v_all = recv[:n].split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
+        out = self.inner(layer_idx, q_all.reshape(n, hq_chunk, d), k_all.reshape(n, hkv_chunk, d),
+                         v_all.reshape(n, hkv_chunk, d))
+        out = out.reshape(n, hq_chunk * d)
+        if n < sp * n_local:
+            out = torch.cat((out, out.new_zeros(sp * n_local - n, hq_chunk * d)))
+        back = comm.all_to_all(out, self.group)  # [SP (head chunk), n_local, hq_chunk * d]
+        return back.view(sp, n_local, hq_chunk, d).transpose(0, 1).reshape(n_local, hq, d)
+
+
+def kv_send_index(num_kv_heads: int, sp: int, tp: int, tp_rank: int) -> torch.Tensor | None:
+    """For each SP segment s, the TP-local indices of the KV heads of head chunk tp_rank * SP + s."""
+    from torch_shift.parallel.plan import shard_bounds
+
+    tp_first, tp_count = shard_bounds(num_kv_heads, tp, tp_rank)
+    index = []
+    for s in range(sp):
+        first, count = shard_bounds(num_kv_heads, sp * tp, tp_rank * sp + s)
+        index.extend(range(first - tp_first, first - tp_first + count))
+    if index == list(range(tp_count)):
+        return None
+    return torch.tensor(index, dtype=torch.long)
