@@ -1,0 +1,194 @@
+"""Shift parallelism on CPU with gloo: every layout against the single-device engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.parallel.launch import run_ranks
+
+MESHES = [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 6]
+PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=3)
+
+
+def reference(model_dir, prompts=None, params=PARAMS):
+    prompts = prompts or random_prompts(6, PROMPT_LENGTHS)
+    return LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+
+
+def assert_same_outputs(got, ref, atol=1e-4):
+    for g, r in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lg, lr in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            assert set(lg) == set(lr)
+            assert max(abs(lg[t].logprob - lr[t].logprob) for t in lr) < atol
+
+
+def _generate_rank(rank, world, model_dir, sp, tp, engine_args, random_layouts):
+    llm = LLM(str(model_dir), sp=sp, tp=tp, **engine_args)
+    if random_layouts and rank == 0:  # rank 0 decides; the plan carries the layout to the others
+        rng = random.Random(1)
+        llm.engine.scheduler.choose_layout = lambda n: rng.choice(["base", "shift"])
+    outputs = llm.generate(random_prompts(6, PROMPT_LENGTHS), PARAMS, use_tqdm=False)
+    return outputs, dict(llm.engine.model.layout_counts)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("sp,tp", MESHES, ids=[f"sp{s}tp{t}" for s, t in MESHES])
+def test_prefill_in_base_decode_in_shift_matches_single_device(checkpoints, family, sp, tp):
+    _, model_dir = checkpoints(family)
+    ref = reference(model_dir)
+    # the first step holds every prompt (76 tokens) -> base; decode steps hold 6 -> shift
+    results = run_ranks(_generate_rank, sp * tp, model_dir, sp, tp, {"shift_threshold": 16}, False)
+    for outputs, counts in results:
+        assert_same_outputs(outputs, ref)
+        assert counts["base"] >= 1 and counts["shift"] >= 5
+    assert all(r[0] == results[0][0] for r in results)  # every rank returns rank 0's outputs
+
+
+def test_random_layout_at_every_step(llama):
+    _, model_dir = llama
+    ref = reference(model_dir)
+    args = {"shift_threshold": 16, "max_num_batched_tokens": 24, "shift_weights": "view"}
+    results = run_ranks(_generate_rank, 4, model_dir, 2, 2, args, True)
+    for outputs, counts in results:
+        assert_same_outputs(outputs, ref)
+        assert counts == results[0][1]  # every rank ran the layout rank 0 chose
+    assert results[0][1]["base"] >= 3 and results[0][1]["shift"] >= 3, results[0][1]
+
+
+@pytest.mark.slow
+def test_world_size_8(llama):
+    _, model_dir = llama
+    ref = reference(model_dir)
+    results = run_ranks(_generate_rank, 8, model_dir, 2, 4, {"shift_threshold": 16}, False, timeout_s=600)
+    for outputs, counts in results:
+        assert_same_outputs(outputs, ref)
+        assert counts["base"] >= 1 and counts["shift"] >= 5
+
+
+def _padding_rank(rank, world, model_dir, prompts):
+    llm = LLM(str(model_dir), sp=world, tp=1, shift_threshold=0, enable_prefix_caching=False, block_size=4)
+    engine = llm.engine
+    if rank == 0:
+        engine.add_request("r", prompts[0], SamplingParams(max_tokens=1))
+        engine.step()  # the whole 1-token prompt in the base layout: n = 1 < SP
+        written = engine.kv_cache.k[0].flatten(2).flatten(0, 1).abs().sum(dim=1).nonzero().flatten().tolist()
+        engine.parallel.broadcast(("outputs", written))
+        engine.abort_request("r")
+    else:
+        written = engine.worker_loop()
+    slots_untouched = all(k.flatten(2).flatten(0, 1)[1:].abs().sum() == 0 for k in engine.kv_cache.k)
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return written, slots_untouched, outputs, dict(engine.model.layout_counts)
+
+
+def test_padding_when_tokens_do_not_divide_sp(llama):
+    _, model_dir = llama
+    prompts = random_prompts(2, [1, 6], seed=3)  # n = 1 < SP, then n = 7 and decodes of 2 tokens
+    ref = reference(model_dir, prompts)
+    for written, untouched, outputs, counts in run_ranks(_padding_rank, 4, model_dir, prompts):
+        # the 1-token step wrote one slot of block 0 (slot 0); its 3 padded tokens wrote nothing
+        assert written == [0] and untouched
+        assert_same_outputs(outputs, ref)
+        assert set(counts) == {"base"}
+
+
+def _kv_rank(rank, world, model_dir, sp, tp, prompt):
+    llm = LLM(str(model_dir), sp=sp, tp=tp, enable_prefix_caching=False, block_size=4)
+    engine = llm.engine
+    forced = ["base"]
+    if rank == 0:
+        engine.scheduler.choose_layout = lambda n: forced[0]
+        for layout, rid in (("base", "a"), ("shift", "b")):
+            forced[0] = layout
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=3))
+            engine.step()  # step 2 also decodes "a", after its prompt positions were written
+        tables = [engine.block_manager.block_table(r)[:] for r in "ab"]
+        engine.parallel.broadcast(("outputs", tables))
+    else:
+        tables = engine.worker_loop()
+    n = len(prompt)
+    per_layer = []
+    for k_cache, v_cache in zip(engine.kv_cache.k, engine.kv_cache.v):
+        written = [torch.cat([c[b] for b in t])[:n] for t in tables for c in (k_cache, v_cache)]
+        k_base, v_base, k_shift, v_shift = written
+        per_layer.append((torch.equal(k_base, k_shift) and torch.equal(v_base, v_shift),
+                          max((k_base - k_shift).abs().max().item(), (v_base - v_shift).abs().max().item()),
+                          k_base.abs().max().item()))
+    return per_layer
+
+
+@pytest.mark.parametrize("sp,tp", [(2, 1), (2, 2), (4, 1)], ids=["sp2tp1", "sp2tp2", "sp4tp1"])
+def test_both_layouts_write_the_same_kv_blocks(llama, sp, tp):
+    """The same prompt computed once in each layout. Layer 0's K/V come from identical inputs: they
+    are equal byte for byte, so both layouts put every head at the same place of the same cache.
+    Deeper layers differ by float32 rounding only: the layouts sum their partial products over
+    different groups (TP over `tp` vs over all P ranks)."""
+    _, model_dir = llama
+    prompt = random_prompts(1, [13], seed=8)[0]
+    for per_layer in run_ranks(_kv_rank, sp * tp, model_dir, sp, tp, prompt):
+        equal0, _, scale = per_layer[0]
+        assert equal0 and scale > 0
+        for _, diff, scale in per_layer[1:]:
+            assert diff <= 1e-5 * max(1.0, scale)
+
+
+def _weights_rank(rank, world, model_dir, shift_weights):
+    llm = LLM(str(model_dir), sp=2, tp=2, shift_weights=shift_weights)
+    model = llm.engine.model
+    base_layer, shift_layer = model.base.layers[0], model.shift.layers[0]
+
+    def storages(module):
+        return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    sharded = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    base_bytes = sum(p.numel() * p.element_size() for n in sharded
+                     for p in base_layer.get_submodule(n).parameters())
+    shift_bytes = sum(p.numel() * p.element_size() for n in sharded
+                      for p in shift_layer.get_submodule(n).parameters())
+    shared = all(storages(shift_layer.get_submodule(n)) <= storages(base_layer.get_submodule(n)) for n in sharded)
+    outputs = llm.generate(random_prompts(6, PROMPT_LENGTHS), PARAMS, use_tqdm=False)
+    return shared, base_bytes, shift_bytes, outputs
+
+
+def test_view_weights_share_storage_and_copy_costs_one_sp_th(llama):
+    """At (SP, TP) = (2, 2) with 8 query and 2 KV heads, hidden 64, head_dim 8, MLP 128 (floats):
+    base shards per layer: q 32x64, k and v 8x64 each (1 KV head), o 64x32, gate+up 128x64, down 64x64;
+    shift shards: q, o and the MLP are half of that (1/SP), k and v stay one (replicated) KV head."""
+    _, model_dir = llama
+    base_floats = 32 * 64 + 2 * 8 * 64 + 64 * 32 + 128 * 64 + 64 * 64
+    shift_floats = (32 * 64 + 64 * 32 + 128 * 64 + 64 * 64) // 2 + 2 * 8 * 64
+    ref = reference(model_dir)
+    for shift_weights in ("view", "copy"):
+        for shared, base_bytes, shift_bytes, outputs in run_ranks(_weights_rank, 4, model_dir, shift_weights):
+            assert shared == (shift_weights == "view")  # views: no memory of their own
+            assert (base_bytes, shift_bytes) == (4 * base_floats, 4 * shift_floats)
+            assert_same_outputs(outputs, ref)
+
+
+def _mismatched_world_rank(rank, world, model_dir):
+    try:
+        LLM(str(model_dir), sp=2, tp=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_mesh_errors_name_the_numbers(llama, checkpoints):
+    from torch_shift.config import ModelConfig
+    from torch_shift.parallel.plan import validate_mesh_for_model
+
+    _, model_dir = llama
+    config = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match=r"num_attention_heads=8 is not divisible by SP x TP = 3 x 1 = 3"):
+        validate_mesh_for_model(config, 3, 1)
+    with pytest.raises(ValueError, match="sp and tp must be >= 1|num_attention_heads=8"):
+        LLM(str(model_dir), sp=3, tp=1)
+    messages = run_ranks(_mismatched_world_rank, 2, model_dir)
+    assert all("SP x TP = 2 x 2 = 4 differs from the world size 2" in m for m in messages)
