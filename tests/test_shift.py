@@ -192,3 +192,57 @@ def test_mesh_errors_name_the_numbers(llama, checkpoints):
         LLM(str(model_dir), sp=3, tp=1)
     messages = run_ranks(_mismatched_world_rank, 2, model_dir)
     assert all("SP x TP = 2 x 2 = 4 differs from the world size 2" in m for m in messages)
+
+
+def _parallelize_rank(rank, world, model_dir, sp, tp, prompt):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import torch_shift
+    from torch_shift.models import load_model
+    from torch_shift.models.loader import part_views
+    from torch_shift.parallel.plan import base_plan, shift_plan
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (sp, tp), mesh_dim_names=("sp", "tp"))
+    full = load_model(model_dir)
+    module = torch_shift.parallelize(full, mesh, shift_threshold=16, shift_weights="copy")
+
+    # the declared placements are the oracle: DTensor's own sharding of each full part must equal
+    # the local shard (for every part whose heads divide the mesh axis; replicated KV heads excepted)
+    checked = 0
+    for plan, model in ((base_plan(module.groups), module.base), (shift_plan(module.groups), module.shift)):
+        for name in ("layers.1.attn.qkv_proj.weight", "layers.1.attn.o_proj.weight",
+                     "layers.1.mlp.gate_up_proj.weight", "layers.1.mlp.down_proj.weight"):
+            pmesh, placements = plan.lookup(name)
+            for part, local in part_views(model, name).items():
+                if part in ("k", "v") and pmesh.size() // (sp if plan.layout == "base" else 1) > 2:
+                    continue
+                expected = distribute_tensor(part_views(full, name)[part], pmesh, placements).to_local()
+                assert torch.equal(local, expected), (plan.layout, name, part)
+                checked += 1
+
+    def causal(layer_idx, q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    ids = torch.tensor(prompt)
+    positions = torch.arange(len(prompt))
+    every = torch.arange(len(prompt))
+    logits = {layout: module.forward_step(ids, positions, causal, every, layout) for layout in ("base", "shift")}
+    return checked, logits
+
+
+@pytest.mark.parametrize("sp,tp", [(2, 2), (4, 1)], ids=["sp2tp2", "sp4tp1"])
+def test_parallelize_in_memory_model(llama, sp, tp):
+    hf_model, model_dir = llama
+    prompt = random_prompts(1, [11], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    for checked, logits in run_ranks(_parallelize_rank, sp * tp, model_dir, sp, tp, prompt):
+        assert checked >= 10
+        for got in logits.values():
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -42,7 +43,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # plain pickle copies tensors into the message; the queue's own reducers would share their
+        # memory through file descriptors that die with this process
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1) from None
@@ -110,7 +113,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int 
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} failed: {value}")
-            outputs[rank] = value
+            outputs[rank] = pickle.loads(value)
     finally:
         ranks.stop(grace_s=5.0 if len(outputs) == world_size else 0.5)
     return [outputs[r] for r in range(world_size)]

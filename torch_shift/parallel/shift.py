@@ -21,6 +21,8 @@ from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import part_views
 from torch_shift.parallel import comm
+from torch.distributed.device_mesh import DeviceMesh
+
 from torch_shift.parallel.groups import ShiftGroups
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
 from torch_shift.parallel.plan import (
@@ -216,3 +218,27 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     base = load_base(config, groups, read, dtype, device)
     shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None else None
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
+
+
+def module_reader(model: DecoderLM) -> TensorReader:
+    """Read parameter parts (and slices of them) from a full, already loaded model."""
+
+    def read(name: str, part: str | None, part_slice: PartSlice | None) -> torch.Tensor:
+        tensor = part_views(model, name)[part]
+        return tensor if part_slice is None else tensor.narrow(part_slice.dim, part_slice.start, part_slice.length)
+
+    return read
+
+
+def parallelize(model: DecoderLM, mesh: DeviceMesh, shift_threshold: int | None = 256,
+                shift_weights: str = "copy") -> ShiftModule:
+    """Shard a full model over a ("sp", "tp") DeviceMesh into a ShiftModule (base and shift layouts).
+
+    Every rank must hold the same full model; each keeps only its shards (the full model can be
+    dropped afterwards). To avoid materialising the full model at all, load through
+    `LLM(model_dir, sp=..., tp=...)`, which reads each rank's shards from the safetensors files.
+    """
+    groups = ShiftGroups.from_mesh(mesh)
+    device = next(model.parameters()).device
+    return build_shift_module(model.config, groups, module_reader(model), next(model.parameters()).dtype, device,
+                              shift_threshold, shift_weights)
