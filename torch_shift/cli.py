@@ -8,6 +8,10 @@ import sys
 from collections.abc import Sequence
 
 
+def _threshold(value: str) -> int | None:
+    return None if value.lower() == "none" else int(value)
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -22,6 +26,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p = parser.add_argument_group("parallel (local ranks are started by this process)")
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree of the base layout")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the base layout")
+    p.add_argument("--shift-threshold", type=_threshold, default=256,
+                   help="steps with more tokens run the base layout, others full TP; 'none': base only")
+    p.add_argument("--shift-weights", choices=["copy", "view"], default="copy")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +54,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp,
+        shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
     )
 
 
@@ -70,7 +81,10 @@ def _generate(args: argparse.Namespace) -> int:
             prompts.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
         else:
             prompts.append(p)
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
     for out in outputs:
         for c in out.outputs:
             if args.json:

@@ -273,9 +273,14 @@ class LLMEngine:
             assert not self.scheduler.running, "running requests but nothing scheduled"
             return []
         self.num_steps += 1
-        if self.parallel is not None:
+        if self.parallel is None:
+            runner_output = self.runner.execute(plan)
+        else:
             self.parallel.broadcast(("step", plan))
-        runner_output = self.runner.execute(plan)
+            try:
+                runner_output = self.runner.execute(plan)
+            except Exception as e:
+                raise self.parallel.failure(e) from e
         sampled = self._sample(plan, runner_output)
         now = time.monotonic()
         updated = self.scheduler.update_from_output(plan, sampled)

@@ -10,6 +10,7 @@ connections at once, and every collective has the process group's timeout as a b
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -59,7 +60,7 @@ class ParallelRuntime:
         try:
             dist.broadcast_object_list(box, src=0, group=self.groups.control_group)
         except Exception as e:
-            raise RuntimeError(self._peer_failure() or f"a rank stopped answering: {e}") from e
+            raise self.failure(e) from e
         return box[0]
 
     def min_over_ranks(self, value: int) -> int:
@@ -67,8 +68,18 @@ class ParallelRuntime:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.groups.control_group)
         return int(t.item())
 
-    def _peer_failure(self) -> str | None:
-        return self.launched.failed() if self.launched is not None else None
+    def failure(self, error: Exception, wait_s: float = 2.0) -> RuntimeError:
+        """The error to raise when a collective failed: a started rank's own report when there is one
+        (it may reach us a moment after its sockets closed), else the collective's error."""
+        deadline = time.monotonic() + wait_s
+        while self.launched is not None:
+            report = self.launched.failed()
+            if report is not None:
+                return RuntimeError(report)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return RuntimeError(f"a rank failed or stopped answering: {error}")
 
     def shutdown(self) -> None:
         """Rank 0 of (b): tell the workers to exit, wait for them, and leave the process group."""
