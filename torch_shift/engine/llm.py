@@ -91,7 +91,7 @@ class LLM:
         with bar:
             while len(finished) < len(request_ids):
                 assert self.engine.has_unfinished_requests()
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)

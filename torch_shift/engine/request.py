@@ -22,7 +22,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 class Request:

@@ -74,6 +74,8 @@ class BlockManager:
         """Make the request own enough blocks for `num_tokens` tokens, starting a new request with
         `cached_prefix`. False (and nothing changed) when the pool cannot hold them."""
         blocks = self.req_blocks.get(request_id)
+        if blocks is not None and not cached_prefix and num_tokens <= len(blocks) * self.block_size:
+            return True  # the last block still has room (most decode steps)
         if blocks is None:
             blocks = []
             assert not cached_prefix or request_id not in self.req_keys

@@ -41,6 +41,10 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Gather buffers reused by every layer and step: a fresh allocation per gather was handed back
+        # to the OS each time and paid page faults on every step (8x slower per layer, bench_engine.py).
+        self._k_buffer = torch.empty(0, dtype=dtype, device=device)
+        self._v_buffer = torch.empty(0, dtype=dtype, device=device)
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [T, kv_heads, head_dim]; slot = block_id * block_size + offset in the block."""
@@ -49,8 +53,15 @@ class KVCache:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
     def gather(self, layer_idx: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_table: [B, max_blocks] -> k, v: [B, kv_heads, max_blocks * block_size, head_dim]."""
-        k = self.k[layer_idx][block_table]
-        v = self.v[layer_idx][block_table]
-        b, nb, bs, h, d = k.shape
+        """block_table: [B, max_blocks] -> k, v: [B, kv_heads, max_blocks * block_size, head_dim], views of
+        buffers that the next gather overwrites."""
+        b, nb = block_table.shape
+        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        _, bs, h, d = k_cache.shape
+        if self._k_buffer.numel() < b * nb * bs * h * d:
+            self._k_buffer = k_cache.new_empty(b * nb * bs * h * d)
+            self._v_buffer = v_cache.new_empty(b * nb * bs * h * d)
+        flat = block_table.reshape(-1)
+        k = torch.index_select(k_cache, 0, flat, out=self._k_buffer[: b * nb * bs * h * d].view(b * nb, bs, h, d))
+        v = torch.index_select(v_cache, 0, flat, out=self._v_buffer[: b * nb * bs * h * d].view(b * nb, bs, h, d))
         return k.view(b, nb * bs, h, d).transpose(1, 2), v.view(b, nb * bs, h, d).transpose(1, 2)
