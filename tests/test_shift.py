@@ -246,3 +246,43 @@ def test_parallelize_in_memory_model(llama, sp, tp):
         assert checked >= 10
         for got in logits.values():
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+
+
+def _ledger_rank(rank, world, model_dir, n):
+    llm = LLM(str(model_dir), sp=2, tp=2, enable_prefix_caching=False)
+    engine, module = llm.engine, llm.engine.model
+    if rank == 0:
+        forced = ["base"]
+        engine.scheduler.choose_layout = lambda num_tokens: forced[0]
+        engine.add_request("a", random_prompts(1, [n], seed=1)[0], SamplingParams(max_tokens=2))
+        engine.step()  # n prompt tokens in the base layout
+        forced[0] = "shift"
+        engine.step()  # 1 decode token in the shift layout
+        engine.parallel.broadcast(("outputs", None))
+    else:
+        engine.worker_loop()
+    return dict(module.ledger.bytes), dict(module.ledger.calls)
+
+
+def test_communication_ledger_matches_the_formulas(llama):
+    """(SP, TP) = (2, 2), P = 4, 2 layers, hidden d = 64, 8 heads and 2 KV heads of 8 dims, vocab 512, fp32.
+    Base (paper 000, Alg. 2 and Table 2): per layer two TP all-reduces of n/SP x d, a q/k/v all-to-all and
+    an output all-to-all over SP; shift (Alg. 3): per layer two all-reduces of n x d over all P ranks.
+    Both: the LM head's all-gather of 1 row x V/P logits; base also sums the sampled row over SP."""
+    _, model_dir = llama
+    n, sp, tp, p, d, layers, f32 = 13, 2, 2, 4, 64, 2, 4
+    n_local = 7  # 13 tokens padded to 14 over SP = 2
+    qkv_chunk = (8 // p + 2 * 1) * 8  # per head chunk: 2 query heads + 1 K + 1 V head (replicated), 8 dims
+    out_chunk = (8 // p) * 8
+    expected = {
+        ("base", "all_reduce"): layers * 2 * (2 * (tp - 1) * n_local * d * f32 // tp) + 2 * (sp - 1) * d * f32 // sp,
+        ("base", "all_to_all"): layers * (sp - 1) * n_local * (qkv_chunk + out_chunk) * f32,
+        ("base", "all_gather"): (p - 1) * 512 // p * f32,
+        ("shift", "all_reduce"): layers * 2 * (2 * (p - 1) * 1 * d * f32 // p),
+        ("shift", "all_gather"): (p - 1) * 512 // p * f32,
+    }
+    calls = {("base", "all_reduce"): 2 * layers + 1, ("base", "all_to_all"): 2 * layers, ("base", "all_gather"): 1,
+             ("shift", "all_reduce"): 2 * layers, ("shift", "all_gather"): 1}
+    for got_bytes, got_calls in run_ranks(_ledger_rank, 4, model_dir, n):
+        assert got_bytes == expected
+        assert got_calls == calls

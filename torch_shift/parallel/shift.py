@@ -170,6 +170,7 @@ class ShiftModule(nn.Module):
         self.shift_weights = shift_weights
         self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
         self.layout_counts: Counter[str] = Counter()
+        self.ledger = comm.CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
         _, self.num_local_kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
@@ -181,7 +182,7 @@ class ShiftModule(nn.Module):
     def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                      logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
         self.layout_counts[layout] += 1
-        with comm.layout_scope(layout):
+        with comm.recording(self.ledger), comm.layout_scope(layout):
             if layout == "shift":
                 assert self.shift is not None, "this ShiftModule was built without a shift layout"
                 hidden = self.shift(input_ids, positions, attention)
