@@ -67,6 +67,7 @@ class EngineArgs:
     tp: int = 1
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
+    compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
 
     @classmethod
@@ -145,7 +146,8 @@ class LLMEngine:
                                 mc.head_dim, self.dtype, device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, choose_layout)
-        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend,
+                                  args.compile)
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}

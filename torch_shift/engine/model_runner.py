@@ -10,6 +10,7 @@ import torch
 from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
 from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
 from torch_shift.kv.cache import KVCache
+from torch_shift.compilation import compile_forward
 from torch_shift.parallel.shift import ShiftModule
 from torch_shift.kv.flex_attention import FlexMetadata, FlexPagedAttention, build_flex_metadata
 
@@ -33,7 +34,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sliding_window: int | None = None,
-                 attention_backend: str = "sdpa"):
+                 attention_backend: str = "sdpa", compile: bool = False):
         if attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
         self.model = model
@@ -42,6 +43,12 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.attention_backend = attention_backend
         self.device = next(model.parameters()).device
+        self.forward = model
+        if compile:
+            if isinstance(model, ShiftModule):
+                model.compile_layouts()
+            else:
+                self.forward = compile_forward(model)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -154,7 +161,7 @@ class ModelRunner:
             logits = self.model.forward_step(inputs.input_ids, inputs.positions, attention, inputs.logits_indices,
                                              plan.layout)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, attention)
+            hidden = self.forward(inputs.input_ids, inputs.positions, attention)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return RunnerOutput(logits=logits, logits_rows=inputs.logits_rows)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import part_views
@@ -171,7 +172,13 @@ class ShiftModule(nn.Module):
         self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
+        self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         _, self.num_local_kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
+
+    def compile_layouts(self) -> None:
+        """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""
+        self.forwards = {layout: compile_forward(model) if model is not None else None
+                         for layout, model in (("base", self.base), ("shift", self.shift))}
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
@@ -185,7 +192,7 @@ class ShiftModule(nn.Module):
         with comm.recording(self.ledger), comm.layout_scope(layout):
             if layout == "shift":
                 assert self.shift is not None, "this ShiftModule was built without a shift layout"
-                hidden = self.shift(input_ids, positions, attention)
+                hidden = self.forwards["shift"](input_ids, positions, attention)
                 return self.shift.compute_logits(hidden[logits_indices])
             return self._base_step(input_ids, positions, attention, logits_indices)
 
@@ -200,7 +207,7 @@ class ShiftModule(nn.Module):
             positions = torch.cat((positions, positions.new_zeros(pad)))
         start = sp_rank * n_local
         ulysses = UlyssesAttention(attention, self.groups.sp_group, sp, n, self.kv_send_index)
-        hidden = self.base(input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
+        hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
         # the LM head needs the sampled positions' hidden states on every rank: each SP rank fills
         # the rows of its own tokens and a sum over "sp" assembles them
         local = logits_indices - start

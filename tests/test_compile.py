@@ -1,0 +1,60 @@
+"""Compiled forwards: outputs equal to eager, and no recompilation as batch sizes change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.parallel.launch import run_ranks
+
+PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=2)
+WARMUP = random_prompts(6, [3, 17, 40, 1, 9, 6])
+# then other batch sizes, a chunked prefill next to decodes, and one-token steps
+SERVING = [random_prompts(5, [7, 2, 30, 11, 4], seed=3), random_prompts(1, [5], seed=4),
+           random_prompts(3, [60, 2, 8], seed=5)]
+
+
+def _token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _run(llm):
+    import torch._dynamo
+
+    warm = llm.generate(WARMUP, PARAMS, use_tqdm=False)
+    torch._dynamo.config.error_on_recompile = True  # any recompile from here on raises
+    try:
+        serving = [llm.generate(p, PARAMS, use_tqdm=False) for p in SERVING]
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    return [warm] + serving
+
+
+def _compiled_rank(rank, world, model_dir):
+    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=16, compile=True, max_num_batched_tokens=32)
+    return [_token_ids(o) for o in _run(llm)], dict(llm.engine.model.layout_counts)
+
+
+@pytest.mark.slow
+def test_compiled_single_device_matches_eager_without_recompiles(llama):
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [eager.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
+    got = _run(LLM(str(model_dir), compile=True, max_num_batched_tokens=32))
+    for g, e in zip(got, expected):
+        assert _token_ids(g) == _token_ids(e)
+        for og, oe in zip(g, e):
+            for lg, le in zip(og.outputs[0].logprobs, oe.outputs[0].logprobs):
+                assert max(abs(lg[t].logprob - le[t].logprob) for t in le) < 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_layouts_match_eager_without_recompiles(llama):
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
+    for got, counts in run_ranks(_compiled_rank, 2, model_dir, timeout_s=600):
+        assert got == expected
+        assert counts["base"] >= 2 and counts["shift"] >= 10
