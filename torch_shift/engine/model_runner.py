@@ -43,12 +43,12 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.attention_backend = attention_backend
         self.device = next(model.parameters()).device
-        self.forward = model
+        self.compiled_forward = None
         if compile:
             if isinstance(model, ShiftModule):
                 model.compile_layouts()
             else:
-                self.forward = compile_forward(model)
+                self.compiled_forward = compile_forward(model)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -161,7 +161,8 @@ class ModelRunner:
             logits = self.model.forward_step(inputs.input_ids, inputs.positions, attention, inputs.logits_indices,
                                              plan.layout)
         else:
-            hidden = self.forward(inputs.input_ids, inputs.positions, attention)
+            forward = self.compiled_forward or self.model
+            hidden = forward(inputs.input_ids, inputs.positions, attention)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return RunnerOutput(logits=logits, logits_rows=inputs.logits_rows)
 
