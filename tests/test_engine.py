@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -274,3 +275,46 @@ def test_chat_renders_the_template(llama):
     expected = llm.generate([llm.tokenizer.encode(rendered, add_special_tokens=False)], params, use_tqdm=False)[0]
     assert out.prompt_token_ids == expected.prompt_token_ids
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_stop_string_completed_by_the_last_allowed_token(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    free = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    k = next(k for k in range(1, len(free.text)) if free.text.count(free.text[-k:]) == 1)
+    stop = free.text[-k:]  # appears once, at the very end: completed by the 16th token
+    out = llm.generate("the quick brown fox", replace(params, stop=stop), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[:-k]
+
+
+def test_request_errors_leave_requests_in_flight_untouched(llama):
+    _, model_dir = llama
+    engine = LLM(str(model_dir)).engine
+    engine.add_request("x#0", [7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0))
+    with pytest.raises(ValueError, match="collides"):
+        engine.add_request("x", [7, 8], SamplingParams(n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="logprobs=600 exceeds the vocabulary size 512"):
+        engine.add_request("y", [7, 8], SamplingParams(logprobs=600))
+    with pytest.raises(ValueError, match="prompt_logprobs=513"):
+        engine.add_request("z", [7, 8], SamplingParams(prompt_logprobs=513))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step(final_only=True)
+    assert [o.request_id for o in outputs] == ["x#0"] and len(outputs[0].outputs[0].token_ids) == 3
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_strings_without_a_tokenizer_and_bad_engine_arguments(llama, tmp_path):
+    _, model_dir = llama
+    bare = shutil.copytree(model_dir, tmp_path / "bare")
+    (bare / "tokenizer.json").unlink()
+    llm = LLM(str(bare))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[7, 8]], SamplingParams(stop="a"), use_tqdm=False)
+    for kwargs, match in [({"sp": 0}, "sp must be an int >= 1"), ({"shift_weights": "share"}, "shift_weights"),
+                          ({"shift_threshold": -1}, "shift_threshold"), ({"attention_backend": "x"}, "attention")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(str(model_dir), **kwargs)

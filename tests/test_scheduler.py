@@ -680,3 +680,21 @@ def test_prefix_cache_outputs_match_without_cache():
     plain, _ = outputs(False)
     assert cached == plain
     assert sched.block_manager.num_prefix_hits > 0
+
+
+def test_priority_ties_never_leave_a_step_empty():
+    """Equal priority and equal arrival time (n > 1 children, or a caller's shared timestamp): the
+    preempted request is the last running one, so the others keep running."""
+    sched = make_scheduler(num_blocks=6, budget=64, policy="priority")
+    requests = [make_request(f"r{i}", 7, max_tokens=12, priority=1) for i in range(3)]
+    for r in requests:
+        r.arrival_time = 1.0
+    add(sched, *requests)
+    for _ in range(60):
+        out, _ = step(sched)
+        if sched.running:
+            assert out.scheduled, "running requests but an empty step"
+        if not sched.has_unfinished_requests():
+            break
+    assert not sched.has_unfinished_requests() and sched.num_preemptions > 0
+    assert_no_leak(sched)

@@ -286,3 +286,19 @@ def test_communication_ledger_matches_the_formulas(llama):
     for got_bytes, got_calls in run_ranks(_ledger_rank, 4, model_dir, n):
         assert got_bytes == expected
         assert got_calls == calls
+
+
+def _idle_rank(rank, world, model_dir):
+    import time
+
+    llm = LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=2)
+    first = llm.generate(random_prompts(2, [5, 9]), PARAMS, use_tqdm=False)
+    if rank == 0:
+        time.sleep(4)  # longer than the collectives' timeout: the other rank waits on the control group
+    second = llm.generate(random_prompts(2, [5, 9]), PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+
+
+def test_ranks_survive_an_idle_gap_longer_than_the_collective_timeout(llama):
+    _, model_dir = llama
+    assert run_ranks(_idle_rank, 2, model_dir) == [True, True]

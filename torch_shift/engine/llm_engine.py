@@ -74,6 +74,18 @@ class EngineArgs:
     def names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
+    def __post_init__(self) -> None:
+        for name in ("sp", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.shift_threshold is not None and (not isinstance(self.shift_threshold, int) or self.shift_threshold < 0):
+            raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
+        if self.shift_weights not in ("copy", "view"):
+            raise ValueError(f"shift_weights must be 'copy' or 'view', got {self.shift_weights!r}")
+        if self.attention_backend not in ("sdpa", "flex"):
+            raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
+
 
 @dataclass
 class _ParentRequest:
@@ -131,10 +143,14 @@ class LLMEngine:
             validate_mesh_for_model(mc, args.sp, args.tp)
             self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
             self.device = device = self.parallel.device
-            reader = CheckpointReader(model_dir, mc)
-            self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
-                                            args.shift_threshold, args.shift_weights)
-            reader.close()
+            try:
+                reader = CheckpointReader(model_dir, mc)
+                self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
+                                                args.shift_threshold, args.shift_weights)
+                reader.close()
+            except BaseException:
+                self.parallel.shutdown()  # started ranks must not outlive a failed construction
+                raise
             num_kv_heads = self.model.num_local_kv_heads
             choose_layout = self.model.choose_layout
         else:
@@ -169,7 +185,8 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
         else:
-            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(self.device) // 4)
+            # local ranks share the host's memory
+            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(self.device) // 4) // (self.args.sp * self.args.tp)
         # never more than every sequence slot filled to the context
         enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
         num_blocks = min(budget // per_block, enough)
@@ -227,9 +244,20 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in params.stop_token_ids if t >= self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [c for c in child_ids if c in self.child_to_parent]
+        if taken:
+            raise ValueError(f"request id {request_id!r} collides with a request in flight ({taken[0]!r})")
         if not isinstance(prompt, TokenizedPrompt):
             prompt = self.tokenize_prompt(prompt)
         text, token_ids = prompt.text, prompt.token_ids
@@ -245,7 +273,7 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)  # sample i draws from seed + i
             child = Request(
-                request_id if params.n == 1 else f"{request_id}#{i}", token_ids, child_params, max_tokens,
+                child_ids[i], token_ids, child_params, max_tokens,
                 self.eos_token_ids, arrival_time=arrival_time, priority=priority,
             )
             if i > 0:
@@ -341,7 +369,8 @@ class LLMEngine:
         stop = min(logits.shape[0], request.num_prompt_tokens - 1 - first_position)
         if stop <= start:
             return
-        targets = torch.tensor(request.prompt_token_ids[first_position + start + 1:first_position + stop + 1])
+        targets = torch.tensor(request.prompt_token_ids[first_position + start + 1:first_position + stop + 1],
+                               device=logits.device)
         logprobs = torch.log_softmax(logits[start:stop].float(), dim=-1)
         k = request.sampling_params.prompt_logprobs
         chosen, ranks, top_ids, top_lps = topk_logprobs(logprobs, targets, k)
@@ -368,14 +397,17 @@ class LLMEngine:
             return
         text = parent.texts[index] + new_text
         params = request.sampling_params
-        if params.stop_strings and not request.status.finished:
+        if params.stop_strings and request.stop_reason is None:
             for stop in params.stop_strings:
                 # only the new text and the tail it can complete a stop string with need looking at
                 idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
                 if idx != -1:
                     text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
                     request.stop_reason = stop
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    if request.status.finished:  # the token that ended it by length also completed the stop
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     break
         parent.texts[index] = text
 

@@ -37,7 +37,13 @@ def topk_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # for requests without a seed, per device
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] for the position after each request's last token."""
@@ -58,7 +64,7 @@ class Sampler:
         if raw_logprobs is not None:
             rows = [i for i, k in enumerate(want_logprobs) if k is not None]
             k_max = max(want_logprobs[i] for i in rows)
-            idx = torch.tensor(rows)
+            idx = torch.tensor(rows, device=logits.device)
             chosen, ranks, top_ids, top_lps = topk_logprobs(raw_logprobs[idx], sampled[idx], k_max)
             for j, i in enumerate(rows):
                 k = want_logprobs[i]
@@ -83,13 +89,14 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 # Hugging Face / vLLM convention: over prompt and output tokens, shrink positive
                 # logits and push negative ones further down.
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long, device=logits.device)
                 seen = seen[seen < vocab]
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
                 # OpenAI convention, over output tokens only.
-                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+                counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device),
+                                        minlength=vocab)[:vocab]
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             if r.num_output_tokens < p.min_tokens:
                 banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if t < vocab]
@@ -98,7 +105,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
         logits_t = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -107,36 +115,38 @@ class Sampler:
             logits_t = _top_k_top_p(logits_t, top_k, top_p)
         probs = torch.softmax(logits_t, dim=-1)
         if any(mp > 0.0 for mp in min_p):
-            mp = torch.tensor(min_p)[:, None]
+            mp = torch.tensor(min_p, device=device)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), draws from p.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
+            generator = self._generator(device)
             if len(unseeded) == len(requests):
-                noise.exponential_(generator=self.generator)
+                noise.exponential_(generator=generator)
             else:
-                idx = torch.tensor(unseeded)
-                noise[idx] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+                idx = torch.tensor(unseeded, device=device)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(generator=generator)
         for i, r in enumerate(requests):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+            if r.generator is not None:  # a CPU generator: the same draws on any device
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator).to(device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
         return sampled
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k]).clamp(max=vocab)
-    positions = torch.arange(vocab)[None, :]
+    device = logits.device
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).clamp(max=vocab)
+    positions = torch.arange(vocab, device=device)[None, :]
     remove = positions >= k[:, None]
     if any(p < 1.0 for p in top_p):
         probs = torch.softmax(sorted_logits.masked_fill(remove, _NEG_INF), dim=-1)
         cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        remove |= cum_before >= torch.tensor(top_p)[:, None]
+        remove |= cum_before >= torch.tensor(top_p, device=device)[:, None]
         remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

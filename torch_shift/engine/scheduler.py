@@ -113,13 +113,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _victim_index(self, start: int) -> int:
-        """The running request to preempt, among those not yet scheduled this step (index >= start)."""
-        if self.config.policy == "priority":
-            candidates = range(start, len(self.running))
-            return max(candidates, key=lambda i: (self.running[i].priority, self.running[i].arrival_time))
-        return len(self.running) - 1
-
     def _preempt(self, index: int, output: SchedulerOutput) -> None:
         request = self.running.pop(index)
         self.block_manager.free(request.request_id)
@@ -147,7 +140,7 @@ class Scheduler:
         bm = self.block_manager
         if self.config.policy == "priority":
             # the worst request runs last, so it is the one preempted and nobody better waits behind it
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep admission order
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -155,7 +148,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request.request_id
             while not bm.allocate(request.request_id, request.num_computed_tokens + num_new):
-                victim = self._victim_index(i)
+                # the last running request: the latest admitted (FCFS) or, running being sorted, the
+                # worst priority, ties to the latest arrival
+                victim = len(self.running) - 1
                 self._preempt(victim, output)
                 if victim == i:
                     break

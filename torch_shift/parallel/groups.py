@@ -9,12 +9,14 @@ so every rank attends to the same heads in both layouts and one KV cache serves 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_AXES = ("sp", "tp")
+CONTROL_TIMEOUT = timedelta(days=365)
 
 
 def shift_rank_order(sp: int, tp: int) -> list[int]:
@@ -79,8 +81,9 @@ class ShiftGroups:
         shift_group = dist.new_group(order, sort_ranks=False)
         shift_mesh = DeviceMesh.from_group(shift_group, mesh.device_type, mesh=torch.tensor(order),
                                            mesh_dim_names=("shift",))
-        backend = dist.get_backend()
-        control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        # Ranks wait on the control group between requests, for as long as the server idles: no
+        # timeout there; the forward's collectives keep the process group's bound.
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group, control)
 
 

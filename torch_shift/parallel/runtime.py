@@ -43,8 +43,6 @@ class ParallelRuntime:
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        if dist.get_world_size() != world:
-            raise ValueError(f"SP x TP = {sp} x {tp} = {world} differs from the world size {dist.get_world_size()}")
         self.groups: ShiftGroups = build_shift_groups(sp, tp)
         self.rank = dist.get_rank()
 

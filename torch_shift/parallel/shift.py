@@ -41,9 +41,6 @@ from torch_shift.parallel.ulysses import UlyssesAttention, kv_send_index
 # Reads one part of a parameter (our name, part or None), restricted to a slice (None: all of it).
 TensorReader = Callable[[str, str | None, PartSlice | None], torch.Tensor]
 
-LAYOUTS = ("base", "shift")
-
-
 def _local_heads(config: ModelConfig, num_chunks: int, chunk: int) -> tuple[int, int]:
     _, q = shard_bounds(config.num_attention_heads, num_chunks, chunk)
     _, kv = shard_bounds(config.num_key_value_heads, num_chunks, chunk)
