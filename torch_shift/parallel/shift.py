@@ -20,7 +20,7 @@ from torch import nn
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import AttentionFn, DecoderLM
-from torch_shift.models.loader import part_views
+from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.parallel import comm
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -32,7 +32,6 @@ from torch_shift.parallel.plan import (
     base_plan,
     local_part_slice,
     padded_vocab,
-    shard_bounds,
     shift_plan,
     validate_mesh_for_model,
 )
@@ -41,30 +40,41 @@ from torch_shift.parallel.ulysses import UlyssesAttention, kv_send_index
 # Reads one part of a parameter (our name, part or None), restricted to a slice (None: all of it).
 TensorReader = Callable[[str, str | None, PartSlice | None], torch.Tensor]
 
-def _local_heads(config: ModelConfig, num_chunks: int, chunk: int) -> tuple[int, int]:
-    _, q = shard_bounds(config.num_attention_heads, num_chunks, chunk)
-    _, kv = shard_bounds(config.num_key_value_heads, num_chunks, chunk)
-    return q, kv
+def _local_head_counts(plan: ParallelPlan, config: ModelConfig) -> tuple[int, int]:
+    """(query heads, KV heads) a rank attends to under `plan`, from its q and k slices."""
+    name = "layers.0.attn.qkv_proj.weight"
+    q, k = (local_part_slice(plan, config, name, part) for part in ("q", "k"))
+    return q.length // config.head_dim, k.length // config.head_dim
 
 
-def _sharded_skeleton(config: ModelConfig, groups: ShiftGroups, plan: ParallelPlan, num_chunks: int,
-                      chunk: int, group) -> DecoderLM:
-    """A DecoderLM on the meta device with local shapes and the plan's parallel layers."""
+def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
+    """A DecoderLM on the meta device whose Linear layers are what the plan makes of them: a Shard(0)
+    weight becomes a local column shard, a Shard(1) weight a row shard whose partial outputs are
+    summed over the plan's mesh axis, the LM head a vocab-parallel head."""
     with torch.device("meta"):
         model = DecoderLM(config)
-        heads, kv_heads = _local_heads(config, num_chunks, chunk)
-        d, hd = config.hidden_size, config.head_dim
-        inter = config.intermediate_size // num_chunks
+        heads, kv_heads = _local_head_counts(plan, config)
         for layer in model.layers:
-            attn = layer.attn
-            attn.num_heads, attn.num_kv_heads = heads, kv_heads
-            attn.qkv_proj = nn.Linear(d, (heads + 2 * kv_heads) * hd, bias=config.attention_bias)
-            attn.o_proj = RowParallelLinear(torch.empty(d, heads * hd), group)
-            layer.mlp.gate_up_proj = nn.Linear(d, 2 * inter, bias=False)
-            layer.mlp.down_proj = RowParallelLinear(torch.empty(d, inter), group)
-        p = groups.world_size
-        model.lm_head = VocabParallelLMHead(torch.empty(padded_vocab(config.vocab_size, p) // p, d),
-                                            config.vocab_size, groups.shift_group)
+            layer.attn.num_heads, layer.attn.num_kv_heads = heads, kv_heads
+        for name, module in list(model.named_modules()):
+            weight_name = name + ".weight"
+            sharded = plan.shard_dim_and_axis(weight_name) if isinstance(module, nn.Linear) else None
+            if sharded is None:
+                continue
+            dim, axis = sharded
+            mesh, _ = plan.lookup(weight_name)
+            group = mesh.get_group(axis)
+            out_features, in_features = module.weight.shape
+            parts = FUSED_PARTS.get(name.split(".")[-1], (None,))
+            slices = [local_part_slice(plan, config, weight_name, part) for part in parts]
+            if name == "lm_head":
+                rows = padded_vocab(config.vocab_size, group.size()) // group.size()
+                local = VocabParallelLMHead(torch.empty(rows, in_features), config.vocab_size, group)
+            elif dim == 0:
+                local = nn.Linear(in_features, sum(sl.length for sl in slices), bias=module.bias is not None)
+            else:
+                local = RowParallelLinear(torch.empty(out_features, slices[0].length), group)
+            model.set_submodule(name, local)
     return model
 
 
@@ -72,7 +82,7 @@ def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtyp
               device: torch.device) -> DecoderLM:
     """The base-layout model with only this rank's shards read."""
     plan = base_plan(groups)
-    model = _sharded_skeleton(config, groups, plan, groups.tp, groups.tp_rank, groups.tp_group)
+    model = _sharded_skeleton(config, plan)
     model.to(dtype).to_empty(device=device)
     model.rotary.materialize(device)
     with torch.no_grad():
@@ -105,7 +115,7 @@ def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shif
     shift = copy.copy(base)  # shallow: shares every submodule until replaced below
     shift._modules = dict(base._modules)
     shift.layers = nn.ModuleList()
-    heads, kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
+    heads, kv_heads = _local_head_counts(s_plan, config)
 
     def shift_slice(name: str, part: str | None, base_tensor: torch.Tensor) -> torch.Tensor:
         b, s = local_part_slice(b_plan, config, name, part), local_part_slice(s_plan, config, name, part)
@@ -170,7 +180,8 @@ class ShiftModule(nn.Module):
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
-        _, self.num_local_kv_heads = _local_heads(config, groups.world_size, groups.shift_rank)
+        # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
+        _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
 
     def compile_layouts(self) -> None:
         """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""
