@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+from test_block_manager import check_consistent
 
 from torch_shift.config import SchedulerConfig
 from torch_shift.engine.request import Request, RequestStatus
@@ -43,12 +44,7 @@ def add(sched: Scheduler, *requests: Request) -> list[Request]:
 
 
 def check_block_manager(bm: BlockManager) -> None:
-    owners = [0] * bm.num_blocks
-    for blocks in bm.req_blocks.values():
-        for b in blocks:
-            owners[b] += 1
-    assert owners == bm.ref_counts
-    assert set(bm.free_blocks) == {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0}
+    check_consistent(bm)
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
