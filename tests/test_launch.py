@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -97,3 +98,40 @@ def test_a_failing_rank_ends_the_others_in_bounded_time(llama, tmp_path, how):
     if how == "raise":
         assert "injected failure on rank 1" in result.stdout
     assert elapsed < 60  # far below the 120 s default timeout, well within the 30 s set here plus start-up
+
+
+def _rank0_dies(rank, world, model_dir):
+    import torch_shift.engine.model_runner as mr
+
+    original = mr.ModelRunner.execute
+    calls = [0]
+
+    def execute(self, plan):
+        calls[0] += 1
+        if rank == 0 and calls[0] == 3:
+            os._exit(9)
+        return original(self, plan)
+
+    mr.ModelRunner.execute = execute
+    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=4, distributed_timeout_s=30)
+    start = time.monotonic()
+    try:
+        llm.generate(["hello"] * 3, SamplingParams(max_tokens=20), use_tqdm=False)
+    except Exception as e:  # noqa: BLE001 - what rank 1 saw is the result
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"
+    return time.monotonic() - start, None
+
+
+def test_torchrun_style_ranks_end_when_rank_0_dies(llama):
+    """Under torchrun (every rank runs `generate`), rank 0 dying mid-step ends rank 1 with an error."""
+    from torch_shift.parallel.launch import LocalRanks, free_port
+
+    _, model_dir = llama
+    ranks = LocalRanks(_rank0_dies, 2, [0, 1], model_dir, port=free_port())
+    try:
+        rank, status, value = ranks.results.get(timeout=90)  # rank 0 reports nothing: it died
+        elapsed, error = pickle.loads(value)
+        assert (rank, status) == (1, "ok") and ranks.procs[0].exitcode == 9
+        assert error is not None and elapsed < 45, (elapsed, error)  # the 30 s collective bound at most
+    finally:
+        ranks.stop(grace_s=1)
