@@ -9,6 +9,7 @@ same engine code path:
   TP    : sp=1, tp=2, no shift layout (plain TP)
   SP    : sp=2, tp=1, shift_threshold=0 (every step in the base layout: pure Ulysses SP)
   Shift : sp=2, tp=1, shift_threshold=T (base for steps with more than T tokens, full TP otherwise)
+  Shift-view : the same with shift_weights="view" (zero-copy shift shards) instead of "copy"
 Each runs in its own process (ranks 0 and 1), rank 0 adds requests at their arrival times and
 steps the engine; it records each request's arrival, first-token and finish times. Reported:
 TTFT and TPOT p50/p90, throughput (input + output tokens over the makespan), steps per layout
@@ -38,6 +39,7 @@ CONFIGS = {
     "TP": dict(sp=1, tp=2, shift_threshold=None),
     "SP": dict(sp=2, tp=1, shift_threshold=0),
     "Shift": dict(sp=2, tp=1, shift_threshold=None),  # threshold from --threshold
+    "Shift-view": dict(sp=2, tp=1, shift_threshold=None, shift_weights="view"),  # zero-copy shift shards
 }
 
 
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", type=int, default=64, help="Shift: steps with more tokens use the base layout")
     ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (medians are reported)")
     ap.add_argument("--json")
     ap.add_argument("--_run", help=argparse.SUPPRESS)  # internal: serve one configuration, print JSON
     args = ap.parse_args(argv)
@@ -149,31 +152,34 @@ def main(argv=None) -> int:
 
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
-    results = {}
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_random_checkpoint(Path(tmp) / "model", tiny_llama_config(**MODEL), init_std=0.05))
-        for name, config in CONFIGS.items():
-            config = dict(config)
-            if name == "Shift":
-                config["shift_threshold"] = args.threshold
-            spec = json.dumps({"model": model_dir, "config": config, "requests": requests})
-            proc = subprocess.run([sys.executable, __file__, "--budget", str(args.budget), "--_run", spec],
-                                  capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **_env()})
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                print(proc.stdout, proc.stderr[-4000:], file=sys.stderr)
-                return 1
-            results[name] = json.loads(line[len("RESULT "):])
-            print(f"  {name:6s} done in {results[name]['makespan_s']:.1f} s", flush=True)
-
+        for round_idx in range(args.repeats):  # configurations interleaved, so drifts in machine load hit all
+            for name, config in CONFIGS.items():
+                config = dict(config)
+                if name.startswith("Shift"):
+                    config["shift_threshold"] = args.threshold
+                spec = json.dumps({"model": model_dir, "config": config, "requests": requests})
+                proc = subprocess.run([sys.executable, __file__, "--budget", str(args.budget), "--_run", spec],
+                                      capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **_env()})
+                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line is None:
+                    print(proc.stdout, proc.stderr[-4000:], file=sys.stderr)
+                    return 1
+                runs[name].append(json.loads(line[len("RESULT "):]))
+                print(f"  round {round_idx + 1}/{args.repeats} {name:10s} makespan {runs[name][-1]['makespan_s']:.1f} s",
+                      flush=True)
+    results = {name: _median_run(r) for name, r in runs.items()}
+    print(f"\nmedians over {args.repeats} runs per configuration:")
     print()
-    print(f"{'config':8s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} {'TPOT p90':>9s} {'tok/s':>8s}  steps")
+    print(f"{'config':10s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} {'TPOT p90':>9s} {'tok/s':>8s}  steps")
     for name, r in results.items():
-        print(f"{name:8s} {r['ttft_ms']['p50']:8.1f}ms {r['ttft_ms']['p90']:8.1f}ms {r['tpot_ms']['p50']:8.2f}ms "
+        print(f"{name:10s} {r['ttft_ms']['p50']:8.1f}ms {r['ttft_ms']['p90']:8.1f}ms {r['tpot_ms']['p50']:8.2f}ms "
               f"{r['tpot_ms']['p90']:8.2f}ms {r['throughput_tok_s']:8.0f}  {r['steps']}")
     tp = results["TP"]
     for name, r in results.items():
-        print(f"{name:6s} vs TP: TTFT p50 x{r['ttft_ms']['p50'] / tp['ttft_ms']['p50']:.2f}, "
+        print(f"{name:10s} vs TP: TTFT p50 x{r['ttft_ms']['p50'] / tp['ttft_ms']['p50']:.2f}, "
               f"TPOT p50 x{r['tpot_ms']['p50'] / tp['tpot_ms']['p50']:.2f}, "
               f"throughput x{r['throughput_tok_s'] / tp['throughput_tok_s']:.2f}")
     print()
@@ -181,11 +187,21 @@ def main(argv=None) -> int:
     for name, r in results.items():
         total = sum(r["ledger_bytes"].values())
         parts = ", ".join(f"{k} {v / 1e6:.2f} MB ({r['ledger_calls'][k]} calls)" for k, v in r["ledger_bytes"].items())
-        print(f"  {name:6s} {total / 1e6:7.2f} MB, {total / r['tokens']:8.0f} B/token: {parts}")
+        print(f"  {name:10s} {total / 1e6:7.2f} MB, {total / r['tokens']:8.0f} B/token: {parts}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     return 0
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each latency and throughput figure: the median over the runs; steps and ledger of the first."""
+    out = dict(runs[0])
+    for key in ("ttft_ms", "tpot_ms"):
+        out[key] = {q: statistics.median(r[key][q] for r in runs) for q in ("p50", "p90")}
+    out["throughput_tok_s"] = statistics.median(r["throughput_tok_s"] for r in runs)
+    out["runs"] = runs
+    return out
 
 
 def _env() -> dict:
