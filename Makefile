@@ -7,12 +7,12 @@ install:
 
 # The main job: generate with the embedded default model (built locally on first use).
 demo:
-	PYTHON=$(PYTHON) scripts/install.sh
+	PYTHON=$(PYTHON) scripts/install.sh serve
 	torch-shift generate "def fib(n):" "The quick brown fox" --max-tokens 32
 
 # Every test, the slow ones included (what CI runs).
 test:
-	PYTHON=$(PYTHON) scripts/install.sh dev
+	PYTHON=$(PYTHON) scripts/install.sh serve,dev
 	$(PYTHON) -m pytest -q --timeout=900 tests
 
 # The quick subset, while developing.

@@ -168,6 +168,7 @@ class LLMEngine:
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
         self.num_steps = 0
+        self.last_step_layout: str | None = None
         # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
         # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
         gc.collect()
@@ -309,6 +310,7 @@ class LLMEngine:
             assert not self.scheduler.running, "running requests but nothing scheduled"
             return []
         self.num_steps += 1
+        self.last_step_layout = plan.layout if self.parallel is not None else "single"
         if self.parallel is None:
             runner_output = self.runner.execute(plan)
         else:
@@ -433,6 +435,8 @@ class LLMEngine:
             outputs=completions,
             finished=all(c.finish_reason is not None for c in completions),
             num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
+                     "first_token_time": first.first_token_time},
         )
 
     # -- parallel ranks -----------------------------------------------------------------------------------

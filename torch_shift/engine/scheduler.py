@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,6 +176,7 @@ class Scheduler:
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_computed
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

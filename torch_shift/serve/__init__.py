@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: the async engine, the FastAPI app, Prometheus metrics."""
