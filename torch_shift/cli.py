@@ -116,6 +116,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from torch_shift.bench.run import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-shift", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(func=_serve)
+
+    from torch_shift.bench.run import add_bench_args
+
+    bench = sub.add_parser("bench", help="serving benchmark: real HTTP traffic, latency/throughput report, plot")
+    add_bench_args(bench)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Benchmark tools: load generation and reports."""
