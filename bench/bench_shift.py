@@ -32,8 +32,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
 
-MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+from torch_shift.bench.run import TABLE5_MODEL as MODEL  # noqa: E402 - the same ~5M-parameter model
 
 CONFIGS = {
     "TP": dict(sp=1, tp=2, shift_threshold=None),
