@@ -323,3 +323,13 @@ def test_server_with_sequence_parallel_ranks(checkpoints, reference):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+
+
+def test_several_prompts_in_one_completion_request(server, reference):
+    prompts = [PROMPT, "café au lait", "x"]
+    out = server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in out.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        expected = greedy(reference, prompt, max_tokens=5).text
+        assert out.choices[2 * i].text == expected and out.choices[2 * i + 1].text == expected
+    assert out.usage.completion_tokens == 6 * 5

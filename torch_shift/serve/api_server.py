@@ -6,6 +6,7 @@ queue is a 429, an engine that stopped a 503.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -106,7 +107,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
 
     # -- completions --------------------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         check_model(body.model)
         prompts = body.prompts()
         if not prompts:
@@ -126,11 +127,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             first = await _first(stream)  # errors before the first byte are proper HTTP errors
             return StreamingResponse(_completion_chunks(first, stream, rid, created, model, body, tokenizer),
                                      media_type="text/event-stream")
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for i, prompt in enumerate(prompts):
+        async def final_output(i: int, prompt) -> RequestOutput:
             final = None
             async for out in run(f"{rid}-{i}", prompt, params):
                 final = out
+            return final
+
+        finals = await asyncio.gather(*(final_output(i, p) for i, p in enumerate(prompts)))  # all prompts batch
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, final in enumerate(finals):
             usage["prompt_tokens"] += len(final.prompt_token_ids)
             for c in final.outputs:
                 usage["completion_tokens"] += 0 if echo_only else len(c.token_ids)
@@ -141,7 +146,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
 
     # -- chat ---------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def chat(body: ChatCompletionRequest):
         check_model(body.model)
         if tokenizer is None or tokenizer.chat_template is None:
             raise APIError(400, "this model has no chat template")
@@ -215,8 +220,7 @@ async def _deltas(first: RequestOutput, stream: AsyncIterator[RequestOutput], st
 
 async def _completion_chunks(first, stream, rid, created, model, body: CompletionRequest, tokenizer):
     try:
-        prompt_text = first.prompt if first.prompt is not None else (tokenizer.decode(first.prompt_token_ids)
-                                                                     if tokenizer else "")
+        prompt_text = _prompt_text(first, tokenizer)
         echoed = set()
         completion_tokens = 0
         async for out, c, text, (t0, t1) in _deltas(first, stream, body.stop):
@@ -267,6 +271,12 @@ async def _chat_chunks(first, stream, rid, created, model, body: ChatCompletionR
     yield "data: [DONE]\n\n"
 
 
+def _prompt_text(out: RequestOutput, tokenizer) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
 def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.token_to_str(token_id) if tokenizer is not None else str(token_id)
 
@@ -296,9 +306,7 @@ def _completion_choice(index: int, out: RequestOutput, c: CompletionOutput, body
     token_ids = [] if echo_only else c.token_ids
     position_logprobs = [] if echo_only else (c.logprobs or [])
     if body.echo:
-        prompt_text = out.prompt if out.prompt is not None else (tokenizer.decode(out.prompt_token_ids)
-                                                                 if tokenizer else "")
-        text = prompt_text + text
+        text = _prompt_text(out, tokenizer) + text
     logprobs = None
     if body.logprobs is not None:
         if body.echo:
