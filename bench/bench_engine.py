@@ -569,11 +569,11 @@ def profile_table(profiler: cProfile.Profile, steps: int, top: int = 18) -> dict
 
 def print_profile(prof: dict) -> None:
     log(f"  cProfile (profiled time {prof['profiled_us_per_step'] / 1e3:.2f} ms/step, inflated by the profiler)")
-    log(f"  top functions by own time:")
+    log("  top functions by own time:")
     log(f"    {'own us/step':>11} {'share':>6} {'calls/step':>10}  function")
     for r in prof["top_tottime"]:
         log(f"    {r['tottime_us_per_step']:>11.1f} {r['tottime_share']:>6.1%} {r['calls_per_step']:>10.1f}  {r['where']}")
-    log(f"  torch_shift functions by cumulative time:")
+    log("  torch_shift functions by cumulative time:")
     log(f"    {'cum us/step':>11} {'calls/step':>10}  function")
     for r in prof["top_cumtime_torch_shift"]:
         log(f"    {r['cumtime_us_per_step']:>11.1f} {r['calls_per_step']:>10.1f}  {r['where']}")

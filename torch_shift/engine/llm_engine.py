@@ -8,9 +8,9 @@ from __future__ import annotations
 import gc
 import math
 import time
-from typing import Any
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -228,7 +228,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
                 "(prompt plus at least one generated token)"
             )
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        pool_tokens = self.block_manager.capacity_tokens
         if len(token_ids) >= pool_tokens:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens; the KV pool holds only {pool_tokens} tokens "
@@ -264,7 +264,7 @@ class LLMEngine:
         text, token_ids = prompt.text, prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
         # preempting itself forever): past either it finishes with "length".
-        max_len = min(self.scheduler_config.max_model_len, self.block_manager.num_blocks * self.args.block_size)
+        max_len = min(self.scheduler_config.max_model_len, self.block_manager.capacity_tokens)
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

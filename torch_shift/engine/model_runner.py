@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from torch_shift.compilation import compile_forward
 from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
 from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
 from torch_shift.kv.cache import KVCache
-from torch_shift.compilation import compile_forward
-from torch_shift.parallel.shift import ShiftModule
 from torch_shift.kv.flex_attention import FlexMetadata, FlexPagedAttention, build_flex_metadata
+from torch_shift.parallel.shift import ShiftModule
 
 
 @dataclass

@@ -36,6 +36,11 @@ class BlockManager:
         return len(self.free_blocks)
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool holds: no sequence can grow past it."""
+        return self.num_blocks * self.block_size
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
 import tokenizers.decoders
 import tokenizers.models
 import tokenizers.pre_tokenizers
 import tokenizers.processors
 import tokenizers.trainers
+import torch
 
 # ChatML turns that start with bos, like Llama 3 / Qwen templates; exercises tools, tojson and raise_exception.
 CHATML_TEMPLATE = (

@@ -28,9 +28,6 @@ class CommLedger:
         self.bytes[(layout, op)] += nbytes
         self.calls[(layout, op)] += 1
 
-    def total(self, layout: str) -> int:
-        return sum(b for (lay, _), b in self.bytes.items() if lay == layout)
-
 
 _ledger: CommLedger | None = None
 _layout = "base"

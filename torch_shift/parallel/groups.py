@@ -57,14 +57,6 @@ class ShiftGroups:
     def shift_rank(self) -> int:
         return self.tp_rank * self.sp + self.sp_rank
 
-    @property
-    def rank(self) -> int:
-        return dist.get_rank()
-
-    @property
-    def device_type(self) -> str:
-        return self.mesh.device_type
-
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ShiftGroups:
         if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:

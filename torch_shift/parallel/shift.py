@@ -16,14 +16,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.parallel import comm
-from torch.distributed.device_mesh import DeviceMesh
-
 from torch_shift.parallel.groups import ShiftGroups
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
 from torch_shift.parallel.plan import (

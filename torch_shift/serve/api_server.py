@@ -199,7 +199,7 @@ def _sse(payload: dict) -> str:
 
 
 async def _deltas(first: RequestOutput, stream: AsyncIterator[RequestOutput], stop):
-    """(output, choice, new text, new token range) per choice and step; text held back near stop strings."""
+    """(choice, new text, new token range) per choice and step; text held back near stop strings."""
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     out = first
@@ -212,7 +212,7 @@ async def _deltas(first: RequestOutput, stream: AsyncIterator[RequestOutput], st
                 if end > start:
                     sent_chars[c.index] = end
                 sent_tokens[c.index] = t1
-                yield out, c, c.text[start:max(start, end)], (t0, t1)
+                yield c, c.text[start:max(start, end)], (t0, t1)
         if out.finished:
             return
         out = await stream.__anext__()
@@ -223,7 +223,7 @@ async def _completion_chunks(first, stream, rid, created, model, body: Completio
         prompt_text = _prompt_text(first, tokenizer)
         echoed = set()
         completion_tokens = 0
-        async for out, c, text, (t0, t1) in _deltas(first, stream, body.stop):
+        async for c, text, (t0, t1) in _deltas(first, stream, body.stop):
             if body.echo and c.index not in echoed:
                 echoed.add(c.index)
                 text = prompt_text + text
@@ -257,7 +257,7 @@ async def _chat_chunks(first, stream, rid, created, model, body: ChatCompletionR
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         completion_tokens = 0
-        async for out, c, text, (t0, t1) in _deltas(first, stream, body.stop):
+        async for c, text, (t0, t1) in _deltas(first, stream, body.stop):
             completion_tokens += t1 - t0
             logprobs = (_chat_logprobs(c.logprobs[t0:t1], c.token_ids[t0:t1], tokenizer, body.top_logprobs or 0)
                         if body.logprobs else None)
