@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from torch_shift import SamplingParams
 from torch_shift.models.toy import build_tokenizer
 
 VOCAB_SIZE = 512
@@ -89,3 +90,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=3)
     return out[0, len(prompt):].tolist()
+
+
+def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the paged-attention runner (chunked as scheduled)."""
+    engine.add_request("probe", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    rows = []
+    while True:
+        plan = engine.scheduler.schedule()
+        out = engine.runner.execute(plan)
+        (rid, first, n), = out.logits_rows
+        rows.append(out.logits[first:first + n])
+        engine.scheduler.update_from_output(plan, {"probe": 7} if plan.scheduled[0].sample else {})
+        if plan.scheduled[0].sample:
+            break
+    engine.abort_request("probe")
+    return torch.cat(rows)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAMILIES, build_hf_model, random_prompts, rewrite_config, save_checkpoint
+from conftest import FAMILIES, build_hf_model, engine_logits, random_prompts, rewrite_config, save_checkpoint
 
 from torch_shift import LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -15,22 +15,6 @@ from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.models import load_model
 
 FP32_ATOL = 1e-4  # logits reach |15|: 7e-6 relative, a few float32 ulps of accumulated rounding
-
-
-def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the paged-attention runner (chunked as scheduled)."""
-    engine.add_request("probe", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    rows = []
-    while True:
-        plan = engine.scheduler.schedule()
-        out = engine.runner.execute(plan)
-        (rid, first, n), = out.logits_rows
-        rows.append(out.logits[first:first + n])
-        engine.scheduler.update_from_output(plan, {"probe": 7} if plan.scheduled[0].sample else {})
-        if plan.scheduled[0].sample:
-            break
-    engine.abort_request("probe")
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

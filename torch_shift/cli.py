@@ -116,6 +116,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from torch_shift.models.convert import convert_checkpoint
+    from torch_shift.models.hub import resolve_model_dir
+
+    out = convert_checkpoint(resolve_model_dir(args.model, args.revision), args.out, dtype=args.dtype,
+                             max_shard_bytes=int(args.max_shard_size_mb * (1 << 20)), overwrite=args.overwrite)
+    print(f"[torch-shift] wrote {out}", file=sys.stderr)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from torch_shift.bench.run import run_bench
 
@@ -144,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--log-level", default="warning")
     serve.set_defaults(func=_serve)
+
+    convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a torch_shift checkpoint")
+    convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory (or hub id)")
+    convert.add_argument("--revision", default=None)
+    convert.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="dtype of the stored weights (default: the checkpoint's)")
+    convert.add_argument("--max-shard-size-mb", type=float, default=2048.0)
+    convert.add_argument("--overwrite", action="store_true", help="replace --out once the conversion succeeded")
+    convert.set_defaults(func=_convert)
 
     from torch_shift.bench.run import add_bench_args
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -119,41 +120,98 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return names
 
 
+# A torch_shift checkpoint (`torch-shift convert`): this file lists every stored tensor.
+CONVERTED_MANIFEST = "torch_shift_checkpoint.json"
+CONVERTED_FORMAT_VERSION = 1
+# Weights a tensor-parallel plan shards on dim 1 (Shard(1), the row-parallel layers). A converted
+# checkpoint stores them transposed, so any rank's shard is one contiguous run of rows.
+ROW_PARALLEL = re.compile(r"layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight")
+
+
+def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where: str,
+                  map_name: Callable[[str], tuple[str, str | None] | None]) -> dict[tuple[str, str | None], str]:
+    """(parameter name, part) -> source tensor name, checked against what `config` implies.
+
+    `shapes` holds every tensor of the source (name -> shape as the model sees it); `map_name`
+    places a source name in the model, or returns None for a name that has no place there.
+    Raises ValueError for a foreign tensor, a missing one, or a shape the config does not imply.
+    """
+    expected = expected_parts(config)
+    index: dict[tuple[str, str | None], str] = {}
+    for source_name, shape in shapes.items():
+        if _IGNORED.match(source_name):
+            continue
+        target = map_name(source_name)
+        if target is None:
+            raise ValueError(f"{where}: tensor {source_name!r} is not part of a {config.architecture}")
+        if config.tie_word_embeddings and target == ("lm_head.weight", None):
+            continue  # tied: the embedding is the head
+        if target not in expected:
+            raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
+        if tuple(shape) != expected[target]:
+            raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
+                             f"config.json implies {expected[target]}")
+        index[target] = source_name
+    missing = sorted(f"{n}[{p}]" if p else n for n, p in set(expected) - set(index))
+    if missing:
+        raise ValueError(f"{where}: checkpoint lacks tensors for {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return index
+
+
+def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None]:
+    """Hugging Face tensor name -> (parameter name, part) for a model family."""
+    name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
+    return lambda hf_name: _map_name(name_map, hf_name)
+
+
+def slice_window(tensor_slice, part_slice, transposed: bool = False) -> torch.Tensor:
+    """Read `part_slice` of a safetensors slice (or any tensor); `transposed`: the stored tensor
+    is the transpose of the parameter, whose dim-1 window is then a run of stored rows."""
+    if part_slice is None:
+        tensor = tensor_slice[:]
+        return tensor.t() if transposed else tensor
+    window = slice(part_slice.start, part_slice.start + part_slice.length)
+    if transposed:
+        rows = tensor_slice[window] if part_slice.dim == 1 else tensor_slice[:, window]
+        return rows.t()
+    return tensor_slice[window] if part_slice.dim == 0 else tensor_slice[:, window]
+
+
 class CheckpointReader:
     """`reader(param_name, part, part_slice)` -> the tensor (or only the slice) from safetensors.
 
-    Construction checks that the checkpoint holds exactly the tensors `config` implies, each with
-    the implied shape, so a wrong checkpoint fails before anything is loaded.
+    Reads a Hugging Face directory (single or sharded safetensors) or a converted torch_shift
+    checkpoint (`torch-shift convert`). Construction checks that the checkpoint holds exactly the
+    tensors `config` implies, each with the implied shape, so a wrong checkpoint fails before
+    anything is loaded.
     """
 
     def __init__(self, model_dir: str | Path, config: ModelConfig):
         self.model_dir = Path(model_dir)
         self.config = config
-        name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[config.family]]
-        self.expected = expected_parts(config)
-        self.index: dict[tuple[str, str | None], tuple[Path, str]] = {}
         self._handles: dict[Path, object] = {}
-        for hf_name, path in checkpoint_files(self.model_dir).items():
-            if _IGNORED.match(hf_name):
-                continue
-            target = _map_name(name_map, hf_name)
-            if target is None:
-                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} is not part of a {config.architecture}")
-            if config.tie_word_embeddings and target == ("lm_head.weight", None):
-                continue  # tied: the embedding is the head
-            if target not in self.expected:
-                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} has no place in this model "
-                                 "(check config.json)")
-            self.index[target] = (path, hf_name)
-        missing = sorted(f"{n}[{p}]" if p else n for n, p in set(self.expected) - set(self.index))
-        if missing:
-            raise ValueError(f"{self.model_dir}: checkpoint lacks tensors for {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-        for key, (path, hf_name) in self.index.items():
-            shape = tuple(self._handle(path).get_slice(hf_name).get_shape())
-            if shape != self.expected[key]:
-                raise ValueError(f"{self.model_dir}: tensor {hf_name!r} has shape {shape}, "
-                                 f"config.json implies {self.expected[key]}")
+        self.transposed: set[str] = set()
+        manifest_path = self.model_dir / CONVERTED_MANIFEST
+        if manifest_path.is_file():
+            manifest = read_manifest(manifest_path)
+            files = {name: self.model_dir / entry["file"] for name, entry in manifest["tensors"].items()}
+            absent = sorted({str(f.name) for f in files.values() if not f.is_file()})
+            if absent:
+                raise ValueError(f"{self.model_dir}: files listed in {CONVERTED_MANIFEST} are missing: "
+                                 f"{', '.join(absent)}")
+            self.transposed = {n for n, e in manifest["tensors"].items() if e.get("transposed")}
+            places = {n: (e["param"], e["part"]) for n, e in manifest["tensors"].items()}
+            map_name = places.get
+        else:
+            files = checkpoint_files(self.model_dir)
+            map_name = hf_name_mapper(config.family)
+        self.files = files
+        shapes = {}
+        for name, path in files.items():
+            shape = tuple(self._handle(path).get_slice(name).get_shape())
+            shapes[name] = shape[::-1] if name in self.transposed else shape
+        self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
 
     def _handle(self, path: Path):
         if path not in self._handles:
@@ -161,15 +219,22 @@ class CheckpointReader:
         return self._handles[path]
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
-        path, hf_name = self.index[(name, part)]
-        tensor_slice = self._handle(path).get_slice(hf_name)
-        if part_slice is None:
-            return tensor_slice[:]
-        window = slice(part_slice.start, part_slice.start + part_slice.length)
-        return tensor_slice[window] if part_slice.dim == 0 else tensor_slice[:, window]
+        source_name = self.index[(name, part)]
+        tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
+        return slice_window(tensor_slice, part_slice, source_name in self.transposed)
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if manifest.get("format") != "torch_shift" or manifest.get("version") != CONVERTED_FORMAT_VERSION:
+        raise ValueError(f"{path}: not a torch_shift checkpoint of format version {CONVERTED_FORMAT_VERSION}")
+    return manifest
 
 
 def _map_name(name_map: list[tuple[re.Pattern, str, str | None]], hf_name: str) -> tuple[str, str | None] | None:
@@ -180,27 +245,29 @@ def _map_name(name_map: list[tuple[re.Pattern, str, str | None]], hf_name: str) 
     return None
 
 
-def load_weights(model: DecoderLM, reader: CheckpointReader) -> None:
-    """Fill every (already materialised, full-size) parameter of `model` from the checkpoint."""
-    with torch.no_grad():
-        for name, _ in model.named_parameters():
-            for part, dest in part_views(model, name).items():
-                dest.copy_(reader(name, part))
-
-
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DecoderLM:
     """Build on the meta device, materialise empty parameters on `device`, fill them from safetensors."""
-    model_dir = Path(model_dir)
-    config = ModelConfig.from_dir(model_dir)
+    config = ModelConfig.from_dir(Path(model_dir))
     reader = CheckpointReader(model_dir, config)
+    try:
+        return build_model(config, reader, dtype, device)
+    finally:
+        reader.close()
+
+
+def build_model(config: ModelConfig, read: Callable, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> DecoderLM:
+    """The full model, each parameter part filled by `read(name, part, None)`."""
     with torch.device("meta"):
         model = DecoderLM(config).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.materialize(torch.device(device))
-    load_weights(model, reader)
-    reader.close()
+    with torch.no_grad():
+        for name, _ in model.named_parameters():
+            for part, dest in part_views(model, name).items():
+                dest.copy_(read(name, part, None))
     return model.eval().requires_grad_(False)
