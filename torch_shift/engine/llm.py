@@ -11,14 +11,20 @@ from tqdm.auto import tqdm
 from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.models.loader import WeightSource
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args):
+    def __init__(self, model: str | None = None, *, weights: WeightSource | None = None, **engine_args):
+        """`model`: a checkpoint directory or hub id; or `weights`: an in-memory weight source
+        (see torch_shift.handoff), with `model` then only a name."""
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args))
+        if model is None and weights is None:
+            raise TypeError("LLM needs a model (checkpoint directory or hub id) or weights")
+        self.engine = LLMEngine(EngineArgs(model=str(model if model is not None else "in-memory"), **engine_args),
+                                weights)
         self._ids = itertools.count()
         if self.engine.parallel is not None:
             atexit.register(self.shutdown)

@@ -25,7 +25,7 @@ from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.hub import resolve_model_dir
-from torch_shift.models.loader import CheckpointReader, load_model
+from torch_shift.models.loader import CheckpointReader, WeightSource, build_model
 from torch_shift.parallel.plan import validate_mesh_for_model
 from torch_shift.parallel.runtime import ParallelRuntime
 from torch_shift.parallel.shift import build_shift_module
@@ -100,18 +100,26 @@ class _ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
+        """`weights`: read the model from this source (e.g. a training job's state dict, see
+        torch_shift.handoff) instead of the checkpoint directory `args.model`."""
         self.args = args
-        model_dir = resolve_model_dir(args.model, args.revision)
+        if weights is None:
+            model_dir = resolve_model_dir(args.model, args.revision)
+            self.model_config = ModelConfig.from_dir(model_dir)
+        else:
+            model_dir = None
+            self.model_config = weights.config
         self.model_dir = model_dir
-        self.model_config = ModelConfig.from_dir(model_dir)
         mc = self.model_config
         self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.device = device
 
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
-        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = None
+        if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+            self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         eos = set(mc.eos_token_id)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -144,7 +152,7 @@ class LLMEngine:
             self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
             self.device = device = self.parallel.device
             try:
-                reader = CheckpointReader(model_dir, mc)
+                reader = weights or CheckpointReader(model_dir, mc)
                 self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
                                                 args.shift_threshold, args.shift_weights)
                 reader.close()
@@ -154,7 +162,9 @@ class LLMEngine:
             num_kv_heads = self.model.num_local_kv_heads
             choose_layout = self.model.choose_layout
         else:
-            self.model = load_model(model_dir, self.dtype, device)
+            reader = weights or CheckpointReader(model_dir, mc)
+            self.model = build_model(mc, reader, self.dtype, device)
+            reader.close()
         num_blocks = self._num_kv_blocks(num_kv_heads)
         if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
             num_blocks = self.parallel.min_over_ranks(num_blocks)
@@ -206,7 +216,8 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer.json: give the prompt as token ids")
+                where = f"{self.model_dir} has no tokenizer.json" if self.model_dir else "no tokenizer was given"
+                raise ValueError(f"{where}: give the prompt as token ids")
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
 
 FUSED_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
@@ -126,6 +127,17 @@ CONVERTED_FORMAT_VERSION = 1
 # Weights a tensor-parallel plan shards on dim 1 (Shard(1), the row-parallel layers). A converted
 # checkpoint stores them transposed, so any rank's shard is one contiguous run of rows.
 ROW_PARALLEL = re.compile(r"layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight")
+
+
+class WeightSource(Protocol):
+    """Where a model's weights come from: a checkpoint directory (CheckpointReader), a training
+    job's state dict or a DCP checkpoint (torch_shift.handoff)."""
+
+    config: ModelConfig
+
+    def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
 
 
 def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where: str,
