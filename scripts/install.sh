@@ -10,3 +10,8 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install --quiet "torch==2.13.0"
 fi
 "$PYTHON" -m pip install --quiet -e ".${extras:+[$extras]}"
+if [[ ",$extras," == *",dev,"* ]]; then
+  # the torchtitan handoff tests import only its model code: skip its training-job dependencies
+  "$PYTHON" -m pip install --quiet --no-deps "torchtitan==0.3.0"
+  "$PYTHON" -m pip install --quiet "spmd_types==0.2.3" tyro
+fi

@@ -144,3 +144,55 @@ def test_torchtitan_names_and_rope_rows(llama):
     # one head of dim 4: interleaved pairs (r0, r1), (r2, r3) -> half-split pairs (r0, r2), (r1, r3)
     w = torch.arange(8.0).reshape(4, 2)
     assert half_split_rope_rows(w, 1)[:, 0].tolist() == [0.0, 4.0, 2.0, 6.0]
+
+
+def _torchtitan_rank(rank, world, sp, tp, tmp_dir):
+    import torch.distributed as dist
+    import torchtitan_llama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = torchtitan_llama.build(seed=0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        batch = torch.randint(0, torchtitan_llama.VOCAB, (2, 17), generator=generator)
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:  # torchtitan's own converter writes the reference checkpoint
+        _, adapter_cls = torchtitan_llama.import_llama3()
+        hf = adapter_cls(torchtitan_llama.tiny_llama3_config(), None).to_hf(before)
+        save_file({k: v.contiguous() for k, v in hf.items()}, f"{tmp_dir}/model.safetensors")
+    llm = handoff(model, torchtitan_llama.hf_config(), sp=sp, tp=tp, shift_threshold=16)
+    tokens = [o.outputs[0].token_ids for o in
+              llm.generate(random_prompts(4, PROMPT_LENGTHS, seed=3), GREEDY, use_tqdm=False)]
+    untouched = all(torch.equal(before[k], v.full_tensor()) for k, v in model.state_dict().items())
+    dist.barrier()
+    dist.destroy_process_group()
+    return tokens, untouched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,sp,tp", [(2, 1, 2), (4, 2, 2)])
+def test_torchtitan_llama3_handoff(tmp_path, world, sp, tp):
+    import torchtitan_llama
+
+    if torchtitan_llama.import_llama3() is None:
+        pytest.skip("torchtitan is not installed (pip install torch_shift[torchtitan])")
+    (tmp_path / "config.json").write_text(json.dumps(torchtitan_llama.hf_config()))
+    results = run_ranks(_torchtitan_rank, world, sp, tp, str(tmp_path), timeout_s=600)
+    expected = [o.outputs[0].token_ids for o in
+                LLM(str(tmp_path)).generate(random_prompts(4, PROMPT_LENGTHS, seed=3), GREEDY, use_tqdm=False)]
+    assert len(set(map(tuple, expected))) > 1  # the prompts lead to different continuations
+    for tokens, untouched in results:
+        assert tokens == expected
+        assert untouched
