@@ -196,3 +196,21 @@ def test_torchtitan_llama3_handoff(tmp_path, world, sp, tp):
     for tokens, untouched in results:
         assert tokens == expected
         assert untouched
+
+
+@pytest.mark.slow
+def test_train_and_handoff_example_under_torchrun():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_and_handoff.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example),
+         "--steps", "4", "--resume-steps", "2", "--train-tp", "2", "--sp", "2", "--tp", "1", "--max-tokens", "5"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("[generate]") for line in lines) == 2
+    assert any("handoff to sp=2 tp=1" in line for line in lines)
+    assert sum(line.startswith("[train] step") for line in lines) == 4  # 2 logged before, 2 after the handoff
