@@ -5,10 +5,10 @@ PYTHON ?= python3
 install:
 	PYTHON=$(PYTHON) scripts/install.sh
 
-# The main job: generate with the embedded default model (built locally on first use).
+# The main job: generate with the embedded default model (shipped in the package).
 demo:
 	PYTHON=$(PYTHON) scripts/install.sh serve
-	torch-shift generate "def fib(n):" "The quick brown fox" --max-tokens 32
+	torch-shift generate "And God said" "In the beginning" --max-tokens 40
 
 # Every test, the slow ones included (what CI runs).
 test:

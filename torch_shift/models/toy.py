@@ -1,6 +1,6 @@
 """Small Hugging Face style model directories built locally (no hub access): a byte-level BPE
-tokenizer trained in milliseconds and random Llama-family checkpoints. Tests use them as fixtures and
-the embedded default model is built from them."""
+tokenizer trained in milliseconds and random Llama-family checkpoints. Tests and benchmarks use them as
+fixtures."""
 
 from __future__ import annotations
 
