@@ -186,7 +186,8 @@ def main() -> None:
         f"on the King James Version of the Bible (public domain; Debian package `bible-kjv`).\n\n"
         f"- tokenizer: byte-level BPE, {tokenizer.get_vocab_size()} tokens, trained with `tokenizers`\n"
         f"- training: {args.steps} AdamW steps of {args.batch_size} x {args.seq_len} tokens, seed {args.seed}, "
-        f"final loss {loss.item():.3f}, {train_seconds / 60:.1f} min on a 2-core CPU\n"
+        f"final loss {loss.item():.3f}, {train_seconds / 60:.1f} min with {torch.get_num_threads()} torch "
+        f"thread(s)\n"
         f"- weights: bfloat16 safetensors, embedding tied to the LM head\n\n"
         f"It writes KJV-style English; it knows nothing else and was never trained on dialogue.\n")
     if args.out.exists():

@@ -2,7 +2,7 @@
 
 A 2.2M-parameter Llama with a 3072-token byte-level BPE tokenizer, trained from scratch by
 `scripts/train_default_model.py` on the King James Version of the Bible (public domain), shipped
-in the package as a Hugging Face directory (bfloat16 safetensors, ~4.5 MB). It writes simple
+in the package as a Hugging Face directory (bfloat16 safetensors, 4.3 MB). It writes simple
 KJV-style English; see torch_shift/default_model/README.md for how it was made.
 """
 
