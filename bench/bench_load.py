@@ -10,12 +10,14 @@ directories `--repeats` times (the page cache is warm for both after the first r
            reporting the slowest rank
 Two cases: the checkpoint's own dtype served as is (bfloat16 -> bfloat16), and a float32
 checkpoint served in bfloat16 (converted with --dtype bfloat16). Prints medians and ratios.
+`--cold` drops the page cache before every load, so each load reads from the disk (needs root).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -55,13 +57,21 @@ def shard_like_save_pretrained(model_dir: Path, dtype: torch.dtype, max_shard_by
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-def time_single(model_dir: Path, dtype: torch.dtype) -> float:
+def drop_page_cache() -> None:
+    """Cold-cache loads (Linux, root): the next read of every file comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def time_single(model_dir: Path, dtype: torch.dtype, cold: bool = False) -> float:
+    if cold:
+        drop_page_cache()
     start = time.perf_counter()
     load_model(model_dir, dtype)
     return time.perf_counter() - start
 
 
-def _mesh_rank(rank, world, dirs, dtype, repeats):
+def _mesh_rank(rank, world, dirs, dtype, repeats, cold):
     import torch.distributed as dist
 
     from torch_shift.parallel.groups import build_shift_groups
@@ -72,6 +82,8 @@ def _mesh_rank(rank, world, dirs, dtype, repeats):
     times: dict[str, list[float]] = {name: [] for name in dirs}
     for _ in range(repeats):
         for name, model_dir in dirs.items():
+            if cold and rank == 0:
+                drop_page_cache()
             dist.barrier()
             start = time.perf_counter()
             config = ModelConfig.from_dir(model_dir)
@@ -84,14 +96,14 @@ def _mesh_rank(rank, world, dirs, dtype, repeats):
     return times
 
 
-def measure(dirs: dict[str, Path], dtype: torch.dtype, repeats: int) -> dict[str, dict[str, float]]:
-    for model_dir in dirs.values():  # warm the page cache for both
+def measure(dirs: dict[str, Path], dtype: torch.dtype, repeats: int, cold: bool) -> dict[str, dict[str, float]]:
+    for model_dir in dirs.values():  # warm the page cache for both (and the code paths)
         time_single(model_dir, dtype)
     single: dict[str, list[float]] = {name: [] for name in dirs}
     for _ in range(repeats):
         for name, model_dir in dirs.items():
-            single[name].append(time_single(model_dir, dtype))
-    per_rank = run_ranks(_mesh_rank, 4, dirs, dtype, repeats, timeout_s=1800)
+            single[name].append(time_single(model_dir, dtype, cold))
+    per_rank = run_ranks(_mesh_rank, 4, dirs, dtype, repeats, cold, timeout_s=1800)
     mesh = {name: [max(r[name][i] for r in per_rank) for i in range(repeats)] for name in dirs}
     return {"mesh 1": {n: statistics.median(t) for n, t in single.items()},
             "mesh 4 (sp2 x tp2)": {n: statistics.median(t) for n, t in mesh.items()}}
@@ -103,6 +115,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every load (root)")
     args = parser.parse_args()
     d = args.hidden_size
     config = tiny_llama_config(vocab_size=32000, hidden_size=d, intermediate_size=int(d * 8 / 3) // 64 * 64,
@@ -121,7 +134,8 @@ def main() -> int:
             converted = convert_checkpoint(hf_dir, Path(tmp) / f"converted-{tag}", dtype=convert_dtype,
                                            progress=False)
             convert_s = time.perf_counter() - start
-            results[case] = measure({"hugging face": hf_dir, "converted": converted}, torch.bfloat16, args.repeats)
+            results[case] = measure({"hugging face": hf_dir, "converted": converted}, torch.bfloat16, args.repeats,
+                                    args.cold)
             results[case]["convert_s"] = convert_s
     print(f"\n{'case':26s} {'mesh':20s} {'HF dir (s)':>11s} {'converted (s)':>14s} {'HF / converted':>15s}")
     for case, r in results.items():
