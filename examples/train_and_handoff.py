@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("prompts", nargs="*", default=["torch_shift is", "Shift parallelism"])
     args = parser.parse_args()
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     sp = args.sp or world // args.tp

@@ -156,7 +156,7 @@ def test_existing_output_and_overwrite(checkpoints, tmp_path):
 
 def test_converted_checkpoint_with_a_missing_file_is_a_clear_error(converted, tmp_path):
     out = shutil.copytree(converted("llama"), tmp_path / "copy")
-    victim = sorted(out.glob("model-*.safetensors"))[0]
+    victim = min(out.glob("model-*.safetensors"))
     victim.unlink()
     with pytest.raises(ValueError, match=f"missing: {victim.name}"):
         LLMEngine(EngineArgs(str(out)))

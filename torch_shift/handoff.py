@@ -116,8 +116,8 @@ class StateDictSource(_NamedSource):
             if isinstance(tensor, DTensor):
                 # a collective over the training mesh: every rank reads the parts in one order
                 tensor = tensor.full_tensor()
-            tensor = self._to_model_order(tensor.detach(), name, part)
-            return slice_window(tensor, part_slice).clone()  # never a view of training storage
+            # the engine copies what this returns into its own buffers: training storage is only read
+            return slice_window(self._to_model_order(tensor.detach(), name, part), part_slice)
 
 
 class DCPSource(_NamedSource):

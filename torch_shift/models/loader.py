@@ -1,4 +1,5 @@
-"""Build a model on the meta device and load it from Hugging Face safetensors files.
+"""Build a model on the meta device and load it from safetensors: a Hugging Face directory or a
+converted torch_shift checkpoint (`torch-shift convert`).
 
 Each family has one name map: Hugging Face tensor name -> (parameter name, part), where the
 part names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`).
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Protocol
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -246,6 +247,10 @@ def read_manifest(path: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if manifest.get("format") != "torch_shift" or manifest.get("version") != CONVERTED_FORMAT_VERSION:
         raise ValueError(f"{path}: not a torch_shift checkpoint of format version {CONVERTED_FORMAT_VERSION}")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict) or not all(
+            isinstance(e, dict) and {"file", "param", "part"} <= set(e) for e in tensors.values()):
+        raise ValueError(f"{path}: the tensor list is malformed")
     return manifest
 
 
