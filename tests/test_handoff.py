@@ -167,7 +167,7 @@ def _torchtitan_rank(rank, world, sp, tp, tmp_dir):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    before = _full_weights(model)
     if rank == 0:  # torchtitan's own converter writes the reference checkpoint
         _, adapter_cls = torchtitan_llama.import_llama3()
         hf = adapter_cls(torchtitan_llama.tiny_llama3_config(), None).to_hf(before)
@@ -175,7 +175,7 @@ def _torchtitan_rank(rank, world, sp, tp, tmp_dir):
     llm = handoff(model, torchtitan_llama.hf_config(), sp=sp, tp=tp, shift_threshold=16)
     tokens = [o.outputs[0].token_ids for o in
               llm.generate(random_prompts(4, PROMPT_LENGTHS, seed=3), GREEDY, use_tqdm=False)]
-    untouched = all(torch.equal(before[k], v.full_tensor()) for k, v in model.state_dict().items())
+    untouched = all(torch.equal(before[k], v) for k, v in _full_weights(model).items())
     dist.barrier()
     dist.destroy_process_group()
     return tokens, untouched

@@ -131,20 +131,18 @@ class DCPSource(_NamedSource):
         if not (self.checkpoint_dir / ".metadata").is_file():
             raise ValueError(f"{self.checkpoint_dir} is not a torch.distributed.checkpoint directory (no .metadata)")
         metadata = FileSystemReader(str(self.checkpoint_dir)).read_metadata().state_dict_metadata
-        self.key_prefix = key_prefix
-        self.entries = {k[len(key_prefix):]: md for k, md in metadata.items()
+        # model name (wrappers stripped) -> (key in the checkpoint, its metadata)
+        self.entries = {_WRAPPER_PREFIXES.sub("", k[len(key_prefix):]): (k, md) for k, md in metadata.items()
                         if k.startswith(key_prefix) and isinstance(md, TensorStorageMetadata)}
-        shapes = {_WRAPPER_PREFIXES.sub("", n): tuple(md.size) for n, md in self.entries.items()}
-        self.stored_name = {_WRAPPER_PREFIXES.sub("", n): n for n in self.entries}
+        shapes = {n: tuple(md.size) for n, (_, md) in self.entries.items()}
         super().__init__(shapes, config, naming, str(self.checkpoint_dir))
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
-        stored = self.stored_name[self.index[(name, part)]]
-        md = self.entries[stored]
+        key, md = self.entries[self.index[(name, part)]]
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        dcp.load({self.key_prefix + stored: tensor}, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
+        dcp.load({key: tensor}, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
         return slice_window(self._to_model_order(tensor, name, part), part_slice)
 
 
@@ -171,6 +169,10 @@ def _check_world(engine_args: dict) -> None:
                          f"world size of the initialised process group ({have})")
 
 
+def _engine(source: _NamedSource, tokenizer: str | Path | None, name: str, engine_args: dict) -> LLM:
+    return LLM(name, weights=source, tokenizer=None if tokenizer is None else str(tokenizer), **engine_args)
+
+
 def handoff(model: nn.Module | Mapping[str, torch.Tensor], config: ModelConfig | Mapping[str, Any] | str | Path,
             *, tokenizer: str | Path | None = None, naming: str = "auto", name: str = "handoff",
             **engine_args) -> LLM:
@@ -178,8 +180,7 @@ def handoff(model: nn.Module | Mapping[str, torch.Tensor], config: ModelConfig |
     layout given by `engine_args` (sp, tp, shift_threshold, ...). Under torchrun every rank calls it."""
     _check_world(engine_args)
     state_dict = model.state_dict() if isinstance(model, nn.Module) else model
-    source = StateDictSource(state_dict, model_config(config), naming)
-    return LLM(name, weights=source, tokenizer=None if tokenizer is None else str(tokenizer), **engine_args)
+    return _engine(StateDictSource(state_dict, model_config(config), naming), tokenizer, name, engine_args)
 
 
 def handoff_from_dcp(checkpoint_dir: str | Path, config: ModelConfig | Mapping[str, Any] | str | Path,
@@ -188,5 +189,4 @@ def handoff_from_dcp(checkpoint_dir: str | Path, config: ModelConfig | Mapping[s
     """An engine serving the model a training job saved with `torch.distributed.checkpoint.save`
     (`key_prefix`: where the model's entries sit in it, e.g. "model." for {"model": sd, ...})."""
     _check_world(engine_args)
-    source = DCPSource(checkpoint_dir, model_config(config), naming, key_prefix)
-    return LLM(name, weights=source, tokenizer=None if tokenizer is None else str(tokenizer), **engine_args)
+    return _engine(DCPSource(checkpoint_dir, model_config(config), naming, key_prefix), tokenizer, name, engine_args)

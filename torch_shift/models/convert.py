@@ -58,11 +58,11 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str | 
         raise ValueError("--out must differ from --model")
     if out_dir.exists() and not overwrite:
         raise ValueError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
+    if (model_dir / CONVERTED_MANIFEST).is_file():
+        raise ValueError(f"{model_dir} is already a torch_shift checkpoint")
     config = ModelConfig.from_dir(model_dir)  # unsupported architectures end here
     hf_config = json.loads((model_dir / "config.json").read_text())
     reader = CheckpointReader(model_dir, config)  # missing shards, tensors and wrong shapes end here
-    if (model_dir / CONVERTED_MANIFEST).is_file():
-        raise ValueError(f"{model_dir} is already a torch_shift checkpoint")
     target_dtype = resolve_dtype(dtype, config.torch_dtype) if dtype not in (None, "auto") else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +116,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str | 
             shutil.rmtree(out_dir)
         staging.rename(out_dir)
     except BaseException:
+        reader.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
