@@ -132,6 +132,20 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torch_shift.planner.calibrate import calibrate
+
+    if not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"--out {args.out}: its directory does not exist")
+    profile = calibrate(world=args.world, threads=args.threads, name=args.name,
+                        log=lambda line: print(line, file=sys.stderr))
+    profile.save(args.out)
+    print(f"[torch-shift] wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-shift", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-size-mb", type=float, default=2048.0)
     convert.add_argument("--overwrite", action="store_true", help="replace --out once the conversion succeeded")
     convert.set_defaults(func=_convert)
+
+    calibrate = sub.add_parser("calibrate", help="measure this machine into a hardware profile for the planner")
+    calibrate.add_argument("--out", required=True, help="the JSON profile to write")
+    calibrate.add_argument("--world", type=int, default=2, help="local ranks (devices) to measure together")
+    calibrate.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    calibrate.add_argument("--name", default=None, help="the profile's name (default: host name and ranks)")
+    calibrate.set_defaults(func=_calibrate)
 
     from torch_shift.bench.run import add_bench_args
 

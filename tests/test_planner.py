@@ -1,0 +1,317 @@
+"""The planner's cost model: FLOPs and bytes per op against hand counts, collectives against the ledger of
+torch_shift's own layouts, memory against the engine's own shards, profiles, and `torch-shift calibrate`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import random_prompts
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.cli import main
+from torch_shift.models.toy import tiny_llama_config
+from torch_shift.parallel.launch import run_ranks
+from torch_shift.planner import (
+    ACHIEVABLE_FRACTION,
+    AlphaBeta,
+    CollectiveModel,
+    EngineOverhead,
+    HardwareProfile,
+    Layout,
+    ModelShape,
+    RankMemory,
+    Seq,
+    fit_alpha_beta,
+    get_profile,
+    kv_capacity_tokens,
+    memory_per_rank,
+    step_cost,
+)
+
+# hidden 64, MLP 128, 8 heads / 2 KV heads of 8 dims, vocab 512, fp32 (4 bytes everywhere)
+SHAPE = ModelShape(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8,
+                   vocab_size=512, weight_dtype="fp32", name="toy")
+# a 4-token prompt (samples) and a decode token after 10 tokens of context: 5 tokens, 2 sampled rows
+BATCH = [Seq(4, 0), Seq(1, 10)]
+GIGA = 1e9
+
+
+def unit_profile(node_bandwidth=None, overhead=EngineOverhead(0.0, 0.0)) -> HardwareProfile:
+    """Every rate 1e9 (FLOP/s, bytes/s), every collective 10 us + wire bytes / 1e9: times in ns = counts."""
+    rates = {"fp32": GIGA, "bf16": GIGA}
+    return HardwareProfile(
+        name="unit", num_devices=8, device_memory_bytes=1e6, matmul_flops=rates, attention_flops=rates,
+        matmul_bandwidth=rates, attention_bandwidth=rates, copy_bandwidth=GIGA, node_bandwidth=node_bandwidth,
+        collectives=CollectiveModel({op: {n: AlphaBeta(1e-5, GIGA) for n in (2, 4)}
+                                     for op in ("all_reduce", "all_to_all", "all_gather", "send_recv")}),
+        overhead=overhead)
+
+
+def ops_of(cost):
+    return {o.name: (o.flops, o.bytes) for o in cost.ops}
+
+
+def comms_of(cost):
+    return {c.name: (c.op, c.group_size, c.calls, c.wire_bytes) for c in cost.collectives}
+
+
+def test_tp2_one_layer_by_hand():
+    cost = step_cost(SHAPE, unit_profile(), Layout("tp", tp=2), BATCH)
+    ops = ops_of(cost)
+    # per rank: 4 query heads, 1 KV head; 5 tokens; weights + tokens x (in + out) x 4 bytes
+    assert ops["qkv"] == (2 * 5 * 64 * 48, 64 * 48 * 4 + 5 * (64 + 48) * 4)
+    assert ops["o_proj"] == (2 * 5 * 32 * 64, 32 * 64 * 4 + 5 * (32 + 64) * 4)
+    assert ops["gate_up"] == (2 * 5 * 64 * 128, 64 * 128 * 4 + 5 * (64 + 128) * 4)
+    assert ops["down"] == (2 * 5 * 64 * 64, 64 * 64 * 4 + 5 * (64 + 64) * 4)
+    # prompt: keys 1+2+3+4 = 10; 4 FLOPs per (head, key, dim); K/V read (4) and written (4), 1 head of 8
+    assert ops["attention_prefill"] == (4 * 8 * 4 * 10, 2 * 8 * 4 * (4 + 4) + 2 * 4 * 4 * 8 * 4)
+    # decode: 11 keys; 11 positions read, 1 written
+    assert ops["attention_decode"] == (4 * 8 * 4 * 11, 2 * 8 * 4 * (11 + 1) + 2 * 1 * 4 * 8 * 4)
+    # LM head: 2 sampled rows x 256 of the 512 vocabulary rows
+    assert ops["lm_head"] == (2 * 2 * 64 * 256, 64 * 256 * 4 + 2 * (64 + 256) * 4)
+    assert ops["embedding"] == (0, 5 * 64 * 8)
+    assert ops["sampling"] == (0, 2 * 2 * 512 * 4)
+    assert comms_of(cost) == {
+        "tp_all_reduce": ("all_reduce", 2, 2, 2 * (2 * 1 * 5 * 64 * 4 // 2)),
+        "lm_head_all_gather": ("all_gather", 2, 1, 1 * 2 * 256 * 4),
+    }
+    # roofline at 1e9 FLOP/s and 1e9 bytes/s: the layer's linears are compute-bound, the LM head memory-bound
+    by_op = {o.name: o for o in cost.ops}
+    assert by_op["gate_up"].time_s == pytest.approx(81920e-9) and by_op["gate_up"].compute_s > by_op["gate_up"].memory_s
+    assert by_op["qkv"].time_s == pytest.approx(30720e-9)
+    assert by_op["lm_head"].time_s == pytest.approx(68096e-9) and by_op["lm_head"].memory_s > by_op["lm_head"].compute_s
+    assert cost.communication_s == pytest.approx(2 * (1e-5 + 1280e-9) + 1e-5 + 2048e-9)
+    assert cost.total_s == pytest.approx(sum(cost.breakdown().values()))
+    assert cost.total_s == pytest.approx(sum(o.time_s for o in cost.ops) + cost.communication_s)
+
+
+def test_sp2_one_layer_by_hand():
+    cost = step_cost(SHAPE, unit_profile(), Layout("sp_tp", sp=2, tp=1), BATCH)
+    ops = ops_of(cost)
+    # 5 tokens padded to 6: 3 per SP rank through the full (tp=1) weights
+    assert ops["qkv"] == (2 * 3 * 64 * 96, 64 * 96 * 4 + 3 * (64 + 96) * 4)
+    assert ops["down"] == (2 * 3 * 128 * 64, 128 * 64 * 4 + 3 * (128 + 64) * 4)
+    # after the all-to-all a rank attends all 5 tokens with half the heads: as TP-2
+    tp2 = ops_of(step_cost(SHAPE, unit_profile(), Layout("tp", tp=2), BATCH))
+    assert ops["attention_prefill"] == tp2["attention_prefill"] and ops["attention_decode"] == tp2["attention_decode"]
+    assert ops["lm_head"] == tp2["lm_head"]  # vocab-parallel over both ranks
+    assert comms_of(cost) == {
+        "sp_all_to_all_qkv": ("all_to_all", 2, 1, 6 * (4 + 2) * 8 * 4 // 2),
+        "sp_all_to_all_out": ("all_to_all", 2, 1, 6 * 4 * 8 * 4 // 2),
+        "sp_all_reduce_rows": ("all_reduce", 2, 1, 2 * 64 * 4),
+        "lm_head_all_gather": ("all_gather", 2, 1, 2 * 256 * 4),
+    }
+
+
+def test_sp2_tp2_replicates_kv_heads_and_reduces_over_tp():
+    cost = step_cost(SHAPE, unit_profile(), Layout("sp_tp", sp=2, tp=2), BATCH)
+    comms = comms_of(cost)
+    # 4 head chunks of 2 KV heads: each chunk carries 1 (replicated) KV head; 3 local tokens of 6
+    assert comms["sp_all_to_all_qkv"] == ("all_to_all", 2, 1, 6 * (2 + 2) * 8 * 4 // 2)
+    assert comms["tp_all_reduce"] == ("all_reduce", 2, 2, 2 * (3 * 64 * 4))
+    assert comms["lm_head_all_gather"] == ("all_gather", 4, 1, 3 * 2 * 128 * 4)
+    assert ops_of(cost)["qkv"][0] == 2 * 3 * 64 * (4 + 2 * 1) * 8
+
+
+def test_pipeline_by_hand():
+    shape = ModelShape(**{**SHAPE.__dict__, "num_layers": 2})
+    hw = unit_profile()
+    # two decode sequences -> two micro-batches of one token; stage 0: embedding + layer 0, stage 1: layer 1 +
+    # final norm + LM head + sampling; each stage sends [1, 64] on, the last one 1 x 512 logits to rank 0
+    cost = step_cost(shape, hw, Layout("pp", pp=2), [Seq(1, 10), Seq(1, 20)])
+    one_layer = Layout("tp", tp=1)
+    per_mb = {s: step_cost(SHAPE, hw, one_layer, [s]).breakdown() for s in (Seq(1, 10), Seq(1, 20))}
+    last_only = ("final_norm", "lm_head", "sampling")
+    stage0 = {s: sum(v for k, v in b.items() if k not in last_only) for s, b in per_mb.items()}
+    stage1 = {s: sum(v for k, v in b.items() if k != "embedding") for s, b in per_mb.items()}
+    send, logits = 1e-5 + 64 * 4e-9, 1e-5 + 512 * 4e-9
+    a, b = Seq(1, 10), Seq(1, 20)  # in the order given
+    t0a, t0b, t1a, t1b = stage0[a] + send, stage0[b] + send, stage1[a] + logits, stage1[b] + logits
+    makespan = max(t0a + t1a, t0a + t0b) + t1b
+    assert cost.total_s == pytest.approx(makespan)
+    assert cost.bubble_s == pytest.approx(makespan - max(t0a + t0b, t1a + t1b))
+    assert comms_of(cost)["pp_send_logits"] == ("send_recv", 2, 2, 2 * 512 * 4)
+    # one sequence, one micro-batch: no overlap at all, the bubble is the other stage's time
+    single = step_cost(shape, hw, Layout("pp", pp=2), [Seq(1, 10)])
+    assert single.total_s == pytest.approx(stage0[a] + send + stage1[a] + logits)
+
+
+def test_dp_groups_price_the_slowest_group():
+    hw = unit_profile(overhead=EngineOverhead(1e-3, 1e-6))
+    layout = Layout.dp_groups(2, 1, 1)
+    cost = step_cost(SHAPE, hw, layout, [Seq(512, 0), Seq(1, 10), Seq(1, 30)], groups=[1, 0, 0])
+    alone = {g: step_cost(SHAPE, hw, lay, seqs).total_s - hw.overhead.time(len(seqs), lay.num_ranks)
+             for g, lay, seqs in ((0, Layout("tp", tp=2), [Seq(1, 10), Seq(1, 30)]), (1, Layout("tp"), [Seq(512, 0)]))}
+    assert cost.group_s == pytest.approx((alone[0], alone[1], 0.0))
+    assert cost.total_s == pytest.approx(alone[1] + 1e-3 + 3e-6)  # the prompt's replica, overhead once
+    with pytest.raises(ValueError, match="groups"):
+        step_cost(SHAPE, hw, layout, [Seq(1, 1)])
+
+
+def test_shared_memory_bandwidth_slows_ranks_that_stream_together():
+    shared = unit_profile(node_bandwidth=1.5 * GIGA)
+    one = step_cost(SHAPE, shared, Layout("tp"), [Seq(1, 10)])
+    two = step_cost(SHAPE, shared, Layout.dp_groups(1, 1), [Seq(1, 10), Seq(1, 10)], groups=[0, 1])
+    idle_peer = step_cost(SHAPE, shared, Layout.dp_groups(1, 1), [Seq(1, 10)], groups=[0])
+    assert one.memory_s == pytest.approx(idle_peer.memory_s)
+    assert two.memory_s == pytest.approx(one.memory_s * GIGA / 0.75e9)
+
+
+def test_sliding_window_caps_keys_and_kv_reads():
+    windowed = ModelShape(**{**SHAPE.__dict__, "sliding_window": 8})
+    ops = ops_of(step_cost(windowed, unit_profile(), Layout("tp"), [Seq(1, 100), Seq(4, 6)]))
+    # decode at position 100 sees 8 keys; the chunk at positions 6..9 sees 7, 8, 8, 8 keys, reads positions 0..9
+    # and writes 4
+    assert ops["attention_decode"][0] == 4 * 8 * 8 * 8
+    assert ops["attention_prefill"] == (4 * 8 * 8 * (7 + 8 + 8 + 8), 2 * 2 * 8 * 4 * (10 + 4) + 2 * 4 * 8 * 8 * 4)
+
+
+def test_memory_per_rank_by_hand():
+    shape = ModelShape(**{**SHAPE.__dict__, "num_layers": 3})
+    layer = 64 * (8 + 2 * 2) * 8 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    embed = 512 * 64
+    assert memory_per_rank(shape, Layout("tp")).weight_bytes == 4 * (3 * layer + 2 * embed + 64)
+    tp2_layer = 64 * (4 + 2 * 1) * 8 + 32 * 64 + 3 * 64 * 64 + 2 * 64
+    assert memory_per_rank(shape, Layout("tp", tp=2)) == RankMemory(4 * (3 * tp2_layer + embed + 256 * 64 + 64),
+                                                                    2 * 3 * 1 * 8 * 4)
+    # PP-2: stages of 2 and 1 layers; the first holds the embedding, the second the whole LM head
+    pp = memory_per_rank(shape, Layout("pp", pp=2))
+    assert pp.weight_bytes == 4 * max(2 * layer + embed, layer + embed + 64)
+    assert pp.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+    # TP-4 > 2 KV heads: one replicated KV head per rank
+    assert memory_per_rank(shape, Layout("tp", tp=4)).kv_bytes_per_token == 2 * 3 * 1 * 8 * 4
+    hw = unit_profile()  # 1e6 bytes per device
+    free = 0.9e6 - memory_per_rank(shape, Layout("tp", tp=2)).weight_bytes
+    assert kv_capacity_tokens(shape, hw, Layout("tp", tp=2)) == int(free // (2 * 3 * 8 * 4))
+
+
+def test_layouts_the_model_cannot_use_are_refused():
+    with pytest.raises(ValueError, match="num_heads=8 is not divisible by TP=3"):
+        step_cost(SHAPE, unit_profile(), Layout("tp", tp=3), BATCH)
+    with pytest.raises(ValueError, match="no sp"):
+        Layout("tp", sp=2)
+    with pytest.raises(ValueError, match="more stages"):
+        step_cost(SHAPE, unit_profile(), Layout("pp", pp=2), BATCH)
+
+
+def test_fit_alpha_beta_recovers_the_line():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    fit = fit_alpha_beta(sizes, [50e-6 + b / 2e9 for b in sizes])
+    assert fit.alpha_s == pytest.approx(50e-6) and fit.beta_bytes_per_s == pytest.approx(2e9)
+    # a group size that was not measured: the ring steps scale alpha, beta stays
+    model = CollectiveModel({"all_reduce": {2: fit}})
+    assert model.lookup("all_reduce", 4).alpha_s == pytest.approx(3 * 50e-6)
+    assert model.time("all_reduce", 1, 10**9) == 0.0
+
+
+def test_datasheet_profiles():
+    h200 = get_profile("h200x8")
+    assert h200.num_devices == 8 and h200.device_memory_bytes == 141e9
+    assert h200.flops("matmul", "fp8") == pytest.approx(1978.9e12 * ACHIEVABLE_FRACTION["matmul"])
+    assert h200.bandwidth("matmul", "fp8") == pytest.approx(4.8e12 * ACHIEVABLE_FRACTION["memory"])
+    nvlink = 450e9 * ACHIEVABLE_FRACTION["nvlink"]
+    assert h200.collectives.lookup("all_reduce", 8).beta_bytes_per_s == pytest.approx(nvlink)
+    a10 = get_profile("a10x4")
+    assert a10.flops("matmul", "fp8") == a10.flops("matmul", "bf16")  # no FP8 units: weight-only FP8
+    assert get_profile("l4").num_devices == 1
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_profile("tpu-v5")
+
+
+def test_profile_json_round_trip(tmp_path):
+    profile = get_profile("a100x8")
+    path = tmp_path / "a100.json"
+    profile.save(path)
+    assert get_profile(path) == profile
+    data = json.loads(path.read_text())
+    data["format"] = "something else"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not a torch_shift hardware profile"):
+        get_profile(path)
+
+
+def test_fp8_halves_weight_bytes_not_activations(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama_config(dtype="bfloat16")))
+    bf16 = ModelShape.from_pretrained(tmp_path)
+    fp8 = ModelShape.from_pretrained(tmp_path / "config.json", dtype="fp8")
+    assert (bf16.weight_dtype, fp8.weight_dtype, fp8.activation_dtype) == ("bf16", "fp8", "bf16")
+    fp8_memory, bf16_memory = memory_per_rank(fp8, Layout("tp")), memory_per_rank(bf16, Layout("tp"))
+    assert fp8_memory.weight_bytes * 2 == bf16_memory.weight_bytes
+    assert fp8_memory.kv_bytes_per_token == bf16_memory.kv_bytes_per_token
+    with pytest.raises(ValueError, match="dtype 'int3'"):
+        ModelShape.from_pretrained(tmp_path, dtype="int3")
+
+
+# -- against torch_shift's own layouts ---------------------------------------------------------------------
+def _ledger_rank(rank, world, model_dir, sp, tp):
+    llm = LLM(str(model_dir), sp=sp, tp=tp, shift_threshold=8, enable_prefix_caching=False, max_num_seqs=4)
+    engine, module = llm.engine, llm.engine.model
+    plans = []
+    if rank == 0:
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        for i, prompt in enumerate(random_prompts(3, [13, 6, 9], seed=2)):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.parallel.broadcast(("outputs", None))
+    else:
+        engine.worker_loop()
+    params = {id(p): p for p in module.base.parameters()}
+    return {
+        "ledger": (dict(module.ledger.bytes), dict(module.ledger.calls)),
+        "steps": [(p.layout, [Seq.from_scheduled(e) for e in p.scheduled]) for p in plans if not p.is_empty],
+        "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        "kv_bytes_per_token": sum(t[0, 0].numel() * t.element_size() for t in engine.kv_cache.k + engine.kv_cache.v),
+    }
+
+
+@pytest.mark.parametrize("sp,tp", [(2, 1), (2, 2)], ids=["sp2", "sp2tp2"])
+def test_collectives_and_memory_match_the_engine(llama, sp, tp):
+    """A real multi-rank run (prompts in the base layout, decodes in the shift layout): the cost model's
+    collectives per layout, summed over the steps, equal the communication ledger in calls and bytes; its
+    weights and KV bytes per token equal the engine's own shards."""
+    hf_model, model_dir = llama
+    shape = ModelShape.from_pretrained(model_dir)
+    hw = unit_profile()
+    layouts = {"base": Layout("sp_tp", sp=sp, tp=tp), "shift": Layout("tp", tp=sp * tp)}
+    results = run_ranks(_ledger_rank, sp * tp, model_dir, sp, tp)
+    steps = results[0]["steps"]
+    assert {layout for layout, _ in steps} == {"base", "shift"}
+    expected_bytes, expected_calls = {}, {}
+    for layout, seqs in steps:
+        for c in step_cost(shape, hw, layouts[layout], seqs).collectives:
+            expected_bytes[(layout, c.op)] = expected_bytes.get((layout, c.op), 0) + c.wire_bytes
+            expected_calls[(layout, c.op)] = expected_calls.get((layout, c.op), 0) + c.calls
+    for result in results:
+        assert result["ledger"] == (expected_bytes, expected_calls)
+        memory = memory_per_rank(shape, layouts["base"])
+        assert result["weight_bytes"] == memory.weight_bytes
+        assert result["kv_bytes_per_token"] == memory.kv_bytes_per_token
+
+
+@pytest.mark.slow
+def test_calibrate_cli_writes_a_profile_the_cost_model_prices_with(tmp_path, capsys):
+    out = tmp_path / "this_machine.json"
+    assert main(["calibrate", "--out", str(out), "--world", "2", "--threads", "1"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    hw = get_profile(out)
+    assert hw.num_devices == 2 and hw.node_bandwidth > 0
+    assert set(hw.matmul_flops) == {"fp32", "bf16"} and min(hw.matmul_flops.values()) > 0
+    assert set(hw.collectives.table) == {"all_reduce", "all_to_all", "all_gather", "send_recv"}
+    assert all(set(sizes) == {2} for sizes in hw.collectives.table.values())
+    assert hw.overhead.step_s > 0 and hw.overhead.parallel_step_s > 0
+    # a config-only model (a config.json, no weights) prices a step on it
+    config_dir = tmp_path / "config_only"
+    config_dir.mkdir()
+    (config_dir / "config.json").write_text(json.dumps(tiny_llama_config(hidden_size=1024, intermediate_size=2816,
+                                                                         num_hidden_layers=8, num_attention_heads=16,
+                                                                         num_key_value_heads=4, head_dim=64,
+                                                                         vocab_size=8192)))
+    shape = ModelShape.from_pretrained(config_dir)
+    decode = step_cost(shape, hw, Layout("tp", tp=2), [Seq(1, 100)] * 8)
+    prefill = step_cost(shape, hw, Layout("sp_tp", sp=2), [Seq(512, 0)])
+    assert 0 < decode.total_s < prefill.total_s
+    assert decode.memory_s > decode.compute_s  # small steps stream weights
+    assert main(["calibrate", "--out", str(tmp_path / "missing" / "x.json")]) == 2

@@ -1,0 +1,356 @@
+"""`torch-shift calibrate`: measure this machine into a hardware profile for the cost model.
+
+A device is one CPU rank with `threads` intra-op threads, ranks talk over gloo (GPU calibration, CUDA
+tensors on NCCL, is not written yet: no GPU was lent to this work; GPUs have data-sheet profiles).
+Measured, each rate against the same ideal FLOP and byte counts the cost model uses
+(`torch_shift.planner.shape`):
+  - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]);
+  - weight-streaming bandwidth per dtype: 1-token matmuls over 8 weights far beyond the last-level
+    cache (as a decode step reads its weights), alone and on every rank at once (-> node_bandwidth);
+  - copy bandwidth: a plain copy of a 128 MB tensor;
+  - attention: the engine's own `PagedAttention` (a decode batch over a paged KV cache: bandwidth;
+    a 512-token prompt: FLOP/s);
+  - collectives on the engine's own functional collectives (`torch_shift.parallel.comm`) over gloo,
+    for every group size that divides the world: alpha and beta fitted over a sweep of sizes;
+  - the engine's per-step overhead: `LLMEngine.step` with a model whose forward does no work (as
+    bench/bench_engine.py does), at several batch sizes; and the step plan's broadcast to the ranks.
+Every measurement runs in ranks forked by `torch_shift.parallel.launch.run_ranks`, so the calling
+process keeps its threads and state.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from torch_shift.planner.collectives import COLLECTIVE_OPS, CollectiveModel, fit_alpha_beta, wire_bytes
+from torch_shift.planner.hardware import EngineOverhead, HardwareProfile
+from torch_shift.planner.shape import ModelShape, Seq, attention
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLLECTIVE_SIZES = [1 << k for k in range(8, 21, 2)]  # elements of fp32: 1 KiB .. 4 MiB
+OVERHEAD_BATCHES = (1, 16, 64)
+PLAN_BATCHES = (1, 64)
+
+
+def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # a constant fill: fast to make, and no denormals or NaNs that would slow the kernels
+    return torch.full(shape, 0.01, dtype=dtype)
+
+
+# -- one device ---------------------------------------------------------------------------------------------
+def measure_matmul_flops(dtype: str, reps: int = 5, sync=None) -> float:
+    m, k, n = 512, 2048, 2048
+    a, w = _filled((m, k), TORCH_DTYPES[dtype]), _filled((n, k), TORCH_DTYPES[dtype])
+    return 2.0 * m * k * n / _median_time(lambda: torch.nn.functional.linear(a, w), reps, sync=sync)
+
+
+def measure_weight_bandwidth(dtype: str, reps: int = 5, sync=None) -> float:
+    """Bytes/s of weights read by 1-token matmuls: 8 weights of 4096 x 2048, far beyond any CPU cache."""
+    weights = [_filled((4096, 2048), TORCH_DTYPES[dtype]) for _ in range(8)]
+    x = _filled((1, 2048), TORCH_DTYPES[dtype])
+
+    def run():
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return nbytes / _median_time(run, reps, sync=sync)
+
+
+def measure_copy_bandwidth(reps: int = 5, sync=None) -> float:
+    """Bytes read plus written per second by a copy of 128 MB."""
+    src = _filled((32 << 20,), torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / _median_time(lambda: dst.copy_(src), reps, sync=sync)
+
+
+def _attention_shape(dtype: str) -> ModelShape:
+    return ModelShape(hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16, num_kv_heads=4,
+                      head_dim=64, vocab_size=1024, weight_dtype=dtype)
+
+
+def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
+    """(bandwidth of a decode batch, FLOP/s of a prompt) of the engine's PagedAttention, against the
+    ideal counts of shape.attention. Decode: 16 sequences of 512 tokens of context over 8 layers
+    (134 MB of fp32 KV); prompt: 512 tokens from an empty cache."""
+    from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
+    from torch_shift.kv.cache import KVCache
+
+    shape = _attention_shape(dtype)
+    tdtype, layers, hq, hkv, d, block = TORCH_DTYPES[dtype], shape.num_layers, shape.num_heads, shape.num_kv_heads, \
+        shape.head_dim, 16
+    batch, context, prompt = 16, 512, 512
+    blocks_per_seq = context // block + 1
+    cache = KVCache(layers, batch * blocks_per_seq, block, hkv, d, tdtype)
+    for tensor in cache.k + cache.v:
+        tensor.fill_(0.01)
+    table = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    positions = torch.full((batch,), context)
+    decode = AttentionMetadata(
+        slot_mapping=table[:, context // block] * block + context % block, num_decode_tokens=batch,
+        decode_block_table=table, decode_mask=key_mask(positions, blocks_per_seq * block, None)[:, None, None, :],
+        prefills=[])
+    q, k, v = _filled((batch, hq, d), tdtype), _filled((batch, hkv, d), tdtype), _filled((batch, hkv, d), tdtype)
+    run_decode = PagedAttention(cache, decode)
+    decode_s = _median_time(lambda: [run_decode(i, q, k, v) for i in range(layers)], reps)
+    decode_bytes = layers * attention(shape, [Seq(1, context)] * batch, hq, hkv).bytes
+
+    chunk = PrefillChunk(start=0, num_tokens=prompt, num_computed_tokens=0, block_table=table[:1], mask=None)
+    prefill = AttentionMetadata(slot_mapping=torch.arange(prompt), num_decode_tokens=0, decode_block_table=None,
+                                decode_mask=None, prefills=[chunk])
+    q, k, v = _filled((prompt, hq, d), tdtype), _filled((prompt, hkv, d), tdtype), _filled((prompt, hkv, d), tdtype)
+    run_prefill = PagedAttention(cache, prefill)
+    prefill_s = _median_time(lambda: [run_prefill(i, q, k, v) for i in range(layers)], reps)
+    prefill_flops = layers * attention(shape, [Seq(prompt, 0)], hq, hkv).flops
+    return decode_bytes / decode_s, prefill_flops / prefill_s
+
+
+def _device_rank(rank: int, world: int, dtypes: list[str]) -> dict:
+    result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "attention_bandwidth": {}, "attention_flops": {}}
+    with torch.inference_mode():
+        for dtype in dtypes:
+            result["matmul_flops"][dtype] = measure_matmul_flops(dtype)
+            result["matmul_bandwidth"][dtype] = measure_weight_bandwidth(dtype)
+            bandwidth, flops = measure_attention(dtype)
+            result["attention_bandwidth"][dtype] = bandwidth
+            result["attention_flops"][dtype] = flops
+        result["copy_bandwidth"] = measure_copy_bandwidth()
+    return result
+
+
+# -- every rank at once: shared bandwidth, collectives, the step plan's broadcast ------------------------
+def _collective_call(op: str, group, numel: int) -> Callable[[], object]:
+    from torch_shift.parallel import comm
+
+    n = group.size()
+    x = _filled((n, max(1, numel // n)) if op == "all_to_all" else (numel,), torch.float32)
+    fn = {"all_reduce": comm.all_reduce, "all_to_all": comm.all_to_all, "all_gather": comm.all_gather}[op]
+    return lambda: fn(x, group)
+
+
+def _send_recv_call(group_ranks: list[int], rank: int, numel: int) -> Callable[[], object]:
+    """A ping-pong between the first two ranks of the group (one call = there and back)."""
+    import torch.distributed as dist
+
+    x = _filled((numel,), torch.float32)
+    first, second = group_ranks[:2]
+
+    def run():
+        if rank == first:
+            dist.send(x, second)
+            dist.recv(x, second)
+        elif rank == second:
+            dist.recv(x, first)
+            dist.send(x, first)
+
+    return run
+
+
+def _plan(num_seqs: int):
+    from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    return SchedulerOutput([ScheduledRequest(f"request-{i}", [1000 + i], 500, list(range(i, i + 32)), True, False)
+                            for i in range(num_seqs)], layout="base")
+
+
+def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "collectives": {}, "plan_broadcast_s": {}}
+        with torch.inference_mode():
+            for dtype in dtypes:  # every rank at once, started together
+                result["matmul_flops"][dtype] = measure_matmul_flops(dtype, sync=dist.barrier)
+                result["matmul_bandwidth"][dtype] = measure_weight_bandwidth(dtype, sync=dist.barrier)
+            result["copy_bandwidth"] = measure_copy_bandwidth(sync=dist.barrier)
+
+            for n in [n for n in range(2, world + 1) if world % n == 0]:
+                # the world in consecutive groups of n ranks, all busy at once (as TP groups side by side)
+                groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+                group_ranks = list(range(rank - rank % n, rank - rank % n + n))
+                group = groups[rank // n]
+                for op in COLLECTIVE_OPS:
+                    if op == "send_recv" and n != 2:
+                        continue  # point to point: one pair
+                    points = []
+                    for numel in COLLECTIVE_SIZES:
+                        call = (_send_recv_call(group_ranks, rank, numel) if op == "send_recv"
+                                else _collective_call(op, group, numel))
+                        # each call timed alone after a barrier (in a forward pass a collective follows
+                        # compute on every rank), median of many: gloo on a busy machine is noisy
+                        reps = max(5, min(25, (1 << 24) // (numel * 4)))
+                        per_call = _median_time(call, reps, warmup=2, sync=dist.barrier)
+                        per_call /= 2 if op == "send_recv" else 1
+                        tensor_bytes = numel * 4 if op != "all_to_all" else n * max(1, numel // n) * 4
+                        points.append((wire_bytes(op, n, tensor_bytes), per_call))
+                    result["collectives"].setdefault(op, {})[n] = points
+            for num_seqs in PLAN_BATCHES:  # the step plan, as ParallelRuntime.broadcast sends it
+                plan = _plan(num_seqs)
+
+                def broadcast():
+                    box = [plan if rank == 0 else None]
+                    dist.broadcast_object_list(box, src=0)
+
+                result["plan_broadcast_s"][num_seqs] = _median_time(broadcast, reps=20, warmup=3, sync=dist.barrier)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the engine's own per-step cost -----------------------------------------------------------------------
+class NullModel(torch.nn.Module):
+    """A model whose forward does no work (zeros [T, 8]; fixed logits): what is left of a step is the
+    engine's own cost (the same stand-in as bench/bench_engine.py's)."""
+
+    def __init__(self, vocab: int, max_tokens: int):
+        super().__init__()
+        with torch.inference_mode():
+            self.hidden = torch.zeros(max_tokens, 8)
+            self.logits = torch.zeros(max_tokens, vocab)
+
+    def forward(self, input_ids, positions, attention):
+        return self.hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden):
+        return self.logits[: hidden.shape[0]]
+
+
+def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
+    from torch_shift import LLM, SamplingParams
+    from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+
+    vocab, prompt = 256, 16
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="torch_shift_calibrate_") as tmp:
+        model_dir = write_random_checkpoint(Path(tmp), tiny_llama_config(
+            vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=4096))
+        for n in OVERHEAD_BATCHES:
+            llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
+                      num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False)
+            engine = llm.engine
+            engine.runner.model = NullModel(vocab, max(2048, n))
+            params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
+            for i in range(n):
+                engine.add_request(f"r{i}", [3 + (i + j) % (vocab - 3) for j in range(prompt)], params)
+            for _ in range(10):  # the prompts, then warm decode steps
+                engine.step(final_only=True)
+            assert len(engine.scheduler.running) == n
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step(final_only=True)
+                times.append(time.perf_counter() - start)
+            result[n] = statistics.median(times)
+    return result
+
+
+def _linear_fit(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of a least-squares line through (x, y)."""
+    xs, ys = list(points), list(points.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, my - slope * mx), max(0.0, slope)
+
+
+# -- the profile ------------------------------------------------------------------------------------------
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+              overhead_steps: int = 40, log: Callable[[str], None] = print) -> HardwareProfile:
+    """Measure this machine (CPU ranks on gloo) and return its profile."""
+    from torch_shift.parallel.launch import run_ranks
+
+    if world < 1 or threads < 1:
+        raise ValueError(f"world and threads must be >= 1, got world={world}, threads={threads}")
+    unknown = [d for d in dtypes if d not in TORCH_DTYPES]
+    if unknown:
+        raise ValueError(f"dtypes {unknown} cannot be measured; use {', '.join(TORCH_DTYPES)}")
+    cpus = os.cpu_count() or 1
+    if world * threads > cpus:
+        log(f"warning: {world} ranks x {threads} threads exceed this machine's {cpus} CPUs; rates will be low")
+    start = time.perf_counter()
+    cpu = platform.processor() or platform.machine()
+    log(f"calibrate: {world} rank(s) x {threads} thread(s) on {cpus} CPUs ({cpu})")
+    solo = run_ranks(_device_rank, 1, list(dtypes), threads=threads)[0]
+    log("  one rank: matmul " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["matmul_flops"].items())
+        + "; weight streaming " + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["matmul_bandwidth"].items())
+        + f"; copy {solo['copy_bandwidth'] / 1e9:.1f} GB/s; attention decode "
+        + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["attention_bandwidth"].items()) + ", prompt "
+        + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["attention_flops"].items()))
+    node_bandwidth = None
+    collectives = CollectiveModel({})
+    plan_step = plan_seq = 0.0
+    ranks: list[dict] = []
+    if world > 1:
+        ranks = run_ranks(_parallel_rank, world, list(dtypes), threads=threads)
+        node_bandwidth = sum(r["matmul_bandwidth"]["fp32" if "fp32" in dtypes else dtypes[0]] for r in ranks)
+        log(f"  {world} ranks at once: weight streaming {node_bandwidth / 1e9:.1f} GB/s in all "
+            f"({node_bandwidth / world / 1e9:.1f} GB/s per rank)")
+        table = {}
+        for op, by_size in ranks[0]["collectives"].items():
+            table[op] = {}
+            for n, points in by_size.items():
+                fit = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
+                table[op][n] = fit
+                log(f"  {op} over {n}: alpha {fit.alpha_s * 1e6:.1f} us, beta {fit.beta_bytes_per_s / 1e9:.2f} GB/s")
+        collectives = CollectiveModel(table)
+        plan_step, plan_seq = _linear_fit(ranks[0]["plan_broadcast_s"])
+        log(f"  step plan broadcast: {plan_step * 1e6:.0f} us + {plan_seq * 1e6:.2f} us per sequence")
+    steps = run_ranks(_overhead_rank, 1, overhead_steps, threads=threads)[0]
+    step_s, seq_s = _linear_fit(steps)
+    log("  engine step with a null model: " + ", ".join(f"{n} seqs {t * 1e3:.2f} ms" for n, t in steps.items())
+        + f" -> {step_s * 1e3:.3f} ms + {seq_s * 1e6:.2f} us per sequence")
+    wall = time.perf_counter() - start
+    log(f"calibrate: done in {wall:.1f} s")
+    return HardwareProfile(
+        name=name or f"{platform.node() or 'this machine'} ({world} x {threads} thread CPU ranks)",
+        num_devices=world,
+        device_memory_bytes=_memory_bytes() / world,
+        matmul_flops=solo["matmul_flops"],
+        attention_flops=solo["attention_flops"],
+        matmul_bandwidth=solo["matmul_bandwidth"],
+        attention_bandwidth=solo["attention_bandwidth"],
+        copy_bandwidth=solo["copy_bandwidth"],
+        node_bandwidth=node_bandwidth,
+        collectives=collectives,
+        overhead=EngineOverhead(step_s, seq_s, plan_step, plan_seq),
+        source=(f"measured by torch-shift calibrate: {world} rank(s) x {threads} thread(s), torch {torch.__version__}, "
+                f"{platform.platform()}, {time.strftime('%Y-%m-%d')}"),
+        measurements={
+            "one_rank": solo,
+            "all_ranks": [{k: v for k, v in r.items() if k != "collectives"} for r in ranks],
+            "collective_points": {op: {str(n): pts for n, pts in by_size.items()}
+                                  for op, by_size in (ranks[0]["collectives"].items() if ranks else ())},
+            "engine_step_s": {str(n): t for n, t in steps.items()},
+            "wall_s": wall,
+        },
+    )

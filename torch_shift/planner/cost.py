@@ -1,0 +1,410 @@
+"""The time of one engine step under a parallel layout: per-op roofline, alpha-beta collectives, the
+pipeline's bubble and the engine's per-step overhead; and the memory a layout needs per rank.
+
+A layout here is a small description of how one step runs (sizes only), for the planner to price;
+the layouts the engine runs live in `torch_shift.parallel` and map onto these:
+  - "tp":    Megatron TP over `tp` ranks (torch_shift's shift layout over P ranks is tp=P);
+  - "sp_tp": Ulysses SP over `sp` x Megatron TP over `tp` (Shift's base layout);
+  - "pp":    `pp` pipeline stages of `tp`-way TP each, a step cut into micro-batches (Seesaw's prefill);
+  - "dp":    groups side by side, each a TP group of its own width (`group_tp`): static DP is
+             (1, 1, ...), DP x TP (tp, tp, ...), Flying's mix e.g. (2, 1, 1).
+Each rank of a group does the same work, so a group is priced by one of its ranks; under "dp" the step
+lasts as long as its slowest group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch_shift.planner import shape as ops
+from torch_shift.planner.collectives import wire_bytes
+from torch_shift.planner.hardware import HardwareProfile
+from torch_shift.planner.shape import ModelShape, Op, Seq
+
+LAYOUT_KINDS = ("tp", "sp_tp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str
+    tp: int = 1
+    sp: int = 1
+    pp: int = 1
+    group_tp: tuple[int, ...] = ()  # "dp": the TP width of each group
+    num_microbatches: int | None = None  # "pp": micro-batches per step (default: pp, at most one per sequence)
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUT_KINDS:
+            raise ValueError(f"layout kind {self.kind!r} is unknown; known: {', '.join(LAYOUT_KINDS)}")
+        for name in ("tp", "sp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        used = {"tp": ("tp",), "sp_tp": ("sp", "tp"), "pp": ("pp", "tp"), "dp": ()}[self.kind]
+        extra = [n for n in ("tp", "sp", "pp") if n not in used and getattr(self, n) != 1]
+        if extra:
+            raise ValueError(f"a {self.kind!r} layout has no {extra[0]} (got {getattr(self, extra[0])})")
+        if (self.kind == "dp") != bool(self.group_tp):
+            raise ValueError("group_tp is given for, and only for, a 'dp' layout")
+        if any(w < 1 for w in self.group_tp):
+            raise ValueError(f"group widths must be >= 1, got {self.group_tp}")
+        if self.num_microbatches is not None and (self.kind != "pp" or self.num_microbatches < 1):
+            raise ValueError("num_microbatches is a positive count, for a 'pp' layout only")
+
+    @classmethod
+    def dp_groups(cls, *widths: int) -> Layout:
+        return cls("dp", group_tp=tuple(widths))
+
+    @property
+    def num_ranks(self) -> int:
+        if self.kind == "dp":
+            return sum(self.group_tp)
+        return self.tp * self.sp * self.pp
+
+    @property
+    def name(self) -> str:
+        if self.kind == "dp":
+            widths = sorted(set(self.group_tp), reverse=True)
+            return "+".join(f"{self.group_tp.count(w)}xTP{w}" if w > 1 else f"DP{self.group_tp.count(w)}"
+                            for w in widths)
+        return {"tp": f"TP{self.tp}", "sp_tp": f"SP{self.sp}xTP{self.tp}", "pp": f"PP{self.pp}xTP{self.tp}"}[self.kind]
+
+
+# -- results ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpCost:
+    """One kind of operation summed over the layers and micro-batches of the priced rank."""
+
+    name: str
+    flops: float
+    bytes: float
+    compute_s: float  # flops / achievable FLOP/s
+    memory_s: float  # bytes / achievable bandwidth
+    time_s: float  # sum of max(compute, memory) per call
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    name: str  # where it runs, e.g. "tp_all_reduce", "sp_all_to_all_qkv", "lm_head_all_gather"
+    op: str  # all_reduce, all_to_all, all_gather, send_recv
+    group_size: int
+    calls: int
+    wire_bytes: int  # sent by one rank over all calls (comm.py's ledger count)
+    time_s: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step: `total_s = compute_s + memory_s + communication_s + bubble_s + overhead_s`, where compute
+    and memory are the times of the compute-bound and of the memory-bound ops of the priced rank (the
+    slowest group's rank under "dp", the busiest stage's under "pp")."""
+
+    layout: Layout
+    ops: tuple[OpCost, ...]
+    collectives: tuple[CollectiveCost, ...]
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    bubble_s: float
+    overhead_s: float
+    group_s: tuple[float, ...] = ()  # "dp": each group's time (without the engine overhead)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + self.communication_s + self.bubble_s + self.overhead_s
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds by op name and collective, plus "bubble" and "overhead"; they sum to total_s."""
+        out: dict[str, float] = defaultdict(float)
+        for o in self.ops:
+            out[o.name] += o.time_s
+        for c in self.collectives:
+            out[c.name] += c.time_s
+        out["bubble"] += self.bubble_s
+        out["overhead"] += self.overhead_s
+        return dict(out)
+
+
+# -- per-rank shards --------------------------------------------------------------------------------------
+def _heads_per_rank(shape: ModelShape, chunks: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one of `chunks` head chunks; KV heads replicated past their count."""
+    return shape.num_heads // chunks, max(1, shape.num_kv_heads // chunks)
+
+
+def validate_layout(shape: ModelShape, layout: Layout) -> None:
+    """The layout must divide the heads (KV heads may be replicated) and the MLP, as the engine requires."""
+    h, h_kv = shape.num_heads, shape.num_kv_heads
+    checks = {"tp": [(layout.tp, "TP")], "sp_tp": [(layout.tp, "TP"), (layout.sp * layout.tp, "SP x TP")],
+              "pp": [(layout.tp, "TP")], "dp": [(w, f"TP{w} group") for w in set(layout.group_tp)]}[layout.kind]
+    problems = []
+    for chunks, what in checks:
+        if h % chunks:
+            problems.append(f"num_heads={h} is not divisible by {what}={chunks}")
+        if chunks % h_kv and h_kv % chunks:
+            problems.append(f"num_kv_heads={h_kv} and {what}={chunks}: neither divides the other")
+        if shape.intermediate_size % chunks:
+            problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by {what}={chunks}")
+    if layout.kind == "pp" and layout.pp > shape.num_layers:
+        problems.append(f"PP={layout.pp} is more stages than the model's {shape.num_layers} layers")
+    if problems:
+        raise ValueError(f"layout {layout.name} does not fit {shape.name}: " + "; ".join(problems))
+
+
+def _stage_layers(shape: ModelShape, pp: int) -> list[int]:
+    base, extra = divmod(shape.num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
+               first_stage: bool, last_stage: bool) -> list[Op]:
+    """The ops of one rank of an (SP x) TP group running `num_layers` layers of one (micro-)batch."""
+    tokens = sum(s.num_new_tokens for s in seqs)
+    local = -(-tokens // sp)  # tokens per SP rank, the step padded to a multiple of SP
+    rows = sum(s.logits_rows for s in seqs)
+    q_lin, kv_lin = _heads_per_rank(shape, tp)  # heads in the rank's q/k/v and o shards
+    q_att, kv_att = _heads_per_rank(shape, sp * tp)  # heads it attends (after the all-to-all)
+    d, h, inter = shape.head_dim, shape.hidden_size, shape.intermediate_size // tp
+    layer = [
+        ops.linear("qkv", shape, local, h, (q_lin + 2 * kv_lin) * d, bias=shape.attention_bias),
+        ops.linear("o_proj", shape, local, q_lin * d, h),
+        ops.linear("gate_up", shape, local, h, 2 * inter),
+        ops.linear("down", shape, local, inter, h),
+        ops.layer_elementwise(shape, local, q_lin, kv_lin, inter),
+    ]
+    prefill = [s for s in seqs if s.num_new_tokens > 1]
+    decode = [s for s in seqs if s.num_new_tokens == 1]
+    if prefill:
+        layer.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill"))
+    if decode:
+        layer.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode"))
+    result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype) for o in layer]
+    if first_stage:
+        result.append(ops.embedding(shape, local))
+    if last_stage:
+        result.append(ops.final_norm(shape, local))
+        if rows:
+            result.append(ops.lm_head(shape, rows, -(-shape.vocab_size // (sp * tp))))
+            result.append(ops.sampling(shape, rows))
+    return result
+
+
+def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
+                       last_stage: bool) -> list[tuple[str, str, int, int, int]]:
+    """(name, op, group size, calls, tensor bytes per call) of one rank: what torch_shift.parallel runs."""
+    a = shape.activation_bytes
+    tokens = sum(s.num_new_tokens for s in seqs)
+    local = -(-tokens // sp)
+    rows = sum(s.logits_rows for s in seqs)
+    h, d = shape.hidden_size, shape.head_dim
+    q_att, kv_att = _heads_per_rank(shape, sp * tp)
+    out = []
+    if tp > 1:  # o_proj and down_proj are row-parallel (layers.RowParallelLinear)
+        out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers, local * h * a))
+    if sp > 1:  # ulysses.UlyssesAttention: one fused q/k/v all-to-all, one for the output
+        out.append(("sp_all_to_all_qkv", "all_to_all", sp, num_layers, sp * local * (q_att + 2 * kv_att) * d * a))
+        out.append(("sp_all_to_all_out", "all_to_all", sp, num_layers, sp * local * q_att * d * a))
+    if last_stage and rows:
+        if sp > 1:  # shift.ShiftModule._base_step: the sampled rows summed over "sp"
+            out.append(("sp_all_reduce_rows", "all_reduce", sp, 1, rows * h * a))
+        if sp * tp > 1:  # layers.VocabParallelLMHead
+            out.append(("lm_head_all_gather", "all_gather", sp * tp, 1, rows * -(-shape.vocab_size // (sp * tp)) * a))
+    return out
+
+
+def _price(hw: HardwareProfile, op_list: Sequence[Op], active: int) -> list[OpCost]:
+    costs = []
+    for o in op_list:
+        compute = o.flops / hw.flops(o.rate, o.dtype) if o.flops else 0.0
+        memory = o.bytes / hw.bandwidth(o.rate, o.dtype, active)
+        costs.append(OpCost(o.name, o.flops, o.bytes, compute, memory, max(compute, memory)))
+    return costs
+
+
+def _price_collectives(hw: HardwareProfile, entries) -> list[CollectiveCost]:
+    return [CollectiveCost(name, op, n, calls, calls * wire_bytes(op, n, nbytes),
+                           calls * hw.collectives.time(op, n, nbytes))
+            for name, op, n, calls, nbytes in entries]
+
+
+def _merge(op_costs: Sequence[OpCost]) -> tuple[OpCost, ...]:
+    merged: dict[str, list[float]] = {}
+    for c in op_costs:
+        acc = merged.setdefault(c.name, [0.0] * 5)
+        for i, v in enumerate((c.flops, c.bytes, c.compute_s, c.memory_s, c.time_s)):
+            acc[i] += v
+    return tuple(OpCost(name, *values) for name, values in merged.items())
+
+
+def _merge_collectives(costs: Sequence[CollectiveCost]) -> tuple[CollectiveCost, ...]:
+    merged: dict[tuple[str, str, int], list] = {}
+    for c in costs:
+        acc = merged.setdefault((c.name, c.op, c.group_size), [0, 0, 0.0])
+        acc[0] += c.calls
+        acc[1] += c.wire_bytes
+        acc[2] += c.time_s
+    return tuple(CollectiveCost(name, op, n, *acc) for (name, op, n), acc in merged.items())
+
+
+def _split_compute_memory(op_costs: Sequence[OpCost]) -> tuple[float, float]:
+    compute = sum(c.time_s for c in op_costs if c.compute_s >= c.memory_s)
+    memory = sum(c.time_s for c in op_costs if c.compute_s < c.memory_s)
+    return compute, memory
+
+
+# -- the step ---------------------------------------------------------------------------------------------
+def _microbatches(seqs: Sequence[Seq], count: int) -> list[list[Seq]]:
+    """Whole sequences into `count` micro-batches of about equal tokens (longest first, each to the
+    lightest micro-batch)."""
+    bins: list[list[Seq]] = [[] for _ in range(min(count, len(seqs)))]
+    load = [0] * len(bins)
+    for s in sorted(seqs, key=lambda s: -s.num_new_tokens):
+        i = load.index(min(load))
+        bins[i].append(s)
+        load[i] += s.num_new_tokens
+    return bins
+
+
+def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq], active: int):
+    """Stages x micro-batches; each stage passes [tokens, hidden] on with a send/recv, the last stage its
+    logits to rank 0. Makespan by the flow-shop recurrence (micro-batches in order through the stages)."""
+    p, tp = layout.pp, layout.tp
+    layers = _stage_layers(shape, p)
+    batches = _microbatches(seqs, layout.num_microbatches or p)
+    a = shape.activation_bytes
+    stage_ops: list[list[OpCost]] = [[] for _ in range(p)]
+    stage_comm: list[list[CollectiveCost]] = [[] for _ in range(p)]
+    finish = [0.0] * p  # when each stage finished its previous micro-batch
+    for mb in batches:
+        tokens, rows = sum(s.num_new_tokens for s in mb), sum(s.logits_rows for s in mb)
+        ready = 0.0
+        for k in range(p):
+            last = k == p - 1
+            op_costs = _price(hw, _group_ops(shape, mb, tp=tp, sp=1, num_layers=layers[k], first_stage=k == 0,
+                                             last_stage=last), active)
+            comm = _group_collectives(shape, mb, tp=tp, sp=1, num_layers=layers[k], last_stage=last)
+            if not last:
+                comm.append(("pp_send_activations", "send_recv", 2, 1, tokens * shape.hidden_size * a))
+            elif rows and p > 1:
+                comm.append(("pp_send_logits", "send_recv", 2, 1, rows * shape.vocab_size * a))
+            comm_costs = _price_collectives(hw, comm)
+            stage_ops[k] += op_costs
+            stage_comm[k] += comm_costs
+            busy = sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm_costs)
+            finish[k] = max(finish[k], ready) + busy
+            ready = finish[k]
+    makespan = finish[-1]
+    busy = [sum(c.time_s for c in stage_ops[k]) + sum(c.time_s for c in stage_comm[k]) for k in range(p)]
+    k = max(range(p), key=busy.__getitem__)
+    return _merge(stage_ops[k]), _merge_collectives(stage_comm[k]), makespan - busy[k]
+
+
+def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq],
+              groups: Sequence[int] | None = None) -> StepCost:
+    """The time of one step that computes `seqs` under `layout` on `hw`.
+
+    Under a "dp" layout `groups[i]` is the group (index into layout.group_tp) that runs seqs[i] (the
+    scheduler's assignment); elsewhere `groups` is not given. Every rank that has work in the step
+    counts as active for a shared memory bandwidth (hw.node_bandwidth)."""
+    validate_layout(shape, layout)
+    if not seqs:
+        raise ValueError("a step has at least one sequence")
+    overhead = hw.overhead.time(len(seqs), layout.num_ranks)
+    if layout.kind == "dp":
+        if groups is None or len(groups) != len(seqs):
+            raise ValueError("a 'dp' layout needs groups: the group index of each sequence")
+        if not all(0 <= g < len(layout.group_tp) for g in groups):
+            raise ValueError(f"group indices must be in [0, {len(layout.group_tp)}), got {sorted(set(groups))}")
+        by_group: dict[int, list[Seq]] = defaultdict(list)
+        for s, g in zip(seqs, groups):
+            by_group[g].append(s)
+        active = sum(layout.group_tp[g] for g in by_group)
+        priced = {}
+        for g, group_seqs in by_group.items():
+            tp = layout.group_tp[g]
+            op_costs = _merge(_price(hw, _group_ops(shape, group_seqs, tp=tp, sp=1, num_layers=shape.num_layers,
+                                                    first_stage=True, last_stage=True), active))
+            comm = tuple(_price_collectives(hw, _group_collectives(shape, group_seqs, tp=tp, sp=1,
+                                                                   num_layers=shape.num_layers, last_stage=True)))
+            priced[g] = (op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm))
+        slowest = max(priced, key=lambda g: priced[g][2])
+        op_costs, comm, _ = priced[slowest]
+        group_s = tuple(priced[g][2] if g in priced else 0.0 for g in range(len(layout.group_tp)))
+        compute, memory = _split_compute_memory(op_costs)
+        return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), 0.0, overhead, group_s)
+    if groups is not None:
+        raise ValueError(f"groups are for a 'dp' layout only, not {layout.kind!r}")
+    active = layout.num_ranks
+    if layout.kind == "pp":
+        op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, active)
+    else:
+        tp, sp = layout.tp, layout.sp
+        op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
+                                                first_stage=True, last_stage=True), active))
+        comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
+                                                               last_stage=True)))
+        bubble = 0.0
+    compute, memory = _split_compute_memory(op_costs)
+    return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead)
+
+
+# -- memory -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankMemory:
+    weight_bytes: int  # parameters one rank holds
+    kv_bytes_per_token: int  # KV cache one rank holds per token of a sequence it serves
+
+
+def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMemory:
+    """The largest rank's weights and KV bytes per token under a static layout (under "dp", a rank of
+    group `group`). As torch_shift places them: the embedding replicated on every rank (first stage under
+    PP), the LM head vocab-parallel over the group (a separate shard even when tied, except on one rank),
+    q/k/v/o and the MLP sharded over TP with KV heads replicated past their count.
+
+    A switching policy holds what its layouts need together: Shift with copied shift weights adds the
+    TP-(sp x tp) shards of the sharded weights to its SP x TP ones; Flying's TP groups are views of the
+    full weights every DP rank holds (its weights are the all-DP layout's); Seesaw keeps a PP stage and a
+    TP shard resident."""
+    validate_layout(shape, layout)
+    if layout.kind == "dp":
+        if not 0 <= group < len(layout.group_tp):
+            raise ValueError(f"group {group} is not in [0, {len(layout.group_tp)})")
+        tp, sp, stages = layout.group_tp[group], 1, [shape.num_layers]
+    elif layout.kind == "pp":
+        tp, sp, stages = layout.tp, 1, _stage_layers(shape, layout.pp)
+    else:
+        tp, sp, stages = layout.tp, layout.sp, [shape.num_layers]
+    h, d = shape.hidden_size, shape.head_dim
+    q_lin, kv_lin = _heads_per_rank(shape, tp)
+    _, kv_att = _heads_per_rank(shape, sp * tp)
+    inter = shape.intermediate_size // tp
+    per_layer = (h * (q_lin + 2 * kv_lin) * d + q_lin * d * h + 3 * h * inter + 2 * h
+                 + ((q_lin + 2 * kv_lin) * d if shape.attention_bias else 0) + (2 * d if shape.qk_norm else 0))
+    vocab_ranks = sp * tp
+    embed = shape.vocab_size * h
+    head = embed if vocab_ranks == 1 and not shape.tie_word_embeddings else 0
+    if vocab_ranks > 1:
+        head = -(-shape.vocab_size // vocab_ranks) * h
+    weights = []
+    for k, layers in enumerate(stages):
+        count = layers * per_layer
+        if k == 0:
+            count += embed
+        if k == len(stages) - 1:
+            count += head + h
+        weights.append(count)
+    kv = [2 * layers * kv_att * d * shape.kv_bytes for layers in stages]
+    return RankMemory(max(weights) * shape.weight_bytes, max(kv))
+
+
+def kv_capacity_tokens(shape: ModelShape, hw: HardwareProfile, layout: Layout, group: int = 0,
+                       memory_utilization: float = 0.9, reserved_bytes: float = 0.0) -> int:
+    """Tokens of KV cache a rank's pool holds after its weights (also the longest sequence it can serve):
+    `memory_utilization` of the device as vLLM's gpu_memory_utilization, less `reserved_bytes` for
+    activations; 0 when the weights do not fit."""
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    mem = memory_per_rank(shape, layout, group)
+    free = hw.device_memory_bytes * memory_utilization - mem.weight_bytes - reserved_bytes
+    return max(0, math.floor(free / mem.kv_bytes_per_token))

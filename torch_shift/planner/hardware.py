@@ -1,0 +1,224 @@
+"""Hardware profiles: achievable rates of one device and of the links between devices.
+
+A profile comes from a data sheet (`get_profile("h200x8")`: peak figures times the achievable
+fractions below) or from a measurement of a real machine (`torch-shift calibrate --out FILE`, then
+`get_profile(FILE)`). Both are `HardwareProfile`s and share the JSON format of `to_json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch_shift.planner.collectives import CollectiveModel
+
+PROFILE_FORMAT = "torch_shift.hardware/1"
+
+# The fractions of a data-sheet peak assumed achievable (the one place they are set; docs/planner.md
+# states them). matmul: large cuBLAS GEMMs reach 70-80% of dense tensor peak; attention:
+# FlashAttention-2/3 reach 50-75% of it; memory: streaming kernels reach 80-90% of HBM bandwidth;
+# links: NCCL's all-reduce bus bandwidth on NVLink reaches ~80% of the per-direction link rate, on
+# PCIe ~70%.
+ACHIEVABLE_FRACTION = {"matmul": 0.70, "attention": 0.50, "memory": 0.80, "nvlink": 0.80, "pcie": 0.70}
+# Collective latency (alpha) on data-sheet profiles: a launch plus one hop per ring step.
+LINK_LATENCY_S = {"nvlink": (8e-6, 1e-6), "pcie": (10e-6, 3e-6)}
+# torch_shift's own per-step engine cost (bench/bench_engine.py measured ~0.1 ms + 5 us per running
+# request on a 2-core VM), with each step's kernels assumed launched as one CUDA graph, as in vLLM.
+GPU_ENGINE_OVERHEAD = {"step_s": 0.5e-3, "seq_s": 5e-6, "parallel_step_s": 0.1e-3, "parallel_seq_s": 1e-6}
+
+
+@dataclass(frozen=True)
+class DataSheet:
+    """Peak figures of one GPU as its vendor states them (dense, no sparsity)."""
+
+    name: str
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+    peak_flops: Mapping[str, float]  # dtype -> FLOP/s (fp32: CUDA cores, PyTorch's default without TF32)
+    interconnect: str  # "nvlink" or "pcie"
+    link_bandwidth: float  # bytes/s per direction per GPU
+    source: str
+
+
+TB = 1e12
+DATASHEETS = {
+    "h100": DataSheet("NVIDIA H100 SXM5 80GB", 80e9, 3.35 * TB,
+                      {"fp32": 67e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}, "nvlink", 450e9,
+                      "NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 900 GB/s bidirectional"),
+    "h200": DataSheet("NVIDIA H200 SXM 141GB", 141e9, 4.8 * TB,
+                      {"fp32": 67e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}, "nvlink", 450e9,
+                      "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s bidirectional"),
+    "a100": DataSheet("NVIDIA A100 SXM4 80GB", 80e9, 2.039 * TB,
+                      {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, "nvlink", 300e9,
+                      "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): NVLink 600 GB/s bidirectional"),
+    "a100-pcie": DataSheet("NVIDIA A100 PCIe 80GB", 80e9, 1.935 * TB,
+                           {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, "pcie", 32e9,
+                           "NVIDIA A100 Tensor Core GPU datasheet (PCIe 80GB): PCIe Gen4 64 GB/s bidirectional"),
+    "a100-pcie-40gb": DataSheet("NVIDIA A100 PCIe 40GB", 40e9, 1.555 * TB,
+                                {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, "pcie", 32e9,
+                                "NVIDIA A100 datasheet (PCIe 40GB; the Seesaw paper's A100 machine)"),
+    "l4": DataSheet("NVIDIA L4 24GB", 24e9, 300e9,
+                    {"fp32": 30.3e12, "bf16": 121e12, "fp16": 121e12, "fp8": 242e12}, "pcie", 32e9,
+                    "NVIDIA L4 Tensor Core GPU datasheet: PCIe Gen4 x16 64 GB/s bidirectional"),
+    "a10": DataSheet("NVIDIA A10 24GB", 24e9, 600e9,
+                     {"fp32": 31.2e12, "bf16": 125e12, "fp16": 125e12}, "pcie", 32e9,
+                     "NVIDIA A10 Tensor Core GPU datasheet: PCIe Gen4 x16 64 GB/s bidirectional"),
+}
+
+# dtype -> the dtypes whose rate stands in when a profile has no figure for it
+_RATE_FALLBACK = {"fp8": ("bf16", "fp16"), "bf16": ("fp16",), "fp16": ("bf16",), "fp32": ()}
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """Per-step engine time outside the model: `step_s + seq_s * sequences`, plus, when the step runs on
+    more than one rank, the step plan's broadcast `parallel_step_s + parallel_seq_s * sequences`."""
+
+    step_s: float
+    seq_s: float
+    parallel_step_s: float = 0.0
+    parallel_seq_s: float = 0.0
+
+    def time(self, num_seqs: int, num_ranks: int) -> float:
+        t = self.step_s + self.seq_s * num_seqs
+        if num_ranks > 1:
+            t += self.parallel_step_s + self.parallel_seq_s * num_seqs
+        return t
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Achievable rates of one device (a GPU, or a CPU rank with its threads) of a machine.
+
+    Rates are against the ideal FLOP and byte counts of `torch_shift.planner.shape`: `matmul_flops` and
+    `matmul_bandwidth` (weights streamed through a matmul) for the linears, `attention_flops` and
+    `attention_bandwidth` (the KV cache read) for attention, all by dtype; `copy_bandwidth` for the
+    elementwise rest.
+    `node_bandwidth` caps the memory traffic of all devices of the machine together (host memory shared
+    by CPU ranks); None where each device has its own memory."""
+
+    name: str
+    num_devices: int
+    device_memory_bytes: float
+    matmul_flops: Mapping[str, float]
+    attention_flops: Mapping[str, float]
+    matmul_bandwidth: Mapping[str, float]
+    attention_bandwidth: Mapping[str, float]
+    copy_bandwidth: float
+    collectives: CollectiveModel
+    overhead: EngineOverhead
+    node_bandwidth: float | None = None
+    source: str = ""
+    measurements: Mapping = field(default_factory=dict, compare=False)  # raw figures of a calibration
+
+    def flops(self, rate: str, dtype: str) -> float:
+        table = self.matmul_flops if rate == "matmul" else self.attention_flops
+        for candidate in (dtype, *_RATE_FALLBACK[dtype]):
+            if candidate in table:
+                return table[candidate]
+        raise ValueError(f"profile {self.name!r} has no {rate} rate for {dtype} (it has {', '.join(table)})")
+
+    def bandwidth(self, rate: str, dtype: str, active_devices: int = 1) -> float:
+        """Bytes/s of one device while `active_devices` devices of the machine stream at once."""
+        if rate == "copy":
+            bw = self.copy_bandwidth
+        else:
+            table = self.matmul_bandwidth if rate == "matmul" else self.attention_bandwidth
+            key = next((c for c in (dtype, *_RATE_FALLBACK[dtype], "fp32") if c in table), None)
+            if key is None:
+                raise ValueError(f"profile {self.name!r} has no {rate} bandwidth for {dtype}")
+            bw = table[key]
+        if self.node_bandwidth is not None:
+            bw = min(bw, self.node_bandwidth / max(1, active_devices))
+        return bw
+
+    # -- JSON ---------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": PROFILE_FORMAT, "name": self.name, "source": self.source,
+            "num_devices": self.num_devices, "device_memory_bytes": self.device_memory_bytes,
+            "matmul_flops": dict(self.matmul_flops), "attention_flops": dict(self.attention_flops),
+            "matmul_bandwidth": dict(self.matmul_bandwidth), "attention_bandwidth": dict(self.attention_bandwidth),
+            "copy_bandwidth": self.copy_bandwidth, "node_bandwidth": self.node_bandwidth,
+            "collectives": self.collectives.to_json(),
+            "overhead": {"step_s": self.overhead.step_s, "seq_s": self.overhead.seq_s,
+                         "parallel_step_s": self.overhead.parallel_step_s,
+                         "parallel_seq_s": self.overhead.parallel_seq_s},
+            "measurements": dict(self.measurements),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> HardwareProfile:
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"not a torch_shift hardware profile (format {data.get('format')!r}, "
+                             f"expected {PROFILE_FORMAT!r})")
+        try:
+            profile = cls(
+                name=str(data["name"]), num_devices=int(data["num_devices"]),
+                device_memory_bytes=float(data["device_memory_bytes"]),
+                matmul_flops=_rates(data["matmul_flops"]), attention_flops=_rates(data["attention_flops"]),
+                matmul_bandwidth=_rates(data["matmul_bandwidth"]),
+                attention_bandwidth=_rates(data["attention_bandwidth"]), copy_bandwidth=float(data["copy_bandwidth"]),
+                node_bandwidth=None if data.get("node_bandwidth") is None else float(data["node_bandwidth"]),
+                collectives=CollectiveModel.from_json(data["collectives"]),
+                overhead=EngineOverhead(**{k: float(v) for k, v in data["overhead"].items()}),
+                source=str(data.get("source", "")), measurements=data.get("measurements", {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"hardware profile {data.get('name')!r} is missing or has a bad field: {e}") from None
+        if profile.num_devices < 1 or profile.copy_bandwidth <= 0 or profile.device_memory_bytes <= 0:
+            raise ValueError(f"hardware profile {profile.name!r} has non-positive figures")
+        return profile
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _rates(table: Mapping) -> dict[str, float]:
+    rates = {str(k): float(v) for k, v in table.items()}
+    if not rates or min(rates.values()) <= 0:
+        raise ValueError(f"rates must be positive, got {dict(table)}")
+    return rates
+
+
+def datasheet_profile(gpu: str, num_devices: int = 1) -> HardwareProfile:
+    """A node of `num_devices` GPUs of a data-sheet kind, at ACHIEVABLE_FRACTION of its peaks."""
+    if gpu not in DATASHEETS:
+        raise ValueError(f"unknown GPU {gpu!r}; known: {', '.join(DATASHEETS)}")
+    sheet, f = DATASHEETS[gpu], ACHIEVABLE_FRACTION
+    memory_bw = sheet.memory_bandwidth * f["memory"]
+    base, per_step = LINK_LATENCY_S[sheet.interconnect]
+    sizes = [n for n in (2, 4, 8) if n <= max(num_devices, 2)]
+    return HardwareProfile(
+        name=f"{gpu}x{num_devices}" if num_devices > 1 else gpu,
+        num_devices=num_devices,
+        device_memory_bytes=sheet.memory_bytes,
+        matmul_flops={d: r * f["matmul"] for d, r in sheet.peak_flops.items()},
+        attention_flops={d: r * f["attention"] for d, r in sheet.peak_flops.items() if d != "fp8"},
+        matmul_bandwidth={d: memory_bw for d in sheet.peak_flops},
+        attention_bandwidth={d: memory_bw for d in sheet.peak_flops},
+        copy_bandwidth=memory_bw,
+        collectives=CollectiveModel.from_link(sheet.link_bandwidth * f[sheet.interconnect], base, per_step, sizes),
+        overhead=EngineOverhead(**GPU_ENGINE_OVERHEAD),
+        source=f"data sheet: {sheet.source}; achievable fractions {f}",
+    )
+
+
+def get_profile(spec: str | Path) -> HardwareProfile:
+    """'h200' (one GPU), 'h200x8' (a node of 8), or the path of a JSON profile (`torch-shift calibrate`)."""
+    text = str(spec)
+    match = re.fullmatch(r"([a-z0-9-]+?)(?:x(\d+))?", text.lower())
+    if match and match.group(1) in DATASHEETS:
+        return datasheet_profile(match.group(1), int(match.group(2) or 1))
+    path = Path(text)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return HardwareProfile.from_json(data)
+    raise ValueError(f"unknown hardware {text!r}: give a JSON profile (torch-shift calibrate --out FILE) or one "
+                     f"of {', '.join(DATASHEETS)}, optionally with a GPU count (e.g. h200x8)")

@@ -1,0 +1,227 @@
+"""A model's shape from its config.json alone, and the FLOPs and bytes of each operation of a step.
+
+No weights are read: planning a 70B model needs only its config.json. The operations are those of
+`torch_shift.models.decoder.DecoderLM` run eagerly: per layer an RMSNorm, the fused q/k/v projection,
+RoPE (and q/k norms for Qwen3), attention over the paged KV cache, o_proj, a residual add, an RMSNorm,
+the fused gate/up projection, SiLU x up, down_proj and a residual add; then the final norm, the LM head
+on the sampled rows only, and sampling. Counts are for one rank's shard: the caller (the cost model)
+says how many tokens, heads and MLP columns the rank holds under its layout.
+
+Bytes are those an ideal kernel moves (weights once, activations in and out once, each sequence's K and
+V read once); what a real kernel moves beyond that shows up as a lower achievable rate in the hardware
+profile (`torch-shift calibrate` measures the rates against these same counts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch_shift.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                  "float8": "fp8", "float8_e4m3fn": "fp8", **{d: d for d in DTYPE_BYTES}}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """'bfloat16' -> 'bf16' etc.; a ValueError for a dtype the planner does not know."""
+    if not isinstance(dtype, str) or dtype.lower() not in _DTYPE_ALIASES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
+    return _DTYPE_ALIASES[dtype.lower()]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a dense decoder (Llama, Mistral, Qwen2, Qwen3) and its dtypes.
+
+    `weight_dtype` sets the bytes of a weight and the FLOP rate of the linears (FP8 weights: FP8 matmuls
+    where the hardware has them, as vLLM's FP8 W8A8 on Hopper; elsewhere weight-only FP8 at the 16-bit
+    rate). Activations, logits and collectives are in `activation_dtype` (BF16 for FP8 weights); the KV
+    cache in `kv_dtype` (the activation dtype unless set)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    weight_dtype: str = "bf16"
+    kv_dtype: str | None = None
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
+        if self.kv_dtype is not None:
+            object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, dtype: str = "auto", kv_dtype: str | None = None,
+                    name: str = "model") -> ModelShape:
+        """`dtype`: 'auto' (the checkpoint's, fp32 when it names none), fp32, bf16, fp16 or fp8."""
+        weight_dtype = canonical_dtype(config.torch_dtype or "fp32") if dtype == "auto" else dtype
+        return cls(
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+            tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+            qk_norm=config.qk_norm, sliding_window=config.sliding_window, weight_dtype=weight_dtype,
+            kv_dtype=kv_dtype, name=name,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "auto", kv_dtype: str | None = None) -> ModelShape:
+        """From a model directory or a config.json file; weights, if any, are not read."""
+        path = Path(path)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise ValueError(f"{path}: no config.json there")
+        try:
+            hf = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+        name = path.name if path.is_dir() else path.parent.name
+        return cls.from_config(ModelConfig.from_hf_dict(hf), dtype, kv_dtype, name=name)
+
+    @property
+    def activation_dtype(self) -> str:
+        return "bf16" if self.weight_dtype == "fp8" else self.weight_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def activation_bytes(self) -> int:
+        return DTYPE_BYTES[self.activation_dtype]
+
+    @property
+    def kv_bytes(self) -> int:
+        return DTYPE_BYTES[self.kv_dtype or self.activation_dtype]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
+        bias = (self.num_heads + 2 * self.num_kv_heads) * d if self.attention_bias else 0
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        return qkv + bias + self.q_size * h + 3 * h * self.intermediate_size + norms
+
+    def num_parameters(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + head + self.num_layers * self.layer_parameters() + self.hidden_size
+
+
+@dataclass(frozen=True)
+class Seq:
+    """One sequence of a step: `num_new_tokens` computed now after `num_computed_tokens` already in the
+    KV cache (the scheduler's names); `logits_rows` of them go through the LM head (1 when it samples,
+    0 for a prompt chunk that does not reach the end, the chunk's length with prompt logprobs)."""
+
+    num_new_tokens: int
+    num_computed_tokens: int = 0
+    logits_rows: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens < 1 or self.num_computed_tokens < 0 or not 0 <= self.logits_rows <= self.num_new_tokens:
+            raise ValueError(f"a sequence needs num_new_tokens >= 1, num_computed_tokens >= 0 and 0 <= logits_rows "
+                             f"<= num_new_tokens, got {self}")
+
+    @classmethod
+    def from_scheduled(cls, entry) -> Seq:
+        """From a `torch_shift.engine.scheduler.ScheduledRequest` of a step plan."""
+        rows = entry.num_tokens if entry.prompt_logprobs else int(entry.sample)
+        return cls(entry.num_tokens, entry.num_computed_tokens, rows)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation on one rank: `flops` at the rate of `rate` ("matmul", "attention" or None for
+    none) in `dtype`, and `bytes` at the bandwidth of `rate` ("matmul", "attention" or "copy")."""
+
+    name: str
+    flops: float
+    bytes: float
+    rate: str
+    dtype: str
+
+
+def _window_keys(first: int, count: int, window: int | None) -> int:
+    """sum of min(v, window) for v = first .. first + count - 1: keys attended by `count` queries."""
+    last = first + count - 1
+    if window is None or last <= window:
+        return (first + last) * count // 2
+    if first > window:
+        return count * window
+    below = window - first + 1  # values first .. window
+    return (first + window) * below // 2 + (count - below) * window
+
+
+def linear(name: str, shape: ModelShape, tokens: int, in_features: int, out_features: int,
+           bias: bool = False) -> Op:
+    """x[tokens, in] @ W[out, in]^T: the weight read once, the input read and the output written once."""
+    a, w = shape.activation_bytes, shape.weight_bytes
+    nbytes = in_features * out_features * w + tokens * (in_features + out_features) * a
+    if bias:
+        nbytes += out_features * w
+    return Op(name, 2.0 * tokens * in_features * out_features, nbytes, "matmul", shape.weight_dtype)
+
+
+def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, name: str = "attention") -> Op:
+    """Causal attention of the new tokens over each sequence's context (the batch's KV read once, the new
+    K/V written once): QK^T and PV are 2 FLOPs per (query head, key, dim) each."""
+    d, window = shape.head_dim, shape.sliding_window
+    keys = sum(_window_keys(s.num_computed_tokens + 1, s.num_new_tokens, window) for s in seqs)
+    # keys read: the whole context, or the last window + chunk - 1 positions under a sliding window
+    read = sum(min(s.num_computed_tokens + s.num_new_tokens,
+                   s.num_new_tokens - 1 + window if window else 1 << 62) for s in seqs)
+    new = sum(s.num_new_tokens for s in seqs)
+    kv = 2 * kv_heads * d * shape.kv_bytes * (read + new)
+    qo = 2 * new * q_heads * d * shape.activation_bytes
+    return Op(name, 4.0 * d * q_heads * keys, kv + qo, "attention", shape.activation_dtype)
+
+
+def layer_elementwise(shape: ModelShape, tokens: int, q_heads: int, kv_heads: int, mlp_columns: int) -> Op:
+    """The memory-bound rest of a layer, each pass reading its inputs and writing its output once: two
+    RMSNorms (2 x [T, h]), two residual adds (3 x [T, h]), RoPE on q and k (read, write, cos/sin), q/k
+    norms for Qwen3, SiLU(gate) * up (3 x [T, I])."""
+    h, d = shape.hidden_size, shape.head_dim
+    qk = (q_heads + kv_heads) * d
+    elements = tokens * (2 * 2 * h + 2 * 3 * h + 2 * qk + 2 * d + 3 * mlp_columns)
+    if shape.qk_norm:
+        elements += tokens * 2 * qk
+    return Op("elementwise", 0.0, elements * shape.activation_bytes, "copy", shape.activation_dtype)
+
+
+def embedding(shape: ModelShape, tokens: int) -> Op:
+    """Rows gathered from the (replicated) embedding table."""
+    h = shape.hidden_size
+    return Op("embedding", 0.0, tokens * h * (shape.weight_bytes + shape.activation_bytes), "copy",
+              shape.activation_dtype)
+
+
+def final_norm(shape: ModelShape, tokens: int) -> Op:
+    return Op("final_norm", 0.0, 2 * tokens * shape.hidden_size * shape.activation_bytes, "copy",
+              shape.activation_dtype)
+
+
+def lm_head(shape: ModelShape, rows: int, vocab_rows: int) -> Op:
+    """The vocabulary shard `vocab_rows` x hidden applied to the sampled rows only."""
+    return linear("lm_head", shape, rows, shape.hidden_size, vocab_rows)
+
+
+def sampling(shape: ModelShape, rows: int) -> Op:
+    """Rank 0 reads the gathered logits [rows, vocab] twice (softmax/argmax and the chosen token's logprob)."""
+    return Op("sampling", 0.0, 2 * rows * shape.vocab_size * shape.activation_bytes, "copy", shape.activation_dtype)
