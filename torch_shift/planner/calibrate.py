@@ -284,6 +284,27 @@ def _memory_bytes() -> int:
         return 0
 
 
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(CPU seconds used on the whole machine, by this process and its finished children, wall clock);
+    None where /proc/stat does not exist."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def other_cores(before: tuple[float, float, float] | None) -> float | None:
+    """Cores that other processes kept busy since `before`."""
+    after = cpu_seconds()
+    if before is None or after is None:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2])
+
+
 def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"),
               overhead_steps: int = 40, log: Callable[[str], None] = print) -> HardwareProfile:
     """Measure this machine (CPU ranks on gloo) and return its profile."""
@@ -297,7 +318,7 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     cpus = os.cpu_count() or 1
     if world * threads > cpus:
         log(f"warning: {world} ranks x {threads} threads exceed this machine's {cpus} CPUs; rates will be low")
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
     cpu = platform.processor() or platform.machine()
     log(f"calibrate: {world} rank(s) x {threads} thread(s) on {cpus} CPUs ({cpu})")
     solo = run_ranks(_device_rank, 1, list(dtypes), threads=threads)[0]
@@ -329,8 +350,11 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     step_s, seq_s = _linear_fit(steps)
     log("  engine step with a null model: " + ", ".join(f"{n} seqs {t * 1e3:.2f} ms" for n, t in steps.items())
         + f" -> {step_s * 1e3:.3f} ms + {seq_s * 1e6:.2f} us per sequence")
-    wall = time.perf_counter() - start
-    log(f"calibrate: done in {wall:.1f} s")
+    wall, others = time.perf_counter() - start, other_cores(cpu_start)
+    log(f"calibrate: done in {wall:.1f} s" + ("" if others is None else
+                                                f"; other processes kept {others:.2f} cores busy meanwhile"))
+    if others is not None and others > 0.2:
+        log("warning: this machine was not idle; its profile is slower than the machine (calibrate again when idle)")
     return HardwareProfile(
         name=name or f"{platform.node() or 'this machine'} ({world} x {threads} thread CPU ranks)",
         num_devices=world,
@@ -352,5 +376,6 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
                                   for op, by_size in (ranks[0]["collectives"].items() if ranks else ())},
             "engine_step_s": {str(n): t for n, t in steps.items()},
             "wall_s": wall,
+            "other_processes_cores": others,
         },
     )
