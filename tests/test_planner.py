@@ -158,6 +158,20 @@ def test_shared_memory_bandwidth_slows_ranks_that_stream_together():
     assert two.memory_s == pytest.approx(one.memory_s * GIGA / 0.75e9)
 
 
+def test_matmul_bandwidth_by_rows():
+    """A profile may give the weight-streaming rate per number of input rows (CPU GEMMs with a few rows pack
+    their weights): interpolated in log(rows), constant past the ends, and used for each linear's token count."""
+    hw = unit_profile()
+    hw = HardwareProfile(**{**hw.__dict__, "matmul_bandwidth": {"fp32": ((1, 4 * GIGA), (4, 2 * GIGA), (16, GIGA))}})
+    assert [hw.bandwidth("matmul", "fp32", rows=r) for r in (1, 2, 4, 8, 16, 64)] == pytest.approx(
+        [4e9, 3e9, 2e9, 1.5e9, 1e9, 1e9])
+    assert hw.bandwidth("attention", "fp32") == GIGA
+    one, eight = (step_cost(SHAPE, hw, Layout("tp"), [Seq(1, 10)] * n) for n in (1, 8))
+    qkv = {n: next(o for o in c.ops if o.name == "qkv") for n, c in ((1, one), (8, eight))}
+    assert qkv[1].memory_s == pytest.approx(qkv[1].bytes / 4e9)
+    assert qkv[8].memory_s == pytest.approx(qkv[8].bytes / 1.5e9)
+
+
 def test_sliding_window_caps_keys_and_kv_reads():
     windowed = ModelShape(**{**SHAPE.__dict__, "sliding_window": 8})
     ops = ops_of(step_cost(windowed, unit_profile(), Layout("tp"), [Seq(1, 100), Seq(4, 6)]))

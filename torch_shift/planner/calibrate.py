@@ -5,13 +5,15 @@ tensors on NCCL, is not written yet: no GPU was lent to this work; GPUs have dat
 Measured, each rate against the same ideal FLOP and byte counts the cost model uses
 (`torch_shift.planner.shape`):
   - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]);
-  - weight-streaming bandwidth per dtype: 1-token matmuls over 8 weights far beyond the last-level
-    cache (as a decode step reads its weights), alone and on every rank at once (-> node_bandwidth);
+  - weight-streaming bandwidth per dtype: matmuls over weights far beyond the last-level cache with
+    1 to 64 rows of input (a decode step of 1 to 64 sequences reads its weights so), and with 1 row
+    on every rank at once (-> node_bandwidth);
   - copy bandwidth: a plain copy of a 128 MB tensor;
   - attention: the engine's own `PagedAttention` (a decode batch over a paged KV cache: bandwidth;
     a 512-token prompt: FLOP/s);
   - collectives on the engine's own functional collectives (`torch_shift.parallel.comm`) over gloo,
-    for every group size that divides the world: alpha and beta fitted over a sweep of sizes;
+    for every group size that divides the world, each call after some compute as in a forward pass:
+    alpha and beta fitted over a sweep of sizes;
   - the engine's per-step overhead: `LLMEngine.step` with a model whose forward does no work (as
     bench/bench_engine.py does), at several batch sizes; and the step plan's broadcast to the ranks.
 Every measurement runs in ranks forked by `torch_shift.parallel.launch.run_ranks`, so the calling
@@ -37,11 +39,14 @@ from torch_shift.planner.shape import ModelShape, Seq, attention
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_SIZES = [1 << k for k in range(8, 21, 2)]  # elements of fp32: 1 KiB .. 4 MiB
+MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64)  # past 64 rows a matmul here is compute-bound (measured)
 OVERHEAD_BATCHES = (1, 16, 64)
 PLAN_BATCHES = (1, 64)
 
 
-def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+def _best_time(fn: Callable[[], object], reps: int, warmup: int = 1, sync: Callable[[], None] | None = None) -> float:
+    """The shortest of `reps` timed runs: other processes only ever slow a run down, so on a shared
+    machine the best run is the nearest to the machine itself."""
     for _ in range(warmup):
         fn()
     times = []
@@ -51,7 +56,7 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1, sync: Cal
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -63,27 +68,28 @@ def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def measure_matmul_flops(dtype: str, reps: int = 5, sync=None) -> float:
     m, k, n = 512, 2048, 2048
     a, w = _filled((m, k), TORCH_DTYPES[dtype]), _filled((n, k), TORCH_DTYPES[dtype])
-    return 2.0 * m * k * n / _median_time(lambda: torch.nn.functional.linear(a, w), reps, sync=sync)
+    return 2.0 * m * k * n / _best_time(lambda: torch.nn.functional.linear(a, w), reps, sync=sync)
 
 
-def measure_weight_bandwidth(dtype: str, reps: int = 5, sync=None) -> float:
-    """Bytes/s of weights read by 1-token matmuls: 8 weights of 4096 x 2048, far beyond any CPU cache."""
-    weights = [_filled((4096, 2048), TORCH_DTYPES[dtype]) for _ in range(8)]
-    x = _filled((1, 2048), TORCH_DTYPES[dtype])
+def measure_weight_bandwidth(dtype: str, rows: int = 1, reps: int = 5, sync=None) -> float:
+    """Bytes/s of weights read by matmuls with `rows` rows of input (1: as a decode step of one sequence):
+    4 weights of 4096 x 2048 (128 MiB in fp32), far beyond a CPU's last-level cache."""
+    weights = [_filled((4096, 2048), TORCH_DTYPES[dtype]) for _ in range(4)]
+    x = _filled((rows, 2048), TORCH_DTYPES[dtype])
 
     def run():
         for w in weights:
             torch.nn.functional.linear(x, w)
 
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return nbytes / _median_time(run, reps, sync=sync)
+    return nbytes / _best_time(run, reps, sync=sync)
 
 
 def measure_copy_bandwidth(reps: int = 5, sync=None) -> float:
     """Bytes read plus written per second by a copy of 128 MB."""
     src = _filled((32 << 20,), torch.float32)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _median_time(lambda: dst.copy_(src), reps, sync=sync)
+    return 2 * src.numel() * src.element_size() / _best_time(lambda: dst.copy_(src), reps, sync=sync)
 
 
 def _attention_shape(dtype: str) -> ModelShape:
@@ -114,7 +120,7 @@ def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
         prefills=[])
     q, k, v = _filled((batch, hq, d), tdtype), _filled((batch, hkv, d), tdtype), _filled((batch, hkv, d), tdtype)
     run_decode = PagedAttention(cache, decode)
-    decode_s = _median_time(lambda: [run_decode(i, q, k, v) for i in range(layers)], reps)
+    decode_s = _best_time(lambda: [run_decode(i, q, k, v) for i in range(layers)], reps)
     decode_bytes = layers * attention(shape, [Seq(1, context)] * batch, hq, hkv).bytes
 
     chunk = PrefillChunk(start=0, num_tokens=prompt, num_computed_tokens=0, block_table=table[:1], mask=None)
@@ -122,7 +128,7 @@ def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
                                 decode_mask=None, prefills=[chunk])
     q, k, v = _filled((prompt, hq, d), tdtype), _filled((prompt, hkv, d), tdtype), _filled((prompt, hkv, d), tdtype)
     run_prefill = PagedAttention(cache, prefill)
-    prefill_s = _median_time(lambda: [run_prefill(i, q, k, v) for i in range(layers)], reps)
+    prefill_s = _best_time(lambda: [run_prefill(i, q, k, v) for i in range(layers)], reps)
     prefill_flops = layers * attention(shape, [Seq(prompt, 0)], hq, hkv).flops
     return decode_bytes / decode_s, prefill_flops / prefill_s
 
@@ -132,7 +138,8 @@ def _device_rank(rank: int, world: int, dtypes: list[str]) -> dict:
     with torch.inference_mode():
         for dtype in dtypes:
             result["matmul_flops"][dtype] = measure_matmul_flops(dtype)
-            result["matmul_bandwidth"][dtype] = measure_weight_bandwidth(dtype)
+            result["matmul_bandwidth"][dtype] = [(rows, measure_weight_bandwidth(dtype, rows, reps=3))
+                                                 for rows in MATMUL_ROWS]
             bandwidth, flops = measure_attention(dtype)
             result["attention_bandwidth"][dtype] = bandwidth
             result["attention_flops"][dtype] = flops
@@ -192,6 +199,12 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                 groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
                 group_ranks = list(range(rank - rank % n, rank - rank % n + n))
                 group = groups[rank // n]
+                # Each collective follows some compute, as in a forward pass (a 1-row matmul over 16 MiB of
+                # weights, about what a decode step computes between two collectives), and only the
+                # collective is timed. On gloo here a call between computes took 1.2-1.5x one in a bare
+                # burst and ~2x one timed alone after a barrier (measured): the peer is often still
+                # computing when a rank arrives, and its communication thread must wait for a core.
+                weight, x = _filled((4096, 1024), torch.float32), _filled((1, 1024), torch.float32)
                 for op in COLLECTIVE_OPS:
                     if op == "send_recv" and n != 2:
                         continue  # point to point: one pair
@@ -199,11 +212,19 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                     for numel in COLLECTIVE_SIZES:
                         call = (_send_recv_call(group_ranks, rank, numel) if op == "send_recv"
                                 else _collective_call(op, group, numel))
-                        # each call timed alone after a barrier (in a forward pass a collective follows
-                        # compute on every rank), median of many: gloo on a busy machine is noisy
-                        reps = max(5, min(25, (1 << 24) // (numel * 4)))
-                        per_call = _median_time(call, reps, warmup=2, sync=dist.barrier)
-                        per_call /= 2 if op == "send_recv" else 1
+                        calls = max(4, min(16, (1 << 22) // (numel * 4)))
+                        runs = []
+                        for rep in range(5):
+                            dist.barrier()
+                            spent = 0.0
+                            for _ in range(calls):
+                                torch.nn.functional.linear(x, weight)
+                                start = time.perf_counter()
+                                call()
+                                spent += time.perf_counter() - start
+                            if rep:  # the first run warms up
+                                runs.append(spent)
+                        per_call = min(runs) / calls / (2 if op == "send_recv" else 1)
                         tensor_bytes = numel * 4 if op != "all_to_all" else n * max(1, numel // n) * 4
                         points.append((wire_bytes(op, n, tensor_bytes), per_call))
                     result["collectives"].setdefault(op, {})[n] = points
@@ -214,7 +235,7 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                     box = [plan if rank == 0 else None]
                     dist.broadcast_object_list(box, src=0)
 
-                result["plan_broadcast_s"][num_seqs] = _median_time(broadcast, reps=20, warmup=3, sync=dist.barrier)
+                result["plan_broadcast_s"][num_seqs] = _best_time(broadcast, reps=20, warmup=3, sync=dist.barrier)
         return result
     finally:
         dist.destroy_process_group()
@@ -323,7 +344,9 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     log(f"calibrate: {world} rank(s) x {threads} thread(s) on {cpus} CPUs ({cpu})")
     solo = run_ranks(_device_rank, 1, list(dtypes), threads=threads)[0]
     log("  one rank: matmul " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["matmul_flops"].items())
-        + "; weight streaming " + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["matmul_bandwidth"].items())
+        + "; weight streaming at 1/8/64 rows " + ", ".join(
+            f"{d} " + "/".join(f"{r / 1e9:.1f}" for n, r in points if n in (1, 8, 64)) + " GB/s"
+            for d, points in solo["matmul_bandwidth"].items())
         + f"; copy {solo['copy_bandwidth'] / 1e9:.1f} GB/s; attention decode "
         + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["attention_bandwidth"].items()) + ", prompt "
         + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["attention_flops"].items()))
@@ -333,9 +356,11 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     ranks: list[dict] = []
     if world > 1:
         ranks = run_ranks(_parallel_rank, world, list(dtypes), threads=threads)
-        node_bandwidth = sum(r["matmul_bandwidth"]["fp32" if "fp32" in dtypes else dtypes[0]] for r in ranks)
-        log(f"  {world} ranks at once: weight streaming {node_bandwidth / 1e9:.1f} GB/s in all "
-            f"({node_bandwidth / world / 1e9:.1f} GB/s per rank)")
+        # a parallel step waits for its slowest rank: the node streams world x the slowest rank's rate
+        per_rank = [r["matmul_bandwidth"]["fp32" if "fp32" in dtypes else dtypes[0]] for r in ranks]
+        node_bandwidth = world * min(per_rank)
+        log(f"  {world} ranks at once: weight streaming " + ", ".join(f"{b / 1e9:.1f}" for b in per_rank)
+            + f" GB/s per rank -> node {node_bandwidth / 1e9:.1f} GB/s (the slowest rank's x {world})")
         table = {}
         for op, by_size in ranks[0]["collectives"].items():
             table[op] = {}

@@ -179,7 +179,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         layer.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill"))
     if decode:
         layer.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode"))
-    result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype) for o in layer]
+    result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype, o.rows) for o in layer]
     if first_stage:
         result.append(ops.embedding(shape, local))
     if last_stage:
@@ -217,7 +217,7 @@ def _price(hw: HardwareProfile, op_list: Sequence[Op], active: int) -> list[OpCo
     costs = []
     for o in op_list:
         compute = o.flops / hw.flops(o.rate, o.dtype) if o.flops else 0.0
-        memory = o.bytes / hw.bandwidth(o.rate, o.dtype, active)
+        memory = o.bytes / hw.bandwidth(o.rate, o.dtype, active, o.rows)
         costs.append(OpCost(o.name, o.flops, o.bytes, compute, memory, max(compute, memory)))
     return costs
 

@@ -8,8 +8,9 @@ fractions below) or from a measurement of a real machine (`torch-shift calibrate
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,16 +97,19 @@ class HardwareProfile:
     Rates are against the ideal FLOP and byte counts of `torch_shift.planner.shape`: `matmul_flops` and
     `matmul_bandwidth` (weights streamed through a matmul) for the linears, `attention_flops` and
     `attention_bandwidth` (the KV cache read) for attention, all by dtype; `copy_bandwidth` for the
-    elementwise rest.
-    `node_bandwidth` caps the memory traffic of all devices of the machine together (host memory shared
-    by CPU ranks); None where each device has its own memory."""
+    elementwise rest. A matmul bandwidth is one figure, or (rows, bytes/s) points measured with that many
+    rows of input (a CPU GEMM with a few rows packs its weights and streams them at a fraction of the
+    1-row rate), interpolated in log(rows) and held constant past both ends.
+    `node_bandwidth` is what all devices of the machine stream together (host memory shared by CPU
+    ranks): with `a` devices busy, each rate of each is scaled by min(1, node_bandwidth / (a x the 1-row
+    matmul bandwidth)). None where each device has its own memory."""
 
     name: str
     num_devices: int
     device_memory_bytes: float
     matmul_flops: Mapping[str, float]
     attention_flops: Mapping[str, float]
-    matmul_bandwidth: Mapping[str, float]
+    matmul_bandwidth: Mapping[str, float | Sequence[tuple[int, float]]]
     attention_bandwidth: Mapping[str, float]
     copy_bandwidth: float
     collectives: CollectiveModel
@@ -121,8 +125,9 @@ class HardwareProfile:
                 return table[candidate]
         raise ValueError(f"profile {self.name!r} has no {rate} rate for {dtype} (it has {', '.join(table)})")
 
-    def bandwidth(self, rate: str, dtype: str, active_devices: int = 1) -> float:
-        """Bytes/s of one device while `active_devices` devices of the machine stream at once."""
+    def bandwidth(self, rate: str, dtype: str, active_devices: int = 1, rows: int = 1) -> float:
+        """Bytes/s of one device for `rate` ("matmul" with `rows` rows of input, "attention", "copy") while
+        `active_devices` devices of the machine stream at once."""
         if rate == "copy":
             bw = self.copy_bandwidth
         else:
@@ -130,9 +135,10 @@ class HardwareProfile:
             key = next((c for c in (dtype, *_RATE_FALLBACK[dtype], "fp32") if c in table), None)
             if key is None:
                 raise ValueError(f"profile {self.name!r} has no {rate} bandwidth for {dtype}")
-            bw = table[key]
-        if self.node_bandwidth is not None:
-            bw = min(bw, self.node_bandwidth / max(1, active_devices))
+            bw = _at_rows(table[key], rows)
+        if self.node_bandwidth is not None and active_devices > 1:
+            solo = _at_rows(self.matmul_bandwidth.get("fp32", next(iter(self.matmul_bandwidth.values()))), 1)
+            bw *= min(1.0, self.node_bandwidth / (active_devices * solo))
         return bw
 
     # -- JSON ---------------------------------------------------------------------------------------------
@@ -141,7 +147,9 @@ class HardwareProfile:
             "format": PROFILE_FORMAT, "name": self.name, "source": self.source,
             "num_devices": self.num_devices, "device_memory_bytes": self.device_memory_bytes,
             "matmul_flops": dict(self.matmul_flops), "attention_flops": dict(self.attention_flops),
-            "matmul_bandwidth": dict(self.matmul_bandwidth), "attention_bandwidth": dict(self.attention_bandwidth),
+            "matmul_bandwidth": {d: v if isinstance(v, float) else [list(p) for p in v]
+                                 for d, v in self.matmul_bandwidth.items()},
+            "attention_bandwidth": dict(self.attention_bandwidth),
             "copy_bandwidth": self.copy_bandwidth, "node_bandwidth": self.node_bandwidth,
             "collectives": self.collectives.to_json(),
             "overhead": {"step_s": self.overhead.step_s, "seq_s": self.overhead.seq_s,
@@ -177,10 +185,35 @@ class HardwareProfile:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _rates(table: Mapping) -> dict[str, float]:
-    rates = {str(k): float(v) for k, v in table.items()}
-    if not rates or min(rates.values()) <= 0:
-        raise ValueError(f"rates must be positive, got {dict(table)}")
+def _at_rows(rate: float | Sequence[tuple[int, float]], rows: int) -> float:
+    """A rate, or (rows, rate) points interpolated in log(rows), constant past both ends."""
+    if isinstance(rate, (int, float)):
+        return float(rate)
+    points = sorted(rate)
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, v0), (r1, v1) in zip(points, points[1:]):
+        if rows <= r1:
+            w = math.log(rows / r0) / math.log(r1 / r0)
+            return v0 + w * (v1 - v0)
+    return points[-1][1]
+
+
+def _rates(table: Mapping) -> dict:
+    """dtype -> a positive rate, or a list of (rows >= 1, positive rate) points."""
+    rates: dict = {}
+    for dtype, value in table.items():
+        if isinstance(value, (list, tuple)):
+            value = tuple((int(r), float(v)) for r, v in value)
+            ok = bool(value) and all(r >= 1 and v > 0 for r, v in value)
+        else:
+            value = float(value)
+            ok = value > 0
+        if not ok:
+            raise ValueError(f"rates must be positive, got {dtype}: {table[dtype]}")
+        rates[str(dtype)] = value
+    if not rates:
+        raise ValueError("a rate table is empty")
     return rates
 
 

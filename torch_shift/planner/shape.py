@@ -148,14 +148,15 @@ class Seq:
 
 @dataclass(frozen=True)
 class Op:
-    """One operation on one rank: `flops` at the rate of `rate` ("matmul", "attention" or None for
-    none) in `dtype`, and `bytes` at the bandwidth of `rate` ("matmul", "attention" or "copy")."""
+    """One operation on one rank: `flops` at the FLOP rate and `bytes` at the bandwidth of `rate`
+    ("matmul", "attention" or "copy") in `dtype`; a matmul has `rows` rows of input."""
 
     name: str
     flops: float
     bytes: float
     rate: str
     dtype: str
+    rows: int = 1
 
 
 def _window_keys(first: int, count: int, window: int | None) -> int:
@@ -176,7 +177,7 @@ def linear(name: str, shape: ModelShape, tokens: int, in_features: int, out_feat
     nbytes = in_features * out_features * w + tokens * (in_features + out_features) * a
     if bias:
         nbytes += out_features * w
-    return Op(name, 2.0 * tokens * in_features * out_features, nbytes, "matmul", shape.weight_dtype)
+    return Op(name, 2.0 * tokens * in_features * out_features, nbytes, "matmul", shape.weight_dtype, tokens)
 
 
 def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, name: str = "attention") -> Op:
