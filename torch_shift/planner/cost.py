@@ -300,6 +300,15 @@ def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     return _merge(stage_ops[k]), _merge_collectives(stage_comm[k]), makespan - busy[k]
 
 
+def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *, tp: int, sp: int, active: int):
+    """(ops, collectives, seconds) of one rank of an (SP x) TP group running the whole model."""
+    op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
+                                            first_stage=True, last_stage=True), active))
+    comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
+                                                           last_stage=True)))
+    return op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm)
+
+
 def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq],
               groups: Sequence[int] | None = None) -> StepCost:
     """The time of one step that computes `seqs` under `layout` on `hw`.
@@ -310,43 +319,27 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     validate_layout(shape, layout)
     if not seqs:
         raise ValueError("a step has at least one sequence")
+    if (layout.kind == "dp") != (groups is not None):
+        raise ValueError("a 'dp' layout needs groups (the group index of each sequence); other layouts take none")
     overhead = hw.overhead.time(len(seqs), layout.num_ranks)
+    bubble, group_s = 0.0, ()
     if layout.kind == "dp":
-        if groups is None or len(groups) != len(seqs):
-            raise ValueError("a 'dp' layout needs groups: the group index of each sequence")
-        if not all(0 <= g < len(layout.group_tp) for g in groups):
-            raise ValueError(f"group indices must be in [0, {len(layout.group_tp)}), got {sorted(set(groups))}")
+        if len(groups) != len(seqs) or not all(0 <= g < len(layout.group_tp) for g in groups):
+            raise ValueError(f"groups must give each sequence a group index in [0, {len(layout.group_tp)})")
         by_group: dict[int, list[Seq]] = defaultdict(list)
         for s, g in zip(seqs, groups):
             by_group[g].append(s)
         active = sum(layout.group_tp[g] for g in by_group)
-        priced = {}
-        for g, group_seqs in by_group.items():
-            tp = layout.group_tp[g]
-            op_costs = _merge(_price(hw, _group_ops(shape, group_seqs, tp=tp, sp=1, num_layers=shape.num_layers,
-                                                    first_stage=True, last_stage=True), active))
-            comm = tuple(_price_collectives(hw, _group_collectives(shape, group_seqs, tp=tp, sp=1,
-                                                                   num_layers=shape.num_layers, last_stage=True)))
-            priced[g] = (op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm))
-        slowest = max(priced, key=lambda g: priced[g][2])
-        op_costs, comm, _ = priced[slowest]
+        priced = {g: _price_group(shape, hw, group_seqs, tp=layout.group_tp[g], sp=1, active=active)
+                  for g, group_seqs in by_group.items()}
+        op_costs, comm, _ = max(priced.values(), key=lambda p: p[2])
         group_s = tuple(priced[g][2] if g in priced else 0.0 for g in range(len(layout.group_tp)))
-        compute, memory = _split_compute_memory(op_costs)
-        return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), 0.0, overhead, group_s)
-    if groups is not None:
-        raise ValueError(f"groups are for a 'dp' layout only, not {layout.kind!r}")
-    active = layout.num_ranks
-    if layout.kind == "pp":
-        op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, active)
+    elif layout.kind == "pp":
+        op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks)
     else:
-        tp, sp = layout.tp, layout.sp
-        op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
-                                                first_stage=True, last_stage=True), active))
-        comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
-                                                               last_stage=True)))
-        bubble = 0.0
+        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=layout.num_ranks)
     compute, memory = _split_compute_memory(op_costs)
-    return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead)
+    return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead, group_s)
 
 
 # -- memory -----------------------------------------------------------------------------------------------
