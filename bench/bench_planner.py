@@ -2,14 +2,14 @@
 
     python bench/bench_planner.py [--profile this_machine.json] [--json bench/results/planner_steps.json]
 
-Calibrates this machine before each round (`torch-shift calibrate`; the calibration that other processes
-disturbed least is used) unless --profile names a profile, writes a random
+Each round calibrates this machine (`torch-shift calibrate`, unless --profile names a profile) and runs
+every configuration; the round that other processes disturbed least is reported. It writes a random
 Llama whose weights are far beyond the last-level cache, then runs the engine at world 1 (one rank),
 TP-2 (sp=1, tp=2) and SP-2 (sp=2, tp=1, every step in the SP layout), one thread per rank, each in
 its own process, through the same scenarios: decode steps at batch 1, 8 and 64, and a 512-token
 prompt, greedy. Every step's wall time on rank 0 (`LLMEngine.step`) is compared with the cost model's
-prediction for the same step plan (`torch_shift.planner.step_cost`): the best and the median measured
-step per scenario, over rounds that interleave the configurations.
+prediction for the same step plan (`torch_shift.planner.step_cost`): the median step per scenario of the
+quietest round, predicted from that round's calibration, and the best step of all rounds.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_config(model_dir: str, config: dict) -> dict:
         if name.startswith("prefill"):
             picked = [steps(num_seqs, prompt, 1)[0] for _ in range(timed)]
         else:
-            all_steps = steps(num_seqs, prompt, WARMUP_DECODES + timed + 1)
+            all_steps = steps(num_seqs, prompt, WARMUP_DECODES + timed + 4)  # + the steps of chunked prompts
             decodes = [s for s in all_steps if len(s[1]) == num_seqs and all(q.num_new_tokens == 1 for q in s[1])]
             picked = decodes[WARMUP_DECODES:WARMUP_DECODES + timed]
         results[name] = [(t, [(q.num_new_tokens, q.num_computed_tokens, q.logits_rows) for q in seqs])
@@ -106,22 +106,21 @@ def main(argv=None) -> int:
     from torch_shift.planner import ModelShape, Seq, get_profile, step_cost
     from torch_shift.planner.calibrate import calibrate, cpu_seconds, other_cores
 
-    profiles = []  # one calibration before each round, unless a profile is given
-    if args.profile:
-        hw = get_profile(args.profile)
-        print(f"profile: {args.profile} ({hw.source})")
+    given = get_profile(args.profile) if args.profile else None
+    if given:
+        print(f"profile: {args.profile} ({given.source})")
     cache = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("L3 cache")), "unknown")
+    rounds = []  # per round: its profile, the load of other processes, config -> scenario -> steps
     with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:
         model_dir = write_random_checkpoint(Path(tmp) / "llama", tiny_llama_config(**MODEL))
         shape = ModelShape.from_pretrained(model_dir)
         print(f"model: random Llama {MODEL}, fp32, {shape.num_parameters() / 1e6:.1f}M parameters "
               f"({shape.num_parameters() * 4 / 1e6:.0f} MB); L3 cache {cache}")
-        measured: dict[str, dict[str, list]] = {name: {} for name in CONFIGS}
-        load: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        for round_ in range(args.rounds):  # configurations interleaved round by round; steps pooled
-            if not args.profile:
-                profiles.append(calibrate(world=2, threads=1))
+        for round_ in range(args.rounds):  # a calibration, then every configuration
+            hw = given or calibrate(world=2, threads=1)
+            loads = [] if given else [hw.measurements["other_processes_cores"]]
+            steps: dict[str, dict] = {}
             for name, config in CONFIGS.items():
                 start = cpu_seconds()
                 spec = json.dumps({"model": str(model_dir), "config": config})
@@ -130,32 +129,27 @@ def main(argv=None) -> int:
                 if proc.returncode or not lines:
                     print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"configuration {name} failed")
-                for scenario, steps in json.loads(lines[-1][len("RESULT "):]).items():
-                    measured[name].setdefault(scenario, []).extend(steps)
-                load[name].append(other_cores(start))
+                steps[name] = json.loads(lines[-1][len("RESULT "):])
+                loads.append(other_cores(start))
                 print(f"round {round_ + 1}: ran {name} in {time.monotonic() - start[2]:.0f} s; other processes used "
-                      f"{load[name][-1]:.2f} cores meanwhile")
+                      f"{loads[-1]:.2f} cores meanwhile")
+            rounds.append({"profile": hw, "other_processes_cores": max(loads), "steps": steps})
 
-    if profiles:  # the calibration that other processes disturbed least
-        hw = min(profiles, key=lambda p: p.measurements["other_processes_cores"])
-        print(f"\nprofile: the calibration of {len(profiles)} with the least interference (other processes used "
-              f"{hw.measurements['other_processes_cores']:.2f} cores)")
-        if args.json:
-            profile_path = Path(args.json).with_name(Path(args.json).stem + "_profile.json")
-            profile_path.parent.mkdir(parents=True, exist_ok=True)
-            hw.save(profile_path)
-            print(f"wrote {profile_path}")
+    quiet = min(range(len(rounds)), key=lambda i: rounds[i]["other_processes_cores"])
+    hw = rounds[quiet]["profile"]
+    print(f"\nthe quietest round: {quiet + 1} of {len(rounds)} (other processes used at most "
+          f"{rounds[quiet]['other_processes_cores']:.2f} cores during it); its calibration predicts, its steps are "
+          "the median; 'best' is the fastest step of all rounds")
+    print(f"\n{'config':<8} {'scenario':<30} {'median':>9} {'best':>9} {'predicted':>10} {'err/med':>8} "
+          f"{'err/best':>8}  predicted breakdown (ms)")
     rows = []
-    print("\nmeasured: the best and the median step of the scenario over all rounds (other processes only ever slow a "
-          "step: the best is the nearest to the idle machine, as the profile's best-of rates are)")
-    print(f"\n{'config':<8} {'scenario':<30} {'best':>9} {'median':>9} {'predicted':>10} {'err/best':>8} "
-          f"{'err/med':>8}  predicted breakdown (ms)")
     for name, config in CONFIGS.items():
         layout = layout_for(config)
-        for scenario, steps in measured[name].items():
-            times = [t for t, _ in steps]
-            costs = [step_cost(shape, hw, layout, [Seq(*q) for q in seqs]) for _, seqs in steps]
-            best, meas, pred = min(times), statistics.median(times), statistics.median(c.total_s for c in costs)
+        for scenario, quiet_steps in rounds[quiet]["steps"][name].items():
+            times = [t for t, _ in quiet_steps]
+            best = min(t for r in rounds for t, _ in r["steps"][name][scenario])
+            costs = [step_cost(shape, hw, layout, [Seq(*q) for q in seqs]) for _, seqs in quiet_steps]
+            meas, pred = statistics.median(times), statistics.median(c.total_s for c in costs)
             example = costs[len(costs) // 2]
             parts = {"linear": sum(o.time_s for o in example.ops if o.name in ("qkv", "o_proj", "gate_up", "down")),
                      "attention": sum(o.time_s for o in example.ops if o.name.startswith("attention")),
@@ -163,21 +157,28 @@ def main(argv=None) -> int:
                      "other ops": sum(o.time_s for o in example.ops if o.name in ("elementwise", "embedding",
                                                                                    "final_norm")),
                      "comm": example.communication_s, "overhead": example.overhead_s}
-            row = {"config": name, "layout": layout.name, "scenario": scenario, "measured_best_ms": 1e3 * best,
-                   "measured_median_ms": 1e3 * meas, "predicted_ms": 1e3 * pred, "error_vs_best": pred / best - 1,
-                   "error_vs_median": pred / meas - 1, "measured_all_ms": [1e3 * t for t in times],
-                   "other_processes_cores": load[name], "predicted_parts_ms": {k: 1e3 * v for k, v in parts.items()}}
+            row = {"config": name, "layout": layout.name, "scenario": scenario, "measured_median_ms": 1e3 * meas,
+                   "measured_best_ms": 1e3 * best, "predicted_ms": 1e3 * pred, "error_vs_median": pred / meas - 1,
+                   "error_vs_best": pred / best - 1, "measured_ms": [1e3 * t for t in times],
+                   "predicted_parts_ms": {k: 1e3 * v for k, v in parts.items()}}
             rows.append(row)
-            print(f"{name:<8} {scenario:<30} {1e3 * best:>7.1f}ms {1e3 * meas:>7.1f}ms {1e3 * pred:>8.1f}ms "
-                  f"{row['error_vs_best']:>+8.0%} {row['error_vs_median']:>+8.0%}  "
+            print(f"{name:<8} {scenario:<30} {1e3 * meas:>7.1f}ms {1e3 * best:>7.1f}ms {1e3 * pred:>8.1f}ms "
+                  f"{row['error_vs_median']:>+8.0%} {row['error_vs_best']:>+8.0%}  "
                   + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts.items()))
-    for key in ("error_vs_best", "error_vs_median"):
+    for key in ("error_vs_median", "error_vs_best"):
         errors = [abs(r[key]) for r in rows]
         print(f"|{key}|: median {statistics.median(errors):.0%}, max {max(errors):.0%} over {len(rows)} rows")
+    if args.json and not given:
+        profile_path = Path(args.json).with_name(Path(args.json).stem + "_profile.json")
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        hw.save(profile_path)
+        print(f"wrote {profile_path}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"model": MODEL, "parameters": shape.num_parameters(), "l3_cache": cache,
+                                    "quietest_round": quiet + 1, "round_loads": [r["other_processes_cores"]
+                                                                                 for r in rounds],
                                     "profile": hw.to_json(), "rows": rows}, indent=2))
         print(f"wrote {path}")
     return 0
