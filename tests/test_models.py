@@ -40,7 +40,7 @@ def test_half_precision_as_close_to_fp32_as_transformers(checkpoints, dtype):
         hf_half = build_hf_model("llama").to(getattr(torch, dtype))
         hf_err = (hf_half(torch.tensor([prompt])).logits[0].float() - ref).abs().mean()
     engine = LLMEngine(EngineArgs(str(model_dir), dtype=dtype))
-    assert engine.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert engine.model.model.lm_head.weight.dtype == getattr(torch, dtype)
     got = engine_logits(engine, prompt)
     assert got.dtype == getattr(torch, dtype)
     our_err = (got.float() - ref).abs().mean()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -16,19 +17,21 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from torch_shift.engine.model_runner import ModelRunner, RunnerOutput
+from torch_shift.engine.model_runner import ModelRunner
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from torch_shift.engine.policies import build_policy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, topk_logprobs
 from torch_shift.engine.sampling_params import SamplingParams
-from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
+from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.hub import resolve_model_dir
-from torch_shift.models.loader import CheckpointReader, WeightSource, build_model
-from torch_shift.parallel.plan import validate_mesh_for_model
+from torch_shift.models.loader import CheckpointReader, WeightSource
+from torch_shift.parallel.layouts import Deployment, build_deployment
+from torch_shift.parallel.replicas import build_layout_model
 from torch_shift.parallel.runtime import ParallelRuntime
-from torch_shift.parallel.shift import build_shift_module
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -62,11 +65,14 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "sdpa"  # "sdpa": gather + SDPA (CPU and GPU); "flex": paged FlexAttention
     revision: str | None = None
-    # shift parallelism (paper 000): base layout (SP, TP), full TP over SP x TP for small steps
-    sp: int = 1
-    tp: int = 1
+    # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
+    sp: int = 1  # Ulysses sequence parallelism of the base layout (shift parallelism, paper 000)
+    tp: int = 1  # tensor parallelism (inside each data-parallel replica)
+    dp: int = 1  # data-parallel replicas, each with its own KV pool
+    policy: str | None = None  # None: "shift" for sp > 1, else "static"; "flying" (paper 004); "random" (tests)
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
+    flying_weights: str = "view"  # Flying's TP shards: zero-copy "view"s of each replica's weights, or "copy"
     compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
 
@@ -75,14 +81,17 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def __post_init__(self) -> None:
-        for name in ("sp", "tp"):
+        for name in ("sp", "tp", "dp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.shift_threshold is not None and (not isinstance(self.shift_threshold, int) or self.shift_threshold < 0):
             raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
-        if self.shift_weights not in ("copy", "view"):
-            raise ValueError(f"shift_weights must be 'copy' or 'view', got {self.shift_weights!r}")
+        for name in ("shift_weights", "flying_weights"):
+            if getattr(self, name) not in ("copy", "view"):
+                raise ValueError(f"{name} must be 'copy' or 'view', got {getattr(self, name)!r}")
+        if self.policy not in (None, "static", "shift", "flying", "random"):
+            raise ValueError(f"policy must be 'static', 'shift', 'flying' or 'random', got {self.policy!r}")
         if self.attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
 
@@ -102,21 +111,31 @@ class _ParentRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
         """`weights`: read the model from this source (e.g. a training job's state dict, see
-        torch_shift.handoff) instead of the checkpoint directory `args.model`."""
-        self.args = args
-        if weights is None:
-            model_dir = resolve_model_dir(args.model, args.revision)
-            self.model_config = ModelConfig.from_dir(model_dir)
-        else:
-            model_dir = None
-            self.model_config = weights.config
-        self.model_dir = model_dir
-        mc = self.model_config
-        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.device = device
+        torch_shift.handoff) instead of the checkpoint directory `args.model`.
 
-        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+        On rank 0 (or the only rank) the engine schedules, samples and detokenizes; on the other
+        ranks of a torchrun job it holds only this rank's model runner (see `worker_loop`)."""
+        self.args = args
+        setup = _Setup(args, weights)
+        self.model_dir, self.model_config, self.dtype = setup.model_dir, setup.model_config, setup.dtype
+        self.scheduler_config, self.cache_config = setup.scheduler_config, setup.cache_config
+        self.deployment = setup.deployment
+        mc = self.model_config
+
+        self.parallel: ParallelRuntime | None = None
+        if self.deployment.world_size > 1:
+            self.parallel = ParallelRuntime(self.deployment, _worker_main, (args,), args.distributed_timeout_s)
+        try:
+            self.runner = setup.build_runner(self.parallel, weights)
+        except BaseException:
+            self.shutdown()  # started ranks must not outlive a failed construction
+            raise
+        self.model = self.runner.model
+        self.device = self.runner.device
+        if not self.is_driver:
+            return
+
+        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.model_dir
         self.tokenizer = None
         if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
             self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
@@ -125,89 +144,51 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-        max_model_len = args.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
-            )
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
-            policy=args.scheduling_policy,
-        )
-        self.cache_config = CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
-
-        self.parallel: ParallelRuntime | None = None
-        choose_layout = None
-        num_kv_heads = mc.num_key_value_heads
-        if args.sp * args.tp > 1:
-            validate_mesh_for_model(mc, args.sp, args.tp)
-            self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
-            self.device = device = self.parallel.device
-            try:
-                reader = weights or CheckpointReader(model_dir, mc)
-                self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
-                                                args.shift_threshold, args.shift_weights)
-                reader.close()
-            except BaseException:
-                self.parallel.shutdown()  # started ranks must not outlive a failed construction
-                raise
-            num_kv_heads = self.model.num_local_kv_heads
-            choose_layout = self.model.choose_layout
-        else:
-            reader = weights or CheckpointReader(model_dir, mc)
-            self.model = build_model(mc, reader, self.dtype, device)
-            reader.close()
-        num_blocks = self._num_kv_blocks(num_kv_heads)
-        if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
-            num_blocks = self.parallel.min_over_ranks(num_blocks)
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, num_kv_heads,
-                                mc.head_dim, self.dtype, device)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, choose_layout)
-        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend,
-                                  args.compile)
+        num_blocks = self.runner.kv_cache.num_blocks
+        self.pools = [BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+                      for _ in self.deployment.replicas]
+        self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed)
+        self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy)
+        self.plan_builder = PlanBuilder(self.deployment.num_replicas, self.scheduler_config.max_num_seqs)
+        self._layout_replicas = {layout.name: layout.replicas for layout in self.deployment.layouts}.__getitem__
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
         self.num_steps = 0
         self.last_step_layout: str | None = None
+        self.steps_by_layout: Counter[str] = Counter()
+        self.num_switches = 0
         # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
         # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
         gc.collect()
         gc.freeze()
 
-    # -- set-up -------------------------------------------------------------------------------------------
-    def _num_kv_blocks(self, num_kv_heads: int) -> int:
-        cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
-        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
-        else:
-            # local ranks share the host's memory
-            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(self.device) // 4) // (self.args.sp * self.args.tp)
-        # never more than every sequence slot filled to the context
-        enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
-        num_blocks = min(budget // per_block, enough)
-        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
-                "or raise the budget"
-            )
-        return num_blocks
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV pool of the first replica (the only one without data parallelism)."""
+        return self.pools[0]
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.runner.kv_cache
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use over every replica's pool."""
+        return sum(p.num_blocks - p.num_free_blocks for p in self.pools) / sum(p.num_blocks for p in self.pools)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens (prompt and output) the widest group of replicas can hold: no sequence grows past it."""
+        widest = max(layout.kv_width for layout in self.deployment.layouts)
+        return widest * self.block_manager.capacity_tokens
+
+    def stats(self) -> dict:
+        """Which layouts ran: steps by layout name, layout switches (steps whose set of layouts differs
+        from the previous step's), and the policy's own figures."""
+        return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
+                "num_switches": self.num_switches, "num_preemptions": self.scheduler.num_preemptions,
+                "policy": self.policy.name, **self.policy.stats()}
 
     # -- requests -----------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
@@ -239,11 +220,15 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
                 "(prompt plus at least one generated token)"
             )
-        pool_tokens = self.block_manager.capacity_tokens
+        pool_tokens = self.max_request_tokens
         if len(token_ids) >= pool_tokens:
+            widest = pool_tokens // self.block_manager.capacity_tokens
+            where = "the KV pool holds" if widest == 1 else f"the KV pools of {widest} replicas hold"
             raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; the KV pool holds only {pool_tokens} tokens "
-                f"({self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
+                f"the prompt has {len(token_ids)} tokens; {where} only {pool_tokens} tokens "
+                f"({widest} x {self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
+                + (" (policy 'flying' binds replicas whose pools together hold more)"
+                   if self.deployment.family == "dp" else "")
             )
         return TokenizedPrompt(text, token_ids)
 
@@ -275,7 +260,7 @@ class LLMEngine:
         text, token_ids = prompt.text, prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
         # preempting itself forever): past either it finishes with "length".
-        max_len = min(self.scheduler_config.max_model_len, self.block_manager.capacity_tokens)
+        max_len = min(self.scheduler_config.max_model_len, self.max_request_tokens)
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -316,23 +301,13 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of every request that advanced (with
         `final_only`, of every request that finished: no per-step objects for the others)."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            assert not self.scheduler.running, "running requests but nothing scheduled"
+        output = self.scheduler.schedule()
+        if output.is_empty:
             return []
-        self.num_steps += 1
-        self.last_step_layout = plan.layout if self.parallel is not None else "single"
-        if self.parallel is None:
-            runner_output = self.runner.execute(plan)
-        else:
-            self.parallel.broadcast(("step", plan))
-            try:
-                runner_output = self.runner.execute(plan)
-            except Exception as e:
-                raise self.parallel.failure(e) from e
-        sampled = self._sample(plan, runner_output)
+        entries, logits = self.execute(output)
+        sampled = self._sample(entries, logits)
         now = time.monotonic()
-        updated = self.scheduler.update_from_output(plan, sampled)
+        updated = self.scheduler.update_from_output(output, sampled)
         touched: dict[str, _ParentRequest] = {}
         for request in updated:
             parent, index = self.child_to_parent[request.request_id]
@@ -351,23 +326,51 @@ class LLMEngine:
                 outputs.append(self._make_output(parent))
         return outputs
 
-    def _sample(self, plan: SchedulerOutput, out: RunnerOutput) -> dict[str, int]:
-        requests = self.scheduler.requests
-        sample_rows: list[int] = []
+    def execute(self, output: SchedulerOutput) -> tuple[list[list[ScheduledRequest]], list]:
+        """Run a scheduled step on every rank: the plan (deltas) to all, the forward of each group.
+        Returns per group its entries in plan order and its logits (None: no logits rows)."""
+        plan, entries = self.plan_builder.build(self.scheduler, output, self._layout_replicas)
+        self._count_layouts(plan)
+        if self.parallel is None:
+            return entries, self.runner.execute(plan)
+        self.parallel.broadcast(("step", plan))
+        try:
+            return entries, self.runner.execute(plan)
+        except Exception as e:
+            raise self.parallel.failure(e) from e
+
+    def _count_layouts(self, plan: StepPlan) -> None:
+        names = [g.layout for g in plan.groups]
+        layout = "+".join(names)
+        if self.last_step_layout is not None and layout != self.last_step_layout:
+            self.num_switches += 1
+        self.last_step_layout = layout
+        self.num_steps += 1
+        for name in names:
+            self.steps_by_layout[name] += 1
+
+    def _sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, int]:
+        rows: list[torch.Tensor] = []
         sample_requests: list[Request] = []
-        entry_by_id = {e.request_id: e for e in plan.scheduled}
-        for request_id, first_row, num_rows in out.logits_rows:
-            request = requests[request_id]
-            entry = entry_by_id[request_id]
-            if entry.prompt_logprobs:
-                self._record_prompt_logprobs(request, entry.num_computed_tokens,
-                                             out.logits[first_row:first_row + num_rows])
-            if entry.sample:
-                sample_rows.append(first_row + num_rows - 1)
-                sample_requests.append(request)
+        for entries, logits in zip(entries_by_group, logits_by_group):
+            if logits is None:
+                continue
+            if not any(e.prompt_logprobs for e in entries):  # one logits row per sampled request
+                rows.append(logits)
+                sample_requests.extend(e.request for e in entries if e.sample)
+                continue
+            row = 0
+            for e in entries:
+                n = e.num_tokens if e.prompt_logprobs else int(e.sample)
+                if e.prompt_logprobs:
+                    self._record_prompt_logprobs(e.request, e.num_computed_tokens, logits[row:row + n])
+                if e.sample:
+                    rows.append(logits[row + n - 1:row + n])
+                    sample_requests.append(e.request)
+                row += n
         if not sample_requests:
             return {}
-        result = self.sampler(out.logits[sample_rows], sample_requests)
+        result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), sample_requests)
         for request, token_id, lp in zip(sample_requests, result.token_ids, result.logprobs):
             if lp is not None:
                 chosen_lp, rank, top_ids, top_lps = lp
@@ -457,21 +460,9 @@ class LLMEngine:
         return self.parallel is None or self.parallel.rank == 0
 
     def worker_loop(self) -> Any:
-        """Ranks other than 0: run the steps rank 0 broadcasts. Returns the payload of an "outputs"
-        message (torchrun: every rank's `generate` returns rank 0's outputs), None on "shutdown",
-        and raises on "error"."""
+        """Ranks other than 0 under torchrun: run the steps rank 0 broadcasts (see `worker_loop`)."""
         assert self.parallel is not None and not self.is_driver
-        while True:
-            kind, payload = self.parallel.broadcast()
-            if kind == "step":
-                self.runner.execute(payload)
-            elif kind == "outputs":
-                return payload
-            elif kind == "error":
-                raise RuntimeError(f"rank 0 failed: {payload}")
-            else:
-                assert kind == "shutdown", kind
-                return None
+        return worker_loop(self.parallel, self.runner)
 
     def announce(self, kind: str, payload: Any) -> None:
         """Under torchrun, tell the other ranks (waiting in `worker_loop`) how `generate` ended."""
@@ -487,8 +478,111 @@ class LLMEngine:
             self.parallel.shutdown()
 
 
+def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
+    """A rank other than 0: run the steps rank 0 broadcasts. Returns the payload of an "outputs"
+    message (torchrun: every rank's `generate` returns rank 0's outputs), None on "shutdown", and
+    raises on "error"."""
+    while True:
+        kind, payload = parallel.broadcast()
+        if kind == "step":
+            runner.execute(payload)
+        elif kind == "outputs":
+            return payload
+        elif kind == "error":
+            raise RuntimeError(f"rank 0 failed: {payload}")
+        else:
+            assert kind == "shutdown", kind
+            return None
+
+
+class _Setup:
+    """What every rank derives from the engine arguments, and how it builds its model runner."""
+
+    def __init__(self, args: EngineArgs, weights: WeightSource | None):
+        self.args = args
+        if weights is None:
+            self.model_dir = resolve_model_dir(args.model, args.revision)
+            self.model_config = ModelConfig.from_dir(self.model_dir)
+        else:
+            self.model_dir = None
+            self.model_config = weights.config
+        mc = self.model_config
+        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
+        max_model_len = args.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=args.scheduling_policy,
+        )
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.deployment: Deployment = build_deployment(
+            mc, sp=args.sp, tp=args.tp, dp=args.dp, flying=args.policy == "flying",
+            shift=args.shift_threshold is not None)
+
+    def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None) -> ModelRunner:
+        """This rank's model (only its shards read), its KV cache and its runner."""
+        args, mc = self.args, self.model_config
+        if parallel is not None:
+            rank, groups, device = parallel.rank, parallel.groups, parallel.device
+        else:
+            rank, groups = 0, None
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        reader = weights or CheckpointReader(self.model_dir, mc)
+        try:
+            model = build_layout_model(self.deployment, groups, rank, mc, reader, self.dtype, device,
+                                       args.shift_threshold, args.shift_weights, args.flying_weights)
+        finally:
+            reader.close()
+        num_blocks = self._num_kv_blocks(model.num_local_kv_heads, device)
+        if parallel is not None:  # every pool gets the size of the smallest
+            num_blocks = parallel.min_over_ranks(num_blocks)
+        kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, model.num_local_kv_heads,
+                           mc.head_dim, self.dtype, device)
+        return ModelRunner(model, kv_cache, self.deployment, rank, self.scheduler_config.max_num_seqs,
+                           self.scheduler_config.max_model_len, mc.vocab_size, mc.sliding_window,
+                           args.attention_backend, args.compile)
+
+    def _num_kv_blocks(self, num_kv_heads: int, device: torch.device) -> int:
+        cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
+        else:
+            # local ranks share the host's memory
+            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(device) // 4) // self.deployment.world_size
+        # never more than every sequence slot filled to the context
+        enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
+        num_blocks = min(budget // per_block, enough)
+        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
+                "or raise the budget"
+            )
+        return num_blocks
+
+
 def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
-    """A rank started by rank 0 (launch path (b)): serve steps until rank 0 shuts down."""
-    engine = LLMEngine(args)
-    while engine.worker_loop() is not None:
+    """A rank started by rank 0 (launch path (b)): build this rank's runner, serve steps until rank 0
+    shuts down."""
+    setup = _Setup(args, None)
+    parallel = ParallelRuntime(setup.deployment, _worker_main, (args,), args.distributed_timeout_s)
+    runner = setup.build_runner(parallel, None)
+    while worker_loop(parallel, runner) is not None:
         pass

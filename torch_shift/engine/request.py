@@ -52,6 +52,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.replicas: tuple[int, ...] = ()  # replicas whose KV pools hold its blocks (set while running)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -36,15 +36,30 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._init([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+
+    def _init(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v
+        self.num_blocks, self.block_size, self.num_kv_heads, _ = k[0].shape
         # Gather buffers reused by every layer and step: a fresh allocation per gather was handed back
         # to the OS each time and paid page faults on every step (8x slower per layer, bench_engine.py).
-        self._k_buffer = torch.empty(0, dtype=dtype, device=device)
-        self._v_buffer = torch.empty(0, dtype=dtype, device=device)
+        self._k_buffer = k[0].new_empty(0)
+        self._v_buffer = v[0].new_empty(0)
+
+    def view(self, width: int) -> KVCache:
+        """The same memory at KV width `width` (paper 004's KV adaptor): each block holds
+        width * block_size tokens of num_kv_heads / width heads. KV written at one width is only
+        ever read at that width."""
+        if width == 1:
+            return self
+        assert self.num_kv_heads % width == 0, (self.num_kv_heads, width)
+        nb, bs, h, d = self.k[0].shape
+        shape = (nb, bs * width, h // width, d)
+        viewed = object.__new__(KVCache)
+        viewed._init([t.view(shape) for t in self.k], [t.view(shape) for t in self.v])
+        return viewed
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [T, kv_heads, head_dim]; slot = block_id * block_size + offset in the block."""

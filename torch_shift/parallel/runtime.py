@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_shift.parallel.groups import ShiftGroups, build_shift_groups
+from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.launch import LocalRanks, default_start_method, free_port, rank_environment
 
 
 class ParallelRuntime:
-    def __init__(self, sp: int, tp: int, worker_main, worker_args: tuple, timeout_s: float):
-        world = sp * tp
+    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float):
+        world = deployment.world_size
         self.launched: LocalRanks | None = None
         if not dist.is_initialized():
             if "RANK" not in os.environ:  # (b): start ranks 1..P-1 here
@@ -43,7 +43,7 @@ class ParallelRuntime:
                 torch.cuda.set_device(local_rank)
                 kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        self.groups: ShiftGroups = build_shift_groups(sp, tp)
+        self.groups = DeploymentGroups.build(deployment)
         self.rank = dist.get_rank()
 
     @property

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -105,51 +106,60 @@ def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtyp
     return model.eval().requires_grad_(False)
 
 
-def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
-    """The shift-layout model: its shards are slices of the base shards (views or copies); the
-    embedding, norms, rotary tables and LM head are the base model's own modules."""
-    if shift_weights not in ("view", "copy"):
-        raise ValueError(f"shift_weights must be 'view' or 'copy', got {shift_weights!r}")
-    b_plan, s_plan = base_plan(groups), shift_plan(groups)
-    shift = copy.copy(base)  # shallow: shares every submodule until replaced below
-    shift._modules = dict(base._modules)
-    shift.layers = nn.ModuleList()
-    heads, kv_heads = _local_head_counts(s_plan, config)
+def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan | None, target_plan: ParallelPlan,
+              group: dist.ProcessGroup, weights: str) -> DecoderLM:
+    """A TP model whose shards are slices of `source`'s (which holds a superset of each: its shards
+    under `source_plan`, or whole tensors when that is None): views, or contiguous copies that re-fuse
+    q/k/v and gate/up. Embedding, norms, rotary tables and LM head are `source`'s own modules.
+    Shift (paper 000) derives full TP from the (SP, TP) shards; Flying (paper 004) derives TP-d over
+    a group of replicas from each replica's full weights."""
+    if weights not in ("view", "copy"):
+        raise ValueError(f"layout weights must be 'view' or 'copy', got {weights!r}")
+    derived = copy.copy(source)  # shallow: shares every submodule until replaced below
+    derived._modules = dict(source._modules)
+    derived.layers = nn.ModuleList()
+    heads, kv_heads = _local_head_counts(target_plan, config)
 
-    def shift_slice(name: str, part: str | None, base_tensor: torch.Tensor) -> torch.Tensor:
-        b, s = local_part_slice(b_plan, config, name, part), local_part_slice(s_plan, config, name, part)
-        assert b.dim == s.dim and b.start <= s.start and s.start + s.length <= b.start + b.length, (name, part)
-        view = base_tensor.narrow(s.dim, s.start - b.start, s.length)
-        return view if shift_weights == "view" else view.contiguous()
+    def target_slice(name: str, part: str | None, source_tensor: torch.Tensor) -> torch.Tensor:
+        t = local_part_slice(target_plan, config, name, part)
+        s = local_part_slice(source_plan, config, name, part) if source_plan is not None else None
+        first = s.start if s is not None else 0
+        assert s is None or (s.dim == t.dim and s.start <= t.start and t.start + t.length <= s.start + s.length), \
+            (name, part)
+        view = source_tensor.narrow(t.dim, t.start - first, t.length)
+        return view if weights == "view" else view.contiguous()
 
-    for i, base_layer in enumerate(base.layers):
-        layer = copy.copy(base_layer)
-        layer._modules = dict(base_layer._modules)
-        attn = copy.copy(base_layer.attn)
-        attn._modules = dict(base_layer.attn._modules)
+    for i, source_layer in enumerate(source.layers):
+        layer = copy.copy(source_layer)
+        layer._modules = dict(source_layer._modules)
+        attn = copy.copy(source_layer.attn)
+        attn._modules = dict(source_layer.attn._modules)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         prefix = f"layers.{i}."
         qkv_name = prefix + "attn.qkv_proj.weight"
-        weights = [shift_slice(qkv_name, p, t) for p, t in part_views(base, qkv_name).items()]
+        parts = [target_slice(qkv_name, p, t) for p, t in part_views(source, qkv_name).items()]
         biases = None
         if config.attention_bias:
             bias_name = prefix + "attn.qkv_proj.bias"
-            biases = [shift_slice(bias_name, p, t) for p, t in part_views(base, bias_name).items()]
-        attn.qkv_proj = _fused(weights, biases, shift_weights)
+            biases = [target_slice(bias_name, p, t) for p, t in part_views(source, bias_name).items()]
+        attn.qkv_proj = _fused(parts, biases, weights)
         o_name = prefix + "attn.o_proj.weight"
-        attn.o_proj = RowParallelLinear(shift_slice(o_name, None, base.get_parameter(o_name).data),
-                                        groups.shift_group)
-        mlp = copy.copy(base_layer.mlp)
-        mlp._modules = dict(base_layer.mlp._modules)
+        attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group)
+        mlp = copy.copy(source_layer.mlp)
+        mlp._modules = dict(source_layer.mlp._modules)
         gu_name = prefix + "mlp.gate_up_proj.weight"
-        mlp.gate_up_proj = _fused([shift_slice(gu_name, p, t) for p, t in part_views(base, gu_name).items()],
-                                  None, shift_weights)
+        mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
+                                  None, weights)
         down_name = prefix + "mlp.down_proj.weight"
-        mlp.down_proj = RowParallelLinear(shift_slice(down_name, None, base.get_parameter(down_name).data),
-                                          groups.shift_group)
+        mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data), group)
         layer.attn, layer.mlp = attn, mlp
-        shift.layers.append(layer)
-    return shift
+        derived.layers.append(layer)
+    return derived
+
+
+def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
+    """The shift-layout model: its shards are slices of the base shards (views or copies)."""
+    return derive_tp(base, config, base_plan(groups), shift_plan(groups), groups.shift_group, shift_weights)
 
 
 def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift_weights: str) -> nn.Module:
@@ -195,6 +205,8 @@ class ShiftModule(nn.Module):
 
     def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                      logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
+        """`layout` "shift": full TP; any other name (the deployment's "base", "tp", "dp@i"): the base
+        layout."""
         self.layout_counts[layout] += 1
         with comm.recording(self.ledger), comm.layout_scope(layout):
             if layout == "shift":

@@ -1,0 +1,155 @@
+"""The step plan rank 0 sends every rank, as deltas of a persistent batch (as vLLM v1's
+NewRequestData / CachedRequestData).
+
+Every replica's ranks keep a persistent batch (torch_shift.engine.input_batch): per row, a
+request's known token ids and its block table in that replica's pool. A request entering a
+replica (admitted, or resumed after a preemption) is sent once, whole; after that a step sends
+only the tokens sampled since (one per decode) and the blocks allocated since, and the rows that
+left. So the plan's size per decode step does not grow with context length.
+
+`PlanBuilder` lives on rank 0 beside the scheduler and mirrors what every replica's ranks know;
+the workers apply the deltas (`InputBatch.apply`) and then run each bound group's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torch_shift.engine.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
+
+_INT = np.int32
+
+
+@dataclass
+class NewRow:
+    """A request entering a replica's batch: every token known so far and every block it holds."""
+
+    row: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    width: int  # KV width: its blocks hold width * block_size tokens
+
+
+@dataclass
+class ReplicaDelta:
+    removed_rows: list[int] = field(default_factory=list)
+    new_rows: list[NewRow] = field(default_factory=list)
+    # rows already in the batch: tokens sampled since they were last sent, blocks allocated since
+    token_rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    block_rows: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.removed_rows or self.new_rows or self.token_rows or self.block_rows)
+
+
+@dataclass
+class GroupStep:
+    """One bound group's batch: requests in execution order, decodes (one token) first."""
+
+    layout: str
+    rows: tuple[np.ndarray, ...]  # per replica of the layout, in its order: each request's row there
+    num_scheduled: np.ndarray  # tokens computed this step, per request
+    num_computed: np.ndarray  # position of the first of them
+    num_decodes: int  # the first num_decodes requests compute one token each
+    logits_counts: np.ndarray  # logits rows per request: 0, 1 (its last position) or all its positions
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_counts.sum())
+
+
+@dataclass
+class StepPlan:
+    deltas: dict[int, ReplicaDelta]  # replica -> what changed in its persistent batch
+    groups: list[GroupStep]
+
+
+@dataclass
+class _Known:
+    row: int
+    num_tokens: int  # tokens the replica's ranks hold
+    num_blocks: int  # blocks they hold
+
+
+class PlanBuilder:
+    """Rank 0's mirror of every replica's persistent batch; turns scheduler outputs into plans."""
+
+    def __init__(self, num_replicas: int, max_rows: int):
+        self.known: list[dict[str, _Known]] = [{} for _ in range(num_replicas)]
+        self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(num_replicas)]
+        self.replicas_of: dict[str, tuple[int, ...]] = {}  # request -> the replicas that hold it
+
+    def build(self, scheduler: Scheduler, output: SchedulerOutput, layout_replicas) -> tuple[StepPlan, list]:
+        """The plan, and per group the scheduled entries in plan order (decodes first).
+        `layout_replicas`: layout name -> the replicas it spans, in its order."""
+        deltas: dict[int, ReplicaDelta] = {}
+
+        def delta(replica: int) -> ReplicaDelta:
+            d = deltas.get(replica)
+            if d is None:
+                d = deltas[replica] = ReplicaDelta()
+            return d
+
+        removed, scheduler.removed_request_ids = scheduler.removed_request_ids, []
+        for request_id in removed:
+            for replica in self.replicas_of.pop(request_id, ()):
+                known = self.known[replica].pop(request_id)
+                self.free_rows[replica].append(known.row)
+                delta(replica).removed_rows.append(known.row)
+
+        groups, ordered_entries = [], []
+        for group in output.groups:
+            if not group.entries:
+                continue
+            entries = _decodes_first(group)
+            replicas = layout_replicas(group.layout)
+            rows = [np.empty(len(entries), dtype=_INT) for _ in replicas]
+            for i, entry in enumerate(entries):
+                request = entry.request
+                rid = request.request_id
+                needed = entry.num_computed_tokens + entry.num_tokens
+                for k, replica in enumerate(replicas):
+                    table = entry.block_tables[k]
+                    known = self.known[replica].get(rid)
+                    if known is None:
+                        row = self.free_rows[replica].pop()
+                        self.known[replica][rid] = _Known(row, request.num_tokens, len(table))
+                        self.replicas_of[rid] = self.replicas_of.get(rid, ()) + (replica,)
+                        delta(replica).new_rows.append(NewRow(
+                            row, np.asarray(request.all_token_ids, dtype=_INT), np.asarray(table, dtype=_INT),
+                            len(replicas)))
+                    else:
+                        row = known.row
+                        if known.num_tokens < needed:
+                            d = delta(replica)
+                            for t in request.all_token_ids[known.num_tokens:needed]:
+                                d.token_rows.append(row)
+                                d.tokens.append(t)
+                            known.num_tokens = needed
+                        if known.num_blocks < len(table):
+                            d = delta(replica)
+                            d.block_rows.append(row)
+                            d.block_ids.append(table[known.num_blocks:])
+                            known.num_blocks = len(table)
+                    rows[k][i] = row
+            num_scheduled = np.fromiter((e.num_tokens for e in entries), dtype=_INT, count=len(entries))
+            num_computed = np.fromiter((e.num_computed_tokens for e in entries), dtype=_INT, count=len(entries))
+            logits_counts = np.fromiter((e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries),
+                                        dtype=_INT, count=len(entries))
+            num_decodes = int(np.count_nonzero(num_scheduled == 1))
+            groups.append(GroupStep(group.layout, tuple(rows), num_scheduled, num_computed, num_decodes,
+                                    logits_counts))
+            ordered_entries.append(entries)
+        return StepPlan(deltas, groups), ordered_entries
+
+
+def _decodes_first(group: ScheduledGroup) -> list:
+    decodes = [e for e in group.entries if e.num_tokens == 1]
+    if len(decodes) == len(group.entries):
+        return group.entries
+    return decodes + [e for e in group.entries if e.num_tokens != 1]
