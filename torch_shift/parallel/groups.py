@@ -59,15 +59,14 @@ class ShiftGroups:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ShiftGroups:
-        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
-            raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES}, got axes {mesh.mesh_dim_names} "
-                             f"of shape {tuple(mesh.shape)}")
-        sp, tp = mesh.shape
-        expected = torch.arange(sp * tp).view(sp, tp)
-        if not torch.equal(mesh.mesh.cpu(), expected):
+        """Groups of a 2-D ("sp", "tp") mesh, or of a 1-D ("tp",) one (SP = 1)."""
+        sp, tp = mesh_shape(mesh)
+        if not torch.equal(mesh.mesh.cpu().flatten(), torch.arange(sp * tp)):
             raise ValueError(f"the mesh must lay global ranks out row-major (rank = sp * TP + tp), got {mesh.mesh}")
         if sp * tp != dist.get_world_size():
             raise ValueError(f"SP x TP = {sp} x {tp} = {sp * tp} differs from the world size {dist.get_world_size()}")
+        if mesh.ndim == 1:
+            mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(1, tp), mesh_dim_names=MESH_AXES)
         order = shift_rank_order(sp, tp)
         # new_group sorts its ranks unless told not to; the shift group must keep shift-rank order.
         shift_group = dist.new_group(order, sort_ranks=False)
@@ -77,6 +76,17 @@ class ShiftGroups:
         # timeout there; the forward's collectives keep the process group's bound.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group, control)
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, int]:
+    """(SP, TP) of a 2-D ("sp", "tp") mesh or a 1-D ("tp",) mesh; ValueError for any other mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names == MESH_AXES:
+        return tuple(mesh.shape)
+    if names == ("tp",):
+        return 1, mesh.size()
+    raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES} or 1-D with axis ('tp',), got axes "
+                     f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}")
 
 
 def build_shift_groups(sp: int, tp: int, device_type: str | None = None) -> ShiftGroups:
