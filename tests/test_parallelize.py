@@ -1,14 +1,17 @@
 """`torch_shift.parallelize` on the models users hold (transformers' Llama, Mistral, Qwen2, Qwen3;
 torchtitan's Llama 3; plain or DTensor weights) over 2-D and 1-D meshes: the module's logits
-against the original model's in both layouts, padded batches included."""
+against the original model's in both layouts, padded batches included, and `LLM(module)`
+against the single-device engine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torchtitan_llama
-from conftest import VOCAB_SIZE, build_hf_model
+from conftest import VOCAB_SIZE, build_hf_model, random_prompts
 
+from torch_shift import LLM, SamplingParams
+from torch_shift.models import load_model
 from torch_shift.models.batch import PackedBatch
 from torch_shift.parallel.launch import run_ranks
 
@@ -137,6 +140,56 @@ def test_padded_batch_packs_real_tokens_at_their_positions_in_the_row(llama):
         PackedBatch.from_padded(ids + VOCAB_SIZE, mask, config, torch.device("cpu"))
     with pytest.raises(ValueError, match="shape"):
         PackedBatch.from_padded(ids, mask[:, :2], config, torch.device("cpu"))
+
+
+GREEDY = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+PROMPT_LENGTHS = [5, 19, 2, 11]
+
+
+def _llm_rank(rank, world, model_dir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_shift
+
+    dist.init_process_group("gloo")  # as under torchrun
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
+    module = torch_shift.parallelize(build_hf_model("llama"), mesh, shift_threshold=THRESHOLD)
+    prompts = random_prompts(4, PROMPT_LENGTHS, seed=3)
+    llm = LLM(module, tokenizer=model_dir, num_kv_blocks=64)
+    from_module = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    text = llm.generate("the model", GREEDY, use_tqdm=False)[0].outputs[0].text
+    layouts = dict(module.layout_counts)
+    from_path = [o.outputs[0].token_ids for o in LLM(model_dir, sp=2, tp=2, shift_threshold=THRESHOLD,
+                                                      num_kv_blocks=64).generate(prompts, GREEDY, use_tqdm=False)]
+    dist.barrier()
+    dist.destroy_process_group()
+    return from_module, from_path, text, layouts
+
+
+def test_llm_serves_a_parallelized_module(llama):
+    _, model_dir = llama
+    reference = LLM(str(model_dir))
+    expected = [o.outputs[0].token_ids for o in
+                reference.generate(random_prompts(4, PROMPT_LENGTHS, seed=3), GREEDY, use_tqdm=False)]
+    expected_text = reference.generate("the model", GREEDY, use_tqdm=False)[0].outputs[0].text
+    for from_module, from_path, text, layouts in run_ranks(_llm_rank, 4, str(model_dir)):
+        assert from_module == expected
+        assert from_path == expected
+        assert text == expected_text
+        assert layouts["base"] >= 1 and layouts["shift"] >= 1
+
+
+def test_llm_serves_a_decoder_lm_and_refuses_other_modules(llama):
+    hf_model, model_dir = llama
+    prompts = random_prompts(3, [4, 9, 1], seed=7)
+    got = LLM(load_model(model_dir), tokenizer=str(model_dir)).generate(prompts, GREEDY, use_tqdm=False)
+    ref = LLM(str(model_dir)).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    with pytest.raises(TypeError, match=r"call torch_shift.parallelize\(model, mesh\) first"):
+        LLM(hf_model)
+    with pytest.raises(ValueError, match="sp, tp: set by the module itself"):
+        LLM(load_model(model_dir), sp=2, tp=1)
 
 
 def _errors_rank(rank, world):

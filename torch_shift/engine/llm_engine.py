@@ -24,11 +24,12 @@ from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.loader import CheckpointReader, WeightSource, build_model
 from torch_shift.parallel.plan import validate_mesh_for_model
 from torch_shift.parallel.runtime import ParallelRuntime
-from torch_shift.parallel.shift import build_shift_module
+from torch_shift.parallel.shift import ShiftModule, build_shift_module
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -100,11 +101,20 @@ class _ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None = None,
+                 model: ShiftModule | DecoderLM | None = None):
         """`weights`: read the model from this source (e.g. a training job's state dict, see
-        torch_shift.handoff) instead of the checkpoint directory `args.model`."""
+        torch_shift.handoff) instead of the checkpoint directory `args.model`. `model`: serve this
+        model as built: a ShiftModule from `torch_shift.parallelize` (on the ranks that built it, every
+        one of them running this, as under torchrun) or a DecoderLM; its layout, dtype and device hold."""
+        if isinstance(model, ShiftModule):
+            args = replace(args, sp=model.groups.sp, tp=model.groups.tp, shift_threshold=model.shift_threshold,
+                           shift_weights=model.shift_weights)
         self.args = args
-        if weights is None:
+        if model is not None:
+            model_dir = None
+            self.model_config = model.config
+        elif weights is None:
             model_dir = resolve_model_dir(args.model, args.revision)
             self.model_config = ModelConfig.from_dir(model_dir)
         else:
@@ -112,8 +122,12 @@ class LLMEngine:
             self.model_config = weights.config
         self.model_dir = model_dir
         mc = self.model_config
-        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if model is not None:
+            param = next(model.parameters())
+            self.dtype, device = param.dtype, param.device
+        else:
+            self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.device = device
 
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
@@ -145,9 +159,11 @@ class LLMEngine:
         )
 
         self.parallel: ParallelRuntime | None = None
-        choose_layout = None
-        num_kv_heads = mc.num_key_value_heads
-        if args.sp * args.tp > 1:
+        if model is not None:
+            if isinstance(model, ShiftModule):
+                self.parallel = ParallelRuntime.over(model.groups)
+            self.model = model
+        elif args.sp * args.tp > 1:
             validate_mesh_for_model(mc, args.sp, args.tp)
             self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
             self.device = device = self.parallel.device
@@ -159,12 +175,13 @@ class LLMEngine:
             except BaseException:
                 self.parallel.shutdown()  # started ranks must not outlive a failed construction
                 raise
-            num_kv_heads = self.model.num_local_kv_heads
-            choose_layout = self.model.choose_layout
         else:
             reader = weights or CheckpointReader(model_dir, mc)
             self.model = build_model(mc, reader, self.dtype, device)
             reader.close()
+        num_kv_heads, choose_layout = mc.num_key_value_heads, None
+        if self.parallel is not None:  # the KV cache holds the heads that both layouts attend
+            num_kv_heads, choose_layout = self.model.num_local_kv_heads, self.model.choose_layout
         num_blocks = self._num_kv_blocks(num_kv_heads)
         if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
             num_blocks = self.parallel.min_over_ranks(num_blocks)
