@@ -35,17 +35,25 @@ def _calls() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 CALL_LAYOUTS = ["base", "shift", "base", "shift"]
 
 
+def _original(family: str):
+    """A conftest family ("llama", ...), or torchtitan's Llama 3 with its default RoPE ("torchtitan")
+    or with CosSinRoPE ("torchtitan_cos_sin")."""
+    if family.startswith("torchtitan"):
+        return torchtitan_llama.build(seed=0, rope=family.partition("_")[2] or "complex")
+    return build_hf_model(family)
+
+
 def _build(name: str, world: int):
-    """The model `name` names: a conftest family ("llama", ...) or "torchtitan", with "+fsdp" its
-    parameters as DTensors (FSDP2 over all ranks)."""
+    """The model `name` names (see _original), with "+fsdp" its parameters as DTensors (FSDP2 over
+    all ranks)."""
     family, _, wrap = name.partition("+")
-    model = torchtitan_llama.build(seed=0) if family == "torchtitan" else build_hf_model(family)
+    model = _original(family)
     if wrap == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        blocks = model.layers.values() if family == "torchtitan" else model.model.layers
+        blocks = model.layers.values() if family.startswith("torchtitan") else model.model.layers
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -55,11 +63,11 @@ def _build(name: str, world: int):
 def _reference(name: str) -> list[torch.Tensor]:
     """The original model's logits for each call: each padded row computed alone, unpadded."""
     family = name.partition("+")[0]
-    model = torchtitan_llama.build(seed=0) if family == "torchtitan" else build_hf_model(family)
+    model = _original(family)
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
         out = model(ids)
-        return out if family == "torchtitan" else out.logits
+        return out if family.startswith("torchtitan") else out.logits
 
     refs = []
     with torch.no_grad():
@@ -100,7 +108,7 @@ def _logits_rank(rank, world, mesh_shape, names):
 
 CASES = {
     (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp"],
-    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan"],
+    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin"],
     (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp"],  # a 1-D ("tp",) mesh: SP = 1
 }
 

@@ -228,8 +228,8 @@ def module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters())
 
 
-SUPPORTED_MODELS = (*(f"transformers' {a}" for a in SUPPORTED_ARCHITECTURES),
-                    "torchtitan's Llama 3 (Llama3Model, torchtitan >= 0.3)", "torch_shift's DecoderLM")
+SUPPORTED_MODELS = (f"transformers' {', '.join(SUPPORTED_ARCHITECTURES)}; torchtitan's Llama 3 (Llama3Model, "
+                    "torchtitan >= 0.3); torch_shift's DecoderLM")
 
 
 def _class_named(model: nn.Module, names, module_prefix: str) -> str | None:
@@ -256,8 +256,7 @@ def model_source(model: nn.Module) -> WeightSource:
     if _class_named(model, ("Llama3Model",), "torchtitan.models.llama3") is not None:
         hf_config, interleaved = torchtitan_llama3_config(model)
         return StateDictSource(module_tensors(model), ModelConfig.from_hf_dict(hf_config), "torchtitan", interleaved)
-    raise TypeError(f"{type(model).__module__}.{type(model).__name__} is not supported; supported: "
-                    f"{', '.join(SUPPORTED_MODELS)}")
+    raise TypeError(f"{type(model).__module__}.{type(model).__name__} is not supported; supported: {SUPPORTED_MODELS}")
 
 
 def torchtitan_llama3_config(model: nn.Module) -> tuple[dict[str, Any], bool]:
