@@ -94,12 +94,11 @@ def _logits_rank(rank, world, mesh_shape, names):
     results = {}
     for name in names:
         module = torch_shift.parallelize(_build(name, world), mesh, shift_threshold=THRESHOLD)
-        layouts = []
-        logits = []
+        layouts, logits = [], []
         for ids, mask in _calls():
-            before = dict(module.layout_counts)
+            module.layout_counts.clear()
             logits.append(module(ids, mask))
-            layouts.append(next(k for k, v in module.layout_counts.items() if v != before.get(k, 0)))
+            layouts.append(",".join(module.layout_counts))
         results[name] = logits, layouts
     dist.barrier()
     dist.destroy_process_group()
