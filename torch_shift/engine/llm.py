@@ -6,25 +6,44 @@ import atexit
 import itertools
 from collections.abc import Sequence
 
+from torch import nn
 from tqdm.auto import tqdm
 
 from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.loader import WeightSource
+from torch_shift.parallel.shift import ShiftModule
+
+# What a module passed to LLM fixes by itself (its mesh, parallelize's arguments, its parameters).
+_SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision",
+                  "distributed_timeout_s")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, weights: WeightSource | None = None, **engine_args):
-        """`model`: a checkpoint directory or hub id; or `weights`: an in-memory weight source
-        (see torch_shift.handoff), with `model` then only a name."""
+    def __init__(self, model: str | nn.Module | None = None, *, weights: WeightSource | None = None, **engine_args):
+        """`model`: a checkpoint directory or hub id; or a module already built: a ShiftModule from
+        `torch_shift.parallelize` (every rank that built it calls LLM, as under torchrun: rank 0
+        schedules, the others follow in `generate`) or a DecoderLM; or `weights`: an in-memory
+        weight source (see torch_shift.handoff), with `model` then only a name."""
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        module = None
+        if isinstance(model, nn.Module):
+            if not isinstance(model, (ShiftModule, DecoderLM)):
+                raise TypeError(f"LLM serves a module from torch_shift.parallelize or a DecoderLM, got "
+                                f"{type(model).__name__}: call torch_shift.parallelize(model, mesh) first")
+            fixed = sorted(set(engine_args) & set(_SET_BY_MODULE))
+            if fixed:
+                raise ValueError(f"{', '.join(fixed)}: set by the module itself (its mesh, parallelize's "
+                                 "arguments, its parameters); leave them out")
+            module, model = model, "in-memory"
         if model is None and weights is None:
             raise TypeError("LLM needs a model (checkpoint directory or hub id) or weights")
         self.engine = LLMEngine(EngineArgs(model=str(model if model is not None else "in-memory"), **engine_args),
-                                weights)
+                                weights, module)
         self._ids = itertools.count()
         if self.engine.parallel is not None:
             atexit.register(self.shutdown)

@@ -27,11 +27,13 @@ from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerO
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.loader import CheckpointReader, WeightSource
 from torch_shift.parallel.layouts import Deployment, build_deployment
-from torch_shift.parallel.replicas import build_layout_model
 from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
+from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -109,24 +111,32 @@ class _ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None = None,
+                 model: ShiftModule | DecoderLM | None = None):
         """`weights`: read the model from this source (e.g. a training job's state dict, see
-        torch_shift.handoff) instead of the checkpoint directory `args.model`.
+        torch_shift.handoff) instead of the checkpoint directory `args.model`. `model`: serve this
+        model as built: a ShiftModule from `torch_shift.parallelize` (on the ranks that built it, every
+        one of them running this, as under torchrun) or a DecoderLM; its layout, dtype and device hold.
 
         On rank 0 (or the only rank) the engine schedules, samples and detokenizes; on the other
         ranks of a torchrun job it holds only this rank's model runner (see `worker_loop`)."""
+        if isinstance(model, ShiftModule):
+            args = replace(args, sp=model.groups.sp, tp=model.groups.tp, shift_threshold=model.shift_threshold,
+                           shift_weights=model.shift_weights)
         self.args = args
-        setup = _Setup(args, weights)
+        setup = _Setup(args, weights, model)
         self.model_dir, self.model_config, self.dtype = setup.model_dir, setup.model_config, setup.dtype
         self.scheduler_config, self.cache_config = setup.scheduler_config, setup.cache_config
         self.deployment = setup.deployment
         mc = self.model_config
 
         self.parallel: ParallelRuntime | None = None
-        if self.deployment.world_size > 1:
+        if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
+            self.parallel = ParallelRuntime.over(self.deployment, model.groups)
+        elif self.deployment.world_size > 1:
             self.parallel = ParallelRuntime(self.deployment, _worker_main, (args,), args.distributed_timeout_s)
         try:
-            self.runner = setup.build_runner(self.parallel, weights)
+            self.runner = setup.build_runner(self.parallel, weights, model)
         except BaseException:
             self.shutdown()  # started ranks must not outlive a failed construction
             raise
@@ -498,16 +508,21 @@ def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
 class _Setup:
     """What every rank derives from the engine arguments, and how it builds its model runner."""
 
-    def __init__(self, args: EngineArgs, weights: WeightSource | None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None):
         self.args = args
-        if weights is None:
+        self.model_dir = None
+        if model is not None:
+            self.model_config = model.config
+        elif weights is not None:
+            self.model_config = weights.config
+        else:
             self.model_dir = resolve_model_dir(args.model, args.revision)
             self.model_config = ModelConfig.from_dir(self.model_dir)
-        else:
-            self.model_dir = None
-            self.model_config = weights.config
         mc = self.model_config
-        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
+        if model is not None:
+            self.dtype = next(model.parameters()).dtype
+        else:
+            self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
         max_model_len = args.max_model_len or mc.max_position_embeddings
         if max_model_len > mc.max_position_embeddings:
             raise ValueError(
@@ -530,20 +545,25 @@ class _Setup:
             mc, sp=args.sp, tp=args.tp, dp=args.dp, flying=args.policy == "flying",
             shift=args.shift_threshold is not None)
 
-    def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None) -> ModelRunner:
-        """This rank's model (only its shards read), its KV cache and its runner."""
+    def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None,
+                     model: torch.nn.Module | None = None) -> ModelRunner:
+        """This rank's model (only its shards read, or `model` as built), its KV cache and its runner."""
         args, mc = self.args, self.model_config
         if parallel is not None:
             rank, groups, device = parallel.rank, parallel.groups, parallel.device
         else:
             rank, groups = 0, None
             device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        reader = weights or CheckpointReader(self.model_dir, mc)
-        try:
-            model = build_layout_model(self.deployment, groups, rank, mc, reader, self.dtype, device,
-                                       args.shift_threshold, args.shift_weights, args.flying_weights)
-        finally:
-            reader.close()
+        if model is not None:
+            device = next(model.parameters()).device
+            model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
+        else:
+            reader = weights or CheckpointReader(self.model_dir, mc)
+            try:
+                model = build_layout_model(self.deployment, groups, rank, mc, reader, self.dtype, device,
+                                           args.shift_threshold, args.shift_weights, args.flying_weights)
+            finally:
+                reader.close()
         num_blocks = self._num_kv_blocks(model.num_local_kv_heads, device)
         if parallel is not None:  # every pool gets the size of the smallest
             num_blocks = parallel.min_over_ranks(num_blocks)

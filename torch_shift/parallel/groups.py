@@ -60,17 +60,17 @@ class ShiftGroups:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ShiftGroups:
-        """From a 2-D ("sp", "tp") mesh over every rank, or (SP = 1) a replica's submesh of one."""
-        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
-            raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES}, got axes {mesh.mesh_dim_names} "
-                             f"of shape {tuple(mesh.shape)}")
-        sp, tp = mesh.shape
-        ranks = mesh.mesh.cpu()
+        """Groups of a 2-D ("sp", "tp") mesh or a 1-D ("tp",) one (SP = 1) over every rank, or of a
+        replica's 2-D submesh with SP = 1 (its ranks `first + tp`)."""
+        sp, tp = mesh_shape(mesh)
+        ranks = mesh.mesh.cpu().flatten()
         first = int(ranks.min())
-        if not torch.equal(ranks, first + torch.arange(sp * tp).view(sp, tp)):
+        if not torch.equal(ranks, first + torch.arange(sp * tp)):
             raise ValueError(f"the mesh must lay global ranks out row-major (rank = sp * TP + tp), got {mesh.mesh}")
-        if sp > 1 and sp * tp != dist.get_world_size():
+        if (sp > 1 or mesh.ndim == 1) and sp * tp != dist.get_world_size():
             raise ValueError(f"SP x TP = {sp} x {tp} = {sp * tp} differs from the world size {dist.get_world_size()}")
+        if mesh.ndim == 1:
+            mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(1, tp), mesh_dim_names=MESH_AXES)
         order = [first + r for r in shift_rank_order(sp, tp)]
         if sp == 1:  # the shift layout is the TP layout itself
             shift_group = mesh.get_group("tp")
@@ -80,6 +80,17 @@ class ShiftGroups:
         shift_mesh = DeviceMesh.from_group(shift_group, mesh.device_type, mesh=torch.tensor(order),
                                            mesh_dim_names=("shift",))
         return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group)
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, int]:
+    """(SP, TP) of a 2-D ("sp", "tp") mesh or a 1-D ("tp",) mesh; ValueError for any other mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names == MESH_AXES:
+        return tuple(mesh.shape)
+    if names == ("tp",):
+        return 1, mesh.size()
+    raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES} or 1-D with axis ('tp',), got axes "
+                     f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}")
 
 
 def build_shift_groups(sp: int, tp: int, device_type: str | None = None) -> ShiftGroups:
@@ -107,7 +118,8 @@ class DeploymentGroups:
     pool: dict[tuple[int, ...], tuple[dist.ProcessGroup, DeviceMesh]]  # this rank's groups binding replicas
 
     @classmethod
-    def build(cls, deployment) -> DeploymentGroups:
+    def build(cls, deployment, replica: ShiftGroups | None = None) -> DeploymentGroups:
+        """`replica`: this rank's replica groups as already built (a module from `parallelize`)."""
         world = dist.get_world_size()
         if world != deployment.world_size:
             sizes = [(name, n) for name, n in (("DP", deployment.num_replicas), ("SP", deployment.sp),
@@ -118,9 +130,8 @@ class DeploymentGroups:
         # Ranks wait on the control group between requests, for as long as the server idles: no
         # timeout there; the forward's collectives keep the process group's bound.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        replica = None
         per_replica = world // deployment.num_replicas
-        if per_replica > 1:
+        if replica is None and per_replica > 1:
             mesh = init_device_mesh(device_type, (deployment.num_replicas, deployment.sp, deployment.tp),
                                     mesh_dim_names=("dp",) + MESH_AXES)
             replica = ShiftGroups.from_mesh(mesh[MESH_AXES])

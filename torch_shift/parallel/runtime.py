@@ -46,6 +46,16 @@ class ParallelRuntime:
         self.groups = DeploymentGroups.build(deployment)
         self.rank = dist.get_rank()
 
+    @classmethod
+    def over(cls, deployment, replica_groups) -> ParallelRuntime:
+        """The runtime of ranks that already hold their groups (a module from `torch_shift.parallelize`,
+        every rank running the user's program): nothing is started or initialised."""
+        runtime = cls.__new__(cls)
+        runtime.launched = None
+        runtime.groups = DeploymentGroups.build(deployment, replica_groups)
+        runtime.rank = dist.get_rank()
+        return runtime
+
     @property
     def device(self) -> torch.device:
         if dist.get_backend() == "nccl":

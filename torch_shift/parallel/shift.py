@@ -21,10 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
+from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import FUSED_PARTS, part_views
+from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
-from torch_shift.parallel.groups import ShiftGroups
+from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
 from torch_shift.parallel.plan import (
     ParallelPlan,
@@ -174,7 +176,8 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift
 
 
 class ShiftModule(nn.Module):
-    """`forward_step` runs one step in the layout the step plan names and returns its logits."""
+    """`forward_step` runs one engine step in the layout the step plan names and returns its logits;
+    `forward` runs a whole batch without a KV cache in the layout its token count picks."""
 
     def __init__(self, base: DecoderLM, shift: DecoderLM | None, groups: ShiftGroups, config: ModelConfig,
                  shift_threshold: int | None, shift_weights: str):
@@ -191,6 +194,26 @@ class ShiftModule(nn.Module):
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of a whole batch [batch, seq], without a KV cache.
+
+        `attention_mask` (1 = token, 0 = padding, on either side): only the real tokens run, each
+        row as if alone (positions counted from its first real token, as transformers' `generate`
+        does), and the logits at padding are zero. The layout is chosen by the number of real
+        tokens, as the engine chooses per step. Every rank calls it with the same batch.
+        """
+        device = self.base.embed_tokens.weight.device
+        batch = PackedBatch.from_padded(input_ids, attention_mask, self.config, device)
+        if batch.num_tokens == 0:
+            return torch.zeros(*batch.mask.shape, self.config.vocab_size, dtype=self.base.embed_tokens.weight.dtype,
+                               device=device)
+        attention = CausalAttention(batch.seq_lens, self.config.sliding_window)
+        every = torch.arange(batch.num_tokens, device=device)
+        logits = self.forward_step(batch.input_ids, batch.positions, attention, every,
+                                   self.choose_layout(batch.num_tokens))
+        return batch.unpack(logits)
 
     def compile_layouts(self) -> None:
         """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""
@@ -247,25 +270,28 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
 
 
-def module_reader(model: DecoderLM) -> TensorReader:
-    """Read parameter parts (and slices of them) from a full, already loaded model."""
-
-    def read(name: str, part: str | None, part_slice: PartSlice | None) -> torch.Tensor:
-        tensor = part_views(model, name)[part]
-        return tensor if part_slice is None else tensor.narrow(part_slice.dim, part_slice.start, part_slice.length)
-
-    return read
-
-
-def parallelize(model: DecoderLM, mesh: DeviceMesh, shift_threshold: int | None = 256,
+def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None = 256,
                 shift_weights: str = "copy") -> ShiftModule:
-    """Shard a full model over a ("sp", "tp") DeviceMesh into a ShiftModule (base and shift layouts).
+    """Shard a model over a ("sp", "tp") DeviceMesh, or a 1-D ("tp",) one, into a ShiftModule: the
+    base layout (SP, TP) and the shift layout (full TP), chosen per call or per engine step by
+    the number of tokens (more than `shift_threshold` -> base; None: no shift layout).
 
-    Every rank must hold the same full model; each keeps only its shards (the full model can be
-    dropped afterwards). To avoid materialising the full model at all, load through
-    `LLM(model_dir, sp=..., tp=...)`, which reads each rank's shards from the safetensors files.
+    `model`: transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM, torchtitan's Llama 3, or torch_shift's DecoderLM; its parameters plain
+    tensors or DTensors (e.g. under FSDP2 or TP); its config is read from the model. Every rank
+    calls this with the same model. Each rank reads only its shards from the model's parameters (a
+    DTensor is gathered one parameter at a time) onto the mesh's device: the model is only read,
+    and can be dropped afterwards.
     """
-    groups = ShiftGroups.from_mesh(mesh)
-    device = next(model.parameters()).device
-    return build_shift_module(model.config, groups, module_reader(model), next(model.parameters()).dtype, device,
-                              shift_threshold, shift_weights)
+    source = model_source(model)
+    sp, tp = mesh_shape(mesh)
+    validate_mesh_for_model(source.config, sp, tp)  # before any group is made
+    dtype = next(model.parameters()).dtype
+    device = torch.device(mesh.device_type)
+    if device.type != "cpu":
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    try:
+        return build_shift_module(source.config, ShiftGroups.from_mesh(mesh), source, dtype, device,
+                                  shift_threshold, shift_weights)
+    finally:
+        source.close()
