@@ -49,10 +49,7 @@ class InputBatch:
             self.token_ids = grown
 
     def apply(self, delta: ReplicaDelta) -> None:
-        for row in delta.removed_rows:
-            self.num_tokens[row] = 0
-            self.num_blocks[row] = 0
-        for new in delta.new_rows:
+        for new in delta.new_rows:  # a row that was left is only ever reused through a new row
             n, nb = len(new.token_ids), len(new.block_ids)
             self._ensure_token_columns(n)
             self.token_ids[new.row, :n] = new.token_ids

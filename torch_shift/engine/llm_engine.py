@@ -72,6 +72,7 @@ class EngineArgs:
     tp: int = 1  # tensor parallelism (inside each data-parallel replica)
     dp: int = 1  # data-parallel replicas, each with its own KV pool
     policy: str | None = None  # None: "shift" for sp > 1, else "static"; "flying" (paper 004); "random" (tests)
+    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4.0} (torch_shift.engine.flying)
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
     flying_weights: str = "view"  # Flying's TP shards: zero-copy "view"s of each replica's weights, or "copy"
@@ -157,7 +158,8 @@ class LLMEngine:
         num_blocks = self.runner.kv_cache.num_blocks
         self.pools = [BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
                       for _ in self.deployment.replicas]
-        self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed)
+        self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
+                                   **(args.policy_config or {}))
         self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy)
         self.plan_builder = PlanBuilder(self.deployment.num_replicas, self.scheduler_config.max_num_seqs)
         self._layout_replicas = {layout.name: layout.replicas for layout in self.deployment.layouts}.__getitem__
@@ -168,6 +170,7 @@ class LLMEngine:
         self.last_step_layout: str | None = None
         self.steps_by_layout: Counter[str] = Counter()
         self.num_switches = 0
+        self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
         # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
         # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
         gc.collect()
@@ -198,6 +201,7 @@ class LLMEngine:
         from the previous step's), and the policy's own figures."""
         return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
                 "num_switches": self.num_switches, "num_preemptions": self.scheduler.num_preemptions,
+                "num_scheduled_tokens": self.num_scheduled_tokens,
                 "policy": self.policy.name, **self.policy.stats()}
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -358,6 +362,7 @@ class LLMEngine:
         self.num_steps += 1
         for name in names:
             self.steps_by_layout[name] += 1
+        self.num_scheduled_tokens += sum(int(g.num_scheduled.sum()) for g in plan.groups)
 
     def _sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, int]:
         rows: list[torch.Tensor] = []
@@ -542,7 +547,7 @@ class _Setup:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.deployment: Deployment = build_deployment(
-            mc, sp=args.sp, tp=args.tp, dp=args.dp, flying=args.policy == "flying",
+            mc, sp=args.sp, tp=args.tp, dp=args.dp, flying=args.policy in ("flying", "random") and args.dp > 1,
             shift=args.shift_threshold is not None)
 
     def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None,

@@ -47,6 +47,12 @@ class Policy:
     def finalize(self, layout: str, num_scheduled_tokens: int) -> str:
         return layout
 
+    def on_add(self, request: Request, view) -> None:
+        """A request entered the scheduler."""
+
+    def on_finish(self, request: Request) -> None:
+        """A request left the scheduler (finished or aborted)."""
+
     def stats(self) -> dict:
         return {}
 
@@ -144,6 +150,8 @@ def build_policy(name: str | None, deployment: Deployment, shift_threshold: int 
     otherwise)."""
     if name is None:
         name = {"shift": "shift", "flying": "flying"}.get(deployment.family, "static")
+    if options and name != "flying":
+        raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
     if name == "shift":
         if deployment.family != "shift":
             raise ValueError("policy 'shift' switches between the SP x TP and full-TP layouts: it needs sp > 1")

@@ -163,6 +163,7 @@ class Scheduler:
         assert request.request_id not in self.requests, request.request_id
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self.policy.on_add(request, self.view)
 
     @property
     def num_unfinished(self) -> int:
@@ -213,6 +214,16 @@ class Scheduler:
                 return request
         raise AssertionError("the request itself is running")
 
+    def _paused_victim(self, request: Request, replicas: tuple[int, ...],
+                       groups: dict[tuple[int, ...], _Group]) -> Request | None:
+        """A request of worse priority (a greater value) that holds blocks in `replicas`' pools but does
+        not run this step (its group is not bound): the worst such, or None. Only a more urgent
+        request may take a paused one's blocks (as vLLM's priority preemption)."""
+        wanted = set(replicas)
+        candidates = [r for r in self.running if r.priority > request.priority
+                      and wanted.intersection(r.replicas) and r.replicas not in groups]
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -255,14 +266,14 @@ class Scheduler:
 
         ran_out_of_blocks = len(output.preempted_request_ids) > num_moved
         if not ran_out_of_blocks and decision.phase != "decode":  # admitting more would only thrash
-            self._admit(groups, decision)
+            self._admit(groups, decision, output)
         for group in groups.values():
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, group.entries))
         self.num_steps += 1
         return output
 
-    def _admit(self, groups: dict[tuple[int, ...], _Group], decision) -> None:
+    def _admit(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
         max_seqs = self.config.max_num_seqs
         while self.waiting:
             request = self.waiting.peek()
@@ -274,21 +285,25 @@ class Scheduler:
                     continue
                 if any(self.num_seqs[r] >= max_seqs for r in replicas):
                     continue
-                if self._admit_into(request, group):
+                if self._admit_into(request, group, groups, output):
                     placed = True
                     break
             if not placed:
                 return  # FCFS: nobody overtakes the head of the queue
 
-    def _admit_into(self, request: Request, group: _Group) -> bool:
+    def _admit_into(self, request: Request, group: _Group, groups: dict[tuple[int, ...], _Group],
+                    output: SchedulerOutput) -> bool:
         cached: list[int] = []
         pools = [self.pools[r] for r in group.replicas]
         if request.num_computed_tokens == 0 and request.prompt_logprobs is None and len(pools) == 1:
             cached = pools[0].find_cached_prefix(request.request_id, request.all_token_ids)
         num_computed = len(cached) * pools[0].block_size
         num_new = min(request.num_tokens - num_computed, group.budget)
-        if not self._allocate(request, group.replicas, num_computed + num_new, cached):
-            return False
+        while not self._allocate(request, group.replicas, num_computed + num_new, cached):
+            victim = self._paused_victim(request, group.replicas, groups)
+            if victim is None:
+                return False
+            self._preempt(victim, output)
         self.waiting.pop()
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_computed
@@ -348,6 +363,7 @@ class Scheduler:
         elif not request.status.finished:
             self.waiting.remove(request)
         request.status = status
+        self.policy.on_finish(request)
         return request
 
 

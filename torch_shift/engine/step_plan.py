@@ -4,8 +4,9 @@ NewRequestData / CachedRequestData).
 Every replica's ranks keep a persistent batch (torch_shift.engine.input_batch): per row, a
 request's known token ids and its block table in that replica's pool. A request entering a
 replica (admitted, or resumed after a preemption) is sent once, whole; after that a step sends
-only the tokens sampled since (one per decode) and the blocks allocated since, and the rows that
-left. So the plan's size per decode step does not grow with context length.
+only the tokens sampled since (one per decode) and the blocks allocated since. A row a request
+left is reused only by a request sent whole, so removals never travel. The plan's size per decode
+step does not grow with context length.
 
 `PlanBuilder` lives on rank 0 beside the scheduler and mirrors what every replica's ranks know;
 the workers apply the deltas (`InputBatch.apply`) and then run each bound group's rows.
@@ -34,7 +35,6 @@ class NewRow:
 
 @dataclass
 class ReplicaDelta:
-    removed_rows: list[int] = field(default_factory=list)
     new_rows: list[NewRow] = field(default_factory=list)
     # rows already in the batch: tokens sampled since they were last sent, blocks allocated since
     token_rows: list[int] = field(default_factory=list)
@@ -44,7 +44,7 @@ class ReplicaDelta:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.removed_rows or self.new_rows or self.token_rows or self.block_rows)
+        return not (self.new_rows or self.token_rows or self.block_rows)
 
 
 @dataclass
@@ -98,9 +98,7 @@ class PlanBuilder:
         removed, scheduler.removed_request_ids = scheduler.removed_request_ids, []
         for request_id in removed:
             for replica in self.replicas_of.pop(request_id, ()):
-                known = self.known[replica].pop(request_id)
-                self.free_rows[replica].append(known.row)
-                delta(replica).removed_rows.append(known.row)
+                self.free_rows[replica].append(self.known[replica].pop(request_id).row)
 
         groups, ordered_entries = [], []
         for group in output.groups:

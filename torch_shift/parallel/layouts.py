@@ -62,6 +62,7 @@ class Deployment:
     family: str  # "single", "tp", "shift", "dp", "flying"
     sp: int = 1
     tp: int = 1  # inside a replica
+    config: ModelConfig | None = field(default=None, compare=False, repr=False)
     _by_name: dict[str, Layout] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,7 +161,7 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
                 layouts.append(Layout("shift", "shift", tuple(shift_rank_order(sp, tp)), (0,), tp=world))
             layouts = tuple(layouts)
             family = "shift"
-        return Deployment(world, (ranks,), layouts, family, sp=sp, tp=tp)
+        return Deployment(world, (ranks,), layouts, family, sp=sp, tp=tp, config=config)
 
     if tp > 1:  # inside a replica, KV heads may be replicated as in static TP
         validate_mesh_for_model(config, 1, tp)
@@ -171,4 +172,4 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
         for width in flying_widths(config, dp):
             for group in aligned_groups(dp, width):
                 layouts.append(Layout(f"tp{width}@{group[0]}", "tp", group, group, tp=width))
-    return Deployment(world, replicas, tuple(layouts), "flying" if flying else "dp", tp=tp)
+    return Deployment(world, replicas, tuple(layouts), "flying" if flying else "dp", tp=tp, config=config)
