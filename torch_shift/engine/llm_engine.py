@@ -322,13 +322,15 @@ class LLMEngine:
         sampled = self._sample(entries, logits)
         now = time.monotonic()
         updated = self.scheduler.update_from_output(output, sampled)
-        touched: dict[str, _ParentRequest] = {}
+        touched: dict[str, _ParentRequest] = {}  # parents that advanced (or, with final_only, that may be done)
         for request in updated:
             parent, index = self.child_to_parent[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._detokenize(parent, index, request)
-            touched[parent.request_id] = parent
+            if parent.detokenizers[index] is not None:
+                self._detokenize(parent, index, request)  # may finish it on a stop string
+            if not final_only or request.status.finished:
+                touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
             finished = all(c.status.finished for c in parent.children)
@@ -419,8 +421,6 @@ class LLMEngine:
 
     def _detokenize(self, parent: _ParentRequest, index: int, request: Request) -> None:
         detok = parent.detokenizers[index]
-        if detok is None:
-            return
         new_text = detok.step(request.output_token_ids[-1])
         if request.status.finished:
             new_text += detok.flush()  # bytes held back for an unfinished character

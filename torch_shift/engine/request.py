@@ -22,10 +22,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._finished
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+for _status in RequestStatus:  # a plain attribute: this is read for every request at every step
+    _status._finished = _status.value in ("stop", "length", "abort")
 
 
 class Request:
@@ -86,13 +87,15 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings are the detokenizer's)."""
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
+        outputs = self.output_token_ids
+        num_outputs = len(outputs)
+        if num_outputs >= self.sampling_params.min_tokens:
+            last = outputs[-1]
             if last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_outputs >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -24,7 +24,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.kv.block_manager import BlockManager
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step
@@ -177,6 +177,8 @@ class Scheduler:
                   cached: list[int] = ()) -> bool:
         width = len(replicas)
         rid = request.request_id
+        if width == 1:
+            return self.pools[replicas[0]].allocate(rid, num_tokens, cached)
         pools = [self.pools[r] for r in replicas]
         if len(pools) > 1 and not all(p.can_allocate(rid, num_tokens, cached, width) for p in pools):
             return False
@@ -243,18 +245,20 @@ class Scheduler:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep admission order
 
         num_moved = len(output.preempted_request_ids)
+        running = RequestStatus.RUNNING
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted this step for another's blocks
             group = groups.get(request.replicas)
             if group is None or group.budget == 0 or group.out_of_blocks:
                 continue  # paused: its group is not bound this step
-            num_left = request.num_tokens - request.num_computed_tokens
-            if (group.phase == "decode" and num_left > 1) or (group.phase == "prefill" and num_left == 1):
+            num_computed = request.num_computed_tokens
+            num_left = len(request.all_token_ids) - num_computed
+            if group.phase is not None and (group.phase == "decode") != (num_left == 1):
                 continue
-            num_new = min(num_left, group.budget)
+            num_new = num_left if num_left < group.budget else group.budget
             assert num_new > 0, request.request_id
-            while not self._allocate(request, group.replicas, request.num_computed_tokens + num_new):
+            while not self._allocate(request, group.replicas, num_computed + num_new):
                 victim = self._victim(group.replicas, request)
                 self._preempt(victim, output)
                 if victim is request:
@@ -320,33 +324,33 @@ class Scheduler:
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(
-            request=request,
-            num_tokens=num_new,
-            num_computed_tokens=start,
-            sample=start + num_new == request.num_tokens,
-            prompt_logprobs=request.wants_prompt_logprobs,
-            block_tables=tuple(self.pools[r].req_blocks[request.request_id] for r in request.replicas),
-        )
+        replicas = request.replicas
+        rid = request.request_id
+        tables = ((self.pools[replicas[0]].req_blocks[rid],) if len(replicas) == 1
+                  else tuple(self.pools[r].req_blocks[rid] for r in replicas))
+        return ScheduledRequest(request, num_new, start, start + num_new == len(request.all_token_ids),
+                                request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables)
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance every scheduled request; append its sampled token; finish those that hit a
         token-level stop. Returns the requests that received a token."""
         updated = []
+        running, pools, max_model_len = RequestStatus.RUNNING, self.pools, self.config.max_model_len
         for group in output.groups:
+            pool = pools[group.replicas[0]] if len(group.replicas) == 1 else None
             for entry in group.entries:
                 request = entry.request
-                if request.status != RequestStatus.RUNNING or request.request_id not in self.requests:
+                if request.status is not running:
                     continue  # aborted while the step ran
-                request.num_computed_tokens += entry.num_tokens
-                if len(request.replicas) == 1:
-                    self.pools[request.replicas[0]].cache_computed_blocks(
-                        request.request_id, request.all_token_ids, request.num_computed_tokens)
+                before = request.num_computed_tokens
+                request.num_computed_tokens = after = before + entry.num_tokens
+                if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
+                    pool.cache_computed_blocks(request.request_id, request.all_token_ids, after)
                 if not entry.sample:
                     continue
                 request.append_output_token(sampled_token_ids[request.request_id])
                 updated.append(request)
-                status = request.check_stop(self.config.max_model_len)
+                status = request.check_stop(max_model_len)
                 if status is not None:
                     self.finish_request(request.request_id, status)
         return updated

@@ -69,7 +69,7 @@ class StepPlan:
     groups: list[GroupStep]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Known:
     row: int
     num_tokens: int  # tokens the replica's ranks hold
@@ -106,43 +106,42 @@ class PlanBuilder:
                 continue
             entries = _decodes_first(group)
             replicas = layout_replicas(group.layout)
-            rows = [np.empty(len(entries), dtype=_INT) for _ in replicas]
-            for i, entry in enumerate(entries):
-                request = entry.request
-                rid = request.request_id
-                needed = entry.num_computed_tokens + entry.num_tokens
-                for k, replica in enumerate(replicas):
+            num_scheduled = [e.num_tokens for e in entries]
+            num_computed = [e.num_computed_tokens for e in entries]
+            logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
+            rows = []
+            for k, replica in enumerate(replicas):
+                known_here, d = self.known[replica], delta(replica)
+                replica_rows = []
+                for entry, needed in zip(entries, map(int.__add__, num_computed, num_scheduled)):
+                    request = entry.request
+                    rid = request.request_id
                     table = entry.block_tables[k]
-                    known = self.known[replica].get(rid)
+                    known = known_here.get(rid)
                     if known is None:
                         row = self.free_rows[replica].pop()
-                        self.known[replica][rid] = _Known(row, request.num_tokens, len(table))
+                        known_here[rid] = _Known(row, len(request.all_token_ids), len(table))
                         self.replicas_of[rid] = self.replicas_of.get(rid, ()) + (replica,)
-                        delta(replica).new_rows.append(NewRow(
-                            row, np.asarray(request.all_token_ids, dtype=_INT), np.asarray(table, dtype=_INT),
-                            len(replicas)))
+                        d.new_rows.append(NewRow(row, np.asarray(request.all_token_ids, dtype=_INT),
+                                                 np.asarray(table, dtype=_INT), len(replicas)))
                     else:
                         row = known.row
-                        if known.num_tokens < needed:
-                            d = delta(replica)
-                            for t in request.all_token_ids[known.num_tokens:needed]:
+                        if known.num_tokens < needed:  # tokens sampled since: one per decode
+                            for token in request.all_token_ids[known.num_tokens:needed]:
                                 d.token_rows.append(row)
-                                d.tokens.append(t)
+                                d.tokens.append(token)
                             known.num_tokens = needed
                         if known.num_blocks < len(table):
-                            d = delta(replica)
                             d.block_rows.append(row)
                             d.block_ids.append(table[known.num_blocks:])
                             known.num_blocks = len(table)
-                    rows[k][i] = row
-            num_scheduled = np.fromiter((e.num_tokens for e in entries), dtype=_INT, count=len(entries))
-            num_computed = np.fromiter((e.num_computed_tokens for e in entries), dtype=_INT, count=len(entries))
-            logits_counts = np.fromiter((e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries),
-                                        dtype=_INT, count=len(entries))
-            num_decodes = int(np.count_nonzero(num_scheduled == 1))
-            groups.append(GroupStep(group.layout, tuple(rows), num_scheduled, num_computed, num_decodes,
-                                    logits_counts))
+                    replica_rows.append(row)
+                rows.append(np.array(replica_rows, dtype=_INT))
+            groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
+                                    np.array(num_computed, dtype=_INT), num_scheduled.count(1),
+                                    np.array(logits_counts, dtype=_INT)))
             ordered_entries.append(entries)
+        deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
         return StepPlan(deltas, groups), ordered_entries
 
 
