@@ -22,6 +22,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, topk_logprobs
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
+from torch_shift.engine.structured_output import GrammarCompiler
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.hub import resolve_model_dir
@@ -177,6 +178,7 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
         self.last_step_layout: str | None = None
         # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
@@ -266,6 +268,10 @@ class LLMEngine:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self.child_to_parent]
         if taken:
@@ -290,6 +296,8 @@ class LLMEngine:
             )
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
+            if grammar_compiler is not None:
+                child.grammar = grammar_compiler.matcher(params.structured_outputs)
             children.append(child)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
@@ -300,6 +308,14 @@ class LLMEngine:
         for i, child in enumerate(children):
             self.child_to_parent[child.request_id] = (parent, i)
             self.scheduler.add_request(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
