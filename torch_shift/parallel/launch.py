@@ -13,6 +13,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -36,8 +37,22 @@ def default_start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "fork"
 
 
+def _reset_inherited_compile_pool() -> None:
+    """A forked rank must not use the inductor compile thread pool of its parent.
+
+    torch's own fork handler (torch/_inductor/async_compile.py, `after_fork`) resets the process
+    pool but not `AsyncCompile.pool()`, a cached ThreadPoolExecutor: the child inherits the object
+    without its threads, so the first C++ kernel it compiles is queued to no thread and its
+    `future.result()` waits forever. That happens whenever the parent compiled before the fork and
+    the child compiles a kernel that is not in the on-disk cache (a cold cache, as in CI)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, args) -> None:
     os.environ.update(rank_environment(rank, world_size, port))
+    _reset_inherited_compile_pool()
     import torch
 
     if threads is not None:
