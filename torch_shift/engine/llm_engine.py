@@ -151,14 +151,16 @@ class LLMEngine:
         if args.sp * args.tp > 1:
             validate_mesh_for_model(mc, args.sp, args.tp)
             self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
-            self.device = device = self.parallel.device
-            try:
+            try:  # started ranks must not outlive a failed construction
+                self.device = device = self.parallel.device
                 reader = weights or CheckpointReader(model_dir, mc)
                 self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
                                                 args.shift_threshold, args.shift_weights)
                 reader.close()
+                # one block table for all ranks: the smallest pool wins
+                num_blocks = self.parallel.min_over_ranks(self._num_kv_blocks(self.model.num_local_kv_heads))
             except BaseException:
-                self.parallel.shutdown()  # started ranks must not outlive a failed construction
+                self.parallel.shutdown()
                 raise
             num_kv_heads = self.model.num_local_kv_heads
             choose_layout = self.model.choose_layout
@@ -166,9 +168,7 @@ class LLMEngine:
             reader = weights or CheckpointReader(model_dir, mc)
             self.model = build_model(mc, reader, self.dtype, device)
             reader.close()
-        num_blocks = self._num_kv_blocks(num_kv_heads)
-        if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
-            num_blocks = self.parallel.min_over_ranks(num_blocks)
+            num_blocks = self._num_kv_blocks(num_kv_heads)
         self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, num_kv_heads,
                                 mc.head_dim, self.dtype, device)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
@@ -181,10 +181,6 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
         self.last_step_layout: str | None = None
-        # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
-        # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
-        gc.collect()
-        gc.freeze()
 
     # -- set-up -------------------------------------------------------------------------------------------
     def _num_kv_blocks(self, num_kv_heads: int) -> int:
@@ -341,11 +337,7 @@ class LLMEngine:
         if self.parallel is None:
             runner_output = self.runner.execute(plan)
         else:
-            self.parallel.broadcast(("step", plan))
-            try:
-                runner_output = self.runner.execute(plan)
-            except Exception as e:
-                raise self.parallel.failure(e) from e
+            runner_output = self.parallel.run_step(plan, self.runner.execute)
         sampled = self._sample(plan, runner_output)
         now = time.monotonic()
         updated = self.scheduler.update_from_output(plan, sampled)
@@ -498,13 +490,26 @@ class LLMEngine:
                 if kind != "error":
                     raise
 
-    def shutdown(self) -> None:
+    def unresponsive_ranks(self, max_silence_s: float) -> list[int]:
+        """Ranks this process started that gave no sign of life (heartbeat) for `max_silence_s` seconds,
+        or died; [] for a single-device engine and under torchrun. Cheap; safe from any thread."""
+        return [] if self.parallel is None else self.parallel.unresponsive_ranks(max_silence_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the ranks this process started and leave the process group, within about `timeout_s`.
+        Safe from any thread, also while another thread is blocked in a step; a step after it raises."""
         if self.parallel is not None and self.is_driver:
-            self.parallel.shutdown()
+            self.parallel.shutdown(timeout_s)
 
 
 def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
     """A rank started by rank 0 (launch path (b)): serve steps until rank 0 shuts down."""
     engine = LLMEngine(args)
+    # This process is the library's own and everything built so far lives as long as it: keep it out of the
+    # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps
+    # (bench_engine.py).
+    gc.collect()
+    gc.freeze()
     while engine.worker_loop() is not None:
         pass
+    dist.destroy_process_group()
