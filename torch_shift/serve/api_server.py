@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -40,6 +41,7 @@ from torch_shift.serve.protocol import (
 logger = logging.getLogger("torch_shift.serve")
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when one is set
+_FATAL_EXIT_DELAY_S = 1.0
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic union branches in error locations
 
 
@@ -525,8 +527,12 @@ def run_server(engine_args, args) -> int:
     server: uvicorn.Server | None = None
 
     def exit_on_fatal() -> None:  # from the engine or watchdog thread; clients in flight have their errors
-        if server is not None:
-            server.should_exit = True
+        def leave() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        # /health answers 503 for a moment before the port closes, for balancers that poll it
+        threading.Timer(_FATAL_EXIT_DELAY_S, leave).start()
 
     app, async_engine = create_server(
         engine_args, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV),

@@ -163,11 +163,9 @@ class AsyncEngine:
             deadline = max(self.step_deadline_s, _STEP_DEADLINE_FACTOR * max(self._recent_steps, default=0.0))
             if running_s > deadline:
                 return f"step {self.engine.num_steps} has run for {running_s:.1f} s (deadline {deadline:.1f} s)"
-        unresponsive = getattr(self.engine, "unresponsive_ranks", None)
-        if unresponsive is not None:
-            ranks = unresponsive(self.step_deadline_s)
-            if ranks:
-                return f"ranks {ranks} have not answered for {self.step_deadline_s:.1f} s"
+        ranks = self.engine.unresponsive_ranks(self.step_deadline_s)  # heartbeats: also while idle
+        if ranks:
+            return f"ranks {ranks} gave no sign of life for {self.step_deadline_s:.1f} s"
         return None
 
     def _check_running(self) -> None:
