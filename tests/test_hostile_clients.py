@@ -7,6 +7,7 @@ in docs/reliability.md.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import select
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import build_hf_model, save_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import build_hf_model, save_checkpoint
 from torch_shift.parallel.launch import free_port
 
 PROMPT = "the quick brown fox"
@@ -226,8 +227,6 @@ def _start_two_ranks(model_dir, *args):
 
 def _in_flight(server) -> tuple:
     """A streaming and a non-streaming request in flight; returns their futures once tokens flow."""
-    import concurrent.futures
-
     pool = concurrent.futures.ThreadPoolExecutor(2)
     started: list = []
     stream = pool.submit(_stream_until_error, server.url, started)

@@ -397,7 +397,8 @@ def test_fields_real_clients_send_are_accepted(server, reference):
     expected = greedy(reference, max_tokens=4).text
     # guidellm (stop: null, continuous usage), aiperf (a list of one prompt, max_completion_tokens), lm-eval (seed)
     body = {"prompt": [PROMPT], "max_tokens": 4.0, "temperature": 0, "stop": None, "seed": 1234, "user": "u",
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "metadata": {"team": "x"}, "store": False, "n": 1, "best_of": 1, "logprobs": 0, "echo": False}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200

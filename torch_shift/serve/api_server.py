@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import sys
 import threading
@@ -28,7 +29,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torch_shift.engine.llm_engine import TokenizedPrompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
-from torch_shift.serve import responses as R
 from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStopped, Submission
 from torch_shift.serve.metrics import EngineMetrics
 from torch_shift.serve.protocol import (
@@ -36,6 +36,15 @@ from torch_shift.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+)
+from torch_shift.serve.responses import (
+    DeltaTracker,
+    EchoedPrompt,
+    TextOffsets,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    sse,
 )
 
 logger = logging.getLogger("torch_shift.serve")
@@ -62,8 +71,6 @@ class APIError(Exception):
 class _ErrorResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         # ASCII escapes: an error may quote what the client sent, lone surrogates included
-        import json
-
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
@@ -354,7 +361,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             usage["prompt_tokens"] += len(final.prompt_token_ids)
             for c in final.outputs:
                 usage["completion_tokens"] += 0 if echo_only else len(c.token_ids)
-                choices.append(R.completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
+                choices.append(completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
                                                    echo_only=echo_only, logprobs=body.logprobs,
                                                    skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -394,7 +401,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             return Response(status_code=499)
         rid, (final,) = collected
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (R.chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
+                    "logprobs": (chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
                                  if body.logprobs else None),
                     "finish_reason": c.finish_reason} for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -413,7 +420,7 @@ def _stream_error(e: BaseException) -> str:
     else:
         logger.exception("torch_shift server: a stream failed", exc_info=e)
         error = APIError(500, "internal error while streaming", "server_error", code=500)
-    return R.sse(error.body())
+    return sse(error.body())
 
 
 class _Usage:
@@ -432,20 +439,20 @@ class _Usage:
 async def _completion_chunks(rid: str, submission: Submission, model: str, body: CompletionRequest, echo_only: bool,
                              tokenizer) -> AsyncIterator[str]:
     created = int(time.time())
-    trackers: dict[int, R.DeltaTracker] = {}
-    offsets: dict[int, R.TextOffsets] = {}  # choice -> where its next token starts in its text
+    trackers: dict[int, DeltaTracker] = {}
+    offsets: dict[int, TextOffsets] = {}  # choice -> where its next token starts in its text
     usage = _Usage(body.stream_options)
 
     def chunk(choices: list[dict], totals: dict | None = None) -> str:
         payload = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if totals is not None:
             payload["usage"] = totals
-        return R.sse(payload)
+        return sse(payload)
 
     try:
         async for index, out in submission:
             usage.prompt_tokens[index] = len(out.prompt_token_ids)
-            tracker = trackers.setdefault(index, R.DeltaTracker(body.stop))
+            tracker = trackers.setdefault(index, DeltaTracker(body.stop))
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
                 if echo_only and c.finish_reason is None:
@@ -456,15 +463,15 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
                     text, token_ids, entries = "", [], []
                 else:
                     usage.completion_tokens += t1 - t0
-                prefix = R.EchoedPrompt("", [], [], [])
+                prefix = EchoedPrompt()
                 if body.echo and delta.first:
-                    prefix = R.EchoedPrompt.of(out, tokenizer, body.logprobs is not None)
+                    prefix = EchoedPrompt.of(out, tokenizer, body.logprobs is not None)
                 logprobs = None
                 if body.logprobs is not None:
                     if choice_index not in offsets:
-                        offsets[choice_index] = R.TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text),
+                        offsets[choice_index] = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text),
                                                               body.skip_special_tokens)
-                    logprobs = R.completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
+                    logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
                                                      prefix.offsets + offsets[choice_index].extend(token_ids),
                                                      tokenizer, body.logprobs)
                 finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
@@ -489,19 +496,19 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
                    "choices": choices}
         if totals is not None:
             payload["usage"] = totals
-        return R.sse(payload)
+        return sse(payload)
 
     try:
         for i in range(body.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        tracker = R.DeltaTracker(body.stop)
+        tracker = DeltaTracker(body.stop)
         async for _, out in submission:
             usage.prompt_tokens[0] = len(out.prompt_token_ids)
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
                 usage.completion_tokens += t1 - t0
-                logprobs = (R.chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
+                logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
                                             body.top_logprobs or 0) if body.logprobs else None)
                 yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
                               "logprobs": logprobs, "finish_reason": c.finish_reason}],

@@ -52,8 +52,8 @@ class Submission:
     prompts: list[Prompt | TokenizedPrompt]
     params: list[SamplingParams]
     loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future  # set by the engine thread once the prompts are added (or refused)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future | None = None
     finished: set[int] = field(default_factory=set)
 
     @property
@@ -176,11 +176,16 @@ class AsyncEngine:
 
     # -- engine thread ------------------------------------------------------------------------------------
     @staticmethod
-    def _deliver(submission: Submission, index: int, item) -> None:
-        submission.loop.call_soon_threadsafe(submission.outputs.put_nowait, (index, item))
+    def _call_in_loop(submission: Submission, fn, *args) -> None:
+        try:
+            submission.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the client's event loop is closed: nobody listens any more
+            pass
 
-    @staticmethod
-    def _settle(submission: Submission, error: BaseException | None) -> None:
+    def _deliver(self, submission: Submission, index: int, item) -> None:
+        self._call_in_loop(submission, submission.outputs.put_nowait, (index, item))
+
+    def _settle(self, submission: Submission, error: BaseException | None) -> None:
         def settle() -> None:
             if submission.accepted.done():
                 return
@@ -189,7 +194,7 @@ class AsyncEngine:
             else:
                 submission.accepted.set_exception(error)
 
-        submission.loop.call_soon_threadsafe(settle)
+        self._call_in_loop(submission, settle)
 
     def _add(self, submission: Submission) -> None:
         with self._lock:

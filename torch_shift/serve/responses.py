@@ -95,16 +95,16 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], tokeniz
 class EchoedPrompt:
     """What echo puts before a choice's completion: the prompt's text and, with logprobs, its tokens."""
 
-    text: str
-    token_ids: list[int]
-    entries: list[PositionLogprobs | None]
-    offsets: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    entries: list[PositionLogprobs | None] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, out: RequestOutput, tokenizer: Tokenizer | None, with_logprobs: bool) -> EchoedPrompt:
         text = prompt_text(out, tokenizer)
         if not with_logprobs:
-            return cls(text, [], [], [])
+            return cls(text)
         ids = out.prompt_token_ids
         entries = list(out.prompt_logprobs or [None] * len(ids))
         return cls(text, ids, entries, prompt_offsets(tokenizer, text, ids))
@@ -115,7 +115,7 @@ def completion_choice(index: int, out: RequestOutput, c: CompletionOutput, *, ec
     text = "" if echo_only else c.text
     token_ids = [] if echo_only else c.token_ids
     entries = [] if echo_only else list(c.logprobs or [])
-    prefix = EchoedPrompt.of(out, tokenizer, logprobs is not None) if echo else EchoedPrompt("", [], [], [])
+    prefix = EchoedPrompt.of(out, tokenizer, logprobs is not None) if echo else EchoedPrompt()
     choice_logprobs = None
     if logprobs is not None:
         offsets = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text), skip_special_tokens).extend(token_ids)
