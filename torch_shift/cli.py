@@ -98,22 +98,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from torch_shift.engine.llm_engine import EngineArgs
     from torch_shift.models.default import default_model_dir
-    from torch_shift.serve.api_server import create_server
+    from torch_shift.serve.api_server import run_server
 
     model = args.model
     if model is None:
         model = str(default_model_dir())
         print(f"[torch-shift] no --model given: serving the embedded default model at {model}", file=sys.stderr)
-    app, _ = create_server(EngineArgs(model=model, **_engine_kwargs(args)),
-                           served_model_name=args.served_model_name or ("default" if args.model is None else None),
-                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                           max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+        args.served_model_name = args.served_model_name or "default"
+    return run_server(EngineArgs(model=model, **_engine_kwargs(args)), args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -144,15 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.set_defaults(func=_generate)
 
+    from torch_shift.serve.options import add_server_args
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this, answer 429")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--log-level", default="warning")
+    add_server_args(serve)
     serve.set_defaults(func=_serve)
 
     convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a torch_shift checkpoint")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from torch import nn
@@ -45,12 +45,12 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=str(model if model is not None else "in-memory"), **engine_args),
                                 weights, module)
         self._ids = itertools.count()
-        if self.engine.parallel is not None:
-            atexit.register(self.shutdown)
+        # the ranks this process started end when this object is collected (`del llm`) or at exit
+        weakref.finalize(self, self.engine.shutdown)
 
-    def shutdown(self) -> None:
-        """Stop the local ranks this process started (a no-op otherwise)."""
-        self.engine.shutdown()
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the local ranks this process started, within about `timeout_s` (a no-op otherwise)."""
+        self.engine.shutdown(timeout_s)
 
     @property
     def tokenizer(self):

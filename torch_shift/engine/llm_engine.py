@@ -25,6 +25,7 @@ from torch_shift.engine.sampler import Sampler, topk_logprobs
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
+from torch_shift.engine.structured_output import GrammarCompiler
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.decoder import DecoderLM
@@ -133,7 +134,7 @@ class LLMEngine:
 
         self.parallel: ParallelRuntime | None = None
         if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
-            self.parallel = ParallelRuntime.over(self.deployment, model.groups)
+            self.parallel = ParallelRuntime.over(self.deployment, model.groups, args.distributed_timeout_s)
         elif self.deployment.world_size > 1:
             self.parallel = ParallelRuntime(self.deployment, _worker_main, (args,), args.distributed_timeout_s)
         try:
@@ -166,15 +167,12 @@ class LLMEngine:
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
         self.last_step_layout: str | None = None
         self.steps_by_layout: Counter[str] = Counter()
         self.num_switches = 0
         self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
-        # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
-        # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
-        gc.collect()
-        gc.freeze()
 
     @property
     def block_manager(self) -> BlockManager:
@@ -265,6 +263,10 @@ class LLMEngine:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self.child_to_parent]
         if taken:
@@ -289,6 +291,8 @@ class LLMEngine:
             )
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
+            if grammar_compiler is not None:
+                child.grammar = grammar_compiler.matcher(params.structured_outputs)
             children.append(child)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
@@ -299,6 +303,14 @@ class LLMEngine:
         for i, child in enumerate(children):
             self.child_to_parent[child.request_id] = (parent, i)
             self.scheduler.add_request(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -349,11 +361,7 @@ class LLMEngine:
         self._count_layouts(plan)
         if self.parallel is None:
             return entries, self.runner.execute(plan)
-        self.parallel.broadcast(("step", plan))
-        try:
-            return entries, self.runner.execute(plan)
-        except Exception as e:
-            raise self.parallel.failure(e) from e
+        return entries, self.parallel.run_step(plan, self.runner.execute)
 
     def _count_layouts(self, plan: StepPlan) -> None:
         names = [g.layout for g in plan.groups]
@@ -488,9 +496,16 @@ class LLMEngine:
                 if kind != "error":
                     raise
 
-    def shutdown(self) -> None:
+    def unresponsive_ranks(self, max_silence_s: float) -> list[int]:
+        """Ranks this process started that gave no sign of life (heartbeat) for `max_silence_s` seconds,
+        or died; [] for a single-device engine and under torchrun. Cheap; safe from any thread."""
+        return [] if self.parallel is None else self.parallel.unresponsive_ranks(max_silence_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the ranks this process started and leave the process group, within about `timeout_s`.
+        Safe from any thread, also while another thread is blocked in a step; a step after it raises."""
         if self.parallel is not None and self.is_driver:
-            self.parallel.shutdown()
+            self.parallel.shutdown(timeout_s)
 
 
 def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
@@ -609,5 +624,11 @@ def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
     setup = _Setup(args, None)
     parallel = ParallelRuntime(setup.deployment, _worker_main, (args,), args.distributed_timeout_s)
     runner = setup.build_runner(parallel, None)
+    # This process is the library's own and everything built so far lives as long as it: keep it out of the
+    # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps
+    # (bench_engine.py).
+    gc.collect()
+    gc.freeze()
     while worker_loop(parallel, runner) is not None:
         pass
+    dist.destroy_process_group()

@@ -67,6 +67,7 @@ class Request:
         )
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch_shift.engine.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +83,21 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = stop_ids
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token_id, bias in self.logit_bias.items():
+                if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured outputs end at the end-of-sequence token: they cannot be combined "
+                                 "with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,11 @@ class EngineMetrics:
         if self._last_layout is not None and layout != self._last_layout:
             self.layout_switches.labels(m).inc()
         self._last_layout = layout
+        self.update_gauges(engine)
+
+    def update_gauges(self, engine) -> None:
+        """Running, waiting and KV usage as they are now (after a step, an addition or an abort)."""
+        m = self.model_name
         self.running.labels(m).set(len(engine.scheduler.running))
         self.waiting.labels(m).set(len(engine.scheduler.waiting))
         self.kv_usage.labels(m).set(engine.block_manager.usage)
