@@ -162,3 +162,26 @@ def test_a_request_that_fits_no_replica_runs_in_a_tp_group_and_static_dp_refuses
     message, _ = run_ranks(_long_rank, 2, model_dir, {"dp": 2, **pools}, prompt, params)
     assert "the prompt has 40 tokens; the KV pool holds only 32 tokens" in message
     assert "policy 'flying'" in message
+
+
+def test_the_command_line_and_stats(llama):
+    """`torch-shift generate --dp 2 --policy flying` gives the single-device tokens; `LLM.stats()` says which
+    layouts ran."""
+    import json
+    import subprocess
+    import sys
+
+    _, model_dir = llama
+    prompt = random_prompts(1, [11], seed=4)[0]
+    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0.0)
+    expected = reference(model_dir, [prompt], params)[0].outputs[0].token_ids
+    proc = subprocess.run([sys.executable, "-m", "torch_shift.cli", "generate", "--model", str(model_dir), "--dp", "2",
+                           "--policy", "flying", "--policy-config", '{"dp_above": 8}', "--token-ids",
+                           " ".join(map(str, prompt)), "--max-tokens", "5", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["token_ids"] == expected
+    llm = LLM(str(model_dir))
+    llm.generate([prompt], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["steps_by_layout"] == {"single": 5} and stats["num_switches"] == 0 and stats["policy"] == "static"

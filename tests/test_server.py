@@ -288,15 +288,29 @@ def test_shutdown_fails_requests_in_flight_explicitly(checkpoints):
         s.stop()
 
 
-@pytest.mark.slow
-def test_server_with_sequence_parallel_ranks(checkpoints, reference):
-    """`torch-shift serve --sp 2`: this server process starts rank 1 itself."""
-    import subprocess
+PARALLEL_SERVERS = {
+    "sp2": (["--sp", "2", "--shift-threshold", "4"], {"base", "shift"}),
+    # one request: light load, TP over both replicas; then a burst of 3: DP replicas (a switch)
+    "flying": (["--dp", "2", "--policy", "flying", "--policy-config", '{"dp_above": 1.5, "tp_below": 0.5}'],
+               {"tp2@0", "dp@0", "dp@1"}),
+}
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARALLEL_SERVERS))
+def test_server_with_parallel_ranks(checkpoints, reference, name):
+    """`torch-shift serve --sp 2` and `--dp 2 --policy flying`: this server process starts rank 1 itself;
+    /metrics reports the steps of every layout, the switches and the switching steps' latency."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    flags, layouts = PARALLEL_SERVERS[name]
     _, model_dir = checkpoints("llama")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "torch_shift.cli", "serve", "--model", str(model_dir), "--sp", "2",
-                             "--shift-threshold", "4", "--port", str(port), "--served-model-name", "tiny"],
+    proc = subprocess.Popen([sys.executable, "-m", "torch_shift.cli", "serve", "--model", str(model_dir), *flags,
+                             "--port", str(port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -313,10 +327,20 @@ def test_server_with_sequence_parallel_ranks(checkpoints, reference):
         expected = greedy(reference).text
         assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
             == expected
+        with ThreadPoolExecutor(3) as pool:
+            texts = pool.map(lambda _: client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                                                 temperature=0).choices[0].text, range(3))
+            assert list(texts) == [expected] * 3
         chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'layout="base"' in metrics and 'layout="shift"' in metrics
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text):
+            for sample in family.samples:
+                samples[(sample.name, sample.labels.get("layout"))] = sample.value
+        assert {layout for (metric, layout) in samples if metric == "torch_shift:steps_total"} == layouts
+        assert samples[("torch_shift:layout_switches_total", None)] >= 1
+        assert samples[("torch_shift:layout_switch_latency_seconds_count", None)] == \
+            samples[("torch_shift:layout_switches_total", None)]
     finally:
         proc.send_signal(2)  # SIGINT: uvicorn shuts down, the engine stops its rank
         try:

@@ -32,6 +32,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--shift-threshold", type=_threshold, default=256,
                    help="steps with more tokens run the base layout, others full TP; 'none': base only")
     p.add_argument("--shift-weights", choices=["copy", "view"], default="copy")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each with its own KV pool)")
+    p.add_argument("--policy", default=None, choices=["static", "shift", "flying", "random"],
+                   help="layout switching policy (default: shift for --sp > 1, else static; flying: DP replicas "
+                        "bound into TP groups on demand, paper 004)")
+    p.add_argument("--policy-config", type=json.loads, default=None, metavar="JSON",
+                   help='the policy\'s options, e.g. \'{"dp_above": 4, "tp_below": 1}\' for flying')
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +60,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp,
-        shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
+        enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp, dp=args.dp, policy=args.policy,
+        policy_config=args.policy_config, shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
     )
 
 

@@ -52,6 +52,10 @@ class LLM:
         """End the local ranks this process started, within about `timeout_s` (a no-op otherwise)."""
         self.engine.shutdown(timeout_s)
 
+    def stats(self) -> dict:
+        """Which layouts ran and how often they switched (see LLMEngine.stats)."""
+        return self.engine.stats()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

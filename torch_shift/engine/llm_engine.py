@@ -169,9 +169,13 @@ class LLMEngine:
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
-        self.last_step_layout: str | None = None
+        self.last_step_layout: str | None = None  # the layouts of the last step, '+'-joined
+        self.last_step_switched = False  # its layouts differ from the step before
+        self.last_step_seconds = 0.0  # its wall time on rank 0, from scheduling to outputs
         self.steps_by_layout: Counter[str] = Counter()
         self.num_switches = 0
+        self._step_seconds = [0.0, 0]  # sum and count over steps that kept their layouts
+        self._switch_seconds = [0.0, 0]  # the same over steps that switched
         self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
 
     @property
@@ -195,11 +199,17 @@ class LLMEngine:
         return widest * self.block_manager.capacity_tokens
 
     def stats(self) -> dict:
-        """Which layouts ran: steps by layout name, layout switches (steps whose set of layouts differs
-        from the previous step's), and the policy's own figures."""
+        """Which layouts ran: steps by layout name, layout switches (steps whose layouts differ from the
+        previous step's) and the mean wall time of switching steps beside that of the others (a switch is
+        a change of step plan: its cost is what the first step in the new layouts costs), and the
+        policy's own figures."""
+        def mean(totals):
+            return totals[0] / totals[1] if totals[1] else None
+
         return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
-                "num_switches": self.num_switches, "num_preemptions": self.scheduler.num_preemptions,
-                "num_scheduled_tokens": self.num_scheduled_tokens,
+                "num_switches": self.num_switches, "mean_step_s": mean(self._step_seconds),
+                "mean_switch_step_s": mean(self._switch_seconds),
+                "num_preemptions": self.scheduler.num_preemptions, "num_scheduled_tokens": self.num_scheduled_tokens,
                 "policy": self.policy.name, **self.policy.stats()}
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -327,6 +337,7 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of every request that advanced (with
         `final_only`, of every request that finished: no per-step objects for the others)."""
+        start = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
@@ -352,6 +363,10 @@ class LLMEngine:
                     self.child_to_parent.pop(child.request_id, None)
             if finished or not final_only:
                 outputs.append(self._make_output(parent))
+        self.last_step_seconds = elapsed = time.perf_counter() - start
+        totals = self._switch_seconds if self.last_step_switched else self._step_seconds
+        totals[0] += elapsed
+        totals[1] += 1
         return outputs
 
     def execute(self, output: SchedulerOutput) -> tuple[list[list[ScheduledRequest]], list]:
@@ -366,8 +381,8 @@ class LLMEngine:
     def _count_layouts(self, plan: StepPlan) -> None:
         names = [g.layout for g in plan.groups]
         layout = "+".join(names)
-        if self.last_step_layout is not None and layout != self.last_step_layout:
-            self.num_switches += 1
+        self.last_step_switched = self.last_step_layout is not None and layout != self.last_step_layout
+        self.num_switches += self.last_step_switched
         self.last_step_layout = layout
         self.num_steps += 1
         for name in names:
