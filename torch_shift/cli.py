@@ -33,11 +33,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="steps with more tokens run the base layout, others full TP; 'none': base only")
     p.add_argument("--shift-weights", choices=["copy", "view"], default="copy")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each with its own KV pool)")
-    p.add_argument("--policy", default=None, choices=["static", "shift", "flying", "random"],
+    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline stages of each replica (with --policy seesaw: PP prefill, TP decode)")
+    p.add_argument("--policy", default=None, choices=["static", "shift", "flying", "seesaw", "random"],
                    help="layout switching policy (default: shift for --sp > 1, else static; flying: DP replicas "
-                        "bound into TP groups on demand, paper 004)")
+                        "bound into TP groups on demand, paper 004; seesaw: prefill in PP, decode in TP over the "
+                        "same ranks, paper 003)")
     p.add_argument("--policy-config", type=json.loads, default=None, metavar="JSON",
                    help='the policy\'s options, e.g. \'{"dp_above": 4, "tp_below": 1}\' for flying')
+    p.add_argument("--cpu-kv-gb", type=float, default=None,
+                   help="host tier of the KV cache in GiB, shared by the local ranks (swap space; seesaw "
+                        "buffers prefilled requests there; default: 4 for seesaw, none otherwise)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp, dp=args.dp, policy=args.policy,
         policy_config=args.policy_config, shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
+        pp=args.pp, cpu_kv_gb=args.cpu_kv_gb,
     )
 
 

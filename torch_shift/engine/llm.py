@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
+from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt, resolve_aliases
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.models.decoder import DecoderLM
@@ -27,6 +27,7 @@ class LLM:
         `torch_shift.parallelize` (every rank that built it calls LLM, as under torchrun: rank 0
         schedules, the others follow in `generate`) or a DecoderLM; or `weights`: an in-memory
         weight source (see torch_shift.handoff), with `model` then only a name."""
+        engine_args = resolve_aliases(engine_args)  # vLLM's names: pipeline_parallel_size, ...
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")

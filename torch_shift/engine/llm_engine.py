@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, fields, replace
@@ -28,12 +29,15 @@ from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.structured_output import GrammarCompiler
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
+from torch_shift.kv.tier import TierAllocator
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.loader import CheckpointReader, WeightSource
 from torch_shift.parallel.layouts import Deployment, build_deployment
-from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.pipeline import micro_batch_count
 from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
+from torch_shift.parallel.runtime import ParallelRuntime
 from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -72,11 +76,21 @@ class EngineArgs:
     sp: int = 1  # Ulysses sequence parallelism of the base layout (shift parallelism, paper 000)
     tp: int = 1  # tensor parallelism (inside each data-parallel replica)
     dp: int = 1  # data-parallel replicas, each with its own KV pool
-    policy: str | None = None  # None: "shift" for sp > 1, else "static"; "flying" (paper 004); "random" (tests)
+    pp: int = 1  # pipeline stages of each replica (static PP; with policy "seesaw" the same ranks decode in TP)
+    policy: str | None = None  # None: the deployment's own ("shift" for sp > 1, else "static"); "flying"
+    # (paper 004, dp > 1); "seesaw" (paper 003, pp > 1: prefill in PP, decode in TP); "random" (tests)
     policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4.0} (torch_shift.engine.flying)
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
     flying_weights: str = "view"  # Flying's TP shards: zero-copy "view"s of each replica's weights, or "copy"
+    seesaw_weights: str = "resident"  # Seesaw's two sets of layer weights both "resident", or the inactive one
+    # as a "host" copy swapped in at each transition (docs/performance.md: Seesaw)
+    # the host tier of the KV cache (swap space, shared by the local ranks): its size in GiB (vLLM's
+    # swap_space), or in blocks; default: 4 GiB (at most a quarter of free memory) for seesaw, none otherwise
+    cpu_kv_gb: float | None = None
+    num_cpu_kv_blocks: int | None = None
+    kv_swap: str = "sync"  # tier copies before the step's forward ("sync") or in a thread beside it ("async")
+    interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer; None: off
     compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
 
@@ -85,19 +99,49 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def __post_init__(self) -> None:
-        for name in ("sp", "tp", "dp"):
+        for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("cpu_kv_gb", "interconnect_gbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value >= 0 or value == float("inf")):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.interconnect_gbps == 0:
+            raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
+        if self.num_cpu_kv_blocks is not None and (not isinstance(self.num_cpu_kv_blocks, int)
+                                                   or self.num_cpu_kv_blocks < 0):
+            raise ValueError(f"num_cpu_kv_blocks must be an int >= 0, got {self.num_cpu_kv_blocks!r}")
+        if self.kv_swap not in ("sync", "async"):
+            raise ValueError(f"kv_swap must be 'sync' or 'async', got {self.kv_swap!r}")
+        if self.seesaw_weights not in ("resident", "host"):
+            raise ValueError(f"seesaw_weights must be 'resident' or 'host', got {self.seesaw_weights!r}")
         if self.shift_threshold is not None and (not isinstance(self.shift_threshold, int) or self.shift_threshold < 0):
             raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
         for name in ("shift_weights", "flying_weights"):
             if getattr(self, name) not in ("copy", "view"):
                 raise ValueError(f"{name} must be 'copy' or 'view', got {getattr(self, name)!r}")
-        if self.policy not in (None, "static", "shift", "flying", "random"):
-            raise ValueError(f"policy must be 'static', 'shift', 'flying' or 'random', got {self.policy!r}")
+        if self.policy not in (None, "static", "shift", "flying", "seesaw", "random"):
+            raise ValueError(f"policy must be 'static', 'shift', 'flying', 'seesaw' or 'random', got {self.policy!r}")
         if self.attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
+
+
+# vLLM's names of the parallel sizes
+ENGINE_ARG_ALIASES = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
+
+
+def resolve_aliases(engine_args: dict) -> dict:
+    """Engine arguments with vLLM's names (`pipeline_parallel_size`, ...) under ours."""
+    out = dict(engine_args)
+    for alias, name in ENGINE_ARG_ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            if name in out and out[name] != value:
+                raise ValueError(f"{alias}={value!r} and {name}={out[name]!r} name the same size; give one")
+            out[name] = value
+    return out
 
 
 @dataclass
@@ -133,12 +177,15 @@ class LLMEngine:
         mc = self.model_config
 
         self.parallel: ParallelRuntime | None = None
+        # the host tier exists before local ranks start, so that they share it (torchrun ranks map a file)
+        host_tier = setup.create_host_tier(shared=self.deployment.world_size > 1)
         if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
             self.parallel = ParallelRuntime.over(self.deployment, model.groups, args.distributed_timeout_s)
         elif self.deployment.world_size > 1:
-            self.parallel = ParallelRuntime(self.deployment, _worker_main, (args,), args.distributed_timeout_s)
+            self.parallel = ParallelRuntime(self.deployment, _worker_main, (args, host_tier),
+                                            args.distributed_timeout_s)
         try:
-            self.runner = setup.build_runner(self.parallel, weights, model)
+            self.runner = setup.build_runner(self.parallel, weights, model, host_tier)
         except BaseException:
             self.shutdown()  # started ranks must not outlive a failed construction
             raise
@@ -161,8 +208,17 @@ class LLMEngine:
                       for _ in self.deployment.replicas]
         self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
                                    **(args.policy_config or {}))
-        self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy)
-        self.plan_builder = PlanBuilder(self.deployment.num_replicas, self.scheduler_config.max_num_seqs)
+        self.tier = None
+        if setup.num_tier_blocks:
+            self.tier = TierAllocator(setup.num_tier_blocks, args.block_size, async_copies=args.kv_swap == "async")
+        self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy, self.tier)
+        pp_of = {layout.name: layout.pp for layout in self.deployment.layouts}
+
+        def micro_batches(layout: str, num_tokens: int) -> int:  # how a pipeline layout cuts a step's batch
+            return micro_batch_count(pp_of[layout], num_tokens)
+
+        self.plan_builder = PlanBuilder(self.deployment.num_replicas, self.scheduler_config.max_num_seqs,
+                                        micro_batches if self.deployment.pp > 1 else None)
         self._layout_replicas = {layout.name: layout.replicas for layout in self.deployment.layouts}.__getitem__
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
@@ -177,6 +233,10 @@ class LLMEngine:
         self._step_seconds = [0.0, 0]  # sum and count over steps that kept their layouts
         self._switch_seconds = [0.0, 0]  # the same over steps that switched
         self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
+        # rank 0's wall time by what its steps did (prefill, decode, mixed; less the time in tier copies
+        # and weight switches, counted apart), and the decode-only steps' batch sizes
+        self.time_s: Counter[str] = Counter()
+        self._decode_batches = [0, 0]  # requests and steps of decode-only steps
 
     @property
     def block_manager(self) -> BlockManager:
@@ -194,9 +254,13 @@ class LLMEngine:
 
     @property
     def max_request_tokens(self) -> int:
-        """Tokens (prompt and output) the widest group of replicas can hold: no sequence grows past it."""
+        """Tokens (prompt and output) the widest group of replicas can hold: no sequence grows past it
+        (nor past the host tier when every request passes through it, as under Seesaw)."""
         widest = max(layout.kv_width for layout in self.deployment.layouts)
-        return widest * self.block_manager.capacity_tokens
+        tokens = widest * self.block_manager.capacity_tokens
+        if self.deployment.family == "seesaw":
+            tokens = min(tokens, self.tier.capacity_tokens)
+        return tokens
 
     def stats(self) -> dict:
         """Which layouts ran: steps by layout name, layout switches (steps whose layouts differ from the
@@ -206,10 +270,14 @@ class LLMEngine:
         def mean(totals):
             return totals[0] / totals[1] if totals[1] else None
 
+        decode_requests, decode_steps = self._decode_batches
         return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
                 "num_switches": self.num_switches, "mean_step_s": mean(self._step_seconds),
                 "mean_switch_step_s": mean(self._switch_seconds),
                 "num_preemptions": self.scheduler.num_preemptions, "num_scheduled_tokens": self.num_scheduled_tokens,
+                "num_swap_outs": self.scheduler.num_swap_outs, "num_swap_ins": self.scheduler.num_swap_ins,
+                "time_s": {k: self.time_s[k] for k in ("prefill", "decode", "mixed", "resharding", "swapping")},
+                "mean_decode_batch": decode_requests / decode_steps if decode_steps else None,
                 "policy": self.policy.name, **self.policy.stats()}
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -243,6 +311,10 @@ class LLMEngine:
                 "(prompt plus at least one generated token)"
             )
         pool_tokens = self.max_request_tokens
+        if len(token_ids) >= pool_tokens and pool_tokens < self.block_manager.capacity_tokens:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the host KV tier, through which policy "
+                             f"'seesaw' moves every request, holds only {pool_tokens} tokens "
+                             f"({self.tier.num_blocks} blocks of {self.tier.block_size}): raise cpu_kv_gb")
         if len(token_ids) >= pool_tokens:
             widest = pool_tokens // self.block_manager.capacity_tokens
             where = "the KV pool holds" if widest == 1 else f"the KV pools of {widest} replicas hold"
@@ -339,9 +411,12 @@ class LLMEngine:
         `final_only`, of every request that finished: no per-step objects for the others)."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
-        if output.is_empty:
+        if output.is_empty and not output.has_swaps:
             return []
+        resharded_before = getattr(self.model, "reshard_seconds", 0.0)  # pipeline models switch weights
         entries, logits = self.execute(output)
+        swap_s = self.runner.last_swap_seconds
+        reshard_s = getattr(self.model, "reshard_seconds", 0.0) - resharded_before
         sampled = self._sample(entries, logits)
         now = time.monotonic()
         updated = self.scheduler.update_from_output(output, sampled)
@@ -367,7 +442,21 @@ class LLMEngine:
         totals = self._switch_seconds if self.last_step_switched else self._step_seconds
         totals[0] += elapsed
         totals[1] += 1
+        self._account(entries, elapsed, swap_s, reshard_s)
         return outputs
+
+    def _account(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
+                 reshard_s: float) -> None:
+        num_requests = sum(len(group) for group in entries)
+        num_decodes = sum(1 for group in entries for e in group if e.num_tokens == 1)
+        kind = "decode" if num_decodes == num_requests else "prefill" if num_decodes == 0 else "mixed"
+        if num_requests:
+            self.time_s[kind] += elapsed - swap_s - reshard_s
+        self.time_s["swapping"] += swap_s
+        self.time_s["resharding"] += reshard_s
+        if kind == "decode" and num_requests:
+            self._decode_batches[0] += num_requests
+            self._decode_batches[1] += 1
 
     def execute(self, output: SchedulerOutput) -> tuple[list[list[ScheduledRequest]], list]:
         """Run a scheduled step on every rank: the plan (deltas) to all, the forward of each group.
@@ -379,6 +468,8 @@ class LLMEngine:
         return entries, self.parallel.run_step(plan, self.runner.execute)
 
     def _count_layouts(self, plan: StepPlan) -> None:
+        if not plan.groups:
+            return  # only tier copies this step
         names = [g.layout for g in plan.groups]
         layout = "+".join(names)
         self.last_step_switched = self.last_step_layout is not None and layout != self.last_step_layout
@@ -577,11 +668,46 @@ class _Setup:
             enable_prefix_caching=args.enable_prefix_caching,
         )
         self.deployment: Deployment = build_deployment(
-            mc, sp=args.sp, tp=args.tp, dp=args.dp, flying=args.policy in ("flying", "random") and args.dp > 1,
+            mc, sp=args.sp, tp=args.tp, dp=args.dp, pp=args.pp,
+            flying=args.policy in ("flying", "random") and args.dp > 1, seesaw=args.policy == "seesaw",
             shift=args.shift_threshold is not None)
+        self.num_tier_blocks = self._num_tier_blocks()
+
+    def _num_tier_blocks(self) -> int:
+        """Blocks of the host tier of the KV cache (0: none); a block holds every layer's and head's KV of
+        block_size tokens."""
+        args, mc = self.args, self.model_config
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, args.block_size, mc.num_key_value_heads, mc.head_dim,
+                                       self.dtype)
+        if args.num_cpu_kv_blocks is not None:
+            num_blocks = args.num_cpu_kv_blocks
+        elif args.cpu_kv_gb is not None:
+            num_blocks = int(args.cpu_kv_gb * (1 << 30)) // per_block
+            if args.cpu_kv_gb > 0 and num_blocks == 0:
+                raise ValueError(f"cpu_kv_gb={args.cpu_kv_gb} holds no KV block of {per_block} bytes")
+        elif self.deployment.family == "seesaw":
+            num_blocks = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(torch.device("cpu")) // 4) // per_block
+        else:
+            num_blocks = 0
+        if self.deployment.family == "seesaw" and num_blocks == 0:
+            raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
+                             "(cpu_kv_gb > 0)")
+        return num_blocks
+
+    def create_host_tier(self, shared: bool) -> torch.Tensor | None:
+        """The host tier's memory in this process, before local ranks start (None under torchrun, where
+        every rank maps it in `build_runner`, or without a tier)."""
+        if not self.num_tier_blocks or (shared and "RANK" in os.environ):
+            return None
+        return create_host_tier(self._tier_shape(), self.dtype, shared)
+
+    def _tier_shape(self) -> tuple[int, ...]:
+        mc = self.model_config
+        return tier_shape(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.num_tier_blocks,
+                          self.args.block_size)
 
     def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None,
-                     model: torch.nn.Module | None = None) -> ModelRunner:
+                     model: torch.nn.Module | None = None, host_tier: torch.Tensor | None = None) -> ModelRunner:
         """This rank's model (only its shards read, or `model` as built), its KV cache and its runner."""
         args, mc = self.args, self.model_config
         if parallel is not None:
@@ -596,23 +722,36 @@ class _Setup:
             reader = weights or CheckpointReader(self.model_dir, mc)
             try:
                 model = build_layout_model(self.deployment, groups, rank, mc, reader, self.dtype, device,
-                                           args.shift_threshold, args.shift_weights, args.flying_weights)
+                                           args.shift_threshold, args.shift_weights, args.flying_weights,
+                                           args.seesaw_weights)
             finally:
                 reader.close()
-        num_blocks = self._num_kv_blocks(model.num_local_kv_heads, device)
+        num_blocks = self._num_kv_blocks(model.num_kv_layers, model.num_local_kv_heads, device)
         if parallel is not None:  # every pool gets the size of the smallest
             num_blocks = parallel.min_over_ranks(num_blocks)
-        kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, model.num_local_kv_heads,
+        kv_cache = KVCache(model.num_kv_layers, num_blocks, args.block_size, model.num_local_kv_heads,
                            mc.head_dim, self.dtype, device)
+        if self.num_tier_blocks and host_tier is None and parallel is not None:
+            host_tier = self._map_host_tier(parallel)
         return ModelRunner(model, kv_cache, self.deployment, rank, self.scheduler_config.max_num_seqs,
                            self.scheduler_config.max_model_len, mc.vocab_size, mc.sliding_window,
-                           args.attention_backend, args.compile)
+                           args.attention_backend, args.compile, host_tier, args.kv_swap, args.interconnect_gbps)
 
-    def _num_kv_blocks(self, num_kv_heads: int, device: torch.device) -> int:
+    def _map_host_tier(self, parallel: ParallelRuntime) -> torch.Tensor:
+        """Under torchrun: the tier as a shared-memory file every rank maps (one host only: the tier is
+        host memory)."""
+        if int(os.environ.get("LOCAL_WORLD_SIZE", -1)) != self.deployment.world_size:
+            raise ValueError("the host KV tier is shared memory of one host: run every rank on one node "
+                             f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, "
+                             f"world size {self.deployment.world_size})")
+        return map_host_tier(self._tier_shape(), self.dtype, parallel.rank, parallel.broadcast,
+                             lambda: parallel.min_over_ranks(0))
+
+    def _num_kv_blocks(self, num_layers: int, num_kv_heads: int, device: torch.device) -> int:
         cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
-        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
+        per_block = kv_bytes_per_block(num_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif device.type == "cuda":
@@ -633,12 +772,12 @@ class _Setup:
         return num_blocks
 
 
-def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
+def _worker_main(rank: int, world_size: int, args: EngineArgs, host_tier: torch.Tensor | None) -> None:
     """A rank started by rank 0 (launch path (b)): build this rank's runner, serve steps until rank 0
-    shuts down."""
+    shuts down. `host_tier`: the tier rank 0 created in shared memory before starting this rank."""
     setup = _Setup(args, None)
-    parallel = ParallelRuntime(setup.deployment, _worker_main, (args,), args.distributed_timeout_s)
-    runner = setup.build_runner(parallel, None)
+    parallel = ParallelRuntime(setup.deployment, _worker_main, (args, host_tier), args.distributed_timeout_s)
+    runner = setup.build_runner(parallel, None, host_tier=host_tier)
     # This process is the library's own and everything built so far lives as long as it: keep it out of the
     # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps
     # (bench_engine.py).

@@ -1,29 +1,39 @@
-"""One rank's part of every step: apply the plan's deltas to its replica's persistent batch, build
-the inputs of the group it belongs to, run the model in that group's layout over the paged KV cache
-(viewed at the layout's KV width), and return logits.
+"""One rank's part of every step: copy its replica's KV to and from the host tier as the plan says,
+apply the plan's deltas to its replica's persistent batch, build the inputs of the group it
+belongs to, run the model in that group's layout over the paged KV cache (viewed as the layout
+views it: by KV width, or as a pipeline stage's layers), and return logits.
 
 Every rank runs this, rank 0 included, on the same plan: there is one path for one rank and many.
 Rank 0 returns the logits of every group in plan order; a group without rank 0 sends its logits
-from its first rank to rank 0 (the only other traffic outside the layouts' own collectives).
+from the rank that has them (the first, or a pipeline's last stage) to rank 0 (the only other
+traffic outside the layouts' own collectives and the pipeline's activations).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 
 from torch_shift.engine.input_batch import InputBatch, StepInputs
-from torch_shift.engine.step_plan import GroupStep, StepPlan
+from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
 from torch_shift.kv.attention import PagedAttention
 from torch_shift.kv.cache import KVCache
 from torch_shift.kv.flex_attention import FlexPagedAttention
+from torch_shift.kv.host_tier import KVRegion, SwapExecutor
+from torch_shift.parallel import comm
 from torch_shift.parallel.layouts import Deployment
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
-                 attention_backend: str = "sdpa", compile: bool = False):
+                 attention_backend: str = "sdpa", compile: bool = False, host_tier: torch.Tensor | None = None,
+                 kv_swap: str = "sync", interconnect_gbps: float | None = None):
+        """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
+        run `kv_swap` ("sync" or "async"); `interconnect_gbps`: emulate a link of that bandwidth
+        (comm.emulated_link)."""
         if attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
         self.model = model
@@ -33,51 +43,77 @@ class ModelRunner:
         self.replica = deployment.replica_of(rank)
         self.vocab_size = vocab_size
         self.attention_backend = attention_backend
-        self.device = kv_cache.k[0].device
-        self.dtype = kv_cache.k[0].dtype
+        self.device = kv_cache.k_all.device
+        self.dtype = kv_cache.k_all.dtype
         self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window,
                                 attention_backend)
-        self._kv_views: dict[int, KVCache] = {}
+        self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
+        self.swapper = None
+        if host_tier is not None:
+            barrier = dist.barrier if deployment.world_size > 1 else None
+            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.kv_view, barrier)
+        self.interconnect_gbps = interconnect_gbps
+        self.last_swap_seconds = 0.0  # the last step's time in tier copies (waiting for them when async)
         if compile:
             model.compile_layouts()
 
-    def kv_view(self, width: int) -> KVCache:
-        if width not in self._kv_views:
-            self._kv_views[width] = self.kv_cache.view(width)
-        return self._kv_views[width]
+    def kv_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
+        """This rank's pool as `layout_name` views it, and what it holds of the whole KV cache then
+        (None for a layout over several replicas, viewed by KV width)."""
+        if layout_name not in self._kv_views:
+            layout = self.deployment[layout_name]
+            if layout.kv_width > 1:
+                self._kv_views[layout_name] = (self.kv_cache.view(layout.kv_width), None)
+            else:
+                region = self.model.kv_region(layout)
+                self._kv_views[layout_name] = (self.kv_cache.regroup(region.num_layers, region.num_heads), region)
+        return self._kv_views[layout_name]
 
     def prepare(self, plan: StepPlan, group: GroupStep) -> StepInputs:
         """The inputs of `group` on this rank (after the plan's deltas were applied)."""
         layout = self.deployment[group.layout]
         return self.batch.prepare(group, layout.replicas.index(self.replica), layout.kv_width)
 
+    def _attention(self, kv: KVCache, inputs: StepInputs):
+        if self.attention_backend == "flex":
+            return FlexPagedAttention(kv, inputs.attention)
+        return PagedAttention(kv, inputs.attention)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[torch.Tensor | None] | None:
         """Rank 0: the logits of every group, in plan order; other ranks: None."""
+        if self.swapper is not None:
+            start = time.perf_counter()
+            self.swapper.run(plan.swap_outs, plan.swap_ins)
+            self.last_swap_seconds = time.perf_counter() - start
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
-        for i, group in enumerate(plan.groups):
-            layout = self.deployment[group.layout]
-            if self.rank not in layout.ranks:
-                continue
-            inputs = self.prepare(plan, group)
-            kv = self.kv_view(layout.kv_width)
-            if self.attention_backend == "flex":
-                attention = FlexPagedAttention(kv, inputs.attention)
-            else:
-                attention = PagedAttention(kv, inputs.attention)
-            out = self.model.forward_step(inputs.input_ids, inputs.positions, attention, inputs.logits_indices,
-                                          group.layout)
-            if self.rank == 0:
-                logits[i] = out
-            elif layout.ranks[0] == self.rank and group.num_logits:
-                dist.send(out.contiguous(), dst=0, tag=i)
+        with comm.emulated_link(self.interconnect_gbps):
+            for i, group in enumerate(plan.groups):
+                layout = self.deployment[group.layout]
+                if self.rank not in layout.ranks:
+                    continue
+                kv, _ = self.kv_view(group.layout)
+                if layout.pp > 1:
+                    member = layout.replicas.index(self.replica)
+                    micro = [self.batch.prepare(mb, member, 1) for mb in split_micro_batches(group)]
+                    out = self.model.forward_pipeline(
+                        [(m.input_ids, m.positions, self._attention(kv, m), m.logits_indices) for m in micro],
+                        group.layout)
+                else:
+                    inputs = self.prepare(plan, group)
+                    out = self.model.forward_step(inputs.input_ids, inputs.positions, self._attention(kv, inputs),
+                                                  inputs.logits_indices, group.layout)
+                if self.rank == 0:
+                    logits[i] = out
+                elif layout.logits_rank == self.rank and group.num_logits:
+                    dist.send(out.contiguous(), dst=0, tag=i)
         if self.rank != 0:
             return None
         for i, group in enumerate(plan.groups):
-            leader = self.deployment[group.layout].ranks[0]
+            leader = self.deployment[group.layout].logits_rank
             if leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)

@@ -3,7 +3,8 @@
 A policy reads the scheduler (a `SchedulerView`, read-only) and returns a `StepDecision`: the
 layouts bound this step (disjoint replicas; torch_shift.parallel.layouts), the requests to move to
 another group (their KV is dropped and recomputed where they are routed next: outputs unchanged),
-and an optional phase constraint on the batch. The scheduler forms each bound group's batch under
+the requests whose KV moves to the host tier (swapped in later, in whatever layout then runs: the
+tier re-shards it), and an optional phase constraint on the batch. The scheduler forms each bound group's batch under
 that decision; `route` tells it which layouts a waiting request may join, best first; `finalize`
 may change a formed batch's layout to another over the same replicas (Shift's per-step choice).
 Rank 0 broadcasts the outcome in the step plan, so policies run on rank 0 only, in plain Python.
@@ -22,7 +23,9 @@ from torch_shift.parallel.layouts import Deployment, Layout
 class StepDecision:
     layouts: tuple[str, ...]  # bound this step; their replicas are disjoint
     recompute: tuple[str, ...] = ()  # running requests whose KV is dropped, to be recomputed where routed
-    phase: str | None = None  # "prefill": prompt chunks only; "decode": one-token steps only; None: both
+    swap_out: tuple[str, ...] = ()  # running requests whose KV moves to the host tier (recomputed if full)
+    phase: str | None = None  # "prefill": prompt chunks only (nothing swapped in); "decode": one-token
+    # steps only (nothing admitted); None: both
 
 
 class Policy:
@@ -149,8 +152,8 @@ def build_policy(name: str | None, deployment: Deployment, shift_threshold: int 
     """The policy `name` for a deployment (None: the deployment's own: Shift for SP x TP, static
     otherwise)."""
     if name is None:
-        name = {"shift": "shift", "flying": "flying"}.get(deployment.family, "static")
-    if options and name != "flying":
+        name = {"shift": "shift", "flying": "flying", "seesaw": "seesaw"}.get(deployment.family, "static")
+    if options and name not in ("flying", "seesaw"):
         raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
     if name == "shift":
         if deployment.family != "shift":
@@ -166,4 +169,8 @@ def build_policy(name: str | None, deployment: Deployment, shift_threshold: int 
         from torch_shift.engine.flying import FlyingPolicy
 
         return FlyingPolicy(deployment, **options)
-    raise ValueError(f"unknown policy {name!r}; known: static, shift, flying, random")
+    if name == "seesaw":
+        from torch_shift.engine.seesaw import SeesawPolicy
+
+        return SeesawPolicy(deployment, **options)
+    raise ValueError(f"unknown policy {name!r}; known: static, shift, flying, seesaw, random")

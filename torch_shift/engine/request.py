@@ -13,9 +13,10 @@ from torch_shift.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
+    WAITING = "waiting"  # no KV anywhere yet
+    RUNNING = "running"  # KV on the device: scheduled, or paused while its group does not run
+    PREEMPTED = "preempted"  # KV dropped: waiting to be recomputed
+    SWAPPED = "swapped"  # KV in the host tier only (torch_shift.kv.tier), waiting for device blocks
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -54,6 +55,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.replicas: tuple[int, ...] = ()  # replicas whose KV pools hold its blocks (set while running)
+        self.kv_layout: str | None = None  # the layout whose KV view its device KV is in (set while running)
+        self.kv_view: str | None = None  # that layout's view: it runs only in layouts of the same view
+        self.kv_ready_step = 0  # first step it may run at (a swap-in copied beside a step is ready after it)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

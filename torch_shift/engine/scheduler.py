@@ -9,6 +9,16 @@ is paused: it keeps its blocks and resumes when its group runs again. When a req
 block, the worst running request holding blocks in the same pools is preempted: its blocks are
 freed and it is recomputed later from its prompt and the tokens it already produced (outputs
 unchanged). The decision is a `SchedulerOutput`, a plain object: the step plan.
+
+With a host tier of the KV cache (torch_shift.kv.tier), a request's KV may also leave the device for
+the tier and come back: a preempted request that is generating is swapped out when the tier has
+room (recomputed otherwise), a policy may move requests there (`StepDecision.swap_out`), and in any
+step that is not prefill-only the requests in the tier are swapped in, first come first, into a
+group the policy routes them to, before waiting requests are admitted. A request's states:
+waiting (no KV; `waiting`), in the tier (SWAPPED; `swapped`), on the device (RUNNING; `running`,
+paused while no group of its replicas and its KV view runs) and running (scheduled this step).
+A request's KV is only read in the view it was written in (`Layout.kv_view`); it changes view
+through the tier.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from dataclasses import dataclass, field
 from torch_shift.config import SchedulerConfig
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.kv.block_manager import BlockManager
+from torch_shift.kv.tier import SwapOp, TierAllocator
 
 
 @dataclass(slots=True)
@@ -64,6 +75,12 @@ class ScheduledGroup:
 class SchedulerOutput:
     groups: list[ScheduledGroup] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    swap_outs: list[SwapOp] = field(default_factory=list)  # device -> tier, before the forward
+    swap_ins: list[SwapOp] = field(default_factory=list)  # tier -> device, after the swap-outs
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_outs or self.swap_ins)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -131,14 +148,17 @@ class _Group:
     replicas: tuple[int, ...]
     budget: int
     phase: str | None
+    kv_view: str
     entries: list[ScheduledRequest] = field(default_factory=list)
     out_of_blocks: bool = False
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pools: BlockManager | list[BlockManager], policy=None):
+    def __init__(self, config: SchedulerConfig, pools: BlockManager | list[BlockManager], policy=None,
+                 tier: TierAllocator | None = None):
         """`pools`: one block manager per replica (a single one: one replica). `policy`: what runs each
-        step (torch_shift.engine.policies); default: the one replica, always."""
+        step (torch_shift.engine.policies); default: the one replica, always. `tier`: the host tier of
+        the KV cache, if any."""
         from torch_shift.engine.policies import SingleGroupPolicy
 
         self.config = config
@@ -149,7 +169,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
         self.removed_request_ids: list[str] = []  # left the running set since the plan builder last looked
-        self.num_preemptions = 0
+        self.tier = tier
+        self.swapped: deque[Request] = deque()  # KV in the tier, in the order they will be swapped in
+        self._deferred_frees: list[tuple[int, str]] = []  # (replica, request): device blocks an async copy reads
+        # swapped out this step with copies beside the forward: their device blocks are still theirs
+        self._swapped_out_now: set[str] = set()
+        self.num_preemptions = 0  # requests that lost their device KV for another's blocks or a move
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
         self.num_steps = 0
         self.last_decision = None
         self.view = SchedulerView(self)
@@ -174,27 +201,69 @@ class Scheduler:
 
     # -- KV blocks over a request's pools ---------------------------------------------------------------
     def _allocate(self, request: Request, replicas: tuple[int, ...], num_tokens: int,
-                  cached: list[int] = ()) -> bool:
+                  cached: list[int] = (), view: str = "heads") -> bool:
         width = len(replicas)
         rid = request.request_id
         if width == 1:
-            return self.pools[replicas[0]].allocate(rid, num_tokens, cached)
+            return self.pools[replicas[0]].allocate(rid, num_tokens, cached, view=view)
         pools = [self.pools[r] for r in replicas]
         if len(pools) > 1 and not all(p.can_allocate(rid, num_tokens, cached, width) for p in pools):
             return False
         for p in pools:
-            ok = p.allocate(rid, num_tokens, cached, width)
+            ok = p.allocate(rid, num_tokens, cached, width, view)
             assert ok or len(pools) == 1
             if not ok:
                 return False
         return True
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, free_blocks: bool = True) -> None:
         for r in request.replicas:
-            self.pools[r].free(request.request_id)
+            if free_blocks:
+                self.pools[r].free(request.request_id)
             self.num_seqs[r] -= 1
         request.replicas = ()
+        request.kv_layout = request.kv_view = None
         self.removed_request_ids.append(request.request_id)
+
+    def _can_swap_out(self, request: Request) -> bool:
+        """A request of one replica whose KV covers all but its last sampled token (it is generating):
+        swapped in again, it decodes at once in any layout of the pool."""
+        return (self.tier is not None and len(request.replicas) == 1 and request.num_computed_tokens > 0
+                and request.num_tokens - request.num_computed_tokens == 1)
+
+    def _swap_out(self, request: Request, output: SchedulerOutput, front: bool = False) -> bool:
+        """Move a running request's KV to the tier (False: the tier cannot hold it). Its device blocks
+        are free at once, or from the next step when copies run beside the forward."""
+        rid = request.request_id
+        tier_blocks = self.tier.allocate(rid, request.num_computed_tokens)
+        if tier_blocks is None:
+            return False
+        replica = request.replicas[0]
+        device_blocks = self.pools[replica].req_blocks[rid][:len(tier_blocks)]
+        output.swap_outs.append(SwapOp(replica, request.kv_layout, list(device_blocks), tier_blocks))
+        self.running.remove(request)
+        if self.tier.async_copies:
+            self._deferred_frees.append((replica, rid))
+        self._release(request, free_blocks=not self.tier.async_copies)
+        request.status = RequestStatus.SWAPPED
+        if front:
+            self.swapped.appendleft(request)
+        else:
+            self.swapped.append(request)
+        if self.tier.async_copies:
+            self._swapped_out_now.add(rid)
+        self.num_swap_outs += 1
+        return True
+
+    def _evict(self, request: Request, output: SchedulerOutput) -> bool:
+        """Preempt a request for another's blocks: to the tier when it is generating and the tier has
+        room, else by recompute. True when its device blocks are free at once."""
+        if self._can_swap_out(request) and self._swap_out(request, output, front=True):
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            return not self.tier.async_copies
+        self._preempt(request, output)
+        return True
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -229,53 +298,114 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        if self.tier is not None:
+            self.tier.advance()
+            self._swapped_out_now.clear()
+            for replica, request_id in self._deferred_frees:  # the copies that read them are done
+                self.pools[replica].free(request_id)
+            self._deferred_frees.clear()
         decision = self.policy.decide(self.view)
         self.last_decision = decision
         for request_id in decision.recompute:
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
                 self._preempt(request, output)
+        for request_id in decision.swap_out:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                if not (self._can_swap_out(request) and self._swap_out(request, output)):
+                    self._preempt(request, output)  # the tier cannot hold it: recomputed later, outputs unchanged
+        deployment = self.policy.deployment
         groups: dict[tuple[int, ...], _Group] = {}
         for name in decision.layouts:
-            replicas = self.policy.deployment[name].replicas
+            layout = deployment[name]
+            replicas = layout.replicas
             assert not any(set(replicas) & set(g) for g in groups), f"{name}: replicas bound twice"
-            groups[replicas] = _Group(name, replicas, self.config.max_num_batched_tokens, decision.phase)
+            groups[replicas] = _Group(name, replicas, self.config.max_num_batched_tokens, decision.phase,
+                                      layout.kv_view)
         if self.config.policy == "priority":
             # the worst request runs last, so it is the one preempted and nobody better waits behind it
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep admission order
 
-        num_moved = len(output.preempted_request_ids)
+        num_moved = self.num_preemptions
         running = RequestStatus.RUNNING
+        step = self.num_steps
         for request in list(self.running):
             if request.status is not running:
                 continue  # preempted this step for another's blocks
             group = groups.get(request.replicas)
-            if group is None or group.budget == 0 or group.out_of_blocks:
-                continue  # paused: its group is not bound this step
+            if (group is None or group.budget == 0 or group.out_of_blocks or group.kv_view != request.kv_view
+                    or request.kv_ready_step > step):
+                continue  # paused: no group of its replicas and its KV view runs this step
             num_computed = request.num_computed_tokens
             num_left = len(request.all_token_ids) - num_computed
             if group.phase is not None and (group.phase == "decode") != (num_left == 1):
                 continue
             num_new = num_left if num_left < group.budget else group.budget
             assert num_new > 0, request.request_id
-            while not self._allocate(request, group.replicas, num_computed + num_new):
+            while not self._allocate(request, group.replicas, num_computed + num_new, view=group.kv_view):
                 victim = self._victim(group.replicas, request)
-                self._preempt(victim, output)
-                if victim is request:
+                freed = self._evict(victim, output)
+                if victim is request or not freed:
                     group.out_of_blocks = True  # no block is left for anyone after it in these pools
                     break
             else:
                 group.entries.append(self._entry(request, num_new))
                 group.budget -= num_new
 
-        ran_out_of_blocks = len(output.preempted_request_ids) > num_moved
-        if not ran_out_of_blocks and decision.phase != "decode":  # admitting more would only thrash
+        ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
+        if not ran_out_of_blocks and decision.phase != "prefill" and self.swapped:
+            self._swap_in(groups, decision, output)
+        if not ran_out_of_blocks and decision.phase != "decode":
             self._admit(groups, decision, output)
         for group in groups.values():
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, group.entries))
         self.num_steps += 1
         return output
+
+    def _swap_in(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
+        """Requests in the tier onto the device, first come first, into groups the policy routes them
+        to, while sequence slots and blocks last (with synchronous copies they run this step)."""
+        max_seqs = self.config.max_num_seqs
+        deployment = self.policy.deployment
+        while self.swapped:
+            request = self.swapped[0]
+            if request.request_id in self._swapped_out_now:
+                return
+            for name in self.policy.route(request, decision, self.view):
+                layout = deployment[name]
+                group = groups.get(layout.replicas)
+                if (layout.kv_width != 1 or group is None or group.out_of_blocks
+                        or (group.budget == 0 and not self.tier.async_copies)
+                        or self.num_seqs[layout.replicas[0]] >= max_seqs):
+                    continue
+                if self._swap_in_into(request, group, output):
+                    break
+            else:
+                return  # first come first: nobody overtakes the head of the tier
+
+    def _swap_in_into(self, request: Request, group: _Group, output: SchedulerOutput) -> bool:
+        rid = request.request_id
+        if not self._allocate(request, group.replicas, request.num_tokens, view=group.kv_view):
+            return False
+        self.swapped.popleft()
+        replica = group.replicas[0]
+        tier_blocks = self.tier.release(rid)
+        device_blocks = self.pools[replica].req_blocks[rid][:len(tier_blocks)]
+        output.swap_ins.append(SwapOp(replica, group.layout, list(device_blocks), tier_blocks))
+        request.status = RequestStatus.RUNNING
+        request.replicas = group.replicas
+        request.kv_layout, request.kv_view = group.layout, group.kv_view
+        self.num_seqs[replica] += 1
+        self.running.append(request)
+        self.num_swap_ins += 1
+        if self.tier.async_copies:
+            request.kv_ready_step = self.num_steps + 1  # its copy runs beside this step's forward
+        else:
+            group.entries.append(self._entry(request, 1))
+            group.budget -= 1
+        return True
 
     def _admit(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
         max_seqs = self.config.max_num_seqs
@@ -300,14 +430,13 @@ class Scheduler:
         cached: list[int] = []
         pools = [self.pools[r] for r in group.replicas]
         if request.num_computed_tokens == 0 and request.prompt_logprobs is None and len(pools) == 1:
-            cached = pools[0].find_cached_prefix(request.request_id, request.all_token_ids)
+            cached = pools[0].find_cached_prefix(request.request_id, request.all_token_ids, view=group.kv_view)
         num_computed = len(cached) * pools[0].block_size
         num_new = min(request.num_tokens - num_computed, group.budget)
-        while not self._allocate(request, group.replicas, num_computed + num_new, cached):
+        while not self._allocate(request, group.replicas, num_computed + num_new, cached, group.kv_view):
             victim = self._paused_victim(request, group.replicas, groups)
-            if victim is None:
+            if victim is None or not self._evict(victim, output):
                 return False
-            self._preempt(victim, output)
         self.waiting.pop()
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_computed
@@ -315,6 +444,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         request.replicas = group.replicas
+        request.kv_layout, request.kv_view = group.layout, group.kv_view
         for r in group.replicas:
             self.num_seqs[r] += 1
         self.running.append(request)
@@ -364,6 +494,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.tier.free(request_id)
         elif not request.status.finished:
             self.waiting.remove(request)
         request.status = status
@@ -399,6 +532,29 @@ class SchedulerView:
     @property
     def num_running(self) -> int:
         return len(self._s.running)
+
+    @property
+    def swapped(self):
+        """Requests whose KV is in the host tier, in the order they will be swapped in."""
+        return iter(self._s.swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._s.swapped)
+
+    @property
+    def tier_free_blocks(self) -> int:
+        """Free blocks of the host tier (0 without one)."""
+        return self._s.tier.num_free_blocks if self._s.tier is not None else 0
+
+    @property
+    def tier_num_blocks(self) -> int:
+        return self._s.tier.num_blocks if self._s.tier is not None else 0
+
+    @property
+    def tier_usage(self) -> float:
+        """Fraction of the tier's blocks holding requests' KV."""
+        return self._s.tier.usage if self._s.tier is not None else 0.0
 
     @property
     def num_seqs(self) -> tuple[int, ...]:

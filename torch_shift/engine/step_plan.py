@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torch_shift.engine.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
+from torch_shift.kv.tier import SwapOp
 
 _INT = np.int32
 
@@ -57,6 +58,7 @@ class GroupStep:
     num_computed: np.ndarray  # position of the first of them
     num_decodes: int  # the first num_decodes requests compute one token each
     logits_counts: np.ndarray  # logits rows per request: 0, 1 (its last position) or all its positions
+    num_micro_batches: int = 1  # a pipeline layout runs the batch cut into this many (split_micro_batches)
 
     @property
     def num_logits(self) -> int:
@@ -67,6 +69,9 @@ class GroupStep:
 class StepPlan:
     deltas: dict[int, ReplicaDelta]  # replica -> what changed in its persistent batch
     groups: list[GroupStep]
+    # KV moved to and from the host tier (torch_shift.kv.tier) before the forward: outs, then ins
+    swap_outs: list[SwapOp] = field(default_factory=list)
+    swap_ins: list[SwapOp] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -79,7 +84,10 @@ class _Known:
 class PlanBuilder:
     """Rank 0's mirror of every replica's persistent batch; turns scheduler outputs into plans."""
 
-    def __init__(self, num_replicas: int, max_rows: int):
+    def __init__(self, num_replicas: int, max_rows: int, micro_batches=None):
+        """`micro_batches(layout, num_tokens)`: how many micro-batches a group's batch is cut into
+        (pipeline layouts); None: one."""
+        self.micro_batches = micro_batches
         self.known: list[dict[str, _Known]] = [{} for _ in range(num_replicas)]
         self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(num_replicas)]
         self.replicas_of: dict[str, tuple[int, ...]] = {}  # request -> the replicas that hold it
@@ -137,12 +145,13 @@ class PlanBuilder:
                             known.num_blocks = len(table)
                     replica_rows.append(row)
                 rows.append(np.array(replica_rows, dtype=_INT))
+            num_micro = 1 if self.micro_batches is None else self.micro_batches(group.layout, sum(num_scheduled))
             groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
                                     np.array(num_computed, dtype=_INT), num_scheduled.count(1),
-                                    np.array(logits_counts, dtype=_INT)))
+                                    np.array(logits_counts, dtype=_INT), num_micro))
             ordered_entries.append(entries)
         deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
-        return StepPlan(deltas, groups), ordered_entries
+        return StepPlan(deltas, groups, output.swap_outs, output.swap_ins), ordered_entries
 
 
 def _decodes_first(group: ScheduledGroup) -> list:
@@ -150,3 +159,36 @@ def _decodes_first(group: ScheduledGroup) -> list:
     if len(decodes) == len(group.entries):
         return group.entries
     return decodes + [e for e in group.entries if e.num_tokens != 1]
+
+
+def split_micro_batches(group: GroupStep) -> list[GroupStep]:
+    """The group's batch cut into `num_micro_batches` runs of near-equal token counts, in order. A
+    prompt chunk may be cut: its later piece starts where the earlier one ended and reads the earlier
+    piece's KV, which the same stage wrote before it (stages run micro-batches in order). Only a piece
+    that reaches the chunk's end samples; prompt logprobs are cut with their positions. Every rank
+    derives the same micro-batches from the plan."""
+    n = group.num_micro_batches
+    if n <= 1:
+        return [group]
+    num_scheduled = group.num_scheduled.astype(np.int64)
+    ends = np.cumsum(num_scheduled)
+    starts = ends - num_scheduled
+    total = int(ends[-1])
+    all_positions = group.logits_counts == group.num_scheduled  # prompt logprobs (or one-token chunks)
+    micro = []
+    for m in range(n):
+        lo, hi = total * m // n, total * (m + 1) // n
+        if lo == hi:
+            continue
+        first = int(np.searchsorted(ends, lo, side="right"))  # first request ending after lo
+        last = int(np.searchsorted(starts, hi, side="left"))  # requests starting before hi: [first, last)
+        idx = np.arange(first, last)
+        piece_lo = np.maximum(starts[idx], lo)
+        piece_hi = np.minimum(ends[idx], hi)
+        counts = np.where(all_positions[idx], piece_hi - piece_lo,
+                          np.where(piece_hi == ends[idx], group.logits_counts[idx], 0))
+        micro.append(GroupStep(
+            group.layout, tuple(rows[idx] for rows in group.rows), (piece_hi - piece_lo).astype(_INT),
+            (group.num_computed[idx] + (piece_lo - starts[idx])).astype(_INT),
+            int(np.count_nonzero(idx < group.num_decodes)), counts.astype(_INT)))
+    return micro

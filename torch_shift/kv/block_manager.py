@@ -7,7 +7,9 @@ again. Freed blocks keep their key and sit in an LRU queue until a new allocatio
 
 A request of KV width d (its KV spread over d replicas' pools, paper 004's KV adaptor) uses each
 block for d * block_size tokens of 1/d of the heads: the same bytes, d times the tokens. Its keys
-cover d * block_size tokens, so they never match a width-1 key.
+cover d * block_size tokens, so they never match a width-1 key. Likewise a request whose KV is
+in another view of the pool (a pipeline stage's layers with every head, paper 003) has keys rooted
+in that view, so a block is only ever found by a request that reads it in the view it was written.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the parent block's key, this block's token ids)
-_ROOT_HASH = 0
+_ROOT_HASH = 0  # the parent of a prompt's first block in the pool's ordinary view ("heads")
 
 
 class BlockManager:
@@ -34,6 +36,7 @@ class BlockManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.req_keys: dict[str, list[BlockKey]] = {}  # keys of the request's full, computed blocks
         self.req_width: dict[str, int] = {}  # KV width of requests wider than 1
+        self.req_view: dict[str, str] = {}  # KV view of requests in another view than "heads"
         self.num_prefix_hits = 0  # tokens served from the prefix cache, over the manager's life
 
     @property
@@ -56,9 +59,9 @@ class BlockManager:
         return self.req_blocks.get(request_id, [])
 
     def _keys(self, token_ids: Sequence[int], num_full_blocks: int, known: list[BlockKey],
-              width: int) -> list[BlockKey]:
+              width: int, view: str = "heads") -> list[BlockKey]:
         keys = list(known[:num_full_blocks])
-        parent = hash(keys[-1]) if keys else _ROOT_HASH
+        parent = hash(keys[-1]) if keys else (_ROOT_HASH if view == "heads" else hash(view))
         bs = self.block_size * width
         for i in range(len(keys), num_full_blocks):
             key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
@@ -66,13 +69,14 @@ class BlockManager:
             parent = hash(key)
         return keys
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], width: int = 1) -> list[int]:
-        """Blocks of the longest cached prefix of `token_ids`, leaving at least one token to compute
-        (the step needs a last position to sample from)."""
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], width: int = 1,
+                           view: str = "heads") -> list[int]:
+        """Blocks of the longest cached prefix of `token_ids` written in `view`, leaving at least one
+        token to compute (the step needs a last position to sample from)."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // (self.block_size * width)
-        keys = self._keys(token_ids, max_blocks, self.req_keys.get(request_id, []), width)
+        keys = self._keys(token_ids, max_blocks, self.req_keys.get(request_id, []), width, view)
         hits: list[int] = []
         for key in keys:
             block = self.cached_blocks.get(key)
@@ -98,9 +102,11 @@ class BlockManager:
                      width: int = 1) -> bool:
         return self._num_to_take(request_id, num_tokens, cached_prefix, width) <= len(self.free_blocks)
 
-    def allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[int] = (), width: int = 1) -> bool:
-        """Make the request own enough blocks for `num_tokens` tokens (at KV width `width`), starting a
-        new request with `cached_prefix`. False (and nothing changed) when the pool cannot hold them."""
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[int] = (), width: int = 1,
+                 view: str = "heads") -> bool:
+        """Make the request own enough blocks for `num_tokens` tokens (at KV width `width`, written in
+        `view`), starting a new request with `cached_prefix`. False (and nothing changed) when the pool
+        cannot hold them."""
         blocks = self.req_blocks.get(request_id)
         if blocks is not None and not cached_prefix and num_tokens <= len(blocks) * self.block_size * width:
             return True  # the last block still has room (most decode steps)
@@ -109,6 +115,8 @@ class BlockManager:
         num_new = self.blocks_needed(num_tokens, width) - len(blocks or ()) - len(cached_prefix)
         if blocks is None and width != 1:
             self.req_width[request_id] = width
+        if blocks is None and view != "heads":
+            self.req_view[request_id] = view
         for b in cached_prefix:
             if self.ref_counts[b] == 0:
                 del self.free_blocks[b]
@@ -139,7 +147,7 @@ class BlockManager:
         if num_full <= len(known):
             return
         blocks = self.req_blocks[request_id]
-        keys = self._keys(token_ids, num_full, known, width)
+        keys = self._keys(token_ids, num_full, known, width, self.req_view.get(request_id, "heads"))
         for i in range(len(known), num_full):
             key = keys[i]
             if key not in self.cached_blocks:
@@ -153,6 +161,7 @@ class BlockManager:
         blocks = self.req_blocks.pop(request_id, [])
         self.req_keys.pop(request_id, None)
         self.req_width.pop(request_id, None)
+        self.req_view.pop(request_id, None)
         for b in reversed(blocks):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0

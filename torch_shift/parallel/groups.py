@@ -122,8 +122,11 @@ class DeploymentGroups:
         """`replica`: this rank's replica groups as already built (a module from `parallelize`)."""
         world = dist.get_world_size()
         if world != deployment.world_size:
-            sizes = [(name, n) for name, n in (("DP", deployment.num_replicas), ("SP", deployment.sp),
-                                                 ("TP", deployment.tp)) if n > 1 or name != "DP"]
+            # a pipeline replica's ranks are its stages (and, under Seesaw, its TP group too)
+            per_replica = (("PP", deployment.pp),) if deployment.pp > 1 else (("SP", deployment.sp),
+                                                                               ("TP", deployment.tp))
+            sizes = [(name, n) for name, n in (("DP", deployment.num_replicas),) + per_replica
+                     if n > 1 or name != "DP"]
             raise ValueError(f"{' x '.join(n for n, _ in sizes)} = {' x '.join(str(v) for _, v in sizes)} = "
                              f"{deployment.world_size} differs from the world size {world}")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -131,7 +134,9 @@ class DeploymentGroups:
         # timeout there; the forward's collectives keep the process group's bound.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         per_replica = world // deployment.num_replicas
-        if replica is None and per_replica > 1:
+        # a replica's ("sp", "tp") submesh: every replica has one unless its ranks only pipeline (static PP,
+        # whose stages talk point to point)
+        if replica is None and per_replica > 1 and deployment.sp * deployment.tp == per_replica:
             mesh = init_device_mesh(device_type, (deployment.num_replicas, deployment.sp, deployment.tp),
                                     mesh_dim_names=("dp",) + MESH_AXES)
             replica = ShiftGroups.from_mesh(mesh[MESH_AXES])

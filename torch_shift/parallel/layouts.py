@@ -17,6 +17,14 @@ step plan names them, and each rank runs the group it belongs to.
 | SP x TP (Shift, paper 000) | all ranks | "base" (Ulysses SP x TP) and "shift" (full TP, shift-rank order) |
 | DP-n x TP-k (static) | n groups of k ranks | "dp@i" (TP-k inside replica i) |
 | Flying DP-n (paper 004) | n single ranks | "dp@i" and "tp{d}@{first}" for aligned groups of d = 2, 4, ... replicas |
+| PP-p (static) [x DP-n] | n groups of p ranks | "pp" ("pp@i" with DP): p stages of consecutive layers |
+| Seesaw PP-p -> TP-p (paper 003) [x DP-n] | n groups of p ranks | "pp" and "tp" ("pp@i", "tp@i") over each replica |
+
+A layout's *KV view* says how a rank's pool splits the KV cache: "heads" (every layer, a range of KV
+heads: single, TP, SP x TP, DP) or "layers" (a pipeline stage's layers, every head). Two layouts over
+the same replicas with the same view share their requests' KV (Shift's base and shift); KV written in
+one view is never read in another: it moves between views through the host tier (torch_shift.kv.tier),
+which re-shards it.
 """
 
 from __future__ import annotations
@@ -31,15 +39,26 @@ from torch_shift.parallel.plan import validate_mesh_for_model
 @dataclass(frozen=True)
 class Layout:
     name: str  # unique in its deployment
-    kind: str  # "single", "tp", "sp_tp" (Ulysses SP x TP), "shift" (full TP in shift-rank order), "dp"
-    ranks: tuple[int, ...]  # in collective order
+    kind: str  # "single", "tp", "sp_tp" (Ulysses SP x TP), "shift" (full TP in shift-rank order), "dp", "pp"
+    ranks: tuple[int, ...]  # in collective order (pipeline stages in order)
     replicas: tuple[int, ...]  # replicas whose KV pools the layout's requests use
     sp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def kv_width(self) -> int:
         return len(self.replicas)
+
+    @property
+    def kv_view(self) -> str:
+        """How a rank's pool splits the KV cache: "layers" (a stage's layers, all heads) or "heads"."""
+        return "layers" if self.pp > 1 else "heads"
+
+    @property
+    def logits_rank(self) -> int:
+        """The rank whose forward returns the step's logits: the last stage of a pipeline, else the first."""
+        return self.ranks[-1] if self.pp > 1 else self.ranks[0]
 
     @property
     def label(self) -> str:
@@ -48,6 +67,8 @@ class Layout:
             return f"sp{self.sp}xtp{self.tp}"
         if self.kind in ("tp", "shift"):
             return f"{self.kind}{self.tp}"
+        if self.kind == "pp":
+            return f"pp{self.pp}"
         return self.kind
 
 
@@ -59,9 +80,10 @@ class Deployment:
     world_size: int
     replicas: tuple[tuple[int, ...], ...]
     layouts: tuple[Layout, ...]
-    family: str  # "single", "tp", "shift", "dp", "flying"
+    family: str  # "single", "tp", "shift", "dp", "flying", "pp", "seesaw"
     sp: int = 1
     tp: int = 1  # inside a replica
+    pp: int = 1  # pipeline stages of a replica
     config: ModelConfig | None = field(default=None, compare=False, repr=False)
     _by_name: dict[str, Layout] = field(init=False, repr=False, compare=False)
 
@@ -130,12 +152,22 @@ def flying_widths(config: ModelConfig, num_replicas: int) -> list[int]:
     return widths
 
 
-def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int = 1, flying: bool = False,
-                     shift: bool = True) -> Deployment:
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The layers of pipeline stage `stage` of `pp`: consecutive, the first stages one more when
+    `num_layers % pp` leaves some over."""
+    per, extra = divmod(num_layers, pp)
+    first = stage * per + min(stage, extra)
+    return range(first, first + per + (stage < extra))
+
+
+def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int = 1, pp: int = 1,
+                     flying: bool = False, seesaw: bool = False, shift: bool = True) -> Deployment:
     """The deployment for the engine's parallel arguments (validated against the model)."""
-    for name, value in (("sp", sp), ("tp", tp), ("dp", dp)):
+    for name, value in (("sp", sp), ("tp", tp), ("dp", dp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if pp > 1 or seesaw:
+        return _pipeline_deployment(config, dp, pp, sp, tp, flying, seesaw)
     if flying:
         if dp < 2:
             raise ValueError(f"policy 'flying' binds data-parallel replicas into TP groups: it needs dp >= 2, got dp={dp}")
@@ -173,3 +205,33 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
             for group in aligned_groups(dp, width):
                 layouts.append(Layout(f"tp{width}@{group[0]}", "tp", group, group, tp=width))
     return Deployment(world, replicas, tuple(layouts), "flying" if flying else "dp", tp=tp, config=config)
+
+
+def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int, flying: bool,
+                         seesaw: bool) -> Deployment:
+    """Static PP-p, or Seesaw's PP-p -> TP-p (paper 003), over dp replicas of p consecutive ranks."""
+    if seesaw and pp < 2:
+        raise ValueError(f"policy 'seesaw' prefills in pipeline parallelism and decodes in tensor parallelism over "
+                         f"the same ranks: it needs pp >= 2, got pp={pp}")
+    if sp != 1 or tp != 1 or flying:
+        raise ValueError(f"pipeline parallelism (pp={pp}) combines only with dp; got sp={sp}, tp={tp}"
+                         + (", policy 'flying'" if flying else ""))
+    num_layers = config.num_hidden_layers
+    if num_layers < pp:
+        raise ValueError(f"pp={pp} stages need at least {pp} layers; the model has num_hidden_layers={num_layers}")
+    if seesaw:
+        # one KV buffer per rank, viewed as a stage's layers with every head or every layer with a head slice:
+        # the same bytes per block only when both split evenly
+        check_width(config, pp, "TP")
+        if num_layers % pp:
+            raise ValueError(f"policy 'seesaw' needs num_hidden_layers={num_layers} divisible by pp={pp} (a rank's "
+                             "KV pool holds as many bytes per block under PP as under TP)")
+    replicas = tuple(tuple(range(i * pp, (i + 1) * pp)) for i in range(dp))
+    layouts = []
+    for i, ranks in enumerate(replicas):
+        at = "" if dp == 1 else f"@{i}"
+        layouts.append(Layout(f"pp{at}", "pp", ranks, (i,), pp=pp))
+        if seesaw:
+            layouts.append(Layout(f"tp{at}", "tp", ranks, (i,), tp=pp))
+    return Deployment(dp * pp, replicas, tuple(layouts), "seesaw" if seesaw else "pp", tp=pp if seesaw else 1,
+                      pp=pp, config=config)

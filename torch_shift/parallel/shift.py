@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
+from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import FUSED_PARTS, part_views
@@ -194,6 +195,15 @@ class ShiftModule(nn.Module):
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
+        self.num_kv_layers = config.num_hidden_layers
+        k_rows = local_part_slice(shift_plan(groups), config, "layers.0.attn.qkv_proj.weight", "k")
+        self._kv_region = KVRegion(0, config.num_hidden_layers, k_rows.start // config.head_dim,
+                                   self.num_local_kv_heads)
+
+    def kv_region(self, layout) -> KVRegion:
+        """What this rank's pool holds of the whole KV cache (the same in both layouts): every layer, the
+        KV heads of its shift rank (one replicated head when there are more ranks than KV heads)."""
+        return self._kv_region
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
