@@ -277,6 +277,7 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions, "num_scheduled_tokens": self.num_scheduled_tokens,
                 "num_swap_outs": self.scheduler.num_swap_outs, "num_swap_ins": self.scheduler.num_swap_ins,
                 "time_s": {k: self.time_s[k] for k in ("prefill", "decode", "mixed", "resharding", "swapping")},
+                "num_decode_steps": decode_steps,
                 "mean_decode_batch": decode_requests / decode_steps if decode_steps else None,
                 "policy": self.policy.name, **self.policy.stats()}
 
