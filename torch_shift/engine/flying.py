@@ -24,6 +24,7 @@ from torch_shift.parallel.layouts import Deployment, check_width
 
 class FlyingPolicy(Policy):
     name = "flying"
+    uses_priority = True
 
     def __init__(self, deployment: Deployment, tp_width: int | None = None, dp_above: float = 4.0,
                  tp_below: float = 1.0, priority_below: int = 0, priority_width: int | None = None,

@@ -263,6 +263,12 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.scheduler_config.policy != "priority" and not self.policy.uses_priority:
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
+                             f"uses priorities, such as 'flying'); this engine schedules "
+                             f"{self.scheduler_config.policy!r} under policy {self.policy.name!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
