@@ -630,10 +630,12 @@ class _Setup:
         # never more than every sequence slot filled to the context
         enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
         num_blocks = min(budget // per_block, enough)
-        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
+        widest = max(layout.kv_width for layout in self.deployment.layouts)  # pools a sequence may span
+        if num_blocks * widest < math.ceil(sc.max_model_len / cc.block_size):
+            where = "" if widest == 1 else f" even over the {widest} pools of the widest group"
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
+                f"fewer than one sequence of max_model_len={sc.max_model_len} needs{where}; lower max_model_len "
                 "or raise the budget"
             )
         return num_blocks
