@@ -210,6 +210,7 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
                          "overall": window_stats(records, 0.0, boundaries[-1] + 1e9, records)}
         timelines[name] = {"timeline": timeline(records, 1.0)}
         log(format_phases(name, per_phase))
+    out_dir.mkdir(parents=True, exist_ok=True)
     plot({"title": f"Bursty load at world 2: {', '.join(configs)}", "bin_s": 1.0, "configs": timelines},
          out_dir / "bursty_timeline.png")
     return {"phases": [{"duration_s": d, "rate": r} for d, r in phases], "configs": results}
@@ -313,10 +314,60 @@ def long_context(model_dir: Path, model_config: dict, kv_tokens: int) -> dict:
     return out
 
 
+def _decode_rank(rank, world, model_dir, engine_args, prompts, max_tokens, repeats):
+    """Decode time per step of a small batch in one layout (light load: Flying stays in TP)."""
+    from torch_shift import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), enable_prefix_caching=False, **engine_args)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    times = []
+    for _ in range(repeats):
+        if rank == 0:
+            start = time.perf_counter()
+            steps = llm.engine.num_steps
+        llm.generate(prompts, params, use_tqdm=False)
+        if rank == 0:
+            times.append((time.perf_counter() - start) / (llm.engine.num_steps - steps))
+    if rank != 0:
+        return None
+    return {"step_ms": 1000 * statistics.median(times), "steps_by_layout": llm.engine.stats()["steps_by_layout"]}
+
+
+def weights(model_dir: Path, vocab: int, repeats: int) -> dict:
+    """Flying's TP-2 weights as views of each replica's full weights (q/k/v and gate/up one matmul per
+    part, o/down strided column views) against contiguous copies, and static TP-2's own shards."""
+    from torch_shift.parallel.launch import run_ranks
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8, vocab) for _ in range(16)] for _ in range(4)]
+    out = {}
+    for name, args in (("Flying views", {"dp": 2, "policy": "flying", "flying_weights": "view"}),
+                       ("Flying copies", {"dp": 2, "policy": "flying", "flying_weights": "copy"}),
+                       ("static TP", {"tp": 2})):
+        out[name] = run_ranks(_decode_rank, 2, model_dir, args, prompts, 24, repeats, timeout_s=900)[0]
+        log(f"  {name:<14} {out[name]['step_ms']:.1f} ms per step (batch 4, mostly decode) {out[name]['steps_by_layout']}")
+    return out
+
+
+def sweep(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[float, float], phase_s: float,
+          values: list[float], out_dir: Path, progress: bool) -> dict:
+    """Flying's load thresholds on the bursty stream: dp_above (requests per replica), tp_below = dp_above / 4."""
+    results = {}
+    for dp_above in values:
+        name = f"Flying dp_above={dp_above:g}"
+        CONFIGS[name] = {"dp": "2", "policy": "flying",
+                         "policy_config": json.dumps({"dp_above": dp_above, "tp_below": dp_above / 4})}
+        results[name] = bursty(model_dir, lengths, vocab, rates, phase_s, [name], out_dir / f"sweep_{dp_above:g}",
+                               progress)["configs"][name]
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run: small model, short phases, few requests")
-    ap.add_argument("--parts", default="capacity,bursty,priority,long")
+    ap.add_argument("--parts", default="capacity,bursty,priority,long,weights",
+                    help="any of capacity, bursty, priority, long, weights, sweep")
+    ap.add_argument("--sweep", default="2,4,8", help="sweep part: Flying's dp_above values")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="bursty part: configurations to compare")
     ap.add_argument("--phase-s", type=float, default=None, help="length of each phase (default 30 s, quick 6 s)")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="lengths: a CSV with num_prefill_tokens, num_decode_tokens")
@@ -370,6 +421,13 @@ def main(argv=None) -> int:
         if "long" in parts:
             log("\n== longest request with the same KV memory per rank, switch latency (paper 004 Table 2)")
             results["long"] = long_context(model_dir, model_config, 512 if args.quick else 2048)
+        if "weights" in parts:
+            log("\n== Flying's TP weights: views of the replicas' weights against copies")
+            results["weights"] = weights(model_dir, vocab, 2 if args.quick else 3)
+        if "sweep" in parts:
+            log("\n== Flying's load thresholds on the bursty stream")
+            results["sweep"] = sweep(model_dir, lengths, vocab, rates, phase_s,
+                                     [float(v) for v in args.sweep.split(",")], out_dir, progress)
     results["wall_s"] = time.monotonic() - start
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     log(f"\nwrote {out_dir / 'results.json'} in {results['wall_s'] / 60:.1f} min")
