@@ -144,9 +144,27 @@ class LLMEngine:
             raise
         self.model = self.runner.model
         self.device = self.runner.device
-        if not self.is_driver:
-            return
+        if self.is_driver:
+            self._init_driver(self.runner.kv_cache.num_blocks)
 
+    @classmethod
+    def driver_only(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int) -> LLMEngine:
+        """Rank 0's half of an engine (requests, scheduler, policy, plan builder, detokenizer) with no
+        model, runner or ranks, for a model known only by its config: what a simulator drives
+        (torch_shift.planner), replacing `run_plan` with modelled steps."""
+        engine = cls.__new__(cls)
+        engine.args = args
+        setup = _Setup(args, None, config=config)
+        engine.model_dir, engine.model_config, engine.dtype = None, config, setup.dtype
+        engine.scheduler_config, engine.cache_config = setup.scheduler_config, setup.cache_config
+        engine.deployment = setup.deployment
+        engine.parallel = engine.runner = engine.model = None
+        engine.device = torch.device("cpu")
+        engine._init_driver(num_kv_blocks)
+        return engine
+
+    def _init_driver(self, num_kv_blocks: int) -> None:
+        args, mc = self.args, self.model_config
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.model_dir
         self.tokenizer = None
         if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
@@ -156,8 +174,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-        num_blocks = self.runner.kv_cache.num_blocks
-        self.pools = [BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.pools = [BlockManager(num_kv_blocks, args.block_size, args.enable_prefix_caching)
                       for _ in self.deployment.replicas]
         self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
                                    **(args.policy_config or {}))
@@ -380,9 +397,14 @@ class LLMEngine:
         Returns per group its entries in plan order and its logits (None: no logits rows)."""
         plan, entries = self.plan_builder.build(self.scheduler, output, self._layout_replicas)
         self._count_layouts(plan)
+        return entries, self.run_plan(plan)
+
+    def run_plan(self, plan: StepPlan) -> list:
+        """The step on every rank; rank 0's logits per group (None: no logits rows). A simulator of the
+        engine replaces this with modelled steps (see `driver_only`)."""
         if self.parallel is None:
-            return entries, self.runner.execute(plan)
-        return entries, self.parallel.run_step(plan, self.runner.execute)
+            return self.runner.execute(plan)
+        return self.parallel.run_step(plan, self.runner.execute)
 
     def _count_layouts(self, plan: StepPlan) -> None:
         names = [g.layout for g in plan.groups]
@@ -549,10 +571,13 @@ def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
 class _Setup:
     """What every rank derives from the engine arguments, and how it builds its model runner."""
 
-    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None,
+                 config: ModelConfig | None = None):
         self.args = args
         self.model_dir = None
-        if model is not None:
+        if config is not None:
+            self.model_config = config
+        elif model is not None:
             self.model_config = model.config
         elif weights is not None:
             self.model_config = weights.config
