@@ -80,6 +80,29 @@ def test_hard_preemption_pauses_dp_requests_with_their_kv():
     assert all(r.num_preemptions == 0 for r in on_first_pair)
 
 
+def test_a_stream_of_priority_requests_never_starves_the_others():
+    """With 2 replicas a priority group covers every replica: new requests share it, and requests it
+    paused move into it after max_pause_steps (recomputed) instead of waiting for the stream to end."""
+    sched, policy = flying(num_replicas=2, dp_above=1, tp_below=0, max_pause_steps=4)
+    for i in range(2):
+        sched.add_request(make_request(f"n{i}", 6, max_tokens=40))
+    step(sched)
+    assert policy.mode == "dp" and all(r.replicas in ((0,), (1,)) for r in sched.running)
+    moved_at = None
+    for k in range(30):  # a priority request in the system at every step
+        if not any(r.priority < 0 for r in sched.requests.values()):
+            sched.add_request(make_request(f"u{k}", 4, max_tokens=6, priority=-1))
+        if k == 2:
+            sched.add_request(make_request("late", 5, max_tokens=3))
+        out = step(sched)
+        assert layouts(out) == ["tp2@0"]  # the priority group, every step
+        if moved_at is None and {"n0", "n1"} <= set(out.preempted_request_ids):
+            moved_at = k
+    assert moved_at is not None and moved_at <= 5  # paused for at most max_pause_steps, then moved
+    assert sched.requests["n0"].replicas == (0, 1) and sched.requests["n0"].num_output_tokens > 10
+    assert "late" not in sched.requests  # a new request shared the priority group and finished
+
+
 def test_a_priority_request_takes_the_blocks_of_paused_ones_only_when_it_must():
     sched, _ = flying(num_replicas=2, num_blocks=8, dp_above=1, tp_below=0)
     for i in range(2):

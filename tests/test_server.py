@@ -563,3 +563,16 @@ def test_a_refused_prompt_refuses_the_whole_request(server):
 
     asyncio.run(engine_refuses_the_second())
     assert server.idle_free_blocks()
+
+
+def test_priority_is_refused_unless_the_engine_schedules_by_it(server, checkpoints, reference):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "priority": -1}
+    refused = post(server, "/v1/completions", body)
+    assert refused.status_code == 400 and "scheduling_policy='priority'" in refused.json()["error"]["message"]
+    _, model_dir = checkpoints("llama")
+    prioritised = RunningServer(model_dir, engine={"scheduling_policy": "priority"})
+    try:
+        answer = post(prioritised, "/v1/completions", body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy(reference, max_tokens=4).text
+    finally:
+        prioritised.stop()

@@ -164,3 +164,30 @@ def test_decode_plan_size_does_not_grow_with_context():
     # the same up to the width of pickled ints (block ids past 255 take more bytes); a full plan
     # would carry 8 x 1500 token ids and 8 x 375 block ids at 1500
     assert sizes[1500] <= 1.1 * sizes[16] and sizes[1500] < 1024, sizes
+
+
+def test_the_rank0_half_of_an_engine_runs_without_a_model():
+    """What a simulator drives: the engine's own requests, scheduler, policy and plans, with `run_plan`
+    replaced (here by zero logits); every request finishes with its length and every block comes back."""
+    from torch_shift.engine.llm_engine import EngineArgs, LLMEngine
+    from torch_shift.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.driver_only(EngineArgs("config-only", dp=2, policy="flying", max_num_batched_tokens=32),
+                                   CONFIG, num_kv_blocks=64)
+    plans = []
+
+    def run_plan(plan):
+        plans.append(plan)
+        return [torch.zeros(g.num_logits, CONFIG.vocab_size) for g in plan.groups]
+
+    engine.run_plan = run_plan
+    for i in range(6):
+        engine.add_request(f"r{i}", list(range(10, 20 + 5 * i)), SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                               temperature=0.0))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == [f"r{i}" for i in range(6)]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in finished.values())
+    assert len(plans) == engine.num_steps and {"tp2@0", "dp@0", "dp@1"} >= set(engine.stats()["steps_by_layout"])
+    assert all(p.num_free_blocks == p.num_blocks for p in engine.pools)

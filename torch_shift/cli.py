@@ -26,6 +26,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="waiting requests in arrival order, or by priority (lower first) then arrival")
     p = parser.add_argument_group("parallel (local ranks are started by this process)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree of the base layout")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the base layout")
@@ -66,7 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp, dp=args.dp, policy=args.policy,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy, sp=args.sp, tp=args.tp, dp=args.dp, policy=args.policy,
         policy_config=args.policy_config, shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
         pp=args.pp, cpu_kv_gb=args.cpu_kv_gb,
     )

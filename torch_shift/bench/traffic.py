@@ -15,6 +15,7 @@ class RequestSpec:
     arrival_s: float  # when to send it, from the start of the run
     prompt: list[int]
     max_tokens: int
+    priority: int = 0  # lower is more urgent (vLLM's extension; the server must schedule by priority)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@ Three reasons to bind a group, each decided at the step plan (the safe point):
   new width (outputs unchanged);
 - priority (Use Case 2): a request with `priority < priority_below` (lower is more urgent, as in
   vLLM) gets a group of `priority_width` replicas. With `preemption="hard"` the group binds at once
-  and the DP requests on its replicas pause, keeping their KV, until it is released; with "soft"
-  the request starts at once in DP on one of the group's replicas, those replicas take no new DP
-  work, and the group binds when they have drained, the request then recomputed in TP;
+  and the DP requests on its replicas pause, keeping their KV, until it is released or for at most
+  `max_pause_steps` steps, after which they move into a bound group (recomputed there), so that a
+  stream of priority requests never starves them; with "soft" the request starts at once in DP on
+  one of the group's replicas, those replicas take no new DP work, and the group binds when they
+  have drained, the request then recomputed in TP. Other new requests go to replicas outside the
+  priority groups, or share a priority group when every replica is in one;
 - long context (Use Case 3): a request whose tokens cannot fit one replica's KV pool goes to the
   smallest aligned group whose pools together hold it, and keeps it until it finishes.
 """
@@ -24,10 +27,11 @@ from torch_shift.parallel.layouts import Deployment, check_width
 
 class FlyingPolicy(Policy):
     name = "flying"
+    uses_priority = True
 
     def __init__(self, deployment: Deployment, tp_width: int | None = None, dp_above: float = 4.0,
                  tp_below: float = 1.0, priority_below: int = 0, priority_width: int | None = None,
-                 preemption: str = "hard"):
+                 preemption: str = "hard", max_pause_steps: int = 16):
         super().__init__(deployment)
         self.groups: dict[int, list[str]] = {}  # width -> its aligned layouts
         for layout in deployment.layouts:
@@ -40,6 +44,9 @@ class FlyingPolicy(Policy):
             raise ValueError(f"need 0 <= tp_below <= dp_above, got tp_below={tp_below}, dp_above={dp_above}")
         if preemption not in ("hard", "soft"):
             raise ValueError(f"preemption must be 'hard' or 'soft', got {preemption!r}")
+        if isinstance(max_pause_steps, bool) or not isinstance(max_pause_steps, int) or max_pause_steps < 0:
+            raise ValueError(f"max_pause_steps must be an int >= 0, got {max_pause_steps!r}")
+        self.max_pause_steps = max_pause_steps
         self.dp_above, self.tp_below = dp_above, tp_below
         self.priority_below = priority_below
         self.preemption = preemption
@@ -47,6 +54,7 @@ class FlyingPolicy(Policy):
         self.dp_layouts = [layout.name for layout in deployment.replica_layouts()]
         self.needs: dict[str, int] = {}  # request -> the group width it needs (priority, long context)
         self.pinned: dict[str, str] = {}  # request -> the group chosen for it
+        self.paused_since: dict[str, int] = {}  # request -> the step at which a priority group paused it
         self.num_mode_switches = 0
         self.num_binds = 0
 
@@ -75,6 +83,7 @@ class FlyingPolicy(Policy):
         rid = request.request_id
         self.needs.pop(rid, None)
         self.pinned.pop(rid, None)
+        self.paused_since.pop(rid, None)
 
     # -- the decision -----------------------------------------------------------------------------------
     def decide(self, view) -> StepDecision:
@@ -109,9 +118,14 @@ class FlyingPolicy(Policy):
             if pinned is not None:
                 if pinned in bound and r.replicas != self.deployment[pinned].replicas:
                     moves.append(r.request_id)  # soft preemption: started in DP, recomputed in TP at bind
-            elif r.replicas not in bound_replicas and not set(r.replicas) & pausing:
+            elif r.replicas in bound_replicas:
+                self.paused_since.pop(r.request_id, None)  # it runs
+            elif not set(r.replicas) & pausing:
                 moves.append(r.request_id)  # the load mode changed: recomputed in the new width
-            # else: running, or paused by a pinned group (hard preemption: its KV stays)
+            elif view.num_steps - self.paused_since.setdefault(r.request_id, view.num_steps) >= self.max_pause_steps:
+                moves.append(r.request_id)  # paused too long by priority groups: recomputed where routed
+                del self.paused_since[r.request_id]
+            # else: paused by a priority group (hard preemption): its KV stays
         return StepDecision(tuple(bound), recompute=tuple(moves))
 
     def _update_mode(self, load_per_replica: float) -> None:
@@ -163,6 +177,8 @@ class FlyingPolicy(Policy):
         reserved = self.reserved_replicas()
         seqs, free = view.num_seqs, view.num_free_blocks
         names = [n for n in decision.layouts if not set(self.deployment[n].replicas) & reserved]
+        if not names:  # every replica is in a priority group: share the bound ones
+            names = [n for n in decision.layouts if n in set(self.pinned.values())]
         return sorted(names, key=lambda n: (sum(seqs[r] for r in self.deployment[n].replicas),
                                             -min(free[r] for r in self.deployment[n].replicas)))
 

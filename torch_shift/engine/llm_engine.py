@@ -191,9 +191,27 @@ class LLMEngine:
             raise
         self.model = self.runner.model
         self.device = self.runner.device
-        if not self.is_driver:
-            return
+        if self.is_driver:
+            self._init_driver(self.runner.kv_cache.num_blocks, setup.num_tier_blocks)
 
+    @classmethod
+    def driver_only(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int) -> LLMEngine:
+        """Rank 0's half of an engine (requests, scheduler, policy, plan builder, detokenizer) with no
+        model, runner or ranks, for a model known only by its config: what a simulator drives
+        (torch_shift.planner), replacing `run_plan` with modelled steps."""
+        engine = cls.__new__(cls)
+        engine.args = args
+        setup = _Setup(args, None, config=config)
+        engine.model_dir, engine.model_config, engine.dtype = None, config, setup.dtype
+        engine.scheduler_config, engine.cache_config = setup.scheduler_config, setup.cache_config
+        engine.deployment = setup.deployment
+        engine.parallel = engine.runner = engine.model = None
+        engine.device = torch.device("cpu")
+        engine._init_driver(num_kv_blocks, setup.num_tier_blocks)
+        return engine
+
+    def _init_driver(self, num_kv_blocks: int, num_tier_blocks: int) -> None:
+        args, mc = self.args, self.model_config
         tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.model_dir
         self.tokenizer = None
         if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
@@ -203,14 +221,13 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-        num_blocks = self.runner.kv_cache.num_blocks
-        self.pools = [BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.pools = [BlockManager(num_kv_blocks, args.block_size, args.enable_prefix_caching)
                       for _ in self.deployment.replicas]
         self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
                                    **(args.policy_config or {}))
         self.tier = None
-        if setup.num_tier_blocks:
-            self.tier = TierAllocator(setup.num_tier_blocks, args.block_size, async_copies=args.kv_swap == "async")
+        if num_tier_blocks:
+            self.tier = TierAllocator(num_tier_blocks, args.block_size, async_copies=args.kv_swap == "async")
         self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy, self.tier)
         pp_of = {layout.name: layout.pp for layout in self.deployment.layouts}
 
@@ -336,6 +353,12 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.scheduler_config.policy != "priority" and not self.policy.uses_priority:
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
+                             f"uses priorities, such as 'flying'); this engine schedules "
+                             f"{self.scheduler_config.policy!r} under policy {self.policy.name!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -416,7 +439,7 @@ class LLMEngine:
             return []
         resharded_before = getattr(self.model, "reshard_seconds", 0.0)  # pipeline models switch weights
         entries, logits = self.execute(output)
-        swap_s = self.runner.last_swap_seconds
+        swap_s = self.runner.last_swap_seconds if self.runner is not None else 0.0
         reshard_s = getattr(self.model, "reshard_seconds", 0.0) - resharded_before
         sampled = self._sample(entries, logits)
         now = time.monotonic()
@@ -464,9 +487,14 @@ class LLMEngine:
         Returns per group its entries in plan order and its logits (None: no logits rows)."""
         plan, entries = self.plan_builder.build(self.scheduler, output, self._layout_replicas)
         self._count_layouts(plan)
+        return entries, self.run_plan(plan)
+
+    def run_plan(self, plan: StepPlan) -> list:
+        """The step on every rank; rank 0's logits per group (None: no logits rows). A simulator of the
+        engine replaces this with modelled steps (see `driver_only`)."""
         if self.parallel is None:
-            return entries, self.runner.execute(plan)
-        return entries, self.parallel.run_step(plan, self.runner.execute)
+            return self.runner.execute(plan)
+        return self.parallel.run_step(plan, self.runner.execute)
 
     def _count_layouts(self, plan: StepPlan) -> None:
         if not plan.groups:
@@ -635,10 +663,13 @@ def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
 class _Setup:
     """What every rank derives from the engine arguments, and how it builds its model runner."""
 
-    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None,
+                 config: ModelConfig | None = None):
         self.args = args
         self.model_dir = None
-        if model is not None:
+        if config is not None:
+            self.model_config = config
+        elif model is not None:
             self.model_config = model.config
         elif weights is not None:
             self.model_config = weights.config
@@ -764,10 +795,12 @@ class _Setup:
         # never more than every sequence slot filled to the context
         enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
         num_blocks = min(budget // per_block, enough)
-        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
+        widest = max(layout.kv_width for layout in self.deployment.layouts)  # pools a sequence may span
+        if num_blocks * widest < math.ceil(sc.max_model_len / cc.block_size):
+            where = "" if widest == 1 else f" even over the {widest} pools of the widest group"
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
+                f"fewer than one sequence of max_model_len={sc.max_model_len} needs{where}; lower max_model_len "
                 "or raise the budget"
             )
         return num_blocks

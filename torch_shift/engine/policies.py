@@ -32,6 +32,7 @@ class Policy:
     """The interface, with the defaults of a policy that never switches."""
 
     name = "static"
+    uses_priority = False  # whether request priorities change what the policy decides
 
     def __init__(self, deployment: Deployment):
         self.deployment = deployment

@@ -240,12 +240,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(400, str(e)) from None
 
     @asynccontextmanager
-    async def submit(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams
+    async def submit(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int
                      ) -> AsyncIterator[tuple[str, Submission]]:
         rid = engine.new_request_id(prefix)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         try:
-            async with engine.open(ids, prompts, [params] * len(prompts)) as submission:
+            async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
                 yield rid, submission
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
@@ -255,16 +255,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         except EngineStopped as e:
             raise APIError(503, str(e), "server_error", code=503) from None
 
-    async def stream_response(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+    async def stream_response(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int,
                               chunks: Callable[[str, Submission], AsyncIterator[str]]) -> Response:
         stack = AsyncExitStack()
-        rid, submission = await stack.enter_async_context(submit(prefix, prompts, params))
+        rid, submission = await stack.enter_async_context(submit(prefix, prompts, params, priority))
         return _EngineStream(chunks(rid, submission), stack.aclose)  # errors before this are plain HTTP errors
 
-    async def collect(request: Request, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams
-                      ) -> tuple[str, list[RequestOutput]] | None:
+    async def collect(request: Request, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+                      priority: int) -> tuple[str, list[RequestOutput]] | None:
         """The final output of every prompt; None when the client went away (its requests are aborted)."""
-        async with submit(prefix, prompts, params) as (rid, submission):
+        async with submit(prefix, prompts, params, priority) as (rid, submission):
             async def finals() -> list[RequestOutput]:
                 last: list[RequestOutput | None] = [None] * len(prompts)
                 async for index, out in submission:
@@ -349,10 +349,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
         if body.stream:
             return await stream_response(
-                "cmpl", tokenized, params,
+                "cmpl", tokenized, params, body.priority,
                 lambda rid, submission: _completion_chunks(rid, submission, served_model_name, body, echo_only,
                                                            tokenizer))
-        collected = await collect(request, "cmpl", tokenized, params)
+        collected = await collect(request, "cmpl", tokenized, params, body.priority)
         if collected is None:
             return Response(status_code=499)  # nobody listens
         rid, finals = collected
@@ -394,9 +394,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         prompt = await asyncio.to_thread(render)
         if body.stream:
             return await stream_response(
-                "chatcmpl", [prompt], params,
+                "chatcmpl", [prompt], params, body.priority,
                 lambda rid, submission: _chat_chunks(rid, submission, served_model_name, body, tokenizer))
-        collected = await collect(request, "chatcmpl", [prompt], params)
+        collected = await collect(request, "chatcmpl", [prompt], params, body.priority)
         if collected is None:
             return Response(status_code=499)
         rid, (final,) = collected

@@ -53,6 +53,7 @@ class Submission:
     params: list[SamplingParams]
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future  # set by the engine thread once the prompts are added (or refused)
+    priority: int = 0  # lower is more urgent, as in vLLM
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: set[int] = field(default_factory=set)
 
@@ -110,12 +111,12 @@ class AsyncEngine:
 
     @asynccontextmanager
     async def open(self, request_ids: list[str], prompts: list[Prompt | TokenizedPrompt],
-                   params: list[SamplingParams]) -> AsyncIterator[Submission]:
+                   params: list[SamplingParams], priority: int = 0) -> AsyncIterator[Submission]:
         """Add the prompts as engine requests, all or none; abort the unfinished ones on leaving. Raises
         ValueError/TypeError for bad input, EngineFull when the waiting queue is full, EngineStopped when the
         engine does not run."""
         loop = asyncio.get_running_loop()
-        submission = Submission(request_ids, prompts, params, loop, accepted=loop.create_future())
+        submission = Submission(request_ids, prompts, params, loop, accepted=loop.create_future(), priority=priority)
         self._check_running()
         with self._lock:
             if self.num_waiting_seqs + submission.num_seqs > self.max_waiting_seqs:
@@ -202,7 +203,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for request_id, prompt, params in zip(submission.request_ids, submission.prompts, submission.params):
-                self.engine.add_request(request_id, prompt, params, arrival_time=time.monotonic())
+                self.engine.add_request(request_id, prompt, params, priority=submission.priority,
+                                        arrival_time=time.monotonic())
                 added.append(request_id)
         except (ValueError, TypeError) as e:
             for request_id in added:  # all of a client request's prompts run, or none

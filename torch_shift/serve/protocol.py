@@ -97,6 +97,7 @@ class _SamplingRequest(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     # vLLM extensions
+    priority: Int = 0  # lower is more urgent; needs scheduling_policy "priority" or a policy that uses it
     top_k: Int | None = 0
     min_p: float | None = 0.0
     repetition_penalty: float | None = 1.0
