@@ -59,8 +59,9 @@ def log(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-def workload(name: str, num: int, scale: float, max_prompt: int, max_output: int, vocab: int, seed: int) -> list:
-    path = TRACES / ("arxiv_summarization_lengths.csv" if name == "arxiv" else "azure_conv_2023.csv")
+def workload(traces: Path, name: str, num: int, scale: float, max_prompt: int, max_output: int, vocab: int,
+             seed: int) -> list:
+    path = traces / ("arxiv_summarization_lengths.csv" if name == "arxiv" else "azure_conv_2023.csv")
     with open(path) as f:
         rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)]
     rng = random.Random(seed)
@@ -148,6 +149,7 @@ def describe(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="main,ablation,variants,links")
+    ap.add_argument("--traces", default=str(TRACES), help="directory of the shared traces")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--scale", type=float, default=0.125, help="trace prompt and output lengths are multiplied by this")
     ap.add_argument("--max-prompt", type=int, default=1024)
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
 
     log(f"machine: {platform.machine()}, {os.cpu_count()} cores; {_caches()}; torch threads per rank 1; "
         "shared with other jobs while measured: timings are noisy")
-    workloads = {name: workload(name, args.num_requests, args.scale, args.max_prompt, args.max_output,
+    workloads = {name: workload(Path(args.traces), name, args.num_requests, args.scale, args.max_prompt, args.max_output,
                                 model_config["vocab_size"], args.seed) for name in ("arxiv", "azure")}
     for name, reqs in workloads.items():
         prompts, outs = [len(p) for p, _ in reqs], [n for _, n in reqs]
