@@ -48,6 +48,11 @@ class ParallelRuntime:
                              "call its shutdown() first (one parallel engine per process at a time)")
         try:
             if not dist.is_initialized():
+                # torch.distributed.nn.functional takes `group.WORLD` as default arguments when it is imported
+                # (torch._dynamo imports it): imported while our group exists, it would keep that group, its
+                # sockets and the store's port for the life of the process
+                import torch.distributed.nn.functional  # noqa: F401
+
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
             self.groups = build_shift_groups(sp, tp)
         except BaseException:
