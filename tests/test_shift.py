@@ -47,7 +47,10 @@ def test_prefill_in_base_decode_in_shift_matches_single_device(checkpoints, fami
     results = run_ranks(_generate_rank, sp * tp, model_dir, sp, tp, {"shift_threshold": 16}, False)
     for outputs, counts in results:
         assert_same_outputs(outputs, ref)
-        assert counts["base"] >= 1 and counts["shift"] >= 5
+        if sp > 1:
+            assert counts["base"] >= 1 and counts["shift"] >= 5
+        else:  # with SP = 1 the base layout is full TP: there is no other layout
+            assert set(counts) == {"base"}
     assert all(r[0] == results[0][0] for r in results)  # every rank returns rank 0's outputs
 
 
@@ -70,6 +73,28 @@ def test_world_size_8(llama):
     for outputs, counts in results:
         assert_same_outputs(outputs, ref)
         assert counts["base"] >= 1 and counts["shift"] >= 5
+
+
+def _parameter_bytes_rank(rank, world, model_dir, engine_args):
+    model = LLM(str(model_dir), **engine_args).engine.model
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+def test_tensor_parallel_without_sequence_parallel_holds_one_copy_of_the_weights(llama):
+    """With SP = 1 the base layout is full TP already: the default shift threshold builds no second layout
+    (it re-concatenated q/k/v and gate/up, about two thirds of each layer, for a switch that changed nothing)."""
+    _, model_dir = llama
+    single = LLM(str(model_dir)).engine.model
+    replicated = sum(p.nbytes for n, p in single.named_parameters() if "embed_tokens" in n or "norm" in n)
+    sharded = sum(p.nbytes for p in single.parameters()) - replicated
+    head = single.lm_head.weight.nbytes  # vocab-parallel over all ranks in every layout
+    # the default threshold (256), with copied shift shards (the default)
+    assert run_ranks(_parameter_bytes_rank, 2, model_dir, {"tp": 2}) == [replicated + sharded // 2] * 2
+    # the same measure sees the shift layout's copies where there is a second layout (SP = 2)
+    with_shift, without = (run_ranks(_parameter_bytes_rank, 2, model_dir, {"sp": 2, "shift_threshold": threshold})
+                           for threshold in (256, None))
+    assert with_shift[0] > without[0] == replicated + sharded - head + head // 2
 
 
 def _padding_rank(rank, world, model_dir, prompts):
