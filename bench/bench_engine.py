@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+from torch_shift.bench.traffic import DEFAULT_TRACE
 
 # The throughput model: Llama architecture, fp32, random weights.
 MODEL_CONFIG = dict(

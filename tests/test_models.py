@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES, build_hf_model, engine_logits, random_prompts, rewrite_config, save_checkpoint
 
-from torch_shift import LLMEngine, SamplingParams
+from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.models import load_model
@@ -141,7 +141,6 @@ def test_hub_id_with_dots_resolves_from_a_cache_laid_out_by_huggingface_hub(tmp_
 
     from huggingface_hub import constants
 
-    from torch_shift import LLM, SamplingParams
     from torch_shift.models.hub import resolve_model_dir
 
     cache = tmp_path / "hub"
@@ -167,6 +166,6 @@ def test_hub_id_with_dots_resolves_from_a_cache_laid_out_by_huggingface_hub(tmp_
     assert (LLM("tiny-org/Tiny-Llama-3.2-0.5B").generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids
             == LLM(str(llama[1])).generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids)
     (tmp_path / "file.bin").write_bytes(b"")
-    for missing in (str(tmp_path / "nowhere"), "./nowhere", "a/b/c", "tiny-org/Absent-0.5B", str(tmp_path / "file.bin")):
+    for missing in (tmp_path / "nowhere", "./nowhere", "a/b/c", "tiny-org/Absent-0.5B", tmp_path / "file.bin"):
         with pytest.raises(ValueError, match="no such directory"):
-            resolve_model_dir(missing)
+            resolve_model_dir(str(missing))

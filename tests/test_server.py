@@ -291,10 +291,11 @@ def test_shutdown_fails_requests_in_flight_explicitly(checkpoints):
 def test_server_with_sequence_parallel_ranks(checkpoints, reference):
     """`torch-shift serve --sp 2`: this server process starts rank 1 itself."""
     import subprocess
+    import sys
 
     _, model_dir = checkpoints("llama")
     port = free_port()
-    proc = subprocess.Popen(["torch-shift", "serve", "--model", str(model_dir), "--sp", "2", "--shift-threshold",
+    proc = subprocess.Popen([sys.executable, "-m", "torch_shift", "serve", "--model", str(model_dir), "--sp", "2", "--shift-threshold",
                              "4", "--port", str(port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
