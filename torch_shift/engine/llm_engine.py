@@ -202,12 +202,12 @@ class LLMEngine:
                 self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
                                                 args.shift_threshold, args.shift_weights)
                 reader.close()
+                num_kv_heads = self.model.num_local_kv_heads
                 # one block table for all ranks: the smallest pool wins
-                num_blocks = self.parallel.min_over_ranks(self._num_kv_blocks(self.model.num_local_kv_heads))
+                num_blocks = self.parallel.min_over_ranks(self._num_kv_blocks(num_kv_heads))
             except BaseException:
                 self.parallel.shutdown()
                 raise
-            num_kv_heads = self.model.num_local_kv_heads
             choose_layout = self.model.choose_layout
         else:
             reader = weights or CheckpointReader(model_dir, mc)
