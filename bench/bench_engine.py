@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+from torch_shift.bench.traffic import DEFAULT_TRACE
 
 # The throughput model: Llama architecture, fp32, random weights.
 MODEL_CONFIG = dict(
@@ -169,6 +168,8 @@ class TorchShiftRunner:
         # warm-up: a few short requests (prefill and decode paths), prompts unlike the measured ones
         self.llm.generate(warm_prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                           use_tqdm=False)
+        gc.collect()  # as the processes torch_shift starts do (the engine no longer does it in the user's process)
+        gc.freeze()
 
     def run(self, reqs: list[dict]):
         engine = self.llm.engine
@@ -430,6 +431,10 @@ def make_overhead_engine(tiny_dir: Path, n: int, prompt_len: int, decode_steps: 
     num_blocks = n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1)
     llm = LLM(str(tiny_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=budget,
               num_kv_blocks=num_blocks)
+    # what the processes torch_shift starts (`torch-shift serve`, the ranks) do once the engine is built; the
+    # engine itself no longer does it, since an offline LLM lives in the user's process
+    gc.collect()
+    gc.freeze()
     engine = llm.engine
     engine.runner.model = NullModel(vocab=TINY_CONFIG["vocab_size"], max_tokens=budget)
     rng = random.Random(seed)

@@ -42,8 +42,8 @@ import torch
 
 from torch_shift.bench.loadgen import run_load
 from torch_shift.bench.report import latency_stats, plot, timeline
-from torch_shift.bench.run import DEFAULT_TRACE, ServerProcess
-from torch_shift.bench.traffic import LengthSource, phase_arrivals, poisson_arrivals, workload
+from torch_shift.bench.run import ServerProcess
+from torch_shift.bench.traffic import DEFAULT_TRACE, LengthSource, phase_arrivals, poisson_arrivals, workload
 
 
 # DESIGN.md section 3's model: 106M parameters, fp32 424 MB, 212 MB per rank under TP-2

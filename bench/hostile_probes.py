@@ -31,7 +31,7 @@ class Server:
         self.port = sock.getsockname()[1]
         sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "torch_shift.cli", "serve", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "torch_shift", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while True:

@@ -36,7 +36,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.worker_pids: list[int] = []
-        cmd = [sys.executable, "-m", "torch_shift.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", str(model_dir), "--port", str(self.port),
                "--served-model-name", "tiny", "--num-kv-blocks", "1024", "--max-num-seqs", "32", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})

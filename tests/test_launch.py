@@ -48,7 +48,7 @@ def test_single_process_launch_through_the_cli(llama):
     """(b) an ordinary process starts its local ranks itself."""
     _, model_dir = llama
     result = subprocess.run(
-        ["torch-shift", "generate", "--model", str(model_dir), "--sp", "2", "--tp", "2", "--shift-threshold", "8",
+        [sys.executable, "-m", "torch_shift", "generate", "--model", str(model_dir), "--sp", "2", "--tp", "2", "--shift-threshold", "8",
          "--max-tokens", "8", "--json", *PROMPTS],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -478,15 +478,11 @@ def test_under_torchrun_every_rank_maps_one_shared_memory_file():
 
 def test_engine_arguments_of_seesaw(layers4):
     from torch_shift.cli import _engine_kwargs, build_parser
-    from torch_shift.engine.llm_engine import resolve_aliases
 
     args = build_parser().parse_args(["generate", "--pipeline-parallel-size", "2", "--policy", "seesaw",
                                       "--cpu-kv-gb", "0.5", "hello"])
     assert {k: v for k, v in _engine_kwargs(args).items() if k in ("pp", "policy", "cpu_kv_gb")} == {
         "pp": 2, "policy": "seesaw", "cpu_kv_gb": 0.5}
-    assert resolve_aliases({"pipeline_parallel_size": 4, "tensor_parallel_size": 1}) == {"pp": 4, "tp": 1}
-    with pytest.raises(ValueError, match="name the same size"):
-        resolve_aliases({"pp": 2, "pipeline_parallel_size": 4})
     with pytest.raises(ValueError, match="give it a size"):
         LLM(str(layers4), pp=2, policy="seesaw", cpu_kv_gb=0)
     with pytest.raises(ValueError, match="kv_swap must be"):

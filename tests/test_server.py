@@ -309,7 +309,7 @@ def test_server_with_parallel_ranks(checkpoints, reference, name):
     flags, layouts = PARALLEL_SERVERS[name]
     _, model_dir = checkpoints("llama")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "torch_shift.cli", "serve", "--model", str(model_dir), *flags,
+    proc = subprocess.Popen([sys.executable, "-m", "torch_shift", "serve", "--model", str(model_dir), *flags,
                              "--port", str(port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -75,6 +75,28 @@ def test_world_size_8(llama):
         assert counts["base"] >= 1 and counts["shift"] >= 5
 
 
+def _parameter_bytes_rank(rank, world, model_dir, engine_args):
+    model = LLM(str(model_dir), **engine_args).engine.model
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+def test_tensor_parallel_without_sequence_parallel_holds_one_copy_of_the_weights(llama):
+    """With SP = 1 the base layout is full TP already: the default shift threshold builds no second layout
+    (it re-concatenated q/k/v and gate/up, about two thirds of each layer, for a switch that changed nothing)."""
+    _, model_dir = llama
+    single = LLM(str(model_dir)).engine.model.model  # the single-device DecoderLM
+    replicated = sum(p.nbytes for n, p in single.named_parameters() if "embed_tokens" in n or "norm" in n)
+    sharded = sum(p.nbytes for p in single.parameters()) - replicated
+    head = single.lm_head.weight.nbytes  # vocab-parallel over all ranks in every layout
+    # the default threshold (256), with copied shift shards (the default)
+    assert run_ranks(_parameter_bytes_rank, 2, model_dir, {"tp": 2}) == [replicated + sharded // 2] * 2
+    # the same measure sees the shift layout's copies where there is a second layout (SP = 2)
+    with_shift, without = (run_ranks(_parameter_bytes_rank, 2, model_dir, {"sp": 2, "shift_threshold": threshold})
+                           for threshold in (256, None))
+    assert with_shift[0] > without[0] == replicated + sharded - head + head // 2
+
+
 def _padding_rank(rank, world, model_dir, prompts):
     llm = LLM(str(model_dir), sp=world, tp=1, shift_threshold=0, enable_prefix_caching=False, block_size=4)
     engine = llm.engine

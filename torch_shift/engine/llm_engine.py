@@ -6,11 +6,12 @@ request -> scheduler (step plan) -> model runner -> sampler -> outputs.
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogpro
 from torch_shift.engine.policies import build_policy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, topk_logprobs
-from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.structured_output import GrammarCompiler
@@ -52,15 +53,27 @@ class TokenizedPrompt:
 _CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
 
 
+# The same arguments under the names users of vLLM and ArcticInference arrive with.
+ENGINE_ARG_ALIASES = {
+    "tensor_parallel_size": "tp",
+    "ulysses_sequence_parallel_size": "sp",
+    "shift_parallel_threshold": "shift_threshold",
+    "data_parallel_size": "dp",
+    "pipeline_parallel_size": "pp",
+}
+_NOT_GIVEN: Any = object()
+
+
 @dataclass
 class EngineArgs:
-    """Engine arguments, named as in vLLM where the concept is the same."""
+    """Engine arguments, named as in vLLM where the concept is the same; vLLM's and ArcticInference's
+    names of the parallel degrees are accepted as aliases (ENGINE_ARG_ALIASES)."""
 
     model: str
     tokenizer: str | None = None  # directory with tokenizer.json; defaults to the model directory
     dtype: str = "auto"
     device: str | None = None  # default: cuda when available, else cpu
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh random seed (the CLI's default)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -93,12 +106,31 @@ class EngineArgs:
     interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer; None: off
     compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
+    tensor_parallel_size: InitVar[int] = _NOT_GIVEN
+    ulysses_sequence_parallel_size: InitVar[int] = _NOT_GIVEN
+    shift_parallel_threshold: InitVar[int | None] = _NOT_GIVEN
+    data_parallel_size: InitVar[int] = _NOT_GIVEN
+    pipeline_parallel_size: InitVar[int] = _NOT_GIVEN
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        return {f.name for f in fields(cls)} | set(ENGINE_ARG_ALIASES)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tensor_parallel_size, ulysses_sequence_parallel_size, shift_parallel_threshold,
+                      data_parallel_size, pipeline_parallel_size) -> None:
+        given = {"tensor_parallel_size": tensor_parallel_size, "ulysses_sequence_parallel_size":
+                 ulysses_sequence_parallel_size, "shift_parallel_threshold": shift_parallel_threshold,
+                 "data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+        defaults = {f.name: f.default for f in fields(self)}
+        for alias, value in given.items():
+            name = ENGINE_ARG_ALIASES[alias]
+            if value is _NOT_GIVEN:
+                continue
+            if getattr(self, name) not in (defaults[name], value):
+                raise ValueError(f"{alias}={value!r} and {name}={getattr(self, name)!r} disagree; give one of them")
+            setattr(self, name, value)
+        if self.seed is None:  # a fresh seed for this engine (the CLI without --seed)
+            self.seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
         for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -128,20 +160,13 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
 
 
-# vLLM's names of the parallel sizes
-ENGINE_ARG_ALIASES = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
-
-
-def resolve_aliases(engine_args: dict) -> dict:
-    """Engine arguments with vLLM's names (`pipeline_parallel_size`, ...) under ours."""
-    out = dict(engine_args)
-    for alias, name in ENGINE_ARG_ALIASES.items():
-        if alias in out:
-            value = out.pop(alias)
-            if name in out and out[name] != value:
-                raise ValueError(f"{alias}={value!r} and {name}={out[name]!r} name the same size; give one")
-            out[name] = value
-    return out
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request: sample 0 draws from `seed` itself (as with n = 1),
+    the others from a hash of (seed, index), so that requests with different seeds share no sample
+    (vLLM's seed + index makes seed=1 and seed=2 share n - 1 of them)."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little") & MAX_SEED
 
 
 @dataclass
@@ -304,6 +329,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e.reason} {prompt[e.start]!r} at "
+                                 f"character {e.start}") from None
             if self.tokenizer is None:
                 where = f"{self.model_dir} has no tokenizer.json" if self.model_dir else "no tokenizer was given"
                 raise ValueError(f"{where}: give the prompt as token ids")
@@ -390,7 +420,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)  # sample i draws from seed + i
+                child_params = replace(params, seed=child_seed(params.seed, i))
             child = Request(
                 child_ids[i], token_ids, child_params, max_tokens,
                 self.eos_token_ids, arrival_time=arrival_time, priority=priority,
@@ -571,7 +601,8 @@ class LLMEngine:
             return
         text = parent.texts[index] + new_text
         params = request.sampling_params
-        if params.stop_strings and request.stop_reason is None:
+        # as in vLLM, stop strings count only once more than min_tokens tokens were generated
+        if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:
             for stop in params.stop_strings:
                 # only the new text and the tail it can complete a stop string with need looking at
                 idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))

@@ -8,6 +8,7 @@ variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -54,19 +55,24 @@ def _reset_inherited_compile_pool() -> None:
 HEARTBEAT_INTERVAL_S = 0.1
 
 
-def _beat(heartbeats, rank: int) -> None:
+def _beat(heartbeats, rank: int, parent: int) -> None:
     """A started rank's heartbeat: its last sign of life in shared memory, every 100 ms. A thread of
-    its own, so a rank busy in a long step keeps beating; a stopped (SIGSTOP) or dead one does not."""
-    while True:
+    its own, so a rank busy in a long step keeps beating; a stopped (SIGSTOP) or dead one does not.
+    A rank whose parent is gone (killed, so that nothing stopped the rank) ends itself."""
+    while os.getppid() == parent:
         heartbeats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
         time.sleep(HEARTBEAT_INTERVAL_S)
+    os._exit(1)
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, heartbeats,
-               args) -> None:
+               parent: int, args) -> None:
+    # A forked rank never collects what it inherited: the parent's garbage may hold objects whose destructors
+    # join threads that a fork does not copy (a previous engine's process group: gc.collect() hung here).
+    gc.freeze()
     os.environ.update(rank_environment(rank, world_size, port))
     _reset_inherited_compile_pool()
-    threading.Thread(target=_beat, args=(heartbeats, rank), name="torch-shift-heartbeat", daemon=True).start()
+    threading.Thread(target=_beat, args=(heartbeats, rank, parent), name="torch-shift-heartbeat", daemon=True).start()
     import torch
 
     if threads is not None:
@@ -95,7 +101,8 @@ class LocalRanks:
         # shared memory written by each rank's heartbeat thread (created before the processes start)
         self.heartbeats = ctx.Array("d", [time.monotonic()] * world_size, lock=False)
         self.procs = {r: ctx.Process(target=_rank_main, daemon=True,
-                                     args=(fn, r, world_size, port, threads, self.results, self.heartbeats, args))
+                                     args=(fn, r, world_size, port, threads, self.results, self.heartbeats,
+                                           os.getpid(), args))
                       for r in ranks}
         for p in self.procs.values():
             p.start()

@@ -40,6 +40,11 @@ class ParallelRuntime:
                              "call its shutdown() first (one parallel engine per process at a time)")
         try:
             if not dist.is_initialized():
+                # torch.distributed.nn.functional takes `group.WORLD` as default arguments when it is imported
+                # (torch._dynamo imports it): imported while our group exists, it would keep that group, its
+                # sockets and the store's port for the life of the process
+                import torch.distributed.nn.functional  # noqa: F401
+
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
             self.groups = DeploymentGroups.build(deployment)
         except BaseException:
@@ -193,15 +198,17 @@ class ParallelRuntime:
         launched.stop(grace_s=max(0.0, grace), kill_after_s=1.0)
         if sender is not None:
             sender.join(max(0.0, deadline - time.monotonic()))  # it ends with the ranks at the latest
+        released = False
         if (sender is None or not sender.is_alive()) and self._in_collective.acquire(
                 timeout=max(0.1, deadline - time.monotonic())):
             try:
                 if dist.is_initialized():
                     dist.destroy_process_group()
+                released = True
             finally:
                 self._in_collective.release()
         self.launched = None
-        if _holder is self:
+        if released and _holder is self:  # else the next engine is refused rather than joining a stale group
             _holder = None
         atexit.unregister(self.shutdown)
         if self._user_threads is not None:

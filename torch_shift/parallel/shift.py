@@ -276,7 +276,8 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     if shift_threshold is not None and shift_threshold < 0:
         raise ValueError(f"shift_threshold must be >= 0 or None, got {shift_threshold}")
     base = load_base(config, groups, read, dtype, device)
-    shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None else None
+    # with SP = 1 the base layout is already full TP: one layout, one copy of the weights
+    shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None and groups.sp > 1 else None
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
 
 

@@ -525,6 +525,7 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
 def run_server(engine_args, args) -> int:
     """`torch-shift serve`: serve until SIGINT/SIGTERM or a fatal engine error; the process's exit code (1 after
     an engine failure or stall, so that a supervisor restarts it). `args` holds options.add_server_args'."""
+    import gc
     import os
 
     import uvicorn
@@ -547,16 +548,28 @@ def run_server(engine_args, args) -> int:
         max_prompts_per_request=args.max_prompts_per_request, step_deadline_s=args.step_deadline_s,
         on_fatal=exit_on_fatal)
 
+    name = app.state.served_model_name
+
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # bound: say where (with --port 0, the port the system chose)
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+                print(f"[torch-shift] serving {name!r} on {url} (OpenAI API at {url}/v1; {url}/health, "
+                      f"{url}/metrics); Ctrl+C stops", file=sys.stderr, flush=True)
+
         async def shutdown(self, sockets=None) -> None:
             async_engine.close()  # clients in flight get an explicit 503 now, not after a drain
             await super().shutdown(sockets)
 
+    # this process is the library's own (the CLI) and what is built lives as long as it: keep it out of the
+    # cyclic collector's full passes (~230 ms over torch's objects every few hundred steps, bench_engine.py)
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = Server(config)
-    print(f"[torch-shift] serving {app.state.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr,
-          flush=True)
     try:
         server.run()
     finally:

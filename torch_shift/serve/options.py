@@ -10,9 +10,10 @@ API_KEY_ENV = "TORCH_SHIFT_API_KEY"
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: --model, or 'default' for the default model)")
     g.add_argument("--api-key", default=None,
                    help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (default: the "
                         f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)")
@@ -25,5 +26,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-deadline-s", type=float, default=30.0,
                    help="an engine step running longer than this (or 20x the longest recent step, if more), or a "
                         "rank silent for this long, fails the requests in flight and the server exits non-zero; "
-                        "keep it below --distributed-timeout-s, raise it with --compile (first steps compile)")
-    g.add_argument("--log-level", default="warning")
+                        "keep it below --distributed-timeout, raise it with --compile (first steps compile)")
+    g.add_argument("--log-level", default="warning", help="uvicorn's log level")
