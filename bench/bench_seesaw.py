@@ -184,8 +184,8 @@ def main(argv=None) -> int:
 
     log(f"machine: {platform.machine()}, {os.cpu_count()} cores; {_caches()}; torch threads per rank 1; "
         "shared with other jobs while measured: timings are noisy")
-    workloads = {name: workload(Path(args.traces), name, args.num_requests, args.scale, args.max_prompt, args.max_output,
-                                model_config["vocab_size"], args.seed) for name in ("arxiv", "azure")}
+    workloads = {name: workload(Path(args.traces), name, args.num_requests, args.scale, args.max_prompt,
+                                args.max_output, model_config["vocab_size"], args.seed) for name in ("arxiv", "azure")}
     for name, reqs in workloads.items():
         prompts, outs = [len(p) for p, _ in reqs], [n for _, n in reqs]
         log(f"workload {name}: {len(reqs)} requests, lengths x{args.scale} (capped at {args.max_prompt} / "
@@ -196,8 +196,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_random_checkpoint(Path(tmp) / "model", tiny_llama_config(**model_config)))
         num_params = _num_params(model_config)
-        log(f"model: random Llama {model_config}: {num_params / 1e6:.0f}M parameters, fp32 {num_params * 4 / 2**20:.0f} "
-            f"MiB; KV {args.kv_mb} MiB per rank; Seesaw tier {args.tier_gb} GiB")
+        log(f"model: random Llama {model_config}: {num_params / 1e6:.0f}M parameters, fp32 "
+            f"{num_params * 4 / 2**20:.0f} MiB; KV {args.kv_mb} MiB per rank; Seesaw tier {args.tier_gb} GiB")
 
         if "main" in parts:
             results["main"] = {}

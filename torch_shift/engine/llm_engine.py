@@ -149,6 +149,9 @@ class EngineArgs:
             raise ValueError(f"kv_swap must be 'sync' or 'async', got {self.kv_swap!r}")
         if self.seesaw_weights not in ("resident", "host"):
             raise ValueError(f"seesaw_weights must be 'resident' or 'host', got {self.seesaw_weights!r}")
+        if self.compile and self.pp > 1:
+            raise ValueError("compile=True is not available with pipeline parallelism (pp > 1): its stages run "
+                             "eagerly")
         if self.shift_threshold is not None and (not isinstance(self.shift_threshold, int) or self.shift_threshold < 0):
             raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
         for name in ("shift_weights", "flying_weights"):
@@ -672,6 +675,9 @@ class LLMEngine:
         Safe from any thread, also while another thread is blocked in a step; a step after it raises."""
         if self.parallel is not None and self.is_driver:
             self.parallel.shutdown(timeout_s)
+        runner = getattr(self, "runner", None)  # None: driver_only, or a construction that failed
+        if runner is not None and runner.swapper is not None:
+            runner.swapper.close()  # the prefetch thread, if any, ends with the engine
 
 
 def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:

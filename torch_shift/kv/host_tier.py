@@ -140,7 +140,7 @@ class SwapExecutor:
         self.copy_seconds += time.perf_counter() - start
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
+        """End the prefetch thread (its last copies are left to finish)."""
         if self._thread is not None:
-            self._thread.shutdown()
+            self._thread.shutdown(wait=False)
+            self._thread = None

@@ -128,6 +128,7 @@ class PipelineModel(nn.Module):
         self.num_reshards = 0
         self.reshard_seconds = 0.0
         self._active = "pp"  # which set of layer weights the device holds ("host" weights)
+        self._host_weights: dict[str, torch.Tensor] = {}  # "host" weights: a flat copy of each set
         if weights == "host":
             self._share_device_weights()
 
@@ -141,7 +142,6 @@ class PipelineModel(nn.Module):
         first = sets["pp"][0]
         self._device_weights = torch.empty(size, dtype=first.dtype, device=first.device)
         pin = first.device.type == "cuda"
-        self._host_weights = {}
         for kind, params in sets.items():
             host = torch.cat([p.detach().reshape(-1).cpu() for p in params])
             self._host_weights[kind] = host.pin_memory() if pin else host
@@ -170,7 +170,7 @@ class PipelineModel(nn.Module):
         storages = {}
         for p in self.parameters():
             storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-        host = sum(t.untyped_storage().nbytes() for t in getattr(self, "_host_weights", {}).values())
+        host = sum(t.untyped_storage().nbytes() for t in self._host_weights.values())
         return {"device": sum(storages.values()), "host": host}
 
     # -- KV ---------------------------------------------------------------------------------------------
