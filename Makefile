@@ -8,7 +8,7 @@ install:
 # The main job: generate with the embedded default model (shipped in the package).
 demo:
 	PYTHON=$(PYTHON) scripts/install.sh serve
-	torch-shift generate "And God said" "In the beginning" --max-tokens 40
+	$(PYTHON) -m torch_shift generate "And God said" "In the beginning" --max-tokens 40
 
 # Every test, the slow ones included (what CI runs).
 test:

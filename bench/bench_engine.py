@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
+from torch_shift.bench.traffic import DEFAULT_TRACE
 
 # The throughput model: Llama architecture, fp32, random weights.
 MODEL_CONFIG = dict(
@@ -46,6 +45,9 @@ TINY_CONFIG = dict(
     vocab_size=256, max_position_embeddings=4096, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
     pad_token_id=0,
 )
+
+# The broadcast probe runs TP-2: two heads, so that each rank has one.
+TINY2_CONFIG = {**TINY_CONFIG, "num_attention_heads": 2, "num_key_value_heads": 2}
 
 
 FINAL_ONLY = True  # engine.step(final_only=...) in the overhead runs; --all-outputs turns it off
@@ -166,6 +168,8 @@ class TorchShiftRunner:
         # warm-up: a few short requests (prefill and decode paths), prompts unlike the measured ones
         self.llm.generate(warm_prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                           use_tqdm=False)
+        gc.collect()  # as the processes torch_shift starts do (the engine no longer does it in the user's process)
+        gc.freeze()
 
     def run(self, reqs: list[dict]):
         engine = self.llm.engine
@@ -359,38 +363,28 @@ def throughput_part(args, workdir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ part 2
 class NullModel(torch.nn.Module):
-    """forward(input_ids, positions, attention) -> zeros [T, hidden]; no attention, no KV write."""
+    """forward_step(...) -> zeros [logits rows, vocab]; no attention, no KV write."""
 
-    def __init__(self, hidden: int, vocab: int, max_tokens: int):
+    def __init__(self, vocab: int, max_tokens: int):
         super().__init__()
         # Made under inference_mode like real activations: a view made in inference mode of a normal
         # tensor costs milliseconds to index outside it (PyTorch view bookkeeping), which is no engine cost.
         with torch.inference_mode():
-            self.hidden = torch.zeros(max_tokens, hidden)
             self.logits = torch.zeros(max_tokens, vocab)
 
-    def forward(self, input_ids, positions, attention):
-        return self.hidden[: input_ids.shape[0]]
-
-    def compute_logits(self, hidden):
-        return self.logits[: hidden.shape[0]]
+    def forward_step(self, input_ids, positions, attention, logits_indices, layout):
+        return self.logits[: logits_indices.shape[0]]
 
 
 class _TimedModel:
-    """Stands in for runner.model: times the model call and compute_logits."""
+    """Stands in for runner.model: times the model's step."""
 
     def __init__(self, model, acc):
         self._model, self._acc = model, acc
 
-    def __call__(self, *a):
+    def forward_step(self, *a):
         t = time.perf_counter()
-        r = self._model(*a)
-        self._acc["model"] += time.perf_counter() - t
-        return r
-
-    def compute_logits(self, h):
-        t = time.perf_counter()
-        r = self._model.compute_logits(h)
+        r = self._model.forward_step(*a)
         self._acc["model"] += time.perf_counter() - t
         return r
 
@@ -418,9 +412,9 @@ def _timed(fn, acc, key):
 PHASES = ["schedule", "prepare", "model", "execute_other", "sample", "update", "outputs"]
 PHASE_DOC = {
     "schedule": "Scheduler.schedule",
-    "prepare": "ModelRunner.prepare (plan -> tensors)",
-    "model": "null model forward + compute_logits (incl. nn.Module call)",
-    "execute_other": "rest of ModelRunner.execute (inference_mode, PagedAttention(), hidden[logits_indices])",
+    "prepare": "ModelRunner.prepare (persistent batch -> tensors)",
+    "model": "null model forward_step",
+    "execute_other": "rest of LLMEngine.execute (plan deltas, InputBatch.apply, inference_mode, PagedAttention())",
     "sample": "LLMEngine._sample (incl. Sampler: argmax, .tolist())",
     "update": "Scheduler.update_from_output",
     "outputs": "rest of LLMEngine.step: detokenize loop, _make_output, bookkeeping",
@@ -437,8 +431,12 @@ def make_overhead_engine(tiny_dir: Path, n: int, prompt_len: int, decode_steps: 
     num_blocks = n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1)
     llm = LLM(str(tiny_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=budget,
               num_kv_blocks=num_blocks)
+    # what the processes torch_shift starts (`torch-shift serve`, the ranks) do once the engine is built; the
+    # engine itself no longer does it, since an offline LLM lives in the user's process
+    gc.collect()
+    gc.freeze()
     engine = llm.engine
-    engine.runner.model = NullModel(hidden=8, vocab=TINY_CONFIG["vocab_size"], max_tokens=budget)
+    engine.runner.model = NullModel(vocab=TINY_CONFIG["vocab_size"], max_tokens=budget)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -463,7 +461,7 @@ def overhead_run(tiny_dir: Path, n: int, prompt_len: int, warmup: int, steps: in
         sched.schedule = _timed(sched.schedule, acc, "schedule")
         sched.update_from_output = _timed(sched.update_from_output, acc, "update")
         runner.prepare = _timed(runner.prepare, acc, "prepare")
-        runner.execute = _timed(runner.execute, acc, "execute")
+        engine.execute = _timed(engine.execute, acc, "execute")
         runner.model = _TimedModel(runner.model, acc)
         engine._sample = _timed(engine._sample, acc, "sample")
         engine.sampler = _TimedSampler(engine.sampler, acc)
@@ -596,12 +594,11 @@ def overhead_part(args, workdir: Path) -> dict:
     log(f"per configuration: {args.overhead_repeats} x ({args.overhead_warmup} warm-up + {args.overhead_steps} timed "
         f"engine.step() calls) on fresh engines, steps pooled; then one more run with phase timers; "
         f"torch threads {args.overhead_threads}; load average before: {loadavg()}")
-    configs = [(n, args.overhead_prompt_len) for n in args.overhead_requests]
-    if args.overhead_long_prompt:
-        configs.append((max(args.overhead_requests), args.overhead_long_prompt))
+    configs = [(n, plen) for n in args.overhead_requests
+               for plen in (args.overhead_prompt_len, args.overhead_long_prompt) if plen]
     results = {"target_ms": args.target_ms, "threads": args.overhead_threads, "runs": []}
     mon = OtherLoad()
-    n_max = max(args.overhead_requests)
+    n_max = args.target_requests
     variants = {"gc_freeze": ("gc_freeze", args.overhead_threads), "gc_off": ("gc_off", args.overhead_threads)}
     if main_threads != args.overhead_threads:
         variants[f"threads_{main_threads}"] = ("clean", main_threads)
@@ -631,7 +628,7 @@ def overhead_part(args, workdir: Path) -> dict:
             f"{run['phases_ms']['make_output']:.3f} ms)")
         results["runs"].append(run)
 
-    main = next(r for r in results["runs"] if r["n"] == n_max and r["prompt_len"] == args.overhead_prompt_len)
+    main = max((r for r in results["runs"] if r["n"] == n_max), key=lambda r: r["mean_ms"])  # the worse context
     full = time.perf_counter()
     gc.collect()
     full = time.perf_counter() - full
@@ -659,6 +656,79 @@ def overhead_part(args, workdir: Path) -> dict:
     return results
 
 
+# ------------------------------------------------------------------------------------------------ part 3
+def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: int, steps: int, seed: int):
+    """World 2 (TP-2) with the null model on both ranks: the pickled size of every step message rank 0
+    broadcasts (what broadcast_object_list sends), over steady-state decode steps."""
+    import pickle
+
+    from torch_shift import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    bs = 16
+    max_tokens = 2 * math.ceil(n * prompt_len / max(2048, n)) + steps + 16  # nobody finishes before the timed steps
+    llm = LLM(str(tiny_dir), tp=2, dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
+              num_kv_blocks=n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1), max_model_len=prompt_len + max_tokens + 8)
+    engine = llm.engine
+    engine.runner.model = NullModel(vocab=TINY2_CONFIG["vocab_size"], max_tokens=max(2048, n))
+    if rank != 0:
+        engine.worker_loop()
+        return None
+    sizes: list[int] = []
+    send = engine.parallel.broadcast
+
+    def recording(message=None):
+        sizes.append(len(pickle.dumps(message)))
+        return send(message)
+
+    engine.parallel.broadcast = recording
+    full_sizes: list[int] = []  # what a full plan (every token id and block table, as before deltas) would pickle to
+    execute = engine.execute
+
+    def execute_recording(output):
+        full = [(e.request_id, e.token_ids, e.num_computed_tokens, list(e.block_table), e.sample, e.prompt_logprobs)
+                for e in output.scheduled]
+        full_sizes.append(len(pickle.dumps(("step", full))))
+        return execute(output)
+
+    engine.execute = execute_recording
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"r{i}", [rng.randrange(3, TINY2_CONFIG["vocab_size"]) for _ in range(prompt_len)], params)
+    while not all(r.num_output_tokens >= 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    first_decode = len(sizes)
+    for _ in range(steps):
+        engine.step(final_only=True)
+        assert len(engine.scheduler.running) == n
+    decode = sizes[first_decode:]
+    send(("outputs", None))
+    return {"n": n, "prompt_len": prompt_len, "steps": len(decode), "mean_bytes": statistics.mean(decode),
+            "max_bytes": max(decode), "prefill_bytes": sum(sizes[:first_decode]),
+            "full_plan_mean_bytes": statistics.mean(full_sizes[first_decode:])}
+
+
+def broadcast_part(args, workdir: Path) -> dict:
+    from torch_shift.parallel.launch import run_ranks
+
+    log("")
+    log("=" * 100)
+    log("3. Step-plan broadcast per decode step at world 2 (TP-2, null model): pickled bytes of each message")
+    log("=" * 100)
+    tiny_dir = workdir / "tiny2"
+    build_checkpoint(tiny_dir, TINY2_CONFIG, args.seed)
+    rows = []
+    for n in args.overhead_requests:
+        for plen in (args.overhead_prompt_len, args.overhead_long_prompt or 1024):
+            result = run_ranks(_broadcast_rank, 2, tiny_dir, n, plen, 50, args.seed, timeout_s=600)[0]
+            rows.append(result)
+            log(f"  {n:>5} requests, prompts of {plen:>5} tokens: decode step {result['mean_bytes']:>9.0f} bytes on "
+                f"average ({result['mean_bytes'] / n:6.1f} per request), max {result['max_bytes']} (a full plan: "
+                f"{result['full_plan_mean_bytes']:.0f}); the prompts' admission sent {result['prefill_bytes']} bytes once")
+    return {"runs": rows}
+
+
 # ------------------------------------------------------------------------------------------------ main
 def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
@@ -678,10 +748,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating rounds (torch_shift, then each HF batch size); the best time of each is kept")
     ap.add_argument("--hf-no-sort", action="store_true", help="batch HF requests in sampled order, not by length")
-    ap.add_argument("--overhead-requests", type=int_list, default=[32, 256])
+    ap.add_argument("--overhead-requests", type=int_list, default=[32, 256, 1024])
     ap.add_argument("--overhead-prompt-len", type=int, default=16)
     ap.add_argument("--overhead-long-prompt", type=int, default=1024,
-                    help="also measure the largest request count at this prompt length (0: skip)")
+                    help="also measure every request count at this prompt length (0: skip)")
     ap.add_argument("--overhead-threads", type=int, default=1,
                     help="torch threads for the overhead runs (default 1: the engine's per-step work is serial "
                          "Python and tiny ops; with more threads on a busy machine, each OpenMP region in a "
@@ -691,13 +761,16 @@ def main(argv=None) -> int:
                     help="timed runs per configuration, each on a fresh engine; steps are pooled")
     ap.add_argument("--overhead-warmup", type=int, default=30)
     ap.add_argument("--overhead-steps", type=int, default=400)
-    ap.add_argument("--target-ms", type=float, default=2.0)
+    ap.add_argument("--target-ms", type=float, default=1.0)
+    ap.add_argument("--target-requests", type=int, default=256,
+                    help="the target applies at this many running requests, short and long contexts")
     ap.add_argument("--all-outputs", action="store_true",
                     help="overhead: build every request's output each step (streaming) instead of only the "
                          "finished ones (what LLM.generate asks for)")
     ap.add_argument("--profile", action="store_true", help="cProfile the overhead run even when the target is met")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-broadcast", action="store_true")
     ap.add_argument("--json", help="write the results as JSON to this path")
     args = ap.parse_args(argv)
     global FINAL_ONLY
@@ -729,6 +802,8 @@ def main(argv=None) -> int:
             out["throughput"] = throughput_part(args, workdir)
         if not args.skip_overhead:
             out["overhead"] = overhead_part(args, workdir)
+        if not args.skip_broadcast:
+            out["broadcast"] = broadcast_part(args, workdir)
     out["wall_s"] = time.perf_counter() - start
     log(f"\ntotal wall time {out['wall_s']:.1f}s")
     if args.json:

@@ -29,10 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv"
-
-from torch_shift.bench.run import TABLE5_MODEL as MODEL  # noqa: E402 - the same ~5M-parameter model
+from torch_shift.bench.run import TABLE5_MODEL as MODEL  # the same ~5M-parameter model
+from torch_shift.bench.traffic import DEFAULT_TRACE
 
 CONFIGS = {
     "TP": dict(sp=1, tp=2, shift_threshold=None),

@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# Install torch_shift (editable) with the given extras, e.g. `scripts/install.sh dev`.
-# A machine without torch gets the CPU build pinned to 2.13.0; an existing torch (>= 2.11) is kept,
-# so a GPU machine keeps its CUDA build. An unpinned `torch` would pull several GB of CUDA wheels.
+# Install torch_shift (editable) with the given extras, e.g. `scripts/install.sh serve,dev`.
+#
+# torch: an existing torch >= 2.11 is kept (a GPU machine keeps its CUDA build). Otherwise torch 2.13.0 is
+# installed: on a machine without an NVIDIA GPU the CPU-only build from PyTorch's CPU wheel index (PyPI's
+# default torch wheel pulls about 20 CUDA packages, several GB); where that index cannot be reached, the plain
+# pin from the configured index; with a GPU, the CUDA build from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 extras=${1:-}
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-  "$PYTHON" -m pip install --quiet "torch==2.13.0"
+TORCH_PIN="torch==2.13.0"
+CPU_INDEX="https://download.pytorch.org/whl/cpu"
+
+if ! "$PYTHON" -c '
+import sys, torch
+version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if version >= (2, 11) else 1)' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[install] $TORCH_PIN (CUDA build, an NVIDIA GPU is present)" >&2
+    "$PYTHON" -m pip install --quiet "$TORCH_PIN"
+  elif "$PYTHON" -c "import urllib.request; urllib.request.urlopen('$CPU_INDEX/torch/', timeout=15)" 2>/dev/null; then
+    echo "[install] $TORCH_PIN, CPU-only build from $CPU_INDEX (no NVIDIA GPU here)" >&2
+    "$PYTHON" -m pip install --quiet --index-url "$CPU_INDEX" "$TORCH_PIN"
+  else
+    echo "[install] $CPU_INDEX cannot be reached: $TORCH_PIN from the configured package index" >&2
+    "$PYTHON" -m pip install --quiet "$TORCH_PIN"
+  fi
 fi
 "$PYTHON" -m pip install --quiet -e ".${extras:+[$extras]}"
 if [[ ",$extras," == *",dev,"* ]]; then

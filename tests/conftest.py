@@ -97,12 +97,12 @@ def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     engine.add_request("probe", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
     rows = []
     while True:
-        plan = engine.scheduler.schedule()
-        out = engine.runner.execute(plan)
-        (rid, first, n), = out.logits_rows
-        rows.append(out.logits[first:first + n])
-        engine.scheduler.update_from_output(plan, {"probe": 7} if plan.scheduled[0].sample else {})
-        if plan.scheduled[0].sample:
+        output = engine.scheduler.schedule()
+        _, (logits,) = engine.execute(output)  # the chunk's every position (prompt logprobs)
+        rows.append(logits)
+        sample = output.scheduled[0].sample
+        engine.scheduler.update_from_output(output, {"probe": 7} if sample else {})
+        if sample:
             break
     engine.abort_request("probe")
     return torch.cat(rows)

@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 from test_server import RunningServer
 
 from torch_shift.bench.loadgen import run_load
 from torch_shift.bench.report import summarize
-from torch_shift.bench.traffic import LengthSource, gamma_arrivals, phase_arrivals, trace_replay, workload
-
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+from torch_shift.bench.traffic import (
+    DEFAULT_TRACE,
+    LengthSource,
+    gamma_arrivals,
+    phase_arrivals,
+    read_trace,
+    trace_replay,
+    workload,
+)
 
 
 def test_arrival_processes():
@@ -30,10 +35,11 @@ def test_arrival_processes():
     assert 8 <= low <= 35 and 150 <= high <= 250 and max(times) < 20
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="shared traces not present")
 def test_trace_lengths_and_replay_are_scaled_and_clipped():
-    lengths = LengthSource(trace=TRACE, scale=0.125, max_prompt=64, max_output=16)
-    specs = trace_replay(TRACE, 50, 10.0, lengths, vocab_size=512)
+    """On the trace shipped in the package (the first 2,000 requests of the Azure 2023 conversation trace)."""
+    assert len(read_trace(DEFAULT_TRACE)) == 2000
+    lengths = LengthSource(trace=DEFAULT_TRACE, scale=0.125, max_prompt=64, max_output=16)
+    specs = trace_replay(DEFAULT_TRACE, 50, 10.0, lengths, vocab_size=512)
     assert len(specs) == 50 and specs[0].arrival_s == 0.0
     assert all(1 <= len(s.prompt) <= 64 and 2 <= s.max_tokens <= 16 for s in specs)
     assert specs[1].arrival_s == pytest.approx(4.314579 / 10.0)  # the trace's second arrival, compressed
@@ -69,10 +75,11 @@ def test_statistics_of_a_real_run_match_its_recorded_timestamps(checkpoints):
 def test_bench_command_compares_configs_side_by_side(checkpoints, tmp_path):
     import json
     import subprocess
+    import sys
 
     _, model_dir = checkpoints("llama")
     result = subprocess.run(
-        ["torch-shift", "bench", "--model", str(model_dir), "--config", "single:", "--config",
+        [sys.executable, "-m", "torch_shift", "bench", "--model", str(model_dir), "--config", "single:", "--config",
          "Shift:sp=2,shift_threshold=4", "--num-requests", "6", "--rate", "20", "--prompt-len", "8",
          "--output-len", "4", "--out", str(tmp_path), "--no-progress"],
         capture_output=True, text=True, timeout=600)

@@ -57,3 +57,27 @@ def test_compiled_layouts_match_eager_without_recompiles(llama):
     for got, counts in run_ranks(_compiled_rank, 2, model_dir, timeout_s=600):
         assert got == expected
         assert counts["base"] >= 2 and counts["shift"] >= 10
+
+
+def _compile_a_new_kernel(rank, world, constant):
+    import torch
+
+    return float(torch.compile(lambda x: torch.sin(x) * constant + 3.25)(torch.ones(4)).sum())
+
+
+def test_ranks_forked_after_the_parent_compiled_can_compile():
+    """The parent's inductor compile thread pool does not survive a fork: without the launcher's reset
+    a rank that compiles a kernel missing from the on-disk cache waits forever (a cold cache, as in CI)."""
+    import random
+
+    import torch
+    from torch._inductor import config
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    if get_compile_threads() <= 1:
+        pytest.skip("inductor compiles in-line with one compile thread: no pool to inherit")
+    constant = random.random()  # kernels no cache holds yet, in the parent and in the ranks
+    torch.compile(lambda x: torch.cos(x) * constant)(torch.ones(4))
+    assert AsyncCompile.pool.cache_info().currsize == 1, config.compile_threads  # the pool a fork inherits
+    expected = float((torch.sin(torch.ones(4)) * (constant + 1) + 3.25).sum())
+    assert run_ranks(_compile_a_new_kernel, 2, constant + 1, timeout_s=60) == [pytest.approx(expected)] * 2

@@ -77,7 +77,7 @@ def _mesh_rank(rank, world, hf_dir, converted_dir):
     llm = LLM(str(converted_dir), sp=2, tp=2, shift_threshold=16)
     engine = llm.engine
     # the same ranks load the Hugging Face files: every shard of both layouts must be byte-equal
-    from_hf = build_shift_module(engine.model_config, engine.parallel.groups,
+    from_hf = build_shift_module(engine.model_config, engine.parallel.groups.replica,
                                  CheckpointReader(hf_dir, engine.model_config), engine.dtype, engine.device,
                                  shift_threshold=16)
     unequal = []

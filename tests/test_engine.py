@@ -128,8 +128,13 @@ def test_n_samples_and_seeds(llama):
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    single = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=8), use_tqdm=False)[0]
-    assert single.outputs[0].token_ids == out.outputs[1].token_ids  # sample i draws from seed + i
+    single = llm.generate([prompt], replace(params, n=1), use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == out.outputs[0].token_ids  # sample 0 draws from the seed itself
+    # the other samples' streams derive from (seed, index): nearby seeds share no sample (vLLM: seed + index)
+    samples = {seed: [tuple(c.token_ids) for c in llm.generate([prompt], replace(params, seed=seed),
+                                                                use_tqdm=False)[0].outputs]
+               for seed in (7, 8, 9)}
+    assert len(set(samples[7]) | set(samples[8]) | set(samples[9])) == 9
 
 
 def test_text_prompts_stop_strings_and_stop_tokens(llama):
@@ -237,6 +242,13 @@ def test_prompt_larger_than_the_kv_pool(llama):
     ({"top_k": -2}, "top_k"),
     ({"stop": [""]}, "stop"),
     ({"max_tokens": "8"}, "max_tokens"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got int"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of ints, got int"),
+    ({"seed": 2**63}, r"seed must be an int in \[0, 2\*\*63 - 1\], got 9223372036854775808"),
+    ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*63 - 1\]"),
+    *[({name: value}, f"{name} must be a finite number, got {value}")
+      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+      for value in (math.nan, math.inf, -math.inf)],
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -318,3 +330,91 @@ def test_stop_strings_without_a_tokenizer_and_bad_engine_arguments(llama, tmp_pa
                           ({"shift_threshold": -1}, "shift_threshold"), ({"attention_backend": "x"}, "attention")]:
         with pytest.raises(ValueError, match=match):
             LLM(str(model_dir), **kwargs)
+
+
+def test_stop_strings_count_only_after_min_tokens(llama):
+    """vLLM checks stop strings only once more than min_tokens tokens were generated."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    free = llm.generate("the quick brown fox", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[:1]  # completed by the first token
+    early = llm.generate("the quick brown fox", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                               stop=stop), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and early.text == "" and len(early.token_ids) <= 1 + len(stop)
+    late = llm.generate("the quick brown fox", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                              stop=stop, min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > 4 and late.token_ids == free.token_ids[:len(late.token_ids)]
+    assert late.text.startswith(stop)  # the early occurrence stays in the text
+
+
+def test_temperature_below_1e_5_is_greedy(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    tiny = SamplingParams(max_tokens=8, temperature=5e-6, top_p=0.5, min_p=0.3)
+    assert tiny.greedy and not SamplingParams(temperature=1e-5).greedy
+    prompts = random_prompts(3, [4, 9, 2], seed=6)
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, tiny, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in llm.generate(prompts, replace(tiny, temperature=0.0),
+                                                             use_tqdm=False)])
+
+
+def test_vllm_and_arctic_inference_argument_names():
+    from torch_shift import EngineArgs
+
+    args = EngineArgs("m", tensor_parallel_size=2, ulysses_sequence_parallel_size=4, shift_parallel_threshold=64,
+                      data_parallel_size=3, pipeline_parallel_size=1)
+    assert (args.tp, args.sp, args.shift_threshold, args.dp) == (2, 4, 64, 3)
+    assert EngineArgs("m", tp=2, tensor_parallel_size=2).tp == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and tp=4 disagree"):
+        EngineArgs("m", tp=4, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=2 and dp=4 disagree"):
+        EngineArgs("m", dp=4, data_parallel_size=2)
+    assert EngineArgs("m", pipeline_parallel_size=2).pp == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 and pp=4 disagree"):
+        EngineArgs("m", pp=4, pipeline_parallel_size=2)
+
+
+def test_vllm_names_through_llm(llama):
+    _, model_dir = llama
+    expected = LLM(str(model_dir)).generate("the quick", SamplingParams(max_tokens=6, temperature=0.0),
+                                            use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    try:
+        assert llm.engine.args.tp == 2 and llm.engine.parallel is not None
+        assert llm.generate("the quick", SamplingParams(max_tokens=6, temperature=0.0),
+                            use_tqdm=False)[0].outputs[0].token_ids == expected
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="pp=4 stages need at least 4 layers"):
+        LLM(str(model_dir), pipeline_parallel_size=4)
+
+
+def test_prompt_and_sampling_param_types(llama):
+    """Type errors name the argument and what it takes; vLLM's prompt dicts work."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    text = llm.generate("the quick", greedy, use_tqdm=False)[0].outputs[0]
+    ids = llm.tokenizer.encode("the quick")
+    for prompt in ({"prompt": "the quick"}, [{"prompt": "the quick"}], {"prompt_token_ids": ids}):
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == text.token_ids
+    with pytest.raises(TypeError, match=r"prompt 0: a dict with keys \['a', 'b'\]; a prompt is a string or a list"):
+        llm.generate({"a": 1, "b": 2}, greedy, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be a prompt or a list of prompts, got int"):
+        llm.generate(5, greedy, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams .* got dict \(make one with"):
+        llm.generate("the quick", {"temperature": 0.0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt is not valid Unicode text: surrogates not allowed "
+                                         r"'\\ud800' at character 4"):
+        llm.generate(["fine", "bad \ud800 text"], greedy, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_without_a_model_uses_the_embedded_default_model():
+    from torch_shift.models.default import default_model_dir
+
+    llm = LLM()
+    assert llm.engine.model_dir == default_model_dir()
+    out = llm.generate("And God said", SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8 and out.text.strip()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import FAMILIES, build_hf_model, engine_logits, random_prompts, rewrite_config, save_checkpoint
 
-from torch_shift import LLMEngine, SamplingParams
+from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.models import load_model
@@ -40,7 +40,7 @@ def test_half_precision_as_close_to_fp32_as_transformers(checkpoints, dtype):
         hf_half = build_hf_model("llama").to(getattr(torch, dtype))
         hf_err = (hf_half(torch.tensor([prompt])).logits[0].float() - ref).abs().mean()
     engine = LLMEngine(EngineArgs(str(model_dir), dtype=dtype))
-    assert engine.model.lm_head.weight.dtype == getattr(torch, dtype)
+    assert engine.model.model.lm_head.weight.dtype == getattr(torch, dtype)
     got = engine_logits(engine, prompt)
     assert got.dtype == getattr(torch, dtype)
     our_err = (got.float() - ref).abs().mean()
@@ -131,3 +131,41 @@ def test_resolve_hub_id_from_local_cache(tmp_path, monkeypatch, llama):
     assert resolve_model_dir("tiny/llama") == snapshot
     with pytest.raises(ValueError, match=f"'tiny/absent'.*{cache}"):
         resolve_model_dir("tiny/absent")
+
+
+def test_hub_id_with_dots_resolves_from_a_cache_laid_out_by_huggingface_hub(tmp_path, monkeypatch, llama):
+    """Most real ids have a dot (Qwen2.5-0.5B, Llama-3.2-1B): blobs named by hash, a snapshot of symlinks
+    to them, refs/main naming the commit, as huggingface_hub writes its cache. A missing path is named."""
+    import hashlib
+    import os
+
+    from huggingface_hub import constants
+
+    from torch_shift.models.hub import resolve_model_dir
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--tiny-org--Tiny-Llama-3.2-0.5B"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in llama[1].iterdir():
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    assert resolve_model_dir("tiny-org/Tiny-Llama-3.2-0.5B") == snapshot
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert (LLM("tiny-org/Tiny-Llama-3.2-0.5B").generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == LLM(str(llama[1])).generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    (tmp_path / "file.bin").write_bytes(b"")
+    for missing in (tmp_path / "nowhere", "./nowhere", "a/b/c", "tiny-org/Absent-0.5B", tmp_path / "file.bin"):
+        with pytest.raises(ValueError, match="no such directory"):
+            resolve_model_dir(str(missing))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -197,7 +198,7 @@ def test_dropped_stream_frees_its_blocks(server):
 
 def test_burst_larger_than_the_queue_is_fully_accounted(checkpoints):
     _, model_dir = checkpoints("llama")
-    s = RunningServer(model_dir, max_waiting_requests=4, engine={"max_num_seqs": 2})
+    s = RunningServer(model_dir, max_waiting_seqs=4, engine={"max_num_seqs": 2})
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=60) as http:
@@ -280,22 +281,36 @@ def test_shutdown_fails_requests_in_flight_explicitly(checkpoints):
 
         lines = asyncio.run(long_stream())
         assert lines[-1] == "data: [DONE]"
-        assert "shut down" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+        assert "shutting down" in json.loads(lines[-2][len("data: "):])["error"]["message"]
         after = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert after.status_code == 503
     finally:
         s.stop()
 
 
-@pytest.mark.slow
-def test_server_with_sequence_parallel_ranks(checkpoints, reference):
-    """`torch-shift serve --sp 2`: this server process starts rank 1 itself."""
-    import subprocess
+PARALLEL_SERVERS = {
+    "sp2": (["--sp", "2", "--shift-threshold", "4"], {"base", "shift"}),
+    # one request: light load, TP over both replicas; then a burst of 3: DP replicas (a switch)
+    "flying": (["--dp", "2", "--policy", "flying", "--policy-config", '{"dp_above": 1.5, "tp_below": 0.5}'],
+               {"tp2@0", "dp@0", "dp@1"}),
+}
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARALLEL_SERVERS))
+def test_server_with_parallel_ranks(checkpoints, reference, name):
+    """`torch-shift serve --sp 2` and `--dp 2 --policy flying`: this server process starts rank 1 itself;
+    /metrics reports the steps of every layout, the switches and the switching steps' latency."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    flags, layouts = PARALLEL_SERVERS[name]
     _, model_dir = checkpoints("llama")
     port = free_port()
-    proc = subprocess.Popen(["torch-shift", "serve", "--model", str(model_dir), "--sp", "2", "--shift-threshold",
-                             "4", "--port", str(port), "--served-model-name", "tiny"],
+    proc = subprocess.Popen([sys.executable, "-m", "torch_shift", "serve", "--model", str(model_dir), *flags,
+                             "--port", str(port), "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -312,10 +327,20 @@ def test_server_with_sequence_parallel_ranks(checkpoints, reference):
         expected = greedy(reference).text
         assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
             == expected
+        with ThreadPoolExecutor(3) as pool:
+            texts = pool.map(lambda _: client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                                                 temperature=0).choices[0].text, range(3))
+            assert list(texts) == [expected] * 3
         chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'layout="base"' in metrics and 'layout="shift"' in metrics
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text):
+            for sample in family.samples:
+                samples[(sample.name, sample.labels.get("layout"))] = sample.value
+        assert {layout for (metric, layout) in samples if metric == "torch_shift:steps_total"} == layouts
+        assert samples[("torch_shift:layout_switches_total", None)] >= 1
+        assert samples[("torch_shift:layout_switch_latency_seconds_count", None)] == \
+            samples[("torch_shift:layout_switches_total", None)]
     finally:
         proc.send_signal(2)  # SIGINT: uvicorn shuts down, the engine stops its rank
         try:
@@ -333,3 +358,221 @@ def test_several_prompts_in_one_completion_request(server, reference):
         expected = greedy(reference, prompt, max_tokens=5).text
         assert out.choices[2 * i].text == expected and out.choices[2 * i + 1].text == expected
     assert out.usage.completion_tokens == 6 * 5
+
+
+# -- issue 9: API gaps ----------------------------------------------------------------------------------------
+def post(server, path, body, **kwargs):
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30,
+                          **kwargs)
+    return httpx.post(server.url + path, json=body, timeout=30, **kwargs)
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+REFUSED = [  # (path, extra fields, what the message must name)
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [IMAGE]}]}, "image_url"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "the end"}, "suffix"),
+    ("/v1/completions", {"frobnicate": True}, "frobnicate"),
+    ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+    ("/v1/completions", {"store": True}, "store"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream"),
+    ("/v1/completions", {"response_format": {"type": "json_schema"}}, "schema"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "schema"),
+    ("/v1/completions", {"logit_bias": {"512": 5}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"7": 150}}, "[-100, 100]"),
+    ("/v1/completions", {"logit_bias": {"seven": 1}}, "token ids"),
+    ("/v1/completions", {"max_tokens": 2.5}, "max_tokens"),
+    ("/v1/completions", {"n": True}, "n"),
+    ("/v1/completions", {"seed": 2**64}, "seed"),
+    ("/v1/completions", {"seed": -1}, "seed"),
+    ("/v1/completions", {"max_tokens": 250}, "maximum context length"),
+    ("/v1/completions", {"prompt": "word " * 400}, "maximum context length"),
+    ("/v1/chat/completions", {"max_completion_tokens": 256}, "maximum context length"),
+]
+
+
+def _body(path, extra):
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    return {**base, "max_tokens": 4, **extra}
+
+
+@pytest.mark.parametrize("path,extra,named", REFUSED)
+def test_fields_not_honoured_are_refused_by_name(server, path, extra, named):
+    response = post(server, path, _body(path, extra))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
+def test_lone_surrogate_is_named(server):
+    response = post(server, "/v1/completions", b'{"prompt": ["fine", "bad \\ud800 text"], "max_tokens": 2}')
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("prompt") and "U+D800" in message and "Unicode" in message
+
+
+def test_fields_real_clients_send_are_accepted(server, reference):
+    expected = greedy(reference, max_tokens=4).text
+    # guidellm (stop: null, continuous usage), aiperf (a list of one prompt, max_completion_tokens), lm-eval (seed)
+    body = {"prompt": [PROMPT], "max_tokens": 4.0, "temperature": 0, "stop": None, "seed": 1234, "user": "u",
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "metadata": {"team": "x"}, "store": False, "n": 1, "best_of": 1, "logprobs": 0, "echo": False}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+    assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 4
+    chat = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        max_completion_tokens=3, temperature=0, tool_choice="none", parallel_tool_calls=False, user="u",
+        response_format={"type": "text"}, logprobs=True, top_logprobs=2)
+    assert chat.usage.completion_tokens == 3 and len(chat.choices[0].logprobs.content) == 3
+
+
+def test_logit_bias_forces_a_token(server):
+    out = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                             logit_bias={"77": 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [server.engine.tokenizer.token_to_str(77)] * 5
+    sampled = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3,
+                                                 logit_bias={"77": 100, "78": 100}, logprobs=0)
+    assert set(sampled.choices[0].logprobs.tokens) <= {server.engine.tokenizer.token_to_str(t) for t in (77, 78)}
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "word": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer", "word"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object(server):
+    client = server.client()
+    for temperature in (0.0, 1.0):
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "answer"}], max_tokens=40, temperature=temperature,
+            seed=5, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+        value = json.loads(out.choices[0].message.content)
+        assert set(value) == {"answer", "word"} and 0 <= value["answer"] <= 99 and value["word"] in ("yes", "no")
+        assert out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=2,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].text), dict)
+    else:
+        assert out.choices[0].text.startswith("{")
+
+
+def test_models_retrieve_and_openai_shaped_404_405(server):
+    client = server.client()
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-5")
+    assert missing.value.body["code"] == "model_not_found"
+    for method, path, status in [("GET", "/v1/nothing", 404), ("POST", "/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/chat/completions", 405)]:
+        response = httpx.request(method, server.url + path)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+    assert "POST" in httpx.get(server.url + "/v1/completions").headers["allow"]
+
+
+def test_streaming_several_prompts(server, reference):
+    prompts = [PROMPT, "café au lait", "x"]
+    whole = server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    chunks = list(server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2,
+                                                     stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices} and set(finish) == set(range(6))
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 30
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streaming_echo_with_logprobs_and_offsets_with_a_bos(server):
+    client = server.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+                                              logprobs=2, stream=True))
+    lp = whole.choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [t for p in parts for t in p.token_logprobs] == pytest.approx(lp.token_logprobs[:1] + lp.token_logprobs[1:])
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    text = whole.choices[0].text
+    assert text.startswith(PROMPT) and lp.tokens[0] == "<s>"  # the tokenizer adds a bos the text does not show
+    assert lp.text_offset[0] == 0 == lp.text_offset[1]
+    num_prompt = len(server.engine.tokenizer.encode(PROMPT))
+    for token, offset in zip(lp.tokens[1:num_prompt], lp.text_offset[1:num_prompt]):
+        assert text[offset:offset + len(token)] == token  # every prompt token lines up with the text
+    generated = lp.text_offset[num_prompt:]  # random weights: tokens may end inside a character
+    assert generated[0] == len(PROMPT) and generated == sorted(generated) and generated[-1] <= len(text)
+    # lm-eval's loglikelihood today: token-id prompts in a batch, echo, max_tokens=1, logprobs=1
+    ids = server.engine.tokenizer.encode(PROMPT)
+    batch = post(server, "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 1, "echo": True, "logprobs": 1,
+                                             "temperature": 0, "seed": 1234}).json()
+    assert [len(c["logprobs"]["token_logprobs"]) for c in batch["choices"]] == [len(ids) + 1, 4]
+
+
+def test_tokenize_and_detokenize_as_vllm(server):
+    tok = server.engine.tokenizer
+    out = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert out["tokens"] == tok.encode(PROMPT, add_special_tokens=False) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == server.engine.scheduler_config.max_model_len
+    with_bos = post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert with_bos["tokens"][0] == tok.bos_token_id and with_bos["token_strs"][0] == "<s>"
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    assert post(server, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": PROMPT}
+    assert post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+    assert post(server, "/tokenize", {"prompt": "x", "messages": []}).status_code == 400
+
+
+def test_a_refused_prompt_refuses_the_whole_request(server):
+    def generated():
+        text = httpx.get(server.url + "/metrics").text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "torch_shift:generation_tokens_total")
+
+    before = generated()
+    response = post(server, "/v1/completions", {"prompt": [PROMPT, PROMPT, "word " * 400], "max_tokens": 50,
+                                                "ignore_eos": True})
+    assert response.status_code == 400 and "maximum context length" in response.json()["error"]["message"]
+    assert server.idle_free_blocks() and generated() == before  # the two good prompts never ran
+
+    async def engine_refuses_the_second():  # all of a request's prompts are added, or none
+        prompt = server.engine.tokenize_prompt(PROMPT)
+        good = SamplingParams(max_tokens=200, ignore_eos=True)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            async with server.async_engine.open(["all-or-none-0", "all-or-none-1"], [prompt, prompt],
+                                                [good, SamplingParams(stop_token_ids=[10**6])]):
+                pass
+        assert "all-or-none-0" not in server.engine.parents  # the first was taken back at once (200 steps to go)
+
+    asyncio.run(engine_refuses_the_second())
+    assert server.idle_free_blocks()
+
+
+def test_priority_is_refused_unless_the_engine_schedules_by_it(server, checkpoints, reference):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "priority": -1}
+    refused = post(server, "/v1/completions", body)
+    assert refused.status_code == 400 and "scheduling_policy='priority'" in refused.json()["error"]["message"]
+    _, model_dir = checkpoints("llama")
+    prioritised = RunningServer(model_dir, engine={"scheduling_policy": "priority"})
+    try:
+        answer = post(prioritised, "/v1/completions", body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy(reference, max_tokens=4).text
+    finally:
+        prioritised.stop()

@@ -33,7 +33,7 @@ def _generate_rank(rank, world, model_dir, sp, tp, engine_args, random_layouts):
     llm = LLM(str(model_dir), sp=sp, tp=tp, **engine_args)
     if random_layouts and rank == 0:  # rank 0 decides; the plan carries the layout to the others
         rng = random.Random(1)
-        llm.engine.scheduler.choose_layout = lambda n: rng.choice(["base", "shift"])
+        llm.engine.policy.finalize = lambda layout, n: rng.choice(["base", "shift"])
     outputs = llm.generate(random_prompts(6, PROMPT_LENGTHS), PARAMS, use_tqdm=False)
     return outputs, dict(llm.engine.model.layout_counts)
 
@@ -47,7 +47,10 @@ def test_prefill_in_base_decode_in_shift_matches_single_device(checkpoints, fami
     results = run_ranks(_generate_rank, sp * tp, model_dir, sp, tp, {"shift_threshold": 16}, False)
     for outputs, counts in results:
         assert_same_outputs(outputs, ref)
-        assert counts["base"] >= 1 and counts["shift"] >= 5
+        if sp == 1:  # plain TP: one layout, no second copy of the weights
+            assert set(counts) == {"tp"}
+        else:
+            assert counts["base"] >= 1 and counts["shift"] >= 5
     assert all(r[0] == results[0][0] for r in results)  # every rank returns rank 0's outputs
 
 
@@ -70,6 +73,28 @@ def test_world_size_8(llama):
     for outputs, counts in results:
         assert_same_outputs(outputs, ref)
         assert counts["base"] >= 1 and counts["shift"] >= 5
+
+
+def _parameter_bytes_rank(rank, world, model_dir, engine_args):
+    model = LLM(str(model_dir), **engine_args).engine.model
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+def test_tensor_parallel_without_sequence_parallel_holds_one_copy_of_the_weights(llama):
+    """With SP = 1 the base layout is full TP already: the default shift threshold builds no second layout
+    (it re-concatenated q/k/v and gate/up, about two thirds of each layer, for a switch that changed nothing)."""
+    _, model_dir = llama
+    single = LLM(str(model_dir)).engine.model.model  # the single-device DecoderLM
+    replicated = sum(p.nbytes for n, p in single.named_parameters() if "embed_tokens" in n or "norm" in n)
+    sharded = sum(p.nbytes for p in single.parameters()) - replicated
+    head = single.lm_head.weight.nbytes  # vocab-parallel over all ranks in every layout
+    # the default threshold (256), with copied shift shards (the default)
+    assert run_ranks(_parameter_bytes_rank, 2, model_dir, {"tp": 2}) == [replicated + sharded // 2] * 2
+    # the same measure sees the shift layout's copies where there is a second layout (SP = 2)
+    with_shift, without = (run_ranks(_parameter_bytes_rank, 2, model_dir, {"sp": 2, "shift_threshold": threshold})
+                           for threshold in (256, None))
+    assert with_shift[0] > without[0] == replicated + sharded - head + head // 2
 
 
 def _padding_rank(rank, world, model_dir, prompts):
@@ -104,7 +129,7 @@ def _kv_rank(rank, world, model_dir, sp, tp, prompt):
     engine = llm.engine
     forced = ["base"]
     if rank == 0:
-        engine.scheduler.choose_layout = lambda n: forced[0]
+        engine.policy.finalize = lambda layout, n: forced[0]
         for layout, rid in (("base", "a"), ("shift", "b")):
             forced[0] = layout
             engine.add_request(rid, prompt, SamplingParams(max_tokens=3))
@@ -253,7 +278,7 @@ def _ledger_rank(rank, world, model_dir, n):
     engine, module = llm.engine, llm.engine.model
     if rank == 0:
         forced = ["base"]
-        engine.scheduler.choose_layout = lambda num_tokens: forced[0]
+        engine.policy.finalize = lambda layout, num_tokens: forced[0]
         engine.add_request("a", random_prompts(1, [n], seed=1)[0], SamplingParams(max_tokens=2))
         engine.step()  # n prompt tokens in the base layout
         forced[0] = "shift"

@@ -39,17 +39,19 @@ def import_llama3():
 DIM, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, THETA = 64, 2, 4, 2, 160, 512, 10000.0
 
 
-def tiny_llama3_config():
-    """torchtitan's Llama3Model.Config for a 2-layer model with SDPA attention (CPU)."""
+def tiny_llama3_config(rope: str = "complex"):
+    """torchtitan's Llama3Model.Config for a 2-layer model with SDPA attention (CPU); `rope`:
+    "complex" (ComplexRoPE, interleaved pairs, the default) or "cos_sin" (CosSinRoPE, halves)."""
     from torch import nn
 
     llama3, _ = import_llama3()
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
+    rope_cls = {"complex": ComplexRoPE, "cos_sin": CosSinRoPE}[rope]
     layers = llama3._build_llama3_layers(
         n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN,
-        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=256, theta=THETA, scaling="none"),
+        rope=rope_cls.Config(dim=DIM // HEADS, max_seq_len=256, theta=THETA, scaling="none"),
         fuse_qkv=True, attn_backend="flex")
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()  # causal, no block masks
@@ -70,9 +72,9 @@ def hf_config() -> dict:
             "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "dtype": "float32"}
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, rope: str = "complex"):
     torch.manual_seed(seed)
-    model = tiny_llama3_config().build()
+    model = tiny_llama3_config(rope).build()
     model.init_states()
     with torch.no_grad():  # larger weights than the training init, so greedy tokens are not all alike
         for p in model.parameters():

@@ -1,11 +1,44 @@
-"""The `torch-shift` command."""
+"""The `torch-shift` command. Optional dependencies are imported only by the command that needs them."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
+
+DESCRIPTION = """\
+torch-shift: PyTorch-native LLM inference that changes its parallel layout while it serves.
+
+Without --model, generate and serve use the embedded default model (a 2.2M-parameter Llama trained on the
+King James Bible). `torch-shift COMMAND --help` lists a command's options and their defaults."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default after its help, unless it has none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default is not None and action.default != argparse.SUPPRESS and action.nargs != 0
+                and "default" not in text and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subcommand(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+
+
+def _require_extra(extra: str, command: str, *modules: str) -> None:
+    missing = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ValueError(f"torch-shift {command} needs {', '.join(missing)}: pip install 'torch_shift[{extra}]'")
 
 
 def _threshold(value: str) -> int | None:
@@ -17,36 +50,64 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face hub id (default: the embedded default model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations ('auto': the checkpoint's)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p = parser.add_argument_group("parallel (local ranks are started by this process)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree of the base layout")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the base layout")
-    p.add_argument("--shift-threshold", type=_threshold, default=256,
-                   help="steps with more tokens run the base layout, others full TP; 'none': base only")
-    p.add_argument("--shift-weights", choices=["copy", "view"], default="copy")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling of requests without a seed of their own (default: a fresh one each "
+                        "run, so that sampling differs between runs)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length: prompt plus generated tokens (default: the model's)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of a shared prompt prefix")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="waiting requests in arrival order, or by priority (lower first) then arrival")
+    p = parser.add_argument_group("parallel (this process starts the other local ranks)")
+    p.add_argument("--sp", "--ulysses-sequence-parallel-size", dest="sp", type=int, default=1,
+                   help="Ulysses sequence-parallel degree of the base layout")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel degree of the base layout")
+    p.add_argument("--shift-threshold", "--shift-parallel-threshold", dest="shift_threshold", type=_threshold,
+                   default=256, help="steps with more tokens run the base layout, others full TP over SP x TP; "
+                                     "'none': the base layout only")
+    p.add_argument("--shift-weights", choices=["copy", "view"], default="copy",
+                   help="shift-layout weight shards: contiguous copies (+1/SP weight memory) or zero-copy views")
+    p.add_argument("--dp", "--data-parallel-size", "-dp", dest="dp", type=int, default=1,
+                   help="data-parallel replicas, each with its own KV pool")
+    p.add_argument("--pp", "--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1,
+                   help="pipeline stages of each replica (with --policy seesaw: prefill in PP, decode in TP)")
+    p.add_argument("--policy", default=None, choices=["static", "shift", "flying", "seesaw", "random"],
+                   help="layout switching policy (default: shift for --sp > 1, else static; flying: DP replicas "
+                        "bound into TP groups on demand, paper 004; seesaw: prefill in PP, decode in TP over the "
+                        "same ranks, paper 003)")
+    p.add_argument("--policy-config", type=json.loads, default=None, metavar="JSON",
+                   help='the policy\'s options, e.g. \'{"dp_above": 4, "tp_below": 1}\' for flying')
+    p.add_argument("--cpu-kv-gb", type=float, default=None,
+                   help="host tier of the KV cache in GiB, shared by the local ranks (swap space; seesaw "
+                        "buffers prefilled requests there; default: 4 for seesaw, none otherwise)")
+    p.add_argument("--distributed-timeout", "--distributed-timeout-s", dest="distributed_timeout_s", type=float,
+                   default=120.0,
+                   help="seconds any collective may wait: a stuck or dead rank ends the engine within it")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate per prompt (an error if the prompt plus these exceed the context)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="0: all tokens")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: none")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt")
+    g.add_argument("--sample-seed", type=int, default=None, help="seed of every prompt's sampling (default: none)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -54,34 +115,50 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching, sp=args.sp, tp=args.tp,
-        shift_threshold=args.shift_threshold, shift_weights=args.shift_weights,
+        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy, sp=args.sp,
+        tp=args.tp, dp=args.dp, pp=args.pp, policy=args.policy, policy_config=args.policy_config,
+        shift_threshold=args.shift_threshold, shift_weights=args.shift_weights, cpu_kv_gb=args.cpu_kv_gb,
+        distributed_timeout_s=args.distributed_timeout_s,
     )
+
+
+def _model_or_default(args: argparse.Namespace, doing: str) -> str:
+    from torch_shift.models.default import default_model_dir
+
+    if args.model is not None:
+        return args.model
+    model = str(default_model_dir())
+    print(f"[torch-shift] no --model given: {doing} the embedded default model at {model}", file=sys.stderr)
+    return model
 
 
 def _generate(args: argparse.Namespace) -> int:
     from torch_shift import LLM, SamplingParams
-    from torch_shift.models.default import default_model_dir
 
-    model = args.model
-    if model is None:
-        model = str(default_model_dir())
-        print(f"[torch-shift] no --model given: using the embedded default model at {model}", file=sys.stderr)
+    model = _model_or_default(args, "using")
     params = SamplingParams(
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         logprobs=args.logprobs, ignore_eos=args.ignore_eos,
     )
     llm = LLM(model, **_engine_kwargs(args))
-    prompts: list = []
-    for p in args.prompts:
-        if args.token_ids:
-            prompts.append([int(t) for t in p.replace(",", " ").split()])
-        elif args.chat:
-            prompts.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
-        else:
-            prompts.append(p)
     try:
+        prompts: list = []
+        for p in args.prompts:
+            if args.token_ids:
+                prompts.append([int(t) for t in p.replace(",", " ").split()])
+            elif args.chat:
+                prompts.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
+            else:
+                prompts.append(p)
+        engine = llm.engine
+        context = min(engine.scheduler_config.max_model_len, engine.block_manager.capacity_tokens)
+        for i, prompt in enumerate(prompts):
+            n = len(engine.tokenize_prompt(prompt).token_ids)
+            if n + args.max_tokens > context:
+                raise ValueError(f"prompt {i} has {n} tokens; with --max-tokens {args.max_tokens} that is "
+                                 f"{n + args.max_tokens}, more than the context of {context} tokens: lower "
+                                 "--max-tokens (or raise --max-model-len)")
         outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
@@ -98,22 +175,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    _require_extra("serve", "serve", "fastapi", "uvicorn", "prometheus_client")
     from torch_shift.engine.llm_engine import EngineArgs
-    from torch_shift.models.default import default_model_dir
-    from torch_shift.serve.api_server import create_server
+    from torch_shift.serve.api_server import run_server
 
-    model = args.model
-    if model is None:
-        model = str(default_model_dir())
-        print(f"[torch-shift] no --model given: serving the embedded default model at {model}", file=sys.stderr)
-    app, _ = create_server(EngineArgs(model=model, **_engine_kwargs(args)),
-                           served_model_name=args.served_model_name or ("default" if args.model is None else None),
-                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                           max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    model = _model_or_default(args, "serving")
+    args.served_model_name = args.served_model_name or ("default" if args.model is None else model)
+    return run_server(EngineArgs(model=model, **_engine_kwargs(args)), args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -127,6 +195,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    _require_extra("bench", "bench", "httpx", "matplotlib")
     from torch_shift.bench.run import run_bench
 
     return run_bench(args)
@@ -147,9 +216,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torch-shift", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text offline")
+    parser = argparse.ArgumentParser(prog="torch-shift", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = _subcommand(sub, "generate", "generate text offline from prompts on the command line",
+                      "Generate text offline for each prompt and print it (or one JSON object per line).\n"
+                      "Example: torch-shift generate \"And God said\" --max-tokens 40")
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("prompts", nargs="+", help="prompt strings (or token ids with --token-ids)")
@@ -158,37 +229,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from torch_shift.serve.options import add_server_args
+
+    serve = _subcommand(sub, "serve", "an OpenAI-compatible HTTP server (needs the serve extra)",
+                        "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP.\n"
+                        "Needs the serve extra. Example: torch-shift serve --port 8000")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    serve.add_argument("--max-waiting-requests", type=int, default=256, help="beyond this, answer 429")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    serve.add_argument("--log-level", default="warning")
+    add_server_args(serve)
     serve.set_defaults(func=_serve)
 
-    convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint into a torch_shift checkpoint")
+    convert = _subcommand(sub, "convert", "convert a Hugging Face checkpoint for fast sharded loading",
+                          "Convert a Hugging Face checkpoint into torch_shift's layout: each rank of any SP x TP mesh "
+                          "then reads only its shards.")
     convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory (or hub id)")
-    convert.add_argument("--revision", default=None)
+    convert.add_argument("--revision", default=None, help="hub revision")
     convert.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                         help="dtype of the stored weights (default: the checkpoint's)")
-    convert.add_argument("--max-shard-size-mb", type=float, default=2048.0)
+                         help="dtype of the stored weights ('auto': the checkpoint's)")
+    convert.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest output file")
     convert.add_argument("--overwrite", action="store_true", help="replace --out once the conversion succeeded")
     convert.set_defaults(func=_convert)
 
-    calibrate = sub.add_parser("calibrate", help="measure this machine into a hardware profile for the planner")
+    calibrate = _subcommand(sub, "calibrate", "measure this machine into a hardware profile for the planner",
+                            "Measure matmul FLOP/s, memory bandwidth and collective latency and bandwidth per group size\n"
+                            "in forked ranks, and write them as a hardware profile (docs/planner.md).\n"
+                            "Example: torch-shift calibrate --out this_machine.json")
     calibrate.add_argument("--out", required=True, help="the JSON profile to write")
     calibrate.add_argument("--world", type=int, default=2, help="local ranks (devices) to measure together")
     calibrate.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     calibrate.add_argument("--name", default=None, help="the profile's name (default: host name and ranks)")
     calibrate.set_defaults(func=_calibrate)
 
-    from torch_shift.bench.run import add_bench_args
+    from torch_shift.bench.run import add_bench_args  # argument definitions only: no optional dependency
 
-    bench = sub.add_parser("bench", help="serving benchmark: real HTTP traffic, latency/throughput report, plot")
+    bench = _subcommand(sub, "bench", "serving benchmark: HTTP traffic, latency/throughput report and plot "
+                                        "(needs the bench extra)",
+                        "Send a request stream (Poisson, gamma, phases or trace replay) to a running server (--url)\n"
+                        "or to servers it starts, one per --config, and report latency and throughput side by side.\n"
+                        "Needs the bench extra. Example: torch-shift bench --table5")
     add_bench_args(bench)
     bench.set_defaults(func=_bench)
     return parser

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 from tqdm.auto import tqdm
@@ -24,9 +25,11 @@ async def _one(http: httpx.AsyncClient, url: str, model: str | None, spec: Reque
         await asyncio.sleep(delay)
     record = {"config": config, "id": spec.id, "arrival_s": spec.arrival_s, "start_s": time.monotonic() - t0,
               "first_token_s": None, "token_times_s": [], "end_s": None, "prompt_tokens": len(spec.prompt),
-              "output_tokens": 0, "status": None, "error": None}
+              "output_tokens": 0, "status": None, "error": None, "priority": spec.priority}
     body = {"prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True, "logprobs": 0,
             "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+    if spec.priority:
+        body["priority"] = spec.priority
     if model is not None:
         body["model"] = model
     try:
@@ -60,16 +63,27 @@ async def _one(http: httpx.AsyncClient, url: str, model: str | None, spec: Reque
 
 
 async def run_load(url: str, specs: list[RequestSpec], model: str | None = None, config: str = "",
-                   api_key: str | None = None, progress: bool = True, timeout_s: float = 600.0) -> list[dict]:
-    """Send every request at its arrival time (all may be in flight at once); records by request."""
+                   api_key: str | None = None, progress: bool = True, timeout_s: float = 600.0,
+                   probes: list[tuple[float, Callable[[], Awaitable]]] = ()) -> list[dict]:
+    """Send every request at its arrival time (all may be in flight at once); records by request.
+    `probes`: (time from the start, coroutine function) pairs, each awaited at its time (e.g. scraping
+    /metrics at phase boundaries)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
         t0 = time.monotonic()
         tasks = [asyncio.create_task(_one(http, url.rstrip("/"), model, s, t0, config)) for s in specs]
+        probe_tasks = [asyncio.create_task(_at(t0 + at, probe)) for at, probe in probes]
         records = []
         with tqdm(total=len(tasks), desc=f"bench {config}".strip(), disable=not progress) as bar:
             for done in asyncio.as_completed(tasks):
                 records.append(await done)
                 bar.update(1)
+        for task in probe_tasks:
+            await task
     return sorted(records, key=lambda r: r["arrival_s"])
+
+
+async def _at(when: float, probe: Callable[[], Awaitable]) -> None:
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
+    await probe()

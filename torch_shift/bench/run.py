@@ -19,10 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from torch_shift.bench.loadgen import run_load
 from torch_shift.bench.traffic import (
+    DEFAULT_TRACE,
     LengthSource,
     gamma_arrivals,
     phase_arrivals,
@@ -31,8 +29,6 @@ from torch_shift.bench.traffic import (
     workload,
 )
 from torch_shift.parallel.launch import free_port
-
-DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure_conv_2023.csv"
 
 # The Table 5 model: a random Llama of about 5M parameters (fp32), small enough for 2 CPU ranks.
 TABLE5_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -45,8 +41,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument("--url", help="a running OpenAI-compatible server (else --model starts one per --config)")
     target.add_argument("--model", help="checkpoint directory for servers this command starts")
-    target.add_argument("--served-model-name", default=None)
-    target.add_argument("--api-key", default=None)
+    target.add_argument("--served-model-name", default=None, help="model name sent with --url")
+    target.add_argument("--api-key", default=None, help="API key of the --url server")
     target.add_argument("--config", action="append", default=None,
                         help="NAME:key=value,... engine arguments of one server to start, e.g. "
                              "'Shift:sp=2,tp=1,shift_threshold=64' (repeatable; compared side by side)")
@@ -55,24 +51,27 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="preset: TP, SP and Shift at world 2 on a locally built ~5M-parameter model, "
                              "alternating low/high load")
     load = parser.add_argument_group("workload")
-    load.add_argument("--workload", choices=["poisson", "gamma", "phases", "trace"], default="poisson")
-    load.add_argument("--num-requests", type=int, default=64)
+    load.add_argument("--workload", choices=["poisson", "gamma", "phases", "trace"], default="poisson",
+                      help="arrival process")
+    load.add_argument("--num-requests", type=int, default=64, help="requests (poisson, gamma, trace)")
     load.add_argument("--rate", type=float, default=4.0, help="mean requests/s (poisson, gamma)")
     load.add_argument("--cv", type=float, default=2.0, help="gamma: coefficient of variation of the gaps")
     load.add_argument("--phases", default="5:1,5:12,5:1,5:12",
                       help="phases: duration_s:rate,... (alternating low/high load, paper 004 style)")
-    load.add_argument("--prompt-len", type=int, default=128)
-    load.add_argument("--output-len", type=int, default=32)
+    load.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (fixed lengths)")
+    load.add_argument("--output-len", type=int, default=32, help="output tokens (fixed lengths)")
     load.add_argument("--lengths-from-trace", action="store_true", help="sample lengths from --trace")
-    load.add_argument("--trace", default=str(DEFAULT_TRACE))
+    load.add_argument("--trace", default=str(DEFAULT_TRACE),
+                      help="CSV with arrived_at,num_prefill_tokens,num_decode_tokens (default: the first 2,000 "
+                           "requests of the Azure LLM inference trace 2023, shipped with torch_shift)")
     load.add_argument("--length-scale", type=float, default=1.0, help="trace lengths are multiplied by this")
-    load.add_argument("--max-prompt", type=int, default=1024)
-    load.add_argument("--max-output", type=int, default=256)
+    load.add_argument("--max-prompt", type=int, default=1024, help="trace prompt lengths are clipped to this")
+    load.add_argument("--max-output", type=int, default=256, help="trace output lengths are clipped to this")
     load.add_argument("--time-compression", type=float, default=10.0, help="trace replay: arrivals divided by this")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt tokens")
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="bench/results/serve", help="folder for results.json and timeline.png")
-    out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -112,9 +111,11 @@ class ServerProcess:
     """`torch-shift serve` in a child process (it starts its own ranks), stopped with SIGINT."""
 
     def __init__(self, model: str, engine_args: dict, name: str):
+        import httpx
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "torch_shift.cli", "serve", "--model", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", model, "--port", str(self.port),
                "--served-model-name", name, "--no-prefix-caching"]
         for key, value in engine_args.items():
             cmd += [f"--{key.replace('_', '-')}", value]
@@ -146,6 +147,7 @@ class ServerProcess:
 
 
 def run_bench(args) -> int:
+    from torch_shift.bench.loadgen import run_load
     from torch_shift.bench.report import format_table, format_table5, report
 
     out_dir = Path(args.out)

@@ -8,6 +8,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+# the first 2,000 requests of the Azure LLM inference trace 2023, conversation service (CC-BY-4.0; attribution
+# and how it was cut: traces/README.md)
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "azure_conv_2023_first2000.csv"
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -15,6 +19,7 @@ class RequestSpec:
     arrival_s: float  # when to send it, from the start of the run
     prompt: list[int]
     max_tokens: int
+    priority: int = 0  # lower is more urgent (vLLM's extension; the server must schedule by priority)
 
 
 @dataclass(frozen=True)

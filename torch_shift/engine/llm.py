@@ -2,36 +2,60 @@
 
 from __future__ import annotations
 
-import atexit
 import itertools
+import weakref
 from collections.abc import Sequence
 
+from torch import nn
 from tqdm.auto import tqdm
 
 from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.models.decoder import DecoderLM
+from torch_shift.models.default import default_model_dir
 from torch_shift.models.loader import WeightSource
+from torch_shift.parallel.shift import ShiftModule
+
+# What a module passed to LLM fixes by itself (its mesh, parallelize's arguments, its parameters).
+_SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision",
+                  "distributed_timeout_s")
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, weights: WeightSource | None = None, **engine_args):
-        """`model`: a checkpoint directory or hub id; or `weights`: an in-memory weight source
-        (see torch_shift.handoff), with `model` then only a name."""
+    def __init__(self, model: str | nn.Module | None = None, *, weights: WeightSource | None = None, **engine_args):
+        """`model`: a checkpoint directory or hub id (default: the embedded default model); or a module
+        already built: a ShiftModule from `torch_shift.parallelize` (every rank that built it calls LLM, as
+        under torchrun: rank 0 schedules, the others follow in `generate`) or a DecoderLM; or `weights`: an
+        in-memory weight source (see torch_shift.handoff), with `model` then only a name. Engine arguments:
+        see EngineArgs (vLLM's names of the parallel degrees are accepted too)."""
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        if model is None and weights is None:
-            raise TypeError("LLM needs a model (checkpoint directory or hub id) or weights")
-        self.engine = LLMEngine(EngineArgs(model=str(model if model is not None else "in-memory"), **engine_args),
-                                weights)
+        module = None
+        if isinstance(model, nn.Module):
+            if not isinstance(model, (ShiftModule, DecoderLM)):
+                raise TypeError(f"LLM serves a module from torch_shift.parallelize or a DecoderLM, got "
+                                f"{type(model).__name__}: call torch_shift.parallelize(model, mesh) first")
+            fixed = sorted(set(engine_args) & set(_SET_BY_MODULE))
+            if fixed:
+                raise ValueError(f"{', '.join(fixed)}: set by the module itself (its mesh, parallelize's "
+                                 "arguments, its parameters); leave them out")
+            module, model = model, "in-memory"
+        if model is None:
+            model = "in-memory" if weights is not None else default_model_dir()
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), weights, module)
         self._ids = itertools.count()
-        if self.engine.parallel is not None:
-            atexit.register(self.shutdown)
+        # the ranks this process started end when this object is collected (`del llm`) or at exit
+        weakref.finalize(self, self.engine.shutdown)
 
-    def shutdown(self) -> None:
-        """Stop the local ranks this process started (a no-op otherwise)."""
-        self.engine.shutdown()
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the local ranks this process started, within about `timeout_s` (a no-op otherwise)."""
+        self.engine.shutdown(timeout_s)
+
+    def stats(self) -> dict:
+        """Which layouts ran and how often they switched (see LLMEngine.stats)."""
+        return self.engine.stats()
 
     @property
     def tokenizer(self):
@@ -60,17 +84,24 @@ class LLM:
         return outputs
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        prompts = list(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}; "
+                            f"{PROMPT_KINDS}")
+        prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            hint = " (make one with SamplingParams(**the_dict))" if isinstance(sampling_params, dict) else ""
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                            f"{type(sampling_params).__name__}{hint}")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
@@ -119,3 +150,21 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt': text} or "
+                "{'prompt_token_ids': [ids]}")
+
+
+def _prompt_of(prompt, index: int) -> Prompt:
+    """A prompt as the engine takes it (text or token ids); vLLM's prompt dicts are unwrapped."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return prompt["prompt_token_ids"]
+        raise TypeError(f"prompt {index}: a dict with keys {sorted(keys)}; {PROMPT_KINDS}")
+    if not isinstance(prompt, (str, list, tuple)):
+        raise TypeError(f"prompt {index}: got {type(prompt).__name__}; {PROMPT_KINDS}")
+    return prompt

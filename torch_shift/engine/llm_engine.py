@@ -6,9 +6,12 @@ request -> scheduler (step plan) -> model runner -> sampler -> outputs.
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
+import os
 import time
-from dataclasses import dataclass, fields, replace
+from collections import Counter
+from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +19,27 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from torch_shift.engine.model_runner import ModelRunner, RunnerOutput
+from torch_shift.engine.model_runner import ModelRunner
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from torch_shift.engine.policies import build_policy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, topk_logprobs
-from torch_shift.engine.sampling_params import SamplingParams
-from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
+from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
+from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from torch_shift.engine.step_plan import PlanBuilder, StepPlan
+from torch_shift.engine.structured_output import GrammarCompiler
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
+from torch_shift.kv.tier import TierAllocator
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
-from torch_shift.models.loader import CheckpointReader, WeightSource, build_model
-from torch_shift.parallel.plan import validate_mesh_for_model
+from torch_shift.models.loader import CheckpointReader, WeightSource
+from torch_shift.parallel.layouts import Deployment, build_deployment
+from torch_shift.parallel.pipeline import micro_batch_count
+from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
 from torch_shift.parallel.runtime import ParallelRuntime
-from torch_shift.parallel.shift import build_shift_module
+from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -42,15 +53,27 @@ class TokenizedPrompt:
 _CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
 
 
+# The same arguments under the names users of vLLM and ArcticInference arrive with.
+ENGINE_ARG_ALIASES = {
+    "tensor_parallel_size": "tp",
+    "ulysses_sequence_parallel_size": "sp",
+    "shift_parallel_threshold": "shift_threshold",
+    "data_parallel_size": "dp",
+    "pipeline_parallel_size": "pp",
+}
+_NOT_GIVEN: Any = object()
+
+
 @dataclass
 class EngineArgs:
-    """Engine arguments, named as in vLLM where the concept is the same."""
+    """Engine arguments, named as in vLLM where the concept is the same; vLLM's and ArcticInference's
+    names of the parallel degrees are accepted as aliases (ENGINE_ARG_ALIASES)."""
 
     model: str
     tokenizer: str | None = None  # directory with tokenizer.json; defaults to the model directory
     dtype: str = "auto"
     device: str | None = None  # default: cuda when available, else cpu
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh random seed (the CLI's default)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -62,29 +85,91 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "sdpa"  # "sdpa": gather + SDPA (CPU and GPU); "flex": paged FlexAttention
     revision: str | None = None
-    # shift parallelism (paper 000): base layout (SP, TP), full TP over SP x TP for small steps
-    sp: int = 1
-    tp: int = 1
+    # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
+    sp: int = 1  # Ulysses sequence parallelism of the base layout (shift parallelism, paper 000)
+    tp: int = 1  # tensor parallelism (inside each data-parallel replica)
+    dp: int = 1  # data-parallel replicas, each with its own KV pool
+    pp: int = 1  # pipeline stages of each replica (static PP; with policy "seesaw" the same ranks decode in TP)
+    policy: str | None = None  # None: the deployment's own ("shift" for sp > 1, else "static"); "flying"
+    # (paper 004, dp > 1); "seesaw" (paper 003, pp > 1: prefill in PP, decode in TP); "random" (tests)
+    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4.0} (torch_shift.engine.flying)
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
+    flying_weights: str = "view"  # Flying's TP shards: zero-copy "view"s of each replica's weights, or "copy"
+    seesaw_weights: str = "resident"  # Seesaw's two sets of layer weights both "resident", or the inactive one
+    # as a "host" copy swapped in at each transition (docs/performance.md: Seesaw)
+    # the host tier of the KV cache (swap space, shared by the local ranks): its size in GiB (vLLM's
+    # swap_space), or in blocks; default: 4 GiB (at most a quarter of free memory) for seesaw, none otherwise
+    cpu_kv_gb: float | None = None
+    num_cpu_kv_blocks: int | None = None
+    kv_swap: str = "sync"  # tier copies before the step's forward ("sync") or in a thread beside it ("async")
+    interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer; None: off
     compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
+    tensor_parallel_size: InitVar[int] = _NOT_GIVEN
+    ulysses_sequence_parallel_size: InitVar[int] = _NOT_GIVEN
+    shift_parallel_threshold: InitVar[int | None] = _NOT_GIVEN
+    data_parallel_size: InitVar[int] = _NOT_GIVEN
+    pipeline_parallel_size: InitVar[int] = _NOT_GIVEN
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        return {f.name for f in fields(cls)} | set(ENGINE_ARG_ALIASES)
 
-    def __post_init__(self) -> None:
-        for name in ("sp", "tp"):
+    def __post_init__(self, tensor_parallel_size, ulysses_sequence_parallel_size, shift_parallel_threshold,
+                      data_parallel_size, pipeline_parallel_size) -> None:
+        given = {"tensor_parallel_size": tensor_parallel_size, "ulysses_sequence_parallel_size":
+                 ulysses_sequence_parallel_size, "shift_parallel_threshold": shift_parallel_threshold,
+                 "data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+        defaults = {f.name: f.default for f in fields(self)}
+        for alias, value in given.items():
+            name = ENGINE_ARG_ALIASES[alias]
+            if value is _NOT_GIVEN:
+                continue
+            if getattr(self, name) not in (defaults[name], value):
+                raise ValueError(f"{alias}={value!r} and {name}={getattr(self, name)!r} disagree; give one of them")
+            setattr(self, name, value)
+        if self.seed is None:  # a fresh seed for this engine (the CLI without --seed)
+            self.seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
+        for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("cpu_kv_gb", "interconnect_gbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value >= 0 or value == float("inf")):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.interconnect_gbps == 0:
+            raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
+        if self.num_cpu_kv_blocks is not None and (not isinstance(self.num_cpu_kv_blocks, int)
+                                                   or self.num_cpu_kv_blocks < 0):
+            raise ValueError(f"num_cpu_kv_blocks must be an int >= 0, got {self.num_cpu_kv_blocks!r}")
+        if self.kv_swap not in ("sync", "async"):
+            raise ValueError(f"kv_swap must be 'sync' or 'async', got {self.kv_swap!r}")
+        if self.seesaw_weights not in ("resident", "host"):
+            raise ValueError(f"seesaw_weights must be 'resident' or 'host', got {self.seesaw_weights!r}")
+        if self.compile and self.pp > 1:
+            raise ValueError("compile=True is not available with pipeline parallelism (pp > 1): its stages run "
+                             "eagerly")
         if self.shift_threshold is not None and (not isinstance(self.shift_threshold, int) or self.shift_threshold < 0):
             raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
-        if self.shift_weights not in ("copy", "view"):
-            raise ValueError(f"shift_weights must be 'copy' or 'view', got {self.shift_weights!r}")
+        for name in ("shift_weights", "flying_weights"):
+            if getattr(self, name) not in ("copy", "view"):
+                raise ValueError(f"{name} must be 'copy' or 'view', got {getattr(self, name)!r}")
+        if self.policy not in (None, "static", "shift", "flying", "seesaw", "random"):
+            raise ValueError(f"policy must be 'static', 'shift', 'flying', 'seesaw' or 'random', got {self.policy!r}")
         if self.attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request: sample 0 draws from `seed` itself (as with n = 1),
+    the others from a hash of (seed, index), so that requests with different seeds share no sample
+    (vLLM's seed + index makes seed=1 and seed=2 share n - 1 of them)."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little") & MAX_SEED
 
 
 @dataclass
@@ -100,23 +185,62 @@ class _ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, weights: WeightSource | None = None):
+    def __init__(self, args: EngineArgs, weights: WeightSource | None = None,
+                 model: ShiftModule | DecoderLM | None = None):
         """`weights`: read the model from this source (e.g. a training job's state dict, see
-        torch_shift.handoff) instead of the checkpoint directory `args.model`."""
-        self.args = args
-        if weights is None:
-            model_dir = resolve_model_dir(args.model, args.revision)
-            self.model_config = ModelConfig.from_dir(model_dir)
-        else:
-            model_dir = None
-            self.model_config = weights.config
-        self.model_dir = model_dir
-        mc = self.model_config
-        self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.device = device
+        torch_shift.handoff) instead of the checkpoint directory `args.model`. `model`: serve this
+        model as built: a ShiftModule from `torch_shift.parallelize` (on the ranks that built it, every
+        one of them running this, as under torchrun) or a DecoderLM; its layout, dtype and device hold.
 
-        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else model_dir
+        On rank 0 (or the only rank) the engine schedules, samples and detokenizes; on the other
+        ranks of a torchrun job it holds only this rank's model runner (see `worker_loop`)."""
+        if isinstance(model, ShiftModule):
+            args = replace(args, sp=model.groups.sp, tp=model.groups.tp, shift_threshold=model.shift_threshold,
+                           shift_weights=model.shift_weights)
+        self.args = args
+        setup = _Setup(args, weights, model)
+        self.model_dir, self.model_config, self.dtype = setup.model_dir, setup.model_config, setup.dtype
+        self.scheduler_config, self.cache_config = setup.scheduler_config, setup.cache_config
+        self.deployment = setup.deployment
+        mc = self.model_config
+
+        self.parallel: ParallelRuntime | None = None
+        # the host tier exists before local ranks start, so that they share it (torchrun ranks map a file)
+        host_tier = setup.create_host_tier(shared=self.deployment.world_size > 1)
+        if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
+            self.parallel = ParallelRuntime.over(self.deployment, model.groups, args.distributed_timeout_s)
+        elif self.deployment.world_size > 1:
+            self.parallel = ParallelRuntime(self.deployment, _worker_main, (args, host_tier),
+                                            args.distributed_timeout_s)
+        try:
+            self.runner = setup.build_runner(self.parallel, weights, model, host_tier)
+        except BaseException:
+            self.shutdown()  # started ranks must not outlive a failed construction
+            raise
+        self.model = self.runner.model
+        self.device = self.runner.device
+        if self.is_driver:
+            self._init_driver(self.runner.kv_cache.num_blocks, setup.num_tier_blocks)
+
+    @classmethod
+    def driver_only(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int) -> LLMEngine:
+        """Rank 0's half of an engine (requests, scheduler, policy, plan builder, detokenizer) with no
+        model, runner or ranks, for a model known only by its config: what a simulator drives
+        (torch_shift.planner), replacing `run_plan` with modelled steps."""
+        engine = cls.__new__(cls)
+        engine.args = args
+        setup = _Setup(args, None, config=config)
+        engine.model_dir, engine.model_config, engine.dtype = None, config, setup.dtype
+        engine.scheduler_config, engine.cache_config = setup.scheduler_config, setup.cache_config
+        engine.deployment = setup.deployment
+        engine.parallel = engine.runner = engine.model = None
+        engine.device = torch.device("cpu")
+        engine._init_driver(num_kv_blocks, setup.num_tier_blocks)
+        return engine
+
+    def _init_driver(self, num_kv_blocks: int, num_tier_blocks: int) -> None:
+        args, mc = self.args, self.model_config
+        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else self.model_dir
         self.tokenizer = None
         if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
             self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
@@ -125,89 +249,82 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-        max_model_len = args.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
-            )
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
-            policy=args.scheduling_policy,
-        )
-        self.cache_config = CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
+        self.pools = [BlockManager(num_kv_blocks, args.block_size, args.enable_prefix_caching)
+                      for _ in self.deployment.replicas]
+        self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
+                                   **(args.policy_config or {}))
+        self.tier = None
+        if num_tier_blocks:
+            self.tier = TierAllocator(num_tier_blocks, args.block_size, async_copies=args.kv_swap == "async")
+        self.scheduler = Scheduler(self.scheduler_config, self.pools, self.policy, self.tier)
+        pp_of = {layout.name: layout.pp for layout in self.deployment.layouts}
 
-        self.parallel: ParallelRuntime | None = None
-        choose_layout = None
-        num_kv_heads = mc.num_key_value_heads
-        if args.sp * args.tp > 1:
-            validate_mesh_for_model(mc, args.sp, args.tp)
-            self.parallel = ParallelRuntime(args.sp, args.tp, _worker_main, (args,), args.distributed_timeout_s)
-            self.device = device = self.parallel.device
-            try:
-                reader = weights or CheckpointReader(model_dir, mc)
-                self.model = build_shift_module(mc, self.parallel.groups, reader, self.dtype, device,
-                                                args.shift_threshold, args.shift_weights)
-                reader.close()
-            except BaseException:
-                self.parallel.shutdown()  # started ranks must not outlive a failed construction
-                raise
-            num_kv_heads = self.model.num_local_kv_heads
-            choose_layout = self.model.choose_layout
-        else:
-            reader = weights or CheckpointReader(model_dir, mc)
-            self.model = build_model(mc, reader, self.dtype, device)
-            reader.close()
-        num_blocks = self._num_kv_blocks(num_kv_heads)
-        if self.parallel is not None:  # one block table for all ranks: the smallest pool wins
-            num_blocks = self.parallel.min_over_ranks(num_blocks)
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, args.block_size, num_kv_heads,
-                                mc.head_dim, self.dtype, device)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, choose_layout)
-        self.runner = ModelRunner(self.model, self.kv_cache, mc.sliding_window, args.attention_backend,
-                                  args.compile)
+        def micro_batches(layout: str, num_tokens: int) -> int:  # how a pipeline layout cuts a step's batch
+            return micro_batch_count(pp_of[layout], num_tokens)
+
+        self.plan_builder = PlanBuilder(self.deployment.num_replicas, self.scheduler_config.max_num_seqs,
+                                        micro_batches if self.deployment.pp > 1 else None)
+        self._layout_replicas = {layout.name: layout.replicas for layout in self.deployment.layouts}.__getitem__
         self.sampler = Sampler(mc.vocab_size, seed=args.seed)
         self.parents: dict[str, _ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[_ParentRequest, int]] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
-        self.last_step_layout: str | None = None
-        # Everything built so far lives as long as the engine: keep it out of the cyclic collector,
-        # whose full passes over torch's objects took ~230 ms every few hundred steps (bench_engine.py).
-        gc.collect()
-        gc.freeze()
+        self.last_step_layout: str | None = None  # the layouts of the last step, '+'-joined
+        self.last_step_switched = False  # its layouts differ from the step before
+        self.last_step_seconds = 0.0  # its wall time on rank 0, from scheduling to outputs
+        self.steps_by_layout: Counter[str] = Counter()
+        self.num_switches = 0
+        self._step_seconds = [0.0, 0]  # sum and count over steps that kept their layouts
+        self._switch_seconds = [0.0, 0]  # the same over steps that switched
+        self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
+        # rank 0's wall time by what its steps did (prefill, decode, mixed; less the time in tier copies
+        # and weight switches, counted apart), and the decode-only steps' batch sizes
+        self.time_s: Counter[str] = Counter()
+        self._decode_batches = [0, 0]  # requests and steps of decode-only steps
 
-    # -- set-up -------------------------------------------------------------------------------------------
-    def _num_kv_blocks(self, num_kv_heads: int) -> int:
-        cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
-        per_block = kv_bytes_per_block(mc.num_hidden_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
-        else:
-            # local ranks share the host's memory
-            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(self.device) // 4) // (self.args.sp * self.args.tp)
-        # never more than every sequence slot filled to the context
-        enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
-        num_blocks = min(budget // per_block, enough)
-        if num_blocks < math.ceil(sc.max_model_len / cc.block_size):
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={sc.max_model_len} needs; lower max_model_len "
-                "or raise the budget"
-            )
-        return num_blocks
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV pool of the first replica (the only one without data parallelism)."""
+        return self.pools[0]
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.runner.kv_cache
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use over every replica's pool."""
+        return sum(p.num_blocks - p.num_free_blocks for p in self.pools) / sum(p.num_blocks for p in self.pools)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens (prompt and output) the widest group of replicas can hold: no sequence grows past it
+        (nor past the host tier when every request passes through it, as under Seesaw)."""
+        widest = max(layout.kv_width for layout in self.deployment.layouts)
+        tokens = widest * self.block_manager.capacity_tokens
+        if self.deployment.family == "seesaw":
+            tokens = min(tokens, self.tier.capacity_tokens)
+        return tokens
+
+    def stats(self) -> dict:
+        """Which layouts ran: steps by layout name, layout switches (steps whose layouts differ from the
+        previous step's) and the mean wall time of switching steps beside that of the others (a switch is
+        a change of step plan: its cost is what the first step in the new layouts costs), and the
+        policy's own figures."""
+        def mean(totals):
+            return totals[0] / totals[1] if totals[1] else None
+
+        decode_requests, decode_steps = self._decode_batches
+        return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
+                "num_switches": self.num_switches, "mean_step_s": mean(self._step_seconds),
+                "mean_switch_step_s": mean(self._switch_seconds),
+                "num_preemptions": self.scheduler.num_preemptions, "num_scheduled_tokens": self.num_scheduled_tokens,
+                "num_swap_outs": self.scheduler.num_swap_outs, "num_swap_ins": self.scheduler.num_swap_ins,
+                "time_s": {k: self.time_s[k] for k in ("prefill", "decode", "mixed", "resharding", "swapping")},
+                "num_decode_steps": decode_steps,
+                "mean_decode_batch": decode_requests / decode_steps if decode_steps else None,
+                "policy": self.policy.name, **self.policy.stats()}
 
     # -- requests -----------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
@@ -215,6 +332,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e.reason} {prompt[e.start]!r} at "
+                                 f"character {e.start}") from None
             if self.tokenizer is None:
                 where = f"{self.model_dir} has no tokenizer.json" if self.model_dir else "no tokenizer was given"
                 raise ValueError(f"{where}: give the prompt as token ids")
@@ -239,11 +361,19 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
                 "(prompt plus at least one generated token)"
             )
-        pool_tokens = self.block_manager.capacity_tokens
+        pool_tokens = self.max_request_tokens
+        if len(token_ids) >= pool_tokens and pool_tokens < self.block_manager.capacity_tokens:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the host KV tier, through which policy "
+                             f"'seesaw' moves every request, holds only {pool_tokens} tokens "
+                             f"({self.tier.num_blocks} blocks of {self.tier.block_size}): raise cpu_kv_gb")
         if len(token_ids) >= pool_tokens:
+            widest = pool_tokens // self.block_manager.capacity_tokens
+            where = "the KV pool holds" if widest == 1 else f"the KV pools of {widest} replicas hold"
             raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; the KV pool holds only {pool_tokens} tokens "
-                f"({self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
+                f"the prompt has {len(token_ids)} tokens; {where} only {pool_tokens} tokens "
+                f"({widest} x {self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
+                + (" (policy 'flying' binds replicas whose pools together hold more)"
+                   if self.deployment.family == "dp" else "")
             )
         return TokenizedPrompt(text, token_ids)
 
@@ -256,6 +386,12 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.scheduler_config.policy != "priority" and not self.policy.uses_priority:
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
+                             f"uses priorities, such as 'flying'); this engine schedules "
+                             f"{self.scheduler_config.policy!r} under policy {self.policy.name!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -266,6 +402,10 @@ class LLMEngine:
                 raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self.child_to_parent]
         if taken:
@@ -275,7 +415,7 @@ class LLMEngine:
         text, token_ids = prompt.text, prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
         # preempting itself forever): past either it finishes with "length".
-        max_len = min(self.scheduler_config.max_model_len, self.block_manager.capacity_tokens)
+        max_len = min(self.scheduler_config.max_model_len, self.max_request_tokens)
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -283,13 +423,15 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)  # sample i draws from seed + i
+                child_params = replace(params, seed=child_seed(params.seed, i))
             child = Request(
                 child_ids[i], token_ids, child_params, max_tokens,
                 self.eos_token_ids, arrival_time=arrival_time, priority=priority,
             )
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
+            if grammar_compiler is not None:
+                child.grammar = grammar_compiler.matcher(params.structured_outputs)
             children.append(child)
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens) if self.tokenizer else None
@@ -300,6 +442,14 @@ class LLMEngine:
         for i, child in enumerate(children):
             self.child_to_parent[child.request_id] = (parent, i)
             self.scheduler.add_request(child)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -316,30 +466,26 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of every request that advanced (with
         `final_only`, of every request that finished: no per-step objects for the others)."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            assert not self.scheduler.running, "running requests but nothing scheduled"
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty and not output.has_swaps:
             return []
-        self.num_steps += 1
-        self.last_step_layout = plan.layout if self.parallel is not None else "single"
-        if self.parallel is None:
-            runner_output = self.runner.execute(plan)
-        else:
-            self.parallel.broadcast(("step", plan))
-            try:
-                runner_output = self.runner.execute(plan)
-            except Exception as e:
-                raise self.parallel.failure(e) from e
-        sampled = self._sample(plan, runner_output)
+        resharded_before = getattr(self.model, "reshard_seconds", 0.0)  # pipeline models switch weights
+        entries, logits = self.execute(output)
+        swap_s = self.runner.last_swap_seconds if self.runner is not None else 0.0
+        reshard_s = getattr(self.model, "reshard_seconds", 0.0) - resharded_before
+        sampled = self._sample(entries, logits)
         now = time.monotonic()
-        updated = self.scheduler.update_from_output(plan, sampled)
-        touched: dict[str, _ParentRequest] = {}
+        updated = self.scheduler.update_from_output(output, sampled)
+        touched: dict[str, _ParentRequest] = {}  # parents that advanced (or, with final_only, that may be done)
         for request in updated:
             parent, index = self.child_to_parent[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._detokenize(parent, index, request)
-            touched[parent.request_id] = parent
+            if parent.detokenizers[index] is not None:
+                self._detokenize(parent, index, request)  # may finish it on a stop string
+            if not final_only or request.status.finished:
+                touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
             finished = all(c.status.finished for c in parent.children)
@@ -349,25 +495,75 @@ class LLMEngine:
                     self.child_to_parent.pop(child.request_id, None)
             if finished or not final_only:
                 outputs.append(self._make_output(parent))
+        self.last_step_seconds = elapsed = time.perf_counter() - start
+        totals = self._switch_seconds if self.last_step_switched else self._step_seconds
+        totals[0] += elapsed
+        totals[1] += 1
+        self._account(entries, elapsed, swap_s, reshard_s)
         return outputs
 
-    def _sample(self, plan: SchedulerOutput, out: RunnerOutput) -> dict[str, int]:
-        requests = self.scheduler.requests
-        sample_rows: list[int] = []
+    def _account(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
+                 reshard_s: float) -> None:
+        num_requests = sum(len(group) for group in entries)
+        num_decodes = sum(1 for group in entries for e in group if e.num_tokens == 1)
+        kind = "decode" if num_decodes == num_requests else "prefill" if num_decodes == 0 else "mixed"
+        if num_requests:
+            self.time_s[kind] += elapsed - swap_s - reshard_s
+        self.time_s["swapping"] += swap_s
+        self.time_s["resharding"] += reshard_s
+        if kind == "decode" and num_requests:
+            self._decode_batches[0] += num_requests
+            self._decode_batches[1] += 1
+
+    def execute(self, output: SchedulerOutput) -> tuple[list[list[ScheduledRequest]], list]:
+        """Run a scheduled step on every rank: the plan (deltas) to all, the forward of each group.
+        Returns per group its entries in plan order and its logits (None: no logits rows)."""
+        plan, entries = self.plan_builder.build(self.scheduler, output, self._layout_replicas)
+        self._count_layouts(plan)
+        return entries, self.run_plan(plan)
+
+    def run_plan(self, plan: StepPlan) -> list:
+        """The step on every rank; rank 0's logits per group (None: no logits rows). A simulator of the
+        engine replaces this with modelled steps (see `driver_only`)."""
+        if self.parallel is None:
+            return self.runner.execute(plan)
+        return self.parallel.run_step(plan, self.runner.execute)
+
+    def _count_layouts(self, plan: StepPlan) -> None:
+        if not plan.groups:
+            return  # only tier copies this step
+        names = [g.layout for g in plan.groups]
+        layout = "+".join(names)
+        self.last_step_switched = self.last_step_layout is not None and layout != self.last_step_layout
+        self.num_switches += self.last_step_switched
+        self.last_step_layout = layout
+        self.num_steps += 1
+        for name in names:
+            self.steps_by_layout[name] += 1
+        self.num_scheduled_tokens += sum(int(g.num_scheduled.sum()) for g in plan.groups)
+
+    def _sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, int]:
+        rows: list[torch.Tensor] = []
         sample_requests: list[Request] = []
-        entry_by_id = {e.request_id: e for e in plan.scheduled}
-        for request_id, first_row, num_rows in out.logits_rows:
-            request = requests[request_id]
-            entry = entry_by_id[request_id]
-            if entry.prompt_logprobs:
-                self._record_prompt_logprobs(request, entry.num_computed_tokens,
-                                             out.logits[first_row:first_row + num_rows])
-            if entry.sample:
-                sample_rows.append(first_row + num_rows - 1)
-                sample_requests.append(request)
+        for entries, logits in zip(entries_by_group, logits_by_group):
+            if logits is None:
+                continue
+            if not any(e.prompt_logprobs for e in entries):  # one logits row per sampled request
+                rows.append(logits)
+                sample_requests.extend(e.request for e in entries if e.sample)
+                continue
+            row = 0
+            for e in entries:
+                n = e.num_tokens if e.prompt_logprobs else int(e.sample)
+                if e.prompt_logprobs:
+                    self._record_prompt_logprobs(e.request, e.num_computed_tokens, logits[row:row + n])
+                if e.sample:
+                    rows.append(logits[row + n - 1:row + n])
+                    sample_requests.append(e.request)
+                row += n
         if not sample_requests:
             return {}
-        result = self.sampler(out.logits[sample_rows], sample_requests)
+        result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), sample_requests)
         for request, token_id, lp in zip(sample_requests, result.token_ids, result.logprobs):
             if lp is not None:
                 chosen_lp, rank, top_ids, top_lps = lp
@@ -401,8 +597,6 @@ class LLMEngine:
 
     def _detokenize(self, parent: _ParentRequest, index: int, request: Request) -> None:
         detok = parent.detokenizers[index]
-        if detok is None:
-            return
         new_text = detok.step(request.output_token_ids[-1])
         if request.status.finished:
             new_text += detok.flush()  # bytes held back for an unfinished character
@@ -410,7 +604,8 @@ class LLMEngine:
             return
         text = parent.texts[index] + new_text
         params = request.sampling_params
-        if params.stop_strings and request.stop_reason is None:
+        # as in vLLM, stop strings count only once more than min_tokens tokens were generated
+        if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:
             for stop in params.stop_strings:
                 # only the new text and the tail it can complete a stop string with need looking at
                 idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
@@ -457,21 +652,9 @@ class LLMEngine:
         return self.parallel is None or self.parallel.rank == 0
 
     def worker_loop(self) -> Any:
-        """Ranks other than 0: run the steps rank 0 broadcasts. Returns the payload of an "outputs"
-        message (torchrun: every rank's `generate` returns rank 0's outputs), None on "shutdown",
-        and raises on "error"."""
+        """Ranks other than 0 under torchrun: run the steps rank 0 broadcasts (see `worker_loop`)."""
         assert self.parallel is not None and not self.is_driver
-        while True:
-            kind, payload = self.parallel.broadcast()
-            if kind == "step":
-                self.runner.execute(payload)
-            elif kind == "outputs":
-                return payload
-            elif kind == "error":
-                raise RuntimeError(f"rank 0 failed: {payload}")
-            else:
-                assert kind == "shutdown", kind
-                return None
+        return worker_loop(self.parallel, self.runner)
 
     def announce(self, kind: str, payload: Any) -> None:
         """Under torchrun, tell the other ranks (waiting in `worker_loop`) how `generate` ended."""
@@ -482,13 +665,195 @@ class LLMEngine:
                 if kind != "error":
                     raise
 
-    def shutdown(self) -> None:
+    def unresponsive_ranks(self, max_silence_s: float) -> list[int]:
+        """Ranks this process started that gave no sign of life (heartbeat) for `max_silence_s` seconds,
+        or died; [] for a single-device engine and under torchrun. Cheap; safe from any thread."""
+        return [] if self.parallel is None else self.parallel.unresponsive_ranks(max_silence_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the ranks this process started and leave the process group, within about `timeout_s`.
+        Safe from any thread, also while another thread is blocked in a step; a step after it raises."""
         if self.parallel is not None and self.is_driver:
-            self.parallel.shutdown()
+            self.parallel.shutdown(timeout_s)
+        runner = getattr(self, "runner", None)  # None: driver_only, or a construction that failed
+        if runner is not None and runner.swapper is not None:
+            runner.swapper.close()  # the prefetch thread, if any, ends with the engine
 
 
-def _worker_main(rank: int, world_size: int, args: EngineArgs) -> None:
-    """A rank started by rank 0 (launch path (b)): serve steps until rank 0 shuts down."""
-    engine = LLMEngine(args)
-    while engine.worker_loop() is not None:
+def worker_loop(parallel: ParallelRuntime, runner: ModelRunner) -> Any:
+    """A rank other than 0: run the steps rank 0 broadcasts. Returns the payload of an "outputs"
+    message (torchrun: every rank's `generate` returns rank 0's outputs), None on "shutdown", and
+    raises on "error"."""
+    while True:
+        kind, payload = parallel.broadcast()
+        if kind == "step":
+            runner.execute(payload)
+        elif kind == "outputs":
+            return payload
+        elif kind == "error":
+            raise RuntimeError(f"rank 0 failed: {payload}")
+        else:
+            assert kind == "shutdown", kind
+            return None
+
+
+class _Setup:
+    """What every rank derives from the engine arguments, and how it builds its model runner."""
+
+    def __init__(self, args: EngineArgs, weights: WeightSource | None, model: torch.nn.Module | None = None,
+                 config: ModelConfig | None = None):
+        self.args = args
+        self.model_dir = None
+        if config is not None:
+            self.model_config = config
+        elif model is not None:
+            self.model_config = model.config
+        elif weights is not None:
+            self.model_config = weights.config
+        else:
+            self.model_dir = resolve_model_dir(args.model, args.revision)
+            self.model_config = ModelConfig.from_dir(self.model_dir)
+        mc = self.model_config
+        if model is not None:
+            self.dtype = next(model.parameters()).dtype
+        else:
+            self.dtype = resolve_dtype(args.dtype, mc.torch_dtype)
+        max_model_len = args.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}"
+            )
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=args.scheduling_policy,
+        )
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.deployment: Deployment = build_deployment(
+            mc, sp=args.sp, tp=args.tp, dp=args.dp, pp=args.pp,
+            flying=args.policy in ("flying", "random") and args.dp > 1, seesaw=args.policy == "seesaw",
+            shift=args.shift_threshold is not None)
+        self.num_tier_blocks = self._num_tier_blocks()
+
+    def _num_tier_blocks(self) -> int:
+        """Blocks of the host tier of the KV cache (0: none); a block holds every layer's and head's KV of
+        block_size tokens."""
+        args, mc = self.args, self.model_config
+        per_block = kv_bytes_per_block(mc.num_hidden_layers, args.block_size, mc.num_key_value_heads, mc.head_dim,
+                                       self.dtype)
+        if args.num_cpu_kv_blocks is not None:
+            num_blocks = args.num_cpu_kv_blocks
+        elif args.cpu_kv_gb is not None:
+            num_blocks = int(args.cpu_kv_gb * (1 << 30)) // per_block
+            if args.cpu_kv_gb > 0 and num_blocks == 0:
+                raise ValueError(f"cpu_kv_gb={args.cpu_kv_gb} holds no KV block of {per_block} bytes")
+        elif self.deployment.family == "seesaw":
+            num_blocks = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(torch.device("cpu")) // 4) // per_block
+        else:
+            num_blocks = 0
+        if self.deployment.family == "seesaw" and num_blocks == 0:
+            raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
+                             "(cpu_kv_gb > 0)")
+        return num_blocks
+
+    def create_host_tier(self, shared: bool) -> torch.Tensor | None:
+        """The host tier's memory in this process, before local ranks start (None under torchrun, where
+        every rank maps it in `build_runner`, or without a tier)."""
+        if not self.num_tier_blocks or (shared and "RANK" in os.environ):
+            return None
+        return create_host_tier(self._tier_shape(), self.dtype, shared)
+
+    def _tier_shape(self) -> tuple[int, ...]:
+        mc = self.model_config
+        return tier_shape(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.num_tier_blocks,
+                          self.args.block_size)
+
+    def build_runner(self, parallel: ParallelRuntime | None, weights: WeightSource | None,
+                     model: torch.nn.Module | None = None, host_tier: torch.Tensor | None = None) -> ModelRunner:
+        """This rank's model (only its shards read, or `model` as built), its KV cache and its runner."""
+        args, mc = self.args, self.model_config
+        if parallel is not None:
+            rank, groups, device = parallel.rank, parallel.groups, parallel.device
+        else:
+            rank, groups = 0, None
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if model is not None:
+            device = next(model.parameters()).device
+            model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
+        else:
+            reader = weights or CheckpointReader(self.model_dir, mc)
+            try:
+                model = build_layout_model(self.deployment, groups, rank, mc, reader, self.dtype, device,
+                                           args.shift_threshold, args.shift_weights, args.flying_weights,
+                                           args.seesaw_weights)
+            finally:
+                reader.close()
+        num_blocks = self._num_kv_blocks(model.num_kv_layers, model.num_local_kv_heads, device)
+        if parallel is not None:  # every pool gets the size of the smallest
+            num_blocks = parallel.min_over_ranks(num_blocks)
+        kv_cache = KVCache(model.num_kv_layers, num_blocks, args.block_size, model.num_local_kv_heads,
+                           mc.head_dim, self.dtype, device)
+        if self.num_tier_blocks and host_tier is None and parallel is not None:
+            host_tier = self._map_host_tier(parallel)
+        return ModelRunner(model, kv_cache, self.deployment, rank, self.scheduler_config.max_num_seqs,
+                           self.scheduler_config.max_model_len, mc.vocab_size, mc.sliding_window,
+                           args.attention_backend, args.compile, host_tier, args.kv_swap, args.interconnect_gbps)
+
+    def _map_host_tier(self, parallel: ParallelRuntime) -> torch.Tensor:
+        """Under torchrun: the tier as a shared-memory file every rank maps (one host only: the tier is
+        host memory)."""
+        if int(os.environ.get("LOCAL_WORLD_SIZE", -1)) != self.deployment.world_size:
+            raise ValueError("the host KV tier is shared memory of one host: run every rank on one node "
+                             f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, "
+                             f"world size {self.deployment.world_size})")
+        return map_host_tier(self._tier_shape(), self.dtype, parallel.rank, parallel.broadcast,
+                             lambda: parallel.min_over_ranks(0))
+
+    def _num_kv_blocks(self, num_layers: int, num_kv_heads: int, device: torch.device) -> int:
+        cc, mc, sc = self.cache_config, self.model_config, self.scheduler_config
+        if cc.num_kv_blocks is not None:
+            return cc.num_kv_blocks
+        per_block = kv_bytes_per_block(num_layers, cc.block_size, num_kv_heads, mc.head_dim, self.dtype)
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
+        else:
+            # local ranks share the host's memory
+            budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(device) // 4) // self.deployment.world_size
+        # never more than every sequence slot filled to the context
+        enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
+        num_blocks = min(budget // per_block, enough)
+        widest = max(layout.kv_width for layout in self.deployment.layouts)  # pools a sequence may span
+        if num_blocks * widest < math.ceil(sc.max_model_len / cc.block_size):
+            where = "" if widest == 1 else f" even over the {widest} pools of the widest group"
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={sc.max_model_len} needs{where}; lower max_model_len "
+                "or raise the budget"
+            )
+        return num_blocks
+
+
+def _worker_main(rank: int, world_size: int, args: EngineArgs, host_tier: torch.Tensor | None) -> None:
+    """A rank started by rank 0 (launch path (b)): build this rank's runner, serve steps until rank 0
+    shuts down. `host_tier`: the tier rank 0 created in shared memory before starting this rank."""
+    setup = _Setup(args, None)
+    parallel = ParallelRuntime(setup.deployment, _worker_main, (args, host_tier), args.distributed_timeout_s)
+    runner = setup.build_runner(parallel, None, host_tier=host_tier)
+    # This process is the library's own and everything built so far lives as long as it: keep it out of the
+    # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps
+    # (bench_engine.py).
+    gc.collect()
+    gc.freeze()
+    while worker_loop(parallel, runner) is not None:
         pass
+    dist.destroy_process_group()

@@ -1,174 +1,120 @@
-"""Turns a step plan into tensors, runs the model over the paged KV cache, returns logits."""
+"""One rank's part of every step: copy its replica's KV to and from the host tier as the plan says,
+apply the plan's deltas to its replica's persistent batch, build the inputs of the group it
+belongs to, run the model in that group's layout over the paged KV cache (viewed as the layout
+views it: by KV width, or as a pipeline stage's layers), and return logits.
+
+Every rank runs this, rank 0 included, on the same plan: there is one path for one rank and many.
+Rank 0 returns the logits of every group in plan order; a group without rank 0 sends its logits
+from the rank that has them (the first, or a pipeline's last stage) to rank 0 (the only other
+traffic outside the layouts' own collectives and the pipeline's activations).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
-from torch_shift.compilation import compile_forward
-from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
-from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
+from torch_shift.engine.input_batch import InputBatch, StepInputs
+from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
+from torch_shift.kv.attention import PagedAttention
 from torch_shift.kv.cache import KVCache
-from torch_shift.kv.flex_attention import FlexMetadata, FlexPagedAttention, build_flex_metadata
-from torch_shift.parallel.shift import ShiftModule
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attention: AttentionMetadata | FlexMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
-    # (request_id, first row in the logits, number of rows): rows are the chunk's positions when
-    # prompt logprobs are wanted, else only its last position.
-    logits_rows: list[tuple[str, int, int]]
-
-
-@dataclass
-class RunnerOutput:
-    logits: torch.Tensor  # [rows, vocab]
-    logits_rows: list[tuple[str, int, int]]
+from torch_shift.kv.flex_attention import FlexPagedAttention
+from torch_shift.kv.host_tier import KVRegion, SwapExecutor
+from torch_shift.parallel import comm
+from torch_shift.parallel.layouts import Deployment
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sliding_window: int | None = None,
-                 attention_backend: str = "sdpa", compile: bool = False):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
+                 max_model_len: int, vocab_size: int, sliding_window: int | None = None,
+                 attention_backend: str = "sdpa", compile: bool = False, host_tier: torch.Tensor | None = None,
+                 kv_swap: str = "sync", interconnect_gbps: float | None = None):
+        """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
+        run `kv_swap` ("sync" or "async"); `interconnect_gbps`: emulate a link of that bandwidth
+        (comm.emulated_link)."""
         if attention_backend not in ("sdpa", "flex"):
             raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
         self.model = model
         self.kv_cache = kv_cache
-        self.block_size = kv_cache.block_size
-        self.sliding_window = sliding_window
+        self.deployment = deployment
+        self.rank = rank
+        self.replica = deployment.replica_of(rank)
+        self.vocab_size = vocab_size
         self.attention_backend = attention_backend
-        self.device = next(model.parameters()).device
-        self.compiled_forward = None
+        self.device = kv_cache.k_all.device
+        self.dtype = kv_cache.k_all.dtype
+        self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window,
+                                attention_backend)
+        self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
+        self.swapper = None
+        if host_tier is not None:
+            barrier = dist.barrier if deployment.world_size > 1 else None
+            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.kv_view, barrier)
+        self.interconnect_gbps = interconnect_gbps
+        self.last_swap_seconds = 0.0  # the last step's time in tier copies (waiting for them when async)
         if compile:
-            if isinstance(model, ShiftModule):
-                model.compile_layouts()
+            model.compile_layouts()
+
+    def kv_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
+        """This rank's pool as `layout_name` views it, and what it holds of the whole KV cache then
+        (None for a layout over several replicas, viewed by KV width)."""
+        if layout_name not in self._kv_views:
+            layout = self.deployment[layout_name]
+            if layout.kv_width > 1:
+                self._kv_views[layout_name] = (self.kv_cache.view(layout.kv_width), None)
             else:
-                self.compiled_forward = compile_forward(model)
+                region = self.model.kv_region(layout)
+                self._kv_views[layout_name] = (self.kv_cache.regroup(region.num_layers, region.num_heads), region)
+        return self._kv_views[layout_name]
 
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
-        decodes = [e for e in plan.scheduled if e.num_tokens == 1]
-        prefills = [e for e in plan.scheduled if e.num_tokens > 1]
-        ordered: list[ScheduledRequest] = decodes + prefills
+    def prepare(self, plan: StepPlan, group: GroupStep) -> StepInputs:
+        """The inputs of `group` on this rank (after the plan's deltas were applied)."""
+        layout = self.deployment[group.layout]
+        return self.batch.prepare(group, layout.replicas.index(self.replica), layout.kv_width)
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        logits_rows: list[tuple[str, int, int]] = []
-        for e in decodes:
-            pos = e.num_computed_tokens
-            input_ids.append(e.token_ids[0])
-            positions.append(pos)
-            slots.append(e.block_table[pos // bs] * bs + pos % bs)
-        prefill_chunks = []
-        for e in prefills:
-            start = len(input_ids)
-            n = e.num_tokens
-            pos = np.arange(e.num_computed_tokens, e.num_computed_tokens + n)
-            table = np.asarray(e.block_table, dtype=np.int64)
-            input_ids.extend(e.token_ids)
-            positions.extend(pos.tolist())
-            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
-            ctx = e.num_computed_tokens + n
-            needs_mask = e.num_computed_tokens > 0 or (self.sliding_window is not None and self.sliding_window < n)
-            mask = None
-            if needs_mask:
-                mask = key_mask(torch.from_numpy(pos), ctx, self.sliding_window)
-                if e.num_computed_tokens > 0:
-                    # the gathered context is padded to whole blocks
-                    pad = -ctx % bs
-                    mask = torch.nn.functional.pad(mask, (0, pad), value=False)
-                mask = mask[None, None].to(self.device)
-            num_blocks = -(-ctx // bs)
-            prefill_chunks.append(PrefillChunk(
-                start=start, num_tokens=n, num_computed_tokens=e.num_computed_tokens,
-                block_table=torch.tensor([e.block_table[:num_blocks]], device=self.device), mask=mask,
-            ))
-
-        for row_start, e in _row_starts(ordered):
-            if e.prompt_logprobs:
-                logits_rows.append((e.request_id, len(logits_indices), e.num_tokens))
-                logits_indices.extend(range(row_start, row_start + e.num_tokens))
-            elif e.sample:
-                logits_rows.append((e.request_id, len(logits_indices), 1))
-                logits_indices.append(row_start + e.num_tokens - 1)
-
-        decode_block_table = decode_mask = None
-        if decodes:
-            num_blocks = [positions[i] // bs + 1 for i in range(len(decodes))]
-            max_blocks = max(num_blocks)
-            table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-            for i, e in enumerate(decodes):
-                table[i, : num_blocks[i]] = e.block_table[: num_blocks[i]]
-            decode_block_table = torch.from_numpy(table).to(self.device)
-            query_pos = torch.tensor(positions[: len(decodes)], device=self.device)
-            decode_mask = key_mask(query_pos, max_blocks * bs, self.sliding_window)[:, None, None, :]
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
+    def _attention(self, kv: KVCache, inputs: StepInputs):
         if self.attention_backend == "flex":
-            attention = self._flex_metadata(ordered, as_tensor(slots), as_tensor(positions))
-        else:
-            attention = AttentionMetadata(
-                slot_mapping=as_tensor(slots),
-                num_decode_tokens=len(decodes),
-                decode_block_table=decode_block_table,
-                decode_mask=decode_mask,
-                prefills=prefill_chunks,
-            )
-        return StepInputs(
-            input_ids=as_tensor(input_ids),
-            positions=as_tensor(positions),
-            attention=attention,
-            logits_indices=as_tensor(logits_indices),
-            logits_rows=logits_rows,
-        )
-
-    def _flex_metadata(self, ordered: list[ScheduledRequest], slots: torch.Tensor,
-                       positions: torch.Tensor) -> FlexMetadata:
-        bs = self.block_size
-        offsets = np.arange(bs)
-        query_seq, context_slots, context_seq, context_pos = [], [], [], []
-        for i, e in enumerate(ordered):
-            ctx = e.num_computed_tokens + e.num_tokens
-            table = np.asarray(e.block_table[: -(-ctx // bs)], dtype=np.int64)
-            context_slots.append((table[:, None] * bs + offsets).reshape(-1)[:ctx])
-            context_seq.append(np.full(ctx, i))
-            context_pos.append(np.arange(ctx))
-            query_seq.append(np.full(e.num_tokens, i))
-
-        def as_tensor(parts: list[np.ndarray]) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(parts)).to(self.device)
-
-        return build_flex_metadata(slots, as_tensor(query_seq), positions, as_tensor(context_slots),
-                                   as_tensor(context_seq), as_tensor(context_pos), self.sliding_window)
+            return FlexPagedAttention(kv, inputs.attention)
+        return PagedAttention(kv, inputs.attention)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        inputs = self.prepare(plan)
-        if self.attention_backend == "flex":
-            attention = FlexPagedAttention(self.kv_cache, inputs.attention)
-        else:
-            attention = PagedAttention(self.kv_cache, inputs.attention)
-        if isinstance(self.model, ShiftModule):
-            logits = self.model.forward_step(inputs.input_ids, inputs.positions, attention, inputs.logits_indices,
-                                             plan.layout)
-        else:
-            forward = self.compiled_forward or self.model
-            hidden = forward(inputs.input_ids, inputs.positions, attention)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return RunnerOutput(logits=logits, logits_rows=inputs.logits_rows)
-
-
-def _row_starts(entries: list[ScheduledRequest]):
-    row = 0
-    for e in entries:
-        yield row, e
-        row += e.num_tokens
+    def execute(self, plan: StepPlan) -> list[torch.Tensor | None] | None:
+        """Rank 0: the logits of every group, in plan order; other ranks: None."""
+        if self.swapper is not None:
+            start = time.perf_counter()
+            self.swapper.run(plan.swap_outs, plan.swap_ins)
+            self.last_swap_seconds = time.perf_counter() - start
+        delta = plan.deltas.get(self.replica)
+        if delta is not None:
+            self.batch.apply(delta)
+        logits: list[torch.Tensor | None] = [None] * len(plan.groups)
+        with comm.emulated_link(self.interconnect_gbps):
+            for i, group in enumerate(plan.groups):
+                layout = self.deployment[group.layout]
+                if self.rank not in layout.ranks:
+                    continue
+                kv, _ = self.kv_view(group.layout)
+                if layout.pp > 1:
+                    member = layout.replicas.index(self.replica)
+                    micro = [self.batch.prepare(mb, member, 1) for mb in split_micro_batches(group)]
+                    out = self.model.forward_pipeline(
+                        [(m.input_ids, m.positions, self._attention(kv, m), m.logits_indices) for m in micro],
+                        group.layout)
+                else:
+                    inputs = self.prepare(plan, group)
+                    out = self.model.forward_step(inputs.input_ids, inputs.positions, self._attention(kv, inputs),
+                                                  inputs.logits_indices, group.layout)
+                if self.rank == 0:
+                    logits[i] = out
+                elif layout.logits_rank == self.rank and group.num_logits:
+                    dist.send(out.contiguous(), dst=0, tag=i)
+        if self.rank != 0:
+            return None
+        for i, group in enumerate(plan.groups):
+            leader = self.deployment[group.layout].logits_rank
+            if leader != 0 and group.num_logits:
+                logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
+                dist.recv(logits[i], src=leader, tag=i)
+        return logits

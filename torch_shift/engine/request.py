@@ -13,19 +13,21 @@ from torch_shift.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
+    WAITING = "waiting"  # no KV anywhere yet
+    RUNNING = "running"  # KV on the device: scheduled, or paused while its group does not run
+    PREEMPTED = "preempted"  # KV dropped: waiting to be recomputed
+    SWAPPED = "swapped"  # KV in the host tier only (torch_shift.kv.tier), waiting for device blocks
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._finished
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+for _status in RequestStatus:  # a plain attribute: this is read for every request at every step
+    _status._finished = _status.value in ("stop", "length", "abort")
 
 
 class Request:
@@ -52,6 +54,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.replicas: tuple[int, ...] = ()  # replicas whose KV pools hold its blocks (set while running)
+        self.kv_layout: str | None = None  # the layout whose KV view its device KV is in (set while running)
+        self.kv_view: str | None = None  # that layout's view: it runs only in layouts of the same view
+        self.kv_ready_step = 0  # first step it may run at (a swap-in copied beside a step is ready after it)
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -65,6 +71,7 @@ class Request:
         )
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
 
     @property
     def num_tokens(self) -> int:
@@ -85,13 +92,15 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings are the detokenizer's)."""
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
+        outputs = self.output_token_ids
+        num_outputs = len(outputs)
+        if num_outputs >= self.sampling_params.min_tokens:
+            last = outputs[-1]
             if last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_outputs >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, penalties, grammar masks, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
 
 Every operation runs on the whole batch; the only host transfer is the final one of the
 sampled ids (and of the logprobs asked for). A seeded request draws its noise from its own
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_shift.engine.request import Request
+from torch_shift.engine.structured_output import grammar_mask
 
 _NEG_INF = float("-inf")
 
@@ -52,7 +53,13 @@ class Sampler:
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
 
+        logits = self._apply_logit_bias(logits, params)
         logits = self._apply_penalties(logits, requests)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            allowed = grammar_mask([requests[i].grammar for i in constrained], logits.shape[1]).to(logits.device)
+            logits = logits.clone()
+            logits[constrained] = logits[constrained].masked_fill(~allowed, _NEG_INF)
         greedy = [p.greedy for p in params]
         if all(greedy):
             sampled = logits.argmax(dim=-1)
@@ -60,6 +67,9 @@ class Sampler:
             sampled = self._sample(logits, requests, greedy)
 
         token_ids = sampled.tolist()
+        for i in constrained:
+            accepted = requests[i].grammar.consume_token(token_ids[i])
+            assert accepted, requests[i].grammar.get_error()
         row_logprobs: list = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, k in enumerate(want_logprobs) if k is not None]
@@ -70,6 +80,21 @@ class Sampler:
                 k = want_logprobs[i]
                 row_logprobs[i] = (chosen[j], ranks[j], top_ids[j][:k], top_lps[j][:k])
         return SamplerOutput(token_ids, row_logprobs)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                rows += [i] * len(p.logit_bias)
+                cols += p.logit_bias.keys()
+                values += p.logit_bias.values()
+        if not rows:
+            return logits
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows = []

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from torch_shift.engine.structured_output import StructuredOutputsParams
+
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+GREEDY_TEMPERATURE = 1e-5
+MAX_SEED = 2**63 - 1  # an int64, as OpenAI's `seed` and torch.Generator take it
 
 
 @dataclass
@@ -25,6 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the sampled token is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +48,8 @@ class SamplingParams:
         def check_float(name: str, value) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
             return float(value)
 
         check_int("n", self.n, 1)
@@ -49,6 +60,8 @@ class SamplingParams:
         check_int("top_k", self.top_k, -1)
         if self.seed is not None:
             check_int("seed", self.seed, 0)
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {self.seed}")
         self.temperature = check_float("temperature", self.temperature)
         self.top_p = check_float("top_p", self.top_p)
         self.min_p = check_float("min_p", self.min_p)
@@ -71,15 +84,34 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.top_k == -1:
             self.top_k = 0
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = tuple(stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
         stop_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = stop_ids
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token_id, bias in self.logit_bias.items():
+                if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured outputs end at the end-of-sequence token: they cannot be combined "
+                                 "with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -1,11 +1,24 @@
 """Continuous batching under a per-step token budget, in plain Python.
 
-Each step the scheduler gives every running request the tokens it still lacks (one for a
-request that is generating, a chunk of its prompt for one that is not), then admits waiting
-requests while budget, sequence slots and KV blocks last. When a running request cannot get
-a block, the lowest-ranked running request is preempted: its blocks are freed and it is
-recomputed later from its prompt and the tokens it already produced (outputs unchanged).
-The decision is a `SchedulerOutput`, a plain object: the step plan.
+Each step the policy (torch_shift.engine.policies) decides which layouts run: groups of replicas,
+each with its own token budget and batch. The scheduler gives every running request of a bound
+group the tokens it still lacks (one for a request that is generating, a chunk of its prompt for
+one that is not), then admits waiting requests, each into a group the policy routes it to, while
+budget, sequence slots and KV blocks last. A running request whose group is not bound this step
+is paused: it keeps its blocks and resumes when its group runs again. When a request cannot get a
+block, the worst running request holding blocks in the same pools is preempted: its blocks are
+freed and it is recomputed later from its prompt and the tokens it already produced (outputs
+unchanged). The decision is a `SchedulerOutput`, a plain object: the step plan.
+
+With a host tier of the KV cache (torch_shift.kv.tier), a request's KV may also leave the device for
+the tier and come back: a preempted request that is generating is swapped out when the tier has
+room (recomputed otherwise), a policy may move requests there (`StepDecision.swap_out`), and in any
+step that is not prefill-only the requests in the tier are swapped in, first come first, into a
+group the policy routes them to, before waiting requests are admitted. A request's states:
+waiting (no KV; `waiting`), in the tier (SWAPPED; `swapped`), on the device (RUNNING; `running`,
+paused while no group of its replicas and its KV view runs) and running (scheduled this step).
+A request's KV is only read in the view it was written in (`Layout.kv_view`); it changes view
+through the tier.
 """
 
 from __future__ import annotations
@@ -14,41 +27,77 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch_shift.config import SchedulerConfig
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.kv.block_manager import BlockManager
+from torch_shift.kv.tier import SwapOp, TierAllocator
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step
+    num_computed_tokens: int  # position of the first of them
+    sample: bool  # the chunk reaches the request's last token: sample the next one
+    prompt_logprobs: bool  # return logits at every position of the chunk
+    block_tables: tuple[list[int], ...]  # the request's blocks in each pool of its group (live lists)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start:start + self.num_tokens]
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
 
 
 @dataclass
-class ScheduledRequest:
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step
-    num_computed_tokens: int  # position of the first of them
-    block_table: list[int]
-    sample: bool  # the chunk reaches the request's last token: sample the next one
-    prompt_logprobs: bool  # return logits at every position of the chunk
+class ScheduledGroup:
+    """One bound group's batch, in scheduling order (running requests, then admitted ones)."""
+
+    layout: str
+    replicas: tuple[int, ...]
+    entries: list[ScheduledRequest] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    def num_scheduled_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    groups: list[ScheduledGroup] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    layout: str = "base"  # the parallel layout of this step ("base" or "shift")
+    swap_outs: list[SwapOp] = field(default_factory=list)  # device -> tier, before the forward
+    swap_ins: list[SwapOp] = field(default_factory=list)  # tier -> device, after the swap-outs
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_outs or self.swap_ins)
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return [e for g in self.groups for e in g.entries]
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(g.num_scheduled_tokens for g in self.groups)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not any(g.entries for g in self.groups)
+
+    @property
+    def layout(self) -> str:
+        """The layouts of this step's groups, '+'-joined ("shift"; "dp@0+dp@1")."""
+        return "+".join(g.layout for g in self.groups if g.entries)
 
 
 class WaitingQueue:
@@ -91,21 +140,57 @@ class WaitingQueue:
             self._fifo.remove(request)
 
 
+@dataclass
+class _Group:
+    """A bound group while the step is being formed."""
+
+    layout: str
+    replicas: tuple[int, ...]
+    budget: int
+    phase: str | None
+    kv_view: str
+    entries: list[ScheduledRequest] = field(default_factory=list)
+    out_of_blocks: bool = False
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 choose_layout: Callable[[int], str] | None = None):
+    def __init__(self, config: SchedulerConfig, pools: BlockManager | list[BlockManager], policy=None,
+                 tier: TierAllocator | None = None):
+        """`pools`: one block manager per replica (a single one: one replica). `policy`: what runs each
+        step (torch_shift.engine.policies); default: the one replica, always. `tier`: the host tier of
+        the KV cache, if any."""
+        from torch_shift.engine.policies import SingleGroupPolicy
+
         self.config = config
-        self.block_manager = block_manager
-        self.choose_layout = choose_layout  # scheduled token count -> layout
+        self.pools: list[BlockManager] = [pools] if isinstance(pools, BlockManager) else list(pools)
+        self.policy = policy or SingleGroupPolicy("single")
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
+        self.removed_request_ids: list[str] = []  # left the running set since the plan builder last looked
+        self.tier = tier
+        self.swapped: deque[Request] = deque()  # KV in the tier, in the order they will be swapped in
+        self._deferred_frees: list[tuple[int, str]] = []  # (replica, request): device blocks an async copy reads
+        # swapped out this step with copies beside the forward: their device blocks are still theirs
+        self._swapped_out_now: set[str] = set()
+        self.num_preemptions = 0  # requests that lost their device KV for another's blocks or a move
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_steps = 0
+        self.last_decision = None
+        self.view = SchedulerView(self)
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The pool of the first replica (the only one without data parallelism)."""
+        return self.pools[0]
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self.policy.on_add(request, self.view)
 
     @property
     def num_unfinished(self) -> int:
@@ -114,9 +199,75 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _preempt(self, index: int, output: SchedulerOutput) -> None:
-        request = self.running.pop(index)
-        self.block_manager.free(request.request_id)
+    # -- KV blocks over a request's pools ---------------------------------------------------------------
+    def _allocate(self, request: Request, replicas: tuple[int, ...], num_tokens: int,
+                  cached: list[int] = (), view: str = "heads") -> bool:
+        width = len(replicas)
+        rid = request.request_id
+        if width == 1:
+            return self.pools[replicas[0]].allocate(rid, num_tokens, cached, view=view)
+        pools = [self.pools[r] for r in replicas]
+        if len(pools) > 1 and not all(p.can_allocate(rid, num_tokens, cached, width) for p in pools):
+            return False
+        for p in pools:
+            ok = p.allocate(rid, num_tokens, cached, width, view)
+            assert ok or len(pools) == 1
+            if not ok:
+                return False
+        return True
+
+    def _release(self, request: Request, free_blocks: bool = True) -> None:
+        for r in request.replicas:
+            if free_blocks:
+                self.pools[r].free(request.request_id)
+            self.num_seqs[r] -= 1
+        request.replicas = ()
+        request.kv_layout = request.kv_view = None
+        self.removed_request_ids.append(request.request_id)
+
+    def _can_swap_out(self, request: Request) -> bool:
+        """A request of one replica whose KV covers all but its last sampled token (it is generating):
+        swapped in again, it decodes at once in any layout of the pool."""
+        return (self.tier is not None and len(request.replicas) == 1 and request.num_computed_tokens > 0
+                and request.num_tokens - request.num_computed_tokens == 1)
+
+    def _swap_out(self, request: Request, output: SchedulerOutput, front: bool = False) -> bool:
+        """Move a running request's KV to the tier (False: the tier cannot hold it). Its device blocks
+        are free at once, or from the next step when copies run beside the forward."""
+        rid = request.request_id
+        tier_blocks = self.tier.allocate(rid, request.num_computed_tokens)
+        if tier_blocks is None:
+            return False
+        replica = request.replicas[0]
+        device_blocks = self.pools[replica].req_blocks[rid][:len(tier_blocks)]
+        output.swap_outs.append(SwapOp(replica, request.kv_layout, list(device_blocks), tier_blocks))
+        self.running.remove(request)
+        if self.tier.async_copies:
+            self._deferred_frees.append((replica, rid))
+        self._release(request, free_blocks=not self.tier.async_copies)
+        request.status = RequestStatus.SWAPPED
+        if front:
+            self.swapped.appendleft(request)
+        else:
+            self.swapped.append(request)
+        if self.tier.async_copies:
+            self._swapped_out_now.add(rid)
+        self.num_swap_outs += 1
+        return True
+
+    def _evict(self, request: Request, output: SchedulerOutput) -> bool:
+        """Preempt a request for another's blocks: to the tier when it is generating and the tier has
+        room, else by recompute. True when its device blocks are free at once."""
+        if self._can_swap_out(request) and self._swap_out(request, output, front=True):
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            return not self.tier.async_copies
+        self._preempt(request, output)
+        return True
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -124,98 +275,308 @@ class Scheduler:
         self.waiting.push(request, front=True)
         output.preempted_request_ids.append(request.request_id)
 
-    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
-            num_computed_tokens=start,
-            block_table=self.block_manager.block_table(request.request_id),
-            sample=start + num_new == request.num_tokens,
-            prompt_logprobs=request.wants_prompt_logprobs,
-        )
+    def _victim(self, replicas: tuple[int, ...], after: Request) -> Request:
+        """The request to preempt for blocks in `replicas`' pools: the last running one that holds
+        blocks there (the latest admitted under FCFS; the worst priority under the priority policy,
+        running being sorted), `after` itself at the latest."""
+        wanted = set(replicas)
+        for request in reversed(self.running):
+            if request is after or wanted.intersection(request.replicas):
+                return request
+        raise AssertionError("the request itself is running")
 
+    def _paused_victim(self, request: Request, replicas: tuple[int, ...],
+                       groups: dict[tuple[int, ...], _Group]) -> Request | None:
+        """A request of worse priority (a greater value) that holds blocks in `replicas`' pools but does
+        not run this step (its group is not bound): the worst such, or None. Only a more urgent
+        request may take a paused one's blocks (as vLLM's priority preemption)."""
+        wanted = set(replicas)
+        candidates = [r for r in self.running if r.priority > request.priority
+                      and wanted.intersection(r.replicas) and r.replicas not in groups]
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+
+    # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
+        if self.tier is not None:
+            self.tier.advance()
+            self._swapped_out_now.clear()
+            for replica, request_id in self._deferred_frees:  # the copies that read them are done
+                self.pools[replica].free(request_id)
+            self._deferred_frees.clear()
+        decision = self.policy.decide(self.view)
+        self.last_decision = decision
+        for request_id in decision.recompute:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self._preempt(request, output)
+        for request_id in decision.swap_out:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                if not (self._can_swap_out(request) and self._swap_out(request, output)):
+                    self._preempt(request, output)  # the tier cannot hold it: recomputed later, outputs unchanged
+        deployment = self.policy.deployment
+        groups: dict[tuple[int, ...], _Group] = {}
+        for name in decision.layouts:
+            layout = deployment[name]
+            replicas = layout.replicas
+            assert not any(set(replicas) & set(g) for g in groups), f"{name}: replicas bound twice"
+            groups[replicas] = _Group(name, replicas, self.config.max_num_batched_tokens, decision.phase,
+                                      layout.kv_view)
         if self.config.policy == "priority":
             # the worst request runs last, so it is the one preempted and nobody better waits behind it
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep admission order
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_moved = self.num_preemptions
+        running = RequestStatus.RUNNING
+        step = self.num_steps
+        for request in list(self.running):
+            if request.status is not running:
+                continue  # preempted this step for another's blocks
+            group = groups.get(request.replicas)
+            if (group is None or group.budget == 0 or group.out_of_blocks or group.kv_view != request.kv_view
+                    or request.kv_ready_step > step):
+                continue  # paused: no group of its replicas and its KV view runs this step
+            num_computed = request.num_computed_tokens
+            num_left = len(request.all_token_ids) - num_computed
+            if group.phase is not None and (group.phase == "decode") != (num_left == 1):
+                continue
+            num_new = num_left if num_left < group.budget else group.budget
             assert num_new > 0, request.request_id
-            while not bm.allocate(request.request_id, request.num_computed_tokens + num_new):
-                # the last running request: the latest admitted (FCFS) or, running being sorted, the
-                # worst priority, ties to the latest arrival
-                victim = len(self.running) - 1
-                self._preempt(victim, output)
-                if victim == i:
+            while not self._allocate(request, group.replicas, num_computed + num_new, view=group.kv_view):
+                victim = self._victim(group.replicas, request)
+                freed = self._evict(victim, output)
+                if victim is request or not freed:
+                    group.out_of_blocks = True  # no block is left for anyone after it in these pools
                     break
             else:
-                output.scheduled.append(self._entry(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: no block is left for anyone after it
+                group.entries.append(self._entry(request, num_new))
+                group.budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if output.preempted_request_ids:
-                break  # blocks ran out this step: admitting more would only thrash
-            request = self.waiting.peek()
-            cached: list[int] = []
-            if request.num_computed_tokens == 0 and request.prompt_logprobs is None:
-                cached = bm.find_cached_prefix(request.request_id, request.all_token_ids)
-            num_computed = len(cached) * bm.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
-            if not bm.allocate(request.request_id, num_computed + num_new, cached):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.pop()
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_computed
-                request.first_scheduled_time = time.monotonic()
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            output.scheduled.append(self._entry(request, num_new))
-            budget -= num_new
-        if self.choose_layout is not None and output.scheduled:
-            output.layout = self.choose_layout(output.num_scheduled_tokens)
+        ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
+        if not ran_out_of_blocks and decision.phase != "prefill" and self.swapped:
+            self._swap_in(groups, decision, output)
+        if not ran_out_of_blocks and decision.phase != "decode":
+            self._admit(groups, decision, output)
+        for group in groups.values():
+            layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
+            output.groups.append(ScheduledGroup(layout, group.replicas, group.entries))
+        self.num_steps += 1
         return output
+
+    def _swap_in(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
+        """Requests in the tier onto the device, first come first, into groups the policy routes them
+        to, while sequence slots and blocks last (with synchronous copies they run this step)."""
+        max_seqs = self.config.max_num_seqs
+        deployment = self.policy.deployment
+        while self.swapped:
+            request = self.swapped[0]
+            if request.request_id in self._swapped_out_now:
+                return
+            for name in self.policy.route(request, decision, self.view):
+                layout = deployment[name]
+                group = groups.get(layout.replicas)
+                if (layout.kv_width != 1 or group is None or group.out_of_blocks
+                        or (group.budget == 0 and not self.tier.async_copies)
+                        or self.num_seqs[layout.replicas[0]] >= max_seqs):
+                    continue
+                if self._swap_in_into(request, group, output):
+                    break
+            else:
+                return  # first come first: nobody overtakes the head of the tier
+
+    def _swap_in_into(self, request: Request, group: _Group, output: SchedulerOutput) -> bool:
+        rid = request.request_id
+        if not self._allocate(request, group.replicas, request.num_tokens, view=group.kv_view):
+            return False
+        self.swapped.popleft()
+        replica = group.replicas[0]
+        tier_blocks = self.tier.release(rid)
+        device_blocks = self.pools[replica].req_blocks[rid][:len(tier_blocks)]
+        output.swap_ins.append(SwapOp(replica, group.layout, list(device_blocks), tier_blocks))
+        request.status = RequestStatus.RUNNING
+        request.replicas = group.replicas
+        request.kv_layout, request.kv_view = group.layout, group.kv_view
+        self.num_seqs[replica] += 1
+        self.running.append(request)
+        self.num_swap_ins += 1
+        if self.tier.async_copies:
+            request.kv_ready_step = self.num_steps + 1  # its copy runs beside this step's forward
+        else:
+            group.entries.append(self._entry(request, 1))
+            group.budget -= 1
+        return True
+
+    def _admit(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
+        max_seqs = self.config.max_num_seqs
+        while self.waiting:
+            request = self.waiting.peek()
+            placed = False
+            for name in self.policy.route(request, decision, self.view):
+                replicas = self.policy.deployment[name].replicas
+                group = groups.get(replicas)
+                if group is None or group.budget == 0 or group.out_of_blocks:
+                    continue
+                if any(self.num_seqs[r] >= max_seqs for r in replicas):
+                    continue
+                if self._admit_into(request, group, groups, output):
+                    placed = True
+                    break
+            if not placed:
+                return  # FCFS: nobody overtakes the head of the queue
+
+    def _admit_into(self, request: Request, group: _Group, groups: dict[tuple[int, ...], _Group],
+                    output: SchedulerOutput) -> bool:
+        cached: list[int] = []
+        pools = [self.pools[r] for r in group.replicas]
+        if request.num_computed_tokens == 0 and request.prompt_logprobs is None and len(pools) == 1:
+            cached = pools[0].find_cached_prefix(request.request_id, request.all_token_ids, view=group.kv_view)
+        num_computed = len(cached) * pools[0].block_size
+        num_new = min(request.num_tokens - num_computed, group.budget)
+        while not self._allocate(request, group.replicas, num_computed + num_new, cached, group.kv_view):
+            victim = self._paused_victim(request, group.replicas, groups)
+            if victim is None or not self._evict(victim, output):
+                return False
+        self.waiting.pop()
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_computed
+            request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        request.replicas = group.replicas
+        request.kv_layout, request.kv_view = group.layout, group.kv_view
+        for r in group.replicas:
+            self.num_seqs[r] += 1
+        self.running.append(request)
+        group.entries.append(self._entry(request, num_new))
+        group.budget -= num_new
+        return True
+
+    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        replicas = request.replicas
+        rid = request.request_id
+        tables = ((self.pools[replicas[0]].req_blocks[rid],) if len(replicas) == 1
+                  else tuple(self.pools[r].req_blocks[rid] for r in replicas))
+        return ScheduledRequest(request, num_new, start, start + num_new == len(request.all_token_ids),
+                                request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables)
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance every scheduled request; append its sampled token; finish those that hit a
         token-level stop. Returns the requests that received a token."""
-        bm = self.block_manager
         updated = []
-        for entry in output.scheduled:
-            request = self.requests.get(entry.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += entry.num_tokens
-            bm.cache_computed_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            if not entry.sample:
-                continue
-            request.append_output_token(sampled_token_ids[entry.request_id])
-            updated.append(request)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+        running, pools, max_model_len = RequestStatus.RUNNING, self.pools, self.config.max_model_len
+        for group in output.groups:
+            pool = pools[group.replicas[0]] if len(group.replicas) == 1 else None
+            for entry in group.entries:
+                request = entry.request
+                if request.status is not running:
+                    continue  # aborted while the step ran
+                before = request.num_computed_tokens
+                request.num_computed_tokens = after = before + entry.num_tokens
+                if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
+                    pool.cache_computed_blocks(request.request_id, request.all_token_ids, after)
+                if not entry.sample:
+                    continue
+                request.append_output_token(sampled_token_ids[request.request_id])
+                updated.append(request)
+                status = request.check_stop(max_model_len)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
         return updated
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish or abort a request wherever it is; its blocks go back to the pool."""
+        """Finish or abort a request wherever it is; its blocks go back to the pools."""
         assert status.finished
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.tier.free(request_id)
         elif not request.status.finished:
             self.waiting.remove(request)
         request.status = status
-        self.block_manager.free(request_id)
+        self.policy.on_finish(request)
         return request
+
+
+class SchedulerView:
+    """What a policy may read of the scheduler: requests, pools and the step count (no mutation)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._s = scheduler
+
+    @property
+    def num_steps(self) -> int:
+        return self._s.num_steps
+
+    @property
+    def waiting(self):
+        return iter(self._s.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._s.waiting)
+
+    def peek_waiting(self) -> Request | None:
+        return self._s.waiting.peek() if self._s.waiting else None
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._s.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._s.running)
+
+    @property
+    def swapped(self):
+        """Requests whose KV is in the host tier, in the order they will be swapped in."""
+        return iter(self._s.swapped)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._s.swapped)
+
+    @property
+    def tier_free_blocks(self) -> int:
+        """Free blocks of the host tier (0 without one)."""
+        return self._s.tier.num_free_blocks if self._s.tier is not None else 0
+
+    @property
+    def tier_num_blocks(self) -> int:
+        return self._s.tier.num_blocks if self._s.tier is not None else 0
+
+    @property
+    def tier_usage(self) -> float:
+        """Fraction of the tier's blocks holding requests' KV."""
+        return self._s.tier.usage if self._s.tier is not None else 0.0
+
+    @property
+    def num_seqs(self) -> tuple[int, ...]:
+        """Requests placed on each replica (running or paused)."""
+        return tuple(self._s.num_seqs)
+
+    @property
+    def num_free_blocks(self) -> tuple[int, ...]:
+        return tuple(p.num_free_blocks for p in self._s.pools)
+
+    @property
+    def num_blocks(self) -> tuple[int, ...]:
+        return tuple(p.num_blocks for p in self._s.pools)
+
+    @property
+    def block_size(self) -> int:
+        return self._s.pools[0].block_size
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._s.config
+
+    @property
+    def last_decision(self):
+        return self._s.last_decision

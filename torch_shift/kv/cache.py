@@ -26,6 +26,12 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class KVCache:
+    """Per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], views of one
+    buffer per K and V laid out block-major, [num_blocks, num_layers, block_size, kv_heads, head_dim]:
+    a block's bytes are one contiguous run holding every layer, so that other groupings of the same
+    bytes per block (`view`: more tokens of fewer heads; `regroup`: fewer layers of more heads) keep
+    every block where it is and never overlap another block."""
+
     def __init__(
         self,
         num_layers: int,
@@ -36,21 +42,61 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_blocks, num_layers, block_size, num_kv_heads, head_dim)
+        self._init(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def _init(self, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+        self.k_all, self.v_all = k_all, v_all  # [num_blocks, num_layers, block_size, kv_heads, head_dim]
+        self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, head_dim = k_all.shape
+        self.k, self.v = list(k_all.unbind(1)), list(v_all.unbind(1))
+        # rows of [blocks * layers * block_size, heads, dim]: where a slot of a layer is written and read
+        self._k_rows = k_all.view(-1, self.num_kv_heads, head_dim)
+        self._v_rows = v_all.view(-1, self.num_kv_heads, head_dim)
         # Gather buffers reused by every layer and step: a fresh allocation per gather was handed back
         # to the OS each time and paid page faults on every step (8x slower per layer, bench_engine.py).
-        self._k_buffer = torch.empty(0, dtype=dtype, device=device)
-        self._v_buffer = torch.empty(0, dtype=dtype, device=device)
+        self._k_buffer = k_all.new_empty(0)
+        self._v_buffer = v_all.new_empty(0)
+
+    def _viewed(self, shape: tuple[int, ...]) -> KVCache:
+        viewed = object.__new__(KVCache)
+        viewed._init(self.k_all.view(shape), self.v_all.view(shape))
+        return viewed
+
+    def view(self, width: int) -> KVCache:
+        """The same memory at KV width `width` (paper 004's KV adaptor): each block holds
+        width * block_size tokens of num_kv_heads / width heads. KV written at one width is only
+        ever read at that width."""
+        if width == 1:
+            return self
+        assert self.num_kv_heads % width == 0, (self.num_kv_heads, width)
+        nb, nl, bs, h, d = self.k_all.shape
+        return self._viewed((nb, nl, bs * width, h // width, d))
+
+    def regroup(self, num_layers: int, num_kv_heads: int) -> KVCache:
+        """The same memory as `num_layers` layers of `num_kv_heads` heads, blocks unchanged: a pipeline
+        stage's layers with every head, or every layer with a TP rank's heads (paper 003's two layouts
+        over one pool). KV written in one grouping is only ever read in it."""
+        nb, nl, bs, h, d = self.k_all.shape
+        if (num_layers, num_kv_heads) == (nl, h):
+            return self
+        assert num_layers * num_kv_heads == nl * h, (num_layers, num_kv_heads, nl, h)
+        return self._viewed((nb, num_layers, bs, num_kv_heads, d))
+
+    def _rows(self, layer_idx: int, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """slot = block_id * block_size + offset -> its row of `layer_idx` in the block-major buffer."""
+        bs = self.block_size
+        return (slot_mapping // bs) * (self.num_layers * bs) + (layer_idx * bs) + slot_mapping % bs
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [T, kv_heads, head_dim]; slot = block_id * block_size + offset in the block."""
-        k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        rows = self._rows(layer_idx, slot_mapping)
+        self._k_rows.index_copy_(0, rows, k)
+        self._v_rows.index_copy_(0, rows, v)
+
+    def read_slots(self, layer_idx: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer_idx` at the given slots: [n, kv_heads, head_dim] each."""
+        rows = self._rows(layer_idx, slot_mapping)
+        return self._k_rows[rows], self._v_rows[rows]
 
     def gather(self, layer_idx: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_table: [B, max_blocks] -> k, v: [B, kv_heads, max_blocks * block_size, head_dim], views of

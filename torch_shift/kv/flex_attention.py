@@ -65,8 +65,7 @@ class FlexPagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.metadata
         self.kv_cache.write(layer_idx, md.slot_mapping, k, v)
-        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
-        k_ctx = k_cache.view(-1, *k_cache.shape[2:])[md.context_slots].transpose(0, 1).unsqueeze(0)
-        v_ctx = v_cache.view(-1, *v_cache.shape[2:])[md.context_slots].transpose(0, 1).unsqueeze(0)
+        k_ctx, v_ctx = self.kv_cache.read_slots(layer_idx, md.context_slots)
+        k_ctx, v_ctx = k_ctx.transpose(0, 1).unsqueeze(0), v_ctx.transpose(0, 1).unsqueeze(0)
         out = self.flex(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, block_mask=md.block_mask, enable_gqa=True)
         return out[0].transpose(0, 1)

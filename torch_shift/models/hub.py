@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 _CHECKPOINT_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.*"]
@@ -20,8 +22,13 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     if path.is_dir():
         return path
     repo_id = str(model)
-    if repo_id.count("/") > 1 or path.suffix or repo_id.startswith((".", "/", "~")):
-        raise ValueError(f"model {repo_id!r} is neither a local directory nor a Hugging Face hub id")
+    # a path, not an id: absolute, relative to . or ~, more than one "/", or an existing file
+    if repo_id.startswith(("/", "./", "../", "~")) or repo_id.count("/") > 1 or path.exists():
+        raise ValueError(f"no such directory: {path}")
+    try:
+        validate_repo_id(repo_id)  # dots are fine: Qwen2.5-0.5B, Llama-3.2-1B, Mistral-7B-v0.1
+    except HFValidationError as e:
+        raise ValueError(f"model {repo_id!r}: no such directory, and not a Hugging Face hub id ({e})") from None
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES,
                                       local_files_only=True))
@@ -29,13 +36,13 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
         pass
     if constants.HF_HUB_OFFLINE:
         raise ValueError(
-            f"model {repo_id!r} is not a local directory and is not in the Hugging Face cache "
-            f"{constants.HF_HUB_CACHE} (HF_HUB_OFFLINE is set, so nothing was downloaded)"
+            f"model {repo_id!r}: no such directory, and not in the Hugging Face cache {constants.HF_HUB_CACHE} "
+            "(HF_HUB_OFFLINE is set, so nothing was downloaded)"
         )
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES, etag_timeout=5))
     except Exception as e:
         raise ValueError(
-            f"model {repo_id!r} is not a local directory, is not in the Hugging Face cache "
-            f"{constants.HF_HUB_CACHE}, and could not be downloaded ({type(e).__name__}: {e})"
+            f"model {repo_id!r}: no such directory, not in the Hugging Face cache {constants.HF_HUB_CACHE}, "
+            f"and could not be downloaded ({type(e).__name__}: {e})"
         ) from None

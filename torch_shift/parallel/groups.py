@@ -26,12 +26,13 @@ def shift_rank_order(sp: int, tp: int) -> list[int]:
 
 @dataclass
 class ShiftGroups:
+    """The groups of one (SP, TP) replica; its ranks are `first + sp * TP + tp`."""
+
     mesh: DeviceMesh  # ("sp", "tp")
     shift_mesh: DeviceMesh  # ("shift",), ranks in shift-rank order
     sp_group: dist.ProcessGroup
     tp_group: dist.ProcessGroup
     shift_group: dist.ProcessGroup
-    control_group: dist.ProcessGroup  # CPU (gloo) group for step plans and outputs
 
     @property
     def sp(self) -> int:
@@ -59,24 +60,37 @@ class ShiftGroups:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ShiftGroups:
-        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
-            raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES}, got axes {mesh.mesh_dim_names} "
-                             f"of shape {tuple(mesh.shape)}")
-        sp, tp = mesh.shape
-        expected = torch.arange(sp * tp).view(sp, tp)
-        if not torch.equal(mesh.mesh.cpu(), expected):
+        """Groups of a 2-D ("sp", "tp") mesh or a 1-D ("tp",) one (SP = 1) over every rank, or of a
+        replica's 2-D submesh with SP = 1 (its ranks `first + tp`)."""
+        sp, tp = mesh_shape(mesh)
+        ranks = mesh.mesh.cpu().flatten()
+        first = int(ranks.min())
+        if not torch.equal(ranks, first + torch.arange(sp * tp)):
             raise ValueError(f"the mesh must lay global ranks out row-major (rank = sp * TP + tp), got {mesh.mesh}")
-        if sp * tp != dist.get_world_size():
+        if (sp > 1 or mesh.ndim == 1) and sp * tp != dist.get_world_size():
             raise ValueError(f"SP x TP = {sp} x {tp} = {sp * tp} differs from the world size {dist.get_world_size()}")
-        order = shift_rank_order(sp, tp)
-        # new_group sorts its ranks unless told not to; the shift group must keep shift-rank order.
-        shift_group = dist.new_group(order, sort_ranks=False)
+        if mesh.ndim == 1:
+            mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(1, tp), mesh_dim_names=MESH_AXES)
+        order = [first + r for r in shift_rank_order(sp, tp)]
+        if sp == 1:  # the shift layout is the TP layout itself
+            shift_group = mesh.get_group("tp")
+        else:
+            # new_group sorts its ranks unless told not to; the shift group must keep shift-rank order.
+            shift_group = dist.new_group(order, sort_ranks=False)
         shift_mesh = DeviceMesh.from_group(shift_group, mesh.device_type, mesh=torch.tensor(order),
                                            mesh_dim_names=("shift",))
-        # Ranks wait on the control group between requests, for as long as the server idles: no
-        # timeout there; the forward's collectives keep the process group's bound.
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group, control)
+        return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group)
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, int]:
+    """(SP, TP) of a 2-D ("sp", "tp") mesh or a 1-D ("tp",) mesh; ValueError for any other mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names == MESH_AXES:
+        return tuple(mesh.shape)
+    if names == ("tp",):
+        return 1, mesh.size()
+    raise ValueError(f"a shift mesh is 2-D with axes {MESH_AXES} or 1-D with axis ('tp',), got axes "
+                     f"{mesh.mesh_dim_names} of shape {tuple(mesh.shape)}")
 
 
 def build_shift_groups(sp: int, tp: int, device_type: str | None = None) -> ShiftGroups:
@@ -91,3 +105,46 @@ def build_shift_groups(sp: int, tp: int, device_type: str | None = None) -> Shif
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     mesh = init_device_mesh(device_type, (sp, tp), mesh_dim_names=MESH_AXES)
     return ShiftGroups.from_mesh(mesh)
+
+
+@dataclass
+class DeploymentGroups:
+    """Every process group a deployment uses, created once at start-up in one order on every rank
+    (paper 004's communicator pool): the control group of step plans, this rank's replica groups
+    (SP x TP inside a replica), and the groups that bind several replicas, by rank tuple."""
+
+    control_group: dist.ProcessGroup  # CPU (gloo): step plans and outputs
+    replica: ShiftGroups | None  # None: the replica is this one rank
+    pool: dict[tuple[int, ...], tuple[dist.ProcessGroup, DeviceMesh]]  # this rank's groups binding replicas
+
+    @classmethod
+    def build(cls, deployment, replica: ShiftGroups | None = None) -> DeploymentGroups:
+        """`replica`: this rank's replica groups as already built (a module from `parallelize`)."""
+        world = dist.get_world_size()
+        if world != deployment.world_size:
+            # a pipeline replica's ranks are its stages (and, under Seesaw, its TP group too)
+            per_replica = (("PP", deployment.pp),) if deployment.pp > 1 else (("SP", deployment.sp),
+                                                                               ("TP", deployment.tp))
+            sizes = [(name, n) for name, n in (("DP", deployment.num_replicas),) + per_replica
+                     if n > 1 or name != "DP"]
+            raise ValueError(f"{' x '.join(n for n, _ in sizes)} = {' x '.join(str(v) for _, v in sizes)} = "
+                             f"{deployment.world_size} differs from the world size {world}")
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        # Ranks wait on the control group between requests, for as long as the server idles: no
+        # timeout there; the forward's collectives keep the process group's bound.
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        per_replica = world // deployment.num_replicas
+        # a replica's ("sp", "tp") submesh: every replica has one unless its ranks only pipeline (static PP,
+        # whose stages talk point to point)
+        if replica is None and per_replica > 1 and deployment.sp * deployment.tp == per_replica:
+            mesh = init_device_mesh(device_type, (deployment.num_replicas, deployment.sp, deployment.tp),
+                                    mesh_dim_names=("dp",) + MESH_AXES)
+            replica = ShiftGroups.from_mesh(mesh[MESH_AXES])
+        rank = dist.get_rank()
+        pool = {}
+        for ranks in deployment.process_groups():
+            group = dist.new_group(list(ranks))  # collective: every rank creates every group
+            if rank in ranks:
+                pool[ranks] = (group, DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks),
+                                                            mesh_dim_names=("tp",)))
+        return cls(control, replica, pool)

@@ -8,11 +8,14 @@ variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -36,8 +39,40 @@ def default_start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "fork"
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, args) -> None:
+def _reset_inherited_compile_pool() -> None:
+    """A forked rank must not use the inductor compile thread pool of its parent.
+
+    torch's own fork handler (torch/_inductor/async_compile.py, `after_fork`) resets the process
+    pool but not `AsyncCompile.pool()`, a cached ThreadPoolExecutor: the child inherits the object
+    without its threads, so the first C++ kernel it compiles is queued to no thread and its
+    `future.result()` waits forever. That happens whenever the parent compiled before the fork and
+    the child compiles a kernel that is not in the on-disk cache (a cold cache, as in CI)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
+HEARTBEAT_INTERVAL_S = 0.1
+
+
+def _beat(heartbeats, rank: int, parent: int) -> None:
+    """A started rank's heartbeat: its last sign of life in shared memory, every 100 ms. A thread of
+    its own, so a rank busy in a long step keeps beating; a stopped (SIGSTOP) or dead one does not.
+    A rank whose parent is gone (killed, so that nothing stopped the rank) ends itself."""
+    while os.getppid() == parent:
+        heartbeats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+        time.sleep(HEARTBEAT_INTERVAL_S)
+    os._exit(1)
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, heartbeats,
+               parent: int, args) -> None:
+    # A forked rank never collects what it inherited: the parent's garbage may hold objects whose destructors
+    # join threads that a fork does not copy (a previous engine's process group: gc.collect() hung here).
+    gc.freeze()
     os.environ.update(rank_environment(rank, world_size, port))
+    _reset_inherited_compile_pool()
+    threading.Thread(target=_beat, args=(heartbeats, rank, parent), name="torch-shift-heartbeat", daemon=True).start()
     import torch
 
     if threads is not None:
@@ -63,8 +98,12 @@ class LocalRanks:
         ctx = mp.get_context(start_method or default_start_method())
         self.world_size = world_size
         self.results = ctx.Queue()
-        self.procs = {r: ctx.Process(target=_rank_main, args=(fn, r, world_size, port, threads, self.results, args),
-                                     daemon=True) for r in ranks}
+        # shared memory written by each rank's heartbeat thread (created before the processes start)
+        self.heartbeats = ctx.Array("d", [time.monotonic()] * world_size, lock=False)
+        self.procs = {r: ctx.Process(target=_rank_main, daemon=True,
+                                     args=(fn, r, world_size, port, threads, self.results, self.heartbeats,
+                                           os.getpid(), args))
+                      for r in ranks}
         for p in self.procs.values():
             p.start()
 
@@ -80,11 +119,26 @@ class LocalRanks:
         self.results.put((rank, status, value))
         return None
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def silent_ranks(self, max_silence_s: float) -> list[int]:
+        """Ranks that have not beaten for `max_silence_s` (stopped, hung outside Python's reach, or dead)."""
+        now = time.monotonic()
+        return [r for r, p in self.procs.items()
+                if not p.is_alive() or now - self.heartbeats[r] > max_silence_s]
+
+    def stop(self, grace_s: float = 5.0, kill_after_s: float = 1.0) -> None:
+        """Wait up to `grace_s` for the ranks to exit, then terminate them, and kill those still there
+        `kill_after_s` later (a stopped process does not act on SIGTERM). Returns within about
+        grace_s + kill_after_s."""
         deadline = time.monotonic() + grace_s
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs.values():
+        alive = [p for p in self.procs.values() if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + kill_after_s
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in alive:
             if p.is_alive():
                 p.kill()
                 p.join()

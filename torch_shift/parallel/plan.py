@@ -59,12 +59,16 @@ def base_plan(groups: ShiftGroups) -> ParallelPlan:
     return ParallelPlan("base", entries)
 
 
-def shift_plan(groups: ShiftGroups) -> ParallelPlan:
-    mesh = groups.shift_mesh
+def tp_plan(mesh: DeviceMesh, layout: str = "tp", vocab_parallel: bool = True) -> ParallelPlan:
+    """Megatron TP over a 1-D mesh; the LM head vocab-parallel, or replicated."""
     entries = _megatron_entries(mesh, lambda dim: (Shard(dim),))
-    entries["lm_head.weight"] = (mesh, (Shard(0),))
+    entries["lm_head.weight"] = (mesh, (Shard(0),) if vocab_parallel else (Replicate(),))
     entries["*"] = (mesh, (Replicate(),))
-    return ParallelPlan("shift", entries)
+    return ParallelPlan(layout, entries)
+
+
+def shift_plan(groups: ShiftGroups) -> ParallelPlan:
+    return tp_plan(groups.shift_mesh, "shift")
 
 
 def shard_bounds(num_units: int, num_chunks: int, chunk: int) -> tuple[int, int]:

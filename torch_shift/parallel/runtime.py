@@ -5,11 +5,18 @@ process becomes rank 0 and starts the other local ranks itself, which run the wo
 Rank 0 schedules; every step it broadcasts the step plan on a CPU (gloo) group, then all ranks
 run the forward together. A rank that fails ends the others: a dead peer breaks the gloo
 connections at once, and every collective has the process group's timeout as a bound.
+
+In (b) the user's process is left as it was: the rendezvous store is this process's own (on
+127.0.0.1), no environment variable is written, the intra-op thread count is restored and the
+process group destroyed at shutdown, which ends the started ranks within a bound from any thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -17,34 +24,85 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_shift.parallel.groups import ShiftGroups, build_shift_groups
-from torch_shift.parallel.launch import LocalRanks, default_start_method, free_port, rank_environment
+from torch_shift.parallel.groups import DeploymentGroups
+from torch_shift.parallel.launch import LocalRanks, default_start_method
+
+# the runtime whose started ranks hold this process's default process group, if any
+_holder: ParallelRuntime | None = None
 
 
 class ParallelRuntime:
-    def __init__(self, sp: int, tp: int, worker_main, worker_args: tuple, timeout_s: float):
-        world = sp * tp
-        self.launched: LocalRanks | None = None
-        if not dist.is_initialized():
-            if "RANK" not in os.environ:  # (b): start ranks 1..P-1 here
-                port = free_port()
-                method = default_start_method()
-                # forked ranks run one intra-op thread: a forked child of a process that used several
-                # OpenMP threads hangs in its first parallel region (measured here)
-                self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
-                                           threads=1 if method == "fork" else max(1, os.cpu_count() // world),
-                                           start_method=method)
-                os.environ.update(rank_environment(0, world, port))
-                torch.set_num_threads(max(1, os.cpu_count() // world))
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            kwargs: dict[str, Any] = {}
-            if backend == "nccl":
-                local_rank = int(os.environ.get("LOCAL_RANK", 0))
-                torch.cuda.set_device(local_rank)
-                kwargs["device_id"] = torch.device("cuda", local_rank)
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        self.groups: ShiftGroups = build_shift_groups(sp, tp)
+    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float):
+        world = deployment.world_size
+        self._init_state(timeout_s)
+        if _holder is not None:
+            raise ValueError("another parallel engine of this process still holds the ranks it started; "
+                             "call its shutdown() first (one parallel engine per process at a time)")
+        try:
+            if not dist.is_initialized():
+                # torch.distributed.nn.functional takes `group.WORLD` as default arguments when it is imported
+                # (torch._dynamo imports it): imported while our group exists, it would keep that group, its
+                # sockets and the store's port for the life of the process
+                import torch.distributed.nn.functional  # noqa: F401
+
+                dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
+            self.groups = DeploymentGroups.build(deployment)
+        except BaseException:
+            self.shutdown(timeout_s=2.0)  # started ranks must not outlive a failed construction
+            raise
         self.rank = dist.get_rank()
+
+    def _init_state(self, timeout_s: float) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self.launched: LocalRanks | None = None
+        self._user_threads: int | None = None  # the thread count to restore at shutdown
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # held while this process is inside a collective of the engine, so that a shutdown from another
+        # thread destroys the process group only once that collective has ended
+        self._in_collective = threading.RLock()
+        self.groups: DeploymentGroups | None = None
+
+    @classmethod
+    def over(cls, deployment, replica_groups, timeout_s: float) -> ParallelRuntime:
+        """The runtime of ranks that already hold their groups (a module from `torch_shift.parallelize`,
+        every rank running the user's program): nothing is started or initialised."""
+        runtime = cls.__new__(cls)
+        runtime._init_state(timeout_s)
+        runtime.groups = DeploymentGroups.build(deployment, replica_groups)
+        runtime.rank = dist.get_rank()
+        return runtime
+
+    def _process_group_args(self, world: int, worker_main, worker_args: tuple) -> dict[str, Any]:
+        """How this process joins a new default process group: torchrun's environment (a), or (b) as
+        rank 0 of local ranks it starts here, with a rendezvous store of its own on the loopback (the
+        listening socket exists before the ranks start, so no other process can take the port)."""
+        global _holder
+        args: dict[str, Any] = {"backend": "nccl" if torch.cuda.is_available() else "gloo", "timeout": self.timeout}
+        if args["backend"] == "nccl":
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local_rank)
+            args["device_id"] = torch.device("cuda", local_rank)
+        if "RANK" in os.environ:  # (a)
+            return args
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        method = default_start_method()
+        # forked ranks run one intra-op thread: a forked child of a process that used several OpenMP
+        # threads hangs in its first parallel region (measured here)
+        self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
+                                   threads=1 if method == "fork" else max(1, os.cpu_count() // world),
+                                   start_method=method)
+        _holder = self
+        # at exit this runs before multiprocessing's own handler, which would wait forever for a stopped rank
+        atexit.register(self.shutdown)
+        self._user_threads = torch.get_num_threads()  # restored at shutdown
+        torch.set_num_threads(max(1, os.cpu_count() // world))
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=self.timeout,
+                              master_listen_fd=listener.detach(), wait_for_workers=False)
+        # the started ranks join through torchrun's environment (env://), whose keys init_process_group
+        # puts under this prefix
+        return {**args, "store": dist.PrefixStore("default_pg", store), "rank": 0, "world_size": world}
 
     @property
     def device(self) -> torch.device:
@@ -52,23 +110,48 @@ class ParallelRuntime:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the parallel engine was shut down")
+
     def broadcast(self, message: Any = None) -> Any:
         """Rank 0 sends `message`; every rank returns it."""
         box = [message]
-        try:
-            dist.broadcast_object_list(box, src=0, group=self.groups.control_group)
-        except Exception as e:
-            raise self.failure(e) from e
+        with self._in_collective:
+            self._check_open()
+            try:
+                dist.broadcast_object_list(box, src=0, group=self.groups.control_group)
+            except Exception as e:
+                raise self.failure(e) from e
         return box[0]
 
+    def run_step(self, plan: Any, execute) -> Any:
+        """Rank 0: send the step plan to every rank and run `execute(plan)` here with them."""
+        with self._in_collective:
+            self.broadcast(("step", plan))
+            try:
+                return execute(plan)
+            except Exception as e:
+                raise self.failure(e) from e
+
     def min_over_ranks(self, value: int) -> int:
+        """Every rank's minimum of `value`, within the process group's timeout."""
         t = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.groups.control_group)
+        with self._in_collective:
+            self._check_open()
+            try:
+                # the control group has no timeout of its own (ranks idle on it): bound this wait
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.groups.control_group,
+                                async_op=True).wait(timeout=self.timeout)
+            except Exception as e:
+                raise self.failure(e) from e
         return int(t.item())
 
     def failure(self, error: Exception, wait_s: float = 2.0) -> RuntimeError:
         """The error to raise when a collective failed: a started rank's own report when there is one
         (it may reach us a moment after its sockets closed), else the collective's error."""
+        if self._closed:
+            return RuntimeError(f"the parallel engine was shut down ({error})")
         deadline = time.monotonic() + wait_s
         while self.launched is not None:
             report = self.launched.failed()
@@ -79,14 +162,61 @@ class ParallelRuntime:
             time.sleep(0.05)
         return RuntimeError(f"a rank failed or stopped answering: {error}")
 
-    def shutdown(self) -> None:
-        """Rank 0 of (b): tell the workers to exit, wait for them, and leave the process group."""
-        if self.launched is not None:
+    def unresponsive_ranks(self, max_silence_s: float) -> list[int]:
+        """The ranks this process started whose heartbeat (every 100 ms, from a thread of their own) is
+        older than `max_silence_s`, or that are no longer alive. Cheap: reads shared memory. Under
+        torchrun (no started ranks) and after shutdown: []."""
+        launched = self.launched
+        return [] if launched is None else launched.silent_ranks(max_silence_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Rank 0 of (b): end the started ranks and leave the process group, within about `timeout_s`.
+
+        Safe from any thread, also while another thread of this process is blocked in a collective: the
+        ranks are asked to exit only when no collective is in flight and every rank's heartbeat is
+        fresh; those still there are terminated, then killed (a stopped process ignores SIGTERM). The
+        process group is destroyed once no collective of this process is in flight any more (the ended
+        ranks end it). Idempotent; a no-op under torchrun."""
+        global _holder
+        with self._close_lock:
+            if self._closed or self.launched is None:
+                return
+            self._closed = True
+        deadline = time.monotonic() + timeout_s
+        launched = self.launched
+        sender = None
+        if self.groups is not None and not launched.silent_ranks(1.0) and self._in_collective.acquire(
+                blocking=False):
+            try:  # the ranks wait on the control group for the next message: tell them to exit
+                sender = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
+                                          self.groups.control_group), daemon=True)
+                sender.start()
+                sender.join(timeout_s / 4)
+            finally:
+                self._in_collective.release()
+        grace = (deadline - time.monotonic()) / 2 if sender is not None else 0.0
+        launched.stop(grace_s=max(0.0, grace), kill_after_s=1.0)
+        if sender is not None:
+            sender.join(max(0.0, deadline - time.monotonic()))  # it ends with the ranks at the latest
+        released = False
+        if (sender is None or not sender.is_alive()) and self._in_collective.acquire(
+                timeout=max(0.1, deadline - time.monotonic())):
             try:
-                self.broadcast(("shutdown", None))
-            except RuntimeError:
-                pass  # a worker already died: nothing to tell
-            self.launched.stop()
-            self.launched = None
-            if dist.is_initialized():
-                dist.destroy_process_group()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                released = True
+            finally:
+                self._in_collective.release()
+        self.launched = None
+        if released and _holder is self:  # else the next engine is refused rather than joining a stale group
+            _holder = None
+        atexit.unregister(self.shutdown)
+        if self._user_threads is not None:
+            torch.set_num_threads(self._user_threads)
+
+
+def _broadcast_quietly(box: list, group: dist.ProcessGroup) -> None:
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    except Exception:  # noqa: BLE001 - a rank already gone has nothing to be told
+        pass

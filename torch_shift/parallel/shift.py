@@ -15,15 +15,19 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
+from torch_shift.kv.host_tier import KVRegion
+from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.loader import FUSED_PARTS, part_views
+from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
-from torch_shift.parallel.groups import ShiftGroups
+from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
 from torch_shift.parallel.plan import (
     ParallelPlan,
@@ -105,51 +109,60 @@ def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtyp
     return model.eval().requires_grad_(False)
 
 
-def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
-    """The shift-layout model: its shards are slices of the base shards (views or copies); the
-    embedding, norms, rotary tables and LM head are the base model's own modules."""
-    if shift_weights not in ("view", "copy"):
-        raise ValueError(f"shift_weights must be 'view' or 'copy', got {shift_weights!r}")
-    b_plan, s_plan = base_plan(groups), shift_plan(groups)
-    shift = copy.copy(base)  # shallow: shares every submodule until replaced below
-    shift._modules = dict(base._modules)
-    shift.layers = nn.ModuleList()
-    heads, kv_heads = _local_head_counts(s_plan, config)
+def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan | None, target_plan: ParallelPlan,
+              group: dist.ProcessGroup, weights: str) -> DecoderLM:
+    """A TP model whose shards are slices of `source`'s (which holds a superset of each: its shards
+    under `source_plan`, or whole tensors when that is None): views, or contiguous copies that re-fuse
+    q/k/v and gate/up. Embedding, norms, rotary tables and LM head are `source`'s own modules.
+    Shift (paper 000) derives full TP from the (SP, TP) shards; Flying (paper 004) derives TP-d over
+    a group of replicas from each replica's full weights."""
+    if weights not in ("view", "copy"):
+        raise ValueError(f"layout weights must be 'view' or 'copy', got {weights!r}")
+    derived = copy.copy(source)  # shallow: shares every submodule until replaced below
+    derived._modules = dict(source._modules)
+    derived.layers = nn.ModuleList()
+    heads, kv_heads = _local_head_counts(target_plan, config)
 
-    def shift_slice(name: str, part: str | None, base_tensor: torch.Tensor) -> torch.Tensor:
-        b, s = local_part_slice(b_plan, config, name, part), local_part_slice(s_plan, config, name, part)
-        assert b.dim == s.dim and b.start <= s.start and s.start + s.length <= b.start + b.length, (name, part)
-        view = base_tensor.narrow(s.dim, s.start - b.start, s.length)
-        return view if shift_weights == "view" else view.contiguous()
+    def target_slice(name: str, part: str | None, source_tensor: torch.Tensor) -> torch.Tensor:
+        t = local_part_slice(target_plan, config, name, part)
+        s = local_part_slice(source_plan, config, name, part) if source_plan is not None else None
+        first = s.start if s is not None else 0
+        assert s is None or (s.dim == t.dim and s.start <= t.start and t.start + t.length <= s.start + s.length), \
+            (name, part)
+        view = source_tensor.narrow(t.dim, t.start - first, t.length)
+        return view if weights == "view" else view.contiguous()
 
-    for i, base_layer in enumerate(base.layers):
-        layer = copy.copy(base_layer)
-        layer._modules = dict(base_layer._modules)
-        attn = copy.copy(base_layer.attn)
-        attn._modules = dict(base_layer.attn._modules)
+    for i, source_layer in enumerate(source.layers):
+        layer = copy.copy(source_layer)
+        layer._modules = dict(source_layer._modules)
+        attn = copy.copy(source_layer.attn)
+        attn._modules = dict(source_layer.attn._modules)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         prefix = f"layers.{i}."
         qkv_name = prefix + "attn.qkv_proj.weight"
-        weights = [shift_slice(qkv_name, p, t) for p, t in part_views(base, qkv_name).items()]
+        parts = [target_slice(qkv_name, p, t) for p, t in part_views(source, qkv_name).items()]
         biases = None
         if config.attention_bias:
             bias_name = prefix + "attn.qkv_proj.bias"
-            biases = [shift_slice(bias_name, p, t) for p, t in part_views(base, bias_name).items()]
-        attn.qkv_proj = _fused(weights, biases, shift_weights)
+            biases = [target_slice(bias_name, p, t) for p, t in part_views(source, bias_name).items()]
+        attn.qkv_proj = _fused(parts, biases, weights)
         o_name = prefix + "attn.o_proj.weight"
-        attn.o_proj = RowParallelLinear(shift_slice(o_name, None, base.get_parameter(o_name).data),
-                                        groups.shift_group)
-        mlp = copy.copy(base_layer.mlp)
-        mlp._modules = dict(base_layer.mlp._modules)
+        attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group)
+        mlp = copy.copy(source_layer.mlp)
+        mlp._modules = dict(source_layer.mlp._modules)
         gu_name = prefix + "mlp.gate_up_proj.weight"
-        mlp.gate_up_proj = _fused([shift_slice(gu_name, p, t) for p, t in part_views(base, gu_name).items()],
-                                  None, shift_weights)
+        mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
+                                  None, weights)
         down_name = prefix + "mlp.down_proj.weight"
-        mlp.down_proj = RowParallelLinear(shift_slice(down_name, None, base.get_parameter(down_name).data),
-                                          groups.shift_group)
+        mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data), group)
         layer.attn, layer.mlp = attn, mlp
-        shift.layers.append(layer)
-    return shift
+        derived.layers.append(layer)
+    return derived
+
+
+def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
+    """The shift-layout model: its shards are slices of the base shards (views or copies)."""
+    return derive_tp(base, config, base_plan(groups), shift_plan(groups), groups.shift_group, shift_weights)
 
 
 def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift_weights: str) -> nn.Module:
@@ -164,7 +177,8 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift
 
 
 class ShiftModule(nn.Module):
-    """`forward_step` runs one step in the layout the step plan names and returns its logits."""
+    """`forward_step` runs one engine step in the layout the step plan names and returns its logits;
+    `forward` runs a whole batch without a KV cache in the layout its token count picks."""
 
     def __init__(self, base: DecoderLM, shift: DecoderLM | None, groups: ShiftGroups, config: ModelConfig,
                  shift_threshold: int | None, shift_weights: str):
@@ -181,6 +195,35 @@ class ShiftModule(nn.Module):
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
+        self.num_kv_layers = config.num_hidden_layers
+        k_rows = local_part_slice(shift_plan(groups), config, "layers.0.attn.qkv_proj.weight", "k")
+        self._kv_region = KVRegion(0, config.num_hidden_layers, k_rows.start // config.head_dim,
+                                   self.num_local_kv_heads)
+
+    def kv_region(self, layout) -> KVRegion:
+        """What this rank's pool holds of the whole KV cache (the same in both layouts): every layer, the
+        KV heads of its shift rank (one replicated head when there are more ranks than KV heads)."""
+        return self._kv_region
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of a whole batch [batch, seq], without a KV cache.
+
+        `attention_mask` (1 = token, 0 = padding, on either side): only the real tokens run, each
+        row as if alone (positions counted from its first real token, as transformers' `generate`
+        does), and the logits at padding are zero. The layout is chosen by the number of real
+        tokens, as the engine chooses per step. Every rank calls it with the same batch.
+        """
+        device = self.base.embed_tokens.weight.device
+        batch = PackedBatch.from_padded(input_ids, attention_mask, self.config, device)
+        if batch.num_tokens == 0:
+            return torch.zeros(*batch.mask.shape, self.config.vocab_size, dtype=self.base.embed_tokens.weight.dtype,
+                               device=device)
+        attention = CausalAttention(batch.seq_lens, self.config.sliding_window)
+        every = torch.arange(batch.num_tokens, device=device)
+        logits = self.forward_step(batch.input_ids, batch.positions, attention, every,
+                                   self.choose_layout(batch.num_tokens))
+        return batch.unpack(logits)
 
     def compile_layouts(self) -> None:
         """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""
@@ -195,6 +238,8 @@ class ShiftModule(nn.Module):
 
     def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                      logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
+        """`layout` "shift": full TP; any other name (the deployment's "base", "tp", "dp@i"): the base
+        layout."""
         self.layout_counts[layout] += 1
         with comm.recording(self.ledger), comm.layout_scope(layout):
             if layout == "shift":
@@ -231,29 +276,33 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     if shift_threshold is not None and shift_threshold < 0:
         raise ValueError(f"shift_threshold must be >= 0 or None, got {shift_threshold}")
     base = load_base(config, groups, read, dtype, device)
-    shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None else None
+    # with SP = 1 the base layout is already full TP: one layout, one copy of the weights
+    shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None and groups.sp > 1 else None
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
 
 
-def module_reader(model: DecoderLM) -> TensorReader:
-    """Read parameter parts (and slices of them) from a full, already loaded model."""
-
-    def read(name: str, part: str | None, part_slice: PartSlice | None) -> torch.Tensor:
-        tensor = part_views(model, name)[part]
-        return tensor if part_slice is None else tensor.narrow(part_slice.dim, part_slice.start, part_slice.length)
-
-    return read
-
-
-def parallelize(model: DecoderLM, mesh: DeviceMesh, shift_threshold: int | None = 256,
+def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None = 256,
                 shift_weights: str = "copy") -> ShiftModule:
-    """Shard a full model over a ("sp", "tp") DeviceMesh into a ShiftModule (base and shift layouts).
+    """Shard a model over a ("sp", "tp") DeviceMesh, or a 1-D ("tp",) one, into a ShiftModule: the
+    base layout (SP, TP) and the shift layout (full TP), chosen per call or per engine step by
+    the number of tokens (more than `shift_threshold` -> base; None: no shift layout).
 
-    Every rank must hold the same full model; each keeps only its shards (the full model can be
-    dropped afterwards). To avoid materialising the full model at all, load through
-    `LLM(model_dir, sp=..., tp=...)`, which reads each rank's shards from the safetensors files.
+    `model`: transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM, torchtitan's Llama 3, or torch_shift's DecoderLM; its parameters plain
+    tensors or DTensors (e.g. under FSDP2 or TP); its config is read from the model. Every rank
+    calls this with the same model. Each rank reads only its shards from the model's parameters (a
+    DTensor is gathered one parameter at a time) onto the mesh's device: the model is only read,
+    and can be dropped afterwards.
     """
-    groups = ShiftGroups.from_mesh(mesh)
-    device = next(model.parameters()).device
-    return build_shift_module(model.config, groups, module_reader(model), next(model.parameters()).dtype, device,
-                              shift_threshold, shift_weights)
+    source = model_source(model)
+    sp, tp = mesh_shape(mesh)
+    validate_mesh_for_model(source.config, sp, tp)  # before any group is made
+    dtype = next(model.parameters()).dtype
+    device = torch.device(mesh.device_type)
+    if device.type != "cpu":
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    try:
+        return build_shift_module(source.config, ShiftGroups.from_mesh(mesh), source, dtype, device,
+                                  shift_threshold, shift_weights)
+    finally:
+        source.close()

@@ -1,43 +1,157 @@
-"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/health, /metrics.
 
-Bad input gets a 4xx with an OpenAI-style error body and the server keeps serving; a full waiting
-queue is a 429, an engine that stopped a 503.
+Bad input gets a 4xx with an OpenAI-style error body and the server keeps serving; a field the server
+cannot honour is a 400 that names it. A full waiting queue is a 429 with Retry-After; an engine that
+failed, stalled or is shutting down a 503. The body is counted as it arrives (chunked or not) and a 413
+answers as soon as it passes the limit. A client that goes away (streaming or not) aborts its request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from torch_shift.engine.outputs import CompletionOutput, RequestOutput
-from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStopped
+from torch_shift.engine.llm_engine import TokenizedPrompt
+from torch_shift.engine.outputs import RequestOutput
+from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStopped, Submission
 from torch_shift.serve.metrics import EngineMetrics
-from torch_shift.serve.protocol import ChatCompletionRequest, CompletionRequest
+from torch_shift.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from torch_shift.serve.responses import (
+    DeltaTracker,
+    EchoedPrompt,
+    TextOffsets,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    sse,
+)
+
+logger = logging.getLogger("torch_shift.serve")
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when one is set
+_FATAL_EXIT_DELAY_S = 1.0
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}  # pydantic union branches in error locations
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+class _ErrorResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # ASCII escapes: an error may quote what the client sent, lone surrogates included
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _status_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class _Guard:
+    """ASGI middleware in front of the app: the API key, and the body limit counted as the bytes arrive
+    (FastAPI >= 0.164 has `max_body_size` for the latter; the `serve` extra supports older ones)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.api_key):
+                error = APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        too_large = f"the request body is larger than {self.max_body_bytes} bytes"
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await APIError(413, too_large, code=413).response()(scope, receive, send)
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:  # chunked bodies have no Content-Length: count them
+                    raise StarletteHTTPException(413, too_large)  # FastAPI passes it on while reading the body
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
+class _EngineStream(StreamingResponse):
+    """A streamed response whose engine requests end with it, however it ends (even if never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable) -> tuple[bool, Any]:
+    """(True, result) of `work`, or (False, None) as soon as the client hangs up (`work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        return False, None
+    return True, task.result()
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+              max_body_bytes: int = 1 << 20, max_n: int = 128, max_prompts_per_request: int = 256,
+              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -45,136 +159,253 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             on_shutdown()
 
     app = FastAPI(title="torch_shift", version="0.1.0", lifespan=lifespan)
-    tokenizer = engine.engine.tokenizer
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key", "authentication_error",
-                                      code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error_response(413, f"request body larger than {max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    llm = engine.engine
+    tokenizer = llm.tokenizer
+    max_model_len = llm.scheduler_config.max_model_len
+    vocab_size = llm.model_config.vocab_size
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc)
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ())[1:] if not ("[" in str(x) or str(x) in _TYPE_TAGS)]
+        param = ".".join(loc) or None
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            msg = "unknown field: torch_shift does not support it (see docs/reliability.md, 'API differences')"
+        elif first.get("type") == "json_invalid":
+            param, msg = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+        return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=400).response()
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message, _status_type(exc.status_code), code=exc.status_code,
+                        headers=exc.headers).response()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
-                           code="model_not_found")
+                           param="model", code="model_not_found")
 
-    @app.get("/health")
-    async def health():
-        if engine.error is not None:
-            return error_response(503, f"engine failed: {engine.error}", "server_error")
-        return JSONResponse({"status": "ok"})
+    def check_counts(num_prompts: int, n: int) -> None:
+        if n > max_n:
+            raise APIError(400, f"n: at most {max_n} samples per request on this server, got {n}", param="n")
+        if num_prompts > max_prompts_per_request:
+            raise APIError(400, f"prompt: at most {max_prompts_per_request} prompts per request on this server, "
+                                f"got {num_prompts}", param="prompt")
+        if num_prompts * n > engine.max_waiting_seqs:
+            raise APIError(400, f"this request adds {num_prompts * n} sequences (prompts x n); the server queues at "
+                                f"most {engine.max_waiting_seqs}", param="n")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "torch_shift"}]}
+    def need_tokenizer(what: str):
+        if tokenizer is None:
+            raise APIError(400, f"this model has no tokenizer: {what}")
+        return tokenizer
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def run(request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+    def prepare(prompt: str | list[int], max_tokens: int | None, what: str) -> TokenizedPrompt:
+        """Tokenize (off the event loop) and check the prompt against the context, with vLLM's wording."""
+        if not prompt:
+            raise APIError(400, f"{what}: the {what} is empty", param=what)
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = need_tokenizer("give the prompt as token ids").encode(prompt) if text is not None else prompt
+        if len(token_ids) >= max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                f"request has {len(token_ids)} input tokens ({what}), which leaves no room for "
+                                f"a completion. Please reduce the length of the {what}.", param=what)
+        if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the {what}, "
+                                f"{max_tokens} in the completion). Please reduce the length of the {what} or "
+                                "completion.", param="max_tokens")
         try:
-            async for out in engine.generate(request_id, prompt, params):
-                yield out
+            return TokenizedPrompt(text, llm.tokenize_prompt(list(token_ids)).token_ids)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
-        except EngineFull as e:
-            raise APIError(429, str(e), "rate_limit_error") from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), "server_error") from None
+            raise APIError(400, str(e), param=what) from None
 
-    def sampling(body, max_tokens, logprobs, prompt_logprobs):
+    def sampling(body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
 
+    @asynccontextmanager
+    async def submit(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int
+                     ) -> AsyncIterator[tuple[str, Submission]]:
+        rid = engine.new_request_id(prefix)
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        try:
+            async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
+                yield rid, submission
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        except EngineFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code=429,
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), "server_error", code=503) from None
+
+    async def stream_response(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int,
+                              chunks: Callable[[str, Submission], AsyncIterator[str]]) -> Response:
+        stack = AsyncExitStack()
+        rid, submission = await stack.enter_async_context(submit(prefix, prompts, params, priority))
+        return _EngineStream(chunks(rid, submission), stack.aclose)  # errors before this are plain HTTP errors
+
+    async def collect(request: Request, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
+                      priority: int) -> tuple[str, list[RequestOutput]] | None:
+        """The final output of every prompt; None when the client went away (its requests are aborted)."""
+        async with submit(prefix, prompts, params, priority) as (rid, submission):
+            async def finals() -> list[RequestOutput]:
+                last: list[RequestOutput | None] = [None] * len(prompts)
+                async for index, out in submission:
+                    last[index] = out
+                return last
+
+            connected, outputs = await _unless_disconnected(request, finals())
+        return (rid, outputs) if connected else None
+
+    # -- health, models, metrics, tokenizer ---------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return APIError(503, "the engine failed; the server is restarting", "server_error", code=503).response()
+        if engine.stall() is not None:
+            return APIError(503, "the engine is not making progress", "server_error", code=503).response()
+        if not engine.healthy:
+            return APIError(503, "the server is shutting down", "server_error", code=503).response()
+        return JSONResponse({"status": "ok"})
+
+    model_card = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "torch_shift",
+                  "max_model_len": max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        tok = need_tokenizer("nothing to tokenize with")
+
+        def run() -> list[int]:
+            if body.messages is None:
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            messages = [m.template_message() for m in body.messages]
+            text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+        try:
+            token_ids = await asyncio.to_thread(run)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        result = {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids}
+        if body.return_token_strs:
+            result["token_strs"] = tok.convert_ids_to_tokens(token_ids)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        tok = need_tokenizer("nothing to detokenize with")
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
     # -- completions --------------------------------------------------------------------------------------
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = body.prompts()
         if not prompts:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if body.stream and len(prompts) > 1:
-            raise APIError(400, "streaming takes one prompt per request", param="prompt")
-        echo_only = body.echo and body.max_tokens == 0  # lm-eval's loglikelihood: prompt logprobs only
+            raise APIError(400, "prompt: the prompt is empty", param="prompt")
+        check_counts(len(prompts), body.n)
+        echo_only = bool(body.echo) and body.max_tokens == 0  # older lm-eval: prompt logprobs only
         if body.max_tokens is not None and body.max_tokens < 1 and not echo_only:
-            raise APIError(400, f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
+            raise APIError(400, f"max_tokens: must be >= 1 (or 0 with echo), got {body.max_tokens}",
+                           param="max_tokens")
+        max_tokens = 1 if echo_only else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = sampling(body, 1 if echo_only else body.max_tokens, body.logprobs, prompt_logprobs)
-        rid = engine.new_request_id("cmpl")
-        created = int(time.time())
-        model = served_model_name
+        params = sampling(body, max_tokens, body.logprobs, prompt_logprobs)
+        tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
         if body.stream:
-            stream = run(rid, prompts[0], params)
-            first = await _first(stream)  # errors before the first byte are proper HTTP errors
-            return StreamingResponse(_completion_chunks(first, stream, rid, created, model, body, tokenizer),
-                                     media_type="text/event-stream")
-        async def final_output(i: int, prompt) -> RequestOutput:
-            final = None
-            async for out in run(f"{rid}-{i}", prompt, params):
-                final = out
-            return final
-
-        finals = await asyncio.gather(*(final_output(i, p) for i, p in enumerate(prompts)))  # all prompts batch
+            return await stream_response(
+                "cmpl", tokenized, params, body.priority,
+                lambda rid, submission: _completion_chunks(rid, submission, served_model_name, body, echo_only,
+                                                           tokenizer))
+        collected = await collect(request, "cmpl", tokenized, params, body.priority)
+        if collected is None:
+            return Response(status_code=499)  # nobody listens
+        rid, finals = collected
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, final in enumerate(finals):
             usage["prompt_tokens"] += len(final.prompt_token_ids)
             for c in final.outputs:
                 usage["completion_tokens"] += 0 if echo_only else len(c.token_ids)
-                choices.append(_completion_choice(i * body.n + c.index, final, c, body, echo_only, tokenizer))
+                choices.append(completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
+                                                   echo_only=echo_only, logprobs=body.logprobs,
+                                                   skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": usage}
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
+                "choices": choices, "usage": usage}
 
     # -- chat ---------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        if tokenizer is None or tokenizer.chat_template is None:
+        check_counts(1, body.n)
+        tok = need_tokenizer("chat needs a tokenizer with a chat template")
+        if tok.chat_template is None:
             raise APIError(400, "this model has no chat template")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                   tokenize=True)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"chat template: {e}", param="messages") from None
+        messages = [m.template_message() for m in body.messages]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", param="max_tokens")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, max_tokens, logprobs, None)
-        rid = engine.new_request_id("chatcmpl")
-        created = int(time.time())
+
+        def render() -> TokenizedPrompt:
+            try:
+                token_ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                    tokenize=True)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+            return prepare(token_ids, max_tokens, "messages")
+
+        prompt = await asyncio.to_thread(render)
         if body.stream:
-            stream = run(rid, prompt, params)
-            first = await _first(stream)
-            return StreamingResponse(_chat_chunks(first, stream, rid, created, served_model_name, body, tokenizer),
-                                     media_type="text/event-stream")
-        final = None
-        async for out in run(rid, prompt, params):
-            final = out
+            return await stream_response(
+                "chatcmpl", [prompt], params, body.priority,
+                lambda rid, submission: _chat_chunks(rid, submission, served_model_name, body, tokenizer))
+        collected = await collect(request, "chatcmpl", [prompt], params, body.priority)
+        if collected is None:
+            return Response(status_code=499)
+        rid, (final,) = collected
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (_chat_logprobs(c.logprobs, c.token_ids, tokenizer, body.top_logprobs or 0)
+                    "logprobs": (chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
                                  if body.logprobs else None),
                     "finish_reason": c.finish_reason} for c in final.outputs]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
                 "choices": choices, "usage": {"prompt_tokens": len(final.prompt_token_ids),
                                               "completion_tokens": completion_tokens,
                                               "total_tokens": len(final.prompt_token_ids) + completion_tokens}}
@@ -182,163 +413,196 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     return app
 
 
-async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    return await stream.__anext__()
+def _stream_error(e: BaseException) -> str:
+    """After the first byte an error can only be reported in the stream."""
+    if isinstance(e, EngineStopped):
+        error = APIError(503, str(e), "server_error", code=503)
+    else:
+        logger.exception("torch_shift server: a stream failed", exc_info=e)
+        error = APIError(500, "internal error while streaming", "server_error", code=500)
+    return sse(error.body())
 
 
-def _hold_back(params_stop, finished: bool) -> int:
-    """Characters to hold back while streaming: the start of a stop string may still be cut."""
-    if finished or not params_stop:
-        return 0
-    stops = [params_stop] if isinstance(params_stop, str) else params_stop
-    return max(len(s) for s in stops) - 1
+class _Usage:
+    def __init__(self, stream_options):
+        self.include = bool(stream_options and stream_options.include_usage)
+        self.continuous = bool(stream_options and stream_options.continuous_usage_stats)
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def totals(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+async def _completion_chunks(rid: str, submission: Submission, model: str, body: CompletionRequest, echo_only: bool,
+                             tokenizer) -> AsyncIterator[str]:
+    created = int(time.time())
+    trackers: dict[int, DeltaTracker] = {}
+    offsets: dict[int, TextOffsets] = {}  # choice -> where its next token starts in its text
+    usage = _Usage(body.stream_options)
 
+    def chunk(choices: list[dict], totals: dict | None = None) -> str:
+        payload = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if totals is not None:
+            payload["usage"] = totals
+        return sse(payload)
 
-async def _deltas(first: RequestOutput, stream: AsyncIterator[RequestOutput], stop):
-    """(choice, new text, new token range) per choice and step; text held back near stop strings."""
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    out = first
-    while True:
-        for c in out.outputs:
-            end = len(c.text) - _hold_back(stop, c.finish_reason is not None)
-            start = sent_chars.get(c.index, 0)
-            t0, t1 = sent_tokens.get(c.index, 0), len(c.token_ids)
-            if end > start or t1 > t0 or c.finish_reason is not None:
-                if end > start:
-                    sent_chars[c.index] = end
-                sent_tokens[c.index] = t1
-                yield c, c.text[start:max(start, end)], (t0, t1)
-        if out.finished:
-            return
-        out = await stream.__anext__()
-
-
-async def _completion_chunks(first, stream, rid, created, model, body: CompletionRequest, tokenizer):
     try:
-        prompt_text = _prompt_text(first, tokenizer)
-        echoed = set()
-        completion_tokens = 0
-        async for c, text, (t0, t1) in _deltas(first, stream, body.stop):
-            if body.echo and c.index not in echoed:
-                echoed.add(c.index)
-                text = prompt_text + text
-            completion_tokens += t1 - t0
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = _completion_logprobs(c.logprobs[t0:t1], c.token_ids[t0:t1], tokenizer, body.logprobs)
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": c.finish_reason}]})
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage = {"prompt_tokens": len(first.prompt_token_ids), "completion_tokens": completion_tokens,
-                     "total_tokens": len(first.prompt_token_ids) + completion_tokens}
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                        "usage": usage})
-    except APIError as e:  # after the first byte an error can only be reported in the stream
-        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        async for index, out in submission:
+            usage.prompt_tokens[index] = len(out.prompt_token_ids)
+            tracker = trackers.setdefault(index, DeltaTracker(body.stop))
+            for delta in tracker.deltas(out):
+                c, (t0, t1) = delta.choice, delta.token_range
+                if echo_only and c.finish_reason is None:
+                    continue  # the prompt is all that is sent, once the one scored token is there
+                choice_index = index * body.n + c.index
+                text, token_ids, entries = delta.text, c.token_ids[t0:t1], list((c.logprobs or [])[t0:t1])
+                if echo_only:
+                    text, token_ids, entries = "", [], []
+                else:
+                    usage.completion_tokens += t1 - t0
+                prefix = EchoedPrompt()
+                if body.echo and delta.first:
+                    prefix = EchoedPrompt.of(out, tokenizer, body.logprobs is not None)
+                logprobs = None
+                if body.logprobs is not None:
+                    if choice_index not in offsets:
+                        offsets[choice_index] = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text),
+                                                              body.skip_special_tokens)
+                    logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
+                                                     prefix.offsets + offsets[choice_index].extend(token_ids),
+                                                     tokenizer, body.logprobs)
+                finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
+                yield chunk([{"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
+                              "finish_reason": finish}], usage.totals() if usage.continuous else None)
+        if usage.include:
+            yield chunk([], usage.totals())
+    except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        yield _stream_error(e)
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(first, stream, rid, created, model, body: ChatCompletionRequest, tokenizer):
-    def chunk(choices, usage=None):
+async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatCompletionRequest, tokenizer
+                       ) -> AsyncIterator[str]:
+    created = int(time.time())
+    usage = _Usage(body.stream_options)
+
+    def chunk(choices: list[dict], totals: dict | None = None) -> str:
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": choices}
-        if usage is not None:
-            payload["usage"] = usage
-        return _sse(payload)
+        if totals is not None:
+            payload["usage"] = totals
+        return sse(payload)
 
     try:
-        for i in range(len(first.outputs)):
+        for i in range(body.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        completion_tokens = 0
-        async for c, text, (t0, t1) in _deltas(first, stream, body.stop):
-            completion_tokens += t1 - t0
-            logprobs = (_chat_logprobs(c.logprobs[t0:t1], c.token_ids[t0:t1], tokenizer, body.top_logprobs or 0)
-                        if body.logprobs else None)
-            yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                          "finish_reason": c.finish_reason}])
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], {"prompt_tokens": len(first.prompt_token_ids), "completion_tokens": completion_tokens,
-                             "total_tokens": len(first.prompt_token_ids) + completion_tokens})
-    except APIError as e:
-        yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+        tracker = DeltaTracker(body.stop)
+        async for _, out in submission:
+            usage.prompt_tokens[0] = len(out.prompt_token_ids)
+            for delta in tracker.deltas(out):
+                c, (t0, t1) = delta.choice, delta.token_range
+                usage.completion_tokens += t1 - t0
+                logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
+                                            body.top_logprobs or 0) if body.logprobs else None)
+                yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason}],
+                            usage.totals() if usage.continuous else None)
+        if usage.include:
+            yield chunk([], usage.totals())
+    except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        yield _stream_error(e)
     yield "data: [DONE]\n\n"
 
 
-def _prompt_text(out: RequestOutput, tokenizer) -> str:
-    if out.prompt is not None:
-        return out.prompt
-    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+def run_server(engine_args, args) -> int:
+    """`torch-shift serve`: serve until SIGINT/SIGTERM or a fatal engine error; the process's exit code (1 after
+    an engine failure or stall, so that a supervisor restarts it). `args` holds options.add_server_args'."""
+    import gc
+    import os
 
+    import uvicorn
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.token_to_str(token_id) if tokenizer is not None else str(token_id)
+    from torch_shift.serve.options import API_KEY_ENV
 
+    server: uvicorn.Server | None = None
 
-def _top(entry, k: int, tokenizer) -> list[tuple[str, float]]:
-    """The k most likely tokens of a position (the chosen token too, only if it is among them)."""
-    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-    return [(_token_text(tokenizer, t), logprob) for _, t, logprob in ranked]
+    def exit_on_fatal() -> None:  # from the engine or watchdog thread; clients in flight have their errors
+        def leave() -> None:
+            if server is not None:
+                server.should_exit = True
 
+        # /health answers 503 for a moment before the port closes, for balancers that poll it
+        threading.Timer(_FATAL_EXIT_DELAY_S, leave).start()
 
-def _completion_logprobs(position_logprobs, token_ids, tokenizer, k: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = 0
-    for token_id, entry in zip(token_ids, position_logprobs):
-        text = _token_text(tokenizer, token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        token_lps.append(None if entry is None else entry[token_id].logprob)  # the first prompt token has none
-        tops.append(None if entry is None else dict(_top(entry, k, tokenizer)))
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    app, async_engine = create_server(
+        engine_args, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        max_waiting_seqs=args.max_waiting_seqs, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request, step_deadline_s=args.step_deadline_s,
+        on_fatal=exit_on_fatal)
 
+    name = app.state.served_model_name
 
-def _completion_choice(index: int, out: RequestOutput, c: CompletionOutput, body: CompletionRequest,
-                       echo_only: bool, tokenizer) -> dict:
-    text = "" if echo_only else c.text
-    token_ids = [] if echo_only else c.token_ids
-    position_logprobs = [] if echo_only else (c.logprobs or [])
-    if body.echo:
-        text = _prompt_text(out, tokenizer) + text
-    logprobs = None
-    if body.logprobs is not None:
-        if body.echo:
-            token_ids = out.prompt_token_ids + token_ids
-            position_logprobs = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + position_logprobs
-        logprobs = _completion_logprobs(position_logprobs, token_ids, tokenizer, body.logprobs)
-    finish = "length" if echo_only else c.finish_reason
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # bound: say where (with --port 0, the port the system chose)
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+                print(f"[torch-shift] serving {name!r} on {url} (OpenAI API at {url}/v1; {url}/health, "
+                      f"{url}/metrics); Ctrl+C stops", file=sys.stderr, flush=True)
 
+        async def shutdown(self, sockets=None) -> None:
+            async_engine.close()  # clients in flight get an explicit 503 now, not after a drain
+            await super().shutdown(sockets)
 
-def _chat_logprobs(position_logprobs, token_ids, tokenizer, k: int) -> dict:
-    content = []
-    for token_id, entry in zip(token_ids, position_logprobs or []):
-        text = _token_text(tokenizer, token_id)
-        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(entry, k, tokenizer)]
-        content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": top})
-    return {"content": content}
+    # this process is the library's own (the CLI) and what is built lives as long as it: keep it out of the
+    # cyclic collector's full passes (~230 ms over torch's objects every few hundred steps, bench_engine.py)
+    gc.collect()
+    gc.freeze()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = Server(config)
+    try:
+        server.run()
+    finally:
+        app.state.stop()  # also after a forced exit, which skips the lifespan's shutdown
+    return 0 if async_engine.error is None else 1
 
 
 def create_server(engine_args, served_model_name: str | None = None, api_key: str | None = None,
-                  max_waiting_requests: int = 256, max_body_bytes: int = 1 << 20) -> tuple[FastAPI, AsyncEngine]:
-    """Build the engine (rank 0 of a parallel one starts its other ranks), its async wrapper and the app."""
+                  max_waiting_seqs: int = 256, max_body_bytes: int = 1 << 20, max_n: int = 128,
+                  max_prompts_per_request: int = 256, step_deadline_s: float = 30.0,
+                  on_fatal: Callable[[], None] | None = None) -> tuple[FastAPI, AsyncEngine]:
+    """Build the engine (rank 0 of a parallel one starts its other ranks), its async wrapper and the app.
+    `on_fatal` runs (from another thread) when the engine failed or stalled; every client in flight has been
+    told by then."""
     from torch_shift.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_args)
     name = served_model_name or engine_args.model
     metrics = EngineMetrics(name)
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, metrics=metrics)
-    def stop() -> None:
-        async_engine.shutdown()  # requests still in flight end with an explicit 503 / stream error
-        engine.shutdown()
+    async_engine = AsyncEngine(engine, max_waiting_seqs=max_waiting_seqs, metrics=metrics,
+                               step_deadline_s=step_deadline_s, on_fatal=on_fatal)
 
-    app = build_app(async_engine, name, metrics, api_key=api_key, max_body_bytes=max_body_bytes, on_shutdown=stop)
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            async_engine.shutdown()  # requests still in flight end with an explicit 503 / stream error
+            engine.shutdown()  # ends the ranks, even when the engine thread is stuck in a collective
+
+    app = build_app(async_engine, name, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
+                    max_prompts_per_request=max_prompts_per_request, on_shutdown=stop)
+    app.state.stop = stop
+    app.state.served_model_name = name
     return app, async_engine

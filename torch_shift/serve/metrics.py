@@ -34,24 +34,33 @@ class EngineMetrics:
         self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token")
         self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling")
-        self.steps = Counter("torch_shift:steps", "Engine steps by parallel layout", labels + ["layout"], registry=r)
-        self.layout_switches = Counter("torch_shift:layout_switches", "Steps whose layout differs from the last",
+        self.steps = Counter("torch_shift:steps", "Engine steps by parallel layout (each layout a step bound)",
+                             labels + ["layout"], registry=r)
+        self.layout_switches = Counter("torch_shift:layout_switches", "Steps whose layouts differ from the last's",
                                        labels, registry=r)
+        self.step_duration = hist("step_duration_seconds", "Wall time of an engine step on rank 0")
+        self.switch_latency = hist("layout_switch_latency_seconds",
+                                   "Wall time of the steps at which the layouts changed (the switch and its first step)")
         self.model_name = model_name
-        self._last_layout: str | None = None
         self._seen_tokens: dict[str, int] = {}  # request id -> output tokens already counted
         self._last_token_time: dict[str, float] = {}
 
     def on_step(self, engine) -> None:
         m = self.model_name
-        layout = engine.last_step_layout
-        self.steps.labels(m, layout).inc()
-        if self._last_layout is not None and layout != self._last_layout:
+        for layout in engine.last_step_layout.split("+"):
+            self.steps.labels(m, layout).inc()
+        self.step_duration.labels(m).observe(engine.last_step_seconds)
+        if engine.last_step_switched:
             self.layout_switches.labels(m).inc()
-        self._last_layout = layout
+            self.switch_latency.labels(m).observe(engine.last_step_seconds)
+        self.update_gauges(engine)
+
+    def update_gauges(self, engine) -> None:
+        """Running, waiting and KV usage as they are now (after a step, an addition or an abort)."""
+        m = self.model_name
         self.running.labels(m).set(len(engine.scheduler.running))
         self.waiting.labels(m).set(len(engine.scheduler.waiting))
-        self.kv_usage.labels(m).set(engine.block_manager.usage)
+        self.kv_usage.labels(m).set(engine.kv_usage)
 
     def on_output(self, out: RequestOutput) -> None:
         m, now = self.model_name, time.monotonic()

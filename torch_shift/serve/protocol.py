@@ -1,61 +1,187 @@
-"""OpenAI request bodies (pydantic), with vLLM's common extensions, and their SamplingParams."""
+"""OpenAI request bodies (pydantic), with vLLM's common extensions, and their SamplingParams.
+
+Every model forbids fields it does not know: a field the server cannot honour is a 400 that names it,
+never a 200 that ignores it. Numbers are strict (no strings, no booleans) except that an integral float
+such as 2.0 is taken for an integer field, as vLLM does; floats must be finite.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.engine.structured_output import StructuredOutputsParams
+
+_MAX_SEED = 2**63 - 1  # torch.Generator takes a 64-bit seed; vLLM bounds it to int64 as well
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+Int = Annotated[int, BeforeValidator(_integral)]
 
+
+def _check_text(value: Any, where: str = "") -> None:
+    """Refuse lone surrogates (JSON allows "\\ud800"; no tokenizer can encode it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where or 'the text'} holds a lone surrogate (U+{ord(value[e.start]):04X}) at "
+                             f"character {e.start}: text must be valid Unicode") from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(item, f"{where}.{key}" if where else str(key))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk (guidellm asks for it)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only read with type 'json_schema', not {self.type!r}")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=json.dumps(self.json_schema.schema_))
+        return None
+
+
+class _SamplingRequest(_Strict):
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n: Int = Field(default=1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Int | None = Field(default=None, ge=0, le=_MAX_SEED)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # accepted and without effect on the output: an end-user id and tags for OpenAI's stored completions
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # vLLM extensions
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    priority: Int = 0  # lower is more urgent; needs scheduling_policy "priority" or a policy that uses it
+    top_k: Int | None = 0
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value):
+        _check_text(value)
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _no_storage(cls, value):
+        if value:
+            raise ValueError("torch_shift does not store completions; send store=false or leave it out")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (non-negative integers written as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} is {bias}; biases must be in [-100, 100]")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        return self
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                         ) -> SamplingParams:
+        def default(value, fallback):
+            return fallback if value is None else value
+
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
+            n=self.n, temperature=default(self.temperature, 1.0), top_p=default(self.top_p, 1.0),
+            top_k=default(self.top_k, 0), min_p=default(self.min_p, 0.0),
+            presence_penalty=default(self.presence_penalty, 0.0),
+            frequency_penalty=default(self.frequency_penalty, 0.0),
+            repetition_penalty=default(self.repetition_penalty, 1.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=self.response_format.structured_outputs() if self.response_format else None,
         )
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: Int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value):
+        _check_text(value)
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:  # vLLM refuses it too: inserting text needs a fill-in-the-middle model and template
+            raise ValueError("suffix (insertion) is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ValueError(f"best_of={self.best_of} is not supported: torch_shift returns all n samples "
+                             "(best_of must be 1 or equal to n)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -66,21 +192,94 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    # earlier turns of a conversation with tools, rendered by the chat template as they are
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value):
+        _check_text(value)
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text "
+                                     "only (parts of type 'text')")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError("a text content part is {'type': 'text', 'text': str}")
+        return value
+
+    def template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        message = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool calling is not supported by torch_shift (no tool-call parser)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise ValueError("tool calling is not supported by torch_shift; tool_choice may only be 'none'")
+        return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value):
+        _check_text(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Int]

@@ -1,0 +1,187 @@
+"""Policies as plain objects: decisions on real schedulers with fake model outputs, no processes."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler import make_request
+from test_step_plan import CONFIG
+
+from torch_shift.config import ModelConfig, SchedulerConfig
+from torch_shift.engine.flying import FlyingPolicy
+from torch_shift.engine.policies import RandomPolicy, ShiftPolicy, StaticPolicy, build_policy
+from torch_shift.engine.request import RequestStatus
+from torch_shift.engine.scheduler import Scheduler
+from torch_shift.kv.block_manager import BlockManager
+from torch_shift.parallel.layouts import build_deployment
+
+BS = 4
+
+
+def flying(num_replicas=2, num_blocks=64, config=CONFIG, budget=64, **options):
+    deployment = build_deployment(config, dp=num_replicas, flying=True)
+    policy = FlyingPolicy(deployment, **options)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
+                                      policy="priority"),
+                      [BlockManager(num_blocks, BS) for _ in range(num_replicas)], policy)
+    return sched, policy
+
+
+def step(sched):
+    out = sched.schedule()
+    sched.update_from_output(out, {e.request_id: 50 for e in out.scheduled if e.sample})
+    return out
+
+
+def layouts(out):
+    return sorted(g.layout for g in out.groups if g.entries)
+
+
+def test_flying_runs_tp_under_light_load_and_dp_under_a_burst_with_hysteresis():
+    sched, policy = flying(num_replicas=2, dp_above=3, tp_below=1)
+    sched.add_request(make_request("a", 5, max_tokens=40))
+    assert layouts(step(sched)) == ["tp2@0"] and policy.mode == "tp"
+    for i in range(6):  # 7 requests on 2 replicas: 3.5 per replica >= 3
+        sched.add_request(make_request(f"b{i}", 5, max_tokens=3))
+    out = step(sched)
+    assert policy.mode == "dp" and layouts(out) == ["dp@0", "dp@1"]
+    assert "a" in out.preempted_request_ids  # moved from width 2 to width 1: recomputed
+    # the burst drains; at 2 per replica (between the thresholds) the mode holds
+    while sched.num_unfinished > 2:
+        step(sched)
+        assert policy.mode == "dp"
+    while sched.num_unfinished > 1 and sched.num_unfinished > 0:
+        step(sched)
+    step(sched)
+    assert policy.mode == "tp" and policy.num_mode_switches == 2
+    assert sched.requests["a"].replicas == (0, 1)  # back in TP
+
+
+def test_hard_preemption_pauses_dp_requests_with_their_kv():
+    sched, policy = flying(num_replicas=4, dp_above=1, tp_below=0, priority_width=2)
+    for i in range(8):
+        sched.add_request(make_request(f"n{i}", 6, max_tokens=30))
+    step(sched)
+    assert policy.mode == "dp"
+    on_first_pair = [r for r in sched.running if set(r.replicas) & {0, 1}]
+    computed = {r.request_id: r.num_computed_tokens for r in on_first_pair}
+    blocks = {r.request_id: [list(p.req_blocks[r.request_id]) for p in sched.pools if r.request_id in p.req_blocks]
+              for r in on_first_pair}
+    sched.add_request(make_request("urgent", 6, max_tokens=4, priority=-1))
+    while "urgent" in sched.requests:
+        out = step(sched)
+        assert "tp2@0" in layouts(out) and not out.preempted_request_ids
+        for r in on_first_pair:  # paused: not scheduled, blocks and progress kept
+            assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == computed[r.request_id]
+            assert [list(p.req_blocks[r.request_id]) for p in sched.pools
+                    if r.request_id in p.req_blocks] == blocks[r.request_id]
+    out = step(sched)  # released: the paused requests resume where they were
+    assert "tp2@0" not in layouts(out)
+    assert all(r.num_computed_tokens == computed[r.request_id] + 1 for r in on_first_pair)
+    assert all(r.num_preemptions == 0 for r in on_first_pair)
+
+
+def test_a_stream_of_priority_requests_never_starves_the_others():
+    """With 2 replicas a priority group covers every replica: new requests share it, and requests it
+    paused move into it after max_pause_steps (recomputed) instead of waiting for the stream to end."""
+    sched, policy = flying(num_replicas=2, dp_above=1, tp_below=0, max_pause_steps=4)
+    for i in range(2):
+        sched.add_request(make_request(f"n{i}", 6, max_tokens=40))
+    step(sched)
+    assert policy.mode == "dp" and all(r.replicas in ((0,), (1,)) for r in sched.running)
+    moved_at = None
+    for k in range(30):  # a priority request in the system at every step
+        if not any(r.priority < 0 for r in sched.requests.values()):
+            sched.add_request(make_request(f"u{k}", 4, max_tokens=6, priority=-1))
+        if k == 2:
+            sched.add_request(make_request("late", 5, max_tokens=3))
+        out = step(sched)
+        assert layouts(out) == ["tp2@0"]  # the priority group, every step
+        if moved_at is None and {"n0", "n1"} <= set(out.preempted_request_ids):
+            moved_at = k
+    assert moved_at is not None and moved_at <= 5  # paused for at most max_pause_steps, then moved
+    assert sched.requests["n0"].replicas == (0, 1) and sched.requests["n0"].num_output_tokens > 10
+    assert "late" not in sched.requests  # a new request shared the priority group and finished
+
+
+def test_a_priority_request_takes_the_blocks_of_paused_ones_only_when_it_must():
+    sched, _ = flying(num_replicas=2, num_blocks=8, dp_above=1, tp_below=0)
+    for i in range(2):
+        sched.add_request(make_request(f"n{i}", 28, max_tokens=4))  # 7 blocks of 8 on each replica
+    step(sched)
+    sched.add_request(make_request("urgent", 20, max_tokens=2, priority=-1))  # 3 blocks of 8 tokens per pool
+    out = step(sched)
+    assert layouts(out) == ["tp2@0"] and sorted(out.preempted_request_ids) == ["n0", "n1"]
+    assert sched.requests["urgent"].replicas == (0, 1)
+
+
+def test_soft_preemption_starts_in_dp_then_moves_to_tp_once_the_group_drained():
+    sched, policy = flying(num_replicas=2, dp_above=1, tp_below=0, preemption="soft")
+    for i in range(2):
+        sched.add_request(make_request(f"n{i}", 6, max_tokens=3 + 2 * i))
+    step(sched)
+    assert policy.mode == "dp"
+    sched.add_request(make_request("urgent", 6, max_tokens=10, priority=-1))
+    out = step(sched)
+    urgent = sched.requests["urgent"]
+    assert urgent.replicas in ((0,), (1,)) and "tp2@0" not in layouts(out)  # started at once, in DP
+    while "n0" in sched.requests or "n1" in sched.requests:
+        assert "tp2@0" not in layouts(step(sched))  # the group's replicas drain
+    out = step(sched)
+    assert "urgent" in out.preempted_request_ids  # recomputed in TP at bind
+    assert layouts(out) == ["tp2@0"] and urgent.replicas == (0, 1)
+
+
+def test_a_request_too_long_for_one_pool_goes_to_the_smallest_group_that_holds_it():
+    sched, _ = flying(num_replicas=4, num_blocks=16, dp_above=1, tp_below=0)  # 64 tokens per pool
+    sched.add_request(make_request("short", 10, max_tokens=10))
+    sched.add_request(make_request("long", 100, max_tokens=20))  # 120 tokens: two pools
+    out = step(sched)
+    assert sched.requests["long"].replicas in ((0, 1), (2, 3))
+    while sched.has_unfinished_requests():
+        step(sched)
+    for pool in sched.pools:
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_widths_the_model_cannot_use_are_never_offered_and_asking_for_one_names_the_numbers():
+    three_kv = ModelConfig.from_hf_dict({**CONFIG_DICT, "num_key_value_heads": 2})
+    deployment = build_deployment(three_kv, dp=4, flying=True)
+    assert sorted(layout.name for layout in deployment.layouts) == ["dp@0", "dp@1", "dp@2", "dp@3",
+                                                                      "tp2@0", "tp2@2"]
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp_width=4"):
+        FlyingPolicy(deployment, tp_width=4)
+    with pytest.raises(ValueError, match="power-of-two width up to the 4 replicas"):
+        FlyingPolicy(deployment, priority_width=3)
+    with pytest.raises(ValueError, match="tp_below <= dp_above"):
+        FlyingPolicy(deployment, dp_above=1, tp_below=2)
+
+
+def test_policy_names_and_options_are_checked():
+    deployment = build_deployment(CONFIG, sp=2, tp=2)
+    assert isinstance(build_policy(None, deployment, 16), ShiftPolicy)
+    with pytest.raises(ValueError, match="takes no options"):
+        build_policy("shift", deployment, 16, dp_above=2)
+    with pytest.raises(ValueError, match="needs sp > 1"):
+        build_policy("shift", build_deployment(CONFIG, dp=2), 16)
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_policy("fast", deployment)
+    assert isinstance(build_policy(None, build_deployment(CONFIG, dp=2)), StaticPolicy)
+
+
+def test_shift_policy_is_paper_000_algorithm_3():
+    policy = ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), threshold=16)
+    assert [policy.finalize("base", n) for n in (1, 16, 17, 500)] == ["shift", "shift", "base", "base"]
+    assert ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), threshold=None).finalize("base", 1) == "base"
+
+
+def test_random_bindings_cover_the_replicas_without_overlap():
+    policy = RandomPolicy(build_deployment(CONFIG, dp=4, flying=True))
+    assert len(policy.bindings) == 5  # dp + dp or tp2 on each half (2 x 2), or tp4
+    for binding in policy.bindings:
+        replicas = [r for name in binding for r in policy.deployment[name].replicas]
+        assert sorted(replicas) == [0, 1, 2, 3]
+
+
+CONFIG_DICT = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
+               "max_position_embeddings": 512}

@@ -1,0 +1,189 @@
+"""The life of a parallel engine's local ranks inside the user's process: start, heartbeat, shutdown.
+
+These tests start `LLM(..., sp/tp=2)` in the test process itself (launch path (b)), as a user does.
+"""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.engine.llm_engine import _Setup
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
+PROMPTS = ["the quick brown fox", "x"]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def listening_sockets() -> set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of every TCP socket this process listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, inode
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add((ipaddress.ip_address(raw), int(port, 16)))
+    return found
+
+
+def _continue_and_shutdown(llm: LLM, pids: list[int]) -> None:
+    for pid in pids:  # a test that failed half-way must not leave a stopped process behind
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    llm.shutdown(timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_reported_and_a_shutdown_from_another_thread_ends_it(llama):
+    """The server's watchdog: the heartbeat shows a SIGSTOPped rank within a fraction of a second, and
+    `shutdown` from another thread, while the engine thread is blocked in the step's collectives, kills
+    the rank and returns within its bound; the blocked step ends with an error."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=4)
+    worker = llm.engine.parallel.launched.procs[1]
+    try:
+        assert llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert llm.engine.unresponsive_ranks(max_silence_s=1.0) == []
+        os.kill(worker.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while llm.engine.unresponsive_ranks(max_silence_s=0.5) != [1]:
+            assert time.monotonic() < deadline, "the stopped rank was not reported"
+            time.sleep(0.05)
+
+        errors: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            except BaseException as e:  # noqa: BLE001 - the result of this test
+                errors.append(e)
+
+        engine_thread = threading.Thread(target=generate)
+        engine_thread.start()
+        time.sleep(1.0)
+        assert engine_thread.is_alive()  # blocked: its peer is stopped
+        start = time.monotonic()
+        llm.engine.shutdown(timeout_s=5.0)
+        assert time.monotonic() - start < 5.0 + 3.0  # the bound, with room for a loaded machine
+        engine_thread.join(timeout=10)
+        assert not engine_thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+        assert "shut down" in str(errors[0])
+        assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+        assert llm.engine.unresponsive_ranks(max_silence_s=0.5) == []
+    finally:
+        _continue_and_shutdown(llm, [worker.pid])
+
+
+def test_parallel_llms_one_after_another_match_single_device_and_leave_the_process_as_it_was(llama):
+    """Issue 9 item 4 and issue 10 items 6-7: two tp=2 engines then an sp=2 one in one process, each started
+    after the previous one's shutdown (that object still referenced); each gives the single-device tokens;
+    the rendezvous listens on the loopback only; nothing of the user's process changes; the ports close."""
+    _, model_dir = llama
+    expected = tokens(LLM(str(model_dir)))  # (its import of torch._dynamo sets TORCHINDUCTOR_CACHE_DIR: torch's)
+    env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
+    listening = listening_sockets()
+    previous = None
+    for args in ({"tp": 2}, {"tp": 2}, {"sp": 2, "shift_threshold": 4}):
+        llm = LLM(str(model_dir), **args)
+        ranks = list(llm.engine.parallel.launched.procs.values())
+        try:
+            opened = listening_sockets() - listening
+            assert opened  # the rendezvous store and gloo's sockets
+            assert not [(a, port) for a, port in opened if a.is_unspecified], opened  # none on every interface
+            assert tokens(llm) == expected
+        finally:
+            llm.shutdown()
+        assert not any(p.is_alive() for p in ranks)
+        assert dict(os.environ) == env
+        assert torch.get_num_threads() == threads and gc.get_freeze_count() == frozen
+        previous = llm
+    del llm, previous
+    assert listening_sockets() == listening
+
+
+def test_del_ends_the_ranks(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir), sp=2, tp=1)
+    rank = llm.engine.parallel.launched.procs[1]
+    assert rank.is_alive()
+    del llm
+    assert not rank.is_alive()
+    llm = LLM(str(model_dir), sp=2, tp=1)  # the process group was released: a new engine starts
+    llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_construction_ends_within_the_timeout_when_a_rank_stops_answering(llama, monkeypatch):
+    """A rank stopped while the engines are built: rank 0 gives up after distributed_timeout_s (not the
+    control group's idle timeout of a year) and the stopped rank is killed."""
+    _, model_dir = llama
+    parent = os.getpid()
+    num_kv_blocks = _Setup._num_kv_blocks
+
+    def stop_in_started_ranks(self, num_kv_heads, device):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return num_kv_blocks(self, num_kv_heads, device)
+
+    monkeypatch.setattr(_Setup, "_num_kv_blocks", stop_in_started_ranks)
+    children_before = {p.pid for p in multiprocessing.active_children()}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank"):
+        LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=5)
+    assert time.monotonic() - start < 5 + 30  # the bound plus start-up on a loaded machine
+    assert {p.pid for p in multiprocessing.active_children()} <= children_before
+
+
+EXIT_WITH_A_STOPPED_RANK = """
+import os, signal, sys
+from torch_shift import LLM
+llm = LLM(sys.argv[1], sp=2, tp=1)
+pid = llm.engine.parallel.launched.procs[1].pid
+os.kill(pid, signal.SIGSTOP)
+print(pid, flush=True)
+"""
+
+
+def test_the_process_exits_and_ends_a_stopped_rank(llama, tmp_path):
+    """Issue 10 item 3, offline: a process that exits without shutdown() while its rank is stopped exits
+    (multiprocessing's own exit handler would wait for that rank forever) and the rank ends."""
+    _, model_dir = llama
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WITH_A_STOPPED_RANK)
+    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"rank {pid} outlived its process"
+        time.sleep(0.1)

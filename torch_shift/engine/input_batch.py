@@ -1,0 +1,153 @@
+"""A replica's persistent batch on one rank, and the step inputs built from it with array ops.
+
+Per row (a request placed on the replica; rows are assigned by rank 0's PlanBuilder): the token ids
+known so far, the block table in this replica's pool and the KV width. Deltas from the step plan
+update it in place; `prepare` turns one bound group's rows into the step's tensors with numpy
+index arithmetic, with no Python loop over a request's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from torch_shift.engine.step_plan import GroupStep, ReplicaDelta
+from torch_shift.kv.attention import AttentionMetadata, PrefillChunk, key_mask
+from torch_shift.kv.flex_attention import FlexMetadata, build_flex_metadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata | FlexMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
+                 sliding_window: int | None = None, attention_backend: str = "sdpa"):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sliding_window = sliding_window
+        self.attention_backend = attention_backend
+        # token columns grow on demand (doubling) up to max_model_len; block columns cover it at width 1
+        self.token_ids = np.zeros((max_rows, min(max_model_len, 1024)), dtype=np.int32)
+        self.num_tokens = np.zeros(max_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_rows, -(-max_model_len // block_size)), dtype=np.int32)
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+
+    # -- deltas -----------------------------------------------------------------------------------------
+    def _ensure_token_columns(self, n: int) -> None:
+        cols = self.token_ids.shape[1]
+        if n > cols:
+            grown = np.zeros((self.token_ids.shape[0], min(self.max_model_len, max(n, 2 * cols))), dtype=np.int32)
+            grown[:, :cols] = self.token_ids
+            self.token_ids = grown
+
+    def apply(self, delta: ReplicaDelta) -> None:
+        for new in delta.new_rows:  # a row that was left is only ever reused through a new row
+            n, nb = len(new.token_ids), len(new.block_ids)
+            self._ensure_token_columns(n)
+            self.token_ids[new.row, :n] = new.token_ids
+            self.num_tokens[new.row] = n
+            self.block_table[new.row, :nb] = new.block_ids
+            self.num_blocks[new.row] = nb
+        if delta.token_rows:
+            rows = np.asarray(delta.token_rows, dtype=np.int64)
+            tokens = np.asarray(delta.tokens, dtype=np.int32)
+            if len(rows) > 1 and np.any(rows[1:] == rows[:-1]):  # several tokens for one row (rare)
+                for row, token in zip(rows.tolist(), tokens.tolist()):
+                    self._ensure_token_columns(int(self.num_tokens[row]) + 1)
+                    self.token_ids[row, self.num_tokens[row]] = token
+                    self.num_tokens[row] += 1
+            else:
+                ends = self.num_tokens[rows]
+                self._ensure_token_columns(int(ends.max()) + 1)
+                self.token_ids[rows, ends] = tokens
+                self.num_tokens[rows] = ends + 1
+        for row, blocks in zip(delta.block_rows, delta.block_ids):
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + len(blocks)] = blocks
+            self.num_blocks[row] = start + len(blocks)
+
+    # -- one group's step -------------------------------------------------------------------------------
+    def prepare(self, group: GroupStep, member: int, kv_width: int) -> StepInputs:
+        """The inputs of `group` as this replica (`member`-th of the layout's replicas) sees them;
+        its blocks hold kv_width * block_size tokens each."""
+        rows = group.rows[member].astype(np.int64)
+        num_scheduled = group.num_scheduled.astype(np.int64)
+        num_computed = group.num_computed.astype(np.int64)
+        tpb = self.block_size * kv_width
+        starts = np.cumsum(num_scheduled) - num_scheduled  # first row of each request in the step
+        request_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = num_computed[request_of_token] + (np.arange(len(request_of_token)) - starts[request_of_token])
+        token_rows = rows[request_of_token]
+        input_ids = self.token_ids[token_rows, positions]
+        slots = self.block_table[token_rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
+
+        counts = group.logits_counts.astype(np.int64)
+        ends = starts + num_scheduled
+        if np.all(counts <= 1):
+            logits_indices = (ends - 1)[counts == 1]
+        else:  # prompt logprobs: every position of those chunks
+            logits_indices = np.concatenate([np.arange(e - c, e) for e, c in zip(ends.tolist(), counts.tolist())
+                                             if c > 0])
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
+
+        positions_t = tensor(positions)
+        slots_t = tensor(slots)
+        if self.attention_backend == "flex":
+            attention = self._flex_metadata(rows, num_scheduled, num_computed, tpb, slots_t, positions_t)
+        else:
+            attention = self._sdpa_metadata(group.num_decodes, rows, num_scheduled, num_computed, starts, tpb,
+                                            slots_t)
+        return StepInputs(tensor(input_ids), positions_t, attention, tensor(logits_indices))
+
+    def _sdpa_metadata(self, num_decodes: int, rows: np.ndarray, num_scheduled: np.ndarray,
+                       num_computed: np.ndarray, starts: np.ndarray, tpb: int, slots: torch.Tensor
+                       ) -> AttentionMetadata:
+        decode_block_table = decode_mask = None
+        if num_decodes:
+            decode_positions = num_computed[:num_decodes]
+            max_blocks = int(decode_positions.max()) // tpb + 1
+            table = self.block_table[rows[:num_decodes], :max_blocks].astype(np.int64)
+            decode_block_table = torch.from_numpy(table).to(self.device)
+            query_pos = torch.from_numpy(decode_positions).to(self.device)
+            decode_mask = key_mask(query_pos, max_blocks * tpb, self.sliding_window)[:, None, None, :]
+        prefills = []
+        for i in range(num_decodes, len(rows)):
+            n, done = int(num_scheduled[i]), int(num_computed[i])
+            ctx = done + n
+            mask = None
+            if done > 0 or (self.sliding_window is not None and self.sliding_window < n):
+                mask = key_mask(torch.arange(done, ctx), ctx, self.sliding_window)
+                if done > 0:
+                    mask = torch.nn.functional.pad(mask, (0, -ctx % tpb), value=False)  # context is whole blocks
+                mask = mask[None, None].to(self.device)
+            table = self.block_table[rows[i], : -(-ctx // tpb)].astype(np.int64)
+            prefills.append(PrefillChunk(start=int(starts[i]), num_tokens=n, num_computed_tokens=done,
+                                         block_table=torch.from_numpy(table)[None].to(self.device), mask=mask))
+        return AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decodes,
+                                 decode_block_table=decode_block_table, decode_mask=decode_mask, prefills=prefills)
+
+    def _flex_metadata(self, rows: np.ndarray, num_scheduled: np.ndarray, num_computed: np.ndarray, tpb: int,
+                       slots: torch.Tensor, positions: torch.Tensor) -> FlexMetadata:
+        ctx = num_computed + num_scheduled
+        request_of_key = np.repeat(np.arange(len(rows)), ctx)
+        key_starts = np.cumsum(ctx) - ctx
+        key_pos = np.arange(len(request_of_key)) - key_starts[request_of_key]
+        key_rows = rows[request_of_key]
+        context_slots = self.block_table[key_rows, key_pos // tpb].astype(np.int64) * tpb + key_pos % tpb
+        query_seq = np.repeat(np.arange(len(rows)), num_scheduled)
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
+
+        return build_flex_metadata(slots, tensor(query_seq), positions, tensor(context_slots),
+                                   tensor(request_of_key), tensor(key_pos), self.sliding_window)

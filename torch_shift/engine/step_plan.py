@@ -1,0 +1,194 @@
+"""The step plan rank 0 sends every rank, as deltas of a persistent batch (as vLLM v1's
+NewRequestData / CachedRequestData).
+
+Every replica's ranks keep a persistent batch (torch_shift.engine.input_batch): per row, a
+request's known token ids and its block table in that replica's pool. A request entering a
+replica (admitted, or resumed after a preemption) is sent once, whole; after that a step sends
+only the tokens sampled since (one per decode) and the blocks allocated since. A row a request
+left is reused only by a request sent whole, so removals never travel. The plan's size per decode
+step does not grow with context length.
+
+`PlanBuilder` lives on rank 0 beside the scheduler and mirrors what every replica's ranks know;
+the workers apply the deltas (`InputBatch.apply`) and then run each bound group's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torch_shift.engine.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
+from torch_shift.kv.tier import SwapOp
+
+_INT = np.int32
+
+
+@dataclass
+class NewRow:
+    """A request entering a replica's batch: every token known so far and every block it holds."""
+
+    row: int
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    width: int  # KV width: its blocks hold width * block_size tokens
+
+
+@dataclass
+class ReplicaDelta:
+    new_rows: list[NewRow] = field(default_factory=list)
+    # rows already in the batch: tokens sampled since they were last sent, blocks allocated since
+    token_rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    block_rows: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_rows or self.token_rows or self.block_rows)
+
+
+@dataclass
+class GroupStep:
+    """One bound group's batch: requests in execution order, decodes (one token) first."""
+
+    layout: str
+    rows: tuple[np.ndarray, ...]  # per replica of the layout, in its order: each request's row there
+    num_scheduled: np.ndarray  # tokens computed this step, per request
+    num_computed: np.ndarray  # position of the first of them
+    num_decodes: int  # the first num_decodes requests compute one token each
+    logits_counts: np.ndarray  # logits rows per request: 0, 1 (its last position) or all its positions
+    num_micro_batches: int = 1  # a pipeline layout runs the batch cut into this many (split_micro_batches)
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_counts.sum())
+
+
+@dataclass
+class StepPlan:
+    deltas: dict[int, ReplicaDelta]  # replica -> what changed in its persistent batch
+    groups: list[GroupStep]
+    # KV moved to and from the host tier (torch_shift.kv.tier) before the forward: outs, then ins
+    swap_outs: list[SwapOp] = field(default_factory=list)
+    swap_ins: list[SwapOp] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Known:
+    row: int
+    num_tokens: int  # tokens the replica's ranks hold
+    num_blocks: int  # blocks they hold
+
+
+class PlanBuilder:
+    """Rank 0's mirror of every replica's persistent batch; turns scheduler outputs into plans."""
+
+    def __init__(self, num_replicas: int, max_rows: int, micro_batches=None):
+        """`micro_batches(layout, num_tokens)`: how many micro-batches a group's batch is cut into
+        (pipeline layouts); None: one."""
+        self.micro_batches = micro_batches
+        self.known: list[dict[str, _Known]] = [{} for _ in range(num_replicas)]
+        self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(num_replicas)]
+        self.replicas_of: dict[str, tuple[int, ...]] = {}  # request -> the replicas that hold it
+
+    def build(self, scheduler: Scheduler, output: SchedulerOutput, layout_replicas) -> tuple[StepPlan, list]:
+        """The plan, and per group the scheduled entries in plan order (decodes first).
+        `layout_replicas`: layout name -> the replicas it spans, in its order."""
+        deltas: dict[int, ReplicaDelta] = {}
+
+        def delta(replica: int) -> ReplicaDelta:
+            d = deltas.get(replica)
+            if d is None:
+                d = deltas[replica] = ReplicaDelta()
+            return d
+
+        removed, scheduler.removed_request_ids = scheduler.removed_request_ids, []
+        for request_id in removed:
+            for replica in self.replicas_of.pop(request_id, ()):
+                self.free_rows[replica].append(self.known[replica].pop(request_id).row)
+
+        groups, ordered_entries = [], []
+        for group in output.groups:
+            if not group.entries:
+                continue
+            entries = _decodes_first(group)
+            replicas = layout_replicas(group.layout)
+            num_scheduled = [e.num_tokens for e in entries]
+            num_computed = [e.num_computed_tokens for e in entries]
+            logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
+            rows = []
+            for k, replica in enumerate(replicas):
+                known_here, d = self.known[replica], delta(replica)
+                replica_rows = []
+                for entry, needed in zip(entries, map(int.__add__, num_computed, num_scheduled)):
+                    request = entry.request
+                    rid = request.request_id
+                    table = entry.block_tables[k]
+                    known = known_here.get(rid)
+                    if known is None:
+                        row = self.free_rows[replica].pop()
+                        known_here[rid] = _Known(row, len(request.all_token_ids), len(table))
+                        self.replicas_of[rid] = self.replicas_of.get(rid, ()) + (replica,)
+                        d.new_rows.append(NewRow(row, np.asarray(request.all_token_ids, dtype=_INT),
+                                                 np.asarray(table, dtype=_INT), len(replicas)))
+                    else:
+                        row = known.row
+                        if known.num_tokens < needed:  # tokens sampled since: one per decode
+                            for token in request.all_token_ids[known.num_tokens:needed]:
+                                d.token_rows.append(row)
+                                d.tokens.append(token)
+                            known.num_tokens = needed
+                        if known.num_blocks < len(table):
+                            d.block_rows.append(row)
+                            d.block_ids.append(table[known.num_blocks:])
+                            known.num_blocks = len(table)
+                    replica_rows.append(row)
+                rows.append(np.array(replica_rows, dtype=_INT))
+            num_micro = 1 if self.micro_batches is None else self.micro_batches(group.layout, sum(num_scheduled))
+            groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
+                                    np.array(num_computed, dtype=_INT), num_scheduled.count(1),
+                                    np.array(logits_counts, dtype=_INT), num_micro))
+            ordered_entries.append(entries)
+        deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
+        return StepPlan(deltas, groups, output.swap_outs, output.swap_ins), ordered_entries
+
+
+def _decodes_first(group: ScheduledGroup) -> list:
+    decodes = [e for e in group.entries if e.num_tokens == 1]
+    if len(decodes) == len(group.entries):
+        return group.entries
+    return decodes + [e for e in group.entries if e.num_tokens != 1]
+
+
+def split_micro_batches(group: GroupStep) -> list[GroupStep]:
+    """The group's batch cut into `num_micro_batches` runs of near-equal token counts, in order. A
+    prompt chunk may be cut: its later piece starts where the earlier one ended and reads the earlier
+    piece's KV, which the same stage wrote before it (stages run micro-batches in order). Only a piece
+    that reaches the chunk's end samples; prompt logprobs are cut with their positions. Every rank
+    derives the same micro-batches from the plan."""
+    n = group.num_micro_batches
+    if n <= 1:
+        return [group]
+    num_scheduled = group.num_scheduled.astype(np.int64)
+    ends = np.cumsum(num_scheduled)
+    starts = ends - num_scheduled
+    total = int(ends[-1])
+    all_positions = group.logits_counts == group.num_scheduled  # prompt logprobs (or one-token chunks)
+    micro = []
+    for m in range(n):
+        lo, hi = total * m // n, total * (m + 1) // n
+        if lo == hi:
+            continue
+        first = int(np.searchsorted(ends, lo, side="right"))  # first request ending after lo
+        last = int(np.searchsorted(starts, hi, side="left"))  # requests starting before hi: [first, last)
+        idx = np.arange(first, last)
+        piece_lo = np.maximum(starts[idx], lo)
+        piece_hi = np.minimum(ends[idx], hi)
+        counts = np.where(all_positions[idx], piece_hi - piece_lo,
+                          np.where(piece_hi == ends[idx], group.logits_counts[idx], 0))
+        micro.append(GroupStep(
+            group.layout, tuple(rows[idx] for rows in group.rows), (piece_hi - piece_lo).astype(_INT),
+            (group.num_computed[idx] + (piece_lo - starts[idx])).astype(_INT),
+            int(np.count_nonzero(idx < group.num_decodes)), counts.astype(_INT)))
+    return micro

@@ -1,0 +1,79 @@
+"""Structured outputs (JSON schema, any JSON object) by constrained decoding with llguidance.
+
+Each constrained sequence owns a matcher: before sampling, its bitmask of allowed next tokens masks the
+logits; after sampling, the matcher consumes the chosen token. Once the grammar is complete the mask
+allows only the end-of-sequence tokens. llguidance (Rust, CPU) reads our `tokenizers` tokenizer.json
+directly; it is an optional dependency (the `serve` extra), imported only when a request asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's name and fields: `json` a JSON schema (str or dict), or `json_object` for any JSON object."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("structured outputs take exactly one of json (a schema) and json_object=True")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
+
+    @property
+    def schema(self) -> str:
+        if self.json_object:
+            return '{"type": "object"}'
+        return self.json if isinstance(self.json, str) else json.dumps(self.json)
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer (llguidance's tokenizer view is built once)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]):
+        try:
+            import llguidance
+        except ImportError:
+            raise ValueError("structured outputs (response_format json_object / json_schema) need llguidance: "
+                             "pip install 'torch_shift[serve]'") from None
+        if not eos_token_ids:
+            raise ValueError("structured outputs need an end-of-sequence token; this model has none")
+        self._llguidance = llguidance
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=sorted(eos_token_ids))
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        LLMatcher = self._llguidance.LLMatcher
+        try:
+            # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
+            grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
+        except Exception as e:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError on a bad schema
+            raise ValueError(f"the JSON schema cannot be used: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise ValueError(f"the JSON schema cannot be used: {error}")
+        matcher = LLMatcher(self._tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        return matcher
+
+
+def grammar_mask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
+    for i, matcher in enumerate(matchers):
+        row = bitmask[i]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # bit j of word w: token 32 * w + j
+    return allowed.reshape(len(matchers), words * 32)[:, :vocab_size].bool()

@@ -1,0 +1,244 @@
+"""Pipeline parallelism, and Seesaw's two layouts over one replica (paper 003).
+
+A pipeline replica of P ranks runs P stages of consecutive layers (`stage_layers`): the embedding
+on the first, the final norm and the LM head on the last. The model file stays free of parallel
+code: a `PipelineStage` is built from the model's own `DecoderLayer`s and runs a range of them.
+A step's batch is cut into micro-batches (`micro_batch_count`, carried in the step plan; every rank
+cuts it the same way, `split_micro_batches`), and each stage runs them in order, receiving a
+micro-batch's activations from the stage before and sending its own on as soon as they are done, so
+that all stages work at once. The last stage returns the logits.
+
+Under Seesaw the same ranks also form a TP-P group. Each rank holds what it needs for both layouts:
+its stage's layers (whole) and its TP shard of every layer, either both resident
+(`weights="resident"`: a switch swaps modules) or with the inactive set only as a host copy
+(`"host"`: the layers of both sets share one device buffer, and a switch copies the other set in).
+The KV pool is one buffer viewed as the stage's layers with every KV head under PP, as every
+layer with the rank's heads under TP: the same bytes per block.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter
+
+import torch
+from torch import nn
+
+from torch_shift.config import ModelConfig
+from torch_shift.kv.host_tier import KVRegion
+from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm
+from torch_shift.models.loader import part_views
+from torch_shift.models.rope import RotaryEmbedding
+from torch_shift.parallel import comm
+from torch_shift.parallel.groups import DeploymentGroups
+from torch_shift.parallel.layouts import Deployment, stage_layers
+from torch_shift.parallel.shift import TensorReader, load_base
+
+# Tokens per micro-batch above which a prefill step is cut into more than P micro-batches: at a few
+# hundred tokens a stage's matmuls no longer gain from larger batches (DESIGN.md section 3), while the
+# pipeline's fill and drain shrink as micro-batches are added.
+MICRO_BATCH_TOKENS = 256
+_ACTIVATION_TAG = 1 << 16  # point-to-point tags of activations (logits to rank 0 use the group index)
+
+
+def micro_batch_count(pp: int, num_tokens: int) -> int:
+    """Micro-batches of a pipeline step: at least one per stage (all stages work), more for large steps."""
+    if pp == 1:
+        return 1
+    return max(1, min(num_tokens, max(pp, math.ceil(num_tokens / MICRO_BATCH_TOKENS))))
+
+
+class PipelineStage(nn.Module):
+    """Layers `layers` of a decoder (local indices from 0, the KV pool of a stage holds only its own), the
+    embedding when it is the first stage, the final norm and the LM head when it is the last."""
+
+    def __init__(self, config: ModelConfig, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.layer_range = layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(layers)))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """inputs: token ids [T] on the first stage, the previous stage's hidden states [T, hidden] on the
+        others -> hidden states [T, hidden] (after the final norm on the last stage)."""
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attention)
+        return self.norm(x) if self.norm is not None else x
+
+
+def load_stage(config: ModelConfig, layers: range, is_first: bool, is_last: bool, read: TensorReader,
+               dtype: torch.dtype, device: torch.device, shared: DecoderLM | None = None) -> PipelineStage:
+    """A stage with its parameters read; `shared`: a model on this rank whose embedding, final norm and
+    rotary tables (replicated in TP) the stage uses instead of copies of its own."""
+    with torch.device("meta"):
+        stage = PipelineStage(config, layers, is_first, is_last).to(dtype)
+    stage.to_empty(device=device)
+    stage.rotary.materialize(device)
+    skip: set[str] = set()
+    if shared is not None:
+        stage.rotary = shared.rotary
+        if is_first:
+            stage.embed_tokens = shared.embed_tokens
+            skip.add("embed_tokens.weight")
+        if is_last:
+            stage.norm = shared.norm
+            skip.add("norm.weight")
+            if config.tie_word_embeddings:
+                stage.lm_head.weight = shared.embed_tokens.weight
+                skip.add("lm_head.weight")
+    with torch.no_grad():
+        for name, _ in stage.named_parameters(remove_duplicate=False):
+            if name in skip:
+                continue
+            source = re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{layers.start + int(m.group(1))}.", name)
+            if source == "lm_head.weight" and config.tie_word_embeddings:
+                source = "embed_tokens.weight"
+            for part, dest in part_views(stage, name).items():
+                dest.copy_(read(source, part, None))
+    return stage.eval().requires_grad_(False)
+
+
+class PipelineModel(nn.Module):
+    """One rank of a pipeline replica: its stage, and under Seesaw its TP shard of every layer."""
+
+    def __init__(self, config: ModelConfig, stage: PipelineStage, stage_ranks: tuple[int, ...], rank: int,
+                 tp: DecoderLM | None = None, tp_rank: int = 0, weights: str = "resident"):
+        super().__init__()
+        if weights not in ("resident", "host"):
+            raise ValueError(f"seesaw_weights must be 'resident' or 'host', got {weights!r}")
+        self.config = config
+        self.stage = stage
+        self.tp = tp
+        self.stage_ranks = stage_ranks
+        self.stage_index = stage_ranks.index(rank)
+        self.tp_rank = tp_rank
+        self.weights = weights
+        h_kv, pp = config.num_key_value_heads, len(stage_ranks)
+        # the pool is allocated in the TP geometry when there is one (the PP view regroups it)
+        self.num_kv_layers = config.num_hidden_layers if tp is not None else len(stage.layer_range)
+        self.num_local_kv_heads = h_kv // pp if tp is not None else h_kv
+        self.layout_counts: Counter[str] = Counter()
+        self.ledger = comm.CommLedger()
+        self.num_reshards = 0
+        self.reshard_seconds = 0.0
+        self._active = "pp"  # which set of layer weights the device holds ("host" weights)
+        self._host_weights: dict[str, torch.Tensor] = {}  # "host" weights: a flat copy of each set
+        if weights == "host":
+            self._share_device_weights()
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def _share_device_weights(self) -> None:
+        """The layer weights of both layouts as views of one device buffer (the larger set's size), with
+        a host copy of each set; the PP set is loaded."""
+        assert self.tp is not None, "host copies switch between two layouts"
+        sets = {"pp": list(self.stage.layers.parameters()), "tp": list(self.tp.layers.parameters())}
+        size = max(sum(p.numel() for p in params) for params in sets.values())
+        first = sets["pp"][0]
+        self._device_weights = torch.empty(size, dtype=first.dtype, device=first.device)
+        pin = first.device.type == "cuda"
+        for kind, params in sets.items():
+            host = torch.cat([p.detach().reshape(-1).cpu() for p in params])
+            self._host_weights[kind] = host.pin_memory() if pin else host
+            offset = 0
+            for p in params:
+                p.data = self._device_weights[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+        self._device_weights[:self._host_weights["pp"].numel()].copy_(self._host_weights["pp"])
+
+    def activate(self, kind: str) -> None:
+        """Make `kind`'s ("pp" or "tp") layer weights the ones on the device (a copy with host weights)."""
+        if kind == self._active:
+            return
+        start = time.perf_counter()
+        if self.weights == "host":
+            host = self._host_weights[kind]
+            self._device_weights[:host.numel()].copy_(host, non_blocking=True)
+            if self._device_weights.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        self._active = kind
+        self.num_reshards += 1
+        self.reshard_seconds += time.perf_counter() - start
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of weights this rank holds on its device and as host copies."""
+        storages = {}
+        for p in self.parameters():
+            storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+        host = sum(t.untyped_storage().nbytes() for t in self._host_weights.values())
+        return {"device": sum(storages.values()), "host": host}
+
+    # -- KV ---------------------------------------------------------------------------------------------
+    def kv_region(self, layout) -> KVRegion:
+        """What this rank's pool holds of the whole KV cache under `layout`."""
+        config = self.config
+        if layout.kind == "pp":
+            layers = self.stage.layer_range
+            return KVRegion(layers.start, len(layers), 0, config.num_key_value_heads)
+        per = config.num_key_value_heads // len(self.stage_ranks)
+        return KVRegion(0, config.num_hidden_layers, self.tp_rank * per, per)
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
+        """A step of the TP layout: every rank returns the logits (gathered over the vocabulary)."""
+        assert self.tp is not None, f"{layout}: this pipeline replica has no TP layout"
+        self.activate("tp")
+        self.layout_counts[layout] += 1
+        with comm.recording(self.ledger), comm.layout_scope(layout):
+            hidden = self.tp(input_ids, positions, attention)
+            return self.tp.compute_logits(hidden[logits_indices])
+
+    def forward_pipeline(self, micro_batches: list[tuple], layout: str) -> torch.Tensor | None:
+        """A step of the pipeline layout over its micro-batches, each (input_ids, positions, attention,
+        logits_indices): the last stage returns the logits of all of them in order, the others None.
+        Activations arriving from the stage before are all posted for at once; each micro-batch's
+        output leaves for the next stage as soon as it is computed, while the next one is computed."""
+        self.activate("pp")
+        self.layout_counts[layout] += 1
+        stage, index = self.stage, self.stage_index
+        first, last = index == 0, index == len(self.stage_ranks) - 1
+        hidden_size = self.config.hidden_size
+        dtype = next(iter(self.stage.layers.parameters())).dtype
+        with comm.recording(self.ledger), comm.layout_scope(layout):
+            received = []
+            if not first:
+                for m, (input_ids, *_) in enumerate(micro_batches):
+                    buffer = torch.empty(input_ids.shape[0], hidden_size, dtype=dtype, device=input_ids.device)
+                    received.append((buffer, comm.irecv(buffer, self.stage_ranks[index - 1], _ACTIVATION_TAG + m)))
+            sends, logits = [], []
+            for m, (input_ids, positions, attention, logits_indices) in enumerate(micro_batches):
+                if first:
+                    inputs = input_ids
+                else:
+                    inputs, work = received[m]
+                    work.wait()
+                hidden = stage(inputs, positions, attention)
+                if last:
+                    logits.append(stage.lm_head(hidden[logits_indices]))
+                else:
+                    sends.append(comm.isend(hidden, self.stage_ranks[index + 1], _ACTIVATION_TAG + m))
+            for work in sends:
+                work.wait()
+        return torch.cat(logits) if last else None
+
+
+def build_pipeline_model(deployment: Deployment, groups: DeploymentGroups, rank: int, config: ModelConfig,
+                         read: TensorReader, dtype: torch.dtype, device: torch.device,
+                         weights: str = "resident") -> PipelineModel:
+    """This rank's stage of its replica (only its layers read) and, under Seesaw, its TP shards."""
+    ranks = deployment.replicas[deployment.replica_of(rank)]
+    index = ranks.index(rank)
+    tp = None
+    tp_rank = 0
+    if deployment.family == "seesaw":
+        tp = load_base(config, groups.replica, read, dtype, device)
+        tp_rank = groups.replica.tp_rank
+    stage = load_stage(config, stage_layers(config.num_hidden_layers, deployment.pp, index), index == 0,
+                       index == deployment.pp - 1, read, dtype, device, shared=tp)
+    return PipelineModel(config, stage, ranks, rank, tp, tp_rank, weights)

@@ -1,0 +1,90 @@
+"""Each rank's model under every layout it takes part in, behind one call:
+`forward_step(input_ids, positions, attention, logits_indices, layout) -> logits | None`.
+
+- a replica of full weights (one rank, static DP, Flying Serving's DP replicas): `ReplicaModel`,
+  whose TP layouts over several replicas (paper 004) are views of the full weights, part by part
+  for the fused q/k/v and gate/up (`derive_tp`);
+- an (SP, TP) replica: `ShiftModule` (base and shift layouts, paper 000);
+- a pipeline replica: `PipelineModel` (a stage of layers, and Seesaw's TP shards, paper 003).
+
+A layout that binds several replicas returns logits on its first rank only (the one rank 0 reads
+them from); the others return None.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from torch_shift.compilation import compile_forward
+from torch_shift.config import ModelConfig
+from torch_shift.kv.host_tier import KVRegion
+from torch_shift.models.decoder import AttentionFn, DecoderLM
+from torch_shift.models.loader import build_model
+from torch_shift.parallel import comm
+from torch_shift.parallel.groups import DeploymentGroups
+from torch_shift.parallel.layouts import Deployment
+from torch_shift.parallel.plan import tp_plan
+from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_tp
+
+
+class ReplicaModel(nn.Module):
+    def __init__(self, model: DecoderLM, views: dict[str, DecoderLM] | None = None,
+                 leaders: dict[str, bool] | None = None):
+        super().__init__()
+        self.model = model
+        self.views = nn.ModuleDict(views or {})
+        self.leaders = leaders or {}
+        self.num_local_kv_heads = model.config.num_key_value_heads
+        self.num_kv_layers = model.config.num_hidden_layers
+        self.layout_counts: Counter[str] = Counter()
+        self.ledger = comm.CommLedger()
+        self.forwards = {}  # layout -> compiled forward (compile_layouts)
+
+    def compile_layouts(self) -> None:
+        self.forwards = {name: compile_forward(view) for name, view in self.views.items()}
+        self.forwards[None] = compile_forward(self.model)
+
+    def kv_region(self, layout) -> KVRegion:
+        """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""
+        assert layout.kv_width == 1, f"{layout.name}: a layout over several replicas views its pools by width"
+        config = self.model.config
+        return KVRegion(0, config.num_hidden_layers, 0, config.num_key_value_heads)
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor | None:
+        self.layout_counts[layout] += 1
+        key = layout if layout in self.views else None
+        model = self.views[key] if key is not None else self.model
+        forward = self.forwards.get(key, model)
+        with comm.recording(self.ledger), comm.layout_scope(layout):
+            hidden = forward(input_ids, positions, attention)
+        if key is not None and not self.leaders[key]:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
+
+
+def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,
+                       read: TensorReader, dtype: torch.dtype, device: torch.device,
+                       shift_threshold: int | None = None, shift_weights: str = "copy",
+                       flying_weights: str = "view", seesaw_weights: str = "resident") -> nn.Module:
+    """This rank's model: only its shards read, its layouts derived from them."""
+    if deployment.pp > 1:
+        from torch_shift.parallel.pipeline import build_pipeline_model
+
+        return build_pipeline_model(deployment, groups, rank, config, read, dtype, device, seesaw_weights)
+    if groups is not None and groups.replica is not None:  # (SP, TP) inside a replica
+        with_shift = any(layout.kind == "shift" for layout in deployment.layouts)
+        return build_shift_module(config, groups.replica, read, dtype, device,
+                                  shift_threshold if with_shift else None, shift_weights)
+    full = build_model(config, read, dtype, device)
+    views, leaders = {}, {}
+    for layout in deployment.layouts_of(rank):
+        if layout.kv_width > 1:
+            group, mesh = groups.pool[layout.ranks]
+            views[layout.name] = derive_tp(full, config, None, tp_plan(mesh, layout.name, vocab_parallel=False),
+                                           group, flying_weights)
+            leaders[layout.name] = rank == layout.ranks[0]
+    return ReplicaModel(full, views, leaders)
