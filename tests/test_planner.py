@@ -328,4 +328,8 @@ def test_calibrate_cli_writes_a_profile_the_cost_model_prices_with(tmp_path, cap
     prefill = step_cost(shape, hw, Layout("sp_tp", sp=2), [Seq(512, 0)])
     assert 0 < decode.total_s < prefill.total_s
     assert decode.memory_s > decode.compute_s  # small steps stream weights
+    # and plans a deployment of it on this machine's two ranks
+    assert main(["plan", "--model", str(config_dir), "--hardware", str(out), "--world", "2", "--synthetic", "128:8",
+                 "--num-requests", "12", "--policies", "dp,tp,shift", "--thresholds", "64"]) == 0
+    assert "recommended:" in capsys.readouterr().out
     assert main(["calibrate", "--out", str(tmp_path / "missing" / "x.json")]) == 2

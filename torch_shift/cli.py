@@ -215,6 +215,74 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from torch_shift.planner import ModelShape, get_profile
+    from torch_shift.planner.plan import (DEFAULT_THRESHOLDS, POLICIES, load_model_config, parse_slo, plan,
+                                          synthetic_requests, trace_requests)
+
+    if args.model is None:
+        from torch_shift.models.default import default_model_dir
+
+        model = default_model_dir()
+    elif Path(args.model).exists():
+        model = Path(args.model)
+    else:
+        from torch_shift.models.hub import resolve_model_dir
+
+        model = resolve_model_dir(args.model, None)
+    config = load_model_config(model)
+    shape = ModelShape.from_config(config, dtype=args.dtype, name=Path(model).name)
+    hw = get_profile(args.hardware)
+    world = args.world or hw.num_devices
+    slo = parse_slo(args.slo)
+    if (args.trace is None) == (args.synthetic is None):
+        raise ValueError("give a workload: --trace FILE or --synthetic IN:OUT")
+    if args.rate is not None and args.concurrency is not None:
+        raise ValueError("--rate (open loop) and --concurrency (closed loop) exclude each other")
+    for name in ("rate", "time_scale"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.trace is not None:
+        if not Path(args.trace).is_file():
+            raise ValueError(f"--trace {args.trace}: no such file")
+        requests = trace_requests(Path(args.trace), args.num_requests, args.time_scale or 1.0, args.rate,
+                                  config.vocab_size, args.seed)
+        workload = f"trace {Path(args.trace).name} ({len(requests)} requests"
+    else:
+        try:
+            prompt_len, output_len = (int(x) for x in args.synthetic.split(":"))
+        except ValueError:
+            raise ValueError(f"--synthetic takes IN:OUT token counts, e.g. 4096:250, got {args.synthetic!r}") from None
+        if prompt_len < 1 or output_len < 1:
+            raise ValueError("--synthetic lengths must be >= 1")
+        requests = synthetic_requests(prompt_len, output_len, args.num_requests or 200, args.rate, config.vocab_size,
+                                      args.seed)
+        workload = f"synthetic {prompt_len}:{output_len} ({len(requests)} requests"
+    workload += (f", Poisson {args.rate:g}/s)" if args.rate else f", {args.concurrency} clients)" if args.concurrency
+                 else f", arrivals / {args.time_scale:g})" if args.time_scale else ", trace arrivals)"
+                 if args.trace else ", all at once)")
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
+    thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
+    report = plan(config, shape, hw, requests, world=world, workload=workload, model_name=shape.name,
+                  policies=policies, thresholds=thresholds, cpu_kv_gb=args.cpu_kv_gb, slo=slo,
+                  concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                  log=lambda line: print(f"[torch-shift] {line}", file=sys.stderr))
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"[torch-shift] wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        _require_extra("bench", "plan --plot", "matplotlib")
+        report.plot(args.plot)
+        print(f"[torch-shift] wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-shift", description=DESCRIPTION, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -259,6 +327,38 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     calibrate.add_argument("--name", default=None, help="the profile's name (default: host name and ranks)")
     calibrate.set_defaults(func=_calibrate)
+
+    plan = _subcommand(sub, "plan", "simulate every layout and policy on a workload and recommend one",
+                       "Run the engine's own scheduler and policies over a request stream with step times from the\n"
+                       "cost model, for every candidate (static DP, TP, SP, PP; Shift over a threshold sweep; Flying;\n"
+                       "Seesaw), print the predicted latencies, throughput and memory, and recommend one.\n"
+                       "Example: torch-shift plan --model config.json --hardware h200x8 --dtype fp8 "
+                       "--synthetic 4096:250 --rate 2")
+    plan.add_argument("--model", default=None, help="model directory or config.json (no weights needed); "
+                                                     "default: the embedded model")
+    plan.add_argument("--hardware", required=True, help="h100, h200, a100, a100-pcie, l4, a10 with an optional "
+                                                        "count (h200x8), or a profile from torch-shift calibrate")
+    plan.add_argument("--world", type=int, default=None, help="devices to deploy on (default: the hardware's)")
+    plan.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+                      help="weight dtype ('auto': the checkpoint's)")
+    plan.add_argument("--trace", default=None, help="CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]")
+    plan.add_argument("--synthetic", default=None, metavar="IN:OUT", help="fixed prompt and output lengths")
+    plan.add_argument("--num-requests", type=int, default=None, help="requests (trace: its first N; synthetic: 200)")
+    plan.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    plan.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients")
+    plan.add_argument("--time-scale", type=float, default=None, help="divide the trace's arrival times by this")
+    plan.add_argument("--slo", default=None, help="bounds on p90 TTFT and TPOT, e.g. ttft=500ms,tpot=50ms")
+    plan.add_argument("--policies", default=None, help=f"a comma list of candidates' policies (default: all)")
+    plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")
+    plan.add_argument("--cpu-kv-gb", type=float, default=64.0, help="Seesaw's host KV tier (GiB)")
+    plan.add_argument("--max-num-seqs", type=int, default=256)
+    plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--json", default=None, help="write the candidates and the recommendation as JSON")
+    plan.add_argument("--plot", default=None, help="write TTFT against throughput per candidate (PNG)")
+    plan.set_defaults(func=_plan)
 
     from torch_shift.bench.run import add_bench_args  # argument definitions only: no optional dependency
 

@@ -271,7 +271,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self.num_steps = 0
         self.last_step_layout: str | None = None  # the layouts of the last step, '+'-joined
-        self.last_step_switched = False  # its layouts differ from the step before
+        self.last_step_switched = False  # a replica of it ran under another layout the last time
+        self._replica_layouts: dict[int, str] = {}  # replica -> the layout it last ran under
         self.last_step_seconds = 0.0  # its wall time on rank 0, from scheduling to outputs
         self.steps_by_layout: Counter[str] = Counter()
         self.num_switches = 0
@@ -308,10 +309,10 @@ class LLMEngine:
         return tokens
 
     def stats(self) -> dict:
-        """Which layouts ran: steps by layout name, layout switches (steps whose layouts differ from the
-        previous step's) and the mean wall time of switching steps beside that of the others (a switch is
-        a change of step plan: its cost is what the first step in the new layouts costs), and the
-        policy's own figures."""
+        """Which layouts ran: steps by layout name, layout switches (steps in which some replica runs under
+        another layout than the last time it ran) and the mean wall time of switching steps beside that of
+        the others (a switch is a change of step plan: its cost is what the first step in the new layouts
+        costs), and the policy's own figures."""
         def mean(totals):
             return totals[0] / totals[1] if totals[1] else None
 
@@ -533,10 +534,16 @@ class LLMEngine:
         if not plan.groups:
             return  # only tier copies this step
         names = [g.layout for g in plan.groups]
-        layout = "+".join(names)
-        self.last_step_switched = self.last_step_layout is not None and layout != self.last_step_layout
-        self.num_switches += self.last_step_switched
-        self.last_step_layout = layout
+        # a switch: some replica runs under another layout than the last time it ran (replicas of data
+        # parallelism that idle or rejoin under their own layout do not switch)
+        switched = False
+        for name in names:
+            for replica in self._layout_replicas(name):
+                switched |= self._replica_layouts.get(replica, name) != name
+                self._replica_layouts[replica] = name
+        self.last_step_switched = switched
+        self.num_switches += switched
+        self.last_step_layout = "+".join(names)
         self.num_steps += 1
         for name in names:
             self.steps_by_layout[name] += 1

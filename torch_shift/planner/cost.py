@@ -266,12 +266,13 @@ def _microbatches(seqs: Sequence[Seq], count: int) -> list[list[Seq]]:
     return bins
 
 
-def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq], active: int):
+def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq], active: int,
+              micro_batches: Sequence[Sequence[Seq]] | None = None):
     """Stages x micro-batches; each stage passes [tokens, hidden] on with a send/recv, the last stage its
     logits to rank 0. Makespan by the flow-shop recurrence (micro-batches in order through the stages)."""
     p, tp = layout.pp, layout.tp
     layers = _stage_layers(shape, p)
-    batches = _microbatches(seqs, layout.num_microbatches or p)
+    batches = micro_batches or _microbatches(seqs, layout.num_microbatches or p)
     a = shape.activation_bytes
     stage_ops: list[list[OpCost]] = [[] for _ in range(p)]
     stage_comm: list[list[CollectiveCost]] = [[] for _ in range(p)]
@@ -310,11 +311,13 @@ def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *,
 
 
 def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq],
-              groups: Sequence[int] | None = None) -> StepCost:
+              groups: Sequence[int] | None = None, micro_batches: Sequence[Sequence[Seq]] | None = None) -> StepCost:
     """The time of one step that computes `seqs` under `layout` on `hw`.
 
     Under a "dp" layout `groups[i]` is the group (index into layout.group_tp) that runs seqs[i] (the
-    scheduler's assignment); elsewhere `groups` is not given. Every rank that has work in the step
+    scheduler's assignment); elsewhere `groups` is not given. Under "pp", `micro_batches` gives the
+    step's micro-batches as the engine cut them (`torch_shift.engine.step_plan.split_micro_batches`, which
+    may cut a prompt chunk); by default whole sequences are dealt into `num_microbatches` of them. Every rank that has work in the step
     counts as active for a shared memory bandwidth (hw.node_bandwidth)."""
     validate_layout(shape, layout)
     if not seqs:
@@ -335,7 +338,7 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
         op_costs, comm, _ = max(priced.values(), key=lambda p: p[2])
         group_s = tuple(priced[g][2] if g in priced else 0.0 for g in range(len(layout.group_tp)))
     elif layout.kind == "pp":
-        op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks)
+        op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks, micro_batches)
     else:
         op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=layout.num_ranks)
     compute, memory = _split_compute_memory(op_costs)

@@ -42,16 +42,17 @@ class DataSheet:
     interconnect: str  # "nvlink" or "pcie"
     link_bandwidth: float  # bytes/s per direction per GPU
     source: str
+    host_link_bandwidth: float = 32e9  # bytes/s per direction between a GPU and host memory (PCIe Gen4 x16)
 
 
 TB = 1e12
 DATASHEETS = {
     "h100": DataSheet("NVIDIA H100 SXM5 80GB", 80e9, 3.35 * TB,
                       {"fp32": 67e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}, "nvlink", 450e9,
-                      "NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 900 GB/s bidirectional"),
+                      "NVIDIA H100 Tensor Core GPU datasheet (SXM5): NVLink 900 GB/s bidirectional, PCIe Gen5", 64e9),
     "h200": DataSheet("NVIDIA H200 SXM 141GB", 141e9, 4.8 * TB,
                       {"fp32": 67e12, "bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12}, "nvlink", 450e9,
-                      "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s bidirectional"),
+                      "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s bidirectional, PCIe Gen5", 64e9),
     "a100": DataSheet("NVIDIA A100 SXM4 80GB", 80e9, 2.039 * TB,
                       {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12}, "nvlink", 300e9,
                       "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): NVLink 600 GB/s bidirectional"),
@@ -115,6 +116,7 @@ class HardwareProfile:
     collectives: CollectiveModel
     overhead: EngineOverhead
     node_bandwidth: float | None = None
+    host_link_bandwidth: float | None = None  # device <-> host memory (the KV tier); None: copy_bandwidth (CPUs)
     source: str = ""
     measurements: Mapping = field(default_factory=dict, compare=False)  # raw figures of a calibration
 
@@ -141,6 +143,11 @@ class HardwareProfile:
             bw *= min(1.0, self.node_bandwidth / (active_devices * solo))
         return bw
 
+    @property
+    def host_bandwidth(self) -> float:
+        """Bytes/s one device copies to or from host memory (the host KV tier's swaps)."""
+        return self.copy_bandwidth if self.host_link_bandwidth is None else self.host_link_bandwidth
+
     # -- JSON ---------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {
@@ -151,6 +158,7 @@ class HardwareProfile:
                                  for d, v in self.matmul_bandwidth.items()},
             "attention_bandwidth": dict(self.attention_bandwidth),
             "copy_bandwidth": self.copy_bandwidth, "node_bandwidth": self.node_bandwidth,
+            "host_link_bandwidth": self.host_link_bandwidth,
             "collectives": self.collectives.to_json(),
             "overhead": {"step_s": self.overhead.step_s, "seq_s": self.overhead.seq_s,
                          "parallel_step_s": self.overhead.parallel_step_s,
@@ -171,6 +179,8 @@ class HardwareProfile:
                 matmul_bandwidth=_rates(data["matmul_bandwidth"]),
                 attention_bandwidth=_rates(data["attention_bandwidth"]), copy_bandwidth=float(data["copy_bandwidth"]),
                 node_bandwidth=None if data.get("node_bandwidth") is None else float(data["node_bandwidth"]),
+                host_link_bandwidth=(None if data.get("host_link_bandwidth") is None
+                                     else float(data["host_link_bandwidth"])),
                 collectives=CollectiveModel.from_json(data["collectives"]),
                 overhead=EngineOverhead(**{k: float(v) for k, v in data["overhead"].items()}),
                 source=str(data.get("source", "")), measurements=data.get("measurements", {}),
@@ -234,6 +244,7 @@ def datasheet_profile(gpu: str, num_devices: int = 1) -> HardwareProfile:
         matmul_bandwidth={d: memory_bw for d in sheet.peak_flops},
         attention_bandwidth={d: memory_bw for d in sheet.peak_flops},
         copy_bandwidth=memory_bw,
+        host_link_bandwidth=sheet.host_link_bandwidth * f["pcie"],
         collectives=CollectiveModel.from_link(sheet.link_bandwidth * f[sheet.interconnect], base, per_step, sizes),
         overhead=EngineOverhead(**GPU_ENGINE_OVERHEAD),
         source=f"data sheet: {sheet.source}; achievable fractions {f}",

@@ -36,7 +36,8 @@ class EngineMetrics:
         self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling")
         self.steps = Counter("torch_shift:steps", "Engine steps by parallel layout (each layout a step bound)",
                              labels + ["layout"], registry=r)
-        self.layout_switches = Counter("torch_shift:layout_switches", "Steps whose layouts differ from the last's",
+        self.layout_switches = Counter("torch_shift:layout_switches",
+                                       "Steps in which a replica runs under another layout than the last time",
                                        labels, registry=r)
         self.step_duration = hist("step_duration_seconds", "Wall time of an engine step on rank 0")
         self.switch_latency = hist("layout_switch_latency_seconds",

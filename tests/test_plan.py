@@ -1,0 +1,110 @@
+"""`torch-shift plan`: candidates, memory, recommendation and the CLI on the default model and on
+config-only models (planning a 70B model needs no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torch_shift.cli import main
+from torch_shift.models.toy import tiny_llama_config
+from torch_shift.planner import ModelShape, get_profile
+from torch_shift.planner.plan import (POLICIES, Candidate, CandidateResult, candidates, parse_slo, pool_blocks,
+                                      recommend)
+
+LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)
+
+
+def test_candidates_cover_every_family():
+    found = candidates(8, thresholds=(64, 256))
+    assert {c.policy for c in found} == set(POLICIES)
+    assert [c.params for c in found if c.policy == "dp"] == [{"dp": 8, "tp": 1}, {"dp": 4, "tp": 2},
+                                                              {"dp": 2, "tp": 4}]
+    assert [c.params["threshold"] for c in found if c.policy == "shift"] == [64, 256]
+    assert [c.policy for c in candidates(1)] == ["tp"]  # one device: nothing to choose
+    with pytest.raises(ValueError, match="unknown policies"):
+        candidates(2, ["tpp"])
+
+
+def test_memory_per_candidate_by_hand():
+    """Llama-3-70B in FP8 on an H200: DP-8 holds every weight on each rank, TP-8 an eighth; Seesaw a stage
+    and a TP shard; the KV pool gets what is left of 90% of 141 GB, capped as the engine caps it."""
+    from torch_shift.config import ModelConfig
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **LLAMA_70B})
+    shape, hw = ModelShape.from_config(config, dtype="fp8"), get_profile("h200x8")
+    by_policy = {(c.policy, tuple(sorted(c.params.items()))): c for c in candidates(8, thresholds=(256,))}
+    dp8 = by_policy[("dp", (("dp", 8), ("tp", 1)))]
+    blocks, memory = pool_blocks(shape, hw, dp8, 16, 0.9, 256, 8192)
+    assert memory["weight_bytes_per_rank"] == shape.num_parameters()  # fp8: one byte per parameter
+    kv_token = 2 * 80 * 8 * 128 * 2  # bf16 KV, every KV head on the rank
+    assert blocks == int((141e9 * 0.9 - shape.num_parameters()) // (kv_token * 16))
+    tp8 = next(c for c in by_policy.values() if c.policy == "tp")
+    _, tp_memory = pool_blocks(shape, hw, tp8, 16, 0.9, 256, 8192)
+    assert tp_memory["weight_bytes_per_rank"] < shape.num_parameters() / 7
+    seesaw = next(c for c in by_policy.values() if c.policy == "seesaw")
+    _, seesaw_memory = pool_blocks(shape, hw, seesaw, 16, 0.9, 256, 8192)
+    assert seesaw_memory["weight_bytes_per_rank"] > tp_memory["weight_bytes_per_rank"] * 1.9
+    with pytest.raises(ValueError, match="do not fit"):
+        pool_blocks(ModelShape.from_config(config, dtype="bf16"), get_profile("a10"), dp8, 16, 0.9, 256, 8192)
+
+
+def _result(policy, threshold=None, throughput=100.0, ttft=50.0, tpot=10.0):
+    params = {"sp": 2, "tp": 1, "threshold": threshold} if policy == "shift" else {"tp": 2}
+    metrics = {"num_requests": 4, "num_finished": 4, "throughput_tok_s": throughput, "ttft_p50_ms": ttft,
+               "ttft_p90_ms": ttft * 2, "tpot_p90_ms": tpot, "e2e_p50_ms": 1.0}
+    return CandidateResult(Candidate(policy, params, {}), metrics, {"weight_bytes_per_rank": 0,
+                                                                     "kv_bytes_per_rank": 0})
+
+
+def test_recommendation_under_an_slo_and_without():
+    tp = _result("tp", throughput=120.0, ttft=400.0)
+    fast = _result("shift", 64, throughput=100.0, ttft=40.0)
+    slow = _result("shift", 1024, throughput=110.0, ttft=300.0)
+    broken = CandidateResult(Candidate("pp", {"pp": 2}, {}), error="does not fit")
+    assert recommend([tp, fast, slow, broken], {}).result is tp  # throughput first
+    rec = recommend([tp, fast, slow, broken], parse_slo("ttft=200ms,tpot=0.05s"))
+    assert rec.result is fast and rec.best_threshold == 64 and "meet" in rec.reason
+    rec = recommend([tp, fast, slow], parse_slo("ttft=10ms"))  # nobody meets it: the smallest miss
+    assert rec.result is fast and "no candidate meets" in rec.reason
+    assert parse_slo("ttft=1.5s") == {"ttft": 1500.0}
+    for bad in ("ttft", "latency=5ms", "ttft=-1ms", "ttft=fast"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_plan_cli_on_the_default_model(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--hardware", "a10x2", "--synthetic", "64:16", "--rate", "50", "--num-requests", "40",
+                 "--thresholds", "32,512", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "recommended:" in printed and "Shift SP2->TP2 @32" in printed
+    report = json.loads(out.read_text())
+    assert {c["policy"] for c in report["candidates"]} == set(POLICIES)
+    for c in report["candidates"]:
+        assert c.get("error") is None and c["num_finished"] == 40
+        assert c["ttft_p50_ms"] > 0 and c["tpot_p50_ms"] > 0 and c["throughput_tok_s"] > 0
+    assert report["recommended"]["label"] in {c["label"] for c in report["candidates"]}
+    assert main(["plan", "--hardware", "a10x2"]) == 2  # no workload
+    assert main(["plan", "--hardware", "a10x2", "--synthetic", "64", "--rate", "1"]) == 2
+    assert main(["plan", "--hardware", "nope", "--synthetic", "64:16"]) == 2
+    assert "unknown hardware" in capsys.readouterr().err
+
+
+def test_plan_cli_on_a_config_only_70b_model(tmp_path, capsys):
+    """Llama-3-70B in FP8 on 8 H200s, from a config.json alone: the paper-000 shape of Fig. 1 (Shift's
+    TTFT below TP's, far below DP's) at 4k-token prompts."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama_config(**LLAMA_70B)))
+    out = tmp_path / "plan.json"
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                     + "".join(f"{i * 0.5},{4096 - 7 * i},{250}\n" for i in range(24)))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h200x8", "--dtype", "fp8",
+                 "--trace", str(trace), "--policies", "dp,tp,shift", "--thresholds", "256", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by_label = {c["label"]: c for c in report["candidates"]}
+    shift, tp, dp = by_label["Shift SP8->TP8 @256"], by_label["TP8"], by_label["DP8"]
+    assert shift["ttft_p50_ms"] < tp["ttft_p50_ms"] < dp["ttft_p50_ms"]
+    assert report["world"] == 8 and "trace.csv" in report["workload"]

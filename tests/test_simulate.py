@@ -1,0 +1,158 @@
+"""The planner's simulator against the real engine: the same trace, the same step times, the same plans.
+
+The simulator is the engine's own rank-0 half (`LLMEngine.driver_only`) with a modelled forward; the real
+engine runs the model on forked gloo ranks. Both are driven by `simulate`'s event loop on one virtual
+clock, so their step plans (layouts, rows, tokens per request, blocks, tier copies) must agree exactly;
+only the sampled token values differ (the simulator's filler token against the model's)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import build_hf_model, save_checkpoint
+
+from torch_shift.bench.traffic import RequestSpec
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.planner import ModelShape, get_profile
+from torch_shift.planner.simulate import (ClockedEngine, CostModelTimer, FixedStepTimer, SimulatedEngine,
+                                          simulate)
+
+
+@pytest.fixture(scope="module")
+def layers4(tmp_path_factory):
+    """4 layers and 4 KV heads: DP-2, TP-2, PP-2 and Flying's TP-2 groups are all possible."""
+    model = build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4)
+    return save_checkpoint(model, tmp_path_factory.mktemp("layers4"))
+
+
+def trace(num: int = 14, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:
+    """Bursts and gaps: the load (and Flying's bindings, Seesaw's phases) changes during the run."""
+    rng = random.Random(seed)
+    specs, t = [], 0.0
+    for i in range(num):
+        t += rng.choice([0.0, 0.0, 0.01, 0.2])
+        specs.append(RequestSpec(f"r{i}", t, [rng.randrange(8, vocab) for _ in range(rng.randrange(1, 40))],
+                                 rng.randrange(2, 9)))
+    return specs
+
+
+def signature(plan) -> tuple:
+    """Everything in a step plan except the sampled tokens' values."""
+    groups = tuple((g.layout, tuple(tuple(r.tolist()) for r in g.rows), tuple(g.num_scheduled.tolist()),
+                    tuple(g.num_computed.tolist()), g.num_decodes, tuple(g.logits_counts.tolist()),
+                    g.num_micro_batches) for g in plan.groups)
+    deltas = tuple(sorted(
+        (replica, tuple((n.row, len(n.token_ids), tuple(n.block_ids.tolist()), n.width) for n in d.new_rows),
+         tuple(d.token_rows), len(d.tokens), tuple(d.block_rows), tuple(map(tuple, d.block_ids)))
+        for replica, d in plan.deltas.items()))
+    swaps = tuple((op.replica, op.layout, tuple(op.device_blocks), tuple(op.tier_blocks))
+                  for op in (*plan.swap_outs, *plan.swap_ins))
+    return groups, deltas, swaps
+
+
+TIMES = {"dp@0": 0.010, "dp@1": 0.010, "tp2@0": 0.006, "pp": 0.012, "tp": 0.005, "single": 0.01}
+
+
+def run_real(model_dir, engine_args: dict, specs):
+    engine = ClockedEngine(EngineArgs(str(model_dir), **engine_args))
+    try:
+        engine.step_timer, engine.plan_log = FixedStepTimer(TIMES), []
+        result = simulate(engine, specs)
+        leaked = sum(p.num_blocks - p.num_free_blocks for p in engine.pools)
+        return [signature(p) for p in engine.plan_log], result, leaked, engine.model_config, engine.pools[0].num_blocks
+    finally:
+        engine.shutdown()
+
+
+def run_simulated(config: ModelConfig, engine_args: dict, specs, num_kv_blocks: int):
+    engine = SimulatedEngine.simulated(EngineArgs("config-only", **engine_args), config, num_kv_blocks,
+                                       FixedStepTimer(TIMES))
+    engine.plan_log = []
+    result = simulate(engine, specs)
+    assert all(p.num_free_blocks == p.num_blocks for p in engine.pools)
+    return [signature(p) for p in engine.plan_log], result
+
+
+CASES = {
+    "flying": {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 2.0}, "block_size": 4,
+               "num_kv_blocks": 40, "max_num_batched_tokens": 32},
+    "seesaw": {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 24, "num_cpu_kv_blocks": 30,
+               "max_num_batched_tokens": 32},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_simulator_makes_the_real_engines_step_plans(layers4, case):
+    engine_args = CASES[case]
+    specs = trace()
+    real_plans, real, leaked, config, num_blocks = run_real(layers4, engine_args, specs)
+    sim_plans, sim = run_simulated(config, engine_args, specs, num_blocks)
+    assert leaked == 0
+    assert len(real_plans) == len(sim_plans) and real_plans == sim_plans
+    # the same clock: every request's arrival, first token and finish at the same virtual time
+    assert [(r.request_id, r.first_token_s, r.finish_s, r.num_output_tokens) for r in real.requests] == \
+        [(r.request_id, r.first_token_s, r.finish_s, r.num_output_tokens) for r in sim.requests]
+    stats = sim.engine_stats
+    if case == "flying":  # the load changed the bindings during the run
+        assert {"dp@0", "tp2@0"} <= set(stats["steps_by_layout"]) and stats["num_switches"] > 0
+    else:  # several prefill / decode rounds through the tier
+        assert stats["num_transitions"] >= 2 and stats["num_swap_ins"] > 0
+
+
+def test_a_change_to_the_scheduler_changes_the_engine_and_the_simulator_alike(llama):
+    """Single device, in this process: a smaller token budget per step chunks prefills differently in both."""
+    _, model_dir = llama
+    specs = trace(8, seed=1)
+    plans = {}
+    for budget in (32, 12):
+        args = {"max_num_batched_tokens": budget, "block_size": 4, "num_kv_blocks": 64}
+        real_plans, _, _, config, num_blocks = run_real(model_dir, args, specs)
+        sim_plans, _ = run_simulated(config, args, specs, num_blocks)
+        assert real_plans == sim_plans
+        plans[budget] = sim_plans
+    assert plans[32] != plans[12]
+
+
+def test_data_parallel_replicas_that_idle_do_not_count_as_switches():
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+                                       "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512})
+    specs = trace(10, seed=2)
+    _, static = run_simulated(config, {"dp": 2}, specs, 64)
+    layouts = {step.layouts for step in static.steps}
+    assert {"dp@0", "dp@0+dp@1"} <= layouts and static.num_switches == 0
+    _, flying = run_simulated(config, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 2.0}}, specs, 64)
+    assert flying.num_switches > 0
+
+
+def test_cost_model_steps_drive_the_clock():
+    """With the cost model, a step's time is its priced plan: TTFT of a lone request is its prefill step."""
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+                                       "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                       "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
+    shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
+    from torch_shift.parallel.pipeline import micro_batch_count
+    from torch_shift.planner.cost import Layout, step_cost
+    from torch_shift.planner.shape import Seq
+
+    spec = RequestSpec("r0", 0.5, list(range(8, 8 + 300)), 3)
+    for engine_args, layout in (({"tp": 2}, Layout("tp", tp=2)), ({"pp": 2}, Layout("pp", pp=2))):
+        engine = SimulatedEngine.simulated(EngineArgs("config-only", **engine_args), config, 256,
+                                           CostModelTimer(shape, hw, 16))
+        result = simulate(engine, [spec])
+        (record,) = result.requests
+        if layout.kind == "pp":  # the engine cuts the prompt into micro-batches of near-equal tokens
+            n = micro_batch_count(2, 300)
+            cuts = [300 * m // n for m in range(n + 1)]
+            pieces = [[Seq(hi - lo, lo, int(hi == 300))] for lo, hi in zip(cuts, cuts[1:])]
+            prefill = step_cost(shape, hw, layout, [Seq(300, 0, 1)], micro_batches=pieces).total_s
+            assert n >= 2
+        else:
+            prefill = step_cost(shape, hw, layout, [Seq(300, 0, 1)]).total_s
+        decodes = [step_cost(shape, hw, layout, [Seq(1, context, 1)]).total_s for context in (300, 301)]
+        assert record.first_token_s == pytest.approx(0.5 + prefill, rel=1e-9)
+        assert record.finish_s == pytest.approx(0.5 + prefill + sum(decodes), rel=1e-9)
+        assert record.tpot_s == pytest.approx(sum(decodes) / 2, rel=1e-9)

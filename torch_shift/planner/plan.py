@@ -1,0 +1,355 @@
+"""`torch-shift plan`: simulate every candidate deployment on a request stream and recommend one.
+
+Candidates for a world of W devices: static layouts (DP x TP for each TP width dividing W, SP-W, PP-W),
+Shift (SP-W base, TP-W for steps of at most a threshold of tokens) over a sweep of thresholds, Flying
+(DP-W replicas merged into TP groups under load) and Seesaw (PP-W prefill, TP-W decode through the host
+tier). Each runs through the real engine's scheduler and policy with the cost model's step times
+(`torch_shift.planner.simulate`); a candidate that cannot run (the model does not split that way, its
+weights do not fit) is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch_shift.bench.traffic import RequestSpec, read_trace
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.planner.cost import Layout, memory_per_rank
+from torch_shift.planner.hardware import HardwareProfile
+from torch_shift.planner.shape import ModelShape
+from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, simulate
+
+POLICIES = ("dp", "tp", "sp", "pp", "shift", "flying", "seesaw")
+DEFAULT_THRESHOLDS = (32, 64, 128, 256, 512, 1024, 2048)
+SLO_METRICS = {"ttft": "ttft_p90_ms", "tpot": "tpot_p90_ms", "e2e": "e2e_p50_ms"}
+
+
+@dataclass
+class Candidate:
+    policy: str  # "dp", "tp", "sp", "pp" (static layouts) or "shift", "flying", "seesaw"
+    params: dict
+    engine_args: dict  # EngineArgs fields
+
+    @property
+    def label(self) -> str:
+        p = self.params
+        if self.policy == "dp":
+            return f"DP{p['dp']}" + (f"xTP{p['tp']}" if p["tp"] > 1 else "")
+        if self.policy == "tp":
+            return f"TP{p['tp']}"
+        if self.policy == "sp":
+            return f"SP{p['sp']}" + (f"xTP{p['tp']}" if p["tp"] > 1 else "")
+        if self.policy == "pp":
+            return f"PP{p['pp']}"
+        if self.policy == "shift":
+            return f"Shift SP{p['sp']}->TP{p['sp'] * p['tp']} @{p['threshold']}"
+        if self.policy == "flying":
+            return f"Flying DP{p['dp']} (dp_above {p['dp_above']:g})"
+        return f"Seesaw P{p['pp']}->T{p['pp']} ({p['cpu_kv_gb']:g} GiB tier)"
+
+
+@dataclass
+class CandidateResult:
+    candidate: Candidate
+    metrics: dict | None = None
+    memory: dict | None = None  # per rank: weight and KV bytes
+    error: str | None = None  # why it cannot run
+
+    def to_json(self) -> dict:
+        out = {"policy": self.candidate.policy, "params": self.candidate.params, "label": self.candidate.label}
+        if self.error is not None:
+            out["error"] = self.error
+        else:
+            out.update(self.metrics)
+            out.update(self.memory)
+        return out
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """A model directory (weights optional) or a config.json file."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise ValueError(f"{path}: no such model directory or config.json")
+    try:
+        return ModelConfig.from_hf_dict(json.loads(config_path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+
+
+def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
+               cpu_kv_gb: float = 64.0, dp_above: float = 4.0) -> list[Candidate]:
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    out: list[Candidate] = []
+    for policy in policies:
+        if policy == "dp":
+            for tp in (t for t in range(1, world) if world % t == 0):
+                out.append(Candidate("dp", {"dp": world // tp, "tp": tp}, {"dp": world // tp, "tp": tp}))
+        elif policy == "tp":
+            out.append(Candidate("tp", {"tp": world}, {"tp": world}))
+        elif policy == "sp" and world > 1:
+            out.append(Candidate("sp", {"sp": world, "tp": 1}, {"sp": world, "shift_threshold": None}))
+        elif policy == "pp" and world > 1:
+            out.append(Candidate("pp", {"pp": world}, {"pp": world}))
+        elif policy == "shift" and world > 1:
+            for threshold in thresholds:
+                out.append(Candidate("shift", {"sp": world, "tp": 1, "threshold": threshold},
+                                     {"sp": world, "shift_threshold": threshold, "shift_weights": "view"}))
+        elif policy == "flying" and world > 1:
+            out.append(Candidate("flying", {"dp": world, "dp_above": dp_above},
+                                 {"dp": world, "policy": "flying", "policy_config": {"dp_above": dp_above}}))
+        elif policy == "seesaw" and world > 1:
+            out.append(Candidate("seesaw", {"pp": world, "cpu_kv_gb": cpu_kv_gb},
+                                 {"pp": world, "policy": "seesaw"}))
+    return out
+
+
+def weight_layout(candidate: Candidate) -> list[Layout]:
+    """The cost model's layouts whose weights a rank of the candidate holds (Seesaw: a stage and a TP shard)."""
+    p = candidate.params
+    if candidate.policy == "dp":
+        return [Layout("tp", tp=p["tp"])]
+    if candidate.policy == "tp":
+        return [Layout("tp", tp=p["tp"])]
+    if candidate.policy in ("sp", "shift"):
+        return [Layout("sp_tp", sp=p["sp"], tp=p["tp"])]  # shift weights are views (shift_weights="view")
+    if candidate.policy == "flying":
+        return [Layout("tp", tp=1)]  # TP groups are views of every replica's full weights
+    if candidate.policy == "pp":
+        return [Layout("pp", pp=p["pp"])]
+    return [Layout("pp", pp=p["pp"]), Layout("tp", tp=p["pp"])]
+
+
+def pool_blocks(shape: ModelShape, hw: HardwareProfile, candidate: Candidate, block_size: int,
+                memory_utilization: float, max_num_seqs: int, max_model_len: int) -> tuple[int, dict]:
+    """KV blocks of one replica's pool (per rank: device memory x utilization less the weights), capped
+    as the engine caps them (every sequence slot filled to max_model_len), and the memory per rank."""
+    layouts = weight_layout(candidate)
+    mems = [memory_per_rank(shape, layout) for layout in layouts]
+    weights = sum(m.weight_bytes for m in mems)
+    kv_per_token = mems[0].kv_bytes_per_token  # the same bytes per block under every view of a pool
+    free = hw.device_memory_bytes * memory_utilization - weights
+    if free <= 0:
+        raise ValueError(f"weights of {weights / 2**30:.1f} GiB per rank do not fit in "
+                         f"{hw.device_memory_bytes * memory_utilization / 2**30:.1f} GiB")
+    blocks = int(free // (kv_per_token * block_size))
+    blocks = min(blocks, max_num_seqs * math.ceil(max_model_len / block_size))
+    return blocks, {"weight_bytes_per_rank": weights, "kv_bytes_per_rank": blocks * block_size * kv_per_token}
+
+
+def tier_blocks(shape: ModelShape, cpu_kv_gb: float, block_size: int) -> int:
+    per_block = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.kv_bytes * block_size
+    return int(cpu_kv_gb * 2**30 // per_block)
+
+
+def run_candidate(candidate: Candidate, config: ModelConfig, shape: ModelShape, hw: HardwareProfile,
+                  requests: Sequence[RequestSpec], *, concurrency: int | None = None, max_num_seqs: int = 256,
+                  max_num_batched_tokens: int = 2048, block_size: int = 16, max_model_len: int | None = None,
+                  memory_utilization: float = 0.9, seed: int = 0) -> CandidateResult:
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    max_model_len = max_model_len or max(longest, min(config.max_position_embeddings, 8192))
+    try:
+        num_blocks, memory = pool_blocks(shape, hw, candidate, block_size, memory_utilization, max_num_seqs,
+                                         max_model_len)
+        extra = dict(candidate.engine_args)
+        if candidate.policy == "seesaw":
+            extra["num_cpu_kv_blocks"] = tier_blocks(shape, candidate.params["cpu_kv_gb"], block_size)
+        args = EngineArgs("config-only", seed=seed, max_num_seqs=max_num_seqs, block_size=block_size,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, **extra)
+        timer = CostModelTimer(shape, hw, block_size, async_swaps=args.kv_swap == "async")
+        engine = SimulatedEngine.simulated(args, config, num_blocks, timer)
+        if engine.max_request_tokens < longest:
+            raise ValueError(f"the longest request ({longest} tokens) does not fit in the KV cache of the widest "
+                             f"group ({engine.max_request_tokens} tokens)")
+    except ValueError as e:
+        return CandidateResult(candidate, error=str(e))
+    result = simulate(engine, requests, concurrency=concurrency)
+    return CandidateResult(candidate, result.metrics(), memory)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=500ms,tpot=50ms' -> {"ttft": 500.0, "tpot": 50.0} (ms; 's' suffix for seconds): bounds on the
+    90th percentile of TTFT and TPOT (e2e: on the median end-to-end latency)."""
+    if not text:
+        return {}
+    slo = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name, value = name.strip().lower(), value.strip().lower()
+        if name not in SLO_METRICS or not value:
+            raise ValueError(f"--slo takes NAME=VALUE pairs with NAME in {', '.join(SLO_METRICS)}, got {part!r}")
+        scale = 1.0
+        if value.endswith("ms"):
+            value = value[:-2]
+        elif value.endswith("s"):
+            value, scale = value[:-1], 1e3
+        try:
+            slo[name] = float(value) * scale
+        except ValueError:
+            raise ValueError(f"--slo {part!r}: {value!r} is not a number of ms or s") from None
+        if slo[name] <= 0:
+            raise ValueError(f"--slo {part!r}: the bound must be positive")
+    return slo
+
+
+@dataclass
+class Recommendation:
+    result: CandidateResult
+    reason: str
+    best_threshold: int | None = None
+
+
+def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Recommendation:
+    """The candidate with the highest throughput among those that meet the SLO (its TTFT p50 breaks ties);
+    when none meets it, the one that misses it by the smallest factor; without an SLO, by throughput."""
+    ran = [r for r in results if r.error is None and r.metrics["num_finished"] == r.metrics["num_requests"]]
+    if not ran:
+        raise ValueError("no candidate could serve the workload: " + "; ".join(
+            f"{r.candidate.label}: {r.error}" for r in results if r.error))
+
+    def miss(r: CandidateResult) -> float:
+        return max([r.metrics[SLO_METRICS[k]] / bound for k, bound in slo.items()
+                    if r.metrics[SLO_METRICS[k]] is not None] + [0.0])
+
+    def key(r: CandidateResult):
+        return (-round(r.metrics["throughput_tok_s"], 6), r.metrics["ttft_p50_ms"])
+
+    shift = [r for r in ran if r.candidate.policy == "shift"]
+    best_shift = min(shift, key=lambda r: (miss(r) > 1, key(r)) if slo else key(r)) if shift else None
+    meeting = [r for r in ran if miss(r) <= 1.0]
+    bounds = ", ".join(f"{k.upper()} {'p90' if k != 'e2e' else 'p50'} <= {v:g} ms" for k, v in slo.items())
+    if slo and meeting:
+        best = min(meeting, key=key)
+        reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of the {len(meeting)} of "
+                  f"{len(ran)} candidates that meet {bounds}")
+    elif slo:
+        best = min(ran, key=miss)
+        reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"
+    else:
+        best = min(ran, key=key)
+        reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of {len(ran)} candidates, "
+                  f"then the lowest median TTFT ({best.metrics['ttft_p50_ms']:.1f} ms)")
+    threshold = best_shift.candidate.params["threshold"] if best_shift else None
+    if best_shift is not None:
+        reason += (f"; Shift's sweep found threshold {threshold} best (TTFT p50 {best_shift.metrics['ttft_p50_ms']:.1f} "
+                   f"ms, {best_shift.metrics['throughput_tok_s']:.1f} tok/s)")
+    return Recommendation(best, reason, threshold)
+
+
+# -- workloads --------------------------------------------------------------------------------------------
+def trace_requests(path: Path, num: int | None, time_scale: float, rate: float | None, vocab_size: int,
+                   seed: int = 0) -> list[RequestSpec]:
+    """Requests with a trace's lengths: at its own arrival times divided by `time_scale` (all at once when
+    it has none), or Poisson arrivals at `rate` per second."""
+    rows = read_trace(path)
+    if not rows:
+        raise ValueError(f"{path}: the trace has no rows")
+    rows = rows[:num] if num else rows
+    rng = random.Random(seed)
+    if rate is not None:
+        t, arrivals = 0.0, []
+        for _ in rows:
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+    else:
+        t0 = rows[0][0]
+        arrivals = [(row[0] - t0) / time_scale for row in rows]
+    return [RequestSpec(f"r{i}", at, [rng.randrange(8, vocab_size) for _ in range(max(1, p))], max(1, o))
+            for i, (at, (_, p, o)) in enumerate(zip(arrivals, rows))]
+
+
+def synthetic_requests(prompt_len: int, output_len: int, num: int, rate: float | None, vocab_size: int,
+                       seed: int = 0) -> list[RequestSpec]:
+    """`num` requests of fixed lengths, Poisson at `rate` per second (all at once without a rate)."""
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i in range(num):
+        if rate is not None:
+            t += rng.expovariate(rate)
+        specs.append(RequestSpec(f"r{i}", t, [rng.randrange(8, vocab_size) for _ in range(prompt_len)], output_len))
+    return specs
+
+
+@dataclass
+class PlanReport:
+    results: list[CandidateResult]
+    recommendation: Recommendation
+    workload: str
+    hardware: str
+    model: str
+    world: int
+    slo: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        rec = self.recommendation
+        return {"model": self.model, "hardware": self.hardware, "world": self.world, "workload": self.workload,
+                "slo_ms": self.slo, "candidates": [r.to_json() for r in self.results],
+                "recommended": {**rec.result.to_json(), "reason": rec.reason, "shift_threshold": rec.best_threshold}}
+
+    def table(self) -> str:
+        head = (f"{'candidate':34} {'TTFT p50':>9} {'p90':>9} {'TPOT p50':>9} {'p90':>8} {'queue p50':>9} "
+                f"{'tok/s':>9} {'weights/rank':>12} {'KV/rank':>9} {'switches':>8}")
+        lines = [f"model {self.model} on {self.hardware}, world {self.world}; {self.workload}",
+                 "latencies in ms; throughput: output tokens per second", head, "-" * len(head)]
+        for r in self.results:
+            name = r.candidate.label + (" *" if r is self.recommendation.result else "")
+            if r.error:
+                lines.append(f"{name:34} cannot run: {r.error}")
+                continue
+            m = r.metrics
+
+            def f(v, w=9, d=1):
+                return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
+            unfinished = "" if m["num_finished"] == m["num_requests"] else f"  ({m['num_finished']} finished)"
+            lines.append(f"{name:34} {f(m['ttft_p50_ms'])} {f(m['ttft_p90_ms'])} {f(m['tpot_p50_ms'])} "
+                         f"{f(m['tpot_p90_ms'], 8)} {f(m['queue_p50_ms'])} {f(m['throughput_tok_s'])} "
+                         f"{r.memory['weight_bytes_per_rank'] / 2**30:>10.2f}Gi {r.memory['kv_bytes_per_rank'] / 2**30:>7.2f}Gi "
+                         f"{m['num_switches']:>8}{unfinished}")
+        lines.append("")
+        lines.append(f"recommended: {self.recommendation.result.candidate.label}: {self.recommendation.reason}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ran = [r for r in self.results if r.error is None]
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for r in ran:
+            marker = "*" if r is self.recommendation.result else "o"
+            ax.scatter(r.metrics["throughput_tok_s"], r.metrics["ttft_p50_ms"], marker=marker, s=80)
+            ax.annotate(r.candidate.label, (r.metrics["throughput_tok_s"], r.metrics["ttft_p50_ms"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("throughput (output tokens/s)")
+        ax.set_ylabel("median TTFT (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{self.model} on {self.hardware} (world {self.world}): {self.workload}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: Sequence[RequestSpec], *,
+         world: int, workload: str, model_name: str, policies: Sequence[str] = POLICIES,
+         thresholds: Sequence[int] = DEFAULT_THRESHOLDS, cpu_kv_gb: float = 64.0, slo: dict | None = None,
+         concurrency: int | None = None, log=None, **engine) -> PlanReport:
+    results = []
+    for candidate in candidates(world, policies, thresholds, cpu_kv_gb):
+        result = run_candidate(candidate, config, shape, hw, requests, concurrency=concurrency, **engine)
+        if log is not None:
+            log(f"{candidate.label}: " + (result.error or f"TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "
+                                           f"{result.metrics['throughput_tok_s']:.1f} tok/s"))
+        results.append(result)
+    return PlanReport(results, recommend(results, slo or {}), workload, hw.name, model_name, world, slo or {})
