@@ -149,10 +149,10 @@ def test_construction_ends_within_the_timeout_when_a_rank_stops_answering(llama,
     parent = os.getpid()
     num_kv_blocks = _Setup._num_kv_blocks
 
-    def stop_in_started_ranks(self, num_kv_heads, device):
+    def stop_in_started_ranks(self, *args):
         if os.getpid() != parent:
             os.kill(os.getpid(), signal.SIGSTOP)
-        return num_kv_blocks(self, num_kv_heads, device)
+        return num_kv_blocks(self, *args)
 
     monkeypatch.setattr(_Setup, "_num_kv_blocks", stop_in_started_ranks)
     children_before = {p.pid for p in multiprocessing.active_children()}
