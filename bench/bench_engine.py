@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from torch_shift.bench.traffic import DEFAULT_TRACE
+from torch_shift.planner.calibrate import NullModel
 
 # The throughput model: Llama architecture, fp32, random weights.
 MODEL_CONFIG = dict(
@@ -362,20 +363,6 @@ def throughput_part(args, workdir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ part 2
-class NullModel(torch.nn.Module):
-    """forward_step(...) -> zeros [logits rows, vocab]; no attention, no KV write."""
-
-    def __init__(self, vocab: int, max_tokens: int):
-        super().__init__()
-        # Made under inference_mode like real activations: a view made in inference mode of a normal
-        # tensor costs milliseconds to index outside it (PyTorch view bookkeeping), which is no engine cost.
-        with torch.inference_mode():
-            self.logits = torch.zeros(max_tokens, vocab)
-
-    def forward_step(self, input_ids, positions, attention, logits_indices, layout):
-        return self.logits[: logits_indices.shape[0]]
-
-
 class _TimedModel:
     """Stands in for runner.model: times the model's step."""
 
@@ -436,7 +423,7 @@ def make_overhead_engine(tiny_dir: Path, n: int, prompt_len: int, decode_steps: 
     gc.collect()
     gc.freeze()
     engine = llm.engine
-    engine.runner.model = NullModel(vocab=TINY_CONFIG["vocab_size"], max_tokens=budget)
+    engine.runner.model = NullModel(TINY_CONFIG["vocab_size"], budget, engine.runner.model)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -670,7 +657,7 @@ def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: i
     llm = LLM(str(tiny_dir), tp=2, dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
               num_kv_blocks=n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1), max_model_len=prompt_len + max_tokens + 8)
     engine = llm.engine
-    engine.runner.model = NullModel(vocab=TINY2_CONFIG["vocab_size"], max_tokens=max(2048, n))
+    engine.runner.model = NullModel(TINY2_CONFIG["vocab_size"], max(2048, n), engine.runner.model)
     if rank != 0:
         engine.worker_loop()
         return None

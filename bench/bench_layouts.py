@@ -45,13 +45,15 @@ from torch_shift.bench.report import latency_stats, plot, timeline
 from torch_shift.bench.run import ServerProcess
 from torch_shift.bench.traffic import DEFAULT_TRACE, LengthSource, phase_arrivals, poisson_arrivals, workload
 
-
 # DESIGN.md section 3's model: 106M parameters, fp32 424 MB, 212 MB per rank under TP-2
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, vocab_size=8192, max_position_embeddings=8192)
 QUICK_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=4096, max_position_embeddings=8192)
-COMMON = {"max_num_seqs": "64", "max_num_batched_tokens": "1024", "dtype": "float32"}
+# 2 GiB of KV per rank: the engine's own CPU default at world 2, given so that the planner's prediction
+# (--predict) sizes its pools the same
+COMMON = {"max_num_seqs": "64", "max_num_batched_tokens": "1024", "dtype": "float32",
+          "kv_cache_memory_bytes": str(2 << 30)}
 CONFIGS = {
     "DP": {"dp": "2"},
     "TP": {"tp": "2"},
@@ -175,8 +177,41 @@ def capacity(model_dir: Path, lengths: LengthSource, vocab: int, n: int, progres
     return out
 
 
+def typed(engine_args: dict) -> dict:
+    """A configuration's CLI values as EngineArgs values ("2" -> 2; the policy's name stays a string)."""
+    out = {}
+    for key, value in engine_args.items():
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    out.pop("dtype", None)
+    return out
+
+
+def prediction(model_dir: Path, profile, name: str, specs, measured: dict) -> dict:
+    """The planner's simulation of one configuration on the same request stream (torch_shift.planner),
+    beside the measured figures: TTFT and TPOT medians over every request, and output tokens per second."""
+    from torch_shift.planner.plan import load_model_config
+    from torch_shift.planner.simulate import predict
+
+    config = load_model_config(model_dir)
+    result = predict({**typed(COMMON), **typed(CONFIGS[name]), "enable_prefix_caching": False}, config, profile,
+                     specs, dtype="fp32")
+    m = result.metrics()
+    pairs = {"ttft_p50_ms": (m["ttft_p50_ms"], measured["ttft_ms"]["p50"]),
+             "tpot_p50_ms": (m["tpot_p50_ms"], measured["tpot_ms"]["p50"]),
+             "output_tok_s": (m["throughput_tok_s"], measured["output_tok_s"])}
+    out = {key: {"predicted": p, "measured": v, "error": (p - v) / v if p is not None and v else None}
+           for key, (p, v) in pairs.items()}
+    log(f"  {name:<7} predicted / measured: " + ", ".join(
+        f"{key} {d['predicted']:.1f} / {d['measured']:.1f} ({100 * d['error']:+.0f}%)" for key, d in out.items()
+        if d["error"] is not None))
+    return out
+
+
 def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[float, float], phase_s: float,
-           configs: list[str], out_dir: Path, progress: bool) -> dict:
+           configs: list[str], out_dir: Path, progress: bool, profile=None) -> dict:
     low, high = rates
     phases = [(phase_s, low), (phase_s, high), (phase_s, low), (phase_s, high)]
     arrivals = phase_arrivals(phases, random.Random(0))
@@ -210,6 +245,14 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
                          "overall": window_stats(records, 0.0, boundaries[-1] + 1e9, records)}
         timelines[name] = {"timeline": timeline(records, 1.0)}
         log(format_phases(name, per_phase))
+        ok = [r for r in records if r["status"] == 200 and not r["error"]]
+        overall = results[name]["overall"]
+        overall["output_tok_s"] = sum(r["output_tokens"] for r in ok) / (max(r["end_s"] for r in ok)
+                                                                          - min(r["start_s"] for r in ok))
+    if profile is not None:
+        log(f"  the planner's predictions ({profile.name}), over the whole stream:")
+        for name in configs:
+            results[name]["predicted"] = prediction(model_dir, profile, name, specs, results[name]["overall"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot({"title": f"Bursty load at world 2: {', '.join(configs)}", "bin_s": 1.0, "configs": timelines},
          out_dir / "bursty_timeline.png")
@@ -377,7 +420,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default=None, help="low,high requests/s (default: from the capacity part)")
     ap.add_argument("--out", default="bench/results/layouts")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--predict", default=None, metavar="PROFILE",
+                    help="bursty part: also print the planner's prediction of each configuration with this hardware "
+                         "profile (torch-shift calibrate --out PROFILE), beside the measured figures")
     args = ap.parse_args(argv)
+    profile = None
+    if args.predict:
+        from torch_shift.planner import get_profile
+
+        profile = get_profile(args.predict)
     parts = set(args.parts.split(","))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -412,7 +463,7 @@ def main(argv=None) -> int:
         if "bursty" in parts:
             log("\n== bursty load (paper 004's shape)")
             results["bursty"] = bursty(model_dir, lengths, vocab, rates, phase_s, args.configs.split(","), out_dir,
-                                       progress)
+                                       progress, profile)
         if "priority" in parts:
             log("\n== priority mix (paper 004 Table 1)")
             n = 16 if args.quick else 80

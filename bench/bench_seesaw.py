@@ -138,6 +138,19 @@ def launch(model_dir: str, engine_args: dict, requests: list) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def predict_throughput(model_dir: str, profile, all_configs: dict, requests: list) -> dict[str, float]:
+    """The planner's simulation of each configuration on the same requests, all submitted at once:
+    prompt and output tokens per second (torch_shift.planner)."""
+    from torch_shift.bench.traffic import RequestSpec
+    from torch_shift.planner.plan import load_model_config
+    from torch_shift.planner.simulate import predict
+
+    config = load_model_config(model_dir)
+    specs = [RequestSpec(f"r{i}", 0.0, prompt, n_out) for i, (prompt, n_out) in enumerate(requests)]
+    return {name: predict(args, config, profile, specs, dtype="fp32").metrics()["total_throughput_tok_s"]
+            for name, args in all_configs.items()}
+
+
 def describe(r: dict) -> str:
     t = r["time_s"]
     split = " / ".join(f"{t[k]:.1f}" for k in ("prefill", "decode", "mixed", "resharding", "swapping"))
@@ -167,12 +180,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--predict", default=None, metavar="PROFILE",
+                    help="main part: also print the planner's predicted throughput of each configuration with this "
+                         "hardware profile (torch-shift calibrate --out PROFILE)")
     ap.add_argument("--_run", help=argparse.SUPPRESS)  # internal: one configuration, prints RESULT <json>
     args = ap.parse_args(argv)
     if args._run:
         spec = json.loads(Path(args._run).read_text())
         print("RESULT " + json.dumps(run_one(spec["model"], spec["args"], spec["requests"])), flush=True)
         return 0
+    profile = None
+    if args.predict:
+        from torch_shift.planner import get_profile
+
+        profile = get_profile(args.predict)
     args.tp_chunks = [int(c) for c in args.tp_chunks.split(",")]
     links = [float(b) for b in args.links.split(",")]
     parts = set(args.parts.split(","))
@@ -214,6 +235,13 @@ def main(argv=None) -> int:
                     log(f"  {cname:10s} {describe(res[cname])}  weights {res[cname]['weights_mb_rank0']['device']:.0f}"
                         f" MiB" + (f"  runs {', '.join(f'{t:.0f}' for t in res[cname]['all_throughputs'])}"
                                    if args.repeats > 1 else ""))
+                if profile is not None:
+                    predicted = predict_throughput(model_dir, profile, all_configs, reqs)
+                    log(f"  the planner's predictions ({profile.name}), tok/s predicted / measured: " + ", ".join(
+                        f"{c} {predicted[c]:.0f} / {res[c]['throughput']:.0f} "
+                        f"({100 * (predicted[c] / res[c]['throughput'] - 1):+.0f}%)" for c in res))
+                    for c in res:
+                        res[c]["predicted_throughput"] = predicted[c]
                 best_tp = max((c for c in res if c.startswith("TP")), key=lambda c: res[c]["throughput"])
                 static = max((c for c in res if c != "Seesaw"), key=lambda c: res[c]["throughput"])
                 log(f"  best TP chunk: {best_tp}; best static: {static}; Seesaw / best static "

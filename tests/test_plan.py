@@ -10,8 +10,7 @@ import pytest
 from torch_shift.cli import main
 from torch_shift.models.toy import tiny_llama_config
 from torch_shift.planner import ModelShape, get_profile
-from torch_shift.planner.plan import (POLICIES, Candidate, CandidateResult, candidates, parse_slo, pool_blocks,
-                                      recommend)
+from torch_shift.planner.plan import POLICIES, Candidate, CandidateResult, candidates, parse_slo, pool_blocks, recommend
 
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)

@@ -127,7 +127,7 @@ def test_parallel_llms_one_after_another_match_single_device_and_leave_the_proce
         assert torch.get_num_threads() == threads and gc.get_freeze_count() == frozen
         previous = llm
     del llm, previous
-    assert listening_sockets() == listening
+    assert listening_sockets() <= listening  # none of theirs is left (an earlier test's may have closed since)
 
 
 def test_del_ends_the_ranks(llama):

@@ -16,8 +16,7 @@ from torch_shift.bench.traffic import RequestSpec
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.planner import ModelShape, get_profile
-from torch_shift.planner.simulate import (ClockedEngine, CostModelTimer, FixedStepTimer, SimulatedEngine,
-                                          simulate)
+from torch_shift.planner.simulate import ClockedEngine, CostModelTimer, FixedStepTimer, SimulatedEngine, simulate
 
 
 @pytest.fixture(scope="module")

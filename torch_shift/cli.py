@@ -62,6 +62,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache memory per rank, in bytes (default: sized from free memory)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV blocks of a shared prompt prefix")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -115,6 +117,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy, sp=args.sp,
         tp=args.tp, dp=args.dp, pp=args.pp, policy=args.policy, policy_config=args.policy_config,
         shift_threshold=args.shift_threshold, shift_weights=args.shift_weights, cpu_kv_gb=args.cpu_kv_gb,
@@ -220,8 +223,15 @@ def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from torch_shift.planner import ModelShape, get_profile
-    from torch_shift.planner.plan import (DEFAULT_THRESHOLDS, POLICIES, load_model_config, parse_slo, plan,
-                                          synthetic_requests, trace_requests)
+    from torch_shift.planner.plan import (
+        DEFAULT_THRESHOLDS,
+        POLICIES,
+        load_model_config,
+        parse_slo,
+        plan,
+        synthetic_requests,
+        trace_requests,
+    )
 
     if args.model is None:
         from torch_shift.models.default import default_model_dir
@@ -348,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients")
     plan.add_argument("--time-scale", type=float, default=None, help="divide the trace's arrival times by this")
     plan.add_argument("--slo", default=None, help="bounds on p90 TTFT and TPOT, e.g. ttft=500ms,tpot=50ms")
-    plan.add_argument("--policies", default=None, help=f"a comma list of candidates' policies (default: all)")
+    plan.add_argument("--policies", default=None, help="a comma list of candidates' policies (default: all)")
     plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")
     plan.add_argument("--cpu-kv-gb", type=float, default=64.0, help="Seesaw's host KV tier (GiB)")
     plan.add_argument("--max-num-seqs", type=int, default=256)

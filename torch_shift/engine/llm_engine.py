@@ -11,6 +11,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -223,10 +224,12 @@ class LLMEngine:
             self._init_driver(self.runner.kv_cache.num_blocks, setup.num_tier_blocks)
 
     @classmethod
-    def driver_only(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int) -> LLMEngine:
+    def driver_only(cls, args: EngineArgs, config: ModelConfig,
+                    num_kv_blocks: int | Callable[[Deployment], int]) -> LLMEngine:
         """Rank 0's half of an engine (requests, scheduler, policy, plan builder, detokenizer) with no
         model, runner or ranks, for a model known only by its config: what a simulator drives
-        (torch_shift.planner), replacing `run_plan` with modelled steps."""
+        (torch_shift.planner), replacing `run_plan` with modelled steps. `num_kv_blocks`: blocks of each
+        replica's pool, or a function of the deployment that gives them."""
         engine = cls.__new__(cls)
         engine.args = args
         setup = _Setup(args, None, config=config)
@@ -235,6 +238,8 @@ class LLMEngine:
         engine.deployment = setup.deployment
         engine.parallel = engine.runner = engine.model = None
         engine.device = torch.device("cpu")
+        if callable(num_kv_blocks):
+            num_kv_blocks = num_kv_blocks(setup.deployment)
         engine._init_driver(num_kv_blocks, setup.num_tier_blocks)
         return engine
 

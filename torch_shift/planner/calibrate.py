@@ -176,10 +176,15 @@ def _send_recv_call(group_ranks: list[int], rank: int, numel: int) -> Callable[[
 
 
 def _plan(num_seqs: int):
-    from torch_shift.engine.scheduler import ScheduledRequest, SchedulerOutput
+    """A decode step's plan as the engine broadcasts it: one sampled token per running row (deltas)."""
+    import numpy as np
 
-    return SchedulerOutput([ScheduledRequest(f"request-{i}", [1000 + i], 500, list(range(i, i + 32)), True, False)
-                            for i in range(num_seqs)], layout="base")
+    from torch_shift.engine.step_plan import GroupStep, ReplicaDelta, StepPlan
+
+    rows = np.arange(num_seqs, dtype=np.int32)
+    ones = np.ones(num_seqs, dtype=np.int32)
+    group = GroupStep("base", (rows,), ones, np.full(num_seqs, 500, dtype=np.int32), num_seqs, ones)
+    return StepPlan({0: ReplicaDelta(token_rows=rows.tolist(), tokens=[1000 + i for i in range(num_seqs)])}, [group])
 
 
 def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
@@ -243,20 +248,20 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
 
 # -- the engine's own per-step cost -----------------------------------------------------------------------
 class NullModel(torch.nn.Module):
-    """A model whose forward does no work (zeros [T, 8]; fixed logits): what is left of a step is the
-    engine's own cost (the same stand-in as bench/bench_engine.py's)."""
+    """Stands in for an engine's model: `forward_step(...)` does no work (zeros [logits rows, vocab]; no
+    attention, no KV write), so that what is left of a step is the engine's own cost. `kv_region` is the
+    replaced model's (how the runner views its KV pool)."""
 
-    def __init__(self, vocab: int, max_tokens: int):
+    def __init__(self, vocab: int, max_tokens: int, model: torch.nn.Module):
         super().__init__()
+        # Made under inference_mode like real activations: a view made in inference mode of a normal
+        # tensor costs milliseconds to index outside it (PyTorch view bookkeeping), which is no engine cost.
         with torch.inference_mode():
-            self.hidden = torch.zeros(max_tokens, 8)
             self.logits = torch.zeros(max_tokens, vocab)
+        self.kv_region = model.kv_region
 
-    def forward(self, input_ids, positions, attention):
-        return self.hidden[: input_ids.shape[0]]
-
-    def compute_logits(self, hidden):
-        return self.logits[: hidden.shape[0]]
+    def forward_step(self, input_ids, positions, attention, logits_indices, layout):
+        return self.logits[: logits_indices.shape[0]]
 
 
 def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
@@ -273,7 +278,7 @@ def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
                       num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False)
             engine = llm.engine
-            engine.runner.model = NullModel(vocab, max(2048, n))
+            engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model)
             params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
             for i in range(n):
                 engine.add_request(f"r{i}", [3 + (i + j) % (vocab - 3) for j in range(prompt)], params)

@@ -12,9 +12,8 @@ simulation the same way it changes the engine.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -110,6 +109,21 @@ class FixedStepTimer:
         return max((self.seconds[g.layout] for g in plan.groups), default=0.0)
 
 
+def pool_layout(deployment: Deployment) -> Layout:
+    """The cost model's layout of a replica's ranks as its KV pool lays out the cache (every view of a pool
+    has the same bytes per block: a stage's layers with every head, or every layer with a head slice)."""
+    first = deployment.layouts[0]
+    return cost_layout(first) if first.pp > 1 or first.kind == "sp_tp" else Layout("tp", tp=len(first.ranks))
+
+
+def blocks_for_budget(shape: ModelShape, budget_bytes: int, block_size: int) -> Callable[[Deployment], int]:
+    """KV blocks of a pool whose ranks each have `budget_bytes` for KV (the engine's kv_cache_memory_bytes)."""
+    def blocks(deployment: Deployment) -> int:
+        per_token = memory_per_rank(shape, pool_layout(deployment)).kv_bytes_per_token
+        return int(budget_bytes // (per_token * block_size))
+    return blocks
+
+
 # -- the engine with modelled steps -----------------------------------------------------------------------
 class ClockedEngine(LLMEngine):
     """An engine whose steps also get a modelled time from `step_timer` (what `simulate` advances its clock
@@ -118,7 +132,7 @@ class ClockedEngine(LLMEngine):
     step_timer: StepTimer = staticmethod(lambda plan, deployment: 0.0)
     plan_log: list | None = None
     last_step_modelled_s: float = 0.0
-    last_step_entries: list = []
+    last_step_entries: list | tuple = ()
 
     def execute(self, output):
         entries, logits = super().execute(output)
@@ -142,7 +156,8 @@ class SimulatedEngine(ClockedEngine):
     filler_token: int
 
     @classmethod
-    def simulated(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int, step_timer: StepTimer,
+    def simulated(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int | Callable[[Deployment], int],
+                  step_timer: StepTimer,
                   filler_token: int | None = None) -> SimulatedEngine:
         engine = cls.driver_only(args, config, num_kv_blocks)
         engine.step_timer = step_timer
@@ -290,3 +305,20 @@ def simulate(engine: ClockedEngine, requests: Sequence[RequestSpec], concurrency
                     add(specs[next_index], clock)
                     next_index += 1
     return SimulationResult(list(records.values()), steps, engine.stats(), clock)
+
+
+def predict(engine_args: dict, config: ModelConfig, hw: HardwareProfile, requests: Sequence[RequestSpec], *,
+            dtype: str = "auto", concurrency: int | None = None) -> SimulationResult:
+    """What `LLMEngine(**engine_args)` would do with `requests` on `hw`, by the cost model: a benchmark's
+    configuration simulated (its KV pool from `num_kv_blocks` or `kv_cache_memory_bytes`, as the engine's)."""
+    args = EngineArgs("config-only", **engine_args)
+    shape = ModelShape.from_config(config, dtype=dtype)
+    if args.num_kv_blocks is not None:
+        blocks = args.num_kv_blocks
+    elif args.kv_cache_memory_bytes is not None:
+        blocks = blocks_for_budget(shape, args.kv_cache_memory_bytes, args.block_size)
+    else:
+        raise ValueError("predict needs the KV pool's size: num_kv_blocks or kv_cache_memory_bytes")
+    engine = SimulatedEngine.simulated(args, config, blocks, CostModelTimer(shape, hw, args.block_size,
+                                                                            async_swaps=args.kv_swap == "async"))
+    return simulate(engine, requests, concurrency=concurrency)
