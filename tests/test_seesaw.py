@@ -487,3 +487,14 @@ def test_engine_arguments_of_seesaw(layers4):
         LLM(str(layers4), pp=2, policy="seesaw", cpu_kv_gb=0)
     with pytest.raises(ValueError, match="kv_swap must be"):
         LLM(str(layers4), kv_swap="later")
+
+
+def test_tier_and_link_arguments_are_checked():
+    from torch_shift.engine.llm_engine import EngineArgs
+
+    for bad, error in (({"cpu_kv_gb": "4"}, TypeError), ({"cpu_kv_gb": -1}, ValueError),
+                       ({"num_cpu_kv_blocks": True}, TypeError), ({"num_cpu_kv_blocks": 1.5}, TypeError),
+                       ({"num_cpu_kv_blocks": -2}, ValueError), ({"interconnect_gbps": 0}, ValueError),
+                       ({"interconnect_gbps": float("inf")}, ValueError)):
+        with pytest.raises(error):
+            EngineArgs("model", **bad)

@@ -138,14 +138,17 @@ class EngineArgs:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         for name in ("cpu_kv_gb", "interconnect_gbps"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not value >= 0 or value == float("inf")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if value is not None and (not value >= 0 or value == float("inf")):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.interconnect_gbps == 0:
             raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
-        if self.num_cpu_kv_blocks is not None and (not isinstance(self.num_cpu_kv_blocks, int)
-                                                   or self.num_cpu_kv_blocks < 0):
-            raise ValueError(f"num_cpu_kv_blocks must be an int >= 0, got {self.num_cpu_kv_blocks!r}")
+        if self.num_cpu_kv_blocks is not None and (isinstance(self.num_cpu_kv_blocks, bool)
+                                                   or not isinstance(self.num_cpu_kv_blocks, int)):
+            raise TypeError(f"num_cpu_kv_blocks must be an int, got {type(self.num_cpu_kv_blocks).__name__}")
+        if self.num_cpu_kv_blocks is not None and self.num_cpu_kv_blocks < 0:
+            raise ValueError(f"num_cpu_kv_blocks must be >= 0, got {self.num_cpu_kv_blocks!r}")
         if self.kv_swap not in ("sync", "async"):
             raise ValueError(f"kv_swap must be 'sync' or 'async', got {self.kv_swap!r}")
         if self.seesaw_weights not in ("resident", "host"):
@@ -825,6 +828,9 @@ class _Setup:
             raise ValueError("the host KV tier is shared memory of one host: run every rank on one node "
                              f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, "
                              f"world size {self.deployment.world_size})")
+        # each rank sized the tier from the memory it saw when it started: all take the smallest, or the
+        # tier's blocks would lie at different offsets on different ranks
+        self.num_tier_blocks = parallel.min_over_ranks(self.num_tier_blocks)
         return map_host_tier(self._tier_shape(), self.dtype, parallel.rank, parallel.broadcast,
                              lambda: parallel.min_over_ranks(0))
 

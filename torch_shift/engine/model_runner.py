@@ -57,7 +57,7 @@ class ModelRunner:
         if compile:
             model.compile_layouts()
 
-    def kv_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
+    def pool_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
         """This rank's pool as `layout_name` views it, and what it holds of the whole KV cache then
         (None for a layout over several replicas, viewed by KV width)."""
         if layout_name not in self._kv_views:
@@ -95,7 +95,7 @@ class ModelRunner:
                 layout = self.deployment[group.layout]
                 if self.rank not in layout.ranks:
                     continue
-                kv, _ = self.kv_view(group.layout)
+                kv, _ = self.pool_view(group.layout)
                 if layout.pp > 1:
                     member = layout.replicas.index(self.replica)
                     micro = [self.batch.prepare(mb, member, 1) for mb in split_micro_batches(group)]

@@ -50,21 +50,42 @@ def create_host_tier(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -
 def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadcast: Callable,
                   barrier: Callable) -> torch.Tensor:
     """Under torchrun: every local rank maps one file in /dev/shm that rank 0 creates (zero-filled);
-    the file is removed once all have mapped it (the memory lives while a mapping does).
-    `broadcast(obj)` returns rank 0's object on every rank; `barrier()` waits for every rank."""
-    path = broadcast(os.path.join("/dev/shm", f"torch_shift_kv_tier_{uuid.uuid4().hex}") if rank == 0 else None)
+    the file is removed once all have mapped it (the memory lives while a mapping does), and by rank 0
+    whatever happens. `broadcast(obj)` returns rank 0's object on every rank; `barrier()` waits for every rank."""
     numel = 1
     for n in shape:
         numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    path = None
     if rank == 0:
-        tier = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    barrier()
-    if rank != 0:
-        tier = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    barrier()
-    if rank == 0:
-        os.unlink(path)
+        free = _shm_free_bytes()
+        # a sparse file larger than /dev/shm maps fine and dies of SIGBUS at the first touch
+        error = (None if free is None or free >= nbytes else
+                 f"the host KV tier needs {nbytes / 2**30:.2f} GiB of /dev/shm, which has {free / 2**30:.2f} GiB "
+                 "free: lower cpu_kv_gb or enlarge /dev/shm")
+        path = os.path.join("/dev/shm", f"torch_shift_kv_tier_{uuid.uuid4().hex}")
+    path, error = broadcast((path, error) if rank == 0 else None)
+    if error is not None:
+        raise ValueError(error)
+    try:
+        if rank == 0:
+            tier = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        barrier()
+        if rank != 0:
+            tier = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        barrier()
+    finally:
+        if rank == 0 and os.path.exists(path):
+            os.unlink(path)
     return tier.view(shape)
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def swap_out(tier: torch.Tensor, cache: KVCache, region: KVRegion, device_blocks: torch.Tensor,
@@ -107,7 +128,7 @@ class SwapExecutor:
         self.replica = replica
         self.resolve = resolve  # layout name -> this rank's pool in its view, and its region
         self.barrier = barrier or (lambda: None)  # over every rank sharing the tier
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="torch-shift-kv-swap") if mode == "async" else None
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="torch-shift-kv-swap") if mode == "async" else None
         self._pending: Future | None = None
         self.copy_seconds = 0.0  # time spent copying (in the thread when async)
 
@@ -122,8 +143,8 @@ class SwapExecutor:
         self.barrier()
         outs = [op for op in swap_outs if op.replica == self.replica]
         ins = [op for op in swap_ins if op.replica == self.replica]
-        if self._thread is not None:
-            self._pending = self._thread.submit(self._copy, outs, ins)
+        if self._copier is not None:
+            self._pending = self._copier.submit(self._copy, outs, ins)
             return
         self._copy(outs, [])
         if swap_outs and swap_ins:
@@ -141,6 +162,6 @@ class SwapExecutor:
 
     def close(self) -> None:
         """End the prefetch thread (its last copies are left to finish)."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=False)
-            self._thread = None
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+            self._copier = None
