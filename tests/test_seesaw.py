@@ -354,12 +354,12 @@ def test_a_full_tier_makes_prefill_wait():
         r.request_id: reference_outputs(r.prompt_token_ids, 3) for r in requests}
 
 
-def _transitions(scheduling: str) -> SeesawPolicy:
+def _transitions(scheduling: str, refill_below: float = 0.0) -> SeesawPolicy:
     """A scripted workload: 12 prompts of 8 tokens (2 blocks each); the tier holds 6 of them (12 blocks,
     as the paper's host tier, larger than the device's), the device about 4 requests' KV; outputs of 2
     to 9 tokens, so that requests finish apart."""
     deployment = build_deployment(CONFIG, pp=2, seesaw=True)
-    policy = SeesawPolicy(deployment, scheduling=scheduling)
+    policy = SeesawPolicy(deployment, scheduling=scheduling, refill_below=refill_below)
     sched = _scheduler(deployment, policy, num_blocks=13, tier_blocks=12, budget=64)
     requests = [make_request(f"r{i}", 8, max_tokens=2 + i % 8) for i in range(12)]
     result = _drive(sched, TieredFakeModel(sched), requests)
@@ -377,6 +377,14 @@ def test_tiered_buffering_makes_the_transitions_its_rule_predicts_and_fewer_than
     assert _transitions("decode_first").num_transitions <= tiered.num_transitions
     with pytest.raises(ValueError, match="scheduling must be one of"):
         SeesawPolicy(build_deployment(CONFIG, pp=2, seesaw=True), scheduling="eager")
+
+
+def test_refilling_below_a_fraction_of_the_tier_prefills_again_before_it_is_empty():
+    """The artifact's rule: back to prefill once the tier holds less than half of what it can (2 of 6 prompts
+    left after the device took 4), not only when it is empty: more, shorter phases, the same outputs."""
+    assert _transitions("tiered", refill_below=0.5).num_transitions > _transitions("tiered").num_transitions
+    with pytest.raises(ValueError, match="refill_below"):
+        SeesawPolicy(build_deployment(CONFIG, pp=2, seesaw=True), refill_below=1.0)
 
 
 # -- every layout exact against the single-device engine, at world 2 and 4 -------------------------------------
@@ -498,3 +506,32 @@ def test_tier_and_link_arguments_are_checked():
                        ({"interconnect_gbps": float("inf")}, ValueError)):
         with pytest.raises(error):
             EngineArgs("model", **bad)
+
+
+def _emulated_link_rank(rank, world):
+    import types
+
+    import torch.distributed as dist
+
+    from torch_shift.parallel import comm
+
+    dist.init_process_group("gloo")
+    delays, real_time = [], comm.time
+    comm.time = types.SimpleNamespace(sleep=delays.append)  # the delays comm asks for, in this forked rank
+    try:
+        x = torch.ones(1000)
+        with comm.emulated_link(0.001):  # 1 MB/s
+            comm.all_reduce(x, dist.group.WORLD)
+            comm.all_gather(x, dist.group.WORLD)
+        comm.all_reduce(x, dist.group.WORLD)  # outside the block: no delay
+    finally:
+        comm.time = real_time
+        dist.destroy_process_group()
+    return delays
+
+
+def test_the_emulated_link_delays_each_transfer_by_its_bytes_over_the_bandwidth():
+    """paper 003 Fig. 14's sweep on one machine: a ring all-reduce of 4000 bytes at 2 ranks sends 4000 bytes,
+    an all-gather 4000: 4 ms each at 1 MB/s; none outside the emulated link."""
+    for delays in run_ranks(_emulated_link_rank, 2):
+        assert delays == [pytest.approx(0.004), pytest.approx(0.004)]
