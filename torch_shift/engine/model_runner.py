@@ -51,7 +51,7 @@ class ModelRunner:
         self.swapper = None
         if host_tier is not None:
             barrier = dist.barrier if deployment.world_size > 1 else None
-            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.kv_view, barrier)
+            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
         self.last_swap_seconds = 0.0  # the last step's time in tier copies (waiting for them when async)
         if compile:
