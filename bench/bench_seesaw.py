@@ -49,10 +49,11 @@ TRACES = next((p / "shared" / "traces" for p in REPO_ROOT.parents if (p / "share
               REPO_ROOT.parent / "shared" / "traces")
 
 # DESIGN.md section 3's model: 106M parameters, fp32 424 MB, 212 MB per rank under TP-2 or PP-2
+# (head_dim given: tiny_llama_config's default of 16 would shrink attention and the KV cache 4x)
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-             num_key_value_heads=4, vocab_size=8192, max_position_embeddings=8192)
+             num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=8192)
 QUICK_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4, vocab_size=4096, max_position_embeddings=8192)
+                   num_key_value_heads=4, head_dim=32, vocab_size=4096, max_position_embeddings=8192)
 
 
 def log(msg: str = "") -> None:
