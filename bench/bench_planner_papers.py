@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_seesaw import TRACES  # the shared traces beside the repository
+
 from torch_shift.bench.traffic import DEFAULT_TRACE, RequestSpec, phase_arrivals
 from torch_shift.config import ModelConfig
 from torch_shift.planner import ModelShape, get_profile
@@ -45,9 +47,6 @@ from torch_shift.planner.collectives import CollectiveModel
 from torch_shift.planner.hardware import ACHIEVABLE_FRACTION, LINK_LATENCY_S
 from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, simulate
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES = next((p / "shared" / "traces" for p in REPO_ROOT.parents if (p / "shared" / "traces").is_dir()),
-              REPO_ROOT.parent / "shared" / "traces")
 
 LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)

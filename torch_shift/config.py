@@ -155,9 +155,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
+        """From a model directory (weights optional) or its config.json file."""
+        path = Path(model_dir)
+        path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            raise ValueError(f"{model_dir} has no config.json")
+            raise ValueError(f"{model_dir}: no such model directory or config.json")
         try:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:

@@ -10,7 +10,6 @@ weights do not fit) is reported with the reason.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Sequence
@@ -73,14 +72,7 @@ class CandidateResult:
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """A model directory (weights optional) or a config.json file."""
-    path = Path(path)
-    config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file():
-        raise ValueError(f"{path}: no such model directory or config.json")
-    try:
-        return ModelConfig.from_hf_dict(json.loads(config_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    return ModelConfig.from_dir(path)
 
 
 def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Sequence[int] = DEFAULT_THRESHOLDS,

@@ -14,7 +14,6 @@ profile (`torch-shift calibrate` measures the rates against these same counts).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,15 +80,8 @@ class ModelShape:
     def from_pretrained(cls, path: str | Path, dtype: str = "auto", kv_dtype: str | None = None) -> ModelShape:
         """From a model directory or a config.json file; weights, if any, are not read."""
         path = Path(path)
-        config_path = path / "config.json" if path.is_dir() else path
-        if not config_path.is_file():
-            raise ValueError(f"{path}: no config.json there")
-        try:
-            hf = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path} is not valid JSON: {e}") from None
         name = path.name if path.is_dir() else path.parent.name
-        return cls.from_config(ModelConfig.from_hf_dict(hf), dtype, kv_dtype, name=name)
+        return cls.from_config(ModelConfig.from_dir(path), dtype, kv_dtype, name=name)
 
     @property
     def activation_dtype(self) -> str:
