@@ -412,9 +412,11 @@ def make_overhead_engine(tiny_dir: Path, n: int, prompt_len: int, decode_steps: 
     from torch_shift import LLM, SamplingParams
 
     bs = 16
-    budget = max(2048, n)
-    # requests admitted first decode while later ones are still prefilling
-    max_tokens = math.ceil(n * prompt_len / budget) + 2 + decode_steps
+    # requests admitted first decode while later ones are still prefilling, and their decodes take a token
+    # each of the step's budget: the budget leaves room for two prompts beside n decodes, and the first
+    # requests' outputs for every prefill step
+    budget = max(2048, 2 * n + prompt_len)
+    max_tokens = math.ceil(n * prompt_len / (budget - n)) + 2 + decode_steps
     num_blocks = n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1)
     llm = LLM(str(tiny_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=budget,
               num_kv_blocks=num_blocks)

@@ -76,7 +76,8 @@ def workload(traces: Path, name: str, num: int, scale: float, max_prompt: int, m
 
 def configs(args) -> dict[str, dict]:
     common = {"kv_cache_memory_bytes": args.kv_mb << 20, "enable_prefix_caching": False,
-              "max_num_batched_tokens": args.budget, "max_num_seqs": args.max_seqs}
+              "max_num_batched_tokens": args.budget, "max_num_seqs": args.max_seqs,
+              "max_model_len": args.max_prompt + args.max_output}
     out = {f"TP c={c}": {**common, "tp": 2, "max_num_batched_tokens": c} for c in args.tp_chunks}
     out["PP"] = {**common, "pp": 2}
     out["DP"] = {**common, "dp": 2}

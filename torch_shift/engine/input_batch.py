@@ -112,14 +112,15 @@ class InputBatch:
     def _sdpa_metadata(self, num_decodes: int, rows: np.ndarray, num_scheduled: np.ndarray,
                        num_computed: np.ndarray, starts: np.ndarray, tpb: int, slots: torch.Tensor
                        ) -> AttentionMetadata:
-        decode_block_table = decode_mask = None
+        decode_block_table = query_pos = None
+        context_len = 0
         if num_decodes:
             decode_positions = num_computed[:num_decodes]
             max_blocks = int(decode_positions.max()) // tpb + 1
             table = self.block_table[rows[:num_decodes], :max_blocks].astype(np.int64)
             decode_block_table = torch.from_numpy(table).to(self.device)
             query_pos = torch.from_numpy(decode_positions).to(self.device)
-            decode_mask = key_mask(query_pos, max_blocks * tpb, self.sliding_window)[:, None, None, :]
+            context_len = max_blocks * tpb
         prefills = []
         for i in range(num_decodes, len(rows)):
             n, done = int(num_scheduled[i]), int(num_computed[i])
@@ -134,7 +135,9 @@ class InputBatch:
             prefills.append(PrefillChunk(start=int(starts[i]), num_tokens=n, num_computed_tokens=done,
                                          block_table=torch.from_numpy(table)[None].to(self.device), mask=mask))
         return AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decodes,
-                                 decode_block_table=decode_block_table, decode_mask=decode_mask, prefills=prefills)
+                                 decode_block_table=decode_block_table, decode_mask=None, prefills=prefills,
+                                 decode_positions=query_pos, decode_context_len=context_len,
+                                 sliding_window=self.sliding_window)
 
     def _flex_metadata(self, rows: np.ndarray, num_scheduled: np.ndarray, num_computed: np.ndarray, tpb: int,
                        slots: torch.Tensor, positions: torch.Tensor) -> FlexMetadata:

@@ -29,8 +29,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    # [num_decodes, 1, 1, decode_context_len], True = attend; when None, the first layer's attention builds it
+    # from decode_positions (it grows with the context: it belongs to the attention, not to the step's inputs)
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    decode_positions: torch.Tensor | None = None  # [num_decodes]: the position of each decode token
+    decode_context_len: int = 0  # max_blocks * tokens per block
+    sliding_window: int | None = None
+
+    def decode_attention_mask(self) -> torch.Tensor:
+        if self.decode_mask is None:
+            self.decode_mask = key_mask(self.decode_positions, self.decode_context_len,
+                                        self.sliding_window)[:, None, None, :]
+        return self.decode_mask
 
 
 def key_mask(
@@ -60,7 +71,7 @@ class PagedAttention:
         if nd:
             k_ctx, v_ctx = self.kv_cache.gather(layer_idx, md.decode_block_table)
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), k_ctx, v_ctx, attn_mask=md.decode_mask, enable_gqa=True
+                q[:nd].unsqueeze(2), k_ctx, v_ctx, attn_mask=md.decode_attention_mask(), enable_gqa=True
             )
             out[:nd] = o.squeeze(2)
         for chunk in md.prefills:
