@@ -15,7 +15,8 @@ Experiments:
            Azure conversation trace, Llama-3-70B FP8 on 8 x H200: median TTFT, median TPOT and peak throughput
            (best 5 s window) of DP, TP and Shift. Paper: DP 1,355 / 83 / 75,535; TP 3,930 / 85 / 51,162;
            Shift 148 / 51 / 69,147 (ms, ms, tok/s).
-  table1   paper 004 Table 1's shape: Llama-3-70B (BF16) on 8 x H200, arrivals modulated between a low and a
+  table1   paper 004 Table 1's shape: Llama-3-70B (FP8, so that one H200 holds a replica) on 8 x H200,
+           arrivals modulated between a low and a
            high rate, 10% of the requests with priority -1: mean TTFT and TPOT of priority requests and of all,
            peak throughput, for static TP-8, static DP-8 and Flying. Paper: TP 63 / 2130 ms TTFT, DP 166 / 166,
            Flying 74 / 142; peak throughput 2530, 3164, 3040 tok/s.
@@ -203,7 +204,8 @@ def table5(args) -> dict:
 # -- paper 004 Table 1 ----------------------------------------------------------------------------------------
 def table1(args) -> dict:
     config = model(LLAMA3_70B)
-    shape, hw = ModelShape.from_config(config, dtype="bf16", name="Llama-3-70B"), get_profile("h200x8")
+    # FP8 weights: in BF16 (141 GB) one H200 holds no replica, and Flying binds replicas of one device
+    shape, hw = ModelShape.from_config(config, dtype="fp8", name="Llama-3-70B"), get_profile("h200x8")
     low, high = args.table1_rates
     phases = [(20.0, low), (20.0, high)] * 3
     arrivals = phase_arrivals(phases, random.Random(3))

@@ -157,9 +157,12 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """From a model directory (weights optional) or its config.json file."""
         path = Path(model_dir)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise ValueError(f"{model_dir}: no such model directory or config.json")
+        if path.is_dir():
+            path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(f"{model_dir} has no config.json")
+        elif not path.is_file():
+            raise ValueError(f"{model_dir}: no such model directory or config.json file")
         try:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:
