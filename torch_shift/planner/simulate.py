@@ -112,8 +112,7 @@ class FixedStepTimer:
 def pool_layout(deployment: Deployment) -> Layout:
     """The cost model's layout of a replica's ranks as its KV pool lays out the cache (every view of a pool
     has the same bytes per block: a stage's layers with every head, or every layer with a head slice)."""
-    first = deployment.layouts[0]
-    return cost_layout(first) if first.pp > 1 or first.kind == "sp_tp" else Layout("tp", tp=len(first.ranks))
+    return cost_layout(deployment.layouts[0])
 
 
 def blocks_for_budget(shape: ModelShape, budget_bytes: int, block_size: int) -> Callable[[Deployment], int]:
