@@ -243,6 +243,8 @@ def _plan(args: argparse.Namespace) -> int:
         from torch_shift.models.hub import resolve_model_dir
 
         model = resolve_model_dir(args.model, None)
+    if args.plot:  # before the simulations, not after them
+        _require_extra("bench", "plan --plot", "matplotlib")
     config = load_model_config(model)
     shape = ModelShape.from_config(config, dtype=args.dtype, name=Path(model).name)
     hw = get_profile(args.hardware)
@@ -287,7 +289,6 @@ def _plan(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         print(f"[torch-shift] wrote {args.json}", file=sys.stderr)
     if args.plot:
-        _require_extra("bench", "plan --plot", "matplotlib")
         report.plot(args.plot)
         print(f"[torch-shift] wrote {args.plot}", file=sys.stderr)
     return 0
