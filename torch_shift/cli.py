@@ -254,7 +254,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give a workload: --trace FILE or --synthetic IN:OUT")
     if args.rate is not None and args.concurrency is not None:
         raise ValueError("--rate (open loop) and --concurrency (closed loop) exclude each other")
-    for name in ("rate", "time_scale"):
+    for name in ("rate", "time_scale", "num_requests", "concurrency"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.trace is not None:
@@ -277,7 +277,10 @@ def _plan(args: argparse.Namespace) -> int:
                  else f", arrivals / {args.time_scale:g})" if args.time_scale else ", trace arrivals)"
                  if args.trace else ", all at once)")
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
-    thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
+    try:
+        thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
+    except ValueError:
+        raise ValueError(f"--thresholds takes a comma list of token counts, got {args.thresholds!r}") from None
     report = plan(config, shape, hw, requests, world=world, workload=workload, model_name=shape.name,
                   policies=policies, thresholds=thresholds, cpu_kv_gb=args.cpu_kv_gb, slo=slo,
                   concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
