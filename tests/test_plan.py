@@ -88,6 +88,8 @@ def test_plan_cli_on_the_default_model(tmp_path, capsys):
     assert report["recommended"]["label"] in {c["label"] for c in report["candidates"]}
     assert main(["plan", "--hardware", "a10x2"]) == 2  # no workload
     assert main(["plan", "--hardware", "a10x2", "--synthetic", "64", "--rate", "1"]) == 2
+    assert main(["plan", "--hardware", "a10x2", "--synthetic", "64:16", "--thresholds", "x"]) == 2
+    assert main(["plan", "--hardware", "a10x2", "--synthetic", "64:16", "--num-requests", "0"]) == 2
     assert main(["plan", "--hardware", "nope", "--synthetic", "64:16"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
 
