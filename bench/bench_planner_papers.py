@@ -46,7 +46,7 @@ from torch_shift.config import ModelConfig
 from torch_shift.planner import ModelShape, get_profile
 from torch_shift.planner.collectives import CollectiveModel
 from torch_shift.planner.hardware import ACHIEVABLE_FRACTION, LINK_LATENCY_S
-from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, simulate
+from torch_shift.planner.plan import Candidate, run_candidate
 
 
 LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
@@ -73,31 +73,13 @@ def requests(lengths, arrivals, vocab: int, seed: int = 0, priorities=None) -> l
 
 
 def simulate_config(config, shape, hw, engine_args: dict, specs, weight_layouts, concurrency=None,
-                    max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192):
-    """Simulate `engine_args` with a KV pool per rank of 90% of the device less the weights of `weight_layouts`."""
-    from torch_shift.engine.llm_engine import EngineArgs
-    from torch_shift.planner.cost import memory_per_rank
-    from torch_shift.planner.simulate import pool_layout
-
-    weights = sum(memory_per_rank(shape, layout).weight_bytes for layout in weight_layouts)
-    free = hw.device_memory_bytes * 0.9 - weights
-    if free <= 0:
-        return None, f"weights {weights / 1e9:.1f} GB per rank do not fit"
-
-    def blocks(deployment):
-        per_token = memory_per_rank(shape, pool_layout(deployment)).kv_bytes_per_token
-        return min(int(free // (per_token * 16)), max_num_seqs * math.ceil(max_model_len / 16))
-
-    args = EngineArgs("config-only", max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                      max_model_len=max_model_len, enable_prefix_caching=False, **engine_args)
-    try:
-        engine = SimulatedEngine.simulated(args, config, blocks, CostModelTimer(shape, hw, 16))
-    except ValueError as e:
-        return None, str(e)
-    longest = max(len(s.prompt) + s.max_tokens for s in specs)
-    if engine.max_request_tokens < longest:
-        return None, f"the KV cache holds {engine.max_request_tokens} tokens, fewer than a request's {longest}"
-    return simulate(engine, specs, concurrency=concurrency), None
+                    seesaw_tier_gb: float | None = None):
+    """Simulate `engine_args` as `torch-shift plan` simulates a candidate: a KV pool per rank of 90% of the
+    device less the weights of `weight_layouts`; (the simulation, None) or (None, why it cannot run)."""
+    policy, params = ("seesaw", {"cpu_kv_gb": seesaw_tier_gb}) if seesaw_tier_gb is not None else ("static", {})
+    candidate = Candidate(policy, params, {"enable_prefix_caching": False, **engine_args}, tuple(weight_layouts))
+    result = run_candidate(candidate, config, shape, hw, specs, concurrency=concurrency, max_model_len=8192)
+    return result.simulation, result.error
 
 
 def peak_throughput(result, window_s: float) -> float:
@@ -295,11 +277,8 @@ def seesaw(args) -> dict:
             row = {}
             for cname, (engine_args, layouts) in {**SEESAW_STATIC, **SEESAW_DYNAMIC}.items():
                 wl = [Layout("pp", pp=s) if k == "pp" else Layout("tp", tp=s) for k, s in layouts]
-                engine_args = dict(engine_args)
-                if "policy" in engine_args:
-                    engine_args["num_cpu_kv_blocks"] = int(args.seesaw_tier_gb * 2**30 // (
-                        2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.kv_bytes * 16))
-                result, err = simulate_config(config, shape, hw, engine_args, specs, wl, max_model_len=8192)
+                tier_gb = args.seesaw_tier_gb if "policy" in engine_args else None
+                result, err = simulate_config(config, shape, hw, engine_args, specs, wl, seesaw_tier_gb=tier_gb)
                 row[cname] = (result.metrics()["total_throughput_tok_s"] if result else None, err)
             static = {k: v for k, v in row.items() if k in SEESAW_STATIC and v[0] is not None}
             dynamic = {k: v for k, v in row.items() if k in SEESAW_DYNAMIC and v[0] is not None}

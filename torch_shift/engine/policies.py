@@ -13,6 +13,7 @@ Rank 0 broadcasts the outcome in the step plan, so policies run on rank 0 only, 
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from torch_shift.engine.request import Request
@@ -28,8 +29,8 @@ class StepDecision:
     # steps only (nothing admitted); None: both
 
 
-class Policy:
-    """The interface, with the defaults of a policy that never switches."""
+class Policy(ABC):
+    """The interface, with the defaults of a policy that never switches; a policy defines `decide`."""
 
     name = "static"
     uses_priority = False  # whether request priorities change what the policy decides
@@ -37,8 +38,9 @@ class Policy:
     def __init__(self, deployment: Deployment):
         self.deployment = deployment
 
+    @abstractmethod
     def decide(self, view) -> StepDecision:
-        raise NotImplementedError  # every concrete policy decides
+        """The layouts of the next step (and what moves to the host tier), from the scheduler's view."""
 
     def route(self, request: Request, decision: StepDecision, view) -> list[str]:
         """Layouts of `decision` a waiting request may be admitted into, best first: the replica with

@@ -22,7 +22,7 @@ from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.planner.cost import Layout, memory_per_rank
 from torch_shift.planner.hardware import HardwareProfile
 from torch_shift.planner.shape import ModelShape
-from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, simulate
+from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, SimulationResult, simulate
 
 POLICIES = ("dp", "tp", "sp", "pp", "shift", "flying", "seesaw")
 DEFAULT_THRESHOLDS = (32, 64, 128, 256, 512, 1024, 2048)
@@ -34,6 +34,7 @@ class Candidate:
     policy: str  # "dp", "tp", "sp", "pp" (static layouts) or "shift", "flying", "seesaw"
     params: dict
     engine_args: dict  # EngineArgs fields
+    weights: tuple[Layout, ...] = ()  # the layouts whose weights a rank holds; () derives them from policy and params
 
     @property
     def label(self) -> str:
@@ -59,6 +60,7 @@ class CandidateResult:
     metrics: dict | None = None
     memory: dict | None = None  # per rank: weight and KV bytes
     error: str | None = None  # why it cannot run
+    simulation: SimulationResult | None = field(default=None, repr=False)  # every request and step
 
     def to_json(self) -> dict:
         out = {"policy": self.candidate.policy, "params": self.candidate.params, "label": self.candidate.label}
@@ -108,10 +110,10 @@ def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Seque
 
 def weight_layout(candidate: Candidate) -> list[Layout]:
     """The cost model's layouts whose weights a rank of the candidate holds (Seesaw: a stage and a TP shard)."""
+    if candidate.weights:
+        return list(candidate.weights)
     p = candidate.params
-    if candidate.policy == "dp":
-        return [Layout("tp", tp=p["tp"])]
-    if candidate.policy == "tp":
+    if candidate.policy in ("dp", "tp"):
         return [Layout("tp", tp=p["tp"])]
     if candidate.policy in ("sp", "shift"):
         return [Layout("sp_tp", sp=p["sp"], tp=p["tp"])]  # shift weights are views (shift_weights="view")
@@ -166,7 +168,7 @@ def run_candidate(candidate: Candidate, config: ModelConfig, shape: ModelShape, 
     except ValueError as e:
         return CandidateResult(candidate, error=str(e))
     result = simulate(engine, requests, concurrency=concurrency)
-    return CandidateResult(candidate, result.metrics(), memory)
+    return CandidateResult(candidate, result.metrics(), memory, simulation=result)
 
 
 def parse_slo(text: str | None) -> dict[str, float]:

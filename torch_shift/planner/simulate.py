@@ -59,10 +59,9 @@ class CostModelTimer:
         self.last_swap_s = 0.0
 
     def __call__(self, plan: StepPlan, deployment: Deployment) -> float:
-        by_name = {layout.name: layout for layout in deployment.layouts}
         forward = 0.0
         if plan.groups:
-            layouts = [by_name[g.layout] for g in plan.groups]
+            layouts = [deployment[g.layout] for g in plan.groups]
             if all(layout.pp == 1 for layout in layouts) and len(plan.groups) > 1:
                 widths = tuple(len(layout.ranks) for layout in layouts)
                 seqs, groups = [], []
@@ -73,7 +72,7 @@ class CostModelTimer:
                 forward = step_cost(self.shape, self.hw, Layout.dp_groups(*widths), seqs, groups).total_s
             else:  # one group, or pipelines side by side (each priced alone: the shared host memory is not)
                 forward = max(self.group_seconds(layout, g) for layout, g in zip(layouts, plan.groups))
-        swaps = self.swap_seconds(plan.swap_outs, by_name) + self.swap_seconds(plan.swap_ins, by_name)
+        swaps = self.swap_seconds(plan.swap_outs, deployment) + self.swap_seconds(plan.swap_ins, deployment)
         self.last_forward_s, self.last_swap_s = forward, swaps
         return max(forward, swaps) if self.async_swaps else forward + swaps
 
@@ -84,14 +83,14 @@ class CostModelTimer:
         return step_cost(self.shape, self.hw, cost_layout(layout, len(pieces)), group_seqs(group),
                          micro_batches=pieces).total_s
 
-    def swap_seconds(self, ops: Sequence[SwapOp], by_name: dict[str, EngineLayout]) -> float:
+    def swap_seconds(self, ops: Sequence[SwapOp], deployment: Deployment) -> float:
         """Every rank of a replica copies its part of each block (a stage's layers or a TP rank's heads):
         the replicas' copies run side by side."""
         shape = self.shape
         block_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.kv_bytes * self.block_size
         per_replica: dict[int, float] = {}
         for op in ops:
-            ranks = len(by_name[op.layout].ranks)
+            ranks = len(deployment[op.layout].ranks)
             nbytes = len(op.tier_blocks) * block_bytes / ranks
             per_replica[op.replica] = per_replica.get(op.replica, 0.0) + nbytes / self.hw.host_bandwidth
         return max(per_replica.values(), default=0.0)
