@@ -10,6 +10,7 @@ from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.cli import main
+from torch_shift.models.linear import weight_bytes
 from torch_shift.models.toy import tiny_llama_config
 from torch_shift.parallel.launch import run_ranks
 from torch_shift.planner import (
@@ -272,11 +273,10 @@ def _ledger_rank(rank, world, model_dir, sp, tp):
         engine.parallel.broadcast(("outputs", None))
     else:
         engine.worker_loop()
-    params = {id(p): p for p in module.base.parameters()}
     return {
         "ledger": (dict(module.ledger.bytes), dict(module.ledger.calls)),
         "steps": [(p.layout, [Seq.from_scheduled(e) for e in p.scheduled]) for p in plans if not p.is_empty],
-        "weight_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        "weight_bytes": weight_bytes(module.base),
         "kv_bytes_per_token": sum(t[0, 0].numel() * t.element_size() for t in engine.kv_cache.k + engine.kv_cache.v),
     }
 

@@ -9,6 +9,7 @@ import torch
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
+from torch_shift.models.linear import weight_bytes
 from torch_shift.parallel.launch import run_ranks
 
 MESHES = [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]
@@ -76,16 +77,14 @@ def test_world_size_8(llama):
 
 
 def _parameter_bytes_rank(rank, world, model_dir, engine_args):
-    model = LLM(str(model_dir), **engine_args).engine.model
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    return sum(storages.values())
+    return weight_bytes(LLM(str(model_dir), **engine_args).engine.model)
 
 
 def test_tensor_parallel_without_sequence_parallel_holds_one_copy_of_the_weights(llama):
     """With SP = 1 the base layout is full TP already: the default shift threshold builds no second layout
     (it re-concatenated q/k/v and gate/up, about two thirds of each layer, for a switch that changed nothing)."""
     _, model_dir = llama
-    single = LLM(str(model_dir)).engine.model.model  # the single-device DecoderLM
+    single = LLM(str(model_dir), prepack_weights=False).engine.model.model  # the single-device DecoderLM, dense
     replicated = sum(p.nbytes for n, p in single.named_parameters() if "embed_tokens" in n or "norm" in n)
     sharded = sum(p.nbytes for p in single.parameters()) - replicated
     head = single.lm_head.weight.nbytes  # vocab-parallel over all ranks in every layout
@@ -165,7 +164,8 @@ def test_both_layouts_write_the_same_kv_blocks(llama, sp, tp):
 
 
 def _weights_rank(rank, world, model_dir, shift_weights):
-    llm = LLM(str(model_dir), sp=2, tp=2, shift_weights=shift_weights)
+    # the layouts' dense weights as built (packing them copies both, whatever shift_weights says)
+    llm = LLM(str(model_dir), sp=2, tp=2, shift_weights=shift_weights, prepack_weights=False)
     model = llm.engine.model
     base_layer, shift_layer = model.base.layers[0], model.shift.layers[0]
 

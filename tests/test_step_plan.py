@@ -21,7 +21,7 @@ from torch_shift.engine.input_batch import InputBatch
 from torch_shift.engine.policies import RandomPolicy, StaticPolicy
 from torch_shift.engine.scheduler import Scheduler
 from torch_shift.engine.step_plan import PlanBuilder
-from torch_shift.kv.attention import key_mask
+from torch_shift.attention.sdpa import build_sdpa_metadata, key_mask
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.parallel.layouts import build_deployment
 
@@ -59,10 +59,17 @@ def reference_inputs(entries, member: int, width: int, sliding_window=None) -> d
 def check_inputs(inputs, ref, width: int, sliding_window=None) -> None:
     assert inputs.input_ids.tolist() == ref["input_ids"]
     assert inputs.positions.tolist() == ref["positions"]
-    md = inputs.attention
-    assert md.slot_mapping.tolist() == ref["slots"]
+    batch = inputs.attention
+    assert batch.slot_mapping.tolist() == ref["slots"]
     assert inputs.logits_indices.tolist() == ref["logits_indices"]
-    assert md.num_decode_tokens == len(ref["decode_tables"])
+    assert batch.num_decodes == len(ref["decode_tables"])
+    runs = ref["decode_tables"] + ref["prefill_tables"]
+    assert batch.num_runs == len(runs)
+    for i, (start, n, done, table) in enumerate(runs):
+        assert (batch.query_start[i], batch.query_len[i], batch.num_computed[i]) == (start, n, done)
+        assert batch.blocks_of(i).tolist() == table
+    # the reference backend's metadata built from it
+    md = build_sdpa_metadata(batch)
     tpb = BS * width
     for i, (_, _, done, table) in enumerate(ref["decode_tables"]):
         assert md.decode_block_table[i, : len(table)].tolist() == table  # columns past them are masked out

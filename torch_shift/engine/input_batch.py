@@ -13,27 +13,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine.step_plan import GroupStep, ReplicaDelta
-from torch_shift.kv.attention import AttentionMetadata, PrefillChunk, key_mask
-from torch_shift.kv.flex_attention import FlexMetadata, build_flex_metadata
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attention: AttentionMetadata | FlexMetadata
+    attention: AttentionBatch  # what the attention backend builds its metadata from
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
 
 
 class InputBatch:
     def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
-                 sliding_window: int | None = None, attention_backend: str = "sdpa"):
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
         self.sliding_window = sliding_window
-        self.attention_backend = attention_backend
         # token columns grow on demand (doubling) up to max_model_len; block columns cover it at width 1
         self.token_ids = np.zeros((max_rows, min(max_model_len, 1024)), dtype=np.int32)
         self.num_tokens = np.zeros(max_rows, dtype=np.int64)
@@ -101,56 +99,9 @@ class InputBatch:
             return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
 
         positions_t = tensor(positions)
-        slots_t = tensor(slots)
-        if self.attention_backend == "flex":
-            attention = self._flex_metadata(rows, num_scheduled, num_computed, tpb, slots_t, positions_t)
-        else:
-            attention = self._sdpa_metadata(group.num_decodes, rows, num_scheduled, num_computed, starts, tpb,
-                                            slots_t)
+        attention = AttentionBatch(
+            num_decodes=group.num_decodes, query_start=starts.astype(np.int32),
+            query_len=num_scheduled.astype(np.int32), num_computed=num_computed.astype(np.int32),
+            block_table=self.block_table, block_table_rows=rows.astype(np.int32), tokens_per_block=tpb,
+            slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
         return StepInputs(tensor(input_ids), positions_t, attention, tensor(logits_indices))
-
-    def _sdpa_metadata(self, num_decodes: int, rows: np.ndarray, num_scheduled: np.ndarray,
-                       num_computed: np.ndarray, starts: np.ndarray, tpb: int, slots: torch.Tensor
-                       ) -> AttentionMetadata:
-        decode_block_table = query_pos = None
-        context_len = 0
-        if num_decodes:
-            decode_positions = num_computed[:num_decodes]
-            max_blocks = int(decode_positions.max()) // tpb + 1
-            table = self.block_table[rows[:num_decodes], :max_blocks].astype(np.int64)
-            decode_block_table = torch.from_numpy(table).to(self.device)
-            query_pos = torch.from_numpy(decode_positions).to(self.device)
-            context_len = max_blocks * tpb
-        prefills = []
-        for i in range(num_decodes, len(rows)):
-            n, done = int(num_scheduled[i]), int(num_computed[i])
-            ctx = done + n
-            mask = None
-            if done > 0 or (self.sliding_window is not None and self.sliding_window < n):
-                mask = key_mask(torch.arange(done, ctx), ctx, self.sliding_window)
-                if done > 0:
-                    mask = torch.nn.functional.pad(mask, (0, -ctx % tpb), value=False)  # context is whole blocks
-                mask = mask[None, None].to(self.device)
-            table = self.block_table[rows[i], : -(-ctx // tpb)].astype(np.int64)
-            prefills.append(PrefillChunk(start=int(starts[i]), num_tokens=n, num_computed_tokens=done,
-                                         block_table=torch.from_numpy(table)[None].to(self.device), mask=mask))
-        return AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decodes,
-                                 decode_block_table=decode_block_table, decode_mask=None, prefills=prefills,
-                                 decode_positions=query_pos, decode_context_len=context_len,
-                                 sliding_window=self.sliding_window)
-
-    def _flex_metadata(self, rows: np.ndarray, num_scheduled: np.ndarray, num_computed: np.ndarray, tpb: int,
-                       slots: torch.Tensor, positions: torch.Tensor) -> FlexMetadata:
-        ctx = num_computed + num_scheduled
-        request_of_key = np.repeat(np.arange(len(rows)), ctx)
-        key_starts = np.cumsum(ctx) - ctx
-        key_pos = np.arange(len(request_of_key)) - key_starts[request_of_key]
-        key_rows = rows[request_of_key]
-        context_slots = self.block_table[key_rows, key_pos // tpb].astype(np.int64) * tpb + key_pos % tpb
-        query_seq = np.repeat(np.arange(len(rows)), num_scheduled)
-
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
-
-        return build_flex_metadata(slots, tensor(query_seq), positions, tensor(context_slots),
-                                   tensor(request_of_key), tensor(key_pos), self.sliding_window)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_shift.attention import canonical_backend_name
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from torch_shift.engine.model_runner import ModelRunner
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -84,7 +85,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "sdpa"  # "sdpa": gather + SDPA (CPU and GPU); "flex": paged FlexAttention
+    # "auto": the paged CPU kernel on the CPU, else "sdpa"; "cpu", "sdpa" (gather + SDPA, any device), "flex"
+    attention_backend: str = "auto"
     revision: str | None = None
     # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
     sp: int = 1  # Ulysses sequence parallelism of the base layout (shift parallelism, paper 000)
@@ -106,6 +108,7 @@ class EngineArgs:
     kv_swap: str = "sync"  # tier copies before the step's forward ("sync") or in a thread beside it ("async")
     interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer; None: off
     compile: bool = False  # torch.compile each layout's forward (dynamic token dimension)
+    prepack_weights: bool = True  # linear weights in oneDNN's packed layout on the CPU (torch_shift.models.linear)
     distributed_timeout_s: float = 120.0  # bound on any collective: a stuck or dead rank ends the others
     tensor_parallel_size: InitVar[int] = _NOT_GIVEN
     ulysses_sequence_parallel_size: InitVar[int] = _NOT_GIVEN
@@ -163,8 +166,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be 'copy' or 'view', got {getattr(self, name)!r}")
         if self.policy not in (None, "static", "shift", "flying", "seesaw", "random"):
             raise ValueError(f"policy must be 'static', 'shift', 'flying', 'seesaw' or 'random', got {self.policy!r}")
-        if self.attention_backend not in ("sdpa", "flex"):
-            raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {self.attention_backend!r}")
+        self.attention_backend = canonical_backend_name(self.attention_backend)
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -799,7 +801,8 @@ class _Setup:
         else:
             rank, groups = 0, None
             device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if model is not None:
+        given = model is not None
+        if given:
             device = next(model.parameters()).device
             model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
         else:
@@ -810,6 +813,8 @@ class _Setup:
                                            args.seesaw_weights)
             finally:
                 reader.close()
+        if args.prepack_weights:  # a model the user handed over keeps its dense weights (they may still use it)
+            model.prepare_weights(drop_dense=not given)
         num_blocks = self._num_kv_blocks(model.num_kv_layers, model.num_local_kv_heads, device)
         if parallel is not None:  # every pool gets the size of the smallest
             num_blocks = parallel.min_over_ranks(num_blocks)

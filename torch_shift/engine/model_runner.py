@@ -16,11 +16,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.engine.input_batch import InputBatch, StepInputs
 from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
-from torch_shift.kv.attention import PagedAttention
 from torch_shift.kv.cache import KVCache
-from torch_shift.kv.flex_attention import FlexPagedAttention
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.parallel import comm
 from torch_shift.parallel.layouts import Deployment
@@ -29,24 +28,21 @@ from torch_shift.parallel.layouts import Deployment
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
-                 attention_backend: str = "sdpa", compile: bool = False, host_tier: torch.Tensor | None = None,
+                 attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async"); `interconnect_gbps`: emulate a link of that bandwidth
         (comm.emulated_link)."""
-        if attention_backend not in ("sdpa", "flex"):
-            raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
         self.model = model
         self.kv_cache = kv_cache
         self.deployment = deployment
         self.rank = rank
         self.replica = deployment.replica_of(rank)
         self.vocab_size = vocab_size
-        self.attention_backend = attention_backend
-        self.device = kv_cache.k_all.device
-        self.dtype = kv_cache.k_all.dtype
-        self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window,
-                                attention_backend)
+        self.device = kv_cache.device
+        self.dtype = kv_cache.dtype
+        self.attention = make_attention_backend(attention_backend, self.device, self.dtype)
+        self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window)
         self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
         self.swapper = None
         if host_tier is not None:
@@ -75,9 +71,7 @@ class ModelRunner:
         return self.batch.prepare(group, layout.replicas.index(self.replica), layout.kv_width)
 
     def _attention(self, kv: KVCache, inputs: StepInputs):
-        if self.attention_backend == "flex":
-            return FlexPagedAttention(kv, inputs.attention)
-        return PagedAttention(kv, inputs.attention)
+        return self.attention.build(inputs.attention, kv)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[torch.Tensor | None] | None:

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import torch
+
+_MADV_HUGEPAGE = 14
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor; on Linux CPUs in transparent huge pages where the kernel offers them on request
+    (`madvise` mode): a sequence's blocks are scattered over the pool, and with 4 KiB pages the paged kernel
+    waits on a TLB miss at each one (decode attention 1.4x slower measured, bench_peers.py)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cpu" and sys.platform == "linux" and nbytes >= 4 << 20:
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + nbytes) // page * page
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # advice: may be ignored
+    return tensor.zero_()
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -27,10 +46,15 @@ def available_memory_bytes(device: torch.device) -> int:
 
 class KVCache:
     """Per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], views of one
-    buffer per K and V laid out block-major, [num_blocks, num_layers, block_size, kv_heads, head_dim]:
-    a block's bytes are one contiguous run holding every layer, so that other groupings of the same
-    bytes per block (`view`: more tokens of fewer heads; `regroup`: fewer layers of more heads) keep
-    every block where it is and never overlap another block."""
+    buffer per K and V laid out block-major: a block's bytes are one contiguous run holding every layer, so
+    that other groupings of the same bytes per block (`view`: more tokens of fewer heads; `regroup`: fewer
+    layers of more heads) keep every block where it is and never overlap another block.
+
+    Values are stored token-major, `[num_blocks, num_layers, block_size, kv_heads, head_dim]`; keys
+    dim-major, `[num_blocks, num_layers, kv_heads, head_dim, block_size]` (`k_store`), so that the
+    consecutive keys of one head and dimension are one vector (the paged CPU kernel scores 16 keys with
+    one multiply-add per dimension; vLLM's paged kernels split keys the same way). `k_all` and `k` are
+    the keys in the values' order, as strided views."""
 
     def __init__(
         self,
@@ -42,24 +66,34 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_blocks, num_layers, block_size, num_kv_heads, head_dim)
-        self._init(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self._init(_zeros((num_blocks, num_layers, num_kv_heads, head_dim, block_size), dtype, device),
+                   _zeros((num_blocks, num_layers, block_size, num_kv_heads, head_dim), dtype, device))
 
-    def _init(self, k_all: torch.Tensor, v_all: torch.Tensor) -> None:
-        self.k_all, self.v_all = k_all, v_all  # [num_blocks, num_layers, block_size, kv_heads, head_dim]
-        self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, head_dim = k_all.shape
-        self.k, self.v = list(k_all.unbind(1)), list(v_all.unbind(1))
-        # rows of [blocks * layers * block_size, heads, dim]: where a slot of a layer is written and read
-        self._k_rows = k_all.view(-1, self.num_kv_heads, head_dim)
-        self._v_rows = v_all.view(-1, self.num_kv_heads, head_dim)
+    def _init(self, k_store: torch.Tensor, v_all: torch.Tensor) -> None:
+        self.k_store, self.v_all = k_store, v_all
+        self.k_all = k_store.permute(0, 1, 4, 2, 3)  # [num_blocks, num_layers, block_size, kv_heads, head_dim]
+        self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim = v_all.shape
+        self.k, self.v = list(self.k_all.unbind(1)), list(v_all.unbind(1))
+        # rows of [blocks * layers * block_size, heads, dim]: where a slot of a layer's values is written and read
+        self._v_rows = v_all.view(-1, self.num_kv_heads, self.head_dim)
         # Gather buffers reused by every layer and step: a fresh allocation per gather was handed back
         # to the OS each time and paid page faults on every step (8x slower per layer, bench_engine.py).
-        self._k_buffer = k_all.new_empty(0)
+        self._k_buffer = v_all.new_empty(0)
         self._v_buffer = v_all.new_empty(0)
 
-    def _viewed(self, shape: tuple[int, ...]) -> KVCache:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.v_all.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.v_all.device
+
+    def _viewed(self, num_layers: int, block_size: int, num_kv_heads: int) -> KVCache:
+        nb, d = self.num_blocks, self.head_dim
         viewed = object.__new__(KVCache)
-        viewed._init(self.k_all.view(shape), self.v_all.view(shape))
+        viewed._init(self.k_store.view(nb, num_layers, num_kv_heads, d, block_size),
+                     self.v_all.view(nb, num_layers, block_size, num_kv_heads, d))
         return viewed
 
     def view(self, width: int) -> KVCache:
@@ -69,43 +103,43 @@ class KVCache:
         if width == 1:
             return self
         assert self.num_kv_heads % width == 0, (self.num_kv_heads, width)
-        nb, nl, bs, h, d = self.k_all.shape
-        return self._viewed((nb, nl, bs * width, h // width, d))
+        return self._viewed(self.num_layers, self.block_size * width, self.num_kv_heads // width)
 
     def regroup(self, num_layers: int, num_kv_heads: int) -> KVCache:
         """The same memory as `num_layers` layers of `num_kv_heads` heads, blocks unchanged: a pipeline
         stage's layers with every head, or every layer with a TP rank's heads (paper 003's two layouts
         over one pool). KV written in one grouping is only ever read in it."""
-        nb, nl, bs, h, d = self.k_all.shape
+        nl, h = self.num_layers, self.num_kv_heads
         if (num_layers, num_kv_heads) == (nl, h):
             return self
         assert num_layers * num_kv_heads == nl * h, (num_layers, num_kv_heads, nl, h)
-        return self._viewed((nb, num_layers, bs, num_kv_heads, d))
+        return self._viewed(num_layers, self.block_size, num_kv_heads)
 
-    def _rows(self, layer_idx: int, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """slot = block_id * block_size + offset -> its row of `layer_idx` in the block-major buffer."""
+    def _v_slots(self, layer_idx: int, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """slot = block_id * block_size + offset -> its row of `layer_idx` in the values' buffer."""
         bs = self.block_size
         return (slot_mapping // bs) * (self.num_layers * bs) + (layer_idx * bs) + slot_mapping % bs
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [T, kv_heads, head_dim]; slot = block_id * block_size + offset in the block."""
-        rows = self._rows(layer_idx, slot_mapping)
-        self._k_rows.index_copy_(0, rows, k)
-        self._v_rows.index_copy_(0, rows, v)
+        bs = self.block_size
+        self.k[layer_idx][slot_mapping // bs, slot_mapping % bs] = k
+        self._v_rows.index_copy_(0, self._v_slots(layer_idx, slot_mapping), v)
 
     def read_slots(self, layer_idx: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer_idx` at the given slots: [n, kv_heads, head_dim] each."""
-        rows = self._rows(layer_idx, slot_mapping)
-        return self._k_rows[rows], self._v_rows[rows]
+        bs = self.block_size
+        return self.k[layer_idx][slot_mapping // bs, slot_mapping % bs], self._v_rows[self._v_slots(layer_idx,
+                                                                                                    slot_mapping)]
 
     def gather(self, layer_idx: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_table: [B, max_blocks] -> k, v: [B, kv_heads, max_blocks * block_size, head_dim], views of
         buffers that the next gather overwrites."""
         b, nb = block_table.shape
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        _, bs, h, d = k_cache.shape
+        _, bs, h, d = v_cache.shape
         if self._k_buffer.numel() < b * nb * bs * h * d:
-            self._k_buffer = k_cache.new_empty(b * nb * bs * h * d)
+            self._k_buffer = v_cache.new_empty(b * nb * bs * h * d)
             self._v_buffer = v_cache.new_empty(b * nb * bs * h * d)
         flat = block_table.reshape(-1)
         k = torch.index_select(k_cache, 0, flat, out=self._k_buffer[: b * nb * bs * h * d].view(b * nb, bs, h, d))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_shift.config import ModelConfig
-from torch_shift.kv.attention import key_mask
+from torch_shift.attention.sdpa import key_mask
 
 
 @dataclass

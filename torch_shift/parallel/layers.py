@@ -1,33 +1,52 @@
-"""Linear layers over local shards; the only places a layout's collectives happen in the model."""
+"""Linear layers over local shards; the only places a layout's collectives happen in the model. Each has a
+`packed` slot that torch_shift.models.linear.prepare_linears fills (see there)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from torch_shift.models.linear import PackedWeight, linear
 from torch_shift.parallel import comm
 
 
 class PartsLinear(nn.Module):
     """A column-parallel fused projection whose parts are separate (possibly strided) tensors, e.g.
-    zero-copy views of another layout's shards: one matmul per part, outputs concatenated."""
+    zero-copy views of another layout's shards: one matmul per part, outputs concatenated (one matmul of
+    their packed concatenation once prepared)."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
         super().__init__()
         self.weights = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in weights)
         self.biases = (nn.ParameterList(nn.Parameter(b, requires_grad=False) for b in biases)
                        if biases is not None else None)
+        self.bias = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return torch.cat(list(self.weights))
+
+    def drop_dense(self) -> None:
+        """Once packed: the parts' views let go of the other layout's storage (the bias is kept whole)."""
+        if self.biases is not None:
+            self.bias = nn.Parameter(torch.cat(list(self.biases)), requires_grad=False)
+        self.weights = nn.ParameterList()
+        self.biases = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, self.bias if self.biases is None else torch.cat(list(self.biases)))
         if self.biases is None:
-            return torch.cat([F.linear(x, w) for w in self.weights], dim=-1)
-        return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases)], dim=-1)
+            return torch.cat([linear(x, w) for w in self.weights], dim=-1)
+        return torch.cat([linear(x, w, b) for w, b in zip(self.weights, self.biases)], dim=-1)
 
 
 class RowParallelLinear(nn.Module):
     """Input features sharded; partial outputs summed over `group` (o_proj, down_proj)."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup):
         super().__init__()
@@ -35,12 +54,14 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(F.linear(x, self.weight), self.group)
+        return comm.all_reduce(linear(x, self.weight, None, self.packed), self.group)
 
 
 class VocabParallelLMHead(nn.Module):
     """Vocabulary rows sharded over the shift group (padded to a multiple of its size); the
     logits are gathered in shift-rank order, which is vocabulary order, and trimmed."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, weight: torch.Tensor, vocab_size: int, group: dist.ProcessGroup):
         super().__init__()
@@ -49,5 +70,5 @@ class VocabParallelLMHead(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = comm.all_gather(F.linear(x, self.weight), self.group, dim=-1)
+        logits = comm.all_gather(linear(x, self.weight, None, self.packed), self.group, dim=-1)
         return logits[..., : self.vocab_size]

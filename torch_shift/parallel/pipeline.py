@@ -29,6 +29,7 @@ from torch import nn
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm
+from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel import comm
@@ -60,7 +61,7 @@ class PipelineStage(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(layers)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
@@ -172,6 +173,13 @@ class PipelineModel(nn.Module):
             storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
         host = sum(t.untyped_storage().nbytes() for t in self._host_weights.values())
         return {"device": sum(storages.values()), "host": host}
+
+    def prepare_weights(self, drop_dense: bool = True) -> int:
+        """Pack both sets of layer weights for the machine's matmul (torch_shift.models.linear), unless they
+        share one device buffer with host copies (`seesaw_weights="host"`), which switches swap."""
+        if self.weights == "host":
+            return 0
+        return prepare_linears(self, drop_dense)
 
     # -- KV ---------------------------------------------------------------------------------------------
     def kv_region(self, layout) -> KVRegion:

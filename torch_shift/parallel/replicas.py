@@ -22,6 +22,7 @@ from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import AttentionFn, DecoderLM
+from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import build_model
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
@@ -32,9 +33,10 @@ from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_
 
 class ReplicaModel(nn.Module):
     def __init__(self, model: DecoderLM, views: dict[str, DecoderLM] | None = None,
-                 leaders: dict[str, bool] | None = None):
+                 leaders: dict[str, bool] | None = None, view_weights: str = "view"):
         super().__init__()
         self.model = model
+        self.view_weights = view_weights  # Flying's TP weights: zero-copy "view"s or "copy"
         self.views = nn.ModuleDict(views or {})
         self.leaders = leaders or {}
         self.num_local_kv_heads = model.config.num_key_value_heads
@@ -42,6 +44,13 @@ class ReplicaModel(nn.Module):
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()
         self.forwards = {}  # layout -> compiled forward (compile_layouts)
+
+    def prepare_weights(self, drop_dense: bool = True) -> int:
+        """Pack the weights for the machine's matmul (torch_shift.models.linear), unless Flying's TP layouts
+        are zero-copy views of them (`flying_weights="view"`), which packing would turn into copies."""
+        if self.views and self.view_weights == "view":
+            return 0
+        return prepare_linears(self, drop_dense)
 
     def compile_layouts(self) -> None:
         self.forwards = {name: compile_forward(view) for name, view in self.views.items()}
@@ -87,4 +96,4 @@ def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, 
             views[layout.name] = derive_tp(full, config, None, tp_plan(mesh, layout.name, vocab_parallel=False),
                                            group, flying_weights)
             leaders[layout.name] = rank == layout.ranks[0]
-    return ReplicaModel(full, views, leaders)
+    return ReplicaModel(full, views, leaders, flying_weights)

@@ -24,6 +24,7 @@ from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
+from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
@@ -74,7 +75,7 @@ def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
                 rows = padded_vocab(config.vocab_size, group.size()) // group.size()
                 local = VocabParallelLMHead(torch.empty(rows, in_features), config.vocab_size, group)
             elif dim == 0:
-                local = nn.Linear(in_features, sum(sl.length for sl in slices), bias=module.bias is not None)
+                local = Linear(in_features, sum(sl.length for sl in slices), bias=module.bias is not None)
             else:
                 local = RowParallelLinear(torch.empty(out_features, slices[0].length), group)
             model.set_submodule(name, local)
@@ -168,8 +169,8 @@ def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shif
 def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift_weights: str) -> nn.Module:
     if shift_weights == "view":
         return PartsLinear(weights, biases)
-    linear = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases is not None,
-                       device="meta")
+    linear = Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases is not None,
+                    device="meta")
     linear.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
     if biases is not None:
         linear.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
@@ -224,6 +225,11 @@ class ShiftModule(nn.Module):
         logits = self.forward_step(batch.input_ids, batch.positions, attention, every,
                                    self.choose_layout(batch.num_tokens))
         return batch.unpack(logits)
+
+    def prepare_weights(self, drop_dense: bool = True) -> int:
+        """Pack both layouts' weights for the machine's matmul (torch_shift.models.linear); the shift
+        layout's views of the base shards become packed copies. Returns the bytes packed."""
+        return prepare_linears(self, drop_dense)
 
     def compile_layouts(self) -> None:
         """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""

@@ -65,21 +65,31 @@ def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- one device ---------------------------------------------------------------------------------------------
+def _engine_matmul(weight: torch.Tensor):
+    """x -> x @ weight.T as the engine's linear layers run it (packed where the machine allows)."""
+    from torch_shift.models.linear import PackedWeight, linear, packing_supported
+
+    packed = PackedWeight(weight) if packing_supported(weight.device, weight.dtype) else None
+    return lambda x: linear(x, weight, None, packed)
+
+
 def measure_matmul_flops(dtype: str, reps: int = 5, sync=None) -> float:
     m, k, n = 512, 2048, 2048
     a, w = _filled((m, k), TORCH_DTYPES[dtype]), _filled((n, k), TORCH_DTYPES[dtype])
-    return 2.0 * m * k * n / _best_time(lambda: torch.nn.functional.linear(a, w), reps, sync=sync)
+    matmul = _engine_matmul(w)
+    return 2.0 * m * k * n / _best_time(lambda: matmul(a), reps, sync=sync)
 
 
 def measure_weight_bandwidth(dtype: str, rows: int = 1, reps: int = 5, sync=None) -> float:
     """Bytes/s of weights read by matmuls with `rows` rows of input (1: as a decode step of one sequence):
     4 weights of 4096 x 2048 (128 MiB in fp32), far beyond a CPU's last-level cache."""
     weights = [_filled((4096, 2048), TORCH_DTYPES[dtype]) for _ in range(4)]
+    matmuls = [_engine_matmul(w) for w in weights]
     x = _filled((rows, 2048), TORCH_DTYPES[dtype])
 
     def run():
-        for w in weights:
-            torch.nn.functional.linear(x, w)
+        for matmul in matmuls:
+            matmul(x)
 
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return nbytes / _best_time(run, reps, sync=sync)
@@ -98,10 +108,12 @@ def _attention_shape(dtype: str) -> ModelShape:
 
 
 def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
-    """(bandwidth of a decode batch, FLOP/s of a prompt) of the engine's PagedAttention, against the
+    """(bandwidth of a decode batch, FLOP/s of a prompt) of the engine's attention backend, against the
     ideal counts of shape.attention. Decode: 16 sequences of 512 tokens of context over 8 layers
     (134 MB of fp32 KV); prompt: 512 tokens from an empty cache."""
-    from torch_shift.kv.attention import AttentionMetadata, PagedAttention, PrefillChunk, key_mask
+    import numpy as np
+
+    from torch_shift.attention import AttentionBatch, attention_backend
     from torch_shift.kv.cache import KVCache
 
     shape = _attention_shape(dtype)
@@ -112,22 +124,27 @@ def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
     cache = KVCache(layers, batch * blocks_per_seq, block, hkv, d, tdtype)
     for tensor in cache.k + cache.v:
         tensor.fill_(0.01)
-    table = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
-    positions = torch.full((batch,), context)
-    decode = AttentionMetadata(
-        slot_mapping=table[:, context // block] * block + context % block, num_decode_tokens=batch,
-        decode_block_table=table, decode_mask=key_mask(positions, blocks_per_seq * block, None)[:, None, None, :],
-        prefills=[])
+    table = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
+    backend = attention_backend("auto", cache.device, tdtype)
+
+    def step(runs: list[tuple[int, int]]) -> AttentionBatch:
+        """(cached tokens, new tokens) per sequence, decodes first."""
+        slots = np.concatenate([table[i, p // block].astype(np.int64) * block + p % block
+                                for i, (c, n) in enumerate(runs) for p in [np.arange(c, c + n)]])
+        lengths = np.array([n for _, n in runs], np.int32)
+        return AttentionBatch(
+            num_decodes=int((lengths == 1).sum()), query_start=(np.cumsum(lengths) - lengths).astype(np.int32),
+            query_len=lengths, num_computed=np.array([c for c, _ in runs], np.int32), block_table=table,
+            block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block,
+            slot_mapping=torch.from_numpy(slots), positions=torch.from_numpy(slots), sliding_window=None)
+
     q, k, v = _filled((batch, hq, d), tdtype), _filled((batch, hkv, d), tdtype), _filled((batch, hkv, d), tdtype)
-    run_decode = PagedAttention(cache, decode)
+    run_decode = backend.build(step([(context, 1)] * batch), cache)
     decode_s = _best_time(lambda: [run_decode(i, q, k, v) for i in range(layers)], reps)
     decode_bytes = layers * attention(shape, [Seq(1, context)] * batch, hq, hkv).bytes
 
-    chunk = PrefillChunk(start=0, num_tokens=prompt, num_computed_tokens=0, block_table=table[:1], mask=None)
-    prefill = AttentionMetadata(slot_mapping=torch.arange(prompt), num_decode_tokens=0, decode_block_table=None,
-                                decode_mask=None, prefills=[chunk])
     q, k, v = _filled((prompt, hq, d), tdtype), _filled((prompt, hkv, d), tdtype), _filled((prompt, hkv, d), tdtype)
-    run_prefill = PagedAttention(cache, prefill)
+    run_prefill = backend.build(step([(0, prompt)]), cache)
     prefill_s = _best_time(lambda: [run_prefill(i, q, k, v) for i in range(layers)], reps)
     prefill_flops = layers * attention(shape, [Seq(prompt, 0)], hq, hkv).flops
     return decode_bytes / decode_s, prefill_flops / prefill_s

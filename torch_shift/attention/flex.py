@@ -1,4 +1,4 @@
-"""Paged attention with FlexAttention: one kernel call per layer for the whole step.
+"""Paged attention with FlexAttention: one kernel call per layer for the whole step (backend "flex").
 
 The step's queries stay flattened (`[1, heads, T, head_dim]`); the keys are the context of
 every scheduled sequence read from the paged cache by slot, back to back with no padding
@@ -6,16 +6,18 @@ every scheduled sequence read from the paged cache by slot, back to back with no
 own sequence's earlier positions, so FlexAttention skips the blocks of other sequences. This is
 the path meant for GPUs; on CPU FlexAttention runs only compiled, with static shapes (inductor
 fails on its dynamic-shape CPU kernel in torch 2.13), so there SDPA over gathered blocks
-(`PagedAttention`) stays the default.
+(`PagedAttention`) and the paged CPU kernel are the CPU paths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 
 _compiled: dict[str, object] = {}
@@ -52,6 +54,29 @@ def build_flex_metadata(
     block_mask = create_block_mask(mask_mod, None, None, query_seq.numel(), context_slots.numel(),
                                    device=query_seq.device)
     return FlexMetadata(slot_mapping, context_slots, block_mask)
+
+
+class FlexBackend:
+    name = "flex"
+
+    def build(self, batch: AttentionBatch, kv_cache: KVCache) -> FlexPagedAttention:
+        num_scheduled = batch.query_len.astype(np.int64)
+        ctx = batch.num_computed.astype(np.int64) + num_scheduled
+        runs = np.arange(batch.num_runs)
+        request_of_key = np.repeat(runs, ctx)
+        key_starts = np.cumsum(ctx) - ctx
+        key_pos = np.arange(len(request_of_key)) - key_starts[request_of_key]
+        tpb = batch.tokens_per_block
+        key_rows = batch.block_table_rows[request_of_key]
+        context_slots = batch.block_table[key_rows, key_pos // tpb].astype(np.int64) * tpb + key_pos % tpb
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(batch.device)
+
+        metadata = build_flex_metadata(batch.slot_mapping, tensor(np.repeat(runs, num_scheduled)), batch.positions,
+                                       tensor(context_slots), tensor(request_of_key), tensor(key_pos),
+                                       batch.sliding_window)
+        return FlexPagedAttention(kv_cache, metadata)
 
 
 class FlexPagedAttention:

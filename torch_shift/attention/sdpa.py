@@ -1,17 +1,20 @@
-"""Attention through the block table: write the step's K/V into their slots, read each sequence's
-context back by block table, and attend with SDPA (the fastest path measured on CPU).
+"""Attention by gathering each context through the block table and calling SDPA: the reference backend,
+on any device.
 
-The tokens of a step are flattened: first the decode tokens (one per sequence), then the
-prefill chunks, each a run of consecutive tokens of one sequence.
+Decode tokens attend together: their contexts are gathered padded to the longest one, with a mask. Each
+prompt chunk is one SDPA call over its own gathered context (or over its own keys when nothing was
+cached before it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 
 
@@ -54,6 +57,43 @@ def key_mask(
     if sliding_window is not None:
         mask &= key_positions[None, :] > query_positions[:, None] - sliding_window
     return mask
+
+
+def build_sdpa_metadata(batch: AttentionBatch) -> AttentionMetadata:
+    device, tpb, window = batch.device, batch.tokens_per_block, batch.sliding_window
+    nd = batch.num_decodes
+    decode_block_table = query_pos = None
+    context_len = 0
+    if nd:
+        decode_positions = batch.num_computed[:nd].astype(np.int64)
+        max_blocks = int(decode_positions.max()) // tpb + 1
+        table = batch.block_table[batch.block_table_rows[:nd], :max_blocks].astype(np.int64)
+        decode_block_table = torch.from_numpy(table).to(device)
+        query_pos = torch.from_numpy(decode_positions).to(device)
+        context_len = max_blocks * tpb
+    prefills = []
+    for i in range(nd, batch.num_runs):
+        n, done = int(batch.query_len[i]), int(batch.num_computed[i])
+        ctx = done + n
+        mask = None
+        if done > 0 or (window is not None and window < n):
+            mask = key_mask(torch.arange(done, ctx), ctx, window)
+            if done > 0:
+                mask = F.pad(mask, (0, -ctx % tpb), value=False)  # the context is whole blocks
+            mask = mask[None, None].to(device)
+        table = torch.from_numpy(batch.blocks_of(i).astype(np.int64))[None].to(device)
+        prefills.append(PrefillChunk(start=int(batch.query_start[i]), num_tokens=n, num_computed_tokens=done,
+                                     block_table=table, mask=mask))
+    return AttentionMetadata(slot_mapping=batch.slot_mapping, num_decode_tokens=nd,
+                             decode_block_table=decode_block_table, decode_mask=None, prefills=prefills,
+                             decode_positions=query_pos, decode_context_len=context_len, sliding_window=window)
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def build(self, batch: AttentionBatch, kv_cache: KVCache) -> PagedAttention:
+        return PagedAttention(kv_cache, build_sdpa_metadata(batch))
 
 
 class PagedAttention:

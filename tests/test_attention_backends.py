@@ -1,0 +1,162 @@
+"""Every attention backend against a float64 reference over the same paged KV cache: decode tokens and
+prompt chunks in one step, GQA ratios, head dimensions, block sizes, KV widths, sliding windows and dtypes;
+and the paged CPU kernel's results independent of the block size and of the other runs of the step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from torch_shift.attention import attention_backend, canonical_backend_name
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.kernels import compiler, cpu_kernels
+from torch_shift.kv.cache import KVCache
+
+# where a compiler exists the kernels must build (cpu_kernels() None is then a failure, not a skip)
+needs_kernels = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the CPU kernels")
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def make_step(runs, num_heads, num_kv_heads, head_dim, block_size, dtype, sliding_window=None, num_layers=3,
+              seed=0, shuffle=True):
+    """A KV cache whose cached positions hold random K/V, and one step of `runs` ((cached tokens, new tokens),
+    decodes first) with random q/k/v. Returns (cache, batch, q, k, v, reference per layer)."""
+    g = torch.Generator().manual_seed(seed)  # the contents: the same whatever the block size
+    contexts = [c + n for c, n in runs]
+    max_blocks = max(-(-c // block_size) for c in contexts)
+    num_blocks = len(runs) * max_blocks + 3
+    cache = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    full_k = [torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype) for c in contexts]
+    full_v = [torch.randn(c, num_kv_heads, head_dim, generator=g).to(dtype) for c in contexts]
+    num_tokens = sum(n for _, n in runs)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    order = (torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)) if shuffle
+             else torch.arange(num_blocks))
+    table = order[: len(runs) * max_blocks].view(len(runs), max_blocks).to(torch.int32).numpy().copy()
+    for layer in range(num_layers):
+        for r, (cached, _) in enumerate(runs):
+            pos = torch.arange(cached)
+            slots = torch.from_numpy(table[r]).long()[pos // block_size] * block_size + pos % block_size
+            cache.write(layer, slots, full_k[r][:cached], full_v[r][:cached])
+    starts = np.cumsum([0] + [n for _, n in runs])[:-1]
+    slots, positions = [], []
+    for r, (cached, n) in enumerate(runs):
+        pos = np.arange(cached, cached + n)
+        slots.append(table[r][pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        positions.append(pos)
+    batch = AttentionBatch(
+        num_decodes=sum(1 for _, n in runs if n == 1), query_start=starts.astype(np.int32),
+        query_len=np.array([n for _, n in runs], np.int32), num_computed=np.array([c for c, _ in runs], np.int32),
+        block_table=table, block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
+        slot_mapping=torch.from_numpy(np.concatenate(slots)), positions=torch.from_numpy(np.concatenate(positions)),
+        sliding_window=sliding_window)
+    k = torch.cat([full_k[r][c:] for r, (c, _) in enumerate(runs)])
+    v = torch.cat([full_v[r][c:] for r, (c, _) in enumerate(runs)])
+    reference = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
+    group = num_heads // num_kv_heads
+    for r, (cached, n) in enumerate(runs):
+        kk = full_k[r].double().repeat_interleave(group, 1)
+        vv = full_v[r].double().repeat_interleave(group, 1)
+        qq = q[starts[r]: starts[r] + n].double()
+        scores = torch.einsum("qhd,khd->hqk", qq, kk) / math.sqrt(head_dim)
+        query_pos = torch.arange(cached, cached + n)[:, None]
+        key_pos = torch.arange(cached + n)[None]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        reference[starts[r]: starts[r] + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    return cache, batch, q, k, v, reference
+
+
+RUNS = [(0, 1), (37, 1), (200, 1), (0, 23), (45, 30), (5, 70)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 16), (4, 4, 64), (16, 2, 32), (6, 3, 16), (4, 1, 8),
+                                                     (8, 8, 80)])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_cpu_kernel_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    for window in (None, 9):
+        cache, batch, q, k, v, reference = make_step(RUNS, heads, kv_heads, head_dim, block_size, dtype, window)
+        attention = attention_backend("cpu", torch.device("cpu"), dtype).build(batch, cache)
+        for layer in range(cache.num_layers):
+            out = attention(layer, q, k, v)
+            assert out.dtype == dtype and out.shape == q.shape
+            assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * max(1.0, reference.abs().max())
+
+
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("cpu", marks=needs_kernels)])
+def test_backends_write_the_step_keys_where_the_reference_reads_them(backend):
+    cache, batch, q, k, v, reference = make_step(RUNS, 8, 2, 16, 4, torch.float32)
+    attention = attention_backend(backend, torch.device("cpu"), torch.float32).build(batch, cache)
+    out = attention(1, q, k, v)
+    assert (out.double() - reference).abs().max() < 1e-5
+    # the step's own keys and values are in their slots for the next step
+    bs = cache.block_size
+    blocks, offsets = batch.slot_mapping // bs, batch.slot_mapping % bs
+    assert torch.equal(cache.k[1][blocks, offsets], k) and torch.equal(cache.v[1][blocks, offsets], v)
+
+
+@needs_kernels
+def test_cpu_kernel_rounds_the_same_whatever_the_block_size_and_the_other_runs():
+    """A row's chunks of keys are aligned to its positions: the result of a run is bitwise the same with
+    blocks of 4 to 64 tokens, through a KV width view, and alone or beside other runs of the step."""
+    runs = [(100, 1), (0, 40), (57, 9)]
+    cpu = attention_backend("cpu", torch.device("cpu"), torch.float32)
+    outputs = []
+    for block_size in (4, 16, 32, 64):
+        cache, batch, q, k, v, _ = make_step(runs, 8, 2, 64, block_size, torch.float32, seed=3)
+        outputs.append(cpu.build(batch, cache)(0, q, k, v))
+    for other in outputs[1:]:
+        assert torch.equal(outputs[0], other)
+
+    # the same step over a pool of twice the heads viewed at KV width 2 (blocks of 2 x 8 tokens)
+    cache, batch, q, k, v, _ = make_step(runs, 8, 2, 64, 16, torch.float32, seed=3)
+    wide = KVCache(cache.num_layers, cache.num_blocks, 8, 4, 64, torch.float32).view(2)
+    assert (wide.block_size, wide.num_kv_heads) == (16, 2)
+    wide.k_all.copy_(cache.k_all)
+    wide.v_all.copy_(cache.v_all)
+    assert torch.equal(cpu.build(batch, wide)(0, q, k, v), outputs[0])
+
+    # run 2 alone (its keys already written by the step above)
+    rows = slice(int(batch.query_start[2]), int(batch.query_start[2] + batch.query_len[2]))
+    alone = AttentionBatch(num_decodes=0, query_start=np.zeros(1, np.int32), query_len=batch.query_len[2:],
+                           num_computed=batch.num_computed[2:], block_table=batch.block_table,
+                           block_table_rows=batch.block_table_rows[2:], tokens_per_block=16,
+                           slot_mapping=batch.slot_mapping[rows], positions=batch.positions[rows], sliding_window=None)
+    assert torch.equal(cpu.build(alone, cache)(0, q[rows], k[rows], v[rows]), outputs[0][rows])
+
+
+@needs_kernels
+def test_cpu_kernel_uses_every_thread_and_answers_the_same():
+    cache, batch, q, k, v, _ = make_step([(300, 1)] * 9 + [(20, 100)], 16, 4, 64, 16, torch.float32)
+    attention = attention_backend("cpu", torch.device("cpu"), torch.float32).build(batch, cache)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention(0, q, k, v)
+        torch.set_num_threads(2)
+        two = attention(0, q, k, v)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_backend_names():
+    assert canonical_backend_name("CPU_ATTN") == "cpu"
+    assert canonical_backend_name("TORCH_SDPA") == "sdpa"
+    assert canonical_backend_name("Flex_Attention") == "flex"
+    with pytest.raises(ValueError, match="attention_backend"):
+        canonical_backend_name("flash")
+    with pytest.raises(TypeError):
+        canonical_backend_name(3)
+    with pytest.raises(ValueError, match="CPU"):
+        attention_backend("cpu", torch.device("meta"), torch.float32)
+    auto = attention_backend("auto", torch.device("cpu"), torch.float32)
+    assert auto.name == ("cpu" if cpu_kernels() is not None else "sdpa")

@@ -1,0 +1,88 @@
+"""Backend "cpu": torch_shift's paged attention kernel for the CPU (torch_shift/kernels/cpu_attention.cpp).
+
+Every run reads its keys and values in place through its block table: no gathered copy of the context and
+no padding to the longest one. The step's metadata is a handful of int32 arrays built once per step
+(the persistent block table itself is passed, not copied); each layer is one call that writes the step's
+K/V into their slots and attends. Runs on torch's intra-op threads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.kernels import CpuKernels, cpu_kernels
+from torch_shift.kv.cache import KVCache
+
+
+def _layout(t: torch.Tensor, order: tuple[int, int, int, int]) -> np.ndarray:
+    """Strides (elements) of one layer of a [blocks, layers, ...] cache tensor as (block, token, head, dim)."""
+    strides = t.stride()
+    return np.array([strides[0]] + [strides[i] for i in order], dtype=np.int64)
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, kernels: CpuKernels | None = None):
+        kernels = kernels or cpu_kernels()
+        if kernels is None:
+            raise ValueError("attention_backend 'cpu' needs torch_shift's CPU kernels, which could not be built "
+                             "here (see the warning above); use 'sdpa'")
+        self.kernels = kernels
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and CpuKernels.dtype_code(dtype) is not None
+
+    def build(self, batch: AttentionBatch, kv_cache: KVCache) -> CpuPagedAttention:
+        return CpuPagedAttention(self.kernels, kv_cache, batch)
+
+
+class CpuPagedAttention:
+    """The model's `attention(layer_idx, q, k, v)` for one step."""
+
+    def __init__(self, kernels: CpuKernels, kv_cache: KVCache, batch: AttentionBatch):
+        assert kv_cache.device.type == "cpu", kv_cache.device
+        self.kernels = kernels
+        self.kv_cache = kv_cache
+        self.dtype_code = CpuKernels.dtype_code(kv_cache.dtype)
+        assert self.dtype_code is not None, kv_cache.dtype
+        # kept alive while the kernel reads them
+        self.query_start = np.ascontiguousarray(batch.query_start, dtype=np.int32)
+        self.query_len = np.ascontiguousarray(batch.query_len, dtype=np.int32)
+        self.num_computed = np.ascontiguousarray(batch.num_computed, dtype=np.int32)
+        self.rows = np.ascontiguousarray(batch.block_table_rows, dtype=np.int32)
+        assert batch.block_table.dtype == np.int32 and batch.block_table.flags.c_contiguous
+        self.block_table = batch.block_table
+        self.slot_mapping = batch.slot_mapping.to(torch.int64).contiguous()
+        # keys dim-major [blocks, layers, heads, dim, tokens], values token-major [blocks, layers, tokens, heads, dim]
+        self.k_layout = _layout(kv_cache.k_store, (4, 2, 3))
+        self.v_layout = _layout(kv_cache.v_all, (2, 3, 4))
+        self.sliding_window = batch.sliding_window or 0
+        self.num_runs = batch.num_runs
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.kv_cache
+        num_tokens, num_heads, head_dim = q.shape
+        assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.dtype == kv.dtype
+        element = kv.v_all.element_size()
+        k_layer = kv.k_store.data_ptr() + layer_idx * kv.k_store.stride(1) * element
+        v_layer = kv.v_all.data_ptr() + layer_idx * kv.v_all.stride(1) * element
+        kernels = self.kernels
+        rc = kernels.write_kv(self.dtype_code, k_layer, v_layer, self.k_layout.ctypes.data, self.v_layout.ctypes.data,
+                              k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                              self.slot_mapping.data_ptr(), num_tokens, kv.block_size, kv.num_kv_heads, head_dim)
+        assert rc == 0, rc
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
+        rc = kernels.paged_attention(
+            self.dtype_code, out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+            k_layer, v_layer, self.k_layout.ctypes.data, self.v_layout.ctypes.data, self.num_runs,
+            self.query_start.ctypes.data, self.query_len.ctypes.data, self.num_computed.ctypes.data,
+            self.block_table.ctypes.data, self.block_table.shape[1], self.rows.ctypes.data, kv.block_size,
+            num_heads, kv.num_kv_heads, head_dim, self.sliding_window, 1.0 / math.sqrt(head_dim))
+        assert rc == 0, rc
+        return out

@@ -1,0 +1,129 @@
+"""C++ kernels for the CPU, compiled on first use with the machine's C++ compiler and cached on disk.
+
+The sources ship in this package. They need only torch's headers (ATen/Parallel.h, for torch's own
+intra-op threads) and compile in about a second; the shared library is cached under
+`$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by the source, torch's version, the
+compiler and this CPU's instruction set, so a machine builds it once. Ranks started together build it once
+between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once, and
+the callers keep their pure-PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("cpu_attention.cpp",)
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class CpuKernels:
+    """The compiled library's entry points (see cpu_attention.cpp for their arguments)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self.paged_attention = lib.ts_paged_attention
+        self.paged_attention.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,
+                                         ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32]
+        self.paged_attention.restype = ctypes.c_int
+        self.write_kv = lib.ts_write_kv
+        self.write_kv.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64,
+                                  i64]
+        self.write_kv.restype = ctypes.c_int
+
+    @staticmethod
+    def dtype_code(dtype: torch.dtype) -> int | None:
+        return _DTYPE_CODES.get(dtype)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torch_shift" / "kernels"
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else c++, g++ or clang++ on PATH; None if none."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_command(cxx: str, sources: list[Path], output: Path, native: bool) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (the library loads torch's libgomp)
+    return [cxx, "-O3", *(["-march=native"] if native else []), "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+            "-fno-math-errno", "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(torch_dir / "include"),
+            *map(str, sources), "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(output)]
+
+
+def _build(sources_dir: Path) -> Path:
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((sources_dir / name).read_bytes())
+    flags = " ".join(_build_command(cxx, [], Path("out"), native=True))
+    for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine()):
+        digest.update(part.encode())
+    target_dir = cache_dir() / digest.hexdigest()[:20]
+    target = target_dir / "libtorch_shift_cpu.so"
+    if target.exists():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    with open(target_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together: one builds, the others wait for it
+        if target.exists():
+            return target
+        errors = []
+        for native in (True, False):  # -march=native where the compiler knows this CPU
+            with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+                out = Path(tmp) / target.name
+                result = subprocess.run(_build_command(cxx, [sources_dir / s for s in _SOURCES], out, native),
+                                        capture_output=True, text=True, timeout=300)
+                if result.returncode == 0:
+                    os.replace(out, target)  # atomic: a reader never sees half a library
+                    return target
+                errors.append(result.stderr.strip()[-2000:])
+        raise RuntimeError(f"{Path(cxx).name} failed to build the CPU kernels:\n{errors[-1]}")
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> CpuKernels | None:
+    """The CPU kernels of this process (built on first use), or None where they cannot be built."""
+    try:
+        return CpuKernels(_build(Path(__file__).parent))
+    except Exception as e:  # noqa: BLE001 - any failure leaves the pure-PyTorch paths in place
+        warnings.warn(f"torch_shift's CPU kernels are unavailable ({e}); attention falls back to SDPA over "
+                      "gathered blocks, which is slower", RuntimeWarning, stacklevel=2)
+        return None

@@ -1,0 +1,580 @@
+// Paged attention on the CPU: every query run of a step (a decode token, or a chunk of a prompt) attends to
+// its own sequence's keys, read in place from the paged KV cache through its block table, causally (and
+// within a sliding window). No padding to the longest context and no gathered copy of the context: each
+// key and value is read once per (run, KV head, tile of queries) and converted to float32 in registers.
+//
+// Online softmax over chunks of keys (FlashAttention's recurrence, one pass), accumulated in float32. The
+// query heads that share a KV head are computed together (GQA), so a KV head's keys are read once for all
+// of them. Work items (run, KV head, tile of queries) go to torch's intra-op threads (at::parallel_for)
+// dynamically, the most expensive first.
+//
+// Vectors are GCC/Clang vector extensions of 16 floats: 512-bit registers with AVX-512, two 256-bit ones
+// with AVX2, four 128-bit ones on NEON; head_dim not a multiple of 16 takes a scalar path.
+//
+// Entry points are extern "C" with raw pointers and strides (called through ctypes): the C++ side needs
+// only ATen/Parallel.h, which compiles in about a second.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 64;  // query rows (queries x heads of a KV head) of one work item
+constexpr int kPieces = 4;    // pieces of kLanes keys in a chunk: one online-softmax update per chunk
+constexpr int kChunk = kPieces * kLanes;
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vhalfbits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+using bf16_t = uint16_t;
+#if defined(__FLT16_MAX__)
+#define TS_HAVE_FP16 1
+using fp16_t = _Float16;
+typedef _Float16 vfp16 __attribute__((vector_size(kLanes * sizeof(_Float16))));
+inline float to_float(fp16_t v) { return static_cast<float>(v); }
+inline void store(float v, fp16_t* out) { *out = static_cast<fp16_t>(v); }
+#endif
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float v, float* out) { *out = v; }
+inline void store(float v, bf16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *out = static_cast<bf16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even (as torch's conversion)
+  *out = static_cast<bf16_t>(bits >> 16);
+}
+
+// 16 consecutive values as float32
+inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load16(const bf16_t* p) {
+  vhalfbits h;
+  std::memcpy(&h, p, sizeof h);
+  vuint w = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+#ifdef TS_HAVE_FP16
+inline vfloat load16(const fp16_t* p) {
+  vfp16 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vfloat);
+}
+#endif
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+#if defined(__clang__)
+#define TS_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define TS_SHUFFLE(v, ...) __builtin_shuffle(v, vint{__VA_ARGS__})
+#endif
+
+inline float hsum(vfloat v) {
+  v += TS_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += TS_SHUFFLE(v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  v += TS_SHUFFLE(v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  v += TS_SHUFFLE(v, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+  return v[0];
+}
+
+inline float hmax(vfloat v) {
+  v = v > TS_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)
+          ? v : TS_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  v = v > TS_SHUFFLE(v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7)
+          ? v : TS_SHUFFLE(v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  v = v > TS_SHUFFLE(v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3)
+          ? v : TS_SHUFFLE(v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return std::max(v[0], v[1]);
+}
+
+// exp(x) for x <= 0 to about 2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-7 Taylor
+// polynomial; below -87 it is 2^-126 * p (callers mask those lanes).
+inline vfloat exp_nonpositive(vfloat x) {
+  const vfloat lowest = splat(-87.0f);
+  x = x > lowest ? x : lowest;
+  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer (|x| < 2^22)
+  const vfloat n = (x * 1.44269504088896341f + shifter) - shifter;
+  const vfloat r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  vfloat p = splat(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+// Strides (elements) of one layer's cache: element [block, token, head, dim].
+struct CacheLayout {
+  int64_t block, token, head, dim;
+};
+
+struct Problem {
+  void* out;
+  int64_t out_row_stride, out_head_stride;
+  const void* q;
+  int64_t q_row_stride, q_head_stride;
+  const void* k_cache;
+  const void* v_cache;
+  CacheLayout k, v;  // k: dim-major (token stride 1); v: token-major (dim stride 1)
+  const int32_t* query_start;
+  const int32_t* query_len;
+  const int32_t* num_computed;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const int32_t* block_table_row;
+  int64_t block_size, num_heads, num_kv_heads, head_dim, sliding_window;
+  float scale;
+};
+
+struct Item {
+  int32_t run, first_kv_head, num_kv_heads, first_query, num_queries;
+  double cost;
+};
+
+// One work item's rows: queries and accumulators in float32, the running max and sum of each row, and the
+// keys each row sees [lo, hi]. Row (i * num_kv_heads + h) * G + g: query i, KV head h of the item, the g-th
+// query head of that KV head.
+struct Rows {
+  int64_t count, head_dim;
+  float* q;    // [count, head_dim], scaled
+  float* acc;  // [count, head_dim]
+  float max[kMaxRows], sum[kMaxRows];
+  int64_t lo[kMaxRows], hi[kMaxRows];
+};
+
+// A chunk of keys is up to kPieces pieces of kLanes consecutive positions; each piece lies in one block (or
+// in a buffer the keys were copied to). Keys dim-major: dimension d of key j at keys[d * key_dim_stride + j]
+// (the piece's keys are one vector per dimension); values token-major: value j at values[j * value_stride].
+template <typename KT, typename VT>
+struct Piece {
+  const KT* keys;
+  const VT* values;
+  int64_t n;  // valid keys (<= kLanes)
+};
+
+// Rows [r0, r0 + RB) (one KV head) against one chunk of keys starting at position `chunk`: scores, the online
+// softmax update (once per chunk: FlashAttention's recurrence), and the values added into the accumulators.
+template <int RB, typename KT, typename VT>
+void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
+                int64_t value_stride, int64_t chunk, float* padded) {
+  const int64_t D = rows.head_dim;
+  const int64_t DV = D / kLanes;
+  vfloat scores[RB][kPieces];
+  for (int r = 0; r < RB; ++r)
+    for (int s = 0; s < kPieces; ++s) scores[r][s] = vfloat{};
+  for (int64_t s = 0; s < num_pieces; ++s) {
+    const KT* keys = pieces[s].keys;
+    int64_t stride = key_dim_stride;
+    if (pieces[s].n < kLanes) {  // a partial piece: its keys padded with zeros, never reading past them
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = 0; j < kLanes; ++j) padded[d * kLanes + j] = j < pieces[s].n ? to_float(keys[d * stride + j]) : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        const vfloat kd = load16(padded + d * kLanes);
+        for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
+      }
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat kd = load16(keys + d * stride);
+      for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
+    }
+  }
+
+  vint lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  alignas(64) float probs[RB][kPieces * kLanes];
+  float correction[RB];
+  for (int r = 0; r < RB; ++r) {
+    const int64_t row = r0 + r;
+    // this row's visible keys of the chunk: [a, b) relative to the chunk
+    const int32_t a = static_cast<int32_t>(std::max<int64_t>(rows.lo[row] - chunk, 0));
+    const int32_t b = static_cast<int32_t>(std::min<int64_t>(rows.hi[row] + 1 - chunk, kPieces * kLanes));
+    vint visible[kPieces];
+    vfloat masked[kPieces];
+    vfloat top = splat(-INFINITY);
+    for (int s = 0; s < kPieces; ++s) {
+      visible[s] = (lane + s * kLanes >= a) & (lane + s * kLanes < b) & (lane < static_cast<int32_t>(s < num_pieces ? pieces[s].n : 0));
+      masked[s] = visible[s] ? scores[r][s] : splat(-INFINITY);
+      top = top > masked[s] ? top : masked[s];
+    }
+    const float chunk_max = hmax(top);
+    if (chunk_max == -INFINITY) {  // nothing of this chunk is visible to the row
+      std::memset(probs[r], 0, sizeof probs[r]);
+      correction[r] = 1.0f;
+      continue;
+    }
+    const float new_max = std::max(rows.max[row], chunk_max);
+    correction[r] = rows.max[row] == -INFINITY ? 0.0f : exp_nonpositive(rows.max[row] - new_max);
+    vfloat total = vfloat{};
+    for (int s = 0; s < kPieces; ++s) {
+      const vfloat e = visible[s] ? exp_nonpositive(masked[s] - new_max) : vfloat{};
+      total += e;
+      std::memcpy(probs[r] + s * kLanes, &e, sizeof e);
+    }
+    rows.sum[row] = rows.sum[row] * correction[r] + hsum(total);
+    rows.max[row] = new_max;
+  }
+  for (int64_t dv = 0; dv < DV; ++dv) {
+    vfloat out[RB];
+    for (int r = 0; r < RB; ++r) out[r] = load16(rows.acc + (r0 + r) * D + dv * kLanes) * correction[r];
+    for (int64_t s = 0; s < num_pieces; ++s) {
+      const VT* values = pieces[s].values + dv * kLanes;
+      for (int64_t j = 0; j < pieces[s].n; ++j) {
+        const vfloat vv = load16(values + j * value_stride);
+        for (int r = 0; r < RB; ++r) out[r] += probs[r][s * kLanes + j] * vv;
+      }
+    }
+    for (int r = 0; r < RB; ++r) std::memcpy(rows.acc + (r0 + r) * D + dv * kLanes, &out[r], sizeof(vfloat));
+  }
+}
+
+// The same for any head_dim, one row at a time, in scalars.
+template <typename KT, typename VT>
+void chunk_row_scalar(Rows& rows, int64_t row, const Piece<KT, VT>* pieces, int64_t num_pieces,
+                      int64_t key_dim_stride, int64_t value_stride, int64_t chunk) {
+  const int64_t D = rows.head_dim;
+  float s[kPieces * kLanes];
+  bool seen[kPieces * kLanes];
+  float chunk_max = -INFINITY;
+  for (int64_t piece = 0; piece < num_pieces; ++piece) {
+    for (int64_t j = 0; j < pieces[piece].n; ++j) {
+      const int64_t pos = chunk + piece * kLanes + j;
+      const int64_t at = piece * kLanes + j;
+      seen[at] = pos >= rows.lo[row] && pos <= rows.hi[row];
+      if (!seen[at]) continue;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < D; ++d)
+        dot += rows.q[row * D + d] * to_float(pieces[piece].keys[d * key_dim_stride + j]);
+      s[at] = dot;
+      chunk_max = std::max(chunk_max, dot);
+    }
+  }
+  if (chunk_max == -INFINITY) return;
+  const float new_max = std::max(rows.max[row], chunk_max);
+  const float correction = rows.max[row] == -INFINITY ? 0.0f : exp_nonpositive(rows.max[row] - new_max);
+  float* o = rows.acc + row * D;
+  for (int64_t d = 0; d < D; ++d) o[d] *= correction;
+  float sum = 0.0f;
+  for (int64_t piece = 0; piece < num_pieces; ++piece) {
+    for (int64_t j = 0; j < pieces[piece].n; ++j) {
+      const int64_t at = piece * kLanes + j;
+      if (!seen[at]) continue;
+      const float w = exp_nonpositive(s[at] - new_max);
+      sum += w;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * to_float(pieces[piece].values[j * value_stride + d]);
+    }
+  }
+  rows.sum[row] = rows.sum[row] * correction + sum;
+  rows.max[row] = new_max;
+}
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+template <typename T>
+void attend(const Problem& p, const Item& item) {
+  const int64_t D = p.head_dim;
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t NH = item.num_kv_heads;
+  const int32_t* table = p.block_table + static_cast<int64_t>(p.block_table_row ? p.block_table_row[item.run]
+                                                                                  : item.run) * p.block_table_stride;
+  const int64_t first_pos = static_cast<int64_t>(p.num_computed[item.run]) + item.first_query;
+  const int64_t row0 = static_cast<int64_t>(p.query_start[item.run]) + item.first_query;
+  const T* q = static_cast<const T*>(p.q);
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+
+  // per thread: queries and accumulators, a padded piece of keys, and a chunk's keys and values copied out
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(2 * kMaxRows * D + D * kLanes + 2 * kChunk * D);
+  if (scratch.size() < need) scratch.resize(need);
+  Rows rows;
+  rows.count = item.num_queries * NH * G;
+  rows.head_dim = D;
+  rows.q = scratch.data();
+  rows.acc = rows.q + kMaxRows * D;
+  float* padded = rows.acc + kMaxRows * D;
+  float* copied_keys = padded + D * kLanes;         // [kPieces][D][kLanes]
+  float* copied_values = copied_keys + kChunk * D;  // [kChunk][D]
+  for (int64_t m = 0; m < rows.count; ++m) {
+    const int64_t i = m / (NH * G), head = item.first_kv_head * G + m % (NH * G);
+    const T* src = q + (row0 + i) * p.q_row_stride + head * p.q_head_stride;
+    for (int64_t d = 0; d < D; ++d) rows.q[m * D + d] = to_float(src[d]) * p.scale;
+    std::fill(rows.acc + m * D, rows.acc + (m + 1) * D, 0.0f);
+    rows.max[m] = -INFINITY;
+    rows.sum[m] = 0.0f;
+    rows.hi[m] = first_pos + i;
+    rows.lo[m] = p.sliding_window > 0 ? std::max<int64_t>(0, rows.hi[m] - p.sliding_window + 1) : 0;
+  }
+  assert(NH == 1 || item.num_queries == 1);  // so that the rows of one KV head are contiguous
+  const int64_t rows_per_head = rows.count / NH;
+  const bool vector = D % kLanes == 0;
+
+  // one chunk of head h against that head's rows
+  auto attend_chunk = [&](int64_t h, auto* pieces, int64_t num_pieces, int64_t key_dim_stride, int64_t value_stride,
+                          int64_t chunk) {
+    using P = std::remove_pointer_t<decltype(pieces)>;
+    using KT = std::remove_cv_t<std::remove_pointer_t<decltype(P::keys)>>;
+    using VT = std::remove_cv_t<std::remove_pointer_t<decltype(P::values)>>;
+    const int64_t r0 = h * rows_per_head;
+    if (!vector) {
+      for (int64_t r = r0; r < r0 + rows_per_head; ++r)
+        chunk_row_scalar<KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk);
+    } else if (G % 4 == 0) {
+      for (int64_t r = r0; r < r0 + rows_per_head; r += 4)
+        chunk_rows<4, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
+    } else if (G % 2 == 0) {
+      for (int64_t r = r0; r < r0 + rows_per_head; r += 2)
+        chunk_rows<2, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
+    } else {
+      for (int64_t r = r0; r < r0 + rows_per_head; ++r)
+        chunk_rows<1, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
+    }
+  };
+
+  // Chunks of kChunk positions aligned to multiples of kChunk (pieces aligned to kLanes): a row's sequence
+  // of chunks (and so its rounding) depends only on its position, not on the block size, the KV width or
+  // the other rows.
+  const int64_t key_end = rows.hi[rows.count - 1] + 1;  // rows are in position order: the last sees the most
+  const int64_t first_chunk = rows.lo[0] / kChunk * kChunk;
+  if (p.block_size % kLanes == 0) {  // every piece lies in one block: read in place
+    // a block's keys and values of the item's heads are requested a block ahead of their use: a sequence's
+    // blocks are scattered in the pool, so the hardware's prefetchers would start over at each one
+    const int64_t k_bytes = ((NH - 1) * p.k.head + (D - 1) * p.k.dim + p.block_size) * int64_t(sizeof(T));
+    const int64_t v_bytes = ((p.block_size - 1) * p.v.token + (NH - 1) * p.v.head + D) * int64_t(sizeof(T));
+    const int64_t last_block = (key_end - 1) / p.block_size;
+    int64_t prefetched = first_chunk / p.block_size;
+    Piece<T, T> pieces[kPieces];
+    for (int64_t chunk = first_chunk; chunk < key_end; chunk += kChunk) {
+      const int64_t chunk_end = std::min(key_end, chunk + kChunk);
+      const int64_t last_of_chunk = (chunk_end - 1) / p.block_size;
+      for (; prefetched <= std::min(last_block, last_of_chunk + 1); ++prefetched) {
+        const int64_t physical = table[prefetched];
+        prefetch(kc + physical * p.k.block + item.first_kv_head * p.k.head, k_bytes);
+        prefetch(vc + physical * p.v.block + item.first_kv_head * p.v.head, v_bytes);
+      }
+      for (int64_t h = 0; h < NH; ++h) {
+        int64_t num_pieces = 0;
+        for (int64_t start = chunk; start < chunk_end; start += kLanes) {
+          const int64_t block = start / p.block_size, offset = start % p.block_size;
+          const int64_t physical = table[block];
+          pieces[num_pieces++] = {kc + physical * p.k.block + (item.first_kv_head + h) * p.k.head + offset * p.k.token,
+                                  vc + physical * p.v.block + (item.first_kv_head + h) * p.v.head + offset * p.v.token,
+                                  std::min<int64_t>(kLanes, chunk_end - start)};
+        }
+        attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk);
+      }
+    }
+  } else {  // blocks smaller than a piece (or not a multiple of it): copy each chunk's keys and values out
+    Piece<float, float> pieces[kPieces];
+    for (int64_t chunk = first_chunk; chunk < key_end; chunk += kChunk) {
+      const int64_t n = std::min<int64_t>(kChunk, key_end - chunk);
+      for (int64_t h = 0; h < NH; ++h) {
+        int64_t num_pieces = 0;
+        for (int64_t start = 0; start < n; start += kLanes) {
+          float* keys = copied_keys + num_pieces * D * kLanes;
+          const int64_t valid = std::min<int64_t>(kLanes, n - start);
+          for (int64_t j = 0; j < kLanes; ++j) {
+            const int64_t pos = chunk + start + std::min(j, valid - 1);  // lanes past the keys repeat the last
+            const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
+            const T* k = kc + block * p.k.block + (item.first_kv_head + h) * p.k.head + offset * p.k.token;
+            const T* v = vc + block * p.v.block + (item.first_kv_head + h) * p.v.head + offset * p.v.token;
+            for (int64_t d = 0; d < D; ++d) keys[d * kLanes + j] = to_float(k[d * p.k.dim]);
+            for (int64_t d = 0; d < D; ++d) copied_values[(start + j) * D + d] = to_float(v[d]);
+          }
+          pieces[num_pieces++] = {keys, copied_values + start * D, valid};
+        }
+        attend_chunk(h, pieces, num_pieces, kLanes, D, chunk);
+      }
+    }
+  }
+
+  T* out = static_cast<T*>(p.out);
+  for (int64_t m = 0; m < rows.count; ++m) {
+    const int64_t i = m / (NH * G), head = item.first_kv_head * G + m % (NH * G);
+    T* dst = out + (row0 + i) * p.out_row_stride + head * p.out_head_stride;
+    const float inv = 1.0f / rows.sum[m];
+    for (int64_t d = 0; d < D; ++d) store(rows.acc[m * D + d] * inv, dst + d);
+  }
+}
+
+template <typename T>
+void run(const Problem& p, int64_t num_runs) {
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  const int64_t threads = at::get_num_threads();
+  // Decode runs (one query) take every KV head in one item, so that a block's keys and values are read as
+  // contiguous runs, unless there are too few runs to keep the threads busy; a prompt chunk is cut into
+  // tiles of queries of one KV head.
+  int64_t num_decodes = 0;
+  for (int32_t r = 0; r < num_runs; ++r) num_decodes += p.query_len[r] == 1;
+  int64_t heads_per_decode = std::min<int64_t>(p.num_kv_heads, std::max<int64_t>(1, kMaxRows / G));
+  while (heads_per_decode > 1 && (num_decodes * (p.num_kv_heads / heads_per_decode) < 4 * threads ||
+                                  p.num_kv_heads % heads_per_decode != 0))
+    --heads_per_decode;
+  const int64_t queries_per_item = std::max<int64_t>(1, kMaxRows / G);
+  std::vector<Item> items;
+  for (int32_t r = 0; r < num_runs; ++r) {
+    const int32_t len = p.query_len[r];
+    const int32_t nh = static_cast<int32_t>(len == 1 ? heads_per_decode : 1);
+    for (int32_t first = 0; first < len; first += static_cast<int32_t>(queries_per_item)) {
+      const int32_t nq = std::min<int32_t>(static_cast<int32_t>(queries_per_item), len - first);
+      int64_t keys = static_cast<int64_t>(p.num_computed[r]) + first + nq;
+      if (p.sliding_window > 0) keys = std::min<int64_t>(keys, p.sliding_window + nq);
+      for (int32_t h = 0; h < p.num_kv_heads; h += nh)
+        items.push_back({r, h, nh, first, nq, double(keys) * (nq * G * nh + 8)});
+    }
+  }
+  // the most expensive first, then handed out one at a time: no thread waits on another's long tail
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(threads, num_items);
+  if (workers <= 1) {
+    for (const Item& item : items) attend<T>(p, item);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend<T>(p, items[i]);
+  });
+}
+
+template <typename T>
+void write_kv(const Problem& p, void* k_cache, void* v_cache, const void* k, int64_t k_row_stride,
+              int64_t k_head_stride, const void* v, int64_t v_row_stride, int64_t v_head_stride,
+              const int64_t* slot_mapping, int64_t num_tokens) {
+  T* kc = static_cast<T*>(k_cache);
+  T* vc = static_cast<T*>(v_cache);
+  const T* ks = static_cast<const T*>(k);
+  const T* vs = static_cast<const T*>(v);
+  const int64_t D = p.head_dim;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t block = slot_mapping[t] / p.block_size, offset = slot_mapping[t] % p.block_size;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      T* kd = kc + block * p.k.block + offset * p.k.token + h * p.k.head;
+      const T* src = ks + t * k_row_stride + h * k_head_stride;
+      for (int64_t d = 0; d < D; ++d) kd[d * p.k.dim] = src[d];
+      std::memcpy(vc + block * p.v.block + offset * p.v.token + h * p.v.head, vs + t * v_row_stride + h * v_head_stride,
+                  D * sizeof(T));
+    }
+  }
+}
+
+Problem make_problem(const int64_t* k_layout, const int64_t* v_layout, int64_t block_size, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim) {
+  Problem p{};
+  p.k = {k_layout[0], k_layout[1], k_layout[2], k_layout[3]};
+  p.v = {v_layout[0], v_layout[1], v_layout[2], v_layout[3]};
+  p.block_size = block_size;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  return p;
+}
+
+bool valid(const Problem& p) {
+  return p.head_dim > 0 && p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 &&
+         p.num_heads / p.num_kv_heads <= kMaxRows && p.k.token == 1 && p.v.dim == 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The cache layouts are 4 strides each (elements): block, token, head, dim of one layer's K and V caches;
+// keys must be dim-major (token stride 1) and values token-major (dim stride 1).
+// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or a negative number for arguments it cannot take.
+int ts_paged_attention(int dtype, void* out, int64_t out_row_stride, int64_t out_head_stride, const void* q,
+                       int64_t q_row_stride, int64_t q_head_stride, const void* k_cache, const void* v_cache,
+                       const int64_t* k_layout, const int64_t* v_layout, int64_t num_runs,
+                       const int32_t* query_start, const int32_t* query_len, const int32_t* num_computed,
+                       const int32_t* block_table, int64_t block_table_stride, const int32_t* block_table_row,
+                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t sliding_window, float scale) {
+  Problem p = make_problem(k_layout, v_layout, block_size, num_heads, num_kv_heads, head_dim);
+  if (!valid(p)) return -1;
+  p.out = out;
+  p.out_row_stride = out_row_stride;
+  p.out_head_stride = out_head_stride;
+  p.q = q;
+  p.q_row_stride = q_row_stride;
+  p.q_head_stride = q_head_stride;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.query_start = query_start;
+  p.query_len = query_len;
+  p.num_computed = num_computed;
+  p.block_table = block_table;
+  p.block_table_stride = block_table_stride;
+  p.block_table_row = block_table_row;
+  p.sliding_window = sliding_window;
+  p.scale = scale;
+  switch (dtype) {
+    case 0: run<float>(p, num_runs); return 0;
+    case 1: run<bf16_t>(p, num_runs); return 0;
+#ifdef TS_HAVE_FP16
+    case 2: run<fp16_t>(p, num_runs); return 0;
+#endif
+    default: return -2;
+  }
+}
+
+// Writes the step's keys and values ([tokens, kv_heads, head_dim] each, with their own strides) into their
+// slots (slot = block * block_size + offset).
+int ts_write_kv(int dtype, void* k_cache, void* v_cache, const int64_t* k_layout, const int64_t* v_layout,
+                const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
+                int64_t v_head_stride, const int64_t* slot_mapping, int64_t num_tokens, int64_t block_size,
+                int64_t num_kv_heads, int64_t head_dim) {
+  Problem p = make_problem(k_layout, v_layout, block_size, num_kv_heads, num_kv_heads, head_dim);
+  if (!valid(p)) return -1;
+#define TS_WRITE(T)                                                                                            \
+  write_kv<T>(p, k_cache, v_cache, k, k_row_stride, k_head_stride, v, v_row_stride, v_head_stride, slot_mapping, \
+              num_tokens)
+  switch (dtype) {
+    case 0: TS_WRITE(float); return 0;
+    case 1: TS_WRITE(bf16_t); return 0;
+#ifdef TS_HAVE_FP16
+    case 2: TS_WRITE(fp16_t); return 0;
+#endif
+    default: return -2;
+  }
+#undef TS_WRITE
+}
+
+}  // extern "C"
