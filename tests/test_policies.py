@@ -7,8 +7,16 @@ from test_scheduler import make_request
 from test_step_plan import CONFIG
 
 from torch_shift.config import ModelConfig, SchedulerConfig
-from torch_shift.engine.flying import FlyingPolicy
-from torch_shift.engine.policies import RandomPolicy, ShiftPolicy, StaticPolicy, build_policy
+from torch_shift.engine.policies import (
+    FlyingOptions,
+    FlyingPolicy,
+    RandomPolicy,
+    ShiftOptions,
+    ShiftPolicy,
+    StaticPolicy,
+    build_policy,
+    policy_options,
+)
 from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.scheduler import Scheduler
 from torch_shift.kv.block_manager import BlockManager
@@ -19,7 +27,7 @@ BS = 4
 
 def flying(num_replicas=2, num_blocks=64, config=CONFIG, budget=64, **options):
     deployment = build_deployment(config, dp=num_replicas, flying=True)
-    policy = FlyingPolicy(deployment, **options)
+    policy = FlyingPolicy(deployment, FlyingOptions(**options))
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256,
                                       policy="priority"),
                       [BlockManager(num_blocks, BS) for _ in range(num_replicas)], policy)
@@ -149,29 +157,37 @@ def test_widths_the_model_cannot_use_are_never_offered_and_asking_for_one_names_
     assert sorted(layout.name for layout in deployment.layouts) == ["dp@0", "dp@1", "dp@2", "dp@3",
                                                                       "tp2@0", "tp2@2"]
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp_width=4"):
-        FlyingPolicy(deployment, tp_width=4)
+        FlyingPolicy(deployment, FlyingOptions(tp_width=4))
     with pytest.raises(ValueError, match="power-of-two width up to the 4 replicas"):
-        FlyingPolicy(deployment, priority_width=3)
+        FlyingPolicy(deployment, FlyingOptions(priority_width=3))
     with pytest.raises(ValueError, match="tp_below <= dp_above"):
-        FlyingPolicy(deployment, dp_above=1, tp_below=2)
+        FlyingOptions(dp_above=1, tp_below=2)
 
 
 def test_policy_names_and_options_are_checked():
     deployment = build_deployment(CONFIG, sp=2, tp=2)
-    assert isinstance(build_policy(None, deployment, 16), ShiftPolicy)
-    with pytest.raises(ValueError, match="takes no options"):
-        build_policy("shift", deployment, 16, dp_above=2)
+    assert isinstance(build_policy(None, deployment, ShiftOptions(16)), ShiftPolicy)
+    with pytest.raises(ValueError, match="policy 'shift' has no option 'dp_above'"):
+        policy_options("shift", {"dp_above": 2})
+    with pytest.raises(ValueError, match="policy 'static' takes no options"):
+        policy_options("static", {"dp_above": 2})
     with pytest.raises(ValueError, match="needs sp > 1"):
-        build_policy("shift", build_deployment(CONFIG, dp=2), 16)
+        build_policy("shift", build_deployment(CONFIG, dp=2), ShiftOptions(16))
     with pytest.raises(ValueError, match="unknown policy"):
         build_policy("fast", deployment)
+    with pytest.raises(ValueError, match="unknown policy"):
+        policy_options("fast", {})
+    with pytest.raises(TypeError, match="dp_above must be a number"):
+        policy_options("flying", {"dp_above": "4"})
+    assert policy_options("flying", {"dp_above": 2}) == FlyingOptions(dp_above=2)
     assert isinstance(build_policy(None, build_deployment(CONFIG, dp=2)), StaticPolicy)
 
 
 def test_shift_policy_is_paper_000_algorithm_3():
-    policy = ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), threshold=16)
+    policy = ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), ShiftOptions(threshold=16))
     assert [policy.finalize("base", n) for n in (1, 16, 17, 500)] == ["shift", "shift", "base", "base"]
-    assert ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), threshold=None).finalize("base", 1) == "base"
+    assert ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), ShiftOptions(threshold=None)).finalize("base", 1) \
+        == "base"
 
 
 def test_random_bindings_cover_the_replicas_without_overlap():

@@ -12,6 +12,7 @@ from test_block_manager import check_consistent
 from torch_shift.config import SchedulerConfig
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.engine.policies import SingleGroupPolicy
 from torch_shift.engine.scheduler import Scheduler, SchedulerOutput
 from torch_shift.kv.block_manager import BlockManager
 
@@ -27,7 +28,8 @@ def make_scheduler(num_blocks: int = 256, budget: int = 64, max_seqs: int = 16, 
                    policy: str = "fcfs", prefix: bool = True, block_size: int = BS) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len,
                              policy=policy)
-    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix))
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix),
+                     SingleGroupPolicy("single"))
 
 
 def make_request(rid: str, prompt: int | list[int], max_tokens: int = 4, priority: int = 0,

@@ -23,10 +23,9 @@ from test_step_plan import CONFIG
 from torch_shift import LLM, SamplingParams
 from torch_shift.config import ModelConfig, SchedulerConfig
 from torch_shift.engine.input_batch import InputBatch
-from torch_shift.engine.policies import StaticPolicy, StepDecision, build_policy
+from torch_shift.engine.policies import SeesawOptions, SeesawPolicy, StaticPolicy, StepDecision, build_policy
 from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.scheduler import Scheduler
-from torch_shift.engine.seesaw import SeesawPolicy
 from torch_shift.engine.step_plan import GroupStep, NewRow, ReplicaDelta, split_micro_batches
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache
@@ -359,7 +358,7 @@ def _transitions(scheduling: str, refill_below: float = 0.0) -> SeesawPolicy:
     as the paper's host tier, larger than the device's), the device about 4 requests' KV; outputs of 2
     to 9 tokens, so that requests finish apart."""
     deployment = build_deployment(CONFIG, pp=2, seesaw=True)
-    policy = SeesawPolicy(deployment, scheduling=scheduling, refill_below=refill_below)
+    policy = SeesawPolicy(deployment, SeesawOptions(scheduling=scheduling, refill_below=refill_below))
     sched = _scheduler(deployment, policy, num_blocks=13, tier_blocks=12, budget=64)
     requests = [make_request(f"r{i}", 8, max_tokens=2 + i % 8) for i in range(12)]
     result = _drive(sched, TieredFakeModel(sched), requests)
@@ -376,7 +375,7 @@ def test_tiered_buffering_makes_the_transitions_its_rule_predicts_and_fewer_than
     assert _transitions("prefill_first").num_transitions > tiered.num_transitions
     assert _transitions("decode_first").num_transitions <= tiered.num_transitions
     with pytest.raises(ValueError, match="scheduling must be one of"):
-        SeesawPolicy(build_deployment(CONFIG, pp=2, seesaw=True), scheduling="eager")
+        SeesawOptions(scheduling="eager")
 
 
 def test_refilling_below_a_fraction_of_the_tier_prefills_again_before_it_is_empty():
@@ -384,7 +383,7 @@ def test_refilling_below_a_fraction_of_the_tier_prefills_again_before_it_is_empt
     left after the device took 4), not only when it is empty: more, shorter phases, the same outputs."""
     assert _transitions("tiered", refill_below=0.5).num_transitions > _transitions("tiered").num_transitions
     with pytest.raises(ValueError, match="refill_below"):
-        SeesawPolicy(build_deployment(CONFIG, pp=2, seesaw=True), refill_below=1.0)
+        SeesawOptions(refill_below=1.0)
 
 
 # -- every layout exact against the single-device engine, at world 2 and 4 -------------------------------------

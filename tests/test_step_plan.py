@@ -18,7 +18,7 @@ from test_scheduler import EOS, assert_no_leak, make_request, reference_next
 
 from torch_shift.config import ModelConfig, SchedulerConfig
 from torch_shift.engine.input_batch import InputBatch
-from torch_shift.engine.policies import RandomPolicy, StaticPolicy
+from torch_shift.engine.policies import RandomOptions, RandomPolicy, StaticPolicy
 from torch_shift.engine.scheduler import Scheduler
 from torch_shift.engine.step_plan import PlanBuilder
 from torch_shift.attention.sdpa import build_sdpa_metadata, key_mask
@@ -87,7 +87,7 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
     rng = random.Random(seed)
     deployment = build_deployment(CONFIG, dp=num_replicas, flying=policy_name == "random") if num_replicas > 1 \
         else build_deployment(CONFIG)
-    policy = RandomPolicy(deployment, seed=seed) if policy_name == "random" else StaticPolicy(deployment)
+    policy = RandomPolicy(deployment, RandomOptions(seed=seed)) if policy_name == "random" else StaticPolicy(deployment)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=96)
     sched = Scheduler(config, [BlockManager(num_blocks, BS) for _ in range(num_replicas)], policy)
     builder = PlanBuilder(num_replicas, config.max_num_seqs)

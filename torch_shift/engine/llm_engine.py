@@ -23,7 +23,7 @@ from torch_shift.attention import canonical_backend_name
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from torch_shift.engine.model_runner import ModelRunner
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from torch_shift.engine.policies import build_policy
+from torch_shift.engine.policies import build_policy, policy_options
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, topk_logprobs
 from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
@@ -95,7 +95,7 @@ class EngineArgs:
     pp: int = 1  # pipeline stages of each replica (static PP; with policy "seesaw" the same ranks decode in TP)
     policy: str | None = None  # None: the deployment's own ("shift" for sp > 1, else "static"); "flying"
     # (paper 004, dp > 1); "seesaw" (paper 003, pp > 1: prefill in PP, decode in TP); "random" (tests)
-    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4.0} (torch_shift.engine.flying)
+    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4.0} (torch_shift.engine.policies)
     shift_threshold: int | None = 256  # steps with more tokens run in the base layout; None: base only
     shift_weights: str = "copy"  # shift-layout shards as "copy" (+1/SP weight memory) or zero-copy "view"
     flying_weights: str = "view"  # Flying's TP shards: zero-copy "view"s of each replica's weights, or "copy"
@@ -167,6 +167,19 @@ class EngineArgs:
         if self.policy not in (None, "static", "shift", "flying", "seesaw", "random"):
             raise ValueError(f"policy must be 'static', 'shift', 'flying', 'seesaw' or 'random', got {self.policy!r}")
         self.attention_backend = canonical_backend_name(self.attention_backend)
+
+
+def _policy_options(args: EngineArgs, deployment: Deployment):
+    name = args.policy or deployment.default_policy
+    config = dict(args.policy_config or {})
+    if name == "shift":  # the threshold is an engine argument (ArcticInference's shift_parallel_threshold)
+        if config:
+            raise ValueError(f"policy 'shift' takes no policy_config (its threshold is shift_threshold), got "
+                             f"{sorted(config)}")
+        config["threshold"] = args.shift_threshold
+    if name == "random":
+        config.setdefault("seed", args.seed)
+    return policy_options(name, config)
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -261,8 +274,7 @@ class LLMEngine:
 
         self.pools = [BlockManager(num_kv_blocks, args.block_size, args.enable_prefix_caching)
                       for _ in self.deployment.replicas]
-        self.policy = build_policy(args.policy, self.deployment, args.shift_threshold, seed=args.seed,
-                                   **(args.policy_config or {}))
+        self.policy = build_policy(args.policy, self.deployment, _policy_options(args, self.deployment))
         self.tier = None
         if num_tier_blocks:
             self.tier = TierAllocator(num_tier_blocks, args.block_size, async_copies=args.kv_swap == "async")
@@ -314,7 +326,7 @@ class LLMEngine:
         (nor past the host tier when every request passes through it, as under Seesaw)."""
         widest = max(layout.kv_width for layout in self.deployment.layouts)
         tokens = widest * self.block_manager.capacity_tokens
-        if self.deployment.family == "seesaw":
+        if self.deployment.moves_kv_through_tier:
             tokens = min(tokens, self.tier.capacity_tokens)
         return tokens
 
@@ -384,7 +396,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; {where} only {pool_tokens} tokens "
                 f"({widest} x {self.block_manager.num_blocks} KV blocks of {self.block_manager.block_size})"
                 + (" (policy 'flying' binds replicas whose pools together hold more)"
-                   if self.deployment.family == "dp" else "")
+                   if self.deployment.num_replicas > 1 and widest == 1 else "")
             )
         return TokenizedPrompt(text, token_ids)
 
@@ -771,11 +783,11 @@ class _Setup:
             num_blocks = int(args.cpu_kv_gb * (1 << 30)) // per_block
             if args.cpu_kv_gb > 0 and num_blocks == 0:
                 raise ValueError(f"cpu_kv_gb={args.cpu_kv_gb} holds no KV block of {per_block} bytes")
-        elif self.deployment.family == "seesaw":
+        elif self.deployment.moves_kv_through_tier:
             num_blocks = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(torch.device("cpu")) // 4) // per_block
         else:
             num_blocks = 0
-        if self.deployment.family == "seesaw" and num_blocks == 0:
+        if self.deployment.moves_kv_through_tier and num_blocks == 0:
             raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
                              "(cpu_kv_gb > 0)")
         return num_blocks

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from torch_shift.config import SchedulerConfig
+from torch_shift.engine.policies.base import Policy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.tier import SwapOp, TierAllocator
@@ -154,16 +155,13 @@ class _Group:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pools: BlockManager | list[BlockManager], policy=None,
+    def __init__(self, config: SchedulerConfig, pools: BlockManager | list[BlockManager], policy: Policy,
                  tier: TierAllocator | None = None):
         """`pools`: one block manager per replica (a single one: one replica). `policy`: what runs each
-        step (torch_shift.engine.policies); default: the one replica, always. `tier`: the host tier of
-        the KV cache, if any."""
-        from torch_shift.engine.policies import SingleGroupPolicy
-
+        step (torch_shift.engine.policies). `tier`: the host tier of the KV cache, if any."""
         self.config = config
         self.pools: list[BlockManager] = [pools] if isinstance(pools, BlockManager) else list(pools)
-        self.policy = policy or SingleGroupPolicy("single")
+        self.policy = policy
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -505,7 +503,7 @@ class Scheduler:
 
 
 class SchedulerView:
-    """What a policy may read of the scheduler: requests, pools and the step count (no mutation)."""
+    """What a policy may read of the scheduler (torch_shift.engine.policies.base.SchedulerView), read-only."""
 
     def __init__(self, scheduler: Scheduler):
         self._s = scheduler

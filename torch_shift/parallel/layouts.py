@@ -80,11 +80,13 @@ class Deployment:
     world_size: int
     replicas: tuple[tuple[int, ...], ...]
     layouts: tuple[Layout, ...]
-    family: str  # "single", "tp", "shift", "dp", "flying", "pp", "seesaw"
+    family: str  # what it is, for messages and stats: "single", "tp", "shift", "dp", "flying", "pp", "seesaw"
     sp: int = 1
     tp: int = 1  # inside a replica
     pp: int = 1  # pipeline stages of a replica
     config: ModelConfig | None = field(default=None, compare=False, repr=False)
+    default_policy: str = "static"  # the policy that switches between its layouts (torch_shift.engine.policies)
+    moves_kv_through_tier: bool = False  # every request's KV changes view through the host tier (Seesaw)
     _by_name: dict[str, Layout] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,11 @@ class Deployment:
 
     def layouts_of(self, rank: int) -> list[Layout]:
         return [layout for layout in self.layouts if rank in layout.ranks]
+
+    def alternatives(self, layout: Layout) -> list[Layout]:
+        """The layouts a batch formed for `layout` may run in instead: over the same replicas, with the same
+        KV view (`layout` itself included)."""
+        return [other for other in self.layouts if other.replicas == layout.replicas and other.kv_view == layout.kv_view]
 
     def replica_layouts(self) -> list[Layout]:
         """The layouts of width 1, one per replica in replica order (a replica on its own)."""
@@ -193,7 +200,8 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
                 layouts.append(Layout("shift", "shift", tuple(shift_rank_order(sp, tp)), (0,), tp=world))
             layouts = tuple(layouts)
             family = "shift"
-        return Deployment(world, (ranks,), layouts, family, sp=sp, tp=tp, config=config)
+        return Deployment(world, (ranks,), layouts, family, sp=sp, tp=tp, config=config,
+                          default_policy="shift" if family == "shift" else "static")
 
     if tp > 1:  # inside a replica, KV heads may be replicated as in static TP
         validate_mesh_for_model(config, 1, tp)
@@ -204,7 +212,8 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
         for width in flying_widths(config, dp):
             for group in aligned_groups(dp, width):
                 layouts.append(Layout(f"tp{width}@{group[0]}", "tp", group, group, tp=width))
-    return Deployment(world, replicas, tuple(layouts), "flying" if flying else "dp", tp=tp, config=config)
+    return Deployment(world, replicas, tuple(layouts), "flying" if flying else "dp", tp=tp, config=config,
+                      default_policy="flying" if flying else "static")
 
 
 def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int, flying: bool,
@@ -234,4 +243,5 @@ def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int
         if seesaw:
             layouts.append(Layout(f"tp{at}", "tp", ranks, (i,), tp=pp))
     return Deployment(dp * pp, replicas, tuple(layouts), "seesaw" if seesaw else "pp", tp=pp if seesaw else 1,
-                      pp=pp, config=config)
+                      pp=pp, config=config, default_policy="seesaw" if seesaw else "static",
+                      moves_kv_through_tier=seesaw)

@@ -244,7 +244,7 @@ def build_pipeline_model(deployment: Deployment, groups: DeploymentGroups, rank:
     index = ranks.index(rank)
     tp = None
     tp_rank = 0
-    if deployment.family == "seesaw":
+    if any(layout.kind == "tp" for layout in deployment.layouts_of(rank)):  # Seesaw: the same ranks decode in TP
         tp = load_base(config, groups.replica, read, dtype, device)
         tp_rank = groups.replica.tp_rank
     stage = load_stage(config, stage_layers(config.num_hidden_layers, deployment.pp, index), index == 0,

@@ -20,19 +20,56 @@ Three reasons to bind a group, each decided at the step plan (the safe point):
 
 from __future__ import annotations
 
-from torch_shift.engine.policies import Policy, StepDecision
+from dataclasses import dataclass
+
+from torch_shift.engine.policies.base import Policy, SchedulerView, StepDecision
 from torch_shift.engine.request import Request
 from torch_shift.parallel.layouts import Deployment, check_width
+
+
+@dataclass(frozen=True)
+class FlyingOptions:
+    tp_width: int | None = None  # width of the TP groups under light load (default: the widest the model allows)
+    dp_above: float = 4.0  # requests per replica at which the replicas run as DP
+    tp_below: float = 1.0  # ... and back to TP at this load
+    priority_below: int = 0  # a request with a priority below this gets a TP group at once
+    priority_width: int | None = None  # that group's width (default: the widest)
+    preemption: str = "hard"  # "hard": pause the DP requests of the group at once; "soft": wait for them
+    max_pause_steps: int = 16  # a request paused by priority groups moves after this many steps
+
+    def __post_init__(self) -> None:
+        for name in ("dp_above", "tp_below"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not 0 <= self.tp_below <= self.dp_above:
+            raise ValueError(f"need 0 <= tp_below <= dp_above, got tp_below={self.tp_below}, "
+                             f"dp_above={self.dp_above}")
+        if self.preemption not in ("hard", "soft"):
+            raise ValueError(f"preemption must be 'hard' or 'soft', got {self.preemption!r}")
+        for name in ("max_pause_steps", "priority_below"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.max_pause_steps < 0:
+            raise ValueError(f"max_pause_steps must be >= 0, got {self.max_pause_steps!r}")
+        for name in ("tp_width", "priority_width"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
 
 
 class FlyingPolicy(Policy):
     name = "flying"
     uses_priority = True
 
-    def __init__(self, deployment: Deployment, tp_width: int | None = None, dp_above: float = 4.0,
-                 tp_below: float = 1.0, priority_below: int = 0, priority_width: int | None = None,
-                 preemption: str = "hard", max_pause_steps: int = 16):
+    def __init__(self, deployment: Deployment, options: FlyingOptions = FlyingOptions()):
         super().__init__(deployment)
+        if deployment.num_replicas < 2 or any(layout.kv_width != 1 for layout in deployment.replica_layouts()) \
+                or any(len(ranks) != 1 for ranks in deployment.replicas):
+            raise ValueError("policy 'flying' binds data-parallel replicas of one rank each into TP groups: it "
+                             "needs dp >= 2 (and sp = tp = 1)")
+        tp_width, priority_width = options.tp_width, options.priority_width
         self.groups: dict[int, list[str]] = {}  # width -> its aligned layouts
         for layout in deployment.layouts:
             if layout.kv_width > 1:
@@ -40,16 +77,10 @@ class FlyingPolicy(Policy):
         widest = max(self.groups, default=1)
         self.tp_width = self._check_width("tp_width", widest if tp_width is None else tp_width)
         self.priority_width = self._check_width("priority_width", widest if priority_width is None else priority_width)
-        if not 0 <= tp_below <= dp_above:
-            raise ValueError(f"need 0 <= tp_below <= dp_above, got tp_below={tp_below}, dp_above={dp_above}")
-        if preemption not in ("hard", "soft"):
-            raise ValueError(f"preemption must be 'hard' or 'soft', got {preemption!r}")
-        if isinstance(max_pause_steps, bool) or not isinstance(max_pause_steps, int) or max_pause_steps < 0:
-            raise ValueError(f"max_pause_steps must be an int >= 0, got {max_pause_steps!r}")
-        self.max_pause_steps = max_pause_steps
-        self.dp_above, self.tp_below = dp_above, tp_below
-        self.priority_below = priority_below
-        self.preemption = preemption
+        self.max_pause_steps = options.max_pause_steps
+        self.dp_above, self.tp_below = options.dp_above, options.tp_below
+        self.priority_below = options.priority_below
+        self.preemption = options.preemption
         self.mode = "tp" if self.tp_width > 1 else "dp"
         self.dp_layouts = [layout.name for layout in deployment.replica_layouts()]
         self.needs: dict[str, int] = {}  # request -> the group width it needs (priority, long context)
@@ -68,7 +99,7 @@ class FlyingPolicy(Policy):
         raise AssertionError(f"{name}={width} passed check_width but is not offered")
 
     # -- request hooks ----------------------------------------------------------------------------------
-    def on_add(self, request: Request, view) -> None:
+    def on_add(self, request: Request, view: SchedulerView) -> None:
         need = request.num_prompt_tokens + request.max_tokens
         capacity = view.num_blocks[0] * view.block_size
         if need > capacity and self.groups:
@@ -86,7 +117,7 @@ class FlyingPolicy(Policy):
         self.paused_since.pop(rid, None)
 
     # -- the decision -----------------------------------------------------------------------------------
-    def decide(self, view) -> StepDecision:
+    def decide(self, view: SchedulerView) -> StepDecision:
         running = view.running
         self._update_mode((view.num_waiting + len(running)) / self.deployment.num_replicas)
         for rid, width in self.needs.items():
@@ -158,11 +189,11 @@ class FlyingPolicy(Policy):
                 draining.add(name)
         return draining
 
-    def _least_busy(self, names: list[str], view) -> str:
+    def _least_busy(self, names: list[str], view: SchedulerView) -> str:
         seqs = view.num_seqs
         return min(names, key=lambda n: sum(seqs[r] for r in self.deployment[n].replicas))
 
-    def route(self, request: Request, decision: StepDecision, view) -> list[str]:
+    def route(self, request: Request, decision: StepDecision, view: SchedulerView) -> list[str]:
         pinned = self.pinned.get(request.request_id)
         if pinned is not None:
             if pinned in decision.layouts:

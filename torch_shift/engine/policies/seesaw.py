@@ -24,29 +24,41 @@ in it) and swaps the layer weights in use (torch_shift.parallel.pipeline).
 
 from __future__ import annotations
 
-from torch_shift.engine.policies import Policy, StepDecision
+from dataclasses import dataclass
+
+from torch_shift.engine.policies.base import Policy, SchedulerView, StepDecision
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.parallel.layouts import Deployment
 
 SCHEDULES = ("tiered", "prefill_first", "decode_first")
 
 
+@dataclass(frozen=True)
+class SeesawOptions:
+    scheduling: str = "tiered"  # one of SCHEDULES (paper 003, Fig. 2)
+    refill_below: float = 0.0  # back to prefill when the tier's use falls below this fraction (the artifact: 0.2)
+
+    def __post_init__(self) -> None:
+        if self.scheduling not in SCHEDULES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULES)}, got {self.scheduling!r}")
+        if isinstance(self.refill_below, bool) or not isinstance(self.refill_below, (int, float)) \
+                or not 0.0 <= self.refill_below < 1.0:
+            raise ValueError(f"refill_below is a fraction of the tier in [0, 1), got {self.refill_below!r}")
+
+
 class SeesawPolicy(Policy):
     name = "seesaw"
 
-    def __init__(self, deployment: Deployment, scheduling: str = "tiered", refill_below: float = 0.0):
+    def __init__(self, deployment: Deployment, options: SeesawOptions = SeesawOptions()):
         super().__init__(deployment)
-        if deployment.family != "seesaw":
+        self.prefill_layouts = tuple(layout.name for layout in deployment.layouts if layout.kv_view == "layers")
+        self.decode_layouts = tuple(layout.name for layout in deployment.layouts
+                                    if layout.kind == "tp" and layout.pp == 1)
+        if not self.prefill_layouts or len(self.decode_layouts) != len(self.prefill_layouts):
             raise ValueError("policy 'seesaw' switches each replica between its PP and TP layouts: build it with "
                              f"pp >= 2 and policy='seesaw' (this deployment is {deployment.family!r})")
-        if scheduling not in SCHEDULES:
-            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULES)}, got {scheduling!r}")
-        if not 0.0 <= refill_below < 1.0:
-            raise ValueError(f"refill_below is a fraction of the tier in [0, 1), got {refill_below!r}")
-        self.scheduling = scheduling
-        self.refill_below = refill_below
-        self.prefill_layouts = tuple(layout.name for layout in deployment.layouts if layout.kind == "pp")
-        self.decode_layouts = tuple(layout.name for layout in deployment.layouts if layout.kind == "tp")
+        self.scheduling = options.scheduling
+        self.refill_below = options.refill_below
         self.phase = "prefill"
         self.prefill_to_decode = 0
         self.decode_to_prefill = 0
@@ -55,7 +67,7 @@ class SeesawPolicy(Policy):
     def num_transitions(self) -> int:
         return self.prefill_to_decode + self.decode_to_prefill
 
-    def decide(self, view) -> StepDecision:
+    def decide(self, view: SchedulerView) -> StepDecision:
         offload, prefilling, decoding = [], False, False
         for request in view.running:
             if request.kv_view == "layers":
@@ -76,7 +88,7 @@ class SeesawPolicy(Policy):
         layouts = self.prefill_layouts if self.phase == "prefill" else self.decode_layouts
         return StepDecision(layouts, swap_out=tuple(offload), phase=self.phase)
 
-    def _wants_prefill(self, view, decoding: bool) -> bool:
+    def _wants_prefill(self, view: SchedulerView, decoding: bool) -> bool:
         if not view.num_waiting:
             return False
         if self.scheduling == "prefill_first":
@@ -86,7 +98,7 @@ class SeesawPolicy(Policy):
         return not view.num_swapped or view.tier_usage < self.refill_below
 
     # -- admission: a prompt is prefilled only when the tier can take its KV afterwards ------------------
-    def _tier_room(self, view) -> int:
+    def _tier_room(self, view: SchedulerView) -> int:
         """Tier blocks left once the prompts being prefilled under PP have gone to the tier."""
         block_size = view.block_size
         reserved = 0
@@ -98,10 +110,10 @@ class SeesawPolicy(Policy):
                 reserved += -(-tokens // block_size)
         return view.tier_free_blocks - reserved
 
-    def _fits(self, request: Request, view, tier_room: int) -> bool:
+    def _fits(self, request: Request, view: SchedulerView, tier_room: int) -> bool:
         return -(-request.num_tokens // view.block_size) <= tier_room
 
-    def _can_prefill(self, view, offload: list[str]) -> bool:
+    def _can_prefill(self, view: SchedulerView, offload: list[str]) -> bool:
         """The head of the queue could start: the tier would hold it, and a replica has room for all of
         it once the prefilled requests leaving for the tier have freed their blocks (a prompt stays on
         the device until its last chunk is done; room for its first chunk only could leave it preempting
@@ -119,7 +131,7 @@ class SeesawPolicy(Policy):
         needed = -(-head.num_tokens // block_size)
         return any(n < config.max_num_seqs and f >= needed for n, f in zip(seqs, free))
 
-    def route(self, request: Request, decision: StepDecision, view) -> list[str]:
+    def route(self, request: Request, decision: StepDecision, view: SchedulerView) -> list[str]:
         if request.status != RequestStatus.SWAPPED and not self._fits(request, view, self._tier_room(view)):
             return []  # the tier is full: the prompt waits (paper 003: prefill until the tier is full)
         return super().route(request, decision, view)
