@@ -369,6 +369,9 @@ class _TimedModel:
     def __init__(self, model, acc):
         self._model, self._acc = model, acc
 
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
     def forward_step(self, *a):
         t = time.perf_counter()
         r = self._model.forward_step(*a)
@@ -399,12 +402,12 @@ def _timed(fn, acc, key):
 PHASES = ["schedule", "prepare", "model", "execute_other", "sample", "update", "outputs"]
 PHASE_DOC = {
     "schedule": "Scheduler.schedule",
-    "prepare": "ModelRunner.prepare (persistent batch -> tensors)",
+    "prepare": "InputBatch.prepare (persistent batch -> tensors)",
     "model": "null model forward_step",
-    "execute_other": "rest of LLMEngine.execute (plan deltas, InputBatch.apply, inference_mode, PagedAttention())",
-    "sample": "LLMEngine._sample (incl. Sampler: argmax, .tolist())",
+    "execute_other": "rest of the executor (plan build and deltas, InputBatch.apply, inference_mode, attention build)",
+    "sample": "OutputProcessor.sample (incl. Sampler: argmax, .tolist())",
     "update": "Scheduler.update_from_output",
-    "outputs": "rest of LLMEngine.step: detokenize loop, _make_output, bookkeeping",
+    "outputs": "rest of LLMEngine.step: detokenization, make_outputs, bookkeeping",
 }
 
 
@@ -446,15 +449,15 @@ def overhead_run(tiny_dir: Path, n: int, prompt_len: int, warmup: int, steps: in
         engine.step()
     acc = dict.fromkeys(PHASES + ["sampler", "make_output", "execute"], 0.0)
     if mode == "phases":
-        sched, runner = engine.scheduler, engine.runner
+        sched, runner, core, outputs = engine.scheduler, engine.runner, engine.core, engine.output_processor
         sched.schedule = _timed(sched.schedule, acc, "schedule")
         sched.update_from_output = _timed(sched.update_from_output, acc, "update")
-        runner.prepare = _timed(runner.prepare, acc, "prepare")
-        engine.execute = _timed(engine.execute, acc, "execute")
+        runner.batch.prepare = _timed(runner.batch.prepare, acc, "prepare")
+        core.executor = _timed(core.executor, acc, "execute")
         runner.model = _TimedModel(runner.model, acc)
-        engine._sample = _timed(engine._sample, acc, "sample")
-        engine.sampler = _TimedSampler(engine.sampler, acc)
-        engine._make_output = _timed(engine._make_output, acc, "make_output")
+        core.sample = _timed(core.sample, acc, "sample")
+        outputs.sampler = _TimedSampler(outputs.sampler, acc)
+        outputs.make_outputs = _timed(outputs.make_outputs, acc, "make_output")
     times, cpu_times = [], []
     profiler = cProfile.Profile() if mode == "profile" else None
     ctx_start = engine.scheduler.running[0].num_tokens
@@ -661,7 +664,7 @@ def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: i
     engine = llm.engine
     engine.runner.model = NullModel(TINY2_CONFIG["vocab_size"], max(2048, n), engine.runner.model)
     if rank != 0:
-        engine.worker_loop()
+        engine.follow()
         return None
     sizes: list[int] = []
     send = engine.parallel.broadcast
@@ -672,15 +675,15 @@ def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: i
 
     engine.parallel.broadcast = recording
     full_sizes: list[int] = []  # what a full plan (every token id and block table, as before deltas) would pickle to
-    execute = engine.execute
+    build = engine.core.plan_builder.build
 
-    def execute_recording(output):
+    def build_recording(output):
         full = [(e.request_id, e.token_ids, e.num_computed_tokens, list(e.block_table), e.sample, e.prompt_logprobs)
                 for e in output.scheduled]
         full_sizes.append(len(pickle.dumps(("step", full))))
-        return execute(output)
+        return build(output)
 
-    engine.execute = execute_recording
+    engine.core.plan_builder.build = build_recording
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -692,7 +695,7 @@ def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: i
         engine.step(final_only=True)
         assert len(engine.scheduler.running) == n
     decode = sizes[first_decode:]
-    send(("outputs", None))
+    send(("result", None))
     return {"n": n, "prompt_len": prompt_len, "steps": len(decode), "mean_bytes": statistics.mean(decode),
             "max_bytes": max(decode), "prefill_bytes": sum(sizes[:first_decode]),
             "full_plan_mean_bytes": statistics.mean(full_sizes[first_decode:])}

@@ -326,7 +326,7 @@ def _longest_rank(rank, world, model_dir, engine_args, kv_bytes, max_model_len, 
         engine.tokenize_prompt(prompt)  # refused here (rank 0 alone) or served below (every rank)
     except ValueError as e:
         result.update(served=False, error=str(e))
-        engine.parallel.broadcast(("outputs", result))
+        engine.send_result("result", result)
         return result
     start = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)

@@ -106,7 +106,7 @@ def _hard_preemption_rank(rank, world, model_dir, normal, urgent, params):
               policy_config={"dp_above": 1.0, "tp_below": 0.0})
     engine = llm.engine
     if rank != 0:
-        return engine.worker_loop()
+        return engine.follow()
     for i, prompt in enumerate(normal):
         engine.add_request(f"n{i}", prompt, params)
     finished = {}
@@ -122,7 +122,7 @@ def _hard_preemption_rank(rank, world, model_dir, normal, urgent, params):
         finished.update({o.request_id: o for o in outs if o.finished})
     result = ([finished[f"n{i}"] for i in range(len(normal))], finished["urgent"], layouts_while_urgent,
               engine.stats())
-    engine.parallel.broadcast(("outputs", result))
+    engine.send_result("result", result)
     return result
 
 
@@ -146,7 +146,7 @@ def _long_rank(rank, world, model_dir, engine_args, prompt, params):
         try:
             llm.engine.tokenize_prompt(prompt)
         except ValueError as e:
-            llm.engine.parallel.broadcast(("outputs", str(e)))
+            llm.engine.send_result("result", str(e))
             return str(e)
     return llm.generate([prompt], params, use_tqdm=False)[0]
 

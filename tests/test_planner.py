@@ -270,9 +270,9 @@ def _ledger_rank(rank, world, model_dir, sp, tp):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        engine.parallel.broadcast(("outputs", None))
+        engine.send_result("result", None)
     else:
-        engine.worker_loop()
+        engine.follow()
     return {
         "ledger": (dict(module.ledger.bytes), dict(module.ledger.calls)),
         "steps": [(p.layout, [Seq.from_scheduled(e) for e in p.scheduled]) for p in plans if not p.is_empty],

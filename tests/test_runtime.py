@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from torch_shift import LLM, SamplingParams
-from torch_shift.engine.llm_engine import _Setup
+from torch_shift.engine import worker as worker_module
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = ["the quick brown fox", "x"]
@@ -147,14 +147,14 @@ def test_construction_ends_within_the_timeout_when_a_rank_stops_answering(llama,
     control group's idle timeout of a year) and the stopped rank is killed."""
     _, model_dir = llama
     parent = os.getpid()
-    num_kv_blocks = _Setup._num_kv_blocks
+    num_kv_blocks = worker_module._num_kv_blocks
 
-    def stop_in_started_ranks(self, *args):
+    def stop_in_started_ranks(*args):
         if os.getpid() != parent:
             os.kill(os.getpid(), signal.SIGSTOP)
-        return num_kv_blocks(self, *args)
+        return num_kv_blocks(*args)
 
-    monkeypatch.setattr(_Setup, "_num_kv_blocks", stop_in_started_ranks)
+    monkeypatch.setattr(worker_module, "_num_kv_blocks", stop_in_started_ranks)
     children_before = {p.pid for p in multiprocessing.active_children()}
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank"):

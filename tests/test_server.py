@@ -559,7 +559,7 @@ def test_a_refused_prompt_refuses_the_whole_request(server):
             async with server.async_engine.open(["all-or-none-0", "all-or-none-1"], [prompt, prompt],
                                                 [good, SamplingParams(stop_token_ids=[10**6])]):
                 pass
-        assert "all-or-none-0" not in server.engine.parents  # the first was taken back at once (200 steps to go)
+        assert "all-or-none-0" not in server.engine.output_processor.requests  # taken back at once (200 steps to go)
 
     asyncio.run(engine_refuses_the_second())
     assert server.idle_free_blocks()

@@ -11,6 +11,8 @@ from conftest import random_prompts
 from torch_shift import LLM, SamplingParams
 from torch_shift.models.linear import weight_bytes
 from torch_shift.parallel.launch import run_ranks
+from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layouts import build_deployment
 
 MESHES = [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)]
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 6]
@@ -103,10 +105,10 @@ def _padding_rank(rank, world, model_dir, prompts):
         engine.add_request("r", prompts[0], SamplingParams(max_tokens=1))
         engine.step()  # the whole 1-token prompt in the base layout: n = 1 < SP
         written = engine.kv_cache.k[0].flatten(2).flatten(0, 1).abs().sum(dim=1).nonzero().flatten().tolist()
-        engine.parallel.broadcast(("outputs", written))
+        engine.send_result("result", written)
         engine.abort_request("r")
     else:
-        written = engine.worker_loop()
+        written = engine.follow()
     slots_untouched = all(k.flatten(2).flatten(0, 1)[1:].abs().sum() == 0 for k in engine.kv_cache.k)
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return written, slots_untouched, outputs, dict(engine.model.layout_counts)
@@ -134,9 +136,9 @@ def _kv_rank(rank, world, model_dir, sp, tp, prompt):
             engine.add_request(rid, prompt, SamplingParams(max_tokens=3))
             engine.step()  # step 2 also decodes "a", after its prompt positions were written
         tables = [engine.block_manager.block_table(r)[:] for r in "ab"]
-        engine.parallel.broadcast(("outputs", tables))
+        engine.send_result("result", tables)
     else:
-        tables = engine.worker_loop()
+        tables = engine.follow()
     n = len(prompt)
     per_layer = []
     for k_cache, v_cache in zip(engine.kv_cache.k, engine.kv_cache.v):
@@ -257,7 +259,10 @@ def _parallelize_rank(rank, world, model_dir, sp, tp, prompt):
     ids = torch.tensor(prompt)
     positions = torch.arange(len(prompt))
     every = torch.arange(len(prompt))
-    logits = {layout: module.forward_step(ids, positions, causal, every, layout) for layout in ("base", "shift")}
+    deployment = build_deployment(module.config, sp=sp, tp=tp)
+    batch = [MicroBatch(ids, positions, causal, every)]
+    logits = {layout.kind: module.forward_step(layout, batch) for layout in deployment.layouts}
+    assert set(logits) == {"sp_tp", "shift"}
     return checked, logits
 
 
@@ -283,9 +288,9 @@ def _ledger_rank(rank, world, model_dir, n):
         engine.step()  # n prompt tokens in the base layout
         forced[0] = "shift"
         engine.step()  # 1 decode token in the shift layout
-        engine.parallel.broadcast(("outputs", None))
+        engine.send_result("result", None)
     else:
-        engine.worker_loop()
+        engine.follow()
     return dict(module.ledger.bytes), dict(module.ledger.calls)
 
 

@@ -133,7 +133,7 @@ def test_cost_model_steps_drive_the_clock():
                                        "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
                                        "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
     shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
-    from torch_shift.parallel.pipeline import micro_batch_count
+    from torch_shift.parallel.layouts import micro_batch_count
     from torch_shift.planner.cost import Layout, step_cost
     from torch_shift.planner.shape import Seq
 

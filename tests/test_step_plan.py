@@ -16,12 +16,12 @@ import pytest
 import torch
 from test_scheduler import EOS, assert_no_leak, make_request, reference_next
 
+from torch_shift.attention.sdpa import build_sdpa_metadata, key_mask
 from torch_shift.config import ModelConfig, SchedulerConfig
 from torch_shift.engine.input_batch import InputBatch
 from torch_shift.engine.policies import RandomOptions, RandomPolicy, StaticPolicy
 from torch_shift.engine.scheduler import Scheduler
 from torch_shift.engine.step_plan import PlanBuilder
-from torch_shift.attention.sdpa import build_sdpa_metadata, key_mask
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.parallel.layouts import build_deployment
 
@@ -90,10 +90,9 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
     policy = RandomPolicy(deployment, RandomOptions(seed=seed)) if policy_name == "random" else StaticPolicy(deployment)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=96)
     sched = Scheduler(config, [BlockManager(num_blocks, BS) for _ in range(num_replicas)], policy)
-    builder = PlanBuilder(num_replicas, config.max_num_seqs)
+    builder = PlanBuilder(deployment, config.max_num_seqs)
     batches = [InputBatch(config.max_num_seqs, config.max_model_len, BS, torch.device("cpu"))
                for _ in range(num_replicas)]
-    layout_replicas = {layout.name: layout.replicas for layout in deployment.layouts}.__getitem__
     shared_prefix = [rng.randrange(10, 500) for _ in range(12)]
     counts = {"steps": 0, "preempted": 0, "aborted": 0, "prefix_hits": 0, "widths": set(), "decode_plan_bytes": []}
     next_id = 0
@@ -110,9 +109,10 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
             counts["aborted"] += 1
         out = sched.schedule()
         counts["preempted"] += len(out.preempted_request_ids)
+        plan = builder.build(out)  # every output, as the engine's core: the rows it removed come free
         if out.is_empty:
             continue
-        plan, entries = builder.build(sched, out, layout_replicas)
+        entries = [g.entries for g in out.groups if g.entries]
         plan = pickle.loads(pickle.dumps(plan))  # as the workers receive it
         for replica, delta in plan.deltas.items():
             batches[replica].apply(delta)
@@ -154,14 +154,13 @@ def test_decode_plan_size_does_not_grow_with_context():
     for prompt_len in (16, 1500):
         deployment = build_deployment(CONFIG)
         sched = Scheduler(config, [BlockManager(4096, BS)], StaticPolicy(deployment))
-        builder = PlanBuilder(1, config.max_num_seqs)
+        builder = PlanBuilder(deployment, config.max_num_seqs)
         for i in range(8):
             sched.add_request(make_request(f"r{i}", prompt_len, max_tokens=40))
-        replicas = {layout.name: layout.replicas for layout in deployment.layouts}.__getitem__
         measured = []
         for _ in range(30):
             out = sched.schedule()
-            plan, _ = builder.build(sched, out, replicas)
+            plan = builder.build(out)
             (group,) = plan.groups
             if group.num_decodes == len(group.num_scheduled) == 8:
                 measured.append(len(pickle.dumps(plan)))
@@ -174,9 +173,10 @@ def test_decode_plan_size_does_not_grow_with_context():
 
 
 def test_the_rank0_half_of_an_engine_runs_without_a_model():
-    """What a simulator drives: the engine's own requests, scheduler, policy and plans, with `run_plan`
+    """What a simulator drives: the engine's own requests, scheduler, policy and plans, with the executor
     replaced (here by zero logits); every request finishes with its length and every block comes back."""
     from torch_shift.engine.llm_engine import EngineArgs, LLMEngine
+    from torch_shift.engine.model_runner import StepResult
     from torch_shift.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.driver_only(EngineArgs("config-only", dp=2, policy="flying", max_num_batched_tokens=32),
@@ -185,9 +185,9 @@ def test_the_rank0_half_of_an_engine_runs_without_a_model():
 
     def run_plan(plan):
         plans.append(plan)
-        return [torch.zeros(g.num_logits, CONFIG.vocab_size) for g in plan.groups]
+        return StepResult([torch.zeros(g.num_logits, CONFIG.vocab_size) for g in plan.groups])
 
-    engine.run_plan = run_plan
+    engine.core.executor = run_plan
     for i in range(6):
         engine.add_request(f"r{i}", list(range(10, 20 + 5 * i)), SamplingParams(max_tokens=8, ignore_eos=True,
                                                                                temperature=0.0))

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_shift.engine.llm_engine import EngineArgs, LLMEngine, Prompt
+from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.llm_engine import LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.models.decoder import DecoderLM
@@ -50,16 +51,33 @@ class LLM:
         weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """End the local ranks this process started, within about `timeout_s` (a no-op otherwise)."""
+        """End the local ranks this process started, within about `timeout_s` (a no-op otherwise, and under
+        torchrun, whose ranks end with the program)."""
         self.engine.shutdown(timeout_s)
 
     def stats(self) -> dict:
-        """Which layouts ran and how often they switched (see LLMEngine.stats)."""
-        return self.engine.stats()
+        """Which layouts ran and how often they switched (see LLMEngine.stats). Under torchrun every rank
+        calls this and gets rank 0's."""
+        return self._on_every_rank(self.engine.stats)
 
     @property
     def tokenizer(self):
+        """The model's tokenizer (None without a tokenizer.json), loaded on every rank."""
         return self.engine.tokenizer
+
+    def _on_every_rank(self, call):
+        """Run `call` on rank 0; under torchrun the other ranks, which call the same method, follow rank 0's
+        steps meanwhile and return its result (or raise its error)."""
+        engine = self.engine
+        if not engine.is_driver:
+            return engine.follow()
+        try:
+            result = call()
+        except BaseException as e:
+            engine.send_result("error", f"{type(e).__name__}: {e}")
+            raise
+        engine.send_result("result", result)
+        return result
 
     def generate(
         self,
@@ -72,16 +90,7 @@ class LLM:
 
         Under torchrun every rank calls this; rank 0 schedules and all ranks return its outputs.
         """
-        engine = self.engine
-        if not engine.is_driver:
-            return engine.worker_loop()
-        try:
-            outputs = self._generate(prompts, sampling_params, use_tqdm, priority)
-        except BaseException as e:
-            engine.announce("error", f"{type(e).__name__}: {e}")
-            raise
-        engine.announce("outputs", outputs)
-        return outputs
+        return self._on_every_rank(lambda: self._generate(prompts, sampling_params, use_tqdm, priority))
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (
@@ -141,15 +150,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template and generate."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        """Render each conversation with the tokenizer's chat template and generate (under torchrun on every
+        rank, as `generate`)."""
+        def chat():
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer, so no chat template")
+            conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+            prompts = [
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+                for c in conversations
+            ]
+            return self._generate(prompts, sampling_params, use_tqdm, None)
+
+        return self._on_every_rank(chat)
 
 
 PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt': text} or "

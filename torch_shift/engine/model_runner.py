@@ -12,21 +12,23 @@ traffic outside the layouts' own collectives and the pipeline's activations).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from torch_shift.attention import attention_backend as make_attention_backend
-from torch_shift.engine.input_batch import InputBatch, StepInputs
-from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
+from torch_shift.engine.input_batch import InputBatch
+from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.parallel import comm
+from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
 from torch_shift.parallel.layouts import Deployment
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
+    def __init__(self, model: LayoutModel, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None):
@@ -49,7 +51,6 @@ class ModelRunner:
             barrier = dist.barrier if deployment.world_size > 1 else None
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
-        self.last_swap_seconds = 0.0  # the last step's time in tier copies (waiting for them when async)
         if compile:
             model.compile_layouts()
 
@@ -65,24 +66,18 @@ class ModelRunner:
                 self._kv_views[layout_name] = (self.kv_cache.regroup(region.num_layers, region.num_heads), region)
         return self._kv_views[layout_name]
 
-    def prepare(self, plan: StepPlan, group: GroupStep) -> StepInputs:
-        """The inputs of `group` on this rank (after the plan's deltas were applied)."""
-        layout = self.deployment[group.layout]
-        return self.batch.prepare(group, layout.replicas.index(self.replica), layout.kv_width)
-
-    def _attention(self, kv: KVCache, inputs: StepInputs):
-        return self.attention.build(inputs.attention, kv)
-
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[torch.Tensor | None] | None:
-        """Rank 0: the logits of every group, in plan order; other ranks: None."""
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Rank 0: the logits of every group in plan order, and where the step's time went; other ranks: None."""
+        swap_seconds = 0.0
         if self.swapper is not None:
             start = time.perf_counter()
             self.swapper.run(plan.swap_outs, plan.swap_ins)
-            self.last_swap_seconds = time.perf_counter() - start
+            swap_seconds = time.perf_counter() - start
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
+        resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         with comm.emulated_link(self.interconnect_gbps):
             for i, group in enumerate(plan.groups):
@@ -90,16 +85,14 @@ class ModelRunner:
                 if self.rank not in layout.ranks:
                     continue
                 kv, _ = self.pool_view(group.layout)
-                if layout.pp > 1:
-                    member = layout.replicas.index(self.replica)
-                    micro = [self.batch.prepare(mb, member, 1) for mb in split_micro_batches(group)]
-                    out = self.model.forward_pipeline(
-                        [(m.input_ids, m.positions, self._attention(kv, m), m.logits_indices) for m in micro],
-                        group.layout)
-                else:
-                    inputs = self.prepare(plan, group)
-                    out = self.model.forward_step(inputs.input_ids, inputs.positions, self._attention(kv, inputs),
-                                                  inputs.logits_indices, group.layout)
+                member = layout.replicas.index(self.replica)
+                micro_batches = []
+                for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
+                    inputs = self.batch.prepare(piece, member, layout.kv_width)
+                    micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
+                                                    self.attention.build(inputs.attention, kv),
+                                                    inputs.logits_indices))
+                out = self.model.forward_step(layout, micro_batches)
                 if self.rank == 0:
                     logits[i] = out
                 elif layout.logits_rank == self.rank and group.num_logits:
@@ -111,4 +104,14 @@ class ModelRunner:
             if leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
-        return logits
+        return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
+
+
+@dataclass
+class StepResult:
+    """Rank 0's result of a step: per group its logits (None: no logits rows), and the time this rank spent
+    in tier copies and in switching weights between layouts."""
+
+    logits: list[torch.Tensor | None]
+    swap_seconds: float = 0.0
+    reshard_seconds: float = 0.0

@@ -61,7 +61,8 @@ class ScheduledRequest:
 
 @dataclass
 class ScheduledGroup:
-    """One bound group's batch, in scheduling order (running requests, then admitted ones)."""
+    """One bound group's batch in execution order: one-token decodes first, then prompt chunks (each in
+    scheduling order: running requests, then admitted ones). Logits and sampling follow this order."""
 
     layout: str
     replicas: tuple[int, ...]
@@ -78,6 +79,9 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     swap_outs: list[SwapOp] = field(default_factory=list)  # device -> tier, before the forward
     swap_ins: list[SwapOp] = field(default_factory=list)  # tier -> device, after the swap-outs
+    # requests that left the device since the last output (finished, aborted, preempted, moved, swapped out):
+    # their rows of the replicas' persistent batches are free
+    removed_request_ids: list[str] = field(default_factory=list)
 
     @property
     def has_swaps(self) -> bool:
@@ -166,7 +170,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
-        self.removed_request_ids: list[str] = []  # left the running set since the plan builder last looked
+        self._removed: list[str] = []  # left the device since the last output
         self.tier = tier
         self.swapped: deque[Request] = deque()  # KV in the tier, in the order they will be swapped in
         self._deferred_frees: list[tuple[int, str]] = []  # (replica, request): device blocks an async copy reads
@@ -221,7 +225,7 @@ class Scheduler:
             self.num_seqs[r] -= 1
         request.replicas = ()
         request.kv_layout = request.kv_view = None
-        self.removed_request_ids.append(request.request_id)
+        self._removed.append(request.request_id)
 
     def _can_swap_out(self, request: Request) -> bool:
         """A request of one replica whose KV covers all but its last sampled token (it is generating):
@@ -358,7 +362,8 @@ class Scheduler:
             self._admit(groups, decision, output)
         for group in groups.values():
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
-            output.groups.append(ScheduledGroup(layout, group.replicas, group.entries))
+            output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries)))
+        output.removed_request_ids, self._removed = self._removed, []
         self.num_steps += 1
         return output
 
@@ -500,6 +505,13 @@ class Scheduler:
         request.status = status
         self.policy.on_finish(request)
         return request
+
+
+def _decodes_first(entries: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    decodes = [e for e in entries if e.num_tokens == 1]
+    if len(decodes) == len(entries):
+        return entries
+    return decodes + [e for e in entries if e.num_tokens != 1]
 
 
 class SchedulerView:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torch_shift.engine.scheduler import ScheduledGroup, Scheduler, SchedulerOutput
+from torch_shift.engine.scheduler import SchedulerOutput
 from torch_shift.kv.tier import SwapOp
+from torch_shift.parallel.layouts import Deployment, micro_batch_count
 
 _INT = np.int32
 
@@ -84,17 +85,14 @@ class _Known:
 class PlanBuilder:
     """Rank 0's mirror of every replica's persistent batch; turns scheduler outputs into plans."""
 
-    def __init__(self, num_replicas: int, max_rows: int, micro_batches=None):
-        """`micro_batches(layout, num_tokens)`: how many micro-batches a group's batch is cut into
-        (pipeline layouts); None: one."""
-        self.micro_batches = micro_batches
-        self.known: list[dict[str, _Known]] = [{} for _ in range(num_replicas)]
-        self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(num_replicas)]
+    def __init__(self, deployment: Deployment, max_rows: int):
+        self.deployment = deployment
+        self.known: list[dict[str, _Known]] = [{} for _ in range(deployment.num_replicas)]
+        self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(deployment.num_replicas)]
         self.replicas_of: dict[str, tuple[int, ...]] = {}  # request -> the replicas that hold it
 
-    def build(self, scheduler: Scheduler, output: SchedulerOutput, layout_replicas) -> tuple[StepPlan, list]:
-        """The plan, and per group the scheduled entries in plan order (decodes first).
-        `layout_replicas`: layout name -> the replicas it spans, in its order."""
+    def build(self, output: SchedulerOutput) -> StepPlan:
+        """The plan of a scheduler output: its groups with entries, in order, each in its entries' order."""
         deltas: dict[int, ReplicaDelta] = {}
 
         def delta(replica: int) -> ReplicaDelta:
@@ -103,22 +101,21 @@ class PlanBuilder:
                 d = deltas[replica] = ReplicaDelta()
             return d
 
-        removed, scheduler.removed_request_ids = scheduler.removed_request_ids, []
-        for request_id in removed:
+        for request_id in output.removed_request_ids:
             for replica in self.replicas_of.pop(request_id, ()):
                 self.free_rows[replica].append(self.known[replica].pop(request_id).row)
 
-        groups, ordered_entries = [], []
+        groups = []
         for group in output.groups:
             if not group.entries:
                 continue
-            entries = _decodes_first(group)
-            replicas = layout_replicas(group.layout)
+            entries = group.entries
+            layout = self.deployment[group.layout]
             num_scheduled = [e.num_tokens for e in entries]
             num_computed = [e.num_computed_tokens for e in entries]
             logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
             rows = []
-            for k, replica in enumerate(replicas):
+            for k, replica in enumerate(layout.replicas):
                 known_here, d = self.known[replica], delta(replica)
                 replica_rows = []
                 for entry, needed in zip(entries, map(int.__add__, num_computed, num_scheduled)):
@@ -131,7 +128,7 @@ class PlanBuilder:
                         known_here[rid] = _Known(row, len(request.all_token_ids), len(table))
                         self.replicas_of[rid] = self.replicas_of.get(rid, ()) + (replica,)
                         d.new_rows.append(NewRow(row, np.asarray(request.all_token_ids, dtype=_INT),
-                                                 np.asarray(table, dtype=_INT), len(replicas)))
+                                                 np.asarray(table, dtype=_INT), layout.kv_width))
                     else:
                         row = known.row
                         if known.num_tokens < needed:  # tokens sampled since: one per decode
@@ -145,20 +142,13 @@ class PlanBuilder:
                             known.num_blocks = len(table)
                     replica_rows.append(row)
                 rows.append(np.array(replica_rows, dtype=_INT))
-            num_micro = 1 if self.micro_batches is None else self.micro_batches(group.layout, sum(num_scheduled))
+            assert num_scheduled[:num_scheduled.count(1)] == [1] * num_scheduled.count(1), "decodes come first"
             groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
                                     np.array(num_computed, dtype=_INT), num_scheduled.count(1),
-                                    np.array(logits_counts, dtype=_INT), num_micro))
-            ordered_entries.append(entries)
+                                    np.array(logits_counts, dtype=_INT),
+                                    micro_batch_count(layout.pp, sum(num_scheduled))))
         deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
-        return StepPlan(deltas, groups, output.swap_outs, output.swap_ins), ordered_entries
-
-
-def _decodes_first(group: ScheduledGroup) -> list:
-    decodes = [e for e in group.entries if e.num_tokens == 1]
-    if len(decodes) == len(group.entries):
-        return group.entries
-    return decodes + [e for e in group.entries if e.num_tokens != 1]
+        return StepPlan(deltas, groups, output.swap_outs, output.swap_ins)
 
 
 def split_micro_batches(group: GroupStep) -> list[GroupStep]:

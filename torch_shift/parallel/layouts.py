@@ -29,6 +29,7 @@ which re-shards it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch_shift.config import ModelConfig
@@ -111,7 +112,8 @@ class Deployment:
     def alternatives(self, layout: Layout) -> list[Layout]:
         """The layouts a batch formed for `layout` may run in instead: over the same replicas, with the same
         KV view (`layout` itself included)."""
-        return [other for other in self.layouts if other.replicas == layout.replicas and other.kv_view == layout.kv_view]
+        return [other for other in self.layouts
+                if other.replicas == layout.replicas and other.kv_view == layout.kv_view]
 
     def replica_layouts(self) -> list[Layout]:
         """The layouts of width 1, one per replica in replica order (a replica on its own)."""
@@ -157,6 +159,19 @@ def flying_widths(config: ModelConfig, num_replicas: int) -> list[int]:
             widths.append(d)
         d *= 2
     return widths
+
+
+# Tokens per micro-batch above which a prefill step is cut into more than P micro-batches: at a few
+# hundred tokens a stage's matmuls no longer gain from larger batches (DESIGN.md section 3), while the
+# pipeline's fill and drain shrink as micro-batches are added.
+MICRO_BATCH_TOKENS = 256
+
+
+def micro_batch_count(pp: int, num_tokens: int) -> int:
+    """Micro-batches of a pipeline step: at least one per stage (all stages work), more for large steps."""
+    if pp == 1:
+        return 1
+    return max(1, min(num_tokens, max(pp, math.ceil(num_tokens / MICRO_BATCH_TOKENS))))
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:

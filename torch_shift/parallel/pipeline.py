@@ -18,7 +18,6 @@ layer with the rank's heads under TP: the same bytes per block.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm
@@ -34,21 +34,11 @@ from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layouts import Deployment, stage_layers
+from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layouts import Deployment, Layout, stage_layers
 from torch_shift.parallel.shift import TensorReader, load_base
 
-# Tokens per micro-batch above which a prefill step is cut into more than P micro-batches: at a few
-# hundred tokens a stage's matmuls no longer gain from larger batches (DESIGN.md section 3), while the
-# pipeline's fill and drain shrink as micro-batches are added.
-MICRO_BATCH_TOKENS = 256
 _ACTIVATION_TAG = 1 << 16  # point-to-point tags of activations (logits to rank 0 use the group index)
-
-
-def micro_batch_count(pp: int, num_tokens: int) -> int:
-    """Micro-batches of a pipeline step: at least one per stage (all stages work), more for large steps."""
-    if pp == 1:
-        return 1
-    return max(1, min(num_tokens, max(pp, math.ceil(num_tokens / MICRO_BATCH_TOKENS))))
 
 
 class PipelineStage(nn.Module):
@@ -126,6 +116,8 @@ class PipelineModel(nn.Module):
         self.num_local_kv_heads = h_kv // pp if tp is not None else h_kv
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()
+        self.forwards: dict[str, object] = {}  # "pp" / "tp" -> compiled forward (compile_layouts)
+        self.activation_dtype = next(iter(stage.layers.parameters())).dtype  # activations between stages
         self.num_reshards = 0
         self.reshard_seconds = 0.0
         self._active = "pp"  # which set of layer weights the device holds ("host" weights)
@@ -182,57 +174,64 @@ class PipelineModel(nn.Module):
         return prepare_linears(self, drop_dense)
 
     # -- KV ---------------------------------------------------------------------------------------------
-    def kv_region(self, layout) -> KVRegion:
+    def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""
         config = self.config
-        if layout.kind == "pp":
+        if layout.pp > 1:
             layers = self.stage.layer_range
             return KVRegion(layers.start, len(layers), 0, config.num_key_value_heads)
         per = config.num_key_value_heads // len(self.stage_ranks)
         return KVRegion(0, config.num_hidden_layers, self.tp_rank * per, per)
 
     # -- forward ----------------------------------------------------------------------------------------
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
-        """A step of the TP layout: every rank returns the logits (gathered over the vocabulary)."""
-        assert self.tp is not None, f"{layout}: this pipeline replica has no TP layout"
-        self.activate("tp")
-        self.layout_counts[layout] += 1
-        with comm.recording(self.ledger), comm.layout_scope(layout):
-            hidden = self.tp(input_ids, positions, attention)
-            return self.tp.compute_logits(hidden[logits_indices])
+    def compile_layouts(self) -> None:
+        """Compile the stage's forward and the TP layout's (dynamic token count, attention as an opaque op)."""
+        self.forwards = {"pp": compile_forward(self.stage)}
+        if self.tp is not None:
+            self.forwards["tp"] = compile_forward(self.tp)
 
-    def forward_pipeline(self, micro_batches: list[tuple], layout: str) -> torch.Tensor | None:
-        """A step of the pipeline layout over its micro-batches, each (input_ids, positions, attention,
-        logits_indices): the last stage returns the logits of all of them in order, the others None.
-        Activations arriving from the stage before are all posted for at once; each micro-batch's
-        output leaves for the next stage as soon as it is computed, while the next one is computed."""
+    def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """A step of `layout`: Seesaw's TP layout (every rank returns the logits, gathered over the
+        vocabulary), or the pipeline over the micro-batches (the last stage returns the logits of all of
+        them in order, the others None)."""
+        self.layout_counts[layout.name] += 1
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            if layout.pp > 1:
+                return self._pipeline(micro_batches)
+            assert self.tp is not None, f"{layout.name}: this pipeline replica has no TP layout"
+            self.activate("tp")
+            (batch,) = micro_batches
+            hidden = self.forwards.get("tp", self.tp)(batch.input_ids, batch.positions, batch.attention)
+            return self.tp.compute_logits(hidden[batch.logits_indices])
+
+    def _pipeline(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """Activations arriving from the stage before are all posted for at once; each micro-batch's output
+        leaves for the next stage as soon as it is computed, while the next one is computed."""
         self.activate("pp")
-        self.layout_counts[layout] += 1
         stage, index = self.stage, self.stage_index
+        forward = self.forwards.get("pp", stage)
         first, last = index == 0, index == len(self.stage_ranks) - 1
         hidden_size = self.config.hidden_size
-        dtype = next(iter(self.stage.layers.parameters())).dtype
-        with comm.recording(self.ledger), comm.layout_scope(layout):
-            received = []
-            if not first:
-                for m, (input_ids, *_) in enumerate(micro_batches):
-                    buffer = torch.empty(input_ids.shape[0], hidden_size, dtype=dtype, device=input_ids.device)
-                    received.append((buffer, comm.irecv(buffer, self.stage_ranks[index - 1], _ACTIVATION_TAG + m)))
-            sends, logits = [], []
-            for m, (input_ids, positions, attention, logits_indices) in enumerate(micro_batches):
-                if first:
-                    inputs = input_ids
-                else:
-                    inputs, work = received[m]
-                    work.wait()
-                hidden = stage(inputs, positions, attention)
-                if last:
-                    logits.append(stage.lm_head(hidden[logits_indices]))
-                else:
-                    sends.append(comm.isend(hidden, self.stage_ranks[index + 1], _ACTIVATION_TAG + m))
-            for work in sends:
+        dtype = self.activation_dtype
+        received = []
+        if not first:
+            for m, batch in enumerate(micro_batches):
+                buffer = torch.empty(batch.input_ids.shape[0], hidden_size, dtype=dtype, device=batch.input_ids.device)
+                received.append((buffer, comm.irecv(buffer, self.stage_ranks[index - 1], _ACTIVATION_TAG + m)))
+        sends, logits = [], []
+        for m, batch in enumerate(micro_batches):
+            if first:
+                inputs = batch.input_ids
+            else:
+                inputs, work = received[m]
                 work.wait()
+            hidden = forward(inputs, batch.positions, batch.attention)
+            if last:
+                logits.append(stage.lm_head(hidden[batch.logits_indices]))
+            else:
+                sends.append(comm.isend(hidden, self.stage_ranks[index + 1], _ACTIVATION_TAG + m))
+        for work in sends:
+            work.wait()
         return torch.cat(logits) if last else None
 
 

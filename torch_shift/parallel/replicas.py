@@ -21,12 +21,13 @@ from torch import nn
 from torch_shift.compilation import compile_forward
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
-from torch_shift.models.decoder import AttentionFn, DecoderLM
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import build_model
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layouts import Deployment
+from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layouts import Deployment, Layout
 from torch_shift.parallel.plan import tp_plan
 from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_tp
 
@@ -43,7 +44,8 @@ class ReplicaModel(nn.Module):
         self.num_kv_layers = model.config.num_hidden_layers
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()
-        self.forwards = {}  # layout -> compiled forward (compile_layouts)
+        self.reshard_seconds = 0.0  # every layout's weights are resident
+        self.forwards = {}  # layout name (None: the replica's own) -> compiled forward (compile_layouts)
 
     def prepare_weights(self, drop_dense: bool = True) -> int:
         """Pack the weights for the machine's matmul (torch_shift.models.linear), unless Flying's TP layouts
@@ -56,23 +58,25 @@ class ReplicaModel(nn.Module):
         self.forwards = {name: compile_forward(view) for name, view in self.views.items()}
         self.forwards[None] = compile_forward(self.model)
 
-    def kv_region(self, layout) -> KVRegion:
+    def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""
         assert layout.kv_width == 1, f"{layout.name}: a layout over several replicas views its pools by width"
         config = self.model.config
         return KVRegion(0, config.num_hidden_layers, 0, config.num_key_value_heads)
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor | None:
-        self.layout_counts[layout] += 1
-        key = layout if layout in self.views else None
+    def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """The replica's own layout runs its full weights; a layout over several replicas (Flying's TP
+        group) the views of them derived for it, returning logits on the group's first rank only."""
+        (batch,) = micro_batches
+        self.layout_counts[layout.name] += 1
+        key = layout.name if layout.kv_width > 1 else None
         model = self.views[key] if key is not None else self.model
         forward = self.forwards.get(key, model)
-        with comm.recording(self.ledger), comm.layout_scope(layout):
-            hidden = forward(input_ids, positions, attention)
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            hidden = forward(batch.input_ids, batch.positions, batch.attention)
         if key is not None and not self.leaders[key]:
             return None
-        return self.model.compute_logits(hidden[logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
 
 def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,

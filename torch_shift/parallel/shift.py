@@ -30,6 +30,8 @@ from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
+from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layouts import Layout
 from torch_shift.parallel.plan import (
     ParallelPlan,
     PartSlice,
@@ -193,6 +195,7 @@ class ShiftModule(nn.Module):
         self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
         self.layout_counts: Counter[str] = Counter()
         self.ledger = comm.CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
+        self.reshard_seconds = 0.0  # both layouts' weights are resident: switching costs nothing
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
@@ -201,7 +204,7 @@ class ShiftModule(nn.Module):
         self._kv_region = KVRegion(0, config.num_hidden_layers, k_rows.start // config.head_dim,
                                    self.num_local_kv_heads)
 
-    def kv_region(self, layout) -> KVRegion:
+    def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache (the same in both layouts): every layer, the
         KV heads of its shift rank (one replicated head when there are more ranks than KV heads)."""
         return self._kv_region
@@ -222,8 +225,10 @@ class ShiftModule(nn.Module):
                                device=device)
         attention = CausalAttention(batch.seq_lens, self.config.sliding_window)
         every = torch.arange(batch.num_tokens, device=device)
-        logits = self.forward_step(batch.input_ids, batch.positions, attention, every,
-                                   self.choose_layout(batch.num_tokens))
+        which = self.choose_layout(batch.num_tokens)
+        self.layout_counts[which] += 1
+        with comm.recording(self.ledger), comm.layout_scope(which):
+            logits = self._forward(which, batch.input_ids, batch.positions, attention, every)
         return batch.unpack(logits)
 
     def prepare_weights(self, drop_dense: bool = True) -> int:
@@ -242,17 +247,22 @@ class ShiftModule(nn.Module):
             return "base"
         return "shift"
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                     logits_indices: torch.Tensor, layout: str) -> torch.Tensor:
-        """`layout` "shift": full TP; any other name (the deployment's "base", "tp", "dp@i"): the base
-        layout."""
-        self.layout_counts[layout] += 1
-        with comm.recording(self.ledger), comm.layout_scope(layout):
-            if layout == "shift":
-                assert self.shift is not None, "this ShiftModule was built without a shift layout"
-                hidden = self.forwards["shift"](input_ids, positions, attention)
-                return self.shift.compute_logits(hidden[logits_indices])
-            return self._base_step(input_ids, positions, attention, logits_indices)
+    def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """One engine step: a layout of kind "shift" runs full TP, any other (the deployment's SP x TP
+        base, "tp", "dp@i") the base layout."""
+        (batch,) = micro_batches
+        self.layout_counts[layout.name] += 1
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            return self._forward("shift" if layout.kind == "shift" else "base", batch.input_ids, batch.positions,
+                                 batch.attention, batch.logits_indices)
+
+    def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        if which == "shift":
+            assert self.shift is not None, "this ShiftModule was built without a shift layout"
+            hidden = self.forwards["shift"](input_ids, positions, attention)
+            return self.shift.compute_logits(hidden[logits_indices])
+        return self._base_step(input_ids, positions, attention, logits_indices)
 
     def _base_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                    logits_indices: torch.Tensor) -> torch.Tensor:

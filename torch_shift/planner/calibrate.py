@@ -276,9 +276,10 @@ class NullModel(torch.nn.Module):
         with torch.inference_mode():
             self.logits = torch.zeros(max_tokens, vocab)
         self.kv_region = model.kv_region
+        self.reshard_seconds = 0.0
 
-    def forward_step(self, input_ids, positions, attention, logits_indices, layout):
-        return self.logits[: logits_indices.shape[0]]
+    def forward_step(self, layout, micro_batches):
+        return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
 
 def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:

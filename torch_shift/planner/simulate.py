@@ -2,7 +2,7 @@
 
 A discrete-event loop drives rank 0's half of a real `LLMEngine` (`LLMEngine.driver_only`: the request
 queue, `Scheduler`, block managers, host tier, policy and `PlanBuilder`, all the project's own code)
-over a request stream. Only the forward is replaced: `SimulatedEngine.run_plan` prices the step plan
+over a request stream. Only the forward is replaced: `SimulatedEngine._modelled_forward` prices the step plan
 with a `StepTimer` (the cost model, or fixed times in tests) instead of computing it, and the sampler
 returns a filler token (outputs end by their length: `ignore_eos`). The clock is virtual: a step takes
 its modelled time, a request arrives at its time in the stream, and each token is stamped with the end
@@ -20,6 +20,7 @@ import numpy as np
 from torch_shift.bench.traffic import RequestSpec
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs, LLMEngine
+from torch_shift.engine.model_runner import StepResult
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
 from torch_shift.kv.tier import SwapOp
@@ -130,16 +131,21 @@ class ClockedEngine(LLMEngine):
     step_timer: StepTimer = staticmethod(lambda plan, deployment: 0.0)
     plan_log: list | None = None
     last_step_modelled_s: float = 0.0
-    last_step_entries: list | tuple = ()
 
-    def execute(self, output):
-        entries, logits = super().execute(output)
-        self.last_step_entries = entries
-        return entries, logits
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        forward = self.core.executor
 
-    def run_plan(self, plan: StepPlan) -> list:
-        self._time_plan(plan)
-        return super().run_plan(plan)
+        def timed_forward(plan: StepPlan) -> StepResult:
+            self._time_plan(plan)
+            return forward(plan)
+
+        self.core.executor = timed_forward
+
+    @property
+    def last_step_entries(self) -> list:
+        """The last step's scheduled requests per group ([] when it ran nothing)."""
+        return [] if self.last_core_step is None else self.last_core_step.entries
 
     def _time_plan(self, plan: StepPlan) -> None:
         self.last_step_modelled_s = self.step_timer(plan, self.deployment)
@@ -162,13 +168,15 @@ class SimulatedEngine(ClockedEngine):
         if filler_token is None:
             filler_token = next(t for t in range(config.vocab_size) if t not in engine.eos_token_ids)
         engine.filler_token = filler_token
+        engine.core.sample = engine._filler_sample
+        engine.core.executor = engine._modelled_forward
         return engine
 
-    def run_plan(self, plan: StepPlan) -> list:
+    def _modelled_forward(self, plan: StepPlan) -> StepResult:
         self._time_plan(plan)
-        return [None] * len(plan.groups)
+        return StepResult([None] * len(plan.groups))
 
-    def _sample(self, entries_by_group, logits_by_group) -> dict[str, int]:
+    def _filler_sample(self, entries_by_group, logits_by_group) -> dict[str, int]:
         return {e.request.request_id: self.filler_token for entries in entries_by_group for e in entries if e.sample}
 
 
@@ -273,7 +281,6 @@ def simulate(engine: ClockedEngine, requests: Sequence[RequestSpec], concurrency
                 add(specs[next_index], specs[next_index].arrival_s)
                 next_index += 1
         engine.last_step_modelled_s = 0.0
-        engine.last_step_entries = []
         before = engine.num_steps
         outputs = engine.step(final_only=False)
         seconds = engine.last_step_modelled_s

@@ -1,0 +1,248 @@
+"""Engine arguments: `EngineArgs`, flat and named as in vLLM (its and ArcticInference's names of the parallel
+degrees accepted as aliases), checked once when made; `EngineConfig`, the nested frozen configuration every
+part of the engine reads, derived from them and from the model's config.json (in the spirit of vLLM's
+VllmConfig).
+
+Defaults live here only: the command line (torch_shift.cli) builds its engine flags from EngineArgs' fields.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import InitVar, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torch_shift.attention import canonical_backend_name
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from torch_shift.engine.policies import POLICIES, policy_options
+from torch_shift.engine.sampling_params import MAX_SEED
+from torch_shift.parallel.layouts import Deployment, build_deployment
+
+# The same arguments under the names users of vLLM and ArcticInference arrive with.
+ENGINE_ARG_ALIASES = {
+    "tensor_parallel_size": "tp",
+    "ulysses_sequence_parallel_size": "sp",
+    "shift_parallel_threshold": "shift_threshold",
+    "data_parallel_size": "dp",
+    "pipeline_parallel_size": "pp",
+}
+_NOT_GIVEN: Any = object()
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments, named as in vLLM where the concept is the same. Each field's comment is its help on
+    the command line (`torch-shift generate/serve --help`)."""
+
+    model: str
+    tokenizer: str | None = None  # tokenizer directory (default: the model's)
+    revision: str | None = None  # hub revision of the model
+    dtype: str = "auto"  # weights and activations: auto (the checkpoint's), float32, bfloat16, float16
+    device: str | None = None  # cpu or cuda (default: cuda when available)
+    seed: int | None = 0  # seed of the sampling of requests without one of their own (None: a fresh one)
+    max_model_len: int | None = None  # context length: prompt plus generated tokens (default: the model's)
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # requests running at once
+    block_size: int = 16  # tokens per KV cache block
+    num_kv_blocks: int | None = None  # KV pool size in blocks (default: sized from memory)
+    kv_cache_memory_bytes: int | None = None  # KV cache memory per rank in bytes (default: sized from memory)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use in all
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a shared prompt prefix
+    scheduling_policy: str = "fcfs"  # fcfs, or priority (lower first, then arrival)
+    # auto: the paged CPU kernel on the CPU, else sdpa; cpu, sdpa (gather + SDPA, any device), flex
+    attention_backend: str = "auto"
+    compile: bool = False  # torch.compile each layout's forward (dynamic token count)
+    prepack_weights: bool = True  # linear weights in oneDNN's packed layout on the CPU (one copy, packed at load)
+    # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
+    sp: int = 1  # Ulysses sequence-parallel degree of the base layout (shift parallelism, paper 000)
+    tp: int = 1  # tensor-parallel degree (inside each data-parallel replica)
+    dp: int = 1  # data-parallel replicas, each with its own KV pool
+    pp: int = 1  # pipeline stages of each replica (policy seesaw: prefill in PP, decode in TP)
+    # layout switching policy: static, shift (sp > 1, paper 000), flying (dp > 1, paper 004), seesaw (pp > 1,
+    # paper 003), random (tests); default: shift for sp > 1, else static
+    policy: str | None = None
+    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4} (torch_shift.engine.policies)
+    shift_threshold: int | None = 256  # steps with more tokens run the base layout, others full TP; None: base only
+    shift_weights: str = "copy"  # shift-layout shards as contiguous copies (+1/SP weight memory) or zero-copy views
+    flying_weights: str = "view"  # Flying's TP shards: zero-copy views of each replica's weights, or copies
+    seesaw_weights: str = "resident"  # Seesaw's inactive layer weights resident, or a host copy swapped in
+    # host tier of the KV cache shared by the local ranks (swap space), in GiB or in blocks; default: 4 GiB (at
+    # most a quarter of free memory) for seesaw, none otherwise
+    cpu_kv_gb: float | None = None
+    num_cpu_kv_blocks: int | None = None
+    kv_swap: str = "sync"  # tier copies before the step's forward (sync) or in a thread beside it (async)
+    interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer
+    distributed_timeout_s: float = 120.0  # seconds any collective may wait: a stuck or dead rank ends the engine
+    tensor_parallel_size: InitVar[int] = _NOT_GIVEN
+    ulysses_sequence_parallel_size: InitVar[int] = _NOT_GIVEN
+    shift_parallel_threshold: InitVar[int | None] = _NOT_GIVEN
+    data_parallel_size: InitVar[int] = _NOT_GIVEN
+    pipeline_parallel_size: InitVar[int] = _NOT_GIVEN
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)} | set(ENGINE_ARG_ALIASES)
+
+    def __post_init__(self, tensor_parallel_size, ulysses_sequence_parallel_size, shift_parallel_threshold,
+                      data_parallel_size, pipeline_parallel_size) -> None:
+        given = {"tensor_parallel_size": tensor_parallel_size, "ulysses_sequence_parallel_size":
+                 ulysses_sequence_parallel_size, "shift_parallel_threshold": shift_parallel_threshold,
+                 "data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+        defaults = {f.name: f.default for f in fields(self)}
+        for alias, value in given.items():
+            name = ENGINE_ARG_ALIASES[alias]
+            if value is _NOT_GIVEN:
+                continue
+            if getattr(self, name) not in (defaults[name], value):
+                raise ValueError(f"{alias}={value!r} and {name}={getattr(self, name)!r} disagree; give one of them")
+            setattr(self, name, value)
+        if self.seed is None:  # a fresh seed for this engine (the CLI without --seed)
+            self.seed = int.from_bytes(os.urandom(8), "little") & MAX_SEED
+        self._check()
+
+    def _check(self) -> None:
+        for name in ("sp", "tp", "dp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("cpu_kv_gb", "interconnect_gbps", "distributed_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if value is not None and (not value >= 0 or value == float("inf")):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.interconnect_gbps == 0:
+            raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s!r}")
+        for name in ("num_cpu_kv_blocks", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None and value < (0 if name == "num_cpu_kv_blocks" else 1):
+                raise ValueError(f"{name} must be >= {0 if name == 'num_cpu_kv_blocks' else 1}, got {value!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, options in (("kv_swap", ("sync", "async")), ("seesaw_weights", ("resident", "host")),
+                              ("shift_weights", ("copy", "view")), ("flying_weights", ("copy", "view")),
+                              ("scheduling_policy", ("fcfs", "priority"))):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
+        for name in ("compile", "prepack_weights", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
+                                                 or not isinstance(self.shift_threshold, int)
+                                                 or self.shift_threshold < 0):
+            raise ValueError(f"shift_threshold must be an int >= 0 or None, got {self.shift_threshold!r}")
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
+        if self.policy_config is not None and not isinstance(self.policy_config, dict):
+            raise TypeError(f"policy_config must be a dict of the policy's options, got "
+                            f"{type(self.policy_config).__name__}")
+        self.attention_backend = canonical_backend_name(self.attention_backend)
+        resolve_dtype(self.dtype)  # the name is known
+
+    def policy_options(self, deployment: Deployment) -> Any:
+        """The options dataclass of the policy that will run `deployment`."""
+        name = self.policy or deployment.default_policy
+        config = dict(self.policy_config or {})
+        if name == "shift":  # its threshold is an engine argument (ArcticInference's shift_parallel_threshold)
+            if config:
+                raise ValueError(f"policy 'shift' takes no policy_config (its threshold is shift_threshold), got "
+                                 f"{sorted(config)}")
+            config["threshold"] = self.shift_threshold
+        if name == "random":
+            config.setdefault("seed", self.seed)
+        return policy_options(name, config)
+
+    def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,
+                             dtype: torch.dtype | None = None) -> EngineConfig:
+        """The engine's configuration for a model (`dtype`: that of a model already built, which holds)."""
+        if dtype is None:
+            dtype = resolve_dtype(self.dtype, model_config.torch_dtype)
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}")
+        deployment = build_deployment(
+            model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,
+            flying=self.policy in ("flying", "random") and self.dp > 1, seesaw=self.policy == "seesaw",
+            shift=self.shift_threshold is not None)
+        tokenizer_dir = Path(self.tokenizer) if self.tokenizer else model_dir
+        return EngineConfig(
+            model=model_config, model_dir=model_dir, tokenizer_dir=tokenizer_dir, seed=self.seed,
+            deployment=deployment, policy=self.policy or deployment.default_policy,
+            policy_options=self.policy_options(deployment),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
+                                    flying_weights=self.flying_weights,
+                                    seesaw_weights=self.seesaw_weights, timeout_s=self.distributed_timeout_s,
+                                    interconnect_gbps=self.interconnect_gbps),
+            runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
+                                compile=self.compile, prepack_weights=self.prepack_weights),
+            tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How each rank builds its layouts' weights, and the bounds of its collectives."""
+
+    shift_threshold: int | None = 256  # a ShiftModule's own forward picks its layout by it (the engine: the policy)
+    shift_weights: str = "copy"
+    flying_weights: str = "view"
+    seesaw_weights: str = "resident"
+    timeout_s: float = 120.0
+    interconnect_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How each rank runs its model."""
+
+    dtype: torch.dtype = torch.float32
+    device: str | None = None  # None: cuda when available, else cpu
+    attention_backend: str = "auto"
+    compile: bool = False
+    prepack_weights: bool = True
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The host tier of the KV cache: its size asked for (None: the deployment's default) and its copies."""
+
+    cpu_kv_gb: float | None = None
+    num_blocks: int | None = None
+    kv_swap: str = "sync"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    model_dir: Path | None  # None: a model known by its config or built in memory
+    tokenizer_dir: Path | None
+    seed: int
+    deployment: Deployment  # the replicas and every layout the engine may run
+    policy: str  # the policy that switches between them
+    policy_options: Any  # its options (a dataclass of torch_shift.engine.policies, or None)
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype

@@ -1,0 +1,191 @@
+"""Input processing: a user's prompt and sampling parameters, checked, into the `Request`s the scheduler runs
+(one per sample of an n > 1 request, each with its own seed), capped to what the context and the KV pools
+hold."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+
+from torch_shift.engine.args import EngineConfig
+from torch_shift.engine.request import Request
+from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
+from torch_shift.engine.structured_output import GrammarCompiler
+from torch_shift.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ParentRequest:
+    """A user request: `n` sequences sampled from one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine's KV memory holds: tokens of one replica's pool, replicas the widest group spans, and
+    tokens of the host tier when every request passes through it (Seesaw), else None."""
+
+    pool_tokens: int
+    widest: int
+    pool_blocks: int
+    block_size: int
+    tier_tokens: int | None = None
+    tier_blocks: int = 0
+    static_replicas: bool = False  # several replicas, none bound with another (static DP)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Tokens (prompt and output) the widest group can hold: no sequence grows past it (nor past the
+        tier when every request passes through it)."""
+        tokens = self.widest * self.pool_tokens
+        return tokens if self.tier_tokens is None else min(tokens, self.tier_tokens)
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request: sample 0 draws from `seed` itself (as with n = 1),
+    the others from a hash of (seed, index), so that requests with different seeds share no sample
+    (vLLM's seed + index makes seed=1 and seed=2 share n - 1 of them)."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little") & MAX_SEED
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
+                 capacity: Capacity, uses_priority: bool, policy_name: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.capacity = capacity
+        self.uses_priority = uses_priority  # the layout policy reads priorities (Flying)
+        self.policy_name = policy_name
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
+
+    def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
+        """Check a prompt (text or token ids) and tokenize it."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e.reason} {prompt[e.start]!r} at "
+                                 f"character {e.start}") from None
+            if self.tokenizer is None:
+                model_dir = self.config.model_dir
+                where = f"{model_dir} has no tokenizer.json" if model_dir else "no tokenizer was given"
+                raise ValueError(f"{where}: give the prompt as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            text = None
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise TypeError("a token-id prompt must be a list of ints")
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        max_len = self.config.scheduler.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; the model's context is {max_len} tokens "
+                "(prompt plus at least one generated token)"
+            )
+        cap = self.capacity
+        pool_tokens = cap.max_request_tokens
+        if len(token_ids) >= pool_tokens and pool_tokens < cap.pool_tokens:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; the host KV tier, through which policy "
+                             f"'seesaw' moves every request, holds only {pool_tokens} tokens "
+                             f"({cap.tier_blocks} blocks of {cap.block_size}): raise cpu_kv_gb")
+        if len(token_ids) >= pool_tokens:
+            widest = pool_tokens // cap.pool_tokens
+            where = "the KV pool holds" if widest == 1 else f"the KV pools of {widest} replicas hold"
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; {where} only {pool_tokens} tokens "
+                f"({widest} x {cap.pool_blocks} KV blocks of {cap.block_size})"
+                + (" (policy 'flying' binds replicas whose pools together hold more)" if cap.static_replicas else "")
+            )
+        return TokenizedPrompt(text, token_ids)
+
+    def check_params(self, params: SamplingParams | None, priority: int) -> SamplingParams:
+        """The sampling parameters against this engine's model and scheduler."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        scheduling = self.config.scheduler.policy
+        if priority != 0 and scheduling != "priority" and not self.uses_priority:
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
+                             f"uses priorities, such as 'flying'); this engine schedules {scheduling!r} under "
+                             f"policy {self.policy_name!r}")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return params
+
+    def process(self, request_id: str, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,
+                priority: int = 0, arrival_time: float | None = None) -> ParentRequest:
+        """The request's sequences, ready for the scheduler (nothing is queued yet)."""
+        params = self.check_params(params, priority)
+        grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
+        prompt = self.tokenize_prompt(prompt)
+        token_ids = prompt.token_ids
+        # A sequence never outgrows the context nor the whole KV pool (which would leave it
+        # preempting itself forever): past either it finishes with "length".
+        max_len = min(self.config.scheduler.max_model_len, self.capacity.max_request_tokens)
+        max_tokens = max_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=child_seed(params.seed, i))
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids,
+                            arrival_time=arrival_time, priority=priority)
+            if i > 0:
+                child.prompt_logprobs = None  # computed once per prompt
+            if grammar_compiler is not None:
+                child.grammar = grammar_compiler.matcher(params.structured_outputs)
+            children.append(child)
+        return ParentRequest(request_id, prompt.text, token_ids, params, children)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.config.model.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars

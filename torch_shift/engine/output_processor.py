@@ -1,0 +1,189 @@
+"""Output processing: a step's logits into sampled tokens and logprobs (the sampler's glue), and the requests
+that advanced into `RequestOutput`s (incremental detokenization, stop strings, finish reasons).
+
+A stop string is found in the detokenized text, after the scheduler has advanced the request: `detokenize`
+returns the requests a stop string ended, the engine finishes them in the scheduler (the output side never
+reaches into it), and `make_outputs` then reports them finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_shift.engine.input_processor import ParentRequest
+from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.sampler import Sampler, topk_logprobs
+from torch_shift.engine.scheduler import ScheduledRequest
+from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class _Tracked:
+    """A user request's outputs being built: a detokenizer and the text so far per sample."""
+
+    def __init__(self, parent: ParentRequest, tokenizer: Tokenizer | None):
+        self.parent = parent
+        skip = parent.params.skip_special_tokens
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, skip) if tokenizer else None
+                             for _ in parent.children]
+        self.texts = [""] * len(parent.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, sampler: Sampler):
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.requests: dict[str, _Tracked] = {}  # user request id -> its outputs being built
+        self.sample_of: dict[str, tuple[_Tracked, int]] = {}  # scheduler request id -> (its parent, sample index)
+
+    def add(self, parent: ParentRequest) -> None:
+        tracked = _Tracked(parent, self.tokenizer)
+        self.requests[parent.request_id] = tracked
+        for i, child in enumerate(parent.children):
+            self.sample_of[child.request_id] = (tracked, i)
+
+    def remove(self, request_id: str) -> ParentRequest | None:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        for child in tracked.parent.children:
+            self.sample_of.pop(child.request_id, None)
+        return tracked.parent
+
+    # -- sampling -----------------------------------------------------------------------------------------
+    def sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, int]:
+        """The token each sampling request draws from its logits row (groups in plan order, entries in the
+        order of their logits rows), with logprobs and prompt logprobs recorded on the requests."""
+        rows: list[torch.Tensor] = []
+        sample_requests: list[Request] = []
+        for entries, logits in zip(entries_by_group, logits_by_group):
+            if logits is None:
+                continue
+            if not any(e.prompt_logprobs for e in entries):  # one logits row per sampled request
+                rows.append(logits)
+                sample_requests.extend(e.request for e in entries if e.sample)
+                continue
+            row = 0
+            for e in entries:
+                n = e.num_tokens if e.prompt_logprobs else int(e.sample)
+                if e.prompt_logprobs:
+                    self._record_prompt_logprobs(e.request, e.num_computed_tokens, logits[row:row + n])
+                if e.sample:
+                    rows.append(logits[row + n - 1:row + n])
+                    sample_requests.append(e.request)
+                row += n
+        if not sample_requests:
+            return {}
+        result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), sample_requests)
+        for request, token_id, lp in zip(sample_requests, result.token_ids, result.logprobs):
+            if lp is not None:
+                chosen_lp, rank, top_ids, top_lps = lp
+                request.logprobs.append(self._position_logprobs(token_id, chosen_lp, rank, top_ids, top_lps))
+                request.cumulative_logprob += chosen_lp
+        return {r.request_id: t for r, t in zip(sample_requests, result.token_ids)}
+
+    def _record_prompt_logprobs(self, request: Request, first_position: int, logits: torch.Tensor) -> None:
+        """Row j of `logits` predicts the token at position first_position + j + 1."""
+        recorded = request.prompt_logprobs
+        start = len(recorded) - 1 - first_position  # first row not yet recorded (after a preemption)
+        stop = min(logits.shape[0], request.num_prompt_tokens - 1 - first_position)
+        if stop <= start:
+            return
+        targets = torch.tensor(request.prompt_token_ids[first_position + start + 1:first_position + stop + 1],
+                               device=logits.device)
+        logprobs = torch.log_softmax(logits[start:stop].float(), dim=-1)
+        k = request.sampling_params.prompt_logprobs
+        chosen, ranks, top_ids, top_lps = topk_logprobs(logprobs, targets, k)
+        for j in range(len(chosen)):
+            recorded.append(self._position_logprobs(int(targets[j]), chosen[j], ranks[j], top_ids[j], top_lps[j]))
+
+    def _position_logprobs(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
+                           top_lps: list[float]) -> PositionLogprobs:
+        tok = self.tokenizer
+        entry = {token_id: Logprob(logprob, rank, tok.token_to_str(token_id) if tok else None)}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            if t not in entry:
+                entry[t] = Logprob(lp, r, tok.token_to_str(t) if tok else None)
+        return entry
+
+    # -- outputs ------------------------------------------------------------------------------------------
+    def detokenize(self, updated: list[Request]) -> list[Request]:
+        """Append each advanced request's new text; returns the running requests a stop string ended (the
+        engine finishes them in the scheduler before `make_outputs`)."""
+        stopped = []
+        for request in updated:
+            tracked, index = self.sample_of[request.request_id]
+            if tracked.detokenizers[index] is not None and self._detokenize(tracked, index, request):
+                stopped.append(request)
+        return stopped
+
+    def make_outputs(self, updated: list[Request], final_only: bool = False) -> list[RequestOutput]:
+        """The outputs of the user requests that advanced (with `final_only`, of those that finished: no
+        per-step objects for the others); a finished one is forgotten."""
+        touched: dict[str, _Tracked] = {}
+        for request in updated:
+            if not final_only or request.status.finished:
+                tracked, _ = self.sample_of[request.request_id]
+                touched[tracked.parent.request_id] = tracked
+        outputs = []
+        for tracked in touched.values():
+            finished = all(c.status.finished for c in tracked.parent.children)
+            if finished:
+                self.remove(tracked.parent.request_id)
+            if finished or not final_only:
+                outputs.append(self._output(tracked))
+        return outputs
+
+    def _detokenize(self, tracked: _Tracked, index: int, request: Request) -> bool:
+        """Append the new token's text; True when a stop string (found in it) ends a running request."""
+        detok = tracked.detokenizers[index]
+        new_text = detok.step(request.output_token_ids[-1])
+        if request.status.finished:
+            new_text += detok.flush()  # bytes held back for an unfinished character
+        if not new_text:
+            return False
+        text = tracked.texts[index] + new_text
+        params = request.sampling_params
+        stopped = False
+        # as in vLLM, stop strings count only once more than min_tokens tokens were generated
+        if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:
+            for stop in params.stop_strings:
+                # only the new text and the tail it can complete a stop string with need looking at
+                idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
+                if idx != -1:
+                    text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                    request.stop_reason = stop
+                    if request.status.finished:  # the token that ended it by length also completed the stop
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        stopped = True
+                    break
+        tracked.texts[index] = text
+        return stopped
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        parent = tracked.parent
+        completions = []
+        for i, child in enumerate(parent.children):
+            finish = child.status.value if child.status.finished else None
+            completions.append(CompletionOutput(
+                index=i,
+                text=tracked.texts[i],
+                token_ids=list(child.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                logprobs=child.logprobs,
+                finish_reason=finish,
+                stop_reason=child.stop_reason,
+            ))
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=all(c.finish_reason is not None for c in completions),
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
+                     "first_token_time": first.first_token_time},
+        )

@@ -1,0 +1,83 @@
+"""What the engine's steps did: steps by layout, layout switches, where rank 0's time went, decode batches."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch_shift.engine.scheduler import ScheduledRequest
+from torch_shift.engine.step_plan import StepPlan
+from torch_shift.parallel.layouts import Deployment
+
+
+class EngineStats:
+    def __init__(self, deployment: Deployment):
+        self.deployment = deployment
+        self.num_steps = 0
+        self.last_step_layout: str | None = None  # the layouts of the last step, '+'-joined
+        self.last_step_switched = False  # a replica of it ran under another layout the last time
+        self.last_step_seconds = 0.0  # its wall time on rank 0, from scheduling to outputs
+        self._replica_layouts: dict[int, str] = {}  # replica -> the layout it last ran under
+        self.steps_by_layout: Counter[str] = Counter()
+        self.num_switches = 0
+        self._step_seconds = [0.0, 0]  # sum and count over steps that kept their layouts
+        self._switch_seconds = [0.0, 0]  # the same over steps that switched
+        self.num_scheduled_tokens = 0  # tokens computed over the engine's life (recomputation included)
+        # rank 0's wall time by what its steps did (prefill, decode, mixed; less the time in tier copies and
+        # weight switches, counted apart), and the decode-only steps' batch sizes
+        self.time_s: Counter[str] = Counter()
+        self._decode_batches = [0, 0]  # requests and steps of decode-only steps
+
+    def record_plan(self, plan: StepPlan) -> None:
+        """A step plan about to run: its layouts, and whether some replica switched layout."""
+        if not plan.groups:
+            return  # only tier copies this step
+        names = [g.layout for g in plan.groups]
+        # a switch: some replica runs under another layout than the last time it ran (replicas of data
+        # parallelism that idle or rejoin under their own layout do not switch)
+        switched = False
+        for name in names:
+            for replica in self.deployment[name].replicas:
+                switched |= self._replica_layouts.get(replica, name) != name
+                self._replica_layouts[replica] = name
+        self.last_step_switched = switched
+        self.num_switches += switched
+        self.last_step_layout = "+".join(names)
+        self.num_steps += 1
+        for name in names:
+            self.steps_by_layout[name] += 1
+        self.num_scheduled_tokens += sum(int(g.num_scheduled.sum()) for g in plan.groups)
+
+    def record_step(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
+                    reshard_s: float) -> None:
+        """A step that ran: its wall time on rank 0, of which `swap_s` in tier copies and `reshard_s` in weight
+        switches."""
+        self.last_step_seconds = elapsed
+        totals = self._switch_seconds if self.last_step_switched else self._step_seconds
+        totals[0] += elapsed
+        totals[1] += 1
+        num_requests = sum(len(group) for group in entries)
+        num_decodes = sum(1 for group in entries for e in group if e.num_tokens == 1)
+        kind = "decode" if num_decodes == num_requests else "prefill" if num_decodes == 0 else "mixed"
+        if num_requests:
+            self.time_s[kind] += elapsed - swap_s - reshard_s
+        self.time_s["swapping"] += swap_s
+        self.time_s["resharding"] += reshard_s
+        if kind == "decode" and num_requests:
+            self._decode_batches[0] += num_requests
+            self._decode_batches[1] += 1
+
+    def as_dict(self) -> dict:
+        """Which layouts ran: steps by layout name, layout switches (steps in which some replica runs under
+        another layout than the last time it ran) and the mean wall time of switching steps beside that of
+        the others (a switch is a change of step plan: its cost is what the first step in the new layouts
+        costs)."""
+        def mean(totals):
+            return totals[0] / totals[1] if totals[1] else None
+
+        decode_requests, decode_steps = self._decode_batches
+        return {"num_steps": self.num_steps, "steps_by_layout": dict(self.steps_by_layout),
+                "num_switches": self.num_switches, "mean_step_s": mean(self._step_seconds),
+                "mean_switch_step_s": mean(self._switch_seconds), "num_scheduled_tokens": self.num_scheduled_tokens,
+                "time_s": {k: self.time_s[k] for k in ("prefill", "decode", "mixed", "resharding", "swapping")},
+                "num_decode_steps": decode_steps,
+                "mean_decode_batch": decode_requests / decode_steps if decode_steps else None}

@@ -1,0 +1,253 @@
+"""Every rank's half of the engine: the `Worker` (its runtime, its model runner, and the loop that runs what
+rank 0 sends), built the same way on every launch path.
+
+Launch paths: one rank (no runtime); local ranks that rank 0 starts from an ordinary process (they run
+`Worker.serve_forever`); torchrun, `torch_shift.parallelize` and `torch_shift.handoff`, where every rank runs
+the user's program and builds its own Worker (ranks other than 0 follow rank 0 inside each public call of
+`LLM`, see `Worker.follow`). Rank 0 sends messages on the control channel: ("step", plan) runs a step on
+every rank; ("result", payload) ends a public call that every rank of a torchrun program made, giving them
+rank 0's answer; ("error", text) ends it with rank 0's error; ("shutdown", None) ends the started ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_shift.engine.args import EngineConfig
+from torch_shift.engine.model_runner import ModelRunner, StepResult
+from torch_shift.engine.step_plan import StepPlan
+from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
+from torch_shift.models.loader import CheckpointReader, WeightSource
+from torch_shift.parallel.layout_model import LayoutModel
+from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
+from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.shift import ShiftModule
+
+_CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
+
+
+def num_tier_blocks(config: EngineConfig) -> int:
+    """Blocks of the host tier of the KV cache (0: none); a block holds every layer's and head's KV of
+    block_size tokens."""
+    mc, tier, block_size = config.model, config.tier, config.cache.block_size
+    per_block = kv_bytes_per_block(mc.num_hidden_layers, block_size, mc.num_key_value_heads, mc.head_dim,
+                                   config.dtype)
+    if tier.num_blocks is not None:
+        num_blocks = tier.num_blocks
+    elif tier.cpu_kv_gb is not None:
+        num_blocks = int(tier.cpu_kv_gb * (1 << 30)) // per_block
+        if tier.cpu_kv_gb > 0 and num_blocks == 0:
+            raise ValueError(f"cpu_kv_gb={tier.cpu_kv_gb} holds no KV block of {per_block} bytes")
+    elif config.deployment.moves_kv_through_tier:
+        num_blocks = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(torch.device("cpu")) // 4) // per_block
+    else:
+        num_blocks = 0
+    if config.deployment.moves_kv_through_tier and num_blocks == 0:
+        raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
+                         "(cpu_kv_gb > 0)")
+    return num_blocks
+
+
+def _tier_shape(config: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+    mc = config.model
+    return tier_shape(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, num_blocks, config.cache.block_size)
+
+
+def create_local_tier(config: EngineConfig, num_blocks: int) -> torch.Tensor | None:
+    """The host tier's memory in this process, before local ranks start (forked ranks inherit it, spawned ones
+    get it as shared memory); None without a tier, or under torchrun, where every rank maps a file instead."""
+    world = config.deployment.world_size
+    if not num_blocks or (world > 1 and "RANK" in os.environ):
+        return None
+    return create_host_tier(_tier_shape(config, num_blocks), config.dtype, shared=world > 1)
+
+
+class Worker:
+    """One rank's runtime (None for a single rank), model runner and loop."""
+
+    def __init__(self, config: EngineConfig, runtime: ParallelRuntime | None, runner: ModelRunner,
+                 num_tier_blocks: int):
+        self.config = config
+        self.runtime = runtime
+        self.runner = runner
+        self.num_tier_blocks = num_tier_blocks  # the tier this rank maps (the same on every rank)
+
+    @classmethod
+    def create(cls, config: EngineConfig, weights: WeightSource | None = None,
+               model: ShiftModule | torch.nn.Module | None = None) -> Worker:
+        """This rank's Worker. On rank 0 of an ordinary process this starts the other local ranks, which
+        build theirs in `_started_rank_main`; under torchrun (or with a `model` every rank built) every rank
+        calls this. `weights`: read the model from this source instead of the checkpoint; `model`: serve it
+        as built (a ShiftModule from torch_shift.parallelize, on every rank that built it, or a DecoderLM)."""
+        tier_blocks = num_tier_blocks(config)
+        host_tier = create_local_tier(config, tier_blocks)  # before local ranks start, so that they share it
+        runtime = None
+        timeout = config.parallel.timeout_s
+        if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
+            runtime = ParallelRuntime.over(config.deployment, model.groups, timeout)
+        elif config.deployment.world_size > 1:
+            runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), timeout)
+        try:
+            return cls.build(config, runtime, weights, model, host_tier, tier_blocks)
+        except BaseException:
+            if runtime is not None:
+                runtime.shutdown(timeout_s=2.0)  # started ranks must not outlive a failed construction
+            raise
+
+    @classmethod
+    def build(cls, config: EngineConfig, runtime: ParallelRuntime | None, weights: WeightSource | None = None,
+              model: torch.nn.Module | None = None, host_tier: torch.Tensor | None = None,
+              tier_blocks: int = 0) -> Worker:
+        """This rank's model (only its shards read, or `model` as built), its KV cache and its runner."""
+        mc, runner_config, parallel = config.model, config.runner, config.parallel
+        if runtime is not None:
+            rank, groups, device = runtime.rank, runtime.groups, runtime.device
+        else:
+            rank, groups = 0, None
+            device = torch.device(runner_config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        given = model is not None
+        if given:
+            device = next(model.parameters()).device
+            model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
+        else:
+            reader = weights or CheckpointReader(config.model_dir, mc)
+            try:
+                model = build_layout_model(config.deployment, groups, rank, mc, reader, config.dtype, device,
+                                           parallel.shift_threshold, parallel.shift_weights, parallel.flying_weights,
+                                           parallel.seesaw_weights)
+            finally:
+                reader.close()
+        if runner_config.prepack_weights:  # a model the user handed over keeps its dense weights (they may use it)
+            model.prepare_weights(drop_dense=not given)
+        num_blocks = _num_kv_blocks(config, model, device)
+        if runtime is not None:  # every pool gets the size of the smallest
+            num_blocks = runtime.min_over_ranks(num_blocks)
+        kv_cache = KVCache(model.num_kv_layers, num_blocks, config.cache.block_size, model.num_local_kv_heads,
+                           mc.head_dim, config.dtype, device)
+        if tier_blocks and host_tier is None and runtime is not None:
+            tier_blocks, host_tier = _map_host_tier(config, runtime, tier_blocks)
+        runner = ModelRunner(model, kv_cache, config.deployment, rank, config.scheduler.max_num_seqs,
+                             config.scheduler.max_model_len, mc.vocab_size, mc.sliding_window,
+                             runner_config.attention_backend, runner_config.compile, host_tier,
+                             config.tier.kv_swap, parallel.interconnect_gbps)
+        return cls(config, runtime, runner, tier_blocks)
+
+    # -- the control channel ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return 0 if self.runtime is None else self.runtime.rank
+
+    @property
+    def started_ranks(self) -> bool:
+        """Whether this process started the other ranks (they loop in `serve_forever`), rather than every
+        rank running the same program (torchrun)."""
+        return self.runtime is not None and self.runtime.launched is not None
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Rank 0: the step on every rank; returns rank 0's result (logits per group)."""
+        if self.runtime is None:
+            return self.runner.execute(plan)
+        return self.runtime.run_step(plan, self.runner.execute)
+
+    def send_result(self, kind: str, payload: Any) -> None:
+        """Rank 0 under torchrun: end the public call every rank made, with rank 0's answer ("result") or
+        error ("error"). Nothing to do for one rank or for ranks this process started."""
+        if self.runtime is None or self.started_ranks or not dist.is_initialized():
+            return
+        try:
+            self.runtime.broadcast((kind, payload))
+        except RuntimeError:
+            if kind != "error":
+                raise
+
+    def follow(self) -> Any:
+        """A rank other than 0: run the steps rank 0 sends until it ends the current public call; returns the
+        call's result, None after "shutdown", and raises rank 0's error."""
+        assert self.runtime is not None and self.rank != 0
+        while True:
+            kind, payload = self.runtime.broadcast()
+            if kind == "step":
+                self.runner.execute(payload)
+            elif kind == "result":
+                return payload
+            elif kind == "error":
+                raise RuntimeError(f"rank 0 failed: {payload}")
+            else:
+                assert kind == "shutdown", kind
+                return None
+
+    def serve_forever(self) -> None:
+        """A rank started by rank 0: run steps until rank 0 shuts down."""
+        while self.follow() is not None:
+            pass
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the ranks this process started and leave the process group (rank 0 of started ranks); stop
+        the tier's copy thread."""
+        if self.runtime is not None and self.rank == 0:
+            self.runtime.shutdown(timeout_s)
+        if self.runner.swapper is not None:
+            self.runner.swapper.close()
+
+
+def _map_host_tier(config: EngineConfig, runtime: ParallelRuntime, num_blocks: int) -> tuple[int, torch.Tensor]:
+    """Under torchrun: the tier as a shared-memory file every rank maps (one host only: the tier is host
+    memory)."""
+    world = config.deployment.world_size
+    if int(os.environ.get("LOCAL_WORLD_SIZE", -1)) != world:
+        raise ValueError("the host KV tier is shared memory of one host: run every rank on one node "
+                         f"(LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')}, world size {world})")
+    # each rank sized the tier from the memory it saw when it started: all take the smallest, or the tier's
+    # blocks would lie at different offsets on different ranks
+    num_blocks = runtime.min_over_ranks(num_blocks)
+    return num_blocks, map_host_tier(_tier_shape(config, num_blocks), config.dtype, runtime.rank, runtime.broadcast,
+                                     lambda: runtime.min_over_ranks(0))
+
+
+def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.device) -> int:
+    cc, mc, sc = config.cache, config.model, config.scheduler
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks
+    per_block = kv_bytes_per_block(model.num_kv_layers, cc.block_size, model.num_local_kv_heads, mc.head_dim,
+                                   config.dtype)
+    if cc.kv_cache_memory_bytes is not None:
+        budget = cc.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
+    else:
+        # local ranks share the host's memory
+        budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(device) // 4) // config.deployment.world_size
+    # never more than every sequence slot filled to the context
+    enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
+    num_blocks = min(budget // per_block, enough)
+    widest = max(layout.kv_width for layout in config.deployment.layouts)  # pools a sequence may span
+    if num_blocks * widest < math.ceil(sc.max_model_len / cc.block_size):
+        where = "" if widest == 1 else f" even over the {widest} pools of the widest group"
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {cc.block_size} tokens, "
+            f"fewer than one sequence of max_model_len={sc.max_model_len} needs{where}; lower max_model_len "
+            "or raise the budget"
+        )
+    return num_blocks
+
+
+def _started_rank_main(rank: int, world_size: int, config: EngineConfig, host_tier: torch.Tensor | None) -> None:
+    """A rank started by rank 0: build this rank's Worker, serve steps until rank 0 shuts down.
+    `host_tier`: the tier rank 0 created in shared memory before starting this rank."""
+    runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), config.parallel.timeout_s)
+    worker = Worker.build(config, runtime, host_tier=host_tier, tier_blocks=num_tier_blocks(config))
+    # This process is the library's own and everything built so far lives as long as it: keep it out of the
+    # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps
+    # (bench_engine.py).
+    gc.collect()
+    gc.freeze()
+    worker.serve_forever()
+    dist.destroy_process_group()

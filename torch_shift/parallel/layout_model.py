@@ -1,0 +1,57 @@
+"""What a rank's model is to the model runner, whatever layouts it runs: the `LayoutModel` protocol.
+
+Three classes implement it: `ShiftModule` (an SP x TP replica: base and shift layouts, paper 000),
+`ReplicaModel` (a replica of full weights: one rank, static DP, Flying's TP groups as views, paper 004)
+and `PipelineModel` (a pipeline stage, and Seesaw's TP shards beside it, paper 003). The runner hands
+each step's group to `forward_step` with its `Layout` (data: its kind, widths, ranks) and the group's
+micro-batches: one, except for a pipeline layout, whose batch the plan cuts into several.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from torch_shift.kv.host_tier import KVRegion
+from torch_shift.models.decoder import AttentionFn
+from torch_shift.parallel.comm import CommLedger
+from torch_shift.parallel.layouts import Layout
+
+
+@dataclass
+class MicroBatch:
+    """A forward's inputs on this rank: the tokens of the batch (or of one micro-batch of it)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionFn  # the step's attention over this rank's KV pool (torch_shift.attention)
+    logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
+
+
+@runtime_checkable
+class LayoutModel(Protocol):
+    num_kv_layers: int  # layers of this rank's KV pool, in the geometry it is allocated in
+    num_local_kv_heads: int  # KV heads of this rank's pool in that geometry
+    layout_counts: Counter[str]  # forwards run per layout name
+    ledger: CommLedger  # bytes the layouts' collectives sent from this rank (eager steps)
+    reshard_seconds: float  # time spent switching the device's weights between layouts, in all
+
+    def kv_region(self, layout: Layout) -> KVRegion:
+        """What this rank's pool holds of the whole KV cache under `layout` (a layout of KV width 1)."""
+        ...
+
+    def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
+        """Run one step of `layout` over its micro-batches in order; returns the logits of all of them on the
+        rank that returns the layout's logits (`Layout.logits_rank`), None on the others."""
+        ...
+
+    def prepare_weights(self, drop_dense: bool = True) -> int:
+        """Prepare the weights for the machine's matmul (torch_shift.models.linear); returns bytes packed."""
+        ...
+
+    def compile_layouts(self) -> None:
+        """torch.compile every layout's forward (attention as an opaque op, dynamic token count)."""
+        ...
