@@ -1,0 +1,344 @@
+"""The shared-memory communicator against gloo's collectives in the same forked local ranks.
+
+`python tests/test_shm.py` prints the latency of all_reduce through shared memory and through gloo at world 2.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+import queue
+import random
+import signal
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_shift.parallel.launch import LocalRanks, free_port, run_ranks
+from torch_shift.parallel.shm import SEGMENT_PREFIX, ShmCommunicator
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+SLOT_BYTES = 512  # small, so that most messages here go in chunks
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 5e-2), torch.float16: (2e-3, 5e-3)}
+
+
+def _random(shape, dtype, generator) -> torch.Tensor:
+    shape = (shape,) if isinstance(shape, int) else shape
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=generator, dtype=dtype)
+
+
+def _unequal_splits(world: int, seed: int) -> list[list[int]]:
+    """[sender][receiver] row counts, zeros included; the same on every rank."""
+    rng = random.Random(seed)
+    return [[rng.choice([0, 0, 1, 3, 9]) for _ in range(world)] for _ in range(world)]
+
+
+def _match_gloo_rank(rank, world):
+    dist.init_process_group("gloo")
+    comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=30.0, slot_bytes=SLOT_BYTES)
+    assert comm is not None and (comm.rank, comm.world_size) == (rank, world)
+    generator = torch.Generator().manual_seed(rank)
+    for dtype in DTYPES:
+        for numel in (1, 7, 128, 1000):  # 1000 float32: 4000 bytes, 8 chunks of the slot
+            for x in (_random(numel, dtype, generator), _random((3, numel), dtype, generator)[1:].t()):
+                expected = x.clone()
+                dist.all_reduce(expected)
+                got = comm.all_reduce(x)
+                assert got.shape == x.shape and got.dtype == dtype
+                if dtype.is_floating_point:
+                    rtol, atol = TOLERANCE[dtype]
+                    torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+                else:
+                    assert torch.equal(got, expected)
+                gathered = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(gathered, x.contiguous())
+                assert torch.equal(comm.all_gather(x), torch.stack(gathered))
+        for rows in (world, 4 * world, 64 * world):  # the last: larger than a slot
+            x = _random((rows, 5), dtype, generator)
+            expected = torch.empty_like(x)
+            dist.all_to_all_single(expected, x)
+            assert torch.equal(comm.all_to_all(x), expected)
+        # the last case: every rank but the last sends and receives equal parts, the last does not
+        mixed = [[1] * (world - 1) + [1 if p < world - 1 else 5] for p in range(world)]
+        for case in range(5):
+            splits = _unequal_splits(world, case * 10 + 1 + (100 if dtype == torch.int64 else 0))
+            if case == 3:
+                splits = [[20 * n for n in row] for row in splits]  # larger than a slot
+            elif case == 4:
+                splits = mixed
+            in_rows, out_rows = splits[rank], [splits[p][rank] for p in range(world)]
+            x = _random((sum(in_rows), 3), dtype, generator)
+            expected = torch.empty((sum(out_rows), 3), dtype=dtype)
+            dist.all_to_all_single(expected, x, out_rows, in_rows)
+            assert torch.equal(comm.all_to_all(x, in_rows, out_rows), expected)
+    for src in range(world):
+        for size in (10, 5 * SLOT_BYTES + 3):
+            obj = {"from": src, "payload": bytes(range(256)) * (size // 256) + b"x" * (size % 256)}
+            box = [obj if rank == src else None]
+            dist.broadcast_object_list(box, src=src)
+            assert comm.broadcast_object(obj if rank == src else None, src=src) == box[0] == obj
+    comm.barrier()
+    # every rank returns the same bytes
+    x = torch.randn(3000, generator=generator)
+    results = [comm.all_reduce(x).numpy().tobytes(), comm.all_reduce(x[:100]).numpy().tobytes(),
+               comm.all_reduce(x.to(torch.bfloat16)).view(torch.int16).numpy().tobytes()]
+    comm.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_match_gloo_and_all_reduce_is_bit_identical_on_every_rank(world):
+    results = run_ranks(_match_gloo_rank, world, timeout_s=120)
+    assert all(r == results[0] for r in results)
+
+
+def _input(step: int, group_rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers (exact in every dtype here, also summed over 4 ranks): every rank can compute any rank's."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return ((torch.arange(numel) * (group_rank + 1) + step) % 31).to(dtype).view(shape)
+
+
+def _interleaved_rank(rank, world, num_ops):
+    dist.init_process_group("gloo")
+    custom_order = [3, 1, 0, 2]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    custom = dist.new_group(custom_order, sort_ranks=False)
+    members = {"world": list(range(world)), "pair": [rank - rank % 2, rank - rank % 2 + 1], "custom": custom_order}
+    groups = {"world": dist.group.WORLD, "pair": pairs[rank // 2], "custom": custom}
+    comms = {name: ShmCommunicator.create(group, timeout_s=30.0, slot_bytes=SLOT_BYTES)
+             for name, group in groups.items()}
+    assert comms["custom"].rank == custom_order.index(rank) and comms["pair"].world_size == 2
+    # the custom order is the group's rank order, as gloo's
+    x = torch.tensor([float(rank)])
+    gathered = [torch.empty(1) for _ in custom_order]
+    dist.all_gather(gathered, x, group=custom)
+    assert torch.equal(comms["custom"].all_gather(x), torch.stack(gathered))
+    assert comms["custom"].all_gather(x).flatten().tolist() == [float(r) for r in custom_order]
+
+    rng = random.Random(0)  # the same choices on every rank
+    for step in range(num_ops):
+        name = rng.choice(list(comms))
+        comm, n, me = comms[name], len(members[name]), comms[name].rank
+        op = rng.choice(["all_reduce", "all_gather", "all_to_all", "all_to_all_v", "broadcast", "barrier"])
+        dtype = rng.choice(DTYPES)
+        shape = rng.choice([(), (1,), (5, 3), (40,), (300,), (2, 150)])
+        if op == "all_reduce":
+            expected = sum(_input(step, r, shape, torch.float64) for r in range(n)).to(dtype)
+            assert torch.equal(comm.all_reduce(_input(step, me, shape, dtype)), expected), (step, name, op)
+        elif op == "all_gather":
+            expected = torch.stack([_input(step, r, shape, dtype) for r in range(n)])
+            assert torch.equal(comm.all_gather(_input(step, me, shape, dtype)), expected), (step, name, op)
+        elif op == "all_to_all":
+            rows = rng.choice([1, 3, 50])
+            parts = [_input(step, r, (n * rows, 2), dtype).chunk(n) for r in range(n)]
+            expected = torch.cat([parts[r][me] for r in range(n)])
+            assert torch.equal(comm.all_to_all(_input(step, me, (n * rows, 2), dtype)), expected), (step, name, op)
+        elif op == "all_to_all_v":
+            splits = _unequal_splits(n, step)
+            parts = [_input(step, r, (sum(splits[r]), 2), dtype).split(splits[r]) for r in range(n)]
+            expected = torch.cat([parts[r][me] for r in range(n)])
+            got = comm.all_to_all(_input(step, me, (sum(splits[me]), 2), dtype), splits[me],
+                                  [splits[r][me] for r in range(n)])
+            assert torch.equal(got, expected), (step, name, op)
+        elif op == "broadcast":
+            src = rng.randrange(n)
+            obj = (step, "x" * rng.choice([0, 10, 3000]))
+            assert comm.broadcast_object(obj if me == src else None, src=src) == obj, (step, name, op)
+        else:
+            comm.barrier()
+    for comm in comms.values():
+        comm.close()
+    return num_ops
+
+
+def test_several_communicators_interleaved_back_to_back():
+    """A world of 4, its two pairs and a custom rank order, used in one random sequence of collectives of
+    every kind, dtype and size (many in chunks), each result checked."""
+    assert run_ranks(_interleaved_rank, 4, 300, timeout_s=120) == [300] * 4
+
+
+def _die_inside_rank(rank, world, victim, op):
+    dist.init_process_group("gloo")
+    comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=10.0, slot_bytes=SLOT_BYTES)
+    comm.all_reduce(torch.ones(4))
+    if rank == victim:
+        time.sleep(0.3)  # the others are waiting inside the collective
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        if op == "broadcast_object":
+            comm.broadcast_object(None, src=victim, timeout_s=None)  # a worker idling for the next step
+        else:
+            comm.all_reduce(torch.ones(1000))  # in chunks
+    except RuntimeError as e:
+        error, elapsed = str(e), time.monotonic() - start
+    else:
+        raise AssertionError("the collective ended although a rank died")
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        comm.barrier()
+    return error, elapsed
+
+
+@pytest.mark.parametrize("victim,op", [(1, "all_reduce"), (0, "broadcast_object")])
+def test_a_rank_killed_inside_a_collective_ends_every_other_rank_with_an_error(victim, op):
+    world = 3
+    ranks = LocalRanks(_die_inside_rank, world, list(range(world)), victim, op, port=free_port())
+    try:
+        outputs = {}
+        while len(outputs) < world - 1:
+            rank, status, value = ranks.results.get(timeout=30)
+            assert status == "ok", value
+            outputs[rank] = pickle.loads(value)
+        ranks.procs[victim].join(5)
+        assert ranks.procs[victim].exitcode == -signal.SIGKILL
+    except queue.Empty:
+        pytest.fail(f"the surviving ranks did not end: {ranks.failed()}")
+    finally:
+        ranks.stop(grace_s=1.0)
+    assert victim not in outputs
+    for error, elapsed in outputs.values():
+        assert f"rank {victim} (pid {ranks.procs[victim].pid}) died during {op} #2" in error
+        assert elapsed < 3.0  # the timeout is 10 s
+
+
+def _stall_rank(rank, world):
+    dist.init_process_group("gloo")
+    idle = ShmCommunicator.create(dist.group.WORLD, timeout_s=0.2)
+    stalled = ShmCommunicator.create(dist.group.WORLD, timeout_s=1.0)
+    closing = ShmCommunicator.create(dist.group.WORLD, timeout_s=10.0)
+    if rank == 1:
+        time.sleep(1.0)
+        idle.broadcast_object("next step", src=1)
+        time.sleep(2.0)  # instead of joining the all_reduce
+        closing.close()
+        return None
+    # a worker waiting for its next message without a deadline, longer than the communicator's timeout
+    cpu_start = time.process_time()
+    assert idle.broadcast_object(src=1, timeout_s=None) == "next step"
+    idle_cpu_s = time.process_time() - cpu_start
+    errors = []
+    for comm in (stalled, closing):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as error:
+            comm.all_reduce(torch.ones(3))
+        errors.append((str(error.value), time.monotonic() - start))
+    return idle_cpu_s, errors
+
+
+def test_a_stalled_rank_ends_the_others_at_the_timeout_and_a_closed_one_at_once():
+    idle_cpu_s, [(stall, stall_s), (closed, closed_s)] = run_ranks(_stall_rank, 2)[0]
+    assert idle_cpu_s < 0.25  # of the 1 s it waited: it sleeps after a short spin
+    assert stall == "rank 1 did not reach all_reduce #1 within 1 s"
+    assert 1.0 <= stall_s < 1.5
+    assert closed == "rank 1 closed the communicator before all_reduce #1"
+    assert closed_s < 2.0
+
+
+def _segment_mappings() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if SEGMENT_PREFIX in line]
+
+
+def _setup_and_misuse_rank(rank, world):
+    dist.init_process_group("gloo")
+    singletons = [dist.new_group([r]) for r in range(world)]
+    assert ShmCommunicator.create(singletons[rank], timeout_s=5.0) is None
+    # ranks that see different hosts, or a machine whose memory model the protocol does not rely on: gloo stays
+    gethostname, machine = socket.gethostname, platform.machine
+    if rank == 1:
+        socket.gethostname = lambda: "elsewhere"
+    assert ShmCommunicator.create(dist.group.WORLD, timeout_s=5.0) is None
+    socket.gethostname = gethostname
+    if rank == 0:
+        platform.machine = lambda: "aarch64"
+    assert ShmCommunicator.create(dist.group.WORLD, timeout_s=5.0) is None
+    platform.machine = machine
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ShmCommunicator.create(dist.group.WORLD, timeout_s=5.0, slot_bytes=1000)
+
+    comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=5.0, slot_bytes=SLOT_BYTES)
+    # the file is gone once every rank has mapped it (rank 0 removes it as it leaves create); the mapping lives
+    dist.barrier()
+    assert [line.endswith("(deleted)") for line in _segment_mappings()] == [True]
+    with pytest.raises(ValueError, match="CPU"):
+        comm.all_reduce(torch.ones(3, device="meta"))
+    with pytest.raises(TypeError):
+        comm.all_gather([1.0, 2.0])
+    with pytest.raises(ValueError, match="input_split_sizes"):
+        comm.all_to_all(torch.ones(5), [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="equal parts"):
+        comm.all_to_all(torch.ones(5))
+    with pytest.raises(ValueError, match="src"):
+        comm.broadcast_object(1, src=world)
+    with pytest.raises(TypeError, match="cannot sum"):
+        comm.all_reduce(torch.zeros(3, dtype=torch.uint16))
+    assert torch.equal(comm.all_gather(torch.zeros(3, dtype=torch.uint16)), torch.zeros(world, 3, dtype=torch.uint16))
+    assert torch.equal(comm.all_reduce(torch.ones(3)), torch.full((3,), float(world)))  # still usable
+    # inside and outside inference mode, the same shape (its cached views) both ways; an input requiring grad
+    with torch.inference_mode():
+        assert torch.equal(comm.all_reduce(torch.ones(2, 2)), torch.full((2, 2), float(world)))
+        assert torch.equal(comm.all_gather(torch.ones(2)), torch.ones(world, 2))
+    assert torch.equal(comm.all_reduce(torch.ones(2, 2)), torch.full((2, 2), float(world)))
+    assert torch.equal(comm.all_gather(torch.ones(2, requires_grad=True)), torch.ones(world, 2))
+    # the ranks disagree: every rank says so, and the communicator is done
+    with pytest.raises(ValueError, match="different collectives"):
+        comm.all_reduce(torch.ones(4 + rank))
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        comm.barrier()
+    comm.close()
+    comm.close()
+    assert _segment_mappings() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.all_reduce(torch.ones(3))
+    return True
+
+
+def test_setup_where_shared_memory_cannot_serve_and_a_caller_s_mistakes():
+    assert run_ranks(_setup_and_misuse_rank, 2) == [True, True]
+
+
+def _latency_rank(rank, world, sizes, repeats):
+    dist.init_process_group("gloo")
+    comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=60.0)
+    rows = []
+    for nbytes in sizes:
+        x = torch.randn(nbytes // 4)
+        calls = max(10, min(repeats, (64 << 20) // nbytes))
+        timings = {}
+        for name, call in (("shm", lambda x=x: comm.all_reduce(x)), ("gloo", lambda x=x: dist.all_reduce(x.clone()))):
+            for _ in range(3):
+                call()
+            best = float("inf")
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                best = min(best, (time.perf_counter() - start) / calls)
+            timings[name] = best
+        rows.append((nbytes, timings["shm"], timings["gloo"]))
+    comm.close()
+    return rows
+
+
+def print_latency_table(world: int = 2) -> None:
+    """all_reduce of float32 at world 2, one intra-op thread per rank: the best of 5 runs of back-to-back calls
+    (the gloo calls include a clone, as all_reduce here returns a new tensor)."""
+    sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
+    rows = run_ranks(_latency_rank, world, sizes, 2000, timeout_s=600)[0]
+    print(f"all_reduce float32, world {world}, {os.cpu_count()} cores")
+    print(f"{'bytes':>10} {'shm us':>10} {'gloo us':>10} {'speed-up':>9}")
+    for nbytes, shm_s, gloo_s in rows:
+        print(f"{nbytes:>10} {shm_s * 1e6:>10.1f} {gloo_s * 1e6:>10.1f} {gloo_s / shm_s:>8.1f}x")
+
+
+if __name__ == "__main__":
+    print_latency_table()
