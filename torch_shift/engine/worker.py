@@ -250,4 +250,4 @@ def _started_rank_main(rank: int, world_size: int, config: EngineConfig, host_ti
     gc.collect()
     gc.freeze()
     worker.serve_forever()
-    dist.destroy_process_group()
+    runtime.close_local()

@@ -1,6 +1,11 @@
 """Collectives of the forward pass: functional collectives on explicit groups, with a ledger, and the
 point-to-point transfers between pipeline stages.
 
+A group whose ranks share one host runs its collectives through shared memory (torch_shift.parallel.shm,
+registered by `use_shared_memory` when the deployment's groups are made): a gloo all-reduce of a decode
+step's hidden states costs about 0.6 ms over TCP here, the same through shared memory 10 to 30 us. Inside
+a compiled graph they are the custom ops `torch_shift::shm_*`, opaque to the compiler.
+
 Every collective counts the bytes this rank sends, per layout and operation, while a ledger is
 active (eager runs: the benchmark and the tests). A group of one rank moves nothing and calls
 nothing (gloo cannot even self-send in a group of one).
@@ -22,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from torch_shift.parallel.shm import ShmCommunicator
+
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
@@ -40,6 +47,56 @@ class CommLedger:
 _ledger: CommLedger | None = None
 _layout = "base"
 _link_bytes_per_s: float | None = None
+_shared: dict[dist.ProcessGroup, int] = {}  # groups served through shared memory -> their communicator's index
+_shared_by_id: list[ShmCommunicator] = []  # the communicators, by the index the custom ops name them with
+
+
+def use_shared_memory(group: dist.ProcessGroup, communicator: ShmCommunicator) -> None:
+    """Run the collectives of `group` through `communicator` (made over that group on every rank)."""
+    _shared[group] = len(_shared_by_id)
+    _shared_by_id.append(communicator)
+
+
+def release_shared_memory() -> None:
+    """Back to the process groups' own collectives, closing the shared-memory communicators."""
+    for communicator in _shared_by_id:
+        communicator.close()
+    _shared.clear()
+    _shared_by_id.clear()
+
+
+def _shared_id(group: dist.ProcessGroup) -> int | None:
+    return _shared.get(group)
+
+
+@torch.library.custom_op("torch_shift::shm_all_reduce", mutates_args=())
+def _shm_all_reduce(x: torch.Tensor, communicator: int) -> torch.Tensor:
+    return _shared_by_id[communicator].all_reduce(x)
+
+
+@_shm_all_reduce.register_fake
+def _(x: torch.Tensor, communicator: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torch_shift::shm_all_gather", mutates_args=())
+def _shm_all_gather(x: torch.Tensor, communicator: int, world: int) -> torch.Tensor:
+    return _shared_by_id[communicator].all_gather(x)
+
+
+@_shm_all_gather.register_fake
+def _(x: torch.Tensor, communicator: int, world: int) -> torch.Tensor:
+    return x.new_empty(world, *x.shape)
+
+
+@torch.library.custom_op("torch_shift::shm_all_to_all", mutates_args=())
+def _shm_all_to_all(x: torch.Tensor, communicator: int) -> torch.Tensor:
+    return _shared_by_id[communicator].all_to_all(x)
+
+
+@_shm_all_to_all.register_fake
+def _(x: torch.Tensor, communicator: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 @contextmanager
@@ -96,7 +153,11 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # ring all-reduce: each rank sends 2 (n - 1) / n of the tensor
     nbytes = 2 * (n - 1) * x.numel() * x.element_size() // n
     _record("all_reduce", nbytes)
-    out = funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    shared = _shared_id(group)
+    if shared is not None:
+        out = _shm_all_reduce(x, shared) if torch.compiler.is_compiling() else _shared_by_id[shared].all_reduce(x)
+    else:
+        out = funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
     _link_delay(nbytes)
     return out
 
@@ -108,7 +169,11 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return x
     nbytes = (n - 1) * x.numel() * x.element_size() // n
     _record("all_to_all", nbytes)
-    out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
+    shared = _shared_id(group)
+    if shared is not None:
+        out = _shm_all_to_all(x, shared) if torch.compiler.is_compiling() else _shared_by_id[shared].all_to_all(x)
+    else:
+        out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
     _link_delay(nbytes)
     return out
 
@@ -119,7 +184,13 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch
         return x
     nbytes = (n - 1) * x.numel() * x.element_size()
     _record("all_gather", nbytes)
-    out = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
+    shared = _shared_id(group)
+    if shared is not None:  # stacked [n, *x.shape]: as the functional collective's [n * rows, ...] once flattened
+        stacked = (_shm_all_gather(x, shared, n) if torch.compiler.is_compiling()
+                   else _shared_by_id[shared].all_gather(x))
+        out = stacked.reshape(n * x.shape[0], *x.shape[1:])
+    else:
+        out = funcol.wait_tensor(_all_gather(x.contiguous(), 0, group))
     _link_delay(nbytes)
     if dim == 0:
         return out

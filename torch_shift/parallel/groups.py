@@ -148,3 +148,12 @@ class DeploymentGroups:
                 pool[ranks] = (group, DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks),
                                                             mesh_dim_names=("tp",)))
         return cls(control, replica, pool)
+
+    def forward_groups(self) -> list[dist.ProcessGroup]:
+        """The groups this rank's layouts run collectives on, in an order every rank agrees on (each group's
+        members list it at the same place relative to their other groups)."""
+        groups = []
+        if self.replica is not None:
+            groups += [self.replica.sp_group, self.replica.tp_group, self.replica.shift_group]
+        groups += [group for group, _ in self.pool.values()]
+        return list(dict.fromkeys(groups))

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.launch import LocalRanks, default_start_method
+from torch_shift.parallel.shm import ShmCommunicator
 
 # the runtime whose started ranks hold this process's default process group, if any
 _holder: ParallelRuntime | None = None
@@ -47,10 +49,11 @@ class ParallelRuntime:
 
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
             self.groups = DeploymentGroups.build(deployment)
+            self.rank = dist.get_rank()
+            self._share_memory(timeout_s)
         except BaseException:
             self.shutdown(timeout_s=2.0)  # started ranks must not outlive a failed construction
             raise
-        self.rank = dist.get_rank()
 
     def _init_state(self, timeout_s: float) -> None:
         self.timeout = timedelta(seconds=timeout_s)
@@ -62,6 +65,7 @@ class ParallelRuntime:
         # thread destroys the process group only once that collective has ended
         self._in_collective = threading.RLock()
         self.groups: DeploymentGroups | None = None
+        self.control: ShmCommunicator | None = None  # the control channel through shared memory, where it can be
 
     @classmethod
     def over(cls, deployment, replica_groups, timeout_s: float) -> ParallelRuntime:
@@ -71,7 +75,19 @@ class ParallelRuntime:
         runtime._init_state(timeout_s)
         runtime.groups = DeploymentGroups.build(deployment, replica_groups)
         runtime.rank = dist.get_rank()
+        runtime._share_memory(timeout_s)
         return runtime
+
+    def _share_memory(self, timeout_s: float) -> None:
+        """Ranks of one host (on the CPU) exchange step plans and run their layouts' collectives through
+        shared memory (torch_shift.parallel.shm); gloo stays for set-up and wherever that cannot be."""
+        if dist.get_backend() != "gloo":
+            return
+        self.control = ShmCommunicator.create(self.groups.control_group, timeout_s)
+        for group in self.groups.forward_groups():
+            communicator = ShmCommunicator.create(group, timeout_s)
+            if communicator is not None:
+                comm.use_shared_memory(group, communicator)
 
     def _process_group_args(self, world: int, worker_main, worker_args: tuple) -> dict[str, Any]:
         """How this process joins a new default process group: torchrun's environment (a), or (b) as
@@ -115,11 +131,15 @@ class ParallelRuntime:
             raise RuntimeError("the parallel engine was shut down")
 
     def broadcast(self, message: Any = None) -> Any:
-        """Rank 0 sends `message`; every rank returns it."""
+        """Rank 0 sends `message`; every rank returns it. The other ranks wait for it without a deadline (they
+        idle there for as long as a server does), rank 0 for them within the timeout."""
         box = [message]
         with self._in_collective:
             self._check_open()
             try:
+                if self.control is not None:
+                    timeout = self.timeout.total_seconds() if self.rank == 0 else None
+                    return self.control.broadcast_object(message, src=0, timeout_s=timeout)
                 dist.broadcast_object_list(box, src=0, group=self.groups.control_group)
             except Exception as e:
                 raise self.failure(e) from e
@@ -162,6 +182,19 @@ class ParallelRuntime:
             time.sleep(0.05)
         return RuntimeError(f"a rank failed or stopped answering: {error}")
 
+    def _release_shared_memory(self) -> None:
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        comm.release_shared_memory()
+
+    def close_local(self) -> None:
+        """A rank other than 0 leaving: its shared-memory channels first, then the process group."""
+        with self._in_collective:
+            self._release_shared_memory()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
     def unresponsive_ranks(self, max_silence_s: float) -> list[int]:
         """The ranks this process started whose heartbeat (every 100 ms, from a thread of their own) is
         older than `max_silence_s`, or that are no longer alive. Cheap: reads shared memory. Under
@@ -187,9 +220,9 @@ class ParallelRuntime:
         sender = None
         if self.groups is not None and not launched.silent_ranks(1.0) and self._in_collective.acquire(
                 blocking=False):
-            try:  # the ranks wait on the control group for the next message: tell them to exit
+            try:  # the ranks wait on the control channel for the next message: tell them to exit
                 sender = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
-                                          self.groups.control_group), daemon=True)
+                                          self.groups.control_group, self.control, timeout_s / 4), daemon=True)
                 sender.start()
                 sender.join(timeout_s / 4)
             finally:
@@ -202,6 +235,7 @@ class ParallelRuntime:
         if (sender is None or not sender.is_alive()) and self._in_collective.acquire(
                 timeout=max(0.1, deadline - time.monotonic())):
             try:
+                self._release_shared_memory()
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 released = True
@@ -215,8 +249,12 @@ class ParallelRuntime:
             torch.set_num_threads(self._user_threads)
 
 
-def _broadcast_quietly(box: list, group: dist.ProcessGroup) -> None:
+def _broadcast_quietly(box: list, group: dist.ProcessGroup, control: ShmCommunicator | None,
+                       timeout_s: float) -> None:
     try:
-        dist.broadcast_object_list(box, src=0, group=group)
+        if control is not None:
+            control.broadcast_object(box[0], src=0, timeout_s=timeout_s)
+        else:
+            dist.broadcast_object_list(box, src=0, group=group)
     except Exception:  # noqa: BLE001 - a rank already gone has nothing to be told
         pass
