@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torch_shift.attention import canonical_backend_name
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.model_runner import ModelRunner
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from torch_shift.engine.policies import build_policy
@@ -400,22 +401,23 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if priority != 0 and self.scheduler_config.policy != "priority" and not self.policy.uses_priority:
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
-                             f"uses priorities, such as 'flying'); this engine schedules "
-                             f"{self.scheduler_config.policy!r} under policy {self.policy.name!r}")
+            raise ParameterError("priority", f"priority={priority} needs scheduling_policy='priority' (or a layout "
+                                             f"policy that uses priorities, such as 'flying'); this engine schedules "
+                                             f"{self.scheduler_config.policy!r} under policy {self.policy.name!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+            raise ParameterError("stop_token_ids", f"stop_token_ids outside the vocabulary: {bad}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:
-                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+                raise ParameterError(name, f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise ParameterError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise ParameterError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
+                                               f"{bad[:5]}")
         grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [c for c in child_ids if c in self.child_to_parent]
@@ -614,13 +616,17 @@ class LLMEngine:
 
     def _detokenize(self, parent: _ParentRequest, index: int, request: Request) -> None:
         detok = parent.detokenizers[index]
-        new_text = detok.step(request.output_token_ids[-1])
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        # as in vLLM, the eos or stop token id that ended the request adds no text (unless include_stop_str_in_output)
+        ended_by_token = (request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+                          and (token_id in request.eos_token_ids or token_id == request.stop_reason))
+        new_text = "" if ended_by_token else detok.step(token_id)
         if request.status.finished:
             new_text += detok.flush()  # bytes held back for an unfinished character
         if not new_text:
             return
         text = parent.texts[index] + new_text
-        params = request.sampling_params
         # as in vLLM, stop strings count only once more than min_tokens tokens were generated
         if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:
             for stop in params.stop_strings:
