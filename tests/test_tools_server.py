@@ -279,3 +279,22 @@ def test_offline_chat_renders_tools(tools_model):
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in prompt and "24C" in prompt
     with pytest.raises(ParameterError, match="given twice"):
         llm.chat(ASK, tools=[WEATHER, WEATHER], use_tqdm=False)
+
+
+def test_serve_flags_are_vllms(tmp_path, capsys):
+    from torch_shift.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                      "--reasoning-parser", "deepseek_r1"])
+    options = ChatOptions.from_args(args)
+    assert options.auto_tool_parser == "llama3_json" and options.reasoning_parser == "deepseek_r1"
+    assert ChatOptions(tool_call_parser="hermes").auto_tool_parser is None  # "auto" needs the flag too
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2  # refused before any model is loaded
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nonsense"])
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert ChatOptions(chat_template=str(template)).template() == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="no such file"):
+        ChatOptions(chat_template=str(tmp_path / "missing.jinja")).template()

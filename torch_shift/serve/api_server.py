@@ -34,15 +34,13 @@ from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStoppe
 from torch_shift.serve.chat_output import ChatOutputFormat
 from torch_shift.serve.metrics import EngineMetrics
 from torch_shift.serve.options import ChatOptions
-from torch_shift.serve.reasoning import REASONING_PARSERS
-from torch_shift.serve.tool_parsers import TOOL_PARSERS
-from torch_shift.serve.tools import template_messages, tool_choice
 from torch_shift.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from torch_shift.serve.reasoning import REASONING_PARSERS
 from torch_shift.serve.responses import (
     DeltaTracker,
     EchoedPrompt,
@@ -52,6 +50,8 @@ from torch_shift.serve.responses import (
     completion_logprobs,
     sse,
 )
+from torch_shift.serve.tool_parsers import TOOL_PARSERS
+from torch_shift.serve.tools import template_messages, tool_choice
 
 logger = logging.getLogger("torch_shift.serve")
 

@@ -15,7 +15,6 @@ failure is sent as content.
 from __future__ import annotations
 
 import secrets
-import string
 from dataclasses import dataclass, field
 
 from torch_shift.serve.tool_parsers.json_calls import WHITESPACE, CallObject, MalformedCall
