@@ -106,8 +106,8 @@ def between(before: dict, after: dict, name: str) -> float:
 
 
 def mean_between(before: dict, after: dict, histogram: str) -> float | None:
-    count = between(before, after, f"torch_shift:{histogram}_count")
-    return between(before, after, f"torch_shift:{histogram}_sum") / count if count else None
+    count = between(before, after, f"{histogram}_count")
+    return between(before, after, f"{histogram}_sum") / count if count else None
 
 
 def steps_by_layout(before: dict, after: dict) -> dict[str, int]:
@@ -230,10 +230,10 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
             before, after = snaps[i], snaps[i + 1]
             stats.update({
                 "phase": "high" if rate == high else "low", "rate": rate,
-                "queue_ms": _ms(mean_between(before, after, "request_queue_time_seconds")),
+                "queue_ms": _ms(mean_between(before, after, "vllm:request_queue_time_seconds")),
                 "switches": int(between(before, after, "torch_shift:layout_switches_total")),
-                "switch_step_ms": _ms(mean_between(before, after, "layout_switch_latency_seconds")),
-                "step_ms": _ms(mean_between(before, after, "step_duration_seconds")),
+                "switch_step_ms": _ms(mean_between(before, after, "torch_shift:layout_switch_latency_seconds")),
+                "step_ms": _ms(mean_between(before, after, "torch_shift:step_duration_seconds")),
                 "steps_by_layout": steps_by_layout(before, after),
             })
             per_phase.append(stats)

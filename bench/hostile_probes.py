@@ -126,7 +126,7 @@ def huge_n(server: Server) -> dict:
 
 
 def disconnects(server: Server, clients: int = 10, max_tokens: int = 500) -> dict:
-    before = server.metric("torch_shift:generation_tokens_total")
+    before = server.metric("vllm:generation_tokens_total")
 
     async def give_up():
         async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(30, read=0.5)) as http:
@@ -136,10 +136,10 @@ def disconnects(server: Server, clients: int = 10, max_tokens: int = 500) -> dic
 
     t0 = time.monotonic()
     asyncio.run(give_up())
-    while server.metric("torch_shift:num_requests_running") > 0:
+    while server.metric("vllm:num_requests_running") > 0:
         time.sleep(0.05)
     return {"clients": clients, "max_tokens": max_tokens, "generated": int(
-        server.metric("torch_shift:generation_tokens_total") - before), "idle_after_s": round(time.monotonic() - t0, 3)}
+        server.metric("vllm:generation_tokens_total") - before), "idle_after_s": round(time.monotonic() - t0, 3)}
 
 
 def _stream(url: str, started: list) -> tuple[float, str]:

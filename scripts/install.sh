@@ -32,4 +32,10 @@ if [[ ",$extras," == *",dev,"* ]]; then
   # the torchtitan handoff tests import only its model code: skip its training-job dependencies
   "$PYTHON" -m pip install --quiet --no-deps "torchtitan==0.3.0"
   "$PYTHON" -m pip install --quiet "spmd_types==0.2.3" tyro
+  # aiperf (tests/test_aiperf.py runs it against the server) pins huggingface_hub < 2 and other versions this
+  # environment does not keep: it gets an environment of its own, .venv-aiperf/
+  if [[ ! -x .venv-aiperf/bin/aiperf ]]; then
+    "$PYTHON" -m venv .venv-aiperf
+    .venv-aiperf/bin/python -m pip install --quiet "aiperf==0.13.0"
+  fi
 fi

@@ -11,6 +11,8 @@ import torch
 from conftest import hf_greedy, random_prompts, rewrite_config
 
 from torch_shift import LLM, SamplingParams
+from torch_shift.engine.errors import ParameterError
+from torch_shift.engine.structured_output import StructuredOutputsParams
 
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
 MAX_TOKENS = 12
@@ -253,6 +255,65 @@ def test_prompt_larger_than_the_kv_pool(llama):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"stop": ["x", ""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+    ({"logit_bias": {3: 101.0}}, "logit_bias"), ({"seed": 2**63}, "seed"), ({"temperature": math.nan}, "temperature"),
+])
+def test_bad_sampling_params_name_their_field(kwargs, param):
+    with pytest.raises(ParameterError) as error:
+        SamplingParams(**kwargs)
+    assert error.value.param == param and isinstance(error.value, ValueError)
+
+
+def test_engine_checks_name_their_field(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    for params, priority, param in [(SamplingParams(stop_token_ids=[10_000]), 0, "stop_token_ids"),
+                                    (SamplingParams(logit_bias={10_000: 1.0}), 0, "logit_bias"),
+                                    (SamplingParams(logprobs=10_000), 0, "logprobs"),
+                                    (SamplingParams(), -1, "priority")]:
+        with pytest.raises(ParameterError) as error:
+            llm.generate([[6, 7]], params, use_tqdm=False, priority=[priority])
+        assert error.value.param == param
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_token_that_ends_a_request_adds_no_text(llama):
+    """As in vLLM: an eos or stop token id ends the request without its text, also when special tokens are kept,
+    unless include_stop_str_in_output."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    eos = llm.tokenizer.eos_token_ids
+    shown = SamplingParams(max_tokens=4, temperature=0.0, skip_special_tokens=False)
+    out = llm.generate("the quick", replace(shown, logit_bias={min(eos): 100.0}), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [min(eos)] and out.finish_reason == "stop" and out.text == ""
+    out = llm.generate("the quick", replace(shown, logit_bias={77: 100.0}, stop_token_ids=[77]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [77] and out.stop_reason == 77 and out.text == ""
+    kept = llm.generate("the quick", replace(shown, logit_bias={77: 100.0}, stop_token_ids=[77],
+                                             include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode([77])
+
+
+def test_a_grammar_that_fails_while_generating_ends_the_request_with_an_error():
+    """A pattern of 2,400 characters of (a|a)*(b|b)* exhausts llguidance's lexer once the string starts: the
+    request ends with finish_reason "error" (stop_reason says why), never "stop" with text that is not JSON."""
+    pytest.importorskip("llguidance")
+    llm = LLM()  # the embedded default model: its vocabulary makes the lexer give up
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(a|a)*(b|b)*" * 200}},
+              "required": ["x"]}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=1,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    out = llm.generate("And God said", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and "grammar" in out.stop_reason and "lexer" in out.stop_reason
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_unknown_stop_token_and_engine_arguments(llama):

@@ -195,15 +195,15 @@ def test_disconnecting_clients_abort_their_requests(server):
 
     asyncio.run(give_up())
     deadline = time.monotonic() + 20
-    while server.metrics()["torch_shift:num_requests_running"] > 0:  # the gauge moves with the aborts
+    while server.metrics()["vllm:num_requests_running"] > 0:  # the gauge moves with the aborts
         assert time.monotonic() < deadline, "the requests of clients that left kept running"
         time.sleep(0.1)
     after = server.metrics()
-    generated = after["torch_shift:generation_tokens_total"] - before.get("torch_shift:generation_tokens_total", 0)
-    aborted = after.get("torch_shift:request_success_total{abort}", 0) - before.get(
-        "torch_shift:request_success_total{abort}", 0)
+    generated = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
+    aborted = after.get("vllm:request_success_total{abort}", 0) - before.get(
+        "vllm:request_success_total{abort}", 0)
     assert aborted == 4 and generated < 4 * 1800 / 2, (aborted, generated)
-    assert after["torch_shift:kv_cache_usage_perc"] == 0.0
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
 
 
 def _stream_until_error(url: str, started: list) -> list[dict]:

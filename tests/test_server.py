@@ -234,14 +234,14 @@ def test_metrics_parse_and_move(server):
     server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True})
     after = scrape()
-    assert after["torch_shift:request_success_total{length}"] == before.get(
-        "torch_shift:request_success_total{length}", 0) + 1
-    assert after["torch_shift:generation_tokens_total"] - before.get("torch_shift:generation_tokens_total", 0) == 5
-    assert after["torch_shift:prompt_tokens_total"] > before.get("torch_shift:prompt_tokens_total", 0)
-    assert after["torch_shift:time_to_first_token_seconds_count"] == before.get(
-        "torch_shift:time_to_first_token_seconds_count", 0) + 1
+    assert after["vllm:request_success_total{length}"] == before.get(
+        "vllm:request_success_total{length}", 0) + 1
+    assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) == 5
+    assert after["vllm:prompt_tokens_total"] > before.get("vllm:prompt_tokens_total", 0)
+    assert after["vllm:time_to_first_token_seconds_count"] == before.get(
+        "vllm:time_to_first_token_seconds_count", 0) + 1
     assert after["torch_shift:steps_total{single}"] >= before.get("torch_shift:steps_total{single}", 0) + 5
-    assert "torch_shift:kv_cache_usage_perc" in after and "torch_shift:num_requests_running" in after
+    assert "vllm:kv_cache_usage_perc" in after and "vllm:num_requests_running" in after
 
 
 def test_api_key_models_health_and_openapi(checkpoints):
@@ -371,8 +371,8 @@ def post(server, path, body, **kwargs):
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [  # (path, extra fields, what the message must name)
-    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [TOOL]}, "--tool-call-parser"),  # "auto" without a parser
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [IMAGE]}]}, "image_url"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
@@ -544,7 +544,7 @@ def test_a_refused_prompt_refuses_the_whole_request(server):
     def generated():
         text = httpx.get(server.url + "/metrics").text
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "torch_shift:generation_tokens_total")
+                   if s.name == "vllm:generation_tokens_total")
 
     before = generated()
     response = post(server, "/v1/completions", {"prompt": [PROMPT, PROMPT, "word " * 400], "max_tokens": 50,
@@ -576,3 +576,106 @@ def test_priority_is_refused_unless_the_engine_schedules_by_it(server, checkpoin
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy(reference, max_tokens=4).text
     finally:
         prioritised.stop()
+
+
+# -- issue 24: what clients read ------------------------------------------------------------------------------
+RANGE_CHECKS = [  # (path, extra fields, the param the 400 must name)
+    ("/v1/completions", {"temperature": -1}, "temperature"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
+    ("/v1/completions", {"top_k": -5}, "top_k"),
+    ("/v1/completions", {"min_p": 2}, "min_p"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"stop": ["x", ""]}, "stop"),
+    ("/v1/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"priority": -1}, "priority"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format"),
+    ("/v1/completions", {"echo": True, "logprobs": 5, "response_format": {"type": "json_object"}, "min_tokens": 2},
+     "min_tokens"),
+    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"min_tokens": 9, "max_completion_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2, "priority": 3}, "priority"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", RANGE_CHECKS)
+def test_every_range_check_names_its_field(server, path, extra, param):
+    response = post(server, path, _body(path, extra))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert server.idle_free_blocks()
+
+
+def test_usage_reports_cached_prompt_tokens(server):
+    prompt = "the quick brown fox jumps over the lazy dog " * 6  # several 16-token blocks
+    client = server.client()
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    chunks += list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+PATHOLOGICAL = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(a|a)*(b|b)*" * 200}},
+                "required": ["x"]}
+
+
+def test_a_schema_that_cannot_be_honoured_never_succeeds():
+    """The issue's schema got a 200 with `",` (finish_reason "stop") while the grammar had failed; now the grammar's
+    failure ends the request with an error the client sees, and no 200 carries text outside the schema."""
+    from torch_shift.models.default import default_model_dir
+
+    s = RunningServer(default_model_dir())
+    try:
+        response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": PATHOLOGICAL}}
+        for temperature, seed in [(0.0, 0), (1.0, 1), (1.0, 2)]:
+            body = {"messages": [{"role": "user", "content": "And God said"}], "max_tokens": 60,
+                    "temperature": temperature, "seed": seed, "response_format": response_format}
+            response = post(s, "/v1/chat/completions", body)
+            if response.status_code == 200:  # only ever with the whole schema honoured
+                json.loads(response.json()["choices"][0]["message"]["content"])
+                continue
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "response_format", error
+            assert "grammar" in error["message"] and "lexer" in error["message"]
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True},
+                              timeout=30) as streamed:
+                events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["param"] == "response_format"
+        completion = post(s, "/v1/completions", {"prompt": "And God said", "max_tokens": 60,
+                                                 "response_format": response_format})
+        assert completion.status_code == 400 and completion.json()["error"]["param"] == "response_format"
+        assert s.idle_free_blocks()
+    finally:
+        s.stop()
+
+
+def test_metrics_carry_vllms_names(server):
+    client = server.client()
+    client.completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=3, extra_body={"ignore_eos": True})
+    client.completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=3, extra_body={"ignore_eos": True})
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    total = {name: sum(s.value for s in f.samples if not s.name.endswith(("_created", "_bucket")))
+             for name, f in families.items()}
+    for name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:request_prompt_tokens", "vllm:iteration_tokens_total"):
+        assert total[name] > 0, name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions", "torch_shift:steps", "torch_shift:layout_switches"):
+        assert name in families, name
+    assert not [name for name in families if name.startswith("torch_shift:") and
+                name.removeprefix("torch_shift:") in {n.removeprefix("vllm:") for n in families}]  # no duplicates

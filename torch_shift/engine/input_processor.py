@@ -8,6 +8,7 @@ import hashlib
 from dataclasses import dataclass, replace
 
 from torch_shift.engine.args import EngineConfig
+from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.request import Request
 from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
 from torch_shift.engine.structured_output import GrammarCompiler
@@ -136,22 +137,23 @@ class InputProcessor:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         scheduling = self.config.scheduler.policy
         if priority != 0 and scheduling != "priority" and not self.uses_priority:
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (or a layout policy that "
-                             f"uses priorities, such as 'flying'); this engine schedules {scheduling!r} under "
-                             f"policy {self.policy_name!r}")
+            raise ParameterError("priority", f"priority={priority} needs scheduling_policy='priority' (or a layout "
+                                             f"policy that uses priorities, such as 'flying'); this engine schedules "
+                                             f"{scheduling!r} under policy {self.policy_name!r}")
         vocab = self.config.model.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary: {bad}")
+            raise ParameterError("stop_token_ids", f"stop_token_ids outside the vocabulary: {bad}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:
-                raise ValueError(f"{name}={k} exceeds the vocabulary size {vocab}")
+                raise ParameterError(name, f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise ParameterError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise ParameterError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
+                                               f"{bad[:5]}")
         return params
 
     def process(self, request_id: str, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,

@@ -149,15 +149,28 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template and generate (under torchrun on every
-        rank, as `generate`)."""
+        """Render each conversation with the tokenizer's chat template and generate, as vLLM's `LLM.chat` (under
+        torchrun on every rank, as `generate`).
+
+        `tools`: OpenAI-style tools (`{"type": "function", "function": {"name", "description", "parameters"}}`),
+        checked as the server checks them and given to the template (transformers' `tools=`); the arguments of
+        earlier calls in `messages` may be JSON text, as OpenAI clients send them. To read calls out of the
+        output: `torch_shift.serve.tool_parsers.TOOL_PARSERS["hermes"].parse(text)` (or the model's format).
+        `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3)."""
+        from torch_shift.serve.tools import check_tools, template_messages
+
         def chat():
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so no chat template")
+            if tools is not None:
+                check_tools(tools)
             conversations = [messages] if messages and isinstance(messages[0], dict) else messages
             prompts = [
-                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+                self.tokenizer.apply_chat_template(template_messages(c), add_generation_prompt=add_generation_prompt,
+                                                   tokenize=True, tools=tools, **(chat_template_kwargs or {}))
                 for c in conversations
             ]
             return self._generate(prompts, sampling_params, use_tqdm, None)

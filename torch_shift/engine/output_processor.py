@@ -137,13 +137,17 @@ class OutputProcessor:
     def _detokenize(self, tracked: _Tracked, index: int, request: Request) -> bool:
         """Append the new token's text; True when a stop string (found in it) ends a running request."""
         detok = tracked.detokenizers[index]
-        new_text = detok.step(request.output_token_ids[-1])
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        # as in vLLM, the eos or stop token id that ended the request adds no text (unless include_stop_str_in_output)
+        ended_by_token = (request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+                          and (token_id in request.eos_token_ids or token_id == request.stop_reason))
+        new_text = "" if ended_by_token else detok.step(token_id)
         if request.status.finished:
             new_text += detok.flush()  # bytes held back for an unfinished character
         if not new_text:
             return False
         text = tracked.texts[index] + new_text
-        params = request.sampling_params
         stopped = False
         # as in vLLM, stop strings count only once more than min_tokens tokens were generated
         if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:

@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request could not go on (its grammar failed): `stop_reason` says why
 
     @property
     def finished(self) -> bool:
@@ -27,7 +28,7 @@ class RequestStatus(enum.Enum):
 
 
 for _status in RequestStatus:  # a plain attribute: this is read for every request at every step
-    _status._finished = _status.value in ("stop", "length", "abort")
+    _status._finished = _status.value in ("stop", "length", "abort", "error")
 
 
 class Request:
@@ -72,6 +73,7 @@ class Request:
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
         self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
+        self.error: str | None = None  # why the request cannot go on (set by the sampler); it finishes with "error"
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +94,9 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after a token was appended (stop strings are the detokenizer's)."""
+        if self.error is not None:
+            self.stop_reason = self.error
+            return RequestStatus.FINISHED_ERROR
         outputs = self.output_token_ids
         num_outputs = len(outputs)
         if num_outputs >= self.sampling_params.min_tokens:

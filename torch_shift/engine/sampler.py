@@ -57,7 +57,12 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
-            allowed = grammar_mask([requests[i].grammar for i in constrained], logits.shape[1]).to(logits.device)
+            allowed = grammar_mask([requests[i].grammar for i in constrained], logits.shape[1])
+            for row, i in enumerate(constrained):
+                if requests[i].grammar.is_error():  # e.g. a lexer past its limits: the request ends with "error"
+                    _grammar_failed(requests[i])
+                    allowed[row] = True  # its mask holds no token; the token drawn is never shown as valid output
+            allowed = allowed.to(logits.device)
             logits = logits.clone()
             logits[constrained] = logits[constrained].masked_fill(~allowed, _NEG_INF)
         greedy = [p.greedy for p in params]
@@ -68,8 +73,9 @@ class Sampler:
 
         token_ids = sampled.tolist()
         for i in constrained:
-            accepted = requests[i].grammar.consume_token(token_ids[i])
-            assert accepted, requests[i].grammar.get_error()
+            request = requests[i]
+            if request.error is None and (not request.grammar.consume_token(token_ids[i]) or request.grammar.is_error()):
+                _grammar_failed(request)
         row_logprobs: list = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, k in enumerate(want_logprobs) if k is not None]
@@ -159,6 +165,10 @@ class Sampler:
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def _grammar_failed(request: Request) -> None:
+    request.error = f"the output could not be kept to its grammar: {request.grammar.get_error() or 'token refused'}"
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

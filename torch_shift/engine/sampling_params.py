@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.structured_output import StructuredOutputsParams
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
@@ -43,14 +44,18 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
+                raise ParameterError(name, f"{name} must be >= {low}, got {value}")
 
         def check_float(name: str, value) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}")
+                raise ParameterError(name, f"{name} must be a finite number, got {value}")
             return float(value)
+
+        def check_range(name: str, ok: bool, rule: str) -> None:
+            if not ok:
+                raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)}")
 
         check_int("n", self.n, 1)
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
@@ -60,57 +65,55 @@ class SamplingParams:
         check_int("top_k", self.top_k, -1)
         if self.seed is not None:
             check_int("seed", self.seed, 0)
-            if self.seed > MAX_SEED:
-                raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {self.seed}")
+            check_range("seed", self.seed <= MAX_SEED, "an int in [0, 2**63 - 1]")
         self.temperature = check_float("temperature", self.temperature)
         self.top_p = check_float("top_p", self.top_p)
         self.min_p = check_float("min_p", self.min_p)
         self.presence_penalty = check_float("presence_penalty", self.presence_penalty)
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty)
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check_range("temperature", self.temperature >= 0.0, ">= 0")
+        check_range("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        check_range("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]")
+        check_range("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")
+        check_range("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]")
+        check_range("repetition_penalty", self.repetition_penalty > 0.0, "> 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                               f"({self.max_tokens})")
         if self.top_k == -1:
             self.top_k = 0
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_strings = tuple(stop)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
         stop_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be non-negative ints, got "
+                                                   f"{self.stop_token_ids!r}")
         self.stop_token_ids = stop_ids
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             for token_id, bias in self.logit_bias.items():
                 if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+                    raise ParameterError("logit_bias", f"logit_bias keys must be token ids (ints >= 0), got "
+                                                       f"{token_id!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                    raise ValueError(f"logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
+                    raise ParameterError("logit_bias", f"logit_bias[{token_id}] must be a number in [-100, 100], "
+                                                       f"got {bias!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise TypeError("structured_outputs must be StructuredOutputsParams, got "
                                 f"{type(self.structured_outputs).__name__}")
             if self.ignore_eos or self.min_tokens:
-                raise ValueError("structured outputs end at the end-of-sequence token: they cannot be combined "
-                                 "with ignore_eos or min_tokens")
+                raise ParameterError("ignore_eos" if self.ignore_eos else "min_tokens",
+                                     "structured outputs end at the end-of-sequence token: they cannot be combined "
+                                     "with ignore_eos or min_tokens")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from torch_shift.engine.errors import ParameterError
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -24,7 +26,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
-            raise ValueError("structured outputs take exactly one of json (a schema) and json_object=True")
+            raise ParameterError("structured_outputs",
+                                 "structured outputs take exactly one of json (a schema) and json_object=True")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
 
@@ -42,14 +45,17 @@ class GrammarCompiler:
         try:
             import llguidance
         except ImportError:
-            raise ValueError("structured outputs (response_format json_object / json_schema) need llguidance: "
-                             "pip install 'torch_shift[serve]'") from None
+            raise ParameterError("structured_outputs", "structured outputs (response_format json_object / "
+                                 "json_schema) need llguidance: pip install 'torch_shift[serve]'") from None
         if not eos_token_ids:
-            raise ValueError("structured outputs need an end-of-sequence token; this model has none")
+            raise ParameterError("structured_outputs",
+                                 "structured outputs need an end-of-sequence token; this model has none")
         self._llguidance = llguidance
         self.vocab_size = vocab_size
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                  eos_token=sorted(eos_token_ids))
+        # errors name the failure only: the parser's state and the whole grammar would go to the client
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         LLMatcher = self._llguidance.LLMatcher
@@ -57,13 +63,13 @@ class GrammarCompiler:
             # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
             grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
         except Exception as e:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError on a bad schema
-            raise ValueError(f"the JSON schema cannot be used: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, self._tokenizer)
+            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits)
         if error:
-            raise ValueError(f"the JSON schema cannot be used: {error}")
-        matcher = LLMatcher(self._tokenizer, grammar)
+            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {error}")
+        matcher = LLMatcher(self._tokenizer, grammar, limits=self._limits)
         if matcher.is_error():
-            raise ValueError(f"the JSON schema cannot be used: {matcher.get_error()}")
+            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {matcher.get_error()}")
         return matcher
 
 

@@ -34,6 +34,39 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# In the style of Qwen2.5's template: tools listed in the system turn, calls written as <tool_call> JSON (vLLM's
+# "hermes" format), earlier calls rendered back from their arguments (objects), tool results as <tool_response>
+# in a user turn. A test checkpoint with it serves tool calling end to end.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{% if tools %}"
+    "<|im_start|>system\n{{ system if system is not none else 'You are a helpful assistant.' }}\n\n# Tools\n\n"
+    "You may call one or more functions. Their signatures, within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "Write each call as a JSON object within <tool_call></tool_call>:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif system is not none %}<|im_start|>system\n{{ system }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "<|im_start|>assistant{% if message['content'] %}{{ '\\n' }}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] in ['system', 'user', 'assistant'] %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _TOKENIZER_SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
 
 _CORPUS_WORDS = (
@@ -71,7 +104,7 @@ def _tokenizer_training_corpus(num_lines: int = 400) -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: bool = True) -> Path:
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: bool | str = True) -> Path:
     """Train a tiny deterministic byte-level BPE tokenizer and write it as a Hugging Face tokenizer directory.
 
     Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir and returns it as a Path.
@@ -86,7 +119,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: b
 
     The post-processor prepends <s> and tokenizer_config.json says add_bos_token=true, so both agree. With
     chat_template=True, tokenizer_config.json carries a ChatML-style template that starts with bos_token; its turns
-    end with <|im_end|>, which is an eos only where a generation_config.json lists it.
+    end with <|im_end|>, which is an eos only where a generation_config.json lists it. A string is the template to
+    carry instead (e.g. TOOLS_CHAT_TEMPLATE).
     """
     minimum = len(_TOKENIZER_SPECIAL_TOKENS) + 256
     if vocab_size < minimum:
@@ -125,7 +159,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, chat_template: b
         "model_max_length": 4096,
     }
     if chat_template:
-        tokenizer_config["chat_template"] = CHATML_TEMPLATE
+        tokenizer_config["chat_template"] = chat_template if isinstance(chat_template, str) else CHATML_TEMPLATE
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False))
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_tokens, indent=2))
     return out_dir

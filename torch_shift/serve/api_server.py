@@ -10,6 +10,7 @@ answers as soon as it passes the limit. A client that goes away (streaming or no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,13 +31,16 @@ from torch_shift.engine.llm_engine import TokenizedPrompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStopped, Submission
+from torch_shift.serve.chat_output import ChatOutputFormat
 from torch_shift.serve.metrics import EngineMetrics
+from torch_shift.serve.options import ChatOptions
 from torch_shift.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from torch_shift.serve.reasoning import REASONING_PARSERS
 from torch_shift.serve.responses import (
     DeltaTracker,
     EchoedPrompt,
@@ -46,6 +50,8 @@ from torch_shift.serve.responses import (
     completion_logprobs,
     sse,
 )
+from torch_shift.serve.tool_parsers import TOOL_PARSERS
+from torch_shift.serve.tools import template_messages, tool_choice
 
 logger = logging.getLogger("torch_shift.serve")
 
@@ -72,6 +78,27 @@ class _ErrorResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         # ASCII escapes: an error may quote what the client sent, lone surrogates included
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _parameter_error(e: ValueError | TypeError, fields: dict[str, str] | None = None) -> APIError:
+    """A 400 for an error of the engine or the request checks, naming the request field where it knows it
+    (`fields` maps engine parameter names to this endpoint's field names)."""
+    param = getattr(e, "param", None)
+    if param is not None:
+        param = (fields or {}).get(param, param)
+    return APIError(400, str(e), param=param)
+
+
+def _generation_error(reason: str, field: str) -> APIError:
+    """A request whose output could not be kept to its grammar (finish reason "error")."""
+    return APIError(400, f"{field}: {reason}; the output would not have matched it (simplify the schema)",
+                    param=field, code="grammar_failed")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _status_type(status: int) -> str:
@@ -151,7 +178,7 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> tuple[bool,
 
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics, api_key: str | None = None,
               max_body_bytes: int = 1 << 20, max_n: int = 128, max_prompts_per_request: int = 256,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+              on_shutdown: Callable[[], None] | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -162,6 +189,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     llm = engine.engine
     tokenizer = llm.tokenizer
+    chat_options = chat_options or ChatOptions()
+    if tokenizer is not None and chat_options.chat_template is not None:
+        tokenizer.chat_template = chat_options.template()
+    auto_tool_parser = TOOL_PARSERS[chat_options.auto_tool_parser] if chat_options.auto_tool_parser else None
+    reasoning_parser = REASONING_PARSERS[chat_options.reasoning_parser] if chat_options.reasoning_parser else None
     max_model_len = llm.scheduler_config.max_model_len
     vocab_size = llm.model_config.vocab_size
 
@@ -233,22 +265,23 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param=what) from None
 
-    def sampling(body, max_tokens, logprobs, prompt_logprobs) -> SamplingParams:
+    def sampling(body, max_tokens, logprobs, prompt_logprobs, fields: dict[str, str], structured_outputs=None
+                 ) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured_outputs)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+            raise _parameter_error(e, fields) from None
 
     @asynccontextmanager
-    async def submit(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int
-                     ) -> AsyncIterator[tuple[str, Submission]]:
+    async def submit(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int,
+                     fields: dict[str, str]) -> AsyncIterator[tuple[str, Submission]]:
         rid = engine.new_request_id(prefix)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         try:
             async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
                 yield rid, submission
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
+            raise _parameter_error(e, fields) from None
         except EngineFull as e:
             raise APIError(429, str(e), "rate_limit_error", code=429,
                            headers={"Retry-After": str(e.retry_after_s)}) from None
@@ -256,15 +289,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(503, str(e), "server_error", code=503) from None
 
     async def stream_response(prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams, priority: int,
-                              chunks: Callable[[str, Submission], AsyncIterator[str]]) -> Response:
+                              fields: dict[str, str], chunks: Callable[[str, Submission], AsyncIterator[str]]
+                              ) -> Response:
         stack = AsyncExitStack()
-        rid, submission = await stack.enter_async_context(submit(prefix, prompts, params, priority))
+        rid, submission = await stack.enter_async_context(submit(prefix, prompts, params, priority, fields))
         return _EngineStream(chunks(rid, submission), stack.aclose)  # errors before this are plain HTTP errors
 
     async def collect(request: Request, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
-                      priority: int) -> tuple[str, list[RequestOutput]] | None:
+                      priority: int, fields: dict[str, str]) -> tuple[str, list[RequestOutput]] | None:
         """The final output of every prompt; None when the client went away (its requests are aborted)."""
-        async with submit(prefix, prompts, params, priority) as (rid, submission):
+        async with submit(prefix, prompts, params, priority, fields) as (rid, submission):
             async def finals() -> list[RequestOutput]:
                 last: list[RequestOutput | None] = [None] * len(prompts)
                 async for index, out in submission:
@@ -309,7 +343,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         def run() -> list[int]:
             if body.messages is None:
                 return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-            messages = [m.template_message() for m in body.messages]
+            messages = template_messages([m.template_message() for m in body.messages])
             text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
             return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
@@ -345,28 +379,31 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                            param="max_tokens")
         max_tokens = 1 if echo_only else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = sampling(body, max_tokens, body.logprobs, prompt_logprobs)
+        fields = {"prompt_logprobs": "logprobs", "structured_outputs": "response_format"}
+        params = sampling(body, max_tokens, body.logprobs, prompt_logprobs, fields)
         tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
         if body.stream:
             return await stream_response(
-                "cmpl", tokenized, params, body.priority,
+                "cmpl", tokenized, params, body.priority, fields,
                 lambda rid, submission: _completion_chunks(rid, submission, served_model_name, body, echo_only,
                                                            tokenizer))
-        collected = await collect(request, "cmpl", tokenized, params, body.priority)
+        collected = await collect(request, "cmpl", tokenized, params, body.priority, fields)
         if collected is None:
             return Response(status_code=499)  # nobody listens
         rid, finals = collected
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for i, final in enumerate(finals):
-            usage["prompt_tokens"] += len(final.prompt_token_ids)
+            prompt_tokens += len(final.prompt_token_ids)
+            cached_tokens += final.num_cached_tokens
             for c in final.outputs:
-                usage["completion_tokens"] += 0 if echo_only else len(c.token_ids)
+                if c.finish_reason == "error":
+                    raise _generation_error(str(c.stop_reason), "response_format")
+                completion_tokens += 0 if echo_only else len(c.token_ids)
                 choices.append(completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
                                                    echo_only=echo_only, logprobs=body.logprobs,
                                                    skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer))
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     # -- chat ---------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -376,39 +413,56 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         tok = need_tokenizer("chat needs a tokenizer with a chat template")
         if tok.chat_template is None:
             raise APIError(400, "this model has no chat template")
-        messages = [m.template_message() for m in body.messages]
+        try:
+            tools = tool_choice(body.template_tools(), body.template_tool_choice(), body.parallel_tool_calls,
+                                chat_options.auto_tool_parser)
+            messages = template_messages([m.template_message() for m in body.messages])
+        except ValueError as e:
+            raise _parameter_error(e) from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", param="max_tokens")
+            raise APIError(400, f"{max_tokens_field}: must be >= 1, got {max_tokens}", param=max_tokens_field)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling(body, max_tokens, logprobs, None)
+        grammar_field = "tools" if tools.forced else "response_format"
+        fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}
+        params = sampling(body, max_tokens, logprobs, None, fields, tools.structured_outputs())
+        if tools.mode == "auto" and auto_tool_parser.needs_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # its markers may be special tokens
 
-        def render() -> TokenizedPrompt:
+        def render() -> tuple[str, TokenizedPrompt]:
             try:
-                token_ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                    tokenize=True)
+                text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                               tools=tools.tools, **(body.chat_template_kwargs or {}))
             except (ValueError, TypeError) as e:
                 raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
-            return prepare(token_ids, max_tokens, "messages")
+            return text, prepare(tok.encode(text, add_special_tokens=False), max_tokens, "messages")
 
-        prompt = await asyncio.to_thread(render)
+        prompt_text, prompt = await asyncio.to_thread(render)
+        output = ChatOutputFormat(tools, auto_tool_parser, reasoning_parser, prompt_text, body.include_reasoning)
         if body.stream:
             return await stream_response(
-                "chatcmpl", [prompt], params, body.priority,
-                lambda rid, submission: _chat_chunks(rid, submission, served_model_name, body, tokenizer))
-        collected = await collect(request, "chatcmpl", [prompt], params, body.priority)
+                "chatcmpl", [prompt], params, body.priority, fields,
+                lambda rid, submission: _chat_chunks(rid, submission, served_model_name, body, tokenizer, output,
+                                                     grammar_field))
+        collected = await collect(request, "chatcmpl", [prompt], params, body.priority, fields)
         if collected is None:
             return Response(status_code=499)
         rid, (final,) = collected
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
-                                 if body.logprobs else None),
-                    "finish_reason": c.finish_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            if c.finish_reason == "error":
+                raise _generation_error(str(c.stop_reason), grammar_field)
+            parser = output.parser()
+            message = parser.parse(c.text)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": (chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
+                                         if body.logprobs else None),
+                            "finish_reason": output.finish_reason(c.finish_reason, parser.tools_called)})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
-                "choices": choices, "usage": {"prompt_tokens": len(final.prompt_token_ids),
-                                              "completion_tokens": completion_tokens,
-                                              "total_tokens": len(final.prompt_token_ids) + completion_tokens}}
+                "choices": choices,
+                "usage": _usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)}
 
     return app
 
@@ -417,6 +471,8 @@ def _stream_error(e: BaseException) -> str:
     """After the first byte an error can only be reported in the stream."""
     if isinstance(e, EngineStopped):
         error = APIError(503, str(e), "server_error", code=503)
+    elif isinstance(e, APIError):
+        error = e
     else:
         logger.exception("torch_shift server: a stream failed", exc_info=e)
         error = APIError(500, "internal error while streaming", "server_error", code=500)
@@ -428,12 +484,15 @@ class _Usage:
         self.include = bool(stream_options and stream_options.include_usage)
         self.continuous = bool(stream_options and stream_options.continuous_usage_stats)
         self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
 
+    def saw(self, index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[index] = len(out.prompt_token_ids)
+        self.cached_tokens[index] = out.num_cached_tokens
+
     def totals(self) -> dict:
-        prompt = sum(self.prompt_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+        return _usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
 
 
 async def _completion_chunks(rid: str, submission: Submission, model: str, body: CompletionRequest, echo_only: bool,
@@ -451,10 +510,12 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
 
     try:
         async for index, out in submission:
-            usage.prompt_tokens[index] = len(out.prompt_token_ids)
+            usage.saw(index, out)
             tracker = trackers.setdefault(index, DeltaTracker(body.stop))
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
+                if c.finish_reason == "error":
+                    raise _generation_error(str(c.stop_reason), "response_format")
                 if echo_only and c.finish_reason is None:
                     continue  # the prompt is all that is sent, once the one scored token is there
                 choice_index = index * body.n + c.index
@@ -486,8 +547,8 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatCompletionRequest, tokenizer
-                       ) -> AsyncIterator[str]:
+async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatCompletionRequest, tokenizer,
+                       output: ChatOutputFormat, grammar_field: str) -> AsyncIterator[str]:
     created = int(time.time())
     usage = _Usage(body.stream_options)
 
@@ -503,16 +564,26 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         tracker = DeltaTracker(body.stop)
+        parsers = [output.parser() for _ in range(body.n)]
         async for _, out in submission:
-            usage.prompt_tokens[0] = len(out.prompt_token_ids)
+            usage.saw(0, out)
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
+                if c.finish_reason == "error":
+                    raise _generation_error(str(c.stop_reason), grammar_field)
                 usage.completion_tokens += t1 - t0
+                parser = parsers[c.index]
+                fields = parser.feed(delta.text) if delta.text else {}
+                finish = None
+                if c.finish_reason is not None:
+                    for key, value in parser.finish().items():
+                        fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
+                    finish = output.finish_reason(c.finish_reason, parser.tools_called)
                 logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
-                                            body.top_logprobs or 0) if body.logprobs else None)
-                yield chunk([{"index": c.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": logprobs, "finish_reason": c.finish_reason}],
-                            usage.totals() if usage.continuous else None)
+                                          body.top_logprobs or 0) if body.logprobs else None)
+                if fields or logprobs or finish:
+                    yield chunk([{"index": c.index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}],
+                                usage.totals() if usage.continuous else None)
         if usage.include:
             yield chunk([], usage.totals())
     except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
@@ -546,7 +617,7 @@ def run_server(engine_args, args) -> int:
         engine_args, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV),
         max_waiting_seqs=args.max_waiting_seqs, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, step_deadline_s=args.step_deadline_s,
-        on_fatal=exit_on_fatal)
+        on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args))
 
     name = app.state.served_model_name
 
@@ -580,11 +651,16 @@ def run_server(engine_args, args) -> int:
 def create_server(engine_args, served_model_name: str | None = None, api_key: str | None = None,
                   max_waiting_seqs: int = 256, max_body_bytes: int = 1 << 20, max_n: int = 128,
                   max_prompts_per_request: int = 256, step_deadline_s: float = 30.0,
-                  on_fatal: Callable[[], None] | None = None) -> tuple[FastAPI, AsyncEngine]:
+                  on_fatal: Callable[[], None] | None = None, chat_options: ChatOptions | None = None
+                  ) -> tuple[FastAPI, AsyncEngine]:
     """Build the engine (rank 0 of a parallel one starts its other ranks), its async wrapper and the app.
     `on_fatal` runs (from another thread) when the engine failed or stalled; every client in flight has been
-    told by then."""
+    told by then. `chat_options`: tools and reasoning (vLLM's --enable-auto-tool-choice, --tool-call-parser,
+    --reasoning-parser, --chat-template)."""
     from torch_shift.engine.llm_engine import LLMEngine
+
+    chat_options = chat_options or ChatOptions()
+    chat_options.template()  # a missing template file fails before the engine is built
 
     engine = LLMEngine(engine_args)
     name = served_model_name or engine_args.model
@@ -602,7 +678,7 @@ def create_server(engine_args, served_model_name: str | None = None, api_key: st
             engine.shutdown()  # ends the ranks, even when the engine thread is stuck in a collective
 
     app = build_app(async_engine, name, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                    max_prompts_per_request=max_prompts_per_request, on_shutdown=stop)
+                    max_prompts_per_request=max_prompts_per_request, on_shutdown=stop, chat_options=chat_options)
     app.state.stop = stop
     app.state.served_model_name = name
     return app, async_engine

@@ -1,4 +1,6 @@
-"""Prometheus metrics, named as vLLM names them where the concept is the same (prefix `torch_shift:`)."""
+"""Prometheus metrics. What vLLM measures is served under vLLM's own names (`vllm:*`), so that clients and
+dashboards built for vLLM (aiperf's server-metrics tables, Grafana boards) read them unchanged; what only
+torch_shift has (steps by parallel layout, layout switches, step wall time) is `torch_shift:*`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch_shift.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class EngineMetrics:
@@ -18,33 +21,54 @@ class EngineMetrics:
         labels = ["model_name"]
         r = self.registry
 
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(f"torch_shift:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+        def latency(name: str, doc: str, prefix: str = "vllm") -> Histogram:
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
 
-        self.requests = Counter("torch_shift:request_success", "Finished requests by finish reason",
+        def tokens(name: str, doc: str) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, labels, buckets=_TOKEN_BUCKETS, registry=r)
+
+        # vLLM's metrics, under vLLM's names and meanings
+        self.requests = Counter("vllm:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("torch_shift:prompt_tokens", "Prompt tokens processed", labels, registry=r)
-        self.generation_tokens = Counter("torch_shift:generation_tokens", "Tokens generated", labels, registry=r)
-        self.running = Gauge("torch_shift:num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("torch_shift:num_requests_waiting", "Requests waiting to run", labels, registry=r)
-        self.kv_usage = Gauge("torch_shift:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels,
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to run", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels,
                               registry=r)
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token")
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a request")
-        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token after the first")
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token")
-        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduling")
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", labels, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                         labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (requests that lost their KV blocks)",
+                                   labels, registry=r)
+        self.ttft = latency("time_to_first_token_seconds", "Time from arrival to the first token")
+        self.itl = latency("inter_token_latency_seconds", "Time between consecutive tokens of a request")
+        self.tpot = latency("request_time_per_output_token_seconds", "Mean time per output token after the first")
+        self.e2e = latency("e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue_time = latency("request_queue_time_seconds", "Time from arrival to first scheduling")
+        self.inference_time = latency("request_inference_time_seconds", "Time from first scheduling to the last token")
+        self.prefill_time = latency("request_prefill_time_seconds", "Time from first scheduling to the first token")
+        self.decode_time = latency("request_decode_time_seconds", "Time from the first token to the last")
+        self.request_prompt_tokens = tokens("request_prompt_tokens", "Prompt tokens of each finished request")
+        self.request_generation_tokens = tokens("request_generation_tokens",
+                                                "Tokens generated for each finished request (all its samples)")
+        self.iteration_tokens = tokens("iteration_tokens_total", "Tokens scheduled in each engine step")
+        # torch_shift's own
         self.steps = Counter("torch_shift:steps", "Engine steps by parallel layout (each layout a step bound)",
                              labels + ["layout"], registry=r)
         self.layout_switches = Counter("torch_shift:layout_switches",
                                        "Steps in which a replica runs under another layout than the last time",
                                        labels, registry=r)
-        self.step_duration = hist("step_duration_seconds", "Wall time of an engine step on rank 0")
-        self.switch_latency = hist("layout_switch_latency_seconds",
-                                   "Wall time of the steps at which the layouts changed (the switch and its first step)")
+        self.step_duration = latency("step_duration_seconds", "Wall time of an engine step on rank 0", "torch_shift")
+        self.switch_latency = latency("layout_switch_latency_seconds",
+                                      "Wall time of the steps at which the layouts changed (the switch and its first "
+                                      "step)", "torch_shift")
         self.model_name = model_name
         self._seen_tokens: dict[str, int] = {}  # request id -> output tokens already counted
         self._last_token_time: dict[str, float] = {}
+        self._preemptions = 0
+        self._scheduled_tokens = 0
 
     def on_step(self, engine) -> None:
         m = self.model_name
@@ -54,6 +78,13 @@ class EngineMetrics:
         if engine.last_step_switched:
             self.layout_switches.labels(m).inc()
             self.switch_latency.labels(m).observe(engine.last_step_seconds)
+        preemptions = engine.scheduler.num_preemptions
+        self.preemptions.labels(m).inc(preemptions - self._preemptions)
+        self._preemptions = preemptions
+        scheduled = engine.num_scheduled_tokens
+        if scheduled > self._scheduled_tokens:
+            self.iteration_tokens.labels(m).observe(scheduled - self._scheduled_tokens)
+        self._scheduled_tokens = scheduled
         self.update_gauges(engine)
 
     def update_gauges(self, engine) -> None:
@@ -69,12 +100,16 @@ class EngineMetrics:
         tokens = sum(len(c.token_ids) for c in out.outputs)
         seen = self._seen_tokens.get(rid, 0)
         arrival = out.metrics.get("arrival_time", now)
+        scheduled = out.metrics.get("first_scheduled_time")
         if seen == 0:
-            self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+            num_prompt = len(out.prompt_token_ids)
+            self.prompt_tokens.labels(m).inc(num_prompt)
+            self.prefix_cache_queries.labels(m).inc(num_prompt)
+            self.prefix_cache_hits.labels(m).inc(out.num_cached_tokens)
             self.ttft.labels(m).observe(now - arrival)
-            scheduled = out.metrics.get("first_scheduled_time")
             if scheduled is not None:
                 self.queue_time.labels(m).observe(scheduled - arrival)
+                self.prefill_time.labels(m).observe(now - scheduled)
         else:
             self.itl.labels(m).observe(now - self._last_token_time[rid])
         self.generation_tokens.labels(m).inc(tokens - seen)
@@ -83,9 +118,14 @@ class EngineMetrics:
         if out.finished:
             first = out.metrics.get("first_token_time") or now
             self.e2e.labels(m).observe(now - arrival)
+            self.decode_time.labels(m).observe(now - first)
+            if scheduled is not None:
+                self.inference_time.labels(m).observe(now - scheduled)
             per_seq = max(len(c.token_ids) for c in out.outputs)
             if per_seq > 1:
                 self.tpot.labels(m).observe((now - first) / (per_seq - 1))
+            self.request_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+            self.request_generation_tokens.labels(m).observe(tokens)
             for c in out.outputs:
                 self.requests.labels(m, c.finish_reason or "abort").inc()
             del self._seen_tokens[rid], self._last_token_time[rid]

@@ -4,6 +4,8 @@ imports neither FastAPI nor uvicorn)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
 API_KEY_ENV = "TORCH_SHIFT_API_KEY"
 
@@ -28,3 +30,61 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "rank silent for this long, fails the requests in flight and the server exits non-zero; "
                         "keep it below --distributed-timeout, raise it with --compile (first steps compile)")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    from torch_shift.serve.reasoning import REASONING_PARSERS
+    from torch_shift.serve.tool_parsers import TOOL_PARSERS
+
+    t = parser.add_argument_group("tools and reasoning (vLLM's flags)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='honour tool_choice "auto" (the default when a request gives tools): the model\'s calls are '
+                        "parsed out of its text by --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the format the model writes tool calls in: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                        '(Llama 3.1/3.2), mistral. tool_choice "required" and a named function need none')
+    t.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="send the model's <think> reasoning as reasoning_content, apart from content: deepseek_r1 "
+                        "(DeepSeek-R1 and its distills, QwQ), qwen3")
+    t.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the checkpoint's")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How /v1/chat/completions reads tools and reasoning (vLLM's flags)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None  # a template (or a file holding one) instead of the checkpoint's
+
+    def __post_init__(self) -> None:
+        from torch_shift.serve.reasoning import REASONING_PARSERS
+        from torch_shift.serve.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: torch_shift has "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: torch_shift has "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes its "
+                             "calls in: hermes, llama3_json or mistral)")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto", or None when the server cannot honour it."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    def template(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        if "{" not in self.chat_template and path.is_file():
+            return path.read_text(encoding="utf-8")
+        if "{" not in self.chat_template:
+            raise ValueError(f"--chat-template {self.chat_template!r}: no such file (or give the template itself)")
+        return self.chat_template
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ChatOptions:
+        return cls(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser, args.chat_template)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.structured_output import StructuredOutputsParams
 
@@ -136,10 +137,18 @@ class _SamplingRequest(_Strict):
             raise ValueError("stream_options can only be given with stream=true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`structured_outputs`: what a forced tool call constrains the output to (instead of response_format)."""
         def default(value, fallback):
             return fallback if value is None else value
+
+        if self.response_format is not None:
+            if structured_outputs is not None and self.response_format.type != "text":
+                raise ParameterError("response_format", "response_format: the output of tool_choice 'required' or "
+                                                        "a named function is the call; it cannot also follow "
+                                                        "response_format")
+            structured_outputs = structured_outputs or self.response_format.structured_outputs()
 
         return SamplingParams(
             n=self.n, temperature=default(self.temperature, 1.0), top_p=default(self.top_p, 1.0),
@@ -151,7 +160,7 @@ class _SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            structured_outputs=self.response_format.structured_outputs() if self.response_format else None,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -192,13 +201,30 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI sends JSON text; templates read an object
+
+
+class MessageToolCall(_Strict):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: Int | None = None  # what a client that assembled the call from a stream may leave in it
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    # earlier turns of a conversation with tools, rendered by the chat template as they are
-    tool_calls: list[dict[str, Any]] | None = None
+    # earlier turns of a conversation with tools, rendered by the chat template
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier turn's reasoning, as this server sent it (templates of reasoning models may read it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -214,15 +240,48 @@ class ChatMessage(_Strict):
                     raise ValueError("a text content part is {'type': 'text', 'text': str}")
         return value
 
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to role {self.role!r}")
+        return self
+
     def template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
         message = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         return message
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type "object"
+    # accepted: honoured under tool_choice "required" or a named function (the output is constrained to the
+    # schema), not under "auto" (the model's own call is parsed as it is)
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -232,22 +291,19 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extensions
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+    include_reasoning: bool = True  # with a reasoning parser: send reasoning_content
 
-    @field_validator("tools")
+    @field_validator("chat_template_kwargs")
     @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tool calling is not supported by torch_shift (no tool-call parser)")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value):
-        if value not in (None, "none"):
-            raise ValueError("tool calling is not supported by torch_shift; tool_choice may only be 'none'")
+    def _own_template_variables(cls, value):
+        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not chat_template_kwargs")
         return value
 
     @model_validator(mode="after")
@@ -255,6 +311,14 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as plain dicts, as the chat template and the tool checks read them."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def template_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class TokenizeRequest(_Strict):

@@ -1,0 +1,210 @@
+"""Tool-call and reasoning parsers on recorded model outputs: whole, and streamed in every split, with the same
+calls; malformed calls come back as text, never as an error."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from torch_shift.serve.chat_output import ChatOutputFormat
+from torch_shift.serve.reasoning import REASONING_PARSERS
+from torch_shift.serve.tool_parsers import TOOL_PARSERS, NamedToolCallParser, RequiredToolCallsParser
+from torch_shift.serve.tools import ToolChoice
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+# (parser, output as the model wrote it, expected content, expected calls as (name, arguments object))
+RECORDED = [
+    ("hermes",  # Qwen2.5-7B-Instruct: one call
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     None, [("get_weather", WEATHER)]),
+    ("hermes",  # Qwen2.5: text, then two parallel calls
+     'Let me check both cities.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": '
+     '"celsius"}}\n</tool_call>',
+     "Let me check both cities.\n", [("get_weather", WEATHER), ("get_weather", {"city": "Rome", "unit": "celsius"})]),
+    ("hermes",  # escapes, unicode, nested values, numbers of every form, no arguments at all
+     '<tool_call>\n{"name": "search", "arguments": {"q": "caf\\u00e9 \\"cr\\u00e8me\\"\\n", "limit": 10, '
+     '"score": -1.5e-3, "filters": {"tags": ["a", "b"], "exact": true, "after": null}}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "now"}\n</tool_call>',
+     None, [("search", {"q": 'café "crème"\n', "limit": 10, "score": -1.5e-3,
+                        "filters": {"tags": ["a", "b"], "exact": True, "after": None}}), ("now", {})]),
+    ("hermes",  # a last call without its closing tag (the output stopped there): accepted, as in vLLM
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+     None, [("get_weather", WEATHER)]),
+    ("hermes",  # no call at all; text that looks like the start of a tag
+     "The weather is fine. Use <tool to check, or <tool_cal", "The weather is fine. Use <tool to check, or <tool_cal",
+     []),
+    ("llama3_json",  # Llama-3.1-8B-Instruct
+     '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None,
+     [("get_weather", WEATHER)]),
+    ("llama3_json",  # special tokens kept; two calls separated by ";"
+     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}',
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "Europe/Paris"})]),
+    ("llama3_json", "It is sunny in Paris today.", "It is sunny in Paris today.", []),
+    ("mistral",  # Mistral-7B-Instruct-v0.3
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "Europe/Paris"})]),
+    ("mistral",  # Mistral Small 3.2 (tokenizer v11+): name then arguments, text before
+     'Checking.[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time{"tz": "UTC"}',
+     "Checking.", [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]),
+    ("mistral",  # Magistral / Mistral v13: [ARGS]
+     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [("get_weather", WEATHER)]),
+]
+MALFORMED = [  # (parser, output): never a call, all of it content, whole or streamed
+    ("hermes", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
+    ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'),  # no name
+    ("hermes", '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "city=Paris"}\n</tool_call>'),  # arguments not an object
+    ("hermes", '<tool_call>\n{"name": "f",, "arguments": {}}\n</tool_call>'),
+    ("hermes", "Use <tool_call> tags like <tool_call>this</tool_call>."),
+    ("hermes", " \n<tool_call>\nnot json"),
+    ("mistral", "\n\n[TOOL_CALLS] I cannot call tools."),
+    ("llama3_json", '{"name": "get_weather" "parameters": {}}'),
+    ("llama3_json", "{ not json at all"),
+    ("mistral", "[TOOL_CALLS] I cannot call tools."),
+    ("mistral", '[TOOL_CALLS][{"arguments": {}}]'),
+]
+
+
+def calls_of(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def streamed(parser_class, pieces: list[str], **kwargs):
+    """Feed the pieces; the content and the calls as a client would assemble them from the deltas."""
+    parser = parser_class(**kwargs)
+    content, calls = "", {}
+    for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
+        content += delta.content
+        for call in delta.tool_calls:
+            if call.id is not None:
+                assert call.index not in calls and call.index == len(calls)  # announced once, in order
+                calls[call.index] = {"id": call.id, "name": call.name, "arguments": ""}
+            calls[call.index]["arguments"] += call.arguments
+    return content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()], parser
+
+
+def splits(text: str, seed: int = 0):
+    """Every cut in two, every character alone, and random cuts into many pieces."""
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    yield list(text)
+    rng = random.Random(seed)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 12))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("name, text, content, calls", RECORDED)
+def test_recorded_outputs_whole_and_in_every_split(name, text, content, calls):
+    parser_class = TOOL_PARSERS[name]
+    whole = parser_class.parse(text)
+    assert whole.content == content and calls_of(whole.tool_calls) == calls
+    assert len({c.id for c in whole.tool_calls}) == len(calls)
+    for pieces in splits(text):
+        got_content, got_calls, parser = streamed(parser_class, pieces)
+        assert (got_content or None, got_calls) == (content, calls), pieces
+        assert not parser.failed
+        assert [c.arguments for c in parser.calls] == [c.arguments for c in whole.tool_calls]
+
+
+@pytest.mark.parametrize("name, text", MALFORMED)
+def test_a_malformed_call_is_text(name, text):
+    whole = TOOL_PARSERS[name].parse(text)
+    assert whole.content == text and whole.tool_calls == []
+    for pieces in splits(text):
+        content, calls, _ = streamed(TOOL_PARSERS[name], pieces)
+        assert (content, calls) == (text, []), pieces
+
+
+def test_a_call_that_breaks_after_it_was_announced():
+    """Whole: all text (vLLM's rule). Streamed: the call announced before the break stays (it was sent); what
+    follows the break is content; nothing raises."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}} trailing</tool_call>'
+    assert TOOL_PARSERS["hermes"].parse(text).content == text
+    for pieces in splits(text):
+        content, calls, parser = streamed(TOOL_PARSERS["hermes"], pieces)
+        assert parser.failed and calls == [("f", {"a": 1})] and content.endswith("trailing</tool_call>")
+    truncated = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'  # cut by max_tokens
+    assert TOOL_PARSERS["hermes"].parse(truncated).content == truncated
+
+
+def test_mistral_ids_are_nine_letters_and_digits():
+    (call,) = TOOL_PARSERS["mistral"].parse('[TOOL_CALLS]f{"a": 1}').tool_calls
+    assert len(call.id) == 9 and call.id.isalnum()
+    assert TOOL_PARSERS["mistral"].needs_special_tokens and TOOL_PARSERS["hermes"].needs_special_tokens
+
+
+def test_forced_calls_whole_and_streamed():
+    required = '[{"name":"get_weather","parameters":{"city":"Paris","unit":"celsius"}},{"name":"now","parameters":{}}]'
+    assert calls_of(RequiredToolCallsParser.parse(required).tool_calls) == [("get_weather", WEATHER), ("now", {})]
+    named = '{"city":"Paris","unit":"celsius"}'
+    assert calls_of(NamedToolCallParser.parse(named, function="get_weather").tool_calls) == [("get_weather", WEATHER)]
+    for pieces in splits(required):
+        assert streamed(RequiredToolCallsParser, pieces)[:2] == ("", [("get_weather", WEATHER), ("now", {})])
+    for pieces in splits(named):
+        assert streamed(NamedToolCallParser, pieces, function="get_weather")[:2] == ("", [("get_weather", WEATHER)])
+    # cut by max_tokens: the call is kept as it is (finish_reason "length" tells the client)
+    (cut,) = NamedToolCallParser.parse('{"city":"Par', function="get_weather").tool_calls
+    assert cut.arguments == '{"city":"Par'
+
+
+REASONING = [  # (parser, prompt, output, reasoning, content)
+    ("deepseek_r1", "<｜User｜>2+2?<｜Assistant｜><think>\n", "The user asks 2+2. That is 4.\n</think>\n\nIt is 4.",
+     "The user asks 2+2. That is 4.\n", "\n\nIt is 4."),
+    ("deepseek_r1", "<｜User｜>2+2?<｜Assistant｜>", "<think>\nAdd them.\n</think>4", "\nAdd them.\n", "4"),
+    ("deepseek_r1", "", "Still thinking when the output was cut", "Still thinking when the output was cut", None),
+    ("qwen3", "<|im_start|>assistant\n", "<think>\nOkay, 2+2.\n</think>\n\n4", "\nOkay, 2+2.\n", "\n\n4"),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "4, without thinking.", None, "4, without thinking."),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "the template opened it</think>4", "the template opened it", "4"),
+    ("qwen3", "<|im_start|>assistant\n", "No think block here", None, "No think block here"),
+]
+
+
+@pytest.mark.parametrize("name, prompt, text, reasoning, content", REASONING)
+def test_reasoning_whole_and_in_every_split(name, prompt, text, reasoning, content):
+    parser_class = REASONING_PARSERS[name]
+    assert parser_class.parse(text, prompt) == (reasoning, content)
+    for pieces in splits(text):
+        parser = parser_class(prompt)
+        parts = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None) == (reasoning, content)
+
+
+QWEN3_WITH_CALL = ('<think>\nThe user wants the weather; <tool_call> is how I call tools.\n</think>\n\n'
+                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+                   '</tool_call>')
+
+
+def test_reasoning_is_kept_out_of_content_and_tool_parsing():
+    """The <tool_call> mentioned inside the reasoning is not a call; the one after </think> is."""
+    output = ChatOutputFormat(ToolChoice("auto", tools=[]), TOOL_PARSERS["hermes"], REASONING_PARSERS["qwen3"],
+                              prompt="<|im_start|>assistant\n")
+    message = output.parser().parse(QWEN3_WITH_CALL)
+    assert message["reasoning_content"] == "\nThe user wants the weather; <tool_call> is how I call tools.\n"
+    assert message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", WEATHER)]
+    for pieces in splits(QWEN3_WITH_CALL):
+        parser = output.parser()
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas) == ""
+        arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+        assert json.loads(arguments) == WEATHER and parser.tools_called
+    assert output.finish_reason("stop", True) == "tool_calls" and output.finish_reason("length", True) == "length"
+    hidden = ChatOutputFormat(ToolChoice("none"), None, REASONING_PARSERS["qwen3"], include_reasoning=False)
+    assert "reasoning_content" not in hidden.parser().parse("<think>x</think>y")
+
+
+def test_only_the_first_call_without_parallel_tool_calls():
+    text = RECORDED[1][1]
+    output = ChatOutputFormat(ToolChoice("auto", tools=[], parallel=False), TOOL_PARSERS["hermes"])
+    assert len(output.parser().parse(text)["tool_calls"]) == 1
+    parser = output.parser()
+    deltas = [parser.feed(text), parser.finish()]
+    assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}

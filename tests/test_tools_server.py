@@ -1,0 +1,300 @@
+"""Tool calling and reasoning through `torch-shift serve`'s app, driven by the unmodified openai client: every
+tool_choice mode streamed and not, bad tools refused by name, reasoning split from content, an agent loop.
+
+Random weights write random text, so the outputs that "auto" parses come from a scripted sampler (the real engine,
+detokenizer and server, with the sampler replaced by one that writes a recorded model output), and "required" /
+named functions come from the real model under constrained decoding."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+from test_server import RunningServer
+
+from torch_shift import LLM
+from torch_shift.engine.errors import ParameterError
+from torch_shift.engine.sampler import SamplerOutput
+from torch_shift.models.default import default_model_dir
+from torch_shift.models.toy import TOOLS_CHAT_TEMPLATE, build_tokenizer, tiny_llama_config, write_random_checkpoint
+from torch_shift.serve.options import ChatOptions
+
+pytest.importorskip("llguidance")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}},
+                                       "required": ["utc"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_arguments(name: str, arguments: str) -> bool:
+    """The arguments match the function's schema above."""
+    value = json.loads(arguments)
+    if name == "get_weather":
+        return set(value) == {"city", "days"} and value["city"] in ("Paris", "Rome", "Oslo") and \
+            isinstance(value["days"], int) and 1 <= value["days"] <= 7
+    return name == "get_time" and set(value) == {"utc"} and isinstance(value["utc"], bool)
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    """A random checkpoint whose chat template renders tools (Qwen2.5's style, <tool_call> JSON)."""
+    model_dir = write_random_checkpoint(tmp_path_factory.mktemp("tools"), tiny_llama_config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=4096))
+    return build_tokenizer(model_dir, chat_template=TOOLS_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def server(tools_model):
+    s = RunningServer(tools_model, chat_options=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                                           reasoning_parser="qwen3"))
+    yield s
+    s.stop()
+
+
+class ScriptedSampler:
+    """Writes the given texts (one per request, in arrival order), each followed by the end of sequence."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.scripts = [tokenizer.encode(t, add_special_tokens=False) + [min(tokenizer.eos_token_ids)] for t in texts]
+        self.assigned: dict[str, list[int]] = {}
+
+    def __call__(self, logits, requests) -> SamplerOutput:
+        tokens = []
+        for r in requests:
+            if r.request_id not in self.assigned:
+                self.assigned[r.request_id] = self.scripts.pop(0)
+            script = self.assigned[r.request_id]
+            tokens.append(script[r.num_output_tokens])
+        return SamplerOutput(tokens, [None] * len(requests))
+
+
+@contextmanager
+def scripted(server, *texts):
+    engine = server.engine
+    real, engine.sampler = engine.sampler, ScriptedSampler(engine.tokenizer, list(texts))
+    try:
+        yield
+    finally:
+        engine.sampler = real
+
+
+def chat(server, stream: bool, **kwargs) -> tuple[str | None, list[dict], str, dict]:
+    """(content, tool calls, finish reason, extra message fields) of one choice, assembled from the stream's
+    deltas as a client does, or read from the response."""
+    client = server.client()
+    kwargs = {"model": "tiny", "messages": ASK, "max_tokens": 400, **kwargs}
+    if not stream:
+        out = client.chat.completions.create(**kwargs)
+        message = out.choices[0].message
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in message.tool_calls or []]
+        return message.content, calls, out.choices[0].finish_reason, message.model_extra or {}
+    content, calls, finish, extra = None, {}, None, {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content = (content or "") + delta.content
+        for key, value in (delta.model_extra or {}).items():
+            extra[key] = extra.get(key, "") + value
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # the first delta of a call: its id, type and name
+                assert call.type == "function" and call.function.name and call.index == len(calls)
+                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+            else:
+                assert call.function.name is None
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, list(calls.values()), finish, extra
+
+
+HERMES_OUTPUT = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+                 '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_the_models_calls(server, stream):
+    with scripted(server, HERMES_OUTPUT):
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS)
+    assert content == "I will look it up.\n" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"utc": True})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    with scripted(server, HERMES_OUTPUT):  # one call only
+        _, calls, _, _ = chat(server, stream, tools=TOOLS, parallel_tool_calls=False)
+    assert [c["name"] for c in calls] == ["get_weather"]
+    with scripted(server, "It is sunny."):  # no call: plain content
+        assert chat(server, stream, tools=TOOLS)[:3] == ("It is sunny.", [], "stop")
+    with scripted(server, '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'):  # malformed
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS)
+    assert calls == [] and finish == "stop" and content.startswith("<tool_call>") and content.endswith("</tool_call>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_none_renders_the_tools_but_calls_nothing(server, stream):
+    with scripted(server, HERMES_OUTPUT):
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS, tool_choice="none")
+    assert (content, calls, finish) == (HERMES_OUTPUT, [], "stop")
+    with_tools = server.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
+                                                         max_tokens=1)
+    without = server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 50  # the template listed the tools
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_are_schema_valid_from_the_model(server, stream):
+    for seed in range(3):
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                         temperature=1.0, seed=seed)
+        assert finish == "tool_calls" and content is None and len(calls) == 1
+        assert valid_arguments(calls[0]["name"], calls[0]["arguments"]), calls
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS, temperature=1.0, seed=seed,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert finish == "stop" and len(calls) == 1 and calls[0]["name"] == "get_weather"  # "stop", as OpenAI
+        assert valid_arguments("get_weather", calls[0]["arguments"]), calls
+
+
+def test_required_and_named_from_the_default_model(tmp_path):
+    """Any model: the embedded default model's template knows nothing of tools, and no parser is configured."""
+    s = RunningServer(default_model_dir())
+    try:
+        for stream in (False, True):
+            _, calls, finish, _ = chat(s, stream, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                       temperature=0.8, seed=3)
+            assert finish == "tool_calls" and calls and all(valid_arguments(c["name"], c["arguments"]) for c in calls)
+            _, (call,), finish, _ = chat(s, stream, tools=TOOLS, tool_choice={"type": "function",
+                                                                              "function": {"name": "get_time"}})
+            assert finish == "stop" and call["name"] == "get_time" and valid_arguments("get_time", call["arguments"])
+        with pytest.raises(openai.BadRequestError) as refused:  # no --tool-call-parser: "auto" cannot be honoured
+            s.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4)
+        assert refused.value.body["param"] == "tool_choice" and "--tool-call-parser" in refused.value.body["message"]
+    finally:
+        s.stop()
+
+
+BAD_TOOLS = [  # (extra fields, the param named, words of the message)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]},
+     "tools[0].function.parameters", "properties.a.type: 'strin' is not a JSON Schema type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                              "properties": ["a"]}}}]},
+     "tools[0].function.parameters", "properties: an object of schemas"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}]},
+     "tools[0].function.parameters", "required: a list of property names"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "type 'object'"),
+    ({"tools": [WEATHER, TIME, WEATHER]}, "tools", "'get_weather' is given twice (tools[0] and tools[2])"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, "tools[0].function.name",
+     "letters, digits"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice",
+     "'get_news' is not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "gives none"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "cannot also follow response_format"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"messages": [{"role": "tool", "content": "18C"}]}, "messages.0", "tool_call_id"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"}]},
+     "messages[1].tool_calls[0].function.arguments", "not JSON"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+]
+
+
+@pytest.mark.parametrize("extra, param, words", BAD_TOOLS)
+def test_bad_tools_are_refused_by_name(server, extra, param, words):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 4, **extra}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert server.idle_free_blocks()
+
+
+def test_agent_loop(server):
+    """Call, tool result, call, tool result, answer: the openai client's messages (the response's message object
+    appended as it is) go back through the template, tool results included."""
+    client = server.client()
+    messages: list = [{"role": "system", "content": "You help with travel."}, *ASK]
+    results = {"get_weather": '{"forecast": "sunny", "celsius": 24}', "get_time": '{"time": "14:05"}'}
+    for turn, function in enumerate(["get_weather", "get_time"]):
+        out = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=60, seed=turn,
+                                             tool_choice={"type": "function", "function": {"name": function}})
+        message = out.choices[0].message
+        (call,) = message.tool_calls
+        assert call.function.name == function and valid_arguments(function, call.function.arguments)
+        messages.append(message)  # the SDK's own object, as its documentation shows
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": results[function]})
+    with scripted(server, "It is sunny, 24 degrees, and 14:05 in Paris."):
+        answer = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=60)
+    assert answer.choices[0].message.content == "It is sunny, 24 degrees, and 14:05 in Paris."
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": json.loads(json.dumps(
+        [m if isinstance(m, dict) else m.model_dump(exclude_unset=True) for m in messages]))}).json()
+    prompt = server.engine.tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
+    for result in results.values():
+        assert f"<tool_response>\n{result}\n</tool_response>" in prompt
+    assert prompt.count("<tool_call>\n{\"name\": \"get_") == 2  # the earlier calls, rendered back
+    assert server.idle_free_blocks()
+
+
+THINKING = "<think>\nThe user wants Paris. I could write <tool_call> here; it is not a call.\n</think>\n\nIt is 24C."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_split_from_content(server, stream):
+    with scripted(server, THINKING):
+        content, calls, finish, extra = chat(server, stream)
+    assert content == "\n\nIt is 24C." and calls == [] and finish == "stop"
+    assert extra["reasoning_content"] == "\nThe user wants Paris. I could write <tool_call> here; it is not a call.\n"
+    with scripted(server, THINKING.replace("It is 24C.", HERMES_OUTPUT)):  # reasoning, then calls
+        content, calls, finish, extra = chat(server, stream, tools=TOOLS)
+    assert "<tool_call>" in extra["reasoning_content"] and [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert content == "\n\nI will look it up.\n" and finish == "tool_calls"  # the content as written after </think>
+    with scripted(server, THINKING):
+        _, _, _, extra = chat(server, stream, extra_body={"include_reasoning": False})
+    assert "reasoning_content" not in extra
+
+
+def test_offline_chat_renders_tools(tools_model):
+    llm = LLM(str(tools_model))
+    out = llm.chat(ASK, tools=TOOLS, use_tqdm=False)[0]
+    prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "24C"}]
+    out = llm.chat(history, tools=TOOLS, use_tqdm=False)[0]
+    prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in prompt and "24C" in prompt
+    with pytest.raises(ParameterError, match="given twice"):
+        llm.chat(ASK, tools=[WEATHER, WEATHER], use_tqdm=False)
+
+
+def test_serve_flags_are_vllms(tmp_path, capsys):
+    from torch_shift.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                      "--reasoning-parser", "deepseek_r1"])
+    options = ChatOptions.from_args(args)
+    assert options.auto_tool_parser == "llama3_json" and options.reasoning_parser == "deepseek_r1"
+    assert ChatOptions(tool_call_parser="hermes").auto_tool_parser is None  # "auto" needs the flag too
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2  # refused before any model is loaded
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nonsense"])
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert ChatOptions(chat_template=str(template)).template() == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="no such file"):
+        ChatOptions(chat_template=str(tmp_path / "missing.jinja")).template()

@@ -1,0 +1,98 @@
+"""Reasoning separated from the answer (`--reasoning-parser`, vLLM's names), for models that think between
+`<think>` and `</think>`: whole (`parse`) or streamed (`feed` pieces of any size, then `finish`), the same
+either way. The answer alone (the content) goes on to tool-call parsing.
+
+- `deepseek_r1` (DeepSeek-R1 and its distills, QwQ): everything up to `</think>` is reasoning, whether or not
+  the output begins with `<think>` (newer templates put it in the prompt); no `</think>`: all reasoning.
+- `qwen3` (Qwen3, Qwen3-Thinking-2507, Qwen3.5): the output is reasoning up to `</think>` when it begins with
+  `<think>` or when the rendered prompt ends inside an open `<think>` (templates that start the thinking
+  themselves); otherwise all of it is content, as with `chat_template_kwargs={"enable_thinking": false}`, where
+  the template closes an empty thinking block in the prompt.
+"""
+
+from __future__ import annotations
+
+from torch_shift.serve.tool_parsers.base import held_marker_prefix
+from torch_shift.serve.tool_parsers.json_calls import WHITESPACE
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    """One output's reasoning and content; make one per choice."""
+
+    name = ""
+
+    def __init__(self, prompt: str = ""):
+        # "opening": the output may begin with <think>; "reasoning" until </think>; then "content"
+        self._state = "opening"
+        self._buffer = ""
+        self._after_opening = "reasoning" if self.starts_in_reasoning(prompt) else "content"
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        """Whether an output that does not begin with <think> is reasoning."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Read more of the output: the (reasoning, content) text that can be sent now."""
+        self._buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._run(final=True)
+
+    @classmethod
+    def parse(cls, text: str, prompt: str = "") -> tuple[str | None, str | None]:
+        """A whole output's (reasoning, content); None where there is none."""
+        parser = cls(prompt)
+        reasoning, content = parser.feed(text)
+        more_reasoning, more_content = parser.finish()
+        return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+    def _run(self, final: bool) -> tuple[str, str]:
+        reasoning = ""
+        if self._state == "opening":
+            text = self._buffer.lstrip(WHITESPACE)
+            if text.startswith(START):
+                self._buffer, self._state = text[len(START):], "reasoning"
+            elif not final and START.startswith(text):
+                return "", ""  # whitespace or the start of <think>: undecided
+            else:
+                self._state = self._after_opening
+        if self._state == "reasoning":
+            end = self._buffer.find(END)
+            if end < 0:
+                keep = 0 if final else held_marker_prefix(self._buffer, END)
+                reasoning = self._buffer[:len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return reasoning, ""
+            reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "content"
+        content, self._buffer = self._buffer, ""
+        return reasoning, content
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+    def starts_in_reasoning(self, prompt: str) -> bool:
+        return prompt.rfind(START) > prompt.rfind(END)  # the prompt ends inside an open thinking block
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; torch_shift has "
+                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
