@@ -80,12 +80,12 @@ class ScriptedSampler:
 
 @contextmanager
 def scripted(server, *texts):
-    engine = server.engine
-    real, engine.sampler = engine.sampler, ScriptedSampler(engine.tokenizer, list(texts))
+    outputs = server.engine.output_processor
+    real, outputs.sampler = outputs.sampler, ScriptedSampler(server.engine.tokenizer, list(texts))
     try:
         yield
     finally:
-        engine.sampler = real
+        outputs.sampler = real
 
 
 def chat(server, stream: bool, **kwargs) -> tuple[str | None, list[dict], str, dict]:

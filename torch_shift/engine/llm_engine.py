@@ -224,6 +224,11 @@ class LLMEngine:
     def last_step_seconds(self) -> float:
         return self.stats_recorder.last_step_seconds
 
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed over the engine's life (recomputation included)."""
+        return self.stats_recorder.num_scheduled_tokens
+
     def stats(self) -> dict:
         """Which layouts ran (steps by layout, layout switches, the wall time of switching steps beside the
         others'), where rank 0's time went, preemptions and swaps, and the policy's own figures (rank 0;
