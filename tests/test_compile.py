@@ -20,15 +20,20 @@ def _token_ids(outputs):
 
 
 def _run(llm):
+    """Every prompt set through an engine compiled and warmed up at construction: nothing compiles while it
+    serves (no new graph, no recompile)."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
-    warm = llm.generate(WARMUP, PARAMS, use_tqdm=False)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the construction compiled
     torch._dynamo.config.error_on_recompile = True  # any recompile from here on raises
     try:
-        serving = [llm.generate(p, PARAMS, use_tqdm=False) for p in SERVING]
+        outputs = [llm.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
     finally:
         torch._dynamo.config.error_on_recompile = False
-    return [warm] + serving
+    assert counters["stats"]["unique_graphs"] == graphs
+    return outputs
 
 
 def _compiled_rank(rank, world, model_dir):
@@ -81,3 +86,19 @@ def test_ranks_forked_after_the_parent_compiled_can_compile():
     assert AsyncCompile.pool.cache_info().currsize == 1, config.compile_threads  # the pool a fork inherits
     expected = float((torch.sin(torch.ones(4)) * (constant + 1) + 3.25).sum())
     assert run_ranks(_compile_a_new_kernel, 2, constant + 1, timeout_s=60) == [pytest.approx(expected)] * 2
+
+
+def _compiled_pipeline_rank(rank, world, model_dir):
+    llm = LLM(str(model_dir), pp=2, policy="seesaw", cpu_kv_gb=0.01, compile=True, max_num_batched_tokens=32)
+    return [_token_ids(o) for o in _run(llm)], llm.stats()["steps_by_layout"]
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_and_seesaw_layouts_match_eager(llama):
+    """compile=True with pp > 1: each stage's forward and the TP layout's, compiled at start-up."""
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
+    for got, layouts in run_ranks(_compiled_pipeline_rank, 2, model_dir, timeout_s=600):
+        assert got == expected
+        assert layouts["pp"] > 0 and layouts["tp"] > 0

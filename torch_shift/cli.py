@@ -42,58 +42,82 @@ def _require_extra(extra: str, command: str, *modules: str) -> None:
 
 
 def _threshold(value: str) -> int | None:
-    return None if value.lower() == "none" else int(value)
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a token count or 'none', got {value!r}") from None
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at character {e.pos}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, got {value!r}")
+    return parsed
+
+
+def _typed(kind):
+    """An argparse type that names what it wanted: argparse reports 'invalid int value' with the option's name."""
+    def parse(value: str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+# options whose type the field's annotation does not say, or that the command line treats apart
+_OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object}
+_COMMAND_LINE_DEFAULTS = {"seed": None, "model": None}  # no --seed: a fresh seed each run; no --model: the default
+_GROUP_TITLES = {"engine": "engine", "parallel": "parallel (this process starts the other local ranks)"}
+
+
+def engine_options() -> list[tuple[str, dict]]:
+    """(field, its option's definition) for every EngineArgs field: the command line's engine options."""
+    import dataclasses
+    import typing
+
+    from torch_shift.engine.args import EngineArgs
+
+    hints = typing.get_type_hints(EngineArgs)
+    options = []
+    for f in dataclasses.fields(EngineArgs):
+        meta = f.metadata
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        flags = (f"--{f.name.replace('_', '-')}",) + tuple(flag for flag in meta["flags"] if flag != "--enforce-eager")
+        default = _COMMAND_LINE_DEFAULTS.get(f.name, f.default)
+        spec: dict = {"flags": flags, "dest": f.name, "default": default, "help": meta["help"],
+                      "group": meta["group"]}
+        if base is bool:
+            spec["action"] = argparse.BooleanOptionalAction
+        else:
+            spec["type"] = _OPTION_TYPES.get(f.name) or {int: _typed(int), float: _typed(float)}.get(base, base)
+            if meta["choices"]:
+                spec["choices"] = meta["choices"]
+        options.append((f.name, spec))
+    return options
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="checkpoint directory or Hugging Face hub id (default: the embedded default model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations ('auto': the checkpoint's)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="seed of the sampling of requests without a seed of their own (default: a fresh one each "
-                        "run, so that sampling differs between runs)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length: prompt plus generated tokens (default: the model's)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: sized from memory)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache memory per rank, in bytes (default: sized from free memory)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV blocks of a shared prompt prefix")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                   help="waiting requests in arrival order, or by priority (lower first) then arrival")
-    p = parser.add_argument_group("parallel (this process starts the other local ranks)")
-    p.add_argument("--sp", "--ulysses-sequence-parallel-size", dest="sp", type=int, default=1,
-                   help="Ulysses sequence-parallel degree of the base layout")
-    p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
-                   help="tensor-parallel degree of the base layout")
-    p.add_argument("--shift-threshold", "--shift-parallel-threshold", dest="shift_threshold", type=_threshold,
-                   default=256, help="steps with more tokens run the base layout, others full TP over SP x TP; "
-                                     "'none': the base layout only")
-    p.add_argument("--shift-weights", choices=["copy", "view"], default="copy",
-                   help="shift-layout weight shards: contiguous copies (+1/SP weight memory) or zero-copy views")
-    p.add_argument("--dp", "--data-parallel-size", "-dp", dest="dp", type=int, default=1,
-                   help="data-parallel replicas, each with its own KV pool")
-    p.add_argument("--pp", "--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1,
-                   help="pipeline stages of each replica (with --policy seesaw: prefill in PP, decode in TP)")
-    p.add_argument("--policy", default=None, choices=["static", "shift", "flying", "seesaw", "random"],
-                   help="layout switching policy (default: shift for --sp > 1, else static; flying: DP replicas "
-                        "bound into TP groups on demand, paper 004; seesaw: prefill in PP, decode in TP over the "
-                        "same ranks, paper 003)")
-    p.add_argument("--policy-config", type=json.loads, default=None, metavar="JSON",
-                   help='the policy\'s options, e.g. \'{"dp_above": 4, "tp_below": 1}\' for flying')
-    p.add_argument("--cpu-kv-gb", type=float, default=None,
-                   help="host tier of the KV cache in GiB, shared by the local ranks (swap space; seesaw "
-                        "buffers prefilled requests there; default: 4 for seesaw, none otherwise)")
-    p.add_argument("--distributed-timeout", "--distributed-timeout-s", dest="distributed_timeout_s", type=float,
-                   default=120.0,
-                   help="seconds any collective may wait: a stuck or dead rank ends the engine within it")
+    groups = {}
+    for name, spec in engine_options():
+        group = groups.get(spec["group"])
+        if group is None:
+            group = groups[spec["group"]] = parser.add_argument_group(_GROUP_TITLES[spec["group"]])
+        kwargs = {k: v for k, v in spec.items() if k not in ("flags", "group")}
+        group.add_argument(*spec["flags"], **kwargs)
+        if name == "compile":  # vLLM's name for running eagerly
+            group.add_argument("--enforce-eager", dest="compile", action="store_false",
+                               help="vLLM's name for --no-compile")
+        if name == "enable_prefix_caching":  # the name this command line had before
+            group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                               help=argparse.SUPPRESS)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -113,16 +137,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy, sp=args.sp,
-        tp=args.tp, dp=args.dp, pp=args.pp, policy=args.policy, policy_config=args.policy_config,
-        shift_threshold=args.shift_threshold, shift_weights=args.shift_weights, cpu_kv_gb=args.cpu_kv_gb,
-        distributed_timeout_s=args.distributed_timeout_s,
-    )
+    """The engine arguments the command line was given (every EngineArgs field but the model)."""
+    return {name: getattr(args, name) for name, _ in engine_options() if name != "model"}
 
 
 def _model_or_default(args: argparse.Namespace, doing: str) -> str:

@@ -153,6 +153,15 @@ class ModelConfig:
             eos_token_id=eos_ids,
         )
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model (an untied LM head counted apart from the embedding)."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + h
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """From a model directory (weights optional) or its config.json file."""

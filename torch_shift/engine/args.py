@@ -30,52 +30,84 @@ ENGINE_ARG_ALIASES = {
     "pipeline_parallel_size": "pp",
 }
 _NOT_GIVEN: Any = object()
+COMPILE_MIN_PARAMETERS = 50_000_000  # compile=None compiles one rank's model from this size up
+
+
+def _arg(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
+         group: str = "engine") -> Any:
+    """A field of EngineArgs and its command-line option: `--field-name` plus `flags` (vLLM's names), the
+    help text, the choices, and the option group (torch_shift.cli builds its engine options from these)."""
+    return field(default=default, metadata={"help": help, "flags": flags, "choices": choices, "group": group})
 
 
 @dataclass
 class EngineArgs:
-    """Engine arguments, named as in vLLM where the concept is the same. Each field's comment is its help on
-    the command line (`torch-shift generate/serve --help`)."""
+    """Engine arguments, named as in vLLM where the concept is the same; each field carries its command-line
+    option (`torch-shift generate/serve --help`)."""
 
-    model: str
-    tokenizer: str | None = None  # tokenizer directory (default: the model's)
-    revision: str | None = None  # hub revision of the model
-    dtype: str = "auto"  # weights and activations: auto (the checkpoint's), float32, bfloat16, float16
-    device: str | None = None  # cpu or cuda (default: cuda when available)
-    seed: int | None = 0  # seed of the sampling of requests without one of their own (None: a fresh one)
-    max_model_len: int | None = None  # context length: prompt plus generated tokens (default: the model's)
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 256  # requests running at once
-    block_size: int = 16  # tokens per KV cache block
-    num_kv_blocks: int | None = None  # KV pool size in blocks (default: sized from memory)
-    kv_cache_memory_bytes: int | None = None  # KV cache memory per rank in bytes (default: sized from memory)
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use in all
-    enable_prefix_caching: bool = True  # reuse the KV blocks of a shared prompt prefix
-    scheduling_policy: str = "fcfs"  # fcfs, or priority (lower first, then arrival)
-    # auto: the paged CPU kernel on the CPU, else sdpa; cpu, sdpa (gather + SDPA, any device), flex
-    attention_backend: str = "auto"
-    compile: bool = False  # torch.compile each layout's forward (dynamic token count)
-    prepack_weights: bool = True  # linear weights in oneDNN's packed layout on the CPU (one copy, packed at load)
+    model: str = _arg(None, "checkpoint directory or Hugging Face hub id (default: the embedded default model)")
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the model's)")
+    revision: str | None = _arg(None, "hub revision of the model")
+    dtype: str = _arg("auto", "weights and activations ('auto': the checkpoint's)",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str | None = _arg(None, "cpu or cuda (default: cuda when available)")
+    seed: int | None = _arg(0, "seed of the sampling of requests without a seed of their own (None: a fresh one; on "
+                               "the command line the default, so that sampling differs between runs)")
+    max_model_len: int | None = _arg(None, "context length: prompt plus generated tokens (default: the model's)")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one step")
+    max_num_seqs: int = _arg(256, "requests running at once")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _arg(None, "KV pool size in blocks (default: sized from memory)")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV cache memory per rank in bytes (default: sized from memory)")
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: fraction of device memory the engine may use in all")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of a shared prompt prefix")
+    scheduling_policy: str = _arg("fcfs", "waiting requests in arrival order, or by priority (lower first) then "
+                                          "arrival", choices=("fcfs", "priority"))
+    attention_backend: str = _arg("auto", "'auto': the paged CPU kernel on the CPU, else sdpa; cpu, sdpa (gather + "
+                                          "SDPA, any device), flex (vLLM's names too: CPU_ATTN, TORCH_SDPA, "
+                                          "FLEX_ATTENTION)")
+    compile: bool | None = _arg(None, "torch.compile each layout's forward, compiled and warmed up at start-up "
+                                       "(default: on where it is faster: one rank on the CPU with a model of 50M "
+                                       "parameters or more; --enforce-eager: vLLM's name for --no-compile)",
+                                flags=("--enforce-eager",))
+    prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
-    sp: int = 1  # Ulysses sequence-parallel degree of the base layout (shift parallelism, paper 000)
-    tp: int = 1  # tensor-parallel degree (inside each data-parallel replica)
-    dp: int = 1  # data-parallel replicas, each with its own KV pool
-    pp: int = 1  # pipeline stages of each replica (policy seesaw: prefill in PP, decode in TP)
-    # layout switching policy: static, shift (sp > 1, paper 000), flying (dp > 1, paper 004), seesaw (pp > 1,
-    # paper 003), random (tests); default: shift for sp > 1, else static
-    policy: str | None = None
-    policy_config: dict | None = None  # the policy's options, e.g. {"dp_above": 4} (torch_shift.engine.policies)
-    shift_threshold: int | None = 256  # steps with more tokens run the base layout, others full TP; None: base only
-    shift_weights: str = "copy"  # shift-layout shards as contiguous copies (+1/SP weight memory) or zero-copy views
-    flying_weights: str = "view"  # Flying's TP shards: zero-copy views of each replica's weights, or copies
-    seesaw_weights: str = "resident"  # Seesaw's inactive layer weights resident, or a host copy swapped in
-    # host tier of the KV cache shared by the local ranks (swap space), in GiB or in blocks; default: 4 GiB (at
-    # most a quarter of free memory) for seesaw, none otherwise
-    cpu_kv_gb: float | None = None
-    num_cpu_kv_blocks: int | None = None
-    kv_swap: str = "sync"  # tier copies before the step's forward (sync) or in a thread beside it (async)
-    interconnect_gbps: float | None = None  # emulate a link of this bandwidth (GB/s) on every transfer
-    distributed_timeout_s: float = 120.0  # seconds any collective may wait: a stuck or dead rank ends the engine
+    sp: int = _arg(1, "Ulysses sequence-parallel degree of the base layout (shift parallelism, paper 000)",
+                   flags=("--ulysses-sequence-parallel-size",), group="parallel")
+    tp: int = _arg(1, "tensor-parallel degree (inside each data-parallel replica)",
+                   flags=("--tensor-parallel-size", "-tp"), group="parallel")
+    dp: int = _arg(1, "data-parallel replicas, each with its own KV pool", flags=("--data-parallel-size", "-dp"),
+                   group="parallel")
+    pp: int = _arg(1, "pipeline stages of each replica (with --policy seesaw: prefill in PP, decode in TP)",
+                   flags=("--pipeline-parallel-size", "-pp"), group="parallel")
+    policy: str | None = _arg(None, "layout switching policy (default: shift for --sp > 1, else static; flying: DP "
+                                    "replicas bound into TP groups on demand, paper 004; seesaw: prefill in PP, "
+                                    "decode in TP over the same ranks, paper 003)",
+                              choices=("static", "shift", "flying", "seesaw", "random"), group="parallel")
+    policy_config: dict | None = _arg(None, "the policy's options as JSON, e.g. '{\"dp_above\": 4}' for flying",
+                                      group="parallel")
+    shift_threshold: int | None = _arg(256, "steps with more tokens run the base layout, others full TP over SP x TP; "
+                                            "'none': the base layout only", flags=("--shift-parallel-threshold",),
+                                       group="parallel")
+    shift_weights: str = _arg("copy", "shift-layout weight shards as contiguous copies (+1/SP weight memory) or "
+                                      "zero-copy views (without --prepack-weights: packing copies both)",
+                              choices=("copy", "view"), group="parallel")
+    flying_weights: str = _arg("view", "Flying's TP shards: zero-copy views of each replica's weights (not packed), "
+                                       "or packed copies", choices=("view", "copy"), group="parallel")
+    seesaw_weights: str = _arg("resident", "Seesaw's inactive layer weights resident, or a host copy swapped in at "
+                                           "each transition", choices=("resident", "host"), group="parallel")
+    cpu_kv_gb: float | None = _arg(None, "host tier of the KV cache in GiB, shared by the local ranks (swap space; "
+                                         "seesaw buffers prefilled requests there; default: 4 for seesaw, none "
+                                         "otherwise)", flags=("--swap-space",), group="parallel")
+    num_cpu_kv_blocks: int | None = _arg(None, "the host tier's size in blocks instead of --cpu-kv-gb",
+                                         group="parallel")
+    kv_swap: str = _arg("sync", "tier copies before the step's forward (sync) or in a thread beside it (async)",
+                        choices=("sync", "async"), group="parallel")
+    interconnect_gbps: float | None = _arg(None, "emulate a link of this bandwidth (GB/s) on every transfer",
+                                           group="parallel")
+    distributed_timeout_s: float = _arg(120.0, "seconds any collective may wait: a stuck or dead rank ends the "
+                                               "engine within it", flags=("--distributed-timeout",),
+                                        group="parallel")
     tensor_parallel_size: InitVar[int] = _NOT_GIVEN
     ulysses_sequence_parallel_size: InitVar[int] = _NOT_GIVEN
     shift_parallel_threshold: InitVar[int | None] = _NOT_GIVEN
@@ -104,6 +136,8 @@ class EngineArgs:
         self._check()
 
     def _check(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(f"model must be a checkpoint directory or a hub id, got {self.model!r}")
         for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -134,7 +168,7 @@ class EngineArgs:
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
         for name in ("compile", "prepack_weights", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "compile" and self.compile is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
                                                  or not isinstance(self.shift_threshold, int)
@@ -160,6 +194,18 @@ class EngineArgs:
         if name == "random":
             config.setdefault("seed", self.seed)
         return policy_options(name, config)
+
+    def _compiles(self, model_config: ModelConfig, deployment: Deployment) -> bool:
+        """compile=None: on where it is faster. Measured (bench_peers.py, docs/performance.md): one rank on the CPU
+        gains 7-8% of throughput with a 106M model; ranks of one core each gain nothing measurable; a small
+        model's compile time (20-40 s on 2 cores) outweighs what it saves in any run shorter than hours."""
+        if self.compile is not None:
+            return self.compile
+        from torch_shift.kernels import compiler
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return (deployment.world_size == 1 and torch.device(device).type == "cpu" and compiler() is not None
+                and model_config.num_parameters >= COMPILE_MIN_PARAMETERS)
 
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,
                              dtype: torch.dtype | None = None) -> EngineConfig:
@@ -191,7 +237,7 @@ class EngineArgs:
                                     seesaw_weights=self.seesaw_weights, timeout_s=self.distributed_timeout_s,
                                     interconnect_gbps=self.interconnect_gbps),
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
-                                compile=self.compile, prepack_weights=self.prepack_weights),
+                                compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
         )
 

@@ -53,6 +53,7 @@ class ModelRunner:
         self.interconnect_gbps = interconnect_gbps
         if compile:
             model.compile_layouts()
+            self._warm_up()
 
     def pool_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
         """This rank's pool as `layout_name` views it, and what it holds of the whole KV cache then
@@ -65,6 +66,23 @@ class ModelRunner:
                 region = self.model.kv_region(layout)
                 self._kv_views[layout_name] = (self.kv_cache.regroup(region.num_layers, region.num_heads), region)
         return self._kv_views[layout_name]
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile every layout this rank runs now, at start-up, instead of in the first steps that use them: a
+        step of two tokens through each (attention returning zeros; nothing read from or written to the KV
+        cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
+        is dynamic in the compiled graphs: later steps of any size reuse them."""
+        device = self.device
+
+        def zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(q)
+
+        for layout in self.deployment.layouts_of(self.rank):
+            batch = MicroBatch(torch.zeros(2, dtype=torch.long, device=device), torch.arange(2, device=device),
+                               zero_attention, torch.tensor([1], device=device))
+            self.model.forward_step(layout, [batch])
+        self.model.reset_counters()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:

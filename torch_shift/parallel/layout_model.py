@@ -31,6 +31,17 @@ class MicroBatch:
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
 
 
+class LayoutCounters:
+    """What a layout model counts (a mixin of the three): forwards per layout, the bytes its collectives sent,
+    and the switches of the device's weights between layouts and their time."""
+
+    def reset_counters(self) -> None:
+        self.layout_counts: Counter[str] = Counter()
+        self.ledger = CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
+        self.num_reshards = 0
+        self.reshard_seconds = 0.0
+
+
 @runtime_checkable
 class LayoutModel(Protocol):
     num_kv_layers: int  # layers of this rank's KV pool, in the geometry it is allocated in
@@ -54,4 +65,8 @@ class LayoutModel(Protocol):
 
     def compile_layouts(self) -> None:
         """torch.compile every layout's forward (attention as an opaque op, dynamic token count)."""
+        ...
+
+    def reset_counters(self) -> None:
+        """Zero the counters above (after the runner's warm-up steps)."""
         ...

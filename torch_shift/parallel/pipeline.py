@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout, stage_layers
 from torch_shift.parallel.shift import TensorReader, load_base
 
@@ -95,7 +94,7 @@ def load_stage(config: ModelConfig, layers: range, is_first: bool, is_last: bool
     return stage.eval().requires_grad_(False)
 
 
-class PipelineModel(nn.Module):
+class PipelineModel(LayoutCounters, nn.Module):
     """One rank of a pipeline replica: its stage, and under Seesaw its TP shard of every layer."""
 
     def __init__(self, config: ModelConfig, stage: PipelineStage, stage_ranks: tuple[int, ...], rank: int,
@@ -114,12 +113,9 @@ class PipelineModel(nn.Module):
         # the pool is allocated in the TP geometry when there is one (the PP view regroups it)
         self.num_kv_layers = config.num_hidden_layers if tp is not None else len(stage.layer_range)
         self.num_local_kv_heads = h_kv // pp if tp is not None else h_kv
-        self.layout_counts: Counter[str] = Counter()
-        self.ledger = comm.CommLedger()
+        self.reset_counters()
         self.forwards: dict[str, object] = {}  # "pp" / "tp" -> compiled forward (compile_layouts)
         self.activation_dtype = next(iter(stage.layers.parameters())).dtype  # activations between stages
-        self.num_reshards = 0
-        self.reshard_seconds = 0.0
         self._active = "pp"  # which set of layer weights the device holds ("host" weights)
         self._host_weights: dict[str, torch.Tensor] = {}  # "host" weights: a flat copy of each set
         if weights == "host":

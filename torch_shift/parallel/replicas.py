@@ -13,7 +13,6 @@ them from); the others return None.
 
 from __future__ import annotations
 
-from collections import Counter
 
 import torch
 from torch import nn
@@ -26,13 +25,13 @@ from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import build_model
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
 from torch_shift.parallel.plan import tp_plan
 from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_tp
 
 
-class ReplicaModel(nn.Module):
+class ReplicaModel(LayoutCounters, nn.Module):
     def __init__(self, model: DecoderLM, views: dict[str, DecoderLM] | None = None,
                  leaders: dict[str, bool] | None = None, view_weights: str = "view"):
         super().__init__()
@@ -42,9 +41,7 @@ class ReplicaModel(nn.Module):
         self.leaders = leaders or {}
         self.num_local_kv_heads = model.config.num_key_value_heads
         self.num_kv_layers = model.config.num_hidden_layers
-        self.layout_counts: Counter[str] = Counter()
-        self.ledger = comm.CommLedger()
-        self.reshard_seconds = 0.0  # every layout's weights are resident
+        self.reset_counters()  # every layout's weights are resident: no reshard ever
         self.forwards = {}  # layout name (None: the replica's own) -> compiled forward (compile_layouts)
 
     def prepare_weights(self, drop_dense: bool = True) -> int:

@@ -11,7 +11,6 @@ paper's choice).
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -30,7 +29,7 @@ from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
-from torch_shift.parallel.layout_model import MicroBatch
+from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Layout
 from torch_shift.parallel.plan import (
     ParallelPlan,
@@ -179,7 +178,7 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None, shift
     return linear
 
 
-class ShiftModule(nn.Module):
+class ShiftModule(LayoutCounters, nn.Module):
     """`forward_step` runs one engine step in the layout the step plan names and returns its logits;
     `forward` runs a whole batch without a KV cache in the layout its token count picks."""
 
@@ -193,9 +192,7 @@ class ShiftModule(nn.Module):
         self.shift_threshold = shift_threshold
         self.shift_weights = shift_weights
         self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
-        self.layout_counts: Counter[str] = Counter()
-        self.ledger = comm.CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
-        self.reshard_seconds = 0.0  # both layouts' weights are resident: switching costs nothing
+        self.reset_counters()  # both layouts' weights are resident: no reshard ever
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)

@@ -28,7 +28,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-deadline-s", type=float, default=30.0,
                    help="an engine step running longer than this (or 20x the longest recent step, if more), or a "
                         "rank silent for this long, fails the requests in flight and the server exits non-zero; "
-                        "keep it below --distributed-timeout, raise it with --compile (first steps compile)")
+                        "keep it below --distributed-timeout (a compiled engine compiles before it serves, not in "
+                        "its first steps)")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level")
     from torch_shift.serve.reasoning import REASONING_PARSERS
     from torch_shift.serve.tool_parsers import TOOL_PARSERS

