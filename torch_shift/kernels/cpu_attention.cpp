@@ -31,6 +31,7 @@ constexpr int kLanes = 16;
 constexpr int kMaxRows = 64;  // query rows (queries x heads of a KV head) of one work item
 constexpr int kPieces = 4;    // pieces of kLanes keys in a chunk: one online-softmax update per chunk
 constexpr int kChunk = kPieces * kLanes;
+constexpr int kRowsConvertedOnce = 4;  // more rows of a KV head than this: convert its chunk to float32 once
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -382,6 +383,10 @@ void attend(const Problem& p, const Item& item) {
     const int64_t last_block = (key_end - 1) / p.block_size;
     int64_t prefetched = first_chunk / p.block_size;
     Piece<T, T> pieces[kPieces];
+    // bfloat16 and float16 keys and values are converted once per chunk where many row blocks read them (a
+    // prompt's tile), not at every read
+    const bool convert_once = !std::is_same<T, float>::value && vector && rows_per_head > kRowsConvertedOnce;
+    Piece<float, float> converted[kPieces];
     for (int64_t chunk = first_chunk; chunk < key_end; chunk += kChunk) {
       const int64_t chunk_end = std::min(key_end, chunk + kChunk);
       const int64_t last_of_chunk = (chunk_end - 1) / p.block_size;
@@ -399,7 +404,24 @@ void attend(const Problem& p, const Item& item) {
                                   vc + physical * p.v.block + (item.first_kv_head + h) * p.v.head + offset * p.v.token,
                                   std::min<int64_t>(kLanes, chunk_end - start)};
         }
-        attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk);
+        if (convert_once) {  // the chunk in float32 once, for every row block of the prompt's tile
+          for (int64_t s = 0; s < num_pieces; ++s) {
+            float* keys = copied_keys + s * D * kLanes;
+            for (int64_t d = 0; d < D; ++d) {  // a piece never crosses its block (block_size % kLanes == 0)
+              const vfloat kd = load16(pieces[s].keys + d * p.k.dim);
+              std::memcpy(keys + d * kLanes, &kd, sizeof kd);
+            }
+            for (int64_t j = 0; j < pieces[s].n; ++j)
+              for (int64_t dv = 0; dv < D / kLanes; ++dv) {
+                const vfloat vd = load16(pieces[s].values + j * p.v.token + dv * kLanes);
+                std::memcpy(copied_values + (s * kLanes + j) * D + dv * kLanes, &vd, sizeof vd);
+              }
+            converted[s] = {keys, copied_values + s * kLanes * D, pieces[s].n};
+          }
+          attend_chunk(h, converted, num_pieces, kLanes, D, chunk);
+        } else {
+          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk);
+        }
       }
     }
   } else {  // blocks smaller than a piece (or not a multiple of it): copy each chunk's keys and values out
