@@ -185,3 +185,85 @@ def test_commands_with_only_the_core_dependencies(tmp_path):
     for (argv, returncode, expected), (code, output) in zip(CORE_COMMANDS, json.loads(result.stdout.splitlines()[-1]),
                                                             strict=True):
         assert code == returncode and expected in output, (argv, code, output[-2000:])
+
+
+def test_every_engine_argument_is_a_flag_of_generate_and_serve_with_vllms_names():
+    """The command line's engine options come from EngineArgs' fields: none missing, none extra, the same
+    defaults, and vLLM's flag names where vLLM has one."""
+    from dataclasses import fields
+
+    from torch_shift.cli import _engine_kwargs, build_parser
+    from torch_shift.engine.args import ENGINE_ARG_ALIASES, EngineArgs
+
+    parser = build_parser()
+    engine_fields = {f.name: f.default for f in fields(EngineArgs) if f.name != "model"}
+    for command in (["generate", "x"], ["serve"]):
+        args = parser.parse_args(command)
+        kwargs = _engine_kwargs(args)
+        assert set(kwargs) == set(engine_fields), command
+        assert kwargs == {**engine_fields, "seed": kwargs["seed"]}, command  # the CLI's seed: None, fresh per run
+        subparser = parser._subparsers._group_actions[0].choices[command[0]]
+        flags = {flag for action in subparser._actions for flag in action.option_strings}
+        for alias in ENGINE_ARG_ALIASES:
+            assert f"--{alias.replace('_', '-')}" in flags, (command[0], alias)
+        for vllm_flag in ("--enforce-eager", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                          "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                          "--attention-backend", "--swap-space", "--scheduling-policy", "--block-size", "--dtype"):
+            assert vllm_flag in flags, (command[0], vllm_flag)
+    args = parser.parse_args(["generate", "--enforce-eager", "--attention-backend", "sdpa", "--flying-weights", "copy",
+                              "--seesaw-weights", "host", "--kv-swap", "async", "x"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["compile"], kwargs["attention_backend"], kwargs["flying_weights"], kwargs["seesaw_weights"],
+            kwargs["kv_swap"]) == (False, "sdpa", "copy", "host", "async")
+    assert EngineArgs("m", enforce_eager=True).compile is False and EngineArgs("m", enforce_eager=False).compile is None
+    with pytest.raises(ValueError, match="disagree"):
+        EngineArgs("m", enforce_eager=True, compile=True)
+
+
+def test_token_ids_that_are_not_integers_name_the_flag_before_the_model_loads(capsys, monkeypatch):
+    import torch_shift
+
+    monkeypatch.setattr(torch_shift, "LLM", None)  # loading a model here would fail with a TypeError, not this
+    assert main(["generate", "--token-ids", "1 a 3"]) == 2
+    err = capsys.readouterr().err
+    assert "--token-ids: prompt 0 ('1 a 3') must be token ids" in err and "'a' is not a token id" in err
+    assert main(["generate", "--token-ids", "1 2", " , "]) == 2
+    assert "prompt 1" in capsys.readouterr().err
+
+
+def test_plan_with_a_missing_path_says_no_such_file(capsys, tmp_path):
+    missing = tmp_path / "Llama-3-70B" / "config.json"
+    for model in (str(missing), "Llama-3-70B/config.json"):
+        assert main(["plan", "--model", model, "--hardware", "h100", "--synthetic", "64:8"]) == 2
+        err = capsys.readouterr().err
+        assert f"--model {model}: no such file or directory" in err and "Hugging Face cache" not in err
+
+
+def test_a_file_given_as_a_model_says_what_a_model_is(llama):
+    from torch_shift.models.hub import resolve_model_dir
+
+    _, model_dir = llama
+    with pytest.raises(ValueError, match="is a file: a model is a checkpoint directory"):
+        resolve_model_dir(model_dir / "config.json")
+    with pytest.raises(ValueError, match="no such directory"):
+        resolve_model_dir("Llama-3-70B/config.json")
+
+
+def test_serve_on_a_taken_port_fails_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    from torch_shift.serve import api_server
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(api_server, "create_server", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in err and "--port 0" in err
+    assert main(["serve", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine has it
+    assert "--host 192.0.2.1 --port 8000: cannot listen there" in capsys.readouterr().err

@@ -208,6 +208,10 @@ BAD_TOOLS = [  # (extra fields, the param named, words of the message)
         {"role": "tool", "tool_call_id": "c1", "content": "18C"}]},
      "messages[1].tool_calls[0].function.arguments", "not JSON"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "role 'user' needs content"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "role 'user' needs content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None}, *ASK]}, "messages.1",
+     "only an assistant message with tool_calls may have content null"),
 ]
 
 

@@ -151,6 +151,17 @@ def _model_or_default(args: argparse.Namespace, doing: str) -> str:
     return model
 
 
+def _token_ids(prompt: str, index: int) -> list[int]:
+    """One prompt of `generate --token-ids`: integers separated by spaces or commas."""
+    ids = prompt.replace(",", " ").split()
+    bad = [t for t in ids if not t.isdigit()]
+    if bad or not ids:
+        what = f"{bad[0]!r} is not a token id" if bad else "it is empty"
+        raise ValueError(f"--token-ids: prompt {index} ({prompt!r}) must be token ids, non-negative integers "
+                         f"separated by spaces or commas like '1 2 3', but {what}")
+    return [int(t) for t in ids]
+
+
 def _generate(args: argparse.Namespace) -> int:
     from torch_shift import LLM, SamplingParams
 
@@ -160,12 +171,13 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sample_seed, stop=args.stop,
         logprobs=args.logprobs, ignore_eos=args.ignore_eos,
     )
+    token_id_prompts = [_token_ids(p, i) for i, p in enumerate(args.prompts)] if args.token_ids else []
     llm = LLM(model, **_engine_kwargs(args))
     try:
         prompts: list = []
         for p in args.prompts:
             if args.token_ids:
-                prompts.append([int(t) for t in p.replace(",", " ").split()])
+                prompts.append(token_id_prompts[len(prompts)])
             elif args.chat:
                 prompts.append(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
             else:
@@ -253,11 +265,14 @@ def _plan(args: argparse.Namespace) -> int:
         from torch_shift.models.default import default_model_dir
 
         model = default_model_dir()
-    elif Path(args.model).exists():
-        model = Path(args.model)
+    elif Path(args.model).expanduser().exists():
+        model = Path(args.model).expanduser()
     else:
-        from torch_shift.models.hub import resolve_model_dir
+        from torch_shift.models.hub import looks_like_path, resolve_model_dir
 
+        if looks_like_path(args.model):
+            raise ValueError(f"--model {args.model}: no such file or directory (plan takes a model directory, "
+                             "its config.json, or a Hugging Face hub id)")
         model = resolve_model_dir(args.model, None)
     if args.plot:  # before the simulations, not after them
         _require_extra("bench", "plan --plot", "matplotlib")

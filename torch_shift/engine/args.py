@@ -113,13 +113,21 @@ class EngineArgs:
     shift_parallel_threshold: InitVar[int | None] = _NOT_GIVEN
     data_parallel_size: InitVar[int] = _NOT_GIVEN
     pipeline_parallel_size: InitVar[int] = _NOT_GIVEN
+    enforce_eager: InitVar[bool] = _NOT_GIVEN  # vLLM's: True is compile=False
 
     @classmethod
     def names(cls) -> set[str]:
-        return {f.name for f in fields(cls)} | set(ENGINE_ARG_ALIASES)
+        return {f.name for f in fields(cls)} | set(ENGINE_ARG_ALIASES) | {"enforce_eager"}
 
     def __post_init__(self, tensor_parallel_size, ulysses_sequence_parallel_size, shift_parallel_threshold,
-                      data_parallel_size, pipeline_parallel_size) -> None:
+                      data_parallel_size, pipeline_parallel_size, enforce_eager) -> None:
+        if enforce_eager is not _NOT_GIVEN:
+            if not isinstance(enforce_eager, bool):
+                raise TypeError(f"enforce_eager must be a bool, got {enforce_eager!r}")
+            if enforce_eager and self.compile:
+                raise ValueError("enforce_eager=True and compile=True disagree; give one of them")
+            if enforce_eager:
+                self.compile = False
         given = {"tensor_parallel_size": tensor_parallel_size, "ulysses_sequence_parallel_size":
                  ulysses_sequence_parallel_size, "shift_parallel_threshold": shift_parallel_threshold,
                  "data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}

@@ -12,6 +12,17 @@ _CHECKPOINT_FILES = ["config.json", "generation_config.json", "*.safetensors", "
                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.*"]
 
 
+_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def looks_like_path(model: str | Path) -> bool:
+    """A path, not a hub id: absolute, relative to . or ~, more than one "/", a file's name, or an existing
+    file."""
+    name = str(model)
+    return (isinstance(model, Path) or name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+            or Path(name).suffix in _FILE_SUFFIXES or Path(name).expanduser().exists())
+
+
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     """A directory as given, else the hub id's snapshot: the local cache first, then a download.
 
@@ -22,9 +33,9 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     if path.is_dir():
         return path
     repo_id = str(model)
-    # a path, not an id: absolute, relative to . or ~, more than one "/", or an existing file
-    if repo_id.startswith(("/", "./", "../", "~")) or repo_id.count("/") > 1 or path.exists():
-        raise ValueError(f"no such directory: {path}")
+    if looks_like_path(repo_id):
+        raise ValueError(f"{path} is a file: a model is a checkpoint directory (config.json, *.safetensors) "
+                         "or a Hugging Face hub id" if path.is_file() else f"no such directory: {path}")
     try:
         validate_repo_id(repo_id)  # dots are fine: Qwen2.5-0.5B, Llama-3.2-1B, Mistral-7B-v0.1
     except HFValidationError as e:

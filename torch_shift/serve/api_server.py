@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import hmac
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -604,6 +606,7 @@ def run_server(engine_args, args) -> int:
     from torch_shift.serve.options import API_KEY_ENV
 
     server: uvicorn.Server | None = None
+    sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a second
 
     def exit_on_fatal() -> None:  # from the engine or watchdog thread; clients in flight have their errors
         def leave() -> None:
@@ -613,11 +616,15 @@ def run_server(engine_args, args) -> int:
         # /health answers 503 for a moment before the port closes, for balancers that poll it
         threading.Timer(_FATAL_EXIT_DELAY_S, leave).start()
 
-    app, async_engine = create_server(
-        engine_args, served_model_name=args.served_model_name, api_key=args.api_key or os.environ.get(API_KEY_ENV),
-        max_waiting_seqs=args.max_waiting_seqs, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-        max_prompts_per_request=args.max_prompts_per_request, step_deadline_s=args.step_deadline_s,
-        on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args))
+    try:
+        app, async_engine = create_server(
+            engine_args, served_model_name=args.served_model_name,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV), max_waiting_seqs=args.max_waiting_seqs,
+            max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
+            step_deadline_s=args.step_deadline_s, on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args))
+    except BaseException:
+        sock.close()
+        raise
 
     name = app.state.served_model_name
 
@@ -642,10 +649,31 @@ def run_server(engine_args, args) -> int:
                             timeout_graceful_shutdown=5)
     server = Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         app.state.stop()  # also after a forced exit, which skips the lifespan's shutdown
     return 0 if async_engine.error is None else 1
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) as uvicorn binds it; a taken port or an address this
+    machine does not have is the user's mistake, said in terms of the flags."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); choose a free "
+                             "port with --port, or --port 0 for any free one") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    return sock
 
 
 def create_server(engine_args, served_model_name: str | None = None, api_key: str | None = None,

@@ -242,6 +242,10 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            # OpenAI's rule: only an assistant turn that carries tool calls may leave its content out
+            raise ValueError(f"a message of role {self.role!r} needs content (a string or a list of text parts); "
+                             "only an assistant message with tool_calls may have content null")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
         if self.tool_calls and self.role != "assistant":
