@@ -79,6 +79,13 @@ def llama(checkpoints):
     return checkpoints("llama")
 
 
+@pytest.fixture(scope="session")
+def layers4(tmp_path_factory):
+    """A Llama with 4 layers and 4 KV heads: DP-2, TP-2, TP-4, PP-2, PP-4 and Flying's groups are all possible."""
+    model = build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4)
+    return save_checkpoint(model, tmp_path_factory.mktemp("layers4"))
+
+
 def random_prompts(num: int, lengths: list[int] | None = None, seed: int = 0, vocab: int = VOCAB_SIZE) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = lengths or [3, 17, 40, 1, 9, 64, 33, 5][:num]

@@ -1,6 +1,9 @@
-"""Policies as plain objects: decisions on real schedulers with fake model outputs, no processes."""
+"""Policies as plain objects: decisions on real schedulers with fake model outputs, and through the
+SchedulerView protocol alone; no processes."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 from test_scheduler import make_request
@@ -11,9 +14,12 @@ from torch_shift.engine.policies import (
     FlyingOptions,
     FlyingPolicy,
     RandomPolicy,
+    SeesawOptions,
+    SeesawPolicy,
     ShiftOptions,
     ShiftPolicy,
     StaticPolicy,
+    StepDecision,
     build_policy,
     policy_options,
 )
@@ -143,7 +149,7 @@ def test_a_request_too_long_for_one_pool_goes_to_the_smallest_group_that_holds_i
     sched, _ = flying(num_replicas=4, num_blocks=16, dp_above=1, tp_below=0)  # 64 tokens per pool
     sched.add_request(make_request("short", 10, max_tokens=10))
     sched.add_request(make_request("long", 100, max_tokens=20))  # 120 tokens: two pools
-    out = step(sched)
+    step(sched)
     assert sched.requests["long"].replicas in ((0, 1), (2, 3))
     while sched.has_unfinished_requests():
         step(sched)
@@ -201,3 +207,163 @@ def test_random_bindings_cover_the_replicas_without_overlap():
 CONFIG_DICT = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
                "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
                "max_position_embeddings": 512}
+
+
+# -- the policies through the SchedulerView protocol alone: no scheduler, no block manager ---------------
+
+@dataclass
+class FakeView:
+    """A SchedulerView with every field set by the test (torch_shift.engine.policies.base)."""
+
+    num_replicas: int = 2
+    waiting_requests: list = field(default_factory=list)
+    running: tuple = ()
+    swapped_requests: list = field(default_factory=list)
+    num_steps: int = 0
+    tier_free_blocks: int = 0
+    tier_num_blocks: int = 0
+    free_blocks: tuple | None = None
+    blocks_per_replica: int = 16
+    block_size: int = BS
+    config: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_num_batched_tokens=64,
+                                                                               max_num_seqs=8, max_model_len=256))
+    last_decision: StepDecision | None = None
+
+    @property
+    def waiting(self):
+        return iter(self.waiting_requests)
+
+    @property
+    def num_waiting(self):
+        return len(self.waiting_requests)
+
+    def peek_waiting(self):
+        return self.waiting_requests[0] if self.waiting_requests else None
+
+    @property
+    def num_running(self):
+        return len(self.running)
+
+    @property
+    def swapped(self):
+        return iter(self.swapped_requests)
+
+    @property
+    def num_swapped(self):
+        return len(self.swapped_requests)
+
+    @property
+    def tier_usage(self):
+        return 1 - self.tier_free_blocks / self.tier_num_blocks if self.tier_num_blocks else 0.0
+
+    @property
+    def num_seqs(self):
+        seqs = [0] * self.num_replicas
+        for request in self.running:
+            for replica in request.replicas:
+                seqs[replica] += 1
+        return tuple(seqs)
+
+    @property
+    def num_free_blocks(self):
+        return self.free_blocks or (self.blocks_per_replica,) * self.num_replicas
+
+    @property
+    def num_blocks(self):
+        return (self.blocks_per_replica,) * self.num_replicas
+
+
+def placed(rid, prompt, layout, replicas, kv_view="heads", computed=None, max_tokens=8, priority=0):
+    request = make_request(rid, prompt, max_tokens=max_tokens, priority=priority)
+    request.status = RequestStatus.RUNNING
+    request.replicas, request.kv_layout, request.kv_view = tuple(replicas), layout, kv_view
+    request.num_computed_tokens = request.num_tokens if computed is None else computed
+    return request
+
+
+def test_protocol_flying_switches_on_load_with_hysteresis_and_moves_the_other_width():
+    policy = FlyingPolicy(build_deployment(CONFIG, dp=2, flying=True), FlyingOptions(dp_above=2, tp_below=1))
+    view = FakeView(waiting_requests=[make_request("w", 4)])
+    assert policy.decide(view) == StepDecision(("tp2@0",))
+    a = placed("a", 4, "tp2@0", (0, 1))
+    view = FakeView(running=(a,), waiting_requests=[make_request(f"w{i}", 4) for i in range(3)])
+    decision = policy.decide(view)  # 4 requests on 2 replicas: 2 per replica >= dp_above
+    assert policy.mode == "dp" and decision == StepDecision(("dp@0", "dp@1"), recompute=("a",))
+    assert policy.route(make_request("x", 4), decision, view) == ["dp@0", "dp@1"]
+    b, c = placed("b", 4, "dp@0", (0,)), placed("c", 4, "dp@1", (1,))
+    view = FakeView(running=(b, c, placed("d", 4, "dp@1", (1,))))
+    assert policy.route(make_request("y", 4), policy.decide(view), view) == ["dp@0", "dp@1"]  # fewer on replica 0
+    assert policy.mode == "dp"  # 1.5 per replica: between the thresholds
+    decision = policy.decide(FakeView(running=(b, c)))  # 1 per replica: back to TP, both recomputed there
+    assert policy.mode == "tp" and decision == StepDecision(("tp2@0",), recompute=("b", "c"))
+    assert policy.stats()["num_mode_switches"] == 2
+
+
+def test_protocol_flying_binds_a_group_for_a_priority_or_a_too_long_request_and_pauses_then_moves():
+    policy = FlyingPolicy(build_deployment(CONFIG, dp=4, flying=True),
+                          FlyingOptions(tp_width=1, priority_width=2, max_pause_steps=3))
+    urgent = make_request("urgent", 4, priority=-1)
+    policy.on_add(urgent, FakeView(num_replicas=4))
+    dp = [placed(f"r{i}", 4, f"dp@{i}", (i,)) for i in range(4)]
+    view = FakeView(num_replicas=4, running=tuple(dp), waiting_requests=[urgent])
+    decision = policy.decide(view)
+    group = policy.pinned["urgent"]
+    members = policy.deployment[group].replicas
+    assert group in decision.layouts and decision.recompute == ()  # the DP requests there pause with their KV
+    assert policy.route(urgent, decision, view) == [group]
+    assert not set(members) & {r for n in policy.route(make_request("n", 4), decision, view)
+                               for r in policy.deployment[n].replicas}  # new work goes elsewhere
+    for step in range(1, 4):
+        view.num_steps = step
+        decision = policy.decide(view)
+    assert sorted(decision.recompute) == sorted(f"r{m}" for m in members)  # paused too long: moved
+    policy.on_finish(urgent)
+    assert policy.decide(view).layouts == ("dp@0", "dp@1", "dp@2", "dp@3")
+
+    policy = FlyingPolicy(build_deployment(CONFIG, dp=4, flying=True), FlyingOptions(tp_width=1))
+    long_request = make_request("long", 16 * BS + 1, max_tokens=BS)  # two pools of 16 blocks hold it
+    policy.on_add(long_request, FakeView(num_replicas=4))
+    assert policy.needs == {"long": 2}
+
+
+def seesaw(**options):
+    return SeesawPolicy(build_deployment(CONFIG, pp=2, seesaw=True), SeesawOptions(**options))
+
+
+def test_protocol_seesaw_prefills_until_the_tier_is_full_then_decodes_then_refills():
+    policy = seesaw()
+    tier = {"tier_num_blocks": 8, "num_replicas": 1}
+    queue = [make_request("a", 2 * BS), make_request("b", 2 * BS)]
+    decision = policy.decide(FakeView(waiting_requests=queue, tier_free_blocks=8, **tier))
+    assert decision == StepDecision(("pp",), phase="prefill")
+    view = FakeView(waiting_requests=queue, tier_free_blocks=8, **tier)
+    assert policy.route(queue[0], decision, view) == ["pp"]
+    # a prefilled under PP leaves for the tier; b would need 3 blocks once a's 2 are reserved: 3 <= 8 - 2
+    done = placed("a", 2 * BS, "pp", (0,), kv_view="layers", computed=2 * BS)
+    done.append_output_token(7)
+    view = FakeView(running=(done,), waiting_requests=queue[1:], tier_free_blocks=8, **tier)
+    decision = policy.decide(view)
+    assert decision == StepDecision(("pp",), swap_out=("a",), phase="prefill")
+    # the tier cannot take the next prompt: decode
+    big = make_request("big", 9 * BS)
+    view = FakeView(waiting_requests=[big], swapped_requests=[done], tier_free_blocks=6, **tier)
+    assert policy.route(big, decision, view) == []
+    assert policy.decide(view) == StepDecision(("tp",), phase="decode")
+    # decoding from the tier: no refill while it holds KV (tiered); prefill_first refills at once
+    view = FakeView(waiting_requests=[make_request("c", BS)], swapped_requests=[done], tier_free_blocks=6, **tier)
+    assert policy.decide(view).phase == "decode"
+    eager = seesaw(scheduling="prefill_first")
+    eager.phase = "decode"
+    assert eager.decide(view).phase == "prefill"
+    # the tier drained: back to prefill
+    view = FakeView(waiting_requests=[make_request("c", BS)], tier_free_blocks=8, **tier)
+    assert policy.decide(view).phase == "prefill"
+    assert policy.stats()["num_transitions"] == 2
+
+
+def test_protocol_static_and_shift_decisions_need_no_view():
+    deployment = build_deployment(CONFIG, dp=2)
+    assert StaticPolicy(deployment).decide(FakeView()) == StepDecision(("dp@0", "dp@1"))
+    shift = ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), ShiftOptions(threshold=8))
+    assert shift.decide(FakeView(num_replicas=1)) == StepDecision(("base",))
+    assert shift.route(make_request("a", 4), StepDecision(("base",)), FakeView(num_replicas=1)) == ["base"]

@@ -15,7 +15,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import build_hf_model, random_prompts, save_checkpoint
+from conftest import random_prompts
 from test_scheduler import _mix, make_request, reference_next, reference_outputs
 from test_shift import assert_same_outputs
 from test_step_plan import CONFIG
@@ -390,13 +390,6 @@ def test_refilling_below_a_fraction_of_the_tier_prefills_again_before_it_is_empt
 
 PARAMS = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=3)
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 6, 25, 12]
-
-
-@pytest.fixture(scope="module")
-def layers4(tmp_path_factory):
-    """A Llama with 4 layers and 4 KV heads: PP-2, PP-4, TP-2 and TP-4 are all possible."""
-    model = build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4)
-    return save_checkpoint(model, tmp_path_factory.mktemp("layers4"))
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import build_hf_model, save_checkpoint
 
 from torch_shift.bench.traffic import RequestSpec
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.planner import ModelShape, get_profile
 from torch_shift.planner.simulate import ClockedEngine, CostModelTimer, FixedStepTimer, SimulatedEngine, simulate
-
-
-@pytest.fixture(scope="module")
-def layers4(tmp_path_factory):
-    """4 layers and 4 KV heads: DP-2, TP-2, PP-2 and Flying's TP-2 groups are all possible."""
-    model = build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4)
-    return save_checkpoint(model, tmp_path_factory.mktemp("layers4"))
 
 
 def trace(num: int = 14, seed: int = 0, vocab: int = 512) -> list[RequestSpec]:

@@ -74,7 +74,10 @@ class LLM:
         try:
             result = call()
         except BaseException as e:
-            engine.send_result("error", f"{type(e).__name__}: {e}")
+            # a user's mistake is raised as the same ValueError or TypeError on every rank
+            mistake = type(e) in (ValueError, TypeError)
+            engine.send_result("error", (type(e).__name__ if mistake else None, str(e) if mistake
+                                         else f"{type(e).__name__}: {e}"))
             raise
         engine.send_result("result", result)
         return result

@@ -6,7 +6,8 @@ Launch paths: one rank (no runtime); local ranks that rank 0 starts from an ordi
 the user's program and builds its own Worker (ranks other than 0 follow rank 0 inside each public call of
 `LLM`, see `Worker.follow`). Rank 0 sends messages on the control channel: ("step", plan) runs a step on
 every rank; ("result", payload) ends a public call that every rank of a torchrun program made, giving them
-rank 0's answer; ("error", text) ends it with rank 0's error; ("shutdown", None) ends the started ranks.
+rank 0's answer; ("error", (kind, text)) ends it with rank 0's error (a ValueError or TypeError raised
+as itself); ("shutdown", None) ends the started ranks.
 """
 
 from __future__ import annotations
@@ -178,7 +179,10 @@ class Worker:
             elif kind == "result":
                 return payload
             elif kind == "error":
-                raise RuntimeError(f"rank 0 failed: {payload}")
+                mistake, message = payload
+                if mistake is not None:
+                    raise {"ValueError": ValueError, "TypeError": TypeError}[mistake](message)
+                raise RuntimeError(f"rank 0 failed: {message}")
             else:
                 assert kind == "shutdown", kind
                 return None

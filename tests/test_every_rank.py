@@ -1,0 +1,56 @@
+"""Under torchrun every rank runs the user's program: every public call of `LLM` must return rank 0's answer
+on every rank, for every family of deployments (issue 21). The ranks here are forked with torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), none started by another."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.parallel.launch import run_ranks
+
+PROMPTS = ["the quick brown fox", "café au lait", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+MESSAGES = [{"role": "user", "content": "hello there"}]
+SMALL_TIER = {"block_size": 4, "num_kv_blocks": 24, "num_cpu_kv_blocks": 32}
+
+FAMILIES = {
+    "tp": {"tp": 2},
+    "shift": {"sp": 2, "shift_threshold": 8},
+    "dp": {"dp": 2},
+    "flying": {"dp": 2, "policy": "flying"},
+    "pp": {"pp": 2},
+    "seesaw": {"pp": 2, "policy": "seesaw", **SMALL_TIER},
+}
+
+
+def _every_call(rank, world, model_dir, engine_args):
+    llm = LLM(str(model_dir), **engine_args)
+    answers = {}
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    answers["generate"] = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                           for o in outputs]
+    chat = llm.chat(MESSAGES, PARAMS, use_tqdm=False)
+    answers["chat"] = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for o in chat]
+    try:  # a user's mistake: rank 0's error on every rank, and the engine goes on
+        llm.generate(["fine", 3.5], PARAMS, use_tqdm=False)
+    except (TypeError, ValueError) as e:
+        answers["error"] = str(e)
+    answers["after_error"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]
+    answers["stats"] = llm.stats()
+    answers["tokenizer"] = llm.tokenizer.encode("the quick brown fox")
+    llm.shutdown()
+    answers["shutdown"] = True
+    return answers
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_public_call_answers_the_same_on_every_rank(layers4, family):
+    ranks = run_ranks(_every_call, 2, layers4, FAMILIES[family], timeout_s=180)
+    reference = LLM(str(layers4)).generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [a[1] for a in ranks[0]["generate"]] == [o.outputs[0].token_ids for o in reference]
+    assert "prompt 1" in ranks[0]["error"]
+    assert ranks[0]["stats"]["num_steps"] > 0
+    for rank, answers in enumerate(ranks[1:], start=1):
+        for call in ranks[0]:
+            assert answers[call] == ranks[0][call], (family, rank, call)
