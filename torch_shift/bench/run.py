@@ -108,21 +108,27 @@ def build_workload(args, vocab_size: int) -> tuple[list, str]:
 
 
 class ServerProcess:
-    """`torch-shift serve` in a child process (it starts its own ranks), stopped with SIGINT."""
+    """`torch-shift serve` in a child process (it starts its own ranks), stopped with SIGINT. `command`: another
+    OpenAI-compatible server's command instead (a peer engine, for benchmarks), given the port as `{port}`;
+    `env`: variables added to its environment."""
 
-    def __init__(self, model: str, engine_args: dict, name: str):
+    def __init__(self, model: str, engine_args: dict, name: str, command: list[str] | None = None,
+                 env: dict[str, str] | None = None, start_timeout_s: float = 300.0):
         import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", model, "--port", str(self.port),
-               "--served-model-name", name, "--no-prefix-caching"]
-        for key, value in engine_args.items():
-            cmd += [f"--{key.replace('_', '-')}", value]
+        if command is None:
+            cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", model, "--port", str(self.port),
+                   "--served-model-name", name, "--no-prefix-caching"]
+            for key, value in engine_args.items():
+                cmd += [f"--{key.replace('_', '-')}", value]
+        else:
+            cmd = [part.replace("{port}", str(self.port)) for part in command]
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 300
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -134,7 +140,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"server {name} did not come up in 300 s")
+                raise RuntimeError(f"server {name} did not come up in {start_timeout_s:.0f} s")
             time.sleep(0.2)
 
     def stop(self) -> None:
