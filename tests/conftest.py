@@ -108,7 +108,7 @@ def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
         _, (logits,) = engine.execute(output)  # the chunk's every position (prompt logprobs)
         rows.append(logits)
         sample = output.scheduled[0].sample
-        engine.scheduler.update_from_output(output, {"probe": 7} if sample else {})
+        engine.scheduler.update_from_output(output, {"probe": [7]} if sample else {})
         if sample:
             break
     engine.abort_request("probe")

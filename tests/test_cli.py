@@ -29,6 +29,17 @@ def test_generate_prints_what_the_api_returns(llama, capsys):
         (o.prompt, o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
 
 
+def test_generate_with_speculative_config(llama, capsys):
+    _, model_dir = llama
+    prompt = "the quick brown fox " * 4
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "12", "--json", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', prompt]) == 0
+    expected = LLM(str(model_dir)).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert json.loads(capsys.readouterr().out)["token_ids"] == expected[0].outputs[0].token_ids
+    assert main(["generate", "--model", str(model_dir), "--speculative-config", '{"method": "eagle"}', "x"]) == 2
+    assert "method 'eagle' is not supported" in capsys.readouterr().err
+
+
 def test_generate_token_ids_and_bad_input(llama, capsys):
     _, model_dir = llama
     assert main(["generate", "--model", str(model_dir), "--token-ids", "7 8 9", "--max-tokens", "3", "--json"]) == 0

@@ -166,6 +166,8 @@ def test_hub_id_with_dots_resolves_from_a_cache_laid_out_by_huggingface_hub(tmp_
     assert (LLM("tiny-org/Tiny-Llama-3.2-0.5B").generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids
             == LLM(str(llama[1])).generate([[7, 8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids)
     (tmp_path / "file.bin").write_bytes(b"")
-    for missing in (tmp_path / "nowhere", "./nowhere", "a/b/c", "tiny-org/Absent-0.5B", tmp_path / "file.bin"):
+    for missing in (tmp_path / "nowhere", "./nowhere", "a/b/c", "tiny-org/Absent-0.5B"):
         with pytest.raises(ValueError, match="no such directory"):
             resolve_model_dir(str(missing))
+    with pytest.raises(ValueError, match="is a file: a model is a checkpoint directory"):
+        resolve_model_dir(str(tmp_path / "file.bin"))

@@ -42,7 +42,7 @@ def flying(num_replicas=2, num_blocks=64, config=CONFIG, budget=64, **options):
 
 def step(sched):
     out = sched.schedule()
-    sched.update_from_output(out, {e.request_id: 50 for e in out.scheduled if e.sample})
+    sched.update_from_output(out, {e.request_id: [50] for e in out.scheduled if e.sample})
     return out
 
 

@@ -73,8 +73,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     check_block_manager(bm)
 
 
-def constant_model(out: SchedulerOutput) -> dict[str, int]:
-    return {e.request_id: FAKE_TOKEN for e in out.scheduled if e.sample}
+def constant_model(out: SchedulerOutput) -> dict[str, list[int]]:
+    return {e.request_id: [FAKE_TOKEN] for e in out.scheduled if e.sample}
 
 
 def step(sched: Scheduler, model=constant_model) -> tuple[SchedulerOutput, list[Request]]:
@@ -133,24 +133,38 @@ class PagedFakeModel:
         self.sched = sched
         self.kv: dict[tuple[int, int], int] = {}
 
-    def __call__(self, out: SchedulerOutput) -> dict[str, int]:
+    def __call__(self, out: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.sched.block_manager.block_size
         sampled = {}
         for e in out.scheduled:
             pos = e.num_computed_tokens
             state = self.kv[(e.block_table[(pos - 1) // bs], (pos - 1) % bs)] if pos else 0
+            states = []
             for t in e.token_ids:
                 state = _mix(state, t)
                 self.kv[(e.block_table[pos // bs], pos % bs)] = state
+                states.append(state)
                 pos += 1
             if e.sample:
-                sampled[e.request_id] = 10 + state % 997
+                sampled[e.request_id] = fake_draws(e, states)
         # the cache agrees with recomputing from the tokens
         for e in out.scheduled:
             request = self.sched.requests.get(e.request_id)
             if e.sample and request is not None:  # (None: aborted while the step ran)
-                assert sampled[e.request_id] == reference_next(request.all_token_ids)
+                assert sampled[e.request_id][0] == reference_next(request.all_token_ids)
         return sampled
+
+
+def fake_draws(entry, states: list[int]) -> list[int]:
+    """A fake model's draws from the states at an entry's positions: the next token, or with proposed tokens
+    the accepted ones and one more (the draw at each position, up to the first that differs)."""
+    proposed = entry.spec_token_ids
+    drawn = []
+    for position, state in enumerate(states[len(states) - 1 - len(proposed):]):
+        drawn.append(10 + state % 997)
+        if position >= len(proposed) or drawn[-1] != proposed[position]:
+            break
+    return drawn
 
 
 def reference_outputs(prompt: list[int], max_tokens: int) -> list[int]:
@@ -256,7 +270,7 @@ def test_waiting_requests_beyond_max_num_seqs_wait():
 def scripted_model(script: dict[str, list[int]]):
     """Each request samples the next token of its script."""
     def model(out):
-        return {e.request_id: script[e.request_id].pop(0) for e in out.scheduled if e.sample}
+        return {e.request_id: [script[e.request_id].pop(0)] for e in out.scheduled if e.sample}
     return model
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_prompts
-from test_scheduler import _mix, make_request, reference_next, reference_outputs
+from test_scheduler import _mix, fake_draws, make_request, reference_next, reference_outputs
 from test_shift import assert_same_outputs
 from test_step_plan import CONFIG
 
@@ -201,7 +201,7 @@ class TieredFakeModel:
                     state = self.tier.get((tb, o))
                     self.device[(op.replica, db, o)] = (view, state) if state is not None else ("junk", 0)
 
-    def __call__(self, out) -> dict[str, int]:
+    def __call__(self, out) -> dict[str, list[int]]:
         if not self.async_copies:
             self._swap(out)
         sampled = {}
@@ -214,13 +214,15 @@ class TieredFakeModel:
                 if pos:
                     written_view, state = self.device[(replica, table[(pos - 1) // BS], (pos - 1) % BS)]
                     assert written_view == view, f"{e.request_id}: KV read in another view than written"
+                states = []
                 for t in e.token_ids:
                     state = _mix(state, t)
                     self.device[(replica, table[pos // BS], pos % BS)] = (view, state)
+                    states.append(state)
                     pos += 1
                 if e.sample:
-                    sampled[e.request_id] = 10 + state % 997
-                    assert sampled[e.request_id] == reference_next(e.request.all_token_ids)
+                    sampled[e.request_id] = fake_draws(e, states)
+                    assert sampled[e.request_id][0] == reference_next(e.request.all_token_ids)
         if self.async_copies:
             self._swap(out)
         return sampled

@@ -679,3 +679,28 @@ def test_metrics_carry_vllms_names(server):
         assert name in families, name
     assert not [name for name in families if name.startswith("torch_shift:") and
                 name.removeprefix("torch_shift:") in {n.removeprefix("vllm:") for n in families}]  # no duplicates
+
+
+def test_speculative_decoding_through_the_server(checkpoints, reference):
+    """--speculative-config's engine argument: streamed and whole completions equal the engine's without
+    speculation, and vLLM's spec-decode counters move."""
+    _, model_dir = checkpoints("llama")
+    s = RunningServer(model_dir, engine={"speculative_config": {"method": "suffix", "num_speculative_tokens": 6,
+                                                                "suffix_decoding_min_token_prob": 0.0}})
+    try:
+        prompt = (PROMPT + " ") * 6
+        expected = greedy(reference, prompt, max_tokens=24, ignore_eos=True)
+        client = s.client()
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected.text
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+        drafts = sum(x.value for x in families["vllm:spec_decode_num_drafts"].samples if x.name.endswith("_total"))
+        assert drafts == s.engine.stats()["spec_decode"]["num_drafts"] > 0
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos" in families
+        assert s.idle_free_blocks()
+    finally:
+        s.stop()

@@ -147,3 +147,27 @@ def test_cost_model_steps_drive_the_clock():
         assert record.first_token_s == pytest.approx(0.5 + prefill, rel=1e-9)
         assert record.finish_s == pytest.approx(0.5 + prefill + sum(decodes), rel=1e-9)
         assert record.tpot_s == pytest.approx(sum(decodes) / 2, rel=1e-9)
+
+
+def test_the_simulator_prices_speculative_steps():
+    """With speculation, a decode step is priced with every proposed token (the weights are read once for all of
+    them) and adds the accepted ones: fewer, slightly dearer steps. Each proposed token is accepted with probability
+    0.7 until the first rejection: of 4 proposed, 0.7 + 0.7^2 + 0.7^3 + 0.7^4 = 1.77 accepted on average."""
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+                                       "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                       "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
+    shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
+    specs = [RequestSpec(f"r{i}", 0.0, list(range(8 + i, 208 + i)), 64) for i in range(4)]
+    results = {}
+    for name, extra, acceptance in (("plain", {}, 0.0), ("suffix", {"speculative_config": {
+            "method": "suffix", "num_speculative_tokens": 4}}, 0.7)):
+        engine = SimulatedEngine.simulated(EngineArgs("config-only", tp=2, **extra), config, 256,
+                                           CostModelTimer(shape, hw, 16), spec_acceptance=acceptance, seed=1)
+        results[name] = simulate(engine, specs)
+        assert all(p.num_free_blocks == p.num_blocks for p in engine.pools)
+    plain, spec = results["plain"], results["suffix"]
+    assert [r.num_output_tokens for r in spec.requests] == [r.num_output_tokens for r in plain.requests]
+    stats = spec.engine_stats["spec_decode"]
+    assert 1.2 < stats["mean_accepted_length"] - 1 < 2.0  # fewer: proposals shorten near max_tokens
+    assert len(spec.steps) < 0.6 * len(plain.steps)
+    assert max(r.finish_s for r in spec.requests) < 0.7 * max(r.finish_s for r in plain.requests)

@@ -126,7 +126,7 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
             counts["decode_plan_bytes"].append((sum(len(g.num_scheduled) for g in plan.groups),
                                                 len(pickle.dumps(plan))))
         counts["steps"] += 1
-        sched.update_from_output(out, {e.request_id: reference_next(e.request.all_token_ids)
+        sched.update_from_output(out, {e.request_id: [reference_next(e.request.all_token_ids)]
                                        for e in out.scheduled if e.sample})
     counts["prefix_hits"] = sum(p.num_prefix_hits for p in sched.pools)
     for request in list(sched.requests.values()):
@@ -164,7 +164,7 @@ def test_decode_plan_size_does_not_grow_with_context():
             (group,) = plan.groups
             if group.num_decodes == len(group.num_scheduled) == 8:
                 measured.append(len(pickle.dumps(plan)))
-            sched.update_from_output(out, {e.request_id: 7 for e in out.scheduled if e.sample})
+            sched.update_from_output(out, {e.request_id: [7] for e in out.scheduled if e.sample})
         assert len(measured) >= 20
         sizes[prompt_len] = max(measured)
     # the same up to the width of pickled ints (block ids past 255 take more bytes); a full plan

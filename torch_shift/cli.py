@@ -72,7 +72,7 @@ def _typed(kind):
 
 
 # options whose type the field's annotation does not say, or that the command line treats apart
-_OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object}
+_OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object}
 _COMMAND_LINE_DEFAULTS = {"seed": None, "model": None}  # no --seed: a fresh seed each run; no --model: the default
 _GROUP_TITLES = {"engine": "engine", "parallel": "parallel (this process starts the other local ranks)"}
 

@@ -19,6 +19,7 @@ from torch_shift.attention import canonical_backend_name
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from torch_shift.engine.policies import POLICIES, policy_options
 from torch_shift.engine.sampling_params import MAX_SEED
+from torch_shift.engine.spec_decode import SpeculativeConfig, build_proposer
 from torch_shift.parallel.layouts import Deployment, build_deployment
 
 # The same arguments under the names users of vLLM and ArcticInference arrive with.
@@ -71,6 +72,9 @@ class EngineArgs:
                                        "parameters or more; --enforce-eager: vLLM's name for --no-compile)",
                                 flags=("--enforce-eager",))
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
+    speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
+                                                 "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
+                                                 "\"num_speculative_tokens\": 4}' (docs/speculative.md)")
     # parallel layouts (torch_shift.parallel.layouts) and the policy that switches between them
     sp: int = _arg(1, "Ulysses sequence-parallel degree of the base layout (shift parallelism, paper 000)",
                    flags=("--ulysses-sequence-parallel-size",), group="parallel")
@@ -189,6 +193,9 @@ class EngineArgs:
                             f"{type(self.policy_config).__name__}")
         self.attention_backend = canonical_backend_name(self.attention_backend)
         resolve_dtype(self.dtype)  # the name is known
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
+        if speculative is not None:
+            build_proposer(speculative)  # a method that cannot run is refused now
 
     def policy_options(self, deployment: Deployment) -> Any:
         """The options dataclass of the policy that will run `deployment`."""
@@ -247,6 +254,7 @@ class EngineArgs:
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
                                 compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
+            speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
 
 
@@ -296,6 +304,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     tier: TierConfig = field(default_factory=TierConfig)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def dtype(self) -> torch.dtype:

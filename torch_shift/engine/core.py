@@ -1,7 +1,8 @@
 """The core step on rank 0, along the data path: the scheduler decides each bound group's tokens and its
 layout under the policy; the plan builder turns that into the step plan (deltas of the replicas' batches);
 the executor runs the plan on every rank (the Worker; a simulator prices it instead); the output processor
-samples from the logits; the scheduler advances the requests."""
+samples from the logits (and checks proposed tokens); the scheduler advances the requests; with speculative
+decoding, the speculator proposes the next tokens of the requests that advanced."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from torch_shift.engine.model_runner import StepResult
 from torch_shift.engine.policies import Policy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 
 Executor = Callable[[StepPlan], StepResult]
-SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int]]
+SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, list[int]]]
 
 
 @dataclass
@@ -34,12 +36,13 @@ class CoreStep:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, plan_builder: PlanBuilder, executor: Executor, sample: SampleFn,
-                 stats: EngineStats):
+                 stats: EngineStats, speculator: Speculator | None = None):
         self.scheduler = scheduler
         self.plan_builder = plan_builder
         self.executor = executor
         self.sample = sample
         self.stats = stats
+        self.speculator = speculator
 
     @property
     def policy(self) -> Policy:
@@ -49,7 +52,9 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        self.scheduler.finish_request(request_id, status)
+        request = self.scheduler.finish_request(request_id, status)
+        if request is not None and self.speculator is not None:
+            self.speculator.on_finish(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -64,7 +69,10 @@ class EngineCore:
         result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
+        self.stats.record_spec(entries, sampled)
         updated = self.scheduler.update_from_output(output, sampled)
+        if self.speculator is not None:
+            self.speculator.propose(updated, len(self.scheduler.running))
         now = time.monotonic()
         for request in updated:
             if request.first_token_time is None:

@@ -54,23 +54,34 @@ class InputBatch:
             self.num_tokens[new.row] = n
             self.block_table[new.row, :nb] = new.block_ids
             self.num_blocks[new.row] = nb
-        if delta.token_rows:
+        if delta.token_rows:  # a row's tokens are consecutive (several after accepted proposals)
             rows = np.asarray(delta.token_rows, dtype=np.int64)
             tokens = np.asarray(delta.tokens, dtype=np.int32)
-            if len(rows) > 1 and np.any(rows[1:] == rows[:-1]):  # several tokens for one row (rare)
-                for row, token in zip(rows.tolist(), tokens.tolist()):
-                    self._ensure_token_columns(int(self.num_tokens[row]) + 1)
-                    self.token_ids[row, self.num_tokens[row]] = token
-                    self.num_tokens[row] += 1
-            else:
-                ends = self.num_tokens[rows]
-                self._ensure_token_columns(int(ends.max()) + 1)
-                self.token_ids[rows, ends] = tokens
-                self.num_tokens[rows] = ends + 1
-        for row, blocks in zip(delta.block_rows, delta.block_ids):
-            start = self.num_blocks[row]
+            new_run = np.concatenate(([True], rows[1:] != rows[:-1]))
+            run_start = np.flatnonzero(new_run)
+            ends = self.num_tokens[rows] + (np.arange(len(rows)) - run_start[np.cumsum(new_run) - 1])
+            self._ensure_token_columns(int(ends.max()) + 1)
+            self.token_ids[rows, ends] = tokens
+            run_end = np.concatenate((run_start[1:], [len(rows)])) - 1
+            self.num_tokens[rows[run_end]] = ends[run_end] + 1
+        for row, start, blocks in zip(delta.block_rows, delta.block_starts, delta.block_ids):
             self.block_table[row, start:start + len(blocks)] = blocks
             self.num_blocks[row] = start + len(blocks)
+
+    def write_spec_tokens(self, group: GroupStep, member: int) -> None:
+        """Put the group's proposed tokens after each of its rows' known tokens, where `prepare` reads a step's
+        input ids; not counted as known (the tokens accepted arrive later as ordinary token deltas, over them)."""
+        if group.num_spec is None:
+            return
+        rows = group.rows[member].astype(np.int64)
+        num_spec = group.num_spec.astype(np.int64)
+        has = num_spec > 0
+        rows, num_spec = rows[has], num_spec[has]
+        starts = self.num_tokens[rows]
+        self._ensure_token_columns(int((starts + num_spec).max()))
+        request_of_token = np.repeat(np.arange(len(rows)), num_spec)
+        offsets = np.arange(len(request_of_token)) - np.repeat(np.cumsum(num_spec) - num_spec, num_spec)
+        self.token_ids[rows[request_of_token], starts[request_of_token] + offsets] = group.spec_token_ids
 
     # -- one group's step -------------------------------------------------------------------------------
     def prepare(self, group: GroupStep, member: int, kv_width: int) -> StepInputs:

@@ -28,6 +28,7 @@ from torch_shift.engine.policies import Policy, build_policy
 from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
@@ -109,11 +110,16 @@ class LLMEngine:
         policy = build_policy(config.policy, config.deployment, config.policy_options)
         scheduler = Scheduler(config.scheduler, pools, policy, tier)
         self.stats_recorder = EngineStats(config.deployment)
-        self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed))
+        speculator = None
+        if config.speculative is not None:
+            speculator = Speculator(config.speculative, config.scheduler.max_model_len)
+            self.stats_recorder.spec_method = config.speculative.method
+        self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
+                                                config.scheduler.max_model_len)
         # the executor is the Worker's (no reference back to the engine: dropping it frees its process groups)
         executor = self.worker.execute if self.worker is not None else _no_forward
         self.core = EngineCore(scheduler, PlanBuilder(config.deployment, config.scheduler.max_num_seqs), executor,
-                               self.output_processor.sample, self.stats_recorder)
+                               self.output_processor.sample, self.stats_recorder, speculator)
         widest = max(layout.kv_width for layout in config.deployment.layouts)  # pools a sequence may span
         capacity = Capacity(
             pool_tokens=pools[0].capacity_tokens, widest=widest, pool_blocks=pools[0].num_blocks,

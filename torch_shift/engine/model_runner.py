@@ -104,6 +104,7 @@ class ModelRunner:
                     continue
                 kv, _ = self.pool_view(group.layout)
                 member = layout.replicas.index(self.replica)
+                self.batch.write_spec_tokens(group, member)
                 micro_batches = []
                 for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
                     inputs = self.batch.prepare(piece, member, layout.kv_width)

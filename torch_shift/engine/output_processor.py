@@ -27,12 +27,14 @@ class _Tracked:
         self.detokenizers = [IncrementalDetokenizer(tokenizer, parent.prompt_token_ids, skip) if tokenizer else None
                              for _ in parent.children]
         self.texts = [""] * len(parent.children)
+        self.num_detokenized = [0] * len(parent.children)  # output tokens of each sample turned into text
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, sampler: Sampler):
+    def __init__(self, tokenizer: Tokenizer | None, sampler: Sampler, max_model_len: int | None = None):
         self.tokenizer = tokenizer
         self.sampler = sampler
+        self.max_model_len = max_model_len  # where a request stops: speculative checks end there
         self.requests: dict[str, _Tracked] = {}  # user request id -> its outputs being built
         self.sample_of: dict[str, tuple[_Tracked, int]] = {}  # scheduler request id -> (its parent, sample index)
 
@@ -51,36 +53,113 @@ class OutputProcessor:
         return tracked.parent
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, int]:
-        """The token each sampling request draws from its logits row (groups in plan order, entries in the
-        order of their logits rows), with logprobs and prompt logprobs recorded on the requests."""
+    def sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, list[int]]:
+        """The tokens each sampling request draws from its logits rows (groups in plan order, entries in the
+        order of their logits rows): one, or for a request with proposed tokens the accepted ones and one more;
+        logprobs and prompt logprobs are recorded on the requests."""
         rows: list[torch.Tensor] = []
         sample_requests: list[Request] = []
+        checks: list[tuple[Request, list[int], torch.Tensor]] = []  # speculative: proposals and their logits
         for entries, logits in zip(entries_by_group, logits_by_group):
             if logits is None:
                 continue
-            if not any(e.prompt_logprobs for e in entries):  # one logits row per sampled request
+            if not any(e.prompt_logprobs or e.spec_token_ids for e in entries):  # one row per sampled request
                 rows.append(logits)
                 sample_requests.extend(e.request for e in entries if e.sample)
                 continue
             row = 0
             for e in entries:
-                n = e.num_tokens if e.prompt_logprobs else int(e.sample)
+                n = e.num_tokens if e.prompt_logprobs or e.spec_token_ids else int(e.sample)
                 if e.prompt_logprobs:
                     self._record_prompt_logprobs(e.request, e.num_computed_tokens, logits[row:row + n])
-                if e.sample:
+                if e.spec_token_ids:
+                    checks.append((e.request, e.spec_token_ids, logits[row:row + n]))
+                elif e.sample:
                     rows.append(logits[row + n - 1:row + n])
                     sample_requests.append(e.request)
                 row += n
+        if checks:
+            return self._sample_and_check(rows, sample_requests, checks)
         if not sample_requests:
             return {}
-        result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), sample_requests)
-        for request, token_id, lp in zip(sample_requests, result.token_ids, result.logprobs):
+        token_ids = self._draw(rows, sample_requests)
+        return {r.request_id: [t] for r, t in zip(sample_requests, token_ids)}
+
+    def _draw(self, rows: list[torch.Tensor], requests: list[Request]) -> list[int]:
+        """One token per row, drawn for its request (logprobs recorded)."""
+        result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), requests)
+        for request, token_id, lp in zip(requests, result.token_ids, result.logprobs):
             if lp is not None:
                 chosen_lp, rank, top_ids, top_lps = lp
                 request.logprobs.append(self._position_logprobs(token_id, chosen_lp, rank, top_ids, top_lps))
                 request.cumulative_logprob += chosen_lp
-        return {r.request_id: t for r, t in zip(sample_requests, result.token_ids)}
+        return result.token_ids
+
+    def _sample_and_check(self, rows: list[torch.Tensor], sample_requests: list[Request],
+                          checks: list[tuple[Request, list[int], torch.Tensor]]) -> dict[str, list[int]]:
+        """Speculative decoding's verification. At each proposed position the request draws its token exactly as
+        it would without speculation (its penalties, grammar and seed see the tokens before it), and the proposal
+        is accepted when the draw equals it; the first draw that differs is kept and ends the check. With a
+        proposer whose proposal is one token (not a distribution), this is the accept/resample rule of
+        speculative sampling (accept with probability p(x), else draw from p without x, renormalized): the output
+        distribution is the model's, and a seeded request draws the same tokens with speculation as without."""
+        out: dict[str, list[int]] = {}
+        if self._check_greedily(checks, out):
+            if sample_requests:
+                out.update({r.request_id: [t] for r, t in zip(sample_requests, self._draw(rows, sample_requests))})
+            return out
+        alive = list(range(len(checks)))
+        position = 0
+        while alive:
+            requests = sample_requests + [checks[i][0] for i in alive]
+            drawn = self._draw(rows + [checks[i][2][position:position + 1] for i in alive], requests)
+            for request, token in zip(sample_requests, drawn):
+                out[request.request_id] = [token]
+            sample_requests, rows = [], []
+            still = []
+            for i, token in zip(alive, drawn[len(drawn) - len(alive):]):
+                request, proposed, _ = checks[i]
+                # the request sees its tokens so far while the next positions are drawn; taken off again below
+                request.append_output_token(token)
+                out.setdefault(request.request_id, []).append(token)
+                if (position < len(proposed) and token == proposed[position]
+                        and request.check_stop(self._max_model_len) is None):
+                    still.append(i)
+            alive = still
+            position += 1
+        for request, _, _ in checks:
+            _take_back(request, len(out[request.request_id]))
+        return out
+
+    def _check_greedily(self, checks, out: dict[str, list[int]]) -> bool:
+        """Requests that decode greedily with nothing that depends on the tokens before a position (no
+        penalties, grammar, minimum length or logprobs) are checked with one argmax over all their positions."""
+        for request, _, _ in checks:
+            p = request.sampling_params
+            if (not p.greedy or request.grammar is not None or p.logprobs is not None or p.logit_bias
+                    or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                    or request.num_output_tokens < p.min_tokens):
+                return False
+        vocab = self.sampler.vocab_size
+        best = torch.cat([logits for _, _, logits in checks])[:, :vocab].float().argmax(dim=-1).tolist()
+        start = 0
+        for request, proposed, logits in checks:
+            drawn = best[start:start + len(logits)]
+            start += len(logits)
+            tokens = []
+            for position, token in enumerate(drawn):
+                request.append_output_token(token)
+                tokens.append(token)
+                if (position >= len(proposed) or token != proposed[position]
+                        or request.check_stop(self._max_model_len) is not None):
+                    break
+            _take_back(request, len(tokens))
+            out[request.request_id] = tokens
+        return True
+
+    @property
+    def _max_model_len(self) -> int:
+        return self.max_model_len if self.max_model_len is not None else 1 << 62
 
     def _record_prompt_logprobs(self, request: Request, first_position: int, logits: torch.Tensor) -> None:
         """Row j of `logits` predicts the token at position first_position + j + 1."""
@@ -135,32 +214,47 @@ class OutputProcessor:
         return outputs
 
     def _detokenize(self, tracked: _Tracked, index: int, request: Request) -> bool:
-        """Append the new token's text; True when a stop string (found in it) ends a running request."""
+        """Append the new tokens' text (several after accepted proposals); True when a stop string (found in it)
+        ends a running request. Tokens after the one that completed a stop string are dropped, as decoding
+        without speculation would never have drawn them."""
         detok = tracked.detokenizers[index]
         params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        # as in vLLM, the eos or stop token id that ended the request adds no text (unless include_stop_str_in_output)
-        ended_by_token = (request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
-                          and (token_id in request.eos_token_ids or token_id == request.stop_reason))
-        new_text = "" if ended_by_token else detok.step(token_id)
-        if request.status.finished:
-            new_text += detok.flush()  # bytes held back for an unfinished character
-        if not new_text:
-            return False
-        text = tracked.texts[index] + new_text
+        outputs = request.output_token_ids
+        first, num_outputs = tracked.num_detokenized[index], len(outputs)
+        tracked.num_detokenized[index] = num_outputs
+        text = tracked.texts[index]
         stopped = False
-        # as in vLLM, stop strings count only once more than min_tokens tokens were generated
-        if params.stop_strings and request.stop_reason is None and request.num_output_tokens > params.min_tokens:
-            for stop in params.stop_strings:
-                # only the new text and the tail it can complete a stop string with need looking at
-                idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
-                if idx != -1:
-                    text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
-                    request.stop_reason = stop
-                    if request.status.finished:  # the token that ended it by length also completed the stop
-                        request.status = RequestStatus.FINISHED_STOPPED
-                    else:
-                        stopped = True
+        for i in range(first, num_outputs):
+            token_id = outputs[i]
+            last = i == num_outputs - 1
+            # as in vLLM, the eos or stop token id that ended the request adds no text (unless
+            # include_stop_str_in_output)
+            ended_by_token = (last and request.status is RequestStatus.FINISHED_STOPPED
+                              and not params.include_stop_str_in_output
+                              and (token_id in request.eos_token_ids or token_id == request.stop_reason))
+            new_text = "" if ended_by_token else detok.step(token_id)
+            if last and request.status.finished:
+                new_text += detok.flush()  # bytes held back for an unfinished character
+            if not new_text:
+                continue
+            text += new_text
+            # as in vLLM, stop strings count only once more than min_tokens tokens were generated
+            if params.stop_strings and request.stop_reason is None and i + 1 > params.min_tokens:
+                for stop in params.stop_strings:
+                    # only the new text and the tail it can complete a stop string with need looking at
+                    idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
+                    if idx != -1:
+                        text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                        request.stop_reason = stop
+                        if not last:
+                            _take_back(request, num_outputs - i - 1, logprobs=True)
+                            tracked.num_detokenized[index] = i + 1
+                        if request.status.finished:  # the token that ended it otherwise also completed the stop
+                            request.status = RequestStatus.FINISHED_STOPPED
+                        else:
+                            stopped = True
+                        break
+                if request.stop_reason is not None:
                     break
         tracked.texts[index] = text
         return stopped
@@ -191,3 +285,15 @@ class OutputProcessor:
             metrics={"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
                      "first_token_time": first.first_token_time},
         )
+
+
+def _take_back(request: Request, num_tokens: int, logprobs: bool = False) -> None:
+    """Remove the request's last `num_tokens` output tokens (with `logprobs`, their logprobs too)."""
+    if num_tokens <= 0:
+        return
+    del request.output_token_ids[-num_tokens:]
+    del request.all_token_ids[-num_tokens:]
+    if logprobs and request.logprobs is not None and len(request.logprobs) > len(request.output_token_ids):
+        for position in request.logprobs[len(request.output_token_ids):]:
+            request.cumulative_logprob -= next(iter(position.values())).logprob
+        del request.logprobs[len(request.output_token_ids):]

@@ -44,6 +44,9 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the request's last token: sample the next one
     prompt_logprobs: bool  # return logits at every position of the chunk
     block_tables: tuple[list[int], ...]  # the request's blocks in each pool of its group (live lists)
+    # proposed tokens checked this step (speculative decoding): they follow the request's last token, which is
+    # computed with them; logits at every position of the entry
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -52,7 +55,8 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
-        return self.request.all_token_ids[start:start + self.num_tokens]
+        num_known = self.num_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[start:start + num_known] + self.spec_token_ids
 
     @property
     def block_table(self) -> list[int]:
@@ -343,7 +347,11 @@ class Scheduler:
             num_left = len(request.all_token_ids) - num_computed
             if group.phase is not None and (group.phase == "decode") != (num_left == 1):
                 continue
-            num_new = num_left if num_left < group.budget else group.budget
+            spec = request.spec_token_ids if num_left == 1 else ()  # proposed tokens count in the budget
+            num_new = num_left + len(spec)
+            if num_new > group.budget:
+                num_new = group.budget
+                spec = spec[:num_new - 1]
             assert num_new > 0, request.request_id
             while not self._allocate(request, group.replicas, num_computed + num_new, view=group.kv_view):
                 victim = self._victim(group.replicas, request)
@@ -352,7 +360,7 @@ class Scheduler:
                     group.out_of_blocks = True  # no block is left for anyone after it in these pools
                     break
             else:
-                group.entries.append(self._entry(request, num_new))
+                group.entries.append(self._entry(request, num_new, spec))
                 group.budget -= num_new
 
         ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
@@ -455,18 +463,21 @@ class Scheduler:
         group.budget -= num_new
         return True
 
-    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _entry(self, request: Request, num_new: int, spec_token_ids=()) -> ScheduledRequest:
         start = request.num_computed_tokens
         replicas = request.replicas
         rid = request.request_id
         tables = ((self.pools[replicas[0]].req_blocks[rid],) if len(replicas) == 1
                   else tuple(self.pools[r].req_blocks[rid] for r in replicas))
-        return ScheduledRequest(request, num_new, start, start + num_new == len(request.all_token_ids),
-                                request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables)
+        sample = start + num_new - len(spec_token_ids) == len(request.all_token_ids)
+        return ScheduledRequest(request, num_new, start, sample,
+                                request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables,
+                                list(spec_token_ids))
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request; append its sampled token; finish those that hit a
-        token-level stop. Returns the requests that received a token."""
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance every scheduled request; append the tokens it drew (one, or with proposed tokens the
+        accepted ones and one more); finish those that hit a token-level stop. Returns the requests that
+        received tokens."""
         updated = []
         running, pools, max_model_len = RequestStatus.RUNNING, self.pools, self.config.max_model_len
         for group in output.groups:
@@ -475,17 +486,30 @@ class Scheduler:
                 request = entry.request
                 if request.status is not running:
                     continue  # aborted while the step ran
+                rid = request.request_id
                 before = request.num_computed_tokens
-                request.num_computed_tokens = after = before + entry.num_tokens
+                new_tokens = sampled_token_ids[rid] if entry.sample else ()
+                if entry.spec_token_ids:
+                    # computed: the last token and the accepted proposals (all new tokens but the last)
+                    after = before + len(new_tokens)
+                    for r in request.replicas:  # blocks that held only rejected proposals go back
+                        pools[r].free_tail(rid, after)
+                else:
+                    after = before + entry.num_tokens
+                request.num_computed_tokens = after
                 if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
-                    pool.cache_computed_blocks(request.request_id, request.all_token_ids, after)
+                    known = request.all_token_ids if not entry.spec_token_ids else (
+                        request.all_token_ids + list(new_tokens[:-1]))  # the accepted proposals are computed
+                    pool.cache_computed_blocks(rid, known, after)
                 if not entry.sample:
                     continue
-                request.append_output_token(sampled_token_ids[request.request_id])
                 updated.append(request)
-                status = request.check_stop(max_model_len)
-                if status is not None:
-                    self.finish_request(request.request_id, status)
+                for token in new_tokens:
+                    request.append_output_token(token)
+                    status = request.check_stop(max_model_len)
+                    if status is not None:
+                        self.finish_request(rid, status)
+                        break
         return updated
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

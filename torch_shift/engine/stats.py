@@ -26,6 +26,13 @@ class EngineStats:
         # weight switches, counted apart), and the decode-only steps' batch sizes
         self.time_s: Counter[str] = Counter()
         self._decode_batches = [0, 0]  # requests and steps of decode-only steps
+        # speculative decoding (vLLM's counters): checks (a request with proposed tokens in a step), proposed
+        # tokens, accepted ones, and accepted ones by position in the proposal
+        self.spec_method: str | None = None
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
 
     def record_plan(self, plan: StepPlan) -> None:
         """A step plan about to run: its layouts, and whether some replica switched layout."""
@@ -66,6 +73,37 @@ class EngineStats:
             self._decode_batches[0] += num_requests
             self._decode_batches[1] += 1
 
+    def record_spec(self, entries: list[list[ScheduledRequest]], sampled: dict[str, list[int]]) -> None:
+        """The step's checks of proposed tokens: a proposal is accepted up to the first token the request drew
+        otherwise (all tokens but the last one drawn are accepted proposals, unless a stop came first)."""
+        for group in entries:
+            for e in group:
+                proposed = e.spec_token_ids
+                if not proposed:
+                    continue
+                drawn = sampled.get(e.request.request_id, ())
+                accepted = 0
+                while accepted < min(len(proposed), len(drawn)) and drawn[accepted] == proposed[accepted]:
+                    accepted += 1
+                self.num_drafts += 1
+                self.num_draft_tokens += len(proposed)
+                self.num_accepted_tokens += accepted
+                if len(self.accepted_per_position) < len(proposed):
+                    self.accepted_per_position += [0] * (len(proposed) - len(self.accepted_per_position))
+                for position in range(accepted):
+                    self.accepted_per_position[position] += 1
+
+    def spec_dict(self) -> dict | None:
+        """Speculative decoding's figures: acceptance rate (accepted / proposed tokens) and the mean accepted
+        length (tokens a check adds: the accepted ones and the one drawn after them)."""
+        if self.spec_method is None:
+            return None
+        return {"method": self.spec_method, "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
+                "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
+                "accepted_per_position": list(self.accepted_per_position)}
+
     def as_dict(self) -> dict:
         """Which layouts ran: steps by layout name, layout switches (steps in which some replica runs under
         another layout than the last time it ran) and the mean wall time of switching steps beside that of
@@ -80,4 +118,5 @@ class EngineStats:
                 "mean_switch_step_s": mean(self._switch_seconds), "num_scheduled_tokens": self.num_scheduled_tokens,
                 "time_s": {k: self.time_s[k] for k in ("prefill", "decode", "mixed", "resharding", "swapping")},
                 "num_decode_steps": decode_steps,
-                "mean_decode_batch": decode_requests / decode_steps if decode_steps else None}
+                "mean_decode_batch": decode_requests / decode_steps if decode_steps else None,
+                "spec_decode": self.spec_dict()}

@@ -42,6 +42,7 @@ class ReplicaDelta:
     token_rows: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     block_rows: list[int] = field(default_factory=list)
+    block_starts: list[int] = field(default_factory=list)  # where in the row's block table they go
     block_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -60,6 +61,10 @@ class GroupStep:
     num_decodes: int  # the first num_decodes requests compute one token each
     logits_counts: np.ndarray  # logits rows per request: 0, 1 (its last position) or all its positions
     num_micro_batches: int = 1  # a pipeline layout runs the batch cut into this many (split_micro_batches)
+    # speculative decoding: per request the number of proposed tokens among its scheduled ones (they follow its
+    # known tokens), and those tokens, concatenated in request order; None when no request has any
+    num_spec: np.ndarray | None = None
+    spec_token_ids: np.ndarray | None = None
 
     @property
     def num_logits(self) -> int:
@@ -113,12 +118,15 @@ class PlanBuilder:
             layout = self.deployment[group.layout]
             num_scheduled = [e.num_tokens for e in entries]
             num_computed = [e.num_computed_tokens for e in entries]
-            logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
+            num_spec = [len(e.spec_token_ids) for e in entries]
+            logits_counts = [e.num_tokens if e.prompt_logprobs or e.spec_token_ids else int(e.sample)
+                             for e in entries]
             rows = []
             for k, replica in enumerate(layout.replicas):
                 known_here, d = self.known[replica], delta(replica)
                 replica_rows = []
-                for entry, needed in zip(entries, map(int.__add__, num_computed, num_scheduled)):
+                for entry, needed in zip(entries, map(int.__sub__, map(int.__add__, num_computed, num_scheduled),
+                                                      num_spec)):
                     request = entry.request
                     rid = request.request_id
                     table = entry.block_tables[k]
@@ -136,17 +144,24 @@ class PlanBuilder:
                                 d.token_rows.append(row)
                                 d.tokens.append(token)
                             known.num_tokens = needed
-                        if known.num_blocks < len(table):
+                        if known.num_blocks > len(table):  # blocks of rejected proposals went back
+                            known.num_blocks = len(table)
+                        elif known.num_blocks < len(table):
                             d.block_rows.append(row)
+                            d.block_starts.append(known.num_blocks)
                             d.block_ids.append(table[known.num_blocks:])
                             known.num_blocks = len(table)
                     replica_rows.append(row)
                 rows.append(np.array(replica_rows, dtype=_INT))
             assert num_scheduled[:num_scheduled.count(1)] == [1] * num_scheduled.count(1), "decodes come first"
+            spec = None, None
+            if any(num_spec):
+                spec = (np.array(num_spec, dtype=_INT),
+                        np.array([t for e in entries for t in e.spec_token_ids], dtype=_INT))
             groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
                                     np.array(num_computed, dtype=_INT), num_scheduled.count(1),
                                     np.array(logits_counts, dtype=_INT),
-                                    micro_batch_count(layout.pp, sum(num_scheduled))))
+                                    micro_batch_count(layout.pp, sum(num_scheduled)), *spec))
         deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
         return StepPlan(deltas, groups, output.swap_outs, output.swap_ins)
 

@@ -155,6 +155,18 @@ class BlockManager:
                 self.block_keys[blocks[i]] = key
         self.req_keys[request_id] = keys
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past those its first `num_tokens` tokens need (KV slots of proposed
+        tokens that were rejected); they hold no computed full block, so none is cached."""
+        blocks = self.req_blocks[request_id]
+        keep = self.blocks_needed(num_tokens, self.req_width.get(request_id, 1))
+        while len(blocks) > keep:
+            b = blocks.pop()
+            assert self.block_keys[b] is None or self.cached_blocks.get(self.block_keys[b]) != b
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_blocks[b] = None
+
     def free(self, request_id: str) -> None:
         """Drop the request's references; its blocks go to the free queue, tail blocks first, so
         that a prompt's first blocks are the last ones evicted."""

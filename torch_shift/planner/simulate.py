@@ -12,6 +12,7 @@ simulation the same way it changes the engine.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -155,19 +156,28 @@ class ClockedEngine(LLMEngine):
 
 class SimulatedEngine(ClockedEngine):
     """Rank 0's engine (no model, no ranks) whose forward is only its `step_timer`: the sampler returns a
-    filler token that is not an end-of-sequence token."""
+    filler token that is not an end-of-sequence token. With speculative decoding (the engine arguments'
+    `speculative_config`), the proposer runs on the filler outputs and each proposed token is accepted with
+    probability `spec_acceptance` (until the first rejection, as a real check): a step is priced with every
+    proposed token, and adds the accepted ones and one more."""
 
     filler_token: int
+    spec_acceptance: float = 0.0
+    _spec_rng: random.Random
 
     @classmethod
     def simulated(cls, args: EngineArgs, config: ModelConfig, num_kv_blocks: int | Callable[[Deployment], int],
                   step_timer: StepTimer,
-                  filler_token: int | None = None) -> SimulatedEngine:
+                  filler_token: int | None = None, spec_acceptance: float = 0.0, seed: int = 0) -> SimulatedEngine:
+        if not 0.0 <= spec_acceptance <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {spec_acceptance!r}")
         engine = cls.driver_only(args, config, num_kv_blocks)
         engine.step_timer = step_timer
         if filler_token is None:
             filler_token = next(t for t in range(config.vocab_size) if t not in engine.eos_token_ids)
         engine.filler_token = filler_token
+        engine.spec_acceptance = spec_acceptance
+        engine._spec_rng = random.Random(seed)
         engine.core.sample = engine._filler_sample
         engine.core.executor = engine._modelled_forward
         return engine
@@ -176,8 +186,22 @@ class SimulatedEngine(ClockedEngine):
         self._time_plan(plan)
         return StepResult([None] * len(plan.groups))
 
-    def _filler_sample(self, entries_by_group, logits_by_group) -> dict[str, int]:
-        return {e.request.request_id: self.filler_token for entries in entries_by_group for e in entries if e.sample}
+    def _filler_sample(self, entries_by_group, logits_by_group) -> dict[str, list[int]]:
+        sampled = {}
+        for entries in entries_by_group:
+            for e in entries:
+                if not e.sample:
+                    continue
+                proposed = e.spec_token_ids
+                accepted = 0
+                while accepted < len(proposed) and self._spec_rng.random() < self.spec_acceptance:
+                    accepted += 1
+                after = self.filler_token
+                if accepted < len(proposed) and proposed[accepted] == after:  # a rejection draws another token
+                    after = next(t for t in range(self.config.model.vocab_size)
+                                 if t != after and t not in self.eos_token_ids)
+                sampled[e.request.request_id] = proposed[:accepted] + [after]
+        return sampled
 
 
 # -- the event loop ---------------------------------------------------------------------------------------
@@ -313,9 +337,10 @@ def simulate(engine: ClockedEngine, requests: Sequence[RequestSpec], concurrency
 
 
 def predict(engine_args: dict, config: ModelConfig, hw: HardwareProfile, requests: Sequence[RequestSpec], *,
-            dtype: str = "auto", concurrency: int | None = None) -> SimulationResult:
+            dtype: str = "auto", concurrency: int | None = None, spec_acceptance: float = 0.0) -> SimulationResult:
     """What `LLMEngine(**engine_args)` would do with `requests` on `hw`, by the cost model: a benchmark's
-    configuration simulated (its KV pool from `num_kv_blocks` or `kv_cache_memory_bytes`, as the engine's)."""
+    configuration simulated (its KV pool from `num_kv_blocks` or `kv_cache_memory_bytes`, as the engine's;
+    with a `speculative_config`, proposed tokens accepted with probability `spec_acceptance`)."""
     args = EngineArgs("config-only", **engine_args)
     shape = ModelShape.from_config(config, dtype=dtype)
     if args.num_kv_blocks is not None:
@@ -325,5 +350,6 @@ def predict(engine_args: dict, config: ModelConfig, hw: HardwareProfile, request
     else:
         raise ValueError("predict needs the KV pool's size: num_kv_blocks or kv_cache_memory_bytes")
     engine = SimulatedEngine.simulated(args, config, blocks, CostModelTimer(shape, hw, args.block_size,
-                                                                            async_swaps=args.kv_swap == "async"))
+                                                                            async_swaps=args.kv_swap == "async"),
+                                       spec_acceptance=spec_acceptance)
     return simulate(engine, requests, concurrency=concurrency)

@@ -54,6 +54,15 @@ class EngineMetrics:
         self.request_generation_tokens = tokens("request_generation_tokens",
                                                 "Tokens generated for each finished request (all its samples)")
         self.iteration_tokens = tokens("iteration_tokens_total", "Tokens scheduled in each engine step")
+        # speculative decoding, as vLLM's SpecDecodingProm (a draft: a request's proposed tokens checked in a step)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Requests' proposals checked", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens checked", labels,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            labels, registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in the proposal",
+                                             labels + ["position"], registry=r)
         # torch_shift's own
         self.steps = Counter("torch_shift:steps", "Engine steps by parallel layout (each layout a step bound)",
                              labels + ["layout"], registry=r)
@@ -69,6 +78,7 @@ class EngineMetrics:
         self._last_token_time: dict[str, float] = {}
         self._preemptions = 0
         self._scheduled_tokens = 0
+        self._spec_seen = (0, 0, 0, [])  # the engine's spec counters at the last step
 
     def on_step(self, engine) -> None:
         m = self.model_name
@@ -85,7 +95,23 @@ class EngineMetrics:
         if scheduled > self._scheduled_tokens:
             self.iteration_tokens.labels(m).observe(scheduled - self._scheduled_tokens)
         self._scheduled_tokens = scheduled
+        self._count_spec(engine.stats_recorder)
         self.update_gauges(engine)
+
+    def _count_spec(self, stats) -> None:
+        if stats.spec_method is None:
+            return
+        m = self.model_name
+        drafts, draft_tokens, accepted, per_pos = self._spec_seen
+        self.spec_drafts.labels(m).inc(stats.num_drafts - drafts)
+        self.spec_draft_tokens.labels(m).inc(stats.num_draft_tokens - draft_tokens)
+        self.spec_accepted_tokens.labels(m).inc(stats.num_accepted_tokens - accepted)
+        for position, count in enumerate(stats.accepted_per_position):
+            seen = per_pos[position] if position < len(per_pos) else 0
+            if count > seen:
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(count - seen)
+        self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_position))
 
     def update_gauges(self, engine) -> None:
         """Running, waiting and KV usage as they are now (after a step, an addition or an abort)."""

@@ -3,7 +3,8 @@
 Three reasons to bind a group, each decided at the step plan (the safe point):
 - load (paper 004 Use Case 1): under light load the replicas run as TP groups of `tp_width` (low
   latency); when the requests in the system reach `dp_above` per replica they run as DP replicas
-  (no queue), and go back to TP when the load falls to `tp_below` per replica (hysteresis). At a
+  (no queue), and go back to TP when the load falls to `tp_below` per replica (hysteresis); a request
+  with proposed tokens (speculative decoding) counts once per token its next step computes. At a
   switch the requests running in the other width move: their KV is dropped and recomputed in the
   new width (outputs unchanged);
 - priority (Use Case 2): a request with `priority < priority_below` (lower is more urgent, as in
@@ -119,7 +120,9 @@ class FlyingPolicy(Policy):
     # -- the decision -----------------------------------------------------------------------------------
     def decide(self, view: SchedulerView) -> StepDecision:
         running = view.running
-        self._update_mode((view.num_waiting + len(running)) / self.deployment.num_replicas)
+        # a request's proposed tokens (speculative decoding) count in the load: each is a token of the next step
+        load = view.num_waiting + sum(1 + len(r.spec_token_ids) for r in running)
+        self._update_mode(load / self.deployment.num_replicas)
         for rid, width in self.needs.items():
             if rid not in self.pinned:
                 self.pinned[rid] = self._least_busy(self.groups[width], view)

@@ -1,0 +1,381 @@
+"""Speculative decoding (issue 22): the options, the proposers against brute force, the scheduler's block
+accounting under rejections, preemptions and aborts, and the engine's outputs token-identical to decoding without
+speculation (greedy, seeded sampling, penalties, stop strings, logprobs, n > 1, structured output), with a
+chi-square check that unseeded sampling keeps the model's distribution."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_prompts
+from test_scheduler import PagedFakeModel, add, check_block_manager, make_request, make_scheduler, reference_outputs
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.output_processor import OutputProcessor
+from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.sampler import Sampler
+from torch_shift.engine.scheduler import ScheduledRequest
+from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
+from torch_shift.engine.spec_decode.ngram import ngram_proposal
+from torch_shift.engine.spec_decode.suffix import PAD, GlobalTree, SuffixProposer, best_draft
+
+# -- options ------------------------------------------------------------------------------------------------
+
+
+def test_options_are_vllms_and_a_wrong_one_is_named():
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)  # as vLLM: one bound gives the other
+    suffix = SpeculativeConfig.from_user(json.dumps({"method": "suffix", "suffix_decoding_max_tree_depth": 16}))
+    assert suffix.num_speculative_tokens == 16  # vLLM: the tree depth by default
+    for bad, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+        ({"num_speculative_tokens": 2}, "'method' is required"),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 3},
+         "'suffix_decoding_max_tree_depth' does not apply to method 'ngram'"),
+        ({"method": "suffix", "typo": 1}, "unknown option 'typo'"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob=2"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be >= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+         "prompt_lookup_max=2 must be >= prompt_lookup_min=5"),
+        ({"method": "suffix", "disable_by_batch_size": 0}, "disable_by_batch_size=0"),
+        ("{not json", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_user(bad)
+    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
+        EngineArgs("some-model", speculative_config={"method": "draft_model", "model": "small",
+                                                   "num_speculative_tokens": 3})
+    with pytest.raises(TypeError, match="a dict"):
+        SpeculativeConfig.from_user(3)
+
+
+# -- proposers against brute force --------------------------------------------------------------------------
+
+
+def brute_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's rule, literally: the longest n in [min_n, max_n] whose last-n tokens occur earlier (ending before the
+    last token), at the earliest such occurrence; the k tokens after it."""
+    total = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= total:
+            continue
+        suffix = tokens[total - n:]
+        for start in range(total - n):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_matches_vllms_rule():
+    assert ngram_proposal(np.array([1, 2, 3, 4, 1, 2, 3]), 2, 2, 2) == [4, 1]
+    rng = random.Random(0)
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        k = rng.randint(1, 5)
+        assert ngram_proposal(np.array(tokens), lo, hi, k) == brute_ngram(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+class TrieNode:
+    def __init__(self):
+        self.count = 0
+        self.children: dict[int, TrieNode] = {}
+
+
+def build_trie(sequences: list[list[int]], max_depth: int) -> TrieNode:
+    """An explicit suffix trie: every suffix of every sequence, cut at max_depth tokens, counted at every node."""
+    root = TrieNode()
+    for seq in sequences:
+        for start in range(len(seq)):
+            node = root
+            node.count += 1
+            for token in seq[start:start + max_depth]:
+                node = node.children.setdefault(token, TrieNode())
+                node.count += 1
+    return root
+
+
+def brute_speculate(root: TrieNode, context: list[int], max_depth: int, max_spec: int, factor: float,
+                    min_prob: float, first_len: int = 1) -> tuple[list[int], float]:
+    """ArcticInference's rule over an explicit trie: for every match length, the most frequent path (ties to the
+    smallest token) while its probability stays >= min_prob; the best score wins, ties to the longer match."""
+    context = context[-max_depth:]
+    best: tuple[list[int], float] = ([], 0.0)
+    for length in range(first_len, len(context)):
+        node = root
+        for token in context[len(context) - length:]:
+            node = node.children.get(token)
+            if node is None:
+                break
+        if node is None:
+            break
+        limit = min(max_spec, int(length * factor + 1e-6), max_depth - length)
+        tokens, prob, score = [], 1.0, 0.0
+        while len(tokens) < limit and node.children:
+            token, child = min(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))
+            prob *= child.count / node.count
+            if prob < min_prob:
+                break
+            tokens.append(token)
+            score += prob
+            node = child
+        if score >= best[1] and (tokens or not best[0]):
+            best = (tokens, score)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_suffix_tree_matches_an_explicit_trie(seed):
+    rng = random.Random(seed)
+    depth = rng.choice([4, 8, 24])
+    proposer = SuffixProposer(max_depth=depth, max_cached_requests=0, max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
+                              min_token_prob=rng.choice([0.0, 0.1, 0.4]))
+    for _ in range(60):
+        period = rng.randint(2, 6)
+        tokens = [rng.randrange(5) for _ in range(period)] * rng.randint(1, 6) + [rng.randrange(5)
+                                                                                for _ in range(rng.randint(0, 12))]
+        padded = np.full(len(tokens) + depth + 4, PAD, dtype=np.int64)
+        padded[:len(tokens)] = tokens
+        k = rng.randint(1, 12)
+        draft = proposer.speculate(padded[:len(tokens)], padded, k)
+        expected, score = brute_speculate(build_trie([tokens], depth), tokens, depth, k,
+                                          proposer.max_spec_factor, proposer.min_token_prob)
+        assert draft.token_ids == expected and draft.score == pytest.approx(score), tokens
+
+
+def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out():
+    rng = random.Random(7)
+    depth = 8
+    tree = GlobalTree(depth, max_cached_requests=5)
+    outputs = []
+    for i in range(40):
+        outputs.append([rng.randrange(4) for _ in range(rng.randint(2, 30))])
+        tree.add(outputs[-1])
+        cached = outputs[-5:]
+        assert tree.num_cached == len(cached)
+        context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
+        draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
+        expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)
+        assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, context)
+    assert tree.num_dead <= tree.length  # evicted outputs were compacted away as they accumulated
+
+
+# -- the scheduler: blocks under rejections, preemptions and aborts -----------------------------------------
+
+
+class NoisyOracle:
+    """Proposes a request's true continuation (from the fake model's reference), corrupted at random positions:
+    every check then accepts some proposals and rejects the rest."""
+
+    def __init__(self, references: dict[str, list[int]], seed: int):
+        self.references = references
+        self.rng = random.Random(seed)
+        self.name = "oracle"
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        done = request.num_output_tokens
+        truth = self.references[request.request_id][done:done + self.rng.randint(0, max_tokens)]
+        return [t if self.rng.random() < 0.8 else t + 1 for t in truth]
+
+    def on_finish(self, request: Request, cache: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rejected_proposals_give_their_blocks_back_and_outputs_do_not_change(seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=40, budget=32, max_seqs=6)
+    requests = [make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 40)) for i in range(24)]
+    references = {r.request_id: reference_outputs(r.prompt_token_ids, r.max_tokens) for r in requests}
+    speculator = Speculator(SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 5}),
+                            sched.config.max_model_len, NoisyOracle(references, seed))
+    model = PagedFakeModel(sched)
+    add(sched, *requests)
+    accepted = 0
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = model(out)
+        for e in out.scheduled:
+            if e.spec_token_ids and e.sample:
+                accepted += len(sampled[e.request_id]) - 1
+        updated = sched.update_from_output(out, sampled)
+        speculator.propose(updated, len(sched.running))
+        for request in sched.running:  # no request holds a block past what its tokens and proposals need
+            pool = sched.pools[request.replicas[0]]
+            assert len(pool.req_blocks[request.request_id]) <= pool.blocks_needed(request.num_tokens + 5)
+        check_block_manager(sched.block_manager)
+        if rng.random() < 0.03 and sched.running:
+            sched.finish_request(rng.choice(sched.running).request_id, RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests()
+    assert accepted > 0 and sched.num_preemptions > 0  # both paths ran
+    for r in requests:
+        if r.status is not RequestStatus.FINISHED_ABORTED:
+            assert r.output_token_ids == references[r.request_id]
+    pool = sched.block_manager
+    assert pool.num_free_blocks == pool.num_blocks and not pool.req_blocks
+
+
+# -- sampling keeps the model's distribution -----------------------------------------------------------------
+
+
+def test_checking_proposals_keeps_the_distribution():
+    """Unseeded draws at temperature 1 through the check, with a proposal the model rates at 0.3: the first token
+    follows the model's distribution (chi-square, 3 degrees of freedom, p = 0.001 bound) and the proposal is
+    accepted about 30% of the time."""
+    probs = torch.tensor([0.3, 0.4, 0.2, 0.1])
+    logits = torch.log(probs).repeat(2, 1)  # two positions: the proposal's and the one after it
+    processor = OutputProcessor(None, Sampler(4, seed=1), max_model_len=100)
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    counts: Counter[int] = Counter()
+    num = 4000
+    for i in range(num):
+        request = Request(f"r{i}", [1, 2], params, max_tokens=10)
+        entry = ScheduledRequest(request, 2, 1, True, False, ([0],), [0])
+        drawn = processor.sample([[entry]], [logits])[request.request_id]
+        counts[drawn[0]] += 1
+        assert drawn[0] != 0 or len(drawn) == 2  # accepted: one more token drawn after it
+    chi2 = sum((counts[t] - num * p) ** 2 / (num * p) for t, p in enumerate(probs.tolist()))
+    assert chi2 < 16.27, (counts, chi2)
+
+
+# -- the engine: token-identical with and without speculation ------------------------------------------------
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_min_token_prob": 0.0},
+}
+
+
+def repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
+    return [p * 3 + p[:2] for p in random_prompts(num, [4, 7, 3, 9, 5, 6, 8, 2][:num], seed=seed)]
+
+
+def _outputs(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [sorted((t, round(lp.logprob, 4)) for t, lp in pos.items())
+                                               for pos in c.logprobs]) for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_outputs_are_the_same_with_speculation(llama, method):
+    _, model_dir = llama
+    prompts = repetitive_prompts(6)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.8, seed=11, ignore_eos=True),  # seeded: the same draws
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, logprobs=3),
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=5, stop_token_ids=[100, 200, 300]),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=2, top_k=20),
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, frequency_penalty=0.2),
+    ]
+    reference = LLM(str(model_dir), compile=False, block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, block_size=4, speculative_config=SPECS[method])
+    # the model's own greedy continuations, proposed with noise: checks accept at every position
+    references = {}
+    for prompt, out in zip(prompts, reference):
+        references[tuple(prompt)] = out.outputs[0].token_ids
+    oracle = NoisyOracle({}, 0)
+    oracle.propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in references[
+        tuple(request.prompt_token_ids)][request.num_output_tokens:request.num_output_tokens + oracle.rng.randint(0, k)]]
+    speculator = llm.engine.core.speculator
+    for proposer in (speculator.proposer, oracle):
+        speculator.proposer = proposer
+        assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    stats = llm.stats()["spec_decode"]
+    assert stats["method"] == method and stats["num_accepted_tokens"] > 0
+    assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"] == sum(stats["accepted_per_position"])
+    assert not llm.engine.block_manager.req_blocks  # every block given back
+
+
+def test_stop_strings_cut_accepted_tokens(llama):
+    """A stop string completed by an accepted proposal ends the output there: the tokens accepted after it are
+    dropped, as decoding without speculation never draws them."""
+    _, model_dir = llama
+    prompts = repetitive_prompts(4, seed=2)
+    base = LLM(str(model_dir), compile=False)
+    texts = [o.outputs[0].text for o in base.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0,
+                                                                              ignore_eos=True), use_tqdm=False)]
+    stops = [text[len(text) // 2:len(text) // 2 + 2] for text in texts]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], logprobs=1)
+              for stop in stops if stop]
+    reference = base.generate(prompts[:len(params)], params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"])
+    full = {tuple(p): o.outputs[0].token_ids + [7] * 30 for p, o in zip(prompts, reference)}
+    # the true continuation, several tokens past the stop string each time
+    llm.engine.core.speculator.proposer.propose = lambda request, k: full[tuple(request.prompt_token_ids)][
+        request.num_output_tokens:request.num_output_tokens + k]
+    assert _outputs(llm.generate(prompts[:len(params)], params, use_tqdm=False)) == _outputs(reference)
+    assert any(o.outputs[0].finish_reason == "stop" for o in reference)
+
+
+def test_structured_output_with_speculation(llama):
+    pytest.importorskip("llguidance")
+    _, model_dir = llama
+    from torch_shift.engine.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = repetitive_prompts(3, seed=4)
+    reference = LLM(str(model_dir), compile=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"])
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+
+
+def test_disable_by_batch_size(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir), compile=False, speculative_config={**SPECS["suffix"], "disable_by_batch_size": 3})
+    llm.generate(repetitive_prompts(6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.stats()["spec_decode"]["num_drafts"] == 0  # six requests ran together: above the bound
+    llm.generate(repetitive_prompts(2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.stats()["spec_decode"]["num_drafts"] > 0  # two: below it
+
+
+# -- every family, every rank running the program (torchrun's shape) ----------------------------------------
+
+FAMILIES = {
+    "shift": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}),  # small steps in full TP, larger in SP x TP
+    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 2, "tp_below": 1}}),
+    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 48, "num_cpu_kv_blocks": 64}),
+}
+
+
+def _generate_with_speculation(rank, world, model_dir, engine_args, prompts):
+    llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"], **engine_args)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)]
+    outputs = llm.generate(prompts, params * (len(prompts) // 2), use_tqdm=False)
+    stats = llm.stats()
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_is_exact_with_speculation(layers4, family):
+    from torch_shift.parallel.launch import run_ranks
+
+    world, engine_args = FAMILIES[family]
+    prompts = repetitive_prompts(6, seed=5)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)] * 3
+    reference = [o.outputs[0].token_ids for o in LLM(str(layers4), compile=False).generate(prompts, params,
+                                                                                         use_tqdm=False)]
+    ranks = run_ranks(_generate_with_speculation, world, layers4, engine_args, prompts, timeout_s=300)
+    for tokens, stats in ranks:
+        assert tokens == reference
+        assert stats["spec_decode"]["num_drafts"] > 0
+    if family == "shift":  # proposed tokens count in the step's size: both layouts ran
+        assert len(ranks[0][1]["steps_by_layout"]) == 2

@@ -1,0 +1,107 @@
+"""`SpeculativeConfig`: vLLM's `speculative_config` (a dict, or its JSON on the command line), with vLLM's and
+ArcticInference's option names, checked once; an option that a method cannot honour is refused by name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "suffix", "draft_model")
+_METHOD_ALIASES = {"[ngram]": "ngram", "suffix_decoding": "suffix", "draft": "draft_model"}
+# options each method reads (the shared ones: method, num_speculative_tokens, disable_by_batch_size)
+_OPTIONS = {
+    "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
+    "draft_model": ("model",),
+}
+_SHARED = ("method", "num_speculative_tokens", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # at most this many proposed tokens per request and step
+    # no proposals in a step that has this many running requests or more (ArcticInference's option; vLLM 0.6's
+    # speculative_disable_by_batch_size): proposed tokens inflate the step, which the policies read
+    disable_by_batch_size: int | None = None
+    prompt_lookup_min: int = 5  # n-gram: the shortest suffix of the context that is looked up earlier in it
+    prompt_lookup_max: int = 5  # ... and the longest
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest pattern matched, and tree depth
+    suffix_decoding_max_cached_requests: int = 10000  # finished requests' outputs kept in the global tree
+    suffix_decoding_max_spec_factor: float = 1.0  # tokens proposed <= this times the length of the match
+    suffix_decoding_min_token_prob: float = 0.1  # a path ends at a token whose estimated probability is below this
+    model: str | None = None  # draft_model: the draft's checkpoint
+
+    @classmethod
+    def from_user(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """`value`: a dict as vLLM's `speculative_config`, its JSON text (`--speculative-config`), or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config: a dict (or its JSON), got {type(value).__name__}")
+        options = dict(value)
+        method = options.get("method")
+        if method is None:
+            raise ValueError(f"speculative_config: 'method' is required: one of {', '.join(METHODS)}")
+        method = _METHOD_ALIASES.get(method, method)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported here; one of {', '.join(METHODS)}"
+                             " (EAGLE, MTP and Medusa need heads this engine does not load)")
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise ValueError(f"speculative_config: unknown option {name!r}")
+            if name not in _SHARED and name not in _OPTIONS[method]:
+                raise ValueError(f"speculative_config: option {name!r} does not apply to method {method!r}")
+        options["method"] = method
+        if method == "ngram":  # vLLM: either bound gives the other
+            lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
+            if lo is None and hi is not None:
+                options["prompt_lookup_min"] = hi
+            if hi is None and lo is not None:
+                options["prompt_lookup_max"] = lo
+        if "num_speculative_tokens" not in options:
+            if method != "suffix":
+                raise ValueError(f"speculative_config: method {method!r} needs 'num_speculative_tokens'")
+            options["num_speculative_tokens"] = options.get("suffix_decoding_max_tree_depth", 24)
+        config = cls(**options)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        def require(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative_config: {name}={getattr(self, name)!r} {what}")
+
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            require(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
+                    "must be an integer")
+        require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
+        require(self.disable_by_batch_size is None or (isinstance(self.disable_by_batch_size, int)
+                                                       and self.disable_by_batch_size >= 1),
+                "disable_by_batch_size", "must be an integer >= 1")
+        require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1")
+        require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
+                f"must be >= prompt_lookup_min={self.prompt_lookup_min}")
+        require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth", "must be >= 1")
+        require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests", "must be >= 0")
+        require(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+                and self.suffix_decoding_max_spec_factor >= 0, "suffix_decoding_max_spec_factor", "must be >= 0")
+        require(isinstance(self.suffix_decoding_min_token_prob, (int, float))
+                and 0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob",
+                "must be in [0, 1]")
+        if self.method == "draft_model":
+            require(isinstance(self.model, str) and bool(self.model), "model", "must name the draft's checkpoint")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options that apply to the method, as a user would write them."""
+        names = _SHARED + _OPTIONS[self.method]
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}

@@ -1,0 +1,42 @@
+"""N-gram proposals (prompt lookup decoding), as vLLM defines them: the longest suffix of the context of
+`prompt_lookup_min` to `prompt_lookup_max` tokens that occurred earlier in the context (the earliest
+occurrence among the longest), and up to k tokens that followed it there."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torch_shift.engine.spec_decode.suffix import suffix_matches
+from torch_shift.engine.spec_decode.tokens import TokenBuffer
+
+
+def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    total = len(tokens)
+    if k <= 0 or total <= min_n:
+        return []
+    # occurrences of the last token that end before it (something follows them), narrowed one token further back
+    # at a time: matches[L - 1] are the end positions of the context's last L tokens
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    matches = suffix_matches(tokens, ends, tokens, 1, min(max_n, total - 1))
+    if len(matches) < min_n:
+        return []
+    start = int(matches[-1][0]) + 1  # the earliest occurrence of the longest
+    return tokens[start:start + k].tolist()
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n = min_n
+        self.max_n = max_n
+        self.buffers: dict[str, TokenBuffer] = {}
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        buffer = self.buffers.get(request.request_id)
+        if buffer is None:
+            buffer = self.buffers[request.request_id] = TokenBuffer(request.all_token_ids, 0)
+        return ngram_proposal(buffer.sync(request.all_token_ids), self.min_n, self.max_n, max_tokens)
+
+    def on_finish(self, request, cache: bool) -> None:
+        self.buffers.pop(request.request_id, None)

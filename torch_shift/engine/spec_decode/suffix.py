@@ -1,0 +1,213 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975; ArcticInference's `suffix` method, paper 002).
+
+Two suffix trees of depth `max_depth`: one per request over its prompt and the tokens generated so far, one global
+over the outputs of earlier requests (the last `max_cached_requests` to finish, evicted first in, first out). Each
+step, for every length L of the context's suffix found in a tree, a path is grown from the node of that suffix:
+the most frequent child each time, its probability estimated as the product of child count / node count along
+the path, until it falls below `min_token_prob`, the tree's depth is reached, or the path holds
+`min(num_speculative_tokens, max_spec_factor * L)` tokens (the speculation length adapts to the match length).
+The path with the highest score (the sum of its probabilities: the expected number of accepted tokens) wins;
+ties go to the longer match, then to the request's own tree.
+
+The trees are implicit: a tree node is the set of end positions of its string in a token array (its count is
+their number; its children are the tokens that follow them), found by narrowing the positions of the context's
+last token one token further back at a time with numpy. That is the same tree (tests/test_spec_decode.py
+checks it against an explicit trie), with memory O(tokens) instead of O(tokens * depth). The global tree is
+matched from two tokens on, through an index of token pairs: a single token says little in thousands of outputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torch_shift.engine.spec_decode.tokens import PAD, TokenBuffer
+
+
+@dataclass
+class Draft:
+    token_ids: list[int] = field(default_factory=list)
+    score: float = 0.0  # the sum of the tokens' estimated probabilities
+    match_len: int = 0
+
+
+def suffix_matches(tokens: np.ndarray, ends: np.ndarray, context: np.ndarray, first_len: int,
+                   max_len: int, min_count: int = 1) -> list[np.ndarray]:
+    """`ends`: the end positions in `tokens` of the context's last `first_len` tokens. Returns, for L = first_len,
+    first_len + 1, ... while at least `min_count` are found (at most `max_len`), the end positions of the
+    context's last L tokens."""
+    matches = []
+    length = first_len
+    while len(ends) >= min_count:
+        matches.append(ends)
+        if length >= max_len:
+            break
+        starts = ends - length  # the token before each occurrence
+        keep = starts >= 0
+        ends, starts = ends[keep], starts[keep]
+        ends = ends[tokens[starts] == context[-length - 1]]
+        length += 1
+    return matches
+
+
+def grow_path(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_prob: float) -> Draft:
+    """The most frequent path below the node whose occurrences end at `ends` (`tokens` padded with PAD far enough
+    past its end for `max_tokens` reads)."""
+    draft = Draft()
+    prob = 1.0
+    offset = 1
+    while len(draft.token_ids) < max_tokens:
+        following = tokens[ends + offset]
+        present = following[following != PAD]
+        if len(present) == 0:
+            break
+        if len(present) <= 16:  # most nodes: cheaper in Python than np.unique
+            counts: dict[int, int] = {}
+            for token in present.tolist():
+                counts[token] = counts.get(token, 0) + 1
+            best_count = max(counts.values())
+            best = min(t for t, c in counts.items() if c == best_count)
+        else:
+            values, counts = np.unique(present, return_counts=True)
+            i = int(counts.argmax())  # the first of the most frequent: the smallest token id
+            best, best_count = int(values[i]), int(counts[i])
+        prob *= best_count / len(ends)
+        if prob < min_token_prob:
+            break
+        draft.token_ids.append(best)
+        draft.score += prob
+        ends = ends[following == best]
+        offset += 1
+    return draft
+
+
+def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, max_depth: int, max_spec_tokens: int,
+               max_spec_factor: float, min_token_prob: float) -> Draft:
+    """The best path over the matched suffix lengths, from the longest down (a shorter match must score strictly
+    more; one that cannot is not grown)."""
+    best = Draft()
+    for i in range(len(matches) - 1, -1, -1):
+        length = first_len + i
+        limit = min(max_spec_tokens, int(length * max_spec_factor + 1e-6), max_depth - length)
+        if limit <= best.score:  # its score cannot exceed the limit
+            continue
+        draft = grow_path(tokens, matches[i], limit, min_token_prob)
+        if draft.score > best.score:
+            draft.match_len = length
+            best = draft
+    return best
+
+
+class GlobalTree:
+    """The outputs of the last `max_cached_requests` finished requests, separated by PAD, with an index of the
+    end positions of every pair of adjacent tokens."""
+
+    def __init__(self, max_depth: int, max_cached_requests: int):
+        self.max_depth = max_depth
+        self.max_cached_requests = max_cached_requests
+        self.tokens = np.full(1024, PAD, dtype=np.int64)
+        self.length = 1  # tokens[0] is PAD: every sequence has a PAD before it
+        self.pairs: dict[tuple[int, int], list[int]] = {}
+        self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
+        self.num_dead = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.sequences)
+
+    def add(self, token_ids: list[int]) -> None:
+        if self.max_cached_requests == 0 or len(token_ids) < 2:
+            return
+        while len(self.sequences) >= self.max_cached_requests:
+            start, end = self.sequences.popleft()
+            self.tokens[start:end] = PAD  # index entries into it no longer match: filtered at lookup
+            self.num_dead += end - start
+        if self.num_dead > 4096 and self.num_dead > self.length // 2:
+            self._compact()
+        start = self.length
+        end = start + len(token_ids)
+        if end + self.max_depth + 2 > len(self.tokens):
+            grown = np.full(2 * (end + self.max_depth + 2), PAD, dtype=np.int64)
+            grown[:self.length] = self.tokens[:self.length]
+            self.tokens = grown
+        self.tokens[start:end] = token_ids
+        self._index(start, end)
+        self.sequences.append((start, end))
+        self.length = end + 1  # a PAD after it
+
+    def _index(self, start: int, end: int) -> None:
+        pairs = self.pairs
+        values = self.tokens[start:end].tolist()
+        for i in range(1, len(values)):
+            key = (values[i - 1], values[i])
+            positions = pairs.get(key)
+            if positions is None:
+                pairs[key] = [start + i]
+            else:
+                positions.append(start + i)
+
+    def _compact(self) -> None:
+        live = [self.tokens[s:e].copy() for s, e in self.sequences]
+        self.tokens[:] = PAD
+        self.pairs.clear()
+        self.sequences.clear()
+        self.length, self.num_dead = 1, 0
+        for seq in live:
+            start, end = self.length, self.length + len(seq)
+            self.tokens[start:end] = seq
+            self._index(start, end)
+            self.sequences.append((start, end))
+            self.length = end + 1
+
+    def matches(self, context: np.ndarray) -> list[np.ndarray]:
+        if len(context) < 3:
+            return []
+        positions = self.pairs.get((int(context[-2]), int(context[-1])))
+        if not positions:
+            return []
+        ends = np.asarray(positions, dtype=np.int64)
+        ends = ends[(self.tokens[ends] == context[-1]) & (self.tokens[ends - 1] == context[-2])]  # evicted: PAD
+        return suffix_matches(self.tokens, ends, context, 2, len(context) - 1)
+
+
+class SuffixProposer:
+    name = "suffix"
+
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1):
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_tree = GlobalTree(max_depth, max_cached_requests)
+        self.buffers: dict[str, TokenBuffer] = {}
+
+    def propose(self, request, max_tokens: int) -> list[int]:
+        buffer = self.buffers.get(request.request_id)
+        if buffer is None:
+            buffer = self.buffers[request.request_id] = TokenBuffer(request.all_token_ids, self.max_depth + 2)
+        return self.speculate(buffer.sync(request.all_token_ids), buffer.array, max_tokens).token_ids
+
+    def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
+        """The draft for a request whose tokens are `context_tokens` (`padded`: the same, PAD after them)."""
+        context = context_tokens[-self.max_depth:]
+        max_len = len(context) - 1  # as ArcticInference: the whole pattern is never the match
+        if max_len < 1 or max_tokens <= 0:
+            return Draft()
+        ends = np.flatnonzero(context_tokens == context[-1])
+        # the context's own suffix is one occurrence of every length, with nothing after it: a length found only
+        # there grows no path, nor does any longer one
+        matches = suffix_matches(padded, ends, context, 1, max_len, min_count=2)
+        local = best_draft(padded, matches, 1, self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob)
+        if self.global_tree.num_cached == 0:
+            return local
+        tree = self.global_tree
+        remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens, self.max_spec_factor,
+                            self.min_token_prob)
+        return remote if remote.score > local.score else local
+
+    def on_finish(self, request, cache: bool) -> None:
+        self.buffers.pop(request.request_id, None)
+        if cache:
+            self.global_tree.add(request.output_token_ids)
