@@ -69,7 +69,8 @@ class EngineCore:
         result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
-        self.stats.record_spec(entries, sampled)
+        if self.speculator is not None:
+            self.stats.record_spec(entries, sampled)
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:
             self.speculator.propose(updated, len(self.scheduler.running))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from torch_shift.engine.spec_decode.suffix import suffix_matches
-from torch_shift.engine.spec_decode.tokens import TokenBuffer
+from torch_shift.engine.spec_decode.tokens import RequestTokens
 
 
 def ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -30,13 +30,11 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n = min_n
         self.max_n = max_n
-        self.buffers: dict[str, TokenBuffer] = {}
+        self.tokens = RequestTokens(headroom=0)
 
     def propose(self, request, max_tokens: int) -> list[int]:
-        buffer = self.buffers.get(request.request_id)
-        if buffer is None:
-            buffer = self.buffers[request.request_id] = TokenBuffer(request.all_token_ids, 0)
-        return ngram_proposal(buffer.sync(request.all_token_ids), self.min_n, self.max_n, max_tokens)
+        buffer = self.tokens.read(request)
+        return ngram_proposal(buffer.array[:buffer.num_tokens], self.min_n, self.max_n, max_tokens)
 
     def on_finish(self, request, cache: bool) -> None:
-        self.buffers.pop(request.request_id, None)
+        self.tokens.drop(request.request_id)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torch_shift.engine.spec_decode.tokens import PAD, TokenBuffer
+from torch_shift.engine.spec_decode.tokens import PAD, RequestTokens
 
 
 @dataclass
@@ -181,13 +181,11 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.global_tree = GlobalTree(max_depth, max_cached_requests)
-        self.buffers: dict[str, TokenBuffer] = {}
+        self.tokens = RequestTokens(headroom=max_depth + 2)
 
     def propose(self, request, max_tokens: int) -> list[int]:
-        buffer = self.buffers.get(request.request_id)
-        if buffer is None:
-            buffer = self.buffers[request.request_id] = TokenBuffer(request.all_token_ids, self.max_depth + 2)
-        return self.speculate(buffer.sync(request.all_token_ids), buffer.array, max_tokens).token_ids
+        buffer = self.tokens.read(request)
+        return self.speculate(buffer.array[:buffer.num_tokens], buffer.array, max_tokens).token_ids
 
     def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
         """The draft for a request whose tokens are `context_tokens` (`padded`: the same, PAD after them)."""
@@ -208,6 +206,6 @@ class SuffixProposer:
         return remote if remote.score > local.score else local
 
     def on_finish(self, request, cache: bool) -> None:
-        self.buffers.pop(request.request_id, None)
+        self.tokens.drop(request.request_id)
         if cache:
             self.global_tree.add(request.output_token_ids)

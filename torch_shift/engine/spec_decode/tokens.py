@@ -30,3 +30,22 @@ class TokenBuffer:
             self.array[n:total] = token_ids[n:]
         self.num_tokens = total
         return self.array[:total]
+
+
+class RequestTokens:
+    """Every running request's TokenBuffer, by request id, caught up with its tokens when read."""
+
+    def __init__(self, headroom: int):
+        self.headroom = headroom
+        self.buffers: dict[str, TokenBuffer] = {}
+
+    def read(self, request) -> TokenBuffer:
+        buffer = self.buffers.get(request.request_id)
+        if buffer is None:
+            buffer = self.buffers[request.request_id] = TokenBuffer(request.all_token_ids, self.headroom)
+        else:
+            buffer.sync(request.all_token_ids)
+        return buffer
+
+    def drop(self, request_id: str) -> None:
+        self.buffers.pop(request_id, None)
