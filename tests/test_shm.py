@@ -267,7 +267,10 @@ def _setup_and_misuse_rank(rank, world):
     comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=5.0, slot_bytes=SLOT_BYTES)
     # the file is gone once every rank has mapped it (rank 0 removes it as it leaves create); the mapping lives
     dist.barrier()
-    assert [line.endswith("(deleted)") for line in _segment_mappings()] == [True]
+    # one file, removed; the kernel may list its mapping as more than one range (seen on CI)
+    mappings = _segment_mappings()
+    assert mappings and all(line.endswith("(deleted)") for line in mappings)
+    assert len({line.split()[-2] for line in mappings}) == 1
     with pytest.raises(ValueError, match="CPU"):
         comm.all_reduce(torch.ones(3, device="meta"))
     with pytest.raises(TypeError):
