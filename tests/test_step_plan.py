@@ -44,7 +44,7 @@ def reference_inputs(entries, member: int, width: int, sliding_window=None) -> d
             input_ids.append(token)
             positions.append(pos)
             slots.append(table[pos // tpb] * tpb + pos % tpb)
-        if e.prompt_logprobs:
+        if e.prompt_logprobs or e.spec_token_ids:
             logits_indices.extend(range(row, row + e.num_tokens))
         elif e.sample:
             logits_indices.append(row + e.num_tokens - 1)
@@ -82,8 +82,10 @@ def check_inputs(inputs, ref, width: int, sliding_window=None) -> None:
 
 
 def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_blocks: int = 18,
-        budget: int = 24) -> dict:
-    """`num_blocks` per replica: 72 tokens, enough for any one request (at most 62), not for many."""
+        budget: int = 24, speculate: bool = False) -> dict:
+    """`num_blocks` per replica: 72 tokens, enough for any one request (at most 62), not for many. With
+    `speculate`, requests propose the reference's next tokens, some corrupted: checks accept some, reject the
+    rest, and blocks of rejected proposals go back and are taken again by others."""
     rng = random.Random(seed)
     deployment = build_deployment(CONFIG, dp=num_replicas, flying=policy_name == "random") if num_replicas > 1 \
         else build_deployment(CONFIG)
@@ -94,7 +96,8 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
     batches = [InputBatch(config.max_num_seqs, config.max_model_len, BS, torch.device("cpu"))
                for _ in range(num_replicas)]
     shared_prefix = [rng.randrange(10, 500) for _ in range(12)]
-    counts = {"steps": 0, "preempted": 0, "aborted": 0, "prefix_hits": 0, "widths": set(), "decode_plan_bytes": []}
+    counts = {"steps": 0, "preempted": 0, "aborted": 0, "prefix_hits": 0, "widths": set(), "decode_plan_bytes": [],
+              "accepted": 0, "rejected": 0}
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.5 and sched.num_unfinished < 6 * num_replicas:
@@ -120,14 +123,31 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
             layout = deployment[group.layout]
             counts["widths"].add(layout.kv_width)
             for member, replica in enumerate(layout.replicas):
+                batches[replica].write_spec_tokens(group, member)
                 inputs = batches[replica].prepare(group, member, layout.kv_width)
                 check_inputs(inputs, reference_inputs(group_entries, member, layout.kv_width), layout.kv_width)
         if all(g.num_decodes == len(g.num_scheduled) for g in plan.groups):
             counts["decode_plan_bytes"].append((sum(len(g.num_scheduled) for g in plan.groups),
                                                 len(pickle.dumps(plan))))
         counts["steps"] += 1
-        sched.update_from_output(out, {e.request_id: [reference_next(e.request.all_token_ids)]
-                                       for e in out.scheduled if e.sample})
+        sampled = {}
+        for e in out.scheduled:
+            if e.sample:
+                tokens = list(e.request.all_token_ids)
+                for proposed in e.spec_token_ids:  # accepted while it is the reference's token
+                    if proposed != reference_next(tokens):
+                        break
+                    tokens.append(proposed)
+                tokens.append(reference_next(tokens))
+                sampled[e.request_id] = tokens[e.request.num_tokens:]
+                counts["accepted"] += len(sampled[e.request_id]) - 1
+                counts["rejected"] += len(e.spec_token_ids) + 1 - len(sampled[e.request_id])
+        for request in sched.update_from_output(out, sampled):
+            if speculate and not request.status.finished:
+                tokens = list(request.all_token_ids)
+                for _ in range(rng.randint(0, 5)):
+                    tokens.append(reference_next(tokens) + (rng.random() < 0.3))
+                request.spec_token_ids = tokens[request.num_tokens:]
     counts["prefix_hits"] = sum(p.num_prefix_hits for p in sched.pools)
     for request in list(sched.requests.values()):
         sched.finish_request(request.request_id, request.status.FINISHED_ABORTED)
@@ -144,6 +164,14 @@ def test_deltas_reproduce_the_full_plan_inputs(policy, num_replicas):
     assert counts["prefix_hits"] > 0
     if policy == "random":
         assert counts["widths"] >= {1, 2}
+
+
+@pytest.mark.parametrize("policy,num_replicas", [("static", 1), ("random", 2)])
+def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_replicas):
+    """Blocks that held rejected proposals go back and are taken again, by the request itself or another: the
+    replicas' batches must follow (a stale block id there writes into another request's KV)."""
+    counts = run(policy, num_replicas, seed=num_replicas + 10, speculate=True)
+    assert counts["steps"] > 150 and counts["preempted"] > 0 and counts["accepted"] > 50 and counts["rejected"] > 50
 
 
 def test_decode_plan_size_does_not_grow_with_context():

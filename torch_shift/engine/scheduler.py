@@ -86,6 +86,9 @@ class SchedulerOutput:
     # requests that left the device since the last output (finished, aborted, preempted, moved, swapped out):
     # their rows of the replicas' persistent batches are free
     removed_request_ids: list[str] = field(default_factory=list)
+    # requests whose block tables lost blocks since the last output (rejected proposals' blocks given back):
+    # request -> blocks left. Blocks past those may since have been taken again, other ones in their places
+    shrunk_block_tables: dict[str, int] = field(default_factory=dict)
 
     @property
     def has_swaps(self) -> bool:
@@ -175,6 +178,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
         self._removed: list[str] = []  # left the device since the last output
+        self._shrunk: dict[str, int] = {}  # block tables that lost blocks since the last output: blocks left
         self.tier = tier
         self.swapped: deque[Request] = deque()  # KV in the tier, in the order they will be swapped in
         self._deferred_frees: list[tuple[int, str]] = []  # (replica, request): device blocks an async copy reads
@@ -372,6 +376,7 @@ class Scheduler:
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries)))
         output.removed_request_ids, self._removed = self._removed, []
+        output.shrunk_block_tables, self._shrunk = self._shrunk, {}
         self.num_steps += 1
         return output
 
@@ -493,7 +498,11 @@ class Scheduler:
                     # computed: the last token and the accepted proposals (all new tokens but the last)
                     after = before + len(new_tokens)
                     for r in request.replicas:  # blocks that held only rejected proposals go back
+                        blocks = pools[r].req_blocks[rid]
+                        num_blocks = len(blocks)
                         pools[r].free_tail(rid, after)
+                        if len(blocks) < num_blocks:
+                            self._shrunk[rid] = min(len(blocks), self._shrunk.get(rid, num_blocks))
                 else:
                     after = before + entry.num_tokens
                 request.num_computed_tokens = after

@@ -109,6 +109,10 @@ class PlanBuilder:
         for request_id in output.removed_request_ids:
             for replica in self.replicas_of.pop(request_id, ()):
                 self.free_rows[replica].append(self.known[replica].pop(request_id).row)
+        for request_id, num_blocks in output.shrunk_block_tables.items():  # the blocks past these are sent again
+            for replica in self.replicas_of.get(request_id, ()):
+                known = self.known[replica][request_id]
+                known.num_blocks = min(known.num_blocks, num_blocks)
 
         groups = []
         for group in output.groups:
@@ -144,9 +148,8 @@ class PlanBuilder:
                                 d.token_rows.append(row)
                                 d.tokens.append(token)
                             known.num_tokens = needed
-                        if known.num_blocks > len(table):  # blocks of rejected proposals went back
-                            known.num_blocks = len(table)
-                        elif known.num_blocks < len(table):
+                        assert known.num_blocks <= len(table), rid  # a shrunk table was reported
+                        if known.num_blocks < len(table):
                             d.block_rows.append(row)
                             d.block_starts.append(known.num_blocks)
                             d.block_ids.append(table[known.num_blocks:])
