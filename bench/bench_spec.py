@@ -7,15 +7,22 @@ Workloads, repetition coming from the task:
 - free: short prompts, sampled (temperature 0.8): no repetition to find.
 Also the proposer's own cost at 256 running requests (every step proposes for every request).
 
-    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix] [--json out.json]
+The draft model (method "draft"): the default model's first `--draft-layers` layers with its final norm and head
+(LayerSkip's early exit as a checkpoint of its own: the only smaller model with this tokenizer), unless
+`--draft DIR` names another.
+
+    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,9 +33,31 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
+DRAFT_K = 4
 LAYOUTS = {"one": {}, "shift": {"sp": 2, "shift_threshold": 32}}
 SEEDS = ["And God said", "In the beginning", "And it came to pass", "Then the LORD", "And Moses spake",
          "And the king", "Now the sons of", "And he said unto them"]
+
+
+def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
+    """`model_dir`'s first `num_layers` layers, its embedding, final norm and head, as a checkpoint with its
+    tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 1 <= num_layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers must be in [1, {config['num_hidden_layers'] - 1}]")
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = load_file(model_dir / "model.safetensors")
+    kept = {name: t for name, t in tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out
 
 
 def documents(llm: LLM, num: int) -> list[str]:
@@ -103,7 +132,15 @@ def main() -> None:
     parser.add_argument("--layouts", default="one,shift")
     parser.add_argument("--methods", default="none,ngram,suffix")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--draft", type=Path, default=None, help="the draft model of method 'draft'")
+    parser.add_argument("--draft-layers", type=int, default=1)
     args = parser.parse_args()
+    if "draft" in args.methods.split(","):
+        from torch_shift.models.default import default_model_dir
+
+        draft_dir = args.draft or truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
+                                                  args.draft_layers)
+        METHODS["draft"] = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": DRAFT_K}
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)

@@ -49,9 +49,8 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_user(bad)
-    with pytest.raises(ValueError, match="'draft_model' is not supported yet"):
-        EngineArgs("some-model", speculative_config={"method": "draft_model", "model": "small",
-                                                   "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="model=None must name the draft's checkpoint"):
+        EngineArgs("some-model", speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
     with pytest.raises(TypeError, match="a dict"):
         SpeculativeConfig.from_user(3)
 
@@ -180,7 +179,10 @@ class NoisyOracle:
         self.rng = random.Random(seed)
         self.name = "oracle"
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
+        return [self._propose(request, k) for request, k in zip(requests, max_tokens)]
+
+    def _propose(self, request: Request, max_tokens: int) -> list[int]:
         done = request.num_output_tokens
         truth = self.references[request.request_id][done:done + self.rng.randint(0, max_tokens)]
         return [t if self.rng.random() < 0.8 else t + 1 for t in truth]
@@ -285,7 +287,7 @@ def test_outputs_are_the_same_with_speculation(llama, method):
     for prompt, out in zip(prompts, reference):
         references[tuple(prompt)] = out.outputs[0].token_ids
     oracle = NoisyOracle({}, 0)
-    oracle.propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in references[
+    oracle._propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in references[
         tuple(request.prompt_token_ids)][request.num_output_tokens:request.num_output_tokens + oracle.rng.randint(0, k)]]
     speculator = llm.engine.core.speculator
     for proposer in (speculator.proposer, oracle):
@@ -312,8 +314,8 @@ def test_stop_strings_cut_accepted_tokens(llama):
     llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"])
     full = {tuple(p): o.outputs[0].token_ids + [7] * 30 for p, o in zip(prompts, reference)}
     # the true continuation, several tokens past the stop string each time
-    llm.engine.core.speculator.proposer.propose = lambda request, k: full[tuple(request.prompt_token_ids)][
-        request.num_output_tokens:request.num_output_tokens + k]
+    llm.engine.core.speculator.proposer.propose = lambda requests, rooms: [
+        full[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k] for r, k in zip(requests, rooms)]
     assert _outputs(llm.generate(prompts[:len(params)], params, use_tqdm=False)) == _outputs(reference)
     assert any(o.outputs[0].finish_reason == "stop" for o in reference)
 
@@ -352,8 +354,8 @@ FAMILIES = {
 }
 
 
-def _generate_with_speculation(rank, world, model_dir, engine_args, prompts):
-    llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"], **engine_args)
+def _generate_with_speculation(rank, world, model_dir, engine_args, prompts, spec):
+    llm = LLM(str(model_dir), compile=False, speculative_config=spec, **engine_args)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)]
     outputs = llm.generate(prompts, params * (len(prompts) // 2), use_tqdm=False)
@@ -364,18 +366,127 @@ def _generate_with_speculation(rank, world, model_dir, engine_args, prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_family_is_exact_with_speculation(layers4, family):
+def test_every_family_is_exact_with_speculation(layers4, draft_llama, family):
+    """Suffix decoding under Shift, a draft model (on rank 0, whole) under Flying and Seesaw."""
     from torch_shift.parallel.launch import run_ranks
 
     world, engine_args = FAMILIES[family]
+    spec = SPECS["suffix"] if family == "shift" else draft_spec(draft_llama)
     prompts = repetitive_prompts(6, seed=5)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)] * 3
     reference = [o.outputs[0].token_ids for o in LLM(str(layers4), compile=False).generate(prompts, params,
                                                                                          use_tqdm=False)]
-    ranks = run_ranks(_generate_with_speculation, world, layers4, engine_args, prompts, timeout_s=300)
+    ranks = run_ranks(_generate_with_speculation, world, layers4, engine_args, prompts, spec, timeout_s=300)
     for tokens, stats in ranks:
         assert tokens == reference
         assert stats["spec_decode"]["num_drafts"] > 0
     if family == "shift":  # proposed tokens count in the step's size: both layouts ran
         assert len(ranks[0][1]["steps_by_layout"]) == 2
+
+
+# -- the draft-model method ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_llama(tmp_path_factory):
+    """A smaller Llama (one layer, other weights) with the test models' vocabulary and tokenizer."""
+    from conftest import build_hf_model, save_checkpoint
+
+    return save_checkpoint(build_hf_model("llama", seed=1, num_hidden_layers=1), tmp_path_factory.mktemp("draft"))
+
+
+def draft_spec(model_dir, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def test_a_draft_model_proposes_what_it_would_decode_from_scratch(draft_llama):
+    """Rounds of proposals with random acceptance, a bonus token after each, requests joining and leaving, prompts
+    cut into several forwards, a pool too small for every request: each proposal is the draft's greedy
+    continuation of the request's tokens, computed from scratch by a fresh proposer."""
+    from torch_shift.engine.spec_decode.draft import DraftModelProposer
+    from torch_shift.models.loader import load_model
+
+    model = load_model(draft_llama)
+    rng = random.Random(0)
+    proposer = DraftModelProposer(model, num_blocks=40, block_size=4, max_num_batched_tokens=23,
+                                  attention_backend="auto")
+    params = SamplingParams(max_tokens=200)
+    requests = [Request(f"r{i}", p, params, max_tokens=200) for i, p in enumerate(random_prompts(5, seed=2))]
+    num_proposed = 0
+    for _ in range(12):
+        live = [r for r in requests if not r.status.finished]
+        rooms = [rng.randint(1, 4) for _ in live]
+        proposals = proposer.propose(live, rooms)
+        for request, room, proposal in zip(live, rooms, proposals):
+            if not proposal:  # the pool was full for it
+                continue
+            fresh = DraftModelProposer(model, num_blocks=64, block_size=4, max_num_batched_tokens=512)
+            assert proposal == fresh.propose([request], [room])[0], request.request_id
+            num_proposed += 1
+            accepted = rng.randint(0, len(proposal))
+            new = proposal[:accepted] + [rng.randrange(6, 512)]
+            request.all_token_ids.extend(new)
+            request.output_token_ids.extend(new)
+        if live and rng.random() < 0.3:
+            gone = rng.choice(live)
+            gone.status = RequestStatus.FINISHED_STOPPED
+            proposer.on_finish(gone, cache=True)
+    assert num_proposed > 20 and proposer.num_forwards > 12
+    for request in requests:
+        proposer.on_finish(request, cache=True)
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_outputs_are_the_same_with_a_draft_model(llama, draft_llama):
+    _, model_dir = llama
+    prompts = repetitive_prompts(6)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, logprobs=3),
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=5, stop_token_ids=[100, 200, 300]),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=2, top_k=20),
+        SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, frequency_penalty=0.2),
+    ]
+    reference = LLM(str(model_dir), compile=False, block_size=4).generate(prompts, params, use_tqdm=False)
+    # a pool too small for all of them: preemptions, and blocks of rejected proposals taken again by others
+    llm = LLM(str(model_dir), compile=False, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32,
+              speculative_config=draft_spec(draft_llama))
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    assert llm.stats()["num_preemptions"] > 0
+    stats = llm.stats()["spec_decode"]
+    assert stats["method"] == "draft_model" and stats["num_draft_tokens"] > 0
+    assert not llm.engine.block_manager.req_blocks
+    proposer = llm.engine.core.speculator.proposer
+    assert not proposer.states and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(llama):
+    """Greedy proposals of the target itself: a draft whose KV bookkeeping were wrong anywhere (positions, kept
+    proposals, prompts cut into pieces) would propose other tokens than the target draws."""
+    _, model_dir = llama
+    prompts = random_prompts(6, seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, max_num_batched_tokens=32, speculative_config=draft_spec(model_dir, 5))
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    stats = llm.stats()["spec_decode"]
+    assert stats["num_accepted_tokens"] >= 0.95 * stats["num_draft_tokens"] > 0, stats
+
+
+def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):
+    from conftest import build_hf_model, save_checkpoint
+
+    from torch_shift.models.toy import build_tokenizer
+
+    _, model_dir = llama
+    other_vocab = save_checkpoint(build_hf_model("llama", vocab_size=384, num_hidden_layers=1), tmp_path / "v")
+    with pytest.raises(ValueError, match="vocabulary of 384 tokens, the target 512"):
+        LLM(str(model_dir), compile=False, speculative_config=draft_spec(other_vocab))
+    other_tokenizer = save_checkpoint(build_hf_model("llama", num_hidden_layers=1), tmp_path / "t", with_tokenizer=False)
+    build_tokenizer(other_tokenizer, vocab_size=500)  # other merges, then padded ids: another vocabulary
+    with pytest.raises(ValueError, match="another tokenizer than the target"):
+        LLM(str(model_dir), compile=False, speculative_config=draft_spec(other_tokenizer))
+    with pytest.raises(ValueError, match="no-such-draft"):
+        LLM(str(model_dir), compile=False, speculative_config=draft_spec(tmp_path / "no-such-draft"))

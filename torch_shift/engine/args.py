@@ -19,7 +19,7 @@ from torch_shift.attention import canonical_backend_name
 from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from torch_shift.engine.policies import POLICIES, policy_options
 from torch_shift.engine.sampling_params import MAX_SEED
-from torch_shift.engine.spec_decode import SpeculativeConfig, build_proposer
+from torch_shift.engine.spec_decode import SpeculativeConfig
 from torch_shift.parallel.layouts import Deployment, build_deployment
 
 # The same arguments under the names users of vLLM and ArcticInference arrive with.
@@ -193,9 +193,7 @@ class EngineArgs:
                             f"{type(self.policy_config).__name__}")
         self.attention_backend = canonical_backend_name(self.attention_backend)
         resolve_dtype(self.dtype)  # the name is known
-        speculative = SpeculativeConfig.from_user(self.speculative_config)
-        if speculative is not None:
-            build_proposer(speculative)  # a method that cannot run is refused now
+        SpeculativeConfig.from_user(self.speculative_config)  # its options are checked now
 
     def policy_options(self, deployment: Deployment) -> Any:
         """The options dataclass of the policy that will run `deployment`."""
@@ -305,6 +303,7 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     tier: TierConfig = field(default_factory=TierConfig)
     speculative: SpeculativeConfig | None = None
+    draft: Any = None  # the draft model's checkpoint (spec_decode.draft.DraftCheckpoint) for method "draft_model"
 
     @property
     def dtype(self) -> torch.dtype:

@@ -29,6 +29,7 @@ from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.spec_decode import Speculator
+from torch_shift.engine.spec_decode.draft import DraftCheckpoint, DraftModelProposer, load_draft_proposer
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
@@ -51,11 +52,16 @@ def engine_config(args: EngineArgs, weights: WeightSource | None = None,
     """The engine's configuration: the model's config from `model`, `weights` or the checkpoint (a directory
     or a hub id), the dtype of a model already built."""
     if model is not None:
-        return args.create_engine_config(model.config, dtype=next(model.parameters()).dtype)
-    if weights is not None:
-        return args.create_engine_config(weights.config)
-    model_dir = resolve_model_dir(args.model, args.revision)
-    return args.create_engine_config(ModelConfig.from_dir(model_dir), model_dir)
+        config = args.create_engine_config(model.config, dtype=next(model.parameters()).dtype)
+    elif weights is not None:
+        config = args.create_engine_config(weights.config)
+    else:
+        model_dir = resolve_model_dir(args.model, args.revision)
+        config = args.create_engine_config(ModelConfig.from_dir(model_dir), model_dir)
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        config = replace(config, draft=DraftCheckpoint.resolve(config.speculative.model, config.model,
+                                                               config.tokenizer_dir))
+    return config
 
 
 class LLMEngine:
@@ -112,7 +118,7 @@ class LLMEngine:
         self.stats_recorder = EngineStats(config.deployment)
         speculator = None
         if config.speculative is not None:
-            speculator = Speculator(config.speculative, config.scheduler.max_model_len)
+            speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer())
             self.stats_recorder.spec_method = config.speculative.method
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
                                                 config.scheduler.max_model_len)
@@ -130,6 +136,20 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, capacity,
                                               policy.uses_priority, policy.name)
         self.last_core_step: CoreStep | None = None  # what the last step did (None: it ran nothing)
+
+    def _draft_proposer(self) -> DraftModelProposer | None:
+        """The draft model on rank 0's device, for method "draft_model" (None: a method without a model)."""
+        config = self.config
+        if config.speculative.method != "draft_model":
+            return None
+        if self.worker is None or config.draft is None:
+            raise ValueError("speculative_config: method 'draft_model' needs the draft's checkpoint and a model to run "
+                             "it (a simulator prices 'ngram' and 'suffix' proposals; a draft's forwards are not "
+                             "modelled)")
+        return load_draft_proposer(config.draft, config.dtype, self.worker.runner.device, config.cache.block_size,
+                                   config.scheduler.max_num_seqs, config.scheduler.max_model_len,
+                                   config.scheduler.max_num_batched_tokens, config.runner.attention_backend,
+                                   config.runner.prepack_weights)
 
     # -- what the engine is made of ------------------------------------------------------------------------
     @property

@@ -32,7 +32,10 @@ class NgramProposer:
         self.max_n = max_n
         self.tokens = RequestTokens(headroom=0)
 
-    def propose(self, request, max_tokens: int) -> list[int]:
+    def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
+
+    def propose_one(self, request, max_tokens: int) -> list[int]:
         buffer = self.tokens.read(request)
         return ngram_proposal(buffer.array[:buffer.num_tokens], self.min_n, self.max_n, max_tokens)
 

@@ -183,7 +183,10 @@ class SuffixProposer:
         self.global_tree = GlobalTree(max_depth, max_cached_requests)
         self.tokens = RequestTokens(headroom=max_depth + 2)
 
-    def propose(self, request, max_tokens: int) -> list[int]:
+    def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
+
+    def propose_one(self, request, max_tokens: int) -> list[int]:
         buffer = self.tokens.read(request)
         return self.speculate(buffer.array[:buffer.num_tokens], buffer.array, max_tokens).token_ids
 

@@ -1,0 +1,220 @@
+"""The draft-model method: a smaller checkpoint with the target's vocabulary proposes k tokens per request and
+step by greedy decoding. It runs on rank 0, next to the scheduler (the process that drives every layout), whole
+(it is small: a sharded draft would add a collective to each of its k forwards), with a paged KV cache and a
+block pool of its own: its blocks follow the request's tokens, not the target's blocks, so it is the same under
+every layout and family, and never takes a block from the target.
+
+Each proposal round (after a step) batches every proposing request into the draft's forwards: first the tokens
+the draft has not seen (a new request's prompt in chunks of at most `max_num_batched_tokens`, else the tokens
+the last step accepted and the one it added), whose last logits give the first proposal, then k - 1 forwards of
+one token per request. Proposals the target accepted were fed to the draft already: their KV is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torch_shift.attention import attention_backend as make_attention_backend
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.config import ModelConfig
+from torch_shift.kv.block_manager import BlockManager
+from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.models.decoder import DecoderLM
+from torch_shift.models.hub import resolve_model_dir
+from torch_shift.models.linear import prepare_linears
+from torch_shift.models.loader import load_model
+
+_DRAFT_KV_BUDGET_BYTES = 1 << 30  # the draft's pool at most, and at most an eighth of the memory available
+
+
+@dataclass(frozen=True)
+class DraftCheckpoint:
+    """The draft's checkpoint, found and checked against the target's before either loads."""
+
+    model_dir: Path
+    config: ModelConfig
+
+    @classmethod
+    def resolve(cls, model: str, target: ModelConfig, target_tokenizer_dir: Path | None) -> DraftCheckpoint:
+        model_dir = resolve_model_dir(model)
+        config = ModelConfig.from_dir(model_dir)
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary of {config.vocab_size} "
+                             f"tokens, the target {target.vocab_size}: a draft must share the target's tokenizer")
+        ours, theirs = _vocabulary(target_tokenizer_dir), _vocabulary(model_dir)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(f"speculative_config: the draft model {model!r} has another tokenizer than the target "
+                             "(tokenizer.json differs in its vocabulary or added tokens): a draft must share it")
+        return cls(model_dir, config)
+
+
+def _vocabulary(directory: Path | None) -> tuple | None:
+    path = directory / "tokenizer.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    tokenizer = json.loads(path.read_text())
+    return tokenizer.get("model", {}).get("vocab"), tokenizer.get("added_tokens")
+
+
+def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torch.device, block_size: int,
+                        max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                        attention_backend: str = "auto", prepack_weights: bool = True) -> DraftModelProposer:
+    """The draft loaded on rank 0's device in the target's dtype, with a pool for every sequence slot filled to
+    the context, or what a bounded budget holds (then requests past it propose nothing until blocks come free)."""
+    model = load_model(draft.model_dir, dtype, device)
+    if prepack_weights:
+        prepare_linears(model)
+    per_block = DraftModelProposer.kv_bytes_per_block(model, block_size)
+    enough = max_num_seqs * math.ceil(max_model_len / block_size)
+    budget = min(_DRAFT_KV_BUDGET_BYTES, available_memory_bytes(device) // 8)
+    num_blocks = max(min(enough, budget // per_block), math.ceil(max_model_len / block_size))
+    return DraftModelProposer(model, num_blocks, block_size, max_num_batched_tokens, attention_backend)
+
+
+@dataclass
+class _DraftState:
+    num_cached: int = 0  # the request's first tokens whose KV the draft holds
+    fed_proposals: list[int] = field(default_factory=list)  # proposals fed after them (KV written, maybe wrong)
+
+
+@dataclass
+class _Run:
+    """Tokens of one request in one forward of the draft."""
+
+    index: int  # the request's index in the round
+    request_id: str
+    start: int  # position of the first token
+    token_ids: list[int]
+    wants_logits: bool
+
+
+class DraftModelProposer:
+    name = "draft_model"
+
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                 attention_backend: str = "auto"):
+        config = model.config
+        self.model = model
+        device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        self.kv_cache = KVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                                config.head_dim, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.attention = make_attention_backend(attention_backend, device, dtype)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_positions = config.max_position_embeddings
+        self.sliding_window = config.sliding_window
+        self.device = device
+        self.states: dict[str, _DraftState] = {}
+        self.num_forwards = 0  # forwards run, over the proposer's life
+
+    @staticmethod
+    def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
+        config, weight = model.config, model.embed_tokens.weight
+        return kv_bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+                                  weight.dtype)
+
+    def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in requests]
+        rooms = [0] * len(requests)
+        pending: list[_Run] = []  # the tokens each request's draft has not seen, from its last cached one
+        for i, (request, room) in enumerate(zip(requests, max_tokens)):
+            tokens = request.all_token_ids
+            n = len(tokens)
+            state = self.states.setdefault(request.request_id, _DraftState())
+            cached = min(state.num_cached, n)
+            for token in state.fed_proposals:  # the proposals the step accepted were fed as they are
+                if cached >= n or tokens[cached] != token:
+                    break
+                cached += 1
+            cached = min(cached, n - 1)  # the last token goes in again: its logits give the first proposal
+            state.num_cached, state.fed_proposals = cached, []
+            room = min(room, self.max_positions - n)
+            # the draft's slots: the unseen tokens and every proposal but the last, which is never fed
+            if room <= 0 or not self.blocks.allocate(request.request_id, n + room - 1):
+                continue  # no proposal this step: the draft's pool is full (or the draft's context ends)
+            rooms[i] = room
+            pending.append(_Run(i, request.request_id, cached, list(tokens[cached:]), True))
+        if not pending:
+            return proposals
+
+        for runs in self._prefill_forwards(pending):
+            for run, token in zip([r for r in runs if r.wants_logits], self._forward(runs)):
+                proposals[run.index].append(token)
+        for step in range(1, max(rooms)):
+            runs = [_Run(i, requests[i].request_id, requests[i].num_tokens + step - 1, [proposals[i][-1]], True)
+                    for i in range(len(requests)) if rooms[i] > step]
+            for run, token in zip(runs, self._forward(runs)):
+                proposals[run.index].append(token)
+        for i, request in enumerate(requests):
+            if rooms[i]:
+                state = self.states[request.request_id]
+                state.num_cached = request.num_tokens
+                state.fed_proposals = proposals[i][:-1]
+        return proposals
+
+    def on_finish(self, request, cache: bool) -> None:
+        self.states.pop(request.request_id, None)
+        self.blocks.free(request.request_id)
+
+    def _prefill_forwards(self, pending: list[_Run]) -> list[list[_Run]]:
+        """The unseen tokens cut into forwards of at most max_num_batched_tokens; a run that is cut wants no
+        logits but in its last piece."""
+        forwards: list[list[_Run]] = [[]]
+        room = self.max_num_batched_tokens
+        for run in pending:
+            start, token_ids = run.start, run.token_ids
+            while token_ids:
+                if room == 0:
+                    forwards.append([])
+                    room = self.max_num_batched_tokens
+                piece = token_ids[:room]
+                token_ids = token_ids[len(piece):]
+                forwards[-1].append(_Run(run.index, run.request_id, start, piece, not token_ids))
+                start += len(piece)
+                room -= len(piece)
+        return forwards
+
+    @torch.inference_mode()
+    def _forward(self, runs: list[_Run]) -> list[int]:
+        """One forward of the draft over `runs`; the greedy next token of each run that wants logits, in order."""
+        # the attention backends take the runs of one token first
+        order = sorted(range(len(runs)), key=lambda r: len(runs[r].token_ids) > 1)
+        runs = [runs[r] for r in order]
+        query_len = np.array([len(r.token_ids) for r in runs], dtype=np.int64)
+        starts = np.array([r.start for r in runs], dtype=np.int64)
+        query_start = np.cumsum(query_len) - query_len
+        tables = [self.blocks.block_table(r.request_id) for r in runs]
+        block_table = np.zeros((len(runs), max(map(len, tables))), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_table[row, :len(table)] = table
+        run_of_token = np.repeat(np.arange(len(runs)), query_len)
+        positions = starts[run_of_token] + np.arange(int(query_len.sum())) - query_start[run_of_token]
+        block_size = self.blocks.block_size
+        slots = block_table[run_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        wants = np.array([r.wants_logits for r in runs])
+        logits_indices = (query_start + query_len - 1)[wants]
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
+
+        positions_t = tensor(positions)
+        batch = AttentionBatch(
+            num_decodes=int((query_len == 1).sum()), query_start=query_start.astype(np.int32),
+            query_len=query_len.astype(np.int32), num_computed=starts.astype(np.int32), block_table=block_table,
+            block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
+            slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
+        input_ids = tensor(np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64))
+        hidden = self.model(input_ids, positions_t, self.attention.build(batch, self.kv_cache))
+        self.num_forwards += 1
+        if not len(logits_indices):
+            return []
+        next_tokens = self.model.compute_logits(hidden[tensor(logits_indices)]).argmax(dim=-1).tolist()
+        # back to the callers' order of runs
+        wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
+        return [token for _, token in sorted(zip(wanted_order, next_tokens))]
