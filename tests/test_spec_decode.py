@@ -490,3 +490,10 @@ def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):
         LLM(str(model_dir), compile=False, speculative_config=draft_spec(other_tokenizer))
     with pytest.raises(ValueError, match="no-such-draft"):
         LLM(str(model_dir), compile=False, speculative_config=draft_spec(tmp_path / "no-such-draft"))
+    # the rank-0 half alone (what the planner's simulator drives) has no model to run a draft with
+    from torch_shift.config import ModelConfig
+    from torch_shift.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="a draft's forwards are not modelled"):
+        LLMEngine.driver_only(EngineArgs(str(model_dir), speculative_config=draft_spec(model_dir)),
+                              ModelConfig.from_dir(model_dir), num_kv_blocks=64)
