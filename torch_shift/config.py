@@ -15,7 +15,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Families whose MLP is (in some or all layers) a sparse mixture of experts.
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,6 +102,13 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE, Mixtral); a dense model has no experts and no sparse layers.
+    num_experts: int = 0  # routed experts of each sparse layer
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights are renormalised to sum to 1
+    float32_routing_weights: bool = False  # they scale the experts' outputs in float32, not the model dtype
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts (the others are dense)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -124,12 +135,13 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
         sliding_window = hf.get("sliding_window")
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
                 raise ValueError(f"{arch} with use_sliding_window=true is not supported")
             sliding_window = None
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        moe = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}
         return cls(
             architecture=arch,
             family=family,
@@ -145,22 +157,42 @@ class ModelConfig:
             rope=RopeConfig.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             hidden_act=act,
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            **moe,
         )
 
     @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
+
+    @property
     def num_parameters(self) -> int:
-        """Parameters of the model (an untied LM head counted apart from the embedding)."""
+        """Parameters of the model (an untied LM head counted apart from the embedding; every expert)."""
+        return self._count_parameters(self.num_experts)
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token is computed with: as `num_parameters`, with only its top-k experts of each
+        sparse layer (the router counted whole). Equal to `num_parameters` for a dense model."""
+        return self._count_parameters(self.num_experts_per_tok)
+
+    def _count_parameters(self, experts: int) -> int:
         h, d = self.hidden_size, self.head_dim
         attention = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
-        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        if self.attention_bias:
+            attention += (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        if self.qk_norm:
+            attention += 2 * d
+        num_sparse = len(self.sparse_layers)
+        dense_mlps = (self.num_hidden_layers - num_sparse) * 3 * h * self.intermediate_size
+        sparse_mlps = num_sparse * (h * self.num_experts + experts * 3 * h * self.moe_intermediate_size)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + h
+        return self.num_hidden_layers * (attention + 2 * h) + dense_mlps + sparse_mlps + embeddings + h
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -177,6 +209,33 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf)
+
+
+def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, intermediate_size: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.json, as transformers reads them."""
+    num_experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 writes the first
+    if num_experts is None:
+        raise ValueError(f"{arch}: config.json lacks 'num_local_experts' (or 'num_experts')")
+    if "num_experts_per_tok" not in hf:
+        raise ValueError(f"{arch}: config.json lacks 'num_experts_per_tok'")
+    num_experts, top_k = int(num_experts), int(hf["num_experts_per_tok"])
+    if num_experts == 0 and family == "qwen3_moe":  # as transformers builds it: every layer dense
+        return {}
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+    if family == "mixtral":  # every layer sparse, experts as wide as intermediate_size, weights renormalised
+        return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": intermediate_size,
+                "norm_topk_prob": True, "float32_routing_weights": True, "sparse_layers": tuple(range(num_layers))}
+    dense_layers = set(hf.get("mlp_only_layers") or ())
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
+    if "moe_intermediate_size" not in hf:
+        raise ValueError(f"{arch}: config.json lacks 'moe_intermediate_size'")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "float32_routing_weights": False,
+            "sparse_layers": tuple(i for i in range(num_layers) if i not in dense_layers and (i + 1) % step == 0)}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
+experts as the MLP of some or all layers (torch_shift.models.moe) Qwen3-MoE and Mixtral.
 
 No parallel code lives here. Head counts are attributes read when q/k/v are split, so a
 parallel plan that shards `qkv_proj` sets the local counts; tokens arrive flattened
@@ -16,6 +17,7 @@ from torch import nn
 
 from torch_shift.config import ModelConfig
 from torch_shift.models.linear import Linear
+from torch_shift.models.moe import SparseMoeBlock
 from torch_shift.models.rope import RotaryEmbedding
 
 
@@ -82,12 +84,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, model_layer_idx: int | None = None):
+        """`layer_idx`: the layer in the KV cache attention reads; `model_layer_idx`: the layer in the model
+        (whose MLP may be sparse), when the two differ (a pipeline stage's cache holds only its layers)."""
         super().__init__()
+        model_layer_idx = layer_idx if model_layer_idx is None else model_layer_idx
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer_idx)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if model_layer_idx in config.sparse_layers else MLP(config)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn

@@ -2,7 +2,10 @@
 converted torch_shift checkpoint (`torch-shift convert`).
 
 Each family has one name map: Hugging Face tensor name -> (parameter name, part), where the
-part names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`).
+part names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`) or of a
+stacked experts' parameter (`"3.gate"`, `"3.up"`: expert 3's rows of `experts.gate_up_proj`; `"3"`:
+expert 3 of `experts.down_proj`). A checkpoint holds an expert's projections one tensor each, or all
+experts stacked in one tensor shaped as the parameter (transformers' in-memory layout; part `STACKED`).
 `CheckpointReader` reads one part at a time, and only the slice a parallel plan asks for
 (`safe_open(...).get_slice`), so no rank ever materialises the whole model.
 """
@@ -20,8 +23,12 @@ from safetensors import safe_open
 
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import DecoderLM
+from torch_shift.models.moe import Experts
 
-# (pattern on the Hugging Face name, parameter name template, part of a fused parameter)
+# The part a name map gives a tensor that holds every part of a parameter, stacked as the parameter is.
+STACKED = "*"
+
+# (pattern on the Hugging Face name, parameter name template, part template: the part of a fused parameter)
 _LLAMA_NAMES: list[tuple[str, str, str | None]] = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -43,16 +50,68 @@ _QK_NORM_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{}.attn.q_norm.weight", None),
     (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{}.attn.k_norm.weight", None),
 ]
+# Sparse layers (a part template's {1} is the expert): as save_pretrained writes them, one tensor per
+# expert and projection, or as transformers 5 holds them in memory, every expert in one tensor.
+_MOE_NAMES = [
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{}.mlp.router.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight", "layers.{}.mlp.experts.gate_up_proj", "{1}.gate"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight", "layers.{}.mlp.experts.gate_up_proj", "{1}.up"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", "layers.{}.mlp.experts.down_proj", "{1}"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", "layers.{}.mlp.experts.gate_up_proj", STACKED),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "layers.{}.mlp.experts.down_proj", STACKED),
+]
+_MIXTRAL_NAMES = [  # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{}.mlp.router.weight", None),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", "layers.{}.mlp.experts.gate_up_proj",
+     "{1}.gate"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", "layers.{}.mlp.experts.gate_up_proj",
+     "{1}.up"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", "layers.{}.mlp.experts.down_proj",
+     "{1}"),
+]
 NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES,  # attention_bias=True Llama variants carry q/k/v bias
     "mistral": _LLAMA_NAMES,
     "qwen2": _LLAMA_NAMES + _QKV_BIAS_NAMES,
     "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES,
+    "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
+    "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
 
 FUSED_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+def expert_part(expert: int, slot: str | None = None) -> str:
+    """The part of a stacked experts' parameter: `slot` "gate"/"up" of `gate_up_proj`, None for `down_proj`."""
+    return str(expert) if slot is None else f"{expert}.{slot}"
+
+
+def expert_part_rows(part: str, rows_per_expert: int) -> tuple[int, int, int]:
+    """(expert, first row, rows) of an expert part within its stacked parameter [E, rows_per_expert, cols]."""
+    expert, _, slot = part.partition(".")
+    if not slot:
+        return int(expert), 0, rows_per_expert
+    half = rows_per_expert // 2
+    return int(expert), (0 if slot == "gate" else half), half
+
+
+def source_shape(tensor_slice) -> tuple[int, ...]:
+    """The shape of a safetensors slice or a tensor."""
+    return tuple(tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape") else tensor_slice.shape)
+
+
+def stacked_expert_part(stacked, part: str) -> torch.Tensor:
+    """One expert part of a stacked tensor [E, rows, cols] (a tensor, or a safetensors slice read only there)."""
+    expert, first, rows = expert_part_rows(part, source_shape(stacked)[1])
+    return stacked[expert, first:first + rows]
+
+
+def stacked_expert_shape(config: ModelConfig, param: str) -> tuple[int, int, int]:
+    """The shape of a stacked experts' parameter (`...mlp.experts.gate_up_proj` or `...mlp.experts.down_proj`)."""
+    e, d, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    return (e, 2 * inter, d) if param.endswith(".gate_up_proj") else (e, d, inter)
 
 
 def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[int, ...]]:
@@ -74,10 +133,22 @@ def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[in
             (p + "attn.qkv_proj.weight", "k"): (kv_rows, d),
             (p + "attn.qkv_proj.weight", "v"): (kv_rows, d),
             (p + "attn.o_proj.weight", None): (d, q_rows),
-            (p + "mlp.gate_up_proj.weight", "gate"): (inter, d),
-            (p + "mlp.gate_up_proj.weight", "up"): (inter, d),
-            (p + "mlp.down_proj.weight", None): (d, inter),
         }
+        if i in config.sparse_layers:
+            expert_inter = config.moe_intermediate_size
+            shapes[(p + "mlp.router.weight", None)] = (config.num_experts, d)
+            for e in range(config.num_experts):
+                shapes |= {
+                    (p + "mlp.experts.gate_up_proj", expert_part(e, "gate")): (expert_inter, d),
+                    (p + "mlp.experts.gate_up_proj", expert_part(e, "up")): (expert_inter, d),
+                    (p + "mlp.experts.down_proj", expert_part(e)): (d, expert_inter),
+                }
+        else:
+            shapes |= {
+                (p + "mlp.gate_up_proj.weight", "gate"): (inter, d),
+                (p + "mlp.gate_up_proj.weight", "up"): (inter, d),
+                (p + "mlp.down_proj.weight", None): (d, inter),
+            }
         if config.attention_bias:
             shapes |= {(p + "attn.qkv_proj.bias", "q"): (q_rows,), (p + "attn.qkv_proj.bias", "k"): (kv_rows,),
                        (p + "attn.qkv_proj.bias", "v"): (kv_rows,)}
@@ -89,6 +160,17 @@ def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[in
 def part_views(model: torch.nn.Module, name: str) -> dict[str | None, torch.Tensor]:
     """A (local) parameter of `model` split into its parts, as views; {None: param} if not fused."""
     param = model.get_parameter(name)
+    owner, projection = name.rsplit(".", 1)
+    if isinstance(model.get_submodule(owner), Experts):
+        rows = param.shape[1]
+        slots = ("gate", "up") if projection == "gate_up_proj" else (None,)
+        views = {}
+        for e in range(param.shape[0]):
+            for slot in slots:
+                part = expert_part(e, slot)
+                _, first, length = expert_part_rows(part, rows)
+                views[part] = param.data[e, first:first + length]
+        return views
     leaf = name.split(".")[-2]
     if leaf not in FUSED_PARTS:
         return {None: param.data}
@@ -150,6 +232,9 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
     Raises ValueError for a foreign tensor, a missing one, or a shape the config does not imply.
     """
     expected = expected_parts(config)
+    parts_of: dict[str, list[str | None]] = {}
+    for param, part in expected:
+        parts_of.setdefault(param, []).append(part)
     index: dict[tuple[str, str | None], str] = {}
     for source_name, shape in shapes.items():
         if _IGNORED.match(source_name):
@@ -159,6 +244,15 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
             raise ValueError(f"{where}: tensor {source_name!r} is not part of a {config.architecture}")
         if config.tie_word_embeddings and target == ("lm_head.weight", None):
             continue  # tied: the embedding is the head
+        param, part = target
+        if part == STACKED:  # every expert's parts in one tensor: each part is read from it (read_part)
+            if param not in parts_of:
+                raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
+            if tuple(shape) != stacked_expert_shape(config, param):
+                raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
+                                 f"config.json implies {stacked_expert_shape(config, param)}")
+            index |= {(param, p): source_name for p in parts_of[param]}
+            continue
         if target not in expected:
             raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
         if tuple(shape) != expected[target]:
@@ -176,6 +270,15 @@ def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None
     """Hugging Face tensor name -> (parameter name, part) for a model family."""
     name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
     return lambda hf_name: _map_name(name_map, hf_name)
+
+
+def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False) -> torch.Tensor:
+    """`part_slice` of one part of a parameter from its source tensor (a safetensors slice or a tensor): the
+    part itself, or a stacked experts' tensor (three dims, see index_tensors) holding it among the others."""
+    if len(source_shape(tensor_slice)) == 3:
+        assert not transposed, "a converted checkpoint stores every expert part apart"
+        tensor_slice = stacked_expert_part(tensor_slice, part)
+    return slice_window(tensor_slice, part_slice, transposed)
 
 
 def slice_window(tensor_slice, part_slice, transposed: bool = False) -> torch.Tensor:
@@ -234,7 +337,7 @@ class CheckpointReader:
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
         tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
-        return slice_window(tensor_slice, part_slice, source_name in self.transposed)
+        return read_part(tensor_slice, part, part_slice, source_name in self.transposed)
 
     def close(self) -> None:
         self._handles.clear()
@@ -258,7 +361,7 @@ def _map_name(name_map: list[tuple[re.Pattern, str, str | None]], hf_name: str) 
     for pattern, target, part in name_map:
         m = pattern.fullmatch(hf_name)
         if m:
-            return target.format(*m.groups()), part
+            return target.format(*m.groups()), part if part is None else part.format(*m.groups())
     return None
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from torch_shift.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from torch_shift.models.decoder import DecoderLM
-from torch_shift.models.loader import WeightSource, hf_name_mapper, index_tensors, slice_window
+from torch_shift.models.loader import WeightSource, hf_name_mapper, index_tensors, read_part
 
 # torchtitan Llama 3 name -> Hugging Face name. torchtitan >= 0.3 nests q/k/v under
 # `attention.qkv_linear`; earlier releases put them on `attention` and call the head `output`.
@@ -114,8 +114,9 @@ class _NamedSource:
         self.index = index_tensors(shapes, config, where, map_name)
 
     def _read(self, tensor: torch.Tensor, part: str | None, part_slice) -> torch.Tensor:
-        """`part_slice` of `tensor` (the whole part as the source holds it), in the decoder's row order."""
-        tensor = slice_window(tensor, part_slice)
+        """`part_slice` of `tensor` (the whole part as the source holds it, or every expert's parts stacked), in
+        the decoder's row order."""
+        tensor = read_part(tensor, part, part_slice)
         if self.rope_interleaved and part in ("q", "k"):
             # a plan slices q and k in whole heads along the rows, so the slice is permuted head by head
             assert part_slice is None or (part_slice.dim == 0 and part_slice.length % self.config.head_dim == 0)
@@ -214,9 +215,9 @@ class DecoderSource:
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         tensor = self._whole(self.model.get_parameter(name))
-        if part is not None:
+        if part is not None and tensor.dim() == 2:  # a stacked experts' parameter is split by read_part
             tensor = tensor.narrow(0, *self._part_rows[part])
-        return slice_window(tensor, part_slice)
+        return read_part(tensor, part, part_slice)
 
     def close(self) -> None:
         self._whole.clear()

@@ -48,7 +48,7 @@ class PipelineStage(nn.Module):
         super().__init__()
         self.layer_range = layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(layers)))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layers.start + i) for i in range(len(layers)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)

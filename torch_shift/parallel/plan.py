@@ -129,9 +129,19 @@ def local_part_slice(
     return PartSlice(dim, first * unit, count * unit)
 
 
+def refuse_sharded_experts(config: ModelConfig, what: str) -> None:
+    """A mixture of experts runs with whole weights on every rank: no plan shards its experts yet."""
+    if config.is_moe:
+        raise ValueError(f"{config.architecture} is a mixture of experts, whose expert weights are not sharded yet: "
+                         f"it cannot run {what}; supported: one rank, data-parallel replicas (dp), pipeline "
+                         "stages (pp)")
+
+
 def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
     """A mesh must divide the heads (KV heads may be replicated) and the MLP width."""
     p = sp * tp
+    if p > 1:
+        refuse_sharded_experts(config, f"on an SP x TP = {sp} x {tp} mesh")
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
     if h % p:

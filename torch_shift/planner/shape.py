@@ -66,6 +66,9 @@ class ModelShape:
     def from_config(cls, config: ModelConfig, dtype: str = "auto", kv_dtype: str | None = None,
                     name: str = "model") -> ModelShape:
         """`dtype`: 'auto' (the checkpoint's, fp32 when it names none), fp32, bf16, fp16 or fp8."""
+        if config.is_moe:
+            raise ValueError(f"the planner's cost model is of dense decoders; {config.architecture} is a mixture of "
+                             "experts")
         weight_dtype = canonical_dtype(config.torch_dtype or "fp32") if dtype == "auto" else dtype
         return cls(
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,

@@ -1,0 +1,322 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral) against Hugging Face `transformers` on random checkpoints: the
+sparse block bit for bit, routing ties, the engine's greedy tokens and logprobs (chunked prefill, preemption,
+prefix caching), the checkpoint layouts, and the layouts that refuse to shard experts."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import VOCAB_SIZE, engine_logits, hf_greedy, random_prompts, rewrite_config, save_checkpoint
+from safetensors.torch import save_file
+from test_shift import assert_same_outputs
+
+from torch_shift import LLM, LLMEngine, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.handoff import handoff
+from torch_shift.models import load_model
+from torch_shift.models.convert import convert_checkpoint
+from torch_shift.models.loader import build_model
+from torch_shift.models.moe import SparseMoeBlock, route
+from torch_shift.models.sources import DecoderSource
+from torch_shift.parallel.launch import run_ranks
+from torch_shift.parallel.layouts import build_deployment
+from torch_shift.parallel.plan import validate_mesh_for_model
+from torch_shift.planner import ModelShape
+
+transformers = pytest.importorskip("transformers")
+
+FP32_ATOL = 1e-4
+ROUTER_SCALE = 3.0  # router weights 3x the initializer's: top-k margins far above float32 noise (decisive routing)
+
+# name -> (config class, config); 8 query and 2 KV heads, hidden 64, top-2 routing
+MOE_MODELS = {
+    # layer 1 dense (mlp_only_layers), 4 layers so that each of two pipeline stages has a sparse layer at a
+    # local index that differs from its index in the model
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_hidden_layers": 4, "intermediate_size": 128, "num_experts": 8,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [1], "norm_topk_prob": True,
+                                     "head_dim": 16}),
+    # every second layer sparse (decoder_sparse_step=2: layer 1), routing weights not renormalised
+    "qwen3_moe_step2": ("Qwen3MoeConfig", {"num_hidden_layers": 2, "intermediate_size": 96, "num_experts": 4,
+                                           "moe_intermediate_size": 48, "decoder_sparse_step": 2,
+                                           "norm_topk_prob": False, "head_dim": 16}),
+    "mixtral": ("MixtralConfig", {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 4}),
+}
+
+
+def build_moe_model(name: str, seed: int = 0, **overrides):
+    config_cls, extra = MOE_MODELS[name]
+    kwargs = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+              "vocab_size": VOCAB_SIZE, "max_position_embeddings": 256, "initializer_range": 0.3, "rms_norm_eps": 1e-6,
+              "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3, **extra, **overrides}
+    config = getattr(transformers, config_cls)(**kwargs)
+    config.architectures = [config_cls.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for router in routers(model):
+            router.weight *= ROUTER_SCALE
+    return model
+
+
+def routers(hf_model) -> list[torch.nn.Module]:
+    return [layer.mlp.gate for layer in hf_model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """name -> (transformers model, checkpoint directory as save_pretrained writes it); built once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = build_moe_model(name)
+            cache[name] = (model, save_checkpoint(model, tmp_path_factory.mktemp(name)))
+        return cache[name]
+
+    return get
+
+
+def test_config_reads_the_experts_and_counts_parameters(moe_checkpoints):
+    for name, sparse in (("qwen3_moe", (0, 2, 3)), ("qwen3_moe_step2", (1,)), ("mixtral", (0, 1))):
+        hf_model, model_dir = moe_checkpoints(name)
+        config = ModelConfig.from_dir(model_dir)
+        assert config.is_moe and config.sparse_layers == sparse and config.num_experts_per_tok == 2
+        assert config.num_experts == hf_model.config.num_local_experts
+        assert config.num_parameters == sum(p.numel() for p in hf_model.parameters())
+        per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+        assert config.num_parameters - config.num_active_parameters == \
+            len(sparse) * (config.num_experts - 2) * per_expert
+    mixtral = ModelConfig.from_dir(moe_checkpoints("mixtral")[1])
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size == 48
+    assert mixtral.norm_topk_prob and mixtral.float32_routing_weights
+    qwen = ModelConfig.from_dir(moe_checkpoints("qwen3_moe")[1])
+    assert qwen.norm_topk_prob and not qwen.float32_routing_weights and qwen.qk_norm
+    assert not ModelConfig.from_dir(moe_checkpoints("qwen3_moe_step2")[1]).norm_topk_prob
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_sparse_block_is_bitwise_transformers(moe_checkpoints, name, dtype):
+    """The block on the same hidden states: the same bits as transformers' default (grouped) experts."""
+    _, model_dir = moe_checkpoints(name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ours = load_model(model_dir, dtype=dtype)
+    layer = ModelConfig.from_dir(model_dir).sparse_layers[-1]
+    assert isinstance(ours.layers[layer].mlp, SparseMoeBlock)
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        ref = hf_model.model.layers[layer].mlp(x[None])[0]
+        got = ours.layers[layer].mlp(x)
+        assert got.dtype == dtype
+        assert torch.equal(got, ref)
+        assert torch.equal(ours.layers[layer].mlp(x[:0]), ref[:0])  # a step without tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_step2", "mixtral"])
+def test_router_picks_the_experts_transformers_picks_on_ties(moe_checkpoints, name, dtype):
+    """Experts with equal router rows tie on every token, a zero hidden state ties all experts: the same
+    experts win in the same order, with the same weights."""
+    hf_model, _ = moe_checkpoints(name)
+    hf_router = copy.deepcopy(routers(hf_model)[0])
+    config = ModelConfig.from_hf_dict({**hf_model.config.to_dict(), "architectures": hf_model.config.architectures})
+    block = SparseMoeBlock(config)
+    num_experts = config.num_experts
+    weight = torch.randn(num_experts, 64, generator=torch.Generator().manual_seed(2))
+    weight[num_experts - 1] = weight[0]  # experts 0 and E-1 always tie
+    weight[2] = weight[1]  # and 1 and 2
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    x[:8] = 0  # every expert ties
+    with torch.no_grad():
+        hf_router = hf_router.to(dtype)
+        hf_router.weight.copy_(weight)
+        block.router.weight.copy_(weight)
+        block.to(dtype)
+        x = x.to(dtype)
+        _, ref_weights, ref_ids = hf_router(x)
+        weights, ids = route(block.router(x), block.top_k, block.norm_topk_prob, block.float32_routing_weights)
+    assert torch.equal(ids, ref_ids) and weights.dtype == ref_weights.dtype and torch.equal(weights, ref_weights)
+    assert (weights[8:, 0] == weights[8:, 1]).any()  # tied experts do win together
+    assert torch.equal(ids[:8], ids[:1].expand(8, -1))
+
+
+def _greedy_refs(hf_model, prompts, max_tokens):
+    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    with torch.no_grad():
+        logprobs = [torch.log_softmax(hf_model(torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
+                    for p, r in zip(prompts, refs)]
+    return refs, logprobs
+
+
+def _min_routing_margin(hf_model, sequences) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logit over `sequences` in every sparse layer."""
+    margins = []
+    hooks = [router.register_forward_hook(
+        lambda module, inputs, output: margins.append(torch.topk(output[0].float(), 3, -1).values.diff(dim=-1)[:, 1]))
+        for router in routers(hf_model)]
+    with torch.no_grad():
+        for seq in sequences:
+            hf_model(torch.tensor([seq]))
+    for hook in hooks:
+        hook.remove()
+    return -torch.cat(margins).max().item()
+
+
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
+MAX_TOKENS = 10
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
+    {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
+], ids=["chunked", "preempted"])
+def test_greedy_tokens_and_logprobs_match_transformers(moe_checkpoints, name, engine_args):
+    hf_model, model_dir = moe_checkpoints(name)
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    # no near-tie between the k-th and (k+1)-th expert: the router logits' float32 rounding (~1e-6 of logits of
+    # a few units) cannot pick other experts
+    assert _min_routing_margin(hf_model, [p + r for p, r in zip(prompts, refs)]) > 1e-4
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    for out, ref in zip(outs, ref_logprobs):
+        for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            assert set(top) == {token, *ref[position].topk(3).indices.tolist()}
+            for t, logprob in top.items():
+                assert math.isclose(logprob.logprob, ref[position, t].item(), abs_tol=FP32_ATOL)
+    engine = llm.engine
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_prompt_logits_match_transformers(moe_checkpoints, name):
+    hf_model, model_dir = moe_checkpoints(name)
+    prompt = random_prompts(1, [50])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    got = engine_logits(LLMEngine(EngineArgs(str(model_dir), block_size=8, max_num_batched_tokens=24)), prompt)
+    torch.testing.assert_close(got, ref, atol=FP32_ATOL, rtol=1e-5)
+    assert ref.abs().max() > 5  # logits not flat: the comparison means something
+
+
+def test_prefix_cache_hits_give_the_tokens_of_transformers(moe_checkpoints):
+    hf_model, model_dir = moe_checkpoints("qwen3_moe")
+    shared = random_prompts(1, [40], seed=3)[0]
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    llm = LLM(str(model_dir), block_size=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+    second = llm.generate([prompts[1]], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 40
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [hf_greedy(hf_model, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bfloat16_is_as_close_to_fp32_as_transformers(moe_checkpoints, name):
+    hf_model, model_dir = moe_checkpoints(name)
+    prompt = random_prompts(1, [30])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+        hf_logits = hf_bf16(torch.tensor([prompt])).logits[0].float()
+    engine = LLMEngine(EngineArgs(str(model_dir), dtype="bfloat16", max_num_batched_tokens=16))
+    got = engine_logits(engine, prompt)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().mean() < 1.5 * (hf_logits - ref).abs().mean()
+    # random experts amplify bfloat16's rounding: transformers itself agrees with float32 on 85-97% of argmaxes
+    agreement = (got.float().argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agreement >= (hf_logits.argmax(-1) == ref.argmax(-1)).float().mean() - 0.1
+
+
+def test_stacked_experts_convert_and_in_memory_models(moe_checkpoints, tmp_path):
+    """Experts stacked in one tensor per projection (transformers' in-memory layout) on disk and in a handoff
+    of the model object, and `torch-shift convert`'s checkpoint: the logits of save_pretrained's layout."""
+    hf_model, model_dir = moe_checkpoints("qwen3_moe")
+    prompt = random_prompts(1, [30], seed=5)[0]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+
+    state = hf_model.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, stacked / "model.safetensors")
+    (stacked / "config.json").write_text((model_dir / "config.json").read_text())
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(stacked), tokenizer=str(model_dir))), prompt),
+                               ref, atol=0, rtol=0)
+
+    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted))), prompt), ref, atol=0, rtol=0)
+
+    prompts = random_prompts(3, [4, 9, 1], seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
+    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    ours = load_model(model_dir)
+    got = LLM(ours, tokenizer=str(model_dir)).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    rebuilt = build_model(ours.config, DecoderSource(ours))  # what torch_shift.parallelize reads a DecoderLM with
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), rebuilt.state_dict().values(), strict=True))
+
+
+def test_checkpoints_that_do_not_fit_the_config_are_clear_errors(moe_checkpoints, tmp_path):
+    hf_model, _ = moe_checkpoints("mixtral")
+    fewer_experts = save_checkpoint(hf_model, tmp_path / "fewer", with_tokenizer=False)
+    rewrite_config(fewer_experts, num_local_experts=3)
+    with pytest.raises(ValueError, match="block_sparse_moe.experts.3.w1.weight.*has no place"):
+        load_model(fewer_experts)
+    more_experts = save_checkpoint(hf_model, tmp_path / "more", with_tokenizer=False)
+    rewrite_config(more_experts, num_local_experts=5)
+    with pytest.raises(ValueError, match="has shape \\(4, 64\\), config.json implies \\(5, 64\\)"):
+        load_model(more_experts)
+    hf_qwen, _ = moe_checkpoints("qwen3_moe")
+    dense_layer = save_checkpoint(hf_qwen, tmp_path / "dense", with_tokenizer=False)
+    rewrite_config(dense_layer, mlp_only_layers=[])  # layer 1 is dense in the checkpoint
+    with pytest.raises(ValueError, match="layers.1.mlp.down_proj.weight.*has no place"):
+        load_model(dense_layer)
+
+
+def test_layouts_that_shard_experts_refuse_and_full_replicas_are_built(moe_checkpoints):
+    config = ModelConfig.from_dir(moe_checkpoints("qwen3_moe")[1])
+    supported = "supported: one rank, data-parallel replicas \\(dp\\), pipeline stages \\(pp\\)"
+    for args, what in (({"tp": 2}, "tp=2"), ({"sp": 2}, "sp=2"), ({"sp": 2, "tp": 2}, "tp=2 with sp=2"),
+                       ({"dp": 2, "tp": 2}, "tp=2"), ({"pp": 2, "seesaw": True}, "policy 'seesaw'"),
+                       ({"dp": 2, "flying": True}, "policy 'flying' or 'random'")):
+        with pytest.raises(ValueError, match=f"Qwen3MoeForCausalLM is a mixture of experts.*{what}.*{supported}"):
+            build_deployment(config, **args)
+    with pytest.raises(ValueError, match=f"MixtralForCausalLM .*SP x TP = 1 x 2 mesh; {supported}"):
+        validate_mesh_for_model(ModelConfig.from_dir(moe_checkpoints("mixtral")[1]), 1, 2)
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is a mixture of experts"):
+        LLM(str(moe_checkpoints("qwen3_moe")[1]), tp=2)
+    with pytest.raises(ValueError, match="the planner's cost model is of dense decoders"):
+        ModelShape.from_config(config)
+    assert build_deployment(config, dp=2).family == "dp"
+    assert build_deployment(config, pp=2).family == "pp"
+
+
+def _generate_rank(rank, world, model_dir, engine_args, prompts, params):
+    llm = LLM(str(model_dir), **engine_args)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return outputs, set(llm.engine.stats()["steps_by_layout"]) if rank == 0 else None
+
+
+@pytest.mark.parametrize("engine_args,layouts", [({"dp": 2}, {"dp@0", "dp@1"}), ({"pp": 2}, {"pp"})],
+                         ids=["dp2", "pp2"])
+def test_data_parallel_replicas_and_pipeline_stages_match_one_rank(moe_checkpoints, engine_args, layouts):
+    _, model_dir = moe_checkpoints("qwen3_moe")
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=3)
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, 2, model_dir, engine_args, prompts, params)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] == layouts
