@@ -1,11 +1,13 @@
 """Mixture of experts (Qwen3-MoE, Mixtral) against Hugging Face `transformers` on random checkpoints: the
 sparse block bit for bit, routing ties, the engine's greedy tokens and logprobs (chunked prefill, preemption,
-prefix caching), the checkpoint layouts, and the layouts that refuse to shard experts."""
+prefix caching), the checkpoint layouts, and every layout that shards experts (TP, Shift, Flying, Seesaw) against
+one rank."""
 
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -285,22 +287,16 @@ def test_checkpoints_that_do_not_fit_the_config_are_clear_errors(moe_checkpoints
         load_model(dense_layer)
 
 
-def test_layouts_that_shard_experts_refuse_and_full_replicas_are_built(moe_checkpoints):
-    config = ModelConfig.from_dir(moe_checkpoints("qwen3_moe")[1])
-    supported = "supported: one rank, data-parallel replicas \\(dp\\), pipeline stages \\(pp\\)"
-    for args, what in (({"tp": 2}, "tp=2"), ({"sp": 2}, "sp=2"), ({"sp": 2, "tp": 2}, "tp=2 with sp=2"),
-                       ({"dp": 2, "tp": 2}, "tp=2"), ({"pp": 2, "seesaw": True}, "policy 'seesaw'"),
-                       ({"dp": 2, "flying": True}, "policy 'flying' or 'random'")):
-        with pytest.raises(ValueError, match=f"Qwen3MoeForCausalLM is a mixture of experts.*{what}.*{supported}"):
-            build_deployment(config, **args)
-    with pytest.raises(ValueError, match=f"MixtralForCausalLM .*SP x TP = 1 x 2 mesh; {supported}"):
-        validate_mesh_for_model(ModelConfig.from_dir(moe_checkpoints("mixtral")[1]), 1, 2)
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is a mixture of experts"):
-        LLM(str(moe_checkpoints("qwen3_moe")[1]), tp=2)
+def test_layouts_shard_every_experts_ffn_and_check_its_width(moe_checkpoints):
+    config = ModelConfig.from_dir(moe_checkpoints("qwen3_moe")[1])  # moe_intermediate_size 32
+    for args in ({"tp": 2}, {"sp": 2}, {"sp": 2, "tp": 2}, {"dp": 2, "flying": True}, {"pp": 2, "seesaw": True}):
+        build_deployment(config, **args)
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 \\(each expert's FFN\\) is not divisible by SP x TP"
+                                         " = 64"):
+        validate_mesh_for_model(replace(config, num_attention_heads=64, num_key_value_heads=64,
+                                        intermediate_size=64 * 4), 8, 8)
     with pytest.raises(ValueError, match="the planner's cost model is of dense decoders"):
         ModelShape.from_config(config)
-    assert build_deployment(config, dp=2).family == "dp"
-    assert build_deployment(config, pp=2).family == "pp"
 
 
 def _generate_rank(rank, world, model_dir, engine_args, prompts, params):
@@ -320,3 +316,34 @@ def test_data_parallel_replicas_and_pipeline_stages_match_one_rank(moe_checkpoin
     for outputs, _ in results:
         assert_same_outputs(outputs, ref)
     assert results[0][1] == layouts
+
+
+# family -> (world size, engine arguments, layouts that must have run)
+SHARDED = {
+    "tp2": (2, {"tp": 2}, {"tp"}),
+    "shift_sp2": (2, {"sp": 2, "shift_threshold": 8}, {"base", "shift"}),
+    "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
+    "shift_sp4_kv_replicated": (4, {"sp": 4, "shift_threshold": 8}, {"base", "shift"}),
+    # DP while four requests run, one TP group of both replicas once two have finished
+    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 1.5, "tp_below": 1}},
+               {"dp@0", "dp@1", "tp2@0"}),
+    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
+               {"pp", "tp"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(SHARDED))
+def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family):
+    """Every expert's FFN split by TP (the router whole): Shift's base and shift layouts (the shift one derived
+    from the base's expert shards), SP x TP with KV heads replicated, Flying's TP groups of replicas, Seesaw's TP
+    decode beside its pipeline: greedy tokens and logprobs those of one rank."""
+    world, engine_args, layouts = SHARDED[family]
+    _, model_dir = moe_checkpoints("qwen3_moe")
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] >= layouts, results[0][1]

@@ -40,6 +40,10 @@ def _original(family: str):
     or with CosSinRoPE ("torchtitan_cos_sin")."""
     if family.startswith("torchtitan"):
         return torchtitan_llama.build(seed=0, rope=family.partition("_")[2] or "complex")
+    if family.startswith("moe_"):  # test_moe's mixtures of experts: "moe_qwen3_moe", "moe_mixtral"
+        from test_moe import build_moe_model
+
+        return build_moe_model(family.removeprefix("moe_"))
     return build_hf_model(family)
 
 
@@ -106,9 +110,9 @@ def _logits_rank(rank, world, mesh_shape, names):
 
 
 CASES = {
-    (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp"],
-    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin"],
-    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp"],  # a 1-D ("tp",) mesh: SP = 1
+    (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp", "moe_qwen3_moe", "moe_mixtral"],
+    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin", "moe_qwen3_moe"],
+    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral"],  # a 1-D ("tp",) mesh: SP = 1
 }
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.models.linear import PackedWeight, linear
+from torch_shift.models.moe import Experts, SparseMoeBlock, sparse_moe
 from torch_shift.parallel import comm
 
 
@@ -72,3 +73,22 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = comm.all_gather(linear(x, self.weight, None, self.packed), self.group, dim=-1)
         return logits[..., : self.vocab_size]
+
+
+class RowParallelSparseMoe(nn.Module):
+    """A sparse MoE block whose experts each hold a slice of their FFN's intermediate dim (TP, as the dense MLP:
+    gate/up rows, down columns), the router whole; every rank routes the same tokens the same way, and the
+    partial outputs are summed over `group`. Its parameters keep SparseMoeBlock's names."""
+
+    def __init__(self, block: SparseMoeBlock, experts: Experts, group: dist.ProcessGroup):
+        super().__init__()
+        self.router = block.router
+        self.experts = experts
+        self.top_k, self.norm_topk_prob = block.top_k, block.norm_topk_prob
+        self.float32_routing_weights = block.float32_routing_weights
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = sparse_moe(x, self.router(x), self.experts.gate_up_proj, self.experts.down_proj, self.top_k,
+                         self.norm_topk_prob, self.float32_routing_weights)
+        return comm.all_reduce(out, self.group)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from torch_shift.config import ModelConfig
 from torch_shift.parallel.groups import shift_rank_order
-from torch_shift.parallel.plan import refuse_sharded_experts, validate_mesh_for_model
+from torch_shift.parallel.plan import validate_mesh_for_model
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,11 @@ class Deployment:
 def check_width(config: ModelConfig, width: int, what: str = "TP") -> None:
     """A tensor-parallel width must divide the query heads, the KV heads and the MLP width (the KV
     adaptor splits whole KV heads: paper 004 needs H_kv % d == 0)."""
-    refuse_sharded_experts(config, f"{what}={width}")
     h, h_kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    problems = [f"{name}={n} is not divisible by {what}={width}"
-                for name, n in (("num_attention_heads", h), ("num_key_value_heads", h_kv),
-                                ("intermediate_size", inter)) if n % width]
+    widths = [("num_attention_heads", h), ("num_key_value_heads", h_kv), ("intermediate_size", inter)]
+    if config.is_moe:
+        widths.append(("moe_intermediate_size", config.moe_intermediate_size))
+    problems = [f"{name}={n} is not divisible by {what}={width}" for name, n in widths if n % width]
     if problems:
         raise ValueError(f"this model cannot run {what}={width}: " + "; ".join(problems))
 
@@ -189,12 +189,6 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
     for name, value in (("sp", sp), ("tp", tp), ("dp", dp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    sharded = [what for what, wanted in ((f"tp={tp}", tp > 1), (f"sp={sp}", sp > 1),
-                                         ("policy 'seesaw' (TP decodes over the pipeline's ranks)", seesaw),
-                                         ("TP groups of replicas (policy 'flying' or 'random')", flying))
-               if wanted]
-    if sharded:
-        refuse_sharded_experts(config, " with ".join(sharded))
     if pp > 1 or seesaw:
         return _pipeline_deployment(config, dp, pp, sp, tp, flying, seesaw)
     if flying:

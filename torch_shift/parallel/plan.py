@@ -1,7 +1,8 @@
 """Parallel plans as data: parameter name -> (mesh, DTensor placements).
 
 The base plan shards every weight over "tp" exactly as Megatron TP (q/k/v/gate/up by output
-rows, o/down by input columns) and replicates it over "sp"; tokens are split over "sp". The
+rows, o/down by input columns; each expert of a sparse layer as the dense MLP, the router replicated) and
+replicates it over "sp"; tokens are split over "sp". The
 shift plan shards the same weights over all P ranks of the shift mesh (full TP in shift-rank
 order). The LM head is vocab-parallel over the shift mesh in both plans.
 
@@ -48,6 +49,9 @@ def _megatron_entries(mesh: DeviceMesh, placements_for) -> dict:
         "layers.*.attn.o_proj.weight": (mesh, placements_for(1)),
         "layers.*.mlp.gate_up_proj.weight": (mesh, placements_for(0)),
         "layers.*.mlp.down_proj.weight": (mesh, placements_for(1)),
+        # a sparse layer's experts, stacked [E, 2I, H] and [E, H, I]: every expert's FFN split as the dense one
+        "layers.*.mlp.experts.gate_up_proj": (mesh, placements_for(1)),
+        "layers.*.mlp.experts.down_proj": (mesh, placements_for(2)),
     }
 
 
@@ -105,6 +109,8 @@ def part_units(config: ModelConfig, param_name: str, part: str | None) -> tuple[
         return config.num_attention_heads, config.head_dim
     if leaf in ("gate_up_proj", "down_proj"):
         return config.intermediate_size, 1
+    if leaf == "experts":
+        return config.moe_intermediate_size, 1
     if leaf == "lm_head":
         return config.vocab_size, 1
     raise KeyError(param_name)
@@ -126,22 +132,14 @@ def local_part_slice(
         return PartSlice(0, start, max(0, min(rows, config.vocab_size - start)))
     num_units, unit = part_units(config, param_name, part)
     first, count = shard_bounds(num_units, num_chunks, chunk)
+    if param_name.split(".")[-2] == "experts":
+        dim -= 1  # a part is one expert's [rows, cols]: the stacked parameter's dims without the expert's
     return PartSlice(dim, first * unit, count * unit)
-
-
-def refuse_sharded_experts(config: ModelConfig, what: str) -> None:
-    """A mixture of experts runs with whole weights on every rank: no plan shards its experts yet."""
-    if config.is_moe:
-        raise ValueError(f"{config.architecture} is a mixture of experts, whose expert weights are not sharded yet: "
-                         f"it cannot run {what}; supported: one rank, data-parallel replicas (dp), pipeline "
-                         "stages (pp)")
 
 
 def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
     """A mesh must divide the heads (KV heads may be replicated) and the MLP width."""
     p = sp * tp
-    if p > 1:
-        refuse_sharded_experts(config, f"on an SP x TP = {sp} x {tp} mesh")
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
     if h % p:
@@ -151,5 +149,8 @@ def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
             problems.append(f"num_key_value_heads={h_kv} and {name}={chunks}: neither divides the other")
     if config.intermediate_size % p:
         problems.append(f"intermediate_size={config.intermediate_size} is not divisible by SP x TP = {p}")
+    if config.is_moe and config.moe_intermediate_size % p:
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size} (each expert's FFN) is not divisible "
+                        f"by SP x TP = {p}")
     if problems:
         raise ValueError("this mesh does not fit the model: " + "; ".join(problems))

@@ -28,7 +28,8 @@ from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
-from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, VocabParallelLMHead
+from torch_shift.models.moe import Experts, SparseMoeBlock
+from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, RowParallelSparseMoe, VocabParallelLMHead
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Layout
 from torch_shift.parallel.plan import (
@@ -80,7 +81,20 @@ def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
             else:
                 local = RowParallelLinear(torch.empty(out_features, slices[0].length), group)
             model.set_submodule(name, local)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, SparseMoeBlock) and plan.shard_dim_and_axis(name + ".experts.down_proj"):
+                group = _group_of(plan, name + ".experts.down_proj")
+                width = local_part_slice(plan, config, name + ".experts.down_proj", "0").length
+                experts = Experts(config.num_experts, config.hidden_size, width)
+                model.set_submodule(name, RowParallelSparseMoe(module, experts, group))
     return model
+
+
+def _group_of(plan: ParallelPlan, param_name: str) -> dist.ProcessGroup:
+    """The process group over which the plan shards the parameter."""
+    mesh, _ = plan.lookup(param_name)
+    _, axis = plan.shard_dim_and_axis(param_name)
+    return mesh.get_group(axis)
 
 
 def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
@@ -125,13 +139,17 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
     derived.layers = nn.ModuleList()
     heads, kv_heads = _local_head_counts(target_plan, config)
 
-    def target_slice(name: str, part: str | None, source_tensor: torch.Tensor) -> torch.Tensor:
+    def target_window(name: str, part: str | None) -> tuple[int, int, int]:
+        """(dim, start within the source's tensor, length) of the target's slice of a part."""
         t = local_part_slice(target_plan, config, name, part)
         s = local_part_slice(source_plan, config, name, part) if source_plan is not None else None
         first = s.start if s is not None else 0
         assert s is None or (s.dim == t.dim and s.start <= t.start and t.start + t.length <= s.start + s.length), \
             (name, part)
-        view = source_tensor.narrow(t.dim, t.start - first, t.length)
+        return t.dim, t.start - first, t.length
+
+    def target_slice(name: str, part: str | None, source_tensor: torch.Tensor) -> torch.Tensor:
+        view = source_tensor.narrow(*target_window(name, part))
         return view if weights == "view" else view.contiguous()
 
     for i, source_layer in enumerate(source.layers):
@@ -150,16 +168,39 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
         attn.qkv_proj = _fused(parts, biases, weights)
         o_name = prefix + "attn.o_proj.weight"
         attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group)
-        mlp = copy.copy(source_layer.mlp)
-        mlp._modules = dict(source_layer.mlp._modules)
-        gu_name = prefix + "mlp.gate_up_proj.weight"
-        mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
-                                  None, weights)
-        down_name = prefix + "mlp.down_proj.weight"
-        mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data), group)
+        if isinstance(source_layer.mlp, (SparseMoeBlock, RowParallelSparseMoe)):
+            mlp = _derive_experts(source_layer.mlp, prefix + "mlp.experts.", target_window, group, weights)
+        else:
+            mlp = copy.copy(source_layer.mlp)
+            mlp._modules = dict(source_layer.mlp._modules)
+            gu_name = prefix + "mlp.gate_up_proj.weight"
+            mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
+                                      None, weights)
+            down_name = prefix + "mlp.down_proj.weight"
+            mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data),
+                                              group)
         layer.attn, layer.mlp = attn, mlp
         derived.layers.append(layer)
     return derived
+
+
+def _derive_experts(block: nn.Module, prefix: str, target_window: Callable, group: dist.ProcessGroup,
+                    weights: str) -> RowParallelSparseMoe:
+    """The target layout's slice of every expert's FFN, the router shared. The down projections' slices are views
+    (or copies); each expert's gate and up rows are two runs of rows that no single view holds: always a copy."""
+    gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
+    half = gate_up.shape[1] // 2
+    _, first, rows = target_window(prefix + "gate_up_proj", "0.gate")  # every expert is sharded alike
+    local_gate_up = torch.cat([gate_up[:, first:first + rows], gate_up[:, half + first:half + first + rows]], dim=1)
+    _, first, columns = target_window(prefix + "down_proj", "0")
+    local_down = down[:, :, first:first + columns]
+    if weights != "view":
+        local_down = local_down.contiguous()
+    with torch.device("meta"):
+        experts = Experts(gate_up.shape[0], gate_up.shape[2], rows)
+    experts.gate_up_proj = nn.Parameter(local_gate_up, requires_grad=False)
+    experts.down_proj = nn.Parameter(local_down, requires_grad=False)
+    return RowParallelSparseMoe(block, experts, group)
 
 
 def derive_shift(base: DecoderLM, config: ModelConfig, groups: ShiftGroups, shift_weights: str) -> DecoderLM:
