@@ -25,10 +25,10 @@ from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import FUSED_PARTS, part_views
+from torch_shift.models.moe import Experts, SparseMoeBlock
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
-from torch_shift.models.moe import Experts, SparseMoeBlock
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, RowParallelSparseMoe, VocabParallelLMHead
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Layout
