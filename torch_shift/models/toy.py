@@ -193,7 +193,9 @@ def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
 def write_random_checkpoint(
     out_dir: str | Path, config: dict[str, Any], seed: int = 0, init_std: float = 0.02
 ) -> Path:
-    """Write `config.json` and a `model.safetensors` of random weights under Hugging Face names."""
+    """Write `config.json` and a `model.safetensors` of random weights under Hugging Face names (a mixture of
+    experts' as its family writes them: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, Qwen3-MoE's
+    `mlp.experts.N.gate_proj/up_proj/down_proj`)."""
     from safetensors.torch import save_file
 
     from torch_shift.config import ModelConfig
@@ -219,10 +221,22 @@ def write_random_checkpoint(
             p + "self_attn.k_proj.weight": normal(mc.num_key_value_heads * hd, d),
             p + "self_attn.v_proj.weight": normal(mc.num_key_value_heads * hd, d),
             p + "self_attn.o_proj.weight": normal(d, mc.num_attention_heads * hd),
-            p + "mlp.gate_proj.weight": normal(mc.intermediate_size, d),
-            p + "mlp.up_proj.weight": normal(mc.intermediate_size, d),
-            p + "mlp.down_proj.weight": normal(d, mc.intermediate_size),
         }
+        if i in mc.sparse_layers:  # the router and every expert, under the family's names
+            inter = mc.moe_intermediate_size
+            mixtral = mc.family == "mixtral"
+            moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+            tensors[moe + "gate.weight"] = normal(mc.num_experts, d)
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            for e in range(mc.num_experts):
+                gate, up, down = (f"{moe}experts.{e}.{name}.weight" for name in names)
+                tensors |= {gate: normal(inter, d), up: normal(inter, d), down: normal(d, inter)}
+        else:
+            tensors |= {
+                p + "mlp.gate_proj.weight": normal(mc.intermediate_size, d),
+                p + "mlp.up_proj.weight": normal(mc.intermediate_size, d),
+                p + "mlp.down_proj.weight": normal(d, mc.intermediate_size),
+            }
         if mc.attention_bias:
             tensors |= {p + f"self_attn.{x}_proj.bias": normal(r) for x, r in
                         (("q", mc.num_attention_heads * hd), ("k", mc.num_key_value_heads * hd),
