@@ -60,18 +60,23 @@ def rewrite_config(model_dir: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
+def checkpoint_cache(tmp_path_factory, build):
+    """name -> (transformers model `build(name)`, its checkpoint directory), each built once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = build(name)
+            cache[name] = (model, save_checkpoint(model, tmp_path_factory.mktemp(name)))
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> (transformers model, checkpoint directory); built once per session."""
-    cache: dict[str, tuple] = {}
-
-    def get(family: str):
-        if family not in cache:
-            model = build_hf_model(family)
-            cache[family] = (model, save_checkpoint(model, tmp_path_factory.mktemp(family)))
-        return cache[family]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, build_hf_model)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, engine_logits, hf_greedy, random_prompts, rewrite_config, save_checkpoint
+from conftest import (
+    VOCAB_SIZE,
+    checkpoint_cache,
+    engine_logits,
+    hf_greedy,
+    random_prompts,
+    rewrite_config,
+    save_checkpoint,
+)
 from safetensors.torch import save_file
 from test_shift import assert_same_outputs
 
@@ -71,15 +79,7 @@ def routers(hf_model) -> list[torch.nn.Module]:
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
     """name -> (transformers model, checkpoint directory as save_pretrained writes it); built once."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            model = build_moe_model(name)
-            cache[name] = (model, save_checkpoint(model, tmp_path_factory.mktemp(name)))
-        return cache[name]
-
-    return get
+    return checkpoint_cache(tmp_path_factory, build_moe_model)
 
 
 def test_config_reads_the_experts_and_counts_parameters(moe_checkpoints):
