@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("cpu_attention.cpp",)
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -45,6 +45,10 @@ class CpuKernels:
         self.write_kv.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64,
                                   i64]
         self.write_kv.restype = ctypes.c_int
+        self.packed_gemv = lib.ts_packed_gemv
+        self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+        self.packed_gemv.restype = ctypes.c_int
+        self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int | None:

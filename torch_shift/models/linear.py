@@ -8,18 +8,30 @@ torch_shift.parallel.layers) calls `linear(x, weight, bias, packed)`: with `pack
 packed weight, else `F.linear`. `prepare_linears(model)` packs a built model's weights (every layout
 of it) and drops the dense copies it no longer needs.
 
+A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step) reads the same packed weight through
+torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
+one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
+layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
+for every batch.
+
 Under torch.compile the packed matmul is the custom op `torch_shift::packed_linear`, which names its
 weight by a handle: an opaque oneDNN tensor never enters the graph.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Rows of x up to which the GEMV kernel beats oneDNN; past 4 it reads the weight twice (cpu_linear.cpp).
+GEMV_MAX_ROWS = 4
+_GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
+_GEMV_BLOCK = 64
 
 _packed_by_handle: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
 _handles = itertools.count()
@@ -44,32 +56,74 @@ class PackedWeight:
         assert weight.dim() == 2 and weight.device.type == "cpu", (weight.shape, weight.device)
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        weight = weight.detach().contiguous()
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.nbytes = weight.numel() * weight.element_size()
+        self.gemv = _gemv_kernel(weight, self.tensor)
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.handle, bias)
-        return _run(x, self.tensor, bias, self.out_features)
+            return packed_linear(x, self.handle, self.out_features, bias)
+        return self.run(x, bias)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows == 0:  # oneDNN refuses an empty matmul
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == self.dtype
+                and (bias is None or bias.dtype == self.dtype)):
+            return self._gemv(x, bias, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+
+    def _gemv(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        kernels, code = self.gemv
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, torch.ops.mkldnn.data_ptr(self.tensor),
+                                     self.out_features, self.in_features, None if bias is None else bias.data_ptr(),
+                                     out.data_ptr(), self.out_features)
+        assert status == 0, (self.out_features, self.in_features, self.dtype)
+        return out
 
 
-def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if x.shape[0] == 0:  # oneDNN refuses an empty matmul
-        return x.new_empty(0, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
+    """(kernels, dtype code) where the GEMV kernel can read `packed`: this CPU runs it for the dtype, the shape
+    has whole blocks, and every element of `weight` sits where the kernel's layout formula says; else None."""
+    from torch_shift.kernels import cpu_kernels
+
+    if weight.dtype not in _GEMV_DTYPES or packed.layout != torch._mkldnn:
+        return None
+    code, bit = _GEMV_DTYPES[weight.dtype]
+    out_features, in_features = weight.shape
+    if out_features % _GEMV_BLOCK or (weight.dtype == torch.bfloat16 and in_features % 2):
+        return None
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.packed_gemv_dtypes & bit:
+        return None
+    raw = (ctypes.c_char * weight.nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    buffer = torch.frombuffer(raw, dtype=weight.dtype)
+    if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
+        read = buffer.view(-1, in_features, _GEMV_BLOCK).transpose(1, 2)
+    else:  # pairs of k: (((n / 64) * (K / 2) + k / 2) * 64 + n % 64) * 2 + k % 2
+        read = buffer.view(-1, in_features // 2, _GEMV_BLOCK, 2).permute(0, 2, 1, 3)
+    if not torch.equal(read.reshape(out_features, in_features), weight):
+        return None
+    return kernels, code
 
 
+# out_features travels beside the handle: where one compiled graph serves several weights, dynamo makes the
+# handle a symbolic int, which the fake kernel cannot look up.
 @torch.library.custom_op("torch_shift::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
-    weight = _packed_by_handle[handle]
-    return _run(x.contiguous(), weight.tensor, bias, weight.out_features)
+def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return _packed_by_handle[handle].run(x.contiguous(), bias)
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _packed_by_handle[handle].out_features)
+def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,0 +1,85 @@
+"""Packed linear layers: oneDNN's matmul and torch_shift's GEMV kernel on the same prepared weight, against
+F.linear in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_shift.kernels import compiler, cpu_kernels
+from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, _gemv_kernel, packing_supported
+
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
+
+
+def gemv_expected(dtype: torch.dtype) -> bool:
+    """Where the GEMV kernel must be taken: a compiler builds it and the CPU has the instructions."""
+    kernels = cpu_kernels() if compiler() is not None else None
+    return kernels is not None and bool(kernels.packed_gemv_dtypes & (1 if dtype == torch.float32 else 2))
+
+
+def reference(x, weight, bias):
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+def assert_close(out, expected, dtype, in_features):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+    else:  # both round the float32 sum to bfloat16 once: within a unit in the last place or two
+        torch.testing.assert_close(out.double(), expected, rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(192, 96), (1536, 1024), (100, 64), (128, 33)])
+def test_packed_matches_reference_for_every_row_count(dtype, shape):
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    weight = torch.randn(shape).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    packed = PackedWeight(weight)
+    if out_features % 64:
+        assert packed.gemv is None
+    elif in_features % 32 == 0:  # oneDNN pads other widths (to 16 in float32, 32 in bfloat16): oneDNN runs them
+        assert (packed.gemv is not None) == gemv_expected(dtype)
+    for rows in [0, 1, 2, 3, 4, 5, 8, 13]:
+        x = torch.randn(rows, in_features).to(dtype)
+        for b in (None, bias):
+            out = packed(x, b)
+            assert out.shape == (rows, out_features) and out.dtype == dtype
+            assert_close(out, reference(x, weight, b), dtype, in_features)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype):
+    """Each row of a few-row matmul equals that row alone, and a strided or 3-D input gives what its
+    contiguous copy gives: the decode step's batch never changes a request's result."""
+    torch.manual_seed(1)
+    weight = torch.randn(256, 128).to(dtype)
+    packed = PackedWeight(weight)
+    x = torch.randn(GEMV_MAX_ROWS, 256).to(dtype)[:, :128]  # rows with a stride of 256
+    together = packed(x, None)
+    for row in range(GEMV_MAX_ROWS):
+        assert torch.equal(packed(x[row:row + 1], None), together[row:row + 1])
+    assert torch.equal(packed(x.reshape(2, 2, 128), None), together.reshape(2, 2, 256))
+
+
+def test_a_weight_packed_in_another_layout_keeps_onednn():
+    """The layout check reads the real weight: a packed tensor whose elements are not where the kernel's
+    formula puts them gives no kernel."""
+    torch.manual_seed(2)
+    weight = torch.randn(128, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    assert _gemv_kernel(weight, packed) is not None or not gemv_expected(torch.float32)
+    assert _gemv_kernel(weight.flip(0).contiguous(), packed) is None
+    assert _gemv_kernel(weight, weight) is None  # a dense tensor is not a packed one
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_packed_linear_takes_both_paths(dtype):
+    """Under torch.compile the custom op runs the same two paths: one row and many give the eager results."""
+    torch.manual_seed(3)
+    weight = torch.randn(128, 64).to(dtype)
+    packed = PackedWeight(weight)
+    compiled = torch.compile(lambda x: packed(x, None), fullgraph=True)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 64).to(dtype)
+        assert torch.equal(compiled(x), packed(x, None))
