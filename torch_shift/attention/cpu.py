@@ -64,25 +64,31 @@ class CpuPagedAttention:
         self.v_layout = _layout(kv_cache.v_all, (2, 3, 4))
         self.sliding_window = batch.sliding_window or 0
         self.num_runs = batch.num_runs
+        # the step's arguments of every layer's calls, resolved once (a layer's call is ~10 us of Python otherwise)
+        element = kv_cache.v_all.element_size()
+        self._k_base, self._v_base = kv_cache.k_store.data_ptr(), kv_cache.v_all.data_ptr()
+        self._k_layer_bytes = kv_cache.k_store.stride(1) * element
+        self._v_layer_bytes = kv_cache.v_all.stride(1) * element
+        self._layouts = (self.k_layout.ctypes.data, self.v_layout.ctypes.data)
+        self._runs = (self.num_runs, self.query_start.ctypes.data, self.query_len.ctypes.data,
+                      self.num_computed.ctypes.data, self.block_table.ctypes.data, self.block_table.shape[1],
+                      self.rows.ctypes.data, kv_cache.block_size)
+        self._slot_mapping_ptr = self.slot_mapping.data_ptr()
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.kv_cache
         num_tokens, num_heads, head_dim = q.shape
         assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.dtype == kv.dtype
-        element = kv.v_all.element_size()
-        k_layer = kv.k_store.data_ptr() + layer_idx * kv.k_store.stride(1) * element
-        v_layer = kv.v_all.data_ptr() + layer_idx * kv.v_all.stride(1) * element
-        kernels = self.kernels
-        rc = kernels.write_kv(self.dtype_code, k_layer, v_layer, self.k_layout.ctypes.data, self.v_layout.ctypes.data,
-                              k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-                              self.slot_mapping.data_ptr(), num_tokens, kv.block_size, kv.num_kv_heads, head_dim)
+        k_layer = self._k_base + layer_idx * self._k_layer_bytes
+        v_layer = self._v_base + layer_idx * self._v_layer_bytes
+        rc = self.kernels.write_kv(self.dtype_code, k_layer, v_layer, *self._layouts, k.data_ptr(), k.stride(0),
+                                   k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), self._slot_mapping_ptr, num_tokens,
+                                   kv.block_size, kv.num_kv_heads, head_dim)
         assert rc == 0, rc
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
-        rc = kernels.paged_attention(
+        rc = self.kernels.paged_attention(
             self.dtype_code, out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
-            k_layer, v_layer, self.k_layout.ctypes.data, self.v_layout.ctypes.data, self.num_runs,
-            self.query_start.ctypes.data, self.query_len.ctypes.data, self.num_computed.ctypes.data,
-            self.block_table.ctypes.data, self.block_table.shape[1], self.rows.ctypes.data, kv.block_size,
-            num_heads, kv.num_kv_heads, head_dim, self.sliding_window, 1.0 / math.sqrt(head_dim))
+            k_layer, v_layer, *self._layouts, *self._runs, num_heads, kv.num_kv_heads, head_dim, self.sliding_window,
+            1.0 / math.sqrt(head_dim))
         assert rc == 0, rc
         return out

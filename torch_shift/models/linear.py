@@ -60,6 +60,7 @@ class PackedWeight:
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.nbytes = weight.numel() * weight.element_size()
         self.gemv = _gemv_kernel(weight, self.tensor)
+        self._weight_ptr = torch.ops.mkldnn.data_ptr(self.tensor) if self.gemv is not None else None
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
 
@@ -82,9 +83,9 @@ class PackedWeight:
         x = x.contiguous()
         bias = None if bias is None else bias.contiguous()
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, torch.ops.mkldnn.data_ptr(self.tensor),
-                                     self.out_features, self.in_features, None if bias is None else bias.data_ptr(),
-                                     out.data_ptr(), self.out_features)
+        status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, self._weight_ptr, self.out_features,
+                                     self.in_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                     self.out_features)
         assert status == 0, (self.out_features, self.in_features, self.dtype)
         return out
 
