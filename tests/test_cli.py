@@ -256,8 +256,15 @@ def test_a_file_given_as_a_model_says_what_a_model_is(llama):
     _, model_dir = llama
     with pytest.raises(ValueError, match="is a file: a model is a checkpoint directory"):
         resolve_model_dir(model_dir / "config.json")
-    with pytest.raises(ValueError, match="no such directory"):
+    with pytest.raises(ValueError, match=r"no such file: Llama-3-70B/config.json \(and a model is a checkpoint "
+                                         "directory"):
         resolve_model_dir("Llama-3-70B/config.json")
+
+
+def test_generate_with_a_missing_config_path_says_no_such_file(capsys):
+    assert main(["generate", "--model", "Llama-3-70B/config.json", "--max-tokens", "1", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file: Llama-3-70B/config.json" in err and "Hugging Face cache" not in err
 
 
 def test_serve_on_a_taken_port_fails_before_the_model_loads(capsys, monkeypatch):

@@ -8,11 +8,16 @@ import pytest
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.parallel.launch import run_ranks
+from torch_shift.parallel.layout_model import LayoutModel
 
 PROMPTS = ["the quick brown fox", "café au lait", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MESSAGES = [{"role": "user", "content": "hello there"}]
 SMALL_TIER = {"block_size": 4, "num_kv_blocks": 24, "num_cpu_kv_blocks": 32}
+
+# the layout model each family's ranks run, behind the declared LayoutModel protocol
+LAYOUT_MODELS = {"tp": "ShiftModule", "shift": "ShiftModule", "dp": "ReplicaModel", "flying": "ReplicaModel",
+                 "pp": "PipelineModel", "seesaw": "PipelineModel"}
 
 FAMILIES = {
     "tp": {"tp": 2},
@@ -26,7 +31,8 @@ FAMILIES = {
 
 def _every_call(rank, world, model_dir, engine_args):
     llm = LLM(str(model_dir), **engine_args)
-    answers = {}
+    model = llm.engine.worker.runner.model
+    answers = {"layout_model": type(model).__name__ if isinstance(model, LayoutModel) else None}
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     answers["generate"] = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
                            for o in outputs]
@@ -49,6 +55,7 @@ def test_every_public_call_answers_the_same_on_every_rank(layers4, family):
     ranks = run_ranks(_every_call, 2, layers4, FAMILIES[family], timeout_s=180)
     reference = LLM(str(layers4)).generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [a[1] for a in ranks[0]["generate"]] == [o.outputs[0].token_ids for o in reference]
+    assert ranks[0]["layout_model"] == LAYOUT_MODELS[family]
     assert "prompt 1" in ranks[0]["error"]
     assert ranks[0]["stats"]["num_steps"] > 0
     for rank, answers in enumerate(ranks[1:], start=1):

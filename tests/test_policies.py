@@ -13,6 +13,7 @@ from torch_shift.config import ModelConfig, SchedulerConfig
 from torch_shift.engine.policies import (
     FlyingOptions,
     FlyingPolicy,
+    RandomOptions,
     RandomPolicy,
     SeesawOptions,
     SeesawPolicy,
@@ -367,3 +368,15 @@ def test_protocol_static_and_shift_decisions_need_no_view():
     shift = ShiftPolicy(build_deployment(CONFIG, sp=2, tp=2), ShiftOptions(threshold=8))
     assert shift.decide(FakeView(num_replicas=1)) == StepDecision(("base",))
     assert shift.route(make_request("a", 4), StepDecision(("base",)), FakeView(num_replicas=1)) == ["base"]
+
+
+def test_protocol_random_binds_legal_layouts_and_moves_only_unbound_requests():
+    policy = RandomPolicy(build_deployment(CONFIG, dp=4, flying=True), RandomOptions(seed=3, move_probability=1.0))
+    running = (placed("a", 4, "dp@0", (0,)), placed("b", 4, "tp2@2", (2, 3)))
+    for _ in range(20):
+        view = FakeView(num_replicas=4, running=running)
+        decision = policy.decide(view)
+        assert decision.layouts in policy.bindings
+        bound = {policy.deployment[name].replicas for name in decision.layouts}
+        assert set(decision.recompute) == {r.request_id for r in running if r.replicas not in bound}
+        assert sorted(policy.route(make_request("x", 4), decision, view)) == sorted(decision.layouts)

@@ -283,6 +283,11 @@ def test_offline_chat_renders_tools(tools_model):
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in prompt and "24C" in prompt
     with pytest.raises(ParameterError, match="given twice"):
         llm.chat(ASK, tools=[WEATHER, WEATHER], use_tqdm=False)
+    with pytest.raises(ParameterError, match="role 'user' needs content") as refused:  # as the server refuses it
+        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
+    assert refused.value.param == "messages[0].content"
+    null_content_call = [{**history[1], "content": None}]  # an assistant turn of tool calls may leave it out
+    assert llm.chat([*ASK, *null_content_call, history[2]], tools=TOOLS, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_serve_flags_are_vllms(tmp_path, capsys):

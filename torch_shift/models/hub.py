@@ -34,8 +34,13 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
         return path
     repo_id = str(model)
     if looks_like_path(repo_id):
-        raise ValueError(f"{path} is a file: a model is a checkpoint directory (config.json, *.safetensors) "
-                         "or a Hugging Face hub id" if path.is_file() else f"no such directory: {path}")
+        what = ("a model is a checkpoint directory (config.json, *.safetensors) or a Hugging Face hub id such as "
+                "Qwen/Qwen2.5-0.5B-Instruct")
+        if path.is_file():
+            raise ValueError(f"{path} is a file: {what}; pass its directory, {path.parent}")
+        if path.suffix in _FILE_SUFFIXES:
+            raise ValueError(f"no such file: {path} (and {what}, not a file in it)")
+        raise ValueError(f"no such directory: {path} ({what})")
     try:
         validate_repo_id(repo_id)  # dots are fine: Qwen2.5-0.5B, Llama-3.2-1B, Mistral-7B-v0.1
     except HFValidationError as e:

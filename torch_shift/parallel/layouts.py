@@ -185,10 +185,9 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 
 def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int = 1, pp: int = 1,
                      flying: bool = False, seesaw: bool = False, shift: bool = True) -> Deployment:
-    """The deployment for the engine's parallel arguments (validated against the model)."""
-    for name, value in (("sp", sp), ("tp", tp), ("dp", dp), ("pp", pp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    """The deployment for the engine's parallel arguments (degrees checked by EngineArgs; their combination
+    validated here against the model)."""
+    assert all(isinstance(d, int) and d >= 1 for d in (sp, tp, dp, pp)), (sp, tp, dp, pp)
     if pp > 1 or seesaw:
         return _pipeline_deployment(config, dp, pp, sp, tp, flying, seesaw)
     if flying:

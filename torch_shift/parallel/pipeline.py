@@ -100,8 +100,7 @@ class PipelineModel(LayoutCounters, nn.Module):
     def __init__(self, config: ModelConfig, stage: PipelineStage, stage_ranks: tuple[int, ...], rank: int,
                  tp: DecoderLM | None = None, tp_rank: int = 0, weights: str = "resident"):
         super().__init__()
-        if weights not in ("resident", "host"):
-            raise ValueError(f"seesaw_weights must be 'resident' or 'host', got {weights!r}")
+        assert weights in ("resident", "host"), weights  # EngineArgs checked seesaw_weights
         self.config = config
         self.stage = stage
         self.tp = tp

@@ -226,7 +226,14 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     for i, message in enumerate(messages):
         message = dict(message)
         calls = message.get("tool_calls")
+        if message.get("content") is None and not (message.get("role") == "assistant" and calls):
+            # OpenAI's rule, as the server's ChatMessage checks it
+            raise ParameterError(f"messages[{i}].content",
+                                 f"messages[{i}]: a message of role {message.get('role')!r} needs content (a string or "
+                                 "a list of text parts); only an assistant message with tool_calls may have content "
+                                 "null")
         if calls:
+            message["content"] = message.get("content") or ""  # null beside tool calls: no text
             message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(calls)]
         prepared.append(message)
