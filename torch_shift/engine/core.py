@@ -19,7 +19,7 @@ from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 
 Executor = Callable[[StepPlan], StepResult]
-SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, list[int]]]
+SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[int]]]
 
 
 @dataclass

@@ -53,10 +53,13 @@ class OutputProcessor:
         return tracked.parent
 
     # -- sampling -----------------------------------------------------------------------------------------
-    def sample(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list) -> dict[str, list[int]]:
+    def sample(self, entries_by_group: list[list[ScheduledRequest]],
+               logits_by_group: list) -> dict[str, int | list[int]]:
         """The tokens each sampling request draws from its logits rows (groups in plan order, entries in the
-        order of their logits rows): one, or for a request with proposed tokens the accepted ones and one more;
-        logprobs and prompt logprobs are recorded on the requests."""
+        order of their logits rows): one (an int), or for a request with proposed tokens the list of the
+        accepted ones and one more; logprobs and prompt logprobs are recorded on the requests. A drawn token is
+        an int, not a list of one, because 256 lists alive at once per step made Python's collector run at
+        every step (bench_engine, issue 21)."""
         rows: list[torch.Tensor] = []
         sample_requests: list[Request] = []
         checks: list[tuple[Request, list[int], torch.Tensor]] = []  # speculative: proposals and their logits
@@ -83,7 +86,7 @@ class OutputProcessor:
         if not sample_requests:
             return {}
         token_ids = self._draw(rows, sample_requests)
-        return {r.request_id: [t] for r, t in zip(sample_requests, token_ids)}
+        return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
 
     def _draw(self, rows: list[torch.Tensor], requests: list[Request]) -> list[int]:
         """One token per row, drawn for its request (logprobs recorded)."""
@@ -96,17 +99,17 @@ class OutputProcessor:
         return result.token_ids
 
     def _sample_and_check(self, rows: list[torch.Tensor], sample_requests: list[Request],
-                          checks: list[tuple[Request, list[int], torch.Tensor]]) -> dict[str, list[int]]:
+                          checks: list[tuple[Request, list[int], torch.Tensor]]) -> dict[str, int | list[int]]:
         """Speculative decoding's verification. At each proposed position the request draws its token exactly as
         it would without speculation (its penalties, grammar and seed see the tokens before it), and the proposal
         is accepted when the draw equals it; the first draw that differs is kept and ends the check. With a
         proposer whose proposal is one token (not a distribution), this is the accept/resample rule of
         speculative sampling (accept with probability p(x), else draw from p without x, renormalized): the output
         distribution is the model's, and a seeded request draws the same tokens with speculation as without."""
-        out: dict[str, list[int]] = {}
+        out: dict[str, int | list[int]] = {}
         if self._check_greedily(checks, out):
             if sample_requests:
-                out.update({r.request_id: [t] for r, t in zip(sample_requests, self._draw(rows, sample_requests))})
+                out.update(zip((r.request_id for r in sample_requests), self._draw(rows, sample_requests)))
             return out
         alive = list(range(len(checks)))
         position = 0
@@ -114,7 +117,7 @@ class OutputProcessor:
             requests = sample_requests + [checks[i][0] for i in alive]
             drawn = self._draw(rows + [checks[i][2][position:position + 1] for i in alive], requests)
             for request, token in zip(sample_requests, drawn):
-                out[request.request_id] = [token]
+                out[request.request_id] = token
             sample_requests, rows = [], []
             still = []
             for i, token in zip(alive, drawn[len(drawn) - len(alive):]):
@@ -131,7 +134,7 @@ class OutputProcessor:
             _take_back(request, len(out[request.request_id]))
         return out
 
-    def _check_greedily(self, checks, out: dict[str, list[int]]) -> bool:
+    def _check_greedily(self, checks, out: dict[str, int | list[int]]) -> bool:
         """Requests that decode greedily with nothing that depends on the tokens before a position (no
         penalties, grammar, minimum length or logprobs) are checked with one argmax over all their positions."""
         for request, _, _ in checks:

@@ -46,7 +46,7 @@ class ScheduledRequest:
     block_tables: tuple[list[int], ...]  # the request's blocks in each pool of its group (live lists)
     # proposed tokens checked this step (speculative decoding): they follow the request's last token, which is
     # computed with them; logits at every position of the entry
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: tuple[int, ...] = ()  # a tuple: the empty one is shared, not allocated per entry per step
 
     @property
     def request_id(self) -> str:
@@ -56,7 +56,7 @@ class ScheduledRequest:
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
         num_known = self.num_tokens - len(self.spec_token_ids)
-        return self.request.all_token_ids[start:start + num_known] + self.spec_token_ids
+        return self.request.all_token_ids[start:start + num_known] + list(self.spec_token_ids)
 
     @property
     def block_table(self) -> list[int]:
@@ -477,9 +477,10 @@ class Scheduler:
         sample = start + num_new - len(spec_token_ids) == len(request.all_token_ids)
         return ScheduledRequest(request, num_new, start, sample,
                                 request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables,
-                                list(spec_token_ids))
+                                tuple(spec_token_ids))
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:
         """Advance every scheduled request; append the tokens it drew (one, or with proposed tokens the
         accepted ones and one more); finish those that hit a token-level stop. Returns the requests that
         received tokens."""
@@ -493,7 +494,8 @@ class Scheduler:
                     continue  # aborted while the step ran
                 rid = request.request_id
                 before = request.num_computed_tokens
-                new_tokens = sampled_token_ids[rid] if entry.sample else ()
+                drawn = sampled_token_ids[rid] if entry.sample else ()
+                new_tokens = (drawn,) if isinstance(drawn, int) else drawn
                 if entry.spec_token_ids:
                     # computed: the last token and the accepted proposals (all new tokens but the last)
                     after = before + len(new_tokens)

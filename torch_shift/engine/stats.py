@@ -73,7 +73,7 @@ class EngineStats:
             self._decode_batches[0] += num_requests
             self._decode_batches[1] += 1
 
-    def record_spec(self, entries: list[list[ScheduledRequest]], sampled: dict[str, list[int]]) -> None:
+    def record_spec(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]]) -> None:
         """The step's checks of proposed tokens: a proposal is accepted up to the first token the request drew
         otherwise (all tokens but the last one drawn are accepted proposals, unless a stop came first)."""
         for group in entries:

@@ -200,7 +200,7 @@ class SimulatedEngine(ClockedEngine):
                 if accepted < len(proposed) and proposed[accepted] == after:  # a rejection draws another token
                     after = next(t for t in range(self.config.model.vocab_size)
                                  if t != after and t not in self.eos_token_ids)
-                sampled[e.request.request_id] = proposed[:accepted] + [after]
+                sampled[e.request.request_id] = [*proposed[:accepted], after]
         return sampled
 
 
