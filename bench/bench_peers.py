@@ -134,7 +134,8 @@ def machine_limits(threads: list[int]) -> dict:
 
     from torch_shift.models.linear import PackedWeight, packing_supported
 
-    def best(fn, reps=5):
+    def best(fn, reps=10):  # a 2-thread GEMM measured 20-50% low in some runs with 5 repeats after 1 warm-up
+        fn()
         fn()
         times = []
         for _ in range(reps):
