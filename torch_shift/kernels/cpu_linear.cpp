@@ -14,10 +14,12 @@
 // streaming sum (docs/performance.md, issue 20).
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__)  // AVX-512 paths, chosen at run time; elsewhere the kernel declines and oneDNN runs
+#include <immintrin.h>
 
 namespace {
 
@@ -163,3 +165,14 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
 }
 
 }  // extern "C"
+
+#else
+
+extern "C" {
+int ts_packed_gemv_dtypes() { return 0; }
+int ts_packed_gemv(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*, int64_t) {
+  return -1;
+}
+}  // extern "C"
+
+#endif  // __x86_64__
