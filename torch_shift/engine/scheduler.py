@@ -492,36 +492,50 @@ class Scheduler:
                 request = entry.request
                 if request.status is not running:
                     continue  # aborted while the step ran
-                rid = request.request_id
-                before = request.num_computed_tokens
-                drawn = sampled_token_ids[rid] if entry.sample else ()
-                new_tokens = (drawn,) if isinstance(drawn, int) else drawn
                 if entry.spec_token_ids:
-                    # computed: the last token and the accepted proposals (all new tokens but the last)
-                    after = before + len(new_tokens)
-                    for r in request.replicas:  # blocks that held only rejected proposals go back
-                        blocks = pools[r].req_blocks[rid]
-                        num_blocks = len(blocks)
-                        pools[r].free_tail(rid, after)
-                        if len(blocks) < num_blocks:
-                            self._shrunk[rid] = min(len(blocks), self._shrunk.get(rid, num_blocks))
-                else:
-                    after = before + entry.num_tokens
-                request.num_computed_tokens = after
+                    self._update_speculating(entry, pool, sampled_token_ids[request.request_id])
+                    updated.append(request)
+                    continue
+                before = request.num_computed_tokens
+                request.num_computed_tokens = after = before + entry.num_tokens
                 if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
-                    known = request.all_token_ids if not entry.spec_token_ids else (
-                        request.all_token_ids + list(new_tokens[:-1]))  # the accepted proposals are computed
-                    pool.cache_computed_blocks(rid, known, after)
+                    pool.cache_computed_blocks(request.request_id, request.all_token_ids, after)
                 if not entry.sample:
                     continue
                 updated.append(request)
-                for token in new_tokens:
-                    request.append_output_token(token)
+                drawn = sampled_token_ids[request.request_id]
+                if drawn.__class__ is int:  # the common case, kept cheap: 256 requests per step
+                    request.append_output_token(drawn)
                     status = request.check_stop(max_model_len)
                     if status is not None:
-                        self.finish_request(rid, status)
-                        break
+                        self.finish_request(request.request_id, status)
+                else:
+                    self._append_drawn(request, drawn)
         return updated
+
+    def _append_drawn(self, request: Request, drawn: list[int]) -> None:
+        for token in drawn:
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                return
+
+    def _update_speculating(self, entry: ScheduledRequest, pool: BlockManager | None, drawn: list[int]) -> None:
+        """A request that verified proposed tokens: computed are its last token and the accepted proposals (all
+        drawn tokens but the last); blocks that held only rejected proposals go back."""
+        request, rid = entry.request, entry.request.request_id
+        before = request.num_computed_tokens
+        request.num_computed_tokens = after = before + len(drawn)
+        for r in request.replicas:
+            blocks = self.pools[r].req_blocks[rid]
+            num_blocks = len(blocks)
+            self.pools[r].free_tail(rid, after)
+            if len(blocks) < num_blocks:
+                self._shrunk[rid] = min(len(blocks), self._shrunk.get(rid, num_blocks))
+        if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
+            pool.cache_computed_blocks(rid, request.all_token_ids + list(drawn[:-1]), after)
+        self._append_drawn(request, drawn)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish or abort a request wherever it is; its blocks go back to the pools."""
