@@ -524,6 +524,7 @@ class Scheduler:
     def _update_speculating(self, entry: ScheduledRequest, pool: BlockManager | None, drawn: list[int]) -> None:
         """A request that verified proposed tokens: computed are its last token and the accepted proposals (all
         drawn tokens but the last); blocks that held only rejected proposals go back."""
+        assert entry.sample, entry  # proposals follow a request's last token: a speculating entry always samples
         request, rid = entry.request, entry.request.request_id
         before = request.num_computed_tokens
         request.num_computed_tokens = after = before + len(drawn)
