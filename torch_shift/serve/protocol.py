@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.structured_output import StructuredOutputsParams
+from torch_shift.serve.tools import null_content_error
 
 _MAX_SEED = 2**63 - 1  # torch.Generator takes a 64-bit seed; vLLM bounds it to int64 as well
 
@@ -242,10 +243,9 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            # OpenAI's rule: only an assistant turn that carries tool calls may leave its content out
-            raise ValueError(f"a message of role {self.role!r} needs content (a string or a list of text parts); "
-                             "only an assistant message with tool_calls may have content null")
+        error = null_content_error(self.role, self.content, self.tool_calls)
+        if error is not None:
+            raise ValueError(error)
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
         if self.tool_calls and self.role != "assistant":

@@ -219,6 +219,15 @@ def _required_schema(functions: Mapping[str, Mapping], parallel: bool) -> dict:
     return schema
 
 
+def null_content_error(role: Any, content: Any, tool_calls: Any) -> str | None:
+    """OpenAI's rule, for the server's messages and `LLM.chat`'s alike: only an assistant turn that carries
+    tool calls may leave its content null. What is wrong, or None."""
+    if content is None and not (role == "assistant" and tool_calls):
+        return (f"a message of role {role!r} needs content (a string or a list of text parts); only an assistant "
+                "message with tool_calls may have content null")
+    return None
+
+
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: the arguments of earlier tool calls as objects, not JSON text (as
     transformers' templates expect, and vLLM passes them); ParameterError for arguments that are not JSON."""
@@ -226,12 +235,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     for i, message in enumerate(messages):
         message = dict(message)
         calls = message.get("tool_calls")
-        if message.get("content") is None and not (message.get("role") == "assistant" and calls):
-            # OpenAI's rule, as the server's ChatMessage checks it
-            raise ParameterError(f"messages[{i}].content",
-                                 f"messages[{i}]: a message of role {message.get('role')!r} needs content (a string or "
-                                 "a list of text parts); only an assistant message with tool_calls may have content "
-                                 "null")
+        error = null_content_error(message.get("role"), message.get("content"), calls)
+        if error is not None:
+            raise ParameterError(f"messages[{i}].content", f"messages[{i}]: {error}")
         if calls:
             message["content"] = message.get("content") or ""  # null beside tool calls: no text
             message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
