@@ -30,85 +30,74 @@ __attribute__((target("avx512f"))) inline __m512 load_bias_f32(const float* bias
   return bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
 }
 
+// R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
-__attribute__((target("avx512f"))) void gemv_f32_blocks(const float* x, int64_t x_stride, const float* w,
-                                                         int64_t K, const float* bias, float* out,
-                                                         int64_t out_stride, int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b) {
-    const float* wb = w + b * kBlock * K;
-    __m512 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-      const float* wk = wb + k * kBlock;
-      const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-      const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
-        acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
-        acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
+struct F32Rows {
+  __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* w, int64_t K,
+                                                     const float* bias, float* out, int64_t out_stride,
+                                                     int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* wb = w + b * kBlock * K;
+      __m512 acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const float* wk = wb + k * kBlock;
+        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+        const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+          acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
+          acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
+          acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
+        }
       }
+      const int64_t n = b * kBlock;
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j)
+          _mm512_storeu_ps(out + r * out_stride + n + 16 * j,
+                           _mm512_add_ps(acc[r][j], load_bias_f32(bias, n + 16 * j)));
     }
-    const int64_t n = b * kBlock;
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j)
-        _mm512_storeu_ps(out + r * out_stride + n + 16 * j,
-                         _mm512_add_ps(acc[r][j], load_bias_f32(bias, n + 16 * j)));
   }
-}
+};
 
 __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bf16,avx512bw"))) void gemv_bf16_blocks(
-    const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
-    int64_t out_stride, int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b) {
-    const uint16_t* wb = w + b * kBlock * K;
-    __m512 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 2) {
-      const uint16_t* wk = wb + k * kBlock;  // 64 outputs x 2 consecutive k
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-      const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
-        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xv);
-      }
-    }
-    const int64_t n = b * kBlock;
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) {
-        __m512 y = acc[r][j];
-        if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + n + 16 * j));
-        _mm256_storeu_si256((__m256i*)(out + r * out_stride + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
-      }
-  }
-}
-
-template <int R>
-struct F32Rows {
-  static void run(const float* x, int64_t xs, const float* w, int64_t K, const float* bias, float* out, int64_t os,
-                  int64_t b, int64_t e) {
-    gemv_f32_blocks<R>(x, xs, w, K, bias, out, os, b, e);
-  }
-};
-
-template <int R>
 struct Bf16Rows {
-  static void run(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
-                  int64_t os, int64_t b, int64_t e) {
-    gemv_bf16_blocks<R>(x, xs, w, K, bias, out, os, b, e);
+  __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
+      const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
+      int64_t out_stride, int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* wb = w + b * kBlock * K;
+      __m512 acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t* wk = wb + k * kBlock;  // 64 outputs x 2 consecutive k
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+          acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
+          acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xv);
+        }
+      }
+      const int64_t n = b * kBlock;
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) {
+          __m512 y = acc[r][j];
+          if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + n + 16 * j));
+          _mm256_storeu_si256((__m256i*)(out + r * out_stride + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
   }
 };
 
