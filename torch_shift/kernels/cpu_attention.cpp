@@ -31,6 +31,7 @@ constexpr int kLanes = 16;
 constexpr int kMaxRows = 64;  // query rows (queries x heads of a KV head) of one work item
 constexpr int kPieces = 4;    // pieces of kLanes keys in a chunk: one online-softmax update per chunk
 constexpr int kChunk = kPieces * kLanes;
+static_assert(kPieces == 4, "chunk_rows dispatches on 1 to 4 pieces");
 constexpr int kRowsConvertedOnce = 4;  // more rows of a KV head than this: convert its chunk to float32 once
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
@@ -188,37 +189,160 @@ struct Piece {
   int64_t n;  // valid keys (<= kLanes)
 };
 
+// The next chunk's keys and values, requested a few cache lines at a time from inside the loops over the
+// current chunk. A sequence's blocks are scattered in the pool, so the hardware's prefetchers start over at
+// each one; requested all at once, a chunk's lines fill the core's miss buffers and stall it until they
+// return, so that reading and computing take turns instead of overlapping.
+struct Prefetcher {
+  static constexpr int kMaxRanges = kChunk + kPieces + 2;
+  const char* start[kMaxRanges];
+  int64_t bytes[kMaxRanges];
+  int count = 0, next = 0;
+  int64_t offset = 0, lines = 0, per_step = 0;
+
+  void add(const void* p, int64_t n) {
+    const char* c = static_cast<const char*>(p);
+    if (count > 0 && start[count - 1] + bytes[count - 1] == c) {
+      bytes[count - 1] += n;
+    } else {
+      assert(count < kMaxRanges);
+      start[count] = c;
+      bytes[count++] = n;
+    }
+    lines += (n + 63) / 64;
+  }
+  // the lines spread over `steps` calls of step()
+  void spread(int64_t steps) { per_step = std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1)); }
+  inline void step() {
+    for (int64_t i = 0; i < per_step && next < count; ++i) {
+      __builtin_prefetch(start[next] + offset, 0, 1);  // to L2: measured faster than to L1
+      offset += 64;
+      if (offset >= bytes[next]) {
+        ++next;
+        offset = 0;
+      }
+    }
+  }
+  // the rest now, and empty again
+  void finish() {
+    per_step = INT64_MAX;
+    step();
+    count = next = 0;
+    offset = lines = 0;
+  }
+};
+
+// A decode item's chunk of values weighted by `probs` added into rows [r0, r0 + RB)'s accumulators (first
+// scaled by `correction`), DVB vectors of a row at a time: RB x DVB independent chains of multiply-adds.
+template <int RB, int DVB, typename KT, typename VT>
+inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces,
+                         int64_t value_stride, const float (&probs)[RB][kChunk], const float (&correction)[RB],
+                         Prefetcher& prefetcher) {
+  const int64_t D = rows.head_dim;
+  for (int64_t dv = 0; dv < D; dv += DVB * kLanes) {
+    vfloat out[RB][DVB];
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < DVB; ++b) out[r][b] = load16(rows.acc + (r0 + r) * D + dv + b * kLanes) * correction[r];
+    for (int64_t s = 0; s < num_pieces; ++s) {
+      const VT* values = pieces[s].values + dv;
+      for (int64_t j = 0; j < pieces[s].n; ++j) {
+        prefetcher.step();
+        vfloat weight[RB];
+        for (int r = 0; r < RB; ++r) weight[r] = splat(probs[r][s * kLanes + j]);
+        for (int b = 0; b < DVB; ++b) {
+          const vfloat vv = load16(values + j * value_stride + b * kLanes);
+          for (int r = 0; r < RB; ++r) out[r][b] += weight[r] * vv;
+        }
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < DVB; ++b)
+        std::memcpy(rows.acc + (r0 + r) * D + dv + b * kLanes, &out[r][b], sizeof(vfloat));
+  }
+}
+
+// A decode item's scores of rows [r0, r0 + RB) against NF full pieces and, if PARTIAL, one partial piece after
+// them (its keys padded with zeros in `padded`, never reading past them). The piece count is a template
+// argument so that the RB x kPieces accumulators are registers, RB x NF independent chains.
+template <int RB, int NF, bool PARTIAL, typename KT, typename VT>
+inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t key_dim_stride,
+                         float* padded, Prefetcher& prefetcher, vfloat (&scores)[RB][kPieces]) {
+  const int64_t D = rows.head_dim;
+  if (PARTIAL) {
+    const KT* keys = pieces[NF].keys;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < kLanes; ++j)
+        padded[d * kLanes + j] = j < pieces[NF].n ? to_float(keys[d * key_dim_stride + j]) : 0.f;
+  }
+  const float* q = rows.q + r0 * D;
+  for (int64_t d = 0; d < D; ++d) {
+    prefetcher.step();
+    vfloat qd[RB];
+    for (int r = 0; r < RB; ++r) qd[r] = splat(q[r * D + d]);
+    for (int s = 0; s < NF; ++s) {
+      const vfloat kd = load16(pieces[s].keys + d * key_dim_stride);
+      for (int r = 0; r < RB; ++r) scores[r][s] += qd[r] * kd;
+    }
+    if (PARTIAL) {
+      const vfloat kd = load16(padded + d * kLanes);
+      for (int r = 0; r < RB; ++r) scores[r][NF] += qd[r] * kd;
+    }
+  }
+}
+
 // Rows [r0, r0 + RB) (one KV head) against one chunk of keys starting at position `chunk`: scores, the online
 // softmax update (once per chunk: FlashAttention's recurrence), and the values added into the accumulators.
-template <int RB, typename KT, typename VT>
+// DECODE (one query: bound by reading the keys and values) takes the loops above, which keep more
+// multiply-adds in flight and request the next chunk as they go (decode attention 1.3-1.5x faster at 64-256
+// sequences, bench_attention.py); a prompt tile (many row blocks on one chunk, bound by arithmetic) keeps the
+// loops below, which measured 1.3x faster for it. Only a chunk's last piece can be partial.
+template <int RB, bool DECODE, typename KT, typename VT>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
-                int64_t value_stride, int64_t chunk, float* padded) {
+                int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
   const int64_t D = rows.head_dim;
   const int64_t DV = D / kLanes;
   vfloat scores[RB][kPieces];
   for (int r = 0; r < RB; ++r)
     for (int s = 0; s < kPieces; ++s) scores[r][s] = vfloat{};
-  for (int64_t s = 0; s < num_pieces; ++s) {
-    const KT* keys = pieces[s].keys;
-    int64_t stride = key_dim_stride;
-    if (pieces[s].n < kLanes) {  // a partial piece: its keys padded with zeros, never reading past them
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = 0; j < kLanes; ++j) padded[d * kLanes + j] = j < pieces[s].n ? to_float(keys[d * stride + j]) : 0.f;
+  if constexpr (DECODE) {
+    switch (num_pieces * 2 + (pieces[num_pieces - 1].n < kLanes)) {
+#define TS_SCORES(NF, PARTIAL)                                                                \
+  chunk_scores<RB, NF, PARTIAL>(rows, r0, pieces, key_dim_stride, padded, prefetcher, scores); \
+  break
+      case 2: TS_SCORES(1, false);
+      case 3: TS_SCORES(0, true);
+      case 4: TS_SCORES(2, false);
+      case 5: TS_SCORES(1, true);
+      case 6: TS_SCORES(3, false);
+      case 7: TS_SCORES(2, true);
+      case 8: TS_SCORES(4, false);
+      case 9: TS_SCORES(3, true);
+#undef TS_SCORES
+      default: assert(false);
+    }
+  } else {
+    for (int64_t s = 0; s < num_pieces; ++s) {
+      const KT* keys = pieces[s].keys;
+      int64_t stride = key_dim_stride;
+      if (pieces[s].n < kLanes) {  // a partial piece: its keys padded with zeros, never reading past them
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t j = 0; j < kLanes; ++j) padded[d * kLanes + j] = j < pieces[s].n ? to_float(keys[d * stride + j]) : 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          const vfloat kd = load16(padded + d * kLanes);
+          for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
+        }
+        continue;
+      }
       for (int64_t d = 0; d < D; ++d) {
-        const vfloat kd = load16(padded + d * kLanes);
+        const vfloat kd = load16(keys + d * stride);
         for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
       }
-      continue;
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      const vfloat kd = load16(keys + d * stride);
-      for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
     }
   }
 
   vint lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
-  alignas(64) float probs[RB][kPieces * kLanes];
+  alignas(64) float probs[RB][kChunk];
   float correction[RB];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
@@ -249,6 +373,14 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     }
     rows.sum[row] = rows.sum[row] * correction[r] + hsum(total);
     rows.max[row] = new_max;
+  }
+  if constexpr (DECODE) {
+    switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
+      case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
+      case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
+      default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
+    }
+    return;
   }
   for (int64_t dv = 0; dv < DV; ++dv) {
     vfloat out[RB];
@@ -304,11 +436,6 @@ void chunk_row_scalar(Rows& rows, int64_t row, const Piece<KT, VT>* pieces, int6
   rows.max[row] = new_max;
 }
 
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
-}
-
 template <typename T>
 void attend(const Problem& p, const Item& item) {
   const int64_t D = p.head_dim;
@@ -348,6 +475,11 @@ void attend(const Problem& p, const Item& item) {
   const int64_t rows_per_head = rows.count / NH;
   const bool vector = D % kLanes == 0;
 
+  // A decode item's next chunk is requested a few lines at a time from inside its loops; a prompt tile's at
+  // once, before the current chunk (steps inside its loops cost it 2x, measured). The prefetcher stays empty
+  // where blocks are copied out.
+  Prefetcher prefetcher;
+  const bool decode = item.num_queries == 1;
   // one chunk of head h against that head's rows
   auto attend_chunk = [&](int64_t h, auto* pieces, int64_t num_pieces, int64_t key_dim_stride, int64_t value_stride,
                           int64_t chunk) {
@@ -358,15 +490,23 @@ void attend(const Problem& p, const Item& item) {
     if (!vector) {
       for (int64_t r = r0; r < r0 + rows_per_head; ++r)
         chunk_row_scalar<KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk);
-    } else if (G % 4 == 0) {
-      for (int64_t r = r0; r < r0 + rows_per_head; r += 4)
-        chunk_rows<4, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
-    } else if (G % 2 == 0) {
-      for (int64_t r = r0; r < r0 + rows_per_head; r += 2)
-        chunk_rows<2, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
     } else {
-      for (int64_t r = r0; r < r0 + rows_per_head; ++r)
-        chunk_rows<1, KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded);
+      // RB query heads of the KV head at a time
+      auto row_blocks = [&](auto rb) {
+        constexpr int RB = decltype(rb)::value;
+        for (int64_t r = r0; r < r0 + rows_per_head; r += RB) {
+          if (decode)
+            chunk_rows<RB, true>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
+          else
+            chunk_rows<RB, false>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
+        }
+      };
+      if (G % 4 == 0)
+        row_blocks(std::integral_constant<int, 4>{});
+      else if (G % 2 == 0)
+        row_blocks(std::integral_constant<int, 2>{});
+      else
+        row_blocks(std::integral_constant<int, 1>{});
     }
   };
 
@@ -376,12 +516,24 @@ void attend(const Problem& p, const Item& item) {
   const int64_t key_end = rows.hi[rows.count - 1] + 1;  // rows are in position order: the last sees the most
   const int64_t first_chunk = rows.lo[0] / kChunk * kChunk;
   if (p.block_size % kLanes == 0) {  // every piece lies in one block: read in place
-    // a block's keys and values of the item's heads are requested a block ahead of their use: a sequence's
-    // blocks are scattered in the pool, so the hardware's prefetchers would start over at each one
+    // the item's heads of a block: its keys (all of the block's positions, requested with the chunk holding
+    // the block's first one) and the values of each position
     const int64_t k_bytes = ((NH - 1) * p.k.head + (D - 1) * p.k.dim + p.block_size) * int64_t(sizeof(T));
-    const int64_t v_bytes = ((p.block_size - 1) * p.v.token + (NH - 1) * p.v.head + D) * int64_t(sizeof(T));
-    const int64_t last_block = (key_end - 1) / p.block_size;
-    int64_t prefetched = first_chunk / p.block_size;
+    const int64_t v_bytes = ((NH - 1) * p.v.head + D) * int64_t(sizeof(T));
+    auto request = [&](int64_t chunk) {
+      const int64_t chunk_end = std::min(key_end, chunk + kChunk);
+      for (int64_t pos = chunk; pos < chunk_end; pos = (pos / p.block_size + 1) * p.block_size) {
+        const int64_t block = pos / p.block_size, physical = table[block];
+        if (pos % p.block_size == 0 || chunk == first_chunk)
+          prefetcher.add(kc + physical * p.k.block + item.first_kv_head * p.k.head, k_bytes);
+        const T* values = vc + physical * p.v.block + item.first_kv_head * p.v.head;
+        for (int64_t t = pos % p.block_size; t < p.block_size && block * p.block_size + t < chunk_end; ++t)
+          prefetcher.add(values + t * p.v.token, v_bytes);
+      }
+      prefetcher.spread(NH * (D + kChunk));  // about the calls of step() in one chunk of every head
+    };
+    request(first_chunk);
+    prefetcher.finish();
     Piece<T, T> pieces[kPieces];
     // bfloat16 and float16 keys and values are converted once per chunk where many row blocks read them (a
     // prompt's tile), not at every read
@@ -389,11 +541,9 @@ void attend(const Problem& p, const Item& item) {
     Piece<float, float> converted[kPieces];
     for (int64_t chunk = first_chunk; chunk < key_end; chunk += kChunk) {
       const int64_t chunk_end = std::min(key_end, chunk + kChunk);
-      const int64_t last_of_chunk = (chunk_end - 1) / p.block_size;
-      for (; prefetched <= std::min(last_block, last_of_chunk + 1); ++prefetched) {
-        const int64_t physical = table[prefetched];
-        prefetch(kc + physical * p.k.block + item.first_kv_head * p.k.head, k_bytes);
-        prefetch(vc + physical * p.v.block + item.first_kv_head * p.v.head, v_bytes);
+      if (chunk + kChunk < key_end) {
+        request(chunk + kChunk);
+        if (!decode) prefetcher.finish();
       }
       for (int64_t h = 0; h < NH; ++h) {
         int64_t num_pieces = 0;
@@ -423,6 +573,7 @@ void attend(const Problem& p, const Item& item) {
           attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk);
         }
       }
+      prefetcher.finish();
     }
   } else {  // blocks smaller than a piece (or not a multiple of it): copy each chunk's keys and values out
     Piece<float, float> pieces[kPieces];

@@ -1,0 +1,113 @@
+"""The paged attention backends on one layer's step: decode of 1, 64 and 256 sequences and prompt chunks,
+beside the machine's streaming read rate measured in the same run.
+
+    python bench/bench_attention.py [--threads 2] [--dtypes float32,bfloat16] [--backends cpu,sdpa]
+
+The shapes are bench_peers.py's model (16 query heads, 4 KV heads of 64, blocks of 16 tokens, 8 layers): every
+call goes to the next layer, and a sequence's blocks are scattered over the pool in random order, as a
+long-running server's are. Decode reports the rate at which the step's context (keys and values) is read,
+beside the machine's streaming rate (a single-pass sum over 1 GiB); prompts report the attention's GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from torch_shift.attention import attention_backend
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.kv.cache import KVCache
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 16, 4, 64, 16, 8
+WORK = {  # name: runs of (cached tokens, new tokens)
+    "decode 1 x 544": [(543, 1)],
+    "decode 64 x 300": [(299, 1)] * 64,
+    "decode 256 x 300": [(299, 1)] * 256,
+    "prompt 512": [(0, 512)],
+    "chunk 512 after 1024": [(1024, 512)],
+}
+
+
+def make_step(runs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_run = [-(-(c + n) // BLOCK_SIZE) for c, n in runs]
+    max_blocks = max(blocks_per_run)
+    cache = KVCache(NUM_LAYERS, len(runs) * max_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+    cache.k_store.normal_(generator=g)
+    cache.v_all.normal_(generator=g)
+    table = torch.randperm(len(runs) * max_blocks, generator=g).view(len(runs), max_blocks).to(torch.int32).numpy()
+    slots, positions = [], []
+    for r, (cached, n) in enumerate(runs):
+        pos = np.arange(cached, cached + n)
+        slots.append(table[r][pos // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + pos % BLOCK_SIZE)
+        positions.append(pos)
+    num_tokens = sum(n for _, n in runs)
+    batch = AttentionBatch(
+        num_decodes=sum(n == 1 for _, n in runs), query_start=np.cumsum([0] + [n for _, n in runs])[:-1].astype(np.int32),
+        query_len=np.array([n for _, n in runs], np.int32), num_computed=np.array([c for c, _ in runs], np.int32),
+        block_table=table, block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=BLOCK_SIZE,
+        slot_mapping=torch.from_numpy(np.concatenate(slots)), positions=torch.from_numpy(np.concatenate(positions)),
+        sliding_window=None)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    return cache, batch, q, k, v
+
+
+def best_seconds(fn, calls: int, rounds: int = 5) -> float:
+    for i in range(2):
+        fn(i)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def streaming_read_rate() -> float:
+    data = torch.ones(1 << 28)
+    return data.numel() * 4 / best_seconds(lambda _: data.sum(), 1, rounds=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--backends", default="cpu,sdpa")
+    args = parser.parse_args(argv)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        bandwidth = streaming_read_rate()
+        print(f"streaming read: {bandwidth / 1e9:.1f} GB/s on {args.threads} threads")
+        print(f"{'work':<22} {'dtype':<9} {'backend':<7} {'us/call':>9} {'rate':>16} {'of streaming':>13}")
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            for name, runs in WORK.items():
+                cache, batch, q, k, v = make_step(runs, dtype)
+                context_bytes = sum(c + n for c, n in runs) * NUM_KV_HEADS * HEAD_DIM * 2 * q.element_size()
+                # QK and PV of every query against the keys it sees: n * c + n (n + 1) / 2 of them per run
+                flops = sum(n * c + n * (n + 1) // 2 for c, n in runs) * NUM_HEADS * HEAD_DIM * 4
+                decode = all(n == 1 for _, n in runs)
+                for backend_name in args.backends.split(","):
+                    attention = attention_backend(backend_name, torch.device("cpu"), dtype).build(batch, cache)
+                    calls = max(1, min(200, int(2e8 // context_bytes)))
+                    seconds = best_seconds(lambda i: attention(i % NUM_LAYERS, q, k, v), calls)
+                    if decode:
+                        rate = context_bytes / seconds
+                        figures = f"{rate / 1e9:>10.1f} GB/s {rate / bandwidth:>13.2f}"
+                    else:
+                        figures = f"{flops / seconds / 1e9:>7.1f} GFLOP/s"
+                    print(f"{name:<22} {dtype_name:<9} {backend_name:<7} {seconds * 1e6:>9.0f} {figures}")
+    finally:
+        torch.set_num_threads(previous_threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
