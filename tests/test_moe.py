@@ -35,7 +35,8 @@ from torch_shift.models.sources import DecoderSource
 from torch_shift.parallel.launch import run_ranks
 from torch_shift.parallel.layouts import build_deployment
 from torch_shift.parallel.plan import validate_mesh_for_model
-from torch_shift.planner import ModelShape
+from torch_shift.models.linear import weight_bytes
+from torch_shift.planner import Layout, ModelShape, memory_per_rank
 
 transformers = pytest.importorskip("transformers")
 
@@ -295,8 +296,27 @@ def test_layouts_shard_every_experts_ffn_and_check_its_width(moe_checkpoints):
                                          " = 64"):
         validate_mesh_for_model(replace(config, num_attention_heads=64, num_key_value_heads=64,
                                         intermediate_size=64 * 4), 8, 8)
-    with pytest.raises(ValueError, match="the planner's cost model is of dense decoders"):
-        ModelShape.from_config(config)
+
+
+def _weights_rank(rank, world, model_dir):
+    llm = LLM(str(model_dir), tp=world, enable_prefix_caching=False)
+    return weight_bytes(llm.engine.model.base if world > 1 else llm.engine.model)  # world 1: one replica
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_planner_counts_the_weights_each_rank_holds(moe_checkpoints, name):
+    """The planner's shape of a MoE config.json: its parameters and active parameters as the model's own, and
+    a rank's weight bytes under TP-1 and TP-2 (every expert's FFN split, the router replicated) as the
+    engine's ranks hold them."""
+    hf_model, model_dir = moe_checkpoints(name)
+    config = ModelConfig.from_dir(model_dir)
+    shape = ModelShape.from_config(config)
+    assert shape.num_parameters() == config.num_parameters == sum(p.numel() for p in hf_model.parameters())
+    assert shape.num_active_parameters() == config.num_active_parameters
+    assert shape.num_sparse_layers == len(config.sparse_layers)
+    for world in (1, 2):
+        held = run_ranks(_weights_rank, world, model_dir) if world > 1 else [_weights_rank(0, 1, model_dir)]
+        assert held == [memory_per_rank(shape, Layout("tp", tp=world)).weight_bytes] * world
 
 
 def _generate_rank(rank, world, model_dir, engine_args, prompts, params):

@@ -201,6 +201,74 @@ def test_memory_per_rank_by_hand():
     assert kv_capacity_tokens(shape, hw, Layout("tp", tp=2)) == int(free // (2 * 3 * 8 * 4))
 
 
+# SHAPE with its one layer's MLP a mixture of 4 experts of FFN 16, top-2
+MOE = ModelShape(**{**SHAPE.__dict__, "num_experts": 4, "experts_per_token": 2, "expert_intermediate_size": 16,
+                    "num_sparse_layers": 1, "name": "toy-moe"})
+
+
+def test_moe_layer_by_hand():
+    """A sparse layer: the router replicated, each token's 2 experts run on this rank's slice of their FFN, and
+    the weights of the experts the step's tokens reach read once: 2 of 4 for one token, E (1 - (1 - k/E)^T) in
+    expectation for T tokens (3 for 2 tokens), all 4 for many."""
+    assert (MOE.expected_experts(1), MOE.expected_experts(2), round(MOE.expected_experts(64), 6)) == (2, 3, 4)
+    cost = step_cost(MOE, unit_profile(), Layout("tp", tp=2), [Seq(1, 10)])
+    counts = ops_of(cost)
+    assert "gate_up" not in counts and "down" not in counts
+    assert counts["router"] == (2 * 64 * 4, 4 * (64 * 4 + (64 + 4)))
+    # 2 token-expert pairs, 8 of each expert's 16 FFN columns on this rank
+    assert counts["experts"] == (2 * 2 * 3 * 64 * 8, 4 * (2 * 3 * 64 * 8 + 2 * 2 * 64))
+    assert {o.name: o.rows for o in _group_ops_of(MOE, [Seq(5, 0)])}["experts"] == 3  # 10 pairs over ~3.8 experts
+    # collectives as the dense model's: the experts' down projection is row-parallel like down_proj
+    assert comms_of(cost) == comms_of(step_cost(SHAPE, unit_profile(), Layout("tp", tp=2), [Seq(1, 10)]))
+    # a TP-2 rank: the attention shards, the router whole, half of every expert
+    layer = 64 * (4 + 2 * 1) * 8 + 32 * 64 + 2 * 64 + 64 * 4 + 4 * 3 * 64 * 8
+    assert memory_per_rank(MOE, Layout("tp", tp=2)).weight_bytes == 4 * (layer + 512 * 64 + 256 * 64 + 64)
+    assert MOE.num_parameters() - MOE.num_active_parameters() == 2 * 3 * 64 * 16
+    with pytest.raises(ValueError, match="expert_intermediate_size=16 is not divisible by TP=32"):
+        step_cost(ModelShape(**{**MOE.__dict__, "num_heads": 32, "num_kv_heads": 32}), unit_profile(),
+                  Layout("tp", tp=32), BATCH)
+    with pytest.raises(ValueError, match="experts_per_token=5 must be between 1 and num_experts=4"):
+        ModelShape(**{**MOE.__dict__, "experts_per_token": 5})
+
+
+def _group_ops_of(shape, seqs):
+    from torch_shift.planner.cost import _group_ops
+
+    return _group_ops(shape, seqs, tp=1, sp=1, num_layers=shape.num_layers, first_stage=True, last_stage=True)
+
+
+@pytest.mark.parametrize("config,total,active", [
+    # Mistral's announcement of Mixtral-8x7B: 46.7B parameters, 12.9B per token
+    ({"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+      "num_experts_per_tok": 2, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}, 46.7, 12.9),
+    # Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated
+    ({"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+      "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+      "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+      "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}, 30.5, 3.3),
+], ids=["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_moe_configs_have_their_published_sizes(tmp_path, capsys, config, total, active):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_pretrained(tmp_path)
+    assert shape.num_parameters() / 1e9 == pytest.approx(total, abs=0.06)
+    assert shape.num_active_parameters() / 1e9 == pytest.approx(active, abs=0.06)  # Qwen3: 3.35
+    # batch-1 decode reads the active experts' weights only; a 512-token prefill nearly all of them
+    decode = ops_of(step_cost(shape, get_profile("h100"), Layout("tp"), [Seq(1, 100)]))["experts"][1]
+    prefill = ops_of(step_cost(shape, get_profile("h100"), Layout("tp"), [Seq(512, 0)]))["experts"][1]
+    h, k, layers = shape.hidden_size, shape.experts_per_token, shape.num_layers
+    per_expert = 3 * h * shape.expert_intermediate_size * 2 * layers  # bf16 weights over all layers
+    per_pair = 2 * h * 2 * layers  # a token-expert pair's input and output
+    assert decode == pytest.approx(k * per_expert + k * per_pair, rel=1e-9)
+    assert prefill == pytest.approx(shape.num_experts * per_expert + 512 * k * per_pair, rel=1e-6)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h100x8", "--synthetic", "2048:64",
+                 "--num-requests", "16", "--rate", "4", "--policies", "dp,tp", "--json", str(out)]) == 0
+    tp8 = next(c for c in json.loads(out.read_text())["candidates"] if c["label"] == "TP8")
+    assert tp8["num_finished"] == 16
+    assert tp8["weight_bytes_per_rank"] == memory_per_rank(shape, Layout("tp", tp=8)).weight_bytes
+
+
 def test_layouts_the_model_cannot_use_are_refused():
     with pytest.raises(ValueError, match="num_heads=8 is not divisible by TP=3"):
         step_cost(SHAPE, unit_profile(), Layout("tp", tp=3), BATCH)

@@ -144,8 +144,11 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
             problems.append(f"num_heads={h} is not divisible by {what}={chunks}")
         if chunks % h_kv and h_kv % chunks:
             problems.append(f"num_kv_heads={h_kv} and {what}={chunks}: neither divides the other")
-        if shape.intermediate_size % chunks:
+        if shape.num_dense_layers and shape.intermediate_size % chunks:
             problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by {what}={chunks}")
+        if shape.is_moe and shape.expert_intermediate_size % chunks:
+            problems.append(f"expert_intermediate_size={shape.expert_intermediate_size} is not divisible by "
+                            f"{what}={chunks}")
     if layout.kind == "pp" and layout.pp > shape.num_layers:
         problems.append(f"PP={layout.pp} is more stages than the model's {shape.num_layers} layers")
     if problems:
@@ -157,21 +160,27 @@ def _stage_layers(shape: ModelShape, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
+def _sparse_layers(shape: ModelShape, num_layers: int) -> int:
+    """Sparse layers among `num_layers` of the model's (a pipeline stage's): in proportion, exact when every
+    layer is sparse (Mixtral, Qwen3-MoE's released models) or none."""
+    return round(num_layers * shape.num_sparse_layers / shape.num_layers)
+
+
 def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
                first_stage: bool, last_stage: bool) -> list[Op]:
-    """The ops of one rank of an (SP x) TP group running `num_layers` layers of one (micro-)batch."""
+    """The ops of one rank of an (SP x) TP group running `num_layers` layers of one (micro-)batch. A sparse
+    layer's experts are split by TP as the engine runs them (each rank a slice of every expert's FFN, the
+    router replicated): every rank computes its slice for every routed token, so no rank waits on another's
+    busier experts."""
     tokens = sum(s.num_new_tokens for s in seqs)
     local = -(-tokens // sp)  # tokens per SP rank, the step padded to a multiple of SP
     rows = sum(s.logits_rows for s in seqs)
     q_lin, kv_lin = _heads_per_rank(shape, tp)  # heads in the rank's q/k/v and o shards
     q_att, kv_att = _heads_per_rank(shape, sp * tp)  # heads it attends (after the all-to-all)
-    d, h, inter = shape.head_dim, shape.hidden_size, shape.intermediate_size // tp
+    d, h = shape.head_dim, shape.hidden_size
     layer = [
         ops.linear("qkv", shape, local, h, (q_lin + 2 * kv_lin) * d, bias=shape.attention_bias),
         ops.linear("o_proj", shape, local, q_lin * d, h),
-        ops.linear("gate_up", shape, local, h, 2 * inter),
-        ops.linear("down", shape, local, inter, h),
-        ops.layer_elementwise(shape, local, q_lin, kv_lin, inter),
     ]
     prefill = [s for s in seqs if s.num_new_tokens > 1]
     decode = [s for s in seqs if s.num_new_tokens == 1]
@@ -179,7 +188,21 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         layer.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill"))
     if decode:
         layer.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode"))
+    sparse = _sparse_layers(shape, num_layers) if shape.is_moe else 0
+    per_kind = []  # (ops of one layer of the kind, how many layers)
+    if num_layers - sparse:
+        inter = shape.intermediate_size // tp
+        per_kind.append(([ops.linear("gate_up", shape, local, h, 2 * inter), ops.linear("down", shape, local, inter, h),
+                          ops.layer_elementwise(shape, local, q_lin, kv_lin, inter)], num_layers - sparse))
+    if sparse:
+        columns = shape.expert_intermediate_size // tp
+        per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
+                          ops.experts(shape, local, columns),
+                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * columns)],
+                         sparse))
     result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype, o.rows) for o in layer]
+    for kind_ops, count in per_kind:
+        result += [Op(o.name, o.flops * count, o.bytes * count, o.rate, o.dtype, o.rows) for o in kind_ops]
     if first_stage:
         result.append(ops.embedding(shape, local))
     if last_stage:
@@ -374,9 +397,15 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
     h, d = shape.hidden_size, shape.head_dim
     q_lin, kv_lin = _heads_per_rank(shape, tp)
     _, kv_att = _heads_per_rank(shape, sp * tp)
-    inter = shape.intermediate_size // tp
-    per_layer = (h * (q_lin + 2 * kv_lin) * d + q_lin * d * h + 3 * h * inter + 2 * h
+    attention = (h * (q_lin + 2 * kv_lin) * d + q_lin * d * h + 2 * h
                  + ((q_lin + 2 * kv_lin) * d if shape.attention_bias else 0) + (2 * d if shape.qk_norm else 0))
+    dense_mlp = 3 * h * (shape.intermediate_size // tp)
+    # every expert's FFN split by TP, the router replicated (models/moe.py under parallel/layouts.py)
+    sparse_mlp = h * shape.num_experts + shape.num_experts * 3 * h * (shape.expert_intermediate_size // tp)
+
+    def stage_layers(layers: int) -> int:
+        sparse = _sparse_layers(shape, layers) if shape.is_moe else 0
+        return layers * attention + (layers - sparse) * dense_mlp + sparse * sparse_mlp
     vocab_ranks = sp * tp
     embed = shape.vocab_size * h
     head = embed if vocab_ranks == 1 and not shape.tie_word_embeddings else 0
@@ -384,7 +413,7 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
         head = -(-shape.vocab_size // vocab_ranks) * h
     weights = []
     for k, layers in enumerate(stages):
-        count = layers * per_layer
+        count = stage_layers(layers)
         if k == 0:
             count += embed
         if k == len(stages) - 1:

@@ -10,10 +10,16 @@ says how many tokens, heads and MLP columns the rank holds under its layout.
 Bytes are those an ideal kernel moves (weights once, activations in and out once, each sequence's K and
 V read once); what a real kernel moves beyond that shows up as a lower achievable rate in the hardware
 profile (`torch-shift calibrate` measures the rates against these same counts).
+
+A mixture of experts (Qwen3-MoE, Mixtral) replaces the MLP of its sparse layers by a router and the routed
+experts (`torch_shift.models.moe`): per token only its top-k experts run, and a step reads the weights of
+the experts its tokens reach, expected E (1 - (1 - k/E)^T) of E for T tokens under balanced routing (one
+token reads k experts' weights; a few hundred read them all).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +39,9 @@ def canonical_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the cost model needs of a dense decoder (Llama, Mistral, Qwen2, Qwen3) and its dtypes.
+    """What the cost model needs of a decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts
+    Qwen3-MoE and Mixtral: `num_experts` routed experts of `expert_intermediate_size` in `num_sparse_layers`
+    of the layers, `experts_per_token` of them per token) and its dtypes.
 
     `weight_dtype` sets the bytes of a weight and the FLOP rate of the linears (FP8 weights: FP8 matmuls
     where the hardware has them, as vLLM's FP8 W8A8 on Hopper; elsewhere weight-only FP8 at the 16-bit
@@ -54,6 +62,10 @@ class ModelShape:
     weight_dtype: str = "bf16"
     kv_dtype: str | None = None
     name: str = "model"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
@@ -61,14 +73,19 @@ class ModelShape:
             object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.num_experts or self.num_sparse_layers:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and "
+                                 f"num_experts={self.num_experts}")
+            if self.expert_intermediate_size < 1 or not 1 <= self.num_sparse_layers <= self.num_layers:
+                raise ValueError(f"a mixture of experts needs expert_intermediate_size >= 1 and 1 <= "
+                                 f"num_sparse_layers <= num_layers={self.num_layers}, got "
+                                 f"{self.expert_intermediate_size} and {self.num_sparse_layers}")
 
     @classmethod
     def from_config(cls, config: ModelConfig, dtype: str = "auto", kv_dtype: str | None = None,
                     name: str = "model") -> ModelShape:
         """`dtype`: 'auto' (the checkpoint's, fp32 when it names none), fp32, bf16, fp16 or fp8."""
-        if config.is_moe:
-            raise ValueError(f"the planner's cost model is of dense decoders; {config.architecture} is a mixture of "
-                             "experts")
         weight_dtype = canonical_dtype(config.torch_dtype or "fp32") if dtype == "auto" else dtype
         return cls(
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -76,7 +93,9 @@ class ModelShape:
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
             tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
             qk_norm=config.qk_norm, sliding_window=config.sliding_window, weight_dtype=weight_dtype,
-            kv_dtype=kv_dtype, name=name,
+            kv_dtype=kv_dtype, name=name, num_experts=config.num_experts,
+            experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.moe_intermediate_size,
+            num_sparse_layers=len(config.sparse_layers),
         )
 
     @classmethod
@@ -106,17 +125,46 @@ class ModelShape:
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    def layer_parameters(self) -> int:
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_sparse_layers
+
+    def attention_parameters(self) -> int:
+        """q/k/v (with bias), o and the q/k norms of one layer."""
         h, d = self.hidden_size, self.head_dim
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
         bias = (self.num_heads + 2 * self.num_kv_heads) * d if self.attention_bias else 0
-        norms = 2 * h + (2 * d if self.qk_norm else 0)
-        return qkv + bias + self.q_size * h + 3 * h * self.intermediate_size + norms
+        return qkv + bias + self.q_size * h + (2 * d if self.qk_norm else 0)
+
+    def mlp_parameters(self, sparse: bool, experts: int | None = None) -> int:
+        """A dense layer's gated MLP, or a sparse layer's router and `experts` of its experts (all by default)."""
+        h = self.hidden_size
+        if not sparse:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts if experts is None else experts
+        return h * self.num_experts + experts * 3 * h * self.expert_intermediate_size
 
     def num_parameters(self) -> int:
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return embed + head + self.num_layers * self.layer_parameters() + self.hidden_size
+        layers = self.num_layers * (self.attention_parameters() + 2 * self.hidden_size)
+        layers += self.num_dense_layers * self.mlp_parameters(False) + self.num_sparse_layers * self.mlp_parameters(True)
+        return embed + head + layers + self.hidden_size
+
+    def num_active_parameters(self) -> int:
+        """The parameters one token runs through: its top-k experts of each sparse layer, not all of them."""
+        inactive = self.num_sparse_layers * (self.mlp_parameters(True) - self.mlp_parameters(True, self.experts_per_token))
+        return self.num_parameters() - inactive
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts of one sparse layer that `tokens` tokens reach, in expectation under balanced routing
+        (each token picks its top-k uniformly): E (1 - (1 - k/E)^T)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** tokens) if tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +235,19 @@ def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, n
     kv = 2 * kv_heads * d * shape.kv_bytes * (read + new)
     qo = 2 * new * q_heads * d * shape.activation_bytes
     return Op(name, 4.0 * d * q_heads * keys, kv + qo, "attention", shape.activation_dtype)
+
+
+def experts(shape: ModelShape, tokens: int, columns: int) -> Op:
+    """A sparse layer's routed experts on `tokens` tokens, `columns` of each expert's FFN on this rank: each
+    token's k experts run gate/up and down (2 x 3 x h x columns FLOPs per token-expert pair), the weights of
+    the experts reached read once (`ModelShape.expected_experts`), each pair's input and output moved once;
+    the pairs of one expert are one matmul's rows."""
+    h, k = shape.hidden_size, shape.experts_per_token
+    reached = shape.expected_experts(tokens)
+    pairs = tokens * k
+    nbytes = reached * 3 * h * columns * shape.weight_bytes + pairs * 2 * h * shape.activation_bytes
+    rows = max(1, math.ceil(pairs / reached)) if reached else 1
+    return Op("experts", 2.0 * pairs * 3 * h * columns, nbytes, "matmul", shape.weight_dtype, rows)
 
 
 def layer_elementwise(shape: ModelShape, tokens: int, q_heads: int, kv_heads: int, mlp_columns: int) -> Op:
