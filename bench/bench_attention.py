@@ -46,7 +46,8 @@ def make_step(runs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
         positions.append(pos)
     num_tokens = sum(n for _, n in runs)
     batch = AttentionBatch(
-        num_decodes=sum(n == 1 for _, n in runs), query_start=np.cumsum([0] + [n for _, n in runs])[:-1].astype(np.int32),
+        num_decodes=sum(n == 1 for _, n in runs),
+        query_start=np.cumsum([0] + [n for _, n in runs])[:-1].astype(np.int32),
         query_len=np.array([n for _, n in runs], np.int32), num_computed=np.array([c for c, _ in runs], np.int32),
         block_table=table, block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=BLOCK_SIZE,
         slot_mapping=torch.from_numpy(np.concatenate(slots)), positions=torch.from_numpy(np.concatenate(positions)),

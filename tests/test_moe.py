@@ -29,13 +29,13 @@ from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.handoff import handoff
 from torch_shift.models import load_model
 from torch_shift.models.convert import convert_checkpoint
+from torch_shift.models.linear import weight_bytes
 from torch_shift.models.loader import build_model
 from torch_shift.models.moe import SparseMoeBlock, route
 from torch_shift.models.sources import DecoderSource
 from torch_shift.parallel.launch import run_ranks
 from torch_shift.parallel.layouts import build_deployment
 from torch_shift.parallel.plan import validate_mesh_for_model
-from torch_shift.models.linear import weight_bytes
 from torch_shift.planner import Layout, ModelShape, memory_per_rank
 
 transformers = pytest.importorskip("transformers")

@@ -152,12 +152,14 @@ class ModelShape:
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         layers = self.num_layers * (self.attention_parameters() + 2 * self.hidden_size)
-        layers += self.num_dense_layers * self.mlp_parameters(False) + self.num_sparse_layers * self.mlp_parameters(True)
+        layers += self.num_dense_layers * self.mlp_parameters(False)
+        layers += self.num_sparse_layers * self.mlp_parameters(True)
         return embed + head + layers + self.hidden_size
 
     def num_active_parameters(self) -> int:
         """The parameters one token runs through: its top-k experts of each sparse layer, not all of them."""
-        inactive = self.num_sparse_layers * (self.mlp_parameters(True) - self.mlp_parameters(True, self.experts_per_token))
+        unused_experts = self.mlp_parameters(True) - self.mlp_parameters(True, self.experts_per_token)
+        inactive = self.num_sparse_layers * unused_experts
         return self.num_parameters() - inactive
 
     def expected_experts(self, tokens: int) -> float:
