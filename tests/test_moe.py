@@ -177,7 +177,8 @@ MAX_TOKENS = 10
 @pytest.mark.parametrize("engine_args", [
     {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
     {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
-], ids=["chunked", "preempted"])
+    {"max_num_batched_tokens": 16, "compile": False},  # eager (compiled by default at world 1)
+], ids=["chunked", "preempted", "eager"])
 def test_greedy_tokens_and_logprobs_match_transformers(moe_checkpoints, name, engine_args):
     hf_model, model_dir = moe_checkpoints(name)
     prompts = random_prompts(8, PROMPT_LENGTHS)

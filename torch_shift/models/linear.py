@@ -153,19 +153,27 @@ def prepare_linears(model: nn.Module, drop_dense: bool = True) -> int:
     for module in model.modules():
         if not hasattr(module, "packed") or module.packed is not None:
             continue
+        if hasattr(module, "pack"):  # several weights of its own (torch_shift.models.moe.Experts)
+            total += module.pack(drop_dense)
+            continue
         weight = module.dense_weight() if hasattr(module, "dense_weight") else module.weight
         if weight is None or not packing_supported(weight.device, weight.dtype):
             continue
         module.packed = PackedWeight(weight)
         total += module.packed.nbytes
         if drop_dense:
-            module.drop_dense() if hasattr(module, "drop_dense") else _drop(module, "weight")
+            module.drop_dense() if hasattr(module, "drop_dense") else drop_parameter(module, "weight")
     return total
 
 
-def _drop(module: nn.Module, name: str) -> None:
+def drop_parameter(module: nn.Module, name: str) -> None:
+    """`module.<name>` replaced by an empty parameter: its memory is freed unless something else holds it."""
     old = getattr(module, name)
     setattr(module, name, nn.Parameter(old.new_empty(0), requires_grad=False))
+
+
+def packed_weight(handle: int) -> PackedWeight:
+    return _packed_by_handle[handle]
 
 
 def weight_bytes(model: nn.Module) -> int:

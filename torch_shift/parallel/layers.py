@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.models.linear import PackedWeight, linear
-from torch_shift.models.moe import Experts, SparseMoeBlock, sparse_moe
+from torch_shift.models.moe import Experts, SparseMoeBlock
 from torch_shift.parallel import comm
 
 
@@ -89,6 +89,5 @@ class RowParallelSparseMoe(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = sparse_moe(x, self.router(x), self.experts.gate_up_proj, self.experts.down_proj, self.top_k,
-                         self.norm_topk_prob, self.float32_routing_weights)
+        out = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights)
         return comm.all_reduce(out, self.group)
