@@ -207,9 +207,16 @@ def _plan(num_seqs: int):
 def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
     import torch.distributed as dist
 
+    from torch_shift.parallel import comm
+    from torch_shift.parallel.shm import ShmCommunicator
+
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    # as ParallelRuntime runs them: the step plan and every group's collectives through shared memory where the
+    # ranks share a host (torch_shift.parallel.shm), gloo elsewhere
+    control = ShmCommunicator.create(dist.group.WORLD, timeout_s=120)
     try:
-        result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "collectives": {}, "plan_broadcast_s": {}}
+        result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "collectives": {}, "plan_broadcast_s": {},
+                        "shared_memory": control is not None}
         with torch.inference_mode():
             for dtype in dtypes:  # every rank at once, started together
                 result["matmul_flops"][dtype] = measure_matmul_flops(dtype, sync=dist.barrier)
@@ -221,6 +228,9 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                 groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
                 group_ranks = list(range(rank - rank % n, rank - rank % n + n))
                 group = groups[rank // n]
+                communicator = ShmCommunicator.create(group, timeout_s=120)
+                if communicator is not None:
+                    comm.use_shared_memory(group, communicator)
                 # Each collective follows some compute, as in a forward pass (a 1-row matmul over 16 MiB of
                 # weights, about what a decode step computes between two collectives), and only the
                 # collective is timed. On gloo here a call between computes took 1.2-1.5x one in a bare
@@ -254,12 +264,17 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                 plan = _plan(num_seqs)
 
                 def broadcast():
-                    box = [plan if rank == 0 else None]
-                    dist.broadcast_object_list(box, src=0)
+                    if control is not None:
+                        control.broadcast_object(plan if rank == 0 else None, src=0)
+                    else:
+                        dist.broadcast_object_list([plan if rank == 0 else None], src=0)
 
                 result["plan_broadcast_s"][num_seqs] = _best_time(broadcast, reps=20, warmup=3, sync=dist.barrier)
         return result
     finally:
+        comm.release_shared_memory()
+        if control is not None:
+            control.close()
         dist.destroy_process_group()
 
 
