@@ -96,8 +96,9 @@ class EngineArgs:
     shift_weights: str = _arg("copy", "shift-layout weight shards as contiguous copies (+1/SP weight memory) or "
                                       "zero-copy views (without --prepack-weights: packing copies both)",
                               choices=("copy", "view"), group="parallel")
-    flying_weights: str = _arg("view", "Flying's TP shards: zero-copy views of each replica's weights (not packed), "
-                                       "or packed copies", choices=("view", "copy"), group="parallel")
+    flying_weights: str = _arg("copy", "Flying's TP shards: packed copies (+1/width of the weights per TP width on "
+                                       "each rank), or zero-copy views of each replica's weights (not packed)",
+                               choices=("copy", "view"), group="parallel")
     seesaw_weights: str = _arg("resident", "Seesaw's inactive layer weights resident, or a host copy swapped in at "
                                            "each transition", choices=("resident", "host"), group="parallel")
     cpu_kv_gb: float | None = _arg(None, "host tier of the KV cache in GiB, shared by the local ranks (swap space; "
@@ -262,7 +263,7 @@ class ParallelConfig:
 
     shift_threshold: int | None = 256  # a ShiftModule's own forward picks its layout by it (the engine: the policy)
     shift_weights: str = "copy"
-    flying_weights: str = "view"
+    flying_weights: str = "copy"
     seesaw_weights: str = "resident"
     timeout_s: float = 120.0
     interconnect_gbps: float | None = None

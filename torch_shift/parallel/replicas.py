@@ -79,7 +79,7 @@ class ReplicaModel(LayoutCounters, nn.Module):
 def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,
                        read: TensorReader, dtype: torch.dtype, device: torch.device,
                        shift_threshold: int | None = None, shift_weights: str = "copy",
-                       flying_weights: str = "view", seesaw_weights: str = "resident") -> nn.Module:
+                       flying_weights: str = "copy", seesaw_weights: str = "resident") -> nn.Module:
     """This rank's model: only its shards read, its layouts derived from them."""
     if deployment.pp > 1:
         from torch_shift.parallel.pipeline import build_pipeline_model

@@ -101,7 +101,8 @@ def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Seque
                                      {"sp": world, "shift_threshold": threshold, "shift_weights": "view"}))
         elif policy == "flying" and world > 1:
             out.append(Candidate("flying", {"dp": world, "dp_above": dp_above},
-                                 {"dp": world, "policy": "flying", "policy_config": {"dp_above": dp_above}}))
+                                 {"dp": world, "policy": "flying", "policy_config": {"dp_above": dp_above},
+                                  "flying_weights": "view"}))
         elif policy == "seesaw" and world > 1:
             out.append(Candidate("seesaw", {"pp": world, "cpu_kv_gb": cpu_kv_gb},
                                  {"pp": world, "policy": "seesaw"}))
