@@ -57,6 +57,15 @@ def use_shared_memory(group: dist.ProcessGroup, communicator: ShmCommunicator) -
     _shared_by_id.append(communicator)
 
 
+def share_memory(group: dist.ProcessGroup, timeout_s: float) -> bool:
+    """Collective over `group`: its collectives through a shared-memory communicator from now on, where its
+    ranks can share one (ShmCommunicator.create); False where they keep the group's own backend."""
+    communicator = ShmCommunicator.create(group, timeout_s)
+    if communicator is not None:
+        use_shared_memory(group, communicator)
+    return communicator is not None
+
+
 def release_shared_memory() -> None:
     """Back to the process groups' own collectives, closing the shared-memory communicators."""
     for communicator in _shared_by_id:

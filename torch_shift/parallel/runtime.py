@@ -85,9 +85,7 @@ class ParallelRuntime:
             return
         self.control = ShmCommunicator.create(self.groups.control_group, timeout_s)
         for group in self.groups.forward_groups():
-            communicator = ShmCommunicator.create(group, timeout_s)
-            if communicator is not None:
-                comm.use_shared_memory(group, communicator)
+            comm.share_memory(group, timeout_s)
 
     def _process_group_args(self, world: int, worker_main, worker_args: tuple) -> dict[str, Any]:
         """How this process joins a new default process group: torchrun's environment (a), or (b) as

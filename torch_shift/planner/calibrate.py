@@ -213,8 +213,9 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     # as ParallelRuntime runs them: the step plan and every group's collectives through shared memory where the
     # ranks share a host (torch_shift.parallel.shm), gloo elsewhere
-    control = ShmCommunicator.create(dist.group.WORLD, timeout_s=120)
+    control = None
     try:
+        control = ShmCommunicator.create(dist.group.WORLD, timeout_s=120)
         result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "collectives": {}, "plan_broadcast_s": {},
                         "shared_memory": control is not None}
         with torch.inference_mode():
@@ -228,9 +229,7 @@ def _parallel_rank(rank: int, world: int, dtypes: list[str]) -> dict:
                 groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
                 group_ranks = list(range(rank - rank % n, rank - rank % n + n))
                 group = groups[rank // n]
-                communicator = ShmCommunicator.create(group, timeout_s=120)
-                if communicator is not None:
-                    comm.use_shared_memory(group, communicator)
+                comm.share_memory(group, timeout_s=120)
                 # Each collective follows some compute, as in a forward pass (a 1-row matmul over 16 MiB of
                 # weights, about what a decode step computes between two collectives), and only the
                 # collective is timed. On gloo here a call between computes took 1.2-1.5x one in a bare

@@ -188,7 +188,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         layer.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill"))
     if decode:
         layer.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode"))
-    sparse = _sparse_layers(shape, num_layers) if shape.is_moe else 0
+    sparse = _sparse_layers(shape, num_layers)
     per_kind = []  # (ops of one layer of the kind, how many layers)
     if num_layers - sparse:
         inter = shape.intermediate_size // tp
@@ -404,7 +404,7 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
     sparse_mlp = h * shape.num_experts + shape.num_experts * 3 * h * (shape.expert_intermediate_size // tp)
 
     def stage_layers(layers: int) -> int:
-        sparse = _sparse_layers(shape, layers) if shape.is_moe else 0
+        sparse = _sparse_layers(shape, layers)
         return layers * attention + (layers - sparse) * dense_mlp + sparse * sparse_mlp
     vocab_ranks = sp * tp
     embed = shape.vocab_size * h
