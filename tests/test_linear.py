@@ -1,6 +1,8 @@
 """Packed linear layers: oneDNN's matmul and torch_shift's GEMV kernel on the same prepared weight, against
 F.linear in float64."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,43 @@ def test_compiled_packed_linear_takes_both_paths(dtype):
     for rows in (1, 3, 17):
         x = torch.randn(rows, 64).to(dtype)
         assert torch.equal(compiled(x), packed(x, None))
+
+
+def _huge_pages_offered() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _anon_huge_bytes(address: int, nbytes: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [address, address + nbytes) (/proc/self/smaps;
+    advice splits a mapping where it starts and ends)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < address + nbytes and address < end
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
+def test_packed_weights_move_into_huge_pages_where_the_kernel_offers_them():
+    from torch_shift.memory import HUGE_PAGE, advise_huge_pages
+
+    assert advise_huge_pages(HUGE_PAGE + 1, HUGE_PAGE) == 0  # no whole huge page inside: nothing advised
+    weight = torch.randn(4096, 1024)  # 16 MiB
+    packed = PackedWeight(weight)
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    if not (_huge_pages_offered() and os.path.exists("/proc/self/smaps")):
+        pytest.skip("this kernel offers no transparent huge pages")
+    huge = _anon_huge_bytes(torch.ops.mkldnn.data_ptr(packed.tensor), packed.nbytes)
+    if huge == 0:
+        pytest.skip("the kernel refused to collapse (Linux < 6.1, or no free huge pages)")
+    assert huge >= packed.nbytes - 2 * HUGE_PAGE  # all but the partial pages at either end

