@@ -22,9 +22,11 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def make_step(runs, num_heads, num_kv_heads, head_dim, block_size, dtype, sliding_window=None, num_layers=3,
-              seed=0, shuffle=True):
+              seed=0, shuffle=True, sinks=None, step_window=None):
     """A KV cache whose cached positions hold random K/V, and one step of `runs` ((cached tokens, new tokens),
-    decodes first) with random q/k/v. Returns (cache, batch, q, k, v, reference per layer)."""
+    decodes first) with random q/k/v. Returns (cache, batch, q, k, v, reference per layer). The reference
+    attends within `sliding_window` and with `sinks` ([heads] logits beside the keys, as transformers' eager
+    GPT-OSS attention); the step's batch carries `sliding_window`, or `step_window` when that is given."""
     g = torch.Generator().manual_seed(seed)  # the contents: the same whatever the block size
     contexts = [c + n for c, n in runs]
     max_blocks = max(-(-c // block_size) for c in contexts)
@@ -53,7 +55,7 @@ def make_step(runs, num_heads, num_kv_heads, head_dim, block_size, dtype, slidin
         query_len=np.array([n for _, n in runs], np.int32), num_computed=np.array([c for c, _ in runs], np.int32),
         block_table=table, block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
         slot_mapping=torch.from_numpy(np.concatenate(slots)), positions=torch.from_numpy(np.concatenate(positions)),
-        sliding_window=sliding_window)
+        sliding_window=sliding_window if step_window is None else step_window)
     k = torch.cat([full_k[r][c:] for r, (c, _) in enumerate(runs)])
     v = torch.cat([full_v[r][c:] for r, (c, _) in enumerate(runs)])
     reference = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
@@ -69,7 +71,12 @@ def make_step(runs, num_heads, num_kv_heads, head_dim, block_size, dtype, slidin
         if sliding_window is not None:
             visible &= key_pos > query_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        reference[starts[r]: starts[r] + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+        if sinks is not None:
+            sink_column = sinks.double()[:, None, None].expand(num_heads, n, 1)
+            probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        reference[starts[r]: starts[r] + n] = torch.einsum("hqk,khd->qhd", probs, vv)
     return cache, batch, q, k, v, reference
 
 
@@ -89,6 +96,27 @@ def test_cpu_kernel_matches_the_reference(dtype, heads, kv_heads, head_dim, bloc
             out = attention(layer, q, k, v)
             assert out.dtype == dtype and out.shape == q.shape
             assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * max(1.0, reference.abs().max())
+
+
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("cpu", marks=needs_kernels),
+                                     pytest.param("flex", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_and_a_layer_window_in_every_backend(backend, dtype):
+    """GPT-OSS's attention: a sink logit per query head beside the keys, and a window that a layer passes
+    (alternating windowed and full layers), different from the step's."""
+    heads, kv_heads = 8, 2
+    sinks = torch.linspace(-2.0, 3.0, heads)  # from negligible to absorbing most of a row's weight
+    for step_window, layer_window, sink in [(None, 9, sinks), (None, None, sinks), (9, 300, None), (None, 9, None)]:
+        cache, batch, q, k, v, reference = make_step(RUNS, heads, kv_heads, 16, 4, dtype, layer_window,
+                                                     sinks=sink, step_window=step_window)
+        attention = attention_backend(backend, torch.device("cpu"), dtype).build(batch, cache)
+        if backend == "flex" and sink is not None:
+            with pytest.raises(ValueError, match="sinks"):
+                attention(0, q, k, v, sink, layer_window)
+            continue
+        out = attention(0, q, k, v, sink, layer_window)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * 4 * max(1.0, reference.abs().max())
 
 
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("cpu", marks=needs_kernels)])

@@ -74,7 +74,7 @@ def check_inputs(inputs, ref, width: int, sliding_window=None) -> None:
     for i, (_, _, done, table) in enumerate(ref["decode_tables"]):
         assert md.decode_block_table[i, : len(table)].tolist() == table  # columns past them are masked out
         expected = key_mask(torch.tensor([done]), md.decode_block_table.shape[1] * tpb, sliding_window)
-        assert torch.equal(md.decode_attention_mask()[i, 0], expected)
+        assert torch.equal(md.decode_attention_mask(None)[i, 0], expected)
     assert len(md.prefills) == len(ref["prefill_tables"])
     for chunk, (start, n, done, table) in zip(md.prefills, ref["prefill_tables"]):
         assert (chunk.start, chunk.num_tokens, chunk.num_computed_tokens) == (start, n, done)

@@ -3,9 +3,9 @@
 The step's attention (paged, and in the base layout wrapped in the Ulysses all-to-alls) depends
 on per-step metadata: block tables, chunk boundaries, token counts. Passed into a compiled
 function, every step would guard-fail and recompile. Instead the compiled graph calls the custom
-op `torch_shift::attention(q, k, v, layer_idx)`, which runs the attention object installed for the
-current step: the graph sees only tensors with a dynamic token dimension, so changing batch
-sizes reuse one graph, one-token steps included.
+op `torch_shift::attention(q, k, v, layer_idx, sinks, sliding_window)`, which runs the attention
+object installed for the current step: the graph sees only tensors with a dynamic token dimension,
+so changing batch sizes reuse one graph, one-token steps included.
 """
 
 from __future__ import annotations
@@ -21,18 +21,21 @@ _current: list[AttentionFn] = []
 
 
 @torch.library.custom_op("torch_shift::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    return _current[-1](layer_idx, q, k, v)
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None,
+                  sliding_window: int | None) -> torch.Tensor:
+    return _current[-1](layer_idx, q, k, v, sinks, sliding_window)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None,
+      sliding_window: int | None) -> torch.Tensor:
     return torch.empty_like(q)  # every attention path returns q's shape (heads and tokens as given)
 
 
-def attention_op(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention_op(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """The `attention` argument a compiled forward receives."""
-    return _attention_op(q, k, v, layer_idx)
+    return _attention_op(q, k, v, layer_idx, sinks, sliding_window)
 
 
 @contextmanager

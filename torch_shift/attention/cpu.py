@@ -75,20 +75,25 @@ class CpuPagedAttention:
                       self.rows.ctypes.data, kv_cache.block_size)
         self._slot_mapping_ptr = self.slot_mapping.data_ptr()
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         kv = self.kv_cache
         num_tokens, num_heads, head_dim = q.shape
         assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and q.dtype == kv.dtype
         k_layer = self._k_base + layer_idx * self._k_layer_bytes
         v_layer = self._v_base + layer_idx * self._v_layer_bytes
         rc = self.kernels.write_kv(self.dtype_code, k_layer, v_layer, *self._layouts, k.data_ptr(), k.stride(0),
-                                   k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), self._slot_mapping_ptr, num_tokens,
-                                   kv.block_size, kv.num_kv_heads, head_dim)
+                                   k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), self._slot_mapping_ptr,
+                                   num_tokens, kv.block_size, kv.num_kv_heads, head_dim)
         assert rc == 0, rc
+        if sinks is not None:
+            assert sinks.shape == (num_heads,), (sinks.shape, num_heads)
+            sinks = sinks.to(torch.float32).contiguous()  # kept alive until the kernel returns
+        window = self.sliding_window if sliding_window is None else sliding_window
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype)
         rc = self.kernels.paged_attention(
             self.dtype_code, out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
-            k_layer, v_layer, *self._layouts, *self._runs, num_heads, kv.num_kv_heads, head_dim, self.sliding_window,
-            1.0 / math.sqrt(head_dim))
+            k_layer, v_layer, *self._layouts, *self._runs, num_heads, kv.num_kv_heads, head_dim, window,
+            1.0 / math.sqrt(head_dim), None if sinks is None else sinks.data_ptr())
         assert rc == 0, rc
         return out

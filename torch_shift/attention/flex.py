@@ -11,11 +11,11 @@ fails on its dynamic-shape CPU kernel in torch 2.13), so there SDPA over gathere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
@@ -33,27 +33,43 @@ def compiled_flex_attention(device_type: str):
 class FlexMetadata:
     slot_mapping: torch.Tensor  # [T] where the step's own k/v are written
     context_slots: torch.Tensor  # [L] cache slots of every sequence's context, sequence after sequence
-    block_mask: BlockMask
+    query_seq: torch.Tensor  # [T] index of the query's sequence in the step
+    query_pos: torch.Tensor  # [T]
+    context_seq: torch.Tensor  # [L]
+    context_pos: torch.Tensor  # [L]
+    sliding_window: int | None  # the step's window; a layer may ask for its own
+    block_masks: dict[int | None, BlockMask] = field(default_factory=dict)
+
+    def block_mask(self, window: int | None) -> BlockMask:
+        """Each query sees its own sequence's earlier positions (within `window`); built once per window."""
+        if window not in self.block_masks:
+            query_seq, query_pos, context_seq, context_pos = (self.query_seq, self.query_pos, self.context_seq,
+                                                              self.context_pos)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                visible = (query_seq[q_idx] == context_seq[kv_idx]) & (context_pos[kv_idx] <= query_pos[q_idx])
+                if window is not None:
+                    visible = visible & (context_pos[kv_idx] > query_pos[q_idx] - window)
+                return visible
+
+            self.block_masks[window] = create_block_mask(mask_mod, None, None, query_seq.numel(),
+                                                         context_pos.numel(), device=query_seq.device)
+        return self.block_masks[window]
 
 
 def build_flex_metadata(
     slot_mapping: torch.Tensor,
-    query_seq: torch.Tensor,  # [T] index of the query's sequence in the step
-    query_pos: torch.Tensor,  # [T]
-    context_slots: torch.Tensor,  # [L]
-    context_seq: torch.Tensor,  # [L]
-    context_pos: torch.Tensor,  # [L]
+    query_seq: torch.Tensor,
+    query_pos: torch.Tensor,
+    context_slots: torch.Tensor,
+    context_seq: torch.Tensor,
+    context_pos: torch.Tensor,
     sliding_window: int | None,
 ) -> FlexMetadata:
-    def mask_mod(b, h, q_idx, kv_idx):
-        visible = (query_seq[q_idx] == context_seq[kv_idx]) & (context_pos[kv_idx] <= query_pos[q_idx])
-        if sliding_window is not None:
-            visible = visible & (context_pos[kv_idx] > query_pos[q_idx] - sliding_window)
-        return visible
-
-    block_mask = create_block_mask(mask_mod, None, None, query_seq.numel(), context_slots.numel(),
-                                   device=query_seq.device)
-    return FlexMetadata(slot_mapping, context_slots, block_mask)
+    metadata = FlexMetadata(slot_mapping, context_slots, query_seq, query_pos, context_seq, context_pos,
+                            sliding_window)
+    metadata.block_mask(sliding_window)  # the step's own, built with the step's inputs
+    return metadata
 
 
 class FlexBackend:
@@ -80,17 +96,29 @@ class FlexBackend:
 
 
 class FlexPagedAttention:
-    """The model's `attention(layer_idx, q, k, v)` for one step, through FlexAttention."""
+    """The model's `attention(layer_idx, q, k, v, sinks, sliding_window)` for one step, through FlexAttention."""
 
     def __init__(self, kv_cache: KVCache, metadata: FlexMetadata):
         self.kv_cache = kv_cache
         self.metadata = metadata
         self.flex = compiled_flex_attention(metadata.slot_mapping.device.type)
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         md = self.metadata
+        window = md.sliding_window if sliding_window is None else sliding_window
         self.kv_cache.write(layer_idx, md.slot_mapping, k, v)
         k_ctx, v_ctx = self.kv_cache.read_slots(layer_idx, md.context_slots)
         k_ctx, v_ctx = k_ctx.transpose(0, 1).unsqueeze(0), v_ctx.transpose(0, 1).unsqueeze(0)
-        out = self.flex(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, block_mask=md.block_mask, enable_gqa=True)
+        q = q.transpose(0, 1).unsqueeze(0)
+        if sinks is None:
+            out = self.flex(q, k_ctx, v_ctx, block_mask=md.block_mask(window), enable_gqa=True)
+        else:
+            if q.device.type == "cpu":
+                raise ValueError("attention_backend 'flex' cannot run attention sinks on the CPU (inductor's CPU "
+                                 "FlexAttention returns no log-sum-exp); use 'cpu' or 'sdpa'")
+            # a sink beside the keys scales each row by exp(lse) / (exp(lse) + exp(sink))
+            out, aux = self.flex(q, k_ctx, v_ctx, block_mask=md.block_mask(window), enable_gqa=True,
+                                 return_aux=AuxRequest(lse=True))
+            out = (out.float() * torch.sigmoid(aux.lse - sinks.float()[None, :, None])[..., None]).to(q.dtype)
         return out[0].transpose(0, 1)

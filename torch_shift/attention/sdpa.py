@@ -8,7 +8,8 @@ cached before it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ class PrefillChunk:
     num_tokens: int
     num_computed_tokens: int  # tokens of the sequence already in the cache before this chunk
     block_table: torch.Tensor  # [1, num_blocks]
-    mask: torch.Tensor | None  # [1, 1, num_tokens, context] when the chunk cannot use is_causal
+    # sliding window -> [1, 1, num_tokens, context] (None: plain causal, is_causal), built when a layer asks
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -32,19 +34,35 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
-    # [num_decodes, 1, 1, decode_context_len], True = attend; when None, the first layer's attention builds it
-    # from decode_positions (it grows with the context: it belongs to the attention, not to the step's inputs)
-    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     decode_positions: torch.Tensor | None = None  # [num_decodes]: the position of each decode token
     decode_context_len: int = 0  # max_blocks * tokens per block
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the step's window; a layer may ask for its own
+    tokens_per_block: int = 1
+    # sliding window -> [num_decodes, 1, 1, decode_context_len], True = attend; built when a layer first asks
+    # (it grows with the context: it belongs to the attention, not to the step's inputs)
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def decode_attention_mask(self) -> torch.Tensor:
-        if self.decode_mask is None:
-            self.decode_mask = key_mask(self.decode_positions, self.decode_context_len,
-                                        self.sliding_window)[:, None, None, :]
-        return self.decode_mask
+    def decode_attention_mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.decode_masks:
+            self.decode_masks[window] = key_mask(self.decode_positions, self.decode_context_len,
+                                                 window)[:, None, None, :]
+        return self.decode_masks[window]
+
+    def prefill_mask(self, chunk: PrefillChunk, window: int | None) -> torch.Tensor | None:
+        """The chunk's mask over its context (whole blocks of it once something was cached), or None where
+        is_causal over its own keys is the same."""
+        if window not in chunk.masks:
+            n, done = chunk.num_tokens, chunk.num_computed_tokens
+            mask = None
+            if done > 0 or (window is not None and window < n):
+                ctx = done + n
+                mask = key_mask(torch.arange(done, ctx), ctx, window)
+                if done > 0:
+                    mask = F.pad(mask, (0, -ctx % self.tokens_per_block), value=False)
+                mask = mask[None, None].to(self.slot_mapping.device)
+            chunk.masks[window] = mask
+        return chunk.masks[window]
 
 
 def key_mask(
@@ -60,7 +78,7 @@ def key_mask(
 
 
 def build_sdpa_metadata(batch: AttentionBatch) -> AttentionMetadata:
-    device, tpb, window = batch.device, batch.tokens_per_block, batch.sliding_window
+    device, tpb = batch.device, batch.tokens_per_block
     nd = batch.num_decodes
     decode_block_table = query_pos = None
     context_len = 0
@@ -73,20 +91,13 @@ def build_sdpa_metadata(batch: AttentionBatch) -> AttentionMetadata:
         context_len = max_blocks * tpb
     prefills = []
     for i in range(nd, batch.num_runs):
-        n, done = int(batch.query_len[i]), int(batch.num_computed[i])
-        ctx = done + n
-        mask = None
-        if done > 0 or (window is not None and window < n):
-            mask = key_mask(torch.arange(done, ctx), ctx, window)
-            if done > 0:
-                mask = F.pad(mask, (0, -ctx % tpb), value=False)  # the context is whole blocks
-            mask = mask[None, None].to(device)
         table = torch.from_numpy(batch.blocks_of(i).astype(np.int64))[None].to(device)
-        prefills.append(PrefillChunk(start=int(batch.query_start[i]), num_tokens=n, num_computed_tokens=done,
-                                     block_table=table, mask=mask))
+        prefills.append(PrefillChunk(start=int(batch.query_start[i]), num_tokens=int(batch.query_len[i]),
+                                     num_computed_tokens=int(batch.num_computed[i]), block_table=table))
     return AttentionMetadata(slot_mapping=batch.slot_mapping, num_decode_tokens=nd,
-                             decode_block_table=decode_block_table, decode_mask=None, prefills=prefills,
-                             decode_positions=query_pos, decode_context_len=context_len, sliding_window=window)
+                             decode_block_table=decode_block_table, prefills=prefills, decode_positions=query_pos,
+                             decode_context_len=context_len, sliding_window=batch.sliding_window,
+                             tokens_per_block=tpb)
 
 
 class SdpaBackend:
@@ -96,23 +107,44 @@ class SdpaBackend:
         return PagedAttention(kv_cache, build_sdpa_metadata(batch))
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, heads, n, d] over k/v [B, kv_heads, L, d] (GQA), causal where `mask` is None; with
+    `sinks`, the same in float32 math with each head's sink logit beside its keys (transformers' eager
+    GPT-OSS attention), since SDPA takes no sinks."""
+    if sinks is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is None:
+        n, context = scores.shape[-2:]
+        mask = torch.ones(n, context, dtype=torch.bool, device=q.device).tril(context - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink_column = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink_column), dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v).to(q.dtype)
+
+
 class PagedAttention:
-    """The model's `attention(layer_idx, q, k, v)` for one step."""
+    """The model's `attention(layer_idx, q, k, v, sinks, sliding_window)` for one step."""
 
     def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata):
         self.kv_cache = kv_cache
         self.metadata = metadata
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         md = self.metadata
+        window = md.sliding_window if sliding_window is None else sliding_window
         self.kv_cache.write(layer_idx, md.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = md.num_decode_tokens
         if nd:
             k_ctx, v_ctx = self.kv_cache.gather(layer_idx, md.decode_block_table)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), k_ctx, v_ctx, attn_mask=md.decode_attention_mask(), enable_gqa=True
-            )
+            o = attend(q[:nd].unsqueeze(2), k_ctx, v_ctx, md.decode_attention_mask(window), sinks)
             out[:nd] = o.squeeze(2)
         for chunk in md.prefills:
             sl = slice(chunk.start, chunk.start + chunk.num_tokens)
@@ -123,9 +155,5 @@ class PagedAttention:
                 v_ctx = v[sl].transpose(0, 1).unsqueeze(0)
             else:
                 k_ctx, v_ctx = self.kv_cache.gather(layer_idx, chunk.block_table)
-            if chunk.mask is None:
-                o = F.scaled_dot_product_attention(q_chunk, k_ctx, v_ctx, is_causal=True, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(q_chunk, k_ctx, v_ctx, attn_mask=chunk.mask, enable_gqa=True)
-            out[sl] = o[0].transpose(0, 1)
+            out[sl] = attend(q_chunk, k_ctx, v_ctx, md.prefill_mask(chunk, window), sinks)[0].transpose(0, 1)
         return out

@@ -75,7 +75,8 @@ class ModelRunner:
         is dynamic in the compiled graphs: later steps of any size reuse them."""
         device = self.device
 
-        def zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
             return torch.zeros_like(q)
 
         for layout in self.deployment.layouts_of(self.rank):

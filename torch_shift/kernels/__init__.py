@@ -39,7 +39,7 @@ class CpuKernels:
         lib = ctypes.CDLL(str(path))
         self.paged_attention = lib.ts_paged_attention
         self.paged_attention.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,
-                                         ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32]
+                                         ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr]
         self.paged_attention.restype = ctypes.c_int
         self.write_kv = lib.ts_write_kv
         self.write_kv.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64,

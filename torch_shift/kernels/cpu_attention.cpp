@@ -1,6 +1,7 @@
 // Paged attention on the CPU: every query run of a step (a decode token, or a chunk of a prompt) attends to
 // its own sequence's keys, read in place from the paged KV cache through its block table, causally (and
-// within a sliding window). No padding to the longest context and no gathered copy of the context: each
+// within a sliding window), with an optional sink per query head: a logit that every row's softmax also
+// normalises over and that contributes no value (GPT-OSS). No padding to the longest context and no gathered copy of the context: each
 // key and value is read once per (run, KV head, tile of queries) and converted to float32 in registers.
 //
 // Online softmax over chunks of keys (FlashAttention's recurrence, one pass), accumulated in float32. The
@@ -161,6 +162,7 @@ struct Problem {
   const int32_t* block_table_row;
   int64_t block_size, num_heads, num_kv_heads, head_dim, sliding_window;
   float scale;
+  const float* sinks;  // [num_heads] or null
 };
 
 struct Item {
@@ -466,8 +468,9 @@ void attend(const Problem& p, const Item& item) {
     const T* src = q + (row0 + i) * p.q_row_stride + head * p.q_head_stride;
     for (int64_t d = 0; d < D; ++d) rows.q[m * D + d] = to_float(src[d]) * p.scale;
     std::fill(rows.acc + m * D, rows.acc + (m + 1) * D, 0.0f);
-    rows.max[m] = -INFINITY;
-    rows.sum[m] = 0.0f;
+    // a sink starts the online softmax as a key seen first, with score sinks[head] and a zero value
+    rows.max[m] = p.sinks ? p.sinks[head] : -INFINITY;
+    rows.sum[m] = p.sinks ? 1.0f : 0.0f;
     rows.hi[m] = first_pos + i;
     rows.lo[m] = p.sliding_window > 0 ? std::max<int64_t>(0, rows.hi[m] - p.sliding_window + 1) : 0;
   }
@@ -699,7 +702,7 @@ int ts_paged_attention(int dtype, void* out, int64_t out_row_stride, int64_t out
                        const int32_t* query_start, const int32_t* query_len, const int32_t* num_computed,
                        const int32_t* block_table, int64_t block_table_stride, const int32_t* block_table_row,
                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t sliding_window, float scale) {
+                       int64_t sliding_window, float scale, const float* sinks) {
   Problem p = make_problem(k_layout, v_layout, block_size, num_heads, num_kv_heads, head_dim);
   if (!valid(p)) return -1;
   p.out = out;
@@ -718,6 +721,7 @@ int ts_paged_attention(int dtype, void* out, int64_t out_row_stride, int64_t out
   p.block_table_row = block_table_row;
   p.sliding_window = sliding_window;
   p.scale = scale;
+  p.sinks = sinks;
   switch (dtype) {
     case 0: run<float>(p, num_runs); return 0;
     case 1: run<bf16_t>(p, num_runs); return 0;

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from torch_shift.attention.sdpa import attend, key_mask
 from torch_shift.config import ModelConfig
-from torch_shift.attention.sdpa import key_mask
 
 
 @dataclass
@@ -58,34 +57,36 @@ class PackedBatch:
 
 
 class CausalAttention:
-    """The model's `attention(layer_idx, q, k, v)` over packed sequences without a KV cache: each
-    sequence attends causally to itself (within the sliding window, if any)."""
+    """The model's `attention(layer_idx, q, k, v, sinks, sliding_window)` over packed sequences without a KV
+    cache: each sequence attends causally to itself (within the sliding window, if any)."""
 
     def __init__(self, seq_lens: list[int], sliding_window: int | None = None):
         self.seq_lens = seq_lens
         self.sliding_window = sliding_window
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+        window = self.sliding_window if sliding_window is None else sliding_window
         lens = [n for n in self.seq_lens if n]
         if len(set(lens)) == 1:  # equal lengths: one batched call
             b, n = len(lens), lens[0]
-            out = self._attend(*(t.reshape(b, n, *t.shape[1:]) for t in (q, k, v)))
+            out = self._attend(*(t.reshape(b, n, *t.shape[1:]) for t in (q, k, v)), sinks, window)
             return out.reshape(q.shape)
         out = torch.empty_like(q)
         start = 0
         for n in lens:
             sl = slice(start, start + n)
-            out[sl] = self._attend(q[None, sl], k[None, sl], v[None, sl])[0]
+            out[sl] = self._attend(q[None, sl], k[None, sl], v[None, sl], sinks, window)[0]
             start += n
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                window: int | None) -> torch.Tensor:
         """[batch, n, heads, head_dim] each -> [batch, n, heads, head_dim]."""
         n = q.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.sliding_window is not None and self.sliding_window < n:
-            mask = key_mask(torch.arange(n, device=q.device), n, self.sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return out.transpose(1, 2)
+        mask = None
+        if window is not None and window < n:
+            mask = key_mask(torch.arange(n, device=q.device), n, window)
+        return attend(q, k, v, mask, sinks).transpose(1, 2)

@@ -22,8 +22,13 @@ from torch_shift.models.rope import RotaryEmbedding
 
 
 class AttentionFn(Protocol):
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+        """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] -> [T, heads, head_dim].
+
+        `sinks` [heads]: one logit per query head that its softmax also normalises over, with no value
+        (GPT-OSS's attention sinks); `sliding_window`: this layer's window, where layers differ (GPT-OSS
+        alternates windowed and full layers), instead of the step's (the model's one window, or none)."""
         ...
 
 

@@ -26,10 +26,12 @@ class UlyssesAttention:
         self.inner = inner
         self.group = group
         self.sp = sp
+        self.sp_rank = dist.get_rank(group)
         self.num_tokens = num_tokens  # real tokens in the step, before padding
         self.kv_send_index = kv_send_index  # TP-local KV head for each (segment, head) slot; None: identity
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         sp = self.sp
         n_local, hq, d = q.shape
         if self.kv_send_index is not None:
@@ -43,8 +45,10 @@ class UlyssesAttention:
         # rows of recv: SP rank 0's tokens, then rank 1's ...: the global token order
         n = self.num_tokens
         q_all, k_all, v_all = recv[:n].split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
+        if sinks is not None:  # this rank attends with head chunk `sp_rank` of the TP-local heads
+            sinks = sinks[self.sp_rank * hq_chunk:(self.sp_rank + 1) * hq_chunk]
         out = self.inner(layer_idx, q_all.reshape(n, hq_chunk, d), k_all.reshape(n, hkv_chunk, d),
-                         v_all.reshape(n, hkv_chunk, d))
+                         v_all.reshape(n, hkv_chunk, d), sinks, sliding_window)
         out = out.reshape(n, hq_chunk * d)
         if n < sp * n_local:
             out = torch.cat((out, out.new_zeros(sp * n_local - n, hq_chunk * d)))
