@@ -23,7 +23,8 @@ _current: list[AttentionFn] = []
 @torch.library.custom_op("torch_shift::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None,
                   sliding_window: int | None) -> torch.Tensor:
-    return _current[-1](layer_idx, q, k, v, sinks, sliding_window)
+    extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)
+    return _current[-1](layer_idx, q, k, v, *extras)  # models without either: any 4-argument attention
 
 
 @_attention_op.register_fake

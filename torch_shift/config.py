@@ -17,9 +17,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Families whose MLP is (in some or all layers) a sparse mixture of experts.
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -49,11 +50,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = No
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # "default", "linear" or "llama3"
+    rope_type: str = "default"  # "default", "linear", "llama3" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (GPT-OSS): the ramp's bounds in rotations, whether they are rounded to whole dimensions, and the
+    # factor cos and sin are scaled by (None: from `factor`, or from mscale / mscale_all_dim where both are set)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -66,8 +75,14 @@ class RopeConfig:
         merged = {**scaling, **params}
         theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+        if rope_type == "yarn" and merged.get("factor") is None:
+            raise ValueError("yarn rope without a 'factor' is not supported")
+
+        def optional(key: str) -> float | None:
+            return None if merged.get(key) is None else float(merged[key])
+
         return cls(
             theta=float(theta),
             rope_type=rope_type,
@@ -75,6 +90,12 @@ class RopeConfig:
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            beta_fast=float(merged.get("beta_fast") or 32.0),
+            beta_slow=float(merged.get("beta_slow") or 1.0),
+            truncate=bool(merged.get("truncate", True)),
+            attention_factor=optional("attention_factor"),
+            mscale=optional("mscale"),
+            mscale_all_dim=optional("mscale_all_dim"),
         )
 
 
@@ -109,6 +130,21 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights are renormalised to sum to 1
     float32_routing_weights: bool = False  # they scale the experts' outputs in float32, not the model dtype
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts (the others are dense)
+    # GPT-OSS: the router's top-k of its logits, then a softmax over them ("topk_softmax"; the others:
+    # "softmax_topk"), biases on the router and the experts, each expert's SwiGLU clamped at swiglu_limit
+    moe_routing: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    # GPT-OSS's attention: an o_proj bias, a sink logit per head, and windows that differ per layer
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    layer_windows: tuple[int | None, ...] = ()  # per layer, where layers differ; empty: `sliding_window` for all
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s own window, or None where every layer has the step's (`sliding_window`)."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -142,6 +178,9 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         moe = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}
+        if family == "gpt_oss":
+            moe |= _gpt_oss_fields(hf, layers, sliding_window)
+            sliding_window = None  # per layer (layer_windows)
         return cls(
             architecture=arch,
             family=family,
@@ -156,7 +195,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", family == "gpt_oss")),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             hidden_act=act,
@@ -188,9 +227,15 @@ class ModelConfig:
             attention += (self.num_attention_heads + 2 * self.num_key_value_heads) * d
         if self.qk_norm:
             attention += 2 * d
+        if self.o_proj_bias:
+            attention += h
+        if self.attention_sinks:
+            attention += self.num_attention_heads
         num_sparse = len(self.sparse_layers)
         dense_mlps = (self.num_hidden_layers - num_sparse) * 3 * h * self.intermediate_size
-        sparse_mlps = num_sparse * (h * self.num_experts + experts * 3 * h * self.moe_intermediate_size)
+        router = h * self.num_experts + (self.num_experts if self.router_bias else 0)
+        expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
+        sparse_mlps = num_sparse * (router + experts * expert)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * (attention + 2 * h) + dense_mlps + sparse_mlps + embeddings + h
 
@@ -212,7 +257,7 @@ class ModelConfig:
 
 
 def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, intermediate_size: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.json, as transformers reads them."""
+    """The mixture-of-experts fields of a Qwen3-MoE, Mixtral or GPT-OSS config.json, as transformers reads them."""
     num_experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 writes the first
     if num_experts is None:
         raise ValueError(f"{arch}: config.json lacks 'num_local_experts' (or 'num_experts')")
@@ -226,6 +271,9 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
     if family == "mixtral":  # every layer sparse, experts as wide as intermediate_size, weights renormalised
         return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": intermediate_size,
                 "norm_topk_prob": True, "float32_routing_weights": True, "sparse_layers": tuple(range(num_layers))}
+    if family == "gpt_oss":  # every layer sparse, experts as wide as intermediate_size, weights in the model dtype
+        return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": intermediate_size,
+                "sparse_layers": tuple(range(num_layers))}
     dense_layers = set(hf.get("mlp_only_layers") or ())
     step = int(hf.get("decoder_sparse_step", 1))
     if step < 1:
@@ -236,6 +284,27 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
             "moe_intermediate_size": int(hf["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "float32_routing_weights": False,
             "sparse_layers": tuple(i for i in range(num_layers) if i not in dense_layers and (i + 1) % step == 0)}
+
+
+def _gpt_oss_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> dict[str, Any]:
+    """GPT-OSS's fields beyond the experts' counts, as transformers' GptOssConfig reads them."""
+    quant = hf.get("quantization_config") or {}
+    if quant:
+        method = quant.get("quant_method", "?")
+        raise ValueError(f"GptOssForCausalLM: {method} checkpoints are not supported (their experts' weights are "
+                         "quantized); use a bf16 checkpoint (e.g. dequantized with transformers' from_pretrained("
+                         "..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)")
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"GptOssForCausalLM: layer_types must be {num_layers} of 'sliding_attention' or "
+                         f"'full_attention', got {layer_types!r}")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise ValueError("GptOssForCausalLM: sliding_attention layers without a sliding_window")
+    return {"moe_routing": "topk_softmax", "router_bias": True, "expert_bias": True,
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+            "o_proj_bias": bool(hf.get("attention_bias", True)), "attention_sinks": True,
+            "layer_windows": tuple(int(sliding_window) if t == "sliding_attention" else None for t in layer_types)}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
-experts as the MLP of some or all layers (torch_shift.models.moe) Qwen3-MoE and Mixtral.
+experts as the MLP of some or all layers (torch_shift.models.moe) Qwen3-MoE, Mixtral and GPT-OSS (with its
+attention sinks and alternating windowed and full layers).
 
 No parallel code lives here. Head counts are attributes read when q/k/v are split, so a
 parallel plan that shards `qkv_proj` sets the local counts; tokens arrive flattened
@@ -46,15 +47,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, model_layer_idx: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = config.layer_window(layer_idx if model_layer_idx is None else model_layer_idx)
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -73,7 +76,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = attention(self.layer_idx, q, k, v)
+        if self.sinks is None and self.sliding_window is None:
+            out = attention(self.layer_idx, q, k, v)
+        else:
+            out = attention(self.layer_idx, q, k, v, self.sinks, self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
@@ -95,7 +101,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         model_layer_idx = layer_idx if model_layer_idx is None else model_layer_idx
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, layer_idx)
+        self.attn = Attention(config, layer_idx, model_layer_idx)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if model_layer_idx in config.sparse_layers else MLP(config)
 

@@ -27,6 +27,9 @@ from torch_shift.models.moe import Experts
 
 # The part a name map gives a tensor that holds every part of a parameter, stacked as the parameter is.
 STACKED = "*"
+# ... stacked with each expert's projection transposed ([E, H, 2 * I], [E, I, H]) and its gate and up columns
+# interleaved (gate_up_proj and its bias [E, 2 * I]): GPT-OSS's checkpoints.
+STACKED_INTERLEAVED = "*T"
 
 # (pattern on the Hugging Face name, parameter name template, part template: the part of a fused parameter)
 _LLAMA_NAMES: list[tuple[str, str, str | None]] = [
@@ -69,6 +72,17 @@ _MIXTRAL_NAMES = [  # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down
     (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", "layers.{}.mlp.experts.down_proj",
      "{1}"),
 ]
+_GPT_OSS_NAMES = [
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers.{}.attn.o_proj.bias", None),
+    (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{}.attn.sinks", None),
+    (r"model\.layers\.(\d+)\.mlp\.router\.weight", "layers.{}.mlp.router.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.router\.bias", "layers.{}.mlp.router.bias", None),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", "layers.{}.mlp.experts.gate_up_proj", STACKED_INTERLEAVED),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias", "layers.{}.mlp.experts.gate_up_bias",
+     STACKED_INTERLEAVED),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "layers.{}.mlp.experts.down_proj", STACKED_INTERLEAVED),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias", "layers.{}.mlp.experts.down_bias", STACKED_INTERLEAVED),
+]
 NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES,  # attention_bias=True Llama variants carry q/k/v bias
     "mistral": _LLAMA_NAMES,
@@ -76,6 +90,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES,
     "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
     "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
+    "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _GPT_OSS_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
@@ -108,10 +123,28 @@ def stacked_expert_part(stacked, part: str) -> torch.Tensor:
     return stacked[expert, first:first + rows]
 
 
-def stacked_expert_shape(config: ModelConfig, param: str) -> tuple[int, int, int]:
-    """The shape of a stacked experts' parameter (`...mlp.experts.gate_up_proj` or `...mlp.experts.down_proj`)."""
+def stacked_expert_shape(config: ModelConfig, param: str, interleaved: bool = False) -> tuple[int, ...]:
+    """The shape of a stacked experts' parameter (`...mlp.experts.gate_up_proj`, `down_proj`, `gate_up_bias` or
+    `down_bias`); `interleaved`: as GPT-OSS's checkpoints store it (STACKED_INTERLEAVED)."""
     e, d, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    return (e, 2 * inter, d) if param.endswith(".gate_up_proj") else (e, d, inter)
+    projection = param.rsplit(".", 1)[1]
+    if projection == "gate_up_bias":
+        return (e, 2 * inter)
+    if projection == "down_bias":
+        return (e, d)
+    if projection == "gate_up_proj":
+        return (e, d, 2 * inter) if interleaved else (e, 2 * inter, d)
+    return (e, inter, d) if interleaved else (e, d, inter)
+
+
+def interleaved_expert_part(stacked, part: str) -> torch.Tensor:
+    """One expert part of a STACKED_INTERLEAVED tensor (a tensor, or a safetensors slice read only at the
+    expert), as the parameter holds it: gate or up columns separated, projections transposed back."""
+    expert, _, slot = part.partition(".")
+    tensor = stacked[int(expert)]
+    if slot:
+        tensor = tensor[..., 0::2] if slot == "gate" else tensor[..., 1::2]
+    return tensor.t() if tensor.dim() == 2 else tensor
 
 
 def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[int, ...]]:
@@ -152,6 +185,17 @@ def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[in
         if config.attention_bias:
             shapes |= {(p + "attn.qkv_proj.bias", "q"): (q_rows,), (p + "attn.qkv_proj.bias", "k"): (kv_rows,),
                        (p + "attn.qkv_proj.bias", "v"): (kv_rows,)}
+        if config.o_proj_bias:
+            shapes[(p + "attn.o_proj.bias", None)] = (d,)
+        if config.attention_sinks:
+            shapes[(p + "attn.sinks", None)] = (config.num_attention_heads,)
+        if i in config.sparse_layers and config.router_bias:
+            shapes[(p + "mlp.router.bias", None)] = (config.num_experts,)
+        if i in config.sparse_layers and config.expert_bias:
+            for e in range(config.num_experts):
+                shapes |= {(p + "mlp.experts.gate_up_bias", expert_part(e, "gate")): (config.moe_intermediate_size,),
+                           (p + "mlp.experts.gate_up_bias", expert_part(e, "up")): (config.moe_intermediate_size,),
+                           (p + "mlp.experts.down_bias", expert_part(e)): (d,)}
         if config.qk_norm:
             shapes |= {(p + "attn.q_norm.weight", None): (hd,), (p + "attn.k_norm.weight", None): (hd,)}
     return shapes
@@ -163,7 +207,7 @@ def part_views(model: torch.nn.Module, name: str) -> dict[str | None, torch.Tens
     owner, projection = name.rsplit(".", 1)
     if isinstance(model.get_submodule(owner), Experts):
         rows = param.shape[1]
-        slots = ("gate", "up") if projection == "gate_up_proj" else (None,)
+        slots = ("gate", "up") if projection in ("gate_up_proj", "gate_up_bias") else (None,)
         views = {}
         for e in range(param.shape[0]):
             for slot in slots:
@@ -245,12 +289,13 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
         if config.tie_word_embeddings and target == ("lm_head.weight", None):
             continue  # tied: the embedding is the head
         param, part = target
-        if part == STACKED:  # every expert's parts in one tensor: each part is read from it (read_part)
+        if part in (STACKED, STACKED_INTERLEAVED):  # every expert's parts in one tensor, each read from it
             if param not in parts_of:
                 raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
-            if tuple(shape) != stacked_expert_shape(config, param):
+            implied = stacked_expert_shape(config, param, part == STACKED_INTERLEAVED)
+            if tuple(shape) != implied:
                 raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
-                                 f"config.json implies {stacked_expert_shape(config, param)}")
+                                 f"config.json implies {implied}")
             index |= {(param, p): source_name for p in parts_of[param]}
             continue
         if target not in expected:
@@ -272,10 +317,15 @@ def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None
     return lambda hf_name: _map_name(name_map, hf_name)
 
 
-def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False) -> torch.Tensor:
+def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False,
+              interleaved: bool = False, stacked: bool | None = None) -> torch.Tensor:
     """`part_slice` of one part of a parameter from its source tensor (a safetensors slice or a tensor): the
-    part itself, or a stacked experts' tensor (three dims, see index_tensors) holding it among the others."""
-    if len(source_shape(tensor_slice)) == 3:
+    part itself, or a stacked experts' tensor holding it among the others (`stacked`; by default a tensor of
+    three dims, see index_tensors); `interleaved`: a STACKED_INTERLEAVED tensor (GPT-OSS), whose expert is
+    read whole, then sliced."""
+    if interleaved:
+        return slice_window(interleaved_expert_part(tensor_slice, part), part_slice)
+    if stacked or (stacked is None and len(source_shape(tensor_slice)) == 3):
         assert not transposed, "a converted checkpoint stores every expert part apart"
         tensor_slice = stacked_expert_part(tensor_slice, part)
     return slice_window(tensor_slice, part_slice, transposed)
@@ -323,6 +373,7 @@ class CheckpointReader:
             files = checkpoint_files(self.model_dir)
             map_name = hf_name_mapper(config.family)
         self.files = files
+        self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         shapes = {}
         for name, path in files.items():
             shape = tuple(self._handle(path).get_slice(name).get_shape())
@@ -337,7 +388,8 @@ class CheckpointReader:
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
         tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
-        return read_part(tensor_slice, part, part_slice, source_name in self.transposed)
+        return read_part(tensor_slice, part, part_slice, source_name in self.transposed,
+                         source_name in self.interleaved)
 
     def close(self) -> None:
         self._handles.clear()

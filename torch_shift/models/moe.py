@@ -1,10 +1,14 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and GPT-OSS.
 
 A router scores every expert per token; each token runs through its top-k experts (gated SiLU MLPs),
 whose outputs are weighted by the routing probabilities and summed. Routing follows transformers
 exactly, so the same experts win, ties included: softmax over the router logits in float32, `torch.topk`
 of the probabilities, optionally renormalised to sum to 1 (always for Mixtral), and the weights cast to
-the model dtype (Qwen3-MoE) or kept in float32 (Mixtral) where they scale the experts' outputs.
+the model dtype (Qwen3-MoE) or kept in float32 (Mixtral) where they scale the experts' outputs. GPT-OSS
+("topk_softmax") takes the top-k of its router's logits (the router has a bias) and a softmax over those
+in the model dtype; its experts have biases and a clamped SwiGLU (gate clamped above, up on both sides at
+`swiglu_limit`, gate * sigmoid(alpha * gate) * (up + 1)); its checkpoints interleave each expert's gate
+and up columns, which the loader separates.
 
 The experts' weights are stacked, one tensor per projection (`gate_up_proj` [E, 2 * I, H]: each expert's
 gate rows, then its up rows; `down_proj` [E, H, I]). The token-expert pairs are sorted by expert and each
@@ -31,11 +35,15 @@ from torch_shift.config import ModelConfig
 from torch_shift.models.linear import PackedWeight, drop_parameter, packed_weight, packing_supported
 
 
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          float32_routing_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_routing_weights: bool,
+          routing: str = "softmax_topk") -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (routing weights [T, top_k], expert ids [T, top_k]), as transformers'
-    Qwen3MoeTopKRouter (float32_routing_weights=False) and MixtralTopKRouter (norm_topk_prob=True,
-    float32_routing_weights=True) compute them."""
+    Qwen3MoeTopKRouter (float32_routing_weights=False), MixtralTopKRouter (norm_topk_prob=True,
+    float32_routing_weights=True) and GptOssTopKRouter (routing="topk_softmax") compute them."""
+    if routing == "topk_softmax":
+        top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype), expert_ids
+    assert routing == "softmax_topk", routing
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -45,10 +53,24 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     return weights, expert_ids
 
 
+def gated(gate_up: torch.Tensor, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
+    """An expert's activation of its gate/up projection [n, 2 * I] (gate rows first): SiLU(gate) * up, or
+    GPT-OSS's clamped SwiGLU where `swiglu_limit` is set."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if swiglu_limit is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+
+
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                down_proj: torch.Tensor, packed: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+                down_proj: torch.Tensor, packed: tuple[list[int], list[int]] | None = None,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                swiglu_limit: float | None = None, swiglu_alpha: float = 1.0) -> torch.Tensor:
     """x [T, H], each token's experts and weights [T, k] -> the weighted sum of its experts' outputs [T, H].
-    `packed`: the handles of each expert's packed gate/up and down weights, used instead of the stacked ones."""
+    `packed`: the handles of each expert's packed gate/up and down weights, used instead of the stacked ones.
+    Biases ([E, 2 * I], [E, H]) are added after each matmul, rounded as transformers' grouped experts do."""
     num_tokens, top_k = expert_ids.shape
     pair_expert = expert_ids.flatten()
     order = torch.argsort(pair_expert, stable=True)  # the token-expert pairs grouped by expert
@@ -63,11 +85,18 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torc
             continue
         tokens = pair_token[start:start + count]
         if packed:
-            gate, up = packed_weight(packed[0][expert]).run(x[tokens], None).chunk(2, dim=-1)
-            expert_out = packed_weight(packed[1][expert]).run(F.silu(gate) * up, None)
+            gate_up = packed_weight(packed[0][expert]).run(x[tokens], None)
         else:
-            gate, up = F.linear(x[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, down_proj[expert])
+            gate_up = F.linear(x[tokens], gate_up_proj[expert])
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias[expert]
+        hidden = gated(gate_up, swiglu_limit, swiglu_alpha)
+        if packed:
+            expert_out = packed_weight(packed[1][expert]).run(hidden, None)
+        else:
+            expert_out = F.linear(hidden, down_proj[expert])
+        if down_bias is not None:
+            expert_out = expert_out + down_bias[expert]
         out.index_add_(0, tokens, (expert_out * pair_weight[start:start + count, None]).float())
         start += count
     return out.to(x.dtype)
@@ -76,16 +105,19 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torc
 @torch.library.custom_op("torch_shift::sparse_moe", mutates_args=())
 def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                top_k: int, norm_topk_prob: bool, float32_routing_weights: bool, gate_up_handles: list[int],
-               down_handles: list[int]) -> torch.Tensor:
-    weights, expert_ids = route(router_logits, top_k, norm_topk_prob, float32_routing_weights)
+               down_handles: list[int], routing: str, gate_up_bias: torch.Tensor | None,
+               down_bias: torch.Tensor | None, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
+    weights, expert_ids = route(router_logits, top_k, norm_topk_prob, float32_routing_weights, routing)
     packed = (gate_up_handles, down_handles) if gate_up_handles else None
-    return run_experts(x, expert_ids, weights, gate_up_proj, down_proj, packed)
+    return run_experts(x, expert_ids, weights, gate_up_proj, down_proj, packed, gate_up_bias, down_bias,
+                       swiglu_limit, swiglu_alpha)
 
 
 @sparse_moe.register_fake
 def _(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
       top_k: int, norm_topk_prob: bool, float32_routing_weights: bool, gate_up_handles: list[int],
-      down_handles: list[int]) -> torch.Tensor:
+      down_handles: list[int], routing: str, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+      swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -101,15 +133,18 @@ class PackedExperts:
 
 
 class Experts(nn.Module):
-    """The experts' weights, stacked: `gate_up_proj` [E, 2 * I, H], `down_proj` [E, H, I]."""
+    """The experts' weights, stacked: `gate_up_proj` [E, 2 * I, H], `down_proj` [E, H, I], and with `bias`
+    `gate_up_bias` [E, 2 * I] and `down_bias` [E, H] (GPT-OSS)."""
 
     packed: PackedExperts | None = None
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
 
     def pack(self, drop_dense: bool) -> int:
         """Pack every expert's projections where the device and dtype allow it (then, with `drop_dense`, the
@@ -124,12 +159,15 @@ class Experts(nn.Module):
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                float32_routing_weights: bool) -> torch.Tensor:
-        """The routed experts' weighted outputs for x [T, H]."""
+                float32_routing_weights: bool, routing: str = "softmax_topk", swiglu_limit: float | None = None,
+                swiglu_alpha: float = 1.0, down_bias: bool = True) -> torch.Tensor:
+        """The routed experts' weighted outputs for x [T, H]; `down_bias` False: without the down projections'
+        bias (a TP rank whose partial sums another rank's bias joins)."""
         packed = self.packed
         return sparse_moe(x, router_logits, self.gate_up_proj, self.down_proj, top_k, norm_topk_prob,
                           float32_routing_weights, packed.gate_up_handles if packed else [],
-                          packed.down_handles if packed else [])
+                          packed.down_handles if packed else [], routing, self.gate_up_bias,
+                          self.down_bias if down_bias else None, swiglu_limit, swiglu_alpha)
 
 
 class SparseMoeBlock(nn.Module):
@@ -137,11 +175,16 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         # a plain nn.Linear, never packed (torch_shift.models.linear): the router logits come from the same
         # matmul as transformers', so that near-ties between experts are decided the same way
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                               bias=config.expert_bias)
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.float32_routing_weights = config.float32_routing_weights
+        self.routing = config.moe_routing
+        self.swiglu_limit = config.swiglu_limit
+        self.swiglu_alpha = config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights)
+        return self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
+                            self.routing, self.swiglu_limit, self.swiglu_alpha)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), as Hugging Face computes them."""
+"""Rotary position embeddings (default, linear, llama3 and YaRN scaling), as Hugging Face computes them."""
 
 from __future__ import annotations
 
@@ -25,7 +25,39 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        # YaRN (arXiv 2309.00071): frequencies of fewer than beta_slow rotations over the original context are
+        # interpolated (divided by `factor`), of more than beta_fast kept, a linear ramp between
+        def dimension(rotations: float) -> float:
+            return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(rope.theta))
+
+        low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq
+
+
+def attention_scaling(rope: RopeConfig) -> float:
+    """The factor YaRN scales cos and sin by (1 for the other types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    return mscale(rope.factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -45,6 +77,9 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = attention_scaling(self.rope)
+        if scale != 1.0:
+            return torch.stack((emb.cos() * scale, emb.sin() * scale))
         return torch.stack((emb.cos(), emb.sin()))  # [2, max_positions, head_dim], float32
 
     def materialize(self, device: torch.device) -> None:

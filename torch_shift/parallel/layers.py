@@ -45,17 +45,20 @@ class PartsLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Input features sharded; partial outputs summed over `group` (o_proj, down_proj)."""
+    """Input features sharded; partial outputs summed over `group` (o_proj, down_proj), then the bias (whole on
+    every rank) added once."""
 
     packed: PackedWeight | None = None
 
-    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup):
+    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(linear(x, self.weight, None, self.packed), self.group)
+        out = comm.all_reduce(linear(x, self.weight, None, self.packed), self.group)
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelLMHead(nn.Module):
@@ -86,8 +89,11 @@ class RowParallelSparseMoe(nn.Module):
         self.experts = experts
         self.top_k, self.norm_topk_prob = block.top_k, block.norm_topk_prob
         self.float32_routing_weights = block.float32_routing_weights
+        self.routing, self.swiglu_limit, self.swiglu_alpha = block.routing, block.swiglu_limit, block.swiglu_alpha
         self.group = group
+        self.adds_down_bias = dist.get_rank(group) == 0  # the experts' down_bias (whole) joins the sum once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights)
+        out = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
+                           self.routing, self.swiglu_limit, self.swiglu_alpha, down_bias=self.adds_down_bias)
         return comm.all_reduce(out, self.group)

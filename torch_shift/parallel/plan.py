@@ -47,11 +47,14 @@ def _megatron_entries(mesh: DeviceMesh, placements_for) -> dict:
     return {
         "layers.*.attn.qkv_proj.*": (mesh, placements_for(0)),
         "layers.*.attn.o_proj.weight": (mesh, placements_for(1)),
+        "layers.*.attn.sinks": (mesh, placements_for(0)),  # one per query head, sharded with them
         "layers.*.mlp.gate_up_proj.weight": (mesh, placements_for(0)),
         "layers.*.mlp.down_proj.weight": (mesh, placements_for(1)),
         # a sparse layer's experts, stacked [E, 2I, H] and [E, H, I]: every expert's FFN split as the dense one
         "layers.*.mlp.experts.gate_up_proj": (mesh, placements_for(1)),
         "layers.*.mlp.experts.down_proj": (mesh, placements_for(2)),
+        "layers.*.mlp.experts.gate_up_bias": (mesh, placements_for(1)),
+        # row-parallel biases (o_proj's, the experts' down_bias) stay whole: added once, after the sum
     }
 
 
@@ -102,6 +105,8 @@ class PartSlice:
 def part_units(config: ModelConfig, param_name: str, part: str | None) -> tuple[int, int]:
     """(number of units, unit size) along the sharded dim of one part of a parameter."""
     leaf = param_name.split(".")[-2]
+    if param_name.endswith(".attn.sinks"):
+        return config.num_attention_heads, 1
     if leaf == "qkv_proj":
         heads = config.num_attention_heads if part == "q" else config.num_key_value_heads
         return heads, config.head_dim

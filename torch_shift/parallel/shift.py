@@ -62,6 +62,8 @@ def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
         heads, kv_heads = _local_head_counts(plan, config)
         for layer in model.layers:
             layer.attn.num_heads, layer.attn.num_kv_heads = heads, kv_heads
+            if layer.attn.sinks is not None:
+                layer.attn.sinks = nn.Parameter(torch.empty(heads))
         for name, module in list(model.named_modules()):
             weight_name = name + ".weight"
             sharded = plan.shard_dim_and_axis(weight_name) if isinstance(module, nn.Linear) else None
@@ -79,13 +81,14 @@ def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
             elif dim == 0:
                 local = Linear(in_features, sum(sl.length for sl in slices), bias=module.bias is not None)
             else:
-                local = RowParallelLinear(torch.empty(out_features, slices[0].length), group)
+                bias = None if module.bias is None else torch.empty(out_features)
+                local = RowParallelLinear(torch.empty(out_features, slices[0].length), group, bias)
             model.set_submodule(name, local)
         for name, module in list(model.named_modules()):
             if isinstance(module, SparseMoeBlock) and plan.shard_dim_and_axis(name + ".experts.down_proj"):
                 group = _group_of(plan, name + ".experts.down_proj")
                 width = local_part_slice(plan, config, name + ".experts.down_proj", "0").length
-                experts = Experts(config.num_experts, config.hidden_size, width)
+                experts = Experts(config.num_experts, config.hidden_size, width, bias=config.expert_bias)
                 model.set_submodule(name, RowParallelSparseMoe(module, experts, group))
     return model
 
@@ -159,6 +162,10 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
         attn._modules = dict(source_layer.attn._modules)
         attn.num_heads, attn.num_kv_heads = heads, kv_heads
         prefix = f"layers.{i}."
+        if source_layer.attn.sinks is not None:
+            attn._parameters = dict(source_layer.attn._parameters)  # the copy's own: the source keeps its sinks
+            attn.sinks = nn.Parameter(target_slice(prefix + "attn.sinks", None, source_layer.attn.sinks.data),
+                                      requires_grad=False)
         qkv_name = prefix + "attn.qkv_proj.weight"
         parts = [target_slice(qkv_name, p, t) for p, t in part_views(source, qkv_name).items()]
         biases = None
@@ -167,7 +174,9 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
             biases = [target_slice(bias_name, p, t) for p, t in part_views(source, bias_name).items()]
         attn.qkv_proj = _fused(parts, biases, weights)
         o_name = prefix + "attn.o_proj.weight"
-        attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group)
+        o_bias = source_layer.attn.o_proj.bias
+        attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group,
+                                        None if o_bias is None else o_bias.data)
         if isinstance(source_layer.mlp, (SparseMoeBlock, RowParallelSparseMoe)):
             mlp = _derive_experts(source_layer.mlp, prefix + "mlp.experts.", target_window, group, weights)
         else:
@@ -191,6 +200,7 @@ def _derive_experts(block: nn.Module, prefix: str, target_window: Callable, grou
     gate_up, down = block.experts.gate_up_proj.data, block.experts.down_proj.data
     half = gate_up.shape[1] // 2
     _, first, rows = target_window(prefix + "gate_up_proj", "0.gate")  # every expert is sharded alike
+    first_gu = first
     local_gate_up = torch.cat([gate_up[:, first:first + rows], gate_up[:, half + first:half + first + rows]], dim=1)
     _, first, columns = target_window(prefix + "down_proj", "0")
     local_down = down[:, :, first:first + columns]
@@ -200,6 +210,12 @@ def _derive_experts(block: nn.Module, prefix: str, target_window: Callable, grou
         experts = Experts(gate_up.shape[0], gate_up.shape[2], rows)
     experts.gate_up_proj = nn.Parameter(local_gate_up, requires_grad=False)
     experts.down_proj = nn.Parameter(local_down, requires_grad=False)
+    if block.experts.gate_up_bias is not None:  # the gate and up biases sliced as their rows; down_bias whole
+        bias = block.experts.gate_up_bias.data
+        experts.gate_up_bias = nn.Parameter(torch.cat([bias[:, first_gu:first_gu + rows],
+                                                       bias[:, half + first_gu:half + first_gu + rows]], dim=1),
+                                            requires_grad=False)
+        experts.down_bias = block.experts.down_bias
     return RowParallelSparseMoe(block, experts, group)
 
 

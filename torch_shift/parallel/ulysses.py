@@ -47,8 +47,9 @@ class UlyssesAttention:
         q_all, k_all, v_all = recv[:n].split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
         if sinks is not None:  # this rank attends with head chunk `sp_rank` of the TP-local heads
             sinks = sinks[self.sp_rank * hq_chunk:(self.sp_rank + 1) * hq_chunk]
+        extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)
         out = self.inner(layer_idx, q_all.reshape(n, hq_chunk, d), k_all.reshape(n, hkv_chunk, d),
-                         v_all.reshape(n, hkv_chunk, d), sinks, sliding_window)
+                         v_all.reshape(n, hkv_chunk, d), *extras)
         out = out.reshape(n, hq_chunk * d)
         if n < sp * n_local:
             out = torch.cat((out, out.new_zeros(sp * n_local - n, hq_chunk * d)))

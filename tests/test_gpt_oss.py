@@ -1,0 +1,197 @@
+"""GPT-OSS against Hugging Face `transformers` on random checkpoints: YaRN rotary tables, the sparse block
+(router with a bias, softmax after top-k, expert biases, clamped SwiGLU, interleaved gate/up columns), the
+engine's greedy tokens and logprobs with attention sinks and alternating windowed and full layers (chunked
+prefill, preemption, eager and compiled, every CPU attention backend), the checkpoint layouts, MXFP4 refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
+from test_moe import SHARDED, _generate_rank
+from test_shift import assert_same_outputs
+
+from torch_shift import LLM, LLMEngine, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.handoff import handoff
+from torch_shift.models import load_model
+from torch_shift.models.convert import convert_checkpoint
+from torch_shift.models.rope import RotaryEmbedding
+from torch_shift.parallel.launch import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+FP32_ATOL = 1e-4
+SLIDING_WINDOW = 8  # prompts run past it, so that windowed and full layers differ
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 64}
+
+
+def build_gpt_oss(name: str = "gpt_oss", seed: int = 0, **overrides):
+    """Four layers (windowed, full, windowed, full), 4 experts of which 2 per token, random biases and sinks."""
+    kwargs = {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": SLIDING_WINDOW, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 256,
+              "initializer_range": 0.3, "rms_norm_eps": 1e-6, "rope_parameters": YARN,
+              "swiglu_limit": 1.5,  # low, so that the clamps bite
+              "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3, **overrides}
+    config = transformers.GptOssConfig(**kwargs)
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("bias") or name_.endswith("sinks"):  # zero-initialised by transformers
+                p.normal_(0.0, 0.5)
+        for layer in model.model.layers:
+            layer.mlp.router.weight *= 3.0  # decisive routing: top-k margins far above float32 noise
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory, build_gpt_oss)("gpt_oss")
+
+
+def test_config_reads_layers_windows_experts_and_counts_parameters(gpt_oss):
+    hf_model, model_dir = gpt_oss
+    config = ModelConfig.from_dir(model_dir)
+    assert config.family == "gpt_oss" and config.sparse_layers == (0, 1, 2, 3)
+    assert config.layer_windows == (SLIDING_WINDOW, None) * 2 and config.sliding_window is None
+    assert config.attention_sinks and config.o_proj_bias and config.attention_bias
+    assert config.moe_routing == "topk_softmax" and config.router_bias and config.expert_bias
+    assert config.swiglu_limit == 1.5 and config.swiglu_alpha == pytest.approx(1.702)
+    assert config.num_parameters == sum(p.numel() for p in hf_model.parameters())
+    per_expert = 3 * 64 * 32 + 2 * 32 + 64
+    assert config.num_parameters - config.num_active_parameters == 4 * (4 - 2) * per_expert
+
+
+def test_mxfp4_checkpoints_are_refused_with_a_message(gpt_oss, tmp_path):
+    _, model_dir = gpt_oss
+    hf = json.loads((model_dir / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="mxfp4 checkpoints are not supported"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_yarn_rotary_tables_match_transformers(gpt_oss):
+    hf_model, model_dir = gpt_oss
+    config = ModelConfig.from_dir(model_dir)
+    positions = torch.arange(200)
+    cos, sin = hf_model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+    half = config.head_dim // 2
+    assert hf_model.model.rotary_emb.attention_scaling != 1.0
+    torch.testing.assert_close(ours.cos_sin[0, :200, :half], cos[0], atol=0, rtol=0)
+    torch.testing.assert_close(ours.cos_sin[1, :200, :half], sin[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_block_matches_transformers(gpt_oss, dtype):
+    _, model_dir = gpt_oss
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ours = load_model(model_dir, dtype=dtype)
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        ref = hf_model.model.layers[1].mlp(x[None])[0][0]
+        got = ours.layers[1].mlp(x)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tolerance * ref.abs().max().item(), rtol=0)
+
+
+def _greedy_refs(hf_model, prompts, max_tokens):
+    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    with torch.no_grad():
+        logprobs = [torch.log_softmax(hf_model(torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
+                    for p, r in zip(prompts, refs)]
+    return refs, logprobs
+
+
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
+MAX_TOKENS = 10
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
+    {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
+    {"max_num_batched_tokens": 16, "compile": False},  # eager
+    {"max_num_batched_tokens": 16, "attention_backend": "sdpa"},  # the reference backend
+], ids=["chunked", "preempted", "eager", "sdpa"])
+def test_greedy_tokens_and_logprobs_match_transformers(gpt_oss, engine_args):
+    hf_model, model_dir = gpt_oss
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    for out, ref in zip(outs, ref_logprobs):
+        for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            assert set(top) == {token, *ref[position].topk(3).indices.tolist()}
+            for t, logprob in top.items():
+                assert math.isclose(logprob.logprob, ref[position, t].item(), abs_tol=FP32_ATOL)
+    engine = llm.engine
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sinks_and_windows_matter(gpt_oss):
+    """The comparison above would notice either feature missing: without sinks, or with every layer full, the
+    logits of a prompt longer than the window move far beyond the tolerance."""
+    hf_model, model_dir = gpt_oss
+    prompt = random_prompts(1, [40], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        got = engine_logits(LLMEngine(EngineArgs(str(model_dir), block_size=8, max_num_batched_tokens=24)), prompt)
+        torch.testing.assert_close(got, ref, atol=FP32_ATOL, rtol=1e-5)
+        sinks = [layer.self_attn.sinks.clone() for layer in hf_model.model.layers]
+        for layer in hf_model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        assert (hf_model(torch.tensor([prompt])).logits[0] - ref).abs().max() > 100 * FP32_ATOL
+        for layer, s in zip(hf_model.model.layers, sinks):
+            layer.self_attn.sinks.copy_(s)
+        full = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, layer_types=["full_attention"] * 4).eval()
+        assert (full(torch.tensor([prompt])).logits[0] - ref).abs().max() > 100 * FP32_ATOL
+
+
+def test_converted_checkpoint_and_in_memory_model_give_the_same_outputs(gpt_oss, tmp_path):
+    hf_model, model_dir = gpt_oss
+    prompt = random_prompts(1, [30], seed=5)[0]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
+                               ref, atol=0, rtol=0)
+    prompts = random_prompts(3, [4, 19, 1], seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
+    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+# every family that shards the model, and DP replicas and pipeline stages (SHARDED: test_moe's)
+LAYOUTS = {**SHARDED, "dp2": (2, {"dp": 2}, {"dp@0", "dp@1"}), "pp2": (2, {"pp": 2}, {"pp"})}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_every_layout_matches_one_rank(gpt_oss, family):
+    """Sinks sharded with their heads (and handed to each Ulysses rank for its head chunk), o_proj's and the
+    experts' down bias added once after the TP sum, the gate/up biases split with their rows, windows per
+    layer in pipeline stages: greedy tokens and logprobs those of one rank."""
+    world, engine_args, layouts = LAYOUTS[family]
+    _, model_dir = gpt_oss
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] >= layouts, results[0][1]
