@@ -4,6 +4,7 @@ torch_shift's own layouts, memory against the engine's own shards, profiles, and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import random_prompts
@@ -261,6 +262,40 @@ def test_moe_configs_have_their_published_sizes(tmp_path, capsys, config, total,
     per_pair = 2 * h * 2 * layers  # a token-expert pair's input and output
     assert decode == pytest.approx(k * per_expert + k * per_pair, rel=1e-9)
     assert prefill == pytest.approx(shape.num_experts * per_expert + 512 * k * per_pair, rel=1e-6)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h100x8", "--synthetic", "2048:64",
+                 "--num-requests", "16", "--rate", "4", "--policies", "dp,tp", "--json", str(out)]) == 0
+    tp8 = next(c for c in json.loads(out.read_text())["candidates"] if c["label"] == "TP8")
+    assert tp8["num_finished"] == 16
+    assert tp8["weight_bytes_per_rank"] == memory_per_rank(shape, Layout("tp", tp=8)).weight_bytes
+
+
+GPT_OSS_120B = {  # openai/gpt-oss-120b's config.json (the fields the engine reads)
+    "architectures": ["GptOssForCausalLM"], "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+    "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 4096},
+    "rope_theta": 150000, "attention_bias": True, "swiglu_limit": 7.0, "torch_dtype": "bfloat16",
+    "layer_types": ["sliding_attention", "full_attention"] * 18}
+
+
+def test_gpt_oss_config_has_its_published_size_and_windowed_layers_are_priced(tmp_path):
+    """OpenAI's model card: 116.8B parameters, 5.1B active per token (counting the unembedding, not the
+    embedding table); half the layers attend over the last 128 positions only."""
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B))
+    shape = ModelShape.from_pretrained(tmp_path)
+    assert shape.num_parameters() / 1e9 == pytest.approx(116.83, abs=0.01)
+    embedding = shape.vocab_size * shape.hidden_size
+    assert (shape.num_active_parameters() - embedding) / 1e9 == pytest.approx(5.13, abs=0.01)
+    assert (shape.sliding_window, shape.num_window_layers) == (128, 18)
+    prompt = [Seq(4096, 0)]
+    windowed = ops_of(step_cost(shape, get_profile("h100"), Layout("tp", tp=8), prompt))["attention_prefill"][0]
+    full = ops_of(step_cost(replace(shape, num_window_layers=0, sliding_window=None), get_profile("h100"),
+                            Layout("tp", tp=8), prompt))["attention_prefill"][0]
+    # a full layer's 4096 x 4097 / 2 (query, key) pairs against a windowed one's 128 per query (127 fewer at first)
+    pairs_full, pairs_window = 4096 * 4097 / 2, 4096 * 128 - 127 * 128 / 2
+    assert windowed / full == pytest.approx((pairs_full + pairs_window) / (2 * pairs_full), rel=1e-9)
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h100x8", "--synthetic", "2048:64",
                  "--num-requests", "16", "--rate", "4", "--policies", "dp,tp", "--json", str(out)]) == 0

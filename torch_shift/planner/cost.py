@@ -184,12 +184,20 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
     ]
     prefill = [s for s in seqs if s.num_new_tokens > 1]
     decode = [s for s in seqs if s.num_new_tokens == 1]
-    if prefill:
-        layer.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill"))
-    if decode:
-        layer.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode"))
-    sparse = _sparse_layers(shape, num_layers)
     per_kind = []  # (ops of one layer of the kind, how many layers)
+    # GPT-OSS: windowed and full layers alternate (in proportion among a stage's layers)
+    windowed = round(num_layers * shape.num_window_layers / shape.num_layers) if shape.num_window_layers else 0
+    for window, count in ((True, num_layers - windowed), (shape.sliding_window, windowed)):
+        if windowed and window is True:
+            window = None  # the full layers of a model whose window is only on some
+        attention_ops = []
+        if prefill:
+            attention_ops.append(ops.attention(shape, prefill, q_att, kv_att, "attention_prefill", window))
+        if decode:
+            attention_ops.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode", window))
+        if count and attention_ops:
+            per_kind.append((attention_ops, count))
+    sparse = _sparse_layers(shape, num_layers)
     if num_layers - sparse:
         inter = shape.intermediate_size // tp
         per_kind.append(([ops.linear("gate_up", shape, local, h, 2 * inter), ops.linear("down", shape, local, inter, h),
@@ -398,10 +406,13 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
     q_lin, kv_lin = _heads_per_rank(shape, tp)
     _, kv_att = _heads_per_rank(shape, sp * tp)
     attention = (h * (q_lin + 2 * kv_lin) * d + q_lin * d * h + 2 * h
-                 + ((q_lin + 2 * kv_lin) * d if shape.attention_bias else 0) + (2 * d if shape.qk_norm else 0))
+                 + ((q_lin + 2 * kv_lin) * d if shape.attention_bias else 0) + (2 * d if shape.qk_norm else 0)
+                 + (h if shape.o_proj_bias else 0) + (q_lin if shape.attention_sinks else 0))
     dense_mlp = 3 * h * (shape.intermediate_size // tp)
-    # every expert's FFN split by TP, the router replicated (models/moe.py under parallel/layouts.py)
-    sparse_mlp = h * shape.num_experts + shape.num_experts * 3 * h * (shape.expert_intermediate_size // tp)
+    # every expert's FFN split by TP (gate/up biases with their rows, the down bias whole), the router replicated
+    columns = shape.expert_intermediate_size // tp
+    sparse_mlp = ((h + (1 if shape.router_bias else 0)) * shape.num_experts
+                  + shape.num_experts * (3 * h * columns + (2 * columns + h if shape.expert_bias else 0)))
 
     def stage_layers(layers: int) -> int:
         sparse = _sparse_layers(shape, layers)

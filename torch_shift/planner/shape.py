@@ -66,6 +66,13 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     num_sparse_layers: int = 0
+    # GPT-OSS: an o_proj bias and a sink per head, a router bias and expert biases, and `sliding_window` on
+    # only `num_window_layers` of the layers (0: on all of them)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    num_window_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
@@ -87,15 +94,19 @@ class ModelShape:
                     name: str = "model") -> ModelShape:
         """`dtype`: 'auto' (the checkpoint's, fp32 when it names none), fp32, bf16, fp16 or fp8."""
         weight_dtype = canonical_dtype(config.torch_dtype or "fp32") if dtype == "auto" else dtype
+        windows = [w for w in config.layer_windows if w is not None]
         return cls(
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
             tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-            qk_norm=config.qk_norm, sliding_window=config.sliding_window, weight_dtype=weight_dtype,
+            qk_norm=config.qk_norm, sliding_window=max(windows) if windows else config.sliding_window,
+            weight_dtype=weight_dtype,
             kv_dtype=kv_dtype, name=name, num_experts=config.num_experts,
             experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.moe_intermediate_size,
-            num_sparse_layers=len(config.sparse_layers),
+            num_sparse_layers=len(config.sparse_layers), o_proj_bias=config.o_proj_bias,
+            attention_sinks=config.attention_sinks, router_bias=config.router_bias, expert_bias=config.expert_bias,
+            num_window_layers=len(windows),
         )
 
     @classmethod
@@ -134,11 +145,13 @@ class ModelShape:
         return self.num_layers - self.num_sparse_layers
 
     def attention_parameters(self) -> int:
-        """q/k/v (with bias), o and the q/k norms of one layer."""
+        """q/k/v (with bias), o (with bias), the q/k norms and the sinks of one layer."""
         h, d = self.hidden_size, self.head_dim
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
         bias = (self.num_heads + 2 * self.num_kv_heads) * d if self.attention_bias else 0
-        return qkv + bias + self.q_size * h + (2 * d if self.qk_norm else 0)
+        extras = (2 * d if self.qk_norm else 0) + (h if self.o_proj_bias else 0) + (
+            self.num_heads if self.attention_sinks else 0)
+        return qkv + bias + self.q_size * h + extras
 
     def mlp_parameters(self, sparse: bool, experts: int | None = None) -> int:
         """A dense layer's gated MLP, or a sparse layer's router and `experts` of its experts (all by default)."""
@@ -146,7 +159,10 @@ class ModelShape:
         if not sparse:
             return 3 * h * self.intermediate_size
         experts = self.num_experts if experts is None else experts
-        return h * self.num_experts + experts * 3 * h * self.expert_intermediate_size
+        router = (h + (1 if self.router_bias else 0)) * self.num_experts
+        per_expert = 3 * h * self.expert_intermediate_size + (2 * self.expert_intermediate_size + h
+                                                              if self.expert_bias else 0)
+        return router + experts * per_expert
 
     def num_parameters(self) -> int:
         embed = self.vocab_size * self.hidden_size
@@ -225,10 +241,13 @@ def linear(name: str, shape: ModelShape, tokens: int, in_features: int, out_feat
     return Op(name, 2.0 * tokens * in_features * out_features, nbytes, "matmul", shape.weight_dtype, tokens)
 
 
-def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, name: str = "attention") -> Op:
+def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, name: str = "attention",
+              window: int | None | bool = True) -> Op:
     """Causal attention of the new tokens over each sequence's context (the batch's KV read once, the new
-    K/V written once): QK^T and PV are 2 FLOPs per (query head, key, dim) each."""
-    d, window = shape.head_dim, shape.sliding_window
+    K/V written once): QK^T and PV are 2 FLOPs per (query head, key, dim) each. `window`: the layer's
+    (True: the model's `sliding_window`)."""
+    d = shape.head_dim
+    window = shape.sliding_window if window is True else window
     keys = sum(_window_keys(s.num_computed_tokens + 1, s.num_new_tokens, window) for s in seqs)
     # keys read: the whole context, or the last window + chunk - 1 positions under a sliding window
     read = sum(min(s.num_computed_tokens + s.num_new_tokens,
