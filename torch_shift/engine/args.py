@@ -21,6 +21,7 @@ from torch_shift.engine.policies import POLICIES, policy_options
 from torch_shift.engine.sampling_params import MAX_SEED
 from torch_shift.engine.spec_decode import SpeculativeConfig
 from torch_shift.parallel.layouts import Deployment, build_deployment
+from torch_shift.parallel.plan import validate_expert_parallel
 
 # The same arguments under the names users of vLLM and ArcticInference arrive with.
 ENGINE_ARG_ALIASES = {
@@ -101,6 +102,9 @@ class EngineArgs:
                                choices=("copy", "view"), group="parallel")
     seesaw_weights: str = _arg("resident", "Seesaw's inactive layer weights resident, or a host copy swapped in at "
                                            "each transition", choices=("resident", "host"), group="parallel")
+    enable_expert_parallel: bool = _arg(False, "a mixture of experts' experts split whole across the ranks (over TP, "
+                                               "or over SP with tp 1: tokens dispatched by all-to-all), instead of "
+                                               "each expert's FFN split by TP (docs/moe.md)", group="parallel")
     cpu_kv_gb: float | None = _arg(None, "host tier of the KV cache in GiB, shared by the local ranks (swap space; "
                                          "seesaw buffers prefilled requests there; default: 4 for seesaw, none "
                                          "otherwise)", flags=("--swap-space",), group="parallel")
@@ -180,7 +184,7 @@ class EngineArgs:
                               ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
-        for name in ("compile", "prepack_weights", "enable_prefix_caching"):
+        for name in ("compile", "prepack_weights", "enable_prefix_caching", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool) and not (name == "compile" and self.compile is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
@@ -234,6 +238,11 @@ class EngineArgs:
             model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,
             flying=self.policy in ("flying", "random") and self.dp > 1, seesaw=self.policy == "seesaw",
             shift=self.shift_threshold is not None)
+        if self.enable_expert_parallel:
+            if self.dp > 1 or self.pp > 1:
+                raise ValueError("enable_expert_parallel splits the experts over one replica's TP or SP ranks; "
+                                 f"not with dp={self.dp} or pp={self.pp} (DP, Flying, PP, Seesaw)")
+            validate_expert_parallel(model_config, self.sp, self.tp)
         tokenizer_dir = Path(self.tokenizer) if self.tokenizer else model_dir
         return EngineConfig(
             model=model_config, model_dir=model_dir, tokenizer_dir=tokenizer_dir, seed=self.seed,
@@ -248,7 +257,8 @@ class EngineArgs:
                                       policy=self.scheduling_policy),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,
-                                    seesaw_weights=self.seesaw_weights, timeout_s=self.distributed_timeout_s,
+                                    seesaw_weights=self.seesaw_weights, expert_parallel=self.enable_expert_parallel,
+                                    timeout_s=self.distributed_timeout_s,
                                     interconnect_gbps=self.interconnect_gbps),
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
                                 compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights),
@@ -265,6 +275,7 @@ class ParallelConfig:
     shift_weights: str = "copy"
     flying_weights: str = "copy"
     seesaw_weights: str = "resident"
+    expert_parallel: bool = False
     timeout_s: float = 120.0
     interconnect_gbps: float | None = None
 

@@ -122,7 +122,7 @@ class Worker:
             try:
                 model = build_layout_model(config.deployment, groups, rank, mc, reader, config.dtype, device,
                                            parallel.shift_threshold, parallel.shift_weights, parallel.flying_weights,
-                                           parallel.seesaw_weights)
+                                           parallel.seesaw_weights, parallel.expert_parallel)
             finally:
                 reader.close()
         if runner_config.prepack_weights:  # a model the user handed over keeps its dense weights (they may use it)

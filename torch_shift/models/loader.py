@@ -209,9 +209,10 @@ def part_views(model: torch.nn.Module, name: str) -> dict[str | None, torch.Tens
         rows = param.shape[1]
         slots = ("gate", "up") if projection in ("gate_up_proj", "gate_up_bias") else (None,)
         views = {}
+        first_expert = model.get_submodule(owner).first_expert  # a rank's run of experts: the model's numbering
         for e in range(param.shape[0]):
             for slot in slots:
-                part = expert_part(e, slot)
+                part = expert_part(first_expert + e, slot)
                 _, first, length = expert_part_rows(part, rows)
                 views[part] = param.data[e, first:first + length]
         return views

@@ -64,6 +64,21 @@ def gated(gate_up: torch.Tensor, swiglu_limit: float | None, swiglu_alpha: float
     return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
 
 
+def expert_forward(expert: int, rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   packed: tuple[list[int], list[int]] | None, gate_up_bias: torch.Tensor | None,
+                   down_bias: torch.Tensor | None, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
+    """Expert `expert`'s output [n, H] for its rows [n, H], in the model dtype (biases added after each matmul)."""
+    if packed:
+        gate_up = packed_weight(packed[0][expert]).run(rows, None)
+    else:
+        gate_up = F.linear(rows, gate_up_proj[expert])
+    if gate_up_bias is not None:
+        gate_up = gate_up + gate_up_bias[expert]
+    hidden = gated(gate_up, swiglu_limit, swiglu_alpha)
+    out = packed_weight(packed[1][expert]).run(hidden, None) if packed else F.linear(hidden, down_proj[expert])
+    return out if down_bias is None else out + down_bias[expert]
+
+
 def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, packed: tuple[list[int], list[int]] | None = None,
                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
@@ -84,19 +99,8 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torc
         if count == 0:
             continue
         tokens = pair_token[start:start + count]
-        if packed:
-            gate_up = packed_weight(packed[0][expert]).run(x[tokens], None)
-        else:
-            gate_up = F.linear(x[tokens], gate_up_proj[expert])
-        if gate_up_bias is not None:
-            gate_up = gate_up + gate_up_bias[expert]
-        hidden = gated(gate_up, swiglu_limit, swiglu_alpha)
-        if packed:
-            expert_out = packed_weight(packed[1][expert]).run(hidden, None)
-        else:
-            expert_out = F.linear(hidden, down_proj[expert])
-        if down_bias is not None:
-            expert_out = expert_out + down_bias[expert]
+        expert_out = expert_forward(expert, x[tokens], gate_up_proj, down_proj, packed, gate_up_bias, down_bias,
+                                    swiglu_limit, swiglu_alpha)
         out.index_add_(0, tokens, (expert_out * pair_weight[start:start + count, None]).float())
         start += count
     return out.to(x.dtype)
@@ -138,9 +142,12 @@ class Experts(nn.Module):
 
     packed: PackedExperts | None = None
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 first_expert: int = 0):
+        """`first_expert`: the model's index of expert 0 here (a rank's run of them under expert parallelism)."""
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = first_expert
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None

@@ -171,15 +171,28 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """dim 0 split in equal parts: part j goes to group rank j; the result stacks what each rank sent."""
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, input_split_sizes: list[int] | None = None,
+               output_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """dim 0 split in equal parts, or in `input_split_sizes` rows: part j goes to group rank j; the result
+    stacks what each rank sent (`output_split_sizes[j]` rows from rank j). Unequal parts run eagerly only."""
     n = _size(group)
     if n == 1:
         return x
-    nbytes = (n - 1) * x.numel() * x.element_size() // n
+    row_bytes = x[:1].numel() * x.element_size()
+    if input_split_sizes is None:
+        nbytes = (n - 1) * x.numel() * x.element_size() // n
+    else:
+        nbytes = (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)]) * row_bytes
     _record("all_to_all", nbytes)
     shared = _shared_id(group)
-    if shared is not None:
+    if input_split_sizes is not None:
+        assert not torch.compiler.is_compiling(), "unequal all-to-all parts inside a compiled graph"
+        if shared is not None:
+            out = _shared_by_id[shared].all_to_all(x, input_split_sizes, output_split_sizes)
+        else:
+            out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_split_sizes,
+                                                              input_split_sizes, group))
+    elif shared is not None:
         out = _shm_all_to_all(x, shared) if torch.compiler.is_compiling() else _shared_by_id[shared].all_to_all(x)
     else:
         out = funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))

@@ -58,17 +58,35 @@ def _megatron_entries(mesh: DeviceMesh, placements_for) -> dict:
     }
 
 
-def base_plan(groups: ShiftGroups) -> ParallelPlan:
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+
+
+def _expert_parallel(entries: dict, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:
+    """Every sparse layer's experts split whole across `placements`' sharded axis (Shard(0) of the stacked
+    experts), in place of TP inside each expert."""
+    for name in EXPERT_PARAMETERS:
+        entries[f"layers.*.mlp.experts.{name}"] = (mesh, placements)
+
+
+def base_plan(groups: ShiftGroups, expert_parallel: bool = False) -> ParallelPlan:
+    """`expert_parallel`: the experts split over the SP ranks (TP = 1 then), or over TP when SP = 1."""
     mesh = groups.mesh
     entries = _megatron_entries(mesh, lambda dim: (Replicate(), Shard(dim)))
+    if expert_parallel:
+        assert groups.sp == 1 or groups.tp == 1, (groups.sp, groups.tp)
+        _expert_parallel(entries, mesh, (Shard(0), Replicate()) if groups.sp > 1 else (Replicate(), Shard(0)))
     entries["lm_head.weight"] = (groups.shift_mesh, (Shard(0),))
     entries["*"] = (mesh, (Replicate(), Replicate()))
     return ParallelPlan("base", entries)
 
 
-def tp_plan(mesh: DeviceMesh, layout: str = "tp", vocab_parallel: bool = True) -> ParallelPlan:
-    """Megatron TP over a 1-D mesh; the LM head vocab-parallel, or replicated."""
+def tp_plan(mesh: DeviceMesh, layout: str = "tp", vocab_parallel: bool = True,
+            expert_parallel: bool = False) -> ParallelPlan:
+    """Megatron TP over a 1-D mesh; the LM head vocab-parallel, or replicated; the experts split whole over the
+    ranks with `expert_parallel`."""
     entries = _megatron_entries(mesh, lambda dim: (Shard(dim),))
+    if expert_parallel:
+        _expert_parallel(entries, mesh, (Shard(0),))
     entries["lm_head.weight"] = (mesh, (Shard(0),) if vocab_parallel else (Replicate(),))
     entries["*"] = (mesh, (Replicate(),))
     return ParallelPlan(layout, entries)
@@ -135,11 +153,37 @@ def local_part_slice(
         rows = padded_vocab(config.vocab_size, num_chunks) // num_chunks
         start = chunk * rows
         return PartSlice(0, start, max(0, min(rows, config.vocab_size - start)))
+    if param_name.split(".")[-2] == "experts" and dim == 0:
+        return None  # expert parallelism: a rank holds whole experts (expert_shard says which)
     num_units, unit = part_units(config, param_name, part)
     first, count = shard_bounds(num_units, num_chunks, chunk)
     if param_name.split(".")[-2] == "experts":
         dim -= 1  # a part is one expert's [rows, cols]: the stacked parameter's dims without the expert's
     return PartSlice(dim, first * unit, count * unit)
+
+
+def expert_shard(plan: ParallelPlan, config: ModelConfig, param_name: str) -> tuple[int, int] | None:
+    """(first expert, count) this rank holds of a sparse layer's experts under expert parallelism, else None."""
+    sharded = plan.shard_dim_and_axis(param_name)
+    if sharded is None or sharded[0] != 0:
+        return None
+    mesh, _ = plan.lookup(param_name)
+    axis = sharded[1]
+    n, rank = mesh.size(mesh.mesh_dim_names.index(axis)), mesh.get_local_rank(axis)
+    assert config.num_experts % n == 0, (config.num_experts, n)
+    count = config.num_experts // n
+    return rank * count, count
+
+
+def validate_expert_parallel(config: ModelConfig, sp: int, tp: int) -> None:
+    """Expert parallelism over the SP ranks (TP = 1) or the TP ranks (SP = 1): whole experts per rank."""
+    if not config.is_moe:
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+    if sp > 1 and tp > 1:
+        raise ValueError(f"expert parallelism splits the experts over the SP ranks (tp=1) or the TP ranks (sp=1); "
+                         f"got sp={sp}, tp={tp}")
+    if config.num_experts % (sp * tp):
+        raise ValueError(f"num_experts={config.num_experts} is not divisible by the {sp * tp} ranks that split them")
 
 
 def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:

@@ -79,7 +79,8 @@ class ReplicaModel(LayoutCounters, nn.Module):
 def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,
                        read: TensorReader, dtype: torch.dtype, device: torch.device,
                        shift_threshold: int | None = None, shift_weights: str = "copy",
-                       flying_weights: str = "copy", seesaw_weights: str = "resident") -> nn.Module:
+                       flying_weights: str = "copy", seesaw_weights: str = "resident",
+                       expert_parallel: bool = False) -> nn.Module:
     """This rank's model: only its shards read, its layouts derived from them."""
     if deployment.pp > 1:
         from torch_shift.parallel.pipeline import build_pipeline_model
@@ -88,7 +89,7 @@ def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, 
     if groups is not None and groups.replica is not None:  # (SP, TP) inside a replica
         with_shift = any(layout.kind == "shift" for layout in deployment.layouts)
         return build_shift_module(config, groups.replica, read, dtype, device,
-                                  shift_threshold if with_shift else None, shift_weights)
+                                  shift_threshold if with_shift else None, shift_weights, expert_parallel)
     full = build_model(config, read, dtype, device)
     views, leaders = {}, {}
     for layout in deployment.layouts_of(rank):

@@ -28,6 +28,7 @@ from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.moe import Experts, SparseMoeBlock
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
+from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, RowParallelSparseMoe, VocabParallelLMHead
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
@@ -36,9 +37,11 @@ from torch_shift.parallel.plan import (
     ParallelPlan,
     PartSlice,
     base_plan,
+    expert_shard,
     local_part_slice,
     padded_vocab,
     shift_plan,
+    validate_expert_parallel,
     validate_mesh_for_model,
 )
 from torch_shift.parallel.ulysses import UlyssesAttention, kv_send_index
@@ -85,7 +88,17 @@ def _sharded_skeleton(config: ModelConfig, plan: ParallelPlan) -> DecoderLM:
                 local = RowParallelLinear(torch.empty(out_features, slices[0].length), group, bias)
             model.set_submodule(name, local)
         for name, module in list(model.named_modules()):
-            if isinstance(module, SparseMoeBlock) and plan.shard_dim_and_axis(name + ".experts.down_proj"):
+            shard = (expert_shard(plan, config, name + ".experts.down_proj")
+                     if isinstance(module, SparseMoeBlock) else None)
+            if shard is not None:  # whole experts [first, first + count) on this rank
+                axis = plan.shard_dim_and_axis(name + ".experts.down_proj")[1]
+                experts = Experts(shard[1], config.hidden_size, config.moe_intermediate_size,
+                                  bias=config.expert_bias, first_expert=shard[0])
+                # SP ranks hold their own tokens; TP ranks the same ones
+                model.set_submodule(name, ExpertParallelSparseMoe(module, experts,
+                                                                  _group_of(plan, name + ".experts.down_proj"),
+                                                                  tokens_partitioned=axis == "sp"))
+            elif isinstance(module, SparseMoeBlock) and plan.shard_dim_and_axis(name + ".experts.down_proj"):
                 group = _group_of(plan, name + ".experts.down_proj")
                 width = local_part_slice(plan, config, name + ".experts.down_proj", "0").length
                 experts = Experts(config.num_experts, config.hidden_size, width, bias=config.expert_bias)
@@ -101,9 +114,9 @@ def _group_of(plan: ParallelPlan, param_name: str) -> dist.ProcessGroup:
 
 
 def load_base(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
-              device: torch.device) -> DecoderLM:
+              device: torch.device, expert_parallel: bool = False) -> DecoderLM:
     """The base-layout model with only this rank's shards read."""
-    plan = base_plan(groups)
+    plan = base_plan(groups, expert_parallel)
     model = _sharded_skeleton(config, plan)
     model.to(dtype).to_empty(device=device)
     model.rotary.materialize(device)
@@ -177,7 +190,9 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
         o_bias = source_layer.attn.o_proj.bias
         attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group,
                                         None if o_bias is None else o_bias.data)
-        if isinstance(source_layer.mlp, (SparseMoeBlock, RowParallelSparseMoe)):
+        if isinstance(source_layer.mlp, ExpertParallelSparseMoe):  # the same experts, tokens replicated now
+            mlp = ExpertParallelSparseMoe(source_layer.mlp, source_layer.mlp.experts, group, tokens_partitioned=False)
+        elif isinstance(source_layer.mlp, (SparseMoeBlock, RowParallelSparseMoe)):
             mlp = _derive_experts(source_layer.mlp, prefix + "mlp.experts.", target_window, group, weights)
         else:
             mlp = copy.copy(source_layer.mlp)
@@ -341,11 +356,13 @@ class ShiftModule(LayoutCounters, nn.Module):
 
 def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
                        device: torch.device, shift_threshold: int | None = 256,
-                       shift_weights: str = "copy") -> ShiftModule:
+                       shift_weights: str = "copy", expert_parallel: bool = False) -> ShiftModule:
     validate_mesh_for_model(config, groups.sp, groups.tp)
+    if expert_parallel:
+        validate_expert_parallel(config, groups.sp, groups.tp)
     if shift_threshold is not None and shift_threshold < 0:
         raise ValueError(f"shift_threshold must be >= 0 or None, got {shift_threshold}")
-    base = load_base(config, groups, read, dtype, device)
+    base = load_base(config, groups, read, dtype, device, expert_parallel)
     # with SP = 1 the base layout is already full TP: one layout, one copy of the weights
     shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None and groups.sp > 1 else None
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)

@@ -35,6 +35,9 @@ class Layout:
     pp: int = 1
     group_tp: tuple[int, ...] = ()  # "dp": the TP width of each group
     num_microbatches: int | None = None  # "pp": micro-batches per step (default: pp, at most one per sequence)
+    # whole experts split over the ranks ("tp", or "sp_tp" with tp 1: tokens dispatched by all-to-all), instead
+    # of each expert's FFN split by TP (torch_shift.parallel.expert_parallel)
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUT_KINDS:
@@ -52,6 +55,8 @@ class Layout:
             raise ValueError(f"group widths must be >= 1, got {self.group_tp}")
         if self.num_microbatches is not None and (self.kind != "pp" or self.num_microbatches < 1):
             raise ValueError("num_microbatches is a positive count, for a 'pp' layout only")
+        if self.expert_parallel and (self.kind not in ("tp", "sp_tp") or (self.sp > 1 and self.tp > 1)):
+            raise ValueError("expert parallelism splits the experts over TP, or over SP with tp 1")
 
     @classmethod
     def dp_groups(cls, *widths: int) -> Layout:
@@ -69,7 +74,8 @@ class Layout:
             widths = sorted(set(self.group_tp), reverse=True)
             return "+".join(f"{self.group_tp.count(w)}xTP{w}" if w > 1 else f"DP{self.group_tp.count(w)}"
                             for w in widths)
-        return {"tp": f"TP{self.tp}", "sp_tp": f"SP{self.sp}xTP{self.tp}", "pp": f"PP{self.pp}xTP{self.tp}"}[self.kind]
+        name = {"tp": f"TP{self.tp}", "sp_tp": f"SP{self.sp}xTP{self.tp}", "pp": f"PP{self.pp}xTP{self.tp}"}[self.kind]
+        return name + "+EP" if self.expert_parallel else name
 
 
 # -- results ----------------------------------------------------------------------------------------------
@@ -151,6 +157,9 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
                             f"{what}={chunks}")
     if layout.kind == "pp" and layout.pp > shape.num_layers:
         problems.append(f"PP={layout.pp} is more stages than the model's {shape.num_layers} layers")
+    if layout.expert_parallel and (not shape.is_moe or shape.num_experts % layout.num_ranks):
+        problems.append(f"expert parallelism needs num_experts={shape.num_experts} divisible by the "
+                        f"{layout.num_ranks} ranks")
     if problems:
         raise ValueError(f"layout {layout.name} does not fit {shape.name}: " + "; ".join(problems))
 
@@ -167,7 +176,7 @@ def _sparse_layers(shape: ModelShape, num_layers: int) -> int:
 
 
 def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
-               first_stage: bool, last_stage: bool) -> list[Op]:
+               first_stage: bool, last_stage: bool, expert_parallel: bool = False) -> list[Op]:
     """The ops of one rank of an (SP x) TP group running `num_layers` layers of one (micro-)batch. A sparse
     layer's experts are split by TP as the engine runs them (each rank a slice of every expert's FFN, the
     router replicated): every rank computes its slice for every routed token, so no rank waits on another's
@@ -202,7 +211,13 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         inter = shape.intermediate_size // tp
         per_kind.append(([ops.linear("gate_up", shape, local, h, 2 * inter), ops.linear("down", shape, local, inter, h),
                           ops.layer_elementwise(shape, local, q_lin, kv_lin, inter)], num_layers - sparse))
-    if sparse:
+    if sparse and expert_parallel:  # E / n whole experts per rank: 1/n of the step's token-expert pairs
+        n, width = sp * tp, shape.expert_intermediate_size
+        per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
+                          ops.experts(shape, tokens, width, ranks=n),
+                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * width // n)],
+                         sparse))
+    elif sparse:
         columns = shape.expert_intermediate_size // tp
         per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
                           ops.experts(shape, local, columns),
@@ -222,7 +237,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
 
 
 def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
-                       last_stage: bool) -> list[tuple[str, str, int, int, int]]:
+                       last_stage: bool, expert_parallel: bool = False) -> list[tuple[str, str, int, int, int]]:
     """(name, op, group size, calls, tensor bytes per call) of one rank: what torch_shift.parallel runs."""
     a = shape.activation_bytes
     tokens = sum(s.num_new_tokens for s in seqs)
@@ -231,8 +246,15 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
     h, d = shape.hidden_size, shape.head_dim
     q_att, kv_att = _heads_per_rank(shape, sp * tp)
     out = []
+    sparse = _sparse_layers(shape, num_layers) if expert_parallel else 0
     if tp > 1:  # o_proj and down_proj are row-parallel (layers.RowParallelLinear)
-        out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers, local * h * a))
+        out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, local * h * a))
+    if sparse and tp > 1:  # expert_parallel: the experts' outputs summed in float32
+        out.append(("ep_all_reduce", "all_reduce", tp, sparse, local * h * 4))
+    if sparse and sp > 1:  # expert_parallel: the pairs to their experts' ranks (with their expert ids) and back
+        pairs = local * shape.experts_per_token
+        out.append(("ep_all_to_all_dispatch", "all_to_all", sp, sparse, pairs * (h * a + 8)))
+        out.append(("ep_all_to_all_combine", "all_to_all", sp, sparse, pairs * h * a))
     if sp > 1:  # ulysses.UlyssesAttention: one fused q/k/v all-to-all, one for the output
         out.append(("sp_all_to_all_qkv", "all_to_all", sp, num_layers, sp * local * (q_att + 2 * kv_att) * d * a))
         out.append(("sp_all_to_all_out", "all_to_all", sp, num_layers, sp * local * q_att * d * a))
@@ -332,12 +354,14 @@ def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     return _merge(stage_ops[k]), _merge_collectives(stage_comm[k]), makespan - busy[k]
 
 
-def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *, tp: int, sp: int, active: int):
+def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *, tp: int, sp: int, active: int,
+                 expert_parallel: bool = False):
     """(ops, collectives, seconds) of one rank of an (SP x) TP group running the whole model."""
     op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
-                                            first_stage=True, last_stage=True), active))
+                                            first_stage=True, last_stage=True, expert_parallel=expert_parallel),
+                             active))
     comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
-                                                           last_stage=True)))
+                                                           last_stage=True, expert_parallel=expert_parallel)))
     return op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm)
 
 
@@ -371,7 +395,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     elif layout.kind == "pp":
         op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks, micro_batches)
     else:
-        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=layout.num_ranks)
+        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=layout.num_ranks,
+                                         expert_parallel=layout.expert_parallel)
     compute, memory = _split_compute_memory(op_costs)
     return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead, group_s)
 
@@ -409,10 +434,14 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
                  + ((q_lin + 2 * kv_lin) * d if shape.attention_bias else 0) + (2 * d if shape.qk_norm else 0)
                  + (h if shape.o_proj_bias else 0) + (q_lin if shape.attention_sinks else 0))
     dense_mlp = 3 * h * (shape.intermediate_size // tp)
-    # every expert's FFN split by TP (gate/up biases with their rows, the down bias whole), the router replicated
+    # every expert's FFN split by TP (gate/up biases with their rows, the down bias whole), the router replicated;
+    # under expert parallelism E / n whole experts per rank
     columns = shape.expert_intermediate_size // tp
+    held = shape.num_experts
+    if layout.expert_parallel:
+        columns, held = shape.expert_intermediate_size, shape.num_experts // (sp * tp)
     sparse_mlp = ((h + (1 if shape.router_bias else 0)) * shape.num_experts
-                  + shape.num_experts * (3 * h * columns + (2 * columns + h if shape.expert_bias else 0)))
+                  + held * (3 * h * columns + (2 * columns + h if shape.expert_bias else 0)))
 
     def stage_layers(layers: int) -> int:
         sparse = _sparse_layers(shape, layers)

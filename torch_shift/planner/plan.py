@@ -39,16 +39,17 @@ class Candidate:
     @property
     def label(self) -> str:
         p = self.params
+        ep = "+EP" if self.engine_args.get("enable_expert_parallel") else ""
         if self.policy == "dp":
             return f"DP{p['dp']}" + (f"xTP{p['tp']}" if p["tp"] > 1 else "")
         if self.policy == "tp":
-            return f"TP{p['tp']}"
+            return f"TP{p['tp']}" + ep
         if self.policy == "sp":
-            return f"SP{p['sp']}" + (f"xTP{p['tp']}" if p["tp"] > 1 else "")
+            return f"SP{p['sp']}" + (f"xTP{p['tp']}" if p["tp"] > 1 else "") + ep
         if self.policy == "pp":
             return f"PP{p['pp']}"
         if self.policy == "shift":
-            return f"Shift SP{p['sp']}->TP{p['sp'] * p['tp']} @{p['threshold']}"
+            return f"Shift SP{p['sp']}->TP{p['sp'] * p['tp']}{ep} @{p['threshold']}"
         if self.policy == "flying":
             return f"Flying DP{p['dp']} (dp_above {p['dp_above']:g})"
         return f"Seesaw P{p['pp']}->T{p['pp']} ({p['cpu_kv_gb']:g} GiB tier)"
@@ -78,7 +79,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
-               cpu_kv_gb: float = 64.0, dp_above: float = 4.0) -> list[Candidate]:
+               cpu_kv_gb: float = 64.0, dp_above: float = 4.0, num_experts: int = 0) -> list[Candidate]:
+    """The configurations `plan` simulates; for a mixture of experts whose `num_experts` the world divides,
+    TP, SP and Shift also with the experts split whole over the ranks (`enable_expert_parallel`)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -106,6 +109,9 @@ def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Seque
         elif policy == "seesaw" and world > 1:
             out.append(Candidate("seesaw", {"pp": world, "cpu_kv_gb": cpu_kv_gb},
                                  {"pp": world, "policy": "seesaw"}))
+    if world > 1 and num_experts and num_experts % world == 0:
+        out += [Candidate(c.policy, c.params, {**c.engine_args, "enable_expert_parallel": True})
+                for c in out if c.policy in ("tp", "sp", "shift")]
     return out
 
 
@@ -114,10 +120,11 @@ def weight_layout(candidate: Candidate) -> list[Layout]:
     if candidate.weights:
         return list(candidate.weights)
     p = candidate.params
+    ep = bool(candidate.engine_args.get("enable_expert_parallel"))
     if candidate.policy in ("dp", "tp"):
-        return [Layout("tp", tp=p["tp"])]
-    if candidate.policy in ("sp", "shift"):
-        return [Layout("sp_tp", sp=p["sp"], tp=p["tp"])]  # shift weights are views (shift_weights="view")
+        return [Layout("tp", tp=p["tp"], expert_parallel=ep and p["tp"] > 1)]
+    if candidate.policy in ("sp", "shift"):  # shift weights are views (shift_weights="view")
+        return [Layout("sp_tp", sp=p["sp"], tp=p["tp"], expert_parallel=ep)]
     if candidate.policy == "flying":
         return [Layout("tp", tp=1)]  # TP groups are views of every replica's full weights
     if candidate.policy == "pp":
@@ -161,7 +168,8 @@ def run_candidate(candidate: Candidate, config: ModelConfig, shape: ModelShape, 
             extra["num_cpu_kv_blocks"] = tier_blocks(shape, candidate.params["cpu_kv_gb"], block_size)
         args = EngineArgs("config-only", seed=seed, max_num_seqs=max_num_seqs, block_size=block_size,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, **extra)
-        timer = CostModelTimer(shape, hw, block_size, async_swaps=args.kv_swap == "async")
+        timer = CostModelTimer(shape, hw, block_size, async_swaps=args.kv_swap == "async",
+                               expert_parallel=args.enable_expert_parallel)
         engine = SimulatedEngine.simulated(args, config, num_blocks, timer)
         if engine.max_request_tokens < longest:
             raise ValueError(f"the longest request ({longest} tokens) does not fit in the KV cache of the widest "
@@ -341,7 +349,8 @@ def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: 
          thresholds: Sequence[int] = DEFAULT_THRESHOLDS, cpu_kv_gb: float = 64.0, slo: dict | None = None,
          concurrency: int | None = None, log=None, **engine) -> PlanReport:
     results = []
-    for candidate in candidates(world, policies, thresholds, cpu_kv_gb):
+    for candidate in candidates(world, policies, thresholds, cpu_kv_gb,
+                                num_experts=config.num_experts if config.is_moe else 0):
         result = run_candidate(candidate, config, shape, hw, requests, concurrency=concurrency, **engine)
         if log is not None:
             log(f"{candidate.label}: " + (result.error or f"TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "

@@ -258,14 +258,15 @@ def attention(shape: ModelShape, seqs: list[Seq], q_heads: int, kv_heads: int, n
     return Op(name, 4.0 * d * q_heads * keys, kv + qo, "attention", shape.activation_dtype)
 
 
-def experts(shape: ModelShape, tokens: int, columns: int) -> Op:
+def experts(shape: ModelShape, tokens: int, columns: int, ranks: int = 1) -> Op:
     """A sparse layer's routed experts on `tokens` tokens, `columns` of each expert's FFN on this rank: each
     token's k experts run gate/up and down (2 x 3 x h x columns FLOPs per token-expert pair), the weights of
     the experts reached read once (`ModelShape.expected_experts`), each pair's input and output moved once;
     the pairs of one expert are one matmul's rows."""
     h, k = shape.hidden_size, shape.experts_per_token
-    reached = shape.expected_experts(tokens)
-    pairs = tokens * k
+    # `ranks` > 1: expert parallelism, this rank's E / ranks experts and 1 / ranks of the pairs (balanced routing)
+    reached = shape.expected_experts(tokens) / ranks
+    pairs = tokens * k / ranks
     nbytes = reached * 3 * h * columns * shape.weight_bytes + pairs * 2 * h * shape.activation_bytes
     rows = max(1, math.ceil(pairs / reached)) if reached else 1
     return Op("experts", 2.0 * pairs * 3 * h * columns, nbytes, "matmul", shape.weight_dtype, rows)

@@ -35,13 +35,14 @@ StepTimer = Callable[[StepPlan, Deployment], float]
 
 
 # -- step times ---------------------------------------------------------------------------------------------
-def cost_layout(layout: EngineLayout, num_micro_batches: int | None = None) -> Layout:
-    """The cost model's description of an engine layout (Shift's shift layout is plain TP over its ranks)."""
+def cost_layout(layout: EngineLayout, num_micro_batches: int | None = None, expert_parallel: bool = False) -> Layout:
+    """The cost model's description of an engine layout (Shift's shift layout is plain TP over its ranks; with
+    `expert_parallel` both hold whole experts, as `enable_expert_parallel` places them)."""
     if layout.kind == "sp_tp":
-        return Layout("sp_tp", sp=layout.sp, tp=layout.tp)
+        return Layout("sp_tp", sp=layout.sp, tp=layout.tp, expert_parallel=expert_parallel)
     if layout.kind == "pp":
         return Layout("pp", pp=layout.pp, num_microbatches=num_micro_batches)
-    return Layout("tp", tp=len(layout.ranks))
+    return Layout("tp", tp=len(layout.ranks), expert_parallel=expert_parallel and len(layout.ranks) > 1)
 
 
 def group_seqs(group: GroupStep) -> list[Seq]:
@@ -53,10 +54,13 @@ class CostModelTimer:
     """A step plan's time by the cost model (torch_shift.planner.cost): the groups of a step run side by
     side on disjoint ranks (the step lasts as long as the slowest), plus the host tier's copies: each
     rank moves its share of the blocks over its host link (`hw.host_bandwidth`), before the forward, or
-    beside it when the tier's copies are asynchronous."""
+    beside it when the tier's copies are asynchronous. `expert_parallel`: the experts placed as
+    `enable_expert_parallel` places them."""
 
-    def __init__(self, shape: ModelShape, hw: HardwareProfile, block_size: int, async_swaps: bool = False):
+    def __init__(self, shape: ModelShape, hw: HardwareProfile, block_size: int, async_swaps: bool = False,
+                 expert_parallel: bool = False):
         self.shape, self.hw, self.block_size, self.async_swaps = shape, hw, block_size, async_swaps
+        self.expert_parallel = expert_parallel
         self.last_forward_s = 0.0
         self.last_swap_s = 0.0
 
@@ -80,7 +84,8 @@ class CostModelTimer:
 
     def group_seconds(self, layout: EngineLayout, group: GroupStep) -> float:
         if layout.pp == 1:
-            return step_cost(self.shape, self.hw, cost_layout(layout), group_seqs(group)).total_s
+            return step_cost(self.shape, self.hw, cost_layout(layout, expert_parallel=self.expert_parallel),
+                             group_seqs(group)).total_s
         pieces = [group_seqs(piece) for piece in split_micro_batches(group)]  # as the engine cuts the step
         return step_cost(self.shape, self.hw, cost_layout(layout, len(pieces)), group_seqs(group),
                          micro_batches=pieces).total_s
@@ -349,7 +354,7 @@ def predict(engine_args: dict, config: ModelConfig, hw: HardwareProfile, request
         blocks = blocks_for_budget(shape, args.kv_cache_memory_bytes, args.block_size)
     else:
         raise ValueError("predict needs the KV pool's size: num_kv_blocks or kv_cache_memory_bytes")
-    engine = SimulatedEngine.simulated(args, config, blocks, CostModelTimer(shape, hw, args.block_size,
-                                                                            async_swaps=args.kv_swap == "async"),
-                                       spec_acceptance=spec_acceptance)
+    timer = CostModelTimer(shape, hw, args.block_size, async_swaps=args.kv_swap == "async",
+                           expert_parallel=args.enable_expert_parallel)
+    engine = SimulatedEngine.simulated(args, config, blocks, timer, spec_acceptance=spec_acceptance)
     return simulate(engine, requests, concurrency=concurrency)
