@@ -37,6 +37,7 @@ from torch_shift.parallel.launch import run_ranks
 from torch_shift.parallel.layouts import build_deployment
 from torch_shift.parallel.plan import validate_mesh_for_model
 from torch_shift.planner import Layout, ModelShape, Seq, get_profile, memory_per_rank, step_cost
+from torch_shift.planner.shape import busiest_rank_pairs
 
 transformers = pytest.importorskip("transformers")
 
@@ -376,14 +377,26 @@ def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family):
 
 
 def _expert_parallel_rank(rank, world, model_dir, prompts):
-    from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
+    from torch.distributed.tensor import distribute_tensor
 
-    llm = LLM(str(model_dir), sp=world, shift_threshold=8, enable_expert_parallel=True, enable_prefix_caching=False)
+    from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
+    from torch_shift.parallel.plan import EXPERT_PARAMETERS, base_plan
+
+    llm = LLM(str(model_dir), sp=world, shift_threshold=8, enable_expert_parallel=True, enable_prefix_caching=False,
+              prepack_weights=False)
     module = llm.engine.model
+    # the declared placement is the oracle: DTensor's shard of each full stacked parameter is this rank's
+    full, plan = load_model(model_dir), base_plan(module.groups, expert_parallel=True)
+    checked = 0
+    for name, local in module.base.named_parameters():
+        if name.split(".")[-1] in EXPERT_PARAMETERS:
+            mesh, placements = plan.lookup(name)
+            assert torch.equal(local, distribute_tensor(full.get_parameter(name).data, mesh, placements).to_local())
+            checked += 1
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     base, shift = module.base.layers[0].mlp, module.shift.layers[0].mlp
     assert isinstance(base, ExpertParallelSparseMoe) and isinstance(shift, ExpertParallelSparseMoe)
-    return {"experts": (base.experts.first_expert, base.experts.num_experts),
+    return {"experts": (base.experts.first_expert, base.experts.num_experts), "checked": checked,
             "shared": shift.experts is base.experts,  # the shift layout runs the base's expert shards
             "modes": (base.tokens_partitioned, shift.tokens_partitioned),
             "calls": dict(module.ledger.calls)}
@@ -394,6 +407,7 @@ def test_expert_parallel_places_whole_experts_and_dispatches_only_in_the_base_la
     prompts = random_prompts(3, [40, 2, 9])
     results = run_ranks(_expert_parallel_rank, 2, model_dir, prompts)
     assert [r["experts"] for r in results] == [(0, 4), (4, 4)]
+    assert [r["checked"] for r in results] == [2 * 3] * 2  # gate_up_proj and down_proj of 3 sparse layers
     for r in results:
         assert r["shared"] and r["modes"] == (True, False)
         # per sparse layer and base step: the counts, the rows, their experts and the outputs back (4 all-to-alls)
@@ -436,7 +450,15 @@ def test_planner_prices_expert_parallelism_as_the_engine_places_it(moe_checkpoin
     tp_cost = step_cost(shape, hw, Layout("tp", tp=2), seqs)
     ep_cost = step_cost(shape, hw, ep, seqs)
     experts = {c.name: c for c in tp_cost.ops}["experts"], {c.name: c for c in ep_cost.ops}["experts"]
-    assert experts[1].flops == pytest.approx(experts[0].flops)  # half the pairs, whole experts: the same work
+    # whole experts and the busiest rank's pairs, against half of every pair's FFN: the same work, times the
+    # busiest rank's excess over an even share
+    k = shape.experts_per_token
+    excess = busiest_rank_pairs(shape, 65, 2) / (65 * k / 2)
+    assert 1.0 < excess < 1.2 and experts[1].flops == pytest.approx(experts[0].flops * excess)
+    # one token, top-2 of 8 experts on 2 ranks: both on one rank 12 times in 28, so 10/7 pairs on the busiest
+    mixtral = replace(shape, num_experts=8, experts_per_token=2)
+    assert busiest_rank_pairs(mixtral, 1, 2) == pytest.approx(10 / 7, rel=0.05)
+    assert busiest_rank_pairs(mixtral, 4096, 2) == pytest.approx(4096, rel=0.02)  # large steps: even
     sp_ep = step_cost(shape, hw, Layout("sp_tp", sp=2, expert_parallel=True), seqs)
     comm = {c.name: c for c in sp_ep.collectives}
     tokens, k, h, sparse = 65, shape.experts_per_token, shape.hidden_size, shape.num_sparse_layers
