@@ -44,6 +44,10 @@ def _original(family: str):
         from test_moe import build_moe_model
 
         return build_moe_model(family.removeprefix("moe_"))
+    if family == "gpt_oss":  # attention sinks sharded with the heads, windowed and full layers, expert biases
+        from test_gpt_oss import build_gpt_oss
+
+        return build_gpt_oss()
     return build_hf_model(family)
 
 
@@ -110,8 +114,10 @@ def _logits_rank(rank, world, mesh_shape, names):
 
 
 CASES = {
-    (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp", "moe_qwen3_moe", "moe_mixtral"],
-    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin", "moe_qwen3_moe"],
+    (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp", "moe_qwen3_moe", "moe_mixtral",
+               "gpt_oss"],
+    (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin", "moe_qwen3_moe",
+               "gpt_oss"],
     (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral"],  # a 1-D ("tp",) mesh: SP = 1
 }
 
