@@ -15,12 +15,13 @@ from contextlib import contextmanager
 
 import torch
 
+from torch_shift.custom_ops import custom_op
 from torch_shift.models.decoder import AttentionFn
 
 _current: list[AttentionFn] = []
 
 
-@torch.library.custom_op("torch_shift::attention", mutates_args=())
+@custom_op("torch_shift::attention")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None,
                   sliding_window: int | None) -> torch.Tensor:
     extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_shift.custom_ops import custom_op
 from torch_shift.memory import advise_huge_pages
 
 # Rows of x up to which the GEMV kernel beats oneDNN; past 4 it reads the weight twice (cpu_linear.cpp).
@@ -121,7 +122,7 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
 
 # out_features travels beside the handle: where one compiled graph serves several weights, dynamo makes the
 # handle a symbolic int, which the fake kernel cannot look up.
-@torch.library.custom_op("torch_shift::packed_linear", mutates_args=())
+@custom_op("torch_shift::packed_linear")
 def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return _packed_by_handle[handle].run(x.contiguous(), bias)
 

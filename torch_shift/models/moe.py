@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_shift.config import ModelConfig
+from torch_shift.custom_ops import custom_op
 from torch_shift.models.linear import PackedWeight, drop_parameter, packed_weight, packing_supported
 
 
@@ -106,7 +107,7 @@ def run_experts(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torc
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("torch_shift::sparse_moe", mutates_args=())
+@custom_op("torch_shift::sparse_moe")
 def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                top_k: int, norm_topk_prob: bool, float32_routing_weights: bool, gate_up_handles: list[int],
                down_handles: list[int], routing: str, gate_up_bias: torch.Tensor | None,

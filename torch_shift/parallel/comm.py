@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from torch_shift.custom_ops import custom_op
 from torch_shift.parallel.shm import ShmCommunicator
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -78,7 +79,7 @@ def _shared_id(group: dist.ProcessGroup) -> int | None:
     return _shared.get(group)
 
 
-@torch.library.custom_op("torch_shift::shm_all_reduce", mutates_args=())
+@custom_op("torch_shift::shm_all_reduce")
 def _shm_all_reduce(x: torch.Tensor, communicator: int) -> torch.Tensor:
     return _shared_by_id[communicator].all_reduce(x)
 
@@ -88,7 +89,7 @@ def _(x: torch.Tensor, communicator: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("torch_shift::shm_all_gather", mutates_args=())
+@custom_op("torch_shift::shm_all_gather")
 def _shm_all_gather(x: torch.Tensor, communicator: int, world: int) -> torch.Tensor:
     return _shared_by_id[communicator].all_gather(x)
 
@@ -98,7 +99,7 @@ def _(x: torch.Tensor, communicator: int, world: int) -> torch.Tensor:
     return x.new_empty(world, *x.shape)
 
 
-@torch.library.custom_op("torch_shift::shm_all_to_all", mutates_args=())
+@custom_op("torch_shift::shm_all_to_all")
 def _shm_all_to_all(x: torch.Tensor, communicator: int) -> torch.Tensor:
     return _shared_by_id[communicator].all_to_all(x)
 

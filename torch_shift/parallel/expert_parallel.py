@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_shift.custom_ops import custom_op
 from torch_shift.models.moe import Experts, expert_forward, route
 from torch_shift.parallel import comm
 
@@ -45,7 +46,7 @@ def _through_experts(rows: torch.Tensor, row_expert: torch.Tensor, num_experts: 
     return out
 
 
-@torch.library.custom_op("torch_shift::expert_parallel_moe", mutates_args=())
+@custom_op("torch_shift::expert_parallel_moe")
 def expert_parallel_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor,
                         down_proj: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_routing_weights: bool,
                         gate_up_handles: list[int], down_handles: list[int], routing: str,
