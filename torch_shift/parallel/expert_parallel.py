@@ -59,8 +59,8 @@ def expert_parallel_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_pr
     num_tokens, k = expert_ids.shape
     pair_expert = expert_ids.flatten()
     args = (num_local_experts, gate_up_proj, down_proj, packed, gate_up_bias, down_bias, swiglu_limit, swiglu_alpha)
-    # the pairs in expert order (so grouped by the rank holding the expert): each token's outputs are summed in
-    # the order one rank's sparse_moe sums them
+    # the pairs in expert order (so grouped by the rank holding the expert): dispatched, each token's outputs are
+    # summed in the order one rank's sparse_moe sums them
     order = torch.argsort(pair_expert, stable=True)
     if tokens_partitioned:
         n = dist.get_world_size(group)
@@ -81,7 +81,9 @@ def expert_parallel_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_pr
     out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     out.index_add_(0, pair_token, (outputs * pair_weight[:, None]).float())
     if not tokens_partitioned:
-        out = comm.all_reduce(out, group)  # summed in float32, rounded once, as one rank's experts are
+        # each rank's partial sum, then the sum of the partials, in float32 and rounded once; with top-k > 2 the
+        # grouping differs from one rank's sequential sum (as TP's partial down projections do)
+        out = comm.all_reduce(out, group)
     return out.to(x.dtype)
 
 

@@ -179,6 +179,8 @@ def validate_expert_parallel(config: ModelConfig, sp: int, tp: int) -> None:
     """Expert parallelism over the SP ranks (TP = 1) or the TP ranks (SP = 1): whole experts per rank."""
     if not config.is_moe:
         raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+    if sp * tp == 1:
+        raise ValueError("enable_expert_parallel splits the experts over several ranks; give tp or sp > 1")
     if sp > 1 and tp > 1:
         raise ValueError(f"expert parallelism splits the experts over the SP ranks (tp=1) or the TP ranks (sp=1); "
                          f"got sp={sp}, tp={tp}")

@@ -251,9 +251,11 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
         out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, local * h * a))
     if sparse and tp > 1:  # expert_parallel: the experts' outputs summed in float32
         out.append(("ep_all_reduce", "all_reduce", tp, sparse, local * h * 4))
-    if sparse and sp > 1:  # expert_parallel: the pairs to their experts' ranks (with their expert ids) and back
-        pairs = local * shape.experts_per_token
-        out.append(("ep_all_to_all_dispatch", "all_to_all", sp, sparse, pairs * (h * a + 8)))
+    if sparse and sp > 1:  # expert_parallel: the pair counts, the pairs' rows and expert ids to their experts'
+        pairs = local * shape.experts_per_token  # ranks, the outputs back: four all-to-alls (expert_parallel.py)
+        out.append(("ep_all_to_all_counts", "all_to_all", sp, sparse, sp * 8))
+        out.append(("ep_all_to_all_dispatch", "all_to_all", sp, sparse, pairs * h * a))
+        out.append(("ep_all_to_all_expert_ids", "all_to_all", sp, sparse, pairs * 8))
         out.append(("ep_all_to_all_combine", "all_to_all", sp, sparse, pairs * h * a))
     if sp > 1:  # ulysses.UlyssesAttention: one fused q/k/v all-to-all, one for the output
         out.append(("sp_all_to_all_qkv", "all_to_all", sp, num_layers, sp * local * (q_att + 2 * kv_att) * d * a))
