@@ -178,6 +178,16 @@ class Experts(nn.Module):
                           self.down_bias if down_bias else None, swiglu_limit, swiglu_alpha)
 
 
+ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "float32_routing_weights", "routing", "swiglu_limit", "swiglu_alpha")
+
+
+def adopt_routing(module: nn.Module, block: nn.Module) -> None:
+    """`module` routes as `block` does: its router (the same module) and its routing and activation settings."""
+    module.router = block.router
+    for name in ROUTING_SETTINGS:
+        setattr(module, name, getattr(block, name))
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

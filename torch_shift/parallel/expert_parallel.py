@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.custom_ops import custom_op
-from torch_shift.models.moe import Experts, expert_forward, route
+from torch_shift.models.moe import Experts, adopt_routing, expert_forward, route
 from torch_shift.parallel import comm
 
 _groups: dict[int, dist.ProcessGroup] = {}  # the custom op names its group by id
@@ -100,11 +100,8 @@ class ExpertParallelSparseMoe(nn.Module):
 
     def __init__(self, block: nn.Module, experts: Experts, group: dist.ProcessGroup, tokens_partitioned: bool):
         super().__init__()
-        self.router = block.router
+        adopt_routing(self, block)
         self.experts = experts
-        self.top_k, self.norm_topk_prob = block.top_k, block.norm_topk_prob
-        self.float32_routing_weights = block.float32_routing_weights
-        self.routing, self.swiglu_limit, self.swiglu_alpha = block.routing, block.swiglu_limit, block.swiglu_alpha
         self.group = group
         self.group_id = next(_group_ids)
         _groups[self.group_id] = group

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.models.linear import PackedWeight, linear
-from torch_shift.models.moe import Experts, SparseMoeBlock
+from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
 from torch_shift.parallel import comm
 
 
@@ -85,11 +85,8 @@ class RowParallelSparseMoe(nn.Module):
 
     def __init__(self, block: SparseMoeBlock, experts: Experts, group: dist.ProcessGroup):
         super().__init__()
-        self.router = block.router
+        adopt_routing(self, block)
         self.experts = experts
-        self.top_k, self.norm_topk_prob = block.top_k, block.norm_topk_prob
-        self.float32_routing_weights = block.float32_routing_weights
-        self.routing, self.swiglu_limit, self.swiglu_alpha = block.routing, block.swiglu_limit, block.swiglu_alpha
         self.group = group
         self.adds_down_bias = dist.get_rank(group) == 0  # the experts' down_bias (whole) joins the sum once
 
