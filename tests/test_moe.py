@@ -435,6 +435,27 @@ def test_expert_parallel_refuses_what_it_cannot_split(moe_checkpoints, checkpoin
             ModelConfig.from_dir(dense_dir), dense_dir)
 
 
+def test_expert_parallel_keeps_experts_whole_so_their_width_need_not_divide(tmp_path):
+    """An expert FFN of 17 columns cannot be split over 2 ranks, but whole experts can be placed: TP-2 is refused,
+    TP-2 and Shift over SP-2 with expert parallelism give one rank's tokens and logprobs, and the planner agrees."""
+    model_dir = save_checkpoint(build_moe_model("qwen3_moe", moe_intermediate_size=17), tmp_path / "odd")
+    config = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match="moe_intermediate_size=17 \\(each expert's FFN\\) is not divisible"):
+        EngineArgs(str(model_dir), tp=2).create_engine_config(config, model_dir)
+    shape = ModelShape.from_config(config)
+    with pytest.raises(ValueError, match="expert_intermediate_size=17 is not divisible"):
+        step_cost(shape, get_profile("h100"), Layout("tp", tp=2), [Seq(8, 0)])
+    step_cost(shape, get_profile("h100"), Layout("tp", tp=2, expert_parallel=True), [Seq(8, 0)])
+    prompts = random_prompts(3, [3, 17, 9])
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=3)
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    for engine_args in ({"tp": 2}, {"sp": 2, "shift_threshold": 8}):
+        results = run_ranks(_generate_rank, 2, model_dir, {**engine_args, "enable_expert_parallel": True}, prompts,
+                            params)
+        for outputs, _ in results:
+            assert_same_outputs(outputs, ref)
+
+
 def _ep_weights_rank(rank, world, model_dir):
     llm = LLM(str(model_dir), tp=world, enable_expert_parallel=True, enable_prefix_caching=False)
     return weight_bytes(llm.engine.model.base)

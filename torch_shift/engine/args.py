@@ -237,7 +237,7 @@ class EngineArgs:
         deployment = build_deployment(
             model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,
             flying=self.policy in ("flying", "random") and self.dp > 1, seesaw=self.policy == "seesaw",
-            shift=self.shift_threshold is not None)
+            shift=self.shift_threshold is not None, expert_parallel=self.enable_expert_parallel)
         if self.enable_expert_parallel:
             if self.dp > 1 or self.pp > 1:
                 raise ValueError("enable_expert_parallel splits the experts over one replica's TP or SP ranks; "

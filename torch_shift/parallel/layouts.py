@@ -184,9 +184,11 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 
 
 def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int = 1, pp: int = 1,
-                     flying: bool = False, seesaw: bool = False, shift: bool = True) -> Deployment:
+                     flying: bool = False, seesaw: bool = False, shift: bool = True,
+                     expert_parallel: bool = False) -> Deployment:
     """The deployment for the engine's parallel arguments (degrees checked by EngineArgs; their combination
-    validated here against the model)."""
+    validated here against the model; `expert_parallel`: whole experts per rank, so their FFN width need not
+    divide)."""
     assert all(isinstance(d, int) and d >= 1 for d in (sp, tp, dp, pp)), (sp, tp, dp, pp)
     if pp > 1 or seesaw:
         return _pipeline_deployment(config, dp, pp, sp, tp, flying, seesaw)
@@ -205,11 +207,11 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
             layouts = (Layout("single", "single", ranks, (0,)),)
             family = "single"
         elif sp == 1:
-            validate_mesh_for_model(config, 1, tp)
+            validate_mesh_for_model(config, 1, tp, expert_parallel)
             layouts = (Layout("tp", "tp", ranks, (0,), tp=tp),)
             family = "tp"
         else:
-            validate_mesh_for_model(config, sp, tp)
+            validate_mesh_for_model(config, sp, tp, expert_parallel)
             layouts = [Layout("base", "sp_tp", ranks, (0,), sp=sp, tp=tp)]
             if shift:
                 layouts.append(Layout("shift", "shift", tuple(shift_rank_order(sp, tp)), (0,), tp=world))

@@ -188,8 +188,9 @@ def validate_expert_parallel(config: ModelConfig, sp: int, tp: int) -> None:
         raise ValueError(f"num_experts={config.num_experts} is not divisible by the {sp * tp} ranks that split them")
 
 
-def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
-    """A mesh must divide the heads (KV heads may be replicated) and the MLP width."""
+def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int, expert_parallel: bool = False) -> None:
+    """A mesh must divide the heads (KV heads may be replicated) and the MLP width (and each expert's, unless
+    `expert_parallel` keeps the experts whole)."""
     p = sp * tp
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
@@ -200,7 +201,7 @@ def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int) -> None:
             problems.append(f"num_key_value_heads={h_kv} and {name}={chunks}: neither divides the other")
     if config.intermediate_size % p:
         problems.append(f"intermediate_size={config.intermediate_size} is not divisible by SP x TP = {p}")
-    if config.is_moe and config.moe_intermediate_size % p:
+    if config.is_moe and not expert_parallel and config.moe_intermediate_size % p:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size} (each expert's FFN) is not divisible "
                         f"by SP x TP = {p}")
     if problems:

@@ -357,7 +357,7 @@ class ShiftModule(LayoutCounters, nn.Module):
 def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,
                        device: torch.device, shift_threshold: int | None = 256,
                        shift_weights: str = "copy", expert_parallel: bool = False) -> ShiftModule:
-    validate_mesh_for_model(config, groups.sp, groups.tp)
+    validate_mesh_for_model(config, groups.sp, groups.tp, expert_parallel)
     if expert_parallel:
         validate_expert_parallel(config, groups.sp, groups.tp)
     if shift_threshold is not None and shift_threshold < 0:

@@ -152,7 +152,7 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
             problems.append(f"num_kv_heads={h_kv} and {what}={chunks}: neither divides the other")
         if shape.num_dense_layers and shape.intermediate_size % chunks:
             problems.append(f"intermediate_size={shape.intermediate_size} is not divisible by {what}={chunks}")
-        if shape.is_moe and shape.expert_intermediate_size % chunks:
+        if shape.is_moe and not layout.expert_parallel and shape.expert_intermediate_size % chunks:
             problems.append(f"expert_intermediate_size={shape.expert_intermediate_size} is not divisible by "
                             f"{what}={chunks}")
     if layout.kind == "pp" and layout.pp > shape.num_layers:
