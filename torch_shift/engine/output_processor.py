@@ -193,6 +193,8 @@ class OutputProcessor:
         """Append each advanced request's new text; returns the running requests a stop string ended (the
         engine finishes them in the scheduler before `make_outputs`)."""
         stopped = []
+        if self.tokenizer is None:  # token ids only: no detokenizer anywhere
+            return stopped
         for request in updated:
             tracked, index = self.sample_of[request.request_id]
             if tracked.detokenizers[index] is not None and self._detokenize(tracked, index, request):

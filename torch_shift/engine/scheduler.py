@@ -71,6 +71,7 @@ class ScheduledGroup:
     layout: str
     replicas: tuple[int, ...]
     entries: list[ScheduledRequest] = field(default_factory=list)
+    num_spec_tokens: int = 0  # proposed tokens checked in this group: with none, nothing reads them per entry
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -161,7 +162,9 @@ class _Group:
     budget: int
     phase: str | None
     kv_view: str
+    pool: BlockManager | None  # the one pool of a one-replica group
     entries: list[ScheduledRequest] = field(default_factory=list)
+    num_spec_tokens: int = 0
     out_of_blocks: bool = False
 
 
@@ -332,7 +335,7 @@ class Scheduler:
             replicas = layout.replicas
             assert not any(set(replicas) & set(g) for g in groups), f"{name}: replicas bound twice"
             groups[replicas] = _Group(name, replicas, self.config.max_num_batched_tokens, decision.phase,
-                                      layout.kv_view)
+                                      layout.kv_view, self.pools[replicas[0]] if len(replicas) == 1 else None)
         if self.config.policy == "priority":
             # the worst request runs last, so it is the one preempted and nobody better waits behind it
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep admission order
@@ -352,7 +355,7 @@ class Scheduler:
             if group.phase is not None and (group.phase == "decode") != (num_left == 1):
                 continue
             spec = request.spec_token_ids if num_left == 1 else ()  # proposed tokens count in the budget
-            num_new = num_left + len(spec)
+            num_new = num_left + len(spec) if spec else num_left
             if num_new > group.budget:
                 num_new = group.budget
                 spec = spec[:num_new - 1]
@@ -364,7 +367,11 @@ class Scheduler:
                     group.out_of_blocks = True  # no block is left for anyone after it in these pools
                     break
             else:
-                group.entries.append(self._entry(request, num_new, spec))
+                if spec:
+                    group.entries.append(self._entry(group, request, num_new, tuple(spec)))
+                    group.num_spec_tokens += len(spec)
+                else:
+                    group.entries.append(self._entry(group, request, num_new))
                 group.budget -= num_new
 
         ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
@@ -374,7 +381,8 @@ class Scheduler:
             self._admit(groups, decision, output)
         for group in groups.values():
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
-            output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries)))
+            output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries),
+                                                group.num_spec_tokens))
         output.removed_request_ids, self._removed = self._removed, []
         output.shrunk_block_tables, self._shrunk = self._shrunk, {}
         self.num_steps += 1
@@ -419,7 +427,7 @@ class Scheduler:
         if self.tier.async_copies:
             request.kv_ready_step = self.num_steps + 1  # its copy runs beside this step's forward
         else:
-            group.entries.append(self._entry(request, 1))
+            group.entries.append(self._entry(group, request, 1))
             group.budget -= 1
         return True
 
@@ -464,20 +472,21 @@ class Scheduler:
         for r in group.replicas:
             self.num_seqs[r] += 1
         self.running.append(request)
-        group.entries.append(self._entry(request, num_new))
+        group.entries.append(self._entry(group, request, num_new))
         group.budget -= num_new
         return True
 
-    def _entry(self, request: Request, num_new: int, spec_token_ids=()) -> ScheduledRequest:
+    def _entry(self, group: _Group, request: Request, num_new: int,
+               spec_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
-        replicas = request.replicas
         rid = request.request_id
-        tables = ((self.pools[replicas[0]].req_blocks[rid],) if len(replicas) == 1
-                  else tuple(self.pools[r].req_blocks[rid] for r in replicas))
-        sample = start + num_new - len(spec_token_ids) == len(request.all_token_ids)
-        return ScheduledRequest(request, num_new, start, sample,
+        pool = group.pool
+        tables = ((pool.req_blocks[rid],) if pool is not None
+                  else tuple(self.pools[r].req_blocks[rid] for r in group.replicas))
+        num_known = start + num_new - len(spec_token_ids) if spec_token_ids else start + num_new
+        return ScheduledRequest(request, num_new, start, num_known == len(request.all_token_ids),
                                 request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables,
-                                tuple(spec_token_ids))
+                                spec_token_ids)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:

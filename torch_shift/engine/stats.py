@@ -63,7 +63,12 @@ class EngineStats:
         totals[0] += elapsed
         totals[1] += 1
         num_requests = sum(len(group) for group in entries)
-        num_decodes = sum(1 for group in entries for e in group if e.num_tokens == 1)
+        num_decodes = 0
+        for group in entries:  # decodes come first in a group
+            if group and group[-1].num_tokens == 1:
+                num_decodes += len(group)
+            else:
+                num_decodes += sum(1 for e in group if e.num_tokens == 1)
         kind = "decode" if num_decodes == num_requests else "prefill" if num_decodes == 0 else "mixed"
         if num_requests:
             self.time_s[kind] += elapsed - swap_s - reshard_s

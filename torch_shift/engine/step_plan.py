@@ -122,15 +122,20 @@ class PlanBuilder:
             layout = self.deployment[group.layout]
             num_scheduled = [e.num_tokens for e in entries]
             num_computed = [e.num_computed_tokens for e in entries]
-            num_spec = [len(e.spec_token_ids) for e in entries]
-            logits_counts = [e.num_tokens if e.prompt_logprobs or e.spec_token_ids else int(e.sample)
-                             for e in entries]
+            # the tokens each request has when the step starts: those computed, those it computes, not the proposed
+            num_known = list(map(int.__add__, num_computed, num_scheduled))
+            if group.num_spec_tokens:
+                num_spec = [len(e.spec_token_ids) for e in entries]
+                num_known = list(map(int.__sub__, num_known, num_spec))
+                logits_counts = [e.num_tokens if e.prompt_logprobs or e.spec_token_ids else int(e.sample)
+                                 for e in entries]
+            else:
+                logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
             rows = []
             for k, replica in enumerate(layout.replicas):
                 known_here, d = self.known[replica], delta(replica)
                 replica_rows = []
-                for entry, needed in zip(entries, map(int.__sub__, map(int.__add__, num_computed, num_scheduled),
-                                                      num_spec)):
+                for entry, needed in zip(entries, num_known):
                     request = entry.request
                     rid = request.request_id
                     table = entry.block_tables[k]
@@ -148,17 +153,18 @@ class PlanBuilder:
                                 d.token_rows.append(row)
                                 d.tokens.append(token)
                             known.num_tokens = needed
-                        assert known.num_blocks <= len(table), rid  # a shrunk table was reported
-                        if known.num_blocks < len(table):
+                        num_blocks = len(table)
+                        assert known.num_blocks <= num_blocks, rid  # a shrunk table was reported
+                        if known.num_blocks < num_blocks:
                             d.block_rows.append(row)
                             d.block_starts.append(known.num_blocks)
                             d.block_ids.append(table[known.num_blocks:])
-                            known.num_blocks = len(table)
+                            known.num_blocks = num_blocks
                     replica_rows.append(row)
                 rows.append(np.array(replica_rows, dtype=_INT))
             assert num_scheduled[:num_scheduled.count(1)] == [1] * num_scheduled.count(1), "decodes come first"
             spec = None, None
-            if any(num_spec):
+            if group.num_spec_tokens:
                 spec = (np.array(num_spec, dtype=_INT),
                         np.array([t for e in entries for t in e.spec_token_ids], dtype=_INT))
             groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
