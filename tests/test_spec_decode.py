@@ -299,6 +299,32 @@ def test_outputs_are_the_same_with_speculation(llama, method):
     assert not llm.engine.block_manager.req_blocks  # every block given back
 
 
+def test_sampled_checks_in_one_draw_keep_seeded_outputs(llama):
+    """Sampled requests without penalties are checked in one sampler call over all their positions (a seeded
+    one's generator set back to where position-by-position drawing leaves it), beside a request with penalties
+    checked position by position: every seeded output is the one drawn without speculation."""
+    _, model_dir = llama
+    prompts = repetitive_prompts(5, seed=2)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=28, temperature=1.0, seed=6, top_p=0.9, ignore_eos=True),
+        SamplingParams(max_tokens=26, temperature=0.6, seed=7, top_k=10, min_p=0.05, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=8, presence_penalty=0.4, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=9, logit_bias={5: 2.0}, ignore_eos=True),
+    ]
+    reference = LLM(str(model_dir), compile=False, block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, block_size=4, speculative_config=SPECS["ngram"])
+    truth = {tuple(p): out.outputs[0].token_ids for p, out in zip(prompts, reference)}
+    oracle = NoisyOracle({}, 1)
+    oracle._propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in truth[
+        tuple(request.prompt_token_ids)][request.num_output_tokens:request.num_output_tokens + oracle.rng.randint(0, k)]]
+    llm.engine.core.speculator.proposer = oracle
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    stats = llm.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert not llm.engine.block_manager.req_blocks
+
+
 def test_stop_strings_cut_accepted_tokens(llama):
     """A stop string completed by an accepted proposal ends the output there: the tokens accepted after it are
     dropped, as decoding without speculation never draws them."""

@@ -111,6 +111,11 @@ class OutputProcessor:
             if sample_requests:
                 out.update(zip((r.request_id for r in sample_requests), self._draw(rows, sample_requests)))
             return out
+        if any(_position_independent(request) for request, _, _ in checks):
+            out = self._check_in_one_draw(rows, sample_requests,
+                                          [c for c in checks if _position_independent(c[0])])
+            rows, sample_requests = [], []
+            checks = [c for c in checks if not _position_independent(c[0])]
         alive = list(range(len(checks)))
         position = 0
         while alive:
@@ -139,26 +144,51 @@ class OutputProcessor:
         penalties, grammar, minimum length or logprobs) are checked with one argmax over all their positions."""
         for request, _, _ in checks:
             p = request.sampling_params
-            if (not p.greedy or request.grammar is not None or p.logprobs is not None or p.logit_bias
-                    or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                    or request.num_output_tokens < p.min_tokens):
+            if not p.greedy or p.logit_bias or not _position_independent(request):
                 return False
         vocab = self.sampler.vocab_size
         best = torch.cat([logits for _, _, logits in checks])[:, :vocab].float().argmax(dim=-1).tolist()
         start = 0
         for request, proposed, logits in checks:
-            drawn = best[start:start + len(logits)]
+            out[request.request_id] = self._accepted(request, proposed, best[start:start + len(logits)])
             start += len(logits)
-            tokens = []
-            for position, token in enumerate(drawn):
-                request.append_output_token(token)
-                tokens.append(token)
-                if (position >= len(proposed) or token != proposed[position]
-                        or request.check_stop(self._max_model_len) is not None):
-                    break
-            _take_back(request, len(tokens))
-            out[request.request_id] = tokens
         return True
+
+    def _check_in_one_draw(self, rows: list[torch.Tensor], sample_requests: list[Request],
+                           checks: list[tuple[Request, list[int], torch.Tensor]]) -> dict[str, int | list[int]]:
+        """Requests whose distribution at a position does not depend on the tokens drawn before it (no penalties,
+        grammar, minimum length or logprobs) draw at every position in one sampler call; a draw past the first
+        that differs from its proposal is discarded. A seeded request's generator is then set back to where
+        drawing position by position leaves it (one draw per kept token), so its tokens stay those it draws
+        without speculation."""
+        saved = {request.request_id: request.generator.get_state()
+                 for request, _, _ in checks if request.generator is not None}
+        requests = sample_requests + [request for request, _, logits in checks for _ in range(len(logits))]
+        drawn = self._draw(rows + [logits for _, _, logits in checks], requests)
+        out: dict[str, int | list[int]] = dict(zip((r.request_id for r in sample_requests), drawn))
+        start = len(sample_requests)
+        for request, proposed, logits in checks:
+            tokens = out[request.request_id] = self._accepted(request, proposed, drawn[start:start + len(logits)])
+            start += len(logits)
+            if request.generator is not None and len(tokens) < len(logits):
+                request.generator.set_state(saved[request.request_id])
+                vocab = min(self.sampler.vocab_size, logits.shape[1])
+                for _ in tokens:  # the sampler's draw for one row of a seeded request
+                    torch.empty(vocab).exponential_(generator=request.generator)
+        return out
+
+    def _accepted(self, request: Request, proposed, drawn: list[int]) -> list[int]:
+        """The tokens a check keeps of the draws at its positions: up to the first that differs from its
+        proposal, or that ends the request."""
+        tokens = []
+        for position, token in enumerate(drawn):
+            request.append_output_token(token)
+            tokens.append(token)
+            if (position >= len(proposed) or token != proposed[position]
+                    or request.check_stop(self._max_model_len) is not None):
+                break
+        _take_back(request, len(tokens))
+        return tokens
 
     @property
     def _max_model_len(self) -> int:
@@ -290,6 +320,13 @@ class OutputProcessor:
             metrics={"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
                      "first_token_time": first.first_token_time},
         )
+
+
+def _position_independent(request: Request) -> bool:
+    """Whether the request's distribution at a position is the same whatever it drew before (within one check)."""
+    p = request.sampling_params
+    return (request.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and request.num_output_tokens >= p.min_tokens)
 
 
 def _take_back(request: Request, num_tokens: int, logprobs: bool = False) -> None:
