@@ -62,6 +62,12 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # its token is the argmax of its logits row: greedy, nothing that changes logits (bias, penalties, a
+        # minimum length, a grammar) and no logprobs; the sampler draws a batch of such requests with one argmax
+        p = sampling_params
+        self.draws_argmax = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+                             and not p.frequency_penalty and p.min_tokens == 0 and p.logprobs is None
+                             and p.structured_outputs is None)
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

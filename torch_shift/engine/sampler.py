@@ -48,6 +48,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] for the position after each request's last token."""
+        if all(r.draws_argmax for r in requests):
+            return SamplerOutput(logits[:, : self.vocab_size].argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]
