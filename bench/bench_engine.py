@@ -496,6 +496,31 @@ def overhead_run(tiny_dir: Path, n: int, prompt_len: int, warmup: int, steps: in
     return res
 
 
+def python_opcodes_per_step(tiny_dir: Path, n: int, prompt_len: int, warmup: int, steps: int, seed: int) -> float:
+    """The Python bytecodes one decode step executes (sys.settrace's opcode events): a count that machine load
+    does not move, for comparing two commits' step cost where wall times on a shared machine differ by 10-25%
+    from run to run. Work in C (torch, numpy, builtins) is not counted."""
+    engine, _ = make_overhead_engine(tiny_dir, n, prompt_len, warmup + steps + 8, seed)
+    for _ in range(warmup):
+        engine.step(final_only=FINAL_ONLY)
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(steps):
+            engine.step(final_only=FINAL_ONLY)
+    finally:
+        sys.settrace(None)
+    return count / steps
+
+
 def step_stats(times: list[float]) -> dict:
     return {"steps": len(times), "mean_ms": 1e3 * statistics.mean(times), "p50_ms": 1e3 * percentile(times, 0.5),
             "p90_ms": 1e3 * percentile(times, 0.9), "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times)}
@@ -612,6 +637,9 @@ def overhead_part(args, workdir: Path) -> dict:
         for name, v in run["variants"].items():
             log(f"   {variant_doc[name]:<48}: mean {v['mean_ms']:.3f} ms, p50 {v['p50_ms']:.3f} ms, max "
                 f"{v['max_ms']:.3f} ms (run means {', '.join(f'{m:.3f}' for m in v['mean_ms_per_run'])})")
+        run["python_opcodes_per_step"] = python_opcodes_per_step(tiny_dir, n, plen, args.overhead_warmup, 20,
+                                                                 args.seed)
+        log(f"   Python bytecodes per step (deterministic, C work not counted): {run['python_opcodes_per_step']:,.0f}")
         log(f"   breakdown (separate run with timers around each phase, mean {run['phase_run_mean_ms']:.3f} ms/step):")
         for k in PHASES:
             v = run["phases_ms"][k]
