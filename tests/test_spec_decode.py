@@ -22,6 +22,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
+from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, tokens_that_pay
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import PAD, GlobalTree, SuffixProposer, best_draft
 
@@ -316,8 +317,13 @@ def test_sampled_checks_in_one_draw_keep_seeded_outputs(llama):
     llm = LLM(str(model_dir), compile=False, block_size=4, speculative_config=SPECS["ngram"])
     truth = {tuple(p): out.outputs[0].token_ids for p, out in zip(prompts, reference)}
     oracle = NoisyOracle({}, 1)
-    oracle._propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in truth[
-        tuple(request.prompt_token_ids)][request.num_output_tokens:request.num_output_tokens + oracle.rng.randint(0, k)]]
+
+    def propose(request, k):
+        done = request.num_output_tokens
+        following = truth[tuple(request.prompt_token_ids)][done:done + oracle.rng.randint(0, k)]
+        return [t if oracle.rng.random() < 0.85 else t + 1 for t in following]
+
+    oracle._propose = propose
     llm.engine.core.speculator.proposer = oracle
     assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
     stats = llm.stats()["spec_decode"]
@@ -523,3 +529,83 @@ def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):
     with pytest.raises(ValueError, match="a draft's forwards are not modelled"):
         LLMEngine.driver_only(EngineArgs(str(model_dir), speculative_config=draft_spec(model_dir)),
                               ModelConfig.from_dir(model_dir), num_kv_blocks=64)
+
+
+# -- the goodput budget --------------------------------------------------------------------------------------
+
+def _fitted(a: float, c: float, b: float, batch_sizes=(1, 4, 16, 64)) -> StepCostFit:
+    fit = StepCostFit()
+    rng = random.Random(0)
+    for _ in range(64):
+        r, s = rng.choice(batch_sizes), rng.randrange(0, 40)
+        fit.observe(r, s, a + c * r + b * s)
+    return fit
+
+
+def test_step_cost_fit_recovers_the_step_time():
+    fit = _fitted(2e-3, 1.5e-4, 3e-4)
+    assert fit.coefficients == pytest.approx((2e-3, 1.5e-4, 3e-4), rel=1e-3)
+    # one batch size: a and c are not told apart, but the steps of that batch size are priced right
+    fit = _fitted(2e-3, 1.5e-4, 3e-4, batch_sizes=(64,))
+    assert fit.seconds(64, 10) == pytest.approx(2e-3 + 1.5e-4 * 64 + 3e-4 * 10, rel=1e-3)
+    assert fit.coefficients[2] == pytest.approx(3e-4, rel=1e-3)
+    same = StepCostFit()
+    for _ in range(40):
+        same.observe(8, 0, 1e-3)
+    assert same.coefficients is None  # every step alike: nothing to fit
+
+
+def _goodput(rates, keep, num_requests, fit):
+    expected = num_requests + sum(rate ** j for rate, n in zip(rates, keep) for j in range(1, n + 1))
+    return expected / fit.seconds(num_requests, sum(keep))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tokens_that_pay_maximize_goodput(seed):
+    """Against every choice of how many of each proposal's tokens to check."""
+    import itertools
+
+    rng = random.Random(seed)
+    fit = _fitted(rng.uniform(1e-4, 5e-3), rng.uniform(0, 3e-4), rng.uniform(1e-5, 6e-4))
+    num = rng.randint(1, 4)
+    rates = [rng.uniform(0.02, 0.98) for _ in range(num)]
+    lengths = [rng.randint(0, 5) for _ in range(num)]
+    num_requests = rng.choice([1, 2, 8, 64])
+    keep = tokens_that_pay(rates, lengths, num_requests, fit)
+    assert all(0 <= k <= n for k, n in zip(keep, lengths))
+    best = max(_goodput(rates, choice, num_requests, fit)
+               for choice in itertools.product(*(range(n + 1) for n in lengths)))
+    assert _goodput(rates, keep, num_requests, fit) == pytest.approx(best, rel=1e-9)
+
+
+def test_acceptance_rates_start_from_the_methods_and_follow_each_request():
+    rates = AcceptanceRates()
+    for i in range(50):
+        rates.observe(f"free{i % 5}", 4, 0)
+    rates.observe("repeats", 4, 4)
+    rates.observe("repeats", 4, 4)
+    assert rates.rate("new") < 0.2  # the method's recent rate: mostly rejections
+    assert rates.rate("repeats") > 0.6 > rates.rate("free0")
+    rates.forget("repeats")
+    assert rates.rate("repeats") == rates.rate("new")
+
+
+def test_the_budget_cuts_what_does_not_pay_and_outputs_stay_the_same(llama):
+    """A step cost where a checked token costs far more than the tokens it may save (as with a small model at a
+    large batch on a CPU): no request is asked for a proposal; one where it costs nothing: every proposal is
+    checked whole. The outputs are the same either way."""
+    _, model_dir = llama
+    prompts = repetitive_prompts(8, seed=5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False).generate(prompts, params, use_tqdm=False)
+    checked = {}
+    for name, b in (("dear", 1.0), ("free", 0.0)):
+        llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["ngram"])
+        speculator = llm.engine.core.speculator
+        speculator.step_cost.coefficients = (1e-3, 1e-4, b)
+        speculator.step_cost.observe = lambda *a: None  # the test's cost, not the machine's
+        assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+        checked[name] = llm.stats()["spec_decode"]
+        assert not llm.engine.block_manager.req_blocks
+    assert checked["dear"]["num_draft_tokens"] == 0  # not even a probe: no token can pay
+    assert checked["free"]["num_draft_tokens"] > 0 and checked["free"]["num_cut_tokens"] == 0

@@ -43,6 +43,8 @@ class EngineCore:
         self.sample = sample
         self.stats = stats
         self.speculator = speculator
+        # a step's forward and sampling time from its start on perf_counter's clock (a simulator sets its model's)
+        self.step_seconds: Callable[[float], float] = lambda start: time.perf_counter() - start
 
     @property
     def policy(self) -> Policy:
@@ -66,14 +68,17 @@ class EngineCore:
         if output.is_empty and not output.has_swaps:
             return None
         self.stats.record_plan(plan)
+        start = time.perf_counter()
         result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
         if self.speculator is not None:
             self.stats.record_spec(entries, sampled)
+            self.speculator.observe(entries, sampled, self.step_seconds(start))
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:
             self.speculator.propose(updated, len(self.scheduler.running))
+            self.stats.num_cut_tokens = self.speculator.num_cut_tokens
         now = time.monotonic()
         for request in updated:
             if request.first_token_time is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from torch_shift.engine.scheduler import ScheduledRequest
+from torch_shift.engine.spec_decode import num_accepted
 from torch_shift.engine.step_plan import StepPlan
 from torch_shift.parallel.layouts import Deployment
 
@@ -33,6 +34,7 @@ class EngineStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
+        self.num_cut_tokens = 0  # proposed tokens the goodput budget left unchecked (spec_decode/budget.py)
 
     def record_plan(self, plan: StepPlan) -> None:
         """A step plan about to run: its layouts, and whether some replica switched layout."""
@@ -86,10 +88,7 @@ class EngineStats:
                 proposed = e.spec_token_ids
                 if not proposed:
                     continue
-                drawn = sampled.get(e.request.request_id, ())
-                accepted = 0
-                while accepted < min(len(proposed), len(drawn)) and drawn[accepted] == proposed[accepted]:
-                    accepted += 1
+                accepted = num_accepted(proposed, sampled.get(e.request.request_id, ()))
                 self.num_drafts += 1
                 self.num_draft_tokens += len(proposed)
                 self.num_accepted_tokens += accepted
@@ -107,7 +106,7 @@ class EngineStats:
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
                 "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
-                "accepted_per_position": list(self.accepted_per_position)}
+                "accepted_per_position": list(self.accepted_per_position), "num_cut_tokens": self.num_cut_tokens}
 
     def as_dict(self) -> dict:
         """Which layouts ran: steps by layout name, layout switches (steps in which some replica runs under

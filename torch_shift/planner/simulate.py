@@ -185,6 +185,7 @@ class SimulatedEngine(ClockedEngine):
         engine._spec_rng = random.Random(seed)
         engine.core.sample = engine._filler_sample
         engine.core.executor = engine._modelled_forward
+        engine.core.step_seconds = lambda start: engine.last_step_modelled_s  # what the speculator's budget reads
         return engine
 
     def _modelled_forward(self, plan: StepPlan) -> StepResult:

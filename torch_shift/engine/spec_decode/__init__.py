@@ -10,14 +10,19 @@ rank 0 with its own KV cache (draft.py).
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from typing import TYPE_CHECKING, Protocol
 
 from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, first_token_bar, tokens_that_pay
 from torch_shift.engine.spec_decode.config import SpeculativeConfig
 from torch_shift.engine.spec_decode.ngram import NgramProposer
 from torch_shift.engine.spec_decode.suffix import SuffixProposer
 
-__all__ = ["Proposer", "SpeculativeConfig", "Speculator", "build_proposer"]
+if TYPE_CHECKING:
+    from torch_shift.engine.scheduler import ScheduledRequest
+
+__all__ = ["Proposer", "SpeculativeConfig", "Speculator", "build_proposer", "num_accepted"]
 
 
 class Proposer(Protocol):
@@ -40,13 +45,50 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
                           config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
 
 
+PROBE_EVERY = 16
+
+
+def num_accepted(proposed, drawn) -> int:
+    """The proposed tokens a check accepted: those the request drew in their places, up to the first it did not."""
+    accepted = 0
+    while accepted < min(len(proposed), len(drawn)) and drawn[accepted] == proposed[accepted]:
+        accepted += 1
+    return accepted
+
+
 class Speculator:
-    """When and how much each request proposes: after a step, for the running requests that got a token."""
+    """When and how much each request proposes: after a step, for the running requests that got a token, as much
+    of each proposal as pays for its share of the next step's time (budget.py)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else build_proposer(config)
+        self.step_cost = StepCostFit()
+        self.acceptance = AcceptanceRates()
+        self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
+        self._propose_seconds = 0.0  # the last propose call's time: part of the cost of the step that checks them
+
+    def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
+                seconds: float) -> None:
+        """A step ran in `seconds` (its forward and sampling): each check's outcome, and the step's cost when it
+        only decoded, with the time spent proposing the tokens it checked."""
+        seconds += self._propose_seconds
+        self._propose_seconds = 0.0
+        num_requests = num_proposed = 0
+        decode_only = True
+        for group in entries:
+            for e in group:
+                proposed = e.spec_token_ids
+                num_requests += 1
+                num_proposed += len(proposed)
+                if e.num_tokens != 1 + len(proposed):
+                    decode_only = False  # a prompt chunk: its cost is not a decode's
+                if proposed:
+                    drawn = sampled.get(e.request.request_id, ())
+                    self.acceptance.observe(e.request.request_id, len(proposed), num_accepted(proposed, drawn))
+        if decode_only and num_requests:
+            self.step_cost.observe(num_requests, num_proposed, seconds)
 
     @property
     def method(self) -> str:
@@ -54,25 +96,47 @@ class Speculator:
 
     def propose(self, updated: list[Request], num_running: int) -> None:
         """Proposals for the requests that received tokens this step (the others keep theirs); none in a step of
-        `disable_by_batch_size` running requests or more."""
+        `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose next proposed
+        token would not pay is not asked for a proposal (the proposer's time saved), except one token every
+        PROBE_EVERY tokens it generates, which keeps its acceptance rate current."""
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
         k = self.config.num_speculative_tokens
-        proposing, rooms = [], []
+        budget = self.config.goodput_budget and self.step_cost.coefficients is not None
+        bar = first_token_bar(num_running, self.step_cost) if budget else 0.0
+        proposing, rooms, rates = [], [], []
         for request in updated:
             if request.status.finished:
-                self.proposer.on_finish(request, cache=request.status is not RequestStatus.FINISHED_ABORTED)
+                self.on_finish(request)
                 continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
             room = min(k, request.max_tokens - request.num_output_tokens - 1,
                        self.max_model_len - request.num_tokens - 1)
             request.spec_token_ids = []
-            if not disabled and room > 0:
-                proposing.append(request)
-                rooms.append(room)
-        if proposing:
-            for request, proposal in zip(proposing, self.proposer.propose(proposing, rooms)):
-                request.spec_token_ids = proposal
+            if disabled or room <= 0:
+                continue
+            rate = self.acceptance.rate(request.request_id) if budget else 1.0
+            if rate <= bar:
+                # no probe where no token can pay (bar >= 1); the prompt's length staggers requests in step
+                if bar >= 1.0 or request.num_tokens % PROBE_EVERY:
+                    continue
+                room, rate = 1, 1.0  # a probe: checked whatever it costs
+            proposing.append(request)
+            rooms.append(room)
+            rates.append(rate)
+        if not proposing:
+            return
+        start = time.perf_counter()
+        proposals = self.proposer.propose(proposing, rooms)
+        self._propose_seconds = time.perf_counter() - start
+        if budget:
+            lengths = [len(p) for p in proposals]
+            keep = tokens_that_pay(rates, lengths, num_running, self.step_cost)
+            self.num_cut_tokens += sum(lengths) - sum(keep)
+            proposals = [p[:n] for p, n in zip(proposals, keep)]
+        for request, proposal in zip(proposing, proposals):
+            request.spec_token_ids = proposal
 
     def on_finish(self, request: Request) -> None:
         self.proposer.on_finish(request, cache=request.status is not RequestStatus.FINISHED_ABORTED)
+        self.acceptance.forget(request.request_id)

@@ -16,7 +16,7 @@ _OPTIONS = {
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
     "draft_model": ("model",),
 }
-_SHARED = ("method", "num_speculative_tokens", "disable_by_batch_size")
+_SHARED = ("method", "num_speculative_tokens", "disable_by_batch_size", "goodput_budget")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class SpeculativeConfig:
     # no proposals in a step that has this many running requests or more (ArcticInference's option; vLLM 0.6's
     # speculative_disable_by_batch_size): proposed tokens inflate the step, which the policies read
     disable_by_batch_size: int | None = None
+    # torch_shift's: each step checks only the proposed tokens whose chance of acceptance pays for their share of
+    # the step's time, both measured while serving (budget.py); False checks every proposal whole
+    goodput_budget: bool = True
     prompt_lookup_min: int = 5  # n-gram: the shortest suffix of the context that is looked up earlier in it
     prompt_lookup_max: int = 5  # ... and the longest
     suffix_decoding_max_tree_depth: int = 24  # suffix: the longest pattern matched, and tree depth
@@ -85,6 +88,7 @@ class SpeculativeConfig:
             require(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
                     "must be an integer")
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
+        require(isinstance(self.goodput_budget, bool), "goodput_budget", "must be true or false")
         require(self.disable_by_batch_size is None or (isinstance(self.disable_by_batch_size, int)
                                                        and self.disable_by_batch_size >= 1),
                 "disable_by_batch_size", "must be an integer >= 1")
