@@ -73,8 +73,7 @@ class EngineCore:
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
         if self.speculator is not None:
-            self.stats.record_spec(entries, sampled)
-            self.speculator.observe(entries, sampled, self.step_seconds(start))
+            self.stats.record_spec(self.speculator.observe(entries, sampled, self.step_seconds(start)))
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:
             self.speculator.propose(updated, len(self.scheduler.running))

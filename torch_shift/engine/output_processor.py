@@ -111,11 +111,12 @@ class OutputProcessor:
             if sample_requests:
                 out.update(zip((r.request_id for r in sample_requests), self._draw(rows, sample_requests)))
             return out
-        if any(_position_independent(request) for request, _, _ in checks):
-            out = self._check_in_one_draw(rows, sample_requests,
-                                          [c for c in checks if _position_independent(c[0])])
-            rows, sample_requests = [], []
-            checks = [c for c in checks if not _position_independent(c[0])]
+        independent, dependent = [], []
+        for check in checks:
+            (independent if _position_independent(check[0]) else dependent).append(check)
+        if independent:
+            out = self._check_in_one_draw(rows, sample_requests, independent)
+            rows, sample_requests, checks = [], [], dependent
         alive = list(range(len(checks)))
         position = 0
         while alive:

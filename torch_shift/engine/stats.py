@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 from torch_shift.engine.scheduler import ScheduledRequest
-from torch_shift.engine.spec_decode import num_accepted
 from torch_shift.engine.step_plan import StepPlan
 from torch_shift.parallel.layouts import Deployment
 
@@ -80,22 +79,16 @@ class EngineStats:
             self._decode_batches[0] += num_requests
             self._decode_batches[1] += 1
 
-    def record_spec(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]]) -> None:
-        """The step's checks of proposed tokens: a proposal is accepted up to the first token the request drew
-        otherwise (all tokens but the last one drawn are accepted proposals, unless a stop came first)."""
-        for group in entries:
-            for e in group:
-                proposed = e.spec_token_ids
-                if not proposed:
-                    continue
-                accepted = num_accepted(proposed, sampled.get(e.request.request_id, ()))
-                self.num_drafts += 1
-                self.num_draft_tokens += len(proposed)
-                self.num_accepted_tokens += accepted
-                if len(self.accepted_per_position) < len(proposed):
-                    self.accepted_per_position += [0] * (len(proposed) - len(self.accepted_per_position))
-                for position in range(accepted):
-                    self.accepted_per_position[position] += 1
+    def record_spec(self, checks: list[tuple[int, int]]) -> None:
+        """The step's checks of proposed tokens, each as (proposed, accepted) tokens (Speculator.observe)."""
+        for num_proposed, accepted in checks:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_proposed
+            self.num_accepted_tokens += accepted
+            if len(self.accepted_per_position) < num_proposed:
+                self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
 
     def spec_dict(self) -> dict | None:
         """Speculative decoding's figures: acceptance rate (accepted / proposed tokens) and the mean accepted

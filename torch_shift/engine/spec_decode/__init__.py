@@ -70,13 +70,16 @@ class Speculator:
         self._propose_seconds = 0.0  # the last propose call's time: part of the cost of the step that checks them
 
     def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
-                seconds: float) -> None:
+                seconds: float) -> list[tuple[int, int]]:
         """A step ran in `seconds` (its forward and sampling): each check's outcome, and the step's cost when it
-        only decoded, with the time spent proposing the tokens it checked."""
+        only decoded, with the time spent proposing the tokens it checked. Returns the checks as (proposed,
+        accepted) tokens. A proposal is accepted up to the first token the request drew otherwise (all tokens but
+        the last one drawn are accepted proposals, unless a stop came first)."""
         seconds += self._propose_seconds
         self._propose_seconds = 0.0
         num_requests = num_proposed = 0
         decode_only = True
+        checks = []
         for group in entries:
             for e in group:
                 proposed = e.spec_token_ids
@@ -85,10 +88,12 @@ class Speculator:
                 if e.num_tokens != 1 + len(proposed):
                     decode_only = False  # a prompt chunk: its cost is not a decode's
                 if proposed:
-                    drawn = sampled.get(e.request.request_id, ())
-                    self.acceptance.observe(e.request.request_id, len(proposed), num_accepted(proposed, drawn))
+                    accepted = num_accepted(proposed, sampled.get(e.request.request_id, ()))
+                    self.acceptance.observe(e.request.request_id, len(proposed), accepted)
+                    checks.append((len(proposed), accepted))
         if decode_only and num_requests:
             self.step_cost.observe(num_requests, num_proposed, seconds)
+        return checks
 
     @property
     def method(self) -> str:

@@ -93,21 +93,26 @@ class AcceptanceRates:
         self.per_request.pop(request_id, None)
 
 
+def _bar(cost: StepCostFit, num_requests: int, expected: float, num_proposed: int) -> float:
+    """The chance of acceptance a token needs to raise the goodput of a step of `num_requests` decodes and
+    `num_proposed` proposed tokens that yields `expected` tokens: b E / t."""
+    return cost.coefficients[2] * expected / cost.seconds(num_requests, num_proposed)
+
+
 def first_token_bar(num_requests: int, cost: StepCostFit) -> float:
     """The chance of acceptance a proposal's first token needs to pay in a step of `num_requests` decodes and no
     other proposals (the lowest bar: tokens_that_pay's bar only rises from it)."""
-    return cost.coefficients[2] * num_requests / cost.seconds(num_requests, 0)
+    return _bar(cost, num_requests, num_requests, 0)
 
 
 def tokens_that_pay(rates: list[float], lengths: list[int], num_requests: int, cost: StepCostFit) -> list[int]:
     """How many of each proposal's tokens to check (`rates`: each proposing request's acceptance rate, `lengths`:
     its proposal's length) in a step of `num_requests` decoding requests: the tokens accepted with probability
     p > b E / t, E and t those of the tokens kept, found by raising the bar until it holds (it only rises)."""
-    b = cost.coefficients[2]
     keep = None
     expected, proposed = float(num_requests), 0
     for _ in range(8):
-        bar = b * expected / cost.seconds(num_requests, proposed)
+        bar = _bar(cost, num_requests, expected, proposed)
         if bar <= 0.0:
             return list(lengths)
         new_keep = [0 if rate <= bar else length if rate >= 1.0
