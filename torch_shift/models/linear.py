@@ -8,7 +8,7 @@ torch_shift.parallel.layers) calls `linear(x, weight, bias, packed)`: with `pack
 packed weight, else `F.linear`. `prepare_linears(model)` packs a built model's weights (every layout
 of it) and drops the dense copies it no longer needs.
 
-A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step) reads the same packed weight through
+A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that checks proposed tokens) reads the same packed weight through
 torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
 one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
@@ -31,8 +31,10 @@ from torch import nn
 from torch_shift.custom_ops import custom_op
 from torch_shift.memory import advise_huge_pages
 
-# Rows of x up to which the GEMV kernel beats oneDNN; past 4 it reads the weight twice (cpu_linear.cpp).
-GEMV_MAX_ROWS = 4
+# Rows of x up to which the GEMV kernel is at least as fast as oneDNN on 1 and 2 threads, fp32 and bf16 (each
+# weight block read from memory once, again from L2 for every 6 rows: cpu_linear.cpp); a check of k proposed
+# tokens at batch 1 is a step of 1 + k rows (docs/performance.md, issue 22).
+GEMV_MAX_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
 
