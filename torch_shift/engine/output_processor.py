@@ -13,7 +13,7 @@ import torch
 from torch_shift.engine.input_processor import ParentRequest
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from torch_shift.engine.request import Request, RequestStatus
-from torch_shift.engine.sampler import Sampler, topk_logprobs
+from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -173,9 +173,7 @@ class OutputProcessor:
             start += len(logits)
             if request.generator is not None and len(tokens) < len(logits):
                 request.generator.set_state(saved[request.request_id])
-                vocab = min(self.sampler.vocab_size, logits.shape[1])
-                for _ in tokens:  # the sampler's draw for one row of a seeded request
-                    torch.empty(vocab).exponential_(generator=request.generator)
+                draw_uniforms(request.generator, len(tokens))
         return out
 
     def _accepted(self, request: Request, proposed, drawn: list[int]) -> list[int]:
