@@ -22,7 +22,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
-from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, tokens_that_pay
+from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, seconds, tokens_that_pay
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import PAD, GlobalTree, SuffixProposer, best_draft
 
@@ -533,8 +533,8 @@ def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):
 
 # -- the goodput budget --------------------------------------------------------------------------------------
 
-def _fitted(a: float, c: float, b: float, batch_sizes=(1, 4, 16, 64)) -> StepCostFit:
-    fit = StepCostFit()
+def _fitted(a: float, c: float, b: float, batch_sizes=range(32, 64), fit: StepCostFit | None = None) -> StepCostFit:
+    fit = fit or StepCostFit()
     rng = random.Random(0)
     for _ in range(64):
         r, s = rng.choice(batch_sizes), rng.randrange(0, 40)
@@ -544,20 +544,32 @@ def _fitted(a: float, c: float, b: float, batch_sizes=(1, 4, 16, 64)) -> StepCos
 
 def test_step_cost_fit_recovers_the_step_time():
     fit = _fitted(2e-3, 1.5e-4, 3e-4)
-    assert fit.coefficients == pytest.approx((2e-3, 1.5e-4, 3e-4), rel=1e-3)
+    assert fit.at(40) == pytest.approx((2e-3, 1.5e-4, 3e-4), rel=1e-2)  # the pull toward b = c: a small bias
     # one batch size: a and c are not told apart, but the steps of that batch size are priced right
     fit = _fitted(2e-3, 1.5e-4, 3e-4, batch_sizes=(64,))
-    assert fit.seconds(64, 10) == pytest.approx(2e-3 + 1.5e-4 * 64 + 3e-4 * 10, rel=1e-3)
-    assert fit.coefficients[2] == pytest.approx(3e-4, rel=1e-3)
+    assert seconds(fit.at(64), 64, 10) == pytest.approx(2e-3 + 1.5e-4 * 64 + 3e-4 * 10, rel=1e-3)
+    assert fit.at(64)[2] == pytest.approx(3e-4, rel=1e-3)
     same = StepCostFit()
     for _ in range(40):
         same.observe(8, 0, 1e-3)
-    assert same.coefficients is None  # every step alike: nothing to fit
+    assert same.at(8) is None  # every step alike: nothing to fit
 
 
-def _goodput(rates, keep, num_requests, fit):
+def test_step_cost_fit_prices_each_batch_size_from_steps_like_it():
+    """Steps at batch 1 and at batch 64 that no one line fits (a fixed cost at batch 1 that larger batches
+    amortize): each batch size is priced by its own range; a batch size two ranges from any fitted one is not
+    priced (the budget then checks every proposal) rather than extrapolated."""
+    fit = _fitted(2e-3, 0.0, 5e-5, batch_sizes=(1,))
+    _fitted(1e-3, 1e-4, 1e-4, batch_sizes=(64,), fit=fit)
+    assert seconds(fit.at(1), 1, 4) == pytest.approx(2e-3 + 4 * 5e-5, rel=1e-3)
+    assert seconds(fit.at(64), 64, 4) == pytest.approx(1e-3 + 64e-4 + 4e-4, rel=1e-3)
+    assert fit.at(100) == fit.at(64) and fit.at(2) == fit.at(1)  # a neighbouring range
+    assert fit.at(8) is None
+
+
+def _goodput(rates, keep, num_requests, cost):
     expected = num_requests + sum(rate ** j for rate, n in zip(rates, keep) for j in range(1, n + 1))
-    return expected / fit.seconds(num_requests, sum(keep))
+    return expected / seconds(cost, num_requests, sum(keep))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -566,16 +578,16 @@ def test_tokens_that_pay_maximize_goodput(seed):
     import itertools
 
     rng = random.Random(seed)
-    fit = _fitted(rng.uniform(1e-4, 5e-3), rng.uniform(0, 3e-4), rng.uniform(1e-5, 6e-4))
+    cost = (rng.uniform(1e-4, 5e-3), rng.uniform(0, 3e-4), rng.uniform(1e-5, 6e-4))
     num = rng.randint(1, 4)
     rates = [rng.uniform(0.02, 0.98) for _ in range(num)]
     lengths = [rng.randint(0, 5) for _ in range(num)]
     num_requests = rng.choice([1, 2, 8, 64])
-    keep = tokens_that_pay(rates, lengths, num_requests, fit)
+    keep = tokens_that_pay(rates, lengths, num_requests, cost)
     assert all(0 <= k <= n for k, n in zip(keep, lengths))
-    best = max(_goodput(rates, choice, num_requests, fit)
+    best = max(_goodput(rates, choice, num_requests, cost)
                for choice in itertools.product(*(range(n + 1) for n in lengths)))
-    assert _goodput(rates, keep, num_requests, fit) == pytest.approx(best, rel=1e-9)
+    assert _goodput(rates, keep, num_requests, cost) == pytest.approx(best, rel=1e-9)
 
 
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():
@@ -602,8 +614,7 @@ def test_the_budget_cuts_what_does_not_pay_and_outputs_stay_the_same(llama):
     for name, b in (("dear", 1.0), ("free", 0.0)):
         llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["ngram"])
         speculator = llm.engine.core.speculator
-        speculator.step_cost.coefficients = (1e-3, 1e-4, b)
-        speculator.step_cost.observe = lambda *a: None  # the test's cost, not the machine's
+        speculator.step_cost.at = lambda num_requests, b=b: (1e-3, 1e-4, b)  # the test's cost, not the machine's
         assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
         checked[name] = llm.stats()["spec_decode"]
         assert not llm.engine.block_manager.req_blocks

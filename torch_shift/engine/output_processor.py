@@ -71,6 +71,7 @@ class OutputProcessor:
                 sample_requests.extend(e.request for e in entries if e.sample)
                 continue
             row = 0
+            sample_rows = []  # one index_select for the group's other sampling requests, not a slice each
             for e in entries:
                 n = e.num_tokens if e.prompt_logprobs or e.spec_token_ids else int(e.sample)
                 if e.prompt_logprobs:
@@ -78,9 +79,11 @@ class OutputProcessor:
                 if e.spec_token_ids:
                     checks.append((e.request, e.spec_token_ids, logits[row:row + n]))
                 elif e.sample:
-                    rows.append(logits[row + n - 1:row + n])
+                    sample_rows.append(row + n - 1)
                     sample_requests.append(e.request)
                 row += n
+            if sample_rows:
+                rows.append(logits[torch.tensor(sample_rows, device=logits.device)])
         if checks:
             return self._sample_and_check(rows, sample_requests, checks)
         if not sample_requests:

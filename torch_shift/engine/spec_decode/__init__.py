@@ -107,8 +107,8 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
         k = self.config.num_speculative_tokens
-        budget = self.config.goodput_budget and self.step_cost.coefficients is not None
-        bar = first_token_bar(num_running, self.step_cost) if budget else 0.0
+        cost = self.step_cost.at(num_running) if self.config.goodput_budget else None
+        bar = first_token_bar(num_running, cost) if cost is not None else 0.0
         proposing, rooms, rates = [], [], []
         for request in updated:
             if request.status.finished:
@@ -120,7 +120,7 @@ class Speculator:
             request.spec_token_ids = []
             if disabled or room <= 0:
                 continue
-            rate = self.acceptance.rate(request.request_id) if budget else 1.0
+            rate = self.acceptance.rate(request.request_id) if cost is not None else 1.0
             if rate <= bar:
                 # no probe where no token can pay (bar >= 1); the prompt's length staggers requests in step
                 if bar >= 1.0 or request.num_tokens % PROBE_EVERY:
@@ -134,9 +134,9 @@ class Speculator:
         start = time.perf_counter()
         proposals = self.proposer.propose(proposing, rooms)
         self._propose_seconds = time.perf_counter() - start
-        if budget:
+        if cost is not None:
             lengths = [len(p) for p in proposals]
-            keep = tokens_that_pay(rates, lengths, num_running, self.step_cost)
+            keep = tokens_that_pay(rates, lengths, num_running, cost)
             self.num_cut_tokens += sum(lengths) - sum(keep)
             proposals = [p[:n] for p, n in zip(proposals, keep)]
         for request, proposal in zip(proposing, proposals):

@@ -8,10 +8,11 @@ acceptance), adding a token accepted with probability p raises the goodput E / t
 reads the weights, b is small against a and nearly every proposal pays; at 64 requests on a machine where each
 token costs compute, only the likely ones do.
 
-Both sides are measured while serving: the step time by least squares over the last decode-only steps (the cost
-depends on the model, the layout and the machine), the chance of acceptance per request from its own checks
-(a request that repeats itself accepts most proposals, a free one few), starting from the method's rate over all
-requests. A proposal's j-th token is accepted with probability alpha^j (each accepted after the ones before it).
+Both sides are measured while serving: the step time by least squares over the last decode-only steps of batch
+sizes like the step's (the cost depends on the model, the layout, the machine and the batch size), the chance of
+acceptance per request from its own checks (a request that repeats itself accepts most proposals, a free one few),
+starting from the method's rate over all requests. A proposal's j-th token is accepted with probability alpha^j
+(each accepted after the ones before it).
 """
 
 from __future__ import annotations
@@ -24,44 +25,62 @@ import numpy as np
 _PULL = 2.0  # tokens
 
 
-class StepCostFit:
-    """t(R, S) = a + c R + b S over the last `window` decode-only steps (R requests, S proposed tokens), by least
-    squares with a weak pull of b toward c (a proposed token costs about what a request's token costs: without it,
-    steps that never vary S would leave b undetermined)."""
+StepCost = tuple[float, float, float]  # (a, c, b) of t(R, S) = a + c R + b S, in seconds
 
-    def __init__(self, window: int = 128, min_steps: int = 16):
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+
+class StepCostFit:
+    """t(R, S) = a + c R + b S (R requests, S proposed tokens), fitted by least squares over the last `window`
+    decode-only steps of each range of batch sizes [2^i, 2^(i+1)), with a weak pull of b toward c (a proposed
+    token costs about what a request's token costs: without it, steps that never vary S would leave b
+    undetermined). Fitting each range on its own prices a batch size from steps like it: a fit over batch 1
+    alone cannot tell a from c, and extrapolated to 64 requests it prices their step several times too dear
+    (measured: every proposal then looked worth checking)."""
+
+    def __init__(self, window: int = 128, min_steps: int = 4):
+        self.window = window
         self.min_steps = min_steps
-        self.coefficients: tuple[float, float, float] | None = None  # (a, c, b), seconds
-        self._since_fit = 0
+        self.steps: dict[int, deque[tuple[int, int, float]]] = {}  # range (R's bit length) -> its last steps
+        self.fitted: dict[int, StepCost] = {}
+        self._since_fit: dict[int, int] = {}
 
     def observe(self, num_requests: int, num_proposed: int, seconds: float) -> None:
-        self.steps.append((num_requests, num_proposed, seconds))
-        self._since_fit += 1
-        if len(self.steps) >= self.min_steps and self._since_fit >= 8:
-            self._fit()
+        key = num_requests.bit_length()
+        steps = self.steps.setdefault(key, deque(maxlen=self.window))
+        steps.append((num_requests, num_proposed, seconds))
+        self._since_fit[key] = self._since_fit.get(key, 0) + 1
+        if len(steps) >= self.min_steps and self._since_fit[key] >= min(8, self.min_steps):
+            self._fit(key)
 
-    def _fit(self) -> None:
-        self._since_fit = 0
-        data = np.array(self.steps, dtype=np.float64)
+    def _fit(self, key: int) -> None:
+        self._since_fit[key] = 0
+        data = np.array(self.steps[key], dtype=np.float64)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         y = data[:, 2]
         if np.linalg.matrix_rank(x) < 2:
             return  # every step alike: nothing to fit yet
         # with one batch size only, a and c are not told apart (least squares takes the smallest pair), which
-        # is all the budget needs: it prices steps of the batch size running now
+        # is all the budget needs: it prices steps of the batch sizes of this range
         # the pull toward b = c: a row w (c - b) = 0, which steps that vary S by many tokens outweigh
         x = np.vstack([x, [0.0, _PULL, -_PULL]])
         y = np.append(y, 0.0)
         (a, c, b), *_ = np.linalg.lstsq(x, y, rcond=None)
         batch_sizes = data[:, 0]
         if b >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:  # else keep the last fit
-            self.coefficients = (float(a), float(c), float(b))
+            self.fitted[key] = (float(a), float(c), float(b))
 
-    def seconds(self, num_requests: int, num_proposed: int) -> float:
-        assert self.coefficients is not None
-        a, c, b = self.coefficients
-        return a + c * num_requests + b * num_proposed
+    def at(self, num_requests: int) -> StepCost | None:
+        """The fit for steps of `num_requests` requests: its range's, else a neighbouring range's; None where
+        neither has been fitted yet."""
+        key = num_requests.bit_length()
+        for k in (key, key - 1, key + 1):
+            if k in self.fitted:
+                return self.fitted[k]
+        return None
+
+
+def seconds(cost: StepCost, num_requests: int, num_proposed: int) -> float:
+    a, c, b = cost
+    return a + c * num_requests + b * num_proposed
 
 
 class AcceptanceRates:
@@ -93,19 +112,19 @@ class AcceptanceRates:
         self.per_request.pop(request_id, None)
 
 
-def _bar(cost: StepCostFit, num_requests: int, expected: float, num_proposed: int) -> float:
+def _bar(cost: StepCost, num_requests: int, expected: float, num_proposed: int) -> float:
     """The chance of acceptance a token needs to raise the goodput of a step of `num_requests` decodes and
     `num_proposed` proposed tokens that yields `expected` tokens: b E / t."""
-    return cost.coefficients[2] * expected / cost.seconds(num_requests, num_proposed)
+    return cost[2] * expected / seconds(cost, num_requests, num_proposed)
 
 
-def first_token_bar(num_requests: int, cost: StepCostFit) -> float:
+def first_token_bar(num_requests: int, cost: StepCost) -> float:
     """The chance of acceptance a proposal's first token needs to pay in a step of `num_requests` decodes and no
     other proposals (the lowest bar: tokens_that_pay's bar only rises from it)."""
     return _bar(cost, num_requests, num_requests, 0)
 
 
-def tokens_that_pay(rates: list[float], lengths: list[int], num_requests: int, cost: StepCostFit) -> list[int]:
+def tokens_that_pay(rates: list[float], lengths: list[int], num_requests: int, cost: StepCost) -> list[int]:
     """How many of each proposal's tokens to check (`rates`: each proposing request's acceptance rate, `lengths`:
     its proposal's length) in a step of `num_requests` decoding requests: the tokens accepted with probability
     p > b E / t, E and t those of the tokens kept, found by raising the bar until it holds (it only rises)."""
