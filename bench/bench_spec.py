@@ -11,20 +11,27 @@ The draft model (method "draft"): the default model's first `--draft-layers` lay
 (LayerSkip's early exit as a checkpoint of its own: the only smaller model with this tokenizer), unless
 `--draft DIR` names another.
 
-    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft] [--json out.json]
+    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft] [--repeats 3]
+                               [--vllm-python VENV/bin/python] [--json out.json]
+
+With --vllm-python, vLLM's CPU build runs the same work in token ids (spec_work.py, peer_vllm_spec.py) for the
+methods it has (none and ngram), and each row shows its ratio to vLLM's row of the same method.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from spec_work import AGENT_TURNS, run_work
 
 from torch_shift import LLM, SamplingParams
 
@@ -34,6 +41,7 @@ METHODS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
 DRAFT_K = 4
+VLLM_METHODS = ("none", "ngram")  # those vLLM's CPU build runs (its suffix decoding needs ArcticInference)
 LAYOUTS = {"one": {}, "shift": {"sp": 2, "shift_threshold": 32}}
 SEEDS = ["And God said", "In the beginning", "And it came to pass", "Then the LORD", "And Moses spake",
          "And the king", "Now the sons of", "And he said unto them"]
@@ -65,37 +73,31 @@ def documents(llm: LLM, num: int) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(SEEDS[:num], params, use_tqdm=False)]
 
 
-def run_batch1(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list[float], list[str]]:
-    """Each prompt alone; TPOT of each (time after the first token over the tokens after it)."""
-    tpots, texts = [], []
-    for prompt in prompts:
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
-        end = time.monotonic()
-        n = len(out.outputs[0].token_ids)
-        if n > 1:
-            tpots.append((end - out.metrics["first_token_time"]) / (n - 1))
-        texts.append(out.outputs[0].text)
-    return tpots, texts
+class TorchShiftEngine:
+    """spec_work's engine: token-id prompts through LLM.generate."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def generate(self, prompts, max_tokens, temperature, seed, ignore_eos):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def agent_loop(llm: LLM, turns: int = 4) -> list[float]:
-    tpots = []
-    params = SamplingParams(max_tokens=64, temperature=0.0)
-    for seed in SEEDS[:3]:
-        history = f"Task: continue the chronicle.\n{seed}"
-        for turn in range(turns):
-            t, (text,) = run_batch1(llm, [history], params)
-            tpots += t
-            history += text + f"\nObservation: step {turn} recorded.\n{seed}"
-    return tpots
-
-
-def throughput(llm: LLM, num: int = 64) -> float:
-    prompts = [SEEDS[i % len(SEEDS)] + "," * (i // len(SEEDS)) for i in range(num)]
-    params = SamplingParams(max_tokens=96, temperature=0.8, seed=7, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+def make_work(llm: LLM) -> dict:
+    """The workloads in token ids (spec_work.py), from text prompts and the default model's own documents."""
+    tokenizer = llm.tokenizer
+    docs = documents(llm, 4)
+    work = {"edit_prompts": [f"{doc}\n\nThe same, revised:\n{doc.split(chr(10))[0]}" for doc in docs],
+            "free_prompts": SEEDS[:6],
+            "throughput_prompts": [SEEDS[i % len(SEEDS)] + "," * (i // len(SEEDS)) for i in range(64)],
+            "agent_prompts": [f"Task: continue the chronicle.\n{seed}" for seed in SEEDS[:3]]}
+    work = {key: [tokenizer.encode(text) for text in texts] for key, texts in work.items()}
+    work["agent_observations"] = [[tokenizer.encode(f"\nObservation: step {turn} recorded.\n{seed}",
+                                                    add_special_tokens=False) for turn in range(AGENT_TURNS)]
+                                  for seed in SEEDS[:3]]
+    return work
 
 
 def proposer_cost(num_requests: int = 256, context: int = 1500) -> dict:
@@ -127,6 +129,40 @@ def proposer_cost(num_requests: int = 256, context: int = 1500) -> dict:
     return result
 
 
+def run_method(layout: str, method: str, work: dict) -> dict:
+    """One engine of `layout` with `method`, made for this run, on the work of spec_work.run_work."""
+    llm = LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
+    llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    row = run_work(TorchShiftEngine(llm), work)
+    spec = llm.stats()["spec_decode"]
+    row["acceptance_rate"] = spec and spec["acceptance_rate"]
+    row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
+    llm.shutdown()
+    return row
+
+
+def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
+    """The same work on vLLM's CPU build in one process on both cores (peer_vllm_spec.py)."""
+    from torch_shift.models.default import default_model_dir
+
+    model_dir = default_model_dir()
+    config = json.loads((model_dir / "config.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps({"model": str(model_dir), "dtype": config.get("torch_dtype", "bfloat16"),
+                                         "max_model_len": config["max_position_embeddings"],
+                                         "speculative_config": METHODS[method], "work": work}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        result = subprocess.run([vllm_python, str(Path(__file__).with_name("peer_vllm_spec.py")), str(spec_path)],
+                                env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [line for line in result.stdout.splitlines() if line.startswith('{"engine"')]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    row = json.loads(lines[-1])
+    row.pop("engine")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="one,shift")
@@ -134,6 +170,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", type=Path, default=None, help="the draft model of method 'draft'")
     parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every method, in turn (medians shown)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a virtual environment with vllm-cpu: vLLM's methods run on the same work, one "
+                             "process on both cores, beside each torch_shift run of layout 'one'")
     args = parser.parse_args()
     if "draft" in args.methods.split(","):
         from torch_shift.models.default import default_model_dir
@@ -144,42 +184,48 @@ def main() -> None:
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)
-    docs = documents(LLM(compile=False), 4)
-    edit_prompts = [f"{doc}\n\nThe same, revised:\n{doc.split(chr(10))[0]}" for doc in docs]
-    free_prompts = SEEDS[:6]
+    work = make_work(LLM(compile=False))
     rows = []
     for layout in args.layouts.split(","):
-        for method in args.methods.split(","):
-            llm = LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
-            llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-            row = {"layout": layout, "method": method}
-            row["agent_tpot_ms"] = 1e3 * statistics.mean(agent_loop(llm))
-            tpots, _ = run_batch1(llm, edit_prompts, SamplingParams(max_tokens=96, temperature=0.0))
-            row["edit_tpot_ms"] = 1e3 * statistics.mean(tpots)
-            tpots, _ = run_batch1(llm, free_prompts, SamplingParams(max_tokens=64, temperature=0.8, seed=3))
-            row["free_tpot_ms"] = 1e3 * statistics.mean(tpots)
-            row["throughput_64"] = throughput(llm)
-            spec = llm.stats()["spec_decode"]
-            row["acceptance_rate"] = spec and spec["acceptance_rate"]
-            row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
-            llm.shutdown()
+        # each method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), the
+        # methods in turn so that every one sees the machine's slow and fast spells alike; medians over repeats
+        runs: dict[tuple[str, str], list[dict]] = {}
+        for repeat in range(args.repeats):
+            for method in args.methods.split(","):
+                engines = [("torch_shift", run_method)]
+                if args.vllm_python and layout == "one" and method in VLLM_METHODS:
+                    engines.append(("vllm", lambda layout, method, work: run_vllm(args.vllm_python, method, work)))
+                for engine, run in engines:
+                    result = run(layout, method, work)
+                    runs.setdefault((engine, method), []).append(result)
+                    print(json.dumps({"engine": engine, "layout": layout, "method": method, "repeat": repeat,
+                                      **result}), flush=True)
+        for (engine, method), results in runs.items():
+            row = {"engine": engine, "layout": layout, "method": method, "repeats": results}
+            for key in results[0]:
+                values = [r[key] for r in results if r[key] is not None]
+                row[key] = statistics.median(values) if values else None
             rows.append(row)
-            print(json.dumps(row), flush=True)
     figures["rows"] = rows
-    print("\n| layout | method | agent TPOT ms | edit TPOT ms | free TPOT ms | tok/s at 64 | accepted | "
-          "x none: agent / edit / free TPOT, throughput |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    base = {r["layout"]: r for r in rows if r["method"] == "none"}
+    print("\n| engine | layout | method | agent TPOT ms | edit TPOT ms | free TPOT ms | tok/s at 64 | accepted | "
+          "x none: agent / edit / free TPOT, throughput | x vLLM, same method: agent / edit / free TPOT, throughput |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    by_key = {(r["engine"], r["layout"], r["method"]): r for r in rows}
+
+    def ratios(r: dict, b: dict | None) -> str:  # TPOT: b's over r's; throughput: r's over b's (> 1: r faster)
+        if b is None or b is r:
+            return ""
+        return (f"{b['agent_tpot_ms'] / r['agent_tpot_ms']:.2f} / {b['edit_tpot_ms'] / r['edit_tpot_ms']:.2f} / "
+                f"{b['free_tpot_ms'] / r['free_tpot_ms']:.2f}, {r['throughput_64'] / b['throughput_64']:.2f}")
+
     for r in rows:
-        b = base.get(r["layout"])
-        ratios = "" if b is None else (f"{b['agent_tpot_ms'] / r['agent_tpot_ms']:.2f} / "
-                                       f"{b['edit_tpot_ms'] / r['edit_tpot_ms']:.2f} / "
-                                       f"{b['free_tpot_ms'] / r['free_tpot_ms']:.2f}, "
-                                       f"{r['throughput_64'] / b['throughput_64']:.2f}")
-        accepted = "" if r["acceptance_rate"] is None else (f"{r['acceptance_rate']:.2f} "
-                                                            f"({r['mean_accepted_length']:.2f}/check)")
-        print(f"| {r['layout']} | {r['method']} | {r['agent_tpot_ms']:.2f} | {r['edit_tpot_ms']:.2f} | "
-              f"{r['free_tpot_ms']:.2f} | {r['throughput_64']:.0f} | {accepted} | {ratios} |")
+        accepted = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        if r["mean_accepted_length"] is not None:
+            accepted += f" ({r['mean_accepted_length']:.2f}/check)"
+        peer = by_key.get(("vllm", r["layout"], r["method"])) if r["engine"] == "torch_shift" else None
+        print(f"| {r['engine']} | {r['layout']} | {r['method']} | {r['agent_tpot_ms']:.2f} | {r['edit_tpot_ms']:.2f} | "
+              f"{r['free_tpot_ms']:.2f} | {r['throughput_64']:.0f} | {accepted} | "
+              f"{ratios(r, by_key.get((r['engine'], r['layout'], 'none')))} | {ratios(r, peer)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
