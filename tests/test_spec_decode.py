@@ -555,6 +555,25 @@ def test_step_cost_fit_recovers_the_step_time():
     assert same.at(8) is None  # every step alike: nothing to fit
 
 
+def test_step_cost_fit_is_not_moved_by_slowed_steps():
+    """One step in eight slowed to twice its time (the machine's spells): the fit stays within 5% of the steps'
+    cost, where plain least squares puts a proposed token's cost a quarter off."""
+    rng = random.Random(1)
+    fit = StepCostFit()
+    steps = []
+    for i in range(128):
+        s = rng.randrange(0, 16)
+        t = 1.5e-3 + 5e-5 * s
+        if i % 8 == 0:
+            t *= 2.0
+        fit.observe(1, s, t)
+        steps.append((s, t))
+    a_c, b = fit.at(1)[0] + fit.at(1)[1], fit.at(1)[2]
+    assert a_c == pytest.approx(1.5e-3, rel=0.05) and b == pytest.approx(5e-5, rel=0.05)
+    plain = np.polyfit([s for s, _ in steps], [t for _, t in steps], 1)[0]
+    assert abs(plain - 5e-5) > 0.2 * 5e-5  # what the weights remove
+
+
 def test_step_cost_fit_prices_each_batch_size_from_steps_like_it():
     """Steps at batch 1 and at batch 64 that no one line fits (a fixed cost at batch 1 that larger batches
     amortize): each batch size is priced by its own range; a batch size two ranges from any fitted one is not

@@ -59,6 +59,15 @@ def grow_path(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_p
     prob = 1.0
     offset = 1
     while len(draft.token_ids) < max_tokens:
+        if len(ends) == 1:  # one occurrence: the path is what follows it, each token with the same probability
+            end = int(ends[0]) + offset
+            run = tokens[end:end + max_tokens - len(draft.token_ids)].tolist()
+            for token in run:
+                if token == PAD:
+                    break
+                draft.token_ids.append(token)
+                draft.score += prob
+            break
         following = tokens[ends + offset]
         present = following[following != PAD]
         if len(present) == 0:
@@ -85,16 +94,18 @@ def grow_path(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_p
 
 def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, max_depth: int, max_spec_tokens: int,
                max_spec_factor: float, min_token_prob: float) -> Draft:
-    """The best path over the matched suffix lengths, from the longest down (a shorter match must score strictly
-    more; one that cannot is not grown)."""
+    """The best path over the matched suffix lengths: the highest score, ties to the longer match. Lengths are
+    tried in order of their path's limit, largest first (a score never exceeds its limit, so once a path reaches
+    it the lengths after it are not grown: a repeating context grows one path, not one per length)."""
     best = Draft()
-    for i in range(len(matches) - 1, -1, -1):
-        length = first_len + i
-        limit = min(max_spec_tokens, int(length * max_spec_factor + 1e-6), max_depth - length)
-        if limit <= best.score:  # its score cannot exceed the limit
-            continue
-        draft = grow_path(tokens, matches[i], limit, min_token_prob)
-        if draft.score > best.score:
+    limits = [(min(max_spec_tokens, int((first_len + i) * max_spec_factor + 1e-6), max_depth - first_len - i),
+               first_len + i, ends) for i, ends in enumerate(matches)]
+    limits.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    for limit, length, ends in limits:
+        if limit < best.score or (limit == best.score and length < best.match_len) or limit <= 0:
+            continue  # cannot win: its score is at most its limit
+        draft = grow_path(tokens, ends, limit, min_token_prob)
+        if draft.score > best.score or (draft.score == best.score and draft.token_ids and length > best.match_len):
             draft.match_len = length
             best = draft
     return best
