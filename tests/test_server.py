@@ -686,7 +686,8 @@ def test_speculative_decoding_through_the_server(checkpoints, reference):
     speculation, and vLLM's spec-decode counters move."""
     _, model_dir = checkpoints("llama")
     s = RunningServer(model_dir, engine={"speculative_config": {"method": "suffix", "num_speculative_tokens": 6,
-                                                                "suffix_decoding_min_token_prob": 0.0}})
+                                                                "suffix_decoding_min_token_prob": 0.0,
+                                                                "goodput_budget": False}})
     try:
         prompt = (PROMPT + " ") * 6
         expected = greedy(reference, prompt, max_tokens=24, ignore_eos=True)

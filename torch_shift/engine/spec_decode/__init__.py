@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from torch_shift.engine.request import Request, RequestStatus
-from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, first_token_bar, tokens_that_pay
+from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, lowest_paying_rate, tokens_that_pay
 from torch_shift.engine.spec_decode.config import SpeculativeConfig
 from torch_shift.engine.spec_decode.ngram import NgramProposer
 from torch_shift.engine.spec_decode.suffix import SuffixProposer
@@ -92,7 +92,7 @@ class Speculator:
                     self.acceptance.observe(e.request.request_id, len(proposed), accepted)
                     checks.append((len(proposed), accepted))
         if decode_only and num_requests:
-            self.step_cost.observe(num_requests, num_proposed, seconds)
+            self.step_cost.observe(num_requests, num_proposed, len(checks), seconds)
         return checks
 
     @property
@@ -101,14 +101,15 @@ class Speculator:
 
     def propose(self, updated: list[Request], num_running: int) -> None:
         """Proposals for the requests that received tokens this step (the others keep theirs); none in a step of
-        `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose next proposed
-        token would not pay is not asked for a proposal (the proposer's time saved), except one token every
-        PROBE_EVERY tokens it generates, which keeps its acceptance rate current."""
+        `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose check could not
+        pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY tokens it
+        generates, which keeps its acceptance rate current."""
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
         k = self.config.num_speculative_tokens
         cost = self.step_cost.at(num_running) if self.config.goodput_budget else None
-        bar = first_token_bar(num_running, cost) if cost is not None else 0.0
+        # the lowest rate at which a request can pay for a check (above 1: none can)
+        bar = lowest_paying_rate(k, num_running, cost) if cost is not None else 0.0
         proposing, rooms, rates = [], [], []
         for request in updated:
             if request.status.finished:
@@ -121,9 +122,9 @@ class Speculator:
             if disabled or room <= 0:
                 continue
             rate = self.acceptance.rate(request.request_id) if cost is not None else 1.0
-            if rate <= bar:
-                # no probe where no token can pay (bar >= 1); the prompt's length staggers requests in step
-                if bar >= 1.0 or request.num_tokens % PROBE_EVERY:
+            if rate < bar:
+                # no probe where no check can pay (bar > 1); the prompt's length staggers requests in step
+                if bar > 1.0 or request.num_tokens % PROBE_EVERY:
                     continue
                 room, rate = 1, 1.0  # a probe: checked whatever it costs
             proposing.append(request)

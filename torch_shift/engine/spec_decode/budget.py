@@ -1,12 +1,16 @@
 """How many proposed tokens a step checks: those expected to pay for their share of the step's time.
 
 A checked token costs time whether it is accepted or not; it pays when its chance of being accepted exceeds
-what the step's time buys per token without it. With a decode step of R requests and S proposed tokens taking
-t(R, S) = a + c R + b S, and an expected E tokens out of it (one per request plus the proposals' chances of
-acceptance), adding a token accepted with probability p raises the goodput E / t exactly when p > b E / t
-(SmartSpec, arXiv 2406.14066, chooses proposal lengths by the same goodput). At batch 1 on a machine whose decode
-reads the weights, b is small against a and nearly every proposal pays; at 64 requests on a machine where each
-token costs compute, only the likely ones do.
+what the step's time buys per token without it. With a decode step of R requests, S proposed tokens and P
+requests checking proposals taking t(R, S, P) = a + c R + b S + d P, and an expected E tokens out of it (one per
+request plus the proposals' chances of acceptance), the goodput E / t is highest where each request checks the
+n tokens that maximize sum_{j <= n} p_j - (b n + d) E / t, or none where that is not positive (SmartSpec, arXiv
+2406.14066, chooses proposal lengths by the same goodput; the ratio's maximum by Dinkelbach's iteration). d is
+a check's own cost (its prompt-like attention tile, logits and draws at every position, the proposer's call):
+measured at batch 1 on the default model, a step with one proposed token took 15% longer than one without,
+while each further token added 2-5%. At batch 1 on a machine whose decode reads the weights, b and d are small
+against a and most proposals pay; at 64 requests on a machine where each token costs compute, only the likely
+ones do.
 
 Both sides are measured while serving: the step time by least squares over the last decode-only steps of batch
 sizes like the step's (the cost depends on the model, the layout, the machine and the batch size), the chance of
@@ -27,11 +31,12 @@ _HUBER_ROUNDS = 4
 REFIT_EVERY = 16
 
 
-StepCost = tuple[float, float, float]  # (a, c, b) of t(R, S) = a + c R + b S, in seconds
+StepCost = tuple[float, float, float, float]  # (a, c, b, d) of t(R, S, P) = a + c R + b S + d P, in seconds
 
 
 class StepCostFit:
-    """t(R, S) = a + c R + b S (R requests, S proposed tokens), fitted by least squares over the last `window`
+    """t(R, S, P) = a + c R + b S + d P (R requests, S proposed tokens, P checks), fitted by least squares over the
+    last `window`
     decode-only steps of each range of batch sizes [2^i, 2^(i+1)), with a weak pull of b toward c (a proposed
     token costs about what a request's token costs: without it, steps that never vary S would leave b
     undetermined). Fitting each range on its own prices a batch size from steps like it: a fit over batch 1
@@ -41,14 +46,14 @@ class StepCostFit:
     def __init__(self, window: int = 128, min_steps: int = 4):
         self.window = window
         self.min_steps = min_steps
-        self.steps: dict[int, deque[tuple[int, int, float]]] = {}  # range (R's bit length) -> its last steps
+        self.steps: dict[int, deque[tuple[int, int, int, float]]] = {}  # range (R's bit length) -> its last steps
         self.fitted: dict[int, StepCost] = {}
         self._since_fit: dict[int, int] = {}
 
-    def observe(self, num_requests: int, num_proposed: int, seconds: float) -> None:
+    def observe(self, num_requests: int, num_proposed: int, num_checks: int, seconds: float) -> None:
         key = num_requests.bit_length()
         steps = self.steps.setdefault(key, deque(maxlen=self.window))
-        steps.append((num_requests, num_proposed, seconds))
+        steps.append((num_requests, num_proposed, num_checks, seconds))
         self._since_fit[key] = self._since_fit.get(key, 0) + 1
         # the first fit as soon as there are min_steps, then one every REFIT_EVERY steps (a fit costs ~0.25 ms:
         # at every few steps it was a tenth of a batch-1 step)
@@ -58,29 +63,29 @@ class StepCostFit:
     def _fit(self, key: int) -> None:
         self._since_fit[key] = 0
         data = np.array(self.steps[key], dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        y = data[:, 2]
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+        y = data[:, 3]
         if np.linalg.matrix_rank(x) < 2:
             return  # every step alike: nothing to fit yet
         # with one batch size only, a and c are not told apart (least squares takes the smallest pair), which
         # is all the budget needs: it prices steps of the batch sizes of this range
         # the pull toward b = c: a row w (c - b) = 0, which steps that vary S by many tokens outweigh
-        x = np.vstack([x, [0.0, _PULL, -_PULL]])
+        x = np.vstack([x, [0.0, _PULL, -_PULL, 0.0]])
         y = np.append(y, 0.0)
         # Huber weights by iteratively reweighted least squares: a step that the machine slowed (this CPU's steps
         # vary by 10-25% between spells, with spikes above) weighs as a step off by 1.345 robust deviations
         weights = np.ones(len(y))
         for _ in range(_HUBER_ROUNDS):
             root = np.sqrt(weights)[:, None]
-            (a, c, b), *_ = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)
-            residuals = np.abs(y[:-1] - x[:-1] @ np.array([a, c, b]))
+            (a, c, b, d), *_ = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)
+            residuals = np.abs(y[:-1] - x[:-1] @ np.array([a, c, b, d]))
             scale = 1.4826 * np.partition(residuals, len(residuals) // 2)[len(residuals) // 2]  # np.median: 9x slower
             if scale <= 0.0:
                 break
             weights[:-1] = np.minimum(1.0, 1.345 * scale / np.maximum(residuals, 1e-30))
         batch_sizes = data[:, 0]
         if b >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:  # else keep the last fit
-            self.fitted[key] = (float(a), float(c), float(b))
+            self.fitted[key] = (float(a), float(c), float(b), max(float(d), 0.0))
 
     def at(self, num_requests: int) -> StepCost | None:
         """The fit for steps of `num_requests` requests: its range's, else a neighbouring range's; None where
@@ -92,9 +97,9 @@ class StepCostFit:
         return None
 
 
-def seconds(cost: StepCost, num_requests: int, num_proposed: int) -> float:
-    a, c, b = cost
-    return a + c * num_requests + b * num_proposed
+def seconds(cost: StepCost, num_requests: int, num_proposed: int, num_checks: int) -> float:
+    a, c, b, d = cost
+    return a + c * num_requests + b * num_proposed + d * num_checks
 
 
 class AcceptanceRates:
@@ -126,35 +131,56 @@ class AcceptanceRates:
         self.per_request.pop(request_id, None)
 
 
-def _bar(cost: StepCost, num_requests: int, expected: float, num_proposed: int) -> float:
-    """The chance of acceptance a token needs to raise the goodput of a step of `num_requests` decodes and
-    `num_proposed` proposed tokens that yields `expected` tokens: b E / t."""
-    return cost[2] * expected / seconds(cost, num_requests, num_proposed)
+def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int:
+    """How many of a proposal's `length` tokens to check, for a request whose j-th token is accepted with
+    probability rate^j, in a step whose goodput is `goodput` (tokens per second): the n maximizing
+    sum_{j <= n} rate^j - (b n + d) goodput, or 0 where that is not positive. The j-th token's term
+    rate^j - b goodput falls with j, so n is the last j where it is positive."""
+    b, d = cost[2], cost[3]
+    bar = b * goodput
+    gain, n, best_n, best_net = 0.0, 0, 0, 0.0
+    p = 1.0
+    while n < length:
+        p *= rate
+        if p <= bar:
+            break
+        n += 1
+        gain += p
+        net = gain - (b * n + d) * goodput
+        if net > best_net:
+            best_n, best_net = n, net
+    return best_n
 
 
-def first_token_bar(num_requests: int, cost: StepCost) -> float:
-    """The chance of acceptance a proposal's first token needs to pay in a step of `num_requests` decodes and no
-    other proposals (the lowest bar: tokens_that_pay's bar only rises from it)."""
-    return _bar(cost, num_requests, num_requests, 0)
+def lowest_paying_rate(length: int, num_requests: int, cost: StepCost) -> float:
+    """The lowest acceptance rate at which a request can pay for checking some of a proposal of `length` tokens
+    in a step of `num_requests` decodes and no other proposals (the goodput its check must beat is then the plain
+    step's, the lowest tokens_that_pay starts from); 2 where no rate can. A request's best net gain rises with its
+    rate, so the rate is found by bisection."""
+    goodput = num_requests / seconds(cost, num_requests, 0, 0)
+    if best_length(1.0, length, cost, goodput) == 0:
+        return 2.0
+    low, high = 0.0, 1.0
+    for _ in range(24):
+        middle = (low + high) / 2
+        low, high = (low, middle) if best_length(middle, length, cost, goodput) > 0 else (middle, high)
+    return high
 
 
 def tokens_that_pay(rates: list[float], lengths: list[int], num_requests: int, cost: StepCost) -> list[int]:
     """How many of each proposal's tokens to check (`rates`: each proposing request's acceptance rate, `lengths`:
-    its proposal's length) in a step of `num_requests` decoding requests: the tokens accepted with probability
-    p > b E / t, E and t those of the tokens kept, found by raising the bar until it holds (it only rises)."""
+    its proposal's length) in a step of `num_requests` decoding requests so that the step's goodput E / t is the
+    highest: Dinkelbach's iteration, each request's best length (best_length) at the goodput of the last choice,
+    from the plain step's, until the choice repeats."""
     keep = None
-    expected, proposed = float(num_requests), 0
-    for _ in range(8):
-        bar = _bar(cost, num_requests, expected, proposed)
-        if bar <= 0.0:
-            return list(lengths)
-        new_keep = [0 if rate <= bar else length if rate >= 1.0
-                    else min(length, int(math.log(bar) / math.log(rate) - 1e-9))  # the largest j with rate^j > bar
-                    for rate, length in zip(rates, lengths)]
+    expected, proposed, checks = float(num_requests), 0, 0
+    for _ in range(16):
+        goodput = expected / seconds(cost, num_requests, proposed, checks)
+        new_keep = [best_length(rate, length, cost, goodput) for rate, length in zip(rates, lengths)]
         if new_keep == keep:
             break
         keep = new_keep
         expected = num_requests + sum(float(n) if rate >= 1.0 else rate * (1.0 - rate ** n) / (1.0 - rate)
                                       for rate, n in zip(rates, keep))
-        proposed = sum(keep)
+        proposed, checks = sum(keep), sum(n > 0 for n in keep)
     return keep
