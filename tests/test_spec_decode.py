@@ -22,8 +22,13 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
-from torch_shift.engine.spec_decode.budget import (AcceptanceRates, StepCostFit, lowest_paying_rate, seconds,
-                                                   tokens_that_pay)
+from torch_shift.engine.spec_decode.budget import (
+    AcceptanceRates,
+    StepCostFit,
+    lowest_paying_rate,
+    seconds,
+    tokens_that_pay,
+)
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import PAD, GlobalTree, SuffixProposer, best_draft
 

@@ -21,7 +21,6 @@ starting from the method's rate over all requests. A proposal's j-th token is ac
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import numpy as np
