@@ -71,20 +71,15 @@ class StepCostFit:
         # the pull toward b = c: a row w (c - b) = 0, which steps that vary S by many tokens outweigh
         x = np.vstack([x, [0.0, _PULL, -_PULL, 0.0]])
         y = np.append(y, 0.0)
-        # Huber weights by iteratively reweighted least squares: a step that the machine slowed (this CPU's steps
-        # vary by 10-25% between spells, with spikes above) weighs as a step off by 1.345 robust deviations
-        weights = np.ones(len(y))
-        for _ in range(_HUBER_ROUNDS):
-            root = np.sqrt(weights)[:, None]
-            (a, c, b, d), *_ = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)
-            residuals = np.abs(y[:-1] - x[:-1] @ np.array([a, c, b, d]))
-            scale = 1.4826 * np.partition(residuals, len(residuals) // 2)[len(residuals) // 2]  # np.median: 9x slower
-            if scale <= 0.0:
-                break
-            weights[:-1] = np.minimum(1.0, 1.345 * scale / np.maximum(residuals, 1e-30))
+        coefficients = _huber_fit(x, y)
+        if coefficients[3] < 0.0:  # a check cannot save time: refit with d = 0 (where every check had the same
+            coefficients = _huber_fit(x, y, keep=[0, 1, 2])  # length, S and P are one column in two)
+        if coefficients[2] < 0.0:
+            coefficients = _huber_fit(x, y, keep=[0, 1, 3] if coefficients[3] > 0.0 else [0, 1])
+        a, c, b, d = coefficients
         batch_sizes = data[:, 0]
-        if b >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:  # else keep the last fit
-            self.fitted[key] = (float(a), float(c), float(b), max(float(d), 0.0))
+        if b >= 0 and d >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:
+            self.fitted[key] = (float(a), float(c), float(b), float(d))  # else keep the last fit
 
     def at(self, num_requests: int) -> StepCost | None:
         """The fit for steps of `num_requests` requests: its range's, else a neighbouring range's; None where
@@ -94,6 +89,28 @@ class StepCostFit:
             if k in self.fitted:
                 return self.fitted[k]
         return None
+
+
+def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> np.ndarray:
+    """Least squares of y on the columns `keep` of x (the others' coefficients 0), with Huber weights by iteratively
+    reweighted least squares: a step that the machine slowed (this CPU's steps vary by 10-25% between spells,
+    with spikes above) weighs as a step off by 1.345 robust deviations. The last row of x is the pull's, never
+    reweighted."""
+    keep = list(range(x.shape[1])) if keep is None else keep
+    columns = x[:, keep]
+    weights = np.ones(len(y))
+    solution = np.zeros(len(keep))
+    for _ in range(_HUBER_ROUNDS):
+        root = np.sqrt(weights)[:, None]
+        solution, *_ = np.linalg.lstsq(columns * root, y * root[:, 0], rcond=None)
+        residuals = np.abs(y[:-1] - columns[:-1] @ solution)
+        scale = 1.4826 * np.partition(residuals, len(residuals) // 2)[len(residuals) // 2]  # np.median: 9x slower
+        if scale <= 0.0:
+            break
+        weights[:-1] = np.minimum(1.0, 1.345 * scale / np.maximum(residuals, 1e-30))
+    coefficients = np.zeros(x.shape[1])
+    coefficients[keep] = solution
+    return coefficients
 
 
 def seconds(cost: StepCost, num_requests: int, num_proposed: int, num_checks: int) -> float:
