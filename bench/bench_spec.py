@@ -129,16 +129,18 @@ def proposer_cost(num_requests: int = 256, context: int = 1500) -> dict:
     return result
 
 
-def run_method(layout: str, method: str, work: dict) -> dict:
-    """One engine of `layout` with `method`, made for this run, on the work of spec_work.run_work."""
-    llm = LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
-    llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    row = run_work(TorchShiftEngine(llm), work)
-    spec = llm.stats()["spec_decode"]
-    row["acceptance_rate"] = spec and spec["acceptance_rate"]
-    row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
-    llm.shutdown()
-    return row
+def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
+    """One engine of `layout` per method, made for this run, all on the work of spec_work.run_work in turn."""
+    llms = {method: LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout]) for method in methods}
+    for llm in llms.values():
+        llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
+    for method, llm in llms.items():
+        spec = llm.stats()["spec_decode"]
+        rows[method]["acceptance_rate"] = spec and spec["acceptance_rate"]
+        rows[method]["mean_accepted_length"] = spec and spec["mean_accepted_length"]
+        llm.shutdown()
+    return rows
 
 
 def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
@@ -187,19 +189,20 @@ def main() -> None:
     work = make_work(LLM(compile=False))
     rows = []
     for layout in args.layouts.split(","):
-        # each method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), the
-        # methods in turn so that every one sees the machine's slow and fast spells alike; medians over repeats
+        # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat) and run
+        # in turn with the others, prompt by prompt (spec_work.run_work); medians over repeats
         runs: dict[tuple[str, str], list[dict]] = {}
         for repeat in range(args.repeats):
-            for method in args.methods.split(","):
-                engines = [("torch_shift", run_method)]
-                if args.vllm_python and layout == "one" and method in VLLM_METHODS:
-                    engines.append(("vllm", lambda layout, method, work: run_vllm(args.vllm_python, method, work)))
-                for engine, run in engines:
-                    result = run(layout, method, work)
-                    runs.setdefault((engine, method), []).append(result)
-                    print(json.dumps({"engine": engine, "layout": layout, "method": method, "repeat": repeat,
-                                      **result}), flush=True)
+            results = run_methods(layout, args.methods.split(","), work)
+            if args.vllm_python and layout == "one":
+                for method in args.methods.split(","):
+                    if method in VLLM_METHODS:
+                        results[f"vllm {method}"] = run_vllm(args.vllm_python, method, work)
+            for name, result in results.items():
+                engine, method = name.split(" ") if name.startswith("vllm ") else ("torch_shift", name)
+                runs.setdefault((engine, method), []).append(result)
+                print(json.dumps({"engine": engine, "layout": layout, "method": method, "repeat": repeat, **result}),
+                      flush=True)
         for (engine, method), results in runs.items():
             row = {"engine": engine, "layout": layout, "method": method, "repeats": results}
             for key in results[0]:

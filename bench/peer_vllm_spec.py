@@ -45,7 +45,7 @@ def main() -> None:
               speculative_config=spec["speculative_config"], disable_log_stats=False)
     engine = VllmEngine(llm)
     engine.generate(spec["work"]["free_prompts"][:2], 8, 0.0, None, False)  # warm-up
-    row = run_work(engine, spec["work"])
+    row = run_work({"vllm": engine}, spec["work"])["vllm"]
     drafts = counter(llm, "vllm:spec_decode_num_draft_tokens")
     accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
     row["acceptance_rate"] = accepted / drafts if drafts else None

@@ -3,7 +3,9 @@
 
 An engine is anything with `generate(prompts, max_tokens, temperature, seed, ignore_eos) -> token ids per prompt`.
 TPOT of a prompt is measured alike on both: the time of generating its tokens minus the time of generating its first
-one (a run of one token), over the tokens after the first.
+one (a run of one token), over the tokens after the first. `run_work` takes several engines of one process and
+runs them in turn, prompt by prompt, so that the machine's slow and fast spells (10-35% apart on this CPU) fall
+on all of them alike.
 """
 
 from __future__ import annotations
@@ -31,26 +33,35 @@ def tpot(engine: Engine, prompt: list[int], max_tokens: int, temperature: float 
     return ((full - first) / (len(tokens) - 1) if len(tokens) > 1 else None), tokens
 
 
-def agent_loop(engine: Engine, work: dict) -> list[float]:
-    """Turns of an agent: each prompt carries the earlier turns' outputs and an observation."""
-    tpots = []
+def agent_loops(engines: dict[str, Engine], work: dict) -> dict[str, list[float]]:
+    """Turns of an agent: each prompt carries the earlier turns' outputs and an observation; each engine keeps
+    its own history (its own outputs), turn by turn in turn."""
+    tpots: dict[str, list[float]] = {name: [] for name in engines}
     for prompt, observations in zip(work["agent_prompts"], work["agent_observations"]):
-        history = list(prompt)
+        history = {name: list(prompt) for name in engines}
         for observation in observations:
-            t, tokens = tpot(engine, history, 64)
-            tpots += [t] if t is not None else []
-            history += tokens + observation
+            for name, engine in engines.items():
+                t, tokens = tpot(engine, history[name], 64)
+                tpots[name] += [t] if t is not None else []
+                history[name] += tokens + observation
     return tpots
 
 
-def run_work(engine: Engine, work: dict) -> dict:
-    """The three batch-1 workloads (mean TPOT in ms), then 64 sampled requests at once (output tok/s)."""
-    row = {"agent_tpot_ms": 1e3 * statistics.mean(agent_loop(engine, work))}
-    tpots = [tpot(engine, p, 96)[0] for p in work["edit_prompts"]]
-    row["edit_tpot_ms"] = 1e3 * statistics.mean(t for t in tpots if t is not None)
-    tpots = [tpot(engine, p, 64, temperature=0.8, seed=3)[0] for p in work["free_prompts"]]
-    row["free_tpot_ms"] = 1e3 * statistics.mean(t for t in tpots if t is not None)
-    start = time.perf_counter()
-    outputs = engine.generate(work["throughput_prompts"], 96, 0.8, 7, True)
-    row["throughput_64"] = sum(map(len, outputs)) / (time.perf_counter() - start)
-    return row
+def run_work(engines: dict[str, Engine], work: dict) -> dict[str, dict]:
+    """The three batch-1 workloads (mean TPOT in ms), then 64 sampled requests at once (output tok/s), for each
+    engine, the engines in turn at every prompt."""
+    rows = {name: {"agent_tpot_ms": 1e3 * statistics.mean(t)} for name, t in agent_loops(engines, work).items()}
+    for key, prompts, max_tokens, temperature, seed in (("edit_tpot_ms", work["edit_prompts"], 96, 0.0, None),
+                                                         ("free_tpot_ms", work["free_prompts"], 64, 0.8, 3)):
+        tpots: dict[str, list[float]] = {name: [] for name in engines}
+        for prompt in prompts:
+            for name, engine in engines.items():
+                t = tpot(engine, prompt, max_tokens, temperature, seed)[0]
+                tpots[name] += [t] if t is not None else []
+        for name in engines:
+            rows[name][key] = 1e3 * statistics.mean(tpots[name])
+    for name, engine in engines.items():
+        start = time.perf_counter()
+        outputs = engine.generate(work["throughput_prompts"], 96, 0.8, 7, True)
+        rows[name]["throughput_64"] = sum(map(len, outputs)) / (time.perf_counter() - start)
+    return rows
