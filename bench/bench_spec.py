@@ -130,17 +130,30 @@ def proposer_cost(num_requests: int = 256, context: int = 1500) -> dict:
 
 
 def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
-    """One engine of `layout` per method, made for this run, all on the work of spec_work.run_work in turn."""
-    llms = {method: LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout]) for method in methods}
-    for llm in llms.values():
+    """One engine of `layout` per method, made for this run, on the work of spec_work.run_work: in one process all
+    at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
+    time) one method after the other."""
+    def start(method: str) -> LLM:
+        llm = LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
         llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
-    for method, llm in llms.items():
+        return llm
+
+    def finish(method: str, llm: LLM, row: dict) -> dict:
         spec = llm.stats()["spec_decode"]
-        rows[method]["acceptance_rate"] = spec and spec["acceptance_rate"]
-        rows[method]["mean_accepted_length"] = spec and spec["mean_accepted_length"]
+        row["acceptance_rate"] = spec and spec["acceptance_rate"]
+        row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
         llm.shutdown()
-    return rows
+        return row
+
+    if LAYOUTS[layout]:
+        rows = {}
+        for method in methods:
+            llm = start(method)
+            rows[method] = finish(method, llm, run_work({method: TorchShiftEngine(llm)}, work)[method])
+        return rows
+    llms = {method: start(method) for method in methods}
+    rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
+    return {method: finish(method, llm, rows[method]) for method, llm in llms.items()}
 
 
 def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
@@ -189,8 +202,8 @@ def main() -> None:
     work = make_work(LLM(compile=False))
     rows = []
     for layout in args.layouts.split(","):
-        # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat) and run
-        # in turn with the others, prompt by prompt (spec_work.run_work); medians over repeats
+        # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), in one
+        # process run in turn with the others prompt by prompt (spec_work.run_work); medians over repeats
         runs: dict[tuple[str, str], list[dict]] = {}
         for repeat in range(args.repeats):
             results = run_methods(layout, args.methods.split(","), work)
