@@ -35,10 +35,9 @@ StepCost = tuple[float, float, float, float]  # (a, c, b, d) of t(R, S, P) = a +
 
 class StepCostFit:
     """t(R, S, P) = a + c R + b S + d P (R requests, S proposed tokens, P checks), fitted by least squares over the
-    last `window`
-    decode-only steps of each range of batch sizes [2^i, 2^(i+1)), with a weak pull of b toward c (a proposed
-    token costs about what a request's token costs: without it, steps that never vary S would leave b
-    undetermined). Fitting each range on its own prices a batch size from steps like it: a fit over batch 1
+    last `window` decode-only steps of each range of batch sizes [2^i, 2^(i+1)), with a weak pull of b toward c
+    (a proposed token costs about what a request's token costs: without it, steps that never vary S would leave
+    b undetermined). Fitting each range on its own prices a batch size from steps like it: a fit over batch 1
     alone cannot tell a from c, and extrapolated to 64 requests it prices their step several times too dear
     (measured: every proposal then looked worth checking)."""
 
