@@ -104,7 +104,8 @@ def run_torch_shift(spec: dict) -> dict:
             "steps_by_layout": stats["steps_by_layout"]}
 
 
-def _run(command: list[str], env: dict, timeout_s: float) -> dict:
+def run_json_process(command: list[str], env: dict, timeout_s: float) -> dict:
+    """Run a peer or engine process and return the last line it printed that starts with '{"engine"', as JSON."""
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in result.stdout.splitlines() if line.startswith('{"engine"')]
     if result.returncode != 0 or not lines:
@@ -115,15 +116,15 @@ def _run(command: list[str], env: dict, timeout_s: float) -> dict:
 def measure_torch_shift(work: dict, engine_args: dict, tmp: Path, timeout_s: float) -> dict:
     spec_path = tmp / "torch_shift_spec.json"
     spec_path.write_text(json.dumps({**work, "engine_args": engine_args}))
-    return _run([sys.executable, str(Path(__file__).resolve()), "--run-torch-shift", str(spec_path)],
-                dict(os.environ), timeout_s)
+    return run_json_process([sys.executable, str(Path(__file__).resolve()), "--run-torch-shift", str(spec_path)],
+                            dict(os.environ), timeout_s)
 
 
 def measure_vllm(vllm_python: str, work: dict, engine_args: dict, binding: str, tmp: Path, timeout_s: float) -> dict:
     spec_path = tmp / "vllm_spec.json"
     spec_path.write_text(json.dumps({**work, **engine_args}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": binding}
-    return _run([vllm_python, str(HERE / "peer_vllm.py"), str(spec_path)], env, timeout_s)
+    return run_json_process([vllm_python, str(HERE / "peer_vllm.py"), str(spec_path)], env, timeout_s)
 
 
 # -- the machine's limits ------------------------------------------------------------------------------------

@@ -25,12 +25,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_peers import run_json_process
 from spec_work import AGENT_TURNS, run_work
 
 from torch_shift import LLM, SamplingParams
@@ -138,7 +138,7 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
         llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         return llm
 
-    def finish(method: str, llm: LLM, row: dict) -> dict:
+    def finish(llm: LLM, row: dict) -> dict:
         spec = llm.stats()["spec_decode"]
         row["acceptance_rate"] = spec and spec["acceptance_rate"]
         row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
@@ -149,11 +149,11 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
         rows = {}
         for method in methods:
             llm = start(method)
-            rows[method] = finish(method, llm, run_work({method: TorchShiftEngine(llm)}, work)[method])
+            rows[method] = finish(llm, run_work({method: TorchShiftEngine(llm)}, work)[method])
         return rows
     llms = {method: start(method) for method in methods}
     rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
-    return {method: finish(method, llm, rows[method]) for method, llm in llms.items()}
+    return {method: finish(llm, rows[method]) for method, llm in llms.items()}
 
 
 def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
@@ -168,12 +168,8 @@ def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200)
                                          "max_model_len": config["max_position_embeddings"],
                                          "speculative_config": METHODS[method], "work": work}))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-        result = subprocess.run([vllm_python, str(Path(__file__).with_name("peer_vllm_spec.py")), str(spec_path)],
-                                env=env, capture_output=True, text=True, timeout=timeout_s)
-    lines = [line for line in result.stdout.splitlines() if line.startswith('{"engine"')]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    row = json.loads(lines[-1])
+        row = run_json_process([vllm_python, str(Path(__file__).with_name("peer_vllm_spec.py")), str(spec_path)],
+                               env, timeout_s)
     row.pop("engine")
     return row
 
