@@ -224,11 +224,17 @@ def test_every_engine_argument_is_a_flag_of_generate_and_serve_with_vllms_names(
     args = parser.parse_args(["generate", "--enforce-eager", "--attention-backend", "sdpa", "--flying-weights", "copy",
                               "--seesaw-weights", "host", "--kv-swap", "async", "x"])
     kwargs = _engine_kwargs(args)
-    assert (kwargs["compile"], kwargs["attention_backend"], kwargs["flying_weights"], kwargs["seesaw_weights"],
-            kwargs["kv_swap"]) == (False, "sdpa", "copy", "host", "async")
-    assert EngineArgs("m", enforce_eager=True).compile is False and EngineArgs("m", enforce_eager=False).compile is None
-    with pytest.raises(ValueError, match="disagree"):
-        EngineArgs("m", enforce_eager=True, compile=True)
+    assert (kwargs["compile"], kwargs["cuda_graphs"], kwargs["attention_backend"], kwargs["flying_weights"],
+            kwargs["seesaw_weights"], kwargs["kv_swap"]) == (False, False, "sdpa", "copy", "host", "async")
+    eager = EngineArgs("m", enforce_eager=True)
+    assert eager.compile is False and eager.cuda_graphs is False
+    not_eager = EngineArgs("m", enforce_eager=False)
+    assert not_eager.compile is None and not_eager.cuda_graphs is None
+    for given in ({"compile": True}, {"cuda_graphs": True}):
+        with pytest.raises(ValueError, match="disagree"):
+            EngineArgs("m", enforce_eager=True, **given)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs one rank on a GPU"):
+        LLM(cuda_graphs=True, device="cpu")
 
 
 def test_token_ids_that_are_not_integers_name_the_flag_before_the_model_loads(capsys, monkeypatch):

@@ -38,6 +38,10 @@ def _generate_rank(rank, world, model_dir, sp, tp, engine_args, random_layouts):
         rng = random.Random(1)
         llm.engine.policy.finalize = lambda layout, n: rng.choice(["base", "shift"])
     outputs = llm.generate(random_prompts(6, PROMPT_LENGTHS), PARAMS, use_tqdm=False)
+    if random_layouts:
+        # more head chunks than KV heads: the replication index is a buffer, which `.to()` moves with the weights
+        # (on a GPU a CPU index in index_select fails)
+        assert llm.engine.model.get_buffer("kv_send_index").device == llm.engine.kv_cache.device
     return outputs, dict(llm.engine.model.layout_counts)
 
 

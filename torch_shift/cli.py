@@ -104,6 +104,15 @@ def engine_options() -> list[tuple[str, dict]]:
     return options
 
 
+class _EnforceEager(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.compile = False
+        namespace.cuda_graphs = False
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     groups = {}
     for name, spec in engine_options():
@@ -113,8 +122,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs = {k: v for k, v in spec.items() if k not in ("flags", "group")}
         group.add_argument(*spec["flags"], **kwargs)
         if name == "compile":  # vLLM's name for running eagerly
-            group.add_argument("--enforce-eager", dest="compile", action="store_false",
-                               help="vLLM's name for --no-compile")
+            group.add_argument("--enforce-eager", dest="compile", action=_EnforceEager,
+                               help="vLLM's: --no-compile --no-cuda-graphs")
         if name == "enable_prefix_caching":  # the name this command line had before
             group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                                help=argparse.SUPPRESS)

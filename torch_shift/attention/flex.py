@@ -21,6 +21,7 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 
 _compiled: dict[str, object] = {}
+_FLEX_BLOCK = 128
 
 
 def compiled_flex_attention(device_type: str):
@@ -33,12 +34,16 @@ def compiled_flex_attention(device_type: str):
 class FlexMetadata:
     slot_mapping: torch.Tensor  # [T] where the step's own k/v are written
     context_slots: torch.Tensor  # [L] cache slots of every sequence's context, sequence after sequence
-    query_seq: torch.Tensor  # [T] index of the query's sequence in the step
+    query_seq: torch.Tensor  # [T, padded to 128] index of the query's sequence in the step (padding: -1)
     query_pos: torch.Tensor  # [T]
-    context_seq: torch.Tensor  # [L]
+    context_seq: torch.Tensor  # [L, padded to 128] (padding: -2)
     context_pos: torch.Tensor  # [L]
     sliding_window: int | None  # the step's window; a layer may ask for its own
     block_masks: dict[int | None, BlockMask] = field(default_factory=dict)
+
+    @property
+    def num_queries(self) -> int:
+        return self.slot_mapping.numel()
 
     def block_mask(self, window: int | None) -> BlockMask:
         """Each query sees its own sequence's earlier positions (within `window`); built once per window."""
@@ -52,9 +57,16 @@ class FlexMetadata:
                     visible = visible & (context_pos[kv_idx] > query_pos[q_idx] - window)
                 return visible
 
-            self.block_masks[window] = create_block_mask(mask_mod, None, None, query_seq.numel(),
-                                                         context_pos.numel(), device=query_seq.device)
+            self.block_masks[window] = create_block_mask(mask_mod, None, None, self.num_queries,
+                                                         self.context_slots.numel(), device=query_seq.device)
         return self.block_masks[window]
+
+
+def _padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+    """`values` padded to a multiple of FlexAttention's block (128) with `fill`: its GPU kernel calls mask_mod on
+    the indices of whole blocks, and an index past the end is a device-side assert."""
+    pad = -values.numel() % _FLEX_BLOCK
+    return torch.cat((values, values.new_full((pad,), fill))) if pad else values
 
 
 def build_flex_metadata(
@@ -66,8 +78,9 @@ def build_flex_metadata(
     context_pos: torch.Tensor,
     sliding_window: int | None,
 ) -> FlexMetadata:
-    metadata = FlexMetadata(slot_mapping, context_slots, query_seq, query_pos, context_seq, context_pos,
-                            sliding_window)
+    # padding queries belong to sequence -1, padding keys to -2: neither sees anything
+    metadata = FlexMetadata(slot_mapping, context_slots, _padded(query_seq, -1), _padded(query_pos, 0),
+                            _padded(context_seq, -2), _padded(context_pos, 0), sliding_window)
     metadata.block_mask(sliding_window)  # the step's own, built with the step's inputs
     return metadata
 

@@ -65,13 +65,15 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _arg("fcfs", "waiting requests in arrival order, or by priority (lower first) then "
                                           "arrival", choices=("fcfs", "priority"))
-    attention_backend: str = _arg("auto", "'auto': the paged CPU kernel on the CPU, else sdpa; cpu, sdpa (gather + "
-                                          "SDPA, any device), flex (vLLM's names too: CPU_ATTN, TORCH_SDPA, "
-                                          "FLEX_ATTENTION)")
+    attention_backend: str = _arg("auto", "'auto': the paged Triton kernel on a GPU, the paged CPU kernel on the "
+                                          "CPU, else sdpa; cpu, sdpa (gather + SDPA, any device), flex, triton "
+                                          "(vLLM's names too: CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION, TRITON_ATTN)")
     compile: bool | None = _arg(None, "torch.compile each layout's forward, compiled and warmed up at start-up "
                                        "(default: on where it is faster: one rank on the CPU with a model of 50M "
                                        "parameters or more; --enforce-eager: vLLM's name for --no-compile)",
                                 flags=("--enforce-eager",))
+    cuda_graphs: bool | None = _arg(None, "capture decode steps in CUDA graphs at start-up (default: on with one "
+                                          "rank on a GPU and the triton attention backend; --enforce-eager: off)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
                                                  "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
@@ -135,8 +137,11 @@ class EngineArgs:
                 raise TypeError(f"enforce_eager must be a bool, got {enforce_eager!r}")
             if enforce_eager and self.compile:
                 raise ValueError("enforce_eager=True and compile=True disagree; give one of them")
+            if enforce_eager and self.cuda_graphs:
+                raise ValueError("enforce_eager=True and cuda_graphs=True disagree; give one of them")
             if enforce_eager:
                 self.compile = False
+                self.cuda_graphs = False
         given = {"tensor_parallel_size": tensor_parallel_size, "ulysses_sequence_parallel_size":
                  ulysses_sequence_parallel_size, "shift_parallel_threshold": shift_parallel_threshold,
                  "data_parallel_size": data_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
@@ -184,8 +189,9 @@ class EngineArgs:
                               ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
-        for name in ("compile", "prepack_weights", "enable_prefix_caching", "enable_expert_parallel"):
-            if not isinstance(getattr(self, name), bool) and not (name == "compile" and self.compile is None):
+        for name in ("compile", "cuda_graphs", "prepack_weights", "enable_prefix_caching", "enable_expert_parallel"):
+            if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs")
+                                                                   and getattr(self, name) is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
                                                  or not isinstance(self.shift_threshold, int)
@@ -225,6 +231,22 @@ class EngineArgs:
         return (deployment.world_size == 1 and torch.device(device).type == "cpu" and compiler() is not None
                 and model_config.num_parameters >= COMPILE_MIN_PARAMETERS)
 
+    def _captures(self, deployment: Deployment) -> bool:
+        """cuda_graphs=None: on wherever they can be (one rank on a GPU, the Triton attention backend)."""
+        from torch_shift.attention import attention_backend
+
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        possible = device.type == "cuda" and deployment.world_size == 1 and len(deployment.layouts) == 1
+        if possible:
+            try:
+                possible = attention_backend(self.attention_backend, device, torch.bfloat16).name == "triton"
+            except ValueError:
+                possible = False
+        if self.cuda_graphs and not possible:
+            raise ValueError("cuda_graphs=True needs one rank on a GPU (device='cuda') with the 'triton' attention "
+                             "backend")
+        return possible if self.cuda_graphs is None else self.cuda_graphs
+
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,
                              dtype: torch.dtype | None = None) -> EngineConfig:
         """The engine's configuration for a model (`dtype`: that of a model already built, which holds)."""
@@ -261,7 +283,8 @@ class EngineArgs:
                                     timeout_s=self.distributed_timeout_s,
                                     interconnect_gbps=self.interconnect_gbps),
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
-                                compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights),
+                                compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights,
+                                cuda_graphs=self._captures(deployment)),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
             speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
@@ -289,6 +312,7 @@ class RunnerConfig:
     attention_backend: str = "auto"
     compile: bool = False
     prepack_weights: bool = True
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)

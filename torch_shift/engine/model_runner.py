@@ -12,13 +12,16 @@ traffic outside the layouts' own collectives and the pipeline's activations).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from torch_shift.attention import attention_backend as make_attention_backend
-from torch_shift.engine.input_batch import InputBatch
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.engine.input_batch import InputBatch, StepInputs
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
@@ -31,10 +34,12 @@ class ModelRunner:
     def __init__(self, model: LayoutModel, kv_cache: KVCache, deployment: Deployment, rank: int, max_rows: int,
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
-                 kv_swap: str = "sync", interconnect_gbps: float | None = None):
+                 kv_swap: str = "sync", interconnect_gbps: float | None = None,
+                 barrier: Callable[[], None] | None = None, cuda_graphs: bool = False):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
-        run `kv_swap` ("sync" or "async"); `interconnect_gbps`: emulate a link of that bandwidth
-        (comm.emulated_link)."""
+        run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
+        `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
+        steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention)."""
         self.model = model
         self.kv_cache = kv_cache
         self.deployment = deployment
@@ -48,12 +53,24 @@ class ModelRunner:
         self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
         self.swapper = None
         if host_tier is not None:
-            barrier = dist.barrier if deployment.world_size > 1 else None
+            assert barrier is not None or deployment.world_size == 1
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
         if compile:
             model.compile_layouts()
             self._warm_up()
+        if self.device.type == "cuda":
+            self._warm_up_attention()
+        self.graphs = None
+        if cuda_graphs:
+            from torch_shift.attention.triton_paged import TritonBackend
+            from torch_shift.engine.cuda_graphs import DecodeGraphs
+
+            (layout,) = deployment.layouts
+            assert isinstance(self.attention, TritonBackend) and layout.kv_width == 1 and self.device.type == "cuda"
+            self.graphs = DecodeGraphs(model, layout, kv_cache, max_rows, max_model_len, sliding_window)
+            self.graphs.capture()
+            model.reset_counters()
 
     def pool_view(self, layout_name: str) -> tuple[KVCache, KVRegion | None]:
         """This rank's pool as `layout_name` views it, and what it holds of the whole KV cache then
@@ -73,16 +90,40 @@ class ModelRunner:
         step of two tokens through each (attention returning zeros; nothing read from or written to the KV
         cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
         is dynamic in the compiled graphs: later steps of any size reuse them."""
+        run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1)
+        self.model.reset_counters()
+
+    def _replays(self, inputs: StepInputs) -> bool:
+        """Whether a captured graph runs this step: decodes only (one token and one logits row per run), no more
+        of them than the largest bucket."""
+        if self.graphs is None:
+            return False
+        batch = inputs.attention
+        return (batch.num_decodes == batch.num_runs == inputs.input_ids.numel() == inputs.logits_indices.numel()
+                and self.graphs.bucket(batch.num_runs) is not None)
+
+    @torch.inference_mode()
+    def _warm_up_attention(self) -> None:
+        """Run the attention kernels (Triton's compile at their first launch, a second or more each) at start-up,
+        not in the first served steps: a step of one decode (a cached token in block 0) and one two-token
+        prompt (block 1) through every layout of this rank, real attention included. Blocks 0 and 1 hold no
+        request yet; what the step writes there is overwritten before anything reads it."""
         device = self.device
-
-        def zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
-            return torch.zeros_like(q)
-
         for layout in self.deployment.layouts_of(self.rank):
-            batch = MicroBatch(torch.zeros(2, dtype=torch.long, device=device), torch.arange(2, device=device),
-                               zero_attention, torch.tensor([1], device=device))
-            self.model.forward_step(layout, [batch])
+            kv, _ = self.pool_view(layout.name)
+            tpb = kv.block_size
+            prompt_block = 1 if kv.num_blocks > 1 else 0
+            batch = AttentionBatch(
+                num_decodes=1, query_start=np.array([0, 1], np.int32), query_len=np.array([1, 2], np.int32),
+                num_computed=np.array([1, 0], np.int32), block_table=np.array([[0], [prompt_block]], np.int32),
+                block_table_rows=np.array([0, 1], np.int32), tokens_per_block=tpb,
+                slot_mapping=torch.tensor([1, prompt_block * tpb, prompt_block * tpb + 1], device=device),
+                positions=torch.tensor([1, 0, 1], device=device), sliding_window=self.batch.sliding_window)
+            step = MicroBatch(torch.zeros(3, dtype=torch.long, device=device), batch.positions,
+                              self.attention.build(batch, kv), torch.tensor([0, 2], device=device))
+            self.model.forward_step(layout, [step])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         self.model.reset_counters()
 
     @torch.inference_mode()
@@ -109,10 +150,15 @@ class ModelRunner:
                 micro_batches = []
                 for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
                     inputs = self.batch.prepare(piece, member, layout.kv_width)
+                    if self._replays(inputs):
+                        break
                     micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
                                                     self.attention.build(inputs.attention, kv),
                                                     inputs.logits_indices))
-                out = self.model.forward_step(layout, micro_batches)
+                if micro_batches:
+                    out = self.model.forward_step(layout, micro_batches)
+                else:
+                    out = self.graphs.replay(inputs)
                 if self.rank == 0:
                     logits[i] = out
                 elif layout.logits_rank == self.rank and group.num_logits:
@@ -125,6 +171,24 @@ class ModelRunner:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
+
+
+def _zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    return torch.zeros_like(q)
+
+
+def run_without_kv(model: LayoutModel, deployment: Deployment, rank: int, device: torch.device, num_tokens: int,
+                   num_logits: int, max_model_len: int | None = None) -> None:
+    """A step of `num_tokens` tokens (`num_logits` of them through the LM head) through every layout of `rank`,
+    attention returning zeros, nothing read from or written to a KV cache: to compile the layouts, or to
+    measure what a step holds on the device. Positions stay below `max_model_len` (the rotary table's length).
+    The ranks of a layout run it together, in the deployment's order of layouts."""
+    for layout in deployment.layouts_of(rank):
+        batch = MicroBatch(torch.zeros(num_tokens, dtype=torch.long, device=device),
+                           torch.arange(num_tokens, device=device) % (max_model_len or num_tokens), _zero_attention,
+                           torch.arange(num_tokens - num_logits, num_tokens, device=device))
+        model.forward_step(layout, [batch])
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.engine.args import EngineConfig
-from torch_shift.engine.model_runner import ModelRunner, StepResult
+from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
 from torch_shift.engine.step_plan import StepPlan
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
@@ -94,7 +94,8 @@ class Worker:
         if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
             runtime = ParallelRuntime.over(config.deployment, model.groups, timeout)
         elif config.deployment.world_size > 1:
-            runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), timeout)
+            runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), timeout,
+                                      _device(config).type)
         try:
             return cls.build(config, runtime, weights, model, host_tier, tier_blocks)
         except BaseException:
@@ -112,7 +113,7 @@ class Worker:
             rank, groups, device = runtime.rank, runtime.groups, runtime.device
         else:
             rank, groups = 0, None
-            device = torch.device(runner_config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            device = _device(config)
         given = model is not None
         if given:
             device = next(model.parameters()).device
@@ -127,7 +128,7 @@ class Worker:
                 reader.close()
         if runner_config.prepack_weights:  # a model the user handed over keeps its dense weights (they may use it)
             model.prepare_weights(drop_dense=not given)
-        num_blocks = _num_kv_blocks(config, model, device)
+        num_blocks = _num_kv_blocks(config, model, device, rank)
         if runtime is not None:  # every pool gets the size of the smallest
             num_blocks = runtime.min_over_ranks(num_blocks)
         kv_cache = KVCache(model.num_kv_layers, num_blocks, config.cache.block_size, model.num_local_kv_heads,
@@ -137,7 +138,8 @@ class Worker:
         runner = ModelRunner(model, kv_cache, config.deployment, rank, config.scheduler.max_num_seqs,
                              config.scheduler.max_model_len, mc.vocab_size, mc.sliding_window,
                              runner_config.attention_backend, runner_config.compile, host_tier,
-                             config.tier.kv_swap, parallel.interconnect_gbps)
+                             config.tier.kv_swap, parallel.interconnect_gbps,
+                             runtime.barrier if runtime is not None else None, runner_config.cuda_graphs)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------
@@ -201,6 +203,11 @@ class Worker:
             self.runner.swapper.close()
 
 
+def _device(config: EngineConfig) -> torch.device:
+    """The device the engine was asked for (default: CUDA where there is a GPU)."""
+    return torch.device(config.runner.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _map_host_tier(config: EngineConfig, runtime: ParallelRuntime, num_blocks: int) -> tuple[int, torch.Tensor]:
     """Under torchrun: the tier as a shared-memory file every rank maps (one host only: the tier is host
     memory)."""
@@ -215,7 +222,32 @@ def _map_host_tier(config: EngineConfig, runtime: ParallelRuntime, num_blocks: i
                                      lambda: runtime.min_over_ranks(0))
 
 
-def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.device) -> int:
+def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.device, rank: int) -> int:
+    """The profiling pass: device memory a step holds beyond the weights, measured on the largest step the
+    scheduler may send (max_num_batched_tokens tokens, a logits row each for up to max_num_seqs of them) and,
+    where decode steps are captured in CUDA graphs, once more for the graphs' own pool (a step of max_num_seqs
+    tokens). Attention is left out: the paged Triton kernel holds no more than its output, the size of q."""
+    sc = config.scheduler
+    num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        run_without_kv(model, config.deployment, rank, device, num_tokens, min(num_tokens, sc.max_num_seqs),
+                       sc.max_model_len)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    if config.runner.cuda_graphs:
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            run_without_kv(model, config.deployment, rank, device, sc.max_num_seqs, sc.max_num_seqs, sc.max_model_len)
+        peak += torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()  # the pass's blocks go back to the device, where mem_get_info sees them free
+    model.reset_counters()
+    return peak
+
+
+def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.device, rank: int) -> int:
     cc, mc, sc = config.cache, config.model, config.scheduler
     if cc.num_kv_blocks is not None:
         return cc.num_kv_blocks
@@ -224,8 +256,9 @@ def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.devic
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
     elif device.type == "cuda":
+        peak = _step_peak_bytes(config, model, device, rank)
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(free - (1.0 - cc.gpu_memory_utilization) * total)
+        budget = int(free - (1.0 - cc.gpu_memory_utilization) * total) - peak
     else:
         # local ranks share the host's memory
         budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(device) // 4) // config.deployment.world_size
@@ -246,7 +279,8 @@ def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.devic
 def _started_rank_main(rank: int, world_size: int, config: EngineConfig, host_tier: torch.Tensor | None) -> None:
     """A rank started by rank 0: build this rank's Worker, serve steps until rank 0 shuts down.
     `host_tier`: the tier rank 0 created in shared memory before starting this rank."""
-    runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), config.parallel.timeout_s)
+    runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), config.parallel.timeout_s,
+                              _device(config).type)
     worker = Worker.build(config, runtime, host_tier=host_tier, tier_blocks=num_tier_blocks(config))
     # This process is the library's own and everything built so far lives as long as it: keep it out of the
     # cyclic collector, whose full passes over torch's objects took ~230 ms every few hundred steps

@@ -191,11 +191,12 @@ def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
 
 
 def write_random_checkpoint(
-    out_dir: str | Path, config: dict[str, Any], seed: int = 0, init_std: float = 0.02
+    out_dir: str | Path, config: dict[str, Any], seed: int = 0, init_std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write `config.json` and a `model.safetensors` of random weights under Hugging Face names (a mixture of
-    experts' as its family writes them: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, Qwen3-MoE's
-    `mlp.experts.N.gate_proj/up_proj/down_proj`)."""
+    """Write `config.json` and a `model.safetensors` of random weights (stored in `dtype`) under Hugging Face
+    names (a mixture of experts' as its family writes them: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`,
+    Qwen3-MoE's `mlp.experts.N.gate_proj/up_proj/down_proj`)."""
     from safetensors.torch import save_file
 
     from torch_shift.config import ModelConfig
@@ -207,16 +208,16 @@ def write_random_checkpoint(
     d, hd = mc.hidden_size, mc.head_dim
 
     def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * init_std
+        return (torch.randn(*shape, generator=g) * init_std).to(dtype)
 
-    tensors = {"model.embed_tokens.weight": normal(mc.vocab_size, d), "model.norm.weight": torch.ones(d)}
+    tensors = {"model.embed_tokens.weight": normal(mc.vocab_size, d), "model.norm.weight": torch.ones(d, dtype=dtype)}
     if not mc.tie_word_embeddings:
         tensors["lm_head.weight"] = normal(mc.vocab_size, d)
     for i in range(mc.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "input_layernorm.weight": torch.ones(d),
-            p + "post_attention_layernorm.weight": torch.ones(d),
+            p + "input_layernorm.weight": torch.ones(d, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(d, dtype=dtype),
             p + "self_attn.q_proj.weight": normal(mc.num_attention_heads * hd, d),
             p + "self_attn.k_proj.weight": normal(mc.num_key_value_heads * hd, d),
             p + "self_attn.v_proj.weight": normal(mc.num_key_value_heads * hd, d),
@@ -242,7 +243,8 @@ def write_random_checkpoint(
                         (("q", mc.num_attention_heads * hd), ("k", mc.num_key_value_heads * hd),
                          ("v", mc.num_key_value_heads * hd))}
         if mc.qk_norm:
-            tensors |= {p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd)}
+            tensors |= {p + "self_attn.q_norm.weight": torch.ones(hd, dtype=dtype),
+                        p + "self_attn.k_norm.weight": torch.ones(hd, dtype=dtype)}
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

@@ -33,10 +33,12 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def default_start_method() -> str:
+def default_start_method(device_type: str = "cpu") -> str:
+    """Fork (fast, shares what rank 0 built) unless the ranks use CUDA or this process already did: a forked
+    child of a process with a CUDA context cannot use CUDA."""
     import torch
 
-    return "spawn" if torch.cuda.is_available() else "fork"
+    return "spawn" if device_type == "cuda" or torch.cuda.is_initialized() else "fork"
 
 
 def _reset_inherited_compile_pool() -> None:

@@ -34,9 +34,12 @@ _holder: ParallelRuntime | None = None
 
 
 class ParallelRuntime:
-    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float):
+    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float, device_type: str = "cpu"):
+        """`device_type`: where the ranks run their models ("cuda": NCCL for the layouts' collectives, one GPU
+        per local rank; "cpu": gloo and shared memory)."""
         world = deployment.world_size
         self._init_state(timeout_s)
+        self.device_type = device_type
         if _holder is not None:
             raise ValueError("another parallel engine of this process still holds the ranks it started; "
                              "call its shutdown() first (one parallel engine per process at a time)")
@@ -92,7 +95,7 @@ class ParallelRuntime:
         rank 0 of local ranks it starts here, with a rendezvous store of its own on the loopback (the
         listening socket exists before the ranks start, so no other process can take the port)."""
         global _holder
-        args: dict[str, Any] = {"backend": "nccl" if torch.cuda.is_available() else "gloo", "timeout": self.timeout}
+        args: dict[str, Any] = {"backend": "nccl" if self.device_type == "cuda" else "gloo", "timeout": self.timeout}
         if args["backend"] == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
@@ -101,7 +104,7 @@ class ParallelRuntime:
             return args
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        method = default_start_method()
+        method = default_start_method(self.device_type)
         # forked ranks run one intra-op thread: a forked child of a process that used several OpenMP
         # threads hangs in its first parallel region (measured here)
         self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
@@ -164,6 +167,11 @@ class ParallelRuntime:
             except Exception as e:
                 raise self.failure(e) from e
         return int(t.item())
+
+    def barrier(self) -> None:
+        """Every rank waits for the others on the control group (CPU, whatever the layouts' backend), within the
+        process group's timeout."""
+        self.min_over_ranks(0)
 
     def failure(self, error: Exception, wait_s: float = 2.0) -> RuntimeError:
         """The error to raise when a collective failed: a started rank's own report when there is one

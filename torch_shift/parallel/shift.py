@@ -263,7 +263,10 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.config = config
         self.shift_threshold = shift_threshold
         self.shift_weights = shift_weights
-        self.kv_send_index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
+        # a buffer, so that `.to()` moves it with the weights (index_select wants it on their device)
+        index = kv_send_index(config.num_key_value_heads, groups.sp, groups.tp, groups.tp_rank)
+        self.register_buffer("kv_send_index", None if index is None else
+                             index.to(base.embed_tokens.weight.device), persistent=False)
         self.reset_counters()  # both layouts' weights are resident: no reshard ever
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads

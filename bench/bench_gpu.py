@@ -1,0 +1,238 @@
+"""torch_shift on one GPU, against the GPU's own limits and against transformers (not a test).
+
+A random Llama of 1.1B parameters in bf16 (hidden 2048, 16 layers, 32 heads / 8 KV heads of 64, MLP 8192,
+vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) and bf16 GEMM rate:
+- decode TPOT at batch 1, 8 and 64 against the bytes a step must read (weights + KV) / bandwidth;
+- the prefill of one 2,048-token prompt against the GEMM rate (MFU);
+- offline throughput (256 requests of 128-512 prompt tokens, 128 new tokens each) against
+  `transformers.generate` at its best batch size;
+for each engine configuration given (default: Triton attention with CUDA graphs, the same eager, SDPA eager).
+
+    python bench/bench_gpu.py --out gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+             dtype="bfloat16")
+CONFIGS = {
+    "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True},
+    "triton eager": {"attention_backend": "triton", "cuda_graphs": False},
+    "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False},
+}
+DECODE_BATCHES = (1, 8, 64)
+DECODE_PROMPT, DECODE_STEPS = 128, 64
+PREFILL_TOKENS = 2048
+OFFLINE_REQUESTS, OFFLINE_NEW = 256, 128
+HF_BATCHES = (64, 128, 256)
+
+
+def log(message: str) -> None:
+    print(f"[bench_gpu] {message}", file=sys.stderr, flush=True)
+
+
+def cuda_seconds(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def machine_limits() -> dict:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    copy_s = cuda_seconds(lambda: y.copy_(x), 20)
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda",
+                                                                                dtype=torch.bfloat16)
+    gemm_s = cuda_seconds(lambda: a @ b, 10)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "hbm_bytes_per_s": 2 * (1 << 30) / copy_s, "bf16_flop_per_s": 2 * n ** 3 / gemm_s}
+
+
+def model_numbers(config) -> dict:
+    h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    matmul = layers * per_layer + vocab * h  # the LM head, not the embedding (a gather)
+    return {"parameters": matmul + vocab * h, "matmul_parameters": matmul, "weight_bytes": 2 * (matmul + 2 * h),
+            "kv_bytes_per_token": 2 * 2 * layers * kv}
+
+
+def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline) -> dict:
+    from torch_shift import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=PREFILL_TOKENS,
+              max_num_seqs=256, enable_prefix_caching=False, seed=0, **engine_args)
+    result: dict = {"start_s": time.perf_counter() - started}
+    vocab = llm.engine.model_config.vocab_size
+
+    def timed(prompts, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    for batch in DECODE_BATCHES:
+        prompts = prompts_of([DECODE_PROMPT] * batch, vocab, batch)
+        timed(prompts, 4)  # warm-up
+        first = min(timed(prompts, 1)[0] for _ in range(3))
+        full = min(timed(prompts, DECODE_STEPS + 1)[0] for _ in range(3))
+        tpot = (full - first) / DECODE_STEPS
+        context = DECODE_PROMPT + DECODE_STEPS / 2
+        step_bytes = numbers["weight_bytes"] + batch * context * numbers["kv_bytes_per_token"]
+        result[f"tpot_b{batch}_s"] = tpot
+        result[f"roofline_b{batch}"] = step_bytes / limits["hbm_bytes_per_s"] / tpot
+    prompt = prompts_of([PREFILL_TOKENS - 1], vocab, 7)
+    timed(prompt, 1)
+    prefill_s = min(timed(prompt, 1)[0] for _ in range(3))
+    cfg = llm.engine.model_config
+    n = PREFILL_TOKENS - 1
+    attention_flop = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n / 2
+    flop = 2 * numbers["matmul_parameters"] * n + attention_flop
+    result["prefill_s"] = prefill_s
+    result["prefill_mfu"] = flop / prefill_s / limits["bf16_flop_per_s"]
+    timed(offline["prompts"][:16], 8)  # warm-up
+    offline_s, outs = timed(offline["prompts"], OFFLINE_NEW)
+    result["offline_s"] = offline_s
+    result["offline_tok_per_s"] = OFFLINE_REQUESTS * OFFLINE_NEW / offline_s
+    result["offline_token_ids"] = [list(o.outputs[0].token_ids) for o in outs[:16]]
+    result["steps_by_layout"] = llm.stats()["steps_by_layout"]
+    llm.shutdown()
+    return result
+
+
+def measure_transformers(model_dir: Path, offline, batches: list[int]) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    result = {}
+    prompts = offline["prompts"]
+    for batch in batches:
+        start = time.perf_counter()
+        tokens = []
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=OFFLINE_NEW,
+                                     min_new_tokens=OFFLINE_NEW, do_sample=False, pad_token_id=0)
+            tokens += out[:, width:].tolist()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        result[f"b{batch}_tok_per_s"] = len(prompts) * OFFLINE_NEW / seconds
+        result.setdefault("token_ids", tokens[:16])
+        log(f"transformers batch {batch}: {result[f'b{batch}_tok_per_s']:.0f} tok/s")
+    result["best_tok_per_s"] = max(v for k, v in result.items() if k.endswith("_tok_per_s"))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """The mean number of leading tokens two runs' outputs share."""
+    lengths = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        lengths.append(n)
+    return sum(lengths) / max(1, len(lengths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    parser.add_argument("--hf-batches", default=",".join(map(str, HF_BATCHES)),
+                        help="transformers.generate's batch sizes tried (empty: not run)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py needs a CUDA GPU")
+    from torch_shift.config import ModelConfig
+    from torch_shift.models.toy import build_tokenizer, tiny_llama_config, write_random_checkpoint
+
+    limits = machine_limits()
+    torch.cuda.empty_cache()
+    log(f"{limits['gpu']}: HBM {limits['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
+        f"{limits['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    report: dict = {"limits": limits, "model": MODEL, "engines": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "llama-1b"
+        config = tiny_llama_config(**MODEL)
+        write_random_checkpoint(model_dir, config, init_std=0.02, dtype=torch.bfloat16)
+        build_tokenizer(model_dir, vocab_size=MODEL["vocab_size"])
+        numbers = model_numbers(ModelConfig.from_hf_dict(config))
+        report["numbers"] = numbers
+        rng = random.Random(0)
+        offline = {"prompts": prompts_of([rng.randint(128, 512) for _ in range(OFFLINE_REQUESTS)],
+                                         MODEL["vocab_size"], 1)}
+        for name in args.configs.split(","):
+            log(f"torch_shift {name}")
+            try:
+                report["engines"][name] = measure_engine(model_dir, CONFIGS[name], numbers, limits, offline)
+            except Exception:  # the other configurations still run; the failure is printed whole
+                traceback.print_exc()
+                continue
+            finally:  # the engine's memory back before the next one sizes its KV cache
+                gc.collect()
+                torch.cuda.empty_cache()
+            log(json.dumps({k: v for k, v in report["engines"][name].items() if k != "offline_token_ids"}))
+        if args.hf_batches:
+            report["transformers"] = measure_transformers(model_dir, offline,
+                                                          [int(b) for b in args.hf_batches.split(",")])
+    hf = report.get("transformers", {}).get("best_tok_per_s")
+    print(f"{limits['gpu']}, torch {limits['torch']}: HBM {limits['hbm_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 GEMM {limits['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s; model {numbers['parameters'] / 1e9:.2f}B")
+    header = ["config", "start s"] + [f"TPOT b{b} ms (roofline)" for b in DECODE_BATCHES] + [
+        "prefill 2k ms (MFU)", "offline tok/s (x transformers)"]
+    print(" | ".join(header))
+    for name, r in report["engines"].items():
+        cells = [name, f"{r['start_s']:.1f}"]
+        cells += [f"{r[f'tpot_b{b}_s'] * 1e3:.2f} ({r[f'roofline_b{b}']:.2f})" for b in DECODE_BATCHES]
+        cells.append(f"{r['prefill_s'] * 1e3:.1f} ({r['prefill_mfu']:.2f})")
+        ratio = f" ({r['offline_tok_per_s'] / hf:.2f}x)" if hf else ""
+        cells.append(f"{r['offline_tok_per_s']:.0f}{ratio}")
+        print(" | ".join(cells))
+        if "transformers" in report:  # bf16 on random weights: greedy paths part where two logits tie closely
+            ours, theirs = r["offline_token_ids"], report["transformers"]["token_ids"]
+            print(f"  greedy tokens equal to transformers' up to where they part: {common_prefix(ours, theirs):.0f} "
+                  f"of {OFFLINE_NEW} on average over {len(ours)} requests")
+    if hf:
+        print(f"transformers.generate: {hf:.0f} tok/s at its best batch size "
+              f"({', '.join(f'{k}: {v:.0f}' for k, v in report['transformers'].items() if k.endswith('tok_per_s'))})")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

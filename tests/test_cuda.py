@@ -1,0 +1,106 @@
+"""The engine on a GPU against transformers on the same GPU: every attention backend, CUDA graphs on and off,
+fp32 token-identical and bf16 within its rounding; the KV cache sized by the profiling pass. Skipped without
+a GPU (CI has none: these run on a lent GPU machine, see docs/performance.md)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from torch_shift import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0)
+ENGINES = {
+    "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True},
+    "triton": {"attention_backend": "triton", "cuda_graphs": False},
+    "sdpa": {"attention_backend": "sdpa"},
+    "flex": {"attention_backend": "flex"},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_fp32_greedy_matches_transformers_on_the_gpu(checkpoints, family, engine):
+    hf_model, model_dir = checkpoints(family)
+    hf_model = hf_model.to("cuda")
+    try:
+        prompts = random_prompts(8, PROMPT_LENGTHS)
+        refs = [hf_greedy_cuda(hf_model, p, MAX_TOKENS) for p in prompts]
+    finally:
+        hf_model.to("cpu")
+    # chunked prompts mixed with decodes, and a pool small enough to preempt
+    llm = LLM(str(model_dir), device="cuda", max_num_batched_tokens=16, num_kv_blocks=24, block_size=4,
+              max_model_len=96, **ENGINES[engine])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    engine_ = llm.engine
+    assert engine_.block_manager.num_free_blocks == engine_.block_manager.num_blocks
+    if engine == "triton+graphs":
+        assert llm.engine.runner.graphs is not None
+
+
+def hf_greedy_cuda(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=3)
+    return out[0, len(prompt):].tolist()
+
+
+def test_bf16_logprobs_match_transformers_on_the_gpu(checkpoints):
+    """bf16 at its rounding: the engine's prompt logprobs against transformers' bf16 forward on the same GPU."""
+    hf_model, model_dir = checkpoints("llama")
+    model = hf_model.to("cuda", torch.bfloat16)
+    try:
+        prompt = random_prompts(1, [40])[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].float(), -1).cpu()
+    finally:
+        hf_model.to("cpu", torch.float32)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=16)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+                       use_tqdm=False)[0]
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    # bf16 keeps 8 bits: a logprob near -20 is rounded in steps of 0.125 (measured on an H100: up to 0.24 apart)
+    assert ((got - want).abs() <= 0.05 + 0.02 * want.abs()).all(), (got - want).abs().max()
+
+
+def test_cuda_graphs_replay_decode_steps_and_match_eager(llama):
+    _, model_dir = llama
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    engines = [LLM(str(model_dir), device="cuda", cuda_graphs=graphs, gpu_memory_utilization=0.3)
+               for graphs in (True, False)]
+    got, want = (llm.generate(prompts, params, use_tqdm=False) for llm in engines)
+    assert engines[0].engine.runner.graphs.num_replays >= MAX_TOKENS - 1
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert max(abs(lg[t].logprob - lw[t].logprob) for t in lw) < 1e-5
+
+
+def test_kv_cache_is_sized_by_the_profiling_pass(llama):
+    _, model_dir = llama
+    total = torch.cuda.get_device_properties(0).total_memory
+    gc.collect()  # the engines of earlier tests
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.3, max_model_len=256)
+    llm.generate(random_prompts(4, [200] * 4), SamplingParams(max_tokens=8), use_tqdm=False)
+    # everything this process holds on the device (weights, KV, graphs, the steps' peak) within the share
+    assert torch.cuda.max_memory_reserved() <= 0.3 * total
+    assert llm.engine.kv_cache.device.type == "cuda"
+
+
+def test_default_engine_on_a_gpu_is_triton_with_graphs(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir), gpu_memory_utilization=0.3)
+    assert llm.engine.runner.attention.name == "triton" and llm.engine.runner.graphs is not None
+    with pytest.raises(ValueError, match="cuda_graphs=True needs one rank on a GPU"):
+        LLM(str(model_dir), cuda_graphs=True, attention_backend="sdpa")

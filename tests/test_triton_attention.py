@@ -1,0 +1,132 @@
+"""The paged Triton attention (backend "triton") against the float64 reference of test_attention_backends, and
+in the engine against the SDPA backend: on a GPU natively, on the CPU in Triton's interpreter (a subprocess
+with TRITON_INTERPRET=1, which must be set before triton is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+# (heads, kv_heads, head_dim, block_size): GQA groups of 4, 1, 2, 4 and 1, head dims not a power of two
+SHAPES = [(8, 2, 16, 4), (4, 4, 64, 16), (6, 3, 16, 16), (4, 1, 8, 32), (8, 8, 80, 16)]
+
+
+def on_device(cache, batch, device):
+    """A step of make_step (built on the CPU) with its cache and tensors on `device`."""
+    from torch_shift.kv.cache import KVCache
+
+    moved = KVCache.__new__(KVCache)
+    moved._init(cache.k_store.to(device), cache.v_all.to(device))
+    return moved, replace(batch, slot_mapping=batch.slot_mapping.to(device), positions=batch.positions.to(device))
+
+
+def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
+    from test_attention_backends import RUNS, TOLERANCE, make_step
+
+    from torch_shift.attention import attention_backend
+    from torch_shift.attention.triton_paged import write_kv
+
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    cases = [(shape, window, None) for shape in SHAPES for window in (None, 9)] + [((8, 2, 16, 4), 9, sinks)]
+    for dtype in dtypes:
+        for (heads, kv_heads, head_dim, block_size), window, sink in cases:
+            cache, batch, q, k, v, reference = make_step(RUNS, heads, kv_heads, head_dim, block_size, dtype, window,
+                                                         num_layers=2, sinks=sink)
+            cache, batch = on_device(cache, batch, device)
+            q, k, v = q.to(device), k.to(device), v.to(device)
+            attention = attention_backend("triton", torch.device(device), dtype).build(batch, cache)
+            out = attention(1, q, k, v, None if sink is None else sink.to(device), window)
+            assert out.dtype == dtype and out.shape == q.shape
+            error = (out.double().cpu() - reference).abs().max()
+            bound = TOLERANCE[dtype] * (4 if sink is not None else 1) * max(1.0, reference.abs().max())
+            assert error < bound, (dtype, heads, kv_heads, head_dim, block_size, window, error)
+            # the step's own keys and values are in their slots for the next step
+            blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+            assert torch.equal(cache.k[1][blocks, offsets], k) and torch.equal(cache.v[1][blocks, offsets], v)
+    # a slot of -1 (a CUDA graph's padding row) writes nothing
+    cache, batch, q, k, v, _ = make_step(RUNS, 8, 2, 16, 4, torch.float32, num_layers=1)
+    cache, batch = on_device(cache, batch, device)
+    before = cache.k_store.clone(), cache.v_all.clone()
+    write_kv(cache, 0, torch.full_like(batch.slot_mapping, -1), k.to(device), v.to(device))
+    assert torch.equal(cache.k_store, before[0]) and torch.equal(cache.v_all, before[1])
+
+
+def check_engine(device: str, model_dir: str) -> None:
+    """Greedy tokens with the Triton backend equal the SDPA backend's, chunked prompts and preemption included."""
+    from conftest import random_prompts
+
+    from torch_shift import LLM, SamplingParams
+
+    prompts = random_prompts(6, [3, 17, 40, 1, 9, 33])
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    args = {"device": device, "max_num_batched_tokens": 24, "num_kv_blocks": 40, "block_size": 4,
+            "max_model_len": 96}
+    outputs = {}
+    for name, backend in (("sdpa", "sdpa"), ("triton", "triton"), ("static", "triton")):
+        llm = LLM(model_dir, attention_backend=backend, **args)
+        if name == "triton" and device == "cpu":  # the start-up step a GPU runs (blocks 0 and 1 written, then reused)
+            llm.engine.runner._warm_up_attention()
+        if name == "static":  # decode steps through the CUDA graphs' static inputs (run eagerly where not captured)
+            from torch_shift.engine.cuda_graphs import DecodeGraphs
+
+            runner = llm.engine.runner
+            if device == "cpu":
+                (layout,) = runner.deployment.layouts
+                runner.graphs = DecodeGraphs(runner.model, layout, runner.kv_cache, 8, 96, None)
+                runner.graphs.buckets = [2, 4, 8]  # steps of 1-8 decodes, padded
+            assert runner.graphs is not None
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if name == "static":
+            assert llm.engine.runner.graphs.num_replays >= params.max_tokens - 1
+    assert outputs["triton"] == outputs["sdpa"] == outputs["static"]
+
+
+def _interpreted(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def test_triton_kernel_matches_the_reference():
+    if torch.cuda.is_available():
+        check_kernel("cuda", [torch.float32, torch.bfloat16, torch.float16])
+    else:
+        _interpreted("import torch, test_triton_attention as t; t.check_kernel('cpu', [torch.float32, torch.bfloat16])")
+
+
+@pytest.mark.slow
+def test_triton_backend_in_the_engine_matches_sdpa(llama):
+    _, model_dir = llama
+    if torch.cuda.is_available():
+        check_engine("cuda", str(model_dir))
+    else:
+        _interpreted(f"import test_triton_attention as t; t.check_engine('cpu', {str(model_dir)!r})")
+
+
+def test_metadata_slices_start_16_byte_aligned():
+    """Triton compiles a kernel per alignment of each pointer argument: the step's metadata, slices of one buffer,
+    must all start aligned, whatever the number of runs, or serving compiles new kernels step after step."""
+    import numpy as np
+
+    from torch_shift.attention.triton_paged import _to_device
+    from torch_shift.engine.input_batch import _to_device as inputs_to_device
+
+    for sizes in ([1, 3, 5], [7, 2, 9, 1], [4, 4]):
+        parts = [np.arange(n, dtype=np.int32) + 10 * i for i, n in enumerate(sizes)]
+        tensors = _to_device(parts, torch.device("cpu"))
+        assert [t.tolist() for t in tensors] == [p.tolist() for p in parts]
+        assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    if torch.cuda.is_available():
+        tensors = inputs_to_device([np.arange(3), np.arange(5), np.arange(1)], torch.device("cuda"))
+        assert [t.tolist() for t in tensors] == [[0, 1, 2], [0, 1, 2, 3, 4], [0]]
+        assert all(t.data_ptr() % 16 == 0 for t in tensors)

@@ -1,0 +1,268 @@
+"""Paged attention in Triton (backend "triton"): the GPU path, for decode tokens and prompt chunks alike.
+
+Each program takes a tile of one run's queries (BLOCK_T consecutive tokens) times the GROUP query heads
+of one KV head, and walks that run's context BLOCK_N keys at a time through its block table with an
+online softmax (FlashAttention's recurrence), so every key and value is read once per tile and no
+context is gathered or padded. Keys are stored dim-major per block (`KVCache.k_store`), which is the
+K^T tile the score product wants. Decode runs (one token) go in a launch of BLOCK_T = 1, whose grid is
+fixed by the number of decode rows: what a CUDA graph of a decode step captures. The step's K/V are
+written into their slots by a kernel of their own (slots < 0 skipped: a captured graph's padding rows).
+
+On the CPU the same kernels run in Triton's interpreter, when TRITON_INTERPRET=1 was set before triton was
+imported (tests only: it is slow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from torch_shift.attention.backend import AttentionBatch
+from torch_shift.kv.cache import KVCache
+
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_N = 64
+PREFILL_ROWS = 64  # query rows (tokens x heads of one KV head) per prefill tile
+
+
+# an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
+# divisibility of an integer by 16 and per value 1): a step would otherwise compile anew while serving
+@triton.jit(do_not_specialize=["sm_scale", "window", "stride_bt"])
+def _paged_attention(
+    out_ptr, q_ptr, k_ptr, v_ptr, sinks_ptr,
+    block_table_ptr, tile_run_ptr, tile_first_ptr, query_start_ptr, query_len_ptr, num_computed_ptr,
+    sm_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kh, stride_kd, stride_kn,
+    stride_vb, stride_vn, stride_vh,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    run = tl.load(tile_run_ptr + tile)
+    first = tl.load(tile_first_ptr + tile)  # the tile's first query, counted within its run
+    q_start = tl.load(query_start_ptr + run)
+    q_len = tl.load(query_len_ptr + run)
+    done = tl.load(num_computed_ptr + run)
+
+    rows = tl.arange(0, BLOCK_M)  # row = token * GROUP + head within the group
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    valid = (rows < BLOCK_T * GROUP) & (token < q_len)
+    position = done + token
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=valid[:, None] & dim_ok[None, :], other=0.0)
+
+    last_token = tl.minimum(first + BLOCK_T, q_len)  # keys [lo, hi) are visible to some row of the tile
+    hi = done + last_token
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(done + first - window + 1, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    row_table = block_table_ptr + run * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        block = tl.load(row_table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offset = keys % BLOCK_SIZE
+        k_t = tl.load(k_ptr + block[None, :] * stride_kb + kv_head * stride_kh + dims[:, None] * stride_kd
+                      + offset[None, :] * stride_kn, mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
+        if DOT_FP32:
+            scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision=PRECISION) * sm_scale
+        else:
+            scores = tl.dot(q, k_t, input_precision=PRECISION) * sm_scale
+        visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > position[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vn + kv_head * stride_vh
+                    + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if HAS_SINKS:  # a sink logit per head beside the keys: in the denominator only
+        sink = tl.load(sinks_ptr + head, mask=valid, other=0.0).to(tl.float32)
+        l_i = l_i + tl.exp(sink - m_i)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _write_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckb, stride_ckh, stride_ckd, stride_ckn,
+    stride_cvb, stride_cvn, stride_cvh,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, HEADS_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        ok = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=ok)
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=ok)
+        tl.store(k_cache_ptr + block * stride_ckb + heads[:, None] * stride_ckh + dims[None, :] * stride_ckd
+                 + offset * stride_ckn, k, mask=ok)
+        tl.store(v_cache_ptr + block * stride_cvb + offset * stride_cvn + heads[:, None] * stride_cvh
+                 + dims[None, :], v, mask=ok)
+
+
+def _launcher(kernel, device: torch.device):
+    """The kernel compiled for the GPU, or run by Triton's interpreter for CPU tensors."""
+    if device.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(kernel.fn)
+    return kernel
+
+
+@dataclass
+class TritonMetadata:
+    """A step's attention inputs on the device, copied in one transfer: per run its first row in the step, its
+    query count, its cached tokens and its row of the block table; and the tiles of each launch."""
+
+    slot_mapping: torch.Tensor  # [T]
+    block_table: torch.Tensor  # int32 [R, max_blocks]: the runs' rows of the block table, in run order
+    query_start: torch.Tensor  # int32 [R]
+    query_len: torch.Tensor  # int32 [R]
+    num_computed: torch.Tensor  # int32 [R]
+    decode_tiles: tuple[torch.Tensor, torch.Tensor] | None  # (run, first query) per tile of the decode launch
+    prefill_query_len: np.ndarray  # the prompt runs' query counts (runs num_decodes.. in order)
+    sliding_window: int | None
+    prefill_tiles: dict[int, tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.query_len.numel() - len(self.prefill_query_len)
+
+    def prefill_tiles_of(self, group: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+        """The prefill launch's tiles for `group` query heads per KV head (PREFILL_ROWS rows a tile), and its
+        tokens per tile; built when the first layer asks."""
+        if group not in self.prefill_tiles:
+            block_t = max(1, PREFILL_ROWS // group)
+            tiles = None
+            if len(self.prefill_query_len):
+                tiles_per_run = -(-self.prefill_query_len.astype(np.int64) // block_t)
+                run = np.repeat(np.arange(self.num_decodes, self.query_len.numel()), tiles_per_run)
+                first = (np.arange(len(run)) - np.repeat(np.cumsum(tiles_per_run) - tiles_per_run,
+                                                          tiles_per_run)) * block_t
+                tiles = tuple(_to_device([run, first], self.query_len.device))
+            self.prefill_tiles[group] = (tiles, block_t)
+        return self.prefill_tiles[group]
+
+
+def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int32 arrays on `device` through one (pinned, asynchronous) copy, each starting 16-byte aligned: Triton
+    compiles a kernel per alignment of its pointer arguments, and unaligned slices of one buffer made new
+    alignments from step to step (a compile of a second or more, while serving)."""
+    sizes = [p.size for p in parts]
+    padded = [-(-n // 4) * 4 for n in sizes]
+    flat = np.zeros(sum(padded), np.int32)
+    for part, start in zip(parts, np.cumsum([0] + padded[:-1])):
+        flat[start: start + part.size] = part.reshape(-1)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return [t[:n] for t, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]
+
+
+def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
+    runs, nd = batch.num_runs, batch.num_decodes
+    context = batch.num_computed.astype(np.int64) + batch.query_len
+    max_blocks = max(1, int(-(-context.max() // batch.tokens_per_block))) if runs else 1
+    table = batch.block_table[batch.block_table_rows, :max_blocks]
+    flat = _to_device([table.reshape(-1), batch.query_start, batch.query_len, batch.num_computed, np.arange(nd),
+                       np.zeros(nd)], batch.device)
+    return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
+                          (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window)
+
+
+def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k/v [T, kv_heads, head_dim] into their slots of `layer_idx` (slots < 0: skipped)."""
+    num_tokens, heads, dim = k.shape
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache.k_store[:, layer_idx], kv_cache.v_all[:, layer_idx]
+    assert k.stride(2) == v.stride(2) == 1 and v_cache.stride(3) == 1
+    _launcher(_write_kv, k.device)[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride(), *v_cache.stride()[:3], BLOCK_SIZE=kv_cache.block_size, NUM_HEADS=heads, HEAD_DIM=dim,
+        HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM_PAD=triton.next_power_of_2(dim))
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer_idx: int, md: TritonMetadata,
+                    sinks: torch.Tensor | None, window: int | None) -> None:
+    """out[t] = attention of query row t over its run's context in `kv_cache` (written already)."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    k_cache, v_cache = kv_cache.k_store[:, layer_idx], kv_cache.v_all[:, layer_idx]
+    assert q.stride(2) == 1 and out.stride(2) == 1 and v_cache.stride(3) == 1
+    launch = _launcher(_paged_attention, q.device)
+    common = dict(BLOCK_SIZE=kv_cache.block_size, GROUP=group, HEAD_DIM=dim,
+                  HEAD_DIM_PAD=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
+                  HAS_SINKS=sinks is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  # Triton's interpreter (the CPU) multiplies 16-bit tiles wrongly: the same rounding in float32
+                  DOT_FP32=q.device.type == "cpu")
+    for tiles, block_t, block_n in ((md.decode_tiles, 1, DECODE_BLOCK_N),
+                                    (*md.prefill_tiles_of(group), PREFILL_BLOCK_N)):
+        if tiles is None:
+            continue
+        tile_run, tile_first = tiles
+        launch[(tile_run.numel(), num_kv_heads)](
+            out, q, k_cache, v_cache, sinks if sinks is not None else q, md.block_table, tile_run, tile_first,
+            md.query_start, md.query_len, md.num_computed, 1.0 / math.sqrt(dim), window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(), *v_cache.stride()[:3],
+            md.block_table.stride(0), BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)),
+            BLOCK_N=block_n, **common)
+
+
+class TritonBackend:
+    name = "triton"
+
+    def build(self, batch: AttentionBatch, kv_cache: KVCache) -> TritonPagedAttention:
+        return TritonPagedAttention(kv_cache, build_triton_metadata(batch))
+
+
+class TritonPagedAttention:
+    """The model's `attention(layer_idx, q, k, v, sinks, sliding_window)` for one step, in Triton."""
+
+    def __init__(self, kv_cache: KVCache, metadata: TritonMetadata):
+        self.kv_cache = kv_cache
+        self.metadata = metadata
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+        md = self.metadata
+        window = md.sliding_window if sliding_window is None else sliding_window
+        write_kv(self.kv_cache, layer_idx, md.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        paged_attention(out, q.contiguous() if q.stride(2) != 1 else q, self.kv_cache, layer_idx, md, sinks,
+                        window)
+        return out

@@ -1,0 +1,125 @@
+"""CUDA graphs of decode steps: one graph per batch-size bucket, captured at start-up, replayed for every step
+whose runs are all single decode tokens (vLLM's piecewise-free "full" decode graphs).
+
+A decode step of a small batch on a GPU is bound by launching its few hundred kernels, not by reading the
+weights; a graph launches them all at once. A graph replays fixed addresses and a fixed grid, so every
+input lives in a static buffer: token ids, positions and slots (copied on the device from the step's
+inputs), and the Triton attention's per-run metadata (query counts, cached tokens, block-table rows),
+staged in pinned host memory and copied in one transfer. A bucket of b rows serves steps of up to b
+decodes; its padding rows have no query (attention skips them) and slot -1 (their K/V are not written),
+and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention
+from torch_shift.engine.input_batch import StepInputs
+from torch_shift.kv.cache import KVCache
+from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
+from torch_shift.parallel.layouts import Layout
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    return sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    def __init__(self, model: LayoutModel, layout: Layout, kv_cache: KVCache, max_num_seqs: int,
+                 max_model_len: int, sliding_window: int | None):
+        device = kv_cache.device
+        self.model, self.layout, self.kv_cache = model, layout, kv_cache
+        self.sliding_window = sliding_window
+        self.buckets = graph_buckets(max_num_seqs)
+        n = self.max_rows = self.buckets[-1]
+        self.max_blocks = math.ceil(max_model_len / kv_cache.block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.logits_indices = torch.arange(n, device=device)
+        # query counts | cached tokens | block-table rows (max_blocks each): one copy per step
+        self.metadata = torch.zeros(2 * n + n * self.max_blocks, dtype=torch.int32, device=device)
+        self.staging = torch.zeros(self.metadata.numel(), dtype=torch.int32)
+        self._staged = None  # the last copy out of `staging` was done (CUDA)
+        if device.type == "cuda":
+            self.staging = self.staging.pin_memory()
+            self._staged = torch.cuda.Event()
+        self.query_start = torch.arange(n, dtype=torch.int32, device=device)
+        self.tile_first = torch.zeros(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0  # steps run through the static inputs
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        n, mb = self.max_rows, self.max_blocks
+        metadata = TritonMetadata(
+            slot_mapping=self.slot_mapping[:rows],
+            block_table=self.metadata[2 * n: 2 * n + rows * mb].view(rows, mb),
+            query_start=self.query_start[:rows], query_len=self.metadata[:rows],
+            num_computed=self.metadata[n: n + rows], decode_tiles=(self.query_start[:rows], self.tile_first[:rows]),
+            prefill_query_len=np.zeros(0, np.int32), sliding_window=self.sliding_window)
+        batch = MicroBatch(self.input_ids[:rows], self.positions[:rows],
+                           TritonPagedAttention(self.kv_cache, metadata), self.logits_indices[:rows])
+        return self.model.forward_step(self.layout, [batch])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        assert self.kv_cache.device.type == "cuda"
+        """Capture every bucket, largest first, in one memory pool. The static inputs hold no query (query counts
+        0, slots -1): the warm-up run before each capture (which compiles the Triton kernels outside it) and
+        the captured run touch no KV block."""
+        pool = torch.cuda.graph_pool_handle()
+        for rows in reversed(self.buckets):
+            self._forward(rows)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[rows] = self._forward(rows)
+            self.graphs[rows] = graph
+        torch.cuda.synchronize()
+
+    def bucket(self, num_rows: int) -> int | None:
+        """The smallest bucket of at least `num_rows` rows (None: more rows than the largest)."""
+        for rows in self.buckets:
+            if rows >= num_rows:
+                return rows
+        return None
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """The logits [num_decodes, vocab] of a step of decodes only (one token and one logits row per run)."""
+        batch = inputs.attention
+        num_rows = batch.num_runs
+        rows = self.bucket(num_rows)
+        assert rows is not None and batch.num_decodes == num_rows == inputs.input_ids.numel()
+        n, mb = self.max_rows, self.max_blocks
+        context = int(batch.num_computed.max()) + 1
+        used = -(-context // batch.tokens_per_block)
+        if self._staged is not None:
+            self._staged.synchronize()
+        host = self.staging.numpy()
+        host[:rows] = 0
+        host[:num_rows] = 1
+        host[n: n + rows] = 0
+        host[n: n + num_rows] = batch.num_computed
+        table = host[2 * n: 2 * n + rows * mb].reshape(rows, mb)
+        table[:num_rows, :used] = batch.block_table[batch.block_table_rows, :used]
+        size = 2 * n + rows * mb
+        self.metadata[:size].copy_(self.staging[:size], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        self.input_ids[:num_rows].copy_(inputs.input_ids)
+        self.positions[:num_rows].copy_(inputs.positions)
+        self.slot_mapping[:num_rows].copy_(batch.slot_mapping)
+        self.slot_mapping[num_rows:rows].fill_(-1)
+        self.num_replays += 1
+        if rows not in self.graphs:  # not captured (the CPU, in tests): the same static inputs, run eagerly
+            return self._forward(rows)[:num_rows].clone()
+        self.graphs[rows].replay()
+        self.model.layout_counts[self.layout.name] += 1
+        return self.logits[rows][:num_rows].clone()
