@@ -639,6 +639,54 @@ def test_a_check_that_costs_more_than_its_tokens_leaves_unlikely_proposals_unche
     assert tokens_that_pay([0.1, 0.8], [4, 4], 1, dear_check[:3] + (0.0,))[0] > 0
 
 
+def test_probes_are_scored_against_the_next_draw_and_never_checked():
+    """A request whose rate is below what a check needs proposes one token every PROBE_EVERY tokens; the token is
+    not checked (the step holds no proposal) but compared with the token the request draws next, which counts as a
+    check's outcome. Above the bar a request proposes and checks as before; where no check can pay, no probe."""
+    from torch_shift.engine.spec_decode import PROBE_EVERY
+
+    class Fixed:
+        name = "fixed"
+
+        def propose(self, requests, max_tokens):
+            return [[7] * n for n in max_tokens]
+
+        def on_finish(self, request, cache):
+            pass
+
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
+    speculator = Speculator(config, 1000, Fixed())
+    dear_check = (1.5e-3, 0.0, 2e-5, 3e-4)  # a check pays from a rate of about 0.2 on
+    speculator.step_cost.at = lambda num_requests: dear_check
+    for i in range(50):  # the method's rate: mostly rejections
+        speculator.acceptance.observe(f"earlier{i}", 4, 0)
+    params = SamplingParams(max_tokens=100)
+    probed = Request("probed", list(range(1, PROBE_EVERY + 1)), params, 100)
+    quiet = Request("quiet", list(range(1, PROBE_EVERY + 2)), params, 100)  # not at a probe's position
+    speculator.propose([probed, quiet], 2)
+    assert probed.spec_token_ids == [] and quiet.spec_token_ids == []
+    assert speculator._shadows == {"probed": 7}
+
+    def step(drawn):
+        entries = [[ScheduledRequest(r, 1, r.num_tokens - 1, True, False, ([0],)) for r in (probed, quiet)]]
+        return speculator.observe(entries, {"probed": drawn, "quiet": 3}, 1e-3)
+
+    assert step(7) == []  # nothing was checked
+    assert speculator.acceptance.per_request["probed"] == [1, 1] and "quiet" not in speculator.acceptance.per_request
+    assert speculator._shadows == {}
+    for _ in range(3):  # more hits: the request's rate passes the bar and it proposes to be checked
+        probed.all_token_ids += [1] * (PROBE_EVERY - probed.num_tokens % PROBE_EVERY)
+        speculator.propose([probed], 2)
+        step(7)
+    probed.all_token_ids.append(1)
+    speculator.propose([probed], 2)
+    assert len(probed.spec_token_ids) >= 2 and set(probed.spec_token_ids) == {7}  # checked: as many as pay
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1.0, 0.0)  # no check can pay: no probe either
+    fresh = Request("fresh", list(range(1, PROBE_EVERY + 1)), params, 100)
+    speculator.propose([fresh], 2)
+    assert fresh.spec_token_ids == [] and "fresh" not in speculator._shadows
+
+
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():
     rates = AcceptanceRates()
     for i in range(50):

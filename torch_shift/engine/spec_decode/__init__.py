@@ -46,6 +46,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 PROBE_EVERY = 16
+MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came back empty or were all cut
 
 
 def num_accepted(proposed, drawn) -> int:
@@ -68,7 +69,23 @@ class Speculator:
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
         self._propose_seconds = 0.0  # the last propose call's time: part of the cost of the step that checks them
+        self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
+        self._bar = 0.0
+        self._shadows: dict[str, int] = {}  # request id -> the token a probe proposed, scored against the next draw
+        # request id -> (the length it proposes at again, its wait): after a proposal of which nothing was checked
+        # (none found, or none paid) a request waits 1, 2, 4 ... MAX_BACKOFF tokens before the next, under the
+        # budget: on free text most n-gram lookups find nothing, and a lookup every step cost 2% of a batch-1 step
+        self._backoff: dict[str, tuple[int, int]] = {}
 
+    def _score_shadow(self, request_id: str, sampled: dict[str, int | list[int]]) -> None:
+        """A probe's proposed token against the token its request drew in this step: accepted when they are the
+        same. For greedy requests that is what a check would say; for sampled ones it has a check's chance, p of
+        the proposed token under the request's processed distribution, without costing one."""
+        token = self._shadows.pop(request_id, None)
+        drawn = sampled.get(request_id)
+        if token is not None and drawn is not None:
+            first = drawn if isinstance(drawn, int) else drawn[0]
+            self.acceptance.observe(request_id, 1, int(first == token))
     def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
                 seconds: float) -> list[tuple[int, int]]:
         """A step ran in `seconds` (its forward and sampling): each check's outcome, and the step's cost when it
@@ -82,6 +99,8 @@ class Speculator:
         checks = []
         for group in entries:
             for e in group:
+                if self._shadows:
+                    self._score_shadow(e.request.request_id, sampled)
                 proposed = e.spec_token_ids
                 num_requests += 1
                 num_proposed += len(proposed)
@@ -103,14 +122,20 @@ class Speculator:
         """Proposals for the requests that received tokens this step (the others keep theirs); none in a step of
         `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose check could not
         pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY tokens it
-        generates, which keeps its acceptance rate current."""
+        generates, never checked but scored against the token it draws next, which keeps its acceptance rate
+        current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model)."""
         limit = self.config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
         k = self.config.num_speculative_tokens
         cost = self.step_cost.at(num_running) if self.config.goodput_budget else None
-        # the lowest rate at which a request can pay for a check (above 1: none can)
-        bar = lowest_paying_rate(k, num_running, cost) if cost is not None else 0.0
-        proposing, rooms, rates = [], [], []
+        # the lowest rate at which a request can pay for a check (above 1: none can); the same until the fit or the
+        # batch size changes
+        bar = 0.0
+        if cost is not None:
+            if self._bar_key != (num_running, cost):
+                self._bar_key, self._bar = (num_running, cost), lowest_paying_rate(k, num_running, cost)
+            bar = self._bar
+        proposing, rooms, rates, probing = [], [], [], []
         for request in updated:
             if request.status.finished:
                 self.on_finish(request)
@@ -122,27 +147,44 @@ class Speculator:
             if disabled or room <= 0:
                 continue
             rate = self.acceptance.rate(request.request_id) if cost is not None else 1.0
+            waiting = self._backoff.get(request.request_id)
+            if waiting is not None and request.num_tokens < waiting[0]:
+                continue
             if rate < bar:
-                # no probe where no check can pay (bar > 1); the prompt's length staggers requests in step
-                if bar > 1.0 or request.num_tokens % PROBE_EVERY:
-                    continue
-                room, rate = 1, 1.0  # a probe: checked whatever it costs
+                # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
+                # <= 1); the prompt's length staggers requests in step
+                if bar <= 1.0 and request.num_tokens % PROBE_EVERY == 0:
+                    probing.append(request)
+                continue
             proposing.append(request)
             rooms.append(room)
             rates.append(rate)
-        if not proposing:
+        if not proposing and not probing:
             return
         start = time.perf_counter()
-        proposals = self.proposer.propose(proposing, rooms)
+        proposals = self.proposer.propose(proposing + probing, rooms + [1] * len(probing))
         self._propose_seconds = time.perf_counter() - start
+        for request, probe in zip(probing, proposals[len(proposing):]):
+            if probe:
+                self._shadows[request.request_id] = probe[0]
+        proposals = proposals[:len(proposing)]
         if cost is not None:
             lengths = [len(p) for p in proposals]
             keep = tokens_that_pay(rates, lengths, num_running, cost)
             self.num_cut_tokens += sum(lengths) - sum(keep)
             proposals = [p[:n] for p, n in zip(proposals, keep)]
+            for request, n in zip(proposing, keep):
+                if n:
+                    self._backoff.pop(request.request_id, None)
+                else:
+                    _, wait = self._backoff.get(request.request_id, (0, 0))
+                    wait = min(2 * wait, MAX_BACKOFF) if wait else 1
+                    self._backoff[request.request_id] = (request.num_tokens + wait, wait)
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
 
     def on_finish(self, request: Request) -> None:
+        self._shadows.pop(request.request_id, None)
+        self._backoff.pop(request.request_id, None)
         self.proposer.on_finish(request, cache=request.status is not RequestStatus.FINISHED_ABORTED)
         self.acceptance.forget(request.request_id)
