@@ -497,7 +497,8 @@ def test_tier_and_link_arguments_are_checked():
     for bad, error in (({"cpu_kv_gb": "4"}, TypeError), ({"cpu_kv_gb": -1}, ValueError),
                        ({"num_cpu_kv_blocks": True}, TypeError), ({"num_cpu_kv_blocks": 1.5}, TypeError),
                        ({"num_cpu_kv_blocks": -2}, ValueError), ({"interconnect_gbps": 0}, ValueError),
-                       ({"interconnect_gbps": float("inf")}, ValueError)):
+                       ({"interconnect_gbps": float("inf")}, ValueError),
+                       ({"interconnect_gbps": 10, "device": "cuda"}, ValueError)):
         with pytest.raises(error):
             EngineArgs("model", **bad)
 

@@ -51,15 +51,19 @@ class StepCostFit:
 
     def observe(self, num_requests: int, num_proposed: int, num_checks: int, seconds: float) -> None:
         key = num_requests.bit_length()
-        steps = self.steps.setdefault(key, deque(maxlen=self.window))
+        steps = self.steps.get(key)
+        if steps is None:
+            steps = self.steps[key] = deque(maxlen=self.window)
         steps.append((num_requests, num_proposed, num_checks, seconds))
         self._since_fit[key] = self._since_fit.get(key, 0) + 1
-        # the first fit as soon as there are min_steps, then one every REFIT_EVERY steps, and REFIT_EVERY_FULL once
-        # the window is full (a fit costs ~0.25 ms: at every few steps it was a tenth of a batch-1 step)
-        if key not in self.fitted:
+        # the first fit as soon as there are min_steps, then one every REFIT_EVERY steps (also after a try that found
+        # every step alike), and REFIT_EVERY_FULL once the window is full (a fit costs ~0.3 ms)
+        if len(steps) < self.min_steps + REFIT_EVERY and key not in self.fitted:
             due = self.min_steps
+        elif len(steps) < self.window:
+            due = REFIT_EVERY
         else:
-            due = REFIT_EVERY_FULL if len(steps) == self.window else REFIT_EVERY
+            due = REFIT_EVERY_FULL
         if self._since_fit[key] >= due:
             self._fit(key)
 
