@@ -15,7 +15,7 @@ def test_flex_paged_attention_matches_sdpa(checkpoints, family):
     # one step with two fresh prefills, one with a chunk over cached context plus a decode, then decodes
     prompts = random_prompts(2, [9, 20], seed=6)
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)
-    args = dict(block_size=8, max_num_batched_tokens=16)
+    args = dict(block_size=8, max_num_batched_tokens=16, device="cpu")  # the GPU's: tests/test_cuda.py
     ref = LLM(str(model_dir), **args).generate(prompts, params, use_tqdm=False)
     got = LLM(str(model_dir), attention_backend="flex", **args).generate(prompts, params, use_tqdm=False)
     for r, g in zip(ref, got):

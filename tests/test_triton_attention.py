@@ -114,19 +114,19 @@ def test_triton_backend_in_the_engine_matches_sdpa(llama):
 
 
 def test_metadata_slices_start_16_byte_aligned():
-    """Triton compiles a kernel per alignment of each pointer argument: the step's metadata, slices of one buffer,
-    must all start aligned, whatever the number of runs, or serving compiles new kernels step after step."""
+    """Triton compiles a kernel per alignment of each pointer argument: the step's inputs and attention metadata,
+    slices of one pinned buffer on a GPU, must all start aligned whatever their sizes, or serving compiles new
+    kernels step after step."""
     import numpy as np
 
-    from torch_shift.attention.triton_paged import _to_device
-    from torch_shift.engine.input_batch import _to_device as inputs_to_device
+    from torch_shift.memory import to_device
 
-    for sizes in ([1, 3, 5], [7, 2, 9, 1], [4, 4]):
-        parts = [np.arange(n, dtype=np.int32) + 10 * i for i, n in enumerate(sizes)]
-        tensors = _to_device(parts, torch.device("cpu"))
-        assert [t.tolist() for t in tensors] == [p.tolist() for p in parts]
-        assert all(t.data_ptr() % 16 == 0 for t in tensors)
-    if torch.cuda.is_available():
-        tensors = inputs_to_device([np.arange(3), np.arange(5), np.arange(1)], torch.device("cuda"))
-        assert [t.tolist() for t in tensors] == [[0, 1, 2], [0, 1, 2, 3, 4], [0]]
-        assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for dtype in (np.int32, np.int64):
+            for sizes in ([1, 3, 5], [7, 2, 9, 1], [4, 4], [0, 3]):
+                parts = [np.arange(n) + 10 * i for i, n in enumerate(sizes)]
+                tensors = to_device(parts, dtype, torch.device(device))
+                assert [t.tolist() for t in tensors] == [p.tolist() for p in parts]
+                assert all(t.dtype == torch.from_numpy(np.zeros(1, dtype)).dtype for t in tensors)
+                assert all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())

@@ -5,6 +5,8 @@ Where the kernel offers huge pages on request (`madvise` mode, the common defaul
 is first touched is backed by 2 MiB pages as it faults in; memory already written (a weight packed by oneDNN)
 is moved into huge pages by MADV_COLLAPSE (Linux 6.1+). Only the whole 2 MiB pages inside a tensor are
 advised, so no memory outside it changes. Advice that the kernel refuses changes nothing and is not an error.
+
+Also: a step's small host arrays onto a GPU in one pinned copy (`to_device`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import ctypes
 import sys
 from functools import lru_cache
+
+import numpy as np
+import torch
 
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
@@ -41,3 +46,20 @@ def advise_huge_pages(address: int, nbytes: int, collapse: bool = False) -> int:
     if collapse:
         madvise(start, end - start, _MADV_COLLAPSE)  # synchronous; refused before Linux 6.1 or without THP
     return end - start
+
+
+def to_device(arrays: list[np.ndarray], dtype: np.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`arrays` as tensors of `dtype` on `device`: on the CPU, views of them (copies where the dtype differs); on a
+    GPU through one asynchronous copy from pinned memory (a step's inputs were several pageable, synchronous
+    copies), each tensor starting 16-byte aligned: Triton compiles a kernel per alignment of its pointer
+    arguments, and slices of one buffer at offsets that change from step to step made it compile while serving."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(-1)) for a in arrays]
+    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    sizes = [np.size(a) for a in arrays]
+    padded = [-(-n // per_16_bytes) * per_16_bytes for n in sizes]
+    flat = np.zeros(sum(padded), dtype)
+    for a, start in zip(arrays, np.cumsum([0] + padded[:-1])):
+        flat[start: start + np.size(a)] = np.asarray(a).reshape(-1)
+    host = torch.from_numpy(flat).pin_memory()
+    return [t[:n] for t, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]

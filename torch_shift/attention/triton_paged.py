@@ -24,6 +24,7 @@ import triton.language as tl
 
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
+from torch_shift.memory import to_device
 
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
@@ -171,24 +172,9 @@ class TritonMetadata:
                 run = np.repeat(np.arange(self.num_decodes, self.query_len.numel()), tiles_per_run)
                 first = (np.arange(len(run)) - np.repeat(np.cumsum(tiles_per_run) - tiles_per_run,
                                                           tiles_per_run)) * block_t
-                tiles = tuple(_to_device([run, first], self.query_len.device))
+                tiles = tuple(to_device([run, first], np.int32, self.query_len.device))
             self.prefill_tiles[group] = (tiles, block_t)
         return self.prefill_tiles[group]
-
-
-def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int32 arrays on `device` through one (pinned, asynchronous) copy, each starting 16-byte aligned: Triton
-    compiles a kernel per alignment of its pointer arguments, and unaligned slices of one buffer made new
-    alignments from step to step (a compile of a second or more, while serving)."""
-    sizes = [p.size for p in parts]
-    padded = [-(-n // 4) * 4 for n in sizes]
-    flat = np.zeros(sum(padded), np.int32)
-    for part, start in zip(parts, np.cumsum([0] + padded[:-1])):
-        flat[start: start + part.size] = part.reshape(-1)
-    host = torch.from_numpy(flat)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return [t[:n] for t, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]
 
 
 def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
@@ -196,8 +182,8 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
     context = batch.num_computed.astype(np.int64) + batch.query_len
     max_blocks = max(1, int(-(-context.max() // batch.tokens_per_block))) if runs else 1
     table = batch.block_table[batch.block_table_rows, :max_blocks]
-    flat = _to_device([table.reshape(-1), batch.query_start, batch.query_len, batch.num_computed, np.arange(nd),
-                       np.zeros(nd)], batch.device)
+    flat = to_device([table, batch.query_start, batch.query_len, batch.num_computed, np.arange(nd), np.zeros(nd)],
+                     np.int32, batch.device)
     return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
                           (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window)
 

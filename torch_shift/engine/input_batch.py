@@ -15,6 +15,7 @@ import torch
 
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine.step_plan import GroupStep, ReplicaDelta
+from torch_shift.memory import to_device
 
 
 @dataclass
@@ -106,8 +107,8 @@ class InputBatch:
             logits_indices = np.concatenate([np.arange(e - c, e) for e, c in zip(ends.tolist(), counts.tolist())
                                              if c > 0])
 
-        input_ids_t, positions_t, slots_t, logits_indices_t = _to_device(
-            [input_ids, positions, slots, logits_indices], self.device)
+        input_ids_t, positions_t, slots_t, logits_indices_t = to_device(
+            [input_ids, positions, slots, logits_indices], np.int64, self.device)
         attention = AttentionBatch(
             num_decodes=group.num_decodes, query_start=starts.astype(np.int32),
             query_len=num_scheduled.astype(np.int32), num_computed=num_computed.astype(np.int32),
@@ -115,16 +116,3 @@ class InputBatch:
             slot_mapping=slots_t, positions=positions_t, sliding_window=self.sliding_window)
         return StepInputs(input_ids_t, positions_t, attention, logits_indices_t)
 
-
-def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors of `arrays` on `device`: on the CPU views of them; on a GPU through one copy from pinned
-    memory, asynchronous (a step's inputs were four pageable, synchronous copies), each slice 16-byte aligned."""
-    if device.type == "cpu":
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-    sizes = [len(a) for a in arrays]
-    padded = [n + n % 2 for n in sizes]  # every slice 16-byte aligned (Triton specializes on alignment)
-    flat = np.zeros(sum(padded), np.int64)
-    for a, start in zip(arrays, np.cumsum([0] + padded[:-1])):
-        flat[start: start + len(a)] = a
-    host = torch.from_numpy(flat).pin_memory()
-    return [t[:n] for t, n in zip(host.to(device, non_blocking=True).split(padded), sizes)]
