@@ -25,6 +25,7 @@ from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
 from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
     StepCostFit,
+    best_net,
     lowest_paying_rate,
     seconds,
     tokens_that_pay,
@@ -637,6 +638,17 @@ def test_a_check_that_costs_more_than_its_tokens_leaves_unlikely_proposals_unche
     assert 0.0 < lowest_paying_rate(4, 1, dear_check[:3] + (0.0,)) < 0.1
     assert tokens_that_pay([0.1, 0.8], [4, 4], 1, dear_check[:3] + (0.0,))[1] == 4
     assert tokens_that_pay([0.1, 0.8], [4, 4], 1, dear_check[:3] + (0.0,))[0] > 0
+
+
+def test_the_proposers_time_per_ask_raises_the_rate_an_ask_needs():
+    """Asking a request for a proposal costs the proposer's time whether or not anything is checked: the lowest
+    paying rate rises with that time, and no rate pays once an ask costs more than the best check can gain."""
+    cost = (1e-3, 1e-4, 2e-5, 1e-4)
+    bars = [lowest_paying_rate(4, 8, cost, ask) for ask in (0.0, 2e-5, 1e-4)]
+    assert 0.0 < bars[0] < bars[1] < bars[2] < 1.0
+    assert lowest_paying_rate(4, 8, cost, 1e-2) == 2.0
+    goodput = 8 / seconds(cost, 8, 0, 0)
+    assert best_net(bars[1] + 1e-3, 4, cost, goodput) > 2e-5 * goodput > best_net(bars[1] - 1e-3, 4, cost, goodput)
 
 
 def test_probes_are_scored_against_the_next_draw_and_never_checked():

@@ -46,6 +46,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 PROBE_EVERY = 16
+ASK_AVERAGING = 0.05  # weight of the latest propose call in the proposer's moving averages
 MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came back empty or were all cut
 
 
@@ -68,8 +69,13 @@ class Speculator:
         self.step_cost = StepCostFit()
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
-        self._propose_seconds = 0.0  # the last propose call's time: part of the cost of the step that checks them
+        # the proposer's seconds per request asked, and the share of asks that found a proposal (moving averages):
+        # asking costs that time whether or not anything is checked (suffix lookups over 64 requests took a tenth
+        # of their step on the default model, and priced into the step's time they went unseen)
+        self.ask_seconds = 0.0
+        self.found_share = 1.0
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
+        self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
         self._shadows: dict[str, int] = {}  # request id -> the token a probe proposed, scored against the next draw
         # request id -> (the length it proposes at again, its wait): after a proposal of which nothing was checked
@@ -89,11 +95,9 @@ class Speculator:
     def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
                 seconds: float) -> list[tuple[int, int]]:
         """A step ran in `seconds` (its forward and sampling): each check's outcome, and the step's cost when it
-        only decoded, with the time spent proposing the tokens it checked. Returns the checks as (proposed,
-        accepted) tokens. A proposal is accepted up to the first token the request drew otherwise (all tokens but
-        the last one drawn are accepted proposals, unless a stop came first)."""
-        seconds += self._propose_seconds
-        self._propose_seconds = 0.0
+        only decoded (the proposer's time is priced apart, per request asked: `propose`). Returns the checks as
+        (proposed, accepted) tokens. A proposal is accepted up to the first token the request drew otherwise (all
+        tokens but the last one drawn are accepted proposals, unless a stop came first)."""
         num_requests = num_proposed = 0
         decode_only = True
         checks = []
@@ -132,8 +136,11 @@ class Speculator:
         # batch size changes
         bar = 0.0
         if cost is not None:
-            if self._bar_key != (num_running, cost):
-                self._bar_key, self._bar = (num_running, cost), lowest_paying_rate(k, num_running, cost)
+            ask = self.ask_seconds / max(self.found_share, 0.05)
+            # kept while the fit and the batch size stay and the ask's price moves by less than a fifth
+            if (self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask):
+                self._bar_key, self._bar_ask = (num_running, cost), ask
+                self._bar = lowest_paying_rate(k, num_running, cost, ask)
             bar = self._bar
         proposing, rooms, rates, probing = [], [], [], []
         for request in updated:
@@ -163,7 +170,11 @@ class Speculator:
             return
         start = time.perf_counter()
         proposals = self.proposer.propose(proposing + probing, rooms + [1] * len(probing))
-        self._propose_seconds = time.perf_counter() - start
+        propose_seconds = time.perf_counter() - start
+        asked = len(proposals)
+        found = sum(1 for p in proposals if p)
+        self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
+        self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
         for request, probe in zip(probing, proposals[len(proposing):]):
             if probe:
                 self._shadows[request.request_id] = probe[0]

@@ -155,6 +155,17 @@ class AcceptanceRates:
         self.per_request.pop(request_id, None)
 
 
+def best_net(rate: float, length: int, cost: StepCost, goodput: float) -> float:
+    """The expected net gain, in tokens, of checking the best number of a proposal's `length` tokens (best_length)
+    at acceptance rate `rate`: sum_{j <= n} rate^j - (b n + d) goodput, 0 where nothing pays."""
+    b, d = cost[2], cost[3]
+    n = best_length(rate, length, cost, goodput)
+    if n == 0:
+        return 0.0
+    gain = float(n) if rate >= 1.0 else rate * (1.0 - rate ** n) / (1.0 - rate)
+    return gain - (b * n + d) * goodput
+
+
 def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int:
     """How many of a proposal's `length` tokens to check, for a request whose j-th token is accepted with
     probability rate^j, in a step whose goodput is `goodput` (tokens per second): the n maximizing
@@ -176,18 +187,20 @@ def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int
     return best_n
 
 
-def lowest_paying_rate(length: int, num_requests: int, cost: StepCost) -> float:
-    """The lowest acceptance rate at which a request can pay for checking some of a proposal of `length` tokens
-    in a step of `num_requests` decodes and no other proposals (the goodput its check must beat is then the plain
-    step's, the lowest tokens_that_pay starts from); 2 where no rate can. A request's best net gain rises with its
-    rate, so the rate is found by bisection."""
+def lowest_paying_rate(length: int, num_requests: int, cost: StepCost, ask_seconds: float = 0.0) -> float:
+    """The lowest acceptance rate at which asking a request for a proposal of `length` tokens pays, in a step of
+    `num_requests` decodes and no other proposals (the goodput its check must beat is then the plain step's, the
+    lowest tokens_that_pay starts from): its check's best net gain must exceed the tokens that `ask_seconds`
+    (the proposer's time per request asked, over the share of asks that find a proposal) would have made; 2
+    where no rate can. The best net gain rises with the rate, so the rate is found by bisection."""
     goodput = num_requests / seconds(cost, num_requests, 0, 0)
-    if best_length(1.0, length, cost, goodput) == 0:
+    threshold = ask_seconds * goodput
+    if best_net(1.0, length, cost, goodput) <= threshold:
         return 2.0
     low, high = 0.0, 1.0
     for _ in range(24):
         middle = (low + high) / 2
-        low, high = (low, middle) if best_length(middle, length, cost, goodput) > 0 else (middle, high)
+        low, high = (low, middle) if best_net(middle, length, cost, goodput) > threshold else (middle, high)
     return high
 
 
