@@ -10,11 +10,18 @@ rank 0 with its own KV cache (draft.py).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Protocol
 
 from torch_shift.engine.request import Request, RequestStatus
-from torch_shift.engine.spec_decode.budget import AcceptanceRates, StepCostFit, lowest_paying_rate, tokens_that_pay
+from torch_shift.engine.spec_decode.budget import (
+    AcceptanceRates,
+    StepCostFit,
+    lowest_paying_rate,
+    tokens_that_pay,
+)
+from torch_shift.engine.spec_decode.budget import seconds as step_seconds
 from torch_shift.engine.spec_decode.config import SpeculativeConfig
 from torch_shift.engine.spec_decode.ngram import NgramProposer
 from torch_shift.engine.spec_decode.suffix import SuffixProposer
@@ -46,6 +53,11 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
 
 
 PROBE_EVERY = 16
+# the rate a request needs before its batch size's range has a fit (no step's cost known yet): only likely
+# proposals are checked meanwhile (checking every proposal while the fit learned cost 64 requests a quarter of their
+# first run's throughput on the default model); the range's steps fit a + c R, and b = c until checks vary S
+UNFITTED_BAR = 0.5
+PROBE_SHARE = 0.01  # of a step's time, at most, spent proposing probes (their interval grows past PROBE_EVERY)
 ASK_AVERAGING = 0.05  # weight of the latest propose call in the proposer's moving averages
 MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came back empty or were all cut
 
@@ -134,7 +146,8 @@ class Speculator:
         cost = self.step_cost.at(num_running) if self.config.goodput_budget else None
         # the lowest rate at which a request can pay for a check (above 1: none can); the same until the fit or the
         # batch size changes
-        bar = 0.0
+        bar = UNFITTED_BAR if self.config.goodput_budget else 0.0
+        probe_every = PROBE_EVERY
         if cost is not None:
             ask = self.ask_seconds / max(self.found_share, 0.05)
             # kept while the fit and the batch size stay and the ask's price moves by less than a fifth
@@ -142,6 +155,11 @@ class Speculator:
                 self._bar_key, self._bar_ask = (num_running, cost), ask
                 self._bar = lowest_paying_rate(k, num_running, cost, ask)
             bar = self._bar
+            # a probe costs an ask: with a slow proposer (the suffix trees of many cached outputs: ~60 us a request)
+            # probes of 64 requests every 16 tokens took 4% of their step
+            step = step_seconds(cost, num_running, 0, 0)
+            if step > 0:
+                probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
         proposing, rooms, rates, probing = [], [], [], []
         for request in updated:
             if request.status.finished:
@@ -153,14 +171,14 @@ class Speculator:
             request.spec_token_ids = []
             if disabled or room <= 0:
                 continue
-            rate = self.acceptance.rate(request.request_id) if cost is not None else 1.0
+            rate = self.acceptance.rate(request.request_id) if self.config.goodput_budget else 1.0
             waiting = self._backoff.get(request.request_id)
             if waiting is not None and request.num_tokens < waiting[0]:
                 continue
             if rate < bar:
                 # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
                 # <= 1); the prompt's length staggers requests in step
-                if bar <= 1.0 and request.num_tokens % PROBE_EVERY == 0:
+                if bar <= 1.0 and request.num_tokens % probe_every == 0:
                     probing.append(request)
                 continue
             proposing.append(request)
