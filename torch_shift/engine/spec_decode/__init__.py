@@ -160,25 +160,33 @@ class Speculator:
             step = step_seconds(cost, num_running, 0, 0)
             if step > 0:
                 probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
+        if disabled or bar > 1.0:  # nobody proposes, nor probes: a loop of 64 requests cost 2% of their step
+            for request in updated:
+                if request.status.finished:
+                    self.on_finish(request)
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []
+            return
         proposing, rooms, rates, probing = [], [], [], []
         for request in updated:
             if request.status.finished:
                 self.on_finish(request)
                 continue
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            num_tokens = request.num_tokens
+            waiting = self._backoff.get(request.request_id)
+            if waiting is not None and num_tokens < waiting[0]:
+                continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
-            room = min(k, request.max_tokens - request.num_output_tokens - 1,
-                       self.max_model_len - request.num_tokens - 1)
-            request.spec_token_ids = []
-            if disabled or room <= 0:
+            room = min(k, request.max_tokens - request.num_output_tokens - 1, self.max_model_len - num_tokens - 1)
+            if room <= 0:
                 continue
             rate = self.acceptance.rate(request.request_id) if self.config.goodput_budget else 1.0
-            waiting = self._backoff.get(request.request_id)
-            if waiting is not None and request.num_tokens < waiting[0]:
-                continue
             if rate < bar:
                 # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
                 # <= 1); the prompt's length staggers requests in step
-                if bar <= 1.0 and request.num_tokens % probe_every == 0:
+                if num_tokens % probe_every == 0:
                     probing.append(request)
                 continue
             proposing.append(request)
