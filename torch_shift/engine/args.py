@@ -172,9 +172,11 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.interconnect_gbps == 0:
             raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
-        if self.interconnect_gbps is not None and self.device is not None and torch.device(self.device).type == "cuda":
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.interconnect_gbps is not None and torch.device(device).type == "cuda":
             # its transfers wait on a thread of their own and NCCL matches sends by posting order, not by tag
-            raise ValueError("interconnect_gbps emulates a link between CPU ranks; it cannot run with device='cuda'")
+            raise ValueError("interconnect_gbps emulates a link between CPU ranks; it cannot run on a GPU (give "
+                             "device='cpu')")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s!r}")
         for name in ("num_cpu_kv_blocks", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
