@@ -158,12 +158,7 @@ class AcceptanceRates:
 def best_net(rate: float, length: int, cost: StepCost, goodput: float) -> float:
     """The expected net gain, in tokens, of checking the best number of a proposal's `length` tokens (best_length)
     at acceptance rate `rate`: sum_{j <= n} rate^j - (b n + d) goodput, 0 where nothing pays."""
-    b, d = cost[2], cost[3]
-    n = best_length(rate, length, cost, goodput)
-    if n == 0:
-        return 0.0
-    gain = float(n) if rate >= 1.0 else rate * (1.0 - rate ** n) / (1.0 - rate)
-    return gain - (b * n + d) * goodput
+    return _best_check(rate, length, cost, goodput)[1]
 
 
 def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int:
@@ -171,9 +166,14 @@ def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int
     probability rate^j, in a step whose goodput is `goodput` (tokens per second): the n maximizing
     sum_{j <= n} rate^j - (b n + d) goodput, or 0 where that is not positive. The j-th token's term
     rate^j - b goodput falls with j, so n is the last j where it is positive."""
+    return _best_check(rate, length, cost, goodput)[0]
+
+
+def _best_check(rate: float, length: int, cost: StepCost, goodput: float) -> tuple[int, float]:
+    """best_length's n and best_net's gain, found together."""
     b, d = cost[2], cost[3]
     bar = b * goodput
-    gain, n, best_n, best_net = 0.0, 0, 0, 0.0
+    gain, n, best_n, best = 0.0, 0, 0, 0.0
     p = 1.0
     while n < length:
         p *= rate
@@ -182,9 +182,9 @@ def best_length(rate: float, length: int, cost: StepCost, goodput: float) -> int
         n += 1
         gain += p
         net = gain - (b * n + d) * goodput
-        if net > best_net:
-            best_n, best_net = n, net
-    return best_n
+        if net > best:
+            best_n, best = n, net
+    return best_n, best
 
 
 def lowest_paying_rate(length: int, num_requests: int, cost: StepCost, ask_seconds: float = 0.0) -> float:
