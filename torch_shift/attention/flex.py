@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_bloc
 
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
+from torch_shift.memory import to_device
 
 _compiled: dict[str, object] = {}
 _FLEX_BLOCK = 128
@@ -99,11 +100,9 @@ class FlexBackend:
         key_rows = batch.block_table_rows[request_of_key]
         context_slots = batch.block_table[key_rows, key_pos // tpb].astype(np.int64) * tpb + key_pos % tpb
 
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(batch.device)
-
-        metadata = build_flex_metadata(batch.slot_mapping, tensor(np.repeat(runs, num_scheduled)), batch.positions,
-                                       tensor(context_slots), tensor(request_of_key), tensor(key_pos),
+        query_seq, slots, key_seq, key_pos = to_device([np.repeat(runs, num_scheduled), context_slots,
+                                                         request_of_key, key_pos], np.int64, batch.device)
+        metadata = build_flex_metadata(batch.slot_mapping, query_seq, batch.positions, slots, key_seq, key_pos,
                                        batch.sliding_window)
         return FlexPagedAttention(kv_cache, metadata)
 
