@@ -19,26 +19,41 @@ def _token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def _forwards(llm):
+    from torch_shift.compilation import CompiledForward
+
+    forwards = [f for f in llm.engine.model.forwards.values() if isinstance(f, CompiledForward)]
+    assert forwards and all(f.sealed for f in forwards)  # the engine sealed them after its warm-up
+    return forwards
+
+
 def _run(llm):
-    """Every prompt set through an engine compiled and warmed up at construction: nothing compiles while it
-    serves (no new graph, no recompile)."""
+    """Every prompt set through an engine compiled and warmed up at construction, first with its forwards
+    unsealed: nothing compiles while it serves (no new graph, no recompile), so the sealed forwards, which skip
+    dynamo's guards, never run a graph made for other inputs. Then sealed, as the engine runs them: outputs of
+    both runs."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    forwards = _forwards(llm)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # the construction compiled
+    for forward in forwards:
+        forward.sealed = False
     torch._dynamo.config.error_on_recompile = True  # any recompile from here on raises
     try:
-        outputs = [llm.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
+        unsealed = [llm.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
     finally:
         torch._dynamo.config.error_on_recompile = False
+        for forward in forwards:
+            forward.seal()
     assert counters["stats"]["unique_graphs"] == graphs
-    return outputs
+    return unsealed, [llm.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
 
 
 def _compiled_rank(rank, world, model_dir):
     llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=16, compile=True, max_num_batched_tokens=32)
-    return [_token_ids(o) for o in _run(llm)], dict(llm.engine.model.layout_counts)
+    return [[_token_ids(o) for o in run] for run in _run(llm)], dict(llm.engine.model.layout_counts)
 
 
 @pytest.mark.slow
@@ -46,12 +61,12 @@ def test_compiled_single_device_matches_eager_without_recompiles(llama):
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [eager.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
-    got = _run(LLM(str(model_dir), compile=True, max_num_batched_tokens=32))
-    for g, e in zip(got, expected):
-        assert _token_ids(g) == _token_ids(e)
-        for og, oe in zip(g, e):
-            for lg, le in zip(og.outputs[0].logprobs, oe.outputs[0].logprobs):
-                assert max(abs(lg[t].logprob - le[t].logprob) for t in le) < 1e-4
+    for got in _run(LLM(str(model_dir), compile=True, max_num_batched_tokens=32)):
+        for g, e in zip(got, expected):
+            assert _token_ids(g) == _token_ids(e)
+            for og, oe in zip(g, e):
+                for lg, le in zip(og.outputs[0].logprobs, oe.outputs[0].logprobs):
+                    assert max(abs(lg[t].logprob - le[t].logprob) for t in le) < 1e-4
 
 
 @pytest.mark.slow
@@ -59,8 +74,8 @@ def test_compiled_layouts_match_eager_without_recompiles(llama):
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
-    for got, counts in run_ranks(_compiled_rank, 2, model_dir, timeout_s=600):
-        assert got == expected
+    for runs, counts in run_ranks(_compiled_rank, 2, model_dir, timeout_s=600):
+        assert runs == [expected, expected]
         assert counts["base"] >= 2 and counts["shift"] >= 10
 
 
@@ -90,7 +105,7 @@ def test_ranks_forked_after_the_parent_compiled_can_compile():
 
 def _compiled_pipeline_rank(rank, world, model_dir):
     llm = LLM(str(model_dir), pp=2, policy="seesaw", cpu_kv_gb=0.01, compile=True, max_num_batched_tokens=32)
-    return [_token_ids(o) for o in _run(llm)], llm.stats()["steps_by_layout"]
+    return [[_token_ids(o) for o in run] for run in _run(llm)], llm.stats()["steps_by_layout"]
 
 
 @pytest.mark.slow
@@ -99,6 +114,6 @@ def test_compiled_pipeline_and_seesaw_layouts_match_eager(llama):
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
-    for got, layouts in run_ranks(_compiled_pipeline_rank, 2, model_dir, timeout_s=600):
-        assert got == expected
+    for runs, layouts in run_ranks(_compiled_pipeline_rank, 2, model_dir, timeout_s=600):
+        assert runs == [expected, expected]
         assert layouts["pp"] > 0 and layouts["tp"] > 0

@@ -10,7 +10,7 @@ so changing batch sizes reuse one graph, one-token steps included.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import torch
@@ -49,16 +49,40 @@ def step_attention(attention: AttentionFn):
         _current.pop()
 
 
-def compile_forward(model: torch.nn.Module) -> Callable:
-    """`forward(input_ids, positions, attention)` compiled with a dynamic token dimension; call it
-    under `step_attention(...)` with `attention_op` as the attention argument."""
-    compiled = torch.compile(model, dynamic=True)
+# The wrapper's checks of every tensor's size, stride and alignment: ~4% of a batch-1 decode step of an 8-layer model
+# whose weights read in microseconds (docs/performance.md); the shapes are the engine's own.
+_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        # an unbacked token count: a one-token step reuses the graph instead of specialising on size 1
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
+
+class CompiledForward:
+    """`forward(input_ids, positions, attention)` compiled with a dynamic token dimension; call it with the step's
+    attention callable. Until `seal()` every call checks dynamo's guards (and compiles where they fail); after it,
+    only the guards that tell this code's compiled graphs apart run (`skip_guard_eval_unsafe`), as vLLM's
+    compiled forwards skip them: the full check of every parameter's shape and stride cost 0.2-0.35 ms a step
+    (10% of a batch-1 decode step where the weights read in microseconds; docs/performance.md). The engine seals
+    its forwards once its start-up warm-up has compiled them; tests/test_compile.py checks that serving never
+    needs a graph the warm-up did not make."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._compiled = torch.compile(model, dynamic=True, options=_INDUCTOR_OPTIONS)
+        self.sealed = False
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         with step_attention(attention):
-            return compiled(input_ids, positions, attention_op)
+            if self.sealed:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._compiled(input_ids, positions, attention_op)
+            # an unbacked token count: a one-token step reuses the graph instead of specialising on size 1
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            return self._compiled(input_ids, positions, attention_op)
 
-    return forward
+
+def seal(forwards: Iterable[Callable | None]) -> None:
+    """Seal the CompiledForwards among `forwards` (a layout model's compiled and eager forwards)."""
+    for forward in forwards:
+        if isinstance(forward, CompiledForward):
+            forward.seal()

@@ -59,6 +59,7 @@ class ModelRunner:
         if compile:
             model.compile_layouts()
             self._warm_up()
+            model.seal_compiled()
         if self.device.type == "cuda":
             self._warm_up_attention()
         self.graphs = None

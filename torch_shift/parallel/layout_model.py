@@ -67,6 +67,10 @@ class LayoutModel(Protocol):
         """torch.compile every layout's forward (attention as an opaque op, dynamic token count)."""
         ...
 
+    def seal_compiled(self) -> None:
+        """Once every compiled forward ran (the runner's warm-up): skip dynamo's full guard check from then on."""
+        ...
+
     def reset_counters(self) -> None:
         """Zero the counters above (after the runner's warm-up steps)."""
         ...

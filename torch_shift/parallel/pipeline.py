@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from torch_shift.compilation import compile_forward
+from torch_shift.compilation import CompiledForward, seal
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm
@@ -181,9 +181,13 @@ class PipelineModel(LayoutCounters, nn.Module):
     # -- forward ----------------------------------------------------------------------------------------
     def compile_layouts(self) -> None:
         """Compile the stage's forward and the TP layout's (dynamic token count, attention as an opaque op)."""
-        self.forwards = {"pp": compile_forward(self.stage)}
+        self.forwards = {"pp": CompiledForward(self.stage)}
         if self.tp is not None:
-            self.forwards["tp"] = compile_forward(self.tp)
+            self.forwards["tp"] = CompiledForward(self.tp)
+
+    def seal_compiled(self) -> None:
+        """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
+        seal(self.forwards.values())
 
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """A step of `layout`: Seesaw's TP layout (every rank returns the logits, gathered over the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_shift.compilation import compile_forward
+from torch_shift.compilation import CompiledForward, seal
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import DecoderLM
@@ -52,8 +52,12 @@ class ReplicaModel(LayoutCounters, nn.Module):
         return prepare_linears(self, drop_dense)
 
     def compile_layouts(self) -> None:
-        self.forwards = {name: compile_forward(view) for name, view in self.views.items()}
-        self.forwards[None] = compile_forward(self.model)
+        self.forwards = {name: CompiledForward(view) for name, view in self.views.items()}
+        self.forwards[None] = CompiledForward(self.model)
+
+    def seal_compiled(self) -> None:
+        """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
+        seal(self.forwards.values())
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""

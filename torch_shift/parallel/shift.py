@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_shift.compilation import compile_forward
+from torch_shift.compilation import CompiledForward, seal
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.batch import CausalAttention, PackedBatch
@@ -310,8 +310,12 @@ class ShiftModule(LayoutCounters, nn.Module):
 
     def compile_layouts(self) -> None:
         """Compile each layout's forward (dynamic token dimension, attention as an opaque op)."""
-        self.forwards = {layout: compile_forward(model) if model is not None else None
+        self.forwards = {layout: CompiledForward(model) if model is not None else None
                          for layout, model in (("base", self.base), ("shift", self.shift))}
+
+    def seal_compiled(self) -> None:
+        """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
+        seal(self.forwards.values())
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
