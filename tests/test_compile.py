@@ -117,3 +117,21 @@ def test_compiled_pipeline_and_seesaw_layouts_match_eager(llama):
     for runs, layouts in run_ranks(_compiled_pipeline_rank, 2, model_dir, timeout_s=600):
         assert runs == [expected, expected]
         assert layouts["pp"] > 0 and layouts["tp"] > 0
+
+
+def _compiled_flying_rank(rank, world, model_dir):
+    llm = LLM(str(model_dir), dp=2, policy="flying", policy_config={"dp_above": 2.0, "tp_below": 1.0}, compile=True,
+              max_num_batched_tokens=32)
+    return [[_token_ids(o) for o in run] for run in _run(llm)], llm.stats()["steps_by_layout"]
+
+
+@pytest.mark.slow
+def test_compiled_flying_layouts_match_eager(llama):
+    """compile=True under Flying: each replica's own forward and the merged TP group's (weights as views), one
+    code compiled for modules of different shapes, which the sealed forwards tell apart."""
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
+    for runs, layouts in run_ranks(_compiled_flying_rank, 2, model_dir, timeout_s=600):
+        assert runs == [expected, expected]
+        assert layouts["tp2@0"] > 0 and layouts["dp@0"] > 0 and layouts["dp@1"] > 0
