@@ -80,7 +80,17 @@ def brute_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-def test_ngram_matches_vllms_rule():
+# the matcher's two ways of following occurrences: numpy one token at a time above `suffix.FEW` of them, all at once
+# (a matrix, then Python lists) at or below it; every brute-force check runs with each way alone and with both
+@pytest.fixture(params=[0, 3, 10**9], ids=["numpy", "both", "lists"])
+def few(request, monkeypatch):
+    from torch_shift.engine.spec_decode import suffix
+
+    monkeypatch.setattr(suffix, "FEW", request.param)
+    return request.param
+
+
+def test_ngram_matches_vllms_rule(few):
     assert ngram_proposal(np.array([1, 2, 3, 4, 1, 2, 3]), 2, 2, 2) == [4, 1]
     rng = random.Random(0)
     for _ in range(400):
@@ -140,7 +150,7 @@ def brute_speculate(root: TrieNode, context: list[int], max_depth: int, max_spec
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_suffix_tree_matches_an_explicit_trie(seed):
+def test_suffix_tree_matches_an_explicit_trie(seed, few):
     rng = random.Random(seed)
     depth = rng.choice([4, 8, 24])
     proposer = SuffixProposer(max_depth=depth, max_cached_requests=0, max_spec_factor=rng.choice([0.5, 1.0, 2.0]),
@@ -158,7 +168,7 @@ def test_suffix_tree_matches_an_explicit_trie(seed):
         assert draft.token_ids == expected and draft.score == pytest.approx(score), tokens
 
 
-def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out():
+def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few):
     rng = random.Random(7)
     depth = 8
     tree = GlobalTree(depth, max_cached_requests=5)
@@ -173,6 +183,27 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out():
         expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)
         assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, context)
     assert tree.num_dead <= tree.length  # evicted outputs were compacted away as they accumulated
+
+
+def test_suffix_proposal_takes_the_global_trees_draft_only_where_it_scores_more(few):
+    rng = random.Random(11)
+    depth, k = 8, 6
+    proposer = SuffixProposer(max_depth=depth, max_cached_requests=4, max_spec_factor=1.0, min_token_prob=0.1)
+    outputs = []
+    for i in range(60):
+        if i % 3 == 0:
+            outputs.append([rng.randrange(4) for _ in range(rng.randint(2, 30))])
+            proposer.global_tree.add(outputs[-1])
+        period = rng.randint(2, 5)
+        tokens = [rng.randrange(4) for _ in range(period)] * rng.randint(1, 5) + [rng.randrange(4)
+                                                                                for _ in range(rng.randint(1, 8))]
+        padded = np.full(len(tokens) + depth + 4, PAD, dtype=np.int64)
+        padded[:len(tokens)] = tokens
+        draft = proposer.speculate(padded[:len(tokens)], padded, k)
+        local = brute_speculate(build_trie([tokens], depth), tokens, depth, k, 1.0, 0.1)
+        remote = brute_speculate(build_trie(outputs[-4:], depth), tokens, depth, k, 1.0, 0.1, first_len=2)
+        expected, score = remote if remote[1] > local[1] + 1e-9 else local
+        assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, tokens)
 
 
 # -- the scheduler: blocks under rejections, preemptions and aborts -----------------------------------------

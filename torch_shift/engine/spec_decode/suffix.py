@@ -31,24 +31,54 @@ class Draft:
     token_ids: list[int] = field(default_factory=list)
     score: float = 0.0  # the sum of the tokens' estimated probabilities
     match_len: int = 0
+    scores: list[float] = field(default_factory=list)  # the score after each token
+
+    def add(self, token: int, prob: float) -> None:
+        self.token_ids.append(token)
+        self.score += prob
+        self.scores.append(self.score)
+
+    def cut(self, num_tokens: int) -> Draft:
+        """The draft's first `num_tokens` tokens, scored as a walk that stopped there."""
+        num_tokens = min(num_tokens, len(self.token_ids))
+        return Draft(self.token_ids[:num_tokens], self.scores[num_tokens - 1] if num_tokens else 0.0, self.match_len,
+                     self.scores[:num_tokens])
+
+
+# Occurrences up to which a node's are followed all at once, as a matrix of the tokens around them (and the path
+# walked in Python lists), instead of one token at a time with numpy: numpy's ~1 us a call made proposing 0.1-0.5 ms
+# at batch 1 on the edit work, 5-25% of a step of the default model (docs/performance.md).
+FEW = 32
 
 
 def suffix_matches(tokens: np.ndarray, ends: np.ndarray, context: np.ndarray, first_len: int,
                    max_len: int, min_count: int = 1) -> list[np.ndarray]:
-    """`ends`: the end positions in `tokens` of the context's last `first_len` tokens. Returns, for L = first_len,
-    first_len + 1, ... while at least `min_count` are found (at most `max_len`), the end positions of the
-    context's last L tokens."""
+    """`ends`: the end positions in `tokens` of the context's last `first_len` tokens, in increasing order. Returns,
+    for L = first_len, first_len + 1, ... while at least `min_count` are found (at most `max_len`), the end positions
+    of the context's last L tokens, in increasing order."""
     matches = []
     length = first_len
-    while len(ends) >= min_count:
+    while len(ends) > FEW and len(ends) >= min_count:
         matches.append(ends)
         if length >= max_len:
-            break
+            return matches
         starts = ends - length  # the token before each occurrence
         keep = starts >= 0
         ends, starts = ends[keep], starts[keep]
         ends = ends[tokens[starts] == context[-length - 1]]
         length += 1
+    if len(ends) < min_count:
+        return matches
+    # each remaining occurrence's match length at once: how many of the tokens before it, from the length-th back,
+    # equal the context's (context[-k - 1] for k = length ... max_len - 1), up to the first that does not
+    back = ends[:, None] - np.arange(length, max(length, max_len))[None, :]
+    same = (back >= 0) & (tokens[np.maximum(back, 0)] == context[::-1][length:max(length, max_len)])
+    match_len = length + np.argmin(np.concatenate([same, np.zeros((len(ends), 1), dtype=bool)], axis=1), axis=1)
+    for match in range(length, max(length, max_len) + 1):
+        found = ends if match == length else ends[match_len >= match]
+        if len(found) < min_count:
+            break
+        matches.append(found)
     return matches
 
 
@@ -58,53 +88,74 @@ def grow_path(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_p
     draft = Draft()
     prob = 1.0
     offset = 1
-    while len(draft.token_ids) < max_tokens:
-        if len(ends) == 1:  # one occurrence: the path is what follows it, each token with the same probability
-            end = int(ends[0]) + offset
-            run = tokens[end:end + max_tokens - len(draft.token_ids)].tolist()
-            for token in run:
-                if token == PAD:
-                    break
-                draft.token_ids.append(token)
-                draft.score += prob
-            break
+    while len(draft.token_ids) < max_tokens and len(ends) > FEW:
         following = tokens[ends + offset]
         present = following[following != PAD]
         if len(present) == 0:
-            break
-        if len(present) <= 16:  # most nodes: cheaper in Python than np.unique
-            counts: dict[int, int] = {}
-            for token in present.tolist():
-                counts[token] = counts.get(token, 0) + 1
-            best_count = max(counts.values())
-            best = min(t for t, c in counts.items() if c == best_count)
-        else:
-            values, counts = np.unique(present, return_counts=True)
-            i = int(counts.argmax())  # the first of the most frequent: the smallest token id
-            best, best_count = int(values[i]), int(counts[i])
+            return draft
+        values, counts = np.unique(present, return_counts=True)
+        i = int(counts.argmax())  # the first of the most frequent: the smallest token id
+        best, best_count = int(values[i]), int(counts[i])
         prob *= best_count / len(ends)
         if prob < min_token_prob:
-            break
-        draft.token_ids.append(best)
-        draft.score += prob
+            return draft
+        draft.add(best, prob)
         ends = ends[following == best]
         offset += 1
+    remaining = max_tokens - len(draft.token_ids)
+    if remaining <= 0 or len(ends) == 0:
+        return draft
+    # the tokens after each remaining occurrence, as lists: column j is the path's next token's candidates
+    rows = tokens[ends[:, None] + np.arange(offset, offset + remaining)[None, :]].tolist()
+    for j in range(remaining):
+        if len(rows) == 1:  # one occurrence: the path is what follows it, each token with the same probability
+            for token in rows[0][j:]:
+                if token == PAD:
+                    break
+                draft.add(token, prob)
+            break
+        counts: dict[int, int] = {}
+        for row in rows:
+            token = row[j]
+            if token != PAD:
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
+            break
+        best_count = max(counts.values())
+        best = min(t for t, c in counts.items() if c == best_count)
+        prob *= best_count / len(rows)
+        if prob < min_token_prob:
+            break
+        draft.add(best, prob)
+        rows = [row for row in rows if row[j] == best]
     return draft
 
 
+def path_limit(match_len: int, max_depth: int, max_spec_tokens: int, max_spec_factor: float) -> int:
+    """The most tokens a path below a match of `match_len` tokens may hold (and so the most it can score)."""
+    return min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6), max_depth - match_len)
+
+
 def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, max_depth: int, max_spec_tokens: int,
-               max_spec_factor: float, min_token_prob: float) -> Draft:
-    """The best path over the matched suffix lengths: the highest score, ties to the longer match. Lengths are
-    tried in order of their path's limit, largest first (a score never exceeds its limit, so once a path reaches
-    it the lengths after it are not grown: a repeating context grows one path, not one per length)."""
+               max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
+    """The best path over the matched suffix lengths: the highest score, ties to the longer match; only lengths
+    whose path could score more than `beat` are grown. Lengths are tried in order of their path's limit, largest
+    first (a score never exceeds its limit, so once a path reaches it the lengths after it are not grown: a
+    repeating context grows one path, not one per length)."""
     best = Draft()
-    limits = [(min(max_spec_tokens, int((first_len + i) * max_spec_factor + 1e-6), max_depth - first_len - i),
-               first_len + i, ends) for i, ends in enumerate(matches)]
+    limits = [(path_limit(first_len + i, max_depth, max_spec_tokens, max_spec_factor), first_len + i, ends)
+              for i, ends in enumerate(matches)]
     limits.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    # the matches are nested (each length's occurrences among the shorter one's), so two of the same count are the
+    # same node: its path was walked once, for the largest limit, and a smaller limit only cuts it
+    walked: dict[int, Draft] = {}
     for limit, length, ends in limits:
-        if limit < best.score or (limit == best.score and length < best.match_len) or limit <= 0:
+        if limit <= beat or limit < best.score or (limit == best.score and length < best.match_len):
             continue  # cannot win: its score is at most its limit
-        draft = grow_path(tokens, ends, limit, min_token_prob)
+        path = walked.get(len(ends))
+        if path is None:
+            path = walked[len(ends)] = grow_path(tokens, ends, limit, min_token_prob)
+        draft = path.cut(limit)
         if draft.score > best.score or (draft.score == best.score and draft.token_ids and length > best.match_len):
             draft.match_len = length
             best = draft
@@ -212,11 +263,15 @@ class SuffixProposer:
         # there grows no path, nor does any longer one
         matches = suffix_matches(padded, ends, context, 1, max_len, min_count=2)
         local = best_draft(padded, matches, 1, self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob)
-        if self.global_tree.num_cached == 0:
+        # the global tree's draft replaces the request's own only if it scores more: not searched where none could
+        # (the local path took the most tokens any match allows, each with probability 1: repeated text)
+        ceiling = max((path_limit(n, self.max_depth, max_tokens, self.max_spec_factor) for n in range(2, max_len + 1)),
+                      default=0)
+        if self.global_tree.num_cached == 0 or local.score >= ceiling:
             return local
         tree = self.global_tree
         remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens, self.max_spec_factor,
-                            self.min_token_prob)
+                            self.min_token_prob, beat=local.score)
         return remote if remote.score > local.score else local
 
     def on_finish(self, request, cache: bool) -> None:
