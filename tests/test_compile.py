@@ -135,3 +135,22 @@ def test_compiled_flying_layouts_match_eager(llama):
     for runs, layouts in run_ranks(_compiled_flying_rank, 2, model_dir, timeout_s=600):
         assert runs == [expected, expected]
         assert layouts["tp2@0"] > 0 and layouts["dp@0"] > 0 and layouts["dp@1"] > 0
+
+
+def test_a_forward_the_warm_up_never_ran_keeps_its_guards():
+    import torch
+
+    from torch_shift.compilation import CompiledForward
+
+    class Double(torch.nn.Module):
+        def forward(self, input_ids, positions, attention):
+            return input_ids * 2 + positions
+
+    forward = CompiledForward(Double())
+    forward.seal()
+    assert not forward.sealed  # never ran: sealed, it could run a graph made for another module of its code
+    ids, positions = torch.arange(5), torch.ones(5, dtype=torch.long)
+    assert torch.equal(forward(ids, positions, None), ids * 2 + 1)
+    forward.seal()
+    assert forward.sealed
+    assert torch.equal(forward(ids[:3], positions[:3], None), ids[:3] * 2 + 1)

@@ -66,9 +66,11 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module):
         self._compiled = torch.compile(model, dynamic=True, options=_INDUCTOR_OPTIONS)
         self.sealed = False
+        self._ran = False
 
     def seal(self) -> None:
-        self.sealed = True
+        # a forward the warm-up never ran keeps its guards: sealed, it could run another module's graph of this code
+        self.sealed = self._ran
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         with step_attention(attention):
@@ -78,7 +80,9 @@ class CompiledForward:
             # an unbacked token count: a one-token step reuses the graph instead of specialising on size 1
             torch._dynamo.decorators.mark_unbacked(input_ids, 0)
             torch._dynamo.decorators.mark_unbacked(positions, 0)
-            return self._compiled(input_ids, positions, attention_op)
+            hidden = self._compiled(input_ids, positions, attention_op)
+            self._ran = True
+            return hidden
 
 
 def seal(forwards: Iterable[Callable | None]) -> None:
