@@ -34,6 +34,11 @@ _DTYPES = {
 }
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device an engine runs on: the one given, else CUDA where there is a GPU, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = None) -> torch.dtype:
     """`"auto"`/None takes the checkpoint's dtype (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):

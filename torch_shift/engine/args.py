@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torch_shift.attention import canonical_backend_name
-from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
 from torch_shift.engine.policies import POLICIES, policy_options
 from torch_shift.engine.sampling_params import MAX_SEED
 from torch_shift.engine.spec_decode import SpeculativeConfig
@@ -172,8 +172,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.interconnect_gbps == 0:
             raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.interconnect_gbps is not None and torch.device(device).type == "cuda":
+        if self.interconnect_gbps is not None and resolve_device(self.device).type == "cuda":
             # its transfers wait on a thread of their own and NCCL matches sends by posting order, not by tag
             raise ValueError("interconnect_gbps emulates a link between CPU ranks; it cannot run on a GPU (give "
                              "device='cpu')")
@@ -232,15 +231,14 @@ class EngineArgs:
             return self.compile
         from torch_shift.kernels import compiler
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return (deployment.world_size == 1 and torch.device(device).type == "cpu" and compiler() is not None
+        return (deployment.world_size == 1 and resolve_device(self.device).type == "cpu" and compiler() is not None
                 and model_config.num_parameters >= COMPILE_MIN_PARAMETERS)
 
     def _captures(self, deployment: Deployment) -> bool:
         """cuda_graphs=None: on wherever they can be (one rank on a GPU, the Triton attention backend)."""
         from torch_shift.attention import attention_backend
 
-        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = resolve_device(self.device)
         possible = device.type == "cuda" and deployment.world_size == 1 and len(deployment.layouts) == 1
         if possible:
             try:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_shift.config import resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
 from torch_shift.engine.step_plan import StepPlan
@@ -205,7 +206,7 @@ class Worker:
 
 def _device(config: EngineConfig) -> torch.device:
     """The device the engine was asked for (default: CUDA where there is a GPU)."""
-    return torch.device(config.runner.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return resolve_device(config.runner.device)
 
 
 def _map_host_tier(config: EngineConfig, runtime: ParallelRuntime, num_blocks: int) -> tuple[int, torch.Tensor]:
