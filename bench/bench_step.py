@@ -32,6 +32,7 @@ class Timers:
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self.bytes_read = 0
+        self.skipping = False  # skip_first_step: the next step's figures are dropped
 
     def wrap(self, cls, name: str, part: str, count_bytes: bool = False) -> None:
         original = getattr(cls, name)
