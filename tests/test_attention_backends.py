@@ -188,3 +188,20 @@ def test_backend_names():
         attention_backend("cpu", torch.device("meta"), torch.float32)
     auto = attention_backend("auto", torch.device("cpu"), torch.float32)
     assert auto.name == ("cpu" if cpu_kernels() is not None else "sdpa")
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 64), (8, 2, 128), (8, 8, 32), (8, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_kernel_bf16_prompt_tiles_match_the_reference(heads, kv_heads, head_dim, block_size):
+    """Runs of 64 queries or more in bfloat16 take the AVX512-BF16 dot-product tiles where the CPU has them
+    (probabilities rounded to bfloat16): chunks not aligned to the tiles, rows past a chunk, odd key counts,
+    windows and sinks, against the float64 reference: within twice the rounding of the exact result to bf16."""
+    runs = [(0, 1), (0, 200), (60, 100), (130, 64), (3, 65), (37, 1)]
+    for window, sinks in [(None, None), (50, None), (None, torch.linspace(-2.0, 3.0, heads))]:
+        cache, batch, q, k, v, reference = make_step(runs, heads, kv_heads, head_dim, block_size, torch.bfloat16,
+                                                     window, sinks=sinks, num_layers=1)
+        out = attention_backend("cpu", torch.device("cpu"), torch.bfloat16).build(batch, cache)(0, q, k, v, sinks)
+        error = (out.double() - reference).abs().max()
+        rounding = (reference.bfloat16().double() - reference).abs().max()  # the exact result stored in bf16
+        assert error < 2 * rounding, (window, sinks is not None, error, rounding)

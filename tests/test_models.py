@@ -48,6 +48,23 @@ def test_half_precision_as_close_to_fp32_as_transformers(checkpoints, dtype):
     assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_bf16_long_prompt_as_close_to_fp32_as_transformers(tmp_path):
+    """A bfloat16 prompt of 64 tokens or more (head_dim 32) takes the CPU kernel's dot-product tiles, whose
+    probabilities are rounded to bfloat16: its logits still err from fp32 no more than transformers' do."""
+    hf_model = build_hf_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model_dir = save_checkpoint(hf_model, tmp_path / "head_dim_32")
+    prompt = random_prompts(1, [150])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        hf_half = build_hf_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+        hf_err = (hf_half.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float() - ref).abs().mean()
+    engine = LLMEngine(EngineArgs(str(model_dir), dtype="bfloat16"))
+    got = engine_logits(engine, prompt)  # one chunk of 150 tokens
+    our_err = (got.float() - ref).abs().mean()
+    assert our_err < 1.5 * hf_err, (our_err, hf_err)
+    assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path, checkpoints):
     hf_model, _ = checkpoints("llama_tied")
     model_dir = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="100KB")
