@@ -162,6 +162,25 @@ def test_cpu_kernel_rounds_the_same_whatever_the_block_size_and_the_other_runs()
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (8, 8), (8, 2), (12, 2), (10, 2)])
+def test_cpu_kernel_rounds_a_check_row_as_a_decode_row(dtype, heads, kv_heads):
+    """A run of fewer than 64 queries (the check of proposed tokens) rounds each row bitwise as a decode step at
+    that position does, whatever the group size: greedy output is the same with and without speculation."""
+    cached, n = 150, 17
+    cpu = attention_backend("cpu", torch.device("cpu"), dtype)
+    cache, batch, q, k, v, _ = make_step([(cached, n)], heads, kv_heads, 32, 16, dtype, seed=5)
+    check = cpu.build(batch, cache)(0, q, k, v)
+    for i in range(n):
+        decode = AttentionBatch(num_decodes=1, query_start=np.zeros(1, np.int32), query_len=np.ones(1, np.int32),
+                                num_computed=np.array([cached + i], np.int32), block_table=batch.block_table,
+                                block_table_rows=batch.block_table_rows, tokens_per_block=16,
+                                slot_mapping=batch.slot_mapping[i:i + 1], positions=batch.positions[i:i + 1],
+                                sliding_window=None)
+        assert torch.equal(cpu.build(decode, cache)(0, q[i:i + 1], k[i:i + 1], v[i:i + 1]), check[i:i + 1]), i
+
+
+@needs_kernels
 def test_cpu_kernel_uses_every_thread_and_answers_the_same():
     cache, batch, q, k, v, _ = make_step([(300, 1)] * 9 + [(20, 100)], 16, 4, 64, 16, torch.float32)
     attention = attention_backend("cpu", torch.device("cpu"), torch.float32).build(batch, cache)

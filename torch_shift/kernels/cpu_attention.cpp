@@ -686,22 +686,34 @@ void attend(const Problem& p, const Item& item) {
       for (int64_t r = r0; r < r0 + rows_per_head; ++r)
         chunk_row_scalar<KT, VT>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk);
     } else {
-      // RB query heads of the KV head at a time
-      auto row_blocks = [&](auto rb) {
+      // rows [from, to) RB at a time (a row rounds the same whatever its block: its sums run in the same order)
+      auto row_blocks = [&](auto rb, int64_t from, int64_t to) {
         constexpr int RB = decltype(rb)::value;
-        for (int64_t r = r0; r < r0 + rows_per_head; r += RB) {
+        for (int64_t r = from; r < to; r += RB) {
           if (decode)
             chunk_rows<RB, true>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
           else
             chunk_rows<RB, false>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
         }
       };
-      if (G % 4 == 0)
-        row_blocks(std::integral_constant<int, 4>{});
-      else if (G % 2 == 0)
-        row_blocks(std::integral_constant<int, 2>{});
-      else
-        row_blocks(std::integral_constant<int, 1>{});
+      // rows [from, from + count) in blocks of the largest of 4, 3, 2, 1 that divides count
+      auto divided_blocks = [&](int64_t from, int64_t count) {
+        if (count % 4 == 0)
+          row_blocks(std::integral_constant<int, 4>{}, from, from + count);
+        else if (count % 3 == 0)
+          row_blocks(std::integral_constant<int, 3>{}, from, from + count);
+        else if (count % 2 == 0)
+          row_blocks(std::integral_constant<int, 2>{}, from, from + count);
+        else
+          row_blocks(std::integral_constant<int, 1>{}, from, from + count);
+      };
+      if (decode) {  // the query heads of the KV head (several KV heads' rows interleave in a decode item)
+        divided_blocks(r0, rows_per_head);
+      } else {  // a tile's rows of one KV head: 4 at a time, whatever the group size, then the rest
+        const int64_t bulk = rows_per_head / 4 * 4;
+        row_blocks(std::integral_constant<int, 4>{}, r0, r0 + bulk);
+        if (bulk < rows_per_head) divided_blocks(r0 + bulk, rows_per_head - bulk);
+      }
     }
   };
 
