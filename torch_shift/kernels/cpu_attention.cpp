@@ -362,6 +362,14 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
                 int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
   const int64_t D = rows.head_dim;
   const int64_t DV = D / kLanes;
+  // a tile's rows see keys up to their last row's position (rows are in position order): the chunk's keys
+  // past it only add zeros (a decode row sees the whole chunk)
+  int64_t seen = kChunk;
+  if constexpr (!DECODE) {
+    seen = std::min<int64_t>(rows.hi[r0 + RB - 1] + 1 - chunk, kChunk);
+    if (seen <= 0) return;
+    num_pieces = std::min<int64_t>(num_pieces, (seen + kLanes - 1) / kLanes);
+  }
   vfloat scores[RB][kPieces];
   for (int r = 0; r < RB; ++r)
     for (int s = 0; s < kPieces; ++s) scores[r][s] = vfloat{};
@@ -417,7 +425,8 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     for (int r = 0; r < RB; ++r) out[r] = load16(rows.acc + (r0 + r) * D + dv * kLanes) * correction[r];
     for (int64_t s = 0; s < num_pieces; ++s) {
       const VT* values = pieces[s].values + dv * kLanes;
-      for (int64_t j = 0; j < pieces[s].n; ++j) {
+      const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
+      for (int64_t j = 0; j < n; ++j) {
         const vfloat vv = load16(values + j * value_stride);
         for (int r = 0; r < RB; ++r) out[r] += probs[r][s * kLanes + j] * vv;
       }
