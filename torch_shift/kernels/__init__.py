@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -49,6 +49,12 @@ class CpuKernels:
         self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
         self.packed_gemv.restype = ctypes.c_int
         self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
+        self.rms_norm = lib.ts_rms_norm
+        self.rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, ptr]
+        self.rms_norm.restype = ctypes.c_int
+        self.rotary = lib.ts_rotary
+        self.rotary.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
+        self.rotary.restype = ctypes.c_int
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int | None:

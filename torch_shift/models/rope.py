@@ -7,6 +7,7 @@ import math
 import torch
 
 from torch_shift.config import RopeConfig
+from torch_shift.models.fused import rotary
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -88,6 +89,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        fused = rotary(positions, q, k, self.cos_sin)  # one pass on the CPU where the model runs eagerly
+        if fused is not None:
+            return fused
         cos_sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [2, T, 1, head_dim]
         cos, sin = cos_sin[0], cos_sin[1]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

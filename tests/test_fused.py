@@ -1,0 +1,93 @@
+"""The one-pass CPU kernels for RMSNorm and rotary embeddings (torch_shift.models.fused) against the PyTorch
+expressions they replace in eager models: bitwise, in float32 and bfloat16, for the shapes the models pass."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from torch_shift.config import RopeConfig
+from torch_shift.kernels import compiler
+from torch_shift.models import fused
+from torch_shift.models.decoder import RMSNorm
+from torch_shift.models.rope import RotaryEmbedding, _rotate_half
+
+needs_kernels = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the CPU kernels")
+
+
+def _norm_expression(x, weight, eps):
+    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@needs_kernels
+def test_the_sum_order_of_pytorch_is_found_on_x86():
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert fused._sum_lanes() is not None
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_bitwise_the_expression(dtype):
+    if fused._sum_lanes() is None:
+        pytest.skip("no vector width reproduces PyTorch's sum here")
+    g = torch.Generator().manual_seed(0)
+    for dim in (1, 3, 8, 15, 16, 17, 32, 63, 64, 100, 192, 1000, 1024, 2048, 4096, 5120, 16384):
+        for rows in (1, 2, 7, 64):
+            x = (torch.randn(rows, dim, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(dtype)
+            weight = torch.randn(dim, generator=g).to(dtype)
+            got = fused.rms_norm(x, weight, 1e-6)
+            assert got is not None and torch.equal(got, _norm_expression(x, weight, 1e-6)), (dim, rows)
+    # a q/k norm: [tokens, heads, head_dim] viewed out of a wider qkv row
+    qkv = torch.randn(9, 24 * 32, generator=g).to(dtype)
+    q = qkv[:, 64:64 + 4 * 32].view(9, 4, 32)
+    weight = torch.randn(32, generator=g).to(dtype)
+    assert torch.equal(fused.rms_norm(q, weight, 1e-5), _norm_expression(q, weight, 1e-5))
+    # the module takes the kernel in eager mode and gives the same result
+    module = RMSNorm(192, 1e-5).to(dtype)
+    module.weight.data = torch.randn(192, generator=g).to(dtype)
+    x = torch.randn(5, 192, generator=g).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(module(x), _norm_expression(x, module.weight, 1e-5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bitwise_the_expression(dtype):
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0), 64, 512)
+    qkv = torch.randn(11, (8 + 2 * 2) * 64, generator=g).to(dtype)
+    q, k = qkv[:, :512].view(11, 8, 64), qkv[:, 512:640].view(11, 2, 64)  # strided views, as the model splits
+    positions = torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 64, 65, 3])
+    got = fused.rotary(positions, q, k, rope.cos_sin)
+    assert got is not None
+    cos_sin = rope.cos_sin[:, positions].to(dtype).unsqueeze(2)
+    cos, sin = cos_sin[0], cos_sin[1]
+    assert torch.equal(got[0], q * cos + _rotate_half(q) * sin)
+    assert torch.equal(got[1], k * cos + _rotate_half(k) * sin)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k), got, strict=True))
+    with pytest.raises(IndexError, match="rotary table"):
+        fused.rotary(torch.tensor([512] * 11), q, k, rope.cos_sin)
+
+
+@needs_kernels
+def test_the_kernels_step_aside_where_they_do_not_apply():
+    x = torch.randn(3, 16)
+    assert fused.rms_norm(x.half(), torch.ones(16).half(), 1e-6) is None  # float16: the expression
+    assert fused.rms_norm(x.requires_grad_(), torch.ones(16), 1e-6) is None  # autograd: the expression
+    assert fused.rms_norm(torch.randn(16), torch.ones(16), 1e-6) is None  # one dimension
+    assert fused.rms_norm(torch.randn(16, 3).t(), torch.ones(16), 1e-6) is None  # last dimension strided
+    q = torch.randn(2, 4, 16)
+    assert fused.rotary(torch.tensor([0, 1]), q, q.half(), torch.randn(2, 8, 16)) is None  # dtypes differ
+    assert fused.rotary(torch.tensor([0, 1]), q, q, torch.randn(2, 8, 16).double()) is None  # table not float32
+
+    calls = []
+
+    def traced(x, weight):
+        calls.append(fused.rms_norm(x, weight, 1e-6))
+        return x
+
+    torch.compile(traced, backend="eager", fullgraph=True)(torch.randn(2, 8), torch.ones(8))
+    assert calls == [None]  # under torch.compile the model keeps the expression, which inductor fuses

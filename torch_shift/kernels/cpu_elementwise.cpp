@@ -1,0 +1,206 @@
+// RMSNorm and rotary embeddings in one pass each, for models run eagerly on the CPU (a rank of a parallel layout,
+// or a model below the size that is compiled): the PyTorch expressions take 9 (RMSNorm) and 7 per tensor (rotary)
+// operators, each a pass over the activations and 2-5 us of dispatch at a decode step (docs/performance.md).
+// Compiled forwards keep the expressions, which inductor fuses.
+//
+// Both round exactly as the expressions do in the tensor's dtype: rotary's products and sum each rounded,
+// RMSNorm's sum of squares added in the order of PyTorch's own reduction (sum_of_squares), so their results are
+// bitwise the expressions'.
+//
+// Entry points are extern "C" with raw pointers and strides (called through ctypes), as cpu_attention.cpp's.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// every product and sum rounds on its own, as PyTorch's separate operators do (no fused multiply-add)
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace {
+
+using bf16_t = uint16_t;
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float -> T, rounding to nearest even as torch's conversion to bfloat16 does
+template <typename T>
+inline T from_float(float v);
+template <>
+inline float from_float<float>(float v) {
+  return v;
+}
+template <>
+inline bf16_t from_float<bf16_t>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16_t>(bits >> 16);
+}
+
+// a value rounded to T and back: the result of an operator in dtype T
+template <typename T>
+inline float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// The sum of a row's squares in the order of PyTorch's CPU sum (aten/src/ATen/native/cpu/SumKernel.cpp,
+// `vectorized_inner_sum` / `scalar_inner_sum`), so that RMSNorm rounds exactly as `x.pow(2).mean(-1)` does: the row
+// as vectors of `lanes` floats (Vectorized<float>::size(): 16 with AVX-512, 8 with AVX2; 1 where the row is
+// shorter), four interleaved accumulators (its ILP factor) over blocks of 16 vectors each, their block sums
+// cascaded (`multi_row_sum`'s levels), the four added, then the lanes in order after the row's scalar tail.
+constexpr int kMaxLanes = 16;
+constexpr int kIlp = 4;
+constexpr int kLevels = 4;
+
+template <typename T>
+float sum_of_squares(const T* row, int64_t dim, int64_t lanes) {
+  if (dim < lanes) lanes = 1;
+  const int64_t vectors = dim / lanes;
+  const int64_t groups = vectors / kIlp;  // multi_row_sum's rows: kIlp vectors each
+  int64_t ceil_log2 = 1;
+  if (groups > 2) {
+    ceil_log2 = 0;
+    while ((int64_t(1) << ceil_log2) < groups) ++ceil_log2;
+  }
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][kIlp][kMaxLanes] = {};
+  auto add_group = [&](int64_t g) {
+    for (int k = 0; k < kIlp; ++k)
+      for (int64_t l = 0; l < lanes; ++l) {
+        const float v = to_float(row[(g * kIlp + k) * lanes + l]);
+        acc[0][k][l] += v * v;
+      }
+  };
+  int64_t g = 0;
+  while (g + level_step <= groups) {
+    for (int64_t j = 0; j < level_step; ++j, ++g) add_group(g);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int64_t l = 0; l < lanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((g & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; g < groups; ++g) add_group(g);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = groups * kIlp; v < vectors; ++v)  // row_sum's tail of vectors
+    for (int64_t l = 0; l < lanes; ++l) {
+      const float x = to_float(row[v * lanes + l]);
+      acc[0][0][l] += x * x;
+    }
+  for (int k = 1; k < kIlp; ++k)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.0f;
+  for (int64_t d = vectors * lanes; d < dim; ++d) {  // the scalar tail, then the lanes
+    const float x = to_float(row[d]);
+    sum += x * x;
+  }
+  for (int64_t l = 0; l < lanes; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+// row r = (o, i): x[o * outer_stride + i * inner_stride + d], out[(o * inner + i) * dim + d]
+template <typename T>
+void rms_norm(const T* x, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride, int64_t dim,
+              const T* weight, float eps, int64_t lanes, T* out) {
+  const int64_t rows = outer * inner;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(dim, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + (r / inner) * outer_stride + (r % inner) * inner_stride;
+      const float scale = 1.0f / std::sqrt(sum_of_squares(row, dim, lanes) / static_cast<float>(dim) + eps);
+      T* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d)  // weight * (x * scale).to(dtype), in dtype
+        o[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(row[d]) * scale));
+    }
+  });
+}
+
+// x [tokens, heads, dim] (strides token_stride, head_stride; dimension stride 1) rotated by its token's position:
+// x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]); cos_sin [2, positions, dim] float32,
+// rounded to T first (as `.to(dtype)`). out [tokens, heads, dim] contiguous.
+template <typename T>
+void rotate(const T* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride, int64_t dim,
+            const int64_t* positions, const float* cos_sin, int64_t table_positions, T* out) {
+  const int64_t half = dim / 2;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_sin + positions[t] * dim;
+      const float* sin = cos + table_positions * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* v = x + t * token_stride + h * head_stride;
+        T* o = out + (t * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float rotated = d < half ? -to_float(v[d + half]) : to_float(v[d - half]);
+          const float a = round_to<T>(to_float(v[d]) * round_to<T>(cos[d]));
+          const float b = round_to<T>(rotated * round_to<T>(sin[d]));
+          o[d] = from_float<T>(a + b);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16 (x, weight and out alike); lanes: PyTorch's float vector width (sum_of_squares).
+// Returns 0, or -1 / -2 for lanes out of range / another dtype.
+int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride,
+                int64_t dim, const void* weight, float eps, int64_t lanes, void* out) {
+  if (lanes < 1 || lanes > kMaxLanes) return -1;
+  switch (dtype) {
+    case 0:
+      rms_norm(static_cast<const float*>(x), outer, inner, outer_stride, inner_stride, dim,
+               static_cast<const float*>(weight), eps, lanes, static_cast<float*>(out));
+      return 0;
+    case 1:
+      rms_norm(static_cast<const bf16_t*>(x), outer, inner, outer_stride, inner_stride, dim,
+               static_cast<const bf16_t*>(weight), eps, lanes, static_cast<bf16_t*>(out));
+      return 0;
+    default: return -2;
+  }
+}
+
+// dtype as ts_rms_norm's; positions int64 [tokens]. Returns 0, or -1 / -2 / -3 for an odd dim / another dtype /
+// a position outside the table.
+int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t head_stride,
+              int64_t dim, const int64_t* positions, const float* cos_sin, int64_t table_positions, void* out) {
+  if (dim % 2 != 0) return -1;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= table_positions) return -3;
+  switch (dtype) {
+    case 0:
+      rotate(static_cast<const float*>(x), tokens, heads, token_stride, head_stride, dim, positions, cos_sin,
+             table_positions, static_cast<float*>(out));
+      return 0;
+    case 1:
+      rotate(static_cast<const bf16_t*>(x), tokens, heads, token_stride, head_stride, dim, positions, cos_sin,
+             table_positions, static_cast<bf16_t*>(out));
+      return 0;
+    default: return -2;
+  }
+}
+
+}  // extern "C"

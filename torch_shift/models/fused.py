@@ -1,0 +1,98 @@
+"""RMSNorm and rotary embeddings in one pass each through the CPU kernels (kernels/cpu_elementwise.cpp), where a
+model runs eagerly on the CPU: a rank of a parallel layout, or a model below the size the engine compiles. The
+PyTorch expressions take 9 operators (RMSNorm) and 7 per tensor (rotary), each a pass over the activations and a
+few microseconds of dispatch at a decode step. Under torch.compile the model keeps the expressions, which inductor
+fuses. Each function returns None where its kernel does not apply (another device or dtype, autograd, no
+compiler), and the caller computes the expression.
+
+Both results are bitwise the expressions': rotary rounds each product and sum as the operators do, and RMSNorm
+adds its squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine
+(where none does, RMSNorm keeps the expression).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from torch_shift.kernels import CpuKernels, cpu_kernels
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
+
+
+@cache
+def _sum_lanes() -> int | None:
+    """The vector width (floats) with which the kernel adds a row's squares in the order of PyTorch's CPU sum, found
+    by trying it against `x.pow(2).mean(-1)` on rows of several lengths (8 on x86: PyTorch's sum kernel runs its
+    AVX2 build on AVX-512 CPUs too); None if no width reproduces it, and RMSNorm keeps the expression."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randn(4, dim, generator=generator) * torch.rand(4, 1, generator=generator) * 8
+            for dim in (5, 8, 17, 64, 192, 1000, 4100)]
+    for lanes in (8, 16, 4):
+        for x in rows:
+            weight = torch.randn(x.shape[-1], generator=generator)
+            expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            if not torch.equal(_rms_norm(kernels, x, weight, 1e-6, lanes), expected):
+                break
+        else:
+            return lanes
+    return None
+
+
+def _kernels(x: torch.Tensor) -> CpuKernels | None:
+    if (x.device.type != "cpu" or x.dtype not in _DTYPE_CODES or torch.compiler.is_compiling()
+            or (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    return cpu_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension (in float32), for x of 2 or 3
+    dimensions whose last is contiguous: [tokens, hidden], or [tokens, heads, head_dim] (a q/k norm)."""
+    kernels = _kernels(x)
+    if (kernels is None or x.dim() not in (2, 3) or x.stride(-1) != 1 or weight.dtype != x.dtype
+            or not weight.is_contiguous() or weight.shape != x.shape[-1:] or weight.device != x.device
+            or (weight.requires_grad and torch.is_grad_enabled()) or x.shape[-1] >= _SPLIT_ROW):
+        return None
+    lanes = _sum_lanes()
+    return None if lanes is None else _rms_norm(kernels, x, weight, eps, lanes)
+
+
+def _rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype)
+    inner, inner_stride = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    status = kernels.rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], inner, x.stride(0), inner_stride,
+                              x.shape[-1], weight.data_ptr(), eps, lanes, out.data_ptr())
+    assert status == 0, (status, x.dtype)
+    return out
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`x * cos + rotate_half(x) * sin` for q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], cos and
+    sin the rows of `cos_sin` ([2, positions, head_dim], float32) at each token's position, rounded to x's dtype."""
+    kernels = _kernels(q)
+    if (kernels is None or k.dtype != q.dtype or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1
+            or k.stride(-1) != 1 or q.shape[-1] % 2 or k.shape[-1] != q.shape[-1] or cos_sin.dtype != torch.float32
+            or not cos_sin.is_contiguous() or cos_sin.shape[-1] != q.shape[-1] or cos_sin.device != q.device
+            or positions.shape != q.shape[:1] or positions.device != q.device
+            or (k.requires_grad and torch.is_grad_enabled())):
+        return None
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    rotated = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        status = kernels.rotary(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+                                x.shape[2], positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[1],
+                                out.data_ptr())
+        if status == -3:
+            raise IndexError(f"a position is outside the rotary table of {cos_sin.shape[1]} positions")
+        assert status == 0, (status, x.dtype)
+        rotated.append(out)
+    return rotated[0], rotated[1]
