@@ -91,3 +91,20 @@ def test_the_kernels_step_aside_where_they_do_not_apply():
 
     torch.compile(traced, backend="eager", fullgraph=True)(torch.randn(2, 8), torch.ones(8))
     assert calls == [None]  # under torch.compile the model keeps the expression, which inductor fuses
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs(dtype):
+    """The first of equal maxima, the first NaN where a row has one, the first of a row of -inf; any width and row
+    stride (logits sliced to the vocabulary)."""
+    g = torch.Generator().manual_seed(2)
+    for cols in (1, 5, 16, 17, 100, 3072, 8195):
+        x = torch.randn(9, cols + 3, generator=g).to(dtype)[:, :cols]
+        x[1] = x[1].round()  # many ties
+        x[2] = float("-inf")
+        x[3, cols // 2] = float("nan")
+        x[4, -1] = float("nan")
+        x[5] = 0.0
+        x[6, :: max(cols // 3, 1)] = 1e4  # equal maxima in several lanes
+        assert torch.equal(fused.argmax(x), x.argmax(dim=-1)), cols

@@ -13,6 +13,7 @@ import torch
 
 from torch_shift.engine.request import Request
 from torch_shift.engine.structured_output import grammar_mask
+from torch_shift.models.fused import argmax
 
 _NEG_INF = float("-inf")
 
@@ -49,7 +50,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] for the position after each request's last token."""
         if all(r.draws_argmax for r in requests):
-            return SamplerOutput(logits[:, : self.vocab_size].argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(requests))
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]
@@ -69,7 +70,7 @@ class Sampler:
             logits[constrained] = logits[constrained].masked_fill(~allowed, _NEG_INF)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         else:
             sampled = self._sample(logits, requests, greedy)
 
@@ -168,7 +169,7 @@ class Sampler:
             uniform[torch.tensor(seeded, device=device)] = draws[:, None].to(device)
         sampled = inverse_cdf(probs, uniform)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(torch.tensor(greedy, device=device), argmax(logits), sampled)
         return sampled
 
 

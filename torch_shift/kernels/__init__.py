@@ -55,6 +55,9 @@ class CpuKernels:
         self.rotary = lib.ts_rotary
         self.rotary.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
         self.rotary.restype = ctypes.c_int
+        self.argmax = lib.ts_argmax
+        self.argmax.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+        self.argmax.restype = ctypes.c_int
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int | None:
