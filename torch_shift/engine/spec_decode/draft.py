@@ -26,6 +26,7 @@ from torch_shift.config import ModelConfig
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.decoder import DecoderLM
+from torch_shift.models.fused import argmax
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import load_model
@@ -214,7 +215,7 @@ class DraftModelProposer:
         self.num_forwards += 1
         if not len(logits_indices):
             return []
-        next_tokens = self.model.compute_logits(hidden[tensor(logits_indices)]).argmax(dim=-1).tolist()
+        next_tokens = argmax(self.model.compute_logits(hidden[tensor(logits_indices)])).tolist()
         # back to the callers' order of runs
         wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]
