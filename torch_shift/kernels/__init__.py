@@ -1,11 +1,11 @@
 """C++ kernels for the CPU, compiled on first use with the machine's C++ compiler and cached on disk.
 
 The sources ship in this package. They need only torch's headers (ATen/Parallel.h, for torch's own
-intra-op threads) and compile in about 10 s on 2 cores (one compiler per source); the library is cached under
-`$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by the source, torch's version, the
-compiler and this CPU's instruction set, so a machine builds it once. Ranks started together build it once
-between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once, and
-the callers keep their pure-PyTorch paths.
+intra-op threads) and compile in about 12 s, one compiler per source (the attention kernel's 10 s is the
+longest); the library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by
+the source, torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks
+started together build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns
+None and says why once, and the callers keep their pure-PyTorch paths.
 """
 
 from __future__ import annotations
