@@ -108,3 +108,42 @@ def test_argmax_is_torchs(dtype):
         x[5] = 0.0
         x[6, :: max(cols // 3, 1)] = 1e4  # equal maxima in several lanes
         assert torch.equal(fused.argmax(x), x.argmax(dim=-1)), cols
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_the_kernels_build_and_agree_without_native_flags(tmp_path):
+    """Where the compiler does not know this CPU (-march=native fails), the library is built for the baseline
+    instruction set, its AVX-512 paths chosen at run time: it must build and answer as the native build does
+    (bitwise where no multiply-add contraction can differ: RMSNorm and argmax; attention against the reference)."""
+    from pathlib import Path
+
+    from test_attention_backends import TOLERANCE, make_step
+
+    import torch_shift.kernels as kernels_module
+    from torch_shift.attention.cpu import CpuBackend
+    from torch_shift.kernels import CpuKernels, cpu_kernels
+
+    sources = [Path(kernels_module.__file__).parent / name for name in kernels_module._SOURCES]
+    error = kernels_module._compile_and_link(compiler(), sources, tmp_path / "libbaseline.so", native=False)
+    assert error is None, error
+    baseline, native = CpuKernels(tmp_path / "libbaseline.so"), cpu_kernels()
+    assert baseline.packed_gemv_dtypes == native.packed_gemv_dtypes
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 300, generator=g).to(dtype)
+        weight = torch.randn(300, generator=g).to(dtype)
+        lanes = fused._sum_lanes() or 8
+        norms = [fused._rms_norm(kernels, x, weight, 1e-6, lanes) for kernels in (baseline, native)]
+        assert torch.equal(norms[0], norms[1])
+        out = [torch.empty(5, dtype=torch.int64) for _ in range(2)]
+        for kernels, o in zip((baseline, native), out, strict=True):
+            assert kernels.argmax(fused._DTYPE_CODES[dtype], x.data_ptr(), 5, 300, 300, o.data_ptr()) == 0
+        assert torch.equal(out[0], out[1])
+        # paged attention (decodes, a check, a prompt of 70 queries: in bf16 the dot-product tiles) against the
+        # float64 reference; the two builds round differently where the native one contracts into multiply-adds
+        cache, batch, q, k, v, reference = make_step([(0, 1), (90, 1), (40, 9), (5, 70)], 16, 4, 64, 16, dtype,
+                                                     num_layers=1)
+        for kernels in (baseline, native):
+            out = CpuBackend(kernels).build(batch, cache)(0, q, k, v)
+            assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * max(1.0, reference.abs().max())
