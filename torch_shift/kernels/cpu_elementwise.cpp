@@ -1,7 +1,7 @@
 // RMSNorm and rotary embeddings in one pass each, for models run eagerly on the CPU (a rank of a parallel layout,
 // or a model below the size that is compiled): the PyTorch expressions take 9 (RMSNorm) and 7 per tensor (rotary)
 // operators, each a pass over the activations and 2-5 us of dispatch at a decode step (docs/performance.md).
-// Compiled forwards keep the expressions, which inductor fuses.
+// Compiled forwards keep the expressions, which inductor fuses. Also the sampler's row argmax (argmax_rows).
 //
 // Both round exactly as the expressions do in the tensor's dtype: rotary's products and sum each rounded,
 // RMSNorm's sum of squares added in the order of PyTorch's own reduction (sum_of_squares), so their results are
