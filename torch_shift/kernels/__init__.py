@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp")
+_HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -131,7 +132,7 @@ def _build(sources_dir: Path) -> Path:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((sources_dir / name).read_bytes())
     flags = " ".join(_compile_flags(native=True) + _link_flags())
     for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine()):

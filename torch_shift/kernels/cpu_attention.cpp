@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -42,12 +44,8 @@ constexpr int kChunk = kPieces * kLanes;
 static_assert(kPieces == 4, "chunk_rows dispatches on 1 to 4 pieces");
 constexpr int kRowsConvertedOnce = 4;  // more rows of a KV head than this: convert its chunk to float32 once
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t vhalfbits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+static_assert(sizeof(vfloat) == kLanes * sizeof(float), "a vector is a piece of keys");
 
-using bf16_t = uint16_t;
 #if defined(__FLT16_MAX__)
 #define TS_HAVE_FP16 1
 using fp16_t = _Float16;
@@ -56,40 +54,9 @@ inline float to_float(fp16_t v) { return static_cast<float>(v); }
 inline void store(float v, fp16_t* out) { *out = static_cast<fp16_t>(v); }
 #endif
 
-inline float to_float(float v) { return v; }
-inline float to_float(bf16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 inline void store(float v, float* out) { *out = v; }
-inline void store(float v, bf16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<bf16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even (as torch's conversion)
-  *out = static_cast<bf16_t>(bits >> 16);
-}
+inline void store(float v, bf16_t* out) { *out = to_bf16(v); }
 
-// 16 consecutive values as float32
-inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vfloat load16(const bf16_t* p) {
-  vhalfbits h;
-  std::memcpy(&h, p, sizeof h);
-  vuint w = __builtin_convertvector(h, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
 #ifdef TS_HAVE_FP16
 inline vfloat load16(const fp16_t* p) {
   vfp16 h;

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
+
 // every product and sum rounds on its own, as PyTorch's separate operators do (no fused multiply-add)
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -24,16 +26,6 @@
 #endif
 
 namespace {
-
-using bf16_t = uint16_t;
-
-inline float to_float(float v) { return v; }
-inline float to_float(bf16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // float -> T, rounding to nearest even as torch's conversion to bfloat16 does
 template <typename T>
@@ -44,11 +36,7 @@ inline float from_float<float>(float v) {
 }
 template <>
 inline bf16_t from_float<bf16_t>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<bf16_t>(bits >> 16);
+  return to_bf16(v);
 }
 
 // a value rounded to T and back: the result of an operator in dtype T
@@ -165,25 +153,6 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t token_stride, int
 // has one. Lanes keep their own best (the first, by a strict comparison), then the lanes are merged by value and
 // index: one pass over the row, which PyTorch's CPU argmax walks one element at a time (0.46 ms for a row of 128k
 // bfloat16 logits, docs/performance.md).
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vhalfbits __attribute__((vector_size(32)));
-
-inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vfloat load16(const bf16_t* p) {
-  vhalfbits h;
-  std::memcpy(&h, p, sizeof h);
-  const vuint w = __builtin_convertvector(h, vuint) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
 template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 262144 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {

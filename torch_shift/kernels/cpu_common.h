@@ -1,0 +1,50 @@
+// What the CPU kernels share: bfloat16 <-> float32 as torch converts them, and 16 floats as one vector (GCC/Clang
+// vector extensions: one 512-bit register with AVX-512, two 256-bit ones with AVX2, four 128-bit ones on NEON).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using bf16_t = uint16_t;
+
+typedef float vfloat __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(16 * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(16 * sizeof(uint32_t))));
+typedef uint16_t vhalfbits __attribute__((vector_size(16 * sizeof(uint16_t))));
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// float -> bfloat16, rounding to nearest even as torch's conversion does; NaN stays NaN
+inline bf16_t to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16_t>(bits >> 16);
+}
+
+// 16 consecutive values as float32
+inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vfloat load16(const bf16_t* p) {
+  vhalfbits h;
+  std::memcpy(&h, p, sizeof h);
+  const vuint w = __builtin_convertvector(h, vuint) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+}  // namespace
