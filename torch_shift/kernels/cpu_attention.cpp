@@ -621,8 +621,9 @@ void attend(const Problem& p, const Item& item) {
   float* copied_values = copied_keys + kChunk * D;  // [kChunk][D]
 #ifdef TS_BF16_DOT
   const int64_t DV = D / kLanes;
+  // (pieces read in place: blocks of whole pieces)
   const bool dot = std::is_same<T, bf16_t>::value && (D == 32 || D == 64 || D == 128) &&
-                   p.query_len[item.run] >= kDotMinQueries && bf16_dot_supported();
+                   p.block_size % kLanes == 0 && p.query_len[item.run] >= kDotMinQueries && bf16_dot_supported();
   uint32_t* query_pairs = reinterpret_cast<uint32_t*>(copied_values + kChunk * D);  // [rows][D / 2]
   __m512i* key_pairs = reinterpret_cast<__m512i*>(
       (reinterpret_cast<uintptr_t>(query_pairs + kMaxRows * D / 2) + 63) & ~uintptr_t(63));  // [kPieces][D / 2]
@@ -631,10 +632,12 @@ void attend(const Problem& p, const Item& item) {
   for (int64_t m = 0; m < rows.count; ++m) {
     const int64_t i = m / (NH * G), head = item.first_kv_head * G + m % (NH * G);
     const T* src = q + (row0 + i) * p.q_row_stride + head * p.q_head_stride;
-    for (int64_t d = 0; d < D; ++d) rows.q[m * D + d] = to_float(src[d]) * p.scale;
 #ifdef TS_BF16_DOT
-    if (dot) std::memcpy(query_pairs + m * D / 2, src, D * sizeof(T));
+    if (dot)  // the dot-product tiles read the queries in pairs, unscaled
+      std::memcpy(query_pairs + m * D / 2, src, D * sizeof(T));
+    else
 #endif
+      for (int64_t d = 0; d < D; ++d) rows.q[m * D + d] = to_float(src[d]) * p.scale;
     std::fill(rows.acc + m * D, rows.acc + (m + 1) * D, 0.0f);
     // a sink starts the online softmax as a key seen first, with score sinks[head] and a zero value
     rows.max[m] = p.sinks ? p.sinks[head] : -INFINITY;
