@@ -61,7 +61,8 @@ def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
 
 
 def check_engine(device: str, model_dir: str) -> None:
-    """Greedy tokens with the Triton backend equal the SDPA backend's, chunked prompts and preemption included."""
+    """Greedy tokens with the Triton backend equal the SDPA backend's, chunked prompts and preemption included; decode
+    steps through the CUDA graphs' static inputs too, with the model eager and compiled."""
     from conftest import random_prompts
 
     from torch_shift import LLM, SamplingParams
@@ -71,11 +72,12 @@ def check_engine(device: str, model_dir: str) -> None:
     args = {"device": device, "max_num_batched_tokens": 24, "num_kv_blocks": 40, "block_size": 4,
             "max_model_len": 96}
     outputs = {}
-    for name, backend in (("sdpa", "sdpa"), ("triton", "triton"), ("static", "triton")):
-        llm = LLM(model_dir, attention_backend=backend, **args)
+    engines = (("sdpa", "sdpa"), ("triton", "triton"), ("static", "triton"), ("static compiled", "triton"))
+    for name, backend in engines:
+        llm = LLM(model_dir, attention_backend=backend, compile=name == "static compiled", **args)
         if name == "triton" and device == "cpu":  # the start-up step a GPU runs (blocks 0 and 1 written, then reused)
             llm.engine.runner._warm_up_attention()
-        if name == "static":  # decode steps through the CUDA graphs' static inputs (run eagerly where not captured)
+        if name.startswith("static"):  # decode steps through the CUDA graphs' static inputs (eager where not captured)
             from torch_shift.engine.cuda_graphs import DecodeGraphs
 
             runner = llm.engine.runner
@@ -85,9 +87,9 @@ def check_engine(device: str, model_dir: str) -> None:
                 runner.graphs.buckets = [2, 4, 8]  # steps of 1-8 decodes, padded
             assert runner.graphs is not None
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        if name == "static":
+        if name.startswith("static"):
             assert llm.engine.runner.graphs.num_replays >= params.max_tokens - 1
-    assert outputs["triton"] == outputs["sdpa"] == outputs["static"]
+    assert outputs["triton"] == outputs["sdpa"] == outputs["static"] == outputs["static compiled"]
 
 
 def _interpreted(code: str) -> None:

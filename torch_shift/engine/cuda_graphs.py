@@ -31,6 +31,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    # the static inputs are inference tensors, as every step's inputs are: a compiled forward guards on it
+    @torch.inference_mode()
     def __init__(self, model: LayoutModel, layout: Layout, kv_cache: KVCache, max_num_seqs: int,
                  max_model_len: int, sliding_window: int | None):
         device = kv_cache.device
@@ -70,10 +72,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        assert self.kv_cache.device.type == "cuda"
         """Capture every bucket, largest first, in one memory pool. The static inputs hold no query (query counts
         0, slots -1): the warm-up run before each capture (which compiles the Triton kernels outside it) and
         the captured run touch no KV block."""
+        assert self.kv_cache.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle()
         for rows in reversed(self.buckets):
             self._forward(rows)
