@@ -30,6 +30,7 @@ MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hid
              dtype="bfloat16")
 CONFIGS = {
     "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True},
+    "triton+graphs+compile": {"attention_backend": "triton", "cuda_graphs": True, "compile": True},
     "triton eager": {"attention_backend": "triton", "cuda_graphs": False},
     "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False},
 }
@@ -82,7 +83,48 @@ def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
-def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline) -> dict:
+def profile_decode(llm, prompts, steps: int) -> dict:
+    """Where a decode step's time goes: its wall time against the GPU's busy time (the sum of its kernels'
+    times, from the profiler; a generation of `steps` + 1 tokens minus one of 1 token), the kernels a step
+    launches, the heaviest kernels, and the heaviest Python functions (cProfile) of the same generation."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch_shift import SamplingParams
+
+    def run(max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+
+    totals = {}
+    for max_tokens in (1, steps + 1):
+        run(max_tokens)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            run(max_tokens)
+            wall = time.perf_counter() - start
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        totals[max_tokens] = (wall, sum(e.device_time for e in kernels) / 1e6, len(kernels), prof)
+    wall = (totals[steps + 1][0] - totals[1][0]) / steps
+    busy = (totals[steps + 1][1] - totals[1][1]) / steps
+    launched = (totals[steps + 1][2] - totals[1][2]) / steps
+    table = totals[steps + 1][3].key_averages().table(sort_by="self_device_time_total", row_limit=12)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run(steps + 1)
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+    return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched,
+            "kernel_table": table, "python_profile": stream.getvalue()}
+
+
+def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
+                   profile_batches: tuple[int, ...] = ()) -> dict:
     from torch_shift import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -123,6 +165,8 @@ def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: di
     result["offline_tok_per_s"] = OFFLINE_REQUESTS * OFFLINE_NEW / offline_s
     result["offline_token_ids"] = [list(o.outputs[0].token_ids) for o in outs[:16]]
     result["steps_by_layout"] = llm.stats()["steps_by_layout"]
+    for batch in profile_batches:
+        result[f"profile_b{batch}"] = profile_decode(llm, prompts_of([DECODE_PROMPT] * batch, vocab, batch), 32)
     llm.shutdown()
     return result
 
@@ -157,6 +201,26 @@ def measure_transformers(model_dir: Path, offline, batches: list[int]) -> dict:
     return result
 
 
+def planner_rows(model_dir: Path, engine: dict) -> list[dict]:
+    """The planner's one-step predictions from a calibration of this GPU (`torch-shift calibrate --device
+    cuda`) beside the steps measured for one engine configuration."""
+    from torch_shift.planner import Layout, ModelShape, Seq, step_cost
+    from torch_shift.planner.calibrate import calibrate
+
+    hw = calibrate(device="cuda", world=1, dtypes=("bf16",), log=log)
+    shape = ModelShape.from_pretrained(model_dir)
+    rows = []
+    context = DECODE_PROMPT + DECODE_STEPS // 2
+    steps = [(f"decode, batch {b}, context {context}", [Seq(1, context)] * b, engine[f"tpot_b{b}_s"])
+             for b in DECODE_BATCHES]
+    steps.append((f"prefill, 1 x {PREFILL_TOKENS - 1} tokens", [Seq(PREFILL_TOKENS - 1)], engine["prefill_s"]))
+    for name, seqs, measured in steps:
+        cost = step_cost(shape, hw, Layout("tp", tp=1), seqs)
+        rows.append({"step": name, "measured_s": measured, "predicted_s": cost.total_s,
+                     "predicted_overhead_s": cost.overhead_s})
+    return rows
+
+
 def common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     """The mean number of leading tokens two runs' outputs share."""
     lengths = []
@@ -173,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--hf-batches", default=",".join(map(str, HF_BATCHES)),
                         help="transformers.generate's batch sizes tried (empty: not run)")
+    parser.add_argument("--profile", default="", help="decode batch sizes to profile (e.g. 1,64): a step's wall "
+                        "time against its GPU time, its kernels and the Python functions that take the most time")
+    parser.add_argument("--planner", action="store_true", help="calibrate the planner on this GPU and compare "
+                        "its one-step predictions with the first configuration's measured steps")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -198,14 +266,24 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs.split(","):
             log(f"torch_shift {name}")
             try:
-                report["engines"][name] = measure_engine(model_dir, CONFIGS[name], numbers, limits, offline)
+                report["engines"][name] = measure_engine(model_dir, CONFIGS[name], numbers, limits, offline,
+                                                         tuple(int(b) for b in args.profile.split(",") if b))
             except Exception:  # the other configurations still run; the failure is printed whole
                 traceback.print_exc()
                 continue
             finally:  # the engine's memory back before the next one sizes its KV cache
                 gc.collect()
                 torch.cuda.empty_cache()
-            log(json.dumps({k: v for k, v in report["engines"][name].items() if k != "offline_token_ids"}))
+            result = report["engines"][name]
+            log(json.dumps({k: v for k, v in result.items()
+                            if k != "offline_token_ids" and not k.startswith("profile")}))
+            for key in [k for k in result if k.startswith("profile")]:
+                p = result[key]
+                log(f"{name} {key}: wall {p['wall_per_step_s'] * 1e3:.3f} ms a step, GPU busy "
+                    f"{p['gpu_busy_per_step_s'] * 1e3:.3f} ms, {p['kernels_per_step']:.0f} kernels\n"
+                    f"{p['kernel_table']}\n{p['python_profile']}")
+        if args.planner and report["engines"]:
+            report["planner"] = planner_rows(model_dir, next(iter(report["engines"].values())))
         if args.hf_batches:
             report["transformers"] = measure_transformers(model_dir, offline,
                                                           [int(b) for b in args.hf_batches.split(",")])
@@ -229,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     if hf:
         print(f"transformers.generate: {hf:.0f} tok/s at its best batch size "
               f"({', '.join(f'{k}: {v:.0f}' for k, v in report['transformers'].items() if k.endswith('tok_per_s'))})")
+    if "planner" in report:
+        print(f"planner (calibrated on this GPU) against {next(iter(report['engines']))}: step | measured ms | "
+              "predicted ms (of it engine overhead) | error")
+        for row in report["planner"]:
+            print(f"  {row['step']} | {row['measured_s'] * 1e3:.2f} | {row['predicted_s'] * 1e3:.2f} "
+                  f"({row['predicted_overhead_s'] * 1e3:.2f}) | {row['predicted_s'] / row['measured_s'] - 1:+.0%}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return 0

@@ -106,3 +106,16 @@ def test_default_engine_on_a_gpu_is_triton_with_graphs(llama):
     assert llm.engine.runner.attention.name == "triton" and llm.engine.runner.graphs is not None
     with pytest.raises(ValueError, match="cuda_graphs=True needs one rank on a GPU"):
         LLM(str(model_dir), cuda_graphs=True, attention_backend="sdpa")
+
+
+def test_calibrate_measures_one_gpu():
+    from torch_shift.planner import Layout, ModelShape, Seq, step_cost
+    from torch_shift.planner.calibrate import calibrate
+
+    hw = calibrate(device="cuda", world=1, dtypes=("bf16",), overhead_steps=10, log=lambda line: None)
+    assert hw.num_devices == 1 and hw.device_memory_bytes == torch.cuda.get_device_properties(0).total_memory
+    # a GPU's rates: far beyond any CPU's (tens of TFLOP/s, hundreds of GB/s)
+    assert hw.matmul_flops["bf16"] > 20e12 and hw.copy_bandwidth > 300e9
+    shape = ModelShape(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                       head_dim=64, vocab_size=32000, weight_dtype="bf16")
+    assert 0 < step_cost(shape, hw, Layout("tp", tp=1), [Seq(1, 128)]).total_s < 0.05

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
@@ -457,3 +458,15 @@ def test_calibrate_cli_writes_a_profile_the_cost_model_prices_with(tmp_path, cap
                  "--num-requests", "12", "--policies", "dp,tp,shift", "--thresholds", "64"]) == 0
     assert "recommended:" in capsys.readouterr().out
     assert main(["calibrate", "--out", str(tmp_path / "missing" / "x.json")]) == 2
+
+
+def test_calibrate_refuses_what_it_cannot_measure():
+    from torch_shift.planner.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="device must be"):
+        calibrate(device="tpu")
+    with pytest.raises(ValueError, match="one GPU"):
+        calibrate(device="cuda", world=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            calibrate(device="cuda", world=1)

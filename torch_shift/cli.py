@@ -248,7 +248,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if not Path(args.out).resolve().parent.is_dir():
         raise ValueError(f"--out {args.out}: its directory does not exist")
-    profile = calibrate(world=args.world, threads=args.threads, name=args.name,
+    world = args.world if args.world is not None else 1 if args.device == "cuda" else 2
+    profile = calibrate(world=world, threads=args.threads, name=args.name, device=args.device,
                         log=lambda line: print(line, file=sys.stderr))
     profile.save(args.out)
     print(f"[torch-shift] wrote {args.out}", file=sys.stderr)
@@ -375,11 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = _subcommand(sub, "calibrate", "measure this machine into a hardware profile for the planner",
                             "Measure matmul FLOP/s, memory bandwidth and collective latency and bandwidth per group size\n"
                             "in forked ranks, and write them as a hardware profile (docs/planner.md).\n"
-                            "Example: torch-shift calibrate --out this_machine.json")
+                            "Example: torch-shift calibrate --out this_machine.json (a GPU: --device cuda)")
     calibrate.add_argument("--out", required=True, help="the JSON profile to write")
-    calibrate.add_argument("--world", type=int, default=2, help="local ranks (devices) to measure together")
+    calibrate.add_argument("--world", type=int, default=None,
+                           help="local ranks (devices) to measure together (default: 2 CPU ranks, one GPU)")
     calibrate.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     calibrate.add_argument("--name", default=None, help="the profile's name (default: host name and ranks)")
+    calibrate.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                           help="measure CPU ranks over gloo, or one GPU")
     calibrate.set_defaults(func=_calibrate)
 
     plan = _subcommand(sub, "plan", "simulate every layout and policy on a workload and recommend one",

@@ -1,7 +1,8 @@
 """`torch-shift calibrate`: measure this machine into a hardware profile for the cost model.
 
-A device is one CPU rank with `threads` intra-op threads, ranks talk over gloo (GPU calibration, CUDA
-tensors on NCCL, is not written yet: no GPU was lent to this work; GPUs have data-sheet profiles).
+A device is one CPU rank with `threads` intra-op threads, ranks talk over gloo; or (`device="cuda"`) one
+GPU, measured in the calling process with sizes far beyond its L2 cache (several GPUs, NCCL collectives
+between them, are not measured yet: the GPU lent to this work was one).
 Measured, each rate against the same ideal FLOP and byte counts the cost model uses
 (`torch_shift.planner.shape`):
   - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]);
@@ -59,9 +60,16 @@ def _best_time(fn: Callable[[], object], reps: int, warmup: int = 1, sync: Calla
     return min(times)
 
 
-def _filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _filled(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     # a constant fill: fast to make, and no denormals or NaNs that would slow the kernels
-    return torch.full(shape, 0.01, dtype=dtype)
+    return torch.full(shape, 0.01, dtype=dtype, device=device)
+
+
+def _timed(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    """`fn`, ending when its work on `device` has (a GPU runs it asynchronously)."""
+    if device == "cpu":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize())
 
 
 # -- one device ---------------------------------------------------------------------------------------------
@@ -73,33 +81,37 @@ def _engine_matmul(weight: torch.Tensor):
     return lambda x: linear(x, weight, None, packed)
 
 
-def measure_matmul_flops(dtype: str, reps: int = 5, sync=None) -> float:
-    m, k, n = 512, 2048, 2048
-    a, w = _filled((m, k), TORCH_DTYPES[dtype]), _filled((n, k), TORCH_DTYPES[dtype])
+def measure_matmul_flops(dtype: str, reps: int = 5, sync=None, device: str = "cpu") -> float:
+    """A prompt chunk's matmul: 512 x 2048 x 2048 on a CPU; 2048 tokens through a 2048 -> 8192 projection on
+    a GPU (a 1B model's MLP), where the CPU's shape takes microseconds."""
+    m, k, n = (512, 2048, 2048) if device == "cpu" else (2048, 2048, 8192)
+    a, w = _filled((m, k), TORCH_DTYPES[dtype], device), _filled((n, k), TORCH_DTYPES[dtype], device)
     matmul = _engine_matmul(w)
-    return 2.0 * m * k * n / _best_time(lambda: matmul(a), reps, sync=sync)
+    return 2.0 * m * k * n / _best_time(_timed(lambda: matmul(a), device), reps, sync=sync)
 
 
-def measure_weight_bandwidth(dtype: str, rows: int = 1, reps: int = 5, sync=None) -> float:
+def measure_weight_bandwidth(dtype: str, rows: int = 1, reps: int = 5, sync=None, device: str = "cpu") -> float:
     """Bytes/s of weights read by matmuls with `rows` rows of input (1: as a decode step of one sequence):
-    4 weights of 4096 x 2048 (128 MiB in fp32), far beyond a CPU's last-level cache."""
-    weights = [_filled((4096, 2048), TORCH_DTYPES[dtype]) for _ in range(4)]
+    4 weights of 4096 x 2048 (128 MiB in fp32), far beyond a CPU's last-level cache; on a GPU 16 of
+    4096 x 4096 (512 MiB in bf16, beyond any GPU's L2)."""
+    count, shape = (4, (4096, 2048)) if device == "cpu" else (16, (4096, 4096))
+    weights = [_filled(shape, TORCH_DTYPES[dtype], device) for _ in range(count)]
     matmuls = [_engine_matmul(w) for w in weights]
-    x = _filled((rows, 2048), TORCH_DTYPES[dtype])
+    x = _filled((rows, shape[1]), TORCH_DTYPES[dtype], device)
 
     def run():
         for matmul in matmuls:
             matmul(x)
 
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return nbytes / _best_time(run, reps, sync=sync)
+    return nbytes / _best_time(_timed(run, device), reps, sync=sync)
 
 
-def measure_copy_bandwidth(reps: int = 5, sync=None) -> float:
-    """Bytes read plus written per second by a copy of 128 MB."""
-    src = _filled((32 << 20,), torch.float32)
+def measure_copy_bandwidth(reps: int = 5, sync=None, device: str = "cpu") -> float:
+    """Bytes read plus written per second by a copy of 128 MB (1 GiB on a GPU)."""
+    src = _filled((32 << 20,) if device == "cpu" else (256 << 20,), torch.float32, device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _best_time(lambda: dst.copy_(src), reps, sync=sync)
+    return 2 * src.numel() * src.element_size() / _best_time(_timed(lambda: dst.copy_(src), device), reps, sync=sync)
 
 
 def _attention_shape(dtype: str) -> ModelShape:
@@ -107,10 +119,11 @@ def _attention_shape(dtype: str) -> ModelShape:
                       head_dim=64, vocab_size=1024, weight_dtype=dtype)
 
 
-def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
+def measure_attention(dtype: str, reps: int = 3, device: str = "cpu") -> tuple[float, float]:
     """(bandwidth of a decode batch, FLOP/s of a prompt) of the engine's attention backend, against the
     ideal counts of shape.attention. Decode: 16 sequences of 512 tokens of context over 8 layers
-    (134 MB of fp32 KV); prompt: 512 tokens from an empty cache."""
+    (134 MB of fp32 KV); prompt: 512 tokens from an empty cache. On a GPU: 64 sequences of 2048 tokens
+    (537 MB of bf16 KV) and a prompt of 2048 tokens."""
     import numpy as np
 
     from torch_shift.attention import AttentionBatch, attention_backend
@@ -119,9 +132,9 @@ def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
     shape = _attention_shape(dtype)
     tdtype, layers, hq, hkv, d, block = TORCH_DTYPES[dtype], shape.num_layers, shape.num_heads, shape.num_kv_heads, \
         shape.head_dim, 16
-    batch, context, prompt = 16, 512, 512
-    blocks_per_seq = context // block + 1
-    cache = KVCache(layers, batch * blocks_per_seq, block, hkv, d, tdtype)
+    batch, context, prompt = (16, 512, 512) if device == "cpu" else (64, 2048, 2048)
+    blocks_per_seq = max(context, prompt) // block + 1
+    cache = KVCache(layers, batch * blocks_per_seq, block, hkv, d, tdtype, device=torch.device(device))
     for tensor in cache.k + cache.v:
         tensor.fill_(0.01)
     table = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
@@ -136,31 +149,35 @@ def measure_attention(dtype: str, reps: int = 3) -> tuple[float, float]:
             num_decodes=int((lengths == 1).sum()), query_start=(np.cumsum(lengths) - lengths).astype(np.int32),
             query_len=lengths, num_computed=np.array([c for c, _ in runs], np.int32), block_table=table,
             block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block,
-            slot_mapping=torch.from_numpy(slots), positions=torch.from_numpy(slots), sliding_window=None)
+            slot_mapping=torch.from_numpy(slots).to(device), positions=torch.from_numpy(slots).to(device),
+            sliding_window=None)
 
-    q, k, v = _filled((batch, hq, d), tdtype), _filled((batch, hkv, d), tdtype), _filled((batch, hkv, d), tdtype)
+    def filled(tokens: int, heads: int) -> torch.Tensor:
+        return _filled((tokens, heads, d), tdtype, device)
+
+    q, k, v = filled(batch, hq), filled(batch, hkv), filled(batch, hkv)
     run_decode = backend.build(step([(context, 1)] * batch), cache)
-    decode_s = _best_time(lambda: [run_decode(i, q, k, v) for i in range(layers)], reps)
+    decode_s = _best_time(_timed(lambda: [run_decode(i, q, k, v) for i in range(layers)], device), reps)
     decode_bytes = layers * attention(shape, [Seq(1, context)] * batch, hq, hkv).bytes
 
-    q, k, v = _filled((prompt, hq, d), tdtype), _filled((prompt, hkv, d), tdtype), _filled((prompt, hkv, d), tdtype)
+    q, k, v = filled(prompt, hq), filled(prompt, hkv), filled(prompt, hkv)
     run_prefill = backend.build(step([(0, prompt)]), cache)
-    prefill_s = _best_time(lambda: [run_prefill(i, q, k, v) for i in range(layers)], reps)
+    prefill_s = _best_time(_timed(lambda: [run_prefill(i, q, k, v) for i in range(layers)], device), reps)
     prefill_flops = layers * attention(shape, [Seq(prompt, 0)], hq, hkv).flops
     return decode_bytes / decode_s, prefill_flops / prefill_s
 
 
-def _device_rank(rank: int, world: int, dtypes: list[str]) -> dict:
+def _device_rank(rank: int, world: int, dtypes: list[str], device: str = "cpu") -> dict:
     result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "attention_bandwidth": {}, "attention_flops": {}}
     with torch.inference_mode():
         for dtype in dtypes:
-            result["matmul_flops"][dtype] = measure_matmul_flops(dtype)
-            result["matmul_bandwidth"][dtype] = [(rows, measure_weight_bandwidth(dtype, rows, reps=3))
+            result["matmul_flops"][dtype] = measure_matmul_flops(dtype, device=device)
+            result["matmul_bandwidth"][dtype] = [(rows, measure_weight_bandwidth(dtype, rows, reps=3, device=device))
                                                  for rows in MATMUL_ROWS]
-            bandwidth, flops = measure_attention(dtype)
+            bandwidth, flops = measure_attention(dtype, device=device)
             result["attention_bandwidth"][dtype] = bandwidth
             result["attention_flops"][dtype] = flops
-        result["copy_bandwidth"] = measure_copy_bandwidth()
+        result["copy_bandwidth"] = measure_copy_bandwidth(device=device)
     return result
 
 
@@ -283,12 +300,12 @@ class NullModel(torch.nn.Module):
     attention, no KV write), so that what is left of a step is the engine's own cost. `kv_region` is the
     replaced model's (how the runner views its KV pool)."""
 
-    def __init__(self, vocab: int, max_tokens: int, model: torch.nn.Module):
+    def __init__(self, vocab: int, max_tokens: int, model: torch.nn.Module, device: str = "cpu"):
         super().__init__()
         # Made under inference_mode like real activations: a view made in inference mode of a normal
         # tensor costs milliseconds to index outside it (PyTorch view bookkeeping), which is no engine cost.
         with torch.inference_mode():
-            self.logits = torch.zeros(max_tokens, vocab)
+            self.logits = torch.zeros(max_tokens, vocab, device=device)
         self.kv_region = model.kv_region
         self.reshard_seconds = 0.0
 
@@ -296,7 +313,7 @@ class NullModel(torch.nn.Module):
         return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
 
-def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
+def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> dict[int, float]:
     from torch_shift import LLM, SamplingParams
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
@@ -307,10 +324,12 @@ def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
             vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=4096))
         for n in OVERHEAD_BATCHES:
+            # no CUDA graphs: a graph would replay the real model's kernels, not the null model
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
-                      num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False)
+                      num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False,
+                      device=device, cuda_graphs=False if device != "cpu" else None)
             engine = llm.engine
-            engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model)
+            engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model, device)
             params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
             for i in range(n):
                 engine.add_request(f"r{i}", [3 + (i + j) % (vocab - 3) for j in range(prompt)], params)
@@ -323,6 +342,7 @@ def _overhead_rank(rank: int, world: int, steps: int) -> dict[int, float]:
                 engine.step(final_only=True)
                 times.append(time.perf_counter() - start)
             result[n] = statistics.median(times)
+            llm.shutdown()
     return result
 
 
@@ -363,16 +383,67 @@ def other_cores(before: tuple[float, float, float] | None) -> float | None:
     return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2])
 
 
-def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"),
-              overhead_steps: int = 40, log: Callable[[str], None] = print) -> HardwareProfile:
-    """Measure this machine (CPU ranks on gloo) and return its profile."""
-    from torch_shift.parallel.launch import run_ranks
+def _log_device(log: Callable[[str], None], what: str, solo: dict) -> None:
+    log(f"  {what}: matmul " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["matmul_flops"].items())
+        + "; weight streaming at 1/8/64 rows " + ", ".join(
+            f"{d} " + "/".join(f"{r / 1e9:.1f}" for n, r in points if n in (1, 8, 64)) + " GB/s"
+            for d, points in solo["matmul_bandwidth"].items())
+        + f"; copy {solo['copy_bandwidth'] / 1e9:.1f} GB/s; attention decode "
+        + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["attention_bandwidth"].items()) + ", prompt "
+        + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["attention_flops"].items()))
 
+
+def _log_overhead(log: Callable[[str], None], steps: dict[int, float]) -> tuple[float, float]:
+    step_s, seq_s = _linear_fit(steps)
+    log("  engine step with a null model: " + ", ".join(f"{n} seqs {t * 1e3:.2f} ms" for n, t in steps.items())
+        + f" -> {step_s * 1e3:.3f} ms + {seq_s * 1e6:.2f} us per sequence")
+    return step_s, seq_s
+
+
+def _calibrate_gpu(name: str | None, dtypes: tuple[str, ...], overhead_steps: int,
+                   log: Callable[[str], None]) -> HardwareProfile:
+    """One GPU, measured in this process (a forked rank cannot use CUDA once its parent has)."""
+    start = time.perf_counter()
+    gpu = torch.cuda.get_device_name()
+    log(f"calibrate: one GPU ({gpu})")
+    solo = _device_rank(0, 1, list(dtypes), "cuda")
+    _log_device(log, "the GPU", solo)
+    steps = _overhead_rank(0, 1, overhead_steps, "cuda")
+    step_s, seq_s = _log_overhead(log, steps)
+    wall = time.perf_counter() - start
+    log(f"calibrate: done in {wall:.1f} s")
+    return HardwareProfile(
+        name=name or f"{gpu} (one GPU)", num_devices=1,
+        device_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+        matmul_flops=solo["matmul_flops"], attention_flops=solo["attention_flops"],
+        matmul_bandwidth=solo["matmul_bandwidth"], attention_bandwidth=solo["attention_bandwidth"],
+        copy_bandwidth=solo["copy_bandwidth"], node_bandwidth=None, collectives=CollectiveModel({}),
+        overhead=EngineOverhead(step_s, seq_s),
+        source=(f"measured by torch-shift calibrate --device cuda: {gpu}, torch {torch.__version__}, "
+                f"{platform.platform()}, {time.strftime('%Y-%m-%d')}"),
+        measurements={"one_rank": solo, "engine_step_s": {str(n): t for n, t in steps.items()}, "wall_s": wall},
+    )
+
+
+def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+              overhead_steps: int = 40, log: Callable[[str], None] = print, device: str = "cpu") -> HardwareProfile:
+    """Measure this machine (CPU ranks on gloo, or with `device="cuda"` one GPU) and return its profile."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if world < 1 or threads < 1:
         raise ValueError(f"world and threads must be >= 1, got world={world}, threads={threads}")
     unknown = [d for d in dtypes if d not in TORCH_DTYPES]
     if unknown:
         raise ValueError(f"dtypes {unknown} cannot be measured; use {', '.join(TORCH_DTYPES)}")
+    if device == "cuda":
+        if world != 1:
+            raise ValueError("calibrate measures one GPU (world=1): collectives between GPUs (NCCL) are not "
+                             "measured yet")
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda': this machine has no CUDA GPU")
+        return _calibrate_gpu(name, dtypes, overhead_steps, log)
+    from torch_shift.parallel.launch import run_ranks
+
     cpus = os.cpu_count() or 1
     if world * threads > cpus:
         log(f"warning: {world} ranks x {threads} threads exceed this machine's {cpus} CPUs; rates will be low")
@@ -380,13 +451,7 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     cpu = platform.processor() or platform.machine()
     log(f"calibrate: {world} rank(s) x {threads} thread(s) on {cpus} CPUs ({cpu})")
     solo = run_ranks(_device_rank, 1, list(dtypes), threads=threads)[0]
-    log("  one rank: matmul " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["matmul_flops"].items())
-        + "; weight streaming at 1/8/64 rows " + ", ".join(
-            f"{d} " + "/".join(f"{r / 1e9:.1f}" for n, r in points if n in (1, 8, 64)) + " GB/s"
-            for d, points in solo["matmul_bandwidth"].items())
-        + f"; copy {solo['copy_bandwidth'] / 1e9:.1f} GB/s; attention decode "
-        + ", ".join(f"{d} {r / 1e9:.1f} GB/s" for d, r in solo["attention_bandwidth"].items()) + ", prompt "
-        + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in solo["attention_flops"].items()))
+    _log_device(log, "one rank", solo)
     node_bandwidth = None
     collectives = CollectiveModel({})
     plan_step = plan_seq = 0.0
@@ -409,9 +474,7 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
         plan_step, plan_seq = _linear_fit(ranks[0]["plan_broadcast_s"])
         log(f"  step plan broadcast: {plan_step * 1e6:.0f} us + {plan_seq * 1e6:.2f} us per sequence")
     steps = run_ranks(_overhead_rank, 1, overhead_steps, threads=threads)[0]
-    step_s, seq_s = _linear_fit(steps)
-    log("  engine step with a null model: " + ", ".join(f"{n} seqs {t * 1e3:.2f} ms" for n, t in steps.items())
-        + f" -> {step_s * 1e3:.3f} ms + {seq_s * 1e6:.2f} us per sequence")
+    step_s, seq_s = _log_overhead(log, steps)
     wall, others = time.perf_counter() - start, other_cores(cpu_start)
     log(f"calibrate: done in {wall:.1f} s" + ("" if others is None else
                                                 f"; other processes kept {others:.2f} cores busy meanwhile"))
