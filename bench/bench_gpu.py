@@ -123,6 +123,24 @@ def profile_decode(llm, prompts, steps: int) -> dict:
             "kernel_table": table, "python_profile": stream.getvalue()}
 
 
+def profile_prefill(llm, prompt) -> dict:
+    """The prefill's wall time against the GPU's busy time, and its heaviest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from torch_shift import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"wall_per_step_s": wall, "gpu_busy_per_step_s": sum(e.device_time for e in kernels) / 1e6,
+            "kernels_per_step": len(kernels), "python_profile": "",
+            "kernel_table": prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)}
+
+
 def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
                    profile_batches: tuple[int, ...] = ()) -> dict:
     from torch_shift import LLM, SamplingParams
@@ -167,6 +185,8 @@ def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: di
     result["steps_by_layout"] = llm.stats()["steps_by_layout"]
     for batch in profile_batches:
         result[f"profile_b{batch}"] = profile_decode(llm, prompts_of([DECODE_PROMPT] * batch, vocab, batch), 32)
+    if profile_batches:
+        result["profile_prefill"] = profile_prefill(llm, prompt)
     llm.shutdown()
     return result
 

@@ -124,7 +124,7 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
             counts["widths"].add(layout.kv_width)
             for member, replica in enumerate(layout.replicas):
                 batches[replica].write_spec_tokens(group, member)
-                inputs = batches[replica].prepare(group, member, layout.kv_width)
+                inputs = batches[replica].to_device(batches[replica].prepare(group, member, layout.kv_width))
                 check_inputs(inputs, reference_inputs(group_entries, member, layout.kv_width), layout.kv_width)
         if all(g.num_decodes == len(g.num_scheduled) for g in plan.groups):
             counts["decode_plan_bytes"].append((sum(len(g.num_scheduled) for g in plan.groups),

@@ -26,8 +26,9 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 from torch_shift.memory import to_device
 
-DECODE_BLOCK_N = 64
-PREFILL_BLOCK_N = 64
+# the decode and the prefill launches' tiles and Triton launch options (bench/bench_triton_attention.py sweeps them)
+DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 PREFILL_ROWS = 64  # query rows (tokens x heads of one KV head) per prefill tile
 
 
@@ -216,8 +217,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
                   HAS_SINKS=sinks is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   # Triton's interpreter (the CPU) multiplies 16-bit tiles wrongly: the same rounding in float32
                   DOT_FP32=q.device.type == "cpu")
-    for tiles, block_t, block_n in ((md.decode_tiles, 1, DECODE_BLOCK_N),
-                                    (*md.prefill_tiles_of(group), PREFILL_BLOCK_N)):
+    for tiles, block_t, options in ((md.decode_tiles, 1, DECODE_LAUNCH), (*md.prefill_tiles_of(group), PREFILL_LAUNCH)):
         if tiles is None:
             continue
         tile_run, tile_first = tiles
@@ -226,7 +226,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
             md.query_start, md.query_len, md.num_computed, 1.0 / math.sqrt(dim), window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(), *v_cache.stride()[:3],
             md.block_table.stride(0), BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)),
-            BLOCK_N=block_n, **common)
+            **options, **common)
 
 
 class TritonBackend:

@@ -2,12 +2,12 @@
 whose runs are all single decode tokens (vLLM's piecewise-free "full" decode graphs).
 
 A decode step of a small batch on a GPU is bound by launching its few hundred kernels, not by reading the
-weights; a graph launches them all at once. A graph replays fixed addresses and a fixed grid, so every
-input lives in a static buffer: token ids, positions and slots (copied on the device from the step's
-inputs), and the Triton attention's per-run metadata (query counts, cached tokens, block-table rows),
-staged in pinned host memory and copied in one transfer. A bucket of b rows serves steps of up to b
-decodes; its padding rows have no query (attention skips them) and slot -1 (their K/V are not written),
-and their logits are dropped.
+weights; a graph launches them all at once. A graph replays fixed addresses and a fixed grid, so
+every input lives in a static buffer: token ids, positions and slots, and the Triton attention's per-run
+metadata (query counts, cached tokens, block-table rows), written from the step's host arrays into pinned
+host memory and copied in two transfers (int64 and int32), with no other copy or kernel outside the graph.
+A bucket of b rows serves steps of up to b decodes; its padding rows have no query (attention skips them)
+and slot -1 (their K/V are not written), and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention
-from torch_shift.engine.input_batch import StepInputs
+from torch_shift.engine.input_batch import HostInputs
 from torch_shift.kv.cache import KVCache
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
 from torch_shift.parallel.layouts import Layout
@@ -41,16 +41,19 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         n = self.max_rows = self.buckets[-1]
         self.max_blocks = math.ceil(max_model_len / kv_cache.block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        # token ids | positions | slots: one copy per step
+        self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs.split(n)
+        self.slot_mapping.fill_(-1)
         self.logits_indices = torch.arange(n, device=device)
         # query counts | cached tokens | block-table rows (max_blocks each): one copy per step
         self.metadata = torch.zeros(2 * n + n * self.max_blocks, dtype=torch.int32, device=device)
         self.staging = torch.zeros(self.metadata.numel(), dtype=torch.int32)
-        self._staged = None  # the last copy out of `staging` was done (CUDA)
+        self.staging_inputs = torch.zeros(self.inputs.numel(), dtype=torch.long)
+        self._staged = None  # the last copies out of the staging buffers were done (CUDA)
         if device.type == "cuda":
             self.staging = self.staging.pin_memory()
+            self.staging_inputs = self.staging_inputs.pin_memory()
             self._staged = torch.cuda.Event()
         self.query_start = torch.arange(n, dtype=torch.int32, device=device)
         self.tile_first = torch.zeros(n, dtype=torch.int32, device=device)
@@ -93,12 +96,11 @@ class DecodeGraphs:
                 return rows
         return None
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
+    def replay(self, batch: HostInputs) -> torch.Tensor:
         """The logits [num_decodes, vocab] of a step of decodes only (one token and one logits row per run)."""
-        batch = inputs.attention
         num_rows = batch.num_runs
         rows = self.bucket(num_rows)
-        assert rows is not None and batch.num_decodes == num_rows == inputs.input_ids.numel()
+        assert rows is not None and batch.num_decodes == num_rows == len(batch.input_ids)
         n, mb = self.max_rows, self.max_blocks
         context = int(batch.num_computed.max()) + 1
         used = -(-context // batch.tokens_per_block)
@@ -113,12 +115,16 @@ class DecodeGraphs:
         table[:num_rows, :used] = batch.block_table[batch.block_table_rows, :used]
         size = 2 * n + rows * mb
         self.metadata[:size].copy_(self.staging[:size], non_blocking=True)
+        inputs = self.staging_inputs.numpy()
+        inputs[:rows] = 0
+        inputs[:num_rows] = batch.input_ids
+        inputs[n: n + rows] = 0
+        inputs[n: n + num_rows] = batch.positions
+        inputs[2 * n: 2 * n + rows] = -1  # padding rows write no K/V
+        inputs[2 * n: 2 * n + num_rows] = batch.slot_mapping
+        self.inputs.copy_(self.staging_inputs, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        self.input_ids[:num_rows].copy_(inputs.input_ids)
-        self.positions[:num_rows].copy_(inputs.positions)
-        self.slot_mapping[:num_rows].copy_(batch.slot_mapping)
-        self.slot_mapping[num_rows:rows].fill_(-1)
         self.num_replays += 1
         if rows not in self.graphs:  # not captured (the CPU, in tests): the same static inputs, run eagerly
             return self._forward(rows)[:num_rows].clone()

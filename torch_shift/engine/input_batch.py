@@ -26,6 +26,28 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
 
 
+@dataclass
+class HostInputs:
+    """A group's step inputs in host arrays, before they go to the device (a CUDA graph's step stages them in its
+    own buffers instead)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    logits_indices: np.ndarray  # int64: rows of the hidden states that go through the LM head
+    num_decodes: int  # runs [0, num_decodes) are one query each
+    query_start: np.ndarray  # int32 [R]
+    query_len: np.ndarray  # int32 [R]
+    num_computed: np.ndarray  # int32 [R]
+    block_table: np.ndarray  # the replica's persistent block table (not copied)
+    block_table_rows: np.ndarray  # int32 [R]
+    tokens_per_block: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.query_len)
+
+
 class InputBatch:
     def __init__(self, max_rows: int, max_model_len: int, block_size: int, device: torch.device,
                  sliding_window: int | None = None):
@@ -85,7 +107,7 @@ class InputBatch:
         self.token_ids[rows[request_of_token], starts[request_of_token] + offsets] = group.spec_token_ids
 
     # -- one group's step -------------------------------------------------------------------------------
-    def prepare(self, group: GroupStep, member: int, kv_width: int) -> StepInputs:
+    def prepare(self, group: GroupStep, member: int, kv_width: int) -> HostInputs:
         """The inputs of `group` as this replica (`member`-th of the layout's replicas) sees them;
         its blocks hold kv_width * block_size tokens each."""
         rows = group.rows[member].astype(np.int64)
@@ -106,13 +128,16 @@ class InputBatch:
         else:  # prompt logprobs: every position of those chunks
             logits_indices = np.concatenate([np.arange(e - c, e) for e, c in zip(ends.tolist(), counts.tolist())
                                              if c > 0])
+        return HostInputs(input_ids, positions, slots, logits_indices, group.num_decodes, starts.astype(np.int32),
+                          num_scheduled.astype(np.int32), num_computed.astype(np.int32), self.block_table,
+                          rows.astype(np.int32), tpb)
 
-        input_ids_t, positions_t, slots_t, logits_indices_t = to_device(
-            [input_ids, positions, slots, logits_indices], np.int64, self.device)
+    def to_device(self, host: HostInputs) -> StepInputs:
+        input_ids, positions, slots, logits_indices = to_device(
+            [host.input_ids, host.positions, host.slot_mapping, host.logits_indices], np.int64, self.device)
         attention = AttentionBatch(
-            num_decodes=group.num_decodes, query_start=starts.astype(np.int32),
-            query_len=num_scheduled.astype(np.int32), num_computed=num_computed.astype(np.int32),
-            block_table=self.block_table, block_table_rows=rows.astype(np.int32), tokens_per_block=tpb,
-            slot_mapping=slots_t, positions=positions_t, sliding_window=self.sliding_window)
-        return StepInputs(input_ids_t, positions_t, attention, logits_indices_t)
-
+            num_decodes=host.num_decodes, query_start=host.query_start, query_len=host.query_len,
+            num_computed=host.num_computed, block_table=host.block_table, block_table_rows=host.block_table_rows,
+            tokens_per_block=host.tokens_per_block, slot_mapping=slots, positions=positions,
+            sliding_window=self.sliding_window)
+        return StepInputs(input_ids, positions, attention, logits_indices)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
-from torch_shift.engine.input_batch import InputBatch, StepInputs
+from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
@@ -94,14 +94,13 @@ class ModelRunner:
         run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1)
         self.model.reset_counters()
 
-    def _replays(self, inputs: StepInputs) -> bool:
+    def _replays(self, inputs: HostInputs) -> bool:
         """Whether a captured graph runs this step: decodes only (one token and one logits row per run), no more
         of them than the largest bucket."""
         if self.graphs is None:
             return False
-        batch = inputs.attention
-        return (batch.num_decodes == batch.num_runs == inputs.input_ids.numel() == inputs.logits_indices.numel()
-                and self.graphs.bucket(batch.num_runs) is not None)
+        return (inputs.num_decodes == inputs.num_runs == len(inputs.input_ids) == len(inputs.logits_indices)
+                and self.graphs.bucket(inputs.num_runs) is not None)
 
     @torch.inference_mode()
     def _warm_up_attention(self) -> None:
@@ -150,16 +149,17 @@ class ModelRunner:
                 self.batch.write_spec_tokens(group, member)
                 micro_batches = []
                 for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
-                    inputs = self.batch.prepare(piece, member, layout.kv_width)
-                    if self._replays(inputs):
+                    host = self.batch.prepare(piece, member, layout.kv_width)
+                    if self._replays(host):
                         break
+                    inputs = self.batch.to_device(host)
                     micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
                                                     self.attention.build(inputs.attention, kv),
                                                     inputs.logits_indices))
                 if micro_batches:
                     out = self.model.forward_step(layout, micro_batches)
                 else:
-                    out = self.graphs.replay(inputs)
+                    out = self.graphs.replay(host)
                 if self.rank == 0:
                     logits[i] = out
                 elif layout.logits_rank == self.rank and group.num_logits:
