@@ -6,7 +6,8 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
 - the prefill of one 2,048-token prompt against the GEMM rate (MFU);
 - offline throughput (256 requests of 128-512 prompt tokens, 128 new tokens each) against
   `transformers.generate` at its best batch size;
-for each engine configuration given (default: Triton attention with CUDA graphs, the same eager, SDPA eager).
+for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs; Triton
+with graphs, not compiled; Triton eager; SDPA eager).
 
     python bench/bench_gpu.py --out gpu.json
 """
@@ -29,10 +30,10 @@ MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hid
              num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
              dtype="bfloat16")
 CONFIGS = {
-    "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True},
-    "triton+graphs+compile": {"attention_backend": "triton", "cuda_graphs": True, "compile": True},
-    "triton eager": {"attention_backend": "triton", "cuda_graphs": False},
-    "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False},
+    "default": {},  # Triton attention, compiled, CUDA graphs
+    "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True, "compile": False},
+    "triton eager": {"attention_backend": "triton", "cuda_graphs": False, "compile": False},
+    "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False, "compile": False},
 }
 DECODE_BATCHES = (1, 8, 64)
 DECODE_PROMPT, DECODE_STEPS = 128, 64

@@ -26,10 +26,12 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 from torch_shift.memory import to_device
 
-# the decode and the prefill launches' tiles and Triton launch options (bench/bench_triton_attention.py sweeps them)
-DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-PREFILL_ROWS = 64  # query rows (tokens x heads of one KV head) per prefill tile
+# The decode and the prefill launches' tiles and Triton launch options: the fastest of those
+# bench/bench_triton_attention.py swept on an H200 (docs/performance.md; Triton's defaults were 4 warps, 3 stages):
+# decode 1.1-1.4x faster, a 2k-token prompt 1.45x.
+DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
+PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
