@@ -6,7 +6,7 @@
 Each case is one step's attention over the 16 layers, captured in a CUDA graph (as the engine's decode steps
 run) and replayed; it reports microseconds per layer, the context's read rate (decode) or TFLOP/s (prefill),
 and each option set's largest difference from the default's output. The defaults are
-`torch_shift.attention.triton_paged.DECODE_LAUNCH` / `PREFILL_LAUNCH` / `PREFILL_ROWS`.
+`torch_shift.attention.triton_paged.DECODE_LAUNCH` / `PREFILL_LAUNCH` / `PREFILL_ROWS` / `SPLIT_KEYS`.
 """
 
 from __future__ import annotations
@@ -81,17 +81,28 @@ def timed(cache, md, q, out, replays: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / replays / LAYERS
 
 
+def set_splits(cases, split_keys: int) -> None:
+    """Decode contexts in chunks of `split_keys` keys (0: never split)."""
+    from torch_shift.attention import triton_paged
+
+    triton_paged.SPLIT_KEYS = split_keys or 1 << 30
+    for _, (_, md, _, _, context) in cases:
+        md.decode_splits = triton_paged.decode_splits(context)
+        md.partials.clear()
+
+
 def sweep(name: str, cases, options_grid: list[dict], apply, measure_unit) -> None:
     from torch_shift.attention import triton_paged
 
-    saved = (dict(triton_paged.DECODE_LAUNCH), dict(triton_paged.PREFILL_LAUNCH), triton_paged.PREFILL_ROWS)
+    saved = (dict(triton_paged.DECODE_LAUNCH), dict(triton_paged.PREFILL_LAUNCH), triton_paged.PREFILL_ROWS,
+             triton_paged.SPLIT_KEYS)
     print(f"\n{name}: us per layer (and {measure_unit}); max |difference| from the default's output")
     header = "options".ljust(44) + "".join(f"{label:>22}" for label, _ in cases)
     print(header)
     reference = {}
     for options in [None] + options_grid:
         cells = []
-        for label, (cache, md, q, work) in cases:
+        for label, (cache, md, q, work, _) in cases:
             out = torch.empty(LAYERS, *q.shape, dtype=q.dtype, device=q.device)
             try:
                 if options is not None:
@@ -107,6 +118,7 @@ def sweep(name: str, cases, options_grid: list[dict], apply, measure_unit) -> No
                 (triton_paged.DECODE_LAUNCH.clear(), triton_paged.DECODE_LAUNCH.update(saved[0]),
                  triton_paged.PREFILL_LAUNCH.clear(), triton_paged.PREFILL_LAUNCH.update(saved[1]))
                 triton_paged.PREFILL_ROWS = saved[2]
+                set_splits(cases, saved[3])
         label = "default" if options is None else ", ".join(f"{k}={v}" for k, v in options.items())
         print(label.ljust(44) + "".join(f"{c:>22}" for c in cells), flush=True)
 
@@ -121,38 +133,43 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; defaults: decode {triton_paged.DECODE_LAUNCH}, "
-          f"prefill {triton_paged.PREFILL_LAUNCH}, {triton_paged.PREFILL_ROWS} rows a prefill tile")
+          f"prefill {triton_paged.PREFILL_LAUNCH}, {triton_paged.PREFILL_ROWS} rows a prefill tile, decode contexts "
+          f"in chunks of {triton_paged.SPLIT_KEYS} keys")
     kv_bytes = 2 * KV_HEADS * DIM * 2  # bf16 K and V per token of one layer
     decode = []
     for seqs, context in DECODE_CASES:
         cache, md, q = make_step([(context - 1, 1)] * seqs, "cuda")
-        decode.append((f"{seqs} x {context}", (cache, md, q, seqs * context * kv_bytes)))
+        decode.append((f"{seqs} x {context}", (cache, md, q, seqs * context * kv_bytes, context)))
+    sweep("decode contexts split in chunks (SPLIT_KEYS; 0: not split)", decode,
+          [{"SPLIT_KEYS": n} for n in (0, 128, 512)], lambda o: set_splits(decode, o["SPLIT_KEYS"]),
+          "TB/s of context read")
     block_n, warps, stages = (32, 64, 128), (2, 4, 8), (2, 3)
     if args.quick:
-        block_n, warps, stages = (32, 64), (2, 4), (3,)
-    grid = [{"BLOCK_N": b, "num_warps": w, "num_stages": s} for b, w, s in itertools.product(block_n, warps, stages)]
+        block_n, warps, stages = (64,), (2, 4), (2, 3)
+    grid = [{"BLOCK_N": b, "num_warps": w, "num_stages": s} for b, w, s in itertools.product(block_n, warps, stages)
+            if triton_paged.SPLIT_KEYS % b == 0]
     sweep("decode", decode, grid, lambda o: triton_paged.DECODE_LAUNCH.update(o), "TB/s of context read")
 
     prefill = []
     for tokens in PREFILL_CASES:
         cache, md, q = make_step([(0, tokens)], "cuda")
         flops = 2 * 2 * HEADS * DIM * tokens * tokens / 2
-        prefill.append((f"prompt {tokens}", (cache, md, q, flops)))
+        prefill.append((f"prompt {tokens}", (cache, md, q, flops, 0)))
 
     def apply_prefill(options):
         options = dict(options)
         triton_paged.PREFILL_ROWS = options.pop("rows")
-        for _, (_, md, _, _) in prefill:
+        for _, (_, md, _, _, _) in prefill:
             md.prefill_tiles.clear()  # tiles are cut by PREFILL_ROWS
         triton_paged.PREFILL_LAUNCH.update(options)
 
-    rows, block_n, warps, stages = (64, 128), (64, 128), (4, 8), (2, 3)
+    rows, block_n, warps, stages = (64, 128, 256), (64, 128), (4, 8), (2, 3)
     if args.quick:
-        rows, block_n, warps, stages = (64, 128), (64,), (4, 8), (3,)
+        rows, block_n, warps, stages = (128, 256), (64, 128), (8,), (2, 3)
     grid = [{"rows": r, "BLOCK_N": b, "num_warps": w, "num_stages": s}
             for r, b, w, s in itertools.product(rows, block_n, warps, stages)]
     sweep("prefill", prefill, grid, apply_prefill, "TFLOP/s")
-    for _, (_, md, _, _) in prefill:
+    for _, (_, md, _, _, _) in prefill:
         md.prefill_tiles.clear()
     print(f"\nswept in {time.perf_counter() - started:.0f} s")
     return 0

@@ -30,6 +30,45 @@ def on_device(cache, batch, device):
 
 
 def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
+    from torch_shift.attention import triton_paged
+
+    check_split_decode(device)
+    default = triton_paged.SPLIT_KEYS
+    for split_keys in (default, 64):  # 64: the decode context of 200 in chunks
+        triton_paged.SPLIT_KEYS = split_keys
+        try:
+            check_kernel_against_reference(device, dtypes)
+        finally:
+            triton_paged.SPLIT_KEYS = default
+
+
+def check_split_decode(device: str) -> None:
+    """A decode step split into more chunks than its contexts need (a CUDA graph's, sized for any context)
+    computes exactly what it computes split as its contexts need, and unsplit where they fit one chunk."""
+    from test_attention_backends import make_step
+
+    from torch_shift.attention import attention_backend, triton_paged
+
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    for runs, window, sink in (([(0, 1), (37, 1), (60, 1)], None, None), ([(3, 1), (200, 1), (90, 1)], None, None),
+                               ([(3, 1), (200, 1), (90, 1)], 70, sinks)):
+        cache, batch, q, k, v, _ = make_step(runs, 8, 2, 16, 4, torch.float32, window, num_layers=1, sinks=sink)
+        cache, batch = on_device(cache, batch, device)
+        q, k, v = q.to(device), k.to(device), v.to(device)
+        default, triton_paged.SPLIT_KEYS = triton_paged.SPLIT_KEYS, 64
+        try:
+            outs = []
+            for extra in (0, 3):
+                attention = attention_backend("triton", torch.device(device), torch.float32).build(batch, cache)
+                assert attention.metadata.decode_splits == -(-max(c + 1 for c, _ in runs) // 64)
+                attention.metadata.decode_splits += extra
+                outs.append(attention(0, q, k, v, None if sink is None else sink.to(device), window))
+        finally:
+            triton_paged.SPLIT_KEYS = default
+        assert torch.equal(outs[0], outs[1]), (runs, (outs[0] - outs[1]).abs().max())
+
+
+def check_kernel_against_reference(device: str, dtypes: list[torch.dtype]) -> None:
     from test_attention_backends import RUNS, TOLERANCE, make_step
 
     from torch_shift.attention import attention_backend
@@ -62,7 +101,19 @@ def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
 
 def check_engine(device: str, model_dir: str) -> None:
     """Greedy tokens with the Triton backend equal the SDPA backend's, chunked prompts and preemption included; decode
-    steps through the CUDA graphs' static inputs too, with the model eager and compiled."""
+    steps through the CUDA graphs' static inputs too, with the model eager and compiled; decode contexts split in
+    chunks of 32 keys (as the graphs' steps split them: into chunks for the longest context)."""
+    from torch_shift.attention import triton_paged
+
+    defaults = triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"]
+    triton_paged.SPLIT_KEYS = triton_paged.DECODE_LAUNCH["BLOCK_N"] = 32
+    try:
+        check_engine_outputs(device, model_dir)
+    finally:
+        triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"] = defaults
+
+
+def check_engine_outputs(device: str, model_dir: str) -> None:
     from conftest import random_prompts
 
     from torch_shift import LLM, SamplingParams

@@ -5,8 +5,13 @@ of one KV head, and walks that run's context BLOCK_N keys at a time through its 
 online softmax (FlashAttention's recurrence), so every key and value is read once per tile and no
 context is gathered or padded. Keys are stored dim-major per block (`KVCache.k_store`), which is the
 K^T tile the score product wants. Decode runs (one token) go in a launch of BLOCK_T = 1, whose grid is
-fixed by the number of decode rows: what a CUDA graph of a decode step captures. The step's K/V are
-written into their slots by a kernel of their own (slots < 0 skipped: a captured graph's padding rows).
+fixed by the number of decode rows: what a CUDA graph of a decode step captures. A decode step whose
+contexts reach past SPLIT_KEYS keys splits each context into chunks of SPLIT_KEYS keys, one program each
+(FlashDecoding: a batch of a few sequences otherwise runs on a few of the GPU's multiprocessors), and a
+second kernel combines the chunks' partial softmaxes in chunk order; a chunk past a context contributes
+exactly nothing, so a CUDA graph sized for the longest context computes what an eager step sized for its
+own does, bit for bit. The step's K/V are written into their slots by a kernel of their own (slots < 0
+skipped: a captured graph's padding rows).
 
 On the CPU the same kernels run in Triton's interpreter, when TRITON_INTERPRET=1 was set before triton was
 imported (tests only: it is slow).
@@ -32,22 +37,25 @@ from torch_shift.memory import to_device
 DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
+SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
 # divisibility of an integer by 16 and per value 1): a step would otherwise compile anew while serving
-@triton.jit(do_not_specialize=["sm_scale", "window", "stride_bt"])
+@triton.jit(do_not_specialize=["sm_scale", "window", "stride_bt", "num_splits"])
 def _paged_attention(
     out_ptr, q_ptr, k_ptr, v_ptr, sinks_ptr,
     block_table_ptr, tile_run_ptr, tile_first_ptr, query_start_ptr, query_len_ptr, num_computed_ptr,
+    partial_acc_ptr, partial_ml_ptr,
     sm_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kh, stride_kd, stride_kn,
     stride_vb, stride_vn, stride_vh,
-    stride_bt,
+    stride_bt, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,6 +80,10 @@ def _paged_attention(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(done + first - window + 1, 0) // BLOCK_N * BLOCK_N
+    if SPLIT_KEYS > 0:  # this program's chunk of a decode context (program_id 2)
+        split = tl.program_id(2)
+        lo = tl.maximum(lo, split * SPLIT_KEYS)
+        hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -103,12 +115,47 @@ def _paged_attention(
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if SPLIT_KEYS > 0:  # the chunk's unnormalised sum, its max and its denominator, combined by _combine_splits
+        # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_ml [decode rows, heads, num_splits, 2]
+        at = (tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=valid[:, None])
+        tl.store(partial_ml_ptr + at * 2, m_i, mask=valid)
+        tl.store(partial_ml_ptr + at * 2 + 1, l_i, mask=valid)
+        return
     if HAS_SINKS:  # a sink logit per head beside the keys: in the denominator only
         sink = tl.load(sinks_ptr + head, mask=valid, other=0.0).to(tl.float32)
         l_i = l_i + tl.exp(sink - m_i)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_splits(
+    out_ptr, partial_acc_ptr, partial_ml_ptr, sinks_ptr, query_start_ptr, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """One decode row's head: its chunks' partial softmaxes combined, in chunk order (a chunk past the context
+    holds max -1e30 and sum 0: it adds exactly 0)."""
+    run = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (run * tl.num_programs(1) + head) * num_splits
+    m = tl.load(partial_ml_ptr + base * 2)
+    for split in range(1, num_splits):
+        m = tl.maximum(m, tl.load(partial_ml_ptr + (base + split) * 2))
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    denominator = tl.full([], 0.0, tl.float32)
+    for split in range(0, num_splits):
+        weight = tl.exp(tl.load(partial_ml_ptr + (base + split) * 2) - m)
+        denominator += tl.load(partial_ml_ptr + (base + split) * 2 + 1) * weight
+        acc += tl.load(partial_acc_ptr + (base + split) * HEAD_DIM_PAD + dims) * weight
+    if HAS_SINKS:
+        denominator += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m)
+    out = acc / tl.where(denominator > 0, denominator, 1.0)
+    token = tl.load(query_start_ptr + run)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -158,7 +205,9 @@ class TritonMetadata:
     decode_tiles: tuple[torch.Tensor, torch.Tensor] | None  # (run, first query) per tile of the decode launch
     prefill_query_len: np.ndarray  # the prompt runs' query counts (runs num_decodes.. in order)
     sliding_window: int | None
+    decode_splits: int = 1  # chunks of SPLIT_KEYS keys the decode contexts are split into (1: not split)
     prefill_tiles: dict[int, tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(default_factory=dict)
+    partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -179,6 +228,28 @@ class TritonMetadata:
             self.prefill_tiles[group] = (tiles, block_t)
         return self.prefill_tiles[group]
 
+    def partials_of(self, num_heads: int, dim_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split decode's partial sums and (max, denominator) pairs, one buffer for every layer of the step."""
+        key = (num_heads, dim_pad)
+        if key not in self.partials:
+            rows = num_heads * self.num_decodes * self.decode_splits
+            self.partials[key] = (torch.empty(rows, dim_pad, dtype=torch.float32, device=device),
+                                  torch.empty(rows, 2, dtype=torch.float32, device=device))
+        return self.partials[key]
+
+
+def decode_splits(max_context: int) -> int:
+    """Chunks of SPLIT_KEYS keys a decode context of `max_context` tokens is split into."""
+    return max(1, -(-max_context // SPLIT_KEYS))
+
+
+def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, max_context: int) -> int:
+    """Device memory of a decode step's partial sums (TritonMetadata.partials_of); 0 where it is not split."""
+    splits = decode_splits(max_context)
+    if splits == 1:
+        return 0
+    return num_decodes * num_heads * splits * (max(16, triton.next_power_of_2(head_dim)) + 2) * 4
+
 
 def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
     runs, nd = batch.num_runs, batch.num_decodes
@@ -188,7 +259,8 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
     flat = to_device([table, batch.query_start, batch.query_len, batch.num_computed, np.arange(nd), np.zeros(nd)],
                      np.int32, batch.device)
     return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
-                          (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window)
+                          (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window,
+                          decode_splits(int(context[:nd].max())) if nd else 1)
 
 
 def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -214,21 +286,32 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
     k_cache, v_cache = kv_cache.k_store[:, layer_idx], kv_cache.v_all[:, layer_idx]
     assert q.stride(2) == 1 and out.stride(2) == 1 and v_cache.stride(3) == 1
     launch = _launcher(_paged_attention, q.device)
-    common = dict(BLOCK_SIZE=kv_cache.block_size, GROUP=group, HEAD_DIM=dim,
-                  HEAD_DIM_PAD=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
-                  HAS_SINKS=sinks is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    dim_pad = max(16, triton.next_power_of_2(dim))
+    common = dict(BLOCK_SIZE=kv_cache.block_size, GROUP=group, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+                  HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   # Triton's interpreter (the CPU) multiplies 16-bit tiles wrongly: the same rounding in float32
                   DOT_FP32=q.device.type == "cpu")
+    sinks_or_any = sinks if sinks is not None else q
+    splits = md.decode_splits
     for tiles, block_t, options in ((md.decode_tiles, 1, DECODE_LAUNCH), (*md.prefill_tiles_of(group), PREFILL_LAUNCH)):
         if tiles is None:
             continue
         tile_run, tile_first = tiles
-        launch[(tile_run.numel(), num_kv_heads)](
-            out, q, k_cache, v_cache, sinks if sinks is not None else q, md.block_table, tile_run, tile_first,
-            md.query_start, md.query_len, md.num_computed, 1.0 / math.sqrt(dim), window or 0,
+        split = block_t == 1 and splits > 1
+        assert not split or SPLIT_KEYS % options["BLOCK_N"] == 0, "a chunk starts on a tile of the unsplit kernel"
+        partial_acc, partial_ml = md.partials_of(num_heads, dim_pad, q.device) if split else (q, q)
+        launch[(tile_run.numel(), num_kv_heads, splits if split else 1)](
+            out, q, k_cache, v_cache, sinks_or_any, md.block_table, tile_run, tile_first,
+            md.query_start, md.query_len, md.num_computed, partial_acc, partial_ml, 1.0 / math.sqrt(dim), window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(), *v_cache.stride()[:3],
-            md.block_table.stride(0), BLOCK_T=block_t, BLOCK_M=max(16, triton.next_power_of_2(block_t * group)),
+            md.block_table.stride(0), splits, BLOCK_T=block_t,
+            BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), SPLIT_KEYS=SPLIT_KEYS if split else 0,
             **options, **common)
+        if split:
+            _launcher(_combine_splits, q.device)[(tile_run.numel(), num_heads)](
+                out, partial_acc, partial_ml, sinks_or_any, md.query_start, out.stride(0), out.stride(1), splits,
+                HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, HAS_SINKS=sinks is not None)
 
 
 class TritonBackend:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention
+from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention, decode_splits
 from torch_shift.engine.input_batch import HostInputs
 from torch_shift.kv.cache import KVCache
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
@@ -68,7 +68,8 @@ class DecodeGraphs:
             block_table=self.metadata[2 * n: 2 * n + rows * mb].view(rows, mb),
             query_start=self.query_start[:rows], query_len=self.metadata[:rows],
             num_computed=self.metadata[n: n + rows], decode_tiles=(self.query_start[:rows], self.tile_first[:rows]),
-            prefill_query_len=np.zeros(0, np.int32), sliding_window=self.sliding_window)
+            prefill_query_len=np.zeros(0, np.int32), sliding_window=self.sliding_window,
+            decode_splits=decode_splits(mb * self.kv_cache.block_size))  # any context: the longest a graph may see
         batch = MicroBatch(self.input_ids[:rows], self.positions[:rows],
                            TritonPagedAttention(self.kv_cache, metadata), self.logits_indices[:rows])
         return self.model.forward_step(self.layout, [batch])

@@ -227,8 +227,9 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
     """The profiling pass: device memory a step holds beyond the weights, measured on the largest step the
     scheduler may send (max_num_batched_tokens tokens, a logits row each for up to max_num_seqs of them) and,
     where decode steps are captured in CUDA graphs, once more for the graphs' own pool (a step of max_num_seqs
-    tokens). Attention is left out: the paged Triton kernel holds no more than its output, the size of q."""
-    sc = config.scheduler
+    tokens). Attention holds its output, the size of q, and for a decode step split over a long context its
+    chunks' partial sums, added here for the largest decode step."""
+    sc, mc = config.scheduler, config.model
     num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -243,6 +244,10 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
         with torch.inference_mode():
             run_without_kv(model, config.deployment, rank, device, sc.max_num_seqs, sc.max_num_seqs, sc.max_model_len)
         peak += torch.cuda.max_memory_allocated(device) - before
+    from torch_shift.attention.triton_paged import split_decode_bytes
+
+    group = mc.num_attention_heads // mc.num_key_value_heads
+    peak += split_decode_bytes(sc.max_num_seqs, model.num_local_kv_heads * group, mc.head_dim, sc.max_model_len)
     torch.cuda.empty_cache()  # the pass's blocks go back to the device, where mem_get_info sees them free
     model.reset_counters()
     return peak
