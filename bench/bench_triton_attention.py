@@ -171,6 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     sweep("prefill", prefill, grid, apply_prefill, "TFLOP/s")
     for _, (_, md, _, _, _) in prefill:
         md.prefill_tiles.clear()
+    for label, (_, _, q, flops, _) in prefill:  # what the engine runs for a prompt with nothing cached before it
+        k, v = torch.randn_like(q[:, :KV_HEADS]), torch.randn_like(q[:, :KV_HEADS])
+        graph = torch.cuda.CUDAGraph()
+        triton_paged.causal_attention(q, k, v)
+        with torch.cuda.graph(graph):
+            for _ in range(LAYERS):
+                triton_paged.causal_attention(q, k, v)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / 10 / LAYERS
+        print(f"{label} through SDPA (triton_paged.causal_attention): {seconds * 1e6:.1f} us per layer "
+              f"({flops / seconds / 1e12:.2f} TFLOP/s)")
     print(f"\nswept in {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -38,6 +39,9 @@ DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
+# A prompt's run from an empty cache attends to the step's own keys and values: torch's SDPA (FlashAttention on a GPU)
+# runs it where the layer has no sliding window and no sinks, 3-4x faster than the paged kernel (docs/performance.md).
+PROMPTS_BY_SDPA = True
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
@@ -206,27 +210,36 @@ class TritonMetadata:
     prefill_query_len: np.ndarray  # the prompt runs' query counts (runs num_decodes.. in order)
     sliding_window: int | None
     decode_splits: int = 1  # chunks of SPLIT_KEYS keys the decode contexts are split into (1: not split)
-    prefill_tiles: dict[int, tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(default_factory=dict)
+    fresh_prompts: list[tuple[int, int]] = field(default_factory=list)  # (first row, tokens) of the prompt runs
+    prefill_fresh: np.ndarray | None = None  # bool per prompt run: nothing cached before it (in fresh_prompts)
+    prefill_tiles: dict[tuple[int, bool], tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(
+        default_factory=dict)
     partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
         return self.query_len.numel() - len(self.prefill_query_len)
 
-    def prefill_tiles_of(self, group: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+    def prefill_tiles_of(self, group: int, fresh_apart: bool = False
+                         ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
         """The prefill launch's tiles for `group` query heads per KV head (PREFILL_ROWS rows a tile), and its
-        tokens per tile; built when the first layer asks."""
-        if group not in self.prefill_tiles:
+        tokens per tile, over every prompt run or (`fresh_apart`) those with tokens cached; built when the first
+        layer asks."""
+        key = (group, fresh_apart)
+        if key not in self.prefill_tiles:
             block_t = max(1, PREFILL_ROWS // group)
             tiles = None
-            if len(self.prefill_query_len):
-                tiles_per_run = -(-self.prefill_query_len.astype(np.int64) // block_t)
+            query_len = self.prefill_query_len.astype(np.int64)
+            if fresh_apart:
+                query_len = np.where(self.prefill_fresh, 0, query_len)
+            if query_len.any():
+                tiles_per_run = -(-query_len // block_t)
                 run = np.repeat(np.arange(self.num_decodes, self.query_len.numel()), tiles_per_run)
                 first = (np.arange(len(run)) - np.repeat(np.cumsum(tiles_per_run) - tiles_per_run,
                                                           tiles_per_run)) * block_t
                 tiles = tuple(to_device([run, first], np.int32, self.query_len.device))
-            self.prefill_tiles[group] = (tiles, block_t)
-        return self.prefill_tiles[group]
+            self.prefill_tiles[key] = (tiles, block_t)
+        return self.prefill_tiles[key]
 
     def partials_of(self, num_heads: int, dim_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The split decode's partial sums and (max, denominator) pairs, one buffer for every layer of the step."""
@@ -258,9 +271,11 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
     table = batch.block_table[batch.block_table_rows, :max_blocks]
     flat = to_device([table, batch.query_start, batch.query_len, batch.num_computed, np.arange(nd), np.zeros(nd)],
                      np.int32, batch.device)
+    prefill_fresh = batch.num_computed[nd:] == 0
+    fresh = list(zip(batch.query_start[nd:][prefill_fresh].tolist(), batch.query_len[nd:][prefill_fresh].tolist()))
     return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
                           (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window,
-                          decode_splits(int(context[:nd].max())) if nd else 1)
+                          decode_splits(int(context[:nd].max())) if nd else 1, fresh, prefill_fresh)
 
 
 def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -278,8 +293,9 @@ def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: t
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer_idx: int, md: TritonMetadata,
-                    sinks: torch.Tensor | None, window: int | None) -> None:
-    """out[t] = attention of query row t over its run's context in `kv_cache` (written already)."""
+                    sinks: torch.Tensor | None, window: int | None, fresh_apart: bool = False) -> None:
+    """out[t] = attention of query row t over its run's context in `kv_cache` (written already); with
+    `fresh_apart`, not for the rows of md.fresh_prompts."""
     num_heads, dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.num_kv_heads
     group = num_heads // num_kv_heads
@@ -294,7 +310,8 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
                   DOT_FP32=q.device.type == "cpu")
     sinks_or_any = sinks if sinks is not None else q
     splits = md.decode_splits
-    for tiles, block_t, options in ((md.decode_tiles, 1, DECODE_LAUNCH), (*md.prefill_tiles_of(group), PREFILL_LAUNCH)):
+    for tiles, block_t, options in ((md.decode_tiles, 1, DECODE_LAUNCH),
+                                    (*md.prefill_tiles_of(group, fresh_apart), PREFILL_LAUNCH)):
         if tiles is None:
             continue
         tile_run, tile_first = tiles
@@ -334,6 +351,21 @@ class TritonPagedAttention:
         window = md.sliding_window if sliding_window is None else sliding_window
         write_kv(self.kv_cache, layer_idx, md.slot_mapping, k, v)
         out = torch.empty_like(q)
+        fresh_apart = PROMPTS_BY_SDPA and bool(md.fresh_prompts) and window is None and sinks is None
         paged_attention(out, q.contiguous() if q.stride(2) != 1 else q, self.kv_cache, layer_idx, md, sinks,
-                        window)
+                        window, fresh_apart)
+        if fresh_apart:
+            for start, length in md.fresh_prompts:
+                rows = slice(start, start + length)
+                out[rows] = causal_attention(q[rows], k[rows], v[rows])
         return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [n, heads, dim] over k/v [n, kv_heads, dim], causal (a prompt with nothing before it), through SDPA: K/V
+    repeated per query head, which keeps it on FlashAttention (SDPA's GQA argument is not on every backend)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
