@@ -40,7 +40,7 @@ PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
 # A prompt's run from an empty cache attends to the step's own keys and values: torch's SDPA (FlashAttention on a GPU)
-# runs it where the layer has no sliding window and no sinks, 3-4x faster than the paged kernel (docs/performance.md).
+# runs it where the layer has no sliding window and no sinks (bench_triton_attention.py times both).
 PROMPTS_BY_SDPA = True
 
 
