@@ -66,10 +66,17 @@ def _filled(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> 
 
 
 def _timed(fn: Callable[[], object], device: str) -> Callable[[], object]:
-    """`fn`, ending when its work on `device` has (a GPU runs it asynchronously)."""
+    """`fn`, ending when its work on `device` has. On a GPU it runs captured in a CUDA graph, as the engine's
+    decode steps run: launched from Python one kernel at a time, 16 matmuls over 512 MiB of weights measured
+    1.3 TB/s on an H200 whose copies run at 4.1 TB/s."""
     if device == "cpu":
         return fn
-    return lambda: (fn(), torch.cuda.synchronize())
+    fn()  # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return lambda: (graph.replay(), torch.cuda.synchronize())
 
 
 # -- one device ---------------------------------------------------------------------------------------------
