@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
@@ -39,9 +40,12 @@ DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
-# A prompt's run from an empty cache attends to the step's own keys and values: torch's SDPA (FlashAttention on a GPU)
-# runs it where the layer has no sliding window and no sinks (bench_triton_attention.py times both).
-PROMPTS_BY_SDPA = True
+# A prompt's run from an empty cache attends to the step's own keys and values: with PROMPTS_BY_SDPA, torch's SDPA
+# (FlashAttention on a GPU) runs it where the layer has no sliding window and no sinks. Off by default: on an H200 a
+# 2k prompt took 10.9 ms against 14.3, but offline throughput (prompts of 128-512 tokens) fell from 24,600 to 4,000
+# tokens/s. SDPA was free to pick cuDNN's kernels then, which build a plan per shape: the suspected cause, not
+# confirmed; they are left out now, and that has not run on a GPU yet (docs/performance.md).
+PROMPTS_BY_SDPA = False
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
@@ -363,10 +367,16 @@ class TritonPagedAttention:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [n, heads, dim] over k/v [n, kv_heads, dim], causal (a prompt with nothing before it), through SDPA as
-    FlashAttention takes it: 4-D [1, heads, n, dim] (3-D inputs fall back to the math kernel: 0.4x the paged
-    kernel's speed on an H200) and K/V repeated per query head (SDPA's GQA argument is not on every backend)."""
+    FlashAttention takes it: 4-D [1, heads, n, dim] (3-D inputs fell back to the math kernel: 13x slower than the
+    paged kernel on an H200) and K/V repeated per query head (SDPA's GQA argument is not on every backend)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+    with sdpa_kernel(_PROMPT_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+
+
+# FlashAttention, else the memory-efficient kernel (fp32 on a GPU); not cuDNN's, which builds a plan per shape (a
+# serving step's prompts come in every length), nor the math one: inputs no fused kernel takes raise instead
+_PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
