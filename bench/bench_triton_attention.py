@@ -87,7 +87,7 @@ def set_splits(cases, split_keys: int) -> None:
 
     triton_paged.SPLIT_KEYS = split_keys or 1 << 30
     for _, (_, md, _, _, context) in cases:
-        md.decode_splits = triton_paged.decode_splits(context)
+        md.decode_splits, md.split_keys = triton_paged.split_plan(context, context)
         md.partials.clear()
 
 

@@ -240,13 +240,15 @@ def test_every_engine_argument_is_a_flag_of_generate_and_serve_with_vllms_names(
 def test_compile_by_default_for_one_rank_and_a_model_of_50m_parameters_or_more():
     from types import SimpleNamespace
 
+    from torch_shift.attention import _has_triton
     from torch_shift.engine.args import COMPILE_MIN_PARAMETERS, EngineArgs
     from torch_shift.kernels import compiler
 
     large, small = (SimpleNamespace(num_parameters=n) for n in (COMPILE_MIN_PARAMETERS, COMPILE_MIN_PARAMETERS - 1))
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     gpu = EngineArgs("m", device="cuda")  # no GPU needed to decide: the device is only named
-    assert gpu._compiles(large, one) and not gpu._compiles(small, one) and not gpu._compiles(large, two)
+    assert gpu._compiles(large, one) == _has_triton()  # inductor's GPU kernels are Triton's
+    assert not gpu._compiles(small, one) and not gpu._compiles(large, two)
     cpu = EngineArgs("m", device="cpu")
     assert cpu._compiles(large, one) == (compiler() is not None) and not cpu._compiles(small, one)
     assert not EngineArgs("m", device="cuda", compile=False)._compiles(large, one)

@@ -158,9 +158,9 @@ def test_micro_batches_cut_prompt_chunks_and_rebuild_the_whole_steps_inputs():
                       np.array([2, 7, 0, 0], dtype=np.int32), 1, np.array([1, 20, 1, 0], dtype=np.int32), 4)
     micro = split_micro_batches(group)
     assert [int(m.num_scheduled.sum()) for m in micro] == [10, 10, 10, 11]
-    whole = batch.prepare(GroupStep(*[getattr(group, f) for f in ("layout", "rows", "num_scheduled", "num_computed",
-                                                                   "num_decodes", "logits_counts")]), 0, 1)
-    parts = [batch.prepare(m, 0, 1) for m in micro]
+    whole = batch.to_device(batch.prepare(GroupStep(*[getattr(group, f) for f in (
+        "layout", "rows", "num_scheduled", "num_computed", "num_decodes", "logits_counts")]), 0, 1))
+    parts = [batch.to_device(batch.prepare(m, 0, 1)) for m in micro]
     for name in ("input_ids", "positions"):
         assert torch.equal(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name))
     assert torch.equal(torch.cat([p.attention.slot_mapping for p in parts]), whole.attention.slot_mapping)

@@ -45,29 +45,31 @@ def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
 
 
 def check_split_decode(device: str) -> None:
-    """A decode step split into more chunks than its contexts need (a CUDA graph's, sized for any context)
+    """A decode step launched for more chunks than its contexts need (a CUDA graph's, launched for any context)
     computes exactly what it computes split as its contexts need, and unsplit where they fit one chunk."""
     from test_attention_backends import make_step
 
     from torch_shift.attention import attention_backend, triton_paged
 
     sinks = torch.linspace(-2.0, 3.0, 8)
-    for runs, window, sink in (([(0, 1), (37, 1), (60, 1)], None, None), ([(3, 1), (200, 1), (90, 1)], None, None),
-                               ([(3, 1), (200, 1), (90, 1)], 70, sinks)):
-        cache, batch, q, k, v, _ = make_step(runs, 8, 2, 16, 4, torch.float32, window, num_layers=1, sinks=sink)
+    cases = [(dtype, runs, window, sink) for dtype in (torch.float32, torch.bfloat16) for runs, window, sink in (
+        ([(0, 1), (37, 1), (60, 1)], None, None), ([(3, 1), (50, 1), (20, 1)], 9, sinks),
+        ([(3, 1), (200, 1), (90, 1)], None, None), ([(3, 1), (200, 1), (90, 1)], 70, sinks))]
+    for dtype, runs, window, sink in cases:
+        cache, batch, q, k, v, _ = make_step(runs, 8, 2, 16, 4, dtype, window, num_layers=1, sinks=sink)
         cache, batch = on_device(cache, batch, device)
         q, k, v = q.to(device), k.to(device), v.to(device)
         default, triton_paged.SPLIT_KEYS = triton_paged.SPLIT_KEYS, 64
         try:
             outs = []
             for extra in (0, 3):
-                attention = attention_backend("triton", torch.device(device), torch.float32).build(batch, cache)
+                attention = attention_backend("triton", torch.device(device), dtype).build(batch, cache)
                 assert attention.metadata.decode_splits == -(-max(c + 1 for c, _ in runs) // 64)
                 attention.metadata.decode_splits += extra
                 outs.append(attention(0, q, k, v, None if sink is None else sink.to(device), window))
         finally:
             triton_paged.SPLIT_KEYS = default
-        assert torch.equal(outs[0], outs[1]), (runs, (outs[0] - outs[1]).abs().max())
+        assert torch.equal(outs[0], outs[1]), (dtype, runs, (outs[0] - outs[1]).abs().max())
 
 
 def check_kernel_against_reference(device: str, dtypes: list[torch.dtype]) -> None:

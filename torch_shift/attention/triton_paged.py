@@ -6,12 +6,12 @@ online softmax (FlashAttention's recurrence), so every key and value is read onc
 context is gathered or padded. Keys are stored dim-major per block (`KVCache.k_store`), which is the
 K^T tile the score product wants. Decode runs (one token) go in a launch of BLOCK_T = 1, whose grid is
 fixed by the number of decode rows: what a CUDA graph of a decode step captures. A decode step whose
-contexts reach past SPLIT_KEYS keys splits each context into chunks of SPLIT_KEYS keys, one program each
-(FlashDecoding: a batch of a few sequences otherwise runs on a few of the GPU's multiprocessors), and a
-second kernel combines the chunks' partial softmaxes in chunk order; a chunk past a context contributes
-exactly nothing, so a CUDA graph sized for the longest context computes what an eager step sized for its
-own does, bit for bit. The step's K/V are written into their slots by a kernel of their own (slots < 0
-skipped: a captured graph's padding rows).
+contexts reach past one chunk splits each context into chunks (SPLIT_KEYS keys, more where max_model_len
+would need over MAX_SPLITS of them), one program each (FlashDecoding: a batch of a few sequences otherwise
+runs on a few of the GPU's multiprocessors), and a second kernel combines each row's own chunks in chunk
+order. The chunk size depends on max_model_len only and a row combines the chunks of its own context, so a
+CUDA graph launched for the longest context computes what an eager step does, bit for bit. The step's K/V
+are written into their slots by a kernel of their own (slots < 0 skipped: a captured graph's padding rows).
 
 On the CPU the same kernels run in Triton's interpreter, when TRITON_INTERPRET=1 was set before triton was
 imported (tests only: it is slow).
@@ -33,18 +33,16 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.kv.cache import KVCache
 from torch_shift.memory import to_device
 
-# The decode and the prefill launches' tiles and Triton launch options: the fastest of those
-# bench/bench_triton_attention.py swept on an H200 (docs/performance.md; Triton's defaults were 4 warps, 3 stages):
-# decode 1.1-1.4x faster, a 2k-token prompt 1.45x.
+# the decode and the prefill launches' tiles and Triton launch options: the fastest bench/bench_triton_attention.py
+# swept on an H200 (docs/performance.md)
 DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
 PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
-# A prompt's run from an empty cache attends to the step's own keys and values: with PROMPTS_BY_SDPA, torch's SDPA
-# (FlashAttention on a GPU) runs it where the layer has no sliding window and no sinks. Off by default: on an H200 a
-# 2k prompt took 10.9 ms against 14.3, but offline throughput (prompts of 128-512 tokens) fell from 24,600 to 4,000
-# tokens/s. SDPA was free to pick cuDNN's kernels then, which build a plan per shape: the suspected cause, not
-# confirmed; they are left out now, and that has not run on a GPU yet (docs/performance.md).
+MAX_SPLITS = 32  # chunks a context of max_model_len keys is cut into, at most (larger chunks past 8k)
+# With PROMPTS_BY_SDPA a prompt's run with nothing cached attends to the step's own keys and values through torch's
+# SDPA (FlashAttention on a GPU), where the layer has no sliding window and no sinks. Off by default: on an H200 it
+# prefilled faster but served prompts of mixed lengths 6x slower, for a reason not confirmed (docs/performance.md).
 PROMPTS_BY_SDPA = False
 
 
@@ -54,7 +52,7 @@ PROMPTS_BY_SDPA = False
 def _paged_attention(
     out_ptr, q_ptr, k_ptr, v_ptr, sinks_ptr,
     block_table_ptr, tile_run_ptr, tile_first_ptr, query_start_ptr, query_len_ptr, num_computed_ptr,
-    partial_acc_ptr, partial_ml_ptr,
+    partial_acc_ptr, partial_max_sum_ptr,
     sm_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kh, stride_kd, stride_kn,
@@ -90,6 +88,7 @@ def _paged_attention(
         lo = tl.maximum(done + first - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT_KEYS > 0:  # this program's chunk of a decode context (program_id 2)
         split = tl.program_id(2)
+        in_context = split * SPLIT_KEYS < hi  # a chunk past the context stores nothing: its row never reads it
         lo = tl.maximum(lo, split * SPLIT_KEYS)
         hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -124,11 +123,12 @@ def _paged_attention(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLIT_KEYS > 0:  # the chunk's unnormalised sum, its max and its denominator, combined by _combine_splits
-        # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_ml [decode rows, heads, num_splits, 2]
-        at = (tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split
-        tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=valid[:, None])
-        tl.store(partial_ml_ptr + at * 2, m_i, mask=valid)
-        tl.store(partial_ml_ptr + at * 2 + 1, l_i, mask=valid)
+        # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_max_sum [..., 2]
+        at = ((tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split).to(tl.int64)
+        stored = valid & in_context
+        tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=stored[:, None])
+        tl.store(partial_max_sum_ptr + at * 2, m_i, mask=stored)
+        tl.store(partial_max_sum_ptr + at * 2 + 1, l_i, mask=stored)
         return
     if HAS_SINKS:  # a sink logit per head beside the keys: in the denominator only
         sink = tl.load(sinks_ptr + head, mask=valid, other=0.0).to(tl.float32)
@@ -140,23 +140,25 @@ def _paged_attention(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits(
-    out_ptr, partial_acc_ptr, partial_ml_ptr, sinks_ptr, query_start_ptr, stride_ot, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
+    out_ptr, partial_acc_ptr, partial_max_sum_ptr, sinks_ptr, query_start_ptr, query_len_ptr, num_computed_ptr,
+    stride_ot, stride_oh, num_splits,
+    SPLIT_KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """One decode row's head: its chunks' partial softmaxes combined, in chunk order (a chunk past the context
-    holds max -1e30 and sum 0: it adds exactly 0)."""
+    """One decode row's head: the partial softmaxes of its context's chunks combined, in chunk order (a chunk
+    below a sliding window holds max -1e30 and sum 0: it adds exactly 0)."""
     run = tl.program_id(0)
     head = tl.program_id(1)
-    base = (run * tl.num_programs(1) + head) * num_splits
-    m = tl.load(partial_ml_ptr + base * 2)
-    for split in range(1, num_splits):
-        m = tl.maximum(m, tl.load(partial_ml_ptr + (base + split) * 2))
+    chunks = tl.cdiv(tl.load(num_computed_ptr + run) + tl.load(query_len_ptr + run), SPLIT_KEYS)
+    base = ((run * tl.num_programs(1) + head) * num_splits).to(tl.int64)
+    m = tl.full([], -1.0e30, tl.float32)
+    for split in range(0, chunks):
+        m = tl.maximum(m, tl.load(partial_max_sum_ptr + (base + split) * 2))
     dims = tl.arange(0, HEAD_DIM_PAD)
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
     denominator = tl.full([], 0.0, tl.float32)
-    for split in range(0, num_splits):
-        weight = tl.exp(tl.load(partial_ml_ptr + (base + split) * 2) - m)
-        denominator += tl.load(partial_ml_ptr + (base + split) * 2 + 1) * weight
+    for split in range(0, chunks):
+        weight = tl.exp(tl.load(partial_max_sum_ptr + (base + split) * 2) - m)
+        denominator += tl.load(partial_max_sum_ptr + (base + split) * 2 + 1) * weight
         acc += tl.load(partial_acc_ptr + (base + split) * HEAD_DIM_PAD + dims) * weight
     if HAS_SINKS:
         denominator += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m)
@@ -213,8 +215,10 @@ class TritonMetadata:
     decode_tiles: tuple[torch.Tensor, torch.Tensor] | None  # (run, first query) per tile of the decode launch
     prefill_query_len: np.ndarray  # the prompt runs' query counts (runs num_decodes.. in order)
     sliding_window: int | None
-    decode_splits: int = 1  # chunks of SPLIT_KEYS keys the decode contexts are split into (1: not split)
+    decode_splits: int = 1  # chunks of split_keys keys the longest decode context is split into (1: not split)
+    split_keys: int = 0  # keys per chunk (split_plan)
     fresh_prompts: list[tuple[int, int]] = field(default_factory=list)  # (first row, tokens) of the prompt runs
+    # with nothing cached
     prefill_fresh: np.ndarray | None = None  # bool per prompt run: nothing cached before it (in fresh_prompts)
     prefill_tiles: dict[tuple[int, bool], tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(
         default_factory=dict)
@@ -246,7 +250,7 @@ class TritonMetadata:
         return self.prefill_tiles[key]
 
     def partials_of(self, num_heads: int, dim_pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split decode's partial sums and (max, denominator) pairs, one buffer for every layer of the step."""
+        """The split decode's partial sums and (max, sum) pairs, one buffer for every layer of the step."""
         key = (num_heads, dim_pad)
         if key not in self.partials:
             rows = num_heads * self.num_decodes * self.decode_splits
@@ -255,14 +259,21 @@ class TritonMetadata:
         return self.partials[key]
 
 
-def decode_splits(max_context: int) -> int:
-    """Chunks of SPLIT_KEYS keys a decode context of `max_context` tokens is split into."""
-    return max(1, -(-max_context // SPLIT_KEYS))
+def split_plan(max_context: int, capacity: int) -> tuple[int, int]:
+    """(chunks, keys per chunk) of a decode step whose longest context is `max_context` keys, in an engine whose
+    contexts hold up to `capacity` keys (its block table's width): chunks of SPLIT_KEYS keys, or larger where
+    `capacity` would need more than MAX_SPLITS. The size depends on `capacity` alone, so a CUDA graph (sized
+    for `capacity`) and an eager step cut a context alike."""
+    block_n = DECODE_LAUNCH["BLOCK_N"]
+    per_chunk = -(-capacity // MAX_SPLITS)
+    keys = max(SPLIT_KEYS, -(-per_chunk // block_n) * block_n)  # whole tiles of the unsplit kernel
+    return max(1, -(-max_context // keys)), keys
 
 
-def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, max_context: int) -> int:
-    """Device memory of a decode step's partial sums (TritonMetadata.partials_of); 0 where it is not split."""
-    splits = decode_splits(max_context)
+def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, capacity: int) -> int:
+    """Device memory of a decode step's partial sums (TritonMetadata.partials_of) at its longest; 0 where no
+    context is split."""
+    splits, _ = split_plan(capacity, capacity)
     if splits == 1:
         return 0
     return num_decodes * num_heads * splits * (max(16, triton.next_power_of_2(head_dim)) + 2) * 4
@@ -277,9 +288,11 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
                      np.int32, batch.device)
     prefill_fresh = batch.num_computed[nd:] == 0
     fresh = list(zip(batch.query_start[nd:][prefill_fresh].tolist(), batch.query_len[nd:][prefill_fresh].tolist()))
+    splits, split_keys = split_plan(int(context[:nd].max()) if nd else 0,
+                                    batch.block_table.shape[1] * batch.tokens_per_block)
     return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
                           (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window,
-                          decode_splits(int(context[:nd].max())) if nd else 1, fresh, prefill_fresh)
+                          splits, split_keys, fresh, prefill_fresh)
 
 
 def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -312,27 +325,28 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   # Triton's interpreter (the CPU) multiplies 16-bit tiles wrongly: the same rounding in float32
                   DOT_FP32=q.device.type == "cpu")
-    sinks_or_any = sinks if sinks is not None else q
+    sinks_arg = sinks if sinks is not None else q  # any tensor where the layer has none: the kernel reads none
     splits = md.decode_splits
     for tiles, block_t, options in ((md.decode_tiles, 1, DECODE_LAUNCH),
                                     (*md.prefill_tiles_of(group, fresh_apart), PREFILL_LAUNCH)):
         if tiles is None:
             continue
         tile_run, tile_first = tiles
-        split = block_t == 1 and splits > 1
-        assert not split or SPLIT_KEYS % options["BLOCK_N"] == 0, "a chunk starts on a tile of the unsplit kernel"
-        partial_acc, partial_ml = md.partials_of(num_heads, dim_pad, q.device) if split else (q, q)
-        launch[(tile_run.numel(), num_kv_heads, splits if split else 1)](
-            out, q, k_cache, v_cache, sinks_or_any, md.block_table, tile_run, tile_first,
-            md.query_start, md.query_len, md.num_computed, partial_acc, partial_ml, 1.0 / math.sqrt(dim), window or 0,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(), *v_cache.stride()[:3],
-            md.block_table.stride(0), splits, BLOCK_T=block_t,
-            BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), SPLIT_KEYS=SPLIT_KEYS if split else 0,
+        split_decode = block_t == 1 and splits > 1
+        assert not split_decode or md.split_keys % options["BLOCK_N"] == 0, "chunks start on the unsplit tiles"
+        partial_acc, partial_max_sum = md.partials_of(num_heads, dim_pad, q.device) if split_decode else (q, q)
+        launch[(tile_run.numel(), num_kv_heads, splits if split_decode else 1)](
+            out, q, k_cache, v_cache, sinks_arg, md.block_table, tile_run, tile_first,
+            md.query_start, md.query_len, md.num_computed, partial_acc, partial_max_sum, 1.0 / math.sqrt(dim),
+            window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(),
+            *v_cache.stride()[:3], md.block_table.stride(0), splits, BLOCK_T=block_t,
+            BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
             **options, **common)
-        if split:
+        if split_decode:
             _launcher(_combine_splits, q.device)[(tile_run.numel(), num_heads)](
-                out, partial_acc, partial_ml, sinks_or_any, md.query_start, out.stride(0), out.stride(1), splits,
-                HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, HAS_SINKS=sinks is not None)
+                out, partial_acc, partial_max_sum, sinks_arg, md.query_start, md.query_len, md.num_computed,
+                out.stride(0), out.stride(1), splits, SPLIT_KEYS=md.split_keys, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
+                HAS_SINKS=sinks is not None)
 
 
 class TritonBackend:
@@ -367,8 +381,8 @@ class TritonPagedAttention:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [n, heads, dim] over k/v [n, kv_heads, dim], causal (a prompt with nothing before it), through SDPA as
-    FlashAttention takes it: 4-D [1, heads, n, dim] (3-D inputs fell back to the math kernel: 13x slower than the
-    paged kernel on an H200) and K/V repeated per query head (SDPA's GQA argument is not on every backend)."""
+    its fused kernels take it: 4-D [1, heads, n, dim] (3-D inputs go to the math kernel) and K/V repeated per
+    query head (SDPA's GQA argument is not on every backend)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

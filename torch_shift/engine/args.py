@@ -235,7 +235,9 @@ class EngineArgs:
         if deployment.world_size != 1 or model_config.num_parameters < COMPILE_MIN_PARAMETERS:
             return False
         if resolve_device(self.device).type == "cuda":
-            return True
+            from torch_shift.attention import _has_triton
+
+            return _has_triton()  # inductor's GPU kernels are Triton's
         from torch_shift.kernels import compiler
 
         return resolve_device(self.device).type == "cpu" and compiler() is not None

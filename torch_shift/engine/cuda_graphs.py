@@ -5,7 +5,7 @@ A decode step of a small batch on a GPU is bound by launching its few hundred ke
 weights; a graph launches them all at once. A graph replays fixed addresses and a fixed grid, so
 every input lives in a static buffer: token ids, positions and slots, and the Triton attention's per-run
 metadata (query counts, cached tokens, block-table rows), written from the step's host arrays into pinned
-host memory and copied in two transfers (int64 and int32), with no other copy or kernel outside the graph.
+host memory and copied in two transfers (int64 and int32); outside the graph only the logits are copied out.
 A bucket of b rows serves steps of up to b decodes; its padding rows have no query (attention skips them)
 and slot -1 (their K/V are not written), and their logits are dropped.
 """
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention, decode_splits
+from torch_shift.attention.triton_paged import TritonMetadata, TritonPagedAttention, split_plan
 from torch_shift.engine.input_batch import HostInputs
 from torch_shift.kv.cache import KVCache
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
@@ -63,13 +63,15 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> torch.Tensor:
         n, mb = self.max_rows, self.max_blocks
+        # launched for the longest context a replay may see; each row combines the chunks of its own
+        splits, split_keys = split_plan(mb * self.kv_cache.block_size, mb * self.kv_cache.block_size)
         metadata = TritonMetadata(
             slot_mapping=self.slot_mapping[:rows],
             block_table=self.metadata[2 * n: 2 * n + rows * mb].view(rows, mb),
             query_start=self.query_start[:rows], query_len=self.metadata[:rows],
             num_computed=self.metadata[n: n + rows], decode_tiles=(self.query_start[:rows], self.tile_first[:rows]),
-            prefill_query_len=np.zeros(0, np.int32), sliding_window=self.sliding_window,
-            decode_splits=decode_splits(mb * self.kv_cache.block_size))  # any context: the longest a graph may see
+            prefill_query_len=np.zeros(0, np.int32), sliding_window=self.sliding_window, decode_splits=splits,
+            split_keys=split_keys)
         batch = MicroBatch(self.input_ids[:rows], self.positions[:rows],
                            TritonPagedAttention(self.kv_cache, metadata), self.logits_indices[:rows])
         return self.model.forward_step(self.layout, [batch])
@@ -116,13 +118,13 @@ class DecodeGraphs:
         table[:num_rows, :used] = batch.block_table[batch.block_table_rows, :used]
         size = 2 * n + rows * mb
         self.metadata[:size].copy_(self.staging[:size], non_blocking=True)
-        inputs = self.staging_inputs.numpy()
-        inputs[:rows] = 0
-        inputs[:num_rows] = batch.input_ids
-        inputs[n: n + rows] = 0
-        inputs[n: n + num_rows] = batch.positions
-        inputs[2 * n: 2 * n + rows] = -1  # padding rows write no K/V
-        inputs[2 * n: 2 * n + num_rows] = batch.slot_mapping
+        staged = self.staging_inputs.numpy()
+        staged[:rows] = 0
+        staged[:num_rows] = batch.input_ids
+        staged[n: n + rows] = 0
+        staged[n: n + num_rows] = batch.positions
+        staged[2 * n: 2 * n + rows] = -1  # padding rows write no K/V
+        staged[2 * n: 2 * n + num_rows] = batch.slot_mapping
         self.inputs.copy_(self.staging_inputs, non_blocking=True)
         if self._staged is not None:
             self._staged.record()

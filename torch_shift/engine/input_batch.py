@@ -31,7 +31,7 @@ class HostInputs:
     """A group's step inputs in host arrays, before they go to the device (a CUDA graph's step stages them in its
     own buffers instead)."""
 
-    input_ids: np.ndarray  # int64 [T]
+    input_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T]
     logits_indices: np.ndarray  # int64: rows of the hidden states that go through the LM head

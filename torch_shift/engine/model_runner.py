@@ -105,23 +105,29 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_attention(self) -> None:
         """Run the attention kernels (Triton's compile at their first launch, a second or more each) at start-up,
-        not in the first served steps: a step of one decode (a cached token in block 0) and one two-token
-        prompt (block 1) through every layout of this rank, real attention included. Blocks 0 and 1 hold no
-        request yet; what the step writes there is overwritten before anything reads it."""
+        not in the first served steps: steps of one decode (its token in block 0) and one two-token prompt
+        (block 1) through every layout of this rank, real attention included: one with the decode's context in
+        one block, one with the longest context, which Triton splits in chunks (its blocks all block 0, read
+        only). Blocks 0 and 1 hold no request yet; what the steps write there is overwritten before anything
+        reads it."""
         device = self.device
+        columns = self.batch.block_table.shape[1]
         for layout in self.deployment.layouts_of(self.rank):
             kv, _ = self.pool_view(layout.name)
             tpb = kv.block_size
             prompt_block = 1 if kv.num_blocks > 1 else 0
-            batch = AttentionBatch(
-                num_decodes=1, query_start=np.array([0, 1], np.int32), query_len=np.array([1, 2], np.int32),
-                num_computed=np.array([1, 0], np.int32), block_table=np.array([[0], [prompt_block]], np.int32),
-                block_table_rows=np.array([0, 1], np.int32), tokens_per_block=tpb,
-                slot_mapping=torch.tensor([1, prompt_block * tpb, prompt_block * tpb + 1], device=device),
-                positions=torch.tensor([1, 0, 1], device=device), sliding_window=self.batch.sliding_window)
-            step = MicroBatch(torch.zeros(3, dtype=torch.long, device=device), batch.positions,
-                              self.attention.build(batch, kv), torch.tensor([0, 2], device=device))
-            self.model.forward_step(layout, [step])
+            for cached in sorted({1, max(1, self.batch.max_model_len - 1)}):
+                table = np.zeros((2, columns), np.int32)
+                table[1, 0] = prompt_block
+                batch = AttentionBatch(
+                    num_decodes=1, query_start=np.array([0, 1], np.int32), query_len=np.array([1, 2], np.int32),
+                    num_computed=np.array([cached, 0], np.int32), block_table=table,
+                    block_table_rows=np.array([0, 1], np.int32), tokens_per_block=tpb,
+                    slot_mapping=torch.tensor([1, prompt_block * tpb, prompt_block * tpb + 1], device=device),
+                    positions=torch.tensor([cached, 0, 1], device=device), sliding_window=self.batch.sliding_window)
+                step = MicroBatch(torch.zeros(3, dtype=torch.long, device=device), batch.positions,
+                                  self.attention.build(batch, kv), torch.tensor([0, 2], device=device))
+                self.model.forward_step(layout, [step])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.model.reset_counters()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_shift.attention import attention_backend
 from torch_shift.config import resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
@@ -228,7 +229,7 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
     scheduler may send (max_num_batched_tokens tokens, a logits row each for up to max_num_seqs of them) and,
     where decode steps are captured in CUDA graphs, once more for the graphs' own pool (a step of max_num_seqs
     tokens). Attention holds its output, the size of q, and for a decode step split over a long context its
-    chunks' partial sums, added here for the largest decode step."""
+    chunks' partial sums (the Triton backend), added here for the largest decode step."""
     sc, mc = config.scheduler, config.model
     num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * sc.max_model_len)
     torch.cuda.synchronize(device)
@@ -244,10 +245,14 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
         with torch.inference_mode():
             run_without_kv(model, config.deployment, rank, device, sc.max_num_seqs, sc.max_num_seqs, sc.max_model_len)
         peak += torch.cuda.max_memory_allocated(device) - before
-    from torch_shift.attention.triton_paged import split_decode_bytes
+    if attention_backend(config.runner.attention_backend, device, config.dtype).name == "triton":
+        from torch_shift.attention.triton_paged import split_decode_bytes
 
-    group = mc.num_attention_heads // mc.num_key_value_heads
-    peak += split_decode_bytes(sc.max_num_seqs, model.num_local_kv_heads * group, mc.head_dim, sc.max_model_len)
+        # an eager step's and, with graphs, the largest graph's (their pool keeps it)
+        group = mc.num_attention_heads // mc.num_key_value_heads
+        capacity = -(-sc.max_model_len // config.cache.block_size) * config.cache.block_size
+        peak += (1 + config.runner.cuda_graphs) * split_decode_bytes(
+            sc.max_num_seqs, model.num_local_kv_heads * group, mc.head_dim, capacity)
     torch.cuda.empty_cache()  # the pass's blocks go back to the device, where mem_get_info sees them free
     model.reset_counters()
     return peak

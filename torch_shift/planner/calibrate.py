@@ -1,24 +1,24 @@
 """`torch-shift calibrate`: measure this machine into a hardware profile for the cost model.
 
 A device is one CPU rank with `threads` intra-op threads, ranks talk over gloo; or (`device="cuda"`) one
-GPU, measured in the calling process with sizes far beyond its L2 cache (several GPUs, NCCL collectives
-between them, are not measured yet: the GPU lent to this work was one).
+GPU (several GPUs, NCCL collectives between them, are not measured yet: the GPU lent to this work was one).
 Measured, each rate against the same ideal FLOP and byte counts the cost model uses
-(`torch_shift.planner.shape`):
-  - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]);
+(`torch_shift.planner.shape`), with the GPU's sizes in brackets:
+  - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]; [2048, 2048] x [2048, 8192]);
   - weight-streaming bandwidth per dtype: matmuls over weights far beyond the last-level cache with
     1 to 64 rows of input (a decode step of 1 to 64 sequences reads its weights so), and with 1 row
     on every rank at once (-> node_bandwidth);
-  - copy bandwidth: a plain copy of a 128 MB tensor;
-  - attention: the engine's own `PagedAttention` (a decode batch over a paged KV cache: bandwidth;
-    a 512-token prompt: FLOP/s);
+  - copy bandwidth: a plain copy of a 128 MB tensor (an elementwise kernel over 1 GiB);
+  - attention: the engine's own backend (a decode batch over a paged KV cache: bandwidth; a 512-token
+    prompt: FLOP/s; 64 x 2048 tokens of context and a 2,048-token prompt);
   - collectives on the engine's own functional collectives (`torch_shift.parallel.comm`) over gloo,
     for every group size that divides the world, each call after some compute as in a forward pass:
     alpha and beta fitted over a sweep of sizes;
   - the engine's per-step overhead: `LLMEngine.step` with a model whose forward does no work (as
     bench/bench_engine.py does), at several batch sizes; and the step plan's broadcast to the ranks.
-Every measurement runs in ranks forked by `torch_shift.parallel.launch.run_ranks`, so the calling
-process keeps its threads and state.
+On CPUs every measurement runs in ranks forked by `torch_shift.parallel.launch.run_ranks`, so the calling
+process keeps its threads and state; a GPU is measured in the calling process (a forked process cannot use
+CUDA once its parent has), its kernels replayed in CUDA graphs as the engine's decode steps are.
 """
 
 from __future__ import annotations
@@ -115,10 +115,13 @@ def measure_weight_bandwidth(dtype: str, rows: int = 1, reps: int = 5, sync=None
 
 
 def measure_copy_bandwidth(reps: int = 5, sync=None, device: str = "cpu") -> float:
-    """Bytes read plus written per second by a copy of 128 MB (1 GiB on a GPU)."""
+    """Bytes read plus written per second by a copy of 128 MB; on a GPU by an elementwise kernel over 1 GiB, the
+    cost model's use of this rate (a plain copy is a memcpy node in a CUDA graph: 2.68 TB/s on an H200 whose
+    kernels copied 4.1 TB/s)."""
     src = _filled((32 << 20,) if device == "cpu" else (256 << 20,), torch.float32, device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _best_time(_timed(lambda: dst.copy_(src), device), reps, sync=sync)
+    copy = (lambda: dst.copy_(src)) if device == "cpu" else (lambda: torch.mul(src, 1.0, out=dst))
+    return 2 * src.numel() * src.element_size() / _best_time(_timed(copy, device), reps, sync=sync)
 
 
 def _attention_shape(dtype: str) -> ModelShape:
@@ -130,7 +133,7 @@ def measure_attention(dtype: str, reps: int = 3, device: str = "cpu") -> tuple[f
     """(bandwidth of a decode batch, FLOP/s of a prompt) of the engine's attention backend, against the
     ideal counts of shape.attention. Decode: 16 sequences of 512 tokens of context over 8 layers
     (134 MB of fp32 KV); prompt: 512 tokens from an empty cache. On a GPU: 64 sequences of 2048 tokens
-    (537 MB of bf16 KV) and a prompt of 2048 tokens."""
+    (1.07 GB of bf16 KV) and a prompt of 2048 tokens."""
     import numpy as np
 
     from torch_shift.attention import AttentionBatch, attention_backend
@@ -334,7 +337,7 @@ def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> di
             # no CUDA graphs: a graph would replay the real model's kernels, not the null model
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
                       num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False,
-                      device=device, cuda_graphs=False if device != "cpu" else None)
+                      device=device, cuda_graphs=False)
             engine = llm.engine
             engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model, device)
             params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
