@@ -88,7 +88,6 @@ def _paged_attention(
         lo = tl.maximum(done + first - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT_KEYS > 0:  # this program's chunk of a decode context (program_id 2)
         split = tl.program_id(2)
-        in_context = split * SPLIT_KEYS < hi  # a chunk past the context stores nothing: its row never reads it
         lo = tl.maximum(lo, split * SPLIT_KEYS)
         hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -125,7 +124,7 @@ def _paged_attention(
     if SPLIT_KEYS > 0:  # the chunk's unnormalised sum, its max and its denominator, combined by _combine_splits
         # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_max_sum [..., 2]
         at = ((tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split).to(tl.int64)
-        stored = valid & in_context
+        stored = valid & (position >= split * SPLIT_KEYS)  # a chunk past the context: its row never reads it
         tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=stored[:, None])
         tl.store(partial_max_sum_ptr + at * 2, m_i, mask=stored)
         tl.store(partial_max_sum_ptr + at * 2 + 1, l_i, mask=stored)
