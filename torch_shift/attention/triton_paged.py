@@ -42,7 +42,8 @@ SPLIT_KEYS = 256  # keys per chunk of a decode context split over several progra
 MAX_SPLITS = 32  # chunks a context of max_model_len keys is cut into, at most (larger chunks past 8k)
 # With PROMPTS_BY_SDPA a prompt's run with nothing cached attends to the step's own keys and values through torch's
 # SDPA (FlashAttention on a GPU), where the layer has no sliding window and no sinks. Off by default: on an H200 it
-# prefilled faster but served prompts of mixed lengths 6x slower, for a reason not confirmed (docs/performance.md).
+# prefilled faster but served prompts of mixed lengths 6x slower, likely cuDNN's per-shape plans, which it may no
+# longer use; not yet run on a GPU since (docs/performance.md).
 PROMPTS_BY_SDPA = False
 
 
@@ -390,6 +391,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
 
 
-# FlashAttention, else the memory-efficient kernel (fp32 on a GPU); not cuDNN's, which builds a plan per shape (a
-# serving step's prompts come in every length), nor the math one: inputs no fused kernel takes raise instead
+# FlashAttention, else the memory-efficient kernel (fp32 on a GPU); not cuDNN's, which SDPA tries first on sm90 and
+# sm100 and which builds an execution graph per shape (a serving step's prompts come in every length), nor the math
+# one: inputs no fused kernel takes raise instead
 _PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
