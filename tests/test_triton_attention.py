@@ -121,14 +121,13 @@ def check_engine_outputs(device: str, model_dir: str) -> None:
     from conftest import random_prompts
 
     from torch_shift import LLM, SamplingParams
+    from torch_shift.attention import triton_paged
 
     prompts = random_prompts(6, [3, 17, 40, 1, 9, 33])
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
     args = {"device": device, "max_num_batched_tokens": 24, "num_kv_blocks": 40, "block_size": 4,
             "max_model_len": 96}
     outputs = {}
-    from torch_shift.attention import triton_paged
-
     engines = (("sdpa", "sdpa"), ("triton", "triton"), ("triton, prompts by sdpa", "triton"), ("static", "triton"),
                ("static compiled", "triton"))
     for name, backend in engines:
