@@ -467,6 +467,8 @@ def test_calibrate_refuses_what_it_cannot_measure():
         calibrate(device="tpu")
     with pytest.raises(ValueError, match="one GPU"):
         calibrate(device="cuda", world=2)
+    with pytest.raises(ValueError, match="threads"):
+        calibrate(device="cuda", world=1, threads=4)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             calibrate(device="cuda", world=1)

@@ -446,6 +446,8 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     if unknown:
         raise ValueError(f"dtypes {unknown} cannot be measured; use {', '.join(TORCH_DTYPES)}")
     if device == "cuda":
+        if threads != 1:
+            raise ValueError("threads sets a CPU rank's intra-op threads; a GPU is measured with its own")
         if world != 1:
             raise ValueError("calibrate measures one GPU (world=1): collectives between GPUs (NCCL) are not "
                              "measured yet")
