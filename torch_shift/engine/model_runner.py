@@ -107,16 +107,17 @@ class ModelRunner:
         """Run the attention kernels (Triton's compile at their first launch, a second or more each) at start-up,
         not in the first served steps: steps of one decode (its token in block 0) and one two-token prompt
         (block 1) through every layout of this rank, real attention included: one with the decode's context in
-        one block, one with the longest context, which Triton splits in chunks (its blocks all block 0, read
-        only). Blocks 0 and 1 hold no request yet; what the steps write there is overwritten before anything
-        reads it."""
+        one block and, for the Triton backend, one with the longest context, which it splits in chunks (its
+        blocks all block 0, read only). Blocks 0 and 1 hold no request yet; what the steps write there is
+        overwritten before anything reads it."""
         device = self.device
         columns = self.batch.block_table.shape[1]
         for layout in self.deployment.layouts_of(self.rank):
             kv, _ = self.pool_view(layout.name)
             tpb = kv.block_size
             prompt_block = 1 if kv.num_blocks > 1 else 0
-            for cached in sorted({1, max(1, self.batch.max_model_len - 1)}):
+            longest = self.batch.max_model_len - 1 if self.attention.name == "triton" else 1
+            for cached in sorted({1, max(1, longest)}):
                 table = np.zeros((2, columns), np.int32)
                 table[1, 0] = prompt_block
                 batch = AttentionBatch(
