@@ -151,6 +151,40 @@ def check_engine_outputs(device: str, model_dir: str) -> None:
     assert outputs["triton, prompts by sdpa"] == outputs["triton"]
 
 
+def check_layouts(model_dir: str) -> None:
+    """Flying's bindings (DP replicas and a TP-2 group over their KV blocks viewed at width 2), Shift (SP-2 and its
+    TP layout), TP-2 and Seesaw (PP-2 prefill, TP-2 decode, KV through the host tier) at world 2 with the Triton
+    kernel, decode contexts split in chunks of 16 keys: tokens and logprobs as the single-device engine's. On the CPU
+    with gloo: ranks cannot share one GPU through NCCL."""
+    from conftest import random_prompts
+    from test_flying import _generate_rank
+    from test_shift import assert_same_outputs
+
+    from torch_shift import LLM, SamplingParams
+    from torch_shift.attention import triton_paged
+    from torch_shift.parallel.launch import run_ranks
+
+    prompts = random_prompts(4, [3, 17, 40, 9], seed=5)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=3)
+    ref = LLM(model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    small = {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 16}
+    layouts = ({"dp": 2, "policy": "random", "max_num_seqs": 2, "max_num_batched_tokens": 16},
+               {"sp": 2, "shift_threshold": 8, **small}, {"tp": 2, **small},
+               {"pp": 2, "policy": "seesaw", "num_cpu_kv_blocks": 32, **small})
+    defaults = triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"]
+    triton_paged.SPLIT_KEYS = triton_paged.DECODE_LAUNCH["BLOCK_N"] = 16  # the ranks are forked: they see it
+    try:
+        for args in layouts:
+            results = run_ranks(_generate_rank, 2, model_dir, {**args, "attention_backend": "triton", "device": "cpu"},
+                                prompts, params, timeout_s=600)
+            for outputs, _ in results:
+                assert_same_outputs(outputs, ref)
+            assert results[0][1]["leaked_blocks"] == 0
+            assert len(results[0][1]["steps_by_layout"]) >= (2 if "policy" in args or "sp" in args else 1), args
+    finally:
+        triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"] = defaults
+
+
 def _interpreted(code: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
@@ -172,6 +206,14 @@ def test_triton_backend_in_the_engine_matches_sdpa(llama):
         check_engine("cuda", str(model_dir))
     else:
         _interpreted(f"import test_triton_attention as t; t.check_engine('cpu', {str(model_dir)!r})")
+
+
+@pytest.mark.slow
+def test_every_layout_runs_the_triton_kernel(tmp_path):
+    from conftest import build_hf_model, save_checkpoint
+
+    model_dir = save_checkpoint(build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4), tmp_path / "kv4")
+    _interpreted(f"import test_triton_attention as t; t.check_layouts({str(model_dir)!r})")
 
 
 def test_metadata_slices_start_16_byte_aligned():
