@@ -86,6 +86,12 @@ def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
+def gpu_kernels(prof) -> tuple[float, int]:
+    """(seconds of GPU kernel time, kernels launched) in a torch profile."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e6, len(kernels)
+
+
 def profile_decode(llm, prompts, steps: int) -> dict:
     """Where a decode step's time goes: its wall time against the GPU's busy time (the sum of its kernels'
     times, from the profiler; a generation of `steps` + 1 tokens minus one of 1 token), the kernels a step
@@ -110,8 +116,7 @@ def profile_decode(llm, prompts, steps: int) -> dict:
             start = time.perf_counter()
             run(max_tokens)
             wall = time.perf_counter() - start
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        totals[max_tokens] = (wall, sum(e.device_time for e in kernels) / 1e6, len(kernels), prof)
+        totals[max_tokens] = (wall, *gpu_kernels(prof), prof)
     wall = (totals[steps + 1][0] - totals[1][0]) / steps
     busy = (totals[steps + 1][1] - totals[1][1]) / steps
     launched = (totals[steps + 1][2] - totals[1][2]) / steps
@@ -138,9 +143,8 @@ def profile_prefill(llm, prompt) -> dict:
         llm.generate(prompt, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"wall_per_step_s": wall, "gpu_busy_per_step_s": sum(e.device_time for e in kernels) / 1e6,
-            "kernels_per_step": len(kernels), "python_profile": "",
+    busy, launched = gpu_kernels(prof)
+    return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched, "python_profile": "",
             "kernel_table": prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)}
 
 

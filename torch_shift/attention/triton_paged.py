@@ -270,13 +270,18 @@ def split_plan(max_context: int, capacity: int) -> tuple[int, int]:
     return max(1, -(-max_context // keys)), keys
 
 
+def _head_dim_pad(head_dim: int) -> int:
+    """The head dimension as the attention kernel's tiles hold it (and the split decode's partial sums)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, capacity: int) -> int:
     """Device memory of a decode step's partial sums (TritonMetadata.partials_of) at its longest; 0 where no
     context is split."""
     splits, _ = split_plan(capacity, capacity)
     if splits == 1:
         return 0
-    return num_decodes * num_heads * splits * (max(16, triton.next_power_of_2(head_dim)) + 2) * 4
+    return num_decodes * num_heads * splits * (_head_dim_pad(head_dim) + 2) * 4
 
 
 def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
@@ -319,7 +324,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
     k_cache, v_cache = kv_cache.k_store[:, layer_idx], kv_cache.v_all[:, layer_idx]
     assert q.stride(2) == 1 and out.stride(2) == 1 and v_cache.stride(3) == 1
     launch = _launcher(_paged_attention, q.device)
-    dim_pad = max(16, triton.next_power_of_2(dim))
+    dim_pad = _head_dim_pad(dim)
     common = dict(BLOCK_SIZE=kv_cache.block_size, GROUP=group, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
                   HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
