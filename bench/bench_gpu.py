@@ -6,8 +6,9 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
 - the prefill of one 2,048-token prompt against the GEMM rate (MFU);
 - offline throughput (256 requests of 128-512 prompt tokens, 128 new tokens each) against
   `transformers.generate` at its best batch size;
-for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs; Triton
-with graphs, not compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the prefill's time
+for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs, scheduled
+asynchronously; the same scheduled synchronously; prompts through SDPA; Triton with graphs, not compiled; Triton
+eager; SDPA eager). With --profile, where a decode step's and the prefill's time
 goes (wall against GPU time, the kernels, the Python functions); with --planner, the planner calibrated on this GPU
 (`torch-shift calibrate --device cuda`) against the first configuration's steps.
 
@@ -32,7 +33,9 @@ MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hid
              num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
              dtype="bfloat16")
 CONFIGS = {
-    "default": {},  # Triton attention, compiled, CUDA graphs
+    "default": {},  # Triton attention, compiled, CUDA graphs, asynchronous scheduling
+    "synchronous": {"async_scheduling": False},  # the default, each step scheduled after the last one's tokens
+    "default+sdpa prompts": {"prompts_by_sdpa": True},  # prompts with nothing cached through torch's SDPA
     "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True, "compile": False},
     "triton eager": {"attention_backend": "triton", "cuda_graphs": False, "compile": False},
     "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False, "compile": False},
@@ -151,7 +154,10 @@ def profile_prefill(llm, prompt) -> dict:
 def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
                    profile_batches: tuple[int, ...] = ()) -> dict:
     from torch_shift import LLM, SamplingParams
+    from torch_shift.attention import triton_paged
 
+    engine_args = dict(engine_args)
+    triton_paged.PROMPTS_BY_SDPA = engine_args.pop("prompts_by_sdpa", False)
     started = time.perf_counter()
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=PREFILL_TOKENS,
               max_num_seqs=256, enable_prefix_caching=False, seed=0, **engine_args)

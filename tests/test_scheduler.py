@@ -60,9 +60,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         request = sched.requests[e.request_id]
         assert request.status == RequestStatus.RUNNING and request in sched.running
         assert e.num_tokens > 0
-        assert e.num_computed_tokens == request.num_computed_tokens
+        assert e.num_computed_tokens + e.num_tokens == request.num_computed_tokens  # computed once scheduled
         assert e.token_ids == request.all_token_ids[e.num_computed_tokens:e.num_computed_tokens + e.num_tokens]
-        assert e.sample == (e.num_computed_tokens + e.num_tokens == request.num_tokens)
+        assert e.sample == (request.num_computed_tokens == request.num_tokens)
+        assert request.num_output_placeholders == e.sample
         assert len(e.block_table) * bm.block_size >= e.num_computed_tokens + e.num_tokens
         assert e.block_table == bm.block_table(e.request_id)
     for rid in out.preempted_request_ids:

@@ -75,6 +75,9 @@ class EngineArgs:
                                 flags=("--enforce-eager",))
     cuda_graphs: bool | None = _arg(None, "capture decode steps in CUDA graphs at start-up (default: on with one "
                                           "rank on a GPU and the triton attention backend; --enforce-eager: off)")
+    async_scheduling: bool | None = _arg(None, "schedule and launch the next step while this one's tokens are still "
+                                               "on the device, where the host's work would otherwise leave it idle "
+                                               "(default: on with one rank on a GPU and no speculative decoding)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
                                                  "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
@@ -194,8 +197,9 @@ class EngineArgs:
                               ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
-        for name in ("compile", "cuda_graphs", "prepack_weights", "enable_prefix_caching", "enable_expert_parallel"):
-            if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs")
+        for name in ("compile", "cuda_graphs", "async_scheduling", "prepack_weights", "enable_prefix_caching",
+                     "enable_expert_parallel"):
+            if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs", "async_scheduling")
                                                                    and getattr(self, name) is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
@@ -258,6 +262,17 @@ class EngineArgs:
                              "backend")
         return possible if self.cuda_graphs is None else self.cuda_graphs
 
+    def _schedules_async(self, deployment: Deployment) -> bool:
+        """async_scheduling=None: on with one rank on a GPU and no speculative decoding. On the CPU a step's
+        work runs in the calling thread, so there is nothing to overlap (allowed, as a test of the path)."""
+        possible = deployment.world_size == 1 and self.speculative_config is None
+        if self.async_scheduling and not possible:
+            raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1) and no speculative_config "
+                             "(proposals are checked against tokens on the host)")
+        if self.async_scheduling is None:
+            return possible and resolve_device(self.device).type == "cuda"
+        return self.async_scheduling
+
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,
                              dtype: torch.dtype | None = None) -> EngineConfig:
         """The engine's configuration for a model (`dtype`: that of a model already built, which holds)."""
@@ -287,7 +302,8 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy,
+                                      async_scheduling=self._schedules_async(deployment)),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,
                                     seesaw_weights=self.seesaw_weights, expert_parallel=self.enable_expert_parallel,

@@ -2,13 +2,23 @@
 layout under the policy; the plan builder turns that into the step plan (deltas of the replicas' batches);
 the executor runs the plan on every rank (the Worker; a simulator prices it instead); the output processor
 samples from the logits (and checks proposed tokens); the scheduler advances the requests; with speculative
-decoding, the speculator proposes the next tokens of the requests that advanced."""
+decoding, the speculator proposes the next tokens of the requests that advanced.
+
+With asynchronous scheduling (one rank; vLLM's `async_scheduling`) a step's tokens stay on the device while the
+next step is scheduled and launched: the decodes of that step take their input ids from the device
+(placeholders in the plan), and the host's work (scheduling, inputs, outputs) runs beside the device's instead
+of between its steps. `step` then returns the step before the one it launched. A request that must see its
+tokens on the host before it samples (penalties, a minimum length, a grammar, logprobs) makes the steps
+synchronous while it is in the engine.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from torch_shift.engine.model_runner import StepResult
 from torch_shift.engine.policies import Policy
@@ -18,8 +28,9 @@ from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 
-Executor = Callable[[StepPlan], StepResult]
+Executor = Callable[..., StepResult]  # (plan) or, asynchronously, (plan, the last step's tokens on the device)
 SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[int]]]
+SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list], tuple[list[Request], torch.Tensor | None]]
 
 
 @dataclass
@@ -34,15 +45,38 @@ class CoreStep:
     reshard_seconds: float
 
 
+@dataclass
+class _InFlight:
+    """A step launched whose sampled tokens have not reached the host (asynchronous scheduling)."""
+
+    output: SchedulerOutput
+    entries: list[list[ScheduledRequest]]
+    requests: list[Request]  # the requests that sampled, in the order of `tokens`
+    tokens: torch.Tensor | None  # on the device (None: nobody sampled)
+    host_tokens: torch.Tensor | None  # their copy to the host, under way
+    copied: torch.cuda.Event | None  # recorded after that copy (None on the CPU: it is done)
+    swap_seconds: float
+    reshard_seconds: float
+
+    @property
+    def sources(self) -> dict[str, int]:
+        return {r.request_id: i for i, r in enumerate(self.requests)}
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, plan_builder: PlanBuilder, executor: Executor, sample: SampleFn,
-                 stats: EngineStats, speculator: Speculator | None = None):
+                 stats: EngineStats, speculator: Speculator | None = None,
+                 sample_on_device: SampleOnDeviceFn | None = None):
+        """`sample_on_device`: schedule asynchronously (one rank, no speculator), drawing tokens with it."""
+        assert sample_on_device is None or speculator is None
         self.scheduler = scheduler
         self.plan_builder = plan_builder
         self.executor = executor
         self.sample = sample
+        self.sample_on_device = sample_on_device
         self.stats = stats
         self.speculator = speculator
+        self.in_flight: _InFlight | None = None
         # a step's forward and sampling time from its start on perf_counter's clock (a simulator sets its model's)
         self.step_seconds: Callable[[float], float] = lambda start: time.perf_counter() - start
 
@@ -62,7 +96,45 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> CoreStep | None:
-        """One step on every rank; None when there was nothing to run."""
+        """One step on every rank; None when there was nothing to run (asynchronously: the step completed, the
+        one before the step launched; None when none was in flight)."""
+        if self.sample_on_device is None:
+            return self._step()
+        if self.scheduler.num_host_sampled:  # a request samples on the host: every token must be there first
+            return self._complete() if self.in_flight is not None else self._step()
+        in_flight = self.in_flight
+        output = self.scheduler.schedule()
+        plan = self.plan_builder.build(output, None if in_flight is None else in_flight.sources)
+        if output.is_empty and not output.has_swaps:
+            return None if in_flight is None else self._complete()
+        self.stats.record_plan(plan)
+        result = self.executor(plan, None if in_flight is None else in_flight.tokens)
+        entries = [group.entries for group in output.groups if group.entries]
+        requests, tokens = self.sample_on_device(entries, result.logits)  # queued behind the forward
+        host_tokens, copied = None, None
+        if tokens is not None:
+            host_tokens = tokens.to("cpu", non_blocking=True)
+            if tokens.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+        done = None if in_flight is None else self._complete()  # while the device runs the step just launched
+        self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
+                                   result.reshard_seconds)
+        return done
+
+    def _complete(self) -> CoreStep:
+        """The step in flight, once its tokens are on the host: its requests advanced."""
+        step, self.in_flight = self.in_flight, None
+        sampled = {}
+        if step.requests:
+            if step.copied is not None:
+                step.copied.synchronize()
+            sampled = dict(zip([r.request_id for r in step.requests], step.host_tokens.tolist()))
+        updated = self.scheduler.update_from_output(step.output, sampled)
+        _stamp_first_tokens(updated)
+        return CoreStep(step.output, step.entries, updated, step.swap_seconds, step.reshard_seconds)
+
+    def _step(self) -> CoreStep | None:
         output = self.scheduler.schedule()
         plan = self.plan_builder.build(output)  # every output: the rows of the requests it removed come free
         if output.is_empty and not output.has_swaps:
@@ -78,8 +150,12 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(updated, len(self.scheduler.running))
             self.stats.num_cut_tokens = self.speculator.num_cut_tokens
-        now = time.monotonic()
-        for request in updated:
-            if request.first_token_time is None:
-                request.first_token_time = now
+        _stamp_first_tokens(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
+
+
+def _stamp_first_tokens(updated: list[Request]) -> None:
+    now = time.monotonic()
+    for request in updated:
+        if request.first_token_time is None:
+            request.first_token_time = now

@@ -5,7 +5,9 @@ A decode step of a small batch on a GPU is bound by launching its few hundred ke
 weights; a graph launches them all at once. A graph replays fixed addresses and a fixed grid, so
 every input lives in a static buffer: token ids, positions and slots, and the Triton attention's per-run
 metadata (query counts, cached tokens, block-table rows), written from the step's host arrays into pinned
-host memory and copied in two transfers (int64 and int32); outside the graph only the logits are copied out.
+host memory and copied in two transfers (int64 and int32); outside the graph only the logits are copied out,
+and with asynchronous scheduling the ids of the decodes whose input token is still on the device are copied in
+from the last step's tokens.
 A bucket of b rows serves steps of up to b decodes; its padding rows have no query (attention skips them)
 and slot -1 (their K/V are not written), and their logits are dropped.
 """
@@ -41,9 +43,9 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         n = self.max_rows = self.buckets[-1]
         self.max_blocks = math.ceil(max_model_len / kv_cache.block_size)
-        # token ids | positions | slots: one copy per step
-        self.inputs = torch.zeros(3 * n, dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.inputs.split(n)
+        # token ids | positions | slots | placeholders | their sources (asynchronous scheduling): one copy per step
+        self.inputs = torch.zeros(5 * n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.placeholders, self.sources = self.inputs.split(n)
         self.slot_mapping.fill_(-1)
         self.logits_indices = torch.arange(n, device=device)
         # query counts | cached tokens | block-table rows (max_blocks each): one copy per step
@@ -99,8 +101,9 @@ class DecodeGraphs:
                 return rows
         return None
 
-    def replay(self, batch: HostInputs) -> torch.Tensor:
-        """The logits [num_decodes, vocab] of a step of decodes only (one token and one logits row per run)."""
+    def replay(self, batch: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [num_decodes, vocab] of a step of decodes only (one token and one logits row per run);
+        `previous_tokens`: the last step's sampled tokens on the device, where placeholders take their ids."""
         num_rows = batch.num_runs
         rows = self.bucket(num_rows)
         assert rows is not None and batch.num_decodes == num_rows == len(batch.input_ids)
@@ -125,9 +128,16 @@ class DecodeGraphs:
         staged[n: n + num_rows] = batch.positions
         staged[2 * n: 2 * n + rows] = -1  # padding rows write no K/V
         staged[2 * n: 2 * n + num_rows] = batch.slot_mapping
+        num_placeholders = 0 if batch.placeholders is None else len(batch.placeholders)
+        if num_placeholders:
+            staged[3 * n: 3 * n + num_placeholders] = batch.placeholders
+            staged[4 * n: 4 * n + num_placeholders] = batch.placeholder_sources
         self.inputs.copy_(self.staging_inputs, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
+        if num_placeholders:
+            assert previous_tokens is not None, "a step with placeholders needs the last step's sampled tokens"
+            self.input_ids[self.placeholders[:num_placeholders]] = previous_tokens[self.sources[:num_placeholders]]
         self.num_replays += 1
         if rows not in self.graphs:  # not captured (the CPU, in tests): the same static inputs, run eagerly
             return self._forward(rows)[:num_rows].clone()

@@ -42,6 +42,9 @@ class HostInputs:
     block_table: np.ndarray  # the replica's persistent block table (not copied)
     block_table_rows: np.ndarray  # int32 [R]
     tokens_per_block: int
+    # asynchronous scheduling: tokens whose ids the previous step sampled on the device, and their indices there
+    placeholders: np.ndarray | None = None
+    placeholder_sources: np.ndarray | None = None
 
     @property
     def num_runs(self) -> int:
@@ -118,6 +121,8 @@ class InputBatch:
         request_of_token = np.repeat(np.arange(len(rows)), num_scheduled)
         positions = num_computed[request_of_token] + (np.arange(len(request_of_token)) - starts[request_of_token])
         token_rows = rows[request_of_token]
+        if group.placeholders is not None:  # read as they are, then replaced on the device
+            self._ensure_token_columns(int(positions.max()) + 1)
         input_ids = self.token_ids[token_rows, positions]
         slots = self.block_table[token_rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
 
@@ -130,11 +135,19 @@ class InputBatch:
                                              if c > 0])
         return HostInputs(input_ids, positions, slots, logits_indices, group.num_decodes, starts.astype(np.int32),
                           num_scheduled.astype(np.int32), num_computed.astype(np.int32), self.block_table,
-                          rows.astype(np.int32), tpb)
+                          rows.astype(np.int32), tpb, group.placeholders, group.placeholder_sources)
 
-    def to_device(self, host: HostInputs) -> StepInputs:
-        input_ids, positions, slots, logits_indices = to_device(
-            [host.input_ids, host.positions, host.slot_mapping, host.logits_indices], np.int64, self.device)
+    def to_device(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> StepInputs:
+        """The step's tensors on the device; `previous_tokens`: the last step's sampled tokens (on the device),
+        where the ids of its placeholders come from."""
+        arrays = [host.input_ids, host.positions, host.slot_mapping, host.logits_indices]
+        if host.placeholders is not None:
+            assert previous_tokens is not None, "a step with placeholders needs the last step's sampled tokens"
+            arrays += [host.placeholders, host.placeholder_sources]
+        input_ids, positions, slots, logits_indices, *placeholders = to_device(arrays, np.int64, self.device)
+        if placeholders:
+            index, sources = placeholders
+            input_ids[index] = previous_tokens[sources]
         attention = AttentionBatch(
             num_decodes=host.num_decodes, query_start=host.query_start, query_len=host.query_len,
             num_computed=host.num_computed, block_table=host.block_table, block_table_rows=host.block_table_rows,

@@ -134,8 +134,10 @@ class ModelRunner:
         self.model.reset_counters()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult | None:
-        """Rank 0: the logits of every group in plan order, and where the step's time went; other ranks: None."""
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> StepResult | None:
+        """Rank 0: the logits of every group in plan order, and where the step's time went; other ranks: None.
+        `previous_tokens`: the last step's sampled tokens, still on the device, where the plan's placeholders take
+        their ids (asynchronous scheduling, one rank)."""
         swap_seconds = 0.0
         if self.swapper is not None:
             start = time.perf_counter()
@@ -159,14 +161,14 @@ class ModelRunner:
                     host = self.batch.prepare(piece, member, layout.kv_width)
                     if self._replays(host):
                         break
-                    inputs = self.batch.to_device(host)
+                    inputs = self.batch.to_device(host, previous_tokens)
                     micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
                                                     self.attention.build(inputs.attention, kv),
                                                     inputs.logits_indices))
                 if micro_batches:
                     out = self.model.forward_step(layout, micro_batches)
                 else:
-                    out = self.graphs.replay(host)
+                    out = self.graphs.replay(host, previous_tokens)
                 if self.rank == 0:
                     logits[i] = out
                 elif layout.logits_rank == self.rank and group.num_logits:

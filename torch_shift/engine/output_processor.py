@@ -92,6 +92,19 @@ class OutputProcessor:
         token_ids = self._draw(rows, sample_requests)
         return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
 
+    def sample_on_device(self, entries_by_group: list[list[ScheduledRequest]],
+                         logits_by_group: list) -> tuple[list[Request], torch.Tensor | None]:
+        """The requests that sample this step (groups in plan order) and their tokens, left on the device
+        (asynchronous scheduling: every request samples on the device; no prompt logprobs, no proposals)."""
+        rows, requests = [], []
+        for entries, logits in zip(entries_by_group, logits_by_group):
+            if logits is not None:
+                rows.append(logits)
+                requests.extend(e.request for e in entries if e.sample)
+        if not requests:
+            return [], None
+        return requests, self.sampler.sample_on_device(rows[0] if len(rows) == 1 else torch.cat(rows), requests)
+
     def _draw(self, rows: list[torch.Tensor], requests: list[Request]) -> list[int]:
         """One token per row, drawn for its request (logprobs recorded)."""
         result = self.sampler(rows[0] if len(rows) == 1 else torch.cat(rows), requests)

@@ -55,6 +55,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # tokens sampled on the device whose values have not reached the host yet (asynchronous scheduling:
+        # the next step is scheduled, and its input ids taken from the device, before they arrive)
+        self.num_output_placeholders = 0
         self.replicas: tuple[int, ...] = ()  # replicas whose KV pools hold its blocks (set while running)
         self.kv_layout: str | None = None  # the layout whose KV view its device KV is in (set while running)
         self.kv_view: str | None = None  # that layout's view: it runs only in layouts of the same view
@@ -68,6 +71,11 @@ class Request:
         self.draws_argmax = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
                              and not p.frequency_penalty and p.min_tokens == 0 and p.logprobs is None
                              and p.structured_outputs is None)
+        # nothing it draws depends on its earlier outputs being on the host (penalties, a minimum length, a
+        # grammar) and it returns no logprobs: it may be scheduled again before its last token arrives
+        self.samples_on_device = (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                                  and p.min_tokens == 0 and p.logprobs is None and p.prompt_logprobs is None
+                                  and p.structured_outputs is None)
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -95,6 +103,11 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """True while prompt positions still lack their logprobs."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def finishes_by_length(self, num_more: int, max_model_len: int) -> bool:
+        """Whether `num_more` tokens beyond those it has end it by its length (max_tokens or the context)."""
+        return (len(self.output_token_ids) + num_more >= self.max_tokens
+                or len(self.all_token_ids) + num_more >= max_model_len)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -90,6 +90,17 @@ class Sampler:
                 row_logprobs[i] = (chosen[j], ranks[j], top_ids[j][:k], top_lps[j][:k])
         return SamplerOutput(token_ids, row_logprobs)
 
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The tokens of requests that sample on the device (`Request.samples_on_device`: no penalty, minimum
+        length, grammar or logprobs), left there: nothing waits for the device (asynchronous scheduling)."""
+        assert all(r.samples_on_device for r in requests)
+        if all(r.draws_argmax for r in requests):
+            return argmax(logits[:, : self.vocab_size])
+        params = [r.sampling_params for r in requests]
+        logits = self._apply_logit_bias(logits[:, : self.vocab_size].float(), params)
+        greedy = [p.greedy for p in params]
+        return argmax(logits) if all(greedy) else self._sample(logits, requests, greedy)
+
     def _apply_logit_bias(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         rows: list[int] = []
         cols: list[int] = []
@@ -102,8 +113,8 @@ class Sampler:
         if not rows:
             return logits
         device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+        index = (_to(device, rows, torch.long), _to(device, cols, torch.long))
+        return logits.index_put(index, _to(device, values, logits.dtype), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows = []
@@ -140,7 +151,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+        temperature = _to(device, [1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32)
         logits_t = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -149,7 +160,7 @@ class Sampler:
             logits_t = _top_k_top_p(logits_t, top_k, top_p)
         probs = torch.softmax(logits_t, dim=-1)
         if any(mp > 0.0 for mp in min_p):
-            mp = torch.tensor(min_p, device=device)[:, None]
+            mp = _to(device, min_p, torch.float32)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Inverse CDF: one uniform u per row, the first token whose cumulative probability exceeds u times the
         # row's total (torch's exponential_, for an exponential race, costs 20 ns per element on this CPU:
@@ -161,15 +172,15 @@ class Sampler:
             if len(unseeded) == len(requests):
                 uniform.uniform_(generator=generator)
             else:
-                idx = torch.tensor(unseeded, device=device)
+                idx = _to(device, unseeded, torch.long)
                 uniform[idx] = torch.empty(len(unseeded), 1, device=device).uniform_(generator=generator)
         seeded = [i for i, r in enumerate(requests) if r.generator is not None]
         if seeded:  # CPU generators: the same draws on any device
             draws = torch.cat([draw_uniforms(requests[i].generator, 1) for i in seeded])
-            uniform[torch.tensor(seeded, device=device)] = draws[:, None].to(device)
+            uniform[_to(device, seeded, torch.long)] = _to(device, draws[:, None], torch.float32)
         sampled = inverse_cdf(probs, uniform)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=device), argmax(logits), sampled)
+            sampled = torch.where(_to(device, greedy, torch.bool), argmax(logits), sampled)
         return sampled
 
 
@@ -189,6 +200,15 @@ def draw_uniforms(generator: torch.Generator, num_rows: int) -> torch.Tensor:
     return torch.rand(num_rows, generator=generator)
 
 
+def _to(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on `device`; to a GPU through pinned memory, without
+    waiting for the work queued before (a copy from pageable memory waits for it)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _grammar_failed(request: Request) -> None:
     request.error = f"the output could not be kept to its grammar: {request.grammar.get_error() or 'token refused'}"
 
@@ -197,13 +217,13 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     device = logits.device
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=device).clamp(max=vocab)
+    k = _to(device, [t if t > 0 else vocab for t in top_k], torch.long).clamp(max=vocab)
     positions = torch.arange(vocab, device=device)[None, :]
     remove = positions >= k[:, None]
     if any(p < 1.0 for p in top_p):
         probs = torch.softmax(sorted_logits.masked_fill(remove, _NEG_INF), dim=-1)
         cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-        remove |= cum_before >= torch.tensor(top_p, device=device)[:, None]
+        remove |= cum_before >= _to(device, top_p, torch.float32)[:, None]
         remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -187,6 +187,7 @@ class Scheduler:
         self._deferred_frees: list[tuple[int, str]] = []  # (replica, request): device blocks an async copy reads
         # swapped out this step with copies beside the forward: their device blocks are still theirs
         self._swapped_out_now: set[str] = set()
+        self.num_host_sampled = 0  # unfinished requests whose sampling reads their tokens on the host
         self.num_preemptions = 0  # requests that lost their device KV for another's blocks or a move
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -202,6 +203,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
         self.requests[request.request_id] = request
+        self.num_host_sampled += not request.samples_on_device
         self.waiting.push(request)
         self.policy.on_add(request, self.view)
 
@@ -352,6 +354,11 @@ class Scheduler:
                 continue  # paused: no group of its replicas and its KV view runs this step
             num_computed = request.num_computed_tokens
             num_left = len(request.all_token_ids) - num_computed
+            placeholders = request.num_output_placeholders  # asynchronous scheduling: tokens still on the device
+            if placeholders:
+                if request.finishes_by_length(placeholders, self.config.max_model_len):
+                    continue  # the token on its way is its last
+                num_left += placeholders
             if group.phase is not None and (group.phase == "decode") != (num_left == 1):
                 continue
             spec = request.spec_token_ids if num_left == 1 else ()  # proposed tokens count in the budget
@@ -383,6 +390,12 @@ class Scheduler:
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries),
                                                 group.num_spec_tokens))
+        for group in output.groups:  # as vLLM v1, computed once scheduled: the next step may be scheduled at once
+            for entry in group.entries:
+                request = entry.request
+                request.num_computed_tokens += entry.num_tokens
+                if entry.sample:
+                    request.num_output_placeholders += 1
         output.removed_request_ids, self._removed = self._removed, []
         output.shrunk_block_tables, self._shrunk = self._shrunk, {}
         self.num_steps += 1
@@ -435,6 +448,8 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while self.waiting:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                return  # preempted with a token on its way: admitted again once it has arrived
             placed = False
             for name in self.policy.route(request, decision, self.view):
                 replicas = self.policy.deployment[name].replicas
@@ -484,33 +499,39 @@ class Scheduler:
         tables = ((pool.req_blocks[rid],) if pool is not None
                   else tuple(self.pools[r].req_blocks[rid] for r in group.replicas))
         num_known = start + num_new - len(spec_token_ids) if spec_token_ids else start + num_new
-        return ScheduledRequest(request, num_new, start, num_known == len(request.all_token_ids),
+        num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+        return ScheduledRequest(request, num_new, start, num_known == num_tokens,
                                 request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables,
                                 spec_token_ids)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:
-        """Advance every scheduled request; append the tokens it drew (one, or with proposed tokens the
-        accepted ones and one more); finish those that hit a token-level stop. Returns the requests that
-        received tokens."""
+        """The tokens a scheduled step drew have arrived: append them to their requests (one, or with proposed
+        tokens the accepted ones and one more, the computed tokens cut back to them); finish those that hit a
+        token-level stop; put the blocks the step filled in the prefix cache. A request preempted since it was
+        scheduled (asynchronous scheduling) still receives its token. Returns the requests that received tokens."""
         updated = []
         running, pools, max_model_len = RequestStatus.RUNNING, self.pools, self.config.max_model_len
         for group in output.groups:
             pool = pools[group.replicas[0]] if len(group.replicas) == 1 else None
             for entry in group.entries:
                 request = entry.request
-                if request.status is not running:
-                    continue  # aborted while the step ran
+                status = request.status
+                if status._finished:
+                    continue  # finished or aborted since it was scheduled
                 if entry.spec_token_ids:
+                    request.num_output_placeholders -= 1
                     self._update_speculating(entry, pool, sampled_token_ids[request.request_id])
                     updated.append(request)
                     continue
-                before = request.num_computed_tokens
-                request.num_computed_tokens = after = before + entry.num_tokens
-                if pool is not None and after // pool.block_size > before // pool.block_size:  # a block filled
+                before = entry.num_computed_tokens
+                after = before + entry.num_tokens
+                if (status is running and pool is not None
+                        and after // pool.block_size > before // pool.block_size):  # a block filled
                     pool.cache_computed_blocks(request.request_id, request.all_token_ids, after)
                 if not entry.sample:
                     continue
+                request.num_output_placeholders -= 1
                 updated.append(request)
                 drawn = sampled_token_ids[request.request_id]
                 if drawn.__class__ is int:  # the common case, kept cheap: 256 requests per step
@@ -535,7 +556,7 @@ class Scheduler:
         drawn tokens but the last); blocks that held only rejected proposals go back."""
         assert entry.sample, entry  # proposals follow a request's last token: a speculating entry always samples
         request, rid = entry.request, entry.request.request_id
-        before = request.num_computed_tokens
+        before = entry.num_computed_tokens
         request.num_computed_tokens = after = before + len(drawn)
         for r in request.replicas:
             blocks = self.pools[r].req_blocks[rid]
@@ -553,6 +574,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_host_sampled -= not request.samples_on_device
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self._release(request)

@@ -65,6 +65,10 @@ class GroupStep:
     # known tokens), and those tokens, concatenated in request order; None when no request has any
     num_spec: np.ndarray | None = None
     spec_token_ids: np.ndarray | None = None
+    # asynchronous scheduling: the decodes (their indices in the step, which are their token indices) whose input
+    # token the last step sampled and has not reached the host, and where each is in that step's sampled tokens
+    placeholders: np.ndarray | None = None
+    placeholder_sources: np.ndarray | None = None
 
     @property
     def num_logits(self) -> int:
@@ -96,8 +100,10 @@ class PlanBuilder:
         self.free_rows: list[list[int]] = [list(range(max_rows - 1, -1, -1)) for _ in range(deployment.num_replicas)]
         self.replicas_of: dict[str, tuple[int, ...]] = {}  # request -> the replicas that hold it
 
-    def build(self, output: SchedulerOutput) -> StepPlan:
-        """The plan of a scheduler output: its groups with entries, in order, each in its entries' order."""
+    def build(self, output: SchedulerOutput, in_flight: dict[str, int] | None = None) -> StepPlan:
+        """The plan of a scheduler output: its groups with entries, in order, each in its entries' order.
+        `in_flight`: the requests whose last sampled token is still on the device (asynchronous scheduling), with
+        its index among the tokens that step sampled."""
         deltas: dict[int, ReplicaDelta] = {}
 
         def delta(replica: int) -> ReplicaDelta:
@@ -131,6 +137,11 @@ class PlanBuilder:
                                  for e in entries]
             else:
                 logits_counts = [e.num_tokens if e.prompt_logprobs else int(e.sample) for e in entries]
+            placeholders = None
+            if in_flight:
+                placeholders = [i for i, e in enumerate(entries) if e.request.request_id in in_flight
+                                and num_known[i] > len(e.request.all_token_ids)]
+                assert all(num_scheduled[i] == 1 for i in placeholders), "only a decode's input is on the device"
             rows = []
             for k, replica in enumerate(layout.replicas):
                 known_here, d = self.known[replica], delta(replica)
@@ -141,6 +152,7 @@ class PlanBuilder:
                     table = entry.block_tables[k]
                     known = known_here.get(rid)
                     if known is None:
+                        assert needed <= len(request.all_token_ids), "a new row's tokens are all on the host"
                         row = self.free_rows[replica].pop()
                         known_here[rid] = _Known(row, len(request.all_token_ids), len(table))
                         self.replicas_of[rid] = self.replicas_of.get(rid, ()) + (replica,)
@@ -149,10 +161,11 @@ class PlanBuilder:
                     else:
                         row = known.row
                         if known.num_tokens < needed:  # tokens sampled since: one per decode
-                            for token in request.all_token_ids[known.num_tokens:needed]:
+                            arrived = request.all_token_ids[known.num_tokens:needed]  # not one still on the device
+                            for token in arrived:
                                 d.token_rows.append(row)
                                 d.tokens.append(token)
-                            known.num_tokens = needed
+                            known.num_tokens += len(arrived)
                         num_blocks = len(table)
                         assert known.num_blocks <= num_blocks, rid  # a shrunk table was reported
                         if known.num_blocks < num_blocks:
@@ -167,10 +180,15 @@ class PlanBuilder:
             if group.num_spec_tokens:
                 spec = (np.array(num_spec, dtype=_INT),
                         np.array([t for e in entries for t in e.spec_token_ids], dtype=_INT))
-            groups.append(GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
-                                    np.array(num_computed, dtype=_INT), num_scheduled.count(1),
-                                    np.array(logits_counts, dtype=_INT),
-                                    micro_batch_count(layout.pp, sum(num_scheduled)), *spec))
+            step = GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
+                             np.array(num_computed, dtype=_INT), num_scheduled.count(1),
+                             np.array(logits_counts, dtype=_INT), micro_batch_count(layout.pp, sum(num_scheduled)),
+                             *spec)
+            if placeholders:
+                step.placeholders = np.array(placeholders, dtype=np.int64)
+                step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],
+                                                    dtype=np.int64)
+            groups.append(step)
         deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
         return StepPlan(deltas, groups, output.swap_outs, output.swap_ins)
 
@@ -184,6 +202,7 @@ def split_micro_batches(group: GroupStep) -> list[GroupStep]:
     n = group.num_micro_batches
     if n <= 1:
         return [group]
+    assert group.placeholders is None, "asynchronous scheduling runs one rank"
     num_scheduled = group.num_scheduled.astype(np.int64)
     ends = np.cumsum(num_scheduled)
     starts = ends - num_scheduled

@@ -155,10 +155,12 @@ class Worker:
         rank running the same program (torchrun)."""
         return self.runtime is not None and self.runtime.launched is not None
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Rank 0: the step on every rank; returns rank 0's result (logits per group)."""
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> StepResult:
+        """Rank 0: the step on every rank; returns rank 0's result (logits per group). `previous_tokens`: the
+        last step's sampled tokens on the device (asynchronous scheduling: one rank)."""
         if self.runtime is None:
-            return self.runner.execute(plan)
+            return self.runner.execute(plan, previous_tokens)
+        assert previous_tokens is None, "asynchronous scheduling runs one rank"
         return self.runtime.run_step(plan, self.runner.execute)
 
     def send_result(self, kind: str, payload: Any) -> None:
