@@ -230,7 +230,8 @@ def _interpreter_takes_loop_bounds_from_program_ids() -> bool:
     """Triton 3.6's interpreter (the GPU machine's) turns a loop bound computed from a program id, a 1-element
     array there, into an int with int(), which numpy 2.4 refuses; later interpreters squeeze it first."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, "-c", _LOOP_PROBE], env=env, capture_output=True, timeout=120).returncode == 0
+    probe = subprocess.run([sys.executable, "-c", _LOOP_PROBE], env=env, capture_output=True, timeout=120)
+    return probe.returncode == 0
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
-from torch_shift.engine.step_plan import PlanBuilder, StepPlan
+from torch_shift.engine.step_plan import PlanBuilder
 
 Executor = Callable[..., StepResult]  # (plan) or, asynchronously, (plan, the last step's tokens on the device)
 SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[int]]]
