@@ -7,7 +7,7 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
 - offline throughput (256 requests of 128-512 prompt tokens, 128 new tokens each) against
   `transformers.generate` at its best batch size;
 for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs, scheduled
-asynchronously; the same scheduled synchronously; prompts through SDPA; Triton with graphs, not compiled; Triton
+asynchronously; the same scheduled synchronously; every prompt through the paged kernel; Triton with graphs, not compiled; Triton
 eager; SDPA eager). With --profile, where a decode step's and the prefill's time
 goes (wall against GPU time, the kernels, the Python functions); with --planner, the planner calibrated on this GPU
 (`torch-shift calibrate --device cuda`) against the first configuration's steps.
@@ -35,7 +35,7 @@ MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hid
 CONFIGS = {
     "default": {},  # Triton attention, compiled, CUDA graphs, asynchronous scheduling
     "synchronous": {"async_scheduling": False},  # the default, each step scheduled after the last one's tokens
-    "default+sdpa prompts": {"prompts_by_sdpa": True},  # prompts with nothing cached through torch's SDPA
+    "paged prompts": {"sdpa_prompt_tokens": None},  # every prompt through the paged kernel, none through SDPA
     "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True, "compile": False},
     "triton eager": {"attention_backend": "triton", "cuda_graphs": False, "compile": False},
     "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False, "compile": False},
@@ -153,11 +153,21 @@ def profile_prefill(llm, prompt) -> dict:
 
 def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
                    profile_batches: tuple[int, ...] = ()) -> dict:
-    from torch_shift import LLM, SamplingParams
     from torch_shift.attention import triton_paged
 
     engine_args = dict(engine_args)
-    triton_paged.PROMPTS_BY_SDPA = engine_args.pop("prompts_by_sdpa", False)
+    default = triton_paged.SDPA_PROMPT_TOKENS
+    triton_paged.SDPA_PROMPT_TOKENS = engine_args.pop("sdpa_prompt_tokens", default)
+    try:
+        return _measure_engine(model_dir, engine_args, numbers, limits, offline, profile_batches)
+    finally:
+        triton_paged.SDPA_PROMPT_TOKENS = default
+
+
+def _measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
+                    profile_batches: tuple[int, ...]) -> dict:
+    from torch_shift import LLM, SamplingParams
+
     started = time.perf_counter()
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=PREFILL_TOKENS,
               max_num_seqs=256, enable_prefix_caching=False, seed=0, **engine_args)

@@ -33,15 +33,15 @@ def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
     from torch_shift.attention import triton_paged
 
     check_split_decode(device)
-    default, by_sdpa_default = triton_paged.SPLIT_KEYS, triton_paged.PROMPTS_BY_SDPA
+    default, by_sdpa_default = triton_paged.SPLIT_KEYS, triton_paged.SDPA_PROMPT_TOKENS
     for split_keys in (default, 64):  # 64: the decode context of 200 in chunks
         triton_paged.SPLIT_KEYS = split_keys
         try:
-            for by_sdpa in (False, True):  # fresh prompts through the paged kernel, and through SDPA
-                triton_paged.PROMPTS_BY_SDPA = by_sdpa
+            for by_sdpa in (None, 1):  # fresh prompts through the paged kernel, and through SDPA
+                triton_paged.SDPA_PROMPT_TOKENS = by_sdpa
                 check_kernel_against_reference(device, dtypes)
         finally:
-            triton_paged.SPLIT_KEYS, triton_paged.PROMPTS_BY_SDPA = default, by_sdpa_default
+            triton_paged.SPLIT_KEYS, triton_paged.SDPA_PROMPT_TOKENS = default, by_sdpa_default
 
 
 def check_split_decode(device: str) -> None:
@@ -110,12 +110,12 @@ def check_engine(device: str, model_dir: str) -> None:
     split them: into chunks for the longest context)."""
     from torch_shift.attention import triton_paged
 
-    defaults = triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"], triton_paged.PROMPTS_BY_SDPA
+    defaults = triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"], triton_paged.SDPA_PROMPT_TOKENS
     triton_paged.SPLIT_KEYS = triton_paged.DECODE_LAUNCH["BLOCK_N"] = 32
     try:
         check_engine_outputs(device, model_dir)
     finally:
-        triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"], triton_paged.PROMPTS_BY_SDPA = defaults
+        triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"], triton_paged.SDPA_PROMPT_TOKENS = defaults
 
 
 def check_engine_outputs(device: str, model_dir: str) -> None:
@@ -132,7 +132,7 @@ def check_engine_outputs(device: str, model_dir: str) -> None:
     engines = (("sdpa", "sdpa"), ("triton", "triton"), ("triton, prompts by sdpa", "triton"), ("static", "triton"),
                ("static compiled", "triton"), ("triton async", "triton"), ("static async", "triton"))
     for name, backend in engines:
-        triton_paged.PROMPTS_BY_SDPA = name == "triton, prompts by sdpa"
+        triton_paged.SDPA_PROMPT_TOKENS = 10 if name == "triton, prompts by sdpa" else None  # some of them
         llm = LLM(model_dir, attention_backend=backend, compile=name == "static compiled",
                   async_scheduling=name.endswith("async"), cuda_graphs=name.startswith("static") and device == "cuda",
                   **args)

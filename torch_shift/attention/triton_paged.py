@@ -40,11 +40,11 @@ PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 PREFILL_ROWS = 128  # query rows (tokens x heads of one KV head) per prefill tile
 SPLIT_KEYS = 256  # keys per chunk of a decode context split over several programs (a multiple of the decode BLOCK_N)
 MAX_SPLITS = 32  # chunks a context of max_model_len keys is cut into, at most (larger chunks past 8k)
-# With PROMPTS_BY_SDPA a prompt's run with nothing cached attends to the step's own keys and values through torch's
-# SDPA (FlashAttention on a GPU), where the layer has no sliding window and no sinks. Off by default: on an H200 it
-# prefilled faster but served prompts of mixed lengths 6x slower, likely cuDNN's per-shape plans, which it may no
-# longer use; not yet run on a GPU since (docs/performance.md).
-PROMPTS_BY_SDPA = False
+# A prompt's run of SDPA_PROMPT_TOKENS tokens or more with nothing cached attends to the step's own keys and values
+# through torch's SDPA (FlashAttention on a GPU), where the layer has no sliding window and no sinks; None: never.
+# On an H200 a 2k prompt prefilled in 0.89x the time, while prompts of 128-512 tokens (an SDPA call each, where the
+# paged kernel takes a step's prompts in one launch) served offline in 1.19x the time (docs/performance.md).
+SDPA_PROMPT_TOKENS: int | None = 1024
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
@@ -217,9 +217,9 @@ class TritonMetadata:
     sliding_window: int | None
     decode_splits: int = 1  # chunks of split_keys keys the longest decode context is split into (1: not split)
     split_keys: int = 0  # keys per chunk (split_plan)
-    fresh_prompts: list[tuple[int, int]] = field(default_factory=list)  # (first row, tokens) of the prompt runs
-    # with nothing cached
-    prefill_fresh: np.ndarray | None = None  # bool per prompt run: nothing cached before it (in fresh_prompts)
+    # (first row, tokens) of the prompt runs SDPA takes (SDPA_PROMPT_TOKENS or more, nothing cached)
+    fresh_prompts: list[tuple[int, int]] = field(default_factory=list)
+    prefill_fresh: np.ndarray | None = None  # bool per prompt run: in fresh_prompts
     prefill_tiles: dict[tuple[int, bool], tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(
         default_factory=dict)
     partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -291,7 +291,9 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
     table = batch.block_table[batch.block_table_rows, :max_blocks]
     flat = to_device([table, batch.query_start, batch.query_len, batch.num_computed, np.arange(nd), np.zeros(nd)],
                      np.int32, batch.device)
-    prefill_fresh = batch.num_computed[nd:] == 0
+    prefill_fresh = np.zeros(runs - nd, dtype=bool)
+    if SDPA_PROMPT_TOKENS is not None:
+        prefill_fresh = (batch.num_computed[nd:] == 0) & (batch.query_len[nd:] >= SDPA_PROMPT_TOKENS)
     fresh = list(zip(batch.query_start[nd:][prefill_fresh].tolist(), batch.query_len[nd:][prefill_fresh].tolist()))
     splits, split_keys = split_plan(int(context[:nd].max()) if nd else 0,
                                     batch.block_table.shape[1] * batch.tokens_per_block)
@@ -374,7 +376,7 @@ class TritonPagedAttention:
         window = md.sliding_window if sliding_window is None else sliding_window
         write_kv(self.kv_cache, layer_idx, md.slot_mapping, k, v)
         out = torch.empty_like(q)
-        fresh_apart = PROMPTS_BY_SDPA and bool(md.fresh_prompts) and window is None and sinks is None
+        fresh_apart = bool(md.fresh_prompts) and window is None and sinks is None
         paged_attention(out, q.contiguous() if q.stride(2) != 1 else q, self.kv_cache, layer_idx, md, sinks,
                         window, fresh_apart)
         if fresh_apart:
