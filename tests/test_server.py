@@ -707,3 +707,35 @@ def test_speculative_decoding_through_the_server(checkpoints, reference):
         assert s.idle_free_blocks()
     finally:
         s.stop()
+
+
+def test_asynchronous_scheduling_through_the_server(checkpoints, reference):
+    """async_scheduling (each step launched before the last one's tokens reach the host): whole and streamed
+    completions equal the engine's, several at once, with a stop string and a stream dropped midway."""
+    _, model_dir = checkpoints("llama")
+    s = RunningServer(model_dir, engine={"async_scheduling": True})
+    try:
+        assert s.engine.config.scheduler.async_scheduling
+        client = s.client()
+        expected = greedy(reference, max_tokens=24, ignore_eos=True)
+        whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected.text
+        stop = expected.text[len(expected.text) // 2:][:3]
+        stopped = greedy(reference, max_tokens=24, ignore_eos=True, stop=[stop])
+
+        async def several():
+            async with httpx.AsyncClient(timeout=60) as http:
+                bodies = [{"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "model": "tiny",
+                           **({"stop": [stop]} if i % 2 else {})} for i in range(6)]
+                return await asyncio.gather(*(http.post(s.url + "/v1/completions", json=b) for b in bodies))
+
+        texts = [r.json()["choices"][0]["text"] for r in asyncio.run(several())]
+        assert texts == [expected.text if i % 2 == 0 else stopped.text for i in range(6)]
+        stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected.text
+        test_dropped_stream_frees_its_blocks(s)
+        assert s.idle_free_blocks()
+    finally:
+        s.stop()
