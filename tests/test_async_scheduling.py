@@ -165,3 +165,53 @@ def test_asynchronous_scheduling_is_on_for_one_rank_on_a_gpu():
         EngineArgs("m", async_scheduling=True, speculative_config={"method": "suffix"})._schedules_async(one)
     with pytest.raises(TypeError, match="async_scheduling must be True or False"):
         EngineArgs("m", async_scheduling="yes")
+
+
+def _parallelized_rank(rank, world, model_dir):
+    import torch.distributed as dist
+    from conftest import build_hf_model, random_prompts
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_shift
+
+    dist.init_process_group("gloo")  # as under torchrun --nproc-per-node 1
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    module = torch_shift.parallelize(build_hf_model("llama"), mesh)
+    prompts, params = random_prompts(3, [5, 9, 14]), SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = {}
+    for mode in (False, True):
+        llm = LLM(module, tokenizer=model_dir, num_kv_blocks=64, async_scheduling=mode)
+        assert llm.engine.worker.runtime is not None and llm.engine.config.scheduler.async_scheduling == mode
+        outputs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    dist.destroy_process_group()
+    return outputs
+
+
+def test_a_module_parallelized_over_one_rank_schedules_asynchronously(llama):
+    from torch_shift.parallel.launch import run_ranks
+
+    _, model_dir = llama
+    (outputs,) = run_ranks(_parallelized_rank, 1, str(model_dir))
+    assert outputs[True] == outputs[False]
+
+
+def test_the_engine_keeps_no_step_once_its_requests_finished(llama):
+    """A step launched for requests that all stop meanwhile (a stop token, an abort) is dropped, not left for the
+    next run to complete."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), async_scheduling=True, **ENGINE)
+    try:
+        prompt = _prompts()[:1]
+        reference, _, _ = _generate(model_dir, False, prompt, [SamplingParams(max_tokens=8, temperature=0.0)])
+        stop = reference[0][0][2]  # its third token: it stops while its next step is in flight
+        params = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop], ignore_eos=True)
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+        assert output.outputs[0].finish_reason == "stop" and output.outputs[0].token_ids == reference[0][0][:3]
+        assert llm.engine.core.in_flight is None
+        llm.engine.add_request("late", prompt[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        assert llm.engine.step() == [] and llm.engine.core.in_flight is not None  # its prompt launched
+        llm.engine.abort_request("late")
+        assert llm.engine.core.in_flight is None
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()

@@ -99,7 +99,8 @@ def test_a_change_to_the_scheduler_changes_the_engine_and_the_simulator_alike(ll
     specs = trace(8, seed=1)
     plans = {}
     for budget in (32, 12):
-        args = {"max_num_batched_tokens": budget, "block_size": 4, "num_kv_blocks": 64}
+        # asynchronous scheduling asked for (a GPU's default): a clocked engine's steps run one after the other
+        args = {"max_num_batched_tokens": budget, "block_size": 4, "num_kv_blocks": 64, "async_scheduling": True}
         real_plans, _, _, config, num_blocks = run_real(model_dir, args, specs)
         sim_plans, _ = run_simulated(config, args, specs, num_blocks)
         assert real_plans == sim_plans

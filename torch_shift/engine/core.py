@@ -91,6 +91,8 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, status)
         if request is not None and self.speculator is not None:
             self.speculator.on_finish(request)
+        if not self.scheduler.requests:
+            self.in_flight = None  # its requests all finished: nothing to wait for
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -118,8 +120,9 @@ class EngineCore:
                 copied = torch.cuda.Event()
                 copied.record()
         done = None if in_flight is None else self._complete()  # while the device runs the step just launched
-        self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
-                                   result.reshard_seconds)
+        if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
+            self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
+                                       result.reshard_seconds)
         return done
 
     def _complete(self) -> CoreStep:

@@ -160,8 +160,10 @@ class Worker:
         last step's sampled tokens on the device (asynchronous scheduling: one rank)."""
         if self.runtime is None:
             return self.runner.execute(plan, previous_tokens)
-        assert previous_tokens is None, "asynchronous scheduling runs one rank"
-        return self.runtime.run_step(plan, self.runner.execute)
+        if previous_tokens is None:
+            return self.runtime.run_step(plan, self.runner.execute)
+        assert self.config.deployment.world_size == 1, "asynchronous scheduling runs one rank"
+        return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens))
 
     def send_result(self, kind: str, payload: Any) -> None:
         """Rank 0 under torchrun: end the public call every rank made, with rank 0's answer ("result") or

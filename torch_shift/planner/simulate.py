@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -138,8 +138,9 @@ class ClockedEngine(LLMEngine):
     plan_log: list | None = None
     last_step_modelled_s: float = 0.0
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, args: EngineArgs, *rest, **kwargs):
+        # steps one after the other, each priced as it runs (asynchronous scheduling would overlap them)
+        super().__init__(replace(args, async_scheduling=False), *rest, **kwargs)
         forward = self.core.executor
 
         def timed_forward(plan: StepPlan) -> StepResult:
