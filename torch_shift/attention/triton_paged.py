@@ -270,9 +270,15 @@ def split_plan(max_context: int, capacity: int) -> tuple[int, int]:
     return max(1, -(-max_context // keys)), keys
 
 
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), as triton.next_power_of_2, which Triton 3.9 wraps as a JIT-callable
+    constexpr function: 4-5 us a call, four calls a layer of every eager step, half this module's Python there."""
+    return 1 << (n - 1).bit_length()
+
+
 def _head_dim_pad(head_dim: int) -> int:
     """The head dimension as the attention kernel's tiles hold it (and the split decode's partial sums)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_pow2(head_dim))
 
 
 def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, capacity: int) -> int:
@@ -313,7 +319,7 @@ def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: t
     _launcher(_write_kv, k.device)[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride(), *v_cache.stride()[:3], BLOCK_SIZE=kv_cache.block_size, NUM_HEADS=heads, HEAD_DIM=dim,
-        HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM_PAD=triton.next_power_of_2(dim))
+        HEADS_PAD=_next_pow2(heads), HEAD_DIM_PAD=_next_pow2(dim))
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer_idx: int, md: TritonMetadata,
@@ -347,7 +353,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
             md.query_start, md.query_len, md.num_computed, partial_acc, partial_max_sum, 1.0 / math.sqrt(dim),
             window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(),
             *v_cache.stride()[:3], md.block_table.stride(0), splits, BLOCK_T=block_t,
-            BLOCK_M=max(16, triton.next_power_of_2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
+            BLOCK_M=max(16, _next_pow2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
             **options, **common)
         if split_decode:
             _launcher(_combine_splits, q.device)[(tile_run.numel(), num_heads)](
