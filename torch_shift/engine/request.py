@@ -65,17 +65,16 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        # its token is the argmax of its logits row: greedy, nothing that changes logits (bias, penalties, a
-        # minimum length, a grammar) and no logprobs; the sampler draws a batch of such requests with one argmax
         p = sampling_params
-        self.draws_argmax = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
-                             and not p.frequency_penalty and p.min_tokens == 0 and p.logprobs is None
-                             and p.structured_outputs is None)
-        # nothing it draws depends on its earlier outputs being on the host (penalties, a minimum length, a
-        # grammar) and it returns no logprobs: it may be scheduled again before its last token arrives
-        self.samples_on_device = (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-                                  and p.min_tokens == 0 and p.logprobs is None and p.prompt_logprobs is None
-                                  and p.structured_outputs is None)
+        # what it draws depends on its earlier outputs, read on the host: penalties, a minimum length, a grammar
+        reads_outputs = (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+                         or p.min_tokens != 0 or p.structured_outputs is not None)
+        # its token is the argmax of its logits row: greedy, nothing that changes logits (bias, or the above) and no
+        # logprobs; the sampler draws a batch of such requests with one argmax
+        self.draws_argmax = p.greedy and not p.logit_bias and not reads_outputs and p.logprobs is None
+        # nothing it draws reads its outputs on the host and it returns no logprobs: it may be scheduled again
+        # before its last token arrives
+        self.samples_on_device = not reads_outputs and p.logprobs is None and p.prompt_logprobs is None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
