@@ -13,6 +13,7 @@ import torch
 
 from torch_shift.engine.request import Request
 from torch_shift.engine.structured_output import grammar_mask
+from torch_shift.memory import to_device
 from torch_shift.models.fused import argmax
 
 _NEG_INF = float("-inf")
@@ -201,12 +202,13 @@ def draw_uniforms(generator: torch.Generator, num_rows: int) -> torch.Tensor:
 
 
 def _to(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
-    """Host values (a list, or a CPU tensor) as a tensor on `device`; to a GPU through pinned memory, without
-    waiting for the work queued before (a copy from pageable memory waits for it)."""
+    """Host values (a list, or a CPU tensor) as a tensor on `device`; to a GPU through pinned memory
+    (memory.to_device), without waiting for the work queued before (a copy from pageable memory waits for it)."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    (moved,) = to_device([host.numpy()], host.numpy().dtype, device)
+    return moved.view(host.shape)
 
 
 def _grammar_failed(request: Request) -> None:
