@@ -31,7 +31,8 @@ from torch_shift.engine.spec_decode.budget import (
     tokens_that_pay,
 )
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
-from torch_shift.engine.spec_decode.suffix import PAD, GlobalTree, SuffixProposer, best_draft
+from torch_shift.engine.spec_decode.suffix import PAD, Draft, GlobalTree, SuffixProposer, best_draft, native_draft
+from torch_shift.kernels import cpu_kernels
 
 # -- options ------------------------------------------------------------------------------------------------
 
@@ -80,12 +81,18 @@ def brute_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
-# the matcher's two ways of following occurrences: numpy one token at a time above `suffix.FEW` of them, all at once
-# (a matrix, then Python lists) at or below it; every brute-force check runs with each way alone and with both
-@pytest.fixture(params=[0, 3, 10**9], ids=["numpy", "both", "lists"])
+# the matcher's ways: in Python, following occurrences with numpy one token at a time above `suffix.FEW` of them, all
+# at once (a matrix, then Python lists) at or below it; and in C++ (kernels/cpu_suffix.cpp); every brute-force check
+# runs with each Python way alone, with both, and in C++
+@pytest.fixture(params=[0, 3, 10**9, "native"], ids=["numpy", "both", "lists", "native"])
 def few(request, monkeypatch):
     from torch_shift.engine.spec_decode import suffix
 
+    if request.param == "native":
+        if cpu_kernels() is None:
+            pytest.skip("torch_shift's CPU kernels cannot be built here")
+        return request.param
+    monkeypatch.setattr(suffix, "NATIVE", False)
     monkeypatch.setattr(suffix, "FEW", request.param)
     return request.param
 
@@ -179,7 +186,12 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few)
         cached = outputs[-5:]
         assert tree.num_cached == len(cached)
         context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
-        draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
+        if few == "native":
+            candidates = tree.candidates(np.array(context))
+            draft = (native_draft(cpu_kernels(), tree.tokens, candidates, 0, np.array(context), 2, 1, depth, 6, 1.0,
+                                  0.1) if candidates else Draft())
+        else:
+            draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
         expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)
         assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, context)
     assert tree.num_dead <= tree.length  # evicted outputs were compacted away as they accumulated
@@ -204,6 +216,39 @@ def test_suffix_proposal_takes_the_global_trees_draft_only_where_it_scores_more(
         remote = brute_speculate(build_trie(outputs[-4:], depth), tokens, depth, k, 1.0, 0.1, first_len=2)
         expected, score = remote if remote[1] > local[1] + 1e-9 else local
         assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, tokens)
+
+
+def test_native_suffix_drafts_are_the_python_rules_exactly(monkeypatch):
+    """The C++ matcher against the Python one on longer texts than the trie tests (both trees, repeats of varying
+    periods with noise, every option): the same tokens, scores (bitwise), and match lengths."""
+    from torch_shift.engine.spec_decode import suffix
+
+    if cpu_kernels() is None:
+        pytest.skip("torch_shift's CPU kernels cannot be built here")
+    rng = random.Random(5)
+    for trial in range(12):
+        options = dict(max_depth=rng.choice([8, 24, 64]), max_cached_requests=rng.choice([3, 50]),
+                       max_spec_factor=rng.choice([0.5, 1.0, 2.5]), min_token_prob=rng.choice([0.0, 0.1, 0.3]))
+        native = SuffixProposer(**options)
+        monkeypatch.setattr(suffix, "NATIVE", False)
+        python = SuffixProposer(**options)
+        monkeypatch.undo()
+        assert native.kernels is not None and python.kernels is None
+        vocab = rng.choice([3, 8, 50])
+        for i in range(30):
+            phrase = [rng.randrange(vocab) for _ in range(rng.randint(2, 12))]
+            tokens = []
+            while len(tokens) < rng.randint(5, 400):
+                tokens += phrase if rng.random() < 0.7 else [rng.randrange(vocab)]
+            if i % 4 == 0:
+                native.global_tree.add(tokens)
+                python.global_tree.add(tokens)
+            padded = np.full(len(tokens) + options["max_depth"] + 2, PAD, dtype=np.int64)
+            padded[:len(tokens)] = tokens
+            k = rng.randint(1, 16)
+            ours, theirs = (p.speculate(padded[:len(tokens)], padded, k) for p in (native, python))
+            assert (ours.token_ids, ours.score, ours.match_len, ours.scores) == (
+                theirs.token_ids, theirs.score, theirs.match_len, theirs.scores), (trial, i)
 
 
 # -- the scheduler: blocks under rejections, preemptions and aborts -----------------------------------------

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+i64, f32, f64, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
 
 
 class CpuKernels:
@@ -59,6 +59,10 @@ class CpuKernels:
         self.argmax = lib.ts_argmax
         self.argmax.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
         self.argmax.restype = ctypes.c_int
+        self.suffix_draft = lib.ts_suffix_draft
+        self.suffix_draft.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, f64, f64, f64, ptr, ptr,
+                                      ptr]
+        self.suffix_draft.restype = i64
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int | None:

@@ -14,10 +14,16 @@ their number; its children are the tokens that follow them), found by narrowing 
 last token one token further back at a time with numpy. That is the same tree (tests/test_spec_decode.py
 checks it against an explicit trie), with memory O(tokens) instead of O(tokens * depth). The global tree is
 matched from two tokens on, through an index of token pairs: a single token says little in thousands of outputs.
+
+The functions below are the rule in Python: the reference, and the fallback where torch_shift's CPU kernels cannot
+be built. Proposers run the same rule in C++ (kernels/cpu_suffix.cpp, `native_draft`): 85 -> 13 us a call on the
+edit and agent work (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import ctypes
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,6 +55,7 @@ class Draft:
 # walked in Python lists), instead of one token at a time with numpy: numpy's ~1 us a call made proposing 0.1-0.5 ms
 # at batch 1 on the edit work, 5-25% of a step of the default model (docs/performance.md).
 FEW = 32
+NATIVE = True  # proposers draft in C++ (kernels/cpu_suffix.cpp) where the CPU kernels build; tests turn it off
 
 
 def suffix_matches(tokens: np.ndarray, ends: np.ndarray, context: np.ndarray, first_len: int,
@@ -170,6 +177,28 @@ def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, ma
     return best
 
 
+def native_draft(kernels, tokens: np.ndarray, ends: array | None, scan_len: int, context: np.ndarray, first_len: int,
+                 min_count: int, max_depth: int, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
+                 beat: float = 0.0) -> Draft:
+    """`best_draft(tokens, suffix_matches(tokens, ends, context, first_len, len(context) - 1, min_count), ...)` in
+    C++ (`kernels`: torch_shift.kernels.CpuKernels). `ends`: the candidates, or None for every position below
+    `scan_len` that holds the context's last token (first_len 1). `tokens` and `context` are C-contiguous int64."""
+    assert tokens.dtype == np.int64 and tokens.flags.c_contiguous and context.dtype == np.int64, (tokens, context)
+    context = np.ascontiguousarray(context)
+    out_tokens = (ctypes.c_int64 * max(max_spec_tokens, 1))()
+    out_scores = (ctypes.c_double * max(max_spec_tokens, 1))()
+    match_len = ctypes.c_int64()
+    ends_ptr, num_ends = ends.buffer_info() if ends is not None else (None, 0)
+    num = kernels.suffix_draft(tokens.ctypes.data, len(tokens), ends_ptr, num_ends, scan_len, context.ctypes.data,
+                               len(context), first_len, min_count, max_depth, max_spec_tokens, max_spec_factor,
+                               min_token_prob, beat, out_tokens, out_scores, ctypes.byref(match_len))
+    assert num >= 0, num
+    if num == 0:
+        return Draft()
+    scores = out_scores[:num]
+    return Draft(out_tokens[:num], scores[-1], match_len.value, scores)
+
+
 class GlobalTree:
     """The outputs of the last `max_cached_requests` finished requests, separated by PAD, with an index of the
     end positions of every pair of adjacent tokens."""
@@ -179,7 +208,7 @@ class GlobalTree:
         self.max_cached_requests = max_cached_requests
         self.tokens = np.full(1024, PAD, dtype=np.int64)
         self.length = 1  # tokens[0] is PAD: every sequence has a PAD before it
-        self.pairs: dict[tuple[int, int], list[int]] = {}
+        self.pairs: dict[tuple[int, int], array] = {}  # int64 positions (the C++ matcher reads them in place)
         self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
         self.num_dead = 0
 
@@ -214,7 +243,7 @@ class GlobalTree:
             key = (values[i - 1], values[i])
             positions = pairs.get(key)
             if positions is None:
-                pairs[key] = [start + i]
+                pairs[key] = array("q", (start + i,))
             else:
                 positions.append(start + i)
 
@@ -231,13 +260,17 @@ class GlobalTree:
             self.sequences.append((start, end))
             self.length = end + 1
 
-    def matches(self, context: np.ndarray) -> list[np.ndarray]:
+    def candidates(self, context: np.ndarray) -> array | None:
+        """The end positions of the context's last two tokens (some may be evicted: PAD now); None if none."""
         if len(context) < 3:
-            return []
-        positions = self.pairs.get((int(context[-2]), int(context[-1])))
+            return None
+        return self.pairs.get((int(context[-2]), int(context[-1])))
+
+    def matches(self, context: np.ndarray) -> list[np.ndarray]:
+        positions = self.candidates(context)
         if not positions:
             return []
-        ends = np.asarray(positions, dtype=np.int64)
+        ends = np.array(positions, dtype=np.int64)
         ends = ends[(self.tokens[ends] == context[-1]) & (self.tokens[ends - 1] == context[-2])]  # evicted: PAD
         return suffix_matches(self.tokens, ends, context, 2, len(context) - 1)
 
@@ -253,6 +286,11 @@ class SuffixProposer:
         self.global_tree = GlobalTree(max_depth, max_cached_requests)
         self.tokens = RequestTokens(headroom=max_depth + 2)
         self._ceilings: dict[tuple[int, int], int] = {}
+        self.kernels = None
+        if NATIVE:
+            from torch_shift.kernels import cpu_kernels
+
+            self.kernels = cpu_kernels()
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
         return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
@@ -267,18 +305,30 @@ class SuffixProposer:
         max_len = len(context) - 1  # as ArcticInference: the whole pattern is never the match
         if max_len < 1 or max_tokens <= 0:
             return Draft()
-        ends = np.flatnonzero(context_tokens == context[-1])
         # the context's own suffix is one occurrence of every length, with nothing after it: a length found only
-        # there grows no path, nor does any longer one
-        matches = suffix_matches(padded, ends, context, 1, max_len, min_count=2)
-        local = best_draft(padded, matches, 1, self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob)
+        # there grows no path, nor does any longer one (min_count 2)
+        if self.kernels is not None:
+            local = native_draft(self.kernels, padded, None, len(context_tokens), context, 1, 2, self.max_depth,
+                                 max_tokens, self.max_spec_factor, self.min_token_prob)
+        else:
+            ends = np.flatnonzero(context_tokens == context[-1])
+            matches = suffix_matches(padded, ends, context, 1, max_len, min_count=2)
+            local = best_draft(padded, matches, 1, self.max_depth, max_tokens, self.max_spec_factor,
+                               self.min_token_prob)
         # the global tree's draft replaces the request's own only if it scores more: not searched where none could
         # (the local path took the most tokens any match allows, each with probability 1: repeated text)
         if self.global_tree.num_cached == 0 or local.score >= self._ceiling(max_len, max_tokens):
             return local
         tree = self.global_tree
-        remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens, self.max_spec_factor,
-                            self.min_token_prob, beat=local.score)
+        if self.kernels is not None:
+            candidates = tree.candidates(context)
+            if not candidates:
+                return local
+            remote = native_draft(self.kernels, tree.tokens, candidates, 0, context, 2, 1, self.max_depth, max_tokens,
+                                  self.max_spec_factor, self.min_token_prob, beat=local.score)
+        else:
+            remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
+                                self.max_spec_factor, self.min_token_prob, beat=local.score)
         return remote if remote.score > local.score else local
 
     def _ceiling(self, max_len: int, max_tokens: int) -> int:
