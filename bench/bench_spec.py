@@ -5,7 +5,9 @@ Workloads, repetition coming from the task:
 - agent: a loop of turns, each prompt carrying the earlier turns' outputs and an observation (as an agent's does);
 - edit: a document the model wrote, then "revise it" with its first line: the output is the document, edited;
 - free: short prompts, sampled (temperature 0.8): no repetition to find.
-Also the proposer's own cost at 256 running requests (every step proposes for every request).
+Also the proposer's own cost at 256 running requests (every step proposes for every request), and each method's
+ceiling on the batch-1 greedy work: the tokens a step would make if every proposal were checked for free (the
+greedy outputs without speculation, replayed through the proposer), which bounds its TPOT ratio to no speculation.
 
 The draft model (method "draft"): the default model's first `--draft-layers` layers with its final norm and head
 (LayerSkip's early exit as a checkpoint of its own: the only smaller model with this tokenizer), unless
@@ -129,6 +131,60 @@ def proposer_cost(num_requests: int = 256, context: int = 1500) -> dict:
     return result
 
 
+def greedy_turns(llm: LLM, work: dict) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """(prompt, greedy output) of each agent turn and edit request, without speculation, as run_work makes them."""
+    engine = TorchShiftEngine(llm)
+    turns: dict[str, list] = {"agent": [], "edit": []}
+    for prompt, observations in zip(work["agent_prompts"], work["agent_observations"]):
+        history = list(prompt)
+        for observation in observations:
+            (output,) = engine.generate([history], 64, 0.0, None, False)
+            turns["agent"].append((list(history), output))
+            history += output + observation
+    for prompt in work["edit_prompts"]:
+        turns["edit"].append((list(prompt), engine.generate([prompt], 96, 0.0, None, False)[0]))
+    return turns
+
+
+def acceptance_ceiling(method: str, turns: dict[str, list[tuple[list[int], list[int]]]]) -> dict[str, float]:
+    """Tokens per step of each batch-1 greedy workload if every proposal were checked whole and for free: the
+    method's proposer replays the greedy outputs (the agent turns, then the edits, each output cached when it
+    finishes, as in the engine), a step taking the accepted proposals and one token. The most a TPOT ratio to no
+    speculation can reach with this method, model and work, whatever checks cost."""
+    from torch_shift.engine.spec_decode import SpeculativeConfig, build_proposer
+    from torch_shift.engine.spec_decode.ngram import ngram_proposal
+    from torch_shift.engine.spec_decode.suffix import PAD
+
+    config = SpeculativeConfig.from_user(METHODS[method])
+    proposer = build_proposer(config)
+    k = config.num_speculative_tokens
+    ceiling = {}
+    for workload, pairs in turns.items():
+        num_tokens = num_steps = 0
+        for prompt, output in pairs:
+            done = 0
+            while done < len(output):
+                context = np.array(prompt + output[:done], dtype=np.int64)
+                room = min(k, len(output) - done - 1)
+                if room <= 0:
+                    draft = []
+                elif method == "ngram":
+                    draft = ngram_proposal(context, config.prompt_lookup_min, config.prompt_lookup_max, room)
+                else:  # what follows the context reads as PAD, as in the engine's buffers
+                    padded = np.concatenate([context, np.full(config.suffix_decoding_max_tree_depth + 2, PAD)])
+                    draft = proposer.speculate(context, padded, room).token_ids
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == output[done + accepted]:
+                    accepted += 1
+                done += accepted + 1
+                num_steps += 1
+            num_tokens += len(output)
+            if method == "suffix":
+                proposer.global_tree.add(output)
+        ceiling[workload] = num_tokens / num_steps
+    return ceiling
+
+
 def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
     """One engine of `layout` per method, made for this run, on the work of spec_work.run_work: in one process all
     at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
@@ -195,7 +251,15 @@ def main() -> None:
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)
-    work = make_work(LLM(compile=False))
+    plain = LLM(compile=False)
+    work = make_work(plain)
+    turns = greedy_turns(plain, work)
+    plain.shutdown()
+    figures["ceiling_tokens_per_step"] = {m: acceptance_ceiling(m, turns) for m in args.methods.split(",")
+                                          if m in ("ngram", "suffix")}
+    for method, ceiling in figures["ceiling_tokens_per_step"].items():
+        print(f"{method} with every proposal checked for free: agent {ceiling['agent']:.2f}, edit "
+              f"{ceiling['edit']:.2f} tokens per step (the most its TPOT ratio to none can reach here)", flush=True)
     rows = []
     for layout in args.layouts.split(","):
         # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), in one

@@ -168,6 +168,7 @@ def cpu_kernels() -> CpuKernels | None:
     try:
         return CpuKernels(_build(Path(__file__).parent))
     except Exception as e:  # noqa: BLE001 - any failure leaves the pure-PyTorch paths in place
-        warnings.warn(f"torch_shift's CPU kernels are unavailable ({e}); attention falls back to SDPA over "
-                      "gathered blocks, which is slower", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"torch_shift's CPU kernels are unavailable ({e}); on the CPU attention falls back to SDPA "
+                      "over gathered blocks and the other kernels to PyTorch, and suffix decoding drafts in Python: "
+                      "all slower", RuntimeWarning, stacklevel=2)
         return None
