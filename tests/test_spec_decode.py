@@ -31,7 +31,15 @@ from torch_shift.engine.spec_decode.budget import (
     tokens_that_pay,
 )
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
-from torch_shift.engine.spec_decode.suffix import PAD, Draft, GlobalTree, SuffixProposer, best_draft, native_draft
+from torch_shift.engine.spec_decode.suffix import (
+    PAD,
+    Draft,
+    GlobalTree,
+    NativeDraft,
+    SuffixProposer,
+    address,
+    best_draft,
+)
 from torch_shift.kernels import cpu_kernels
 
 # -- options ------------------------------------------------------------------------------------------------
@@ -188,8 +196,9 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few)
         context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
         if few == "native":
             candidates = tree.candidates(np.array(context))
-            draft = (native_draft(cpu_kernels(), tree.tokens, candidates, 0, np.array(context), 2, 1, depth, 6, 1.0,
-                                  0.1) if candidates else Draft())
+            context_array = np.array(context)
+            draft = (NativeDraft(cpu_kernels())(tree.address, len(tree.tokens), candidates, 0, address(context_array),
+                                                len(context), 2, 1, depth, 6, 1.0, 0.1) if candidates else Draft())
         else:
             draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
         expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)
@@ -233,7 +242,7 @@ def test_native_suffix_drafts_are_the_python_rules_exactly(monkeypatch):
         monkeypatch.setattr(suffix, "NATIVE", False)
         python = SuffixProposer(**options)
         monkeypatch.undo()
-        assert native.kernels is not None and python.kernels is None
+        assert native.native is not None and python.native is None
         vocab = rng.choice([3, 8, 50])
         for i in range(30):
             phrase = [rng.randrange(vocab) for _ in range(rng.randint(2, 12))]

@@ -16,7 +16,7 @@ checks it against an explicit trie), with memory O(tokens) instead of O(tokens *
 matched from two tokens on, through an index of token pairs: a single token says little in thousands of outputs.
 
 The functions below are the rule in Python: the reference, and the fallback where torch_shift's CPU kernels cannot
-be built. Proposers run the same rule in C++ (kernels/cpu_suffix.cpp, `native_draft`): 85 -> 13 us a call on the
+be built. Proposers run the same rule in C++ (kernels/cpu_suffix.cpp, `NativeDraft`): 85 -> 15 us a call on the
 edit and agent work (docs/performance.md).
 """
 
@@ -177,26 +177,46 @@ def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, ma
     return best
 
 
-def native_draft(kernels, tokens: np.ndarray, ends: array | None, scan_len: int, context: np.ndarray, first_len: int,
-                 min_count: int, max_depth: int, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
-                 beat: float = 0.0) -> Draft:
-    """`best_draft(tokens, suffix_matches(tokens, ends, context, first_len, len(context) - 1, min_count), ...)` in
-    C++ (`kernels`: torch_shift.kernels.CpuKernels). `ends`: the candidates, or None for every position below
-    `scan_len` that holds the context's last token (first_len 1). `tokens` and `context` are C-contiguous int64."""
-    assert tokens.dtype == np.int64 and tokens.flags.c_contiguous and context.dtype == np.int64, (tokens, context)
-    context = np.ascontiguousarray(context)
-    out_tokens = (ctypes.c_int64 * max(max_spec_tokens, 1))()
-    out_scores = (ctypes.c_double * max(max_spec_tokens, 1))()
-    match_len = ctypes.c_int64()
-    ends_ptr, num_ends = ends.buffer_info() if ends is not None else (None, 0)
-    num = kernels.suffix_draft(tokens.ctypes.data, len(tokens), ends_ptr, num_ends, scan_len, context.ctypes.data,
-                               len(context), first_len, min_count, max_depth, max_spec_tokens, max_spec_factor,
-                               min_token_prob, beat, out_tokens, out_scores, ctypes.byref(match_len))
-    assert num >= 0, num
-    if num == 0:
-        return Draft()
-    scores = out_scores[:num]
-    return Draft(out_tokens[:num], scores[-1], match_len.value, scores)
+class NativeDraft:
+    """`best_draft(tokens, suffix_matches(tokens, ends, context, first_len, len(context) - 1, min_count), ...)` in C++
+    (kernels/cpu_suffix.cpp; `kernels`: torch_shift.kernels.CpuKernels), over int64 arrays given by address. Its
+    output arrays are allocated once and every argument is a plain int or float: the engine asks for a draft right
+    after a forward has streamed the weights through the caches, where each ctypes array allocated, `.ctypes`
+    read or array argument converted costs 10-20 us (measured cold; 0.5-1 us warm)."""
+
+    def __init__(self, kernels, max_tokens: int = 16):
+        self.kernels = kernels
+        self._grow(max_tokens)
+
+    def _grow(self, size: int) -> None:
+        self.size = size
+        self.out_tokens = (ctypes.c_int64 * size)()
+        self.out_scores = (ctypes.c_double * size)()
+        self.match_len = ctypes.c_int64()
+        self._addresses = (ctypes.addressof(self.out_tokens), ctypes.addressof(self.out_scores),
+                           ctypes.addressof(self.match_len))
+
+    def __call__(self, tokens_address: int, num_tokens: int, ends: array | None, scan_len: int, context_address: int,
+                 context_len: int, first_len: int, min_count: int, max_depth: int, max_spec_tokens: int,
+                 max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
+        """`ends`: the candidates, or None for every position below `scan_len` that holds the context's last token
+        (first_len 1)."""
+        if max_spec_tokens > self.size:
+            self._grow(max_spec_tokens)
+        ends_address, num_ends = ends.buffer_info() if ends is not None else (None, 0)
+        num = self.kernels.suffix_draft(tokens_address, num_tokens, ends_address, num_ends, scan_len, context_address,
+                                        context_len, first_len, min_count, max_depth, max_spec_tokens,
+                                        max_spec_factor, min_token_prob, beat, *self._addresses)
+        assert num >= 0, num
+        if num == 0:
+            return Draft()
+        scores = self.out_scores[:num]
+        return Draft(self.out_tokens[:num], scores[-1], self.match_len.value, scores)
+
+
+def address(tokens: np.ndarray) -> int:
+    assert tokens.dtype == np.int64 and tokens.flags.c_contiguous, (tokens.dtype, tokens.flags)
+    return tokens.ctypes.data
 
 
 class GlobalTree:
@@ -207,6 +227,7 @@ class GlobalTree:
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.tokens = np.full(1024, PAD, dtype=np.int64)
+        self.address = address(self.tokens)  # of self.tokens (the C++ matcher's argument)
         self.length = 1  # tokens[0] is PAD: every sequence has a PAD before it
         self.pairs: dict[tuple[int, int], array] = {}  # int64 positions (the C++ matcher reads them in place)
         self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
@@ -231,6 +252,7 @@ class GlobalTree:
             grown = np.full(2 * (end + self.max_depth + 2), PAD, dtype=np.int64)
             grown[:self.length] = self.tokens[:self.length]
             self.tokens = grown
+            self.address = address(grown)
         self.tokens[start:end] = token_ids
         self._index(start, end)
         self.sequences.append((start, end))
@@ -286,11 +308,12 @@ class SuffixProposer:
         self.global_tree = GlobalTree(max_depth, max_cached_requests)
         self.tokens = RequestTokens(headroom=max_depth + 2)
         self._ceilings: dict[tuple[int, int], int] = {}
-        self.kernels = None
+        self.native: NativeDraft | None = None
         if NATIVE:
             from torch_shift.kernels import cpu_kernels
 
-            self.kernels = cpu_kernels()
+            kernels = cpu_kernels()
+            self.native = NativeDraft(kernels) if kernels is not None else None
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
         return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
@@ -307,9 +330,11 @@ class SuffixProposer:
             return Draft()
         # the context's own suffix is one occurrence of every length, with nothing after it: a length found only
         # there grows no path, nor does any longer one (min_count 2)
-        if self.kernels is not None:
-            local = native_draft(self.kernels, padded, None, len(context_tokens), context, 1, 2, self.max_depth,
-                                 max_tokens, self.max_spec_factor, self.min_token_prob)
+        if self.native is not None:
+            padded_address = address(padded)
+            context_address = padded_address + 8 * (len(context_tokens) - len(context))  # context ends the tokens
+            local = self.native(padded_address, len(padded), None, len(context_tokens), context_address, len(context),
+                                1, 2, self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob)
         else:
             ends = np.flatnonzero(context_tokens == context[-1])
             matches = suffix_matches(padded, ends, context, 1, max_len, min_count=2)
@@ -320,12 +345,13 @@ class SuffixProposer:
         if self.global_tree.num_cached == 0 or local.score >= self._ceiling(max_len, max_tokens):
             return local
         tree = self.global_tree
-        if self.kernels is not None:
+        if self.native is not None:
             candidates = tree.candidates(context)
             if not candidates:
                 return local
-            remote = native_draft(self.kernels, tree.tokens, candidates, 0, context, 2, 1, self.max_depth, max_tokens,
-                                  self.max_spec_factor, self.min_token_prob, beat=local.score)
+            remote = self.native(tree.address, len(tree.tokens), candidates, 0, context_address, len(context), 2, 1,
+                                 self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob,
+                                 beat=local.score)
         else:
             remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
                                 self.max_spec_factor, self.min_token_prob, beat=local.score)
