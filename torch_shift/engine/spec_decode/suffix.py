@@ -215,6 +215,7 @@ class NativeDraft:
 
 
 def address(tokens: np.ndarray) -> int:
+    """The address of a C-contiguous int64 array's first element."""
     assert tokens.dtype == np.int64 and tokens.flags.c_contiguous, (tokens.dtype, tokens.flags)
     return tokens.ctypes.data
 
@@ -323,7 +324,8 @@ class SuffixProposer:
         return self.speculate(buffer.array[:buffer.num_tokens], buffer.array, max_tokens).token_ids
 
     def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
-        """The draft for a request whose tokens are `context_tokens` (`padded`: the same, PAD after them)."""
+        """The draft for a request whose tokens are `context_tokens`, which is `padded[:n]` (`padded`: int64, PAD
+        after them)."""
         context = context_tokens[-self.max_depth:]
         max_len = len(context) - 1  # as ArcticInference: the whole pattern is never the match
         if max_len < 1 or max_tokens <= 0:
