@@ -87,6 +87,35 @@ def test_compiled_packed_linear_takes_both_paths(dtype):
         assert torch.equal(compiled(x), packed(x, None))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_operators_cpp_implementation_is_the_python_one(dtype):
+    """torch_shift::packed_linear's CPU implementation in C++ (kernels/cpu_ops.cpp), which serves eager and compiled
+    calls where it builds, gives bitwise what PackedWeight.run (the Python implementation) gives: every row count on
+    both sides of the GEMV's limit, with and without bias, strided and 3-D inputs, no rows; a weight freed is
+    forgotten."""
+    from torch_shift.kernels import cpu_ops
+
+    if compiler() is None or not cpu_ops():
+        pytest.skip("torch_shift's CPU operators cannot be built here")
+    assert "cpu_ops.cpp" in torch._C._dispatch_dump_table("torch_shift::packed_linear")  # the CPU kernel
+    torch.manual_seed(4)
+    weight = torch.randn(192, 128).to(dtype)
+    bias = torch.randn(192).to(dtype)
+    packed = PackedWeight(weight)
+    assert packed.native
+    for rows in [0, 1, 2, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40]:
+        x = torch.randn(rows, 256).to(dtype)[:, :128]
+        for b in (None, bias):
+            out = packed(x, b)
+            assert out.shape == (rows, 192) and torch.equal(out, packed.run(x, b)), (rows, b is None)
+    x = torch.randn(2, 3, 128).to(dtype)
+    assert torch.equal(packed(x, bias), packed.run(x, bias))
+    handle = packed.handle
+    del packed
+    with pytest.raises(RuntimeError, match="no packed weight"):
+        torch.ops.torch_shift.packed_linear(x, handle, 192, None)
+
+
 def _huge_pages_offered() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

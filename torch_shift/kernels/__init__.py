@@ -27,6 +27,9 @@ import torch
 
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
+# operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
+# headers (a failure to build them loses only them); the GEMV kernel compiled in again
+_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, f64, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
@@ -130,19 +133,19 @@ def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool)
     return None if link.returncode == 0 else link.stderr.strip()[-2000:]
 
 
-def _build(sources_dir: Path) -> Path:
+def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "libtorch_shift_cpu.so") -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        digest.update((sources_dir / name).read_bytes())
+    for source in sources + _HEADERS:
+        digest.update((sources_dir / source).read_bytes())
     flags = " ".join(_compile_flags(native=True) + _link_flags())
-    for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine()):
+    for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine(), name):
         digest.update(part.encode())
     target_dir = cache_dir() / digest.hexdigest()[:20]
-    target = target_dir / "libtorch_shift_cpu.so"
+    target = target_dir / name
     if target.exists():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +157,7 @@ def _build(sources_dir: Path) -> Path:
         for native in (True, False):  # -march=native where the compiler knows this CPU
             with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
                 out = Path(tmp) / target.name
-                error = _compile_and_link(cxx, [sources_dir / s for s in _SOURCES], out, native)
+                error = _compile_and_link(cxx, [sources_dir / s for s in sources], out, native)
                 if error is None:
                     os.replace(out, target)  # atomic: a reader never sees half a library
                     return target
@@ -172,3 +175,23 @@ def cpu_kernels() -> CpuKernels | None:
                       "over gathered blocks and the other kernels to PyTorch, and suffix decoding drafts in Python: "
                       "all slower", RuntimeWarning, stacklevel=2)
         return None
+
+
+_ops_library: ctypes.CDLL | None = None  # kept loaded: its registrations live in PyTorch's dispatcher
+
+
+@lru_cache(maxsize=1)
+def cpu_ops() -> bool:
+    """Load torch_shift's C++ operator implementations for the CPU (cpu_ops.cpp: `torch_shift::packed_linear`),
+    building them on first use; False where they cannot be built (the operators' Python implementations serve, and
+    `torch.ops.torch_shift_cpu` stays empty). Call it after torch_shift.models.linear defined the operator."""
+    global _ops_library
+    if cpu_kernels() is None:  # no compiler, or the kernels themselves do not build: said once already
+        return False
+    try:
+        _ops_library = ctypes.CDLL(str(_build(Path(__file__).parent, _OPS_SOURCES, "libtorch_shift_ops.so")))
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure leaves the Python implementations in place
+        warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers run through "
+                      "Python, which is slower", RuntimeWarning, stacklevel=2)
+        return False

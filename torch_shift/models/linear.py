@@ -14,8 +14,11 @@ one-row matmul reads about two thirds of that (docs/performance.md). The kernel 
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
 for every batch.
 
-Under torch.compile the packed matmul is the custom op `torch_shift::packed_linear`, which names its
-weight by a handle: an opaque oneDNN tensor never enters the graph.
+The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
+oneDNN tensor never enters a compiled graph. Its CPU implementation is C++ (kernels/cpu_ops.cpp) where that builds,
+for eager and compiled calls alike: `PackedWeight.run` in Python costs 120-180 us a call once the weight before it
+has flushed the caches, against 4-7 us warm, and a decode step runs one after every weight (docs/performance.md).
+`run` is its Python implementation, and the one used where the C++ one does not build.
 """
 
 from __future__ import annotations
@@ -70,9 +73,17 @@ class PackedWeight:
         self._weight_ptr = torch.ops.mkldnn.data_ptr(self.tensor) if self.gemv is not None else None
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
+        # the operator's C++ implementation (kernels/cpu_ops.cpp) finds the weight by its handle
+        self.native = _native_operator()
+        if self.native:
+            torch.ops.torch_shift_cpu.register_packed(
+                self.tensor, self.handle, torch.ops.mkldnn.data_ptr(self.tensor),
+                -1 if self.gemv is None else self.gemv[1], self.out_features, self.in_features,
+                _GEMV_DTYPES[self.dtype][0])
+            weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.native:
             return packed_linear(x, self.handle, self.out_features, bias)
         return self.run(x, bias)
 
@@ -95,6 +106,14 @@ class PackedWeight:
                                      self.out_features)
         assert status == 0, (self.out_features, self.in_features, self.dtype)
         return out
+
+
+def _native_operator() -> bool:
+    """Whether `torch_shift::packed_linear` runs its C++ implementation on the CPU (kernels/cpu_ops.cpp): a call
+    then never runs Python, which after a weight streamed through the caches costs 120-180 us cold (issue 20)."""
+    from torch_shift.kernels import cpu_ops
+
+    return cpu_ops()
 
 
 def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
