@@ -70,13 +70,13 @@ def expert_forward(expert: int, rows: torch.Tensor, gate_up_proj: torch.Tensor, 
                    down_bias: torch.Tensor | None, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
     """Expert `expert`'s output [n, H] for its rows [n, H], in the model dtype (biases added after each matmul)."""
     if packed:
-        gate_up = packed_weight(packed[0][expert]).run(rows, None)
+        gate_up = packed_weight(packed[0][expert])(rows, None)  # C++ where kernels/cpu_ops.cpp builds
     else:
         gate_up = F.linear(rows, gate_up_proj[expert])
     if gate_up_bias is not None:
         gate_up = gate_up + gate_up_bias[expert]
     hidden = gated(gate_up, swiglu_limit, swiglu_alpha)
-    out = packed_weight(packed[1][expert]).run(hidden, None) if packed else F.linear(hidden, down_proj[expert])
+    out = packed_weight(packed[1][expert])(hidden, None) if packed else F.linear(hidden, down_proj[expert])
     return out if down_bias is None else out + down_bias[expert]
 
 
