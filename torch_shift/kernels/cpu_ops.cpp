@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
-#include <string_view>
+#include <string>
 #include <unordered_map>
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
@@ -54,13 +54,21 @@ void unregister_packed(int64_t handle) {
   registry().erase(handle);
 }
 
+// mkldnn::_linear_pointwise(x, weight, bias, "none", [], None), called boxed: its C++ signature's string type has
+// changed between torch versions, its schema has not (and a matmul of more than 16 rows dwarfs the boxing)
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         std::string_view, c10::List<std::optional<at::Scalar>>,
-                                         std::optional<std::string_view>)>();
-  return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
 }
 
 // linear.py's PackedWeight.run, in C++
