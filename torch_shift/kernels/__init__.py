@@ -1,11 +1,13 @@
 """C++ kernels for the CPU, compiled on first use with the machine's C++ compiler and cached on disk.
 
-The sources ship in this package. They need only torch's headers (ATen/Parallel.h, for torch's own
-intra-op threads) and compile in about 12 s, one compiler per source (the attention kernel's 10 s is the
-longest); the library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by
-the source, torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks
-started together build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns
-None and says why once, and the callers keep their pure-PyTorch paths.
+The sources ship in this package. The kernels (`cpu_kernels()`, called through ctypes) need only torch's headers
+(ATen/Parallel.h, for torch's own intra-op threads) and compile in about 12 s, one compiler per source (the
+attention kernel's 10 s is the longest). A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full headers
+(about 11 s more) and registers the CPU implementation of `torch_shift::packed_linear` with PyTorch's dispatcher.
+Each library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by its sources,
+torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks started together
+build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
+and the callers keep their pure-PyTorch paths (and the operators their Python implementations).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
-# headers (a failure to build them loses only them); the GEMV kernel compiled in again
+# headers (a failure to build them loses only them); the GEMV kernel compiled in again, ctypes-free
 _OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
