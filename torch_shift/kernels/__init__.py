@@ -30,7 +30,7 @@ import torch
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
-# headers (a failure to build them loses only them); the GEMV kernel compiled in again, ctypes-free
+# headers (a failure to build them loses only them); the GEMV kernel compiled in again
 _OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
