@@ -11,7 +11,9 @@ model of the same shape whose weights read in microseconds (`--small`: hidden 25
     python bench/bench_step.py [--dtype bfloat16] [--tokens 256] [--small] [--compile true|false]
 
 The timers wrap methods of this process only (a few microseconds of their own per call, so the parts add up to a
-little more than a plain step); TPOT without them is printed first, from the same engine.
+little more than a plain step); TPOT without them is printed first, from the same engine. Timers need Python: the
+timed steps run the packed linear operator's Python implementation where its CPU implementation is C++
+(kernels/cpu_ops.cpp); the TPOT without timers runs the C++ one.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch_shift.engine.core import EngineCore
     from torch_shift.engine.model_runner import ModelRunner
     from torch_shift.models.decoder import DecoderLM
-    from torch_shift.models.linear import PackedWeight
+    from torch_shift.models.linear import PackedWeight, _packed_by_handle, packed_weight
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
     config = dict(MODEL)
@@ -115,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             tpots.append((generate(args.tokens + 1) - first) / args.tokens)
         tpot = min(tpots)
 
+        # the timers wrap Python: where the packed linear operator's CPU implementation is C++ (kernels/cpu_ops.cpp),
+        # the timed steps run its Python implementation instead (the TPOT above ran the C++ one)
+        python_linear = torch.library.Library("torch_shift", "IMPL")  # noqa: TOR901 (kept until the process ends)
+        python_linear.impl("packed_linear", lambda x, handle, out_features, bias: packed_weight(handle).run(
+            x.contiguous(), bias), "CPU")
+        for weight in list(_packed_by_handle.values()):
+            weight.native = False
         timers = Timers()
         timers.wrap(PackedWeight, "run", "matmul", count_bytes=True)
         timers.wrap(CpuPagedAttention, "__call__", "attention")
