@@ -7,8 +7,8 @@
 // 120-180 us cold against 4-7 us warm (docs/performance.md, issue 20). Built as its own library (it needs torch's
 // full headers): where it does not build, the Python implementation serves.
 //
-// A packed weight is known by the handle the Python side gives it: register_packed(weight, handle, gemv_dtype)
-// when it is packed, unregister_packed(handle) when it is freed.
+// A packed weight is known by the handle the Python side gives it: register_packed(weight, handle, ...) when it
+// is packed, unregister_packed(handle) when it is freed.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -25,12 +25,11 @@ extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, in
 
 namespace {
 
-constexpr int64_t kGemvMaxRows = 16;  // linear.py's GEMV_MAX_ROWS
-
 struct Packed {
   at::Tensor weight;         // oneDNN's blocked layout (an opaque mkldnn tensor)
   const void* gemv_weight;   // its data, which the GEMV kernel reads in place
-  int gemv_dtype;            // the GEMV kernel's dtype code, or -1: oneDNN for every batch
+  int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16
+  int64_t gemv_max_rows;     // matmuls of up to this many rows run the GEMV (linear.py's GEMV_MAX_ROWS; 0: none)
   at::ScalarType dtype;
   int64_t out_features, in_features;
 };
@@ -42,11 +41,12 @@ std::unordered_map<int64_t, Packed>& registry() {
 }
 
 // weight_address: the opaque tensor's data (torch.ops.mkldnn.data_ptr); dtype_code 0 float32, 1 bfloat16
-void register_packed(const at::Tensor& weight, int64_t handle, int64_t weight_address, int64_t gemv_dtype,
+void register_packed(const at::Tensor& weight, int64_t handle, int64_t weight_address, int64_t gemv_max_rows,
                      int64_t out_features, int64_t in_features, int64_t dtype_code) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  registry()[handle] = Packed{weight, reinterpret_cast<const void*>(weight_address), static_cast<int>(gemv_dtype),
-                              dtype_code == 1 ? at::kBFloat16 : at::kFloat, out_features, in_features};
+  registry()[handle] = Packed{weight, reinterpret_cast<const void*>(weight_address), static_cast<int>(dtype_code),
+                              gemv_max_rows, dtype_code == 1 ? at::kBFloat16 : at::kFloat, out_features,
+                              in_features};
 }
 
 void unregister_packed(int64_t handle) {
@@ -91,10 +91,10 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
   const int64_t rows = input.numel() / packed->in_features;
   if (rows == 0) return at::empty(sizes, input.options());  // oneDNN refuses an empty matmul
   const bool bias_matches = !bias.has_value() || bias->scalar_type() == packed->dtype;
-  if (rows <= kGemvMaxRows && packed->gemv_dtype >= 0 && input.scalar_type() == packed->dtype && bias_matches) {
+  if (rows <= packed->gemv_max_rows && input.scalar_type() == packed->dtype && bias_matches) {
     at::Tensor out = at::empty(sizes, input.options());
     at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-    int status = ts_packed_gemv(packed->gemv_dtype, input.data_ptr(), packed->in_features, rows,
+    int status = ts_packed_gemv(packed->dtype_code, input.data_ptr(), packed->in_features, rows,
                                 packed->gemv_weight, out_features, packed->in_features,
                                 b.defined() ? b.data_ptr() : nullptr, out.data_ptr(), out_features);
     TORCH_CHECK(status == 0, "packed_linear: the GEMV kernel declined weight ", handle);
@@ -106,7 +106,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_shift_cpu, m) {
-  m.def("register_packed(Tensor weight, int handle, int weight_address, int gemv_dtype, int out_features, "
+  m.def("register_packed(Tensor weight, int handle, int weight_address, int gemv_max_rows, int out_features, "
         "int in_features, int dtype_code) -> ()",
         &register_packed);
   m.def("unregister_packed(int handle) -> ()", &unregister_packed);

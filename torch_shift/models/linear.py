@@ -78,7 +78,7 @@ class PackedWeight:
         if self.native:
             torch.ops.torch_shift_cpu.register_packed(
                 self.tensor, self.handle, torch.ops.mkldnn.data_ptr(self.tensor),
-                -1 if self.gemv is None else self.gemv[1], self.out_features, self.in_features,
+                0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features, self.in_features,
                 _GEMV_DTYPES[self.dtype][0])
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
 
