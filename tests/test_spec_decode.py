@@ -784,6 +784,52 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
     assert fresh.spec_token_ids == [] and "fresh" not in speculator._shadows
 
 
+def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():
+    """The first checks of a run took five times their later cost (the machine's spells, a first call's warm-up):
+    fitted on them, no proposal pays, and without checks no step could correct the price. While the batch size's
+    range has too few checks in its window, its likeliest request checks its whole proposal every EXPLORE_EVERY
+    steps; once those show checks cheap, every step checks a proposal again."""
+    from torch_shift.engine.spec_decode import EXPLORE_EVERY
+
+    class Fixed:
+        name = "fixed"
+
+        def propose(self, requests, max_tokens):
+            return [[7] * n for n in max_tokens]
+
+        def on_finish(self, request, cache):
+            pass
+
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
+    speculator = Speculator(config, 100_000, Fixed())
+    request = Request("edit", [1, 2, 3], SamplingParams(max_tokens=50_000), 100_000)
+
+    def cheap(num_proposed, num_checks):  # a check's later cost: 5% of a step, and 2% a token
+        return 1e-3 * (1.0 + 0.05 * num_checks + 0.02 * num_proposed)
+
+    for i in range(100 + 28):  # plain steps, then the slow checks: the range's window (128 steps) is full
+        slow = i >= 100
+        speculator.step_cost.observe(1, 4 * slow, slow, cheap(4 * slow, slow) * (5 if slow else 1))
+        if slow:
+            speculator.acceptance.observe("edit", 4, 4)
+    assert lowest_paying_rate(4, 1, speculator.step_cost.at(1)) > speculator.acceptance.rate("edit")  # none pays
+
+    checked = []
+    for _ in range(600):
+        speculator.propose([request], 1)
+        proposed = tuple(request.spec_token_ids)
+        entries = [[ScheduledRequest(request, 1 + len(proposed), request.num_tokens - 1, True, False, ([0],),
+                                     proposed)]]
+        drawn = [7] * (len(proposed) + 1)  # every proposed token accepted
+        speculator.observe(entries, {"edit": drawn}, cheap(len(proposed), int(bool(proposed))))
+        request.all_token_ids += drawn
+        checked.append(bool(proposed))
+    assert not any(checked[:100])  # while the slow checks are in the window
+    assert 100 < checked.index(True) <= 128 + EXPLORE_EVERY  # once nearly all have left it
+    assert speculator.step_cost.at(1)[3] < 2e-4
+    assert all(checked[-100:])
+
+
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():
     rates = AcceptanceRates()
     for i in range(50):

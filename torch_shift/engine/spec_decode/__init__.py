@@ -60,6 +60,11 @@ UNFITTED_BAR = 0.5
 PROBE_SHARE = 0.01  # of a step's time, at most, spent proposing probes (their interval grows past PROBE_EVERY)
 ASK_AVERAGING = 0.05  # weight of the latest propose call in the proposer's moving averages
 MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came back empty or were all cut
+# while a batch size's range has had too few checks to price one (budget.StepCostFit.lacks_checks), its likeliest
+# request (a rate of at least UNFITTED_BAR) checks its whole proposal once every EXPLORE_EVERY steps, paid or not:
+# without it a few slow first checks priced every later one out and, no check following, the price stayed (measured:
+# speculation off for a whole edit run, 1 check in 776 steps, in one of about six runs)
+EXPLORE_EVERY = 16
 
 
 def num_accepted(proposed, drawn) -> int:
@@ -89,6 +94,7 @@ class Speculator:
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
+        self._since_explore = EXPLORE_EVERY  # propose calls since a check made to price checks
         self._shadows: dict[str, int] = {}  # request id -> the token a probe proposed, scored against the next draw
         # request id -> (the length it proposes at again, its wait): after a proposal of which nothing was checked
         # (none found, or none paid) a request waits 1, 2, 4 ... MAX_BACKOFF tokens before the next, under the
@@ -161,7 +167,10 @@ class Speculator:
             step = step_seconds(cost, num_running, 0, 0)
             if step > 0:
                 probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
-        if disabled or bar > 1.0:  # nobody proposes, nor probes: a loop of 64 requests cost 2% of their step
+        self._since_explore += 1
+        explore = (cost is not None and not disabled and self._since_explore >= EXPLORE_EVERY
+                   and self.step_cost.lacks_checks(num_running))
+        if disabled or (bar > 1.0 and not explore):  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in updated:
                 if request.status.finished:
                     self.on_finish(request)
@@ -169,6 +178,7 @@ class Speculator:
                     request.spec_token_ids = []
             return
         proposing, rooms, rates, probing = [], [], [], []
+        explorer, explorer_room, explorer_rate = None, 0, UNFITTED_BAR
         for request in updated:
             if request.status.finished:
                 self.on_finish(request)
@@ -185,26 +195,34 @@ class Speculator:
                 continue
             rate = self.acceptance.rate(request.request_id) if self.config.goodput_budget else 1.0
             if rate < bar:
+                if explore and rate >= explorer_rate:
+                    explorer, explorer_room, explorer_rate = request, room, rate
                 # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
                 # <= 1); the prompt's length staggers requests in step
-                if num_tokens % probe_every == 0:
+                elif bar <= 1.0 and num_tokens % probe_every == 0:
                     probing.append(request)
                 continue
             proposing.append(request)
             rooms.append(room)
             rates.append(rate)
-        if not proposing and not probing:
+        explored = [explorer] if explorer is not None and not proposing else []
+        if explored:
+            self._since_explore = 0
+        if not proposing and not probing and not explored:
             return
         start = time.perf_counter()
-        proposals = self.proposer.propose(proposing + probing, rooms + [1] * len(probing))
+        proposals = self.proposer.propose(proposing + explored + probing,
+                                          rooms + [explorer_room] * len(explored) + [1] * len(probing))
         propose_seconds = time.perf_counter() - start
         asked = len(proposals)
         found = sum(1 for p in proposals if p)
         self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
         self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
-        for request, probe in zip(probing, proposals[len(proposing):]):
+        for request, probe in zip(probing, proposals[len(proposing) + len(explored):]):
             if probe:
                 self._shadows[request.request_id] = probe[0]
+        if explored:
+            explorer.spec_token_ids = proposals[len(proposing)]
         proposals = proposals[:len(proposing)]
         if cost is not None:
             lengths = [len(p) for p in proposals]

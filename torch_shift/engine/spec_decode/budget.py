@@ -29,6 +29,7 @@ _PULL = 2.0  # tokens
 _HUBER_ROUNDS = 4
 REFIT_EVERY = 16  # steps between fits of a range, until its window is full
 REFIT_EVERY_FULL = 64  # then (a fit costs ~0.3 ms: every 16th step, 18 us a step, 1.3% of the default model's)
+MIN_CHECKED_STEPS = 4  # steps with checks a range's window needs before its price of a check counts as current
 
 
 StepCost = tuple[float, float, float, float]  # (a, c, b, d) of t(R, S, P) = a + c R + b S + d P, in seconds
@@ -47,6 +48,7 @@ class StepCostFit:
         self.min_steps = min_steps
         self.steps: dict[int, deque[tuple[int, int, int, float]]] = {}  # range (R's bit length) -> its last steps
         self.fitted: dict[int, StepCost] = {}
+        self._num_checked: dict[int, int] = {}  # range -> steps with checks in its window
         self._since_fit: dict[int, int] = {}
 
     def observe(self, num_requests: int, num_proposed: int, num_checks: int, seconds: float) -> None:
@@ -54,7 +56,11 @@ class StepCostFit:
         steps = self.steps.get(key)
         if steps is None:
             steps = self.steps[key] = deque(maxlen=self.window)
+            self._num_checked[key] = 0
+        if len(steps) == self.window:
+            self._num_checked[key] -= steps[0][2] > 0
         steps.append((num_requests, num_proposed, num_checks, seconds))
+        self._num_checked[key] += num_checks > 0
         self._since_fit[key] = self._since_fit.get(key, 0) + 1
         # the first fit as soon as there are min_steps, then one every REFIT_EVERY steps (also after a try that found
         # every step alike), and REFIT_EVERY_FULL once the window is full (a fit costs ~0.3 ms)
@@ -88,6 +94,14 @@ class StepCostFit:
         batch_sizes = data[:, 0]
         if b >= 0 and d >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:
             self.fitted[key] = (float(a), float(c), float(b), float(d))  # else keep the last fit
+
+    def lacks_checks(self, num_requests: int, min_steps: int = 32) -> bool:
+        """Whether the range of `num_requests` has seen at least `min_steps` steps, fewer than MIN_CHECKED_STEPS of
+        them with checks: its price of a check then rests on a few steps, or on none left in the window (a fit
+        keeps its last b and d while no step varies them), and only new checks can correct it."""
+        key = num_requests.bit_length()
+        steps = self.steps.get(key)
+        return steps is not None and len(steps) >= min_steps and self._num_checked[key] < MIN_CHECKED_STEPS
 
     def at(self, num_requests: int) -> StepCost | None:
         """The fit for steps of `num_requests` requests: its range's, else a neighbouring range's; None where
