@@ -154,3 +154,20 @@ def test_a_forward_the_warm_up_never_ran_keeps_its_guards():
     forward.seal()
     assert forward.sealed
     assert torch.equal(forward(ids[:3], positions[:3], None), ids[:3] * 2 + 1)
+
+
+@pytest.mark.slow
+def test_a_process_builds_more_compiled_engines_than_dynamos_recompile_limit(llama):
+    """Every compiled forward of a process adds entries to the model code's dynamo cache, which compiles at most
+    recompile_limit (8) of them: the ninth compiled engine of a process (a notebook, a sweep, a test suite) ran its
+    warm-up eagerly, and its first sealed step raised "Recompilation triggered". Here with the limit at 2."""
+    import torch._dynamo
+
+    _, model_dir = llama
+    outputs = []
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(3):
+            llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=32)
+            outputs.append(_token_ids(llm.generate(WARMUP, PARAMS, use_tqdm=False)))
+            llm.shutdown()
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]

@@ -52,6 +52,14 @@ def step_attention(attention: AttentionFn):
 # The wrapper's checks of every tensor's size, stride and alignment: ~4% of a batch-1 decode step of an 8-layer model
 # whose weights read in microseconds (docs/performance.md); the shapes are the engine's own.
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+# dynamo's settings while a forward compiles:
+# - the model's float attributes (each RMSNorm's eps) as constants: unspecialised, each was a graph input made into a
+#   float64 tensor at every call (17 in an 8-layer model);
+# - no limit on the model code's compiled entries: every compiled forward of a process adds its own (engines built one
+#   after another in a notebook, a sweep or a test suite; Flying's views), and past dynamo's recompile_limit (8) a
+#   forward's warm-up ran eagerly, so that the ninth engine of a process raised "Recompilation triggered" at its
+#   first sealed step (measured)
+_DYNAMO_CONFIG = {"specialize_float": True, "recompile_limit": 1 << 30, "accumulated_recompile_limit": 1 << 30}
 
 
 class CompiledForward:
@@ -80,9 +88,7 @@ class CompiledForward:
             # an unbacked token count: a one-token step reuses the graph instead of specialising on size 1
             torch._dynamo.decorators.mark_unbacked(input_ids, 0)
             torch._dynamo.decorators.mark_unbacked(positions, 0)
-            # the model's float attributes (each RMSNorm's eps) as constants: unspecialised, each was a graph input
-            # made into a float64 tensor at every call (17 of them in an 8-layer model, ~0.1 ms a decode step)
-            with torch._dynamo.config.patch(specialize_float=True):
+            with torch._dynamo.config.patch(_DYNAMO_CONFIG):
                 hidden = self._compiled(input_ids, positions, attention_op)
             self._ran = True
             return hidden
