@@ -237,7 +237,7 @@ def test_every_engine_argument_is_a_flag_of_generate_and_serve_with_vllms_names(
         LLM(cuda_graphs=True, device="cpu")
 
 
-def test_compile_by_default_for_one_rank_and_a_model_of_50m_parameters_or_more():
+def test_compile_by_default_for_a_model_of_50m_parameters_or_more():
     from types import SimpleNamespace
 
     from torch_shift.attention import _has_triton
@@ -251,6 +251,7 @@ def test_compile_by_default_for_one_rank_and_a_model_of_50m_parameters_or_more()
     assert not gpu._compiles(small, one) and not gpu._compiles(large, two)
     cpu = EngineArgs("m", device="cpu")
     assert cpu._compiles(large, one) == (compiler() is not None) and not cpu._compiles(small, one)
+    assert cpu._compiles(large, two) == (compiler() is not None) and not cpu._compiles(small, two)
     assert not EngineArgs("m", device="cuda", compile=False)._compiles(large, one)
     assert EngineArgs("m", device="cpu", compile=True)._compiles(small, two)
 
