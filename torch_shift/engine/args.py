@@ -232,7 +232,7 @@ class EngineArgs:
         """compile=None: on where it is faster. Measured (bench_peers.py, bench_gpu.py, docs/performance.md): one
         rank on the CPU gains 7-8% of throughput with a 106M model; two ranks of one core each, the compiled and
         eager forwards alternating in one engine, take 0.89x the batch-1 decode step under TP-2, 0.93x under
-        Shift and 0.97x under DP-2, for 15-25 s more at start-up; a small model's compile time (20-40 s on 2
+        Shift and Flying, 0.97x under DP-2, for 15-30 s more at start-up; a small model's compile time (20-40 s on 2
         cores) outweighs what it saves in any run shorter than hours. On a GPU (H200, a 1.1B model, with CUDA
         graphs) one rank's decode steps take 0.71x the time, a 2k prompt 0.83x, for 20 s more at start-up;
         several ranks on GPUs are not measured."""
