@@ -244,7 +244,9 @@ def test_compile_by_default_for_a_model_of_50m_parameters_or_more():
     from torch_shift.engine.args import COMPILE_MIN_PARAMETERS, EngineArgs
     from torch_shift.kernels import compiler
 
-    large, small = (SimpleNamespace(num_parameters=n) for n in (COMPILE_MIN_PARAMETERS, COMPILE_MIN_PARAMETERS - 1))
+    large, small = (SimpleNamespace(num_parameters=n, is_moe=False)
+                    for n in (COMPILE_MIN_PARAMETERS, COMPILE_MIN_PARAMETERS - 1))
+    moe = SimpleNamespace(num_parameters=COMPILE_MIN_PARAMETERS, is_moe=True)
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     gpu = EngineArgs("m", device="cuda")  # no GPU needed to decide: the device is only named
     assert gpu._compiles(large, one) == _has_triton()  # inductor's GPU kernels are Triton's
@@ -252,6 +254,7 @@ def test_compile_by_default_for_a_model_of_50m_parameters_or_more():
     cpu = EngineArgs("m", device="cpu")
     assert cpu._compiles(large, one) == (compiler() is not None) and not cpu._compiles(small, one)
     assert cpu._compiles(large, two) == (compiler() is not None) and not cpu._compiles(small, two)
+    assert cpu._compiles(moe, one) == (compiler() is not None) and not cpu._compiles(moe, two)
     assert not EngineArgs("m", device="cuda", compile=False)._compiles(large, one)
     assert EngineArgs("m", device="cpu", compile=True)._compiles(small, two)
 

@@ -70,8 +70,8 @@ class EngineArgs:
                                           "(vLLM's names too: CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION, TRITON_ATTN)")
     compile: bool | None = _arg(None, "torch.compile each layout's forward, compiled and warmed up at start-up "
                                        "(default: on where it is faster: a model of 50M parameters or more, on "
-                                       "the CPU at any number of ranks, on a GPU with one rank; --enforce-eager: "
-                                       "vLLM's name for --no-compile)",
+                                       "the CPU at any number of ranks (a mixture of experts: one rank), on a GPU "
+                                       "with one rank; --enforce-eager: vLLM's name for --no-compile)",
                                 flags=("--enforce-eager",))
     cuda_graphs: bool | None = _arg(None, "capture decode steps in CUDA graphs at start-up (default: on with one "
                                           "rank on a GPU and the triton attention backend; --enforce-eager: off)")
@@ -232,13 +232,16 @@ class EngineArgs:
         """compile=None: on where it is faster. Measured (bench_peers.py, bench_gpu.py, docs/performance.md): one
         rank on the CPU gains 7-8% of throughput with a 106M model; two ranks of one core each, the compiled and
         eager forwards alternating in one engine, take 0.89x the batch-1 decode step under TP-2, 0.93x under
-        Shift and Flying, 0.97x under DP-2, for 15-30 s more at start-up; a small model's compile time (20-40 s on 2
-        cores) outweighs what it saves in any run shorter than hours. On a GPU (H200, a 1.1B model, with CUDA
+        Shift and Flying, 0.97x under DP-2, for 15-30 s more at start-up, but a mixture of experts (TP-2 with
+        its experts split whole) 1.03-1.05x: level, so it stays eager there; a small model's compile time (20-40 s
+        on 2 cores) outweighs what it saves in any run shorter than hours. On a GPU (H200, a 1.1B model, with CUDA
         graphs) one rank's decode steps take 0.71x the time, a 2k prompt 0.83x, for 20 s more at start-up;
         several ranks on GPUs are not measured."""
         if self.compile is not None:
             return self.compile
         if model_config.num_parameters < COMPILE_MIN_PARAMETERS:
+            return False
+        if deployment.world_size > 1 and model_config.is_moe:
             return False
         if resolve_device(self.device).type == "cuda":
             from torch_shift.attention import _has_triton
