@@ -18,7 +18,8 @@ tokens and 16-128 new tokens (throughput: prompt and generated tokens over the w
 Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2
 against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
 GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt) against the GEMM
-rate, and batch-1 TPOT against the weights' bytes over the bandwidth.
+rate, and batch-1 TPOT against the weights' bytes over the bandwidth measured just before and after that engine's
+own run (the machine's read rate moved between 30 and 51 GB/s within an hour).
 """
 
 from __future__ import annotations
@@ -128,6 +129,33 @@ def measure_vllm(vllm_python: str, work: dict, engine_args: dict, binding: str, 
 
 
 # -- the machine's limits ------------------------------------------------------------------------------------
+def _best(fn, reps=10) -> float:
+    """The shortest of `reps` timed calls after two warm-ups (a 2-thread GEMM measured 20-50% low in some runs with
+    5 repeats after 1 warm-up)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(threads: int | None = None) -> float:
+    """Bytes a second that a sum over 1 GiB reads, on `threads` threads (default: every core)."""
+    import torch
+
+    user_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads or os.cpu_count())
+        with torch.inference_mode():
+            big = torch.ones(1 << 28)  # 1 GiB of float32
+            return big.numel() * 4 / _best(big.sum)
+    finally:
+        torch.set_num_threads(user_threads)
+
+
 def machine_limits(threads: list[int]) -> dict:
     """The GEMM rate (the engine's own matmul: oneDNN with a packed weight, 2048 x 1024 by 2816 x 1024) and the
     memory bandwidth (a sum over 1 GiB), per thread count and dtype."""
@@ -135,30 +163,25 @@ def machine_limits(threads: list[int]) -> dict:
 
     from torch_shift.models.linear import PackedWeight, packing_supported
 
-    def best(fn, reps=10):  # a 2-thread GEMM measured 20-50% low in some runs with 5 repeats after 1 warm-up
-        fn()
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     user_threads = torch.get_num_threads()
     result: dict = {"gemm_flops": {}, "read_bandwidth": {}}
     try:
         with torch.inference_mode():
-            big = torch.ones(1 << 28)  # 1 GiB of float32
             for n in threads:
+                result["read_bandwidth"][n] = read_bandwidth(n)
                 torch.set_num_threads(n)
-                result["read_bandwidth"][n] = big.numel() * 4 / best(big.sum)
                 for dtype in (torch.float32, torch.bfloat16):
                     x = torch.randn(2048, 1024).to(dtype)
                     w = torch.randn(2816, 1024).to(dtype)
                     packed = PackedWeight(w) if packing_supported(w.device, dtype) else None
-                    run = (lambda: packed(x, None)) if packed is not None else (lambda: torch.nn.functional.linear(x, w))
-                    result["gemm_flops"].setdefault(str(dtype).split(".")[-1], {})[n] = 2 * 2048 * 1024 * 2816 / best(run)
+                    if packed is not None:
+                        def run():
+                            return packed(x, None)
+                    else:
+                        def run():
+                            return torch.nn.functional.linear(x, w)
+                    flops = 2 * 2048 * 1024 * 2816 / _best(run)
+                    result["gemm_flops"].setdefault(str(dtype).split(".")[-1], {})[n] = flops
     finally:
         torch.set_num_threads(user_threads)
     return result
@@ -181,7 +204,18 @@ def summarize(runs: list[dict], work: dict) -> dict:
     return {"ttft_s": statistics.median(r["ttft_s"] for r in runs),
             "tpot_s": statistics.median(r["tpot_s"] for r in runs),
             "throughput_tok_s": statistics.median(tokens / r["batch_s"] for r in runs),
+            "read_bandwidth": statistics.median(r["read_bandwidth"] for r in runs),
             "rounds": len(runs), "load_s": statistics.median(r["load_s"] for r in runs)}
+
+
+def bracketed(measure) -> dict:
+    """An engine's run with the machine's read bandwidth measured just before and just after it (their mean in
+    "read_bandwidth"): on this machine it moved between 30 and 51 GB/s within an hour, so a TPOT is set against the
+    bandwidth of its own minutes, not of the run's start."""
+    before = read_bandwidth()
+    result = measure()
+    result["read_bandwidth"] = (before + read_bandwidth()) / 2
+    return result
 
 
 def same_tokens(a: dict, b: dict) -> int:
@@ -230,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.rounds):
                 if args.vllm_python:
                     log(f"[{row} round {round_ + 1}] vllm ...")
-                    peer_runs.append(measure_vllm(args.vllm_python, work, peer_args, binding, tmp, args.timeout))
+                    peer_runs.append(bracketed(lambda: measure_vllm(args.vllm_python, work, peer_args, binding, tmp,
+                                                                    args.timeout)))
                 for name, engine_args in configs.items():
                     log(f"[{row} round {round_ + 1}] torch_shift {name} ...")
-                    runs[name].append(measure_torch_shift(work, {**engine_args, **args.torch_shift_args}, tmp,
-                                                          args.timeout))
+                    runs[name].append(bracketed(lambda: measure_torch_shift(
+                        work, {**engine_args, **args.torch_shift_args}, tmp, args.timeout)))
             entry: dict = {"torch_shift": {name: summarize(r, work) for name, r in runs.items()}}
             for name, r in runs.items():
                 entry["torch_shift"][name]["steps_by_layout"] = r[-1]["steps_by_layout"]
@@ -258,13 +293,14 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
     threads = os.cpu_count() if world == 1 else 1
     gemm = machine["gemm_flops"][dtype][threads] * world  # every rank at its threads' rate
     bandwidth = machine["read_bandwidth"][os.cpu_count()]  # the ranks share the memory
+    # each engine's TPOT against the bandwidth measured around its own run (bracketed), on every core
     prompt_flops = 2 * numbers["linear_parameters"] * len(work["single"]["prompt"])
     weight_bytes = numbers["decode_weight_parameters"] * element
     peer = entry.get("vllm")
     print(f"\n== {row}: {dtype}, {world} rank{'s' if world > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
-          f" (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+          f" (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s at the start)")
     print(f"{'engine':14s} {'tok/s':>8s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'x peer tok/s':>13s} {'x peer TTFT':>12s} "
-          f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'TPOT/(B/BW)':>12s} {'same tokens':>12s}")
+          f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'BW GB/s':>8s} {'TPOT/(B/BW)':>12s} {'same tokens':>12s}")
 
     num_requests = len(work["batch"])
 
@@ -273,9 +309,11 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
             f"{s['throughput_tok_s'] / peer['throughput_tok_s']:.2f}", f"{s['ttft_s'] / peer['ttft_s']:.2f}",
             f"{s['tpot_s'] / peer['tpot_s']:.2f}")
         prefill = prompt_flops / s["ttft_s"] / gemm
-        bound = s["tpot_s"] / (weight_bytes / bandwidth)
+        run_bandwidth = s.get("read_bandwidth", bandwidth)
+        bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
-              f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:13.2f} {bound:12.2f} "
+              f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:13.2f} {run_bandwidth / 1e9:8.1f} "
+              f"{bound:12.2f} "
               f"{'' if same is None else f'{same}/{num_requests}':>12s}")
 
     if peer is not None:
