@@ -736,23 +736,26 @@ def test_the_proposers_time_per_ask_raises_the_rate_an_ask_needs():
     assert best_net(bars[1] + 1e-3, 4, cost, goodput) > 2e-5 * goodput > best_net(bars[1] - 1e-3, 4, cost, goodput)
 
 
+class _Sevens:
+    """A proposer whose every proposal is the token 7, as long as asked."""
+
+    name = "sevens"
+
+    def propose(self, requests, max_tokens):
+        return [[7] * n for n in max_tokens]
+
+    def on_finish(self, request, cache):
+        pass
+
+
 def test_probes_are_scored_against_the_next_draw_and_never_checked():
     """A request whose rate is below what a check needs proposes one token every PROBE_EVERY tokens; the token is
     not checked (the step holds no proposal) but compared with the token the request draws next, which counts as a
     check's outcome. Above the bar a request proposes and checks as before; where no check can pay, no probe."""
     from torch_shift.engine.spec_decode import PROBE_EVERY
 
-    class Fixed:
-        name = "fixed"
-
-        def propose(self, requests, max_tokens):
-            return [[7] * n for n in max_tokens]
-
-        def on_finish(self, request, cache):
-            pass
-
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
-    speculator = Speculator(config, 1000, Fixed())
+    speculator = Speculator(config, 1000, _Sevens())
     dear_check = (1.5e-3, 0.0, 2e-5, 3e-4)  # a check pays from a rate of about 0.2 on
     speculator.step_cost.at = lambda num_requests: dear_check
     for i in range(50):  # the method's rate: mostly rejections
@@ -791,17 +794,8 @@ def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():
     steps; once those show checks cheap, every step checks a proposal again."""
     from torch_shift.engine.spec_decode import EXPLORE_EVERY
 
-    class Fixed:
-        name = "fixed"
-
-        def propose(self, requests, max_tokens):
-            return [[7] * n for n in max_tokens]
-
-        def on_finish(self, request, cache):
-            pass
-
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
-    speculator = Speculator(config, 100_000, Fixed())
+    speculator = Speculator(config, 100_000, _Sevens())
     request = Request("edit", [1, 2, 3], SamplingParams(max_tokens=50_000), 100_000)
 
     def cheap(num_proposed, num_checks):  # a check's later cost: 5% of a step, and 2% a token
