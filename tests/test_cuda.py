@@ -4,6 +4,7 @@ a GPU (CI has none: these run on a lent GPU machine, see docs/performance.md).""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -57,13 +58,12 @@ def hf_greedy_cuda(model, prompt, max_new_tokens):
 def test_bf16_logprobs_match_transformers_on_the_gpu(checkpoints):
     """bf16 at its rounding: the engine's prompt logprobs against transformers' bf16 forward on the same GPU."""
     hf_model, model_dir = checkpoints("llama")
-    model = hf_model.to("cuda", torch.bfloat16)
-    try:
-        prompt = random_prompts(1, [40])[0]
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].float(), -1).cpu()
-    finally:
-        hf_model.to("cpu", torch.float32)
+    # a copy: the session's model rounded to bf16 and back would no longer be the fp32 checkpoint later tests load
+    model = copy.deepcopy(hf_model).to("cuda", torch.bfloat16)
+    prompt = random_prompts(1, [40])[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].float(), -1).cpu()
+    del model
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=16)
     out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
                        use_tqdm=False)[0]
