@@ -7,9 +7,9 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
 - offline throughput (256 requests of 128-512 prompt tokens, 128 new tokens each) against
   `transformers.generate` at its best batch size;
 for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs, scheduled
-asynchronously; the same scheduled synchronously; every prompt through the paged kernel; Triton with graphs, not
-compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the prefill's time goes (wall
-against GPU time, the kernels, the Python functions); with --planner, the planner calibrated on this GPU
+asynchronously; the same scheduled synchronously; every prompt through the paged kernel; every linear through
+cuBLAS; Triton with graphs, not compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the prefill's time goes (wall against GPU time, the kernels, the
+Python functions); with --planner, the planner calibrated on this GPU
 (`torch-shift calibrate --device cuda`) against the first configuration's steps.
 
     python bench/bench_gpu.py --configs default,synchronous --hf-batches 256 [--profile 1,64] [--planner]
@@ -36,6 +36,7 @@ CONFIGS = {
     "default": {},  # Triton attention, compiled, CUDA graphs, asynchronous scheduling
     "synchronous": {"async_scheduling": False},  # the default, each step scheduled after the last one's tokens
     "paged prompts": {"sdpa_prompt_tokens": None},  # every prompt through the paged kernel, none through SDPA
+    "cublas linears": {"triton_linears": False},  # the default with every linear through cuBLAS, no Triton tile
     "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True, "compile": False},
     "triton eager": {"attention_backend": "triton", "cuda_graphs": False, "compile": False},
     "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False, "compile": False},
@@ -154,14 +155,18 @@ def profile_prefill(llm, prompt) -> dict:
 def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
                    profile_batches: tuple[int, ...] = ()) -> dict:
     from torch_shift.attention import triton_paged
+    from torch_shift.kernels import triton_linear
+    from torch_shift.models import linear
 
     engine_args = dict(engine_args)
-    default = triton_paged.SDPA_PROMPT_TOKENS
+    default, default_linears = triton_paged.SDPA_PROMPT_TOKENS, linear.GPU_TRITON_LINEARS
     triton_paged.SDPA_PROMPT_TOKENS = engine_args.pop("sdpa_prompt_tokens", default)
+    linear.GPU_TRITON_LINEARS = engine_args.pop("triton_linears", default_linears)
+    triton_linear._choices.clear()  # each configuration times its own kernels
     try:
         return _measure_engine(model_dir, engine_args, numbers, limits, offline, profile_batches)
     finally:
-        triton_paged.SDPA_PROMPT_TOKENS = default
+        triton_paged.SDPA_PROMPT_TOKENS, linear.GPU_TRITON_LINEARS = default, default_linears
 
 
 def _measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,

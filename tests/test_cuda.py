@@ -119,3 +119,29 @@ def test_calibrate_measures_one_gpu():
     shape = ModelShape(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                        head_dim=64, vocab_size=32000, weight_dtype="bf16")
     assert 0 < step_cost(shape, hw, Layout("tp", tp=1), [Seq(1, 128)]).total_s < 0.05
+
+
+def test_triton_linears_in_a_compiled_graph_engine_match_transformers(checkpoints, monkeypatch):
+    """Every linear of a few rows through a Triton tile (forced: on the test model's small shapes cuBLAS may time
+    faster), in a compiled engine with CUDA graphs and asynchronous scheduling: fp32 greedy tokens as
+    transformers'. The tiles differ by shape: each shape gets the last of its candidates."""
+    from torch_shift.kernels import triton_linear
+
+    def last_tile_fastest(rows, out_features, in_features, dtype, device):
+        return {None: 1.0, **{t: 0.5 - i / 100 for i, t in enumerate(triton_linear.tiles_for(rows, in_features))}}
+
+    monkeypatch.setattr(triton_linear, "time_candidates", last_tile_fastest)
+    monkeypatch.setattr(triton_linear, "_choices", {})
+    hf_model, model_dir = checkpoints("llama")
+    hf_model = hf_model.to("cuda")
+    try:
+        prompts = random_prompts(8, PROMPT_LENGTHS)
+        refs = [hf_greedy_cuda(hf_model, p, MAX_TOKENS) for p in prompts]
+    finally:
+        hf_model.to("cpu")
+    llm = LLM(str(model_dir), device="cuda", compile=True, cuda_graphs=True, gpu_memory_utilization=0.3)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.runner.graphs.num_replays >= MAX_TOKENS - 1
+    chosen = {key[2]: tile for key, tile in triton_linear._choices.items()}
+    assert set(chosen) >= {1, 8} and all(tile is not None for tile in chosen.values()), triton_linear._choices

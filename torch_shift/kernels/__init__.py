@@ -8,6 +8,8 @@ Each library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.
 torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks started together
 build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
 and the callers keep their pure-PyTorch paths (and the operators their Python implementations).
+
+For GPUs: `triton_linear` (a few rows' matmuls in Triton, imported only where a GPU runs them).
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ rows of a decode step (docs/performance.md); vLLM's CPU build packs its weights 
 module that multiplies by a weight (`Linear` in the model files, the parallel layers of
 torch_shift.parallel.layers) calls `linear(x, weight, bias, packed)`: with `packed` set it runs the
 packed weight, else `F.linear`. `prepare_linears(model)` packs a built model's weights (every layout
-of it) and drops the dense copies it no longer needs.
+of it) and drops the dense copies it no longer needs. On a GPU nothing is packed: a matmul of at most
+`GPU_LINEAR_MAX_ROWS` rows goes through the operator `torch_shift::gpu_linear`, which runs the kernel timed
+fastest for its shape, a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 
-A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that checks proposed tokens) reads the same packed weight through
-torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
+A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that checks proposed tokens) reads the same
+packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
 one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
 for every batch.
@@ -24,6 +26,7 @@ has flushed the caches, against 4-7 us warm, and a decode step runs one after ev
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
 import weakref
 
@@ -153,11 +156,34 @@ def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+# On a GPU, a matmul of at most GPU_LINEAR_MAX_ROWS rows runs the kernel timed fastest for its shape, a Triton tile
+# or cuBLAS (torch_shift.kernels.triton_linear); False: always cuBLAS.
+GPU_TRITON_LINEARS = True
+GPU_LINEAR_MAX_ROWS = 8
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@custom_op("torch_shift::gpu_linear")
+def gpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from torch_shift.kernels import triton_linear
+
+    return triton_linear.linear(x, weight, bias)
+
+
+@gpu_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through `packed` when the weight was prepared."""
     if packed is not None:
         return packed(x, bias)
+    if x.is_cuda and GPU_TRITON_LINEARS and _HAS_TRITON:
+        # a compiled step's row count is symbolic: the operator picks the kernel at run time
+        if torch.compiler.is_compiling() or x.numel() <= GPU_LINEAR_MAX_ROWS * x.shape[-1]:
+            return gpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
