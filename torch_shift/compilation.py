@@ -10,6 +10,7 @@ so changing batch sizes reuse one graph, one-token steps included.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -52,6 +53,10 @@ def step_attention(attention: AttentionFn):
 # The wrapper's checks of every tensor's size, stride and alignment: ~4% of a batch-1 decode step of an 8-layer model
 # whose weights read in microseconds (docs/performance.md); the shapes are the engine's own.
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+# On the CPU the wrapper that calls the graph's kernels and operators is C++, not Python: a bf16 batch-1 decode step of
+# the 106M peer model took 0.90x the time (14 alternating pairs in one process; docs/performance.md), for about 5 s
+# more compile at start-up. Not on GPUs, where CUDA graphs replay the decode steps (not measured there).
+_CPU_INDUCTOR_OPTIONS = {**_INDUCTOR_OPTIONS, "cpp_wrapper": True}
 # dynamo's settings while a forward compiles:
 # - the model's float attributes (each RMSNorm's eps) as constants: unspecialised, each was a graph input made into a
 #   float64 tensor at every call (17 in an 8-layer model);
@@ -72,7 +77,10 @@ class CompiledForward:
     needs a graph the warm-up did not make."""
 
     def __init__(self, model: torch.nn.Module):
-        self._compiled = torch.compile(model, dynamic=True, options=_INDUCTOR_OPTIONS)
+        tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+        on_cpu = tensor is None or tensor.device.type == "cpu"
+        options = _CPU_INDUCTOR_OPTIONS if on_cpu else _INDUCTOR_OPTIONS
+        self._compiled = torch.compile(model, dynamic=True, options=options)
         self.sealed = False
         self._ran = False
 
