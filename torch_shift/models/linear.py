@@ -6,9 +6,9 @@ rows of a decode step (docs/performance.md); vLLM's CPU build packs its weights 
 module that multiplies by a weight (`Linear` in the model files, the parallel layers of
 torch_shift.parallel.layers) calls `linear(x, weight, bias, packed)`: with `packed` set it runs the
 packed weight, else `F.linear`. `prepare_linears(model)` packs a built model's weights (every layout
-of it) and drops the dense copies it no longer needs. On a GPU nothing is packed: a matmul of at most
-`GPU_LINEAR_MAX_ROWS` rows goes through the operator `torch_shift::gpu_linear`, which runs the kernel timed
-fastest for its shape, a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
+of it) and drops the dense copies it no longer needs. On a GPU nothing is packed: a matmul goes through the
+operator `torch_shift::gpu_linear`, which runs cuBLAS or, for a few rows, the kernel timed fastest for its shape,
+a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 
 A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that checks proposed tokens) reads the same
 packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
@@ -156,10 +156,9 @@ def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# On a GPU, a matmul of at most GPU_LINEAR_MAX_ROWS rows runs the kernel timed fastest for its shape, a Triton tile
-# or cuBLAS (torch_shift.kernels.triton_linear); False: always cuBLAS.
+# On a GPU, a matmul of a few rows runs the kernel timed fastest for its shape, a Triton tile or cuBLAS
+# (torch_shift.kernels.triton_linear); False: always cuBLAS.
 GPU_TRITON_LINEARS = True
-GPU_LINEAR_MAX_ROWS = 8
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -180,10 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T + bias, through `packed` when the weight was prepared."""
     if packed is not None:
         return packed(x, bias)
-    if x.is_cuda and GPU_TRITON_LINEARS and _HAS_TRITON:
-        # a compiled step's row count is symbolic: the operator picks the kernel at run time
-        if torch.compiler.is_compiling() or x.numel() <= GPU_LINEAR_MAX_ROWS * x.shape[-1]:
-            return gpu_linear(x, weight, bias)
+    if x.is_cuda and GPU_TRITON_LINEARS and _HAS_TRITON:  # the operator picks the kernel by the rows it gets
+        return gpu_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
