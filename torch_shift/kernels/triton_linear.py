@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 8  # rows of x up to which a Triton tile may replace cuBLAS
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ELEMENTS_PER_THREAD = 64  # ROWS x BLOCK_N x BLOCK_K running sums a thread holds, at most
 _TIMED_REPLAYS = 5
 
@@ -178,5 +179,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                 return run_tile(flat, weight, bias, tile).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
