@@ -55,7 +55,8 @@ def step_attention(attention: AttentionFn):
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 # On the CPU the wrapper that calls the graph's kernels and operators is C++, not Python: a bf16 batch-1 decode step of
 # the 106M peer model took 0.90x the time (14 alternating pairs in one process; docs/performance.md), for about 5 s
-# more compile at start-up. Not on GPUs, where CUDA graphs replay the decode steps (not measured there).
+# more compile at start-up; at two ranks TP-2 was level and SP-2 faster (engines one after another). Not on GPUs,
+# where CUDA graphs replay the decode steps (not measured there).
 _CPU_INDUCTOR_OPTIONS = {**_INDUCTOR_OPTIONS, "cpp_wrapper": True}
 # dynamo's settings while a forward compiles:
 # - the model's float attributes (each RMSNorm's eps) as constants: unspecialised, each was a graph input made into a
