@@ -8,9 +8,9 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
   `transformers.generate` at its best batch size;
 for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs, scheduled
 asynchronously; the same scheduled synchronously; every prompt through the paged kernel; every linear through
-cuBLAS; Triton with graphs, not compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the prefill's time goes (wall against GPU time, the kernels, the
-Python functions); with --planner, the planner calibrated on this GPU
-(`torch-shift calibrate --device cuda`) against the first configuration's steps.
+cuBLAS; Triton with graphs, not compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the
+prefill's time goes (wall against GPU time, the kernels, the Python functions); with --planner, the planner
+calibrated on this GPU (`torch-shift calibrate --device cuda`) against the first configuration's steps.
 
     python bench/bench_gpu.py --configs default,synchronous --hf-batches 256 [--profile 1,64] [--planner]
 """
