@@ -32,12 +32,8 @@ FLEX_ON_GPU = pytest.mark.xfail(reason="FlexAttention on the GPU: inductor's low
 @pytest.mark.parametrize("engine", [pytest.param(e, marks=FLEX_ON_GPU) if e == "flex" else e for e in ENGINES])
 def test_fp32_greedy_matches_transformers_on_the_gpu(checkpoints, family, engine):
     hf_model, model_dir = checkpoints(family)
-    hf_model = hf_model.to("cuda")
-    try:
-        prompts = random_prompts(8, PROMPT_LENGTHS)
-        refs = [hf_greedy_cuda(hf_model, p, MAX_TOKENS) for p in prompts]
-    finally:
-        hf_model.to("cpu")
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    refs = hf_greedy_refs(hf_model, prompts)
     # chunked prompts mixed with decodes, and a pool small enough to preempt
     llm = LLM(str(model_dir), device="cuda", max_num_batched_tokens=16, num_kv_blocks=24, block_size=4,
               max_model_len=96, **ENGINES[engine])
@@ -47,6 +43,15 @@ def test_fp32_greedy_matches_transformers_on_the_gpu(checkpoints, family, engine
     assert engine_.block_manager.num_free_blocks == engine_.block_manager.num_blocks
     if engine == "triton+graphs":
         assert llm.engine.runner.graphs is not None
+
+
+def hf_greedy_refs(hf_model, prompts):
+    """transformers' greedy tokens for each prompt, on the GPU; the session's model goes back to the CPU after."""
+    hf_model.to("cuda")
+    try:
+        return [hf_greedy_cuda(hf_model, p, MAX_TOKENS) for p in prompts]
+    finally:
+        hf_model.to("cpu")
 
 
 def hf_greedy_cuda(model, prompt, max_new_tokens):
@@ -133,12 +138,8 @@ def test_triton_linears_in_a_compiled_graph_engine_match_transformers(checkpoint
     monkeypatch.setattr(triton_linear, "time_candidates", last_tile_fastest)
     monkeypatch.setattr(triton_linear, "_choices", {})
     hf_model, model_dir = checkpoints("llama")
-    hf_model = hf_model.to("cuda")
-    try:
-        prompts = random_prompts(8, PROMPT_LENGTHS)
-        refs = [hf_greedy_cuda(hf_model, p, MAX_TOKENS) for p in prompts]
-    finally:
-        hf_model.to("cpu")
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    refs = hf_greedy_refs(hf_model, prompts)
     llm = LLM(str(model_dir), device="cuda", compile=True, cuda_graphs=True, gpu_memory_utilization=0.3)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
