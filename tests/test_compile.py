@@ -171,3 +171,25 @@ def test_a_process_builds_more_compiled_engines_than_dynamos_recompile_limit(lla
             outputs.append(_token_ids(llm.generate(WARMUP, PARAMS, use_tqdm=False)))
             llm.shutdown()
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+@pytest.mark.slow
+def test_compiled_dp_replicas_that_borrow_cores_do_not_recompile(llama):
+    """compile=True at DP-2, started from this process: a replica alone with work runs on the idle rank's core
+    too, and dynamo guards on the thread count, so start-up compiles each replica's forward at both counts.
+    Serving lone requests and batches over both replicas then compiles nothing and matches eager."""
+    import torch
+
+    from torch_shift.parallel.launch import local_cores
+
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
+    llm = LLM(str(model_dir), dp=2, compile=True, max_num_batched_tokens=32)
+    try:
+        for run in _run(llm):
+            assert [_token_ids(o) for o in run] == expected
+        assert _token_ids(llm.generate(SERVING[1], PARAMS, use_tqdm=False)) == expected[2]  # a lone request
+        assert torch.get_num_threads() == local_cores()
+    finally:
+        llm.shutdown()

@@ -380,3 +380,22 @@ def test_protocol_random_binds_legal_layouts_and_moves_only_unbound_requests():
         bound = {policy.deployment[name].replicas for name in decision.layouts}
         assert set(decision.recompute) == {r.request_id for r in running if r.replicas not in bound}
         assert sorted(policy.route(make_request("x", 4), decision, view)) == sorted(decision.layouts)
+
+
+def test_a_layout_alone_with_work_borrows_the_idle_ranks_cores():
+    """step_threads: a rank's share of the host's cores, all of them split over its layout's ranks when its
+    layout is the step's only one (a DP replica or Flying's TP group beside idle ranks), None when idle."""
+    from torch_shift.engine.model_runner import step_threads
+
+    dp4 = build_deployment(ModelConfig.from_hf_dict({**CONFIG_DICT, "num_key_value_heads": 4}), dp=4, flying=True)
+    replicas = [layout.name for layout in dp4.replica_layouts()]
+    tp2 = next(layout for layout in dp4.layouts if len(layout.ranks) == 2 and 0 in layout.ranks)
+    tp4 = next(layout for layout in dp4.layouts if len(layout.ranks) == 4)
+    assert step_threads(dp4, replicas[:1], 0, 16) == 16
+    assert step_threads(dp4, replicas[:1], 1, 16) is None
+    assert step_threads(dp4, replicas[:2], 1, 16) == 4  # two replicas with work: each rank's own share
+    assert step_threads(dp4, [tp2.name], 1, 16) == 8
+    assert step_threads(dp4, [tp2.name, replicas[2]], 0, 16) == 4
+    assert step_threads(dp4, [tp4.name], 3, 16) == 4
+    assert step_threads(dp4, replicas[:1], 0, 2) == 2  # more ranks than cores: at least one thread each
+    assert step_threads(dp4, replicas, 3, 2) == 1

@@ -20,6 +20,7 @@ import torch
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine import worker as worker_module
+from torch_shift.parallel.launch import local_cores, run_ranks
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 PROMPTS = ["the quick brown fox", "x"]
@@ -128,6 +129,49 @@ def test_parallel_llms_one_after_another_match_single_device_and_leave_the_proce
         previous = llm
     del llm, previous
     assert listening_sockets() <= listening  # none of theirs is left (an earlier test's may have closed since)
+
+
+def _parallel_matmul_threads(rank, world):
+    a = torch.randn(256, 256)
+    for _ in range(4):
+        a = torch.tanh(a @ a)  # parallel regions of several threads
+    return torch.get_num_threads()
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_run_several_threads_after_the_parent_did():
+    """libgomp does not survive a fork: a forked child of a process whose parallel regions used several threads
+    hung in its first region of several threads, so forked ranks ran one thread whatever the host had. The
+    launcher now releases the forking thread's OpenMP workers first."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _parallel_matmul_threads(0, 1)  # the parent's worker threads exist now
+        assert run_ranks(_parallel_matmul_threads, 2, threads=2, timeout_s=60) == [2, 2]
+        assert _parallel_matmul_threads(0, 1) == 2  # the parent starts new workers
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
+    """A DP-2 engine: a lone request's replica runs on the host's cores (rank 0 here, this process), a batch
+    over both replicas on each rank's own share; the tokens are the single device's; the user's thread count
+    comes back at shutdown."""
+    _, model_dir = llama
+    expected = tokens(LLM(str(model_dir)))
+    lone = LLM(str(model_dir)).generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    threads, cores = torch.get_num_threads(), local_cores()
+    llm = LLM(str(model_dir), dp=2)
+    try:
+        assert llm.engine.worker.runner.host_cores == cores
+        assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids == lone
+        assert llm.stats()["steps_by_layout"]["dp@0"] > 0
+        assert torch.get_num_threads() == cores
+        assert tokens(llm) == expected
+        assert torch.get_num_threads() == max(1, cores // 2)
+    finally:
+        llm.shutdown()
+    assert torch.get_num_threads() == threads
 
 
 def test_del_ends_the_ranks(llama):

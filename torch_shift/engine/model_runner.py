@@ -27,7 +27,7 @@ from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.parallel import comm
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
-from torch_shift.parallel.layouts import Deployment
+from torch_shift.parallel.layouts import Deployment, Layout
 
 
 class ModelRunner:
@@ -35,11 +35,13 @@ class ModelRunner:
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None,
-                 barrier: Callable[[], None] | None = None, cuda_graphs: bool = False):
+                 barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
-        steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention)."""
+        steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention); `host_cores`:
+        the cores this rank shares with the deployment's other local ranks, whose idle ones it borrows in a step
+        that leaves them without work (`step_threads`; None: never)."""
         self.model = model
         self.kv_cache = kv_cache
         self.deployment = deployment
@@ -56,6 +58,7 @@ class ModelRunner:
             assert barrier is not None or deployment.world_size == 1
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
+        self.host_cores = host_cores
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -92,6 +95,16 @@ class ModelRunner:
         cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
         is dynamic in the compiled graphs: later steps of any size reuse them."""
         run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1)
+        if self.host_cores is not None:
+            # dynamo guards on the thread count: a layout that may run alone on borrowed cores is compiled for
+            # that count too (every rank of the layout does this, in the deployment's order of layouts)
+            own = torch.get_num_threads()
+            for layout in self.deployment.layouts_of(self.rank):
+                threads = step_threads(self.deployment, [layout.name], self.rank, self.host_cores)
+                if threads != own:
+                    torch.set_num_threads(threads)
+                    run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
+                    torch.set_num_threads(own)
         self.model.reset_counters()
 
     def _replays(self, inputs: HostInputs) -> bool:
@@ -146,6 +159,11 @@ class ModelRunner:
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
+        if self.host_cores is not None:
+            threads = step_threads(self.deployment, [group.layout for group in plan.groups], self.rank,
+                                   self.host_cores)
+            if threads is not None and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         with comm.emulated_link(self.interconnect_gbps):
@@ -183,18 +201,31 @@ class ModelRunner:
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
 
 
+def step_threads(deployment: Deployment, layouts: list[str], rank: int, host_cores: int) -> int | None:
+    """The intra-op threads of `rank` in a step that runs `layouts` (the groups with work): its own share of the
+    host's cores (host_cores // world size), or, where its layout is the step's only one, the host's cores split
+    over that layout's ranks: a DP replica (or Flying's TP group) alone with work borrows the idle ranks' cores,
+    so that a lone request runs as fast as the host allows. None when the rank has no work in the step."""
+    if not any(rank in deployment[name].ranks for name in layouts):
+        return None
+    own = max(1, host_cores // deployment.world_size)
+    if len(layouts) > 1:
+        return own
+    return max(own, host_cores // len(deployment[layouts[0]].ranks))
+
+
 def _zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     return torch.zeros_like(q)
 
 
 def run_without_kv(model: LayoutModel, deployment: Deployment, rank: int, device: torch.device, num_tokens: int,
-                   num_logits: int, max_model_len: int | None = None) -> None:
-    """A step of `num_tokens` tokens (`num_logits` of them through the LM head) through every layout of `rank`,
-    attention returning zeros, nothing read from or written to a KV cache: to compile the layouts, or to
-    measure what a step holds on the device. Positions stay below `max_model_len` (the rotary table's length).
-    The ranks of a layout run it together, in the deployment's order of layouts."""
-    for layout in deployment.layouts_of(rank):
+                   num_logits: int, max_model_len: int | None = None, layouts: list[Layout] | None = None) -> None:
+    """A step of `num_tokens` tokens (`num_logits` of them through the LM head) through every layout of `rank`
+    (or those of `layouts`), attention returning zeros, nothing read from or written to a KV cache: to compile
+    the layouts, or to measure what a step holds on the device. Positions stay below `max_model_len` (the rotary
+    table's length). The ranks of a layout run it together, in the deployment's order of layouts."""
+    for layout in layouts if layouts is not None else deployment.layouts_of(rank):
         batch = MicroBatch(torch.zeros(num_tokens, dtype=torch.long, device=device),
                            torch.arange(num_tokens, device=device) % (max_model_len or num_tokens), _zero_attention,
                            torch.arange(num_tokens - num_logits, num_tokens, device=device))

@@ -141,7 +141,8 @@ class Worker:
                              config.scheduler.max_model_len, mc.vocab_size, mc.sliding_window,
                              runner_config.attention_backend, runner_config.compile, host_tier,
                              config.tier.kv_swap, parallel.interconnect_gbps,
-                             runtime.barrier if runtime is not None else None, runner_config.cuda_graphs)
+                             runtime.barrier if runtime is not None else None, runner_config.cuda_graphs,
+                             runtime.host_cores if runtime is not None else None)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 On CPU ranks are forked (DESIGN.md section 3: a 4-rank start costs ~1 s instead of ~10 s
 spawned) and use one intra-op thread each unless told otherwise; with CUDA they are spawned,
-since CUDA cannot be used in a forked child. Each rank finds its place in the environment
-variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+since CUDA cannot be used in a forked child. Before forking, this thread's OpenMP workers are
+released (`release_openmp_threads`), so that a forked rank can run several threads. Each rank
+finds its place in the environment variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT).
 """
 
 from __future__ import annotations
@@ -31,6 +33,38 @@ def free_port() -> int:
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def local_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which `taskset` and containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def release_openmp_threads() -> bool:
+    """End this thread's OpenMP worker threads (OpenMP 5.0's `omp_pause_resource_all`; the next parallel region
+    starts new ones), so that a child forked next can run parallel regions of several threads: libgomp, torch's
+    OpenMP on Linux, does not handle fork, and a forked child of a process whose parallel regions used several
+    threads hangs in its first such region of its own (measured here). False where libgomp is loaded and the
+    release failed; LLVM's and Intel's runtimes reset themselves in a forked child."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:
+        return False
+    for path in paths:
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            return False
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        if pause(2) != 0:  # omp_pause_hard; fails inside a parallel region
+            return False
+    return True
 
 
 def default_start_method(device_type: str = "cpu") -> str:
@@ -67,8 +101,19 @@ def _beat(heartbeats, rank: int, parent: int) -> None:
     os._exit(1)
 
 
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, results, heartbeats,
-               parent: int, args) -> None:
+_started_rank_cores: int | None = None
+
+
+def started_rank_cores() -> int | None:
+    """In a rank that LocalRanks started: the cores its world's ranks share, where the rank may use more threads
+    than its own share while others idle; None elsewhere."""
+    return _started_rank_cores
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, host_cores: int | None,
+               results, heartbeats, parent: int, args) -> None:
+    global _started_rank_cores
+    _started_rank_cores = host_cores
     # A forked rank never collects what it inherited: the parent's garbage may hold objects whose destructors
     # join threads that a fork does not copy (a previous engine's process group: gc.collect() hung here).
     gc.freeze()
@@ -93,18 +138,26 @@ class RankFailed(RuntimeError):
 
 
 class LocalRanks:
-    """Processes running `fn(rank, world_size, *args)` for some ranks of a local world."""
+    """Processes running `fn(rank, world_size, *args)` for some ranks of a local world.
+
+    `threads`: each rank's intra-op threads (None: as inherited); `host_cores`: the cores the world's ranks
+    share, which a rank may borrow while others idle (`started_rank_cores()` in the rank; None: it may not)."""
 
     def __init__(self, fn: Callable[..., Any], world_size: int, ranks: list[int], *args: Any, port: int,
-                 threads: int | None = 1, start_method: str | None = None):
-        ctx = mp.get_context(start_method or default_start_method())
+                 threads: int | None = 1, start_method: str | None = None, host_cores: int | None = None):
+        method = start_method or default_start_method()
+        ctx = mp.get_context(method)
+        if method == "fork" and (threads != 1 or host_cores is not None) and not release_openmp_threads():
+            threads, host_cores = 1, None  # a forked rank's parallel regions of several threads would hang
+        self.threads = threads
+        self.host_cores = host_cores
         self.world_size = world_size
         self.results = ctx.Queue()
         # shared memory written by each rank's heartbeat thread (created before the processes start)
         self.heartbeats = ctx.Array("d", [time.monotonic()] * world_size, lock=False)
         self.procs = {r: ctx.Process(target=_rank_main, daemon=True,
-                                     args=(fn, r, world_size, port, threads, self.results, self.heartbeats,
-                                           os.getpid(), args))
+                                     args=(fn, r, world_size, port, threads, host_cores, self.results,
+                                           self.heartbeats, os.getpid(), args))
                       for r in ranks}
         for p in self.procs.values():
             p.start()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.launch import LocalRanks, default_start_method
+from torch_shift.parallel.launch import LocalRanks, default_start_method, local_cores, started_rank_cores
 from torch_shift.parallel.shm import ShmCommunicator
 
 # the runtime whose started ranks hold this process's default process group, if any
@@ -68,6 +68,9 @@ class ParallelRuntime:
         # thread destroys the process group only once that collective has ended
         self._in_collective = threading.RLock()
         self.groups: DeploymentGroups | None = None
+        # the cores of the local ranks this library started, which a rank with work may borrow while others idle
+        # (ModelRunner); None under torchrun, where the user placed the ranks
+        self.host_cores: int | None = started_rank_cores()
         self.control: ShmCommunicator | None = None  # the control channel through shared memory, where it can be
 
     @classmethod
@@ -104,17 +107,17 @@ class ParallelRuntime:
             return args
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        method = default_start_method(self.device_type)
-        # forked ranks run one intra-op thread: a forked child of a process that used several OpenMP
-        # threads hangs in its first parallel region (measured here)
+        cores = local_cores()
+        threads = max(1, cores // world)
         self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
-                                   threads=1 if method == "fork" else max(1, os.cpu_count() // world),
-                                   start_method=method)
+                                   threads=threads, start_method=default_start_method(self.device_type),
+                                   host_cores=cores if self.device_type == "cpu" else None)
+        self.host_cores = self.launched.host_cores
         _holder = self
         # at exit this runs before multiprocessing's own handler, which would wait forever for a stopped rank
         atexit.register(self.shutdown)
         self._user_threads = torch.get_num_threads()  # restored at shutdown
-        torch.set_num_threads(max(1, os.cpu_count() // world))
+        torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=self.timeout,
                               master_listen_fd=listener.detach(), wait_for_workers=False)
         # the started ranks join through torchrun's environment (env://), whose keys init_process_group
