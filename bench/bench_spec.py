@@ -17,7 +17,8 @@ The draft model (method "draft"): the default model's first `--draft-layers` lay
                                [--vllm-python VENV/bin/python] [--json out.json]
 
 With --vllm-python, vLLM's CPU build runs the same work in token ids (spec_work.py, peer_vllm_spec.py) for the
-methods it has (none and ngram), and each row shows its ratio to vLLM's row of the same method.
+methods it has (none and ngram; suffix where that environment also holds ArcticInference, whose suffix tree vLLM's
+suffix method runs), and each row shows its ratio to vLLM's row of the same method.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ METHODS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 16},
 }
 DRAFT_K = 4
-VLLM_METHODS = ("none", "ngram")  # those vLLM's CPU build runs (its suffix decoding needs ArcticInference)
+VLLM_METHODS = ("none", "ngram")  # those vLLM's CPU build runs; suffix with ArcticInference (vllm_methods)
 LAYOUTS = {"one": {}, "shift": {"sp": 2, "shift_threshold": 32}}
 SEEDS = ["And God said", "In the beginning", "And it came to pass", "Then the LORD", "And Moses spake",
          "And the king", "Now the sons of", "And he said unto them"]
@@ -212,6 +213,16 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
     return {method: finish(llm, rows[method]) for method, llm in llms.items()}
 
 
+def vllm_methods(vllm_python: str) -> tuple[str, ...]:
+    """The methods of METHODS that the peer's environment runs: suffix decoding needs `arctic_inference` there
+    (`pip install arctic-inference`, built from source on the CPU)."""
+    import subprocess
+
+    probe = subprocess.run([vllm_python, "-c", "import arctic_inference.suffix_decoding"], capture_output=True,
+                           cwd=tempfile.gettempdir())
+    return VLLM_METHODS + (("suffix",) if probe.returncode == 0 else ())
+
+
 def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
     """The same work on vLLM's CPU build in one process on both cores (peer_vllm_spec.py)."""
     from torch_shift.models.default import default_model_dir
@@ -261,6 +272,7 @@ def main() -> None:
         print(f"{method} with every proposal checked for free: agent {ceiling['agent']:.2f}, edit "
               f"{ceiling['edit']:.2f} tokens per step (the most its TPOT ratio to none can reach here)", flush=True)
     rows = []
+    peer_methods = vllm_methods(args.vllm_python) if args.vllm_python else ()
     for layout in args.layouts.split(","):
         # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), in one
         # process run in turn with the others prompt by prompt (spec_work.run_work); medians over repeats
@@ -269,7 +281,7 @@ def main() -> None:
             results = run_methods(layout, args.methods.split(","), work)
             if args.vllm_python and layout == "one":
                 for method in args.methods.split(","):
-                    if method in VLLM_METHODS:
+                    if method in peer_methods:
                         results[f"vllm {method}"] = run_vllm(args.vllm_python, method, work)
             for name, result in results.items():
                 engine, method = name.split(" ") if name.startswith("vllm ") else ("torch_shift", name)
