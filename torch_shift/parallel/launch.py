@@ -48,7 +48,8 @@ def release_openmp_threads() -> bool:
     starts new ones), so that a child forked next can run parallel regions of several threads: libgomp, torch's
     OpenMP on Linux, does not handle fork, and a forked child of a process whose parallel regions used several
     threads hangs in its first such region of its own (measured here). False where libgomp is loaded and the
-    release failed; LLVM's and Intel's runtimes reset themselves in a forked child."""
+    release failed, or where this process's libraries cannot be listed (no /proc); LLVM's and Intel's runtimes
+    reset themselves in a forked child."""
     import ctypes
 
     try:
@@ -149,7 +150,6 @@ class LocalRanks:
         ctx = mp.get_context(method)
         if method == "fork" and (threads != 1 or host_cores is not None) and not release_openmp_threads():
             threads, host_cores = 1, None  # a forked rank's parallel regions of several threads would hang
-        self.threads = threads
         self.host_cores = host_cores
         self.world_size = world_size
         self.results = ctx.Queue()
