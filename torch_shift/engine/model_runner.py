@@ -26,6 +26,7 @@ from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.parallel import comm
+from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
 
@@ -98,7 +99,8 @@ class ModelRunner:
         if self.host_cores is not None:
             # dynamo guards on the thread count: a layout that may run alone on borrowed cores is compiled for
             # that count too (every rank of the layout does this, in the deployment's order of layouts)
-            own = torch.get_num_threads()
+            own = own_threads(self.host_cores, self.deployment.world_size)
+            assert torch.get_num_threads() == own, "the runtime gave this rank its own share of the cores"
             for layout in self.deployment.layouts_of(self.rank):
                 threads = step_threads(self.deployment, [layout.name], self.rank, self.host_cores)
                 if threads != own:
@@ -208,7 +210,7 @@ def step_threads(deployment: Deployment, layouts: list[str], rank: int, host_cor
     so that a lone request runs as fast as the host allows. None when the rank has no work in the step."""
     if not any(rank in deployment[name].ranks for name in layouts):
         return None
-    own = max(1, host_cores // deployment.world_size)
+    own = own_threads(host_cores, deployment.world_size)
     if len(layouts) > 1:
         return own
     return max(own, host_cores // len(deployment[layouts[0]].ranks))

@@ -43,6 +43,11 @@ def local_cores() -> int:
         return os.cpu_count() or 1
 
 
+def own_threads(host_cores: int, world_size: int) -> int:
+    """A local rank's own share of the host's cores: its intra-op threads when other ranks have work too."""
+    return max(1, host_cores // world_size)
+
+
 def release_openmp_threads() -> bool:
     """End this thread's OpenMP worker threads (OpenMP 5.0's `omp_pause_resource_all`; the next parallel region
     starts new ones), so that a child forked next can run parallel regions of several threads: libgomp, torch's

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.launch import LocalRanks, default_start_method, local_cores, started_rank_cores
+from torch_shift.parallel.launch import LocalRanks, default_start_method, local_cores, own_threads, started_rank_cores
 from torch_shift.parallel.shm import ShmCommunicator
 
 # the runtime whose started ranks hold this process's default process group, if any
@@ -108,7 +108,7 @@ class ParallelRuntime:
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         cores = local_cores()
-        threads = max(1, cores // world)
+        threads = own_threads(cores, world)
         self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
                                    threads=threads, start_method=default_start_method(self.device_type),
                                    host_cores=cores if self.device_type == "cpu" else None)
