@@ -5,8 +5,9 @@
 Each round calibrates this machine (`torch-shift calibrate`, unless --profile names a profile) and runs
 every configuration; the round that other processes disturbed least is reported. It writes a random
 Llama whose weights are far beyond the last-level cache, then runs the engine at world 1 (one rank),
-TP-2 (sp=1, tp=2) and SP-2 (sp=2, tp=1, every step in the SP layout), one thread per rank, each in
-its own process, through the same scenarios: decode steps at batch 1, 8 and 64, and a 512-token
+TP-2 (sp=1, tp=2), SP-2 (sp=2, tp=1, every step in the SP layout) and DP-2 (a replica alone with work runs on
+both cores: `model_runner.step_threads`), one thread per rank, each in its own process, through the same
+scenarios: decode steps at batch 1, 8 and 64, and a 512-token
 prompt, greedy. Every step's wall time on rank 0 (`LLMEngine.step`) is compared with the cost model's
 prediction for the same step plan (`torch_shift.planner.step_cost`): the median step per scenario of the
 quietest round, predicted from that round's calibration, and the best step of all rounds.
@@ -29,6 +30,7 @@ CONFIGS = {
     "1 rank": dict(sp=1, tp=1),
     "TP-2": dict(sp=1, tp=2, shift_threshold=None),
     "SP-2": dict(sp=2, tp=1, shift_threshold=0),
+    "DP-2": dict(dp=2),
 }
 # (name, sequences, prompt tokens, decode steps timed): decode scenarios time their decode steps, the
 # prompt scenario its prefill steps (repeated with fresh prompts)
@@ -40,6 +42,8 @@ WARMUP_DECODES = 2
 def layout_for(config: dict):
     from torch_shift.planner import Layout
 
+    if config.get("dp", 1) > 1:
+        return Layout.dp_groups(*[1] * config["dp"])
     if config["sp"] > 1:
         return Layout("sp_tp", sp=config["sp"], tp=config["tp"])
     return Layout("tp", tp=config["tp"])
@@ -72,7 +76,8 @@ def run_config(model_dir: str, config: dict) -> dict:
         while engine.has_unfinished_requests():
             start = time.perf_counter()
             engine.step()
-            out.append((time.perf_counter() - start, [Seq.from_scheduled(e) for e in plans[-1].scheduled]))
+            out.append((time.perf_counter() - start, [(Seq.from_scheduled(e), g.replicas[0])
+                                                      for g in plans[-1].groups for e in g.entries]))
         return out
 
     steps(2, 300, 4)  # warm-up outside the measurement: both step shapes
@@ -82,9 +87,11 @@ def run_config(model_dir: str, config: dict) -> dict:
             picked = [steps(num_seqs, prompt, 1)[0] for _ in range(timed)]
         else:
             all_steps = steps(num_seqs, prompt, WARMUP_DECODES + timed + 4)  # + the steps of chunked prompts
-            decodes = [s for s in all_steps if len(s[1]) == num_seqs and all(q.num_new_tokens == 1 for q in s[1])]
+            decodes = [s for s in all_steps if len(s[1]) == num_seqs
+                       and all(q.num_new_tokens == 1 for q, _ in s[1])]
             picked = decodes[WARMUP_DECODES:WARMUP_DECODES + timed]
-        results[name] = [(t, [(q.num_new_tokens, q.num_computed_tokens, q.logits_rows) for q in seqs])
+        results[name] = [(t, [(q.num_new_tokens, q.num_computed_tokens, q.logits_rows, replica)
+                              for q, replica in seqs])
                          for t, seqs in picked]
     engine.shutdown()
     return results
@@ -148,7 +155,9 @@ def main(argv=None) -> int:
         for scenario, quiet_steps in rounds[quiet]["steps"][name].items():
             times = [t for t, _ in quiet_steps]
             best = min(t for r in rounds for t, _ in r["steps"][name][scenario])
-            costs = [step_cost(shape, hw, layout, [Seq(*q) for q in seqs]) for _, seqs in quiet_steps]
+            costs = [step_cost(shape, hw, layout, [Seq(*q[:3]) for q in seqs],
+                               groups=[q[3] for q in seqs] if layout.kind == "dp" else None)
+                     for _, seqs in quiet_steps]
             meas, pred = statistics.median(times), statistics.median(c.total_s for c in costs)
             example = costs[len(costs) // 2]
             parts = {"linear": sum(o.time_s for o in example.ops if o.name in ("qkv", "o_proj", "gate_up", "down")),

@@ -4,6 +4,7 @@ torch_shift's own layouts, memory against the engine's own shards, profiles, and
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -162,6 +163,41 @@ def test_shared_memory_bandwidth_slows_ranks_that_stream_together():
     idle_peer = step_cost(SHAPE, shared, Layout.dp_groups(1, 1), [Seq(1, 10)], groups=[0])
     assert one.memory_s == pytest.approx(idle_peer.memory_s)
     assert two.memory_s == pytest.approx(one.memory_s * GIGA / 0.75e9)
+
+
+def scaled_rates(hw: HardwareProfile, factor: float) -> dict:
+    """hw's device rates times `factor`, in a profile's `borrowed` form."""
+    return {"matmul_flops": {d: factor * r for d, r in hw.matmul_flops.items()},
+            "attention_flops": {d: factor * r for d, r in hw.attention_flops.items()},
+            "matmul_bandwidth": {d: factor * r for d, r in hw.matmul_bandwidth.items()},
+            "attention_bandwidth": {d: factor * r for d, r in hw.attention_bandwidth.items()},
+            "copy_bandwidth": factor * hw.copy_bandwidth}
+
+
+def test_a_group_alone_with_work_is_priced_on_the_idle_groups_cores():
+    """model_runner.step_threads: a DP replica (or a TP group) alone with work runs on the idle ranks' cores; the
+    profile's rates measured at that multiple of a rank's threads price it, and only it."""
+    plain = unit_profile(overhead=EngineOverhead(1e-3, 1e-6))
+    hw = replace(plain, borrowed={2: scaled_rates(plain, 2), 4: scaled_rates(plain, 4)})
+    assert plain.borrowing(2) is plain and hw.borrowing(1) is hw
+    assert hw.borrowing(2).matmul_flops == {"fp32": 2 * GIGA, "bf16": 2 * GIGA} and hw.borrowing(2).borrowed == {}
+    assert hw.borrowing(3) == hw.borrowing(2)  # the largest multiple measured up to it
+    pair = Layout.dp_groups(1, 1)
+    alone = step_cost(SHAPE, hw, pair, [Seq(512, 0)], groups=[1])
+    both = step_cost(SHAPE, hw, pair, [Seq(512, 0), Seq(1, 10)], groups=[1, 0])
+    unborrowed = step_cost(SHAPE, plain, pair, [Seq(512, 0)], groups=[1])
+    assert both.group_s[1] == pytest.approx(unborrowed.group_s[1])
+    assert alone.group_s[1] == pytest.approx(unborrowed.group_s[1] / 2)  # every rate twice, no collectives
+    assert alone.total_s == pytest.approx(step_cost(SHAPE, hw.borrowing(2), Layout("tp"), [Seq(512, 0)]).total_s)
+    four = Layout.dp_groups(1, 1, 1, 1)
+    assert step_cost(SHAPE, hw, four, [Seq(512, 0)], groups=[3]).group_s[3] == pytest.approx(
+        unborrowed.group_s[1] / 4)
+    # a TP-2 group alone among 4 ranks: twice its threads
+    wide = Layout.dp_groups(2, 1, 1)
+    assert step_cost(SHAPE, hw, wide, [Seq(1, 10)], groups=[0]).group_s[0] == pytest.approx(
+        step_cost(SHAPE, hw.borrowing(2), wide, [Seq(1, 10)], groups=[0]).group_s[0])
+    assert step_cost(SHAPE, hw, wide, [Seq(1, 10)], groups=[0]).group_s[0] < step_cost(
+        SHAPE, plain, wide, [Seq(1, 10)], groups=[0]).group_s[0]
 
 
 def test_matmul_bandwidth_by_rows():
@@ -364,6 +400,10 @@ def test_profile_json_round_trip(tmp_path):
     path = tmp_path / "a100.json"
     profile.save(path)
     assert get_profile(path) == profile
+    cpu = unit_profile(node_bandwidth=1.5 * GIGA)
+    cpu = replace(cpu, matmul_bandwidth={"fp32": ((1, 4 * GIGA), (8, 2 * GIGA))}, borrowed={2: scaled_rates(cpu, 2)})
+    cpu.save(path)
+    assert get_profile(path) == cpu and get_profile(path).borrowing(2) == cpu.borrowing(2) != cpu
     data = json.loads(path.read_text())
     data["format"] = "something else"
     path.write_text(json.dumps(data))
@@ -437,6 +477,9 @@ def test_calibrate_cli_writes_a_profile_the_cost_model_prices_with(tmp_path, cap
     assert "wrote" in capsys.readouterr().err
     hw = get_profile(out)
     assert hw.num_devices == 2 and hw.node_bandwidth > 0
+    if os.cpu_count() >= 2:  # a rank alone with work runs on both ranks' cores: measured at 2 threads
+        assert set(hw.borrowed) == {2}
+        assert hw.borrowing(2).matmul_flops["fp32"] > hw.matmul_flops["fp32"]
     assert set(hw.matmul_flops) == {"fp32", "bf16"} and min(hw.matmul_flops.values()) > 0
     assert set(hw.collectives.table) == {"all_reduce", "all_to_all", "all_gather", "send_recv"}
     assert all(set(sizes) == {2} for sizes in hw.collectives.table.values())

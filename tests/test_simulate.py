@@ -150,6 +150,36 @@ def test_cost_model_steps_drive_the_clock():
         assert record.tpot_s == pytest.approx(sum(decodes) / 2, rel=1e-9)
 
 
+def test_a_replica_alone_with_work_is_priced_on_the_idle_replicas_cores():
+    """DP-2: a lone request's steps borrow the idle rank's cores (model_runner.step_threads), so the simulator prices
+    them on the profile's rates at twice a rank's threads; steps with work on both replicas at a rank's own."""
+    from dataclasses import replace
+
+    from torch_shift.planner.cost import Layout, step_cost
+    from torch_shift.planner.shape import Seq
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+                                       "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                       "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
+    shape, plain = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
+    doubled = {"matmul_flops": {d: 2 * r for d, r in plain.matmul_flops.items()},
+               "attention_flops": {d: 2 * r for d, r in plain.attention_flops.items()},
+               "matmul_bandwidth": {d: 2 * r for d, r in plain.matmul_bandwidth.items()},
+               "attention_bandwidth": {d: 2 * r for d, r in plain.attention_bandwidth.items()},
+               "copy_bandwidth": 2 * plain.copy_bandwidth}
+    hw = replace(plain, borrowed={2: doubled})
+    alone = RequestSpec("r0", 0.5, list(range(8, 8 + 300)), 3)
+    pair = [RequestSpec(f"p{i}", 10.0, list(range(8, 8 + 300)), 3) for i in range(2)]
+    engine = SimulatedEngine.simulated(EngineArgs("config-only", dp=2), config, 256, CostModelTimer(shape, hw, 16))
+    records = {r.request_id: r for r in simulate(engine, [alone, *pair]).requests}
+    borrowed, own = (step_cost(shape, profile, Layout("tp"), [Seq(300, 0, 1)]).total_s
+                     for profile in (hw.borrowing(2), plain))
+    assert borrowed < own
+    assert records["r0"].first_token_s == pytest.approx(0.5 + borrowed, rel=1e-9)
+    both = step_cost(shape, plain, Layout.dp_groups(1, 1), [Seq(300, 0, 1)] * 2, groups=[0, 1]).total_s
+    assert records["p0"].first_token_s == pytest.approx(10.0 + both, rel=1e-9)
+
+
 def test_the_simulator_prices_speculative_steps():
     """With speculation, a decode step is priced with every proposed token (the weights are read once for all of
     them) and adds the accepted ones: fewer, slightly dearer steps. Each proposed token is accepted with probability

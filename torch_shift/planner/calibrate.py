@@ -3,7 +3,8 @@
 A device is one CPU rank with `threads` intra-op threads, ranks talk over gloo; or (`device="cuda"`) one
 GPU (several GPUs, NCCL collectives between them, are not measured yet: the GPU lent to this work was one).
 Measured, each rate against the same ideal FLOP and byte counts the cost model uses
-(`torch_shift.planner.shape`), with the GPU's sizes in brackets:
+(`torch_shift.planner.shape`), with the GPU's sizes in brackets (on CPUs the device's rates again at each whole
+multiple of its threads that divides the world: a layout alone with work borrows the idle ranks' cores):
   - matmul FLOP/s per dtype: a large matmul ([512, 2048] x [2048, 2048]; [2048, 2048] x [2048, 8192]);
   - weight-streaming bandwidth per dtype: matmuls over weights far beyond the last-level cache with
     1 to 64 rows of input (a decode step of 1 to 64 sequences reads its weights so), and with 1 row
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from torch_shift.planner.collectives import COLLECTIVE_OPS, CollectiveModel, fit_alpha_beta, wire_bytes
-from torch_shift.planner.hardware import EngineOverhead, HardwareProfile
+from torch_shift.planner.hardware import BORROWED_RATES, EngineOverhead, HardwareProfile
 from torch_shift.planner.shape import ModelShape, Seq, attention
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -464,6 +465,11 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     log(f"calibrate: {world} rank(s) x {threads} thread(s) on {cpus} CPUs ({cpu})")
     solo = run_ranks(_device_rank, 1, list(dtypes), threads=threads)[0]
     _log_device(log, "one rank", solo)
+    borrowed = {}  # a layout alone with work runs its ranks on the idle ranks' cores too (step_threads)
+    for multiple in [m for m in range(2, world + 1) if world % m == 0 and threads * m <= cpus]:
+        rates = run_ranks(_device_rank, 1, list(dtypes), threads=threads * multiple)[0]
+        _log_device(log, f"one rank on {threads * multiple} threads (a layout alone borrows idle ranks' cores)", rates)
+        borrowed[multiple] = {k: rates[k] for k in BORROWED_RATES}
     node_bandwidth = None
     collectives = CollectiveModel({})
     plan_step = plan_seq = 0.0
@@ -502,6 +508,7 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
         attention_bandwidth=solo["attention_bandwidth"],
         copy_bandwidth=solo["copy_bandwidth"],
         node_bandwidth=node_bandwidth,
+        borrowed=borrowed,
         collectives=collectives,
         overhead=EngineOverhead(step_s, seq_s, plan_step, plan_seq),
         source=(f"measured by torch-shift calibrate: {world} rank(s) x {threads} thread(s), torch {torch.__version__}, "

@@ -367,6 +367,12 @@ def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *,
     return op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm)
 
 
+def lone_multiple(num_ranks: int, group_ranks: int) -> int:
+    """How many times its own threads each rank of a group of `group_ranks` of `num_ranks` CPU ranks runs in a step
+    where the group alone has work (`torch_shift.engine.model_runner.step_threads`, in whole multiples)."""
+    return max(1, num_ranks // group_ranks)
+
+
 def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequence[Seq],
               groups: Sequence[int] | None = None, micro_batches: Sequence[Sequence[Seq]] | None = None) -> StepCost:
     """The time of one step that computes `seqs` under `layout` on `hw`.
@@ -375,7 +381,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     scheduler's assignment); elsewhere `groups` is not given. Under "pp", `micro_batches` gives the
     step's micro-batches as the engine cut them (`torch_shift.engine.step_plan.split_micro_batches`, which
     may cut a prompt chunk); by default whole sequences are dealt into `num_microbatches` of them. Every rank that has work in the step
-    counts as active for a shared memory bandwidth (hw.node_bandwidth)."""
+    counts as active for a shared memory bandwidth (hw.node_bandwidth); a "dp" group alone with work is priced on
+    the idle groups' cores too (`hw.borrowing`)."""
     validate_layout(shape, layout)
     if not seqs:
         raise ValueError("a step has at least one sequence")
@@ -390,6 +397,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
         for s, g in zip(seqs, groups):
             by_group[g].append(s)
         active = sum(layout.group_tp[g] for g in by_group)
+        if len(by_group) == 1:  # a group alone with work runs on the idle groups' cores too
+            hw = hw.borrowing(lone_multiple(layout.num_ranks, layout.group_tp[next(iter(by_group))]))
         priced = {g: _price_group(shape, hw, group_seqs, tp=layout.group_tp[g], sp=1, active=active)
                   for g, group_seqs in by_group.items()}
         op_costs, comm, _ = max(priced.values(), key=lambda p: p[2])

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from torch_shift.planner.collectives import CollectiveModel
@@ -103,7 +103,10 @@ class HardwareProfile:
     1-row rate), interpolated in log(rows) and held constant past both ends.
     `node_bandwidth` is what all devices of the machine stream together (host memory shared by CPU
     ranks): with `a` devices busy, each rate of each is scaled by min(1, node_bandwidth / (a x the 1-row
-    matmul bandwidth)). None where each device has its own memory."""
+    matmul bandwidth)). None where each device has its own memory.
+    `borrowed` (CPU ranks the engine started): per multiple of a rank's threads, the rates it measured running that
+    many times its own threads, as a rank whose layout is alone with work in a step runs
+    (`torch_shift.engine.model_runner.step_threads`); `borrowing` prices such a step. Empty where not measured."""
 
     name: str
     num_devices: int
@@ -119,6 +122,7 @@ class HardwareProfile:
     host_link_bandwidth: float | None = None  # device <-> host memory (the KV tier); None: copy_bandwidth (CPUs)
     source: str = ""
     measurements: Mapping = field(default_factory=dict, compare=False)  # raw figures of a calibration
+    borrowed: Mapping[int, Mapping] = field(default_factory=dict)  # multiple -> rates, keys as BORROWED_RATES
 
     def flops(self, rate: str, dtype: str) -> float:
         table = self.matmul_flops if rate == "matmul" else self.attention_flops
@@ -143,6 +147,15 @@ class HardwareProfile:
             bw *= min(1.0, self.node_bandwidth / (active_devices * solo))
         return bw
 
+    def borrowing(self, multiple: int) -> HardwareProfile:
+        """The profile of a device that runs `multiple` times its own threads: the rates of the largest measured
+        multiple up to `multiple` (a CPU rank whose layout is alone with work borrows the idle ranks' cores);
+        this profile where none was measured (GPUs, profiles calibrated before the measurement, multiple 1)."""
+        measured = [m for m in self.borrowed if m <= multiple]
+        if not measured:
+            return self
+        return replace(self, **self.borrowed[max(measured)], borrowed={})
+
     @property
     def host_bandwidth(self) -> float:
         """Bytes/s one device copies to or from host memory (the host KV tier's swaps)."""
@@ -154,8 +167,7 @@ class HardwareProfile:
             "format": PROFILE_FORMAT, "name": self.name, "source": self.source,
             "num_devices": self.num_devices, "device_memory_bytes": self.device_memory_bytes,
             "matmul_flops": dict(self.matmul_flops), "attention_flops": dict(self.attention_flops),
-            "matmul_bandwidth": {d: v if isinstance(v, float) else [list(p) for p in v]
-                                 for d, v in self.matmul_bandwidth.items()},
+            "matmul_bandwidth": _rates_json(self.matmul_bandwidth),
             "attention_bandwidth": dict(self.attention_bandwidth),
             "copy_bandwidth": self.copy_bandwidth, "node_bandwidth": self.node_bandwidth,
             "host_link_bandwidth": self.host_link_bandwidth,
@@ -164,6 +176,8 @@ class HardwareProfile:
                          "parallel_step_s": self.overhead.parallel_step_s,
                          "parallel_seq_s": self.overhead.parallel_seq_s},
             "measurements": dict(self.measurements),
+            "borrowed": {str(m): {k: _rates_json(v) if k != "copy_bandwidth" else v for k, v in rates.items()}
+                         for m, rates in self.borrowed.items()},
         }
 
     @classmethod
@@ -184,10 +198,12 @@ class HardwareProfile:
                 collectives=CollectiveModel.from_json(data["collectives"]),
                 overhead=EngineOverhead(**{k: float(v) for k, v in data["overhead"].items()}),
                 source=str(data.get("source", "")), measurements=data.get("measurements", {}),
+                borrowed={int(m): _borrowed_rates(rates) for m, rates in data.get("borrowed", {}).items()},
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"hardware profile {data.get('name')!r} is missing or has a bad field: {e}") from None
-        if profile.num_devices < 1 or profile.copy_bandwidth <= 0 or profile.device_memory_bytes <= 0:
+        if (profile.num_devices < 1 or profile.copy_bandwidth <= 0 or profile.device_memory_bytes <= 0
+                or any(m < 2 or rates["copy_bandwidth"] <= 0 for m, rates in profile.borrowed.items())):
             raise ValueError(f"hardware profile {profile.name!r} has non-positive figures")
         return profile
 
@@ -207,6 +223,18 @@ def _at_rows(rate: float | Sequence[tuple[int, float]], rows: int) -> float:
             w = math.log(rows / r0) / math.log(r1 / r0)
             return v0 + w * (v1 - v0)
     return points[-1][1]
+
+
+def _rates_json(table: Mapping) -> dict:
+    return {d: v if isinstance(v, float) else [list(p) for p in v] for d, v in table.items()}
+
+
+# the rates a device measures, each of them again at a multiple of its threads (HardwareProfile.borrowed)
+BORROWED_RATES = ("matmul_flops", "attention_flops", "matmul_bandwidth", "attention_bandwidth", "copy_bandwidth")
+
+
+def _borrowed_rates(data: Mapping) -> dict:
+    return {k: float(data[k]) if k == "copy_bandwidth" else _rates(data[k]) for k in BORROWED_RATES}
 
 
 def _rates(table: Mapping) -> dict:

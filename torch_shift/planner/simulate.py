@@ -27,7 +27,7 @@ from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batche
 from torch_shift.kv.tier import SwapOp
 from torch_shift.parallel.layouts import Deployment
 from torch_shift.parallel.layouts import Layout as EngineLayout
-from torch_shift.planner.cost import Layout, memory_per_rank, step_cost
+from torch_shift.planner.cost import Layout, lone_multiple, memory_per_rank, step_cost
 from torch_shift.planner.hardware import HardwareProfile
 from torch_shift.planner.shape import ModelShape, Seq
 
@@ -76,18 +76,22 @@ class CostModelTimer:
                     seqs += group
                     groups += [i] * len(group)
                 forward = step_cost(self.shape, self.hw, Layout.dp_groups(*widths), seqs, groups).total_s
-            else:  # one group, or pipelines side by side (each priced alone: the shared host memory is not)
+            elif len(plan.groups) == 1:  # alone with work: its ranks run on the idle ranks' cores too
+                hw = self.hw.borrowing(lone_multiple(deployment.world_size, len(layouts[0].ranks)))
+                forward = self.group_seconds(layouts[0], plan.groups[0], hw)
+            else:  # pipelines side by side (each priced alone: the shared host memory is not)
                 forward = max(self.group_seconds(layout, g) for layout, g in zip(layouts, plan.groups))
         swaps = self.swap_seconds(plan.swap_outs, deployment) + self.swap_seconds(plan.swap_ins, deployment)
         self.last_forward_s, self.last_swap_s = forward, swaps
         return max(forward, swaps) if self.async_swaps else forward + swaps
 
-    def group_seconds(self, layout: EngineLayout, group: GroupStep) -> float:
+    def group_seconds(self, layout: EngineLayout, group: GroupStep, hw: HardwareProfile | None = None) -> float:
+        hw = hw or self.hw
         if layout.pp == 1:
-            return step_cost(self.shape, self.hw, cost_layout(layout, expert_parallel=self.expert_parallel),
+            return step_cost(self.shape, hw, cost_layout(layout, expert_parallel=self.expert_parallel),
                              group_seqs(group)).total_s
         pieces = [group_seqs(piece) for piece in split_micro_batches(group)]  # as the engine cuts the step
-        return step_cost(self.shape, self.hw, cost_layout(layout, len(pieces)), group_seqs(group),
+        return step_cost(self.shape, hw, cost_layout(layout, len(pieces)), group_seqs(group),
                          micro_batches=pieces).total_s
 
     def swap_seconds(self, ops: Sequence[SwapOp], deployment: Deployment) -> float:
