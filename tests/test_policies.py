@@ -266,6 +266,14 @@ class FakeView:
         return tuple(seqs)
 
     @property
+    def remaining_tokens(self):
+        remaining = [0] * self.num_replicas
+        for request in self.running:
+            for replica in request.replicas:
+                remaining[replica] += request.num_prompt_tokens + request.max_tokens - request.num_computed_tokens
+        return tuple(remaining)
+
+    @property
     def num_free_blocks(self):
         return self.free_blocks or (self.blocks_per_replica,) * self.num_replicas
 
@@ -360,6 +368,36 @@ def test_protocol_seesaw_prefills_until_the_tier_is_full_then_decodes_then_refil
     view = FakeView(waiting_requests=[make_request("c", BS)], tier_free_blocks=8, **tier)
     assert policy.decide(view).phase == "prefill"
     assert policy.stats()["num_transitions"] == 2
+
+
+def test_protocol_dp_routes_to_the_replica_with_the_fewest_tokens_left():
+    """A new request goes where the least work is left (prompt tokens to compute, outputs up to max_tokens), not where
+    the fewest requests are; equal work left: the fewest requests, then the most free blocks."""
+    policy = StaticPolicy(build_deployment(CONFIG, dp=2))
+    decision = policy.decide(FakeView())
+    long_prompt = placed("long", 96, "dp@0", (0,), computed=16)  # 80 prompt tokens and 8 outputs left
+    short = [placed(f"s{i}", 8, "dp@1", (1,), max_tokens=8) for i in range(3)]  # 8 outputs left each
+    view = FakeView(running=(long_prompt, *short))
+    assert view.num_seqs == (1, 3) and view.remaining_tokens == (88, 24)
+    assert policy.route(make_request("x", 4), decision, view) == ["dp@1", "dp@0"]
+    even = FakeView(running=(placed("a", 8, "dp@0", (0,), max_tokens=16), *short[:2]))
+    assert even.remaining_tokens == (16, 16)
+    assert policy.route(make_request("y", 4), decision, even) == ["dp@0", "dp@1"]  # one request against two
+    assert policy.route(make_request("z", 4), decision, FakeView(free_blocks=(3, 9))) == ["dp@1", "dp@0"]
+
+
+def test_dp_scheduler_places_requests_by_tokens_left():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256),
+                      [BlockManager(64, BS) for _ in range(2)], StaticPolicy(build_deployment(CONFIG, dp=2)))
+    sched.add_request(make_request("big", 40, max_tokens=4))
+    for i in range(3):
+        sched.add_request(make_request(f"s{i}", 4, max_tokens=4))
+    assert sched.view.remaining_tokens == (0, 0)
+    step(sched)
+    # by request counts s2 would have joined "big" (one request against two)
+    assert {rid: sched.requests[rid].replicas for rid in ("big", "s0", "s1", "s2")} == {
+        "big": (0,), "s0": (1,), "s1": (1,), "s2": (1,)}
+    assert sched.view.remaining_tokens == (44 - 40, 3 * (8 - 4))
 
 
 def test_protocol_static_and_shift_decisions_need_no_view():

@@ -653,6 +653,17 @@ class SchedulerView:
         return tuple(self._s.num_seqs)
 
     @property
+    def remaining_tokens(self) -> tuple[int, ...]:
+        """Tokens the requests placed on each replica still have to compute: their prompts' uncomputed tokens and
+        their outputs up to `max_tokens` (a request of several replicas counts on each)."""
+        remaining = [0] * len(self._s.num_seqs)
+        for request in self._s.running:
+            left = request.num_prompt_tokens + request.max_tokens - request.num_computed_tokens
+            for r in request.replicas:
+                remaining[r] += left
+        return tuple(remaining)
+
+    @property
     def num_free_blocks(self) -> tuple[int, ...]:
         return tuple(p.num_free_blocks for p in self._s.pools)
 

@@ -209,11 +209,15 @@ class FlyingPolicy(Policy):
                            if self.deployment[n].kv_width == 1 and self.deployment[n].replicas[0] in replicas),
                           key=lambda n: view.num_seqs[self.deployment[n].replicas[0]])
         reserved = self.reserved_replicas()
-        seqs, free = view.num_seqs, view.num_free_blocks
         names = [n for n in decision.layouts if not set(self.deployment[n].replicas) & reserved]
         if not names:  # every replica is in a priority group: share the bound ones
             names = [n for n in decision.layouts if n in set(self.pinned.values())]
-        return sorted(names, key=lambda n: (sum(seqs[r] for r in self.deployment[n].replicas),
+        if len(names) < 2:
+            return names
+        # as Policy.route: the fewest tokens left on the layout's busiest replica, then requests, then free blocks
+        remaining, seqs, free = view.remaining_tokens, view.num_seqs, view.num_free_blocks
+        return sorted(names, key=lambda n: (max(remaining[r] for r in self.deployment[n].replicas),
+                                            sum(seqs[r] for r in self.deployment[n].replicas),
                                             -min(free[r] for r in self.deployment[n].replicas)))
 
     def stats(self) -> dict:
