@@ -69,6 +69,32 @@ def test_compiled_single_device_matches_eager_without_recompiles(llama):
                     assert max(abs(lg[t].logprob - le[t].logprob) for t in le) < 1e-4
 
 
+def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
+    """On the CPU a compiled forward's attention calls run the paged kernel from C++ (kernels/cpu_ops.cpp), never
+    CpuPagedAttention's Python; with that path declined, Python serves them: the same tokens and logprobs."""
+    from torch_shift.attention.cpu import CpuPagedAttention
+    from torch_shift.kernels import native_attention
+
+    _, model_dir = llama
+    llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=32)
+    if native_attention() is None:
+        pytest.skip("the C++ operator library does not build here")
+    calls = []
+    python_call = CpuPagedAttention.__call__
+    monkeypatch.setattr(CpuPagedAttention, "__call__", lambda self, *a, **k: calls.append(1) or python_call(self, *a,
+                                                                                                               **k))
+    prompts = WARMUP + SERVING[0]
+    native = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert not calls
+    monkeypatch.setattr(CpuPagedAttention, "install_native", lambda self: False)
+    python = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert calls
+    assert _token_ids(native) == _token_ids(python)
+    for n, p in zip(native, python):
+        assert [dict((t, lp.logprob) for t, lp in top.items()) for top in n.outputs[0].logprobs] == [
+            dict((t, lp.logprob) for t, lp in top.items()) for top in p.outputs[0].logprobs]
+
+
 @pytest.mark.slow
 def test_compiled_layouts_match_eager_without_recompiles(llama):
     _, model_dir = llama

@@ -121,8 +121,9 @@ MAX_TOKENS = 10
     {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
     {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
     {"max_num_batched_tokens": 16, "compile": False},  # eager
+    {"max_num_batched_tokens": 16, "compile": True},  # sinks and windows through the compiled C++ attention call
     {"max_num_batched_tokens": 16, "attention_backend": "sdpa"},  # the reference backend
-], ids=["chunked", "preempted", "eager", "sdpa"])
+], ids=["chunked", "preempted", "eager", "compiled", "sdpa"])
 def test_greedy_tokens_and_logprobs_match_transformers(gpt_oss, engine_args):
     hf_model, model_dir = gpt_oss
     prompts = random_prompts(8, PROMPT_LENGTHS)

@@ -5,7 +5,9 @@ on per-step metadata: block tables, chunk boundaries, token counts. Passed into 
 function, every step would guard-fail and recompile. Instead the compiled graph calls the custom
 op `torch_shift::attention(q, k, v, layer_idx, sinks, sliding_window)`, which runs the attention
 object installed for the current step: the graph sees only tensors with a dynamic token dimension,
-so changing batch sizes reuse one graph, one-token steps included.
+so changing batch sizes reuse one graph, one-token steps included. On the CPU the op's implementation is C++
+where the step's attention is the paged kernel's, so a compiled decode step runs no Python from its first kernel
+to its last (a forward of the 106M peer model 4-6% faster, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ from contextlib import contextmanager
 import torch
 
 from torch_shift.custom_ops import custom_op
+from torch_shift.kernels import native_attention, register_native_attention
 from torch_shift.models.decoder import AttentionFn
 
 _current: list[AttentionFn] = []
 
 
-@custom_op("torch_shift::attention")
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None,
-                  sliding_window: int | None) -> torch.Tensor:
+def _run_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                        sinks: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
     extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)
     return _current[-1](layer_idx, q, k, v, *extras)  # models without either: any 4-argument attention
+
+
+# On the CPU its C++ implementation (kernels/cpu_ops.cpp, registered by the first compiled CPU forward) runs a step's
+# paged attention kernel without Python, and calls the Python one under the name below for any other attention
+# (the Ulysses all-to-alls around it, SDPA, a warm-up's zeros).
+_attention_op = custom_op("torch_shift::attention")(_run_step_attention)
+custom_op("torch_shift::attention_python")(_run_step_attention)
 
 
 @_attention_op.register_fake
@@ -41,13 +50,29 @@ def attention_op(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return _attention_op(q, k, v, layer_idx, sinks, sliding_window)
 
 
+_native_installed = False  # a step's paged attention is installed in the C++ implementation
+
+
+def _install(attention: AttentionFn | None) -> None:
+    """Give the C++ implementation `attention` where it is the paged kernel's (CpuPagedAttention), else none."""
+    global _native_installed
+    install = getattr(attention, "install_native", None)
+    if install is not None and install():
+        _native_installed = True
+    elif _native_installed:
+        native_attention().uninstall()
+        _native_installed = False
+
+
 @contextmanager
 def step_attention(attention: AttentionFn):
     _current.append(attention)
+    _install(attention)
     try:
         yield
     finally:
         _current.pop()
+        _install(_current[-1] if _current else None)
 
 
 # The wrapper's checks of every tensor's size, stride and alignment: ~4% of a batch-1 decode step of an 8-layer model
@@ -81,6 +106,8 @@ class CompiledForward:
         tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
         on_cpu = tensor is None or tensor.device.type == "cpu"
         options = _CPU_INDUCTOR_OPTIONS if on_cpu else _INDUCTOR_OPTIONS
+        if on_cpu:
+            register_native_attention()
         self._compiled = torch.compile(model, dynamic=True, options=options)
         self.sealed = False
         self._ran = False

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from torch_shift.attention.backend import AttentionBatch
-from torch_shift.kernels import CpuKernels, cpu_kernels
+from torch_shift.kernels import CpuKernels, cpu_kernels, native_attention
 from torch_shift.kv.cache import KVCache
 
 
@@ -74,6 +74,17 @@ class CpuPagedAttention:
                       self.num_computed.ctypes.data, self.block_table.ctypes.data, self.block_table.shape[1],
                       self.rows.ctypes.data, kv_cache.block_size)
         self._slot_mapping_ptr = self.slot_mapping.data_ptr()
+
+    def install_native(self) -> bool:
+        """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls then run
+        without Python: kernels/cpu_ops.cpp); False where none is registered."""
+        native = native_attention()
+        if native is None:
+            return False
+        native.install(self.dtype_code, self._k_base, self._v_base, self._k_layer_bytes, self._v_layer_bytes,
+                       *self._layouts, *self._runs, self.kv_cache.num_kv_heads, self._slot_mapping_ptr,
+                       self.sliding_window)
+        return True
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The sources ship in this package. The kernels (`cpu_kernels()`, called through ctypes) need only torch's headers
 (ATen/Parallel.h, for torch's own intra-op threads) and compile in about 12 s, one compiler per source (the
 attention kernel's 10 s is the longest). A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full headers
-(about 11 s more) and registers the CPU implementation of `torch_shift::packed_linear` with PyTorch's dispatcher.
+(about 11 s more) and registers the CPU implementations of `torch_shift::packed_linear` and, once a forward is
+compiled on the CPU, `torch_shift::attention` (`register_native_attention`) with PyTorch's dispatcher.
 Each library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by its sources,
 torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks started together
 build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
@@ -32,8 +33,8 @@ import torch
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
-# headers (a failure to build them loses only them); the GEMV kernel compiled in again
-_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp")
+# headers (a failure to build them loses only them); the GEMV and attention kernels compiled in again
+_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, f64, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
@@ -199,3 +200,34 @@ def cpu_ops() -> bool:
         warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers run through "
                       "Python, which is slower", RuntimeWarning, stacklevel=2)
         return False
+
+
+class NativeAttention:
+    """The C++ implementation of `torch_shift::attention` on the CPU (cpu_ops.cpp): `install` gives it a step's
+    paged attention (CpuPagedAttention.install_native), `uninstall` sends its calls back to Python."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.install = library.ts_install_paged_step
+        self.install.argtypes = [ctypes.c_int, *[i64] * 17]
+        self.install.restype = None
+        self.uninstall = library.ts_uninstall_paged_step
+        self.uninstall.argtypes = []
+        self.uninstall.restype = None
+        library.ts_register_attention()
+
+
+_native_attention: NativeAttention | None = None
+
+
+def register_native_attention() -> bool:
+    """Register the C++ implementation of `torch_shift::attention` for the CPU (once torch_shift.compilation has
+    defined the operator and `torch_shift::attention_python`); False where the operator library does not build."""
+    global _native_attention
+    if _native_attention is None and cpu_ops():
+        _native_attention = NativeAttention(_ops_library)
+    return _native_attention is not None
+
+
+def native_attention() -> NativeAttention | None:
+    """The registered C++ attention implementation, or None (nothing compiled on the CPU yet, or no library)."""
+    return _native_attention

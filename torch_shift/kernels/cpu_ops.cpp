@@ -1,6 +1,7 @@
-// The CPU implementation of the operator torch_shift::packed_linear (defined, with its Python implementation, in
-// torch_shift/models/linear.py), registered with PyTorch's dispatcher: a compiled forward's call, or an eager
-// model's, reaches the GEMV kernel (cpu_linear.cpp) or oneDNN's packed matmul without running Python.
+// The CPU implementations of the operators torch_shift::packed_linear (defined, with its Python implementation, in
+// torch_shift/models/linear.py) and torch_shift::attention (torch_shift/compilation.py), registered with PyTorch's
+// dispatcher: a compiled forward's call, or an eager model's, reaches the GEMV kernel (cpu_linear.cpp), oneDNN's
+// packed matmul or the paged attention kernel (cpu_attention.cpp) without running Python.
 //
 // Why: a decode step of the 106M model streams 2-11 MB of weights between two linear layers, which flushes the
 // core's L2, so the code between the kernels runs cold; the operator's Python implementation and its ctypes call cost
@@ -14,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -22,6 +24,18 @@
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                               int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride);
+extern "C" int ts_paged_attention(int dtype, void* out, int64_t out_row_stride, int64_t out_head_stride, const void* q,
+                                  int64_t q_row_stride, int64_t q_head_stride, const void* k_cache, const void* v_cache,
+                                  const int64_t* k_layout, const int64_t* v_layout, int64_t num_runs,
+                                  const int32_t* query_start, const int32_t* query_len, const int32_t* num_computed,
+                                  const int32_t* block_table, int64_t block_table_stride,
+                                  const int32_t* block_table_row, int64_t block_size, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t sliding_window, float scale,
+                                  const float* sinks);
+extern "C" int ts_write_kv(int dtype, void* k_cache, void* v_cache, const int64_t* k_layout, const int64_t* v_layout,
+                           const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v,
+                           int64_t v_row_stride, int64_t v_head_stride, const int64_t* slot_mapping,
+                           int64_t num_tokens, int64_t block_size, int64_t num_kv_heads, int64_t head_dim);
 
 namespace {
 
@@ -103,7 +117,112 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
   return onednn_linear(input, packed->weight, bias);
 }
 
+// The step's paged attention (torch_shift/attention/cpu.py's CpuPagedAttention, which keeps these arrays alive while
+// it is installed), or none: then a call runs the step's attention in Python (torch_shift::attention_python), as for
+// the Ulysses all-to-alls around it, SDPA, or a warm-up's. One step at a time: a process's forwards run on one thread.
+struct PagedStep {
+  int dtype_code;  // cpu_attention.cpp's: 0 float32, 1 bfloat16, 2 float16
+  at::ScalarType dtype;
+  char* k_base;
+  char* v_base;
+  int64_t k_layer_bytes, v_layer_bytes;
+  const int64_t* k_layout;
+  const int64_t* v_layout;
+  int64_t num_runs;
+  const int32_t* query_start;
+  const int32_t* query_len;
+  const int32_t* num_computed;
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  const int32_t* block_table_row;
+  int64_t block_size, num_kv_heads;
+  const int64_t* slot_mapping;
+  int64_t sliding_window;  // the step's (0: none); a layer's own window, where the model passes one, wins
+};
+bool step_installed = false;
+PagedStep step;
+
+at::Tensor python_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                            const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("torch_shift::attention_python", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(q);
+  stack.emplace_back(k);
+  stack.emplace_back(v);
+  stack.emplace_back(layer_idx);
+  stack.emplace_back(sinks.has_value() ? c10::IValue(*sinks) : c10::IValue());
+  stack.emplace_back(sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue());
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// CpuPagedAttention.__call__, in C++
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                     const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
+  if (!step_installed) return python_attention(q, k, v, layer_idx, sinks, sliding_window);
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == step.dtype &&
+                  k.scalar_type() == step.dtype && v.scalar_type() == step.dtype,
+              "torch_shift::attention: q, k and v of the cache's dtype, each head's dims contiguous");
+  char* k_layer = step.k_base + layer_idx * step.k_layer_bytes;
+  char* v_layer = step.v_base + layer_idx * step.v_layer_bytes;
+  int rc = ts_write_kv(step.dtype_code, k_layer, v_layer, step.k_layout, step.v_layout, k.data_ptr(), k.stride(0),
+                       k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), step.slot_mapping, num_tokens,
+                       step.block_size, step.num_kv_heads, head_dim);
+  TORCH_CHECK(rc == 0, "torch_shift::attention: the KV write failed (", rc, ")");
+  at::Tensor sinks_f32;  // kept alive until the kernel returns
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "torch_shift::attention: one sink per head");
+    sinks_f32 = sinks->to(at::kFloat).contiguous();
+  }
+  const int64_t window = sliding_window.has_value() ? *sliding_window : step.sliding_window;
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, q.options());
+  rc = ts_paged_attention(step.dtype_code, out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0),
+                          q.stride(1), k_layer, v_layer, step.k_layout, step.v_layout, step.num_runs,
+                          step.query_start, step.query_len, step.num_computed, step.block_table,
+                          step.block_table_stride, step.block_table_row, step.block_size, num_heads,
+                          step.num_kv_heads, head_dim, window, static_cast<float>(1.0 / std::sqrt(double(head_dim))),
+                          sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr);
+  TORCH_CHECK(rc == 0, "torch_shift::attention: the attention kernel failed (", rc, ")");
+  return out;
+}
+
 }  // namespace
+
+extern "C" {
+
+// CpuPagedAttention.install: its arrays' addresses (see PagedStep)
+void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64_t k_layer_bytes,
+                           int64_t v_layer_bytes, int64_t k_layout, int64_t v_layout, int64_t num_runs,
+                           int64_t query_start, int64_t query_len, int64_t num_computed, int64_t block_table,
+                           int64_t block_table_stride, int64_t block_table_row, int64_t block_size,
+                           int64_t num_kv_heads, int64_t slot_mapping, int64_t sliding_window) {
+  auto i32 = [](int64_t address) { return reinterpret_cast<const int32_t*>(address); };
+  auto i64 = [](int64_t address) { return reinterpret_cast<const int64_t*>(address); };
+  step = PagedStep{dtype_code, dtype_code == 1 ? at::kBFloat16 : dtype_code == 2 ? at::kHalf : at::kFloat,
+                   reinterpret_cast<char*>(k_base), reinterpret_cast<char*>(v_base), k_layer_bytes, v_layer_bytes,
+                   i64(k_layout), i64(v_layout), num_runs, i32(query_start), i32(query_len), i32(num_computed),
+                   i32(block_table), block_table_stride, i32(block_table_row), block_size, num_kv_heads,
+                   i64(slot_mapping), sliding_window};
+  step_installed = true;
+}
+
+void ts_uninstall_paged_step() { step_installed = false; }
+
+// Registers the C++ implementation of torch_shift::attention on the CPU; called once torch_shift/compilation.py has
+// defined it and torch_shift::attention_python.
+void ts_register_attention() {
+  static torch::Library* library = [] {
+    auto* lib = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    lib->impl("attention", TORCH_FN(attention));
+    return lib;
+  }();
+  (void)library;
+}
+
+}  // extern "C"
 
 TORCH_LIBRARY_FRAGMENT(torch_shift_cpu, m) {
   m.def("register_packed(Tensor weight, int handle, int weight_address, int gemv_max_rows, int out_features, "
