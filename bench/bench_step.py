@@ -12,8 +12,8 @@ model of the same shape whose weights read in microseconds (`--small`: hidden 25
 
 The timers wrap methods of this process only (a few microseconds of their own per call, so the parts add up to a
 little more than a plain step); TPOT without them is printed first, from the same engine. Timers need Python: the
-timed steps run the packed linear operator's Python implementation where its CPU implementation is C++
-(kernels/cpu_ops.cpp); the TPOT without timers runs the C++ one.
+timed steps run the packed linear operator's and the attention operator's Python implementations where their CPU
+implementations are C++ (kernels/cpu_ops.cpp); the TPOT without timers runs the C++ ones.
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             x.contiguous(), bias), "CPU")
         for weight in list(_packed_by_handle.values()):
             weight.native = False
+        # and the attention calls their Python path (a compiled CPU forward's run in C++ otherwise)
+        CpuPagedAttention.install_native = lambda self: False
         timers = Timers()
         timers.wrap(PackedWeight, "run", "matmul", count_bytes=True)
         timers.wrap(CpuPagedAttention, "__call__", "attention")
