@@ -365,8 +365,10 @@ def _outputs(outputs):
                                                for pos in c.logprobs]) for c in o.outputs] for o in outputs]
 
 
-@pytest.mark.parametrize("method", list(SPECS))
-def test_outputs_are_the_same_with_speculation(llama, method):
+@pytest.mark.parametrize("method,compile", [("ngram", False), ("suffix", False), ("ngram", True)],
+                         ids=["ngram", "suffix", "ngram-compiled"])
+def test_outputs_are_the_same_with_speculation(llama, method, compile):
+    """Compiled: checks of 1 + k tokens through the compiled forward's attention call (C++ on the CPU)."""
     _, model_dir = llama
     prompts = repetitive_prompts(6)
     params = [
@@ -377,8 +379,8 @@ def test_outputs_are_the_same_with_speculation(llama, method):
         SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=2, top_k=20),
         SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, frequency_penalty=0.2),
     ]
-    reference = LLM(str(model_dir), compile=False, block_size=4).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(model_dir), compile=False, block_size=4, speculative_config=SPECS[method])
+    reference = LLM(str(model_dir), compile=compile, block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=compile, block_size=4, speculative_config=SPECS[method])
     # the model's own greedy continuations, proposed with noise: checks accept at every position
     references = {}
     for prompt, out in zip(prompts, reference):
