@@ -400,6 +400,30 @@ def test_dp_scheduler_places_requests_by_tokens_left():
     assert sched.view.remaining_tokens == (44 - 40, 3 * (8 - 4))
 
 
+def test_tokens_left_kept_through_admissions_and_preemptions():
+    """While a step admits, the scheduler keeps the tokens left per replica by each placement and release instead of
+    summing the running requests at every routing: both agree at every route, preemptions of victims included."""
+    seen = []
+
+    class Checking(StaticPolicy):
+        def route(self, request, decision, view):
+            fresh = [0, 0]
+            for r in view.running:
+                for replica in r.replicas:
+                    fresh[replica] += r.num_prompt_tokens + r.max_tokens - r.num_computed_tokens
+            assert view.remaining_tokens == tuple(fresh)
+            seen.append(sched._remaining is not None)
+            return super().route(request, decision, view)
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=8, max_model_len=256),
+                      [BlockManager(12, BS) for _ in range(2)], Checking(build_deployment(CONFIG, dp=2)))
+    for i in range(16):
+        sched.add_request(make_request(f"r{i}", 3 + (7 * i) % 13, max_tokens=4 + i % 5))
+    while sched.num_unfinished:
+        step(sched)
+    assert sched.num_preemptions > 0 and any(seen) and sched._remaining is None
+
+
 def test_protocol_static_and_shift_decisions_need_no_view():
     deployment = build_deployment(CONFIG, dp=2)
     assert StaticPolicy(deployment).decide(FakeView()) == StepDecision(("dp@0", "dp@1"))

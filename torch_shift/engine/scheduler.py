@@ -180,6 +180,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
+        # tokens left per replica while this step admits (remaining_tokens), kept by each placement and release
+        self._remaining: list[int] | None = None
+        self._admitting = False
         self._removed: list[str] = []  # left the device since the last output
         self._shrunk: dict[str, int] = {}  # block tables that lost blocks since the last output: blocks left
         self.tier = tier
@@ -231,7 +234,29 @@ class Scheduler:
                 return False
         return True
 
+    def remaining_tokens(self) -> list[int]:
+        """Tokens the requests placed on each replica have left: their prompts' uncomputed tokens and their outputs
+        up to `max_tokens`. One pass over the running requests, once per step while a step admits (routing reads it
+        for every request it places)."""
+        if self._remaining is not None:
+            return self._remaining
+        remaining = [0] * len(self.num_seqs)
+        for request in self.running:
+            left = _tokens_left(request)
+            for r in request.replicas:
+                remaining[r] += left
+        if self._admitting:
+            self._remaining = remaining
+        return remaining
+
+    def _placed(self, request: Request, sign: int) -> None:
+        if self._remaining is not None:
+            left = sign * _tokens_left(request)
+            for r in request.replicas:
+                self._remaining[r] += left
+
     def _release(self, request: Request, free_blocks: bool = True) -> None:
+        self._placed(request, -1)
         for r in request.replicas:
             if free_blocks:
                 self.pools[r].free(request.request_id)
@@ -382,10 +407,14 @@ class Scheduler:
                 group.budget -= num_new
 
         ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
-        if not ran_out_of_blocks and decision.phase != "prefill" and self.swapped:
-            self._swap_in(groups, decision, output)
-        if not ran_out_of_blocks and decision.phase != "decode":
-            self._admit(groups, decision, output)
+        self._admitting = True
+        try:
+            if not ran_out_of_blocks and decision.phase != "prefill" and self.swapped:
+                self._swap_in(groups, decision, output)
+            if not ran_out_of_blocks and decision.phase != "decode":
+                self._admit(groups, decision, output)
+        finally:
+            self._admitting, self._remaining = False, None
         for group in groups.values():
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries),
@@ -436,6 +465,7 @@ class Scheduler:
         request.kv_layout, request.kv_view = group.layout, group.kv_view
         self.num_seqs[replica] += 1
         self.running.append(request)
+        self._placed(request, 1)
         self.num_swap_ins += 1
         if self.tier.async_copies:
             request.kv_ready_step = self.num_steps + 1  # its copy runs beside this step's forward
@@ -487,6 +517,7 @@ class Scheduler:
         for r in group.replicas:
             self.num_seqs[r] += 1
         self.running.append(request)
+        self._placed(request, 1)
         group.entries.append(self._entry(group, request, num_new))
         group.budget -= num_new
         return True
@@ -595,6 +626,10 @@ def _decodes_first(entries: list[ScheduledRequest]) -> list[ScheduledRequest]:
     return decodes + [e for e in entries if e.num_tokens != 1]
 
 
+def _tokens_left(request: Request) -> int:
+    return request.num_prompt_tokens + request.max_tokens - request.num_computed_tokens
+
+
 class SchedulerView:
     """What a policy may read of the scheduler (torch_shift.engine.policies.base.SchedulerView), read-only."""
 
@@ -656,12 +691,7 @@ class SchedulerView:
     def remaining_tokens(self) -> tuple[int, ...]:
         """Tokens the requests placed on each replica still have to compute: their prompts' uncomputed tokens and
         their outputs up to `max_tokens` (a request of several replicas counts on each)."""
-        remaining = [0] * len(self._s.num_seqs)
-        for request in self._s.running:
-            left = request.num_prompt_tokens + request.max_tokens - request.num_computed_tokens
-            for r in request.replicas:
-                remaining[r] += left
-        return tuple(remaining)
+        return tuple(self._s.remaining_tokens())
 
     @property
     def num_free_blocks(self) -> tuple[int, ...]:
