@@ -67,8 +67,8 @@ def _install(attention: AttentionFn | None) -> None:
 @contextmanager
 def step_attention(attention: AttentionFn):
     _current.append(attention)
-    _install(attention)
     try:
+        _install(attention)
         yield
     finally:
         _current.pop()

@@ -187,7 +187,8 @@ _ops_library: ctypes.CDLL | None = None  # kept loaded: its registrations live i
 
 @lru_cache(maxsize=1)
 def cpu_ops() -> bool:
-    """Load torch_shift's C++ operator implementations for the CPU (cpu_ops.cpp: `torch_shift::packed_linear`),
+    """Load torch_shift's C++ operator implementations for the CPU (cpu_ops.cpp: `torch_shift::packed_linear`, and
+    `torch_shift::attention` once `register_native_attention` registers it),
     building them on first use; False where they cannot be built (the operators' Python implementations serve, and
     `torch.ops.torch_shift_cpu` stays empty). Call it after torch_shift.models.linear defined the operator."""
     global _ops_library
@@ -197,8 +198,8 @@ def cpu_ops() -> bool:
         _ops_library = ctypes.CDLL(str(_build(Path(__file__).parent, _OPS_SOURCES, "libtorch_shift_ops.so")))
         return True
     except Exception as e:  # noqa: BLE001 - any failure leaves the Python implementations in place
-        warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers run through "
-                      "Python, which is slower", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers and compiled "
+                      "forwards' attention run through Python, which is slower", RuntimeWarning, stacklevel=2)
         return False
 
 
@@ -213,7 +214,9 @@ class NativeAttention:
         self.uninstall = library.ts_uninstall_paged_step
         self.uninstall.argtypes = []
         self.uninstall.restype = None
-        library.ts_register_attention()
+        library.ts_register_attention.restype = ctypes.c_int
+        if library.ts_register_attention() != 0:
+            raise RuntimeError("PyTorch refused the C++ implementation of torch_shift::attention")
 
 
 _native_attention: NativeAttention | None = None
@@ -224,7 +227,12 @@ def register_native_attention() -> bool:
     defined the operator and `torch_shift::attention_python`); False where the operator library does not build."""
     global _native_attention
     if _native_attention is None and cpu_ops():
-        _native_attention = NativeAttention(_ops_library)
+        try:
+            _native_attention = NativeAttention(_ops_library)
+        except RuntimeError as e:
+            warnings.warn(f"{e}: compiled forwards attend through Python, which is slower", RuntimeWarning,
+                          stacklevel=2)
+            return False
     return _native_attention is not None
 
 

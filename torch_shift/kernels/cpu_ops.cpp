@@ -193,7 +193,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 extern "C" {
 
-// CpuPagedAttention.install: its arrays' addresses (see PagedStep)
+// CpuPagedAttention.install_native: its arrays' addresses (see PagedStep)
 void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64_t k_layer_bytes,
                            int64_t v_layer_bytes, int64_t k_layout, int64_t v_layout, int64_t num_runs,
                            int64_t query_start, int64_t query_len, int64_t num_computed, int64_t block_table,
@@ -212,14 +212,18 @@ void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64
 void ts_uninstall_paged_step() { step_installed = false; }
 
 // Registers the C++ implementation of torch_shift::attention on the CPU; called once torch_shift/compilation.py has
-// defined it and torch_shift::attention_python.
-void ts_register_attention() {
-  static torch::Library* library = [] {
-    auto* lib = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    lib->impl("attention", TORCH_FN(attention));
-    return lib;
-  }();
-  (void)library;
+// defined it and torch_shift::attention_python. 0, or -1 where PyTorch refused it (a C++ exception must not cross
+// into ctypes).
+int ts_register_attention() {
+  static torch::Library* library = nullptr;
+  if (library != nullptr) return 0;
+  try {
+    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    library->impl("attention", TORCH_FN(attention));
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
 }
 
 }  // extern "C"

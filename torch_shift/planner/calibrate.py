@@ -179,7 +179,8 @@ def measure_attention(dtype: str, reps: int = 3, device: str = "cpu") -> tuple[f
 
 
 def _device_rank(rank: int, world: int, dtypes: list[str], device: str = "cpu") -> dict:
-    result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "attention_bandwidth": {}, "attention_flops": {}}
+    result: dict = {"matmul_flops": {}, "matmul_bandwidth": {}, "attention_bandwidth": {}, "attention_flops": {},
+                    "threads": torch.get_num_threads()}
     with torch.inference_mode():
         for dtype in dtypes:
             result["matmul_flops"][dtype] = measure_matmul_flops(dtype, device=device)
@@ -468,6 +469,9 @@ def calibrate(world: int = 2, threads: int = 1, name: str | None = None, dtypes:
     borrowed = {}  # a layout alone with work runs its ranks on the idle ranks' cores too (step_threads)
     for multiple in [m for m in range(2, world + 1) if world % m == 0 and threads * m <= cpus]:
         rates = run_ranks(_device_rank, 1, list(dtypes), threads=threads * multiple)[0]
+        if rates["threads"] != threads * multiple:  # forked ranks keep one thread where OpenMP cannot be released
+            log(f"  one rank on {threads * multiple} threads: not measured (the rank ran {rates['threads']})")
+            break
         _log_device(log, f"one rank on {threads * multiple} threads (a layout alone borrows idle ranks' cores)", rates)
         borrowed[multiple] = {k: rates[k] for k in BORROWED_RATES}
     node_bandwidth = None

@@ -226,7 +226,7 @@ def _at_rows(rate: float | Sequence[tuple[int, float]], rows: int) -> float:
 
 
 def _rates_json(table: Mapping) -> dict:
-    return {d: v if isinstance(v, float) else [list(p) for p in v] for d, v in table.items()}
+    return {d: v if isinstance(v, (int, float)) else [list(p) for p in v] for d, v in table.items()}
 
 
 # the rates a device measures, each of them again at a multiple of its threads (HardwareProfile.borrowed)

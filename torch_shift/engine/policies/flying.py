@@ -205,9 +205,11 @@ class FlyingPolicy(Policy):
                 return []
             # soft preemption: start at once in DP on the group's least loaded replica
             replicas = self.deployment[pinned].replicas
+            remaining, seqs = view.remaining_tokens, view.num_seqs
             return sorted((n for n in decision.layouts
                            if self.deployment[n].kv_width == 1 and self.deployment[n].replicas[0] in replicas),
-                          key=lambda n: view.num_seqs[self.deployment[n].replicas[0]])
+                          key=lambda n: (remaining[self.deployment[n].replicas[0]],
+                                         seqs[self.deployment[n].replicas[0]]))
         reserved = self.reserved_replicas()
         names = [n for n in decision.layouts if not set(self.deployment[n].replicas) & reserved]
         if not names:  # every replica is in a priority group: share the bound ones
