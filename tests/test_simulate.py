@@ -155,6 +155,8 @@ def test_a_replica_alone_with_work_is_priced_on_the_idle_replicas_cores():
     them on the profile's rates at twice a rank's threads; steps with work on both replicas at a rank's own."""
     from dataclasses import replace
 
+    from test_planner import scaled_rates
+
     from torch_shift.planner.cost import Layout, step_cost
     from torch_shift.planner.shape import Seq
 
@@ -162,12 +164,7 @@ def test_a_replica_alone_with_work_is_priced_on_the_idle_replicas_cores():
                                        "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
                                        "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
     shape, plain = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
-    doubled = {"matmul_flops": {d: 2 * r for d, r in plain.matmul_flops.items()},
-               "attention_flops": {d: 2 * r for d, r in plain.attention_flops.items()},
-               "matmul_bandwidth": {d: 2 * r for d, r in plain.matmul_bandwidth.items()},
-               "attention_bandwidth": {d: 2 * r for d, r in plain.attention_bandwidth.items()},
-               "copy_bandwidth": 2 * plain.copy_bandwidth}
-    hw = replace(plain, borrowed={2: doubled})
+    hw = replace(plain, borrowed={2: scaled_rates(plain, 2)})
     alone = RequestSpec("r0", 0.5, list(range(8, 8 + 300)), 3)
     pair = [RequestSpec(f"p{i}", 10.0, list(range(8, 8 + 300)), 3) for i in range(2)]
     engine = SimulatedEngine.simulated(EngineArgs("config-only", dp=2), config, 256, CostModelTimer(shape, hw, 16))

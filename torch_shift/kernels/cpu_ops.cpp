@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -68,21 +69,20 @@ void unregister_packed(int64_t handle) {
   registry().erase(handle);
 }
 
+// `op` called boxed with `args`: its result
+at::Tensor call_boxed(const c10::OperatorHandle& op, std::initializer_list<c10::IValue> args) {
+  torch::jit::Stack stack(args);
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 // mkldnn::_linear_pointwise(x, weight, bias, "none", [], None), called boxed: its C++ signature's string type has
 // changed between torch versions, its schema has not (and a matmul of more than 16 rows dwarfs the boxing)
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(weight);
-  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(c10::IValue());
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
+  return call_boxed(op, {x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                         c10::List<std::optional<at::Scalar>>(), c10::IValue()});
 }
 
 // linear.py's PackedWeight.run, in C++
@@ -146,16 +146,8 @@ at::Tensor python_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("torch_shift::attention_python", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(q);
-  stack.emplace_back(k);
-  stack.emplace_back(v);
-  stack.emplace_back(layer_idx);
-  stack.emplace_back(sinks.has_value() ? c10::IValue(*sinks) : c10::IValue());
-  stack.emplace_back(sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue());
-  op.callBoxed(&stack);
-  return stack.back().toTensor();
+  return call_boxed(op, {q, k, v, layer_idx, sinks.has_value() ? c10::IValue(*sinks) : c10::IValue(),
+                         sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue()});
 }
 
 // CpuPagedAttention.__call__, in C++
