@@ -79,6 +79,8 @@ class EngineArgs:
                                                "on the device, where the host's work would otherwise leave it idle "
                                                "(default: on with one rank on a GPU and no speculative decoding)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
+    decode_pool: bool = _arg(True, "on the CPU, steps of at most 16 tokens run their matmuls on threads of the GEMV "
+                                   "kernel's own, which read the next weights while the step's other work runs")
     speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
                                                  "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": 4}' (docs/speculative.md)")
@@ -197,8 +199,8 @@ class EngineArgs:
                               ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
-        for name in ("compile", "cuda_graphs", "async_scheduling", "prepack_weights", "enable_prefix_caching",
-                     "enable_expert_parallel"):
+        for name in ("compile", "cuda_graphs", "async_scheduling", "prepack_weights", "decode_pool",
+                     "enable_prefix_caching", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs", "async_scheduling")
                                                                    and getattr(self, name) is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -316,7 +318,7 @@ class EngineArgs:
                                     interconnect_gbps=self.interconnect_gbps),
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
                                 compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights,
-                                cuda_graphs=self._captures(deployment)),
+                                decode_pool=self.decode_pool, cuda_graphs=self._captures(deployment)),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
             speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
@@ -344,6 +346,7 @@ class RunnerConfig:
     attention_backend: str = "auto"
     compile: bool = False
     prepack_weights: bool = True
+    decode_pool: bool = True  # ModelRunner.decode_pool
     cuda_graphs: bool = False
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
+from torch_shift.engine.decode_pool import DecodePool, release_decode_pool
 from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
@@ -36,13 +37,15 @@ class ModelRunner:
                  max_model_len: int, vocab_size: int, sliding_window: int | None = None,
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None,
-                 barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None):
+                 barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None,
+                 decode_pool: bool = True):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
         steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention); `host_cores`:
         the cores this rank shares with the deployment's other local ranks, whose idle ones it borrows in a step
-        that leaves them without work (`step_threads`; None: never)."""
+        that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps of at most GEMV_MAX_ROWS
+        tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool)."""
         self.model = model
         self.kv_cache = kv_cache
         self.deployment = deployment
@@ -60,6 +63,7 @@ class ModelRunner:
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
         self.host_cores = host_cores
+        self.decode_pool = DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module))
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -107,7 +111,23 @@ class ModelRunner:
                     torch.set_num_threads(threads)
                     run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
                     torch.set_num_threads(own)
+        # and a layout whose small steps may run on the decode pool, for torch's one thread there
+        pooled = [layout for layout in self.deployment.layouts_of(self.rank)
+                  if self.decode_pool.workers(1, self._max_threads(layout))]
+        threads = torch.get_num_threads()
+        if pooled and threads > 1:
+            torch.set_num_threads(1)
+            try:
+                run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
+            finally:
+                torch.set_num_threads(threads)
         self.model.reset_counters()
+
+    def _max_threads(self, layout: Layout) -> int:
+        """The most threads this rank runs `layout`'s steps on."""
+        if self.host_cores is None:
+            return torch.get_num_threads()
+        return step_threads(self.deployment, [layout.name], self.rank, self.host_cores)
 
     def _replays(self, inputs: HostInputs) -> bool:
         """Whether a captured graph runs this step: decodes only (one token and one logits row per run), no more
@@ -166,6 +186,17 @@ class ModelRunner:
                                    self.host_cores)
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
+        tokens = sum(int(group.num_scheduled.sum()) for group in plan.groups
+                     if self.rank in self.deployment[group.layout].ranks)
+        with self.decode_pool.step(tokens):
+            return self._run_groups(plan, previous_tokens, swap_seconds)
+
+    def close(self) -> None:
+        """Put the decode pool's threads to sleep."""
+        release_decode_pool()
+
+    def _run_groups(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
+                    swap_seconds: float) -> StepResult | None:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         with comm.emulated_link(self.interconnect_gbps):

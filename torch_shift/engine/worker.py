@@ -142,7 +142,7 @@ class Worker:
                              runner_config.attention_backend, runner_config.compile, host_tier,
                              config.tier.kv_swap, parallel.interconnect_gbps,
                              runtime.barrier if runtime is not None else None, runner_config.cuda_graphs,
-                             runtime.host_cores if runtime is not None else None)
+                             runtime.host_cores if runtime is not None else None, runner_config.decode_pool)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------
@@ -206,6 +206,7 @@ class Worker:
         the tier's copy thread."""
         if self.runtime is not None and self.rank == 0:
             self.runtime.shutdown(timeout_s)
+        self.runner.close()
         if self.runner.swapper is not None:
             self.runner.swapper.close()
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class CpuKernels:
         self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
         self.packed_gemv.restype = ctypes.c_int
         self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
+        self.library = lib
         self.rms_norm = lib.ts_rms_norm
         self.rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, ptr]
         self.rms_norm.restype = ctypes.c_int
@@ -201,6 +203,37 @@ def cpu_ops() -> bool:
         warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers and compiled "
                       "forwards' attention run through Python, which is slower", RuntimeWarning, stacklevel=2)
         return False
+
+
+@lru_cache(maxsize=1)
+def _gemv_pool() -> tuple[Callable[[int], int], Callable[[], int]] | None:
+    """The decode pool's entry points (arm, workers) in the library the packed weights call: the operator library
+    where it builds, else the kernels'; None where neither does."""
+    if cpu_ops():
+        library = _ops_library
+    elif cpu_kernels() is not None:
+        library = cpu_kernels().library
+    else:
+        return None
+    arm, workers = library.ts_gemv_pool_arm, library.ts_gemv_pool_workers
+    arm.argtypes, arm.restype = [ctypes.c_int], ctypes.c_int
+    workers.argtypes, workers.restype = [], ctypes.c_int
+    return arm, workers
+
+
+def arm_gemv_pool(workers: int) -> int:
+    """Let `workers` threads of the GEMV kernel's decode pool (cpu_linear.cpp) run the GEMVs with the calling thread,
+    and prefetch the weights that come next while it runs the rest of a step; 0: none (they sleep; the GEMVs split
+    over torch's threads again). Only for steps whose matmuls all run the GEMV, with torch's threads at one while
+    armed (torch_shift.engine.decode_pool). Returns the workers armed (0 where the kernels are unavailable)."""
+    pool = _gemv_pool()
+    return 0 if pool is None else pool[0](workers)
+
+
+def gemv_pool_workers() -> int:
+    """The decode pool's workers armed now (0 in a child forked from an armed process)."""
+    pool = _gemv_pool()
+    return 0 if pool is None else pool[1]()
 
 
 class NativeAttention:

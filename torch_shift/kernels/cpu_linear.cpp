@@ -15,11 +15,21 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #if defined(__x86_64__)  // AVX-512 paths, chosen at run time; elsewhere the kernel declines and oneDNN runs
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+#include <unordered_map>
 
 namespace {
 
@@ -101,32 +111,330 @@ struct Bf16Rows {
   }
 };
 
+// Rows of x in groups of at most kMaxRows, as equal as they can be, against one block of the weight. The block
+// (64 x K weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
 template <template <int> class Rows, typename T>
-void run_rows(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
-              int64_t out_stride) {
-  // Blocks are split between threads; rows of x in groups of at most kMaxRows, as equal as they can be. Each
-  // block (64 x K weights, at most a few hundred KiB) is read from memory for its first group and from L2 for
-  // the others.
-  const int64_t blocks = N / kBlock;
+void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K, const T* bias, T* out,
+                   int64_t out_stride, int64_t b) {
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t g = 0, r0 = 0; g < groups; ++g) {
-        const int64_t n = (rows - r0) / (groups - g);
-        const T* xr = x + r0 * x_stride;
-        T* outr = out + r0 * out_stride;
-        switch (n) {
-          case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-          case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-          case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-          case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-          case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-          default: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-        }
-        r0 += n;
+  for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+    const int64_t n = (rows - r0) / (groups - g);
+    const T* xr = x + r0 * x_stride;
+    T* outr = out + r0 * out_stride;
+    switch (n) {
+      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      default: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+    }
+    r0 += n;
+  }
+}
+
+// out[rows, N] = x @ W.T (+ bias) for one block b of W, in the job's dtype
+struct Matmul {
+  int dtype;  // 0 float32, 1 bfloat16
+  const void* x;
+  int64_t x_stride, rows;
+  const void* w;
+  int64_t N, K;
+  const void* bias;
+  void* out;
+  int64_t out_stride;
+
+  void block(int64_t b) const {
+    if (dtype == 0)
+      rows_of_block<F32Rows>(static_cast<const float*>(x), x_stride, rows, static_cast<const float*>(w), K,
+                             static_cast<const float*>(bias), static_cast<float*>(out), out_stride, b);
+    else
+      rows_of_block<Bf16Rows>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
+                              static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
+  }
+  int64_t block_bytes() const { return kBlock * K * (dtype == 0 ? 4 : 2); }
+};
+
+// Blocks split between torch's threads in equal parts (the pool below runs the decode steps it is armed for).
+void run_parallel(const Matmul& m) {
+  at::parallel_for(0, m.N / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) m.block(b);
+  });
+}
+
+// The decode steps' pool: threads of its own that run the GEMVs with the calling thread and, while that thread
+// runs everything else of the step (the interpreter, attention, small kernels: a third of a bf16 batch-1 step),
+// prefetch the weights of the matmuls that come next, so that memory streams weights during that time too. A
+// worker prefetches the part of the next weight it will compute itself, then the others' parts from their ends,
+// where it takes blocks when it runs out of its own: the caller reads its part from memory and the worker, which
+// has its part in cache, finishes early and takes over the caller's last blocks. (A script of the 106M model's 33
+// bf16 weights with 75 us of other work on the caller after each: 6.3 ms of matmul time with OpenMP's split, 4.7
+// ms with this; docs/performance.md, issue 20.) Which matmul comes next is learned from the order the caller
+// runs them in (a decode step runs the same weights in the same order every time). Prefetch instructions never
+// fault, so a freed weight's address in that order is harmless.
+//
+// The caller arms the pool for a step whose matmuls all fit the GEMV (ts_gemv_pool_arm) and runs that step's
+// OpenMP regions on one thread, so that torch's OpenMP threads do not compete with the pool's for the cores.
+namespace pool {
+
+constexpr int kMaxWorkers = 63;
+constexpr int kAhead = 3;                            // weights a worker prefetches ahead, at most
+constexpr int64_t kAheadBytes = int64_t(12) << 20;   // and bytes (the L3 of this machine: 32 MiB, shared)
+constexpr int64_t kPrefetchChunk = 4096;             // bytes prefetched between two looks for a new job
+constexpr int64_t kSpinBeforeSleepNs = 5'000'000;    // a worker without work sleeps after this
+
+struct Weight {
+  const char* data = nullptr;
+  int64_t blocks = 0, block_bytes = 0;
+};
+
+struct Job {
+  Matmul matmul;
+  int threads;
+  Weight next[kAhead];
+  int num_next;
+};
+
+struct alignas(64) Span {
+  std::atomic<uint64_t> bounds;  // (first unclaimed block << 32) | one past the last unclaimed block
+};
+struct alignas(64) Slot {
+  std::atomic<uint32_t> in_job;  // the job a worker is inside (0: none)
+};
+
+Job job;                                  // written by the caller before it opens the job
+Span spans[kMaxWorkers + 1];              // the blocks each thread owns in the open job, claimed from both ends
+Slot slots[kMaxWorkers];
+std::atomic<uint32_t> epoch{0};           // the last job posted (a futex word: sleeping workers wait on it)
+std::atomic<uint32_t> open_job{0};        // the job that may still be entered (0: none)
+std::atomic<int64_t> blocks_done{0};
+std::atomic<int> armed{0};                // workers taking part in jobs now
+std::atomic<uint32_t> arming{0};          // changes with `armed` (a futex word)
+std::atomic<int> sleepers{0};
+std::atomic<bool> busy{false};            // one caller at a time; another runs its matmul itself
+int started = 0;                          // worker threads of this process
+pid_t owner = 0;                          // the process that started them (a forked child has none)
+bool forks_handled = false;               // forget_after_fork registered (a child inherits the registration)
+// the caller's record of which weight follows which
+std::unordered_map<const void*, Weight> weights;
+std::unordered_map<const void*, const void*> next_of;
+const void* previous = nullptr;
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+}
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+int64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
+}
+
+// thread t's part of `blocks`: [first, last)
+inline int64_t part_start(int64_t blocks, int threads, int t) { return blocks * t / threads; }
+
+bool claim_own(int t, int64_t* b) {
+  uint64_t v = spans[t].bounds.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint32_t lo = v >> 32, hi = uint32_t(v);
+    if (lo >= hi) return false;
+    if (spans[t].bounds.compare_exchange_weak(v, (uint64_t(lo + 1) << 32) | hi, std::memory_order_acq_rel)) {
+      *b = lo;
+      return true;
+    }
+  }
+}
+
+bool claim_other(int t, int threads, int64_t* b) {
+  for (int i = 1; i < threads; ++i) {
+    Span& span = spans[(t + i) % threads];
+    uint64_t v = span.bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint32_t lo = v >> 32, hi = uint32_t(v);
+      if (lo >= hi) break;
+      if (span.bounds.compare_exchange_weak(v, (uint64_t(lo) << 32) | (hi - 1), std::memory_order_acq_rel)) {
+        *b = hi - 1;
+        return true;
       }
     }
-  });
+  }
+  return false;
+}
+
+void work(const Matmul& m, int t, int threads) {
+  int64_t b;
+  while (claim_own(t, &b) || claim_other(t, threads, &b)) {
+    m.block(b);
+    blocks_done.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+// What a worker prefetches after a job: byte ranges in order, each a run of whole blocks.
+struct Prefetch {
+  struct Range {
+    const char* begin;
+    int64_t bytes;
+    bool down;  // from its end
+  };
+  Range ranges[kAhead * (kMaxWorkers + 1)];
+  int count = 0, at = 0;
+  int64_t done = 0;  // bytes of ranges[at] prefetched
+
+  void plan(const Job& j, int t) {
+    count = at = 0;
+    done = 0;
+    int64_t budget = kAheadBytes;
+    for (int i = 0; i < j.num_next && budget > 0; ++i) {
+      const Weight& w = j.next[i];
+      for (int k = 0; k < j.threads && budget > 0; ++k) {
+        const int owner_t = (t + k) % j.threads;  // its own part first, ascending; then the others' from their ends
+        const int64_t first = part_start(w.blocks, j.threads, owner_t);
+        const int64_t bytes = std::min((part_start(w.blocks, j.threads, owner_t + 1) - first) * w.block_bytes, budget);
+        if (bytes <= 0) continue;
+        const char* begin = w.data + first * w.block_bytes;
+        if (k > 0) begin = w.data + part_start(w.blocks, j.threads, owner_t + 1) * w.block_bytes - bytes;
+        ranges[count++] = {begin, bytes, k > 0};
+        budget -= bytes;
+      }
+    }
+  }
+
+  // one chunk; false when nothing is left
+  bool step() {
+    if (at >= count) return false;
+    const Range& r = ranges[at];
+    const int64_t n = std::min(kPrefetchChunk, r.bytes - done);
+    const char* p = r.down ? r.begin + r.bytes - done - n : r.begin + done;
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    done += n;
+    if (done >= r.bytes) {
+      ++at;
+      done = 0;
+    }
+    return true;
+  }
+};
+
+void worker_main(int w) {
+  Prefetch prefetch;
+  uint32_t seen = epoch.load(std::memory_order_acquire);
+  int64_t idle_since = -1;
+  int spins = 0;
+  for (;;) {
+    if (w >= armed.load(std::memory_order_acquire)) {
+      const uint32_t a = arming.load(std::memory_order_acquire);
+      if (w >= armed.load(std::memory_order_acquire)) futex_wait(&arming, a);
+      prefetch.count = 0;
+      seen = epoch.load(std::memory_order_acquire);
+      continue;
+    }
+    const uint32_t e = epoch.load(std::memory_order_acquire);
+    if (e != seen) {
+      seen = e;
+      idle_since = -1;
+      slots[w].in_job.store(e, std::memory_order_seq_cst);
+      if (open_job.load(std::memory_order_seq_cst) == e) {
+        const Job j = job;
+        work(j.matmul, w + 1, j.threads);
+        prefetch.plan(j, w + 1);
+      }
+      slots[w].in_job.store(0, std::memory_order_seq_cst);
+      continue;
+    }
+    if (prefetch.step()) continue;
+    _mm_pause();
+    if (++spins < 1024) continue;
+    spins = 0;
+    const int64_t now = now_ns();
+    if (idle_since < 0) {
+      idle_since = now;
+    } else if (now - idle_since > kSpinBeforeSleepNs) {
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (epoch.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch, seen);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      idle_since = -1;
+    }
+  }
+}
+
+void forget_after_fork() {
+  started = 0;
+  owner = 0;
+  armed.store(0);
+  sleepers.store(0);
+  busy.store(false);
+  open_job.store(0);
+  for (auto& slot : slots) slot.in_job.store(0);
+}
+
+// Workers beyond `count` sleep; those missing are started.
+int arm(int count) {
+  count = std::max(0, std::min(count, kMaxWorkers));
+  if (!forks_handled) forks_handled = pthread_atfork(nullptr, nullptr, forget_after_fork) == 0;
+  if (owner != getpid()) {
+    forget_after_fork();
+    owner = getpid();
+  }
+  for (; started < count; ++started) std::thread(worker_main, started).detach();
+  armed.store(count, std::memory_order_release);
+  arming.fetch_add(1, std::memory_order_acq_rel);
+  futex_wake(&arming);
+  return count;
+}
+
+void learn_order(const Matmul& m) {
+  Weight& self = weights[m.w];
+  self = {static_cast<const char*>(m.w), m.N / kBlock, m.block_bytes()};
+  if (previous != nullptr && previous != m.w) next_of[previous] = m.w;
+  previous = m.w;
+  if (weights.size() > 65536) {  // weights freed and others made, for a long time: start again
+    weights.clear();
+    next_of.clear();
+    previous = nullptr;
+  }
+}
+
+void run(const Matmul& m, int workers) {
+  learn_order(m);
+  const int threads = workers + 1;
+  const int64_t blocks = m.N / kBlock;
+  job.matmul = m;
+  job.threads = threads;
+  job.num_next = 0;
+  for (const void* at = m.w; job.num_next < kAhead;) {
+    auto it = next_of.find(at);
+    if (it == next_of.end()) break;
+    at = it->second;
+    job.next[job.num_next++] = weights[at];
+  }
+  for (int t = 0; t < threads; ++t)
+    spans[t].bounds.store((uint64_t(part_start(blocks, threads, t)) << 32) | uint64_t(part_start(blocks, threads, t + 1)),
+                          std::memory_order_relaxed);
+  blocks_done.store(0, std::memory_order_relaxed);
+  uint32_t e = epoch.load(std::memory_order_relaxed) + 1;
+  if (e == 0) e = 1;  // 0 means no job
+  open_job.store(e, std::memory_order_seq_cst);
+  epoch.store(e, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&epoch);
+  work(m, 0, threads);
+  while (blocks_done.load(std::memory_order_acquire) < blocks) _mm_pause();
+  open_job.store(0, std::memory_order_seq_cst);
+  for (int w = 0; w < workers; ++w)
+    while (slots[w].in_job.load(std::memory_order_seq_cst) == e) _mm_pause();
+}
+
+}  // namespace pool
+
+void run_matmul(const Matmul& m) {
+  const int workers = pool::armed.load(std::memory_order_acquire);
+  if (workers > 0 && !pool::busy.exchange(true, std::memory_order_acquire)) {  // a forked child: 0 (atfork)
+    pool::run(m, workers);
+    pool::busy.store(false, std::memory_order_release);
+    return;
+  }
+  run_parallel(m);
 }
 
 }  // namespace
@@ -148,19 +456,17 @@ int ts_packed_gemv_dtypes() {
 // Returns 0, or -1 for a shape the layout above does not cover.
 int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight, int64_t N,
                    int64_t K, const void* bias, void* out, int64_t out_row_stride) {
-  if (N % kBlock != 0 || rows < 1 || (dtype == 1 && K % 2 != 0)) return -1;
-  if (dtype == 0) {
-    run_rows<F32Rows>(static_cast<const float*>(x), x_row_stride, rows, static_cast<const float*>(weight), N, K,
-                      static_cast<const float*>(bias), static_cast<float*>(out), out_row_stride);
-    return 0;
-  }
-  if (dtype == 1) {
-    run_rows<Bf16Rows>(static_cast<const uint16_t*>(x), x_row_stride, rows, static_cast<const uint16_t*>(weight), N,
-                       K, static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_row_stride);
-    return 0;
-  }
-  return -1;
+  if (N % kBlock != 0 || rows < 1 || (dtype == 1 && K % 2 != 0) || (dtype != 0 && dtype != 1)) return -1;
+  run_matmul({dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride});
+  return 0;
 }
+
+// Let `workers` threads of the decode pool (above) run the GEMVs with the caller from now on (0: none, OpenMP's
+// split again). The caller runs its OpenMP regions on one thread while armed. Returns the workers armed.
+int ts_gemv_pool_arm(int workers) { return pool::arm(workers); }
+
+// The workers armed now (0 in a child forked from an armed process: its threads were not copied).
+int ts_gemv_pool_workers() { return pool::armed.load(std::memory_order_acquire); }
 
 }  // extern "C"
 
@@ -171,6 +477,8 @@ int ts_packed_gemv_dtypes() { return 0; }
 int ts_packed_gemv(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*, int64_t) {
   return -1;
 }
+int ts_gemv_pool_arm(int) { return 0; }
+int ts_gemv_pool_workers() { return 0; }
 }  // extern "C"
 
 #endif  // __x86_64__

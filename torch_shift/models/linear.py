@@ -215,6 +215,20 @@ def prepare_linears(model: nn.Module, drop_dense: bool = True) -> int:
     return total
 
 
+def gemv_reads_every_weight(model: nn.Module) -> bool:
+    """Whether every matmul of `model` reads a packed weight that the GEMV kernel reads: its steps of at most
+    `GEMV_MAX_ROWS` rows then run no other matmul, and may run on the kernel's decode pool
+    (torch_shift.kernels.arm_gemv_pool)."""
+    weights = []
+    for module in model.modules():
+        if hasattr(module, "packed"):
+            packed = module.packed
+            if packed is None:
+                return False
+            weights += [*packed.gate_up, *packed.down] if hasattr(packed, "gate_up") else [packed]
+    return bool(weights) and all(w.gemv is not None for w in weights)
+
+
 def drop_parameter(module: nn.Module, name: str) -> None:
     """`module.<name>` replaced by an empty parameter: its memory is freed unless something else holds it."""
     old = getattr(module, name)

@@ -52,25 +52,42 @@ def release_openmp_threads() -> bool:
     """End this thread's OpenMP worker threads (OpenMP 5.0's `omp_pause_resource_all`; the next parallel region
     starts new ones), so that a child forked next can run parallel regions of several threads: libgomp, torch's
     OpenMP on Linux, does not handle fork, and a forked child of a process whose parallel regions used several
-    threads hangs in its first such region of its own (measured here). False where libgomp is loaded and the
-    release failed, or where this process's libraries cannot be listed (no /proc); LLVM's and Intel's runtimes
-    reset themselves in a forked child."""
+    threads hangs in its first such region of its own (measured here). Also before steps that run on other threads
+    (the GEMV kernel's decode pool), which OpenMP's idle workers would spin against for milliseconds. False where
+    libgomp is loaded and the release failed, or where this process's libraries cannot be listed (no /proc); LLVM's
+    and Intel's runtimes reset themselves in a forked child. 2 us where there are no workers, 120 us where there
+    are."""
+    pauses = _openmp_pauses()
+    return pauses is not None and all(pause(2) == 0 for pause in pauses)  # omp_pause_hard; fails in a region
+
+
+_pauses: tuple | None = None
+
+
+def _openmp_pauses() -> tuple | None:
+    """libgomp's `omp_pause_resource_all` of every libgomp this process loaded (torch's, once imported); None
+    where one lacks it or the libraries cannot be listed. Kept once torch (which loads it) is imported."""
     import ctypes
 
+    global _pauses
+    if _pauses is not None:
+        return _pauses
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libgomp" in line}
     except OSError:
-        return False
+        return None
+    pauses = []
     for path in paths:
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):
-            return False
+            return None
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        if pause(2) != 0:  # omp_pause_hard; fails inside a parallel region
-            return False
-    return True
+        pauses.append(pause)
+    if "torch" in sys.modules:
+        _pauses = tuple(pauses)
+    return tuple(pauses)
 
 
 def default_start_method(device_type: str = "cpu") -> str:

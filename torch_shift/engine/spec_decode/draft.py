@@ -23,6 +23,7 @@ import torch
 from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.config import ModelConfig
+from torch_shift.engine.decode_pool import DecodePool
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.decoder import DecoderLM
@@ -65,7 +66,8 @@ def _vocabulary(directory: Path | None) -> tuple | None:
 
 def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torch.device, block_size: int,
                         max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                        attention_backend: str = "auto", prepack_weights: bool = True) -> DraftModelProposer:
+                        attention_backend: str = "auto", prepack_weights: bool = True,
+                        decode_pool: bool = True) -> DraftModelProposer:
     """The draft loaded on rank 0's device in the target's dtype, with a pool for every sequence slot filled to
     the context, or what a bounded budget holds (then requests past it propose nothing until blocks come free)."""
     model = load_model(draft.model_dir, dtype, device)
@@ -75,7 +77,7 @@ def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torc
     enough = max_num_seqs * math.ceil(max_model_len / block_size)
     budget = min(_DRAFT_KV_BUDGET_BYTES, available_memory_bytes(device) // 8)
     num_blocks = max(min(enough, budget // per_block), math.ceil(max_model_len / block_size))
-    return DraftModelProposer(model, num_blocks, block_size, max_num_batched_tokens, attention_backend)
+    return DraftModelProposer(model, num_blocks, block_size, max_num_batched_tokens, attention_backend, decode_pool)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class DraftModelProposer:
     name = "draft_model"
 
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", decode_pool: bool = True):
         config = model.config
         self.model = model
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
@@ -113,6 +115,7 @@ class DraftModelProposer:
         self.device = device
         self.states: dict[str, _DraftState] = {}
         self.num_forwards = 0  # forwards run, over the proposer's life
+        self.decode_pool = DecodePool(model, device, decode_pool)  # its forwards of a few tokens, as the target's
 
     @staticmethod
     def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -211,11 +214,12 @@ class DraftModelProposer:
             block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
             slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
         input_ids = tensor(np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64))
-        hidden = self.model(input_ids, positions_t, self.attention.build(batch, self.kv_cache))
-        self.num_forwards += 1
-        if not len(logits_indices):
-            return []
-        next_tokens = argmax(self.model.compute_logits(hidden[tensor(logits_indices)])).tolist()
+        with self.decode_pool.step(len(input_ids)):
+            hidden = self.model(input_ids, positions_t, self.attention.build(batch, self.kv_cache))
+            self.num_forwards += 1
+            if not len(logits_indices):
+                return []
+            next_tokens = argmax(self.model.compute_logits(hidden[tensor(logits_indices)])).tolist()
         # back to the callers' order of runs
         wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]

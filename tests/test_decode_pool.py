@@ -1,0 +1,153 @@
+"""The GEMV kernel's decode pool (kernels/cpu_linear.cpp, torch_shift.engine.decode_pool): its threads compute
+the same bits as torch's, whatever they prefetched, in a forked child too, and an engine's steps of a few tokens
+give the same tokens and logprobs with it as without."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
+from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packing_supported
+from torch_shift.parallel.launch import local_cores, release_openmp_threads
+
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
+
+
+def _weights(dtype):
+    """A decode step's shapes in small: qkv, o, gate/up, down, LM head."""
+    torch.manual_seed(0)
+    shapes = [(384, 256), (256, 256), (1024, 256), (256, 512), (1024, 256)]
+    weights = [PackedWeight(torch.randn(shape).to(dtype)) for shape in shapes]
+    if any(w.gemv is None for w in weights):
+        pytest.skip("the GEMV kernel does not run here (no compiler or no AVX-512)")
+    return weights
+
+
+def _step(weights, xs, bias):
+    return [w(x, bias if w.out_features == bias.numel() else None) for w, x in zip(weights, xs)]
+
+
+@pytest.fixture
+def disarmed():
+    yield
+    arm_gemv_pool(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_pool_computes_torchs_bits_whatever_it_prefetched(dtype, disarmed):
+    """Every row count the GEMV takes, the weights run in a fixed order again and again (the pool learns it and
+    prefetches the next ones), with one worker and with more workers than cores: each result equals the one
+    computed on torch's threads bit for bit. A weight freed while the pool still expects it is harmless."""
+    weights = _weights(dtype)
+    bias = torch.randn(256).to(dtype)
+    for rows in [1, 2, 5, 7, 12, GEMV_MAX_ROWS]:
+        xs = [torch.randn(rows, w.in_features).to(dtype) for w in weights]
+        expected = _step(weights, xs, bias)
+        for workers in (1, 3):
+            assert arm_gemv_pool(workers) == workers == gemv_pool_workers()
+            for _ in range(4):
+                assert all(torch.equal(g, e) for g, e in zip(_step(weights, xs, bias), expected, strict=True))
+            arm_gemv_pool(0)
+    arm_gemv_pool(1)
+    _step(weights, xs, bias)
+    del weights[2]  # the pool's order still names it next after the second
+    xs = [torch.randn(GEMV_MAX_ROWS, w.in_features).to(dtype) for w in weights]
+    armed = _step(weights, xs, bias)
+    arm_gemv_pool(0)
+    assert all(torch.equal(a, e) for a, e in zip(armed, _step(weights, xs, bias), strict=True))
+
+
+def test_a_child_forked_from_an_armed_process_computes_without_the_parents_threads(disarmed):
+    """fork copies only the forking thread: the child's pool starts disarmed (pthread_atfork) and its matmuls run
+    on torch's threads; arming it there starts threads of its own."""
+    (weight, *_) = _weights(torch.float32)
+    x = torch.randn(3, weight.in_features)
+    expected = weight(x, None)
+    arm_gemv_pool(1)
+    weight(x, None)
+    release_openmp_threads()  # as the launcher does before it forks (libgomp does not survive a fork)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        try:
+            results = [gemv_pool_workers(), torch.equal(weight(x, None), expected)]
+            arm_gemv_pool(1)
+            results.append(torch.equal(weight(x, None), expected))
+            os.write(write, pickle.dumps(results))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        results = pickle.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert results == [0, True, True]
+
+
+
+PARAMS = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, logprobs=2)
+PROMPTS = [random_prompts(1, [37]), random_prompts(3, [5, 40, 9], seed=1), random_prompts(6, None, seed=2)]
+
+
+def _outputs(llm):
+    runs = [llm.generate(prompts, PARAMS, use_tqdm=False) for prompts in PROMPTS]
+    return [[(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in top.items()} for top in o.outputs[0].logprobs])
+             for o in run] for run in runs]
+
+
+def _armed_in_decodes(llm) -> int:
+    """The pool's workers seen in the decode steps of a generation."""
+    seen = []
+    step = llm.engine.worker.runner._run_groups
+
+    def spy(*args):
+        seen.append(gemv_pool_workers())
+        return step(*args)
+
+    llm.engine.worker.runner._run_groups = spy
+    llm.generate(PROMPTS[0], PARAMS, use_tqdm=False)
+    del llm.engine.worker.runner._run_groups
+    return max(seen)
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, compile, disarmed):
+    """Steps of up to GEMV_MAX_ROWS tokens run on the pool (torch on one thread, compiled for it at start-up:
+    nothing recompiles), the others on torch's threads: the same tokens and logprobs as an engine without it."""
+    import torch._dynamo
+
+    without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=32)
+    expected = _outputs(without)
+    assert not without.engine.worker.runner.decode_pool.enabled
+    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32)
+    if not llm.engine.worker.runner.decode_pool.enabled:
+        pytest.skip("the GEMV kernel does not run here")
+    threads = torch.get_num_threads()
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        assert _outputs(llm) == expected
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert torch.get_num_threads() == threads  # the caller's threads, after every step
+    if threads > 1:
+        assert _armed_in_decodes(llm) == threads - 1
+    llm.shutdown()
+    assert gemv_pool_workers() == 0
+
+
+def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
+    """DP-2 started from this process: a replica alone with work borrows the idle rank's core, for the pool's
+    worker in its small steps; outputs as one process's."""
+    expected = _outputs(LLM(str(layers4), decode_pool=False, max_num_batched_tokens=32))
+    llm = LLM(str(layers4), dp=2, max_num_batched_tokens=32)
+    try:
+        assert _outputs(llm) == expected
+        if local_cores() > 1 and llm.engine.worker.runner.decode_pool.enabled:
+            assert _armed_in_decodes(llm) == local_cores() - 1  # rank 0's replica alone with one request
+    finally:
+        llm.shutdown()
