@@ -12,6 +12,7 @@ import torch
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
+from torch_shift.engine.decode_pool import SMALL_STEPS_BEFORE_POOL
 from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
 from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packing_supported
 from torch_shift.parallel.launch import local_cores, release_openmp_threads
@@ -110,7 +111,7 @@ def _armed_in_decodes(llm) -> int:
         return step(*args)
 
     llm.engine.worker.runner._run_groups = spy
-    llm.generate(PROMPTS[0], PARAMS, use_tqdm=False)
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=2 * SMALL_STEPS_BEFORE_POOL, ignore_eos=True), use_tqdm=False)
     del llm.engine.worker.runner._run_groups
     return max(seen)
 

@@ -303,6 +303,8 @@ class LLMEngine:
         every request that finished: no per-step objects for the others)."""
         start = time.perf_counter()
         step = self.last_core_step = self.core.step()
+        if self.worker is not None and (step is None or not self.core.has_unfinished_requests()):
+            self.worker.runner.idle()  # torch's threads back to the caller's process (engine/decode_pool.py)
         if step is None:
             return []
         for request in self.output_processor.detokenize(step.updated):  # a stop string ended them

@@ -191,8 +191,8 @@ class ModelRunner:
         with self.decode_pool.step(tokens):
             return self._run_groups(plan, previous_tokens, swap_seconds)
 
-    def close(self) -> None:
-        """Put the decode pool's threads to sleep."""
+    def idle(self) -> None:
+        """Out of work (and at close): the decode pool's threads sleep and torch gets its threads back."""
         release_decode_pool()
 
     def _run_groups(self, plan: StepPlan, previous_tokens: torch.Tensor | None,

@@ -185,7 +185,9 @@ class Worker:
             kind, payload = self.runtime.broadcast()
             if kind == "step":
                 self.runner.execute(payload)
-            elif kind == "result":
+                continue
+            self.runner.idle()  # the call ends: the user's program (torchrun) runs on this process's threads
+            if kind == "result":
                 return payload
             elif kind == "error":
                 mistake, message = payload
@@ -206,7 +208,7 @@ class Worker:
         the tier's copy thread."""
         if self.runtime is not None and self.rank == 0:
             self.runtime.shutdown(timeout_s)
-        self.runner.close()
+        self.runner.idle()
         if self.runner.swapper is not None:
             self.runner.swapper.close()
 
