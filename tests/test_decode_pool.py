@@ -152,3 +152,23 @@ def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
             assert _armed_in_decodes(llm) == local_cores() - 1  # rank 0's replica alone with one request
     finally:
         llm.shutdown()
+
+
+def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, disarmed):
+    llm = LLM(str(layers4), max_num_batched_tokens=32)
+    threads = torch.get_num_threads()
+    steps = []
+    step = llm.engine.step
+
+    def interrupted(*args, **kwargs):
+        steps.append(gemv_pool_workers())
+        if len(steps) > 2 * SMALL_STEPS_BEFORE_POOL:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    llm.engine.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+    if threads > 1 and llm.engine.worker.runner.decode_pool.enabled:
+        assert max(steps) == threads - 1  # it was pooled when interrupted
+    assert torch.get_num_threads() == threads and gemv_pool_workers() == 0

@@ -132,6 +132,8 @@ class LLM:
         finally:
             for rid in request_ids:  # nothing stays queued after an error or an interrupt
                 self.engine.abort_request(rid)
+            if not self.engine.has_unfinished_requests():
+                self.engine.idle()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -303,8 +303,8 @@ class LLMEngine:
         every request that finished: no per-step objects for the others)."""
         start = time.perf_counter()
         step = self.last_core_step = self.core.step()
-        if self.worker is not None and (step is None or not self.core.has_unfinished_requests()):
-            self.worker.runner.idle()  # torch's threads back to the caller's process (engine/decode_pool.py)
+        if step is None or not self.core.has_unfinished_requests():
+            self.idle()
         if step is None:
             return []
         for request in self.output_processor.detokenize(step.updated):  # a stop string ended them
@@ -313,6 +313,11 @@ class LLMEngine:
         self.stats_recorder.record_step(step.entries, time.perf_counter() - start, step.swap_seconds,
                                         step.reshard_seconds)
         return outputs
+
+    def idle(self) -> None:
+        """Out of work: the caller's process gets torch's threads back from the decode pool (engine/decode_pool.py)."""
+        if self.worker is not None:
+            self.worker.runner.idle()
 
     def execute(self, output: SchedulerOutput) -> tuple[list[list[ScheduledRequest]], list]:
         """Run a scheduled step on every rank (outside `step`: tests and tools that drive the scheduler
