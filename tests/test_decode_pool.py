@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+import time
 
 import pytest
 import torch
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
-from torch_shift.engine.decode_pool import SMALL_STEPS_BEFORE_POOL
-from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
+from torch_shift.engine import decode_pool
+from torch_shift.engine.decode_pool import MAX_WORKERS, SMALL_STEPS_BEFORE_POOL
+from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers, stop_gemv_pool
 from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packing_supported
 from torch_shift.parallel.launch import local_cores, release_openmp_threads
 
@@ -37,7 +40,7 @@ def _step(weights, xs, bias):
 @pytest.fixture
 def disarmed():
     yield
-    arm_gemv_pool(0)
+    decode_pool.stop()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -55,6 +58,13 @@ def test_the_pool_computes_torchs_bits_whatever_it_prefetched(dtype, disarmed):
             for _ in range(4):
                 assert all(torch.equal(g, e) for g, e in zip(_step(weights, xs, bias), expected, strict=True))
             arm_gemv_pool(0)
+    for workers in (3, 1, 2, 0, 2):  # fewer workers than the last job's, and more
+        assert arm_gemv_pool(workers) == workers
+        assert all(torch.equal(g, e) for g, e in zip(_step(weights, xs, bias), expected, strict=True))
+    time.sleep(0.02)  # the workers sleep after 5 ms without work; the next job wakes them
+    assert all(torch.equal(g, e) for g, e in zip(_step(weights, xs, bias), expected, strict=True))
+    stop_gemv_pool()  # ends them; arming starts new ones
+    assert gemv_pool_workers() == 0 and arm_gemv_pool(1) == 1
     arm_gemv_pool(1)
     _step(weights, xs, bias)
     del weights[2]  # the pool's order still names it next after the second
@@ -62,6 +72,29 @@ def test_the_pool_computes_torchs_bits_whatever_it_prefetched(dtype, disarmed):
     armed = _step(weights, xs, bias)
     arm_gemv_pool(0)
     assert all(torch.equal(a, e) for a, e in zip(armed, _step(weights, xs, bias), strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_threads_calling_at_once_both_get_torchs_bits(dtype, disarmed):
+    """One caller at a time runs on the pool; another runs its matmul on torch's threads meanwhile."""
+    weights = _weights(dtype)
+    bias = torch.randn(256).to(dtype)
+    xs = [torch.randn(4, w.in_features).to(dtype) for w in weights]
+    expected = _step(weights, xs, bias)
+    arm_gemv_pool(1)
+    failures = []
+
+    def caller():
+        for _ in range(50):
+            if not all(torch.equal(g, e) for g, e in zip(_step(weights, xs, bias), expected)):
+                failures.append(1)
+
+    callers = [threading.Thread(target=caller) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert not failures
 
 
 def test_a_child_forked_from_an_armed_process_computes_without_the_parents_threads(disarmed):
@@ -117,7 +150,7 @@ def _armed_in_decodes(llm) -> int:
 
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, compile, disarmed):
+def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, compile, disarmed, monkeypatch):
     """Steps of up to GEMV_MAX_ROWS tokens run on the pool (torch on one thread, compiled for it at start-up:
     nothing recompiles), the others on torch's threads: the same tokens and logprobs as an engine without it."""
     import torch._dynamo
@@ -129,14 +162,32 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
     if not llm.engine.worker.runner.decode_pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     threads = torch.get_num_threads()
+    monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 1)  # every small step on the pool
+    pooled, other_threads = [], []
+    run_groups = llm.engine.worker.runner._run_groups
+
+    def spy(*args):
+        pooled.append(gemv_pool_workers() > 0)
+        if pooled[-1]:  # this thread runs on one OpenMP thread; a thread started now has torch's default
+            other = threading.Thread(target=lambda: other_threads.append(torch.get_num_threads()))
+            other.start()
+            other.join()
+            assert torch.get_num_threads() == 1
+        return run_groups(*args)
+
+    llm.engine.worker.runner._run_groups = spy
     torch._dynamo.config.error_on_recompile = True
     try:
         assert _outputs(llm) == expected
     finally:
         torch._dynamo.config.error_on_recompile = False
+        del llm.engine.worker.runner._run_groups
+    if threads > 1:
+        assert sum(pooled) >= 3 * (PARAMS.max_tokens - 1)  # the decodes of the three prompt sets
+        assert set(other_threads) == {threads}
     assert torch.get_num_threads() == threads  # the caller's threads, after every step
     if threads > 1:
-        assert _armed_in_decodes(llm) == threads - 1
+        assert _armed_in_decodes(llm) == min(threads - 1, MAX_WORKERS)
     llm.shutdown()
     assert gemv_pool_workers() == 0
 
@@ -149,7 +200,7 @@ def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
     try:
         assert _outputs(llm) == expected
         if local_cores() > 1 and llm.engine.worker.runner.decode_pool.enabled:
-            assert _armed_in_decodes(llm) == local_cores() - 1  # rank 0's replica alone with one request
+            assert _armed_in_decodes(llm) == min(local_cores() - 1, MAX_WORKERS)  # rank 0's replica, alone
     finally:
         llm.shutdown()
 
@@ -170,5 +221,6 @@ def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, d
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
     if threads > 1 and llm.engine.worker.runner.decode_pool.enabled:
-        assert max(steps) == threads - 1  # it was pooled when interrupted
+        assert max(steps) == min(threads - 1, MAX_WORKERS)  # it was pooled when interrupted
     assert torch.get_num_threads() == threads and gemv_pool_workers() == 0
+    llm.shutdown()

@@ -3,79 +3,123 @@
 A batch-1 decode step on the CPU streams every weight once, and a third of its time is other work (the interpreter,
 attention, small kernels, sampling) during which memory sits idle. The pool is threads of the GEMV kernel's own that
 run the step's matmuls with the calling thread and, between them, prefetch the weights that come next. For a step
-of at most `GEMV_MAX_ROWS` tokens (its matmuls all run the GEMV) the caller arms the pool with a worker for each of
-its threads but one and runs everything else on torch's one thread: OpenMP's idle workers are ended first, and
-torch stays on one thread between such steps (sampling, proposals), or OpenMP's workers would come back and spin
-against the pool's on its cores for milliseconds. A larger step puts the pool to sleep and gives torch its threads
-back, as `release_decode_pool` does when the engine runs out of work. Going from one to the other costs 0.1-0.2 ms
-(OpenMP's workers ended and started again, the pool's woken), so the pool starts only after
-`SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled forwards guard on the thread count: a runner compiles its
-layouts for one thread too (ModelRunner._warm_up). The state is the process's: the target's and a draft model's
-steps share the pool.
+of at most `GEMV_MAX_ROWS` tokens (its matmuls all run the GEMV) whose context is small beside the weights (its
+attention runs on one thread), the runner arms the pool with a worker for each of its threads but one and the
+calling thread runs everything else on one OpenMP thread: OpenMP's idle workers are ended first, and the thread stays
+at one between such steps (sampling, proposals) until the engine's step returns, or OpenMP's workers would come
+back and spin against the pool's on its cores for milliseconds. Only the calling thread's OpenMP thread count changes
+(`omp_set_num_threads`, which torch reads as its own: `torch.get_num_threads()`); other threads and torch's default
+for new ones keep theirs. A larger step puts the pool to sleep and runs on the thread's own count, as `idle` does
+when the engine runs out of work. Going from one to the other costs 0.1-0.2 ms (OpenMP's workers ended and started
+again, the pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled
+forwards guard on the thread count: a runner compiles its layouts for one thread too (ModelRunner._warm_up).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from torch_shift.models.linear import GEMV_MAX_ROWS, gemv_reads_every_weight
-from torch_shift.parallel.launch import release_openmp_threads
+from torch_shift.models.linear import GEMV_MAX_ROWS, gemv_reads_every_weight, weight_bytes
+from torch_shift.parallel.launch import openmp_function, release_openmp_threads
 
 SMALL_STEPS_BEFORE_POOL = 8
+MAX_WORKERS = 63  # the kernel's bound
+# a step whose KV cache reads exceed this share of the weights' bytes keeps its threads for attention
+KV_SHARE_OF_WEIGHTS = 0.25
 
-_held_threads: int | None = None  # torch's threads before the pool took all but one (None: torch has them)
+_state = threading.local()  # .held: the calling thread's OpenMP threads before the pool took all but one
+
+
+def _forget_in_child() -> None:
+    global _state
+    _state = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _set_threads(threads: int) -> None:
+    """The calling thread's OpenMP threads (libgomp's per-thread setting where torch runs on libgomp, else torch's)."""
+    set_threads = openmp_function("omp_set_num_threads", [ctypes.c_int], None)
+    if set_threads is None:
+        torch.set_num_threads(threads)
+    else:
+        set_threads(threads)
 
 
 class DecodePool:
     """Whether and how a model's steps run on the pool; `enabled` False: never."""
 
-    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True):
+    def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, kv_bytes_per_token: int = 0):
         self.enabled = enabled and device.type == "cpu" and gemv_reads_every_weight(model)
+        self.kv_budget_tokens = (int(KV_SHARE_OF_WEIGHTS * weight_bytes(model) / kv_bytes_per_token)
+                                 if kv_bytes_per_token else None)
         self.small_steps = 0  # steps in a row that the pool could run
 
-    def workers(self, num_tokens: int, threads: int) -> int:
-        """The pool's workers for a step of `num_tokens` tokens on `threads` threads."""
-        return threads - 1 if self.enabled and threads > 1 and 0 < num_tokens <= GEMV_MAX_ROWS else 0
+    def workers(self, num_tokens: int, threads: int, kv_tokens: int = 0) -> int:
+        """The pool's workers for a step of `num_tokens` tokens over `kv_tokens` cached ones, on `threads` threads."""
+        if not (self.enabled and threads > 1 and 0 < num_tokens <= GEMV_MAX_ROWS):
+            return 0
+        if self.kv_budget_tokens is not None and kv_tokens > self.kv_budget_tokens:
+            return 0
+        return min(threads - 1, MAX_WORKERS)
 
     @contextmanager
-    def step(self, num_tokens: int) -> Iterator[int]:
-        """Run a step of `num_tokens` tokens (on this rank) on the pool where it may, else on torch's threads;
-        yields the pool's workers."""
+    def step(self, num_tokens: int, kv_tokens: int = 0, threads: int | None = None) -> Iterator[int]:
+        """Run a step of `num_tokens` tokens over `kv_tokens` cached ones (on this rank) on the pool where it may,
+        else on `threads` threads (None: the calling thread's own); yields the pool's workers. The thread stays at
+        one OpenMP thread after a pooled step: `end_step` (the engine's step returns) or `idle` gives them back."""
         from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
 
-        global _held_threads
-        threads = torch.get_num_threads()
-        if threads == 1 and _held_threads is not None:
-            threads = _held_threads
-        workers = self.workers(num_tokens, threads)
+        held = getattr(_state, "held", None)
+        if threads is None:
+            threads = held if held is not None else torch.get_num_threads()
+        workers = self.workers(num_tokens, threads, kv_tokens)
         self.small_steps = self.small_steps + 1 if workers else 0
         armed = gemv_pool_workers()
         if workers and self.small_steps < SMALL_STEPS_BEFORE_POOL and not armed:
             workers = 0
         if workers:
             if not armed or torch.get_num_threads() > 1:
-                release_openmp_threads()  # 2 us where there are none, 120 us where there are
-            torch.set_num_threads(1)
-            _held_threads = threads
-        elif _held_threads is not None:
-            torch.set_num_threads(threads)
-            _held_threads = None
+                release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
+            _set_threads(1)
+            _state.held = threads
+        elif held is not None or torch.get_num_threads() != threads:
+            _set_threads(threads)
+            _state.held = None
         if workers != armed:
-            arm_gemv_pool(workers)
+            workers = arm_gemv_pool(workers)
         yield workers
 
 
-def release_decode_pool() -> None:
-    """Put the pool's threads to sleep and give torch its threads back (the engine out of work, or closing)."""
+def end_step() -> None:
+    """The calling thread gets its OpenMP threads back; the pool stays armed (the engine's step returned to its
+    caller, who may run torch between steps)."""
+    held = getattr(_state, "held", None)
+    if held is not None:
+        _set_threads(held)
+        _state.held = None
+
+
+def idle() -> None:
+    """Out of work: the calling thread gets its threads back and the pool's threads sleep."""
     from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
 
-    global _held_threads
-    if _held_threads is not None:
-        torch.set_num_threads(_held_threads)
-        _held_threads = None
+    end_step()
     if gemv_pool_workers():
         arm_gemv_pool(0)
+
+
+def stop() -> None:
+    """An engine closing: as `idle`, and the pool's threads end (arming starts new ones)."""
+    from torch_shift.kernels import stop_gemv_pool
+
+    idle()
+    stop_gemv_pool()

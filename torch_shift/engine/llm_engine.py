@@ -302,9 +302,13 @@ class LLMEngine:
         """Run one scheduled step; return the outputs of every request that advanced (with `final_only`, of
         every request that finished: no per-step objects for the others)."""
         start = time.perf_counter()
-        step = self.last_core_step = self.core.step()
-        if step is None or not self.core.has_unfinished_requests():
-            self.idle()
+        try:
+            step = self.last_core_step = self.core.step()
+        finally:  # the caller's thread gets its threads back from the decode pool (engine/decode_pool.py)
+            if not self.core.has_unfinished_requests():
+                self.idle()
+            elif self.worker is not None:
+                self.worker.runner.end_step()
         if step is None:
             return []
         for request in self.output_processor.detokenize(step.updated):  # a stop string ended them
@@ -315,7 +319,7 @@ class LLMEngine:
         return outputs
 
     def idle(self) -> None:
-        """Out of work: the caller's process gets torch's threads back from the decode pool (engine/decode_pool.py)."""
+        """Out of work: the decode pool's threads sleep (engine/decode_pool.py)."""
         if self.worker is not None:
             self.worker.runner.idle()
 

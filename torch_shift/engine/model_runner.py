@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
-from torch_shift.engine.decode_pool import DecodePool, release_decode_pool
+from torch_shift.engine import decode_pool as pool
 from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache
@@ -46,6 +46,7 @@ class ModelRunner:
         the cores this rank shares with the deployment's other local ranks, whose idle ones it borrows in a step
         that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps of at most GEMV_MAX_ROWS
         tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool)."""
+        pool.idle()  # another engine of this thread may hold its threads: this one compiles and starts with them
         self.model = model
         self.kv_cache = kv_cache
         self.deployment = deployment
@@ -63,7 +64,10 @@ class ModelRunner:
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
         self.host_cores = host_cores
-        self.decode_pool = DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module))
+        kv_bytes_per_token = kv_cache.k_store.nbytes * 2 // max(1, kv_cache.num_blocks * kv_cache.block_size)
+        self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
+                                           kv_bytes_per_token)
+        self.pooled_compiles = decode_pool and self.device.type == "cpu"  # the same on every rank (_warm_up)
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -112,10 +116,9 @@ class ModelRunner:
                     run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
                     torch.set_num_threads(own)
         # and a layout whose small steps may run on the decode pool, for torch's one thread there
-        pooled = [layout for layout in self.deployment.layouts_of(self.rank)
-                  if self.decode_pool.workers(1, self._max_threads(layout))]
+        pooled = [layout for layout in self.deployment.layouts_of(self.rank) if self._max_threads(layout) > 1]
         threads = torch.get_num_threads()
-        if pooled and threads > 1:
+        if self.pooled_compiles and pooled and threads > 1:
             torch.set_num_threads(1)
             try:
                 run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
@@ -181,19 +184,29 @@ class ModelRunner:
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
+        threads = None  # the thread's own
         if self.host_cores is not None:
             threads = step_threads(self.deployment, [group.layout for group in plan.groups], self.rank,
                                    self.host_cores)
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
-        tokens = sum(int(group.num_scheduled.sum()) for group in plan.groups
-                     if self.rank in self.deployment[group.layout].ranks)
-        with self.decode_pool.step(tokens):
+        mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
+        tokens = sum(int(group.num_scheduled.sum()) for group in mine)
+        kv_tokens = sum(int(group.num_computed.sum()) for group in mine)
+        with self.decode_pool.step(tokens, kv_tokens, threads):
             return self._run_groups(plan, previous_tokens, swap_seconds)
 
+    def end_step(self) -> None:
+        """The engine's step returns to its caller: the thread gets its OpenMP threads back (the pool stays armed)."""
+        pool.end_step()
+
     def idle(self) -> None:
-        """Out of work (and at close): the decode pool's threads sleep and torch gets its threads back."""
-        release_decode_pool()
+        """Out of work: the thread gets its threads back and the decode pool's threads sleep."""
+        pool.idle()
+
+    def close(self) -> None:
+        """The engine closes: as `idle`, and the decode pool's threads end."""
+        pool.stop()
 
     def _run_groups(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
                     swap_seconds: float) -> StepResult | None:

@@ -206,9 +206,9 @@ class Worker:
     def close(self, timeout_s: float = 10.0) -> None:
         """End the ranks this process started and leave the process group (rank 0 of started ranks); stop
         the tier's copy thread."""
+        self.runner.close()  # before the runtime gives the user's thread count back
         if self.runtime is not None and self.rank == 0:
             self.runtime.shutdown(timeout_s)
-        self.runner.idle()
         if self.runner.swapper is not None:
             self.runner.swapper.close()
 

@@ -206,8 +206,8 @@ def cpu_ops() -> bool:
 
 
 @lru_cache(maxsize=1)
-def _gemv_pool() -> tuple[Callable[[int], int], Callable[[], int]] | None:
-    """The decode pool's entry points (arm, workers) in the library the packed weights call: the operator library
+def _gemv_pool() -> tuple[Callable[[int], int], Callable[[], int], Callable[[], None]] | None:
+    """The decode pool's entry points (arm, workers, stop) in the library the packed weights call: the operator library
     where it builds, else the kernels'; None where neither does."""
     if cpu_ops():
         library = _ops_library
@@ -215,10 +215,11 @@ def _gemv_pool() -> tuple[Callable[[int], int], Callable[[], int]] | None:
         library = cpu_kernels().library
     else:
         return None
-    arm, workers = library.ts_gemv_pool_arm, library.ts_gemv_pool_workers
+    arm, workers, stop = library.ts_gemv_pool_arm, library.ts_gemv_pool_workers, library.ts_gemv_pool_stop
     arm.argtypes, arm.restype = [ctypes.c_int], ctypes.c_int
     workers.argtypes, workers.restype = [], ctypes.c_int
-    return arm, workers
+    stop.argtypes, stop.restype = [], None
+    return arm, workers, stop
 
 
 def arm_gemv_pool(workers: int) -> int:
@@ -228,6 +229,13 @@ def arm_gemv_pool(workers: int) -> int:
     armed (torch_shift.engine.decode_pool). Returns the workers armed (0 where the kernels are unavailable)."""
     pool = _gemv_pool()
     return 0 if pool is None else pool[0](workers)
+
+
+def stop_gemv_pool() -> None:
+    """End the decode pool's threads (arming starts new ones)."""
+    pool = _gemv_pool()
+    if pool is not None:
+        pool[2]()
 
 
 def gemv_pool_workers() -> int:

@@ -28,7 +28,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <thread>
+#include <mutex>
+#include <new>
 #include <unordered_map>
 
 namespace {
@@ -207,17 +208,24 @@ Span spans[kMaxWorkers + 1];              // the blocks each thread owns in the 
 Slot slots[kMaxWorkers];
 std::atomic<uint32_t> epoch{0};           // the last job posted (a futex word: sleeping workers wait on it)
 std::atomic<uint32_t> open_job{0};        // the job that may still be entered (0: none)
-std::atomic<int64_t> blocks_done{0};
+struct alignas(64) Counter {
+  std::atomic<int64_t> value{0};
+};
+Counter blocks_done;                      // of the open job (a line of its own: the claimers write it)
 std::atomic<int> armed{0};                // workers taking part in jobs now
 std::atomic<uint32_t> arming{0};          // changes with `armed` (a futex word)
 std::atomic<int> sleepers{0};
 std::atomic<bool> busy{false};            // one caller at a time; another runs its matmul itself
-int started = 0;                          // worker threads of this process
+std::atomic<bool> stopping{false};        // ts_gemv_pool_stop: workers end
+std::mutex arm_mutex;                     // arm and stop, from any thread
+std::atomic<int> started{0};              // worker threads of this process (slots [0, started) in use)
+pthread_t threads_started[kMaxWorkers];
 pid_t owner = 0;                          // the process that started them (a forked child has none)
 bool forks_handled = false;               // forget_after_fork registered (a child inherits the registration)
-// the caller's record of which weight follows which
-std::unordered_map<const void*, Weight> weights;
-std::unordered_map<const void*, const void*> next_of;
+// the caller's record of which weight follows which; never destroyed (a daemon thread may still run a matmul while
+// the process exits)
+auto* weights = new std::unordered_map<const void*, Weight>;
+auto* next_of = new std::unordered_map<const void*, const void*>;
 const void* previous = nullptr;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
@@ -267,7 +275,7 @@ void work(const Matmul& m, int t, int threads) {
   int64_t b;
   while (claim_own(t, &b) || claim_other(t, threads, &b)) {
     m.block(b);
-    blocks_done.fetch_add(1, std::memory_order_acq_rel);
+    blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
   }
 }
 
@@ -317,12 +325,14 @@ struct Prefetch {
   }
 };
 
-void worker_main(int w) {
+void* worker_main(void* arg) {
+  const int w = static_cast<int>(reinterpret_cast<intptr_t>(arg));
   Prefetch prefetch;
   uint32_t seen = epoch.load(std::memory_order_acquire);
   int64_t idle_since = -1;
   int spins = 0;
   for (;;) {
+    if (stopping.load(std::memory_order_acquire)) return nullptr;
     if (w >= armed.load(std::memory_order_acquire)) {
       const uint32_t a = arming.load(std::memory_order_acquire);
       if (w >= armed.load(std::memory_order_acquire)) futex_wait(&arming, a);
@@ -335,10 +345,12 @@ void worker_main(int w) {
       seen = e;
       idle_since = -1;
       slots[w].in_job.store(e, std::memory_order_seq_cst);
-      if (open_job.load(std::memory_order_seq_cst) == e) {
+      if (open_job.load(std::memory_order_seq_cst) == e) {  // the caller waits for this slot before it reuses job
         const Job j = job;
-        work(j.matmul, w + 1, j.threads);
-        prefetch.plan(j, w + 1);
+        if (w + 1 < j.threads) {  // armed for fewer workers since this one looked: it has no part
+          work(j.matmul, w + 1, j.threads);
+          prefetch.plan(j, w + 1);
+        }
       }
       slots[w].in_job.store(0, std::memory_order_seq_cst);
       continue;
@@ -359,39 +371,71 @@ void worker_main(int w) {
   }
 }
 
+// In a forked child: the parent's threads were not copied (nor a lock one of them held).
 void forget_after_fork() {
-  started = 0;
+  new (&arm_mutex) std::mutex;
+  started.store(0);
   owner = 0;
   armed.store(0);
   sleepers.store(0);
   busy.store(false);
+  stopping.store(false);
   open_job.store(0);
   for (auto& slot : slots) slot.in_job.store(0);
+  weights = new std::unordered_map<const void*, Weight>;  // the parent's may have been mid-update
+  next_of = new std::unordered_map<const void*, const void*>;
+  previous = nullptr;
 }
 
-// Workers beyond `count` sleep; those missing are started.
+// Workers beyond `count` sleep; those missing are started. Returns the workers armed (fewer where the system
+// refused a thread).
 int arm(int count) {
+  std::lock_guard<std::mutex> lock(arm_mutex);
   count = std::max(0, std::min(count, kMaxWorkers));
   if (!forks_handled) forks_handled = pthread_atfork(nullptr, nullptr, forget_after_fork) == 0;
   if (owner != getpid()) {
     forget_after_fork();
     owner = getpid();
   }
-  for (; started < count; ++started) std::thread(worker_main, started).detach();
+  for (int w = started.load(); w < count; ++w) {
+    if (pthread_create(&threads_started[w], nullptr, worker_main, reinterpret_cast<void*>(intptr_t(w))) != 0) {
+      count = w;
+      break;
+    }
+    started.store(w + 1, std::memory_order_release);
+  }
   armed.store(count, std::memory_order_release);
   arming.fetch_add(1, std::memory_order_acq_rel);
   futex_wake(&arming);
   return count;
 }
 
+// End and join every worker (they start again when armed).
+void stop() {
+  std::lock_guard<std::mutex> lock(arm_mutex);
+  if (owner != getpid()) return;
+  while (busy.exchange(true, std::memory_order_acquire)) _mm_pause();  // no job in flight from here on
+  armed.store(0, std::memory_order_release);
+  stopping.store(true, std::memory_order_seq_cst);
+  arming.fetch_add(1, std::memory_order_acq_rel);
+  futex_wake(&arming);
+  uint32_t e = epoch.load(std::memory_order_relaxed) + 1;  // a sleeper's futex word changes: it cannot miss the wake
+  epoch.store(e == 0 ? 1 : e, std::memory_order_seq_cst);
+  futex_wake(&epoch);
+  const int n = started.load();
+  for (int w = 0; w < n; ++w) pthread_join(threads_started[w], nullptr);
+  started.store(0);
+  stopping.store(false);
+  busy.store(false, std::memory_order_release);
+}
+
 void learn_order(const Matmul& m) {
-  Weight& self = weights[m.w];
-  self = {static_cast<const char*>(m.w), m.N / kBlock, m.block_bytes()};
-  if (previous != nullptr && previous != m.w) next_of[previous] = m.w;
+  (*weights)[m.w] = {static_cast<const char*>(m.w), m.N / kBlock, m.block_bytes()};
+  if (previous != nullptr && previous != m.w) (*next_of)[previous] = m.w;
   previous = m.w;
-  if (weights.size() > 65536) {  // weights freed and others made, for a long time: start again
-    weights.clear();
-    next_of.clear();
+  if (weights->size() > 65536) {  // weights freed and others made, for a long time: start again
+    weights->clear();
+    next_of->clear();
     previous = nullptr;
   }
 }
@@ -404,24 +448,27 @@ void run(const Matmul& m, int workers) {
   job.threads = threads;
   job.num_next = 0;
   for (const void* at = m.w; job.num_next < kAhead;) {
-    auto it = next_of.find(at);
-    if (it == next_of.end()) break;
+    auto it = next_of->find(at);
+    if (it == next_of->end()) break;
     at = it->second;
-    job.next[job.num_next++] = weights[at];
+    job.next[job.num_next++] = (*weights)[at];
   }
   for (int t = 0; t < threads; ++t)
     spans[t].bounds.store((uint64_t(part_start(blocks, threads, t)) << 32) | uint64_t(part_start(blocks, threads, t + 1)),
                           std::memory_order_relaxed);
-  blocks_done.store(0, std::memory_order_relaxed);
+  blocks_done.value.store(0, std::memory_order_relaxed);
   uint32_t e = epoch.load(std::memory_order_relaxed) + 1;
   if (e == 0) e = 1;  // 0 means no job
   open_job.store(e, std::memory_order_seq_cst);
   epoch.store(e, std::memory_order_seq_cst);
   if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&epoch);
   work(m, 0, threads);
-  while (blocks_done.load(std::memory_order_acquire) < blocks) _mm_pause();
+  while (blocks_done.value.load(std::memory_order_acquire) < blocks) _mm_pause();
   open_job.store(0, std::memory_order_seq_cst);
-  for (int w = 0; w < workers; ++w)
+  // every started worker, armed or not: one that looked at `armed` before it fell may still be entering this job,
+  // and must be out before `job` and the spans change
+  const int n = started.load(std::memory_order_acquire);
+  for (int w = 0; w < n; ++w)
     while (slots[w].in_job.load(std::memory_order_seq_cst) == e) _mm_pause();
 }
 
@@ -465,6 +512,9 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
 // split again). The caller runs its OpenMP regions on one thread while armed. Returns the workers armed.
 int ts_gemv_pool_arm(int workers) { return pool::arm(workers); }
 
+// End the pool's threads (the last engine of the process closing); arming again starts new ones.
+void ts_gemv_pool_stop() { pool::stop(); }
+
 // The workers armed now (0 in a child forked from an armed process: its threads were not copied).
 int ts_gemv_pool_workers() { return pool::armed.load(std::memory_order_acquire); }
 
@@ -479,6 +529,7 @@ int ts_packed_gemv(int, const void*, int64_t, int64_t, const void*, int64_t, int
 }
 int ts_gemv_pool_arm(int) { return 0; }
 int ts_gemv_pool_workers() { return 0; }
+void ts_gemv_pool_stop() {}
 }  // extern "C"
 
 #endif  // __x86_64__

@@ -10,6 +10,7 @@ MASTER_ADDR, MASTER_PORT).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing as mp
 import os
@@ -48,46 +49,49 @@ def own_threads(host_cores: int, world_size: int) -> int:
     return max(1, host_cores // world_size)
 
 
-def release_openmp_threads() -> bool:
+def release_openmp_threads(cached: bool = False) -> bool:
     """End this thread's OpenMP worker threads (OpenMP 5.0's `omp_pause_resource_all`; the next parallel region
     starts new ones), so that a child forked next can run parallel regions of several threads: libgomp, torch's
     OpenMP on Linux, does not handle fork, and a forked child of a process whose parallel regions used several
     threads hangs in its first such region of its own (measured here). Also before steps that run on other threads
-    (the GEMV kernel's decode pool), which OpenMP's idle workers would spin against for milliseconds. False where
-    libgomp is loaded and the release failed, or where this process's libraries cannot be listed (no /proc); LLVM's
-    and Intel's runtimes reset themselves in a forked child. 2 us where there are no workers, 120 us where there
-    are."""
-    pauses = _openmp_pauses()
+    (the GEMV kernel's decode pool, `cached`: the libgomp found the last time), which OpenMP's idle workers would spin
+    against for milliseconds: 2 us where there are none, 120 us where there are. False where libgomp is loaded and
+    the release failed, or where this process's libraries cannot be listed (no /proc); LLVM's and Intel's runtimes
+    reset themselves in a forked child."""
+    pauses = _libgomp_functions("omp_pause_resource_all", [ctypes.c_int], ctypes.c_int, cached)
     return pauses is not None and all(pause(2) == 0 for pause in pauses)  # omp_pause_hard; fails in a region
 
 
-_pauses: tuple | None = None
+def openmp_function(name: str, argtypes: list, restype) -> Callable | None:
+    """libgomp's function `name` where this process runs one libgomp (torch's), else None."""
+    functions = _libgomp_functions(name, argtypes, restype, cached=True)
+    return functions[0] if functions is not None and len(functions) == 1 else None
 
 
-def _openmp_pauses() -> tuple | None:
-    """libgomp's `omp_pause_resource_all` of every libgomp this process loaded (torch's, once imported); None
-    where one lacks it or the libraries cannot be listed. Kept once torch (which loads it) is imported."""
-    import ctypes
+_libgomp_found: dict[str, tuple | None] = {}
 
-    global _pauses
-    if _pauses is not None:
-        return _pauses
+
+def _libgomp_functions(name: str, argtypes: list, restype, cached: bool) -> tuple | None:
+    """`name` from every libgomp this process loaded; None where one lacks it or the libraries cannot be listed.
+    With `cached`, what an earlier look found once torch (which loads libgomp) was imported."""
+    if cached and name in _libgomp_found:
+        return _libgomp_found[name]
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libgomp" in line}
     except OSError:
         return None
-    pauses = []
-    for path in paths:
+    functions = []
+    for path in sorted(paths):
         try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all
+            function = getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
             return None
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        pauses.append(pause)
+        function.argtypes, function.restype = argtypes, restype
+        functions.append(function)
     if "torch" in sys.modules:
-        _pauses = tuple(pauses)
-    return tuple(pauses)
+        _libgomp_found[name] = tuple(functions)
+    return tuple(functions)
 
 
 def default_start_method(device_type: str = "cpu") -> str:

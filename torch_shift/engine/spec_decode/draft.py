@@ -115,7 +115,8 @@ class DraftModelProposer:
         self.device = device
         self.states: dict[str, _DraftState] = {}
         self.num_forwards = 0  # forwards run, over the proposer's life
-        self.decode_pool = DecodePool(model, device, decode_pool)  # its forwards of a few tokens, as the target's
+        # its forwards of a few tokens, as the target's
+        self.decode_pool = DecodePool(model, device, decode_pool, self.kv_bytes_per_block(model, 1))
 
     @staticmethod
     def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -214,7 +215,7 @@ class DraftModelProposer:
             block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
             slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
         input_ids = tensor(np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64))
-        with self.decode_pool.step(len(input_ids)):
+        with self.decode_pool.step(len(input_ids), int(starts.sum())):
             hidden = self.model(input_ids, positions_t, self.attention.build(batch, self.kv_cache))
             self.num_forwards += 1
             if not len(logits_indices):
