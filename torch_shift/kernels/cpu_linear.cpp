@@ -180,7 +180,7 @@ namespace pool {
 
 constexpr int kMaxWorkers = 63;
 constexpr int kAhead = 3;                            // weights a worker prefetches ahead, at most
-constexpr int64_t kAheadBytes = int64_t(12) << 20;   // and bytes (the L3 of this machine: 32 MiB, shared)
+constexpr int64_t kAheadBytes = int64_t(12) << 20;   // and bytes, all workers (this L3: 32 MiB, shared)
 constexpr int64_t kPrefetchChunk = 4096;             // bytes prefetched between two looks for a new job
 constexpr int64_t kSpinBeforeSleepNs = 5'000'000;    // a worker without work sleeps after this
 
@@ -293,7 +293,7 @@ struct Prefetch {
   void plan(const Job& j, int t) {
     count = at = 0;
     done = 0;
-    int64_t budget = kAheadBytes;
+    int64_t budget = kAheadBytes / std::max(1, j.threads - 1);  // the workers share the L3
     for (int i = 0; i < j.num_next && budget > 0; ++i) {
       const Weight& w = j.next[i];
       for (int k = 0; k < j.threads && budget > 0; ++k) {
