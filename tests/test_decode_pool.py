@@ -134,6 +134,13 @@ def _outputs(llm):
              for o in run] for run in runs]
 
 
+def _threads_of_this_process() -> set[str] | None:
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
 def _armed_in_decodes(llm) -> int:
     """The pool's workers seen in the decode steps of a generation."""
     seen = []
@@ -168,12 +175,19 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
 
     def spy(*args):
         pooled.append(gemv_pool_workers() > 0)
-        if pooled[-1]:  # this thread runs on one OpenMP thread; a thread started now has torch's default
-            other = threading.Thread(target=lambda: other_threads.append(torch.get_num_threads()))
-            other.start()
-            other.join()
-            assert torch.get_num_threads() == 1
-        return run_groups(*args)
+        if not pooled[-1]:
+            return run_groups(*args)
+        # this thread runs on one OpenMP thread; a thread started now has torch's default
+        other = threading.Thread(target=lambda: other_threads.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+        assert torch.get_num_threads() == 1
+        threads_before = _threads_of_this_process()
+        out = run_groups(*args)
+        # no OpenMP worker started: the forward ran code made for one thread (a graph compiled for more opens
+        # regions of that many threads whatever torch's count)
+        assert _threads_of_this_process() == threads_before
+        return out
 
     llm.engine.worker.runner._run_groups = spy
     torch._dynamo.config.error_on_recompile = True
