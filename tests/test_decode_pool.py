@@ -170,6 +170,7 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
         pytest.skip("the GEMV kernel does not run here")
     threads = torch.get_num_threads()
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 1)  # every small step on the pool
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
     pooled, other_threads = [], []
     run_groups = llm.engine.worker.runner._run_groups
 
@@ -206,11 +207,27 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
     assert gemv_pool_workers() == 0
 
 
+def test_which_steps_the_pool_takes(layers4):
+    """Steps of 1-16 tokens on a rank of several threads, whose KV reads stay below a share of the weights' bytes
+    (attention runs on one thread in a pooled step); at most the kernel's 63 workers."""
+    pool = LLM(str(layers4)).engine.worker.runner.decode_pool
+    if not pool.enabled:
+        pytest.skip("the GEMV kernel does not run here")
+    budget = pool.kv_budget_tokens
+    assert budget is not None and budget > 0
+    assert [pool.workers(tokens, 2) for tokens in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)] == [0, 1, 1, 0]
+    assert pool.workers(1, 1) == 0 and pool.workers(4, 200) == MAX_WORKERS
+    assert pool.workers(1, 2, kv_tokens=budget) == 1 and pool.workers(1, 2, kv_tokens=budget + 1) == 0
+    assert not decode_pool.DecodePool(LLM(str(layers4), decode_pool=False).engine.model, torch.device("cpu"),
+                                      False).workers(1, 2)
+
+
 def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
     """DP-2 started from this process: a replica alone with work borrows the idle rank's core, for the pool's
     worker in its small steps; outputs as one process's."""
     expected = _outputs(LLM(str(layers4), decode_pool=False, max_num_batched_tokens=32))
     llm = LLM(str(layers4), dp=2, max_num_batched_tokens=32)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
     try:
         assert _outputs(llm) == expected
         if local_cores() > 1 and llm.engine.worker.runner.decode_pool.enabled:
@@ -221,6 +238,7 @@ def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
 
 def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, disarmed):
     llm = LLM(str(layers4), max_num_batched_tokens=32)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None
     threads = torch.get_num_threads()
     steps = []
     step = llm.engine.step

@@ -32,7 +32,7 @@ from torch_shift.parallel.launch import openmp_function, release_openmp_threads
 SMALL_STEPS_BEFORE_POOL = 8
 MAX_WORKERS = 63  # the kernel's bound
 # a step whose KV cache reads exceed this share of the weights' bytes keeps its threads for attention
-KV_SHARE_OF_WEIGHTS = 0.25
+KV_SHARE_OF_WEIGHTS = 0.05
 
 _state = threading.local()  # .held: the calling thread's OpenMP threads before the pool took all but one
 
@@ -96,6 +96,9 @@ class DecodePool:
             _state.held = None
         if workers != armed:
             workers = arm_gemv_pool(workers)
+            if not workers and _state.held is not None:  # the system refused the pool's threads
+                _set_threads(threads)
+                _state.held = None
         yield workers
 
 
