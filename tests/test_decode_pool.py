@@ -187,7 +187,8 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
         out = run_groups(*args)
         # no OpenMP worker started: the forward ran code made for one thread (a graph compiled for more opens
         # regions of that many threads whatever torch's count)
-        assert _threads_of_this_process() == threads_before
+        after = _threads_of_this_process()
+        assert after is None or after <= threads_before  # (the joined thread above may still be listed before)
         return out
 
     llm.engine.worker.runner._run_groups = spy

@@ -89,8 +89,7 @@ class DecodePool:
         if workers:
             if not armed or torch.get_num_threads() > 1:
                 release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
-            _set_threads(1)
-            _state.held = threads
+            hold_one_thread(threads)
         elif held is not None or torch.get_num_threads() != threads:
             _set_threads(threads)
             _state.held = None
@@ -100,6 +99,12 @@ class DecodePool:
                 _set_threads(threads)
                 _state.held = None
         yield workers
+
+
+def hold_one_thread(threads: int) -> None:
+    """The calling thread on one OpenMP thread until `end_step` gives it `threads` back."""
+    _set_threads(1)
+    _state.held = threads
 
 
 def end_step() -> None:

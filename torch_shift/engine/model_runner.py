@@ -119,11 +119,11 @@ class ModelRunner:
         pooled = [layout for layout in self.deployment.layouts_of(self.rank) if self._max_threads(layout) > 1]
         threads = torch.get_num_threads()
         if self.pooled_compiles and pooled and threads > 1:
-            torch.set_num_threads(1)
+            pool.hold_one_thread(threads)
             try:
                 run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
             finally:
-                torch.set_num_threads(threads)
+                pool.end_step()
         self.model.reset_counters()
 
     def _max_threads(self, layout: Layout) -> int:
