@@ -24,7 +24,7 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine import decode_pool as pool
 from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
-from torch_shift.kv.cache import KVCache
+from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
@@ -64,7 +64,8 @@ class ModelRunner:
             self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
         self.interconnect_gbps = interconnect_gbps
         self.host_cores = host_cores
-        kv_bytes_per_token = kv_cache.k_store.nbytes * 2 // max(1, kv_cache.num_blocks * kv_cache.block_size)
+        kv_bytes_per_token = kv_bytes_per_block(kv_cache.num_layers, 1, kv_cache.num_kv_heads, kv_cache.head_dim,
+                                                kv_cache.dtype)
         self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
                                            kv_bytes_per_token)
         self.pooled_compiles = decode_pool and self.device.type == "cpu"  # the same on every rank (_warm_up)
@@ -110,7 +111,7 @@ class ModelRunner:
             own = own_threads(self.host_cores, self.deployment.world_size)
             assert torch.get_num_threads() == own, "the runtime gave this rank its own share of the cores"
             for layout in self.deployment.layouts_of(self.rank):
-                threads = step_threads(self.deployment, [layout.name], self.rank, self.host_cores)
+                threads = self._max_threads(layout)
                 if threads != own:
                     torch.set_num_threads(threads)
                     run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
