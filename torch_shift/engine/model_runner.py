@@ -68,7 +68,7 @@ class ModelRunner:
                                                 kv_cache.dtype)
         self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
                                            kv_bytes_per_token)
-        self.pooled_compiles = decode_pool and self.device.type == "cpu"  # the same on every rank (_warm_up)
+        self.pool_requested = decode_pool and self.device.type == "cpu"  # the same on every rank (_warm_up)
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -117,9 +117,12 @@ class ModelRunner:
                     run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
                     torch.set_num_threads(own)
         # and a layout whose small steps may run on the decode pool, for torch's one thread there
-        pooled = [layout for layout in self.deployment.layouts_of(self.rank) if self._max_threads(layout) > 1]
+        # (a layout of one rank by whether its weights allow the pool; one of several ranks, whose warm-up runs its
+        # collectives, by the setting every rank shares)
+        pooled = [layout for layout in self.deployment.layouts_of(self.rank) if self._max_threads(layout) > 1
+                  and (self.decode_pool.enabled if len(layout.ranks) == 1 else self.pool_requested)]
         threads = torch.get_num_threads()
-        if self.pooled_compiles and pooled and threads > 1:
+        if pooled and threads > 1:
             pool.hold_one_thread(threads)
             try:
                 run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
