@@ -81,6 +81,9 @@ class EngineArgs:
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 16 tokens run their matmuls on threads of the GEMV "
                                    "kernel's own, which read the next weights while the step's other work runs")
+    native_decode: bool = _arg(True, "on the CPU, a dense model's steps of at most 16 tokens on one rank run in one "
+                                     "C++ call (embedding, layers, LM head; bitwise the eager forward) instead of "
+                                     "its forward")
     speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
                                                  "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": 4}' (docs/speculative.md)")
@@ -199,7 +202,7 @@ class EngineArgs:
                               ("scheduling_policy", ("fcfs", "priority"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {getattr(self, name)!r}")
-        for name in ("compile", "cuda_graphs", "async_scheduling", "prepack_weights", "decode_pool",
+        for name in ("compile", "cuda_graphs", "async_scheduling", "prepack_weights", "decode_pool", "native_decode",
                      "enable_prefix_caching", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs", "async_scheduling")
                                                                    and getattr(self, name) is None):
@@ -318,7 +321,8 @@ class EngineArgs:
                                     interconnect_gbps=self.interconnect_gbps),
             runner=RunnerConfig(dtype=dtype, device=self.device, attention_backend=self.attention_backend,
                                 compile=self._compiles(model_config, deployment), prepack_weights=self.prepack_weights,
-                                decode_pool=self.decode_pool, cuda_graphs=self._captures(deployment)),
+                                decode_pool=self.decode_pool, native_decode=self.native_decode,
+                                cuda_graphs=self._captures(deployment)),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
             speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
@@ -347,6 +351,7 @@ class RunnerConfig:
     compile: bool = False
     prepack_weights: bool = True
     decode_pool: bool = True  # ModelRunner.decode_pool
+    native_decode: bool = True  # ModelRunner.native_decode
     cuda_graphs: bool = False
 
 

@@ -38,14 +38,16 @@ class ModelRunner:
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None,
                  barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None,
-                 decode_pool: bool = True):
+                 decode_pool: bool = True, native_decode: bool = True):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
         steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention); `host_cores`:
         the cores this rank shares with the deployment's other local ranks, whose idle ones it borrows in a step
         that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps of at most GEMV_MAX_ROWS
-        tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool)."""
+        tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool);
+        `native_decode`: run them through one C++ call where the layout and model allow it
+        (torch_shift.models.native_decoder)."""
         pool.idle()  # another engine of this thread may hold its threads: this one compiles and starts with them
         self.model = model
         self.kv_cache = kv_cache
@@ -69,6 +71,9 @@ class ModelRunner:
         self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
                                            kv_bytes_per_token)
         self.pool_requested = decode_pool and self.device.type == "cpu"  # the same on every rank (_warm_up)
+        # the C++ decoder reads the attention the CPU paged kernel's steps install, and nothing else
+        self.native_decode = (native_decode and self.device.type == "cpu" and self.attention.name == "cpu"
+                              and model.native_decode())
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -118,9 +123,10 @@ class ModelRunner:
                     torch.set_num_threads(own)
         # and a layout whose small steps may run on the decode pool, for torch's one thread there
         # (a layout of one rank by whether its weights allow the pool; one of several ranks, whose warm-up runs its
-        # collectives, by the setting every rank shares)
+        # collectives, by the setting every rank shares), unless the C++ decoder runs those steps
         pooled = [layout for layout in self.deployment.layouts_of(self.rank) if self._max_threads(layout) > 1
-                  and (self.decode_pool.enabled if len(layout.ranks) == 1 else self.pool_requested)]
+                  and (self.decode_pool.enabled and not self._native(layout) if len(layout.ranks) == 1
+                       else self.pool_requested)]
         threads = torch.get_num_threads()
         if pooled and threads > 1:
             pool.hold_one_thread(threads)
@@ -129,6 +135,10 @@ class ModelRunner:
             finally:
                 pool.end_step()
         self.model.reset_counters()
+
+    def _native(self, layout: Layout) -> bool:
+        """Whether the C++ decoder runs `layout`'s steps of at most GEMV_MAX_ROWS tokens (a replica's own)."""
+        return self.native_decode and layout.kv_width == 1 and len(layout.ranks) == 1
 
     def _max_threads(self, layout: Layout) -> int:
         """The most threads this rank runs `layout`'s steps on."""

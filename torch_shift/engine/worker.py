@@ -142,7 +142,8 @@ class Worker:
                              runner_config.attention_backend, runner_config.compile, host_tier,
                              config.tier.kv_swap, parallel.interconnect_gbps,
                              runtime.barrier if runtime is not None else None, runner_config.cuda_graphs,
-                             runtime.host_cores if runtime is not None else None, runner_config.decode_pool)
+                             runtime.host_cores if runtime is not None else None, runner_config.decode_pool,
+                             runner_config.native_decode)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_s
 _HEADERS = ("cpu_common.h",)  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
 # headers (a failure to build them loses only them); the GEMV and attention kernels compiled in again
-_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp")
+_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_decoder.cpp")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, f64, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
@@ -261,6 +261,29 @@ class NativeAttention:
 
 
 _native_attention: NativeAttention | None = None
+
+
+class DecoderKernels:
+    """The C++ decoder's entry points in the operator library (cpu_decoder.cpp; torch_shift.models.native_decoder)."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.create = library.ts_decoder_create
+        self.create.argtypes, self.create.restype = [ptr, ptr, i64, f32], ptr
+        self.destroy = library.ts_decoder_destroy
+        self.destroy.argtypes, self.destroy.restype = [ptr], None
+        self.step = library.ts_decoder_step
+        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr], ctypes.c_int
+        self.silu_mul = library.ts_decoder_silu_mul
+        self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def decoder_kernels() -> DecoderKernels | None:
+    """The C++ decoder, or None where the operator library does not build or this CPU or torch cannot run it."""
+    if not cpu_ops():
+        return None
+    _ops_library.ts_decoder_available.restype = ctypes.c_int
+    return DecoderKernels(_ops_library) if _ops_library.ts_decoder_available() else None
 
 
 def register_native_attention() -> bool:

@@ -150,6 +150,26 @@ at::Tensor python_attention(const at::Tensor& q, const at::Tensor& k, const at::
                          sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue()});
 }
 
+// The installed step's KV write and attention for one layer: q [tokens, heads, head_dim] into out (contiguous, of
+// q's shape); `sinks` one float per head or null; `window` -1 for the step's. 0, or cpu_attention.cpp's error.
+int attend_installed(int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride, const void* k,
+                     int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
+                     int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                     const float* sinks, int64_t window, void* out) {
+  char* k_layer = step.k_base + layer_idx * step.k_layer_bytes;
+  char* v_layer = step.v_base + layer_idx * step.v_layer_bytes;
+  int rc = ts_write_kv(step.dtype_code, k_layer, v_layer, step.k_layout, step.v_layout, k, k_row_stride, k_head_stride,
+                       v, v_row_stride, v_head_stride, step.slot_mapping, num_tokens, step.block_size,
+                       step.num_kv_heads, head_dim);
+  if (rc != 0) return rc;
+  return ts_paged_attention(step.dtype_code, out, num_heads * head_dim, head_dim, q, q_row_stride, q_head_stride,
+                            k_layer, v_layer, step.k_layout, step.v_layout, step.num_runs, step.query_start,
+                            step.query_len, step.num_computed, step.block_table, step.block_table_stride,
+                            step.block_table_row, step.block_size, num_heads, step.num_kv_heads, head_dim,
+                            window >= 0 ? window : step.sliding_window,
+                            static_cast<float>(1.0 / std::sqrt(double(head_dim))), sinks);
+}
+
 // CpuPagedAttention.__call__, in C++
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
                      const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
@@ -158,26 +178,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == step.dtype &&
                   k.scalar_type() == step.dtype && v.scalar_type() == step.dtype,
               "torch_shift::attention: q, k and v of the cache's dtype, each head's dims contiguous");
-  char* k_layer = step.k_base + layer_idx * step.k_layer_bytes;
-  char* v_layer = step.v_base + layer_idx * step.v_layer_bytes;
-  int rc = ts_write_kv(step.dtype_code, k_layer, v_layer, step.k_layout, step.v_layout, k.data_ptr(), k.stride(0),
-                       k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), step.slot_mapping, num_tokens,
-                       step.block_size, step.num_kv_heads, head_dim);
-  TORCH_CHECK(rc == 0, "torch_shift::attention: the KV write failed (", rc, ")");
   at::Tensor sinks_f32;  // kept alive until the kernel returns
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "torch_shift::attention: one sink per head");
     sinks_f32 = sinks->to(at::kFloat).contiguous();
   }
-  const int64_t window = sliding_window.has_value() ? *sliding_window : step.sliding_window;
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, q.options());
-  rc = ts_paged_attention(step.dtype_code, out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0),
-                          q.stride(1), k_layer, v_layer, step.k_layout, step.v_layout, step.num_runs,
-                          step.query_start, step.query_len, step.num_computed, step.block_table,
-                          step.block_table_stride, step.block_table_row, step.block_size, num_heads,
-                          step.num_kv_heads, head_dim, window, static_cast<float>(1.0 / std::sqrt(double(head_dim))),
-                          sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr);
-  TORCH_CHECK(rc == 0, "torch_shift::attention: the attention kernel failed (", rc, ")");
+  const int rc = attend_installed(layer_idx, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                                  k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), num_tokens, num_heads, head_dim,
+                                  sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr,
+                                  sliding_window.has_value() ? *sliding_window : -1, out.data_ptr());
+  TORCH_CHECK(rc == 0, "torch_shift::attention: the KV write or attention kernel failed (", rc, ")");
   return out;
 }
 
@@ -202,6 +213,16 @@ void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64
 }
 
 void ts_uninstall_paged_step() { step_installed = false; }
+
+// attend_installed for the native decoder (cpu_decoder.cpp): -100 where no step is installed
+int ts_step_attention(int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride, const void* k,
+                      int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
+                      int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t window,
+                      void* out) {
+  if (!step_installed) return -100;
+  return attend_installed(layer_idx, q, q_row_stride, q_head_stride, k, k_row_stride, k_head_stride, v, v_row_stride,
+                          v_head_stride, num_tokens, num_heads, head_dim, nullptr, window, out);
+}
 
 // Registers the C++ implementation of torch_shift::attention on the CPU; called once torch_shift/compilation.py has
 // defined it and torch_shift::attention_python. 0, or -1 where PyTorch refused it (a C++ exception must not cross

@@ -67,6 +67,11 @@ class LayoutModel(Protocol):
         """torch.compile every layout's forward (attention as an opaque op, dynamic token count)."""
         ...
 
+    def native_decode(self) -> bool:
+        """Run steps of at most GEMV_MAX_ROWS tokens of the layouts that allow it through one C++ call
+        (torch_shift.models.native_decoder: a replica's own layout on the CPU); whether any layout does."""
+        ...
+
     def seal_compiled(self) -> None:
         """Once every compiled forward ran (the runner's warm-up): skip dynamo's full guard check from then on."""
         ...

@@ -189,6 +189,10 @@ class PipelineModel(LayoutCounters, nn.Module):
         """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
         seal(self.forwards.values())
 
+    def native_decode(self) -> bool:
+        """The C++ decoder runs a whole model on one rank (torch_shift.models.native_decoder): never a shard."""
+        return False
+
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """A step of `layout`: Seesaw's TP layout (every rank returns the logits, gathered over the
         vocabulary), or the pipeline over the micro-batches (the last stage returns the logits of all of

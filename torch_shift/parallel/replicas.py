@@ -13,7 +13,6 @@ them from); the others return None.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -23,6 +22,7 @@ from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import build_model
+from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
@@ -43,6 +43,7 @@ class ReplicaModel(LayoutCounters, nn.Module):
         self.num_kv_layers = model.config.num_hidden_layers
         self.reset_counters()  # every layout's weights are resident: no reshard ever
         self.forwards = {}  # layout name (None: the replica's own) -> compiled forward (compile_layouts)
+        self.native_decoder: NativeDecoder | None = None  # the replica's own small steps (native_decode)
 
     def prepare_weights(self, drop_dense: bool = True) -> int:
         """Pack the weights for the machine's matmul (torch_shift.models.linear), unless Flying's TP layouts
@@ -54,6 +55,12 @@ class ReplicaModel(LayoutCounters, nn.Module):
     def compile_layouts(self) -> None:
         self.forwards = {name: CompiledForward(view) for name, view in self.views.items()}
         self.forwards[None] = CompiledForward(self.model)
+
+    def native_decode(self) -> bool:
+        """Run the replica's own steps of at most GEMV_MAX_ROWS tokens through one C++ call where its model allows
+        (torch_shift.models.native_decoder); whether it does. After `prepare_weights`: it reads the packed weights."""
+        self.native_decoder = NativeDecoder.build(self.model)
+        return self.native_decoder is not None
 
     def seal_compiled(self) -> None:
         """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
@@ -71,6 +78,9 @@ class ReplicaModel(LayoutCounters, nn.Module):
         (batch,) = micro_batches
         self.layout_counts[layout.name] += 1
         key = layout.name if layout.kv_width > 1 else None
+        if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
+                                                                                            batch.attention):
+            return self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
         model = self.views[key] if key is not None else self.model
         forward = self.forwards.get(key, model)
         with comm.recording(self.ledger), comm.layout_scope(layout.name):

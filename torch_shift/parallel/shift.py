@@ -317,6 +317,10 @@ class ShiftModule(LayoutCounters, nn.Module):
         """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
         seal(self.forwards.values())
 
+    def native_decode(self) -> bool:
+        """The C++ decoder runs a whole model on one rank (torch_shift.models.native_decoder): never a shard."""
+        return False
+
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
         if self.shift is None or num_scheduled_tokens > self.shift_threshold:

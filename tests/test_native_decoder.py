@@ -1,0 +1,134 @@
+"""The C++ decoder (kernels/cpu_decoder.cpp, torch_shift.models.native_decoder): a step of up to 16 tokens gives the
+eager forward's logits bit for bit, for every dense family, in float32 and bfloat16, for decodes and prompt chunks;
+it declines what it cannot run exactly, and the engine's switch turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.kernels import decoder_kernels
+from torch_shift.models import native_decoder
+from torch_shift.models.linear import GEMV_MAX_ROWS, packing_supported
+from torch_shift.models.native_decoder import NativeDecoder
+from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
+# shapes whose every weight the GEMV reads (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2 KV heads
+SHAPES = dict(hidden_size=128, intermediate_size=352, head_dim=16)
+
+pytestmark = pytest.mark.skipif(decoder_kernels() is None, reason="the C++ decoder does not run here (no compiler, "
+                                "no AVX-512, or a torch without its vectorised exp)")
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = build_hf_model(family, **SHAPES)
+            cache[family] = (model, save_checkpoint(model, tmp_path_factory.mktemp(family)))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Steps the C++ decoder ran."""
+    calls = []
+    original = NativeDecoder.__call__
+
+    def call(self, input_ids, *args):
+        calls.append(len(input_ids))
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", call)
+    return calls
+
+
+def _generate(model_dir, dtype, native: bool, **engine_args):
+    llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
+    assert llm.engine.worker.runner.native_decode is native
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
+                                            for step in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral_window"])
+def test_steps_give_the_eager_forwards_logits_bit_for_bit(families, family, dtype, counted):
+    """Decodes of one to four requests at once and, with at most 16 tokens a step, every prompt chunk: the same
+    tokens and the same logprobs, to the last bit, as the eager forward (Qwen2's q/k/v bias, Qwen3's q/k norms,
+    Mistral's window, Llama 3's rotary scaling, a tied LM head)."""
+    _, model_dir = families(family)
+    reference = _generate(model_dir, dtype, native=False, max_num_batched_tokens=GEMV_MAX_ROWS)
+    assert not counted
+    assert _generate(model_dir, dtype, native=True, max_num_batched_tokens=GEMV_MAX_ROWS) == reference
+    assert max(counted) == GEMV_MAX_ROWS and min(counted) <= 2  # prompt chunks and decodes both ran here
+
+
+def test_greedy_tokens_match_transformers(families):
+    model, model_dir = families("llama")
+    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0)
+    assert llm.engine.worker.runner.native_decode
+    for prompt in random_prompts(3, [5, 30, 12], seed=3):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=10, temperature=0.0,
+                                                                            ignore_eos=True), use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_rounds_as_pytorch_at_every_thread_count(dtype):
+    """Every finite bfloat16 (a spread of float32 values) through the C++ `silu(gate) * up` and through PyTorch's, on
+    one thread and on two: TensorIterator splits rows between threads above 32768 elements, which moves where its
+    vectorised exp ends and std::exp begins."""
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            native_decoder._silu_mul_matches.cache_clear()
+            for intermediate in (352, 2816):
+                assert native_decoder._silu_mul_matches(dtype, intermediate)
+    finally:
+        torch.set_num_threads(threads)
+        native_decoder._silu_mul_matches.cache_clear()
+
+
+def test_declines_what_it_cannot_run_exactly(families, tmp_path):
+    """Weights the GEMV cannot read (q/k/v of 96 rows), dense weights, experts, a module it does not know, the
+    switch off: the forward serves."""
+    _, model_dir = families("llama")
+    assert LLM(str(model_dir), dtype=torch.float32, compile=False).engine.worker.runner.native_decode
+    odd = save_checkpoint(build_hf_model("llama"), tmp_path / "odd")  # hidden 64: q/k/v of 96 rows
+    assert not LLM(str(odd), compile=False).engine.worker.runner.native_decode
+    assert not LLM(str(model_dir), compile=False, prepack_weights=False).engine.worker.runner.native_decode
+    assert not LLM(str(model_dir), compile=False, native_decode=False).engine.worker.runner.native_decode
+    mixtral = write_random_checkpoint(tmp_path / "mixtral", tiny_llama_config(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=128, num_local_experts=4,
+        num_experts_per_tok=2))
+    assert not LLM(str(mixtral), compile=False).engine.worker.runner.native_decode
+    assert NativeDecoder.build(build_hf_model("llama", **SHAPES)) is None  # transformers' module, not ours
+
+
+def test_dp_replicas_run_it_on_every_rank(families, counted):
+    """DP-2: each replica's own layout is one rank's full model; outputs as one process's without it."""
+    _, model_dir = families("llama")
+    expected = _generate(model_dir, torch.float32, native=False, max_num_batched_tokens=GEMV_MAX_ROWS)
+    llm = LLM(str(model_dir), dp=2, compile=False, seed=0, max_num_batched_tokens=GEMV_MAX_ROWS)
+    try:
+        assert llm.engine.worker.runner.native_decode
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        got = [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
+                                               for step in o.outputs[0].logprobs]) for o in outs]
+        assert got == expected[:4] and counted
+    finally:
+        llm.shutdown()

@@ -1,0 +1,179 @@
+"""A dense decoder's steps of at most `GEMV_MAX_ROWS` tokens in one C++ call on the CPU (kernels/cpu_decoder.cpp).
+
+An eager or compiled forward of a small step calls about ten kernels per layer, with the interpreter or inductor's
+wrapper and PyTorch's dispatcher between them; after each weight streams through the caches that code runs cold.
+`NativeDecoder` describes the model to the C++ decoder once (the addresses of its packed weights, norms, embedding
+and rotary table) and runs each small step there: the embedding, every layer (RMSNorm, the q/k/v GEMV, the q/k norms
+where the model has them, rotary, the step's paged attention, the output GEMV, the residual, the MLP) and the LM
+head's rows. It calls the kernels the eager forward calls, in its order, and rounds SiLU as PyTorch does (checked on
+this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py).
+
+It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
+linear weight packed for the GEMV kernel; `NativeDecoder.build` returns None for anything else (experts, attention
+sinks, a rank of a parallel layout, a CPU without AVX-512), which keeps its forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from torch_shift.compilation import step_attention
+from torch_shift.kernels import DecoderKernels, decoder_kernels, native_attention, register_native_attention
+from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
+from torch_shift.models.fused import _SPLIT_ROW, _sum_lanes
+from torch_shift.models.linear import GEMV_MAX_ROWS, Linear
+from torch_shift.models.rope import RotaryEmbedding
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# kernels/cpu_decoder.cpp's ModelField and LayerField
+_MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
+                 "embed", "final_norm", "lm_head", "cos_sin")
+_LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
+                 "post_norm", "gate_up", "down")
+
+
+class NativeDecoder:
+    """`decoder(input_ids, positions, logits_indices, attention)` -> logits, for a step of 1 to GEMV_MAX_ROWS tokens
+    whose attention is the CPU paged kernel's (`runs` says which steps)."""
+
+    def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int):
+        self.model = model  # keeps every weight the decoder reads alive
+        self.kernels = kernels
+        self.handle = handle
+        self.dtype = model.embed_tokens.weight.dtype
+        self.vocab_size = model.config.vocab_size
+        weakref.finalize(self, kernels.destroy, handle)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> NativeDecoder | None:
+        """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring)."""
+        kernels = decoder_kernels()
+        if kernels is None or not register_native_attention() or not _supported(model):
+            return None
+        config = model.config
+        dtype = model.embed_tokens.weight.dtype
+        if not _silu_mul_matches(dtype, config.intermediate_size):
+            return None
+        model_fields = dict(
+            dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
+            vocab=config.vocab_size, lanes=_sum_lanes(), positions=model.rotary.cos_sin.shape[1],
+            embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
+            lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr())
+        layer_fields = []
+        for layer in model.layers:
+            attn = layer.attn
+            layer_fields += [dict(
+                input_norm=layer.input_norm.weight.data_ptr(), qkv=_gemv_address(attn.qkv_proj),
+                qkv_bias=_address(attn.qkv_proj.bias), q_norm=_address(attn.q_norm and attn.q_norm.weight),
+                k_norm=_address(attn.k_norm and attn.k_norm.weight), kv_layer=attn.layer_idx,
+                window=-1 if attn.sliding_window is None else attn.sliding_window, o=_gemv_address(attn.o_proj),
+                o_bias=_address(attn.o_proj.bias), post_norm=layer.post_attention_norm.weight.data_ptr(),
+                gate_up=_gemv_address(layer.mlp.gate_up_proj), down=_gemv_address(layer.mlp.down_proj))]
+        model_array = (ctypes.c_int64 * len(_MODEL_FIELDS))(*(model_fields[name] for name in _MODEL_FIELDS))
+        layer_array = (ctypes.c_int64 * (len(_LAYER_FIELDS) * len(layer_fields)))(
+            *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
+        handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
+        assert handle, "the C++ decoder refused a model the checks above accepted"
+        return cls(model, kernels, handle)
+
+    @staticmethod
+    def runs(num_tokens: int, attention: object) -> bool:
+        """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run the
+        GEMV, and its attention is the CPU paged kernel's, which the C++ side reads once installed."""
+        return (1 <= num_tokens <= GEMV_MAX_ROWS and hasattr(attention, "install_native")
+                and native_attention() is not None)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                 attention: object) -> torch.Tensor:
+        input_ids = input_ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        rows = logits_indices.to(torch.int64).contiguous()
+        logits = torch.empty(len(rows), self.vocab_size, dtype=self.dtype)
+        with step_attention(attention):
+            rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), len(input_ids),
+                                   rows.data_ptr(), len(rows), logits.data_ptr())
+        if rc == -201:
+            raise IndexError("a token id outside the vocabulary, or a logits row outside the step")
+        if rc == -3:
+            raise IndexError(f"a position is outside the rotary table of {self.model.rotary.cos_sin.shape[1]} "
+                             "positions")
+        assert rc == 0, f"the C++ decoder failed ({rc})"
+        return logits
+
+
+def _supported(model: torch.nn.Module) -> bool:
+    if type(model) is not DecoderLM:
+        return False
+    config = model.config
+    embed = model.embed_tokens.weight
+    dtype, eps = embed.dtype, config.rms_norm_eps
+    if (embed.device.type != "cpu" or dtype not in _DTYPE_CODES or not embed.is_contiguous()
+            or config.sparse_layers or config.attention_sinks or config.head_dim % 2
+            or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
+            or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
+            or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
+            or not _gemv_ok(model.lm_head, dtype, bias=False)):
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or attn.sinks is not None or not _norm_ok(layer.input_norm, dtype, eps)
+                or not _norm_ok(layer.post_attention_norm, dtype, eps)
+                or (attn.q_norm is not None
+                    and not (_norm_ok(attn.q_norm, dtype, eps) and _norm_ok(attn.k_norm, dtype, eps)))
+                or not _gemv_ok(attn.qkv_proj, dtype, bias=True) or not _gemv_ok(attn.o_proj, dtype, bias=True)
+                or not _gemv_ok(mlp.gate_up_proj, dtype, bias=False) or not _gemv_ok(mlp.down_proj, dtype, bias=False)
+                or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
+                    config.num_attention_heads, config.num_key_value_heads, config.head_dim)):
+            return False
+    return True
+
+
+def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
+    return type(norm) is RMSNorm and norm.weight.dtype == dtype and norm.weight.is_contiguous() and norm.eps == eps
+
+
+def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, bias: bool) -> bool:
+    packed = getattr(linear, "packed", None)
+    return (type(linear) is Linear and packed is not None and packed.gemv is not None and packed.dtype == dtype
+            and packed.native and (linear.bias is None or (bias and linear.bias.dtype == dtype
+                                                           and linear.bias.is_contiguous())))
+
+
+def _gemv_address(linear: Linear) -> int:
+    return linear.packed._weight_ptr
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+@cache
+def _silu_mul_matches(dtype: torch.dtype, intermediate: int) -> bool:
+    """Whether the C++ `silu(gate) * up` is bitwise PyTorch's on this machine for rows of `intermediate`: every
+    finite bfloat16 (as gate, with up 1 and random), or a spread of float32 values over the whole range."""
+    kernels = decoder_kernels()
+    generator = torch.Generator().manual_seed(0)
+    if dtype == torch.bfloat16:
+        gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        gate = gate[torch.isfinite(gate)]
+    else:
+        gate = torch.cat([torch.randn(1 << 16, generator=generator) * scale for scale in (1.0, 8.0, 100.0)])
+        gate = torch.cat([gate, torch.tensor([0.0, -0.0, 88.0, -88.0, 104.0, -104.0, 1e-30, -1e-30])])
+    rows = -(-len(gate) // intermediate)
+    gate = torch.cat([gate, torch.zeros(rows * intermediate - len(gate), dtype=dtype)]).view(rows, intermediate)
+    for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=generator).to(dtype)):
+        gate_up = torch.cat([gate, up], dim=1)
+        expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        out = torch.empty_like(expected)
+        if kernels.silu_mul(_DTYPE_CODES[dtype], gate_up.data_ptr(), rows, intermediate, out.data_ptr()) != 0:
+            return False
+        if not torch.equal(out, expected):
+            return False
+    return True
