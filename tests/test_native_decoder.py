@@ -132,3 +132,31 @@ def test_dp_replicas_run_it_on_every_rank(families, counted):
         assert got == expected[:4] and counted
     finally:
         llm.shutdown()
+
+
+def test_a_draft_models_forwards_run_it(families, counted):
+    """The draft proposer's forwards of a few tokens (speculative decoding's draft_model method): the same proposals
+    as the draft's own forward, rounds of prompts, proposals and bonus tokens."""
+    from torch_shift.engine.request import Request
+    from torch_shift.engine.spec_decode.draft import DraftModelProposer
+    from torch_shift.models.linear import prepare_linears
+    from torch_shift.models.loader import load_model
+
+    _, model_dir = families("qwen3")
+    model = load_model(model_dir)
+    prepare_linears(model)
+    proposers = [DraftModelProposer(model, num_blocks=64, block_size=4, max_num_batched_tokens=12,
+                                    native_decode=native) for native in (True, False)]
+    assert proposers[0].native is not None and proposers[1].native is None
+    params = SamplingParams(max_tokens=100)
+    requests = [[Request(f"r{i}", p, params, max_tokens=100) for i, p in enumerate(random_prompts(3, [5, 20, 9]))]
+                for _ in proposers]
+    for step in range(6):
+        proposals = [proposer.propose(reqs, [3, 1, 4]) for proposer, reqs in zip(proposers, requests)]
+        assert proposals[0] == proposals[1] and all(proposals[0])
+        for reqs in requests:
+            for request, proposal in zip(reqs, proposals[0]):
+                new = proposal[:step % 3] + [7 + step]
+                request.all_token_ids.extend(new)
+                request.output_token_ids.extend(new)
+    assert counted

@@ -152,7 +152,8 @@ class LLMEngine:
         return load_draft_proposer(config.draft, config.dtype, self.worker.runner.device, config.cache.block_size,
                                    config.scheduler.max_num_seqs, config.scheduler.max_model_len,
                                    config.scheduler.max_num_batched_tokens, config.runner.attention_backend,
-                                   config.runner.prepack_weights, config.runner.decode_pool)
+                                   config.runner.prepack_weights, config.runner.decode_pool,
+                                   config.runner.native_decode)
 
     # -- what the engine is made of ------------------------------------------------------------------------
     @property

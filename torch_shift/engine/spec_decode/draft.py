@@ -31,6 +31,7 @@ from torch_shift.models.fused import argmax
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import load_model
+from torch_shift.models.native_decoder import NativeDecoder
 
 _DRAFT_KV_BUDGET_BYTES = 1 << 30  # the draft's pool at most, and at most an eighth of the memory available
 
@@ -67,7 +68,7 @@ def _vocabulary(directory: Path | None) -> tuple | None:
 def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torch.device, block_size: int,
                         max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                         attention_backend: str = "auto", prepack_weights: bool = True,
-                        decode_pool: bool = True) -> DraftModelProposer:
+                        decode_pool: bool = True, native_decode: bool = True) -> DraftModelProposer:
     """The draft loaded on rank 0's device in the target's dtype, with a pool for every sequence slot filled to
     the context, or what a bounded budget holds (then requests past it propose nothing until blocks come free)."""
     model = load_model(draft.model_dir, dtype, device)
@@ -77,7 +78,8 @@ def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torc
     enough = max_num_seqs * math.ceil(max_model_len / block_size)
     budget = min(_DRAFT_KV_BUDGET_BYTES, available_memory_bytes(device) // 8)
     num_blocks = max(min(enough, budget // per_block), math.ceil(max_model_len / block_size))
-    return DraftModelProposer(model, num_blocks, block_size, max_num_batched_tokens, attention_backend, decode_pool)
+    return DraftModelProposer(model, num_blocks, block_size, max_num_batched_tokens, attention_backend, decode_pool,
+                              native_decode)
 
 
 @dataclass
@@ -101,7 +103,7 @@ class DraftModelProposer:
     name = "draft_model"
 
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                 attention_backend: str = "auto", decode_pool: bool = True):
+                 attention_backend: str = "auto", decode_pool: bool = True, native_decode: bool = True):
         config = model.config
         self.model = model
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
@@ -117,6 +119,8 @@ class DraftModelProposer:
         self.num_forwards = 0  # forwards run, over the proposer's life
         # its forwards of a few tokens, as the target's
         self.decode_pool = DecodePool(model, device, decode_pool, self.kv_bytes_per_block(model, 1))
+        # and in one C++ call where the draft allows it (torch_shift.models.native_decoder)
+        self.native = NativeDecoder.build(model) if native_decode and self.attention.name == "cpu" else None
 
     @staticmethod
     def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -215,12 +219,17 @@ class DraftModelProposer:
             block_table_rows=np.arange(len(runs), dtype=np.int32), tokens_per_block=block_size,
             slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
         input_ids = tensor(np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64))
+        attention = self.attention.build(batch, self.kv_cache)
         with self.decode_pool.step(len(input_ids), int(starts.sum())):
-            hidden = self.model(input_ids, positions_t, self.attention.build(batch, self.kv_cache))
             self.num_forwards += 1
+            if self.native is not None and self.native.runs(len(input_ids), attention):
+                logits = self.native(input_ids, positions_t, tensor(logits_indices), attention)
+            else:
+                hidden = self.model(input_ids, positions_t, attention)
+                logits = self.model.compute_logits(hidden[tensor(logits_indices)]) if len(logits_indices) else None
             if not len(logits_indices):
                 return []
-            next_tokens = argmax(self.model.compute_logits(hidden[tensor(logits_indices)])).tolist()
+            next_tokens = argmax(logits).tolist()
         # back to the callers' order of runs
         wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]
