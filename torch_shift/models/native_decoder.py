@@ -70,8 +70,9 @@ class NativeDecoder:
             attn = layer.attn
             layer_fields += [dict(
                 input_norm=layer.input_norm.weight.data_ptr(), qkv=_gemv_address(attn.qkv_proj),
-                qkv_bias=_address(attn.qkv_proj.bias), q_norm=_address(attn.q_norm and attn.q_norm.weight),
-                k_norm=_address(attn.k_norm and attn.k_norm.weight), kv_layer=attn.layer_idx,
+                qkv_bias=_address(attn.qkv_proj.bias),
+                q_norm=_address(attn.q_norm.weight if attn.q_norm is not None else None),
+                k_norm=_address(attn.k_norm.weight if attn.k_norm is not None else None), kv_layer=attn.layer_idx,
                 window=-1 if attn.sliding_window is None else attn.sliding_window, o=_gemv_address(attn.o_proj),
                 o_bias=_address(attn.o_proj.bias), post_norm=layer.post_attention_norm.weight.data_ptr(),
                 gate_up=_gemv_address(layer.mlp.gate_up_proj), down=_gemv_address(layer.mlp.down_proj))]
