@@ -57,6 +57,8 @@ def _generate(model_dir, dtype, native: bool, **engine_args):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
+    # the 40-token prompt again: its blocks come from the prefix cache, and its last token is computed alone
+    outs += llm.generate(prompts[2:3], greedy, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
                                             for step in o.outputs[0].logprobs]) for o in outs]
 
@@ -160,3 +162,35 @@ def test_a_draft_models_forwards_run_it(families, counted):
                 request.all_token_ids.extend(new)
                 request.output_token_ids.extend(new)
     assert counted
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
+    """Generations long enough for the GEMV's decode pool to arm (after 8 small steps): the C++ decoder's matmuls
+    run on the pool's threads, its logprobs stay the eager forward's."""
+    from torch_shift.engine.decode_pool import SMALL_STEPS_BEFORE_POOL
+    from torch_shift.kernels import gemv_pool_workers
+
+    _, model_dir = families("llama")
+    params = SamplingParams(max_tokens=4 * SMALL_STEPS_BEFORE_POOL, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [30, 7, 12], seed=5)]
+    results = []
+    for native in (False, True):
+        llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0)
+        runner = llm.engine.worker.runner
+        runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+        armed = []
+        run_groups = runner._run_groups
+
+        def spy(*args, run_groups=run_groups, armed=armed):
+            armed.append(gemv_pool_workers())
+            return run_groups(*args)
+
+        runner._run_groups = spy
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        results.append([(list(o.outputs[0].token_ids), [sorted((t, lp.logprob) for t, lp in top.items())
+                                                         for top in o.outputs[0].logprobs]) for o in outs])
+        if runner.decode_pool.enabled and torch.get_num_threads() > 1:
+            assert max(armed) > 0
+        llm.shutdown()
+    assert results[0] == results[1] and counted
