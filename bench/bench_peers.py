@@ -19,7 +19,9 @@ Rows: one process on every core in float32 and bfloat16, and two ranks of one co
 against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
 GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt) against the GEMM
 rate, and batch-1 TPOT against the weights' bytes over the bandwidth measured just before and after that engine's
-own run (the machine's read rate moved between 30 and 51 GB/s within an hour).
+own run (the machine's read rate moved between 30 and 51 GB/s within an hour), and, for a torch_shift engine of one
+process, against its own matmuls run alone (every packed weight through the GEMV at one row, on its decode pool, in
+the same process minutes after: `TPOT/GEMVs`, what a step costs beyond reading its weights).
 """
 
 from __future__ import annotations
@@ -95,14 +97,44 @@ def run_torch_shift(spec: dict) -> dict:
     timed([single["prompt"]], [2])  # warm-up
     ttft = min(timed([single["prompt"]], [1])[0] for _ in range(spec["repeats"]))
     full = min(timed([single["prompt"]], [single["max_tokens"]])[0] for _ in range(spec["repeats"]))
+    weights_alone_s = weights_read_alone(llm)
     batch = spec["batch"]
     batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
     stats = llm.stats()
     llm.shutdown()
     return {"engine": "torch_shift", "load_s": load_s, "ttft_s": ttft,
-            "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "batch_s": batch_s,
+            "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "weights_alone_s": weights_alone_s,
+            "batch_s": batch_s,
             "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "steps_by_layout": stats["steps_by_layout"]}
+
+
+def weights_read_alone(llm) -> float | None:
+    """The time a batch-1 decode step's matmuls take alone in this engine's process, minutes after its TPOT: every
+    packed weight of the model through the GEMV kernel at one row, back to back on its decode pool (as a pooled
+    step runs them), the best of 10 passes. A reference for TPOT that moves with the machine's phases as the
+    step does, unlike a streaming sum measured apart. None where rank 0 does not hold the whole model (several
+    ranks) or a weight does not run the GEMV."""
+    import torch
+
+    from torch_shift.kernels import arm_gemv_pool
+
+    runner = llm.engine.worker.runner if llm.engine.worker is not None else None
+    if runner is None or runner.deployment.world_size != 1:
+        return None
+    weights = {id(m.packed): m.packed for m in runner.model.modules() if getattr(m, "packed", None) is not None}
+    if not weights or any(getattr(w, "gemv", None) is None for w in weights.values()):
+        return None
+    rows = {w.in_features: torch.randn(1, w.in_features).to(w.dtype) for w in weights.values()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    arm_gemv_pool(max(0, (os.cpu_count() or 1) - 1))
+    try:
+        with torch.inference_mode():
+            return _best(lambda: [w(rows[w.in_features], None) for w in weights.values()])
+    finally:
+        arm_gemv_pool(0)
+        torch.set_num_threads(threads)
 
 
 def run_json_process(command: list[str], env: dict, timeout_s: float) -> dict:
@@ -205,6 +237,8 @@ def summarize(runs: list[dict], work: dict) -> dict:
             "tpot_s": statistics.median(r["tpot_s"] for r in runs),
             "throughput_tok_s": statistics.median(tokens / r["batch_s"] for r in runs),
             "read_bandwidth": statistics.median(r["read_bandwidth"] for r in runs),
+            "weights_alone_s": (statistics.median(r["weights_alone_s"] for r in runs)
+                                if all(r.get("weights_alone_s") for r in runs) else None),
             "rounds": len(runs), "load_s": statistics.median(r["load_s"] for r in runs)}
 
 
@@ -300,7 +334,8 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
     print(f"\n== {row}: {dtype}, {world} rank{'s' if world > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
           f" (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s at the start)")
     print(f"{'engine':14s} {'tok/s':>8s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'x peer tok/s':>13s} {'x peer TTFT':>12s} "
-          f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'BW GB/s':>8s} {'TPOT/(B/BW)':>12s} {'same tokens':>12s}")
+          f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'BW GB/s':>8s} {'TPOT/(B/BW)':>12s} {'TPOT/GEMVs':>11s} "
+          f"{'same tokens':>12s}")
 
     num_requests = len(work["batch"])
 
@@ -311,9 +346,10 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
         prefill = prompt_flops / s["ttft_s"] / gemm
         run_bandwidth = s.get("read_bandwidth", bandwidth)
         bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
+        alone = f"{s['tpot_s'] / s['weights_alone_s']:.2f}" if s.get("weights_alone_s") else ""
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
               f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:13.2f} {run_bandwidth / 1e9:8.1f} "
-              f"{bound:12.2f} "
+              f"{bound:12.2f} {alone:>11s} "
               f"{'' if same is None else f'{same}/{num_requests}':>12s}")
 
     if peer is not None:
