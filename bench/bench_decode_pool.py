@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from bench_peers import INIT_STD, MODEL
+from paired_runs import alternate_generations, per_pair_ratios
 
 
 def main() -> None:
@@ -40,32 +40,14 @@ def main() -> None:
             raise SystemExit("the decode pool does not run here (no GEMV kernel, or --no-decode-pool)")
         prompt = {"prompt_token_ids": [(7 * i) % (config["vocab_size"] - 2) + 2 for i in range(512)]}
         params = SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True)
-        steps: list[float] = []
-        engine_step = llm.engine.step
 
-        def timed_step(*a, **k):
-            start = time.perf_counter()
-            out = engine_step(*a, **k)
-            steps.append(time.perf_counter() - start)
-            return out
-
-        llm.engine.step = timed_step
-
-        def generation(pooled: bool) -> tuple[float, list[int]]:
+        def switch(pooled: bool) -> None:
             pool.enabled = pooled
-            steps.clear()
-            (out,) = llm.generate([prompt], params, use_tqdm=False)
-            return statistics.median(steps[2:]), list(out.outputs[0].token_ids)  # after the prompt and first decode
 
-        generation(True), generation(False)
-        results: dict[bool, list[tuple[float, list[int]]]] = {True: [], False: []}
-        for i in range(args.pairs):
-            for pooled in ((True, False) if i % 2 == 0 else (False, True)):
-                results[pooled].append(generation(pooled))
-    pooled_ms = [1e3 * s for s, _ in results[True]]
-    split_ms = [1e3 * s for s, _ in results[False]]
-    ratios = [a / b for a, b in zip(pooled_ms, split_ms)]
-    same = all(t == results[False][0][1] for _, t in results[True] + results[False])
+        results = alternate_generations(llm, prompt, params, switch, args.pairs)
+    pooled_ms, split_ms, ratios = per_pair_ratios(results)
+    reference = list(results[False][0][1].token_ids)
+    same = all(list(c.token_ids) == reference for _, c in results[True] + results[False])
     print(f"{args.dtype}{' (small)' if args.small else ''}, batch 1, {args.tokens} tokens after a 512-token prompt, "
           f"{args.pairs} pairs")
     print(f"decode pool:    median step {statistics.median(pooled_ms):.2f} ms")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from bench_peers import INIT_STD, MODEL
+from paired_runs import alternate_generations, per_pair_ratios
 
 
 def main() -> None:
@@ -54,43 +54,23 @@ def main() -> None:
         vocab = replica.model.config.vocab_size
         prompt = {"prompt_token_ids": [(7 * i) % (vocab - 2) + 2 for i in range(512)]}
         params = SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True, logprobs=1)
-        steps: list[float] = []
-        engine_step = llm.engine.step
 
-        def timed_step(*a, **k):
-            start = time.perf_counter()
-            out = engine_step(*a, **k)
-            steps.append(time.perf_counter() - start)
-            return out
-
-        llm.engine.step = timed_step
-
-        def generation(on: bool) -> tuple[float, tuple]:
+        def switch(on: bool) -> None:
             replica.native_decoder = native if on else None
-            steps.clear()
-            (out,) = llm.generate([prompt], params, use_tqdm=False)
-            completion = out.outputs[0]
-            result = (list(completion.token_ids), [lp[t].logprob for t, lp in zip(completion.token_ids,
-                                                                                  completion.logprobs)])
-            return statistics.median(steps[2:]), result  # after the prompt and first decode
 
-        generation(True), generation(False)
-        results: dict[bool, list] = {True: [], False: []}
-        for i in range(args.pairs):
-            for on in ((True, False) if i % 2 == 0 else (False, True)):
-                results[on].append(generation(on))
-    native_ms = [1e3 * s for s, _ in results[True]]
-    forward_ms = [1e3 * s for s, _ in results[False]]
-    ratios = [a / b for a, b in zip(native_ms, forward_ms)]
-    reference = results[False][0][1]
+        results = alternate_generations(llm, prompt, params, switch, args.pairs)
+    native_ms, forward_ms, ratios = per_pair_ratios(results)
+    outputs = {on: [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                    for _, c in results[on]] for on in (True, False)}
+    reference = outputs[False][0]
     print(f"{args.model} model, {args.dtype}, batch 1, {args.tokens} tokens after a 512-token prompt, "
           f"{args.pairs} pairs")
     print(f"C++ decoder:    median step {statistics.median(native_ms):.2f} ms")
     print(f"model forward:  median step {statistics.median(forward_ms):.2f} ms")
     print(f"decoder / forward per pair: {' '.join(f'{r:.3f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.3f})")
-    print(f"tokens: {'the same' if all(r[0] == reference[0] for _, r in results[True]) else 'DIFFERENT'}; "
-          f"logprobs: {'the same' if all(r == reference for _, r in results[True]) else 'different'}")
+    print(f"tokens: {'the same' if all(r[0] == reference[0] for r in outputs[True]) else 'DIFFERENT'}; "
+          f"logprobs: {'the same' if all(r == reference for r in outputs[True]) else 'different'}")
 
 
 if __name__ == "__main__":
