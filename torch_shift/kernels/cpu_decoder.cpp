@@ -39,12 +39,7 @@ extern "C" int ts_step_attention(int64_t layer_idx, const void* q, int64_t q_row
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 #endif
 
-// every product and sum rounds on its own, as PyTorch's separate operators do (no fused multiply-add)
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "cpu_no_contract.h"  // PyTorch's separate operators round each result
 
 namespace {
 

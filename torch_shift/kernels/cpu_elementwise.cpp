@@ -18,12 +18,7 @@
 
 #include "cpu_common.h"
 
-// every product and sum rounds on its own, as PyTorch's separate operators do (no fused multiply-add)
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "cpu_no_contract.h"  // PyTorch's separate operators round each result
 
 namespace {
 

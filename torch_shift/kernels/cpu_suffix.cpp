@@ -9,12 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-// scores compare exactly with the Python rule's: every product and sum rounds on its own, as Python's floats do
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+#include "cpu_no_contract.h"  // scores compare exactly with the Python rule's
 
 namespace {
 
