@@ -53,7 +53,7 @@ class NativeDecoder:
     def build(cls, model: torch.nn.Module) -> NativeDecoder | None:
         """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring)."""
         kernels = decoder_kernels()
-        if kernels is None or not register_native_attention() or not _supported(model):
+        if kernels is None or not _supported(model) or not register_native_attention():
             return None
         config = model.config
         dtype = model.embed_tokens.weight.dtype
