@@ -761,13 +761,13 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
     dear_check = (1.5e-3, 0.0, 2e-5, 3e-4)  # a check pays from a rate of about 0.2 on
     speculator.step_cost.at = lambda num_requests: dear_check
     for i in range(50):  # the method's rate: mostly rejections
-        speculator.acceptance.observe(f"earlier{i}", 4, 0)
+        speculator.acceptance.observe(f"earlier{i}", 4, 0, greedy=False)
     params = SamplingParams(max_tokens=100)
     probed = Request("probed", list(range(1, PROBE_EVERY + 1)), params, 100)
     quiet = Request("quiet", list(range(1, PROBE_EVERY + 2)), params, 100)  # not at a probe's position
     speculator.propose([probed, quiet], 2)
     assert probed.spec_token_ids == [] and quiet.spec_token_ids == []
-    assert speculator._shadows == {"probed": 7}
+    assert speculator._shadows == {"probed": (7, False)}
 
     def step(drawn):
         entries = [[ScheduledRequest(r, 1, r.num_tokens - 1, True, False, ([0],)) for r in (probed, quiet)]]
@@ -807,8 +807,8 @@ def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():
         slow = i >= 100
         speculator.step_cost.observe(1, 4 * slow, slow, cheap(4 * slow, slow) * (5 if slow else 1))
         if slow:
-            speculator.acceptance.observe("edit", 4, 4)
-    assert lowest_paying_rate(4, 1, speculator.step_cost.at(1)) > speculator.acceptance.rate("edit")  # none pays
+            speculator.acceptance.observe("edit", 4, 4, greedy=False)
+    assert lowest_paying_rate(4, 1, speculator.step_cost.at(1)) > speculator.acceptance.rate("edit", greedy=False)
 
     checked = []
     for _ in range(600):
@@ -829,13 +829,26 @@ def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():
     rates = AcceptanceRates()
     for i in range(50):
-        rates.observe(f"free{i % 5}", 4, 0)
-    rates.observe("repeats", 4, 4)
-    rates.observe("repeats", 4, 4)
-    assert rates.rate("new") < 0.2  # the method's recent rate: mostly rejections
-    assert rates.rate("repeats") > 0.6 > rates.rate("free0")
+        rates.observe(f"free{i % 5}", 4, 0, greedy=False)
+    rates.observe("repeats", 4, 4, greedy=False)
+    rates.observe("repeats", 4, 4, greedy=False)
+    assert rates.rate("new", greedy=False) < 0.2  # the method's recent rate: mostly rejections
+    assert rates.rate("repeats", greedy=False) > 0.6 > rates.rate("free0", greedy=False)
     rates.forget("repeats")
-    assert rates.rate("repeats") == rates.rate("new")
+    assert rates.rate("repeats", greedy=False) == rates.rate("new", greedy=False)
+
+
+def test_greedy_and_sampled_requests_start_from_priors_of_their_own():
+    """Repetitive greedy work (every proposal accepted), then sampled free text: a new sampled request starts from
+    the sampled requests' rate, not the greedy ones'; each kind's checks move only its own prior."""
+    rates = AcceptanceRates()
+    for i in range(40):
+        rates.observe(f"agent{i % 4}", 8, 8, greedy=True)
+    assert rates.rate("chat", greedy=True) > 0.9
+    assert rates.rate("chat", greedy=False) == pytest.approx(0.5)  # nothing known of sampled requests yet
+    for i in range(20):
+        rates.observe(f"chat{i % 4}", 4, 0, greedy=False)
+    assert rates.rate("chat", greedy=False) < 0.2 and rates.rate("agent", greedy=True) > 0.9
 
 
 def test_the_budget_cuts_what_does_not_pay_and_outputs_stay_the_same(llama):

@@ -71,7 +71,8 @@ class Request:
                          or p.min_tokens != 0 or p.structured_outputs is not None)
         # its token is the argmax of its logits row: greedy, nothing that changes logits (bias, or the above) and no
         # logprobs; the sampler draws a batch of such requests with one argmax
-        self.draws_argmax = p.greedy and not p.logit_bias and not reads_outputs and p.logprobs is None
+        self.greedy = p.greedy  # a plain attribute, as draws_argmax: the speculator reads it at every step
+        self.draws_argmax = self.greedy and not p.logit_bias and not reads_outputs and p.logprobs is None
         # nothing it draws reads its outputs on the host and it returns no logprobs: it may be scheduled again
         # before its last token arrives
         self.samples_on_device = not reads_outputs and p.logprobs is None and p.prompt_logprobs is None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
+    StepCost,
     StepCostFit,
     lowest_paying_rate,
     tokens_that_pay,
@@ -94,8 +95,10 @@ class Speculator:
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
+        self._probe_every = PROBE_EVERY
         self._since_explore = EXPLORE_EVERY  # propose calls since a check made to price checks
-        self._shadows: dict[str, int] = {}  # request id -> the token a probe proposed, scored against the next draw
+        # request id -> (the token a probe proposed, scored against the next draw; whether the request is greedy)
+        self._shadows: dict[str, tuple[int, bool]] = {}
         # request id -> (the length it proposes at again, its wait): after a proposal of which nothing was checked
         # (none found, or none paid) a request waits 1, 2, 4 ... MAX_BACKOFF tokens before the next, under the
         # budget: on free text most n-gram lookups find nothing, and a lookup every step cost 2% of a batch-1 step
@@ -105,11 +108,11 @@ class Speculator:
         """A probe's proposed token against the token its request drew in this step: accepted when they are the
         same. For greedy requests that is what a check would say; for sampled ones it has a check's chance, p of
         the proposed token under the request's processed distribution, without costing one."""
-        token = self._shadows.pop(request_id, None)
+        shadow = self._shadows.pop(request_id, None)
         drawn = sampled.get(request_id)
-        if token is not None and drawn is not None:
+        if shadow is not None and drawn is not None:
             first = drawn if isinstance(drawn, int) else drawn[0]
-            self.acceptance.observe(request_id, 1, int(first == token))
+            self.acceptance.observe(request_id, 1, int(first == shadow[0]), shadow[1])
 
     def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
                 seconds: float) -> list[tuple[int, int]]:
@@ -120,19 +123,23 @@ class Speculator:
         num_requests = num_proposed = 0
         decode_only = True
         checks = []
+        shadows = self._shadows
         for group in entries:
+            num_requests += len(group)
             for e in group:
-                if self._shadows:
-                    self._score_shadow(e.request.request_id, sampled)
                 proposed = e.spec_token_ids
-                num_requests += 1
-                num_proposed += len(proposed)
-                if e.num_tokens != 1 + len(proposed):
-                    decode_only = False  # a prompt chunk: its cost is not a decode's
                 if proposed:
-                    accepted = num_accepted(proposed, sampled.get(e.request.request_id, ()))
-                    self.acceptance.observe(e.request.request_id, len(proposed), accepted)
+                    request = e.request
+                    num_proposed += len(proposed)
+                    if e.num_tokens != 1 + len(proposed):
+                        decode_only = False  # a prompt chunk: its cost is not a decode's
+                    accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
+                    self.acceptance.observe(request.request_id, len(proposed), accepted, request.greedy)
                     checks.append((len(proposed), accepted))
+                elif e.num_tokens != 1:
+                    decode_only = False
+                if shadows:
+                    self._score_shadow(e.request.request_id, sampled)
         if decode_only and num_requests:
             self.step_cost.observe(num_requests, num_proposed, len(checks), seconds)
         return checks
@@ -147,26 +154,15 @@ class Speculator:
         pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY tokens it
         generates, never checked but scored against the token it draws next, which keeps its acceptance rate
         current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model)."""
-        limit = self.config.disable_by_batch_size
+        config = self.config
+        limit = config.disable_by_batch_size
         disabled = limit is not None and num_running >= limit
-        k = self.config.num_speculative_tokens
-        cost = self.step_cost.at(num_running) if self.config.goodput_budget else None
-        # the lowest rate at which a request can pay for its ask and its check (above 1: none can); the same until
-        # the fit, the batch size or the ask's price changes
-        bar = UNFITTED_BAR if self.config.goodput_budget else 0.0
+        k = config.num_speculative_tokens
+        cost = self.step_cost.at(num_running) if config.goodput_budget else None
+        bar = UNFITTED_BAR if config.goodput_budget else 0.0
         probe_every = PROBE_EVERY
         if cost is not None:
-            ask = self.ask_seconds / max(self.found_share, 0.05)
-            # kept while the fit and the batch size stay and the ask's price moves by less than a fifth
-            if (self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask):
-                self._bar_key, self._bar_ask = (num_running, cost), ask
-                self._bar = lowest_paying_rate(k, num_running, cost, ask)
-            bar = self._bar
-            # a probe costs an ask: with a slow proposer (the suffix trees of many cached outputs: ~60 us a request)
-            # probes of 64 requests every 16 tokens took 4% of their step
-            step = step_seconds(cost, num_running, 0, 0)
-            if step > 0:
-                probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
+            bar, probe_every = self._prices(num_running, cost)
         self._since_explore += 1
         explore = (cost is not None and not disabled and self._since_explore >= EXPLORE_EVERY
                    and self.step_cost.lacks_checks(num_running))
@@ -179,21 +175,25 @@ class Speculator:
             return
         proposing, rooms, rates, probing = [], [], [], []
         explorer, explorer_room, explorer_rate = None, 0, UNFITTED_BAR
+        backoff = self._backoff
         for request in updated:
             if request.status.finished:
                 self.on_finish(request)
                 continue
             if request.spec_token_ids:
                 request.spec_token_ids = []
-            num_tokens = request.num_tokens
-            waiting = self._backoff.get(request.request_id)
-            if waiting is not None and num_tokens < waiting[0]:
-                continue
+            num_tokens = len(request.all_token_ids)
+            if backoff:
+                waiting = backoff.get(request.request_id)
+                if waiting is not None and num_tokens < waiting[0]:
+                    continue
+            rate = self.acceptance.rate(request.request_id, request.greedy) if config.goodput_budget else 1.0
+            if rate < bar and not explore and num_tokens % probe_every:
+                continue  # neither checked, nor explored, nor probed (below)
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
-            room = min(k, request.max_tokens - request.num_output_tokens - 1, self.max_model_len - num_tokens - 1)
+            room = min(k, request.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - num_tokens - 1)
             if room <= 0:
                 continue
-            rate = self.acceptance.rate(request.request_id) if self.config.goodput_budget else 1.0
             if rate < bar:
                 if explore and rate >= explorer_rate:
                     explorer, explorer_room, explorer_rate = request, room, rate
@@ -220,7 +220,7 @@ class Speculator:
         self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
         for request, probe in zip(probing, proposals[len(proposing) + len(explored):]):
             if probe:
-                self._shadows[request.request_id] = probe[0]
+                self._shadows[request.request_id] = (probe[0], request.greedy)
         if explored:
             explorer.spec_token_ids = proposals[len(proposing)]
         proposals = proposals[:len(proposing)]
@@ -238,6 +238,22 @@ class Speculator:
                     self._backoff[request.request_id] = (request.num_tokens + wait, wait)
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
+
+    def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
+        """The lowest rate at which a request can pay for its ask and its check (above 1: none can), and the tokens
+        between a request's probes; kept while the fit and the batch size stay and the ask's price moves by less
+        than a fifth."""
+        ask = self.ask_seconds / max(self.found_share, 0.05)
+        if self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask:
+            self._bar_key, self._bar_ask = (num_running, cost), ask
+            self._bar = lowest_paying_rate(self.config.num_speculative_tokens, num_running, cost, ask)
+            # a probe costs an ask: with a slow proposer (the suffix trees of many cached outputs: ~60 us a
+            # request) probes of 64 requests every 16 tokens took 4% of their step
+            step = step_seconds(cost, num_running, 0, 0)
+            self._probe_every = PROBE_EVERY
+            if step > 0:
+                self._probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
+        return self._bar, self._probe_every
 
     def on_finish(self, request: Request) -> None:
         self._shadows.pop(request.request_id, None)

@@ -21,14 +21,20 @@ starting from the method's rate over all requests. A proposal's j-th token is ac
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 _PULL = 2.0  # tokens
 _HUBER_ROUNDS = 4
 REFIT_EVERY = 16  # steps between fits of a range, until its window is full
-REFIT_EVERY_FULL = 64  # then (a fit costs ~0.3 ms: every 16th step, 18 us a step, 1.3% of the default model's)
+REFIT_EVERY_FULL = 64  # then, at the least
+# of the step's time, at most, spent fitting once a window is full: a fit right after a step (cold caches) took
+# 0.6-0.7 ms, every 64 steps 9 us (2%) of the default model's 0.46 ms step
+FIT_SHARE = 0.005
 MIN_CHECKED_STEPS = 4  # steps with checks a range's window needs before its price of a check counts as current
 
 
@@ -46,62 +52,67 @@ class StepCostFit:
     def __init__(self, window: int = 128, min_steps: int = 4):
         self.window = window
         self.min_steps = min_steps
-        self.steps: dict[int, deque[tuple[int, int, int, float]]] = {}  # range (R's bit length) -> its last steps
+        self.ranges: dict[int, _Range] = {}  # R's bit length -> its range's last steps
         self.fitted: dict[int, StepCost] = {}
-        self._num_checked: dict[int, int] = {}  # range -> steps with checks in its window
-        self._since_fit: dict[int, int] = {}
 
     def observe(self, num_requests: int, num_proposed: int, num_checks: int, seconds: float) -> None:
         key = num_requests.bit_length()
-        steps = self.steps.get(key)
-        if steps is None:
-            steps = self.steps[key] = deque(maxlen=self.window)
-            self._num_checked[key] = 0
-        if len(steps) == self.window:
-            self._num_checked[key] -= steps[0][2] > 0
+        steps_range = self.ranges.get(key)
+        if steps_range is None:
+            steps_range = self.ranges[key] = _Range(deque(maxlen=self.window), self.min_steps)
+        steps = steps_range.steps
+        if len(steps) == self.window and steps[0][2]:
+            steps_range.num_checked -= 1
         steps.append((num_requests, num_proposed, num_checks, seconds))
-        self._num_checked[key] += num_checks > 0
-        self._since_fit[key] = self._since_fit.get(key, 0) + 1
-        # the first fit as soon as there are min_steps, then one every REFIT_EVERY steps (also after a try that found
-        # every step alike), and REFIT_EVERY_FULL once the window is full (a fit costs ~0.3 ms)
-        if len(steps) < self.min_steps + REFIT_EVERY and key not in self.fitted:
-            due = self.min_steps
-        elif len(steps) < self.window:
-            due = REFIT_EVERY
-        else:
-            due = REFIT_EVERY_FULL
-        if self._since_fit[key] >= due:
-            self._fit(key)
+        if num_checks:
+            steps_range.num_checked += 1
+        steps_range.since_fit += 1
+        if steps_range.since_fit >= steps_range.due:
+            start = time.perf_counter()
+            mean_seconds = self._fit(key)
+            # the next fit: every min_steps steps until one fits, then every REFIT_EVERY while the window fills
+            # (also after a try that found every step alike), then every REFIT_EVERY_FULL steps or more, as
+            # FIT_SHARE allows
+            steps_range.since_fit = 0
+            steps_range.due = REFIT_EVERY
+            if key not in self.fitted and len(steps) < self.min_steps + REFIT_EVERY:
+                steps_range.due = self.min_steps
+            elif len(steps) == self.window:
+                fit_seconds = time.perf_counter() - start
+                steps_range.due = max(REFIT_EVERY_FULL, math.ceil(fit_seconds / (FIT_SHARE * mean_seconds)))
 
-    def _fit(self, key: int) -> None:
-        self._since_fit[key] = 0
-        data = np.array(self.steps[key], dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
-        y = data[:, 3]
-        if np.linalg.matrix_rank(x) < 2:
-            return  # every step alike: nothing to fit yet
+    def _fit(self, key: int) -> float:
+        """Fits the range's window (its fit kept where the new one is not plausible); returns its steps' mean
+        seconds."""
+        steps = self.ranges[key].steps
+        x = np.empty((len(steps) + 1, 4))
+        x[:-1, 0] = 1.0
+        x[:-1, 1:] = [step[:3] for step in steps]
+        y = np.array([step[3] for step in steps] + [0.0])
+        if (x[:-1, 1:] == x[0, 1:]).all():
+            return float(y[:-1].mean())  # every step alike: nothing to fit yet
         # with one batch size only, a and c are not told apart (least squares takes the smallest pair), which
         # is all the budget needs: it prices steps of the batch sizes of this range
         # the pull toward b = c: a row w (c - b) = 0, which steps that vary S by many tokens outweigh
-        x = np.vstack([x, [0.0, _PULL, -_PULL, 0.0]])
-        y = np.append(y, 0.0)
+        x[-1] = (0.0, _PULL, -_PULL, 0.0)
         coefficients = _huber_fit(x, y)
         if coefficients[3] < 0.0:  # a check cannot save time: refit with d = 0 (where every check had the same
             coefficients = _huber_fit(x, y, keep=[0, 1, 2])  # length, S and P are one column in two)
         if coefficients[2] < 0.0:
             coefficients = _huber_fit(x, y, keep=[0, 1, 3] if coefficients[3] > 0.0 else [0, 1])
         a, c, b, d = coefficients
-        batch_sizes = data[:, 0]
-        if b >= 0 and d >= 0 and a + c * batch_sizes.min() > 0 and a + c * batch_sizes.max() > 0:
+        smallest, largest = x[:-1, 1].min(), x[:-1, 1].max()
+        if b >= 0 and d >= 0 and a + c * smallest > 0 and a + c * largest > 0:
             self.fitted[key] = (float(a), float(c), float(b), float(d))  # else keep the last fit
+        return float(y[:-1].mean())
 
     def lacks_checks(self, num_requests: int, min_steps: int = 32) -> bool:
         """Whether the range of `num_requests` has seen at least `min_steps` steps, fewer than MIN_CHECKED_STEPS of
         them with checks: its price of a check then rests on a few steps, or on none left in the window (a fit
         keeps its last b and d while no step varies them), and only new checks can correct it."""
-        key = num_requests.bit_length()
-        steps = self.steps.get(key)
-        return steps is not None and len(steps) >= min_steps and self._num_checked[key] < MIN_CHECKED_STEPS
+        steps_range = self.ranges.get(num_requests.bit_length())
+        return (steps_range is not None and len(steps_range.steps) >= min_steps
+                and steps_range.num_checked < MIN_CHECKED_STEPS)
 
     def at(self, num_requests: int) -> StepCost | None:
         """The fit for steps of `num_requests` requests: its range's, else a neighbouring range's; None where
@@ -113,23 +124,36 @@ class StepCostFit:
         return None
 
 
+@dataclass(slots=True)
+class _Range:
+    """A range of batch sizes' last decode-only steps, as (R, S, P, seconds)."""
+
+    steps: deque[tuple[int, int, int, float]]
+    due: int  # steps since the last fit at which the next is made
+    since_fit: int = 0
+    num_checked: int = 0  # steps with checks in the window
+
+
 def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> np.ndarray:
     """Least squares of y on the columns `keep` of x (the others' coefficients 0), with Huber weights by iteratively
     reweighted least squares: a step that the machine slowed (this CPU's steps vary by 10-25% between spells,
     with spikes above) weighs as a step off by 1.345 robust deviations. The last row of x is the pull's, never
-    reweighted."""
-    keep = list(range(x.shape[1])) if keep is None else keep
-    columns = x[:, keep]
+    reweighted. Each round solves the weighted normal equations (4 x 4) for their least-norm solution, which is
+    the weighted least squares' own where columns coincide (one batch size: a and c): 0.33-0.4 ms a fit through
+    lstsq of the whole matrix, measured after a forward, against tens of microseconds."""
+    columns = x if keep is None else x[:, keep]
     weights = np.ones(len(y))
-    solution = np.zeros(len(keep))
+    solution = np.zeros(columns.shape[1])
     for _ in range(_HUBER_ROUNDS):
-        root = np.sqrt(weights)[:, None]
-        solution, *_ = np.linalg.lstsq(columns * root, y * root[:, 0], rcond=None)
+        weighted = columns.T * weights
+        solution = np.linalg.lstsq(weighted @ columns, weighted @ y, rcond=1e-10)[0]
         residuals = np.abs(y[:-1] - columns[:-1] @ solution)
         scale = 1.4826 * np.partition(residuals, len(residuals) // 2)[len(residuals) // 2]  # np.median: 9x slower
         if scale <= 0.0:
             break
         weights[:-1] = np.minimum(1.0, 1.345 * scale / np.maximum(residuals, 1e-30))
+    if keep is None:
+        return solution
     coefficients = np.zeros(x.shape[1])
     coefficients[keep] = solution
     return coefficients
@@ -143,27 +167,30 @@ def seconds(cost: StepCost, num_requests: int, num_proposed: int, num_checks: in
 class AcceptanceRates:
     """Each request's chance that a proposed token is accepted once the ones before it were: its accepted tokens
     over its trials (an accepted token, or the rejection that ended a check), starting from the method's rate over
-    all requests' recent checks (a prior worth `prior_trials` trials)."""
+    the recent checks of requests that sample as it does (a prior worth `prior_trials` trials). Greedy and sampled
+    requests have a prior each: a greedy request accepts a token when it is the argmax, a sampled one with the
+    token's probability; with one prior, free text sampled after repetitive greedy work (an agent's loop, then a chat)
+    started every request at the greedy rate (0.9) and checked proposals that did not pay (docs/performance.md)."""
 
     def __init__(self, prior_trials: float = 4.0, decay: float = 0.995):
         self.prior_trials = prior_trials
         self.decay = decay  # per check: the method's rate follows the workload
-        self.accepted = 1.0  # the method's rate starts at 1/2
-        self.trials = 2.0
+        self.prior = {True: [1.0, 2.0], False: [1.0, 2.0]}  # greedy? -> [accepted, trials], starting at 1/2
         self.per_request: dict[str, list[int]] = {}  # request id -> [accepted, trials]
 
-    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int, greedy: bool) -> None:
         trials = num_accepted + (num_accepted < num_proposed)
-        self.accepted = self.accepted * self.decay + num_accepted
-        self.trials = self.trials * self.decay + trials
+        prior = self.prior[greedy]
+        prior[0] = prior[0] * self.decay + num_accepted
+        prior[1] = prior[1] * self.decay + trials
         counts = self.per_request.setdefault(request_id, [0, 0])
         counts[0] += num_accepted
         counts[1] += trials
 
-    def rate(self, request_id: str) -> float:
+    def rate(self, request_id: str, greedy: bool) -> float:
         accepted, trials = self.per_request.get(request_id, (0, 0))
-        prior = self.accepted / self.trials
-        return (accepted + self.prior_trials * prior) / (trials + self.prior_trials)
+        prior_accepted, prior_trials = self.prior[greedy]
+        return (accepted + self.prior_trials * prior_accepted / prior_trials) / (trials + self.prior_trials)
 
     def forget(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
