@@ -18,6 +18,7 @@ from test_scheduler import EOS, assert_no_leak, make_request, reference_next
 
 from torch_shift.attention.sdpa import build_sdpa_metadata, key_mask
 from torch_shift.config import ModelConfig, SchedulerConfig
+from torch_shift.engine import input_batch
 from torch_shift.engine.input_batch import InputBatch
 from torch_shift.engine.policies import RandomOptions, RandomPolicy, StaticPolicy
 from torch_shift.engine.scheduler import Scheduler
@@ -167,9 +168,12 @@ def test_deltas_reproduce_the_full_plan_inputs(policy, num_replicas):
 
 
 @pytest.mark.parametrize("policy,num_replicas", [("static", 1), ("random", 2)])
-def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_replicas):
+@pytest.mark.parametrize("few_tokens", [0, 1000])
+def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_replicas, few_tokens, monkeypatch):
     """Blocks that held rejected proposals go back and are taken again, by the request itself or another: the
-    replicas' batches must follow (a stale block id there writes into another request's KV)."""
+    replicas' batches must follow (a stale block id there writes into another request's KV). Each delta's tokens
+    (several for a request after accepted proposals) written all at once with numpy, then one at a time."""
+    monkeypatch.setattr(input_batch, "_FEW_TOKENS", few_tokens)
     counts = run(policy, num_replicas, seed=num_replicas + 10, speculate=True)
     assert counts["steps"] > 150 and counts["preempted"] > 0 and counts["accepted"] > 50 and counts["rejected"] > 50
 

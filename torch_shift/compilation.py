@@ -64,15 +64,25 @@ def _install(attention: AttentionFn | None) -> None:
         _native_installed = False
 
 
+def enter_step_attention(attention: AttentionFn) -> None:
+    """`attention` runs the step's attention op calls (the C++ implementation's where it is the paged kernel's)
+    until the matching `exit_step_attention`; pairs nest."""
+    _current.append(attention)
+    _install(attention)
+
+
+def exit_step_attention() -> None:
+    _current.pop()
+    _install(_current[-1] if _current else None)
+
+
 @contextmanager
 def step_attention(attention: AttentionFn):
-    _current.append(attention)
+    enter_step_attention(attention)
     try:
-        _install(attention)
         yield
     finally:
-        _current.pop()
-        _install(_current[-1] if _current else None)
+        exit_step_attention()
 
 
 # The wrapper's checks of every tensor's size, stride and alignment: ~4% of a batch-1 decode step of an 8-layer model

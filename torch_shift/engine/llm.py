@@ -139,7 +139,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
         wanted = set(request_ids)
-        with bar:
+        with bar, self.engine.steps_in_a_row():
             while len(finished) < len(request_ids):
                 assert self.engine.has_unfinished_requests()
                 for out in self.engine.step(final_only=True):

@@ -205,10 +205,10 @@ class ModelRunner:
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
-        tokens = sum(int(group.num_scheduled.sum()) for group in mine)
-        kv_tokens = sum(int(group.num_computed.sum()) for group in mine)
-        with self.decode_pool.step(tokens, kv_tokens, threads):
-            return self._run_groups(plan, previous_tokens, swap_seconds)
+        tokens = sum(group.num_tokens for group in mine)
+        kv_tokens = sum(group.num_kv_tokens for group in mine)
+        self.decode_pool.step(tokens, kv_tokens, threads)
+        return self._run_groups(plan, previous_tokens, swap_seconds)
 
     def end_step(self) -> None:
         """The engine's step returns to its caller: the thread gets its OpenMP threads back (the pool stays armed)."""
@@ -224,33 +224,39 @@ class ModelRunner:
 
     def _run_groups(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
                     swap_seconds: float) -> StepResult | None:
+        if self.interconnect_gbps is None:
+            return self._run_groups_here(plan, previous_tokens, swap_seconds)
+        with comm.emulated_link(self.interconnect_gbps):
+            return self._run_groups_here(plan, previous_tokens, swap_seconds)
+
+    def _run_groups_here(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
+                         swap_seconds: float) -> StepResult | None:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
-        with comm.emulated_link(self.interconnect_gbps):
-            for i, group in enumerate(plan.groups):
-                layout = self.deployment[group.layout]
-                if self.rank not in layout.ranks:
-                    continue
-                kv, _ = self.pool_view(group.layout)
-                member = layout.replicas.index(self.replica)
-                self.batch.write_spec_tokens(group, member)
-                micro_batches = []
-                for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
-                    host = self.batch.prepare(piece, member, layout.kv_width)
-                    if self._replays(host):
-                        break
-                    inputs = self.batch.to_device(host, previous_tokens)
-                    micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
-                                                    self.attention.build(inputs.attention, kv),
-                                                    inputs.logits_indices))
-                if micro_batches:
-                    out = self.model.forward_step(layout, micro_batches)
-                else:
-                    out = self.graphs.replay(host, previous_tokens)
-                if self.rank == 0:
-                    logits[i] = out
-                elif layout.logits_rank == self.rank and group.num_logits:
-                    dist.send(out.contiguous(), dst=0, tag=i)
+        for i, group in enumerate(plan.groups):
+            layout = self.deployment[group.layout]
+            if self.rank not in layout.ranks:
+                continue
+            kv, _ = self.pool_view(group.layout)
+            member = layout.replicas.index(self.replica)
+            self.batch.write_spec_tokens(group, member)
+            micro_batches = []
+            for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
+                host = self.batch.prepare(piece, member, layout.kv_width)
+                if self._replays(host):
+                    break
+                inputs = self.batch.to_device(host, previous_tokens)
+                micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
+                                                self.attention.build(inputs.attention, kv),
+                                                inputs.logits_indices))
+            if micro_batches:
+                out = self.model.forward_step(layout, micro_batches)
+            else:
+                out = self.graphs.replay(host, previous_tokens)
+            if self.rank == 0:
+                logits[i] = out
+            elif layout.logits_rank == self.rank and group.num_logits:
+                dist.send(out.contiguous(), dst=0, tag=i)
         if self.rank != 0:
             return None
         for i, group in enumerate(plan.groups):

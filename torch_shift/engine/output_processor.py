@@ -15,7 +15,7 @@ from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogpro
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
 from torch_shift.engine.scheduler import ScheduledRequest
-from torch_shift.models.fused import argmax
+from torch_shift.models.fused import argmax_list
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -165,7 +165,8 @@ class OutputProcessor:
             if not p.greedy or p.logit_bias or not _position_independent(request):
                 return False
         vocab = self.sampler.vocab_size
-        best = argmax(torch.cat([logits for _, _, logits in checks])[:, :vocab]).tolist()
+        rows = checks[0][2] if len(checks) == 1 else torch.cat([logits for _, _, logits in checks])
+        best = argmax_list(rows if rows.shape[1] == vocab else rows[:, :vocab])
         start = 0
         for request, proposed, logits in checks:
             out[request.request_id] = self._accepted(request, proposed, best[start:start + len(logits)])

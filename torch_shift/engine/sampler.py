@@ -14,7 +14,7 @@ import torch
 from torch_shift.engine.request import Request
 from torch_shift.engine.structured_output import grammar_mask
 from torch_shift.memory import to_device
-from torch_shift.models.fused import argmax
+from torch_shift.models.fused import argmax, argmax_list
 
 _NEG_INF = float("-inf")
 
@@ -51,7 +51,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] for the position after each request's last token."""
         if all(r.draws_argmax for r in requests):
-            return SamplerOutput(argmax(logits[:, : self.vocab_size]).tolist(), [None] * len(requests))
+            if logits.shape[1] != self.vocab_size:  # a padded vocabulary (a slice is a call, even when it is whole)
+                logits = logits[:, : self.vocab_size]
+            return SamplerOutput(argmax_list(logits), [None] * len(requests))
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]

@@ -53,7 +53,7 @@ class EngineStats:
         self.num_steps += 1
         for name in names:
             self.steps_by_layout[name] += 1
-        self.num_scheduled_tokens += sum(int(g.num_scheduled.sum()) for g in plan.groups)
+        self.num_scheduled_tokens += sum(g.num_tokens for g in plan.groups)
 
     def record_step(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
                     reshard_s: float) -> None:

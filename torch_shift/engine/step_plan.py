@@ -69,10 +69,16 @@ class GroupStep:
     # token the last step sampled and has not reached the host, and where each is in that step's sampled tokens
     placeholders: np.ndarray | None = None
     placeholder_sources: np.ndarray | None = None
+    # sums of num_scheduled, num_computed and logits_counts, read at every step (numpy's sum: several us, cold)
+    num_tokens: int = -1
+    num_kv_tokens: int = -1
+    num_logits: int = -1
 
-    @property
-    def num_logits(self) -> int:
-        return int(self.logits_counts.sum())
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            self.num_tokens = int(self.num_scheduled.sum())
+            self.num_kv_tokens = int(self.num_computed.sum())
+            self.num_logits = int(self.logits_counts.sum())
 
 
 @dataclass
@@ -180,10 +186,12 @@ class PlanBuilder:
             if group.num_spec_tokens:
                 spec = (np.array(num_spec, dtype=_INT),
                         np.array([t for e in entries for t in e.spec_token_ids], dtype=_INT))
+            num_tokens = sum(num_scheduled)
             step = GroupStep(group.layout, tuple(rows), np.array(num_scheduled, dtype=_INT),
                              np.array(num_computed, dtype=_INT), num_scheduled.count(1),
-                             np.array(logits_counts, dtype=_INT), micro_batch_count(layout.pp, sum(num_scheduled)),
-                             *spec)
+                             np.array(logits_counts, dtype=_INT), micro_batch_count(layout.pp, num_tokens),
+                             *spec, num_tokens=num_tokens, num_kv_tokens=sum(num_computed),
+                             num_logits=sum(logits_counts))
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],

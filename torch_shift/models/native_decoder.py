@@ -22,7 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from torch_shift.compilation import step_attention
+from torch_shift.compilation import enter_step_attention, exit_step_attention
 from torch_shift.kernels import DecoderKernels, decoder_kernels, native_attention, register_native_attention
 from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
 from torch_shift.models.fused import _SPLIT_ROW, _sum_lanes
@@ -92,13 +92,22 @@ class NativeDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                  attention: object) -> torch.Tensor:
-        input_ids = input_ids.to(torch.int64).contiguous()
-        positions = positions.to(torch.int64).contiguous()
-        rows = logits_indices.to(torch.int64).contiguous()
-        logits = torch.empty(len(rows), self.vocab_size, dtype=self.dtype)
-        with step_attention(attention):
-            rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), len(input_ids),
-                                   rows.data_ptr(), len(rows), logits.data_ptr())
+        # the runner's are int64 and contiguous: each check here costs less than a call that finds nothing to do
+        if input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
+            input_ids = input_ids.to(torch.int64).contiguous()
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        rows = logits_indices
+        if rows.dtype != torch.int64 or not rows.is_contiguous():
+            rows = rows.to(torch.int64).contiguous()
+        num_logits = rows.shape[0]
+        logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
+        enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
+        try:
+            rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
+                                   rows.data_ptr(), num_logits, logits.data_ptr())
+        finally:
+            exit_step_attention()
         if rc == -201:
             raise IndexError("a token id outside the vocabulary, or a logits row outside the step")
         if rc == -3:

@@ -261,13 +261,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping and self.error is None:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                self._step()
+            with self.engine.steps_in_a_row():  # this thread runs nothing but the engine
+                while not self._stopping and self.error is None:
+                    self._apply_commands()
+                    if not self.engine.has_unfinished_requests():
+                        self._wake.wait(timeout=0.5)
+                        self._wake.clear()
+                        continue
+                    self._step()
         except BaseException as e:  # noqa: BLE001 - every waiting client is told, then the thread ends
             self._fatal(f"engine step failed: {type(e).__name__}: {e}", e)
         finally:

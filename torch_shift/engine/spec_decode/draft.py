@@ -27,7 +27,7 @@ from torch_shift.engine.decode_pool import DecodePool
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.decoder import DecoderLM
-from torch_shift.models.fused import argmax
+from torch_shift.models.fused import argmax_list
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import load_model
@@ -220,16 +220,16 @@ class DraftModelProposer:
             slot_mapping=tensor(slots), positions=positions_t, sliding_window=self.sliding_window)
         input_ids = tensor(np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64))
         attention = self.attention.build(batch, self.kv_cache)
-        with self.decode_pool.step(len(input_ids), int(starts.sum())):
-            self.num_forwards += 1
-            if self.native is not None and self.native.runs(len(input_ids), attention):
-                logits = self.native(input_ids, positions_t, tensor(logits_indices), attention)
-            else:
-                hidden = self.model(input_ids, positions_t, attention)
-                logits = self.model.compute_logits(hidden[tensor(logits_indices)]) if len(logits_indices) else None
-            if not len(logits_indices):
-                return []
-            next_tokens = argmax(logits).tolist()
+        self.decode_pool.step(len(input_ids), int(starts.sum()))
+        self.num_forwards += 1
+        if self.native is not None and self.native.runs(len(input_ids), attention):
+            logits = self.native(input_ids, positions_t, tensor(logits_indices), attention)
+        else:
+            hidden = self.model(input_ids, positions_t, attention)
+            logits = self.model.compute_logits(hidden[tensor(logits_indices)]) if len(logits_indices) else None
+        if not len(logits_indices):
+            return []
+        next_tokens = argmax_list(logits)
         # back to the callers' order of runs
         wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]
