@@ -108,6 +108,7 @@ def test_argmax_is_torchs(dtype):
         x[5] = 0.0
         x[6, :: max(cols // 3, 1)] = 1e4  # equal maxima in several lanes
         assert torch.equal(fused.argmax(x), x.argmax(dim=-1)), cols
+        assert fused.argmax_list(x) == x.argmax(dim=-1).tolist(), cols
 
 
 @needs_kernels
