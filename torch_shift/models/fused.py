@@ -99,29 +99,37 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return rotated[0], rotated[1]
 
 
+def _argmax_kernels(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels where the CPU argmax kernel takes `x` (2-D, non-empty rows, contiguous along them), else None."""
+    kernels = _kernels(x)
+    if kernels is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
+        return None
+    return kernels
+
+
+def _argmax_into(kernels: CpuKernels, x: torch.Tensor, out_address: int) -> None:
+    status = kernels.argmax(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out_address)
+    assert status == 0, (status, x.dtype)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for x [rows, cols] (the first of equal maxima; the first NaN where a row has one): one
     vectorised pass per row through the CPU kernel where it applies (PyTorch's CPU argmax reads a row one element
     at a time: 0.46 ms for 128k bfloat16 logits), else torch's."""
-    kernels = _kernels(x)
-    if kernels is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
+    kernels = _argmax_kernels(x)
+    if kernels is None:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = kernels.argmax(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
-    assert status == 0, (status, x.dtype)
+    _argmax_into(kernels, x, out.data_ptr())
     return out
 
 
 def argmax_list(x: torch.Tensor) -> list[int]:
     """`argmax(x).tolist()`, with the CPU kernel writing into a numpy array: what the host's sampling needs, in fewer
     calls (each costs 5-15 us after a step's weights went through the caches)."""
-    if not x.is_cpu or x.dtype not in _DTYPE_CODES or x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
-        return argmax(x).tolist()
-    kernels = cpu_kernels()
+    kernels = _argmax_kernels(x)
     if kernels is None:
-        return argmax(x).tolist()
+        return x.argmax(dim=-1).tolist()
     out = np.empty(x.shape[0], dtype=np.int64)
-    status = kernels.argmax(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                            out.__array_interface__["data"][0])
-    assert status == 0, (status, x.dtype)
+    _argmax_into(kernels, x, out.__array_interface__["data"][0])
     return out.tolist()

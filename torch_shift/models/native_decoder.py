@@ -92,14 +92,7 @@ class NativeDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                  attention: object) -> torch.Tensor:
-        # the runner's are int64 and contiguous: each check here costs less than a call that finds nothing to do
-        if input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
-            input_ids = input_ids.to(torch.int64).contiguous()
-        if positions.dtype != torch.int64 or not positions.is_contiguous():
-            positions = positions.to(torch.int64).contiguous()
-        rows = logits_indices
-        if rows.dtype != torch.int64 or not rows.is_contiguous():
-            rows = rows.to(torch.int64).contiguous()
+        input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
         enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
@@ -115,6 +108,12 @@ class NativeDecoder:
                              "positions")
         assert rc == 0, f"the C++ decoder failed ({rc})"
         return logits
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as contiguous int64; the runner's already are, and checking costs less than a call that finds nothing to
+    do."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _supported(model: torch.nn.Module) -> bool:
