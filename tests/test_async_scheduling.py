@@ -195,6 +195,26 @@ def test_a_module_parallelized_over_one_rank_schedules_asynchronously(llama):
     assert outputs[True] == outputs[False]
 
 
+def test_a_module_on_the_cpu_is_served_there_beside_a_gpu(llama, monkeypatch):
+    """A module's parameters place the engine: where a GPU exists, a module on the CPU runs on the CPU, with no
+    CUDA graphs or asynchronous scheduling (on an H100 the engine took CUDA's defaults for such a module and
+    failed at start-up)."""
+    import torch
+
+    from conftest import random_prompts
+
+    _, model_dir = llama
+    cpu = LLM(str(model_dir), device="cpu", num_kv_blocks=64)
+    prompts, params = random_prompts(2, [5, 9]), SamplingParams(max_tokens=4, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    llm = LLM(cpu.engine.model.model, tokenizer=model_dir, num_kv_blocks=64)
+    config = llm.engine.config
+    assert torch.device(config.runner.device).type == "cpu"
+    assert not config.runner.cuda_graphs and not config.scheduler.async_scheduling
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
 def test_the_engine_keeps_no_step_once_its_requests_finished(llama):
     """A step launched for requests that all stop meanwhile (a stop token, an abort) is dropped, not left for the
     next run to complete."""

@@ -75,6 +75,8 @@ class LLMEngine:
         if isinstance(model, ShiftModule):
             args = replace(args, sp=model.groups.sp, tp=model.groups.tp, shift_threshold=model.shift_threshold,
                            shift_weights=model.shift_weights)
+        if model is not None:  # a module's parameters place the engine: one on the CPU stays there beside a GPU
+            args = replace(args, device=str(next(model.parameters()).device))
         self.args = args
         self.config = engine_config(args, weights, model)
         self._holding_threads = 0  # steps_in_a_row blocks open
