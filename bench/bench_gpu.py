@@ -124,7 +124,11 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     wall = (totals[steps + 1][0] - totals[1][0]) / steps
     busy = (totals[steps + 1][1] - totals[1][1]) / steps
     launched = (totals[steps + 1][2] - totals[1][2]) / steps
-    table = totals[steps + 1][3].key_averages().table(sort_by="self_device_time_total", row_limit=12)
+    table = totals[steps + 1][3].key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    kernels = [e for e in totals[steps + 1][3].events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    n = round(launched)  # a step from the middle of the generation: the last one is its own kind
+    last_step = [(e.name[:100], round(e.device_time, 2)) for e in kernels[-2 * n:-n]]
     profiler = cProfile.Profile()
     profiler.enable()
     run(steps + 1)
@@ -132,7 +136,7 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
     return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched,
-            "kernel_table": table, "python_profile": stream.getvalue()}
+            "kernel_table": table, "last_step_kernels": last_step, "python_profile": stream.getvalue()}
 
 
 def profile_prefill(llm, prompt) -> dict:
