@@ -99,7 +99,8 @@ def gpu_kernels(prof) -> tuple[float, int]:
 def profile_decode(llm, prompts, steps: int) -> dict:
     """Where a decode step's time goes: its wall time against the GPU's busy time (the sum of its kernels'
     times, from the profiler; a generation of `steps` + 1 tokens minus one of 1 token), the kernels a step
-    launches, the heaviest kernels, and the heaviest Python functions (cProfile) of the same generation."""
+    launches, the heaviest kernels, one step's kernels in order (name, us), and the heaviest Python functions
+    (cProfile) of the same generation."""
     import cProfile
     import io
     import pstats
@@ -128,7 +129,7 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     kernels = [e for e in totals[steps + 1][3].events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.time_range.start)
     n = round(launched)  # a step from the middle of the generation: the last one is its own kind
-    last_step = [(e.name[:100], round(e.device_time, 2)) for e in kernels[-2 * n:-n]]
+    step_kernels = [(e.name[:100], round(e.device_time, 2)) for e in kernels[-2 * n:-n]]
     profiler = cProfile.Profile()
     profiler.enable()
     run(steps + 1)
@@ -136,7 +137,7 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
     return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched,
-            "kernel_table": table, "last_step_kernels": last_step, "python_profile": stream.getvalue()}
+            "kernel_table": table, "step_kernels": step_kernels, "python_profile": stream.getvalue()}
 
 
 def profile_prefill(llm, prompt) -> dict:
