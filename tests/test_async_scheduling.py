@@ -200,7 +200,6 @@ def test_a_module_on_the_cpu_is_served_there_beside_a_gpu(llama, monkeypatch):
     CUDA graphs or asynchronous scheduling (on an H100 the engine took CUDA's defaults for such a module and
     failed at start-up)."""
     import torch
-
     from conftest import random_prompts
 
     _, model_dir = llama
