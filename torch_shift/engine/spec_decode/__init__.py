@@ -157,7 +157,8 @@ class Speculator:
         `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose check could not
         pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY tokens it
         generates, never checked but scored against the token it draws next, which keeps its acceptance rate
-        current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model)."""
+        current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model). Until its
+        next probe, or the end of a backoff, such a request is not looked at."""
         quiet = self._quiet
         due = []
         for request in updated:
