@@ -398,6 +398,30 @@ def test_outputs_are_the_same_with_speculation(llama, method, compile):
     assert not llm.engine.block_manager.req_blocks  # every block given back
 
 
+def test_steps_where_every_request_waits_call_no_speculator(llama):
+    """Text with little to propose: a request below the bar waits for its next probe, and the engine's steps in
+    between call neither observe nor propose (on free text those calls were what the speculator cost). A request
+    whose prompt ends meanwhile is proposed for at its first token, and the outputs are those without
+    speculation."""
+    _, model_dir = llama
+    prompts = random_prompts(2, [6, 40], seed=3)
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=5, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, max_num_batched_tokens=16,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 6})  # under the goodput budget
+    core, speculator = llm.engine.core, llm.engine.core.speculator
+    steps, calls = [], []
+    executor, propose = core.executor, speculator.propose
+    core.executor = lambda plan, *tokens: steps.append(plan) or executor(plan, *tokens)
+    speculator.propose = lambda updated, num_running: calls.append(
+        {r.request_id: r.num_output_tokens for r in updated}) or propose(updated, num_running)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert len(calls) < len(steps) / 2, (len(calls), len(steps))
+    late = outputs[1].request_id  # its 40-token prompt takes three steps of 16 tokens
+    assert min(call[late] for call in calls if late in call) == 1
+
+
 def test_sampled_checks_in_one_draw_keep_seeded_outputs(llama):
     """Sampled requests without penalties are checked in one sampler call over all their positions (a seeded
     one's generator set back to where position-by-position drawing leaves it), beside a request with penalties

@@ -147,12 +147,21 @@ class EngineCore:
         result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
-        if self.speculator is not None:
-            self.stats.record_spec(self.speculator.observe(entries, sampled, self.step_seconds(start)))
-        updated = self.scheduler.update_from_output(output, sampled)
-        if self.speculator is not None:
-            self.speculator.propose(updated, len(self.scheduler.running))
-            self.stats.num_cut_tokens = self.speculator.num_cut_tokens
+        speculator = self.speculator
+        if speculator is None:
+            updated = self.scheduler.update_from_output(output, sampled)
+        else:
+            seconds = self.step_seconds(start)
+            updated = self.scheduler.update_from_output(output, sampled)
+            num_running = len(self.scheduler.running)
+            # the requests the last propose saw, none finished, each decoding a token, all of them waiting
+            if (speculator.quiet_steps and len(updated) == speculator.quiet_requests == num_running
+                    and sum(group.num_tokens for group in plan.groups) == num_running):
+                speculator.skip_step()
+            else:
+                self.stats.record_spec(speculator.observe(entries, sampled, seconds))
+                speculator.propose(updated, num_running)
+                self.stats.num_cut_tokens = speculator.num_cut_tokens
         _stamp_first_tokens(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
 

@@ -107,6 +107,11 @@ class Speculator:
         # below the bar (the bar and its rate are read again then). A step whose requests all wait costs no pricing:
         # the speculator's calls were 6% of a free-text batch-1 step of the default model, which proposed nothing
         self._quiet: dict[str, int] = {}
+        # steps to come in which every request the last propose saw waits, so that a step of the same requests,
+        # decoding, needs neither observe nor propose (EngineCore._step): on free text their calls on every step
+        # were what the speculator cost (docs/performance.md)
+        self.quiet_steps = 0
+        self.quiet_requests = 0  # the requests the last propose saw
 
     def _score_shadow(self, request_id: str, sampled: dict[str, int | list[int]]) -> None:
         """A probe's proposed token against the token its request drew in this step: accepted when they are the
@@ -160,20 +165,25 @@ class Speculator:
         current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model). Until its
         next probe, or the end of a backoff, such a request is not looked at."""
         quiet = self._quiet
-        due = []
+        alive, due = [], []
         for request in updated:
-            if request.status.finished:
+            if request.status._finished:  # as the scheduler reads it: the property is a call per request
                 self.on_finish(request)
                 continue
+            alive.append(request)
             if request.spec_token_ids:
                 request.spec_token_ids = []
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
             due.append(request)
         self._since_explore += 1
+        self.quiet_steps, self.quiet_requests = 0, len(alive)
         config = self.config
         limit = config.disable_by_batch_size
-        if not due or (limit is not None and num_running >= limit):
+        if not due:
+            self.quiet_steps = self._waiting_steps(alive)
+            return
+        if limit is not None and num_running >= limit:
             return
         k = config.num_speculative_tokens
         cost = self.step_cost.at(num_running) if config.goodput_budget else None
@@ -186,14 +196,15 @@ class Speculator:
         if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in due:
                 quiet[request.request_id] = len(request.all_token_ids) + probe_every
+            self.quiet_steps = self._waiting_steps(alive)
             return
         proposing, rooms, rates, probing = [], [], [], []
         explorer, explorer_room, explorer_rate = None, 0, UNFITTED_BAR
         for request in due:
             num_tokens = len(request.all_token_ids)
             rate = self.acceptance.rate(request.request_id, request.greedy) if config.goodput_budget else 1.0
-            if rate < bar and not explore and num_tokens % probe_every:
-                # neither checked, nor explored, nor probed (below) until its next probe
+            if rate < bar and num_tokens % probe_every and not (explore and rate >= UNFITTED_BAR):
+                # neither checked, nor explored (no explorer below UNFITTED_BAR), nor probed until its next probe
                 quiet[request.request_id] = num_tokens + probe_every - num_tokens % probe_every
                 continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
@@ -215,6 +226,7 @@ class Speculator:
         if explored:
             self._since_explore = 0
         if not proposing and not probing and not explored:
+            self.quiet_steps = self._waiting_steps(alive)
             return
         start = time.perf_counter()
         proposals = self.proposer.propose(proposing + explored + probing,
@@ -230,11 +242,12 @@ class Speculator:
         if explored:
             explorer.spec_token_ids = proposals[len(proposing)]
         proposals = proposals[:len(proposing)]
+        keep = [len(p) for p in proposals]
         if cost is not None:
-            lengths = [len(p) for p in proposals]
-            keep = tokens_that_pay(rates, lengths, num_running, cost)
+            lengths, keep = keep, tokens_that_pay(rates, keep, num_running, cost)
             self.num_cut_tokens += sum(lengths) - sum(keep)
             proposals = [p[:n] for p, n in zip(proposals, keep)]
+        if config.goodput_budget:  # also before any fit: a step of requests that never propose varies nothing
             for request, n in zip(proposing, keep):
                 if n:
                     self._backoff.pop(request.request_id, None)
@@ -244,6 +257,17 @@ class Speculator:
                     quiet[request.request_id] = request.num_tokens + wait
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
+
+    def _waiting_steps(self, requests: list[Request]) -> int:
+        """The propose calls to come that would find every one of `requests` waiting (each adds one token a step)."""
+        quiet = self._quiet
+        return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - 1 for r in requests), default=0))
+
+    def skip_step(self) -> None:
+        """A step of the requests the last propose saw, each decoding one token, ran while they all wait: nothing
+        to observe (no check, no probe) and nothing to propose."""
+        self.quiet_steps -= 1
+        self._since_explore += 1
 
     def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
         """The lowest rate at which a request can pay for its ask and its check (above 1: none can), and the tokens
@@ -262,6 +286,7 @@ class Speculator:
         return self._bar, self._probe_every
 
     def on_finish(self, request: Request) -> None:
+        self.quiet_steps = 0  # the requests the last propose saw are no longer the running ones
         self._shadows.pop(request.request_id, None)
         self._backoff.pop(request.request_id, None)
         self._quiet.pop(request.request_id, None)
