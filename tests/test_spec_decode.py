@@ -410,6 +410,10 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
     llm = LLM(str(model_dir), compile=False, max_num_batched_tokens=16,
               speculative_config={"method": "suffix", "num_speculative_tokens": 6})  # under the goodput budget
     core, speculator = llm.engine.core, llm.engine.core.speculator
+    # prices fixed (measured ones move with the machine, and the bar and the probes' spacing with them): a check
+    # pays from a rate of 0.9, probes every 16 tokens
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+    speculator._prices = lambda num_running, cost: (0.9, 16)
     steps, calls = [], []
     executor, propose = core.executor, speculator.propose
     core.executor = lambda plan, *tokens: steps.append(plan) or executor(plan, *tokens)
