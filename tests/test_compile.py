@@ -51,8 +51,8 @@ def _run(llm):
     return unsealed, [llm.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
 
 
-def _compiled_rank(rank, world, model_dir):
-    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=16, compile=True, max_num_batched_tokens=32)
+def _compiled_rank(rank, world, model_dir, shift_threshold):
+    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=shift_threshold, compile=True, max_num_batched_tokens=32)
     return [[_token_ids(o) for o in run] for run in _run(llm)], dict(llm.engine.model.layout_counts)
 
 
@@ -96,13 +96,18 @@ def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_layouts_match_eager_without_recompiles(llama):
+@pytest.mark.parametrize("shift_threshold", [16, None])
+def test_compiled_layouts_match_eager_without_recompiles(llama, shift_threshold):
+    """SP-2 with Shift's TP-2 steps, and SP-2 alone, whose one-token steps leave SP rank 1 a forward of no rows."""
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
-    for runs, counts in run_ranks(_compiled_rank, 2, model_dir, timeout_s=600):
+    for runs, counts in run_ranks(_compiled_rank, 2, model_dir, shift_threshold, timeout_s=600):
         assert runs == [expected, expected]
-        assert counts["base"] >= 2 and counts["shift"] >= 10
+        if shift_threshold is None:
+            assert counts == {"base": counts["base"]} and counts["base"] >= 30
+        else:
+            assert counts["base"] >= 2 and counts["shift"] >= 10
 
 
 def _compile_a_new_kernel(rank, world, constant):

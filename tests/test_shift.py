@@ -102,9 +102,17 @@ def test_tensor_parallel_without_sequence_parallel_holds_one_copy_of_the_weights
     assert with_shift[0] > without[0] == replicated + sharded - head + head // 2
 
 
-def _padding_rank(rank, world, model_dir, prompts):
+def _uneven_rank(rank, world, model_dir, prompts):
     llm = LLM(str(model_dir), sp=world, tp=1, shift_threshold=0, enable_prefix_caching=False, block_size=4)
     engine = llm.engine
+    base_forward = engine.model.forwards["base"]
+    rows = []
+
+    def recording(input_ids, positions, attention):
+        rows.append(input_ids.shape[0])
+        return base_forward(input_ids, positions, attention)
+
+    engine.model.forwards["base"] = recording
     if rank == 0:
         engine.add_request("r", prompts[0], SamplingParams(max_tokens=1))
         engine.step()  # the whole 1-token prompt in the base layout: n = 1 < SP
@@ -113,20 +121,24 @@ def _padding_rank(rank, world, model_dir, prompts):
         engine.abort_request("r")
     else:
         written = engine.follow()
+    first_step_rows = rows[-1]
     slots_untouched = all(k.flatten(2).flatten(0, 1)[1:].abs().sum() == 0 for k in engine.kv_cache.k)
     outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    return written, slots_untouched, outputs, dict(engine.model.layout_counts)
+    return written, slots_untouched, first_step_rows, outputs, dict(engine.model.layout_counts)
 
 
-def test_padding_when_tokens_do_not_divide_sp(llama):
+def test_tokens_that_do_not_divide_sp_are_split_unevenly(llama):
     _, model_dir = llama
     prompts = random_prompts(2, [1, 6], seed=3)  # n = 1 < SP, then n = 7 and decodes of 2 tokens
     ref = reference(model_dir, prompts)
-    for written, untouched, outputs, counts in run_ranks(_padding_rank, 4, model_dir, prompts):
-        # the 1-token step wrote one slot of block 0 (slot 0); its 3 padded tokens wrote nothing
+    results = run_ranks(_uneven_rank, 4, model_dir, prompts)
+    for written, untouched, _, outputs, counts in results:
+        # the 1-token step wrote one slot of block 0 (slot 0) and nothing else
         assert written == [0] and untouched
         assert_same_outputs(outputs, ref)
         assert set(counts) == {"base"}
+    # SP rank 0 ran the one token; the others ran their layers on no rows (no weights read for padding)
+    assert [rows for _, _, rows, _, _ in results] == [1, 0, 0, 0]
 
 
 def _kv_rank(rank, world, model_dir, sp, tp, prompt):
@@ -305,19 +317,22 @@ def test_communication_ledger_matches_the_formulas(llama):
     Both: the LM head's all-gather of 1 row x V/P logits; base also sums the sampled row over SP."""
     _, model_dir = llama
     n, sp, tp, p, d, layers, f32 = 13, 2, 2, 4, 64, 2, 4
-    n_local = 7  # 13 tokens padded to 14 over SP = 2
+    counts = [7, 6]  # 13 tokens over SP = 2: SP rank 0 (global ranks 0, 1) holds 7, SP rank 1 (2, 3) holds 6
     qkv_chunk = (8 // p + 2 * 1) * 8  # per head chunk: 2 query heads + 1 K + 1 V head (replicated), 8 dims
     out_chunk = (8 // p) * 8
-    expected = {
-        ("base", "all_reduce"): layers * 2 * (2 * (tp - 1) * n_local * d * f32 // tp) + 2 * (sp - 1) * d * f32 // sp,
-        ("base", "all_to_all"): layers * (sp - 1) * n_local * (qkv_chunk + out_chunk) * f32,
-        ("base", "all_gather"): (p - 1) * 512 // p * f32,
-        ("shift", "all_reduce"): layers * 2 * (2 * (p - 1) * 1 * d * f32 // p),
-        ("shift", "all_gather"): (p - 1) * 512 // p * f32,
-    }
     calls = {("base", "all_reduce"): 2 * layers + 1, ("base", "all_to_all"): 2 * layers, ("base", "all_gather"): 1,
              ("shift", "all_reduce"): 2 * layers, ("shift", "all_gather"): 1}
-    for got_bytes, got_calls in run_ranks(_ledger_rank, 4, model_dir, n):
+    for rank, (got_bytes, got_calls) in enumerate(run_ranks(_ledger_rank, 4, model_dir, n)):
+        n_local, n_other = counts[rank // tp], counts[1 - rank // tp]
+        expected = {
+            ("base", "all_reduce"): (layers * 2 * (2 * (tp - 1) * n_local * d * f32 // tp)
+                                     + 2 * (sp - 1) * d * f32 // sp),
+            # the q/k/v of its own tokens to the other SP rank, then the other rank's tokens' outputs back to it
+            ("base", "all_to_all"): layers * (sp - 1) * (n_local * qkv_chunk + n_other * out_chunk) * f32,
+            ("base", "all_gather"): (p - 1) * 512 // p * f32,
+            ("shift", "all_reduce"): layers * 2 * (2 * (p - 1) * 1 * d * f32 // p),
+            ("shift", "all_gather"): (p - 1) * 512 // p * f32,
+        }
         assert got_bytes == expected
         assert got_calls == calls
 

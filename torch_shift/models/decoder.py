@@ -84,7 +84,7 @@ class Attention(nn.Module):
             out = attention(self.layer_idx, q, k, v)
         else:
             out = attention(self.layer_idx, q, k, v, self.sinks, self.sliding_window)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):

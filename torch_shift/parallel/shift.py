@@ -348,19 +348,22 @@ class ShiftModule(LayoutCounters, nn.Module):
                    logits_indices: torch.Tensor) -> torch.Tensor:
         sp, sp_rank = self.groups.sp, self.groups.sp_rank
         n = input_ids.shape[0]
-        n_local = -(-n // sp)
-        pad = sp * n_local - n
-        if pad:  # padding goes at the end; Ulysses drops it before attention
-            input_ids = torch.cat((input_ids, input_ids.new_zeros(pad)))
-            positions = torch.cat((positions, positions.new_zeros(pad)))
-        start = sp_rank * n_local
-        ulysses = UlyssesAttention(attention, self.groups.sp_group, sp, n, self.kv_send_index)
+        # SP rank r holds counts[r] tokens (n // sp or one more), after those of ranks < r, none padded: a step of
+        # fewer tokens than SP ranks leaves the last ranks no rows, and they read no weights (padded, batch-1 decode
+        # in SP-2 read the weights on both ranks, one of them for a padding row)
+        counts = [n // sp + (r < n % sp) for r in range(sp)]
+        start = sum(counts[:sp_rank])
+        n_local = counts[sp_rank]
+        ulysses = UlyssesAttention(attention, self.groups.sp_group, counts, self.kv_send_index)
         hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
         # the LM head needs the sampled positions' hidden states on every rank: each SP rank fills
         # the rows of its own tokens and a sum over "sp" assembles them
         local = logits_indices - start
         mine = (local >= 0) & (local < n_local)
-        rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
+        if n_local:
+            rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
+        else:
+            rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
         rows = comm.all_reduce(rows, self.groups.sp_group)
         return self.base.compute_logits(rows)
 

@@ -1,9 +1,9 @@
 """Ulysses attention for inference over "sp" (paper 000, Alg. 2 lines 4-6).
 
-Each SP rank holds n/SP tokens (n padded to a multiple of SP, padding at the end) and all its
-TP-local heads. One fused all-to-all of q, k and v turns that into all n tokens of 1/SP of the
-heads: head chunk tp * SP + sp, the rank's shift rank. Attention runs on the real tokens only
-(padding never reaches the KV cache), and a second all-to-all brings the output back.
+Each SP rank holds a contiguous part of the step's n tokens (n // SP or one more; none when n < SP) and all
+its TP-local heads. One fused all-to-all of q, k and v turns that into all n tokens of 1/SP of the heads: head
+chunk tp * SP + sp, the rank's shift rank. Attention runs on them, and a second all-to-all brings the output
+back to the ranks that hold the tokens.
 
 KV heads: with more head chunks than KV heads, the K/V heads are repeated before the all-to-all
 so that segment s carries the KV heads of head chunk tp * SP + s (the repeat-interleave
@@ -21,19 +21,21 @@ from torch_shift.parallel import comm
 
 
 class UlyssesAttention:
-    def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, sp: int, num_tokens: int,
+    def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, counts: list[int],
                  kv_send_index: torch.Tensor | None):
         self.inner = inner
         self.group = group
-        self.sp = sp
+        self.sp = len(counts)
         self.sp_rank = dist.get_rank(group)
-        self.num_tokens = num_tokens  # real tokens in the step, before padding
+        self.counts = counts  # tokens held by each SP rank, in token order
+        self.equal = counts.count(counts[0]) == len(counts)
         self.kv_send_index = kv_send_index  # TP-local KV head for each (segment, head) slot; None: identity
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         sp = self.sp
         n_local, hq, d = q.shape
+        assert n_local == self.counts[self.sp_rank], (n_local, self.counts)
         if self.kv_send_index is not None:
             k = k.index_select(1, self.kv_send_index)
             v = v.index_select(1, self.kv_send_index)
@@ -41,21 +43,23 @@ class UlyssesAttention:
         # [n_local, SP, heads of one chunk * d] per tensor, fused, then segment-major for the all-to-all
         send = torch.cat((q.reshape(n_local, sp, hq_chunk * d), k.reshape(n_local, sp, hkv_chunk * d),
                           v.reshape(n_local, sp, hkv_chunk * d)), dim=-1)
-        recv = comm.all_to_all(send.transpose(0, 1).reshape(sp * n_local, -1), self.group)
+        send = send.transpose(0, 1).reshape(sp * n_local, send.shape[-1])
         # rows of recv: SP rank 0's tokens, then rank 1's ...: the global token order
-        n = self.num_tokens
-        q_all, k_all, v_all = recv[:n].split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
+        recv = self._all_to_all(send, [n_local] * sp, self.counts)
+        n = recv.shape[0]
+        q_all, k_all, v_all = recv.split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
         if sinks is not None:  # this rank attends with head chunk `sp_rank` of the TP-local heads
             sinks = sinks[self.sp_rank * hq_chunk:(self.sp_rank + 1) * hq_chunk]
         extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)
         out = self.inner(layer_idx, q_all.reshape(n, hq_chunk, d), k_all.reshape(n, hkv_chunk, d),
                          v_all.reshape(n, hkv_chunk, d), *extras)
-        out = out.reshape(n, hq_chunk * d)
-        if n < sp * n_local:
-            out = torch.cat((out, out.new_zeros(sp * n_local - n, hq_chunk * d)))
-        back = comm.all_to_all(out, self.group)  # [SP (head chunk), n_local, hq_chunk * d]
+        back = self._all_to_all(out.reshape(n, hq_chunk * d), self.counts, [n_local] * sp)
         return back.view(sp, n_local, hq_chunk, d).transpose(0, 1).reshape(n_local, hq, d)
 
+    def _all_to_all(self, x: torch.Tensor, input_split_sizes: list[int], output_split_sizes: list[int]):
+        if self.equal:
+            return comm.all_to_all(x, self.group)
+        return comm.all_to_all(x, self.group, input_split_sizes, output_split_sizes)
 
 def kv_send_index(num_kv_heads: int, sp: int, tp: int, tp_rank: int) -> torch.Tensor | None:
     """For each SP segment s, the TP-local indices of the KV heads of head chunk tp_rank * SP + s."""

@@ -182,7 +182,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
     router replicated): every rank computes its slice for every routed token, so no rank waits on another's
     busier experts."""
     tokens = sum(s.num_new_tokens for s in seqs)
-    local = -(-tokens // sp)  # tokens per SP rank, the step padded to a multiple of SP
+    local = -(-tokens // sp)  # tokens on the busiest SP rank (ShiftModule._base_step)
     rows = sum(s.logits_rows for s in seqs)
     q_lin, kv_lin = _heads_per_rank(shape, tp)  # heads in the rank's q/k/v and o shards
     q_att, kv_att = _heads_per_rank(shape, sp * tp)  # heads it attends (after the all-to-all)
@@ -406,7 +406,10 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     elif layout.kind == "pp":
         op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks, micro_batches)
     else:
-        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=layout.num_ranks,
+        # a step of fewer tokens than SP ranks leaves the last SP ranks no rows: they read no weights
+        tokens = sum(s.num_new_tokens for s in seqs)
+        active = layout.tp * min(layout.sp, tokens)
+        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=active,
                                          expert_parallel=layout.expert_parallel)
     compute, memory = _split_compute_memory(op_costs)
     return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead, group_s)
