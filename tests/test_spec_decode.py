@@ -779,9 +779,10 @@ class _Sevens:
 
 
 def test_probes_are_scored_against_the_next_draw_and_never_checked():
-    """A request whose rate is below what a check needs proposes one token every PROBE_EVERY tokens; the token is
-    not checked (the step holds no proposal) but compared with the token the request draws next, which counts as a
-    check's outcome. Above the bar a request proposes and checks as before; where no check can pay, no probe."""
+    """Requests whose rate is below what a check needs propose one token every PROBE_EVERY steps, all of them on
+    the same steps whatever their lengths, so that the steps between need no speculator; the token is not checked
+    (the step holds no proposal) but compared with the token the request draws next, which counts as a check's
+    outcome. Above the bar a request proposes and checks as before; where no check can pay, no probe."""
     from torch_shift.engine.spec_decode import PROBE_EVERY
 
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
@@ -791,28 +792,46 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
     for i in range(50):  # the method's rate: mostly rejections
         speculator.acceptance.observe(f"earlier{i}", 4, 0, greedy=False)
     params = SamplingParams(max_tokens=100)
-    probed = Request("probed", list(range(1, PROBE_EVERY + 1)), params, 100)
-    quiet = Request("quiet", list(range(1, PROBE_EVERY + 2)), params, 100)  # not at a probe's position
-    speculator.propose([probed, quiet], 2)
-    assert probed.spec_token_ids == [] and quiet.spec_token_ids == []
-    assert speculator._shadows == {"probed": (7, False)}
+    probed = Request("probed", list(range(1, 6)), params, 100)
+    other = Request("other", list(range(1, 12)), params, 100)  # another length, probed on the same steps
+
+    def to_next_probe(requests):  # decode steps up to the next probe's: one that looks at them, then skipped ones
+        for request in requests:
+            request.all_token_ids.append(1)
+        speculator.propose(requests, 2)
+        skipped = speculator.quiet_steps
+        for _ in range(skipped):
+            for request in requests:
+                request.all_token_ids.append(1)
+            speculator.skip_step()
+        for request in requests:  # the probe's step
+            request.all_token_ids.append(1)
+        return skipped
+
+    assert to_next_probe([probed, other]) == PROBE_EVERY - 2  # the first step is no probe's: no proposal, no probe
+    assert speculator._shadows == {}
+    speculator.propose([probed, other], 2)
+    assert probed.spec_token_ids == [] and other.spec_token_ids == []
+    assert speculator._shadows == {"probed": (7, False), "other": (7, False)}
 
     def step(drawn):
-        entries = [[ScheduledRequest(r, 1, r.num_tokens - 1, True, False, ([0],)) for r in (probed, quiet)]]
-        return speculator.observe(entries, {"probed": drawn, "quiet": 3}, 1e-3)
+        entries = [[ScheduledRequest(r, 1, r.num_tokens - 1, True, False, ([0],)) for r in (probed, other)]]
+        return speculator.observe(entries, {"probed": drawn, "other": 3}, 1e-3)
 
     assert step(7) == []  # nothing was checked
-    assert speculator.acceptance.per_request["probed"] == [1, 1] and "quiet" not in speculator.acceptance.per_request
+    assert speculator.acceptance.per_request["probed"] == [1, 1]
+    assert speculator.acceptance.per_request["other"] == [0, 1]
     assert speculator._shadows == {}
     for _ in range(3):  # more hits: the request's rate passes the bar and it proposes to be checked
-        probed.all_token_ids += [1] * (PROBE_EVERY - probed.num_tokens % PROBE_EVERY)
+        to_next_probe([probed])
         speculator.propose([probed], 2)
         step(7)
     probed.all_token_ids.append(1)
     speculator.propose([probed], 2)
     assert len(probed.spec_token_ids) >= 2 and set(probed.spec_token_ids) == {7}  # checked: as many as pay
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1.0, 0.0)  # no check can pay: no probe either
-    fresh = Request("fresh", list(range(1, PROBE_EVERY + 1)), params, 100)
+    fresh = Request("fresh", list(range(1, 4)), params, 100)
+    speculator._steps = 2 * PROBE_EVERY - 1  # the next call is a probe's step
     speculator.propose([fresh], 2)
     assert fresh.spec_token_ids == [] and "fresh" not in speculator._shadows
 

@@ -97,11 +97,16 @@ class Speculator:
         self._bar = 0.0
         self._probe_every = PROBE_EVERY
         self._since_explore = EXPLORE_EVERY  # propose calls since a check made to price checks
+        # steps seen (propose and skip_step calls): probes and the ends of waits fall on multiples of their interval
+        # in these steps, so that the requests that wait, wait together and the steps between need no speculator (by
+        # each request's own length, 64 requests' probes fell on 48-68 of 96 steps: docs/performance.md)
+        self._steps = 0
         # request id -> (the token a probe proposed, scored against the next draw; whether the request is greedy)
         self._shadows: dict[str, tuple[int, bool]] = {}
         # request id -> its last wait: after a proposal of which nothing was checked (none found, or none paid) a
-        # request waits 1, 2, 4 ... MAX_BACKOFF tokens before the next, under the budget: on free text most n-gram
-        # lookups find nothing, and a lookup every step cost 2% of a batch-1 step
+        # request waits up to 1, 2, 4 ... MAX_BACKOFF tokens (to a multiple of the wait in steps) before the next,
+        # under the budget: on free text most n-gram lookups find nothing, and a lookup every step cost 2% of a
+        # batch-1 step
         self._backoff: dict[str, int] = {}
         # request id -> the length below which it is not looked at: its backoff, or its next probe while its rate is
         # below the bar (the bar and its rate are read again then). A step whose requests all wait costs no pricing:
@@ -160,8 +165,8 @@ class Speculator:
     def propose(self, updated: list[Request], num_running: int) -> None:
         """Proposals for the requests that received tokens this step (the others keep theirs); none in a step of
         `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose check could not
-        pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY tokens it
-        generates, never checked but scored against the token it draws next, which keeps its acceptance rate
+        pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY steps (or
+        more: `_prices`), never checked but scored against the token it draws next, which keeps its acceptance rate
         current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model). Until its
         next probe, or the end of a backoff, such a request is not looked at."""
         quiet = self._quiet
@@ -177,6 +182,8 @@ class Speculator:
                 continue
             due.append(request)
         self._since_explore += 1
+        self._steps += 1
+        steps = self._steps
         self.quiet_steps, self.quiet_requests = 0, len(alive)
         config = self.config
         limit = config.disable_by_batch_size
@@ -193,9 +200,10 @@ class Speculator:
             bar, probe_every = self._prices(num_running, cost)
         explore = (cost is not None and self._since_explore >= EXPLORE_EVERY
                    and self.step_cost.lacks_checks(num_running))
+        until_probe = probe_every - steps % probe_every  # steps to the next probe
         if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in due:
-                quiet[request.request_id] = len(request.all_token_ids) + probe_every
+                quiet[request.request_id] = len(request.all_token_ids) + until_probe
             self.quiet_steps = self._waiting_steps(alive)
             return
         proposing, rooms, rates, probing = [], [], [], []
@@ -203,9 +211,9 @@ class Speculator:
         for request in due:
             num_tokens = len(request.all_token_ids)
             rate = self.acceptance.rate(request.request_id, request.greedy) if config.goodput_budget else 1.0
-            if rate < bar and num_tokens % probe_every and not (explore and rate >= UNFITTED_BAR):
-                # neither checked, nor explored (no explorer below UNFITTED_BAR), nor probed until its next probe
-                quiet[request.request_id] = num_tokens + probe_every - num_tokens % probe_every
+            if rate < bar and until_probe != probe_every and not (explore and rate >= UNFITTED_BAR):
+                # neither checked, nor explored (no explorer below UNFITTED_BAR), nor probed until the next probe
+                quiet[request.request_id] = num_tokens + until_probe
                 continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
             room = min(k, request.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - num_tokens - 1)
@@ -215,8 +223,8 @@ class Speculator:
                 if explore and rate >= explorer_rate:
                     explorer, explorer_room, explorer_rate = request, room, rate
                 # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
-                # <= 1); the prompt's length staggers requests in step
-                elif bar <= 1.0 and num_tokens % probe_every == 0:
+                # <= 1)
+                elif bar <= 1.0 and until_probe == probe_every:
                     probing.append(request)
                 continue
             proposing.append(request)
@@ -254,7 +262,7 @@ class Speculator:
                 else:
                     wait = self._backoff.get(request.request_id, 0)
                     wait = self._backoff[request.request_id] = min(2 * wait, MAX_BACKOFF) if wait else 1
-                    quiet[request.request_id] = request.num_tokens + wait
+                    quiet[request.request_id] = request.num_tokens + wait - steps % wait
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
 
@@ -268,6 +276,7 @@ class Speculator:
         to observe (no check, no probe) and nothing to propose."""
         self.quiet_steps -= 1
         self._since_explore += 1
+        self._steps += 1
 
     def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
         """The lowest rate at which a request can pay for its ask and its check (above 1: none can), and the tokens
