@@ -183,16 +183,21 @@ def test_suffix_tree_matches_an_explicit_trie(seed, few):
         assert draft.token_ids == expected and draft.score == pytest.approx(score), tokens
 
 
-def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few):
+@pytest.mark.parametrize("lookup_every", [1, 7])
+def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few, lookup_every):
+    """Looked up after every output, and after several (outputs are indexed at the next lookup: some evicted, some
+    compacted away before it)."""
     rng = random.Random(7)
     depth = 8
     tree = GlobalTree(depth, max_cached_requests=5)
     outputs = []
-    for i in range(40):
+    for i in range(40 * lookup_every):
         outputs.append([rng.randrange(4) for _ in range(rng.randint(2, 30))])
         tree.add(outputs[-1])
         cached = outputs[-5:]
         assert tree.num_cached == len(cached)
+        if i % lookup_every:
+            continue
         context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
         if few == "native":
             candidates = tree.candidates(np.array(context))
