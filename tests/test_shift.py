@@ -323,12 +323,12 @@ def test_communication_ledger_matches_the_formulas(llama):
     calls = {("base", "all_reduce"): 2 * layers + 1, ("base", "all_to_all"): 2 * layers, ("base", "all_gather"): 1,
              ("shift", "all_reduce"): 2 * layers, ("shift", "all_gather"): 1}
     for rank, (got_bytes, got_calls) in enumerate(run_ranks(_ledger_rank, 4, model_dir, n)):
-        n_local, n_other = counts[rank // tp], counts[1 - rank // tp]
+        n_local = counts[rank // tp]
         expected = {
             ("base", "all_reduce"): (layers * 2 * (2 * (tp - 1) * n_local * d * f32 // tp)
                                      + 2 * (sp - 1) * d * f32 // sp),
-            # the q/k/v of its own tokens to the other SP rank, then the other rank's tokens' outputs back to it
-            ("base", "all_to_all"): layers * (sp - 1) * (n_local * qkv_chunk + n_other * out_chunk) * f32,
+            # messages of 7 rows from both SP ranks: the rank of 6 tokens pads its own
+            ("base", "all_to_all"): layers * (sp - 1) * counts[0] * (qkv_chunk + out_chunk) * f32,
             ("base", "all_gather"): (p - 1) * 512 // p * f32,
             ("shift", "all_reduce"): layers * 2 * (2 * (p - 1) * 1 * d * f32 // p),
             ("shift", "all_gather"): (p - 1) * 512 // p * f32,

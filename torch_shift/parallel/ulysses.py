@@ -3,7 +3,8 @@
 Each SP rank holds a contiguous part of the step's n tokens (n // SP or one more; none when n < SP) and all
 its TP-local heads. One fused all-to-all of q, k and v turns that into all n tokens of 1/SP of the heads: head
 chunk tp * SP + sp, the rank's shift rank. Attention runs on them, and a second all-to-all brings the output
-back to the ranks that hold the tokens.
+back to the ranks that hold the tokens. Both all-to-alls send messages of ceil(n / SP) tokens, a rank with fewer
+padding its own (nothing computes on the padding).
 
 KV heads: with more head chunks than KV heads, the K/V heads are repeated before the all-to-all
 so that segment s carries the KV heads of head chunk tp * SP + s (the repeat-interleave
@@ -27,15 +28,15 @@ class UlyssesAttention:
         self.group = group
         self.sp = len(counts)
         self.sp_rank = dist.get_rank(group)
-        self.counts = counts  # tokens held by each SP rank, in token order
-        self.equal = counts.count(counts[0]) == len(counts)
+        self.counts = counts  # tokens held by each SP rank, in token order, the first ranks holding the most
         self.kv_send_index = kv_send_index  # TP-local KV head for each (segment, head) slot; None: identity
+        self._real_rows: torch.Tensor | None = None  # of the all-to-all's padded messages, where counts differ
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
-        sp = self.sp
+        sp, counts = self.sp, self.counts
         n_local, hq, d = q.shape
-        assert n_local == self.counts[self.sp_rank], (n_local, self.counts)
+        assert n_local == counts[self.sp_rank], (n_local, counts)
         if self.kv_send_index is not None:
             k = k.index_select(1, self.kv_send_index)
             v = v.index_select(1, self.kv_send_index)
@@ -43,23 +44,35 @@ class UlyssesAttention:
         # [n_local, SP, heads of one chunk * d] per tensor, fused, then segment-major for the all-to-all
         send = torch.cat((q.reshape(n_local, sp, hq_chunk * d), k.reshape(n_local, sp, hkv_chunk * d),
                           v.reshape(n_local, sp, hkv_chunk * d)), dim=-1)
-        send = send.transpose(0, 1).reshape(sp * n_local, send.shape[-1])
+        # messages of equal size (the all-to-all's fast path; unequal parts took 0.35 ms a call at batch 1 in
+        # SP-2): a rank with fewer tokens pads its own with rows that nothing reads
+        n_max = counts[0]
+        if n_local < n_max:
+            send = torch.cat((send, send.new_zeros(n_max - n_local, *send.shape[1:])))
+        recv = comm.all_to_all(send.transpose(0, 1).reshape(sp * n_max, send.shape[-1]), self.group)
+        real_rows = self._rows(q.device)
+        if real_rows is not None:
+            recv = recv.index_select(0, real_rows)
         # rows of recv: SP rank 0's tokens, then rank 1's ...: the global token order
-        recv = self._all_to_all(send, [n_local] * sp, self.counts)
         n = recv.shape[0]
         q_all, k_all, v_all = recv.split((hq_chunk * d, hkv_chunk * d, hkv_chunk * d), dim=-1)
         if sinks is not None:  # this rank attends with head chunk `sp_rank` of the TP-local heads
             sinks = sinks[self.sp_rank * hq_chunk:(self.sp_rank + 1) * hq_chunk]
         extras = () if sinks is None and sliding_window is None else (sinks, sliding_window)
         out = self.inner(layer_idx, q_all.reshape(n, hq_chunk, d), k_all.reshape(n, hkv_chunk, d),
-                         v_all.reshape(n, hkv_chunk, d), *extras)
-        back = self._all_to_all(out.reshape(n, hq_chunk * d), self.counts, [n_local] * sp)
-        return back.view(sp, n_local, hq_chunk, d).transpose(0, 1).reshape(n_local, hq, d)
+                         v_all.reshape(n, hkv_chunk, d), *extras).reshape(n, hq_chunk * d)
+        if real_rows is not None:
+            out = out.new_zeros(sp * n_max, hq_chunk * d).index_copy_(0, real_rows, out)
+        back = comm.all_to_all(out, self.group)  # [SP (head chunk), n_max, hq_chunk * d]
+        return back.view(sp, n_max, hq_chunk, d)[:, :n_local].transpose(0, 1).reshape(n_local, hq, d)
 
-    def _all_to_all(self, x: torch.Tensor, input_split_sizes: list[int], output_split_sizes: list[int]):
-        if self.equal:
-            return comm.all_to_all(x, self.group)
-        return comm.all_to_all(x, self.group, input_split_sizes, output_split_sizes)
+    def _rows(self, device: torch.device) -> torch.Tensor | None:
+        """Where the counts differ, the rows of the padded messages that hold tokens, in token order."""
+        counts = self.counts
+        if self._real_rows is None and counts[-1] != counts[0]:
+            self._real_rows = torch.tensor([j * counts[0] + i for j, count in enumerate(counts) for i in range(count)],
+                                           device=device)
+        return self._real_rows
 
 def kv_send_index(num_kv_heads: int, sp: int, tp: int, tp_rank: int) -> torch.Tensor | None:
     """For each SP segment s, the TP-local indices of the KV heads of head chunk tp_rank * SP + s."""
