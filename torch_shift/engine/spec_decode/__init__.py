@@ -96,11 +96,11 @@ class Speculator:
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
         self._probe_every = PROBE_EVERY
-        self._since_explore = EXPLORE_EVERY  # propose calls since a check made to price checks
         # steps seen (propose and skip_step calls): probes and the ends of waits fall on multiples of their interval
         # in these steps, so that the requests that wait, wait together and the steps between need no speculator (by
         # each request's own length, 64 requests' probes fell on 48-68 of 96 steps: docs/performance.md)
         self._steps = 0
+        self._explored_at = -EXPLORE_EVERY  # the step of the last check made to price checks
         # request id -> (the token a probe proposed, scored against the next draw; whether the request is greedy)
         self._shadows: dict[str, tuple[int, bool]] = {}
         # request id -> its last wait: after a proposal of which nothing was checked (none found, or none paid) a
@@ -181,7 +181,6 @@ class Speculator:
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
             due.append(request)
-        self._since_explore += 1
         self._steps += 1
         steps = self._steps
         self.quiet_steps, self.quiet_requests = 0, len(alive)
@@ -198,7 +197,7 @@ class Speculator:
         probe_every = PROBE_EVERY
         if cost is not None:
             bar, probe_every = self._prices(num_running, cost)
-        explore = (cost is not None and self._since_explore >= EXPLORE_EVERY
+        explore = (cost is not None and steps - self._explored_at >= EXPLORE_EVERY
                    and self.step_cost.lacks_checks(num_running))
         until_probe = probe_every - steps % probe_every  # steps to the next probe
         if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
@@ -232,7 +231,7 @@ class Speculator:
             rates.append(rate)
         explored = [explorer] if explorer is not None and not proposing else []
         if explored:
-            self._since_explore = 0
+            self._explored_at = steps
         if not proposing and not probing and not explored:
             self.quiet_steps = self._waiting_steps(alive)
             return
@@ -275,7 +274,6 @@ class Speculator:
         """A step of the requests the last propose saw, each decoding one token, ran while they all wait: nothing
         to observe (no check, no probe) and nothing to propose."""
         self.quiet_steps -= 1
-        self._since_explore += 1
         self._steps += 1
 
     def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
