@@ -9,8 +9,9 @@ fixed by the number of decode rows: what a CUDA graph of a decode step captures.
 contexts reach past one chunk splits each context into chunks (SPLIT_KEYS keys, more where max_model_len
 would need over MAX_SPLITS of them), one program each (FlashDecoding: a batch of a few sequences otherwise
 runs on a few of the GPU's multiprocessors), and a second kernel combines each row's own chunks in chunk
-order. The chunk size depends on max_model_len only and a row combines the chunks of its own context, so a
-CUDA graph launched for the longest context computes what an eager step does, bit for bit. The step's K/V
+order; a row whose context fits one chunk is written by its chunk, and the combine passes it over. The chunk
+size depends on max_model_len only and a row combines the chunks of its own context, so a CUDA graph launched for
+the longest context computes what an eager step does, bit for bit. The step's K/V
 are written into their slots by a kernel of their own (slots < 0 skipped: a captured graph's padding rows).
 
 On the CPU the same kernels run in Triton's interpreter, when TRITON_INTERPRET=1 was set before triton was
@@ -79,18 +80,20 @@ def _paged_attention(
     position = done + token
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=valid[:, None] & dim_ok[None, :], other=0.0)
-
     last_token = tl.minimum(first + BLOCK_T, q_len)  # keys [lo, hi) are visible to some row of the tile
     hi = done + last_token
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(done + first - window + 1, 0) // BLOCK_N * BLOCK_N
-    if SPLIT_KEYS > 0:  # this program's chunk of a decode context (program_id 2)
+    if SPLIT_KEYS > 0:  # this program's chunk of a decode context (program_id 2); a padding row's is chunk 0
         split = tl.program_id(2)
+        if split * SPLIT_KEYS >= tl.maximum(hi, 1):
+            return
+        one_chunk = hi <= SPLIT_KEYS  # the row's output written here, not by _combine_splits
         lo = tl.maximum(lo, split * SPLIT_KEYS)
         hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=valid[:, None] & dim_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -122,20 +125,22 @@ def _paged_attention(
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if SPLIT_KEYS > 0:  # the chunk's unnormalised sum, its max and its denominator, combined by _combine_splits
-        # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_max_sum [..., 2]
-        at = ((tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split).to(tl.int64)
-        stored = valid & (position >= split * SPLIT_KEYS)  # a chunk past the context: its row never reads it
-        tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=stored[:, None])
-        tl.store(partial_max_sum_ptr + at * 2, m_i, mask=stored)
-        tl.store(partial_max_sum_ptr + at * 2 + 1, l_i, mask=stored)
-        return
+    stored = valid
+    if SPLIT_KEYS > 0:
+        if not one_chunk:  # the chunk's unnormalised sum, its max and its denominator, combined by _combine_splits
+            # partial_acc [decode rows, heads, num_splits, HEAD_DIM_PAD]; partial_max_sum [..., 2]
+            at = ((tile * (GROUP * tl.num_programs(1)) + head) * num_splits + split).to(tl.int64)
+            tl.store(partial_acc_ptr + at[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=valid[:, None])
+            tl.store(partial_max_sum_ptr + at * 2, m_i, mask=valid)
+            tl.store(partial_max_sum_ptr + at * 2 + 1, l_i, mask=valid)
+            return
+        stored = rows < GROUP  # a decode row: a CUDA graph's padding row (no query) gets zeros, as a combine gave it
     if HAS_SINKS:  # a sink logit per head beside the keys: in the denominator only
         sink = tl.load(sinks_ptr + head, mask=valid, other=0.0).to(tl.float32)
         l_i = l_i + tl.exp(sink - m_i)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & dim_ok[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=stored[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -149,6 +154,8 @@ def _combine_splits(
     run = tl.program_id(0)
     head = tl.program_id(1)
     chunks = tl.cdiv(tl.load(num_computed_ptr + run) + tl.load(query_len_ptr + run), SPLIT_KEYS)
+    if chunks <= 1:  # a context of one chunk (or a padding row): written by the attention kernel
+        return
     base = ((run * tl.num_programs(1) + head) * num_splits).to(tl.int64)
     m = tl.full([], -1.0e30, tl.float32)
     for split in range(0, chunks):
