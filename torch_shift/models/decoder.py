@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_shift.config import ModelConfig
-from torch_shift.models.fused import rms_norm
+from torch_shift.models.fused import gpu_add_rms_norm, gpu_rms_norm, gpu_rms_norm_applies, rms_norm
 from torch_shift.models.linear import Linear
 from torch_shift.models.moe import SparseMoeBlock
 from torch_shift.models.rope import RotaryEmbedding
@@ -40,7 +40,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual): a decoder layer's residual add and the norm
+        after it, one kernel on a GPU."""
+        if gpu_rms_norm_applies(x, self.weight, residual):
+            if residual is None:
+                return gpu_rms_norm(x, self.weight, self.eps)
+            return gpu_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         fused = rms_norm(x, self.weight, self.eps)  # one pass on the CPU where the model runs eagerly
         if fused is not None:
             return fused
@@ -110,10 +123,18 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(config) if model_layer_idx in config.sparse_layers else MLP(config)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions, rotary, attention)
-        return x + self.mlp(self.post_attention_norm(x))
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it): the hidden state after the layer is their
+        sum, which the next norm adds (`residual`: the last layer's residual stream, x its MLP output; None: x is
+        the hidden state itself)."""
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm(x, residual)
+        h, residual = self.post_attention_norm(self.attn(h, positions, rotary, attention), residual)
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
@@ -130,10 +151,10 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attention)
-        return self.norm(x)
+            x, residual = layer(x, positions, self.rotary, attention, residual)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

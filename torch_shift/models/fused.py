@@ -8,15 +8,22 @@ expressions, which inductor fuses. `rms_norm` and `rotary` return None where the
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where
 none does, RMSNorm keeps the expression), and argmax picks the index torch.argmax picks.
+
+On a GPU, RMSNorm of [tokens, hidden] rows, with the residual add before it, is one Triton kernel
+(`torch_shift::gpu_add_rms_norm`, kernels/triton_norm.py), eager or compiled: inductor wrote the add and the norm as
+three kernels there (docs/performance.md, issue 25). It rounds as the expression but for the order in which it adds
+the squares.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 
 import numpy as np
 import torch
 
+from torch_shift.custom_ops import custom_op
 from torch_shift.kernels import CpuKernels, cpu_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -62,6 +69,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     lanes = _sum_lanes()
     return None if lanes is None else _rms_norm(kernels, x, weight, eps, lanes)
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_GPU_NORM_MAX_HIDDEN = 16384  # torch_shift.kernels.triton_norm.MAX_HIDDEN, without importing triton to read it
+
+
+def gpu_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether RMSNorm of `x` (after adding `residual`) runs as one Triton kernel: CUDA rows [tokens, hidden] of
+    unit stride, weight and residual alike, no autograd."""
+    return (x.is_cuda and _HAS_TRITON and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] <= _GPU_NORM_MAX_HIDDEN
+            and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[-1:]
+            and weight.device == x.device
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1 and residual.device == x.device
+                                      and not (torch.is_grad_enabled() and residual.requires_grad))))
+
+
+@custom_op("torch_shift::gpu_rms_norm")
+def gpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from torch_shift.kernels import triton_norm
+
+    return triton_norm.rms_norm(x, weight, eps)[0]
+
+
+@gpu_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+@custom_op("torch_shift::gpu_add_rms_norm")
+def gpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual) in one kernel."""
+    from torch_shift.kernels import triton_norm
+
+    return triton_norm.rms_norm(x, weight, eps, residual)
+
+
+@gpu_add_rms_norm.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def _rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:

@@ -56,9 +56,11 @@ class PipelineStage(nn.Module):
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, the previous stage's hidden states [T, hidden] on the
         others -> hidden states [T, hidden] (after the final norm on the last stage)."""
-        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        x, residual = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs, None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attention)
+            x, residual = layer(x, positions, self.rotary, attention, residual)
+        if residual is not None:
+            return self.norm(x, residual)[0] if self.norm is not None else x + residual
         return self.norm(x) if self.norm is not None else x
 
 
