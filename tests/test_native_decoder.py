@@ -4,6 +4,7 @@ it declines what it cannot run exactly, and the engine's switch turns it off."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
@@ -11,6 +12,7 @@ from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
 from torch_shift import LLM, SamplingParams
 from torch_shift.kernels import decoder_kernels
 from torch_shift.models import native_decoder
+from torch_shift.models.fused import ROW_ARGMAX, argmax_list
 from torch_shift.models.linear import GEMV_MAX_ROWS, packing_supported
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
@@ -76,14 +78,31 @@ def test_steps_give_the_eager_forwards_logits_bit_for_bit(families, family, dtyp
     assert max(counted) == GEMV_MAX_ROWS and min(counted) <= 2  # prompt chunks and decodes both ran here
 
 
-def test_greedy_tokens_match_transformers(families):
+def test_greedy_tokens_match_transformers(families, monkeypatch):
+    """Greedy tokens drawn from the argmax the decoder finds beside its logits, each row's torch.argmax."""
     model, model_dir = families("llama")
     llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0)
     assert llm.engine.worker.runner.native_decode
+    original, steps = NativeDecoder.__call__, []
+
+    def call(self, *args):
+        logits = original(self, *args)
+        steps.append(getattr(logits, ROW_ARGMAX).tolist() == logits.argmax(dim=-1).tolist())
+        return logits
+
+    monkeypatch.setattr(NativeDecoder, "__call__", call)
     for prompt in random_prompts(3, [5, 30, 12], seed=3):
         (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=10, temperature=0.0,
                                                                             ignore_eos=True), use_tqdm=False)
         assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 10)
+    assert len(steps) >= 27 and all(steps)
+
+
+def test_argmax_list_takes_the_row_argmax_a_logits_tensor_carries():
+    logits = torch.randn(3, 50)
+    setattr(logits, ROW_ARGMAX, np.array([7, 1, 4]))
+    assert argmax_list(logits) == [7, 1, 4]
+    assert argmax_list(logits[:2]) == logits[:2].argmax(dim=-1).tolist()  # a tensor made from it has none
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -272,7 +272,7 @@ class DecoderKernels:
         self.destroy = library.ts_decoder_destroy
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
-        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr], ctypes.c_int
+        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul
         self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
 

@@ -22,6 +22,7 @@
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                               int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride);
+extern "C" int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out);
 extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
                            int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
 extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
@@ -242,11 +243,14 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
 void ts_decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
 
 // One step: input_ids and positions [num_tokens] (int64), logits [num_logits, vocab] of the rows logits_rows
-// (int64) in the model's dtype. The step's paged attention must be installed (ts_install_paged_step). Returns 0;
-// -200 for a token count out of range, -201 for a token id or row outside the vocabulary or the step; else the
-// failing kernel's code.
+// (int64) in the model's dtype, and where argmax is not null each logits row's argmax (int64, as ts_argmax), found
+// while the logits are in cache: called from Python after the step, the argmax took 100-120 us against 9-12 us
+// for a second call (a bf16 batch-1 step of the 106M model, whose weights had gone through the caches;
+// docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
+// a token count out of range, -201 for a token id or row outside the vocabulary or the step; else the failing
+// kernel's code.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
-                    const int64_t* logits_rows, int64_t num_logits, void* logits) {
+                    const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens) return -200;
   const int64_t H = d.hidden, row_bytes = H * d.elem;
@@ -265,7 +269,9 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
   }
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
   if (rc != 0) return rc;
-  return ts_packed_gemv(d.dtype, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
+  rc = ts_packed_gemv(d.dtype, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
+  if (rc != 0 || argmax == nullptr) return rc;
+  return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
 }
 
 // silu_mul alone, for the check that it reproduces PyTorch's `F.silu(gate) * up` on this machine

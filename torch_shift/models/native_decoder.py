@@ -19,13 +19,14 @@ import ctypes
 import weakref
 from functools import cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from torch_shift.compilation import enter_step_attention, exit_step_attention
 from torch_shift.kernels import DecoderKernels, decoder_kernels, native_attention, register_native_attention
 from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
-from torch_shift.models.fused import _SPLIT_ROW, _sum_lanes
+from torch_shift.models.fused import _SPLIT_ROW, ROW_ARGMAX, _sum_lanes
 from torch_shift.models.linear import GEMV_MAX_ROWS, Linear
 from torch_shift.models.rope import RotaryEmbedding
 
@@ -95,10 +96,12 @@ class NativeDecoder:
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
+        row_argmax = np.empty(num_logits, dtype=np.int64)
         enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
         try:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
-                                   rows.data_ptr(), num_logits, logits.data_ptr())
+                                   rows.data_ptr(), num_logits, logits.data_ptr(),
+                                   row_argmax.__array_interface__["data"][0])
         finally:
             exit_step_attention()
         if rc == -201:
@@ -107,6 +110,7 @@ class NativeDecoder:
             raise IndexError(f"a position is outside the rotary table of {self.model.rotary.cos_sin.shape[1]} "
                              "positions")
         assert rc == 0, f"the C++ decoder failed ({rc})"
+        setattr(logits, ROW_ARGMAX, row_argmax)
         return logits
 
 
