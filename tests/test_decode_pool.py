@@ -165,7 +165,8 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
     without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=32)
     expected = _outputs(without)
     assert not without.engine.worker.runner.decode_pool.enabled
-    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32)
+    # synchronous steps: the pool's own workers run them (launched steps: tests/test_native_decoder.py)
+    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32, async_scheduling=False)
     if not llm.engine.worker.runner.decode_pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     threads = torch.get_num_threads()
@@ -237,9 +238,21 @@ def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
         llm.shutdown()
 
 
-def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, disarmed):
-    llm = LLM(str(layers4), max_num_batched_tokens=32)
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None
+@pytest.mark.parametrize("asynchronous", [False, None])
+def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, disarmed, asynchronous):
+    """Synchronous steps on the pool's workers, or (the default) launched on the C++ decoder's thread, the engine's
+    thread helping: interrupted mid-generation, the thread has its OpenMP threads back, the pool sleeps and no
+    launched step is left running."""
+    llm = LLM(str(layers4), max_num_batched_tokens=32, async_scheduling=asynchronous)
+    runner = llm.engine.worker.runner
+    runner.decode_pool.kv_budget_tokens = None
+    launched, launch_step = [], runner.model.launch_step
+
+    def launch(*args):
+        launched.append(len(launched))
+        return launch_step(*args)
+
+    runner.model.launch_step = launch
     threads = torch.get_num_threads()
     steps = []
     step = llm.engine.step
@@ -253,7 +266,9 @@ def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, d
     llm.engine.step = interrupted
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
-    if threads > 1 and llm.engine.worker.runner.decode_pool.enabled:
+    if threads > 1 and runner.decode_pool.enabled and not runner.launch_steps:
         assert max(steps) == min(threads - 1, MAX_WORKERS)  # it was pooled when interrupted
     assert torch.get_num_threads() == threads and gemv_pool_workers() == 0
+    if runner.launch_steps:
+        assert launched and not runner.model.native_decoder.launched
     llm.shutdown()

@@ -81,7 +81,8 @@ def test_steps_give_the_eager_forwards_logits_bit_for_bit(families, family, dtyp
 def test_greedy_tokens_match_transformers(families, monkeypatch):
     """Greedy tokens drawn from the argmax the decoder finds beside its logits, each row's torch.argmax."""
     model, model_dir = families("llama")
-    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0)
+    # each step called, not launched (tests below)
+    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0, async_scheduling=False)
     assert llm.engine.worker.runner.native_decode
     original, steps = NativeDecoder.__call__, []
 
@@ -213,3 +214,50 @@ def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
             assert max(armed) > 0
         llm.shutdown()
     assert results[0] == results[1] and counted
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, monkeypatch):
+    """Asynchronous scheduling on the CPU (on by default where the C++ decoder runs): small steps launched on the
+    C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from the argmax rows
+    of the step before. Greedy and seeded sampled requests (these wait for their step before they draw), a stop
+    token, prompts arriving while others decode, a request with logprobs (whose steps are synchronous) and an abort
+    with a step in flight: the synchronous engine's tokens and finish reasons, every KV block returned."""
+    _, model_dir = families("llama")
+    launches = []
+    original = NativeDecoder.launch
+
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
+        launches.append(placeholders is not None)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders)
+
+    monkeypatch.setattr(NativeDecoder, "launch", launch)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, [30, 7, 12, 3, 21], seed=5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=i != 2,
+                             stop_token_ids=list(range(3, 512, 7)) if i == 2 else []) for i in range(5)]
+    results = []
+    for mode in (False, True):
+        # the default (None) on the CPU: on where the runner launches the decoder's steps
+        llm = LLM(str(model_dir), dtype=dtype, async_scheduling=None if mode else False, compile=False, seed=0,
+                  max_num_seqs=4)
+        runner = llm.engine.worker.runner
+        assert runner.launch_steps is mode and llm.engine.config.scheduler.async_scheduling is mode
+        runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs += llm.generate(prompts[:2], [params[0], SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True)],
+                             use_tqdm=False)
+        engine = llm.engine
+        engine.add_request("aborted", prompts[1]["prompt_token_ids"],
+                           SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+        for _ in range(20):
+            engine.step()
+        engine.abort_request("aborted")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        results.append([(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs])
+        llm.shutdown()
+    assert results[0] == results[1]
+    assert any(r[1] == "stop" for r in results[0])
+    assert sum(launches) >= 20 and not all(launches)  # placeholders read on the decoder's thread, and on the host

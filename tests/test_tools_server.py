@@ -55,8 +55,10 @@ def tools_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tools_model):
-    s = RunningServer(tools_model, chat_options=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
-                                                           reasoning_parser="qwen3"))
+    # the scripted sampler draws every token on the host: synchronous steps
+    s = RunningServer(tools_model, engine={"async_scheduling": False},
+                      chat_options=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                               reasoning_parser="qwen3"))
     yield s
     s.stop()
 

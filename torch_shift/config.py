@@ -335,8 +335,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     policy: str = "fcfs"  # "fcfs" or "priority"
-    # the next step is scheduled and launched before this one's tokens reach the host (torch_shift.engine.core)
-    async_scheduling: bool = False
+    # the next step is scheduled and launched before this one's tokens reach the host (torch_shift.engine.core);
+    # None: where the runner launches the C++ decoder's steps on the CPU (decided once the engine has its runner)
+    async_scheduling: bool | None = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:

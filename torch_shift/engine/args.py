@@ -77,7 +77,8 @@ class EngineArgs:
                                           "rank on a GPU and the triton attention backend; --enforce-eager: off)")
     async_scheduling: bool | None = _arg(None, "schedule and launch the next step while this one's tokens are still "
                                                "on the device, where the host's work would otherwise leave it idle "
-                                               "(default: on with one rank on a GPU and no speculative decoding)")
+                                               "(default: on with one rank and no speculative decoding on a GPU, and "
+                                               "on the CPU where the C++ decoder runs the small steps)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 16 tokens run their matmuls on threads of the GEMV "
                                    "kernel's own, which read the next weights while the step's other work runs")
@@ -272,15 +273,19 @@ class EngineArgs:
                              "backend")
         return possible if self.cuda_graphs is None else self.cuda_graphs
 
-    def _schedules_async(self, deployment: Deployment) -> bool:
-        """async_scheduling=None: on with one rank on a GPU and no speculative decoding. On the CPU a step's
-        work runs in the calling thread, so there is nothing to overlap (allowed, as a test of the path)."""
+    def _schedules_async(self, deployment: Deployment) -> bool | None:
+        """async_scheduling=None: on with one rank on a GPU and no speculative decoding; on the CPU, None: the
+        engine turns it on where its runner launches the C++ decoder's small steps on a thread of their own
+        (torch_shift.engine.model_runner), since elsewhere a CPU step runs in the calling thread and there is nothing
+        to overlap (True is allowed there, as a test of the path)."""
         possible = deployment.world_size == 1 and self.speculative_config is None
         if self.async_scheduling and not possible:
             raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1) and no speculative_config "
                              "(proposals are checked against tokens on the host)")
         if self.async_scheduling is None:
-            return possible and resolve_device(self.device).type == "cuda"
+            if not possible:
+                return False
+            return True if resolve_device(self.device).type == "cuda" else None
         return self.async_scheduling
 
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,

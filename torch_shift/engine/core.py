@@ -9,7 +9,8 @@ next step is scheduled and launched: the decodes of that step take their input i
 (placeholders in the plan), and the host's work (scheduling, inputs, outputs) runs beside the device's instead
 of between its steps. `step` then returns the step before the one it launched. A request that must see its
 tokens on the host before it samples (penalties, a minimum length, a grammar, logprobs) makes the steps
-synchronous while it is in the engine.
+synchronous while it is in the engine. On the CPU the C++ decoder's steps run on a thread of its own in the same way
+(torch_shift.engine.model_runner): a step's argmax rows stand for its tokens until it ran.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerO
 from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder
+from torch_shift.models.native_decoder import LaunchedStep
 
-Executor = Callable[..., StepResult]  # (plan) or, asynchronously, (plan, the last step's tokens on the device)
+# (plan), or asynchronously (plan, the last step's tokens on the device, launch=True): a CPU step the C++ decoder runs
+# may return before its logits are written (StepResult.launched)
+Executor = Callable[..., StepResult]
 SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[int]]]
-SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list], tuple[list[Request], torch.Tensor | None]]
+SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list, LaunchedStep | None],
+                            tuple[list[Request], torch.Tensor | None]]
 
 
 @dataclass
@@ -54,7 +59,7 @@ class _InFlight:
     requests: list[Request]  # the requests that sampled, in the order of `tokens`
     tokens: torch.Tensor | None  # on the device (None: nobody sampled)
     host_tokens: torch.Tensor | None  # their copy to the host, under way
-    copied: torch.cuda.Event | None  # recorded after that copy (None on the CPU: it is done)
+    copied: torch.cuda.Event | LaunchedStep | None  # recorded after that copy; the CPU's step still running; None
     swap_seconds: float
     reshard_seconds: float
 
@@ -110,15 +115,17 @@ class EngineCore:
         if output.is_empty and not output.has_swaps:
             return None if in_flight is None else self._complete()
         self.stats.record_plan(plan)
-        result = self.executor(plan, None if in_flight is None else in_flight.tokens)
+        result = self.executor(plan, None if in_flight is None else in_flight.tokens, launch=True)
         entries = [group.entries for group in output.groups if group.entries]
-        requests, tokens = self.sample_on_device(entries, result.logits)  # queued behind the forward
+        requests, tokens = self.sample_on_device(entries, result.logits, result.launched)  # behind the forward
         host_tokens, copied = None, None
         if tokens is not None:
             host_tokens = tokens.to("cpu", non_blocking=True)
             if tokens.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
+            else:
+                copied = result.launched
         done = None if in_flight is None else self._complete()  # while the device runs the step just launched
         if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,

@@ -13,6 +13,10 @@ for new ones keep theirs. A larger step puts the pool to sleep and runs on the t
 when the engine runs out of work. Going from one to the other costs 0.1-0.2 ms (OpenMP's workers ended and started
 again, the pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled
 forwards guard on the thread count: a runner compiles its layouts for one thread too (ModelRunner._warm_up).
+
+A step launched on the C++ decoder's own thread (asynchronous scheduling: torch_shift.models.native_decoder) takes the
+pool's place: the pool's workers sleep, the decoder's thread runs the GEMVs as the pool's caller, and the calling
+thread, on one OpenMP thread as for a pooled step, helps once it has prepared the next step and waits.
 """
 
 from __future__ import annotations
@@ -69,9 +73,11 @@ class DecodePool:
             return 0
         return min(threads - 1, MAX_WORKERS)
 
-    def step(self, num_tokens: int, kv_tokens: int = 0, threads: int | None = None) -> int:
+    def step(self, num_tokens: int, kv_tokens: int = 0, threads: int | None = None,
+             asynchronous: bool = False) -> int:
         """Set up a step of `num_tokens` tokens over `kv_tokens` cached ones (on this rank) to run on the pool where
-        it may, else on `threads` threads (None: the calling thread's own); returns the pool's workers. The thread
+        it may, else on `threads` threads (None: the calling thread's own); returns the pool's workers (with
+        `asynchronous`, a step launched on the C++ decoder's thread: those it would have had, none armed). The thread
         stays at one OpenMP thread after a pooled step: `end_step` (the engine's step returns) or `idle` gives them
         back. (A plain call: a context manager, with nothing to undo, cost 5% of the Python of a batch-1 step.)"""
         from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
@@ -85,13 +91,17 @@ class DecodePool:
         if workers and self.small_steps < SMALL_STEPS_BEFORE_POOL and not armed:
             workers = 0
         if workers:
-            if not armed or torch.get_num_threads() > 1:
-                release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
-            hold_one_thread(threads)
+            if held is None:  # not on one thread yet (while held, it is)
+                if not armed or torch.get_num_threads() > 1:
+                    release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
+                hold_one_thread(threads)
         elif held is not None or torch.get_num_threads() != threads:
             _set_threads(threads)
             _state.held = None
-        if workers != armed:
+        if asynchronous:
+            if armed:
+                arm_gemv_pool(0)
+        elif workers != armed:
             workers = arm_gemv_pool(workers)
             if not workers and _state.held is not None:  # the system refused the pool's threads
                 _set_threads(threads)

@@ -125,7 +125,7 @@ class InputBatch:
         """The inputs of `group` as this replica (`member`-th of the layout's replicas) sees them;
         its blocks hold kv_width * block_size tokens each."""
         tpb = self.block_size * kv_width
-        if group.num_decodes == len(group.num_scheduled) and group.placeholders is None:
+        if group.num_decodes == len(group.num_scheduled):
             return self._prepare_decodes(group, member, tpb)
         return self._prepare_runs(group, member, tpb)
 
@@ -160,6 +160,8 @@ class InputBatch:
         the caches (the plan's int32 arrays are passed as they are: nothing writes them)."""
         rows = np.asarray(group.rows[member], dtype=np.int32)
         positions = group.num_computed.astype(np.int64)
+        if group.placeholders is not None:  # read as they are, then replaced on the device
+            self._ensure_token_columns(int(positions.max()) + 1)
         input_ids = self.token_ids[rows, positions]
         slots = self.block_table[rows, positions // tpb].astype(np.int64) * tpb + positions % tpb
         query_start = np.arange(len(rows), dtype=np.int32)
@@ -168,14 +170,15 @@ class InputBatch:
                           else np.flatnonzero(group.logits_counts))
         return HostInputs(input_ids, positions, slots, logits_indices, group.num_decodes, query_start,
                           np.asarray(group.num_scheduled, dtype=np.int32),
-                          np.asarray(group.num_computed, dtype=np.int32), self.block_table, rows, tpb, None, None)
+                          np.asarray(group.num_computed, dtype=np.int32), self.block_table, rows, tpb,
+                          group.placeholders, group.placeholder_sources)
 
     def to_device(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> StepInputs:
         """The step's tensors on the device; `previous_tokens`: the last step's sampled tokens (on the device),
-        where the ids of its placeholders come from."""
+        where the ids of its placeholders come from (None: they stay as they are, for the C++ decoder's thread to
+        replace: torch_shift.engine.model_runner)."""
         arrays = [host.input_ids, host.positions, host.slot_mapping, host.logits_indices]
-        if host.placeholders is not None:
-            assert previous_tokens is not None, "a step with placeholders needs the last step's sampled tokens"
+        if host.placeholders is not None and previous_tokens is not None:
             arrays += [host.placeholders, host.placeholder_sources]
         input_ids, positions, slots, logits_indices, *placeholders = to_device(arrays, np.int64, self.device)
         if placeholders:

@@ -108,6 +108,9 @@ class LLMEngine:
         return engine
 
     def _init_driver(self, num_kv_blocks: int, tier_blocks: int) -> None:
+        if self.config.scheduler.async_scheduling is None:  # on the CPU: where the runner launches the decoder's steps
+            launches = self.worker is not None and self.worker.runner.launch_steps
+            self.config = replace(self.config, scheduler=replace(self.config.scheduler, async_scheduling=launches))
         config, mc = self.config, self.config.model
         eos = set(mc.eos_token_id)
         if self.tokenizer is not None:

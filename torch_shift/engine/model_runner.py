@@ -3,6 +3,11 @@ apply the plan's deltas to its replica's persistent batch, build the inputs of t
 belongs to, run the model in that group's layout over the paged KV cache (viewed as the layout
 views it: by KV width, or as a pipeline stage's layers), and return logits.
 
+With asynchronous scheduling on the CPU, a step the C++ decoder runs (a replica's own, of at most GEMV_MAX_ROWS
+tokens) is launched on the decoder's thread and `execute` returns before its logits are written: the engine samples
+and prepares the next step meanwhile, and its thread helps with the step's GEMVs once it waits for it. Any other step
+waits for the launched ones first.
+
 Every rank runs this, rank 0 included, on the same plan: there is one path for one rank and many.
 Rank 0 returns the logits of every group in plan order; a group without rank 0 sends its logits
 from the rank that has them (the first, or a pipeline's last stage) to rank 0 (the only other
@@ -26,6 +31,8 @@ from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
+from torch_shift.models.linear import GEMV_MAX_ROWS
+from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
@@ -38,7 +45,7 @@ class ModelRunner:
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None,
                  barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None,
-                 decode_pool: bool = True, native_decode: bool = True):
+                 decode_pool: bool = True, native_decode: bool = True, launch_steps: bool = False):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
@@ -47,7 +54,8 @@ class ModelRunner:
         that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps of at most GEMV_MAX_ROWS
         tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool);
         `native_decode`: run them through one C++ call where the layout and model allow it
-        (torch_shift.models.native_decoder)."""
+        (torch_shift.models.native_decoder); `launch_steps`: launch those of them that run on the decode pool on the
+        C++ decoder's thread and return before their logits are written (asynchronous scheduling, one rank)."""
         pool.idle()  # another engine of this thread may hold its threads: this one compiles and starts with them
         self.model = model
         self.kv_cache = kv_cache
@@ -74,6 +82,7 @@ class ModelRunner:
         # the C++ decoder reads the attention the CPU paged kernel's steps install, and nothing else
         self.native_decode = (native_decode and self.device.type == "cpu" and self.attention.name == "cpu"
                               and model.native_decode())
+        self.launch_steps = launch_steps and self.native_decode and deployment.world_size == 1
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -186,10 +195,15 @@ class ModelRunner:
         self.model.reset_counters()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> StepResult | None:
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None,
+                launch: bool = False) -> StepResult | None:
         """Rank 0: the logits of every group in plan order, and where the step's time went; other ranks: None.
         `previous_tokens`: the last step's sampled tokens, still on the device, where the plan's placeholders take
-        their ids (asynchronous scheduling, one rank)."""
+        their ids (asynchronous scheduling, one rank); `launch`: a step the C++ decoder runs may be launched on its
+        thread and return before its logits are written (asynchronous scheduling, `launch_steps`)."""
+        launch = launch and self._launches(plan)
+        if not launch:
+            self.wait_launched()
         swap_seconds = 0.0
         if self.swapper is not None:
             start = time.perf_counter()
@@ -207,8 +221,50 @@ class ModelRunner:
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
         tokens = sum(group.num_tokens for group in mine)
         kv_tokens = sum(group.num_kv_tokens for group in mine)
-        self.decode_pool.step(tokens, kv_tokens, threads)
+        pooled = self.decode_pool.step(tokens, kv_tokens, threads, asynchronous=launch)
+        if launch and pooled:
+            return self._launch(plan, previous_tokens)
+        if launch:  # the pool does not run it now: it runs here, after those launched
+            self.wait_launched()
         return self._run_groups(plan, previous_tokens, swap_seconds)
+
+    def _launches(self, plan: StepPlan) -> bool:
+        """Whether the step may be launched on the C++ decoder's thread: the replica's own group of at most
+        GEMV_MAX_ROWS tokens, and no copies to or from the host tier."""
+        if not self.launch_steps or len(plan.groups) != 1 or plan.swap_outs or plan.swap_ins:
+            return False
+        group = plan.groups[0]
+        return self._native(self.deployment[group.layout]) and 0 < group.num_tokens <= GEMV_MAX_ROWS
+
+    def _launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepResult:
+        """Launch the step on the C++ decoder's thread. Input ids that the step launched before it sampled (still
+        running) are read by that thread when the step starts."""
+        (group,) = plan.groups
+        layout = self.deployment[group.layout]
+        kv, _ = self.pool_view(group.layout)
+        host = self.batch.prepare(group, 0, layout.kv_width)
+        placeholders = None
+        if host.placeholders is not None and self._sampled_by_launched(previous_tokens):
+            placeholders, previous_tokens = (host.placeholders, host.placeholder_sources), None
+        inputs = self.batch.to_device(host, previous_tokens)
+        step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
+                          inputs.logits_indices)
+        logits, launched = self.model.launch_step(layout, step, placeholders)
+        return StepResult([logits], launched=launched)
+
+    def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:
+        """Whether `tokens` are the argmax rows of the last step launched; else any launched step is waited for,
+        and they are read here."""
+        launched = self.model.native_decoder.launched
+        if tokens is not None and launched and tokens.data_ptr() == launched[-1].row_argmax.ctypes.data:
+            return True
+        self.wait_launched()
+        return False
+
+    def wait_launched(self) -> None:
+        """Wait for the steps launched on the C++ decoder's thread (helping with their GEMVs)."""
+        if self.launch_steps:
+            self.model.wait_launched()
 
     def end_step(self) -> None:
         """The engine's step returns to its caller: the thread gets its OpenMP threads back (the pool stays armed)."""
@@ -216,10 +272,12 @@ class ModelRunner:
 
     def idle(self) -> None:
         """Out of work: the thread gets its threads back and the decode pool's threads sleep."""
+        self.wait_launched()
         pool.idle()
 
     def close(self) -> None:
         """The engine closes: as `idle`, and the decode pool's threads end."""
+        self.wait_launched()
         pool.stop()
 
     def _run_groups(self, plan: StepPlan, previous_tokens: torch.Tensor | None,
@@ -306,3 +364,4 @@ class StepResult:
     logits: list[torch.Tensor | None]
     swap_seconds: float = 0.0
     reshard_seconds: float = 0.0
+    launched: LaunchedStep | None = None  # the step runs on the C++ decoder's thread: its logits are written after

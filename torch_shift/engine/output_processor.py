@@ -16,6 +16,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.models.fused import argmax_list
+from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -92,10 +93,12 @@ class OutputProcessor:
         token_ids = self._draw(rows, sample_requests)
         return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
 
-    def sample_on_device(self, entries_by_group: list[list[ScheduledRequest]],
-                         logits_by_group: list) -> tuple[list[Request], torch.Tensor | None]:
+    def sample_on_device(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list,
+                         launched: LaunchedStep | None = None) -> tuple[list[Request], torch.Tensor | None]:
         """The requests that sample this step (groups in plan order) and their tokens, left on the device
-        (asynchronous scheduling: every request samples on the device; no prompt logprobs, no proposals)."""
+        (asynchronous scheduling: every request samples on the device; no prompt logprobs, no proposals).
+        `launched`: the step still runs on the C++ decoder's thread; where every request draws the argmax over the
+        whole row, its tokens are the argmax rows that thread writes, else the step is waited for."""
         rows, requests = [], []
         for entries, logits in zip(entries_by_group, logits_by_group):
             if logits is not None:
@@ -103,6 +106,10 @@ class OutputProcessor:
                 requests.extend(e.request for e in entries if e.sample)
         if not requests:
             return [], None
+        if launched is not None:
+            if rows[0].shape[1] == self.sampler.vocab_size and all(r.draws_argmax for r in requests):
+                return requests, torch.from_numpy(launched.row_argmax)
+            launched.synchronize()
         return requests, self.sampler.sample_on_device(rows[0] if len(rows) == 1 else torch.cat(rows), requests)
 
     def _draw(self, rows: list[torch.Tensor], requests: list[Request]) -> list[int]:

@@ -143,7 +143,7 @@ class Worker:
                              config.tier.kv_swap, parallel.interconnect_gbps,
                              runtime.barrier if runtime is not None else None, runner_config.cuda_graphs,
                              runtime.host_cores if runtime is not None else None, runner_config.decode_pool,
-                             runner_config.native_decode)
+                             runner_config.native_decode, config.scheduler.async_scheduling is not False)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------
@@ -157,15 +157,17 @@ class Worker:
         rank running the same program (torchrun)."""
         return self.runtime is not None and self.runtime.launched is not None
 
-    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> StepResult:
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None, launch: bool = False
+                ) -> StepResult:
         """Rank 0: the step on every rank; returns rank 0's result (logits per group). `previous_tokens`: the
-        last step's sampled tokens on the device (asynchronous scheduling: one rank)."""
+        last step's sampled tokens on the device; `launch`: the step may return before its logits are written
+        (asynchronous scheduling: one rank; ModelRunner.execute)."""
         if self.runtime is None:
-            return self.runner.execute(plan, previous_tokens)
-        if previous_tokens is None:
+            return self.runner.execute(plan, previous_tokens, launch)
+        if previous_tokens is None and not launch:
             return self.runtime.run_step(plan, self.runner.execute)
         assert self.config.deployment.world_size == 1, "asynchronous scheduling runs one rank"
-        return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens))
+        return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens, launch))
 
     def send_result(self, kind: str, payload: Any) -> None:
         """Rank 0 under torchrun: end the public call every rank made, with rank 0's answer ("result") or

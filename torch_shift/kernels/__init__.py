@@ -273,6 +273,10 @@ class DecoderKernels:
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
         self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
+        self.launch = library.ts_decoder_launch
+        self.launch.argtypes, self.launch.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64], i64
+        self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits
+        self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul
         self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
 

@@ -9,14 +9,30 @@
 //
 // The model is described once (ts_decoder_create: addresses of its weights, which the caller keeps alive), then each
 // step passes its token ids, positions and logits rows. One step at a time per decoder (its scratch is its own).
+//
+// A step may also be launched (ts_decoder_launch) to run on a thread of the decoder's own while the engine's thread
+// returns to prepare the next one, as a GPU runs a step while its host schedules the next (asynchronous scheduling):
+// the engine's thread then helps with the step's GEMVs once it waits for it (ts_decoder_wait), so that the two
+// cores stream weights together again. A bf16 batch-1 step of the 106M model spends about 0.7 ms of its 7.6 in the
+// engine's Python, during which the pool otherwise only prefetches (docs/performance.md, issue 20).
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_common.h"
 
@@ -28,10 +44,15 @@ extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inne
 extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
-extern "C" int ts_step_attention(int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride,
-                                 const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v,
-                                 int64_t v_row_stride, int64_t v_head_stride, int64_t num_tokens, int64_t num_heads,
-                                 int64_t head_dim, int64_t window, void* out);
+extern "C" void* ts_paged_step_copy_new();
+extern "C" void ts_paged_step_copy_delete(void* copy);
+extern "C" int ts_paged_step_copy_fill(void* copy);
+extern "C" void ts_gemv_pool_always_caller();
+extern "C" void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target);
+extern "C" int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride,
+                                 int64_t q_head_stride, const void* k, int64_t k_row_stride, int64_t k_head_stride,
+                                 const void* v, int64_t v_row_stride, int64_t v_head_stride, int64_t num_tokens,
+                                 int64_t num_heads, int64_t head_dim, int64_t window, void* out);
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -45,6 +66,9 @@ extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 namespace {
 
 constexpr int64_t kMaxTokens = 16;  // linear.py's GEMV_MAX_ROWS: every matmul of the step runs the GEMV
+constexpr int64_t kQueue = 2;       // steps launched and not finished, at most: the one running and the next
+constexpr int64_t kResults = 64;    // steps whose return codes are kept
+constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleeps after this without a step
 
 // the fields of one layer in the array ts_decoder_create reads (torch_shift/models/native_decoder.py writes it)
 enum LayerField {
@@ -71,6 +95,27 @@ struct Layer {
   const void* down;
 };
 
+// A launched step: its inputs copied, the caller's outputs (alive until it waited for the step)
+struct Launched {
+  std::vector<int64_t> input_ids, positions, logits_rows;
+  std::vector<int64_t> placeholders, sources;  // input ids the step before sampled: their indices, and its rows
+  void* logits = nullptr;
+  int64_t* argmax = nullptr;
+  void* attention = nullptr;  // the paged step installed at launch, copied (cpu_ops.cpp's PagedStepCopy)
+};
+
+struct Async {
+  Launched steps[kQueue];
+  std::atomic<int64_t> launched{0}, completed{0};  // tickets: the n-th launch is n
+  std::atomic<uint32_t> wake{0};                   // a futex word: changes at each launch and at the end
+  std::atomic<int> sleeping{0};
+  std::atomic<bool> stopping{false};
+  int results[kResults] = {};
+  std::vector<int64_t> last_argmax;  // of the step run last (the thread's own)
+  pthread_t thread;
+  pid_t owner = 0;
+};
+
 struct Decoder {
   int dtype;  // 0 float32, 1 bfloat16
   int64_t elem, hidden, heads, kv_heads, head_dim, intermediate, vocab, lanes, positions;
@@ -82,6 +127,7 @@ struct Decoder {
   std::vector<Layer> layers;
   // scratch for kMaxTokens tokens
   std::vector<char> x, h, qkv, q, k, attn, gate_up, act;
+  Async* async = nullptr;  // the launched steps' thread, started at the first launch
 
   int64_t qkv_rows() const { return (heads + 2 * kv_heads) * head_dim; }
   char* row(std::vector<char>& buffer, int64_t r, int64_t width) { return buffer.data() + r * width * elem; }
@@ -164,7 +210,7 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
   return ts_rms_norm(d.dtype, x, rows, 1, d.hidden, 0, d.hidden, weight, d.eps, d.lanes, out);
 }
 
-int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T) {
+int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, const void* attention) {
   const int dt = d.dtype;
   const int64_t H = d.hidden, I = d.intermediate, hd = d.head_dim, rows = d.qkv_rows();
   const int64_t q_size = d.heads * hd, kv_size = d.kv_heads * hd;
@@ -184,8 +230,8 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T) 
     return rc;
   if ((rc = ts_rotary(dt, k, T, d.kv_heads, k_stride, hd, hd, positions, d.cos_sin, d.positions, d.k.data())) != 0)
     return rc;
-  if ((rc = ts_step_attention(L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd, T, d.heads,
-                              hd, L.window, d.attn.data())) != 0)
+  if ((rc = ts_step_attention(attention, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd,
+                              T, d.heads, hd, L.window, d.attn.data())) != 0)
     return rc;
   if ((rc = ts_packed_gemv(dt, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
@@ -197,6 +243,133 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T) 
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   return 0;
 }
+
+// The step of ts_decoder_step, attending through `attention` (a PagedStepCopy; null: the installed step)
+int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
+             const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax, const void* attention) {
+  if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens) return -200;
+  const int64_t H = d.hidden, row_bytes = H * d.elem;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (input_ids[t] < 0 || input_ids[t] >= d.vocab) return -201;
+    std::memcpy(d.row(d.x, t, H), static_cast<const char*>(d.embed) + input_ids[t] * row_bytes, row_bytes);
+  }
+  for (const Layer& layer : d.layers) {
+    const int rc = layer_step(d, layer, positions, num_tokens, attention);
+    if (rc != 0) return rc;
+  }
+  if (num_logits == 0) return 0;
+  for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
+    if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
+    std::memcpy(d.row(d.q, r, H), d.row(d.x, logits_rows[r], H), row_bytes);
+  }
+  int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
+  if (rc != 0) return rc;
+  rc = ts_packed_gemv(d.dtype, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
+  if (rc != 0 || argmax == nullptr) return rc;
+  return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
+}
+
+#if defined(__linux__)
+void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+}
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+int64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
+}
+
+// The launched steps' thread: runs them in order. Its OpenMP regions run on one thread, as a pooled step's caller's
+// (torch_shift/engine/decode_pool.py), so that its results are those of a step run by the engine's thread; its GEMVs
+// go through the pool as its caller, where the engine's thread helps.
+void* async_main(void* arg) {
+  Decoder& d = *static_cast<Decoder*>(arg);
+  Async& a = *d.async;
+  at::get_num_threads();  // torch sets this thread's OpenMP threads up at its first look: before they are set to one
+  omp_set_num_threads(1);
+  ts_gemv_pool_always_caller();
+  int64_t next = 1, idle_since = -1;
+  int spins = 0;
+  for (;;) {
+    if (a.launched.load(std::memory_order_acquire) >= next) {
+      Launched& s = a.steps[(next - 1) % kQueue];
+      int rc = 0;
+      for (size_t i = 0; i < s.placeholders.size() && rc == 0; ++i) {
+        const int64_t source = s.sources[i];
+        if (source < 0 || source >= static_cast<int64_t>(a.last_argmax.size()))
+          rc = -201;
+        else
+          s.input_ids[s.placeholders[i]] = a.last_argmax[source];
+      }
+      const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
+      if (rc == 0)
+        rc = run_step(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
+                      s.logits_rows.data(), num_logits, s.logits, s.argmax, s.attention);
+      if (rc == 0)
+        a.last_argmax.assign(s.argmax, s.argmax + num_logits);
+      else
+        a.last_argmax.clear();
+      a.results[next % kResults] = rc;
+      a.completed.store(next, std::memory_order_release);
+      ++next;
+      idle_since = -1;
+      continue;
+    }
+    if (a.stopping.load(std::memory_order_acquire)) return nullptr;
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+    if (++spins < 1024) continue;
+    spins = 0;
+    const int64_t now = now_ns();
+    if (idle_since < 0) {
+      idle_since = now;
+    } else if (now - idle_since > kSpinBeforeSleepNs) {
+      a.sleeping.store(1, std::memory_order_seq_cst);
+      const uint32_t word = a.wake.load(std::memory_order_seq_cst);
+      if (a.launched.load(std::memory_order_seq_cst) < next && !a.stopping.load(std::memory_order_seq_cst))
+        futex_wait(&a.wake, word);
+      a.sleeping.store(0, std::memory_order_seq_cst);
+      idle_since = -1;
+    }
+  }
+}
+
+void wake(Async& a) {
+  a.wake.fetch_add(1, std::memory_order_seq_cst);
+  if (a.sleeping.load(std::memory_order_seq_cst)) futex_wake(&a.wake);
+}
+
+// The thread of this process (a child forked from a process that had one starts its own); false where the system
+// refused it
+bool start_async(Decoder& d) {
+  if (d.async != nullptr && d.async->owner == getpid()) return true;
+  d.async = new Async;  // a forked child's copy of its parent's is left: its thread is not in this process
+  d.async->owner = getpid();
+  for (Launched& s : d.async->steps) s.attention = ts_paged_step_copy_new();
+  if (pthread_create(&d.async->thread, nullptr, async_main, &d) != 0) {
+    for (Launched& s : d.async->steps) ts_paged_step_copy_delete(s.attention);
+    delete d.async;
+    d.async = nullptr;
+    return false;
+  }
+  return true;
+}
+
+void stop_async(Decoder& d) {
+  if (d.async == nullptr || d.async->owner != getpid()) return;
+  Async& a = *d.async;
+  a.stopping.store(true, std::memory_order_seq_cst);
+  wake(a);
+  pthread_join(a.thread, nullptr);  // it runs the steps launched before it ends
+  for (Launched& s : a.steps) ts_paged_step_copy_delete(s.attention);
+  delete d.async;
+  d.async = nullptr;
+}
+#endif
 
 }  // namespace
 
@@ -240,38 +413,79 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   return d;
 }
 
-void ts_decoder_destroy(void* decoder) { delete static_cast<Decoder*>(decoder); }
+void ts_decoder_destroy(void* decoder) {
+#if defined(__linux__)
+  stop_async(*static_cast<Decoder*>(decoder));
+#endif
+  delete static_cast<Decoder*>(decoder);
+}
 
 // One step: input_ids and positions [num_tokens] (int64), logits [num_logits, vocab] of the rows logits_rows
 // (int64) in the model's dtype, and where argmax is not null each logits row's argmax (int64, as ts_argmax), found
 // while the logits are in cache: called from Python after the step, the argmax took 100-120 us against 9-12 us
 // for a second call (a bf16 batch-1 step of the 106M model, whose weights had gone through the caches;
 // docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
-// a token count out of range, -201 for a token id or row outside the vocabulary or the step; else the failing
-// kernel's code.
+// a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
+// step (below) runs; else the failing kernel's code.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);
-  if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens) return -200;
-  const int64_t H = d.hidden, row_bytes = H * d.elem;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (input_ids[t] < 0 || input_ids[t] >= d.vocab) return -201;
-    std::memcpy(d.row(d.x, t, H), static_cast<const char*>(d.embed) + input_ids[t] * row_bytes, row_bytes);
-  }
-  for (const Layer& layer : d.layers) {
-    const int rc = layer_step(d, layer, positions, num_tokens);
-    if (rc != 0) return rc;
-  }
-  if (num_logits == 0) return 0;
-  for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
-    if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
-    std::memcpy(d.row(d.q, r, H), d.row(d.x, logits_rows[r], H), row_bytes);
-  }
-  int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
-  if (rc != 0) return rc;
-  rc = ts_packed_gemv(d.dtype, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
-  if (rc != 0 || argmax == nullptr) return rc;
-  return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
+  if (d.async != nullptr && d.async->owner == getpid() &&
+      d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed))
+    return -202;
+  return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
+}
+
+// Launch a step (as ts_decoder_step's, argmax required) to run on the decoder's own thread, after those launched
+// before it, with the paged step installed now (copied): returns its ticket (> 0) at once, or -200 for a count out
+// of range, -100 where no step is installed, -203 where the system refused the thread. The caller keeps logits and
+// argmax alive until it waited for the ticket. `placeholders` (num_placeholders of them, or null): indices of input
+// ids that the step launched just before this one sampled, taken from its argmax rows `sources` when this one starts.
+int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
+                          const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
+                          const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders) {
+#if defined(__linux__)
+  Decoder& d = *static_cast<Decoder*>(decoder);
+  if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
+      num_placeholders < 0 || num_placeholders > num_tokens)
+    return -200;
+  for (int64_t i = 0; i < num_placeholders; ++i)
+    if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
+  if (!start_async(d)) return -203;
+  Async& a = *d.async;
+  const int64_t ticket = a.launched.load(std::memory_order_relaxed) + 1;
+  if (a.completed.load(std::memory_order_acquire) < ticket - kQueue) ts_gemv_pool_help(&a.completed, ticket - kQueue);
+  Launched& s = a.steps[(ticket - 1) % kQueue];
+  if (ts_paged_step_copy_fill(s.attention) != 0) return -100;
+  s.input_ids.assign(input_ids, input_ids + num_tokens);
+  s.positions.assign(positions, positions + num_tokens);
+  s.logits_rows.assign(logits_rows, logits_rows + num_logits);
+  s.placeholders.assign(placeholders, placeholders + num_placeholders);
+  s.sources.assign(sources, sources + num_placeholders);
+  s.logits = logits;
+  s.argmax = argmax;
+  a.launched.store(ticket, std::memory_order_seq_cst);
+  wake(a);
+  return ticket;
+#else
+  return -203;
+#endif
+}
+
+// Wait for the launched step `ticket`, helping with its GEMVs meanwhile: its ts_decoder_step code (-201 also for a
+// placeholder's source outside the argmax rows of the step before), or -204 for a ticket not launched or too old.
+int ts_decoder_wait(void* decoder, int64_t ticket) {
+#if defined(__linux__)
+  Decoder& d = *static_cast<Decoder*>(decoder);
+  if (d.async == nullptr || d.async->owner != getpid()) return -204;
+  Async& a = *d.async;
+  const int64_t launched = a.launched.load(std::memory_order_relaxed);
+  if (ticket < 1 || ticket > launched || ticket <= launched - kResults) return -204;
+  if (a.completed.load(std::memory_order_acquire) < ticket) ts_gemv_pool_help(&a.completed, ticket);
+  return a.results[ticket % kResults];
+#else
+  return -204;
+#endif
 }
 
 // silu_mul alone, for the check that it reproduces PyTorch's `F.silu(gate) * up` on this machine

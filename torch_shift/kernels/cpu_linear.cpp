@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -27,7 +28,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -176,6 +176,10 @@ void run_parallel(const Matmul& m) {
 //
 // The caller arms the pool for a step whose matmuls all fit the GEMV (ts_gemv_pool_arm) and runs that step's
 // OpenMP regions on one thread, so that torch's OpenMP threads do not compete with the pool's for the cores.
+//
+// A thread may also help for a while (ts_gemv_pool_help): the engine's thread, once it has prepared the next step,
+// while the C++ decoder's own thread runs this one's matmuls as the caller (cpu_decoder.cpp, asynchronous
+// scheduling). It takes the last part of each job posted while it helps, and prefetches as a worker does.
 namespace pool {
 
 constexpr int kMaxWorkers = 63;
@@ -192,6 +196,8 @@ struct Weight {
 struct Job {
   Matmul matmul;
   int threads;
+  int workers;  // the armed workers' parts are 1..workers
+  int helper;   // the helper's part (threads - 1), or -1: none
   Weight next[kAhead];
   int num_next;
 };
@@ -206,6 +212,9 @@ struct alignas(64) Slot {
 Job job;                                  // written by the caller before it opens the job
 Span spans[kMaxWorkers + 1];              // the blocks each thread owns in the open job, claimed from both ends
 Slot slots[kMaxWorkers];
+Slot helper_slot;                         // the helper's, as a worker's
+std::atomic<int> helping{0};              // a thread helps (ts_gemv_pool_help)
+thread_local bool always_caller = false;  // this thread runs its GEMVs as the pool's caller, armed or not
 std::atomic<uint32_t> epoch{0};           // the last job posted (a futex word: sleeping workers wait on it)
 std::atomic<uint32_t> open_job{0};        // the job that may still be entered (0: none)
 struct alignas(64) Counter {
@@ -279,6 +288,15 @@ void work(const Matmul& m, int t, int threads) {
   }
 }
 
+// A thread without a part (a helper that came after the job was posted): the others' last blocks
+void take_over(const Matmul& m, int threads) {
+  int64_t b;
+  while (claim_other(threads, threads + 1, &b)) {  // as the part after the last one
+    m.block(b);
+    blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
 // What a worker prefetches after a job: byte ranges in order, each a run of whole blocks.
 struct Prefetch {
   struct Range {
@@ -347,7 +365,7 @@ void* worker_main(void* arg) {
       slots[w].in_job.store(e, std::memory_order_seq_cst);
       if (open_job.load(std::memory_order_seq_cst) == e) {  // the caller waits for this slot before it reuses job
         const Job j = job;
-        if (w + 1 < j.threads) {  // armed for fewer workers since this one looked: it has no part
+        if (w < j.workers) {  // armed for fewer workers since this one looked: it has no part
           work(j.matmul, w + 1, j.threads);
           prefetch.plan(j, w + 1);
         }
@@ -442,10 +460,13 @@ void learn_order(const Matmul& m) {
 
 void run(const Matmul& m, int workers) {
   learn_order(m);
-  const int threads = workers + 1;
+  const bool helper = helping.load(std::memory_order_seq_cst) != 0;
+  const int threads = workers + 1 + (helper ? 1 : 0);
   const int64_t blocks = m.N / kBlock;
   job.matmul = m;
   job.threads = threads;
+  job.workers = workers;
+  job.helper = helper ? threads - 1 : -1;
   job.num_next = 0;
   for (const void* at = m.w; job.num_next < kAhead;) {
     auto it = next_of->find(at);
@@ -470,13 +491,44 @@ void run(const Matmul& m, int workers) {
   const int n = started.load(std::memory_order_acquire);
   for (int w = 0; w < n; ++w)
     while (slots[w].in_job.load(std::memory_order_seq_cst) == e) _mm_pause();
+  while (helper_slot.in_job.load(std::memory_order_seq_cst) == e) _mm_pause();
+}
+
+// The calling thread takes part in the jobs posted until `*counter` reaches `target`, as a worker does; in a job posted
+// before it came it takes the others' last blocks (a job posted as it leaves runs without it: its part goes to the
+// others, who take any unclaimed block). One helper at a time.
+void help(const std::atomic<int64_t>* counter, int64_t target) {
+  Prefetch prefetch;
+  uint32_t seen = 0;  // no job: the one open now is entered
+  helping.store(1, std::memory_order_seq_cst);
+  while (counter->load(std::memory_order_acquire) < target) {
+    const uint32_t e = epoch.load(std::memory_order_acquire);
+    if (e != seen) {
+      seen = e;
+      helper_slot.in_job.store(e, std::memory_order_seq_cst);
+      if (open_job.load(std::memory_order_seq_cst) == e) {  // as worker_main: the caller waits for this slot
+        const Job j = job;
+        if (j.helper >= 0) {
+          work(j.matmul, j.helper, j.threads);
+          prefetch.plan(j, j.helper);
+        } else {
+          take_over(j.matmul, j.threads);
+        }
+      }
+      helper_slot.in_job.store(0, std::memory_order_seq_cst);
+      continue;
+    }
+    if (!prefetch.step()) _mm_pause();
+  }
+  helping.store(0, std::memory_order_seq_cst);
 }
 
 }  // namespace pool
 
 void run_matmul(const Matmul& m) {
   const int workers = pool::armed.load(std::memory_order_acquire);
-  if (workers > 0 && !pool::busy.exchange(true, std::memory_order_acquire)) {  // a forked child: 0 (atfork)
+  // a forked child: 0 workers (atfork)
+  if ((workers > 0 || pool::always_caller) && !pool::busy.exchange(true, std::memory_order_acquire)) {
     pool::run(m, workers);
     pool::busy.store(false, std::memory_order_release);
     return;
@@ -518,6 +570,13 @@ void ts_gemv_pool_stop() { pool::stop(); }
 // The workers armed now (0 in a child forked from an armed process: its threads were not copied).
 int ts_gemv_pool_workers() { return pool::armed.load(std::memory_order_acquire); }
 
+// The calling thread runs its GEMVs as the pool's caller even with no worker armed, so that a helper may join them
+// (the C++ decoder's own thread: cpu_decoder.cpp)
+void ts_gemv_pool_always_caller() { pool::always_caller = true; }
+
+// Help the pool's caller (another thread) with its GEMVs until `*counter` reaches `target` (cpu_decoder.cpp)
+void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) { pool::help(counter, target); }
+
 }  // extern "C"
 
 #else
@@ -530,6 +589,11 @@ int ts_packed_gemv(int, const void*, int64_t, int64_t, const void*, int64_t, int
 int ts_gemv_pool_arm(int) { return 0; }
 int ts_gemv_pool_workers() { return 0; }
 void ts_gemv_pool_stop() {}
+void ts_gemv_pool_always_caller() {}
+void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) {
+  while (counter->load(std::memory_order_acquire) < target) {
+  }
+}
 }  // extern "C"
 
 #endif  // __x86_64__

@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                               int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride);
@@ -150,12 +151,12 @@ at::Tensor python_attention(const at::Tensor& q, const at::Tensor& k, const at::
                          sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue()});
 }
 
-// The installed step's KV write and attention for one layer: q [tokens, heads, head_dim] into out (contiguous, of
+// A step's KV write and attention for one layer: q [tokens, heads, head_dim] into out (contiguous, of
 // q's shape); `sinks` one float per head or null; `window` -1 for the step's. 0, or cpu_attention.cpp's error.
-int attend_installed(int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride, const void* k,
-                     int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
-                     int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                     const float* sinks, int64_t window, void* out) {
+int attend(const PagedStep& step, int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride,
+           const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
+           int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim, const float* sinks,
+           int64_t window, void* out) {
   char* k_layer = step.k_base + layer_idx * step.k_layer_bytes;
   char* v_layer = step.v_base + layer_idx * step.v_layer_bytes;
   int rc = ts_write_kv(step.dtype_code, k_layer, v_layer, step.k_layout, step.v_layout, k, k_row_stride, k_head_stride,
@@ -169,6 +170,14 @@ int attend_installed(int64_t layer_idx, const void* q, int64_t q_row_stride, int
                             window >= 0 ? window : step.sliding_window,
                             static_cast<float>(1.0 / std::sqrt(double(head_dim))), sinks);
 }
+
+// A copy of the installed step that owns its arrays: the C++ decoder's step that runs on a thread of its own while
+// the engine installs the next one (cpu_decoder.cpp, asynchronous scheduling)
+struct PagedStepCopy {
+  PagedStep step;
+  std::vector<int32_t> ints;  // query_start | query_len | num_computed | block-table rows | those rows of the table
+  std::vector<int64_t> slots;
+};
 
 // CpuPagedAttention.__call__, in C++
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
@@ -184,7 +193,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     sinks_f32 = sinks->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, q.options());
-  const int rc = attend_installed(layer_idx, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+  const int rc = attend(step, layer_idx, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
                                   k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), num_tokens, num_heads, head_dim,
                                   sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr,
                                   sliding_window.has_value() ? *sliding_window : -1, out.data_ptr());
@@ -214,14 +223,44 @@ void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64
 
 void ts_uninstall_paged_step() { step_installed = false; }
 
-// attend_installed for the native decoder (cpu_decoder.cpp): -100 where no step is installed
-int ts_step_attention(int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride, const void* k,
-                      int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
+// A copy of the installed step for the native decoder (PagedStepCopy): new, refilled from the installed step (0, or
+// -100 where none is installed), deleted
+void* ts_paged_step_copy_new() { return new PagedStepCopy; }
+void ts_paged_step_copy_delete(void* copy) { delete static_cast<PagedStepCopy*>(copy); }
+int ts_paged_step_copy_fill(void* copy) {
+  if (!step_installed) return -100;
+  PagedStepCopy& c = *static_cast<PagedStepCopy*>(copy);
+  const int64_t runs = step.num_runs, width = step.block_table_stride;
+  c.ints.resize(4 * runs + runs * width);
+  int32_t* ints = c.ints.data();
+  std::copy(step.query_start, step.query_start + runs, ints);
+  std::copy(step.query_len, step.query_len + runs, ints + runs);
+  std::copy(step.num_computed, step.num_computed + runs, ints + 2 * runs);
+  int32_t* table = ints + 4 * runs;
+  for (int64_t r = 0; r < runs; ++r) {
+    ints[3 * runs + r] = static_cast<int32_t>(r);
+    const int32_t* row = step.block_table + int64_t(step.block_table_row[r]) * width;
+    std::copy(row, row + width, table + r * width);
+  }
+  const int64_t tokens = runs > 0 ? int64_t(step.query_start[runs - 1]) + step.query_len[runs - 1] : 0;
+  c.slots.assign(step.slot_mapping, step.slot_mapping + tokens);
+  c.step = step;
+  c.step.query_start = ints, c.step.query_len = ints + runs, c.step.num_computed = ints + 2 * runs;
+  c.step.block_table_row = ints + 3 * runs, c.step.block_table = table;
+  c.step.slot_mapping = c.slots.data();
+  return 0;
+}
+
+// `attend` for the native decoder (cpu_decoder.cpp): the step of `copy` (a PagedStepCopy), or the installed one where
+// it is null; -100 where none is installed
+int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride,
+                      const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
                       int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t window,
                       void* out) {
-  if (!step_installed) return -100;
-  return attend_installed(layer_idx, q, q_row_stride, q_head_stride, k, k_row_stride, k_head_stride, v, v_row_stride,
-                          v_head_stride, num_tokens, num_heads, head_dim, nullptr, window, out);
+  if (copy == nullptr && !step_installed) return -100;
+  const PagedStep& s = copy != nullptr ? static_cast<const PagedStepCopy*>(copy)->step : step;
+  return attend(s, layer_idx, q, q_row_stride, q_head_stride, k, k_row_stride, k_head_stride, v, v_row_stride,
+                v_head_stride, num_tokens, num_heads, head_dim, nullptr, window, out);
 }
 
 // Registers the C++ implementation of torch_shift::attention on the CPU; called once torch_shift/compilation.py has

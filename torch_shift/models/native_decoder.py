@@ -11,12 +11,18 @@ this machine before it is used), so its logits are bitwise the eager forward's (
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
 linear weight packed for the GEMV kernel; `NativeDecoder.build` returns None for anything else (experts, attention
 sinks, a rank of a parallel layout, a CPU without AVX-512), which keeps its forward.
+
+With asynchronous scheduling a step is launched instead (`launch`): it runs on a thread of the decoder's own while the
+engine schedules and prepares the next step, and the engine's thread helps with its GEMVs once it waits for it
+(`LaunchedStep.synchronize`). Its input ids may come from the argmax rows of the step launched before it, which the
+decoder's thread reads when it starts the step (placeholders, as a GPU's step reads the last one's tokens on the GPU).
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
+from collections import deque
 from functools import cache
 
 import numpy as np
@@ -48,7 +54,9 @@ class NativeDecoder:
         self.handle = handle
         self.dtype = model.embed_tokens.weight.dtype
         self.vocab_size = model.config.vocab_size
-        weakref.finalize(self, kernels.destroy, handle)
+        # launched steps not yet waited for, in order: what they write and read stays alive until they ran
+        self.launched: deque[LaunchedStep] = deque()
+        weakref.finalize(self, _destroy, kernels, handle, self.launched)
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativeDecoder | None:
@@ -93,6 +101,8 @@ class NativeDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                  attention: object) -> torch.Tensor:
+        if self.launched:
+            self.wait()
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
@@ -104,14 +114,80 @@ class NativeDecoder:
                                    row_argmax.__array_interface__["data"][0])
         finally:
             exit_step_attention()
+        self._check(rc)
+        setattr(logits, ROW_ARGMAX, row_argmax)
+        return logits
+
+    def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+               attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None
+               ) -> tuple[torch.Tensor, LaunchedStep]:
+        """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
+        (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
+        (indices of input ids, rows of the last launched step's logits) whose argmax those ids take."""
+        input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
+        num_logits = rows.shape[0]
+        logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
+        row_argmax = np.empty(num_logits, dtype=np.int64)
+        index, sources = placeholders if placeholders is not None else (_NO_PLACEHOLDERS, _NO_PLACEHOLDERS)
+        index, sources = np.ascontiguousarray(index, np.int64), np.ascontiguousarray(sources, np.int64)
+        enter_step_attention(attention)  # copied by the launch
+        try:
+            ticket = self.kernels.launch(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
+                                         rows.data_ptr(), num_logits, logits.data_ptr(), row_argmax.ctypes.data,
+                                         index.ctypes.data, sources.ctypes.data, len(index))
+        finally:
+            exit_step_attention()
+        if ticket == -203:
+            raise RuntimeError("the system refused the C++ decoder's thread")
+        assert ticket > 0, f"the C++ decoder refused a launch ({ticket})"
+        setattr(logits, ROW_ARGMAX, row_argmax)
+        step = LaunchedStep(self, ticket, logits, row_argmax, attention)
+        self.launched.append(step)
+        return logits, step
+
+    def wait(self, until: LaunchedStep | None = None) -> None:
+        """Wait for the launched steps up to `until` (None: all of them), in order, helping with their GEMVs; raises
+        the first one's error."""
+        last = until.ticket if until is not None else self.launched[-1].ticket if self.launched else 0
+        while self.launched and self.launched[0].ticket <= last:
+            step = self.launched.popleft()
+            step.done = True
+            self._check(self.kernels.wait(self.handle, step.ticket))
+
+    def _check(self, rc: int) -> None:
         if rc == -201:
             raise IndexError("a token id outside the vocabulary, or a logits row outside the step")
         if rc == -3:
             raise IndexError(f"a position is outside the rotary table of {self.model.rotary.cos_sin.shape[1]} "
                              "positions")
         assert rc == 0, f"the C++ decoder failed ({rc})"
-        setattr(logits, ROW_ARGMAX, row_argmax)
-        return logits
+
+
+class LaunchedStep:
+    """A step running on the C++ decoder's thread (`NativeDecoder.launch`): `synchronize` waits for it (as a CUDA
+    event's does for a GPU's step)."""
+
+    def __init__(self, decoder: NativeDecoder, ticket: int, logits: torch.Tensor, row_argmax: np.ndarray,
+                 attention: object):
+        self.decoder = weakref.ref(decoder)  # a decoder gone waited for its steps (_destroy)
+        self.ticket = ticket
+        self.logits = logits
+        self.row_argmax = row_argmax
+        self.attention = attention  # keeps the KV cache it writes alive
+        self.done = False
+
+    def synchronize(self) -> None:
+        decoder = self.decoder()
+        if not self.done and decoder is not None:
+            decoder.wait(self)
+
+
+_NO_PLACEHOLDERS = np.zeros(0, dtype=np.int64)
+
+
+def _destroy(kernels: DecoderKernels, handle: int, launched: deque) -> None:
+    kernels.destroy(handle)  # its thread ends after the steps launched
+    launched.clear()
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

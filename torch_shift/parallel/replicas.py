@@ -22,7 +22,7 @@ from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.linear import prepare_linears
 from torch_shift.models.loader import build_model
-from torch_shift.models.native_decoder import NativeDecoder
+from torch_shift.models.native_decoder import LaunchedStep, NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
@@ -61,6 +61,20 @@ class ReplicaModel(LayoutCounters, nn.Module):
         (torch_shift.models.native_decoder); whether it does. After `prepare_weights`: it reads the packed weights."""
         self.native_decoder = NativeDecoder.build(self.model)
         return self.native_decoder is not None
+
+    def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None
+                    ) -> tuple[torch.Tensor, LaunchedStep]:
+        """The replica's own step of at most GEMV_MAX_ROWS tokens launched on the C++ decoder's thread (asynchronous
+        scheduling; `NativeDecoder.launch`): its logits, written once the returned step ran."""
+        assert layout.kv_width == 1 and self.native_decoder is not None
+        self.layout_counts[layout.name] += 1
+        return self.native_decoder.launch(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
+                                          placeholders)
+
+    def wait_launched(self) -> None:
+        """Wait for the steps `launch_step` launched."""
+        if self.native_decoder is not None and self.native_decoder.launched:
+            self.native_decoder.wait()
 
     def seal_compiled(self) -> None:
         """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
