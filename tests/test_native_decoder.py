@@ -261,3 +261,40 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, mon
     assert results[0] == results[1]
     assert any(r[1] == "stop" for r in results[0])
     assert sum(launches) >= 20 and not all(launches)  # placeholders read on the decoder's thread, and on the host
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+def test_the_decoders_thread_runs_on_one_openmp_thread(families):
+    """The launched steps' thread starts no OpenMP team, whatever torch's process-wide count: a team of two beside
+    the engine's helping thread made each step 3x as long. Over a generation of small steps, CPU time goes to the
+    engine's thread and the decoder's, none to a third."""
+    import os
+    import threading
+
+    def cpu_ticks() -> dict[str, int]:
+        ticks = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                ticks[tid] = int(fields[11]) + int(fields[12])  # utime + stime
+            except OSError:  # ended meanwhile
+                pass
+        return ticks
+
+    _, model_dir = families("llama")
+    torch.set_num_threads(torch.get_num_threads())  # a count set process-wide, as a benchmark or a user does
+    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0)
+    runner = llm.engine.worker.runner
+    runner.decode_pool.kv_budget_tokens = None
+    prompt = [{"prompt_token_ids": random_prompts(1, [20], seed=2)[0]}]
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)  # the decoder's thread starts
+    before = cpu_ticks()
+    llm.generate(prompt, params, use_tqdm=False)
+    after = cpu_ticks()
+    assert runner.launch_steps
+    used = sorted((after[tid] - before.get(tid, 0) for tid in after if tid != str(threading.get_native_id())),
+                  reverse=True)
+    assert used[0] >= 4 and sum(used[1:]) * 4 <= used[0], used  # the decoder's thread; the others idle
+    llm.shutdown()

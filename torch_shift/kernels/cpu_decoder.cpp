@@ -288,7 +288,11 @@ int64_t now_ns() {
 void* async_main(void* arg) {
   Decoder& d = *static_cast<Decoder*>(arg);
   Async& a = *d.async;
-  at::get_num_threads();  // torch sets this thread's OpenMP threads up at its first look: before they are set to one
+  // torch sets a thread's OpenMP threads to its process-wide count at the first look, once in libtorch and once more
+  // in this library's copy of at::parallel_for (its own thread-local flag): both before they are set to one, or this
+  // thread's first parallel_for ran a team of two beside the engine's thread (a step took 3x as long)
+  at::internal::lazy_init_num_threads();
+  at::get_num_threads();
   omp_set_num_threads(1);
   ts_gemv_pool_always_caller();
   int64_t next = 1, idle_since = -1;
