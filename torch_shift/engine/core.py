@@ -59,7 +59,7 @@ class _InFlight:
     requests: list[Request]  # the requests that sampled, in the order of `tokens`
     tokens: torch.Tensor | None  # on the device (None: nobody sampled)
     host_tokens: torch.Tensor | None  # their copy to the host, under way
-    copied: torch.cuda.Event | LaunchedStep | None  # recorded after that copy; the CPU's step still running; None
+    copied: torch.cuda.Event | LaunchedStep | None  # after that copy; a CPU step still running; None: they are here
     swap_seconds: float
     reshard_seconds: float
 
