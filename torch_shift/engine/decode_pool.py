@@ -95,6 +95,8 @@ class DecodePool:
                 if not armed or torch.get_num_threads() > 1:
                     release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
                 hold_one_thread(threads)
+            elif held != threads:  # given back when the engine's step returns
+                _state.held = threads
         elif held is not None or torch.get_num_threads() != threads:
             _set_threads(threads)
             _state.held = None
