@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
-_HEADERS = ("cpu_common.h", "cpu_no_contract.h")  # part of the build's key, as the sources
+_HEADERS = ("cpu_common.h", "cpu_no_contract.h", "cpu_threads.h")  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
 # headers (a failure to build them loses only them); the GEMV and attention kernels compiled in again
 _OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_decoder.cpp")

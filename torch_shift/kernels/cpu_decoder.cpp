@@ -27,11 +27,10 @@
 #include <vector>
 
 #if defined(__linux__)
-#include <linux/futex.h>
 #include <pthread.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
+
+#include "cpu_threads.h"
 #endif
 
 #include "cpu_common.h"
@@ -270,18 +269,6 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
 }
 
 #if defined(__linux__)
-void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
-}
-void futex_wake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-}
-int64_t now_ns() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
-}
-
 // The launched steps' thread: runs them in order. Its OpenMP regions run on one thread, as a pooled step's caller's
 // (torch_shift/engine/decode_pool.py), so that its results are those of a step run by the engine's thread; its GEMVs
 // go through the pool as its caller, where the engine's thread helps.

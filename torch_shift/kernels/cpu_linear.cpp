@@ -22,15 +22,14 @@
 
 #if defined(__x86_64__)  // AVX-512 paths, chosen at run time; elsewhere the kernel declines and oneDNN runs
 #include <immintrin.h>
-#include <linux/futex.h>
 #include <pthread.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <mutex>
 #include <new>
 #include <unordered_map>
+
+#include "cpu_threads.h"
 
 namespace {
 
@@ -236,18 +235,6 @@ bool forks_handled = false;               // forget_after_fork registered (a chi
 auto* weights = new std::unordered_map<const void*, Weight>;
 auto* next_of = new std::unordered_map<const void*, const void*>;
 const void* previous = nullptr;
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
-}
-void futex_wake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-}
-int64_t now_ns() {
-  timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
-}
 
 // thread t's part of `blocks`: [first, last)
 inline int64_t part_start(int64_t blocks, int threads, int t) { return blocks * t / threads; }
