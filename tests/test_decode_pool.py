@@ -224,18 +224,52 @@ def test_which_steps_the_pool_takes(layers4):
                                       False).workers(1, 2)
 
 
-def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed):
+def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed, monkeypatch):
     """DP-2 started from this process: a replica alone with work borrows the idle rank's core, for the pool's
     worker in its small steps; outputs as one process's."""
     expected = _outputs(LLM(str(layers4), decode_pool=False, max_num_batched_tokens=32))
     llm = LLM(str(layers4), dp=2, max_num_batched_tokens=32)
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
+    runner = llm.engine.worker.runner
+    runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
+    # the runner gives the lone replica both cores at every step (torch.set_num_threads); on the pool, its thread
+    # must still run on one OpenMP thread beside the pool's worker
+    monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 1)
+    threads_in_pooled_steps, run_groups = [], runner._run_groups
+
+    def spy(*args):
+        if gemv_pool_workers() > 0:
+            threads_in_pooled_steps.append(torch.get_num_threads())
+        return run_groups(*args)
+
+    runner._run_groups = spy
     try:
-        assert _outputs(llm) == expected
-        if local_cores() > 1 and llm.engine.worker.runner.decode_pool.enabled:
+        outputs = _outputs(llm)
+        del runner._run_groups
+        assert outputs == expected
+        if local_cores() > 1 and runner.decode_pool.enabled:
             assert _armed_in_decodes(llm) == min(local_cores() - 1, MAX_WORKERS)  # rank 0's replica, alone
+            assert len(threads_in_pooled_steps) >= 5 and set(threads_in_pooled_steps) == {1}
     finally:
         llm.shutdown()
+
+
+def test_a_pooled_step_holds_one_thread_after_its_count_was_raised(layers4, disarmed, monkeypatch):
+    """Between two pooled steps the caller may raise the thread's OpenMP count (the runner does, for a DP replica
+    alone with work): the next pooled step takes it back to one, and the step's end gives the raised count back."""
+    pool = LLM(str(layers4)).engine.worker.runner.decode_pool
+    if not pool.enabled:
+        pytest.skip("the GEMV kernel does not run here")
+    monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 1)
+    threads = torch.get_num_threads()
+    try:
+        assert pool.step(1, 0, threads=2) == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert pool.step(1, 0, threads=2) == 1 and torch.get_num_threads() == 1
+        decode_pool.end_step()
+        assert torch.get_num_threads() == 2
+    finally:
+        decode_pool.idle()
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("asynchronous", [False, None])

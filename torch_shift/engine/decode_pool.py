@@ -91,7 +91,9 @@ class DecodePool:
         if workers and self.small_steps < SMALL_STEPS_BEFORE_POOL and not armed:
             workers = 0
         if workers:
-            if held is None:  # not on one thread yet (while held, it is)
+            # not on one thread: not held yet, or the runner raised its count since (a DP replica alone with work
+            # is given the idle rank's core each step); a step on the pool beside two OpenMP threads took 3x
+            if held is None or torch.get_num_threads() > 1:
                 if not armed or torch.get_num_threads() > 1:
                     release_openmp_threads(cached=True)  # 2 us where there are none, 120 us where there are
                 hold_one_thread(threads)
