@@ -148,3 +148,26 @@ def test_the_kernels_build_and_agree_without_native_flags(tmp_path):
         for kernels in (baseline, native):
             out = CpuBackend(kernels).build(batch, cache)(0, q, k, v)
             assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * max(1.0, reference.abs().max())
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86 instruction set")
+def test_the_kernels_compile_for_avx2_cpus(tmp_path):
+    """On a CPU with AVX2 but not AVX-512, -march=native makes each 16-float vector two registers: every source
+    must still compile there (a register constraint on one vector did not, and would have left such CPUs without
+    the kernels)."""
+    import subprocess
+    from pathlib import Path
+
+    import torch_shift.kernels as kernels_module
+
+    directory = Path(kernels_module.__file__).parent
+    sources = sorted(set(kernels_module._SOURCES) | set(kernels_module._OPS_SOURCES))
+    flags = [*kernels_module._compile_flags(native=False), "-march=x86-64-v3"]
+    compiles = [subprocess.Popen([compiler(), *flags, "-c", str(directory / name), "-o", str(tmp_path / f"{name}.o")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for name in sources]
+    stderr = [process.communicate(timeout=600)[1] for process in compiles]
+    errors = {name: err[-2000:] for name, process, err in zip(sources, compiles, stderr, strict=True)
+              if process.returncode != 0}
+    assert not errors, errors

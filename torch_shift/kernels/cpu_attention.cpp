@@ -72,7 +72,7 @@ inline vfloat splat(float x) { return vfloat{} + x; }
 // operand, or spilled with the accumulators, measured slower for bfloat16 keys.)
 inline vfloat broadcast(float x) {
   vfloat v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-#if defined(__x86_64__)
+#if defined(__AVX512F__)  // one register (with AVX2 a vector is two, which the constraint cannot name)
   asm("" : "+v"(v));
 #endif
   return v;

@@ -45,8 +45,8 @@ inline vfloat load16(const float* p) {
 #if defined(__AVX512F__)
 inline vfloat load16(const bf16_t* p) {
   // one widening move of 16 words: the vector extension's conversion became two 8-word moves and an insert
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<vfloat>(_mm512_castsi512_ps(w));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<vfloat>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
 }
 #else
 inline vfloat load16(const bf16_t* p) {
