@@ -115,11 +115,13 @@ def _link_flags() -> list[str]:
     return ["-shared", "-fopenmp", "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool) -> str | None:
+def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool,
+                      extra_flags: tuple[str, ...] = ()) -> str | None:
     """The library at `output`: every source compiled at once (one compiler per source: the first build takes
-    the longest source's time, not their sum), then linked. None, or the compiler's error."""
+    the longest source's time, not their sum), then linked. None, or the compiler's error. `extra_flags`: after
+    the usual ones (a test builds for another instruction set with them)."""
     objects = [output.with_name(f"{source.stem}.o") for source in sources]
-    compiles = [subprocess.Popen([cxx, *_compile_flags(native), "-c", str(source), "-o", str(obj)],
+    compiles = [subprocess.Popen([cxx, *_compile_flags(native), *extra_flags, "-c", str(source), "-o", str(obj)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for source, obj in zip(sources, objects, strict=True)]
     errors = []
