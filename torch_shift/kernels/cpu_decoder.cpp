@@ -282,8 +282,8 @@ void* async_main(void* arg) {
   at::get_num_threads();
   omp_set_num_threads(1);
   ts_gemv_pool_always_caller();
-  int64_t next = 1, idle_since = -1;
-  int spins = 0;
+  int64_t next = 1;
+  IdleSpin idle(kSpinBeforeSleepNs);
   for (;;) {
     if (a.launched.load(std::memory_order_acquire) >= next) {
       Launched& s = a.steps[(next - 1) % kQueue];
@@ -306,26 +306,20 @@ void* async_main(void* arg) {
       a.results[next % kResults] = rc;
       a.completed.store(next, std::memory_order_release);
       ++next;
-      idle_since = -1;
+      idle.busy();
       continue;
     }
     if (a.stopping.load(std::memory_order_acquire)) return nullptr;
 #if defined(__x86_64__)
     _mm_pause();
 #endif
-    if (++spins < 1024) continue;
-    spins = 0;
-    const int64_t now = now_ns();
-    if (idle_since < 0) {
-      idle_since = now;
-    } else if (now - idle_since > kSpinBeforeSleepNs) {
-      a.sleeping.store(1, std::memory_order_seq_cst);
-      const uint32_t word = a.wake.load(std::memory_order_seq_cst);
-      if (a.launched.load(std::memory_order_seq_cst) < next && !a.stopping.load(std::memory_order_seq_cst))
-        futex_wait(&a.wake, word);
-      a.sleeping.store(0, std::memory_order_seq_cst);
-      idle_since = -1;
-    }
+    if (!idle.spun()) continue;
+    a.sleeping.store(1, std::memory_order_seq_cst);
+    const uint32_t word = a.wake.load(std::memory_order_seq_cst);
+    if (a.launched.load(std::memory_order_seq_cst) < next && !a.stopping.load(std::memory_order_seq_cst))
+      futex_wait(&a.wake, word);
+    a.sleeping.store(0, std::memory_order_seq_cst);
+    idle.busy();
   }
 }
 

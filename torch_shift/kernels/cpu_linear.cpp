@@ -334,8 +334,7 @@ void* worker_main(void* arg) {
   const int w = static_cast<int>(reinterpret_cast<intptr_t>(arg));
   Prefetch prefetch;
   uint32_t seen = epoch.load(std::memory_order_acquire);
-  int64_t idle_since = -1;
-  int spins = 0;
+  IdleSpin idle(kSpinBeforeSleepNs);
   for (;;) {
     if (stopping.load(std::memory_order_acquire)) return nullptr;
     if (w >= armed.load(std::memory_order_acquire)) {
@@ -348,7 +347,7 @@ void* worker_main(void* arg) {
     const uint32_t e = epoch.load(std::memory_order_acquire);
     if (e != seen) {
       seen = e;
-      idle_since = -1;
+      idle.busy();
       slots[w].in_job.store(e, std::memory_order_seq_cst);
       if (open_job.load(std::memory_order_seq_cst) == e) {  // the caller waits for this slot before it reuses job
         const Job j = job;
@@ -362,17 +361,11 @@ void* worker_main(void* arg) {
     }
     if (prefetch.step()) continue;
     _mm_pause();
-    if (++spins < 1024) continue;
-    spins = 0;
-    const int64_t now = now_ns();
-    if (idle_since < 0) {
-      idle_since = now;
-    } else if (now - idle_since > kSpinBeforeSleepNs) {
-      sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (epoch.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch, seen);
-      sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      idle_since = -1;
-    }
+    if (!idle.spun()) continue;
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (epoch.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch, seen);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    idle.busy();
   }
 }
 

@@ -1,4 +1,5 @@
-// What the CPU kernels' own threads share (Linux): sleeping on a futex word, waking its sleepers, a monotonic clock.
+// What the CPU kernels' own threads share (Linux): sleeping on a futex word, waking its sleepers, a monotonic clock,
+// and when a thread without work has spun long enough to sleep.
 
 #pragma once
 
@@ -24,5 +25,28 @@ int64_t now_ns() {
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
 }
+
+// A thread without work spins, reading the clock every 1024 spins; `spun()` is true once it has spun `sleep_after_ns`
+// since it last had work (`busy()`, also after it slept): time to sleep.
+class IdleSpin {
+ public:
+  explicit IdleSpin(int64_t sleep_after_ns) : sleep_after_ns_(sleep_after_ns) {}
+  void busy() { since_ = -1; }
+  bool spun() {
+    if (++spins_ < 1024) return false;
+    spins_ = 0;
+    const int64_t now = now_ns();
+    if (since_ < 0) {
+      since_ = now;
+      return false;
+    }
+    return now - since_ > sleep_after_ns_;
+  }
+
+ private:
+  int64_t sleep_after_ns_;
+  int64_t since_ = -1;
+  int spins_ = 0;
+};
 
 }  // namespace
