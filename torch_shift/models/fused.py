@@ -12,7 +12,8 @@ none does, RMSNorm keeps the expression), and argmax picks the index torch.argma
 On a GPU, RMSNorm of [tokens, hidden] rows, with the residual add before it, is one Triton kernel
 (`torch_shift::gpu_add_rms_norm`, kernels/triton_norm.py), eager or compiled: inductor wrote the add and the norm as
 three kernels there (docs/performance.md, issue 25). It rounds as the expression but for the order in which it adds
-the squares.
+the squares. Rotary embeddings of q and k on a GPU are one Triton kernel too (`torch_shift::gpu_rotary`,
+kernels/triton_rotary.py), equal to the eager expression bit for bit.
 """
 
 from __future__ import annotations
@@ -111,6 +112,40 @@ def gpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 @gpu_add_rms_norm.register_fake
 def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+# On a GPU, rotary embeddings of a step's q and k run as one Triton kernel (torch_shift::gpu_rotary); False: the
+# PyTorch expression (two kernels where inductor compiles it)
+GPU_TRITON_ROTARY = True
+
+
+def gpu_rotary_applies(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    """Whether the rotary embeddings of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] run as one
+    Triton kernel: CUDA tensors of one dtype, unit stride in the head dimension, the float32 table on the same device,
+    integer positions, no autograd. The token counts are not compared: under torch.compile that would add a guard
+    on the step's (dynamic, unbacked) token count."""
+    return (GPU_TRITON_ROTARY and q.is_cuda and _HAS_TRITON and q.dim() == 3 and k.dim() == 3
+            and k.dtype == q.dtype and q.dtype.is_floating_point and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.shape[-1] % 2 == 0 and k.shape[-1] == q.shape[-1]
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[-1] == q.shape[-1]
+            and k.device == q.device and cos_sin.device == q.device and positions.device == q.device
+            and positions.dim() == 1 and positions.dtype in (torch.int32, torch.int64)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+@custom_op("torch_shift::gpu_rotary")
+def gpu_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) rotated, contiguous, in one kernel (kernels/triton_rotary.py)."""
+    from torch_shift.kernels import triton_rotary
+
+    return triton_rotary.rotary(positions, q, k, cos_sin)
+
+
+@gpu_rotary.register_fake
+def _(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:

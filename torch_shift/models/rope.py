@@ -7,7 +7,7 @@ import math
 import torch
 
 from torch_shift.config import RopeConfig
-from torch_shift.models.fused import rotary
+from torch_shift.models.fused import gpu_rotary, gpu_rotary_applies, rotary
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -89,6 +89,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        if gpu_rotary_applies(positions, q, k, self.cos_sin):
+            return gpu_rotary(positions, q, k, self.cos_sin)
         fused = rotary(positions, q, k, self.cos_sin)  # one pass on the CPU where the model runs eagerly
         if fused is not None:
             return fused
