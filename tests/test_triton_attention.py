@@ -46,7 +46,9 @@ def check_kernel(device: str, dtypes: list[torch.dtype]) -> None:
 
 def check_split_decode(device: str) -> None:
     """A decode step launched for more chunks than its contexts need (a CUDA graph's, launched for any context)
-    computes exactly what it computes split as its contexts need, and unsplit where they fit one chunk."""
+    computes exactly what it computes split as its contexts need, and unsplit where they fit one chunk; with the
+    decode rows' keys and values written by the K/V write kernel instead of the decode launch, the same outputs and
+    the same cache."""
     from test_attention_backends import make_step
 
     from torch_shift.attention import attention_backend, triton_paged
@@ -56,20 +58,26 @@ def check_split_decode(device: str) -> None:
         ([(0, 1), (37, 1), (60, 1)], None, None), ([(3, 1), (50, 1), (20, 1)], 9, sinks),
         ([(3, 1), (200, 1), (90, 1)], None, None), ([(3, 1), (200, 1), (90, 1)], 70, sinks))]
     for dtype, runs, window, sink in cases:
-        cache, batch, q, k, v, _ = make_step(runs, 8, 2, 16, 4, dtype, window, num_layers=1, sinks=sink)
-        cache, batch = on_device(cache, batch, device)
-        q, k, v = q.to(device), k.to(device), v.to(device)
-        default, triton_paged.SPLIT_KEYS = triton_paged.SPLIT_KEYS, 64
+        defaults = triton_paged.SPLIT_KEYS, triton_paged.DECODE_WRITES_KV
+        triton_paged.SPLIT_KEYS = 64
         try:
-            outs = []
-            for extra in (0, 3):
+            outs, caches = [], []
+            # the decode rows' K/V written by the decode launch, and (False) by the K/V write kernel first
+            for extra, writes in ((0, True), (3, True), (0, False)):
+                triton_paged.DECODE_WRITES_KV = writes
+                cache, batch, q, k, v, _ = make_step(runs, 8, 2, 16, 4, dtype, window, num_layers=1, sinks=sink)
+                cache, batch = on_device(cache, batch, device)
+                q, k, v = q.to(device), k.to(device), v.to(device)
                 attention = attention_backend("triton", torch.device(device), dtype).build(batch, cache)
                 assert attention.metadata.decode_splits == -(-max(c + 1 for c, _ in runs) // 64)
                 attention.metadata.decode_splits += extra
                 outs.append(attention(0, q, k, v, None if sink is None else sink.to(device), window))
+                caches.append((cache.k_store, cache.v_all))
         finally:
-            triton_paged.SPLIT_KEYS = default
-        assert torch.equal(outs[0], outs[1]), (dtype, runs, (outs[0] - outs[1]).abs().max())
+            triton_paged.SPLIT_KEYS, triton_paged.DECODE_WRITES_KV = defaults
+        for out, (k_store, v_all) in zip(outs[1:], caches[1:]):
+            assert torch.equal(outs[0], out), (dtype, runs, (outs[0] - out).abs().max())
+            assert torch.equal(caches[0][0], k_store) and torch.equal(caches[0][1], v_all), (dtype, runs)
 
 
 def check_kernel_against_reference(device: str, dtypes: list[torch.dtype]) -> None:

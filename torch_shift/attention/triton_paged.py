@@ -11,8 +11,9 @@ would need over MAX_SPLITS of them), one program each (FlashDecoding: a batch of
 runs on a few of the GPU's multiprocessors), and a second kernel combines each row's own chunks in chunk
 order; a row whose context fits one chunk is written by its chunk, and the combine passes it over. The chunk
 size depends on max_model_len only and a row combines the chunks of its own context, so a CUDA graph launched for
-the longest context computes what an eager step does, bit for bit. The step's K/V
-are written into their slots by a kernel of their own (slots < 0 skipped: a captured graph's padding rows).
+the longest context computes what an eager step does, bit for bit. A decode row's own key and value go into their
+slot in the decode launch, by the program whose chunk holds them, before it reads its keys; a prompt chunk's are
+written by a kernel of their own before the prefill launch (slots < 0 skipped: a captured graph's padding rows).
 
 On the CPU the same kernels run in Triton's interpreter, when TRITON_INTERPRET=1 was set before triton was
 imported (tests only: it is slow).
@@ -46,6 +47,10 @@ MAX_SPLITS = 32  # chunks a context of max_model_len keys is cut into, at most (
 # On an H200 a 2k prompt prefilled in 0.89x the time, while prompts of 128-512 tokens (an SDPA call each, where the
 # paged kernel takes a step's prompts in one launch) served offline in 1.19x the time (docs/performance.md).
 SDPA_PROMPT_TOKENS: int | None = 1024
+# A decode row's own key and value are written into the cache by the decode launch's program whose keys include it,
+# before it reads them, instead of by a K/V write kernel before the attention (16 kernels fewer in a decode step of a
+# 16-layer model); False: every token's by the K/V write kernel.
+DECODE_WRITES_KV = True
 
 
 # an argument that changes from step to step must not be specialized on (Triton compiles a kernel per
@@ -54,16 +59,17 @@ SDPA_PROMPT_TOKENS: int | None = 1024
 def _paged_attention(
     out_ptr, q_ptr, k_ptr, v_ptr, sinks_ptr,
     block_table_ptr, tile_run_ptr, tile_first_ptr, query_start_ptr, query_len_ptr, num_computed_ptr,
-    partial_acc_ptr, partial_max_sum_ptr,
+    partial_acc_ptr, partial_max_sum_ptr, new_k_ptr, new_v_ptr, slot_ptr,
     sm_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kh, stride_kd, stride_kn,
     stride_vb, stride_vn, stride_vh,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     stride_bt, num_splits,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +98,20 @@ def _paged_attention(
         one_chunk = hi <= SPLIT_KEYS  # the row's output written here, not by _combine_splits
         lo = tl.maximum(lo, split * SPLIT_KEYS)
         hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+    if WRITE_KV:  # a decode row (BLOCK_T 1): its key and value (position `done`) into their slot, by the one program
+        # whose keys include it, before any thread of the program reads them (the barrier orders the CTA's accesses)
+        slot = tl.load(slot_ptr + q_start) + dims * 0  # per lane: masks of tensors (Triton's interpreter)
+        key = done + dims * 0
+        write = dim_ok & (slot >= 0) & (key >= lo) & (key < hi)
+        new_block = (slot // BLOCK_SIZE).to(tl.int64)
+        new_offset = slot % BLOCK_SIZE
+        new_k = tl.load(new_k_ptr + q_start * stride_nkt + kv_head * stride_nkh + dims, mask=write)
+        new_v = tl.load(new_v_ptr + q_start * stride_nvt + kv_head * stride_nvh + dims, mask=write)
+        tl.store(k_ptr + new_block * stride_kb + kv_head * stride_kh + dims * stride_kd + new_offset * stride_kn,
+                 new_k, mask=write)
+        tl.store(v_ptr + new_block * stride_vb + new_offset * stride_vn + kv_head * stride_vh + dims, new_v,
+                 mask=write)
+        tl.debug_barrier()
     q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=valid[:, None] & dim_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -227,6 +247,7 @@ class TritonMetadata:
     # (first row, tokens) of the prompt runs SDPA takes (SDPA_PROMPT_TOKENS or more, nothing cached)
     fresh_prompts: list[tuple[int, int]] = field(default_factory=list)
     prefill_fresh: np.ndarray | None = None  # bool per prompt run: in fresh_prompts
+    decodes_lead: bool = True  # the decode rows are the step's first tokens (0..num_decodes-1)
     prefill_tiles: dict[tuple[int, bool], tuple[tuple[torch.Tensor, torch.Tensor] | None, int]] = field(
         default_factory=dict)
     partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -312,7 +333,8 @@ def build_triton_metadata(batch: AttentionBatch) -> TritonMetadata:
                                     batch.block_table.shape[1] * batch.tokens_per_block)
     return TritonMetadata(batch.slot_mapping, flat[0].view(runs, max_blocks), flat[1], flat[2], flat[3],
                           (flat[4], flat[5]) if nd else None, batch.query_len[nd:].copy(), batch.sliding_window,
-                          splits, split_keys, fresh, prefill_fresh)
+                          splits, split_keys, fresh, prefill_fresh,
+                          decodes_lead=np.array_equal(batch.query_start[:nd], np.arange(nd)))
 
 
 def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -330,8 +352,10 @@ def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: t
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer_idx: int, md: TritonMetadata,
-                    sinks: torch.Tensor | None, window: int | None, fresh_apart: bool = False) -> None:
-    """out[t] = attention of query row t over its run's context in `kv_cache` (written already); with
+                    sinks: torch.Tensor | None, window: int | None, fresh_apart: bool = False,
+                    decode_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """out[t] = attention of query row t over its run's context in `kv_cache` (written already, but for the decode
+    rows' own keys and values where `decode_kv` gives the step's k and v: written by the decode launch); with
     `fresh_apart`, not for the rows of md.fresh_prompts."""
     num_heads, dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.num_kv_heads
@@ -355,13 +379,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
         split_decode = block_t == 1 and splits > 1
         assert not split_decode or md.split_keys % options["BLOCK_N"] == 0, "chunks start on the unsplit tiles"
         partial_acc, partial_max_sum = md.partials_of(num_heads, dim_pad, q.device) if split_decode else (q, q)
+        writes_kv = block_t == 1 and decode_kv is not None
+        new_k, new_v = decode_kv if writes_kv else (q, q)  # any tensors where the launch writes none
         launch[(tile_run.numel(), num_kv_heads, splits if split_decode else 1)](
             out, q, k_cache, v_cache, sinks_arg, md.block_table, tile_run, tile_first,
-            md.query_start, md.query_len, md.num_computed, partial_acc, partial_max_sum, 1.0 / math.sqrt(dim),
-            window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride(),
-            *v_cache.stride()[:3], md.block_table.stride(0), splits, BLOCK_T=block_t,
+            md.query_start, md.query_len, md.num_computed, partial_acc, partial_max_sum, new_k, new_v,
+            md.slot_mapping, 1.0 / math.sqrt(dim), window or 0, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), *k_cache.stride(), *v_cache.stride()[:3], new_k.stride(0), new_k.stride(1),
+            new_v.stride(0), new_v.stride(1), md.block_table.stride(0), splits, BLOCK_T=block_t,
             BLOCK_M=max(16, _next_pow2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
-            **options, **common)
+            WRITE_KV=writes_kv, **options, **common)
         if split_decode:
             _launcher(_combine_splits, q.device)[(tile_run.numel(), num_heads)](
                 out, partial_acc, partial_max_sum, sinks_arg, md.query_start, md.query_len, md.num_computed,
@@ -387,11 +414,17 @@ class TritonPagedAttention:
                  sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
         md = self.metadata
         window = md.sliding_window if sliding_window is None else sliding_window
-        write_kv(self.kv_cache, layer_idx, md.slot_mapping, k, v)
+        decode_kv = None
+        if DECODE_WRITES_KV and md.decode_tiles is not None and md.decodes_lead and k.stride(2) == v.stride(2) == 1:
+            decode_kv = (k, v)  # the decode rows' by the decode launch, the prompt chunks' here
+            nd = md.num_decodes
+            write_kv(self.kv_cache, layer_idx, md.slot_mapping[nd:], k[nd:], v[nd:])
+        else:
+            write_kv(self.kv_cache, layer_idx, md.slot_mapping, k, v)
         out = torch.empty_like(q)
         fresh_apart = bool(md.fresh_prompts) and window is None and sinks is None
         paged_attention(out, q.contiguous() if q.stride(2) != 1 else q, self.kv_cache, layer_idx, md, sinks,
-                        window, fresh_apart)
+                        window, fresh_apart, decode_kv)
         if fresh_apart:
             for start, length in md.fresh_prompts:
                 rows = slice(start, start + length)
