@@ -37,6 +37,8 @@ CONFIGS = {
     "synchronous": {"async_scheduling": False},  # the default, each step scheduled after the last one's tokens
     "paged prompts": {"sdpa_prompt_tokens": None},  # every prompt through the paged kernel, none through SDPA
     "cublas linears": {"triton_linears": False},  # the default with every linear through cuBLAS, no Triton tile
+    # the default with RoPE as inductor compiles it and every token's K/V written by a kernel before the attention
+    "kernels apart": {"triton_rotary": False, "decode_writes_kv": False},
     "triton+graphs": {"attention_backend": "triton", "cuda_graphs": True, "compile": False},
     "triton eager": {"attention_backend": "triton", "cuda_graphs": False, "compile": False},
     "sdpa eager": {"attention_backend": "sdpa", "cuda_graphs": False, "compile": False},
@@ -129,7 +131,12 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     kernels = [e for e in totals[steps + 1][3].events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.time_range.start)
     n = round(launched)  # a step from the middle of the generation: the last one is its own kind
-    step_kernels = [(e.name[:100], round(e.device_time, 2)) for e in kernels[-2 * n:-n]]
+    step = kernels[-2 * n:-n]
+    step_kernels = [(e.name[:100], round(e.device_time, 2)) for e in step]
+    # the GPU idle between one kernel's end and the next one's start, within that step: the largest gaps with the
+    # kernels on either side (where the host's work or a transfer holds the GPU back)
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:60], b.name[:60]) for a, b in zip(step, step[1:])),
+                  reverse=True)
     profiler = cProfile.Profile()
     profiler.enable()
     run(steps + 1)
@@ -137,7 +144,8 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
     return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched,
-            "kernel_table": table, "step_kernels": step_kernels, "python_profile": stream.getvalue()}
+            "kernel_table": table, "step_kernels": step_kernels, "python_profile": stream.getvalue(),
+            "idle_in_step_us": sum(max(0.0, g) for g, _, _ in gaps), "largest_gaps_us": gaps[:8]}
 
 
 def profile_prefill(llm, prompt) -> dict:
@@ -161,17 +169,21 @@ def measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: di
                    profile_batches: tuple[int, ...] = ()) -> dict:
     from torch_shift.attention import triton_paged
     from torch_shift.kernels import triton_linear
-    from torch_shift.models import linear
+    from torch_shift.models import fused, linear
 
     engine_args = dict(engine_args)
-    default, default_linears = triton_paged.SDPA_PROMPT_TOKENS, linear.GPU_TRITON_LINEARS
-    triton_paged.SDPA_PROMPT_TOKENS = engine_args.pop("sdpa_prompt_tokens", default)
-    linear.GPU_TRITON_LINEARS = engine_args.pop("triton_linears", default_linears)
+    switches = [(triton_paged, "SDPA_PROMPT_TOKENS", "sdpa_prompt_tokens"),
+                (linear, "GPU_TRITON_LINEARS", "triton_linears"), (fused, "GPU_TRITON_ROTARY", "triton_rotary"),
+                (triton_paged, "DECODE_WRITES_KV", "decode_writes_kv")]
+    defaults = [getattr(module, name) for module, name, _ in switches]
+    for (module, name, arg), default in zip(switches, defaults):
+        setattr(module, name, engine_args.pop(arg, default))
     triton_linear._choices.clear()  # each configuration times its own kernels
     try:
         return _measure_engine(model_dir, engine_args, numbers, limits, offline, profile_batches)
     finally:
-        triton_paged.SDPA_PROMPT_TOKENS, linear.GPU_TRITON_LINEARS = default, default_linears
+        for (module, name, _), default in zip(switches, defaults):
+            setattr(module, name, default)
 
 
 def _measure_engine(model_dir: Path, engine_args: dict, numbers: dict, limits: dict, offline,
@@ -317,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         offline = {"prompts": prompts_of([rng.randint(128, 512) for _ in range(OFFLINE_REQUESTS)],
                                          MODEL["vocab_size"], 1)}
-        for name in args.configs.split(","):
+        for config in args.configs.split(","):  # a configuration named again runs again (an engine of its own)
+            name = config if config not in report["engines"] else f"{config} ({len(report['engines']) + 1})"
             log(f"torch_shift {name}")
             try:
-                report["engines"][name] = measure_engine(model_dir, CONFIGS[name], numbers, limits, offline,
+                report["engines"][name] = measure_engine(model_dir, CONFIGS[config], numbers, limits, offline,
                                                          tuple(int(b) for b in args.profile.split(",") if b))
             except Exception:  # the other configurations still run; the failure is printed whole
                 traceback.print_exc()
@@ -333,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                             if k != "offline_token_ids" and not k.startswith("profile")}))
             for key in [k for k in result if k.startswith("profile")]:
                 p = result[key]
+                idle = f", idle between its kernels {p['idle_in_step_us']:.0f} us" if "idle_in_step_us" in p else ""
                 log(f"{name} {key}: wall {p['wall_per_step_s'] * 1e3:.3f} ms a step, GPU busy "
-                    f"{p['gpu_busy_per_step_s'] * 1e3:.3f} ms, {p['kernels_per_step']:.0f} kernels\n"
+                    f"{p['gpu_busy_per_step_s'] * 1e3:.3f} ms, {p['kernels_per_step']:.0f} kernels{idle}\n"
+                    f"largest gaps (us, after, before): {p.get('largest_gaps_us', [])}\n"
                     f"{p['kernel_table']}\n{p['python_profile']}")
         if args.planner and report["engines"]:
             report["planner"] = planner_rows(model_dir, next(iter(report["engines"].values())))
