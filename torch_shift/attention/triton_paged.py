@@ -32,6 +32,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_shift.attention.backend import AttentionBatch
+from torch_shift.kernels import next_pow2
 from torch_shift.kv.cache import KVCache
 from torch_shift.memory import to_device
 
@@ -298,15 +299,9 @@ def split_plan(max_context: int, capacity: int) -> tuple[int, int]:
     return max(1, -(-max_context // keys)), keys
 
 
-def _next_pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1), as triton.next_power_of_2, which Triton 3.9 wraps as a JIT-callable
-    constexpr function: 4-5 us a call, four calls a layer of every eager step, half this module's Python there."""
-    return 1 << (n - 1).bit_length()
-
-
 def _head_dim_pad(head_dim: int) -> int:
     """The head dimension as the attention kernel's tiles hold it (and the split decode's partial sums)."""
-    return max(16, _next_pow2(head_dim))
+    return max(16, next_pow2(head_dim))
 
 
 def split_decode_bytes(num_decodes: int, num_heads: int, head_dim: int, capacity: int) -> int:
@@ -348,7 +343,7 @@ def write_kv(kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor, k: t
     _launcher(_write_kv, k.device)[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride(), *v_cache.stride()[:3], BLOCK_SIZE=kv_cache.block_size, NUM_HEADS=heads, HEAD_DIM=dim,
-        HEADS_PAD=_next_pow2(heads), HEAD_DIM_PAD=_next_pow2(dim))
+        HEADS_PAD=next_pow2(heads), HEAD_DIM_PAD=next_pow2(dim))
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer_idx: int, md: TritonMetadata,
@@ -387,7 +382,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, layer
             md.slot_mapping, 1.0 / math.sqrt(dim), window or 0, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), *k_cache.stride(), *v_cache.stride()[:3], new_k.stride(0), new_k.stride(1),
             new_v.stride(0), new_v.stride(1), md.block_table.stride(0), splits, BLOCK_T=block_t,
-            BLOCK_M=max(16, _next_pow2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
+            BLOCK_M=max(16, next_pow2(block_t * group)), SPLIT_KEYS=md.split_keys if split_decode else 0,
             WRITE_KV=writes_kv, **options, **common)
         if split_decode:
             _launcher(_combine_splits, q.device)[(tile_run.numel(), num_heads)](

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_shift.kernels import next_pow2
+
 MAX_HIDDEN = 16384
 
 
@@ -48,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else None
     if rows:
-        block = triton.next_power_of_2(hidden)
+        block = next_pow2(hidden)
         _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out,
                                   summed if summed is not None else out, eps, hidden, x.stride(0),
                                   residual.stride(0) if residual is not None else 0, BLOCK=block,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_shift.kernels import next_pow2
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, out_ptr, heads, num_heads, dims, dim_ok, cos1, cos2, sin1, sin2,
@@ -58,10 +60,6 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_out_ptr, k_out_pt
                   tl.arange(0, K_HEADS_PAD), K_HEADS, dims, dim_ok, cos1, cos2, sin1, sin2, HALF)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) rotated, contiguous: q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] of unit stride in
@@ -79,9 +77,9 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             from triton.runtime.interpreter import InterpretedFunction
 
             launch = InterpretedFunction(_rotary_kernel.fn)
-        elements = _next_pow2(q_heads) * _next_pow2(half)
+        elements = next_pow2(q_heads) * next_pow2(half)
         launch[(tokens,)](q, k, positions, cos_sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                          cos_sin.shape[1], Q_HEADS=q_heads, K_HEADS=k_heads, Q_HEADS_PAD=_next_pow2(q_heads),
-                          K_HEADS_PAD=_next_pow2(k_heads), HALF=half, HALF_PAD=_next_pow2(half),
+                          cos_sin.shape[1], Q_HEADS=q_heads, K_HEADS=k_heads, Q_HEADS_PAD=next_pow2(q_heads),
+                          K_HEADS_PAD=next_pow2(k_heads), HALF=half, HALF_PAD=next_pow2(half),
                           num_warps=min(8, max(1, elements // 256)), enable_fp_fusion=False)
     return q_out, k_out
