@@ -23,6 +23,14 @@ from torch_shift.parallel.launch import local_cores, release_openmp_threads
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 
 
+def _pool_dtype() -> torch.dtype:
+    """float32 where the GEMV kernel runs it (AVX-512), else bfloat16 (the AVX2 kernel's blocks run on the pool)."""
+    return next((dt for dt in DTYPES if PackedWeight(torch.zeros(64, 64, dtype=dt)).gemv is not None), torch.float32)
+
+
+POOL_DTYPE = str(_pool_dtype()).removeprefix("torch.")
+
+
 def _weights(dtype):
     """A decode step's shapes in small: qkv, o, gate/up, down, LM head."""
     torch.manual_seed(0)
@@ -100,8 +108,8 @@ def test_two_threads_calling_at_once_both_get_torchs_bits(dtype, disarmed):
 def test_a_child_forked_from_an_armed_process_computes_without_the_parents_threads(disarmed):
     """fork copies only the forking thread: the child's pool starts disarmed (pthread_atfork) and its matmuls run
     on torch's threads; arming it there starts threads of its own."""
-    (weight, *_) = _weights(torch.float32)
-    x = torch.randn(3, weight.in_features)
+    (weight, *_) = _weights(_pool_dtype())
+    x = torch.randn(3, weight.in_features).to(weight.dtype)
     expected = weight(x, None)
     arm_gemv_pool(1)
     weight(x, None)
@@ -162,11 +170,11 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
     nothing recompiles), the others on torch's threads: the same tokens and logprobs as an engine without it."""
     import torch._dynamo
 
-    without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=32)
+    without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=32, dtype=POOL_DTYPE)
     expected = _outputs(without)
     assert not without.engine.worker.runner.decode_pool.enabled
     # synchronous steps: the pool's own workers run them (launched steps: tests/test_native_decoder.py)
-    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32, async_scheduling=False)
+    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32, async_scheduling=False, dtype=POOL_DTYPE)
     if not llm.engine.worker.runner.decode_pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     threads = torch.get_num_threads()
@@ -212,7 +220,7 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
 def test_which_steps_the_pool_takes(layers4):
     """Steps of 1-16 tokens on a rank of several threads, whose KV reads stay below a share of the weights' bytes
     (attention runs on one thread in a pooled step); at most the kernel's 63 workers."""
-    pool = LLM(str(layers4)).engine.worker.runner.decode_pool
+    pool = LLM(str(layers4), dtype=POOL_DTYPE).engine.worker.runner.decode_pool
     if not pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     budget = pool.kv_budget_tokens
@@ -227,8 +235,8 @@ def test_which_steps_the_pool_takes(layers4):
 def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed, monkeypatch):
     """DP-2 started from this process: a replica alone with work borrows the idle rank's core, for the pool's
     worker in its small steps; outputs as one process's."""
-    expected = _outputs(LLM(str(layers4), decode_pool=False, max_num_batched_tokens=32))
-    llm = LLM(str(layers4), dp=2, max_num_batched_tokens=32)
+    expected = _outputs(LLM(str(layers4), decode_pool=False, max_num_batched_tokens=32, dtype=POOL_DTYPE))
+    llm = LLM(str(layers4), dp=2, max_num_batched_tokens=32, dtype=POOL_DTYPE)
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
     # the runner gives the lone replica both cores at every step (torch.set_num_threads); on the pool, its thread
@@ -256,7 +264,7 @@ def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed, monkeyp
 def test_a_pooled_step_holds_one_thread_after_its_count_was_raised(layers4, disarmed, monkeypatch):
     """Between two pooled steps the caller may raise the thread's OpenMP count (the runner does, for a DP replica
     alone with work): the next pooled step takes it back to one, and the step's end gives the raised count back."""
-    pool = LLM(str(layers4)).engine.worker.runner.decode_pool
+    pool = LLM(str(layers4), dtype=POOL_DTYPE).engine.worker.runner.decode_pool
     if not pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 1)
@@ -277,7 +285,7 @@ def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, d
     """Synchronous steps on the pool's workers, or (the default) launched on the C++ decoder's thread, the engine's
     thread helping: interrupted mid-generation, the thread has its OpenMP threads back, the pool sleeps and no
     launched step is left running."""
-    llm = LLM(str(layers4), max_num_batched_tokens=32, async_scheduling=asynchronous)
+    llm = LLM(str(layers4), max_num_batched_tokens=32, async_scheduling=asynchronous, dtype=POOL_DTYPE)
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None
     launched, launch_step = [], runner.model.launch_step

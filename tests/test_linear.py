@@ -11,6 +11,12 @@ from torch_shift.kernels import compiler, cpu_kernels
 from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, _gemv_kernel, packing_supported
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
+# the AVX2 kernel's 16-feature blocks run on every CPU with AVX2 and FMA (the engine takes them where the AVX-512
+# kernel does not run): tested wherever they run
+BLOCKED = compiler() is not None and cpu_kernels() is not None and bool(cpu_kernels().packed_gemv_dtypes & 4)
+# (dtype, PackedWeight's `blocked`): this CPU's choice for each dtype, and the blocks forced where they run
+VARIANTS = [(dt, None) for dt in DTYPES] + ([(dt, True) for dt in (torch.float32, torch.bfloat16)] if BLOCKED else [])
+VARIANT_IDS = [f"{str(dt)[6:]}-{'blocked' if b else 'auto'}" for dt, b in VARIANTS]
 
 
 def gemv_expected(dtype: torch.dtype) -> bool:
@@ -30,19 +36,21 @@ def assert_close(out, expected, dtype, in_features):
         torch.testing.assert_close(out.double(), expected, rtol=2 ** -7, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(192, 96), (1536, 1024), (100, 64), (128, 33)])
-def test_packed_matches_reference_for_every_row_count(dtype, shape):
+@pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("shape", [(192, 96), (1536, 1024), (100, 64), (128, 33), (40, 7)])
+def test_packed_matches_reference_for_every_row_count(dtype, blocked, shape):
     torch.manual_seed(0)
     out_features, in_features = shape
     weight = torch.randn(shape).to(dtype)
     bias = torch.randn(out_features).to(dtype)
-    packed = PackedWeight(weight)
-    if out_features % 64:
+    packed = PackedWeight(weight, blocked)
+    if packed.blocked:  # every shape, every row count: the blocked kernel
+        assert packed.gemv is not None
+    elif out_features % 64:
         assert packed.gemv is None
     elif in_features % 32 == 0:  # oneDNN pads other widths (to 16 in float32, 32 in bfloat16): oneDNN runs them
         assert (packed.gemv is not None) == gemv_expected(dtype)
-    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1]:
+    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
         x = torch.randn(rows, in_features).to(dtype)
         for b in (None, bias):
             out = packed(x, b)
@@ -50,13 +58,13 @@ def test_packed_matches_reference_for_every_row_count(dtype, shape):
             assert_close(out, reference(x, weight, b), dtype, in_features)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype):
+@pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
+def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked):
     """Each row of a few-row matmul equals that row alone, and a strided or 3-D input gives what its
     contiguous copy gives: the decode step's batch never changes a request's result."""
     torch.manual_seed(1)
     weight = torch.randn(256, 128).to(dtype)
-    packed = PackedWeight(weight)
+    packed = PackedWeight(weight, blocked)
     x = torch.randn(GEMV_MAX_ROWS, 256).to(dtype)[:, :128]  # rows with a stride of 256
     together = packed(x, None)
     for row in range(GEMV_MAX_ROWS):
@@ -75,20 +83,20 @@ def test_a_weight_packed_in_another_layout_keeps_onednn():
     assert _gemv_kernel(weight, weight) is None  # a dense tensor is not a packed one
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_compiled_packed_linear_takes_both_paths(dtype):
+@pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
+def test_compiled_packed_linear_takes_both_paths(dtype, blocked):
     """Under torch.compile the custom op runs the same two paths: one row and many give the eager results."""
     torch.manual_seed(3)
     weight = torch.randn(128, 64).to(dtype)
-    packed = PackedWeight(weight)
+    packed = PackedWeight(weight, blocked)
     compiled = torch.compile(lambda x: packed(x, None), fullgraph=True)
     for rows in (1, 3, 17):
         x = torch.randn(rows, 64).to(dtype)
         assert torch.equal(compiled(x), packed(x, None))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_operators_cpp_implementation_is_the_python_one(dtype):
+@pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
+def test_the_operators_cpp_implementation_is_the_python_one(dtype, blocked):
     """torch_shift::packed_linear's CPU implementation in C++ (kernels/cpu_ops.cpp), which serves eager and compiled
     calls where it builds, gives bitwise what PackedWeight.run (the Python implementation) gives: every row count on
     both sides of the GEMV's limit, with and without bias, strided and 3-D inputs, no rows; a weight freed is
@@ -101,7 +109,7 @@ def test_the_operators_cpp_implementation_is_the_python_one(dtype):
     torch.manual_seed(4)
     weight = torch.randn(192, 128).to(dtype)
     bias = torch.randn(192).to(dtype)
-    packed = PackedWeight(weight)
+    packed = PackedWeight(weight, blocked)
     assert packed.native
     for rows in [0, 1, 2, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40]:
         x = torch.randn(rows, 256).to(dtype)[:, :128]
@@ -114,6 +122,34 @@ def test_the_operators_cpp_implementation_is_the_python_one(dtype):
     del packed
     with pytest.raises(RuntimeError, match="no packed weight"):
         torch.ops.torch_shift.packed_linear(x, handle, 192, None)
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the blocked kernel does not run here (no compiler, or no AVX2)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_kernel_sums_exactly_and_rounds_as_torch(dtype):
+    """Integer weights and inputs make every float32 sum exact: the kernel's result is then bitwise torch's rounding
+    of it (to nearest even for bfloat16), for the GEMV and the panelled matmul, a last block of fewer than 16 features
+    and a bias; infinities and NaN pass through as IEEE says; an input of another dtype runs F.linear on the weight."""
+    torch.manual_seed(5)
+    for out_features, in_features in [(16, 1), (37, 100), (2816, 64), (64, 3000)]:
+        weight = torch.randint(-8, 9, (out_features, in_features)).to(dtype)
+        bias = torch.randint(-300, 301, (out_features,)).to(dtype)
+        packed = PackedWeight(weight, blocked=True)
+        for rows in (1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 200):
+            x = torch.randint(-8, 9, (rows, in_features)).to(dtype)
+            for b in (None, bias):
+                exact = reference(x, weight, b)
+                assert exact.abs().max() < 2 ** 24  # every partial sum exact in float32
+                for out in (packed(x, b), packed.run(x, b)):
+                    assert torch.equal(out, exact.to(dtype)), (out_features, in_features, rows)
+    x = torch.ones(2, 37, dtype=dtype)
+    x[0, 0], x[1, 0] = float("inf"), float("nan")
+    weight = torch.ones(20, 37, dtype=dtype)
+    out = PackedWeight(weight, blocked=True)(x, None)
+    assert torch.isinf(out[0]).all() and torch.isnan(out[1]).all()
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    x_other = torch.randn(3, 37, dtype=other)
+    torch.testing.assert_close(PackedWeight(weight, blocked=True)(x_other, None), F.linear(x_other, weight.to(other)))
 
 
 def _huge_pages_offered() -> bool:
@@ -150,7 +186,7 @@ def test_packed_weights_move_into_huge_pages_where_the_kernel_offers_them():
     torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
     if not (_huge_pages_offered() and os.path.exists("/proc/self/smaps")):
         pytest.skip("this kernel offers no transparent huge pages")
-    huge = _anon_huge_bytes(torch.ops.mkldnn.data_ptr(packed.tensor), packed.nbytes)
+    huge = _anon_huge_bytes(packed.address, packed.nbytes)
     if huge == 0:
         pytest.skip("the kernel refused to collapse (Linux < 6.1, or no free huge pages)")
     assert huge >= packed.nbytes - 2 * HUGE_PAGE  # all but the partial pages at either end

@@ -59,6 +59,9 @@ class CpuKernels:
         self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
         self.packed_gemv.restype = ctypes.c_int
         self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
+        self.blocked_linear = lib.ts_blocked_linear
+        self.blocked_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
+        self.blocked_linear.restype = ctypes.c_int
         self.library = lib
         self.rms_norm = lib.ts_rms_norm
         self.rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, ptr]

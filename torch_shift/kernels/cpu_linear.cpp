@@ -12,6 +12,9 @@
 //
 // oneDNN's own one-row matmul on this layout reads about 21 GB/s on 2 cores, against 33 GB/s for a
 // streaming sum (docs/performance.md, issue 20).
+//
+// CPUs with AVX2 but not AVX-512 get torch_shift's own layout instead (namespace avx2, ts_blocked_linear): the same
+// kernel for every row count, float32 or bfloat16.
 
 #include <ATen/Parallel.h>
 
@@ -27,7 +30,9 @@
 
 #include <mutex>
 #include <new>
+#include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 #include "cpu_threads.h"
 
@@ -133,9 +138,157 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   }
 }
 
+// Weights on CPUs with AVX2 and FMA but without the AVX-512 kernels above (Zen 3, many cloud VMs): torch_shift's own
+// blocked layout, 16 output features a block, each block's rows of K contiguous:
+//   element (n, k) at ((n / 16) * K + k) * 16 + n % 16
+// float32, or bfloat16 where oneDNN would emulate bf16 at a sixth of its float32 rate (docs/performance.md, issue 20).
+// A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a panel (the matmul);
+// products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once (as the
+// bf16 dot-product instructions do). On 2 Zen 3 cores: 114-148 GFLOP/s at 512 rows (oneDNN's float32: 115-131) and
+// one row at the memory's rate.
+namespace avx2 {
+
+#define TS_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int64_t kBlock16 = 16;
+constexpr int kRows16 = 6;  // 6 x 2 accumulators, 2 weight vectors and x: 15 of the 16 AVX2 registers
+// a matmul of more rows runs in panels of rows whose x fits in this many bytes of the core's L2, every weight block
+// converted once a panel into float32 (`gemm`)
+constexpr int64_t kPanelBytes = int64_t(192) << 10;
+
+TS_AVX2 inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// 8 floats -> 8 bfloat16, rounding to nearest even, NaN kept quiet (cpu_common.h's to_bf16, 8 at a time)
+TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i words = _mm256_blendv_epi8(rounded, quiet, nan);  // 8 words in the low halves of 8 dwords
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);
+  _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(packed));
+}
+
+// R rows of x (float32) against one block of 16 features, its K rows bf16 (`W` uint16_t) or float32 (a block
+// converted for a panel); y: R x 16 float32 sums
+template <int R, typename W>
+TS_AVX2 void rows_of_block(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0, w1;
+    if constexpr (sizeof(W) == 2) {
+      w0 = bf16x8(w + k * kBlock16);
+      w1 = bf16x8(w + k * kBlock16 + 8);
+    } else {
+      w0 = _mm256_loadu_ps(w + k * kBlock16);
+      w1 = _mm256_loadu_ps(w + k * kBlock16 + 8);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
+      acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * kBlock16, acc[r][0]);
+    _mm256_storeu_ps(y + r * kBlock16 + 8, acc[r][1]);
+  }
+}
+
+// The block's 16 outputs of a row, bias added: float32 stored, bfloat16 rounded
+TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+TS_AVX2 inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+TS_AVX2 inline void store8(__m256 v, float* out) { _mm256_storeu_ps(out, v); }
+TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
+
+// rows [r0, r1) of x (float32, rows x_stride apart) against block b (its weights `w`: bfloat16, or float32 as stored
+// or converted), bias added, into out (T: float32 or bfloat16); the last block of N features not a multiple of 16 is
+// padded with zero weights, and only its N % 16 outputs stored
+template <typename W, typename T>
+TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1, const W* w, int64_t K,
+                        const T* bias, T* out, int64_t out_stride, int64_t b, int64_t N) {
+  alignas(32) float y[kRows16 * kBlock16];
+  const int64_t n = b * kBlock16, width = std::min(kBlock16, N - n);
+  T bias_block[kBlock16] = {};
+  if (bias) std::memcpy(bias_block, bias + n, width * sizeof(T));
+  const __m256 bias0 = load8(bias_block), bias1 = load8(bias_block + 8);
+  const int64_t groups = (r1 - r0 + kRows16 - 1) / kRows16;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = (r1 - r0) / (groups - g);  // groups as equal as they can be
+    const float* xr = x + r0 * x_stride;
+    switch (rows) {
+      case 1: rows_of_block<1>(xr, x_stride, w, K, y); break;
+      case 2: rows_of_block<2>(xr, x_stride, w, K, y); break;
+      case 3: rows_of_block<3>(xr, x_stride, w, K, y); break;
+      case 4: rows_of_block<4>(xr, x_stride, w, K, y); break;
+      case 5: rows_of_block<5>(xr, x_stride, w, K, y); break;
+      default: rows_of_block<6>(xr, x_stride, w, K, y); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = out + (r0 + r) * out_stride + n;
+      T part[kBlock16];
+      T* to = width == kBlock16 ? o : part;
+      store8(_mm256_add_ps(_mm256_load_ps(y + r * kBlock16), bias0), to);
+      store8(_mm256_add_ps(_mm256_load_ps(y + r * kBlock16 + 8), bias1), to + 8);
+      if (to == part) std::memcpy(o, part, width * sizeof(T));
+    }
+    r0 += rows;
+  }
+}
+
+// x (rows x K bf16, rows apart by x_stride) as float32, rows x K
+TS_AVX2 void convert_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t K, float* xf) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* src = x + r * x_stride;
+    float* dst = xf + r * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16x8(src + k));
+    for (; k < K; ++k) {
+      const uint32_t bits = uint32_t(src[k]) << 16;
+      std::memcpy(dst + k, &bits, sizeof(float));
+    }
+  }
+}
+
+// One block of 16 features in float32 (16 x K), for the rows of a panel
+TS_AVX2 void convert_block(const uint16_t* w, int64_t K, float* wf) {
+  for (int64_t i = 0; i < K * kBlock16; i += 8) _mm256_storeu_ps(wf + i, bf16x8(w + i));
+}
+
+// A matmul of many rows: the blocks split between torch's threads, each thread's blocks run for one panel of rows at
+// a time (its x in L2), each bfloat16 block converted once a panel
+template <typename T>
+void gemm(const float* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
+          int64_t out_stride) {
+  const int64_t panel = std::max<int64_t>(kRows16, kPanelBytes / (K * int64_t(sizeof(float))) / kRows16 * kRows16);
+  at::parallel_for(0, (N + kBlock16 - 1) / kBlock16, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(std::is_same<T, float>::value ? 0 : kBlock16 * K);
+    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+      const int64_t p1 = std::min(rows, p0 + panel);
+      for (int64_t b = begin; b < end; ++b) {
+        if constexpr (std::is_same<T, float>::value) {
+          rows_range(x, x_stride, p0, p1, w + b * kBlock16 * K, K, bias, out, out_stride, b, N);
+        } else {
+          convert_block(w + b * kBlock16 * K, K, wf.data());
+          rows_range(x, x_stride, p0, p1, wf.data(), K, bias, out, out_stride, b, N);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace avx2
+
 // out[rows, N] = x @ W.T (+ bias) for one block b of W, in the job's dtype
 struct Matmul {
-  int dtype;  // 0 float32, 1 bfloat16
+  int dtype;  // 0 float32, 1 bfloat16 (oneDNN's layouts); in 16-feature blocks (avx2), x in float32: 2 bfloat16, 3 float32
   const void* x;
   int64_t x_stride, rows;
   const void* w;
@@ -145,19 +298,29 @@ struct Matmul {
   int64_t out_stride;
 
   void block(int64_t b) const {
-    if (dtype == 0)
+    if (dtype == 2)
+      avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
+                       static_cast<const uint16_t*>(w) + b * avx2::kBlock16 * K, K, static_cast<const uint16_t*>(bias),
+                       static_cast<uint16_t*>(out), out_stride, b, N);
+    else if (dtype == 3)
+      avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
+                       static_cast<const float*>(w) + b * avx2::kBlock16 * K, K, static_cast<const float*>(bias),
+                       static_cast<float*>(out), out_stride, b, N);
+    else if (dtype == 0)
       rows_of_block<F32Rows>(static_cast<const float*>(x), x_stride, rows, static_cast<const float*>(w), K,
                              static_cast<const float*>(bias), static_cast<float*>(out), out_stride, b);
     else
       rows_of_block<Bf16Rows>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                               static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
   }
-  int64_t block_bytes() const { return kBlock * K * (dtype == 0 ? 4 : 2); }
+  int64_t block_width() const { return dtype >= 2 ? avx2::kBlock16 : kBlock; }
+  int64_t blocks() const { return (N + block_width() - 1) / block_width(); }  // dtype 0 and 1: N % 64 == 0
+  int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
 };
 
 // Blocks split between torch's threads in equal parts (the pool below runs the decode steps it is armed for).
 void run_parallel(const Matmul& m) {
-  at::parallel_for(0, m.N / kBlock, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m.blocks(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) m.block(b);
   });
 }
@@ -428,7 +591,7 @@ void stop() {
 }
 
 void learn_order(const Matmul& m) {
-  (*weights)[m.w] = {static_cast<const char*>(m.w), m.N / kBlock, m.block_bytes()};
+  (*weights)[m.w] = {static_cast<const char*>(m.w), m.blocks(), m.block_bytes()};
   if (previous != nullptr && previous != m.w) (*next_of)[previous] = m.w;
   previous = m.w;
   if (weights->size() > 65536) {  // weights freed and others made, for a long time: start again
@@ -442,7 +605,7 @@ void run(const Matmul& m, int workers) {
   learn_order(m);
   const bool helper = helping.load(std::memory_order_seq_cst) != 0;
   const int threads = workers + 1 + (helper ? 1 : 0);
-  const int64_t blocks = m.N / kBlock;
+  const int64_t blocks = m.blocks();
   job.matmul = m;
   job.threads = threads;
   job.workers = workers;
@@ -520,10 +683,12 @@ void run_matmul(const Matmul& m) {
 
 extern "C" {
 
-// Which dtypes this CPU can run (bit 0: float32, bit 1: bfloat16); 0 where it has no AVX-512.
+// Which dtypes this CPU can run (bit 0: float32, bit 1: bfloat16, in oneDNN's AVX-512 layouts; bit 2: bfloat16 in
+// 16-feature blocks, with AVX2 and FMA: ts_blocked_linear).
 int ts_packed_gemv_dtypes() {
   __builtin_cpu_init();
   int dtypes = 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) dtypes |= 4;
   if (__builtin_cpu_supports("avx512f")) dtypes |= 1;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512bf16"))
@@ -537,6 +702,33 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
                    int64_t K, const void* bias, void* out, int64_t out_row_stride) {
   if (N % kBlock != 0 || rows < 1 || (dtype == 1 && K % 2 != 0) || (dtype != 0 && dtype != 1)) return -1;
   run_matmul({dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride});
+  return 0;
+}
+
+// out[rows, N] = x[rows, K] @ W.T (+ bias), dtype 0 float32 or 1 bfloat16 (x, weight, bias and out alike), W in
+// 16-feature blocks (avx2 above; ceil(N / 16) of them): matmuls of at most `gemv_rows` rows as the GEMV (on the decode
+// pool when armed), others panel by panel. Returns 0, or -1 where this CPU has no AVX2 and FMA.
+int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight, int64_t N,
+                      int64_t K, const void* bias, void* out, int64_t out_row_stride, int64_t gemv_rows) {
+  static const bool supported = ts_packed_gemv_dtypes() & 4;
+  if (!supported || rows < 1 || K < 1 || (dtype != 0 && dtype != 1)) return -1;
+  const float* xf = static_cast<const float*>(x);
+  int64_t xf_stride = x_row_stride;
+  thread_local std::vector<float> converted;
+  if (dtype == 1) {
+    converted.resize(rows * K);
+    avx2::convert_rows(static_cast<const uint16_t*>(x), x_row_stride, rows, K, converted.data());
+    xf = converted.data();
+    xf_stride = K;
+  }
+  if (rows <= gemv_rows)
+    run_matmul({dtype == 1 ? 2 : 3, xf, xf_stride, rows, weight, N, K, bias, out, out_row_stride});
+  else if (dtype == 1)
+    avx2::gemm(xf, xf_stride, rows, static_cast<const uint16_t*>(weight), N, K, static_cast<const uint16_t*>(bias),
+               static_cast<uint16_t*>(out), out_row_stride);
+  else
+    avx2::gemm(xf, xf_stride, rows, static_cast<const float*>(weight), N, K, static_cast<const float*>(bias),
+               static_cast<float*>(out), out_row_stride);
   return 0;
 }
 
@@ -564,6 +756,10 @@ void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) { po
 extern "C" {
 int ts_packed_gemv_dtypes() { return 0; }
 int ts_packed_gemv(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*, int64_t) {
+  return -1;
+}
+int ts_blocked_linear(int, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*, void*, int64_t,
+                      int64_t) {
   return -1;
 }
 int ts_gemv_pool_arm(int) { return 0; }

@@ -26,6 +26,9 @@
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                               int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride);
+extern "C" int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
+                                 int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride,
+                                 int64_t gemv_rows);
 extern "C" int ts_paged_attention(int dtype, void* out, int64_t out_row_stride, int64_t out_head_stride, const void* q,
                                   int64_t q_row_stride, int64_t q_head_stride, const void* k_cache, const void* v_cache,
                                   const int64_t* k_layout, const int64_t* v_layout, int64_t num_runs,
@@ -42,9 +45,9 @@ extern "C" int ts_write_kv(int dtype, void* k_cache, void* v_cache, const int64_
 namespace {
 
 struct Packed {
-  at::Tensor weight;         // oneDNN's blocked layout (an opaque mkldnn tensor)
+  at::Tensor weight;         // oneDNN's blocked layout (an opaque mkldnn tensor), or torch_shift's 16-feature blocks
   const void* gemv_weight;   // its data, which the GEMV kernel reads in place
-  int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16
+  int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16; in 16-feature blocks 2 bfloat16, 3 float32
   int64_t gemv_max_rows;     // matmuls of up to this many rows run the GEMV (linear.py's GEMV_MAX_ROWS; 0: none)
   at::ScalarType dtype;
   int64_t out_features, in_features;
@@ -61,7 +64,8 @@ void register_packed(const at::Tensor& weight, int64_t handle, int64_t weight_ad
                      int64_t out_features, int64_t in_features, int64_t dtype_code) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry()[handle] = Packed{weight, reinterpret_cast<const void*>(weight_address), static_cast<int>(dtype_code),
-                              gemv_max_rows, dtype_code == 1 ? at::kBFloat16 : at::kFloat, out_features,
+                              gemv_max_rows, dtype_code == 0 || dtype_code == 3 ? at::kFloat : at::kBFloat16,
+                              out_features,
                               in_features};
 }
 
@@ -106,6 +110,20 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
   const int64_t rows = input.numel() / packed->in_features;
   if (rows == 0) return at::empty(sizes, input.options());  // oneDNN refuses an empty matmul
   const bool bias_matches = !bias.has_value() || bias->scalar_type() == packed->dtype;
+  if (packed->dtype_code >= 2) {  // every matmul through the blocked kernel (linear.py's PackedWeight.run)
+    if (input.scalar_type() != packed->dtype || !bias_matches) {
+      at::Tensor dense = packed->weight.transpose(1, 2).reshape({-1, packed->in_features}).narrow(0, 0, out_features);
+      return at::linear(input, dense.to(input.scalar_type()), bias);
+    }
+    at::Tensor out = at::empty(sizes, input.options());
+    at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+    int status = ts_blocked_linear(packed->dtype_code == 3 ? 0 : 1, input.data_ptr(), packed->in_features, rows,
+                                   packed->gemv_weight, out_features, packed->in_features,
+                                   b.defined() ? b.data_ptr() : nullptr, out.data_ptr(), out_features,
+                                   packed->gemv_max_rows);
+    TORCH_CHECK(status == 0, "packed_linear: the blocked kernel declined weight ", handle);
+    return out;
+  }
   if (rows <= packed->gemv_max_rows && input.scalar_type() == packed->dtype && bias_matches) {
     at::Tensor out = at::empty(sizes, input.options());
     at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();

@@ -16,6 +16,12 @@ one-row matmul reads about two thirds of that (docs/performance.md). The kernel 
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
 for every batch.
 
+On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
+weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
+kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `GEMV_MAX_ROWS` rows (on the same decode pool) and
+a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in float32
+there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md).
+
 The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
 oneDNN tensor never enters a compiled graph. Its CPU implementation is C++ (kernels/cpu_ops.cpp) where that builds,
 for eager and compiled calls alike: `PackedWeight.run` in Python costs 120-180 us a call once the weight before it
@@ -43,47 +49,82 @@ from torch_shift.memory import advise_huge_pages
 GEMV_MAX_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
+# torch_shift's own 16-feature blocks (kernels/cpu_linear.cpp's AVX2 kernel): each dtype's code in the operator's
+# registry and in ts_blocked_linear, the kernel's capability bit, the block's width
+_BLOCKED_CODES = {torch.float32: (3, 0), torch.bfloat16: (2, 1)}
+_BLOCKED_BIT, _BLOCKED_WIDTH = 4, 16
 
 _packed_by_handle: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed matmul: CPUs with oneDNN, float32, or bfloat16 where the CPU has bf16 instructions
-    (elsewhere oneDNN would emulate them, slower than F.linear)."""
+    """A CPU with oneDNN: float32, and bfloat16 where the CPU has bf16 instructions, packed for oneDNN or in
+    torch_shift's 16-feature blocks (`blocked_layout`); bfloat16 elsewhere only in the blocks, where they run."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) or blocked_layout(dtype)
     return False
 
 
-class PackedWeight:
-    """A [out_features, in_features] weight in oneDNN's blocked layout, with its own matmul."""
+def blocked_layout(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` go in torch_shift's 16-feature blocks for its AVX2 kernel (kernels/cpu_linear.cpp)
+    rather than oneDNN's layout: on a CPU with AVX2 but without the AVX-512 GEMV kernel's instructions for the dtype.
+    There oneDNN emulates bfloat16 at a sixth of its float32 rate (20 against 126 GFLOP/s on a 2-core Zen 3;
+    docs/performance.md) and F.linear runs no faster, and the blocks give float32 the GEMV kernel's decode pool."""
+    from torch_shift.kernels import cpu_kernels
 
-    def __init__(self, weight: torch.Tensor):
+    kernels = cpu_kernels()
+    if dtype not in _GEMV_DTYPES or kernels is None or not kernels.packed_gemv_dtypes & _BLOCKED_BIT:
+        return False
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return not kernels.packed_gemv_dtypes & _GEMV_DTYPES[dtype][1]
+
+
+class PackedWeight:
+    """A [out_features, in_features] weight in oneDNN's blocked layout (or, on a CPU without the AVX-512 GEMV kernel,
+    in torch_shift's 16-feature blocks: `blocked_layout`), with its own matmul."""
+
+    def __init__(self, weight: torch.Tensor, blocked: bool | None = None):
+        """`blocked`: a float32 or bfloat16 weight in the 16-feature blocks (True; where the AVX2 kernel runs),
+        oneDNN's layout (False), or the one this CPU runs faster (None)."""
         assert weight.dim() == 2 and weight.device.type == "cpu", (weight.shape, weight.device)
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         weight = weight.detach().contiguous()
-        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.nbytes = weight.numel() * weight.element_size()
+        self.blocked = weight.dtype in _BLOCKED_CODES and (blocked_layout(weight.dtype) if blocked is None else blocked)
+        if self.blocked and _blocked_kernel(self.dtype)[0] is None:
+            raise ValueError("the 16-feature blocks need torch_shift's AVX2 kernel, which does not run here")
+        if self.blocked:  # element (n, k) at ((n / 16) * K + k) * 16 + n % 16, the last block padded with zeros
+            padded = F.pad(weight, (0, 0, 0, -self.out_features % _BLOCKED_WIDTH))
+            self.tensor = padded.view(-1, _BLOCKED_WIDTH, self.in_features).transpose(1, 2).contiguous()
+            self.address = self.tensor.data_ptr()
+            self.gemv = _blocked_kernel(self.dtype)
+        else:
+            self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            self.address = torch.ops.mkldnn.data_ptr(self.tensor)
+            self.gemv = _gemv_kernel(weight, self.tensor)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
-        advise_huge_pages(torch.ops.mkldnn.data_ptr(self.tensor), self.nbytes, collapse=True)
-        self.gemv = _gemv_kernel(weight, self.tensor)
-        self._weight_ptr = torch.ops.mkldnn.data_ptr(self.tensor) if self.gemv is not None else None
+        advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
+        self._weight_ptr = self.address if self.gemv is not None else None
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
         # the operator's C++ implementation (kernels/cpu_ops.cpp) finds the weight by its handle
         self.native = _native_operator()
         if self.native:
             torch.ops.torch_shift_cpu.register_packed(
-                self.tensor, self.handle, torch.ops.mkldnn.data_ptr(self.tensor),
-                0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features, self.in_features,
-                _GEMV_DTYPES[self.dtype][0])
+                self.tensor, self.handle, self.address, 0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features,
+                self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else _GEMV_DTYPES[self.dtype][0])
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
+
+    def _blocked_dense(self) -> torch.Tensor:
+        """A blocked weight as a dense [out_features, in_features] tensor (a copy)."""
+        return self.tensor.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling() or self.native:
@@ -94,6 +135,10 @@ class PackedWeight:
         rows = x.numel() // self.in_features
         if rows == 0:  # oneDNN refuses an empty matmul
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.blocked:
+            if x.dtype != self.dtype or (bias is not None and bias.dtype != self.dtype):
+                return F.linear(x, self._blocked_dense().to(x.dtype), bias)
+            return self._gemv(x, bias, rows)
         if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == self.dtype
                 and (bias is None or bias.dtype == self.dtype)):
             return self._gemv(x, bias, rows)
@@ -104,9 +149,15 @@ class PackedWeight:
         x = x.contiguous()
         bias = None if bias is None else bias.contiguous()
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, self._weight_ptr, self.out_features,
-                                     self.in_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                     self.out_features)
+        if self.blocked:
+            status = kernels.blocked_linear(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
+                                            self.out_features, self.in_features,
+                                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                            self.out_features, GEMV_MAX_ROWS)
+        else:
+            status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
+                                         self.out_features, self.in_features, None if bias is None else bias.data_ptr(),
+                                         out.data_ptr(), self.out_features)
         assert status == 0, (self.out_features, self.in_features, self.dtype)
         return out
 
@@ -117,6 +168,15 @@ def _native_operator() -> bool:
     from torch_shift.kernels import cpu_ops
 
     return cpu_ops()
+
+
+def _blocked_kernel(dtype: torch.dtype):
+    """(kernels, ts_blocked_linear's dtype code), kernels None where the AVX2 kernel does not run."""
+    from torch_shift.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return (kernels if kernels is not None and kernels.packed_gemv_dtypes & _BLOCKED_BIT else None,
+            _BLOCKED_CODES[dtype][1])
 
 
 def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):

@@ -230,8 +230,9 @@ def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
 
 def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, bias: bool) -> bool:
     packed = getattr(linear, "packed", None)
+    # the decoder calls the GEMV on oneDNN's layouts (not the blocked bf16 one: its CPUs have no AVX-512 either)
     return (type(linear) is Linear and packed is not None and packed.gemv is not None and packed.dtype == dtype
-            and packed.native and (linear.bias is None or (bias and linear.bias.dtype == dtype
+            and not packed.blocked and packed.native and (linear.bias is None or (bias and linear.bias.dtype == dtype
                                                            and linear.bias.is_contiguous())))
 
 
