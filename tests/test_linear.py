@@ -190,3 +190,19 @@ def test_packed_weights_move_into_huge_pages_where_the_kernel_offers_them():
     if huge == 0:
         pytest.skip("the kernel refused to collapse (Linux < 6.1, or no free huge pages)")
     assert huge >= packed.nbytes - 2 * HUGE_PAGE  # all but the partial pages at either end
+
+
+def test_bench_linear_prints_every_shape_and_row_count(capsys):
+    """bench/bench_linear.py (the figures in docs/performance.md) runs here: a line per weight and row count, each
+    way that runs on this CPU timed, and the layout the engine takes named."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_linear import SHAPES, main
+
+    assert main(["--rows", "1,17", "--dtypes", "float32", "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
+    assert len(lines) == 2 * len(SHAPES)
+    expected = "blocks" if BLOCKED and not gemv_expected(torch.float32) else "oneDNN"
+    assert all(line.split()[-1] == expected for line in lines)

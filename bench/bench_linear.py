@@ -1,0 +1,83 @@
+"""The CPU's linear layers side by side, in one process: every way this machine can run a weight of the 106M peer
+model's shapes (bench_peers.py), at a few row counts, in GFLOP/s.
+
+    python bench/bench_linear.py                       # float32 and bfloat16, 1/4/16/512 rows, all threads
+    python bench/bench_linear.py --rows 1,512 --threads 1
+
+Columns, where they run here: torch_shift's 16-feature blocks (`PackedWeight(w, blocked=True)`: the AVX2 kernel,
+any CPU with AVX2), oneDNN's packed weight (`blocked=False`: oneDNN's matmul, and the AVX-512 GEMV kernel for up to 16
+rows where it runs), and `F.linear` on the dense weight. The engine takes the blocks where the AVX-512 kernel does not
+run (`torch_shift.models.linear.blocked_layout`). Each figure is the best of `--repeats` timings after two warm-ups;
+a weight that fits in the L3 is read from there between repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate/up": (5632, 1024), "down": (1024, 2816)}
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,16,512", help="comma list of row counts")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: as torch starts)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    from torch_shift.kernels import cpu_kernels
+    from torch_shift.models.linear import PackedWeight, blocked_layout, packing_supported
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    blocks_run = kernels is not None and bool(kernels.packed_gemv_dtypes & 4)
+    print(f"{torch.get_num_threads()} threads; GFLOP/s (x: over F.linear)")
+    print(f"{'dtype':<9} {'weight':<8} {'rows':>5} {'blocks':>14} {'oneDNN':>14} {'F.linear':>9}  engine takes")
+    with torch.inference_mode():
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            onednn = packing_supported(torch.device("cpu"), dtype) and not (
+                dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            for label, (out_features, in_features) in SHAPES.items():
+                weight = torch.randn(out_features, in_features).to(dtype)
+                ways = {}
+                if blocks_run:
+                    ways["blocks"] = PackedWeight(weight, blocked=True)
+                if onednn:
+                    ways["oneDNN"] = PackedWeight(weight, blocked=False)
+                for rows in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(rows, in_features).to(dtype)
+                    flop = 2 * rows * out_features * in_features
+                    dense = flop / best_seconds(lambda: F.linear(x, weight), args.repeats) / 1e9
+                    cells = []
+                    for way in ("blocks", "oneDNN"):
+                        if way in ways:
+                            rate = flop / best_seconds(lambda w=ways[way]: w(x, None), args.repeats) / 1e9
+                            cells.append(f"{rate:7.1f} ({rate / dense:4.1f}x)")
+                        else:
+                            cells.append("-")
+                    takes = "blocks" if blocked_layout(dtype) else "oneDNN" if onednn else "F.linear"
+                    print(f"{name:<9} {label:<8} {rows:>5} {cells[0]:>14} {cells[1]:>14} {dense:9.1f}  {takes}",
+                          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
