@@ -82,6 +82,11 @@ def batch_tokens(work: dict) -> int:
 # -- torch_shift's side (run in a fresh process: `bench_peers.py --run-torch-shift SPEC`) ---------------------
 def run_torch_shift(spec: dict) -> dict:
     from torch_shift import LLM, SamplingParams
+    from torch_shift.kernels import compiler, cpu_kernels
+
+    if compiler() is not None and cpu_kernels() is None:  # the engine would run its slower fallbacks, said only once
+        raise RuntimeError("torch_shift's CPU kernels failed to build here (the warning above says why): its figures "
+                           "would be those of the pure-PyTorch fallbacks")
 
     started = time.perf_counter()
     llm = LLM(spec["model"], max_num_batched_tokens=spec["max_num_batched_tokens"],

@@ -144,8 +144,8 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
 // float32, or bfloat16 where oneDNN would emulate bf16 at a sixth of its float32 rate (docs/performance.md, issue 20).
 // A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a panel (the matmul);
 // products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once (as the
-// bf16 dot-product instructions do). On 2 Zen 3 cores: 114-148 GFLOP/s at 512 rows (oneDNN's float32: 115-131) and
-// one row at the memory's rate.
+// bf16 dot-product instructions do). On 2 Zen 3 cores: 106-156 GFLOP/s at 512 rows (oneDNN's float32: 110-134),
+// 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
 namespace avx2 {
 
 #define TS_AVX2 __attribute__((target("avx2,fma")))
@@ -164,7 +164,8 @@ TS_AVX2 inline __m256 bf16x8(const uint16_t* p) {
 TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   const __m256i words = _mm256_blendv_epi8(rounded, quiet, nan);  // 8 words in the low halves of 8 dwords
@@ -288,7 +289,8 @@ void gemm(const float* x, int64_t x_stride, int64_t rows, const T* w, int64_t N,
 
 // out[rows, N] = x @ W.T (+ bias) for one block b of W, in the job's dtype
 struct Matmul {
-  int dtype;  // 0 float32, 1 bfloat16 (oneDNN's layouts); in 16-feature blocks (avx2), x in float32: 2 bfloat16, 3 float32
+  // 0 float32, 1 bfloat16 (oneDNN's layouts); in 16-feature blocks (avx2), x in float32: 2 bfloat16, 3 float32
+  int dtype;
   const void* x;
   int64_t x_stride, rows;
   const void* w;
@@ -683,8 +685,8 @@ void run_matmul(const Matmul& m) {
 
 extern "C" {
 
-// Which dtypes this CPU can run (bit 0: float32, bit 1: bfloat16, in oneDNN's AVX-512 layouts; bit 2: bfloat16 in
-// 16-feature blocks, with AVX2 and FMA: ts_blocked_linear).
+// Which dtypes this CPU can run (bit 0: float32, bit 1: bfloat16, in oneDNN's AVX-512 layouts; bit 2: float32 and
+// bfloat16 in 16-feature blocks, with AVX2 and FMA: ts_blocked_linear).
 int ts_packed_gemv_dtypes() {
   __builtin_cpu_init();
   int dtypes = 0;
