@@ -75,12 +75,10 @@ def blocked_layout(dtype: torch.dtype) -> bool:
     rather than oneDNN's layout: on a CPU with AVX2 but without the AVX-512 GEMV kernel's instructions for the dtype.
     There oneDNN emulates bfloat16 at a sixth of its float32 rate (20 against 126 GFLOP/s on a 2-core Zen 3;
     docs/performance.md) and F.linear runs no faster, and the blocks give float32 the GEMV kernel's decode pool."""
-    from torch_shift.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
-    if dtype not in _GEMV_DTYPES or kernels is None or not kernels.packed_gemv_dtypes & _BLOCKED_BIT:
+    if dtype not in _BLOCKED_CODES:
         return False
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    kernels = _blocked_kernel(dtype)[0]
+    if kernels is None or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
     return not kernels.packed_gemv_dtypes & _GEMV_DTYPES[dtype][1]
 
@@ -98,13 +96,13 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         self.nbytes = weight.numel() * weight.element_size()
         self.blocked = weight.dtype in _BLOCKED_CODES and (blocked_layout(weight.dtype) if blocked is None else blocked)
-        if self.blocked and _blocked_kernel(self.dtype)[0] is None:
-            raise ValueError("the 16-feature blocks need torch_shift's AVX2 kernel, which does not run here")
         if self.blocked:  # element (n, k) at ((n / 16) * K + k) * 16 + n % 16, the last block padded with zeros
+            self.gemv = _blocked_kernel(self.dtype)
+            if self.gemv[0] is None:
+                raise ValueError("the 16-feature blocks need torch_shift's AVX2 kernel, which does not run here")
             padded = F.pad(weight, (0, 0, 0, -self.out_features % _BLOCKED_WIDTH))
             self.tensor = padded.view(-1, _BLOCKED_WIDTH, self.in_features).transpose(1, 2).contiguous()
             self.address = self.tensor.data_ptr()
-            self.gemv = _blocked_kernel(self.dtype)
         else:
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             self.address = torch.ops.mkldnn.data_ptr(self.tensor)
