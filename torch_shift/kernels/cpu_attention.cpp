@@ -104,13 +104,15 @@ inline float hmax(vfloat v) {
 
 // exp(x) for x <= 0 to about 2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-7 Taylor
 // polynomial; below -87 it is 2^-126 * p (callers mask those lanes).
-inline vfloat exp_nonpositive(vfloat x) {
-  const vfloat lowest = splat(-87.0f);
+// (V, VI: a float vector and the int vector of its width; the same expressions at every width, so the same bits)
+template <typename V, typename VI>
+inline V exp_nonpositive(V x) {
+  const V lowest = V{} + -87.0f;
   x = x > lowest ? x : lowest;
-  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer (|x| < 2^22)
-  const vfloat n = (x * 1.44269504088896341f + shifter) - shifter;
-  const vfloat r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  vfloat p = splat(1.0f / 5040.0f);
+  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (|x| < 2^22)
+  const V n = (x * 1.44269504088896341f + shifter) - shifter;
+  const V r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  V p = V{} + 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
@@ -118,11 +120,12 @@ inline vfloat exp_nonpositive(vfloat x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+inline vfloat exp_nonpositive(vfloat x) { return exp_nonpositive<vfloat, vint>(x); }
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
@@ -280,9 +283,85 @@ inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* piec
 // The online softmax update of rows [r0, r0 + RB) for one chunk (FlashAttention's recurrence): each row's
 // visible scores exponentiated into `probs` (0 where not visible), its running max and sum updated, and the
 // factor its accumulators must be scaled by in `correction`.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// chunk_softmax below on vectors of 8 floats, one register with AVX2 (GCC lowers its 16-float shuffles, selects and
+// masks through the stack there: half of a float32 prompt tile's time, perf). Each piece is two halves; every lane
+// takes the same operations in the same order, the reductions the same tree, so the results are the same bits.
+#define TS_AVX2_SOFTMAX 1
+typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t vint8 __attribute__((vector_size(8 * sizeof(int32_t))));
+#if defined(__clang__)
+#define TS_SHUFFLE8(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define TS_SHUFFLE8(v, ...) __builtin_shuffle(v, vint8{__VA_ARGS__})
+#endif
+
+template <int RB, typename KT, typename VT>
+inline void chunk_softmax8(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t chunk,
+                           const vfloat (&scores)[RB][kPieces], float (&probs)[RB][kChunk], float (&correction)[RB]) {
+  const vint8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const vfloat8 minus_infinity = vfloat8{} - INFINITY;
+  const bool whole = num_pieces == kPieces && pieces[kPieces - 1].n == kLanes;
+  for (int r = 0; r < RB; ++r) {
+    const int64_t row = r0 + r;
+    const int32_t a = static_cast<int32_t>(std::max<int64_t>(rows.lo[row] - chunk, 0));
+    const int32_t b = static_cast<int32_t>(std::min<int64_t>(rows.hi[row] + 1 - chunk, kPieces * kLanes));
+    const bool all = a == 0 && b == kChunk && whole;
+    vint8 visible[2 * kPieces];
+    vfloat8 masked[2 * kPieces];
+    vfloat8 top[2] = {minus_infinity, minus_infinity};
+    for (int s = 0; s < kPieces; ++s) {
+      const int32_t n = static_cast<int32_t>(s < num_pieces ? pieces[s].n : 0);
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * s + h;
+        vfloat8 half;
+        std::memcpy(&half, reinterpret_cast<const float*>(&scores[r][s]) + 8 * h, sizeof half);
+        if (all) {
+          visible[i] = vint8{} - 1;
+          masked[i] = half;
+        } else {
+          const vint8 at = lane + (s * kLanes + 8 * h);
+          visible[i] = (at >= a) & (at < b) & (lane + 8 * h < n);
+          masked[i] = visible[i] ? half : minus_infinity;
+        }
+        top[h] = top[h] > masked[i] ? top[h] : masked[i];
+      }
+    }
+    vfloat8 m = top[0] > top[1] ? top[0] : top[1];  // hmax's tree
+    m = m > TS_SHUFFLE8(m, 4, 5, 6, 7, 4, 5, 6, 7) ? m : TS_SHUFFLE8(m, 4, 5, 6, 7, 4, 5, 6, 7);
+    m = m > TS_SHUFFLE8(m, 2, 3, 2, 3, 2, 3, 2, 3) ? m : TS_SHUFFLE8(m, 2, 3, 2, 3, 2, 3, 2, 3);
+    const float chunk_max = std::max(m[0], m[1]);
+    if (chunk_max == -INFINITY) {
+      std::memset(probs[r], 0, sizeof probs[r]);
+      correction[r] = 1.0f;
+      continue;
+    }
+    const float new_max = std::max(rows.max[row], chunk_max);
+    correction[r] = rows.max[row] == -INFINITY ? 0.0f
+                    : rows.max[row] == new_max ? 1.0f
+                                               : exp_nonpositive(rows.max[row] - new_max);
+    vfloat8 total[2] = {vfloat8{}, vfloat8{}};
+    for (int i = 0; i < 2 * kPieces; ++i) {
+      const vfloat8 e = visible[i] ? exp_nonpositive<vfloat8, vint8>(masked[i] - new_max) : vfloat8{};
+      total[i % 2] += e;
+      std::memcpy(probs[r] + 8 * i, &e, sizeof e);
+    }
+    vfloat8 t = total[0] + total[1];  // hsum's tree
+    t += TS_SHUFFLE8(t, 4, 5, 6, 7, 4, 5, 6, 7);
+    t += TS_SHUFFLE8(t, 2, 3, 2, 3, 2, 3, 2, 3);
+    t += TS_SHUFFLE8(t, 1, 1, 1, 1, 1, 1, 1, 1);
+    rows.sum[row] = rows.sum[row] * correction[r] + t[0];
+    rows.max[row] = new_max;
+  }
+}
+#endif
+
 template <int RB, typename KT, typename VT>
 inline void chunk_softmax(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t chunk,
                           const vfloat (&scores)[RB][kPieces], float (&probs)[RB][kChunk], float (&correction)[RB]) {
+#ifdef TS_AVX2_SOFTMAX
+  chunk_softmax8<RB>(rows, r0, pieces, num_pieces, chunk, scores, probs, correction);
+#else
   vint lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
   const bool whole = num_pieces == kPieces && pieces[kPieces - 1].n == kLanes;
@@ -327,22 +406,35 @@ inline void chunk_softmax(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, i
     rows.sum[row] = rows.sum[row] * correction[r] + hsum(total);
     rows.max[row] = new_max;
   }
+#endif
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// With AVX2 a vector of 16 floats is two registers, and GCC lowers a prompt tile's loops below on such vectors
-// through the stack and general registers (perf: 48 ms a layer for a 512-token prompt of the 106M model, against
-// SDPA's 12). The same sums in AVX2 intrinsics, in the same order with the same multiply-adds (so the same bits).
+// With AVX2 a vector of 16 floats is two registers, and GCC lowers the loops below on such vectors through the stack
+// and general registers (perf: a prompt tile took 48 ms a layer for a 512-token prompt of the 106M model, against
+// SDPA's 12; a bf16 decode step's attention was a sixth of the step). The same sums in AVX2 intrinsics, in the same
+// order with the same multiply-adds (so the same bits), 8 keys or dimensions a register; float32 and bfloat16 keys
+// and values.
 #define TS_AVX2_TILES 1
 
-// scores[r][s] of rows [0, RB) (their queries `q`, D apart) against one piece of 16 keys, dim-major `stride` apart
-template <int RB>
-inline void piece_scores_avx2(const float* q, int64_t D, const float* keys, int64_t stride, vfloat (*scores)[kPieces],
-                              int64_t s) {
+template <typename T>
+constexpr bool kAvx2Type = std::is_same<T, float>::value || std::is_same<T, bf16_t>::value;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// scores[r][s] of rows [0, RB) (their queries `q`, D apart) against one piece of 16 keys, dim-major `stride` apart;
+// a decode item's loop also requests the next chunk as it goes (`prefetcher`, for one piece of the chunk)
+template <int RB, typename KT>
+inline void piece_scores_avx2(const float* q, int64_t D, const KT* keys, int64_t stride, vfloat (*scores)[kPieces],
+                              int64_t s, Prefetcher* prefetcher) {
   __m256 lo[RB], hi[RB];
   for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(keys + d * stride), k1 = _mm256_loadu_ps(keys + d * stride + 8);
+    if (prefetcher) prefetcher->step();
+    const __m256 k0 = load8(keys + d * stride), k1 = load8(keys + d * stride + 8);
     for (int r = 0; r < RB; ++r) {
       const __m256 qv = _mm256_broadcast_ss(q + r * D + d);
       lo[r] = _mm256_fmadd_ps(qv, k0, lo[r]);
@@ -357,11 +449,11 @@ inline void piece_scores_avx2(const float* q, int64_t D, const float* keys, int6
 }
 
 // rows [0, RB)'s accumulators (`acc`, D apart), dimensions [16 dv, 16 dv + 16): scaled by `correction`, plus the
-// chunk's values weighted by `probs`
-template <int RB>
-inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<float, float>* pieces, int64_t num_pieces,
+// chunk's first `seen` values weighted by `probs` (a decode item's loop requesting the next chunk: `prefetcher`)
+template <int RB, typename VT>
+inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, VT>* pieces, int64_t num_pieces,
                              int64_t value_stride, int64_t seen, const float (*probs)[kChunk],
-                             const float* correction) {
+                             const float* correction, Prefetcher* prefetcher) {
   __m256 lo[RB], hi[RB];
   for (int r = 0; r < RB; ++r) {
     const __m256 c = _mm256_set1_ps(correction[r]);
@@ -369,10 +461,11 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<floa
     hi[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + dv * kLanes + 8), c);
   }
   for (int64_t s = 0; s < num_pieces; ++s) {
-    const float* values = pieces[s].values + dv * kLanes;
+    const VT* values = pieces[s].values + dv * kLanes;
     const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(values + j * value_stride), v1 = _mm256_loadu_ps(values + j * value_stride + 8);
+      if (prefetcher) prefetcher->step();
+      const __m256 v0 = load8(values + j * value_stride), v1 = load8(values + j * value_stride + 8);
       for (int r = 0; r < RB; ++r) {
         const __m256 p = _mm256_broadcast_ss(&probs[r][s * kLanes + j]);
         lo[r] = _mm256_fmadd_ps(p, v0, lo[r]);
@@ -409,7 +502,26 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   vfloat scores[RB][kPieces];
   for (int r = 0; r < RB; ++r)
     for (int s = 0; s < kPieces; ++s) scores[r][s] = vfloat{};
-  if constexpr (DECODE) {
+#ifdef TS_AVX2_TILES
+  constexpr bool avx2 = kAvx2Type<KT> && kAvx2Type<VT> && std::is_same<KT, VT>::value;
+#else
+  constexpr bool avx2 = false;
+#endif
+  if constexpr (DECODE && avx2) {
+#ifdef TS_AVX2_TILES
+    for (int64_t s = 0; s < num_pieces; ++s) {  // the next chunk requested during the first piece
+      Prefetcher* requests = s == 0 ? &prefetcher : nullptr;
+      if (pieces[s].n < kLanes) {
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t j = 0; j < kLanes; ++j)
+            padded[d * kLanes + j] = j < pieces[s].n ? to_float(pieces[s].keys[d * key_dim_stride + j]) : 0.f;
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, requests);
+      } else {
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, requests);
+      }
+    }
+#endif
+  } else if constexpr (DECODE) {
     switch (num_pieces * 2 + (pieces[num_pieces - 1].n < kLanes)) {
 #define TS_SCORES(NF, PARTIAL)                                                                \
   chunk_scores<RB, NF, PARTIAL>(rows, r0, pieces, key_dim_stride, padded, prefetcher, scores); \
@@ -433,7 +545,7 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
         for (int64_t d = 0; d < D; ++d)
           for (int64_t j = 0; j < kLanes; ++j) padded[d * kLanes + j] = j < pieces[s].n ? to_float(keys[d * stride + j]) : 0.f;
 #ifdef TS_AVX2_TILES
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s);
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, nullptr);
         continue;
 #endif
         for (int64_t d = 0; d < D; ++d) {
@@ -443,8 +555,8 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
         continue;
       }
 #ifdef TS_AVX2_TILES
-      if constexpr (std::is_same<KT, float>::value) {
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, keys, stride, scores, s);
+      if constexpr (avx2) {
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, keys, stride, scores, s, nullptr);
         continue;
       }
 #endif
@@ -458,6 +570,14 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   alignas(64) float probs[RB][kChunk];
   float correction[RB];
   chunk_softmax<RB>(rows, r0, pieces, num_pieces, chunk, scores, probs, correction);
+#ifdef TS_AVX2_TILES
+  if constexpr (avx2) {  // a decode item's loop requests the next chunk during its first 16 dimensions
+    for (int64_t dv = 0; dv < DV; ++dv)
+      tile_values_avx2<RB>(rows.acc + r0 * D, D, dv, pieces, num_pieces, value_stride, seen, probs, correction,
+                           DECODE && dv == 0 ? &prefetcher : nullptr);
+    return;
+  }
+#endif
   if constexpr (DECODE) {
     switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
       case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
@@ -466,13 +586,6 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     }
     return;
   }
-#ifdef TS_AVX2_TILES
-  if constexpr (std::is_same<VT, float>::value) {
-    for (int64_t dv = 0; dv < DV; ++dv)
-      tile_values_avx2<RB>(rows.acc + r0 * D, D, dv, pieces, num_pieces, value_stride, seen, probs, correction);
-    return;
-  }
-#endif
   for (int64_t dv = 0; dv < DV; ++dv) {
     vfloat out[RB];
     for (int r = 0; r < RB; ++r) out[r] = load16(rows.acc + (r0 + r) * D + dv * kLanes) * correction[r];
