@@ -58,15 +58,18 @@ def _compiled_rank(rank, world, model_dir, shift_threshold):
 
 @pytest.mark.slow
 def test_compiled_single_device_matches_eager_without_recompiles(llama):
+    """On the CPU to the last bit: RMSNorm, rotary and `silu(gate) * up` stay the eager forward's operators in the
+    compiled graph (models/fused.py), and the steps of up to 16 tokens, which run the C++ decoder where it runs,
+    round as the eager forward too."""
     _, model_dir = llama
-    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    eager = LLM(str(model_dir), max_num_batched_tokens=32, compile=False)
     expected = [eager.generate(p, PARAMS, use_tqdm=False) for p in [WARMUP] + SERVING]
     for got in _run(LLM(str(model_dir), compile=True, max_num_batched_tokens=32)):
         for g, e in zip(got, expected):
             assert _token_ids(g) == _token_ids(e)
             for og, oe in zip(g, e):
                 for lg, le in zip(og.outputs[0].logprobs, oe.outputs[0].logprobs):
-                    assert max(abs(lg[t].logprob - le[t].logprob) for t in le) < 1e-4
+                    assert {t: lp.logprob for t, lp in lg.items()} == {t: lp.logprob for t, lp in le.items()}
 
 
 def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
@@ -76,7 +79,8 @@ def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
     from torch_shift.kernels import native_attention
 
     _, model_dir = llama
-    llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=32)
+    # every step through the compiled forward (not the C++ decoder's, which needs the C++ attention installed)
+    llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=32, native_decode=False)
     if native_attention() is None:
         pytest.skip("the C++ operator library does not build here")
     calls = []

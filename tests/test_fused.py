@@ -12,7 +12,8 @@ from torch_shift.config import RopeConfig
 from torch_shift.kernels import compiler
 from torch_shift.models import fused
 from torch_shift.models.decoder import RMSNorm
-from torch_shift.models.rope import RotaryEmbedding, _rotate_half
+from torch_shift.models.fused import _rotate_half
+from torch_shift.models.rope import RotaryEmbedding
 
 needs_kernels = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the CPU kernels")
 
@@ -83,14 +84,37 @@ def test_the_kernels_step_aside_where_they_do_not_apply():
     assert fused.rotary(torch.tensor([0, 1]), q, q.half(), torch.randn(2, 8, 16)) is None  # dtypes differ
     assert fused.rotary(torch.tensor([0, 1]), q, q, torch.randn(2, 8, 16).double()) is None  # table not float32
 
-    calls = []
 
-    def traced(x, weight):
-        calls.append(fused.rms_norm(x, weight, 1e-6))
-        return x
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_graphs_keep_the_eager_operators(dtype):
+    """Under torch.compile on the CPU, RMSNorm, rotary and `silu(gate) * up` are each one operator the graph keeps
+    opaque, which runs the eager computation: inductor's fused code rounded differently, and a compiled engine
+    mixes compiled steps with the C++ decoder's, which rounds as the eager forward."""
+    g = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(5, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+    q, k = torch.randn(5, 4, 16, generator=g).to(dtype), torch.randn(5, 2, 16, generator=g).to(dtype)
+    positions, cos_sin = torch.tensor([0, 3, 4, 9, 2]), torch.randn(2, 12, 16, generator=g)
+    gate_up = torch.randn(5, 2 * 40, generator=g).to(dtype)
 
-    torch.compile(traced, backend="eager", fullgraph=True)(torch.randn(2, 8), torch.ones(8))
-    assert calls == [None]  # under torch.compile the model keeps the expression, which inductor fuses
+    def step(x, weight, q, k, gate_up):
+        return fused.rms_norm(x, weight, 1e-6), fused.rotary(positions, q, k, cos_sin), fused.silu_mul(gate_up)
+
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)(x, weight, q, k, gate_up)
+    targets = {node.target for node in graphs[0].graph.nodes}
+    assert {torch.ops.torch_shift.cpu_rms_norm.default, torch.ops.torch_shift.cpu_rotary.default,
+            torch.ops.torch_shift.cpu_silu_mul.default} <= targets
+    eager = step(x, weight, q, k, gate_up)
+    assert torch.equal(compiled[0], eager[0] if eager[0] is not None else fused.rms_norm_expression(x, weight, 1e-6))
+    expected_rotary = eager[1] if eager[1] is not None else fused.rotary_expression(positions, q, k, cos_sin)
+    assert all(torch.equal(a, b) for a, b in zip(compiled[1], expected_rotary))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(compiled[2], torch.nn.functional.silu(gate) * up)
 
 
 @needs_kernels

@@ -13,11 +13,17 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torch_shift.config import ModelConfig
-from torch_shift.models.fused import gpu_add_rms_norm, gpu_rms_norm, gpu_rms_norm_applies, rms_norm
+from torch_shift.models.fused import (
+    gpu_add_rms_norm,
+    gpu_rms_norm,
+    gpu_rms_norm_applies,
+    rms_norm,
+    rms_norm_expression,
+    silu_mul,
+)
 from torch_shift.models.linear import Linear
 from torch_shift.models.moe import SparseMoeBlock
 from torch_shift.models.rope import RotaryEmbedding
@@ -54,13 +60,10 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps)  # one pass on the CPU where the model runs eagerly
+        fused = rms_norm(x, self.weight, self.eps)  # one pass on the CPU
         if fused is not None:
             return fused
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm_expression(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -107,8 +110,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

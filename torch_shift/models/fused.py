@@ -1,9 +1,15 @@
 """RMSNorm and rotary embeddings in one pass each through the CPU kernels (kernels/cpu_elementwise.cpp), where a
-model runs eagerly on the CPU: a rank of a parallel layout, or a model below the size the engine compiles; and
-the sampler's argmax. The PyTorch expressions take 9 operators (RMSNorm) and 7 per tensor (rotary), each a pass
-over the activations and a few microseconds of dispatch at a decode step. Under torch.compile the model keeps the
-expressions, which inductor fuses. `rms_norm` and `rotary` return None where their kernel does not apply
-(another device or dtype, autograd, no compiler), and the caller computes the expression.
+model runs on the CPU; and the sampler's argmax. The PyTorch expressions take 9 operators (RMSNorm) and 7 per tensor
+(rotary), each a pass over the activations and a few microseconds of dispatch at a decode step. `rms_norm` and
+`rotary` return None where their kernel does not apply (another device or dtype, autograd, no compiler), and the
+caller computes the expression (`rms_norm_expression`, `rotary_expression`).
+
+Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps
+opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's
+own code for them rounds differently, and a compiled engine runs its steps of up to 16 tokens through the C++ decoder
+(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, so a token's
+logits do not depend on the size of the step that computed it (greedy output is the same with and without
+speculative decoding, whose checks change the steps' sizes).
 
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where
@@ -23,6 +29,7 @@ from functools import cache
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from torch_shift.custom_ops import custom_op
 from torch_shift.kernels import CpuKernels, cpu_kernels
@@ -60,9 +67,24 @@ def _kernels(x: torch.Tensor) -> CpuKernels | None:
     return cpu_kernels()
 
 
+def _compiling_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile traces an inference call on CPU tensors (which then takes the opaque operator)."""
+    return (torch.compiler.is_compiling() and all(t.is_cpu for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def rms_norm_expression(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension (in float32), for x of 2 or 3
     dimensions whose last is contiguous: [tokens, hidden], or [tokens, heads, head_dim] (a q/k norm)."""
+    if _compiling_on_cpu(x, weight):
+        return cpu_rms_norm(x, weight, eps)
     kernels = _kernels(x)
     if (kernels is None or x.dim() not in (2, 3) or x.stride(-1) != 1 or weight.dtype != x.dtype
             or not weight.is_contiguous() or weight.shape != x.shape[-1:] or weight.device != x.device
@@ -70,6 +92,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     lanes = _sum_lanes()
     return None if lanes is None else _rms_norm(kernels, x, weight, eps, lanes)
+
+
+@custom_op("torch_shift::cpu_rms_norm")
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The eager forward's RMSNorm on the CPU, kept whole by torch.compile (the module's docstring)."""
+    out = rms_norm(x, weight, eps)
+    return rms_norm_expression(x, weight, eps) if out is None else out
+
+
+@cpu_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` of gate_up [..., 2 * intermediate] (gate first)."""
+    if _compiling_on_cpu(gate_up):
+        return cpu_silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@custom_op("torch_shift::cpu_silu_mul")
+def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The eager forward's `silu(gate) * up` on the CPU, kept whole by torch.compile (the module's docstring)."""
+    return silu_mul(gate_up)
+
+
+@cpu_silu_mul.register_fake
+def _(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -161,6 +214,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`x * cos + rotate_half(x) * sin` for q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], cos and
     sin the rows of `cos_sin` ([2, positions, head_dim], float32) at each token's position, rounded to x's dtype."""
+    if _compiling_on_cpu(positions, q, k, cos_sin):
+        return cpu_rotary(positions, q, k, cos_sin)
     kernels = _kernels(q)
     if (kernels is None or k.dtype != q.dtype or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1
             or k.stride(-1) != 1 or q.shape[-1] % 2 or k.shape[-1] != q.shape[-1] or cos_sin.dtype != torch.float32
@@ -181,6 +236,32 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         assert status == 0, (status, x.dtype)
         rotated.append(out)
     return rotated[0], rotated[1]
+
+
+def rotary_expression(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos_sin = cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [2, T, 1, head_dim]
+    cos, sin = cos_sin[0], cos_sin[1]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@custom_op("torch_shift::cpu_rotary")
+def cpu_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager forward's rotary embeddings on the CPU, kept whole by torch.compile (the module's docstring)."""
+    out = rotary(positions, q, k, cos_sin)
+    return rotary_expression(positions, q, k, cos_sin) if out is None else out
+
+
+@cpu_rotary.register_fake
+def _(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _argmax_kernels(x: torch.Tensor) -> CpuKernels | None:

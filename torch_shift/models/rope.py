@@ -7,7 +7,7 @@ import math
 import torch
 
 from torch_shift.config import RopeConfig
-from torch_shift.models.fused import gpu_rotary, gpu_rotary_applies, rotary
+from torch_shift.models.fused import gpu_rotary, gpu_rotary_applies, rotary, rotary_expression
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -91,14 +91,7 @@ class RotaryEmbedding(torch.nn.Module):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
         if gpu_rotary_applies(positions, q, k, self.cos_sin):
             return gpu_rotary(positions, q, k, self.cos_sin)
-        fused = rotary(positions, q, k, self.cos_sin)  # one pass on the CPU where the model runs eagerly
+        fused = rotary(positions, q, k, self.cos_sin)  # one pass on the CPU
         if fused is not None:
             return fused
-        cos_sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # [2, T, 1, head_dim]
-        cos, sin = cos_sin[0], cos_sin[1]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rotary_expression(positions, q, k, self.cos_sin)
