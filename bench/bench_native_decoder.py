@@ -2,8 +2,8 @@
 tokens at batch 1, the decoder switched on and off between generations (pairs in alternating order). The engine
 starts with it off (so a compiled model also has the one-thread graphs its pooled steps need without it) and the
 decoder is built on the same weights. Prints the median decode step of each generation, the per-pair ratios and
-whether tokens and logprobs were the same: they are, where the forward runs eagerly (the default model, or
-`--compile false`); a compiled bf16 forward rounds differently from the eager one the decoder reproduces.
+whether tokens and logprobs were the same: they are, eager or compiled (a compiled CPU forward rounds as the eager
+one the decoder reproduces: models/fused.py).
 
     python bench/bench_native_decoder.py [--model default|peer|small] [--dtype bfloat16] [--pairs 6] [--tokens 128]
 """

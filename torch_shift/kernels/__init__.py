@@ -278,7 +278,8 @@ _native_attention: NativeAttention | None = None
 class DecoderKernels:
     """The C++ decoder's entry points in the operator library (cpu_decoder.cpp; torch_shift.models.native_decoder)."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, silu_lanes: int):
+        self.silu_lanes = silu_lanes  # bits: the widths of PyTorch's vectorised exp it can reproduce (16, 8)
         self.create = library.ts_decoder_create
         self.create.argtypes, self.create.restype = [ptr, ptr, i64, f32], ptr
         self.destroy = library.ts_decoder_destroy
@@ -290,7 +291,7 @@ class DecoderKernels:
         self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits
         self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul
-        self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
+        self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
 
 
 @lru_cache(maxsize=1)
@@ -299,7 +300,8 @@ def decoder_kernels() -> DecoderKernels | None:
     if not cpu_ops():
         return None
     _ops_library.ts_decoder_available.restype = ctypes.c_int
-    return DecoderKernels(_ops_library) if _ops_library.ts_decoder_available() else None
+    silu_lanes = _ops_library.ts_decoder_available()
+    return DecoderKernels(_ops_library, silu_lanes) if silu_lanes else None
 
 
 def register_native_attention() -> bool:

@@ -9,6 +9,8 @@
 //
 // The model is described once (ts_decoder_create: addresses of its weights, which the caller keeps alive), then each
 // step passes its token ids, positions and logits rows. One step at a time per decoder (its scratch is its own).
+// With AVX-512 its weights are in oneDNN's layout for the GEMV kernel; with AVX2 in torch_shift's 16-feature blocks
+// (cpu_linear.cpp), and SiLU reproduces PyTorch's AVX2 build (8-float exp) instead of its AVX-512 one.
 //
 // A step may also be launched (ts_decoder_launch) to run on a thread of the decoder's own while the engine's thread
 // returns to prepare the next one, as a GPU runs a step while its host schedules the next (asynchronous scheduling):
@@ -37,6 +39,9 @@
 
 extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                               int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride);
+extern "C" int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
+                                 int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride,
+                                 int64_t gemv_rows);
 extern "C" int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out);
 extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
                            int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
@@ -55,9 +60,10 @@ extern "C" int ts_step_attention(const void* copy, int64_t layer_idx, const void
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-// PyTorch's vectorised exp on AVX-512 (Vectorized<float>::exp), exported by libtorch_cpu; weak: a torch built
-// without it leaves it null, and the decoder declines (ts_decoder_available)
+// PyTorch's vectorised exp (Vectorized<float>::exp) on AVX-512 and on AVX2, exported by libtorch_cpu; weak: a torch
+// built without one leaves it null, and the decoder declines that width (ts_decoder_available)
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
 #endif
 
 #include "cpu_no_contract.h"  // PyTorch's separate operators round each result
@@ -76,7 +82,7 @@ enum LayerField {
 // and of the model
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
-  kCosSin, kModelFields
+  kCosSin, kSiluLanes, kBlocked, kModelFields
 };
 
 struct Layer {
@@ -118,6 +124,8 @@ struct Async {
 struct Decoder {
   int dtype;  // 0 float32, 1 bfloat16
   int64_t elem, hidden, heads, kv_heads, head_dim, intermediate, vocab, lanes, positions;
+  int silu_lanes;  // the width of PyTorch's vectorised exp that SiLU reproduces: 16 (AVX-512) or 8 (AVX2)
+  bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
   float eps;
   const void* embed;
   const void* final_norm;
@@ -155,34 +163,48 @@ __attribute__((target("avx512f"))) inline void silu16(const float* x, float* out
                                                                          _mm512_set1_epi32(INT32_MIN))));
   _mm512_storeu_ps(out, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
+
+// and on 8, as PyTorch's AVX2 build does
+__attribute__((target("avx2,fma"))) inline void silu8(const float* x, float* out) {
+  const __m256 v = _mm256_loadu_ps(x);
+  const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f)));
+  _mm256_storeu_ps(out, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
 #endif
 
-// silu(x) in the vectorised loop's runs and its scalar remainder (see silu_mul), from element `begin` of a row
-void silu_segment(const void* gate, int64_t begin, int64_t n, int dtype, float* out) {
+// silu(x) in the vectorised loop's runs and its scalar remainder (see silu_mul), from element `begin` of a row; the
+// runs are two of PyTorch's vectors of the dtype: 2 x `lanes` floats, or 4 x `lanes` bfloat16 (a bfloat16 vector
+// is twice as many elements, converted as two float vectors)
+void silu_segment(const void* gate, int64_t begin, int64_t n, int dtype, int lanes, float* out) {
 #if defined(__x86_64__)
-  const int64_t run = dtype == 0 ? 32 : 64;
+  const int64_t run = (dtype == 0 ? 2 : 4) * lanes;
   float in[64];
   int64_t i = 0;
   for (; i + run <= n; i += run) {
     for (int64_t j = 0; j < run; ++j) in[j] = load(gate, begin + i + j, dtype);
-    for (int64_t j = 0; j < run; j += 16) silu16(in + j, out + i + j);
+    for (int64_t j = 0; j < run; j += lanes) {
+      if (lanes == 16)
+        silu16(in + j, out + i + j);
+      else
+        silu8(in + j, out + i + j);
+    }
   }
   for (; i < n; ++i) {
     const float v = load(gate, begin + i, dtype);
     out[i] = v / (1.0f + std::exp(-v));
   }
 #else
-  (void)gate, (void)begin, (void)n, (void)dtype, (void)out;
+  (void)gate, (void)begin, (void)n, (void)dtype, (void)lanes, (void)out;
 #endif
 }
 
 // out[t, :I] = silu(gate_up[t, :I]) * gate_up[t, I:], each operator's result rounded to the dtype, as
 // `F.silu(gate) * up` computes it on a thread running `threads` OpenMP threads. PyTorch's silu takes a row's elements
-// in runs of two vectors (32 floats, or 64 bfloat16 as two float halves) with its vectorised exp, and the rest one at
-// a time with std::exp, which rounds some values differently; and above 32768 elements TensorIterator splits the
+// in runs of two vectors (with AVX-512: 32 floats, or 64 bfloat16 as two float halves; half that with AVX2) with its
+// vectorised exp of `lanes` floats, and the rest one at a time with std::exp, which rounds some values differently; and above 32768 elements TensorIterator splits the
 // elements into one equal part per thread (at::parallel_for), a part may start inside a row, and each piece of a row
 // starts its runs where it starts.
-void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dtype, int threads) {
+void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dtype, int lanes, int threads) {
   constexpr int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE
   const int64_t numel = tokens * I;
   int64_t part = numel;
@@ -195,7 +217,8 @@ void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dty
     const int64_t end = std::min(numel, start + part);
     for (int64_t e = start; e < end;) {
       const int64_t t = e / I, col = e % I, n = std::min(end - e, I - col);
-      silu_segment(static_cast<const char*>(gate_up) + t * 2 * I * (dtype == 0 ? 4 : 2), col, n, dtype, silu.data());
+      silu_segment(static_cast<const char*>(gate_up) + t * 2 * I * (dtype == 0 ? 4 : 2), col, n, dtype, lanes,
+                   silu.data());
       for (int64_t i = 0; i < n; ++i) {
         const float s = dtype == 0 ? silu[i] : to_float(to_bf16(silu[i]));
         store(out, t * I + col + i, s * load(gate_up, t * 2 * I + I + col + i, dtype), dtype);
@@ -209,13 +232,21 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
   return ts_rms_norm(d.dtype, x, rows, 1, d.hidden, 0, d.hidden, weight, d.eps, d.lanes, out);
 }
 
+// out[rows, N] = x[rows, K] @ W.T (+ bias) as the eager forward's packed linear runs it: the GEMV on oneDNN's
+// layout, or the 16-feature blocks' kernel with its GEMV for up to kMaxTokens rows (models/linear.py's PackedWeight)
+int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t N, int64_t K,
+           const void* bias, void* out, int64_t out_stride) {
+  if (d.blocked) return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kMaxTokens);
+  return ts_packed_gemv(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride);
+}
+
 int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, const void* attention) {
   const int dt = d.dtype;
   const int64_t H = d.hidden, I = d.intermediate, hd = d.head_dim, rows = d.qkv_rows();
   const int64_t q_size = d.heads * hd, kv_size = d.kv_heads * hd;
   int rc;
   if ((rc = norm(d, d.x.data(), T, L.input_norm, d.h.data())) != 0) return rc;
-  if ((rc = ts_packed_gemv(dt, d.h.data(), H, T, L.qkv, rows, H, L.qkv_bias, d.qkv.data(), rows)) != 0) return rc;
+  if ((rc = linear(d, d.h.data(), H, T, L.qkv, rows, H, L.qkv_bias, d.qkv.data(), rows)) != 0) return rc;
   const char* q = d.qkv.data();
   const char* k = q + q_size * d.elem;
   const char* v = k + kv_size * d.elem;
@@ -232,13 +263,12 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
   if ((rc = ts_step_attention(attention, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd,
                               T, d.heads, hd, L.window, d.attn.data())) != 0)
     return rc;
-  if ((rc = ts_packed_gemv(dt, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
+  if ((rc = linear(d, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   if ((rc = norm(d, d.x.data(), T, L.post_norm, d.h.data())) != 0) return rc;
-  if ((rc = ts_packed_gemv(dt, d.h.data(), H, T, L.gate_up, 2 * I, H, nullptr, d.gate_up.data(), 2 * I)) != 0)
-    return rc;
-  silu_mul(d.gate_up.data(), d.act.data(), T, I, dt, at::get_num_threads());
-  if ((rc = ts_packed_gemv(dt, d.act.data(), I, T, L.down, H, I, nullptr, d.h.data(), H)) != 0) return rc;
+  if ((rc = linear(d, d.h.data(), H, T, L.gate_up, 2 * I, H, nullptr, d.gate_up.data(), 2 * I)) != 0) return rc;
+  silu_mul(d.gate_up.data(), d.act.data(), T, I, dt, d.silu_lanes, at::get_num_threads());
+  if ((rc = linear(d, d.act.data(), I, T, L.down, H, I, nullptr, d.h.data(), H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   return 0;
 }
@@ -263,7 +293,7 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   }
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
   if (rc != 0) return rc;
-  rc = ts_packed_gemv(d.dtype, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
+  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
   if (rc != 0 || argmax == nullptr) return rc;
   return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
 }
@@ -360,11 +390,15 @@ void stop_async(Decoder& d) {
 
 extern "C" {
 
-// Whether this build and CPU run the decoder: 1, else 0 (no AVX-512, or no PyTorch exp to match).
+// The widths of PyTorch's vectorised exp whose SiLU the decoder can reproduce on this build and CPU: 16 (AVX-512)
+// and 8 (AVX2 and FMA) as bits; 0 where it does not run (no AVX2, or no PyTorch exp to match).
 int ts_decoder_available() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && Sleef_expf16_u10 != nullptr ? 1 : 0;
+  int lanes = 0;
+  if (__builtin_cpu_supports("avx512f") && Sleef_expf16_u10 != nullptr) lanes |= 16;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && Sleef_expf8_u10 != nullptr) lanes |= 8;
+  return lanes;
 #else
   return 0;
 #endif
@@ -373,7 +407,9 @@ int ts_decoder_available() {
 // model: kModelFields int64 (ModelField; addresses as integers); layers: num_layers x kLayerFields. Returns the
 // decoder, or null for a field out of range.
 void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num_layers, float eps) {
-  if (!ts_decoder_available() || (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1) return nullptr;
+  if ((model[kSiluLanes] != 8 && model[kSiluLanes] != 16) || !(ts_decoder_available() & model[kSiluLanes]) ||
+      (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1)
+    return nullptr;
   auto* d = new Decoder;
   auto ptr = [](int64_t address) { return reinterpret_cast<const void*>(address); };
   d->dtype = static_cast<int>(model[kDtype]);
@@ -381,6 +417,8 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->hidden = model[kHidden], d->heads = model[kHeads], d->kv_heads = model[kKvHeads], d->head_dim = model[kHeadDim];
   d->intermediate = model[kIntermediate], d->vocab = model[kVocab], d->lanes = model[kLanes];
   d->positions = model[kPositions];
+  d->silu_lanes = static_cast<int>(model[kSiluLanes]);
+  d->blocked = model[kBlocked] != 0;
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));
@@ -473,11 +511,12 @@ int ts_decoder_wait(void* decoder, int64_t ticket) {
 #endif
 }
 
-// silu_mul alone, for the check that it reproduces PyTorch's `F.silu(gate) * up` on this machine
-// (native_decoder.py): gate_up [tokens, 2 * intermediate] -> out [tokens, intermediate]
-int ts_decoder_silu_mul(int dtype, const void* gate_up, int64_t tokens, int64_t intermediate, void* out) {
-  if (!ts_decoder_available() || (dtype != 0 && dtype != 1)) return -1;
-  silu_mul(gate_up, out, tokens, intermediate, dtype, at::get_num_threads());
+// silu_mul alone with PyTorch's exp of `lanes` floats, for the check that it reproduces PyTorch's
+// `F.silu(gate) * up` on this machine (native_decoder.py): gate_up [tokens, 2 * intermediate] -> out
+// [tokens, intermediate]
+int ts_decoder_silu_mul(int dtype, int lanes, const void* gate_up, int64_t tokens, int64_t intermediate, void* out) {
+  if ((lanes != 8 && lanes != 16) || !(ts_decoder_available() & lanes) || (dtype != 0 && dtype != 1)) return -1;
+  silu_mul(gate_up, out, tokens, intermediate, dtype, lanes, at::get_num_threads());
   return 0;
 }
 

@@ -9,8 +9,9 @@ head's rows. It calls the kernels the eager forward calls, in its order, and rou
 this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py).
 
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
-linear weight packed for the GEMV kernel; `NativeDecoder.build` returns None for anything else (experts, attention
-sinks, a rank of a parallel layout, a CPU without AVX-512), which keeps its forward.
+linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2); `NativeDecoder.build`
+returns None for anything else (experts, attention sinks, a rank of a parallel layout, a CPU without AVX2), which
+keeps its forward.
 
 With asynchronous scheduling a step is launched instead (`launch`): it runs on a thread of the decoder's own while the
 engine schedules and prepares the next step, and the engine's thread helps with its GEMVs once it waits for it
@@ -39,7 +40,7 @@ from torch_shift.models.rope import RotaryEmbedding
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
-                 "embed", "final_norm", "lm_head", "cos_sin")
+                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down")
 
@@ -66,14 +67,16 @@ class NativeDecoder:
             return None
         config = model.config
         dtype = model.embed_tokens.weight.dtype
-        if not _silu_mul_matches(dtype, config.intermediate_size):
+        silu_lanes = _silu_lanes(dtype, config.intermediate_size)
+        if silu_lanes is None:
             return None
         model_fields = dict(
             dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             vocab=config.vocab_size, lanes=_sum_lanes(), positions=model.rotary.cos_sin.shape[1],
             embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
-            lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr())
+            lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes,
+            blocked=int(model.lm_head.packed.blocked))
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -202,12 +205,13 @@ def _supported(model: torch.nn.Module) -> bool:
     config = model.config
     embed = model.embed_tokens.weight
     dtype, eps = embed.dtype, config.rms_norm_eps
+    blocked = getattr(getattr(model.lm_head, "packed", None), "blocked", False)  # every weight alike, checked below
     if (embed.device.type != "cpu" or dtype not in _DTYPE_CODES or not embed.is_contiguous()
             or config.sparse_layers or config.attention_sinks or config.head_dim % 2
             or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
             or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
             or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
-            or not _gemv_ok(model.lm_head, dtype, bias=False)):
+            or not _gemv_ok(model.lm_head, dtype, blocked, bias=False)):
         return False
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
@@ -216,8 +220,10 @@ def _supported(model: torch.nn.Module) -> bool:
                 or not _norm_ok(layer.post_attention_norm, dtype, eps)
                 or (attn.q_norm is not None
                     and not (_norm_ok(attn.q_norm, dtype, eps) and _norm_ok(attn.k_norm, dtype, eps)))
-                or not _gemv_ok(attn.qkv_proj, dtype, bias=True) or not _gemv_ok(attn.o_proj, dtype, bias=True)
-                or not _gemv_ok(mlp.gate_up_proj, dtype, bias=False) or not _gemv_ok(mlp.down_proj, dtype, bias=False)
+                or not _gemv_ok(attn.qkv_proj, dtype, blocked, bias=True)
+                or not _gemv_ok(attn.o_proj, dtype, blocked, bias=True)
+                or not _gemv_ok(mlp.gate_up_proj, dtype, blocked, bias=False)
+                or not _gemv_ok(mlp.down_proj, dtype, blocked, bias=False)
                 or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
                     config.num_attention_heads, config.num_key_value_heads, config.head_dim)):
             return False
@@ -228,12 +234,13 @@ def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype and norm.weight.is_contiguous() and norm.eps == eps
 
 
-def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, bias: bool) -> bool:
+def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, blocked: bool, bias: bool) -> bool:
+    """Whether the decoder runs `linear` as the forward does: its weight packed for the GEMV on oneDNN's layout, or
+    in the 16-feature blocks (`blocked`, as every other weight of the model)."""
     packed = getattr(linear, "packed", None)
-    # the decoder calls the GEMV on oneDNN's layouts (not the blocked bf16 one: its CPUs have no AVX-512 either)
     return (type(linear) is Linear and packed is not None and packed.gemv is not None and packed.dtype == dtype
-            and not packed.blocked and packed.native and (linear.bias is None or (bias and linear.bias.dtype == dtype
-                                                           and linear.bias.is_contiguous())))
+            and packed.blocked == blocked and packed.native
+            and (linear.bias is None or (bias and linear.bias.dtype == dtype and linear.bias.is_contiguous())))
 
 
 def _gemv_address(linear: Linear) -> int:
@@ -245,10 +252,20 @@ def _address(tensor: torch.Tensor | None) -> int:
 
 
 @cache
-def _silu_mul_matches(dtype: torch.dtype, intermediate: int) -> bool:
-    """Whether the C++ `silu(gate) * up` is bitwise PyTorch's on this machine for rows of `intermediate`: every
-    finite bfloat16 (as gate, with up 1 and random), or a spread of float32 values over the whole range."""
+def _silu_lanes(dtype: torch.dtype, intermediate: int) -> int | None:
+    """The width of PyTorch's vectorised exp (16: AVX-512, 8: AVX2) with which the C++ `silu(gate) * up` is bitwise
+    PyTorch's on this machine for rows of `intermediate` (PyTorch may run its AVX2 build on an AVX-512 CPU), or None."""
     kernels = decoder_kernels()
+    for lanes in (16, 8):
+        if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes):
+            return lanes
+    return None
+
+
+def _silu_mul_matches(kernels: DecoderKernels, dtype: torch.dtype, intermediate: int, lanes: int) -> bool:
+    """Whether the C++ `silu(gate) * up` with an exp of `lanes` floats is bitwise PyTorch's for rows of
+    `intermediate`: every finite bfloat16 (as gate, with up 1 and random), or a spread of float32 values over the
+    whole range."""
     generator = torch.Generator().manual_seed(0)
     if dtype == torch.bfloat16:
         gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -262,7 +279,7 @@ def _silu_mul_matches(dtype: torch.dtype, intermediate: int) -> bool:
         gate_up = torch.cat([gate, up], dim=1)
         expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         out = torch.empty_like(expected)
-        if kernels.silu_mul(_DTYPE_CODES[dtype], gate_up.data_ptr(), rows, intermediate, out.data_ptr()) != 0:
+        if kernels.silu_mul(_DTYPE_CODES[dtype], lanes, gate_up.data_ptr(), rows, intermediate, out.data_ptr()) != 0:
             return False
         if not torch.equal(out, expected):
             return False
