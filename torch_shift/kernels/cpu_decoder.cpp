@@ -201,9 +201,9 @@ void silu_segment(const void* gate, int64_t begin, int64_t n, int dtype, int lan
 // out[t, :I] = silu(gate_up[t, :I]) * gate_up[t, I:], each operator's result rounded to the dtype, as
 // `F.silu(gate) * up` computes it on a thread running `threads` OpenMP threads. PyTorch's silu takes a row's elements
 // in runs of two vectors (with AVX-512: 32 floats, or 64 bfloat16 as two float halves; half that with AVX2) with its
-// vectorised exp of `lanes` floats, and the rest one at a time with std::exp, which rounds some values differently; and above 32768 elements TensorIterator splits the
-// elements into one equal part per thread (at::parallel_for), a part may start inside a row, and each piece of a row
-// starts its runs where it starts.
+// vectorised exp of `lanes` floats, and the rest one at a time with std::exp, which rounds some values differently;
+// and above 32768 elements TensorIterator splits the elements into one equal part per thread (at::parallel_for), a
+// part may start inside a row, and each piece of a row starts its runs where it starts.
 void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dtype, int lanes, int threads) {
   constexpr int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE
   const int64_t numel = tokens * I;
