@@ -198,8 +198,8 @@ def test_a_module_parallelized_over_one_rank_schedules_asynchronously(llama):
 
 def test_a_module_on_the_cpu_is_served_there_beside_a_gpu(llama, monkeypatch):
     """A module's parameters place the engine: where a GPU exists, a module on the CPU runs on the CPU, with no
-    CUDA graphs or asynchronous scheduling (on an H100 the engine took CUDA's defaults for such a module and
-    failed at start-up)."""
+    CUDA graphs and the CPU's choice of asynchronous scheduling (on where the C++ decoder runs its steps), not
+    CUDA's (on an H100 the engine took CUDA's defaults for such a module and failed at start-up)."""
     import torch
     from conftest import random_prompts
 
@@ -211,7 +211,8 @@ def test_a_module_on_the_cpu_is_served_there_beside_a_gpu(llama, monkeypatch):
     llm = LLM(cpu.engine.model.model, tokenizer=model_dir, num_kv_blocks=64)
     config = llm.engine.config
     assert torch.device(config.runner.device).type == "cpu"
-    assert not config.runner.cuda_graphs and not config.scheduler.async_scheduling
+    assert not config.runner.cuda_graphs
+    assert config.scheduler.async_scheduling is cpu.engine.config.scheduler.async_scheduling
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
 
 
