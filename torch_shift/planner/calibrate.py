@@ -336,10 +336,11 @@ def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> di
             vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=4096))
         for n in OVERHEAD_BATCHES:
-            # no CUDA graphs: a graph would replay the real model's kernels, not the null model
+            # no CUDA graphs: a graph would replay the real model's kernels, not the null model; no C++ decoder,
+            # which would run (and launch) the real model's small steps
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
                       num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False,
-                      device=device, cuda_graphs=False)
+                      device=device, cuda_graphs=False, native_decode=False)
             engine = llm.engine
             engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model, device)
             params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)
