@@ -179,6 +179,14 @@ struct Piece {
   int64_t n;  // valid keys (<= kLanes)
 };
 
+// A partial piece's keys as float32 in `padded` (D x kLanes, dim-major), zeros past its n keys, never reading them
+template <typename KT, typename VT>
+inline void pad_keys(const Piece<KT, VT>& piece, int64_t D, int64_t key_dim_stride, float* padded) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j = 0; j < kLanes; ++j)
+      padded[d * kLanes + j] = j < piece.n ? to_float(piece.keys[d * key_dim_stride + j]) : 0.f;
+}
+
 // The next chunk's keys and values, requested a few cache lines at a time from inside the loops over the
 // current chunk. A sequence's blocks are scattered in the pool, so the hardware's prefetchers start over at
 // each one; requested all at once, a chunk's lines fill the core's miss buffers and stall it until they
@@ -258,12 +266,7 @@ template <int RB, int NF, bool PARTIAL, typename KT, typename VT>
 inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t key_dim_stride,
                          float* padded, Prefetcher& prefetcher, vfloat (&scores)[RB][kPieces]) {
   const int64_t D = rows.head_dim;
-  if (PARTIAL) {
-    const KT* keys = pieces[NF].keys;
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = 0; j < kLanes; ++j)
-        padded[d * kLanes + j] = j < pieces[NF].n ? to_float(keys[d * key_dim_stride + j]) : 0.f;
-  }
+  if (PARTIAL) pad_keys(pieces[NF], D, key_dim_stride, padded);
   const float* q = rows.q + r0 * D;
   for (int64_t d = 0; d < D; ++d) {
     prefetcher.step();
@@ -512,9 +515,7 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     for (int64_t s = 0; s < num_pieces; ++s) {  // the next chunk requested during the first piece
       Prefetcher* requests = s == 0 ? &prefetcher : nullptr;
       if (pieces[s].n < kLanes) {
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t j = 0; j < kLanes; ++j)
-            padded[d * kLanes + j] = j < pieces[s].n ? to_float(pieces[s].keys[d * key_dim_stride + j]) : 0.f;
+        pad_keys(pieces[s], D, key_dim_stride, padded);
         piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, requests);
       } else {
         piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, requests);
@@ -541,9 +542,8 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     for (int64_t s = 0; s < num_pieces; ++s) {
       const KT* keys = pieces[s].keys;
       int64_t stride = key_dim_stride;
-      if (pieces[s].n < kLanes) {  // a partial piece: its keys padded with zeros, never reading past them
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t j = 0; j < kLanes; ++j) padded[d * kLanes + j] = j < pieces[s].n ? to_float(keys[d * stride + j]) : 0.f;
+      if (pieces[s].n < kLanes) {
+        pad_keys(pieces[s], D, stride, padded);
 #ifdef TS_AVX2_TILES
         piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, nullptr);
         continue;
