@@ -72,6 +72,23 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked):
     assert torch.equal(packed(x.reshape(4, -1, 128), None), together.reshape(4, -1, 256))
 
 
+@pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):
+    """The blocked kernel's matmul (K in runs of 256, x packed, sums waiting in float32 between runs) gives every row
+    the bits the GEMV gives it alone: a prefill chunk and a decode step compute a token alike. K of 600 (a partial
+    run), 40 features (a partial block), rows that are no multiple of the 6-row panels, a strided input."""
+    torch.manual_seed(2)
+    weight = torch.randn(40, 600).to(dtype)
+    bias = torch.randn(40).to(dtype)
+    packed = PackedWeight(weight, blocked=True)
+    x = torch.randn(131, 700).to(dtype)[:, :600]
+    for b in (None, bias):
+        together = packed(x, b)
+        assert_close(together, reference(x, weight, b), dtype, 600)
+        for row in (0, 1, 5, 6, 97, 130):
+            assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), row
+
 def test_a_weight_packed_in_another_layout_keeps_onednn():
     """The layout check reads the real weight: a packed tensor whose elements are not where the kernel's
     formula puts them gives no kernel."""

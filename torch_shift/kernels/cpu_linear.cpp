@@ -142,21 +142,16 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
 // blocked layout, 16 output features a block, each block's rows of K contiguous:
 //   element (n, k) at ((n / 16) * K + k) * 16 + n % 16
 // float32, or bfloat16 where oneDNN would emulate bf16 at a sixth of its float32 rate (docs/performance.md, issue 20).
-// A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a panel (the matmul);
-// products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once (as the
-// bf16 dot-product instructions do). On 2 Zen 3 cores: 106-156 GFLOP/s at 512 rows (oneDNN's float32: 110-134),
-// 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
+// A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a run of k-steps (the
+// matmul); products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once
+// (as the bf16 dot-product instructions do). On 2 Zen 3 cores: 140-183 GFLOP/s at 512 rows (oneDNN's float32:
+// 120-150), 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
 namespace avx2 {
 
 #define TS_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int64_t kBlock16 = 16;
 constexpr int kRows16 = 6;  // 6 x 2 accumulators, 2 weight vectors and x: 15 of the 16 AVX2 registers
-// a matmul of more rows runs in panels of rows whose x takes up to this many bytes, every weight block read (and
-// converted into float32) once a panel (`gemm`). A prefill's weights come from memory, not the caches: 8 layers of
-// the 106M model at 512 rows ran 1.10-1.15x faster with panels of 0.5-4 MiB (x read from L3) than of 192 KiB (x in
-// a Zen 3 core's L2, each weight read 11 times), level between 0.5 and 4 MiB
-constexpr int64_t kPanelBytes = int64_t(1024) << 10;
 
 TS_AVX2 inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -260,27 +255,140 @@ TS_AVX2 void convert_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int
   }
 }
 
-// One block of 16 features in float32 (16 x K), for the rows of a panel
-TS_AVX2 void convert_block(const uint16_t* w, int64_t K, float* wf) {
-  for (int64_t i = 0; i < K * kBlock16; i += 8) _mm256_storeu_ps(wf + i, bf16x8(w + i));
+// The matmul of many rows, in the loops of BLIS (Van Zee and van de Geijn, ACM TOMS 41(3), 2015): x packed once a
+// call into panels of 6 rows, each run of kKc k-steps k-major (`pack_x`); the weights' blocks already hold a run of
+// kKc k-steps of 16 features contiguous (a micro-panel: 16 KiB of float32, which stays in L1 while every panel of a
+// row block runs against it), bfloat16 micro-panels converted once a run; a row block's packed x (kMcPanels panels,
+// 120 KiB) stays in L2 while the kNcBlocks micro-panels of a chunk of blocks run against it, and those (128 KiB) are
+// read from memory once a run and from L2 for the later row blocks. The sums of a 6 x 16 tile run in registers over
+// a run of k-steps and wait in float32 between runs (`tile`), so that every output is the same chain of FMAs in k
+// order as the GEMV's (rows_of_block): a row's result does not depend on how many rows the call has. The weights
+// were read from L2 by every group of 6 rows before (16 x K floats a block, 64-180 KiB): 2 threads at 512 rows ran
+// 128-134 GFLOP/s on the 106M model's float32 shapes against 175-183 for the bfloat16 ones, whose converted block
+// stayed in L2 (docs/performance.md, issue 20).
+constexpr int64_t kKc = 256;
+constexpr int64_t kMcPanels = 20;
+constexpr int64_t kNcBlocks = 8;
+
+// xp[((c * panels + p) * kKc + kk) * 6 + r] = x[6 p + r, c kKc + kk] as float32, rows past the last zero
+template <typename T>
+TS_AVX2 void pack_x(const T* x, int64_t x_stride, int64_t rows, int64_t K, float* xp) {
+  const int64_t panels = (rows + kRows16 - 1) / kRows16, chunks = (K + kKc - 1) / kKc;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t valid = std::min<int64_t>(kRows16, rows - p * kRows16);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * kKc, kc = std::min(kKc, K - k0);
+        float* dst = xp + (c * panels + p) * kKc * kRows16;
+        for (int64_t r = 0; r < kRows16; ++r) {
+          if (r >= valid) {
+            for (int64_t kk = 0; kk < kc; ++kk) dst[kk * kRows16 + r] = 0.0f;
+            continue;
+          }
+          const T* src = x + (p * kRows16 + r) * x_stride + k0;
+          for (int64_t kk = 0; kk < kc; ++kk) {
+            if constexpr (std::is_same<T, float>::value) {
+              dst[kk * kRows16 + r] = src[kk];
+            } else {
+              const uint32_t bits = uint32_t(src[kk]) << 16;
+              std::memcpy(dst + kk * kRows16 + r, &bits, sizeof(float));
+            }
+          }
+        }
+      }
+    }
+  });
 }
 
-// A matmul of many rows: the blocks split between torch's threads, each thread's blocks run for one panel of rows at
-// a time (its x in L2), each bfloat16 block converted once a panel
+// c (6 x 16 float32 sums, row-major) += a panel of packed x (kc x 6) times a micro-panel (kc x 16); from zero for
+// the first run of k-steps
+template <bool kFirst>
+TS_AVX2 void tile(const float* xp, const float* w, int64_t kc, float* c) {
+  __m256 acc[kRows16][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows16; ++r) {
+    acc[r][0] = kFirst ? _mm256_setzero_ps() : _mm256_load_ps(c + r * kBlock16);
+    acc[r][1] = kFirst ? _mm256_setzero_ps() : _mm256_load_ps(c + r * kBlock16 + 8);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kBlock16), w1 = _mm256_loadu_ps(w + k * kBlock16 + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kRows16; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xp + k * kRows16 + r);
+      acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows16; ++r) {
+    _mm256_store_ps(c + r * kBlock16, acc[r][0]);
+    _mm256_store_ps(c + r * kBlock16 + 8, acc[r][1]);
+  }
+}
+
+// A buffer of a thread, 64-byte aligned, that lives from call to call (a fresh one a call would page-fault its memory
+// in every time)
+inline float* scratch(std::vector<float>& buffer, int64_t floats) {
+  if (int64_t(buffer.size()) < floats + 16) buffer.resize(floats + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+}
+
+// A matmul of many rows: x packed (pack_x), the blocks split between torch's threads, each thread's blocks run a
+// chunk of kNcBlocks at a time
 template <typename T>
-void gemm(const float* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
+void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
           int64_t out_stride) {
-  const int64_t panel = std::max<int64_t>(kRows16, kPanelBytes / (K * int64_t(sizeof(float))) / kRows16 * kRows16);
+  const int64_t panels = (rows + kRows16 - 1) / kRows16, chunks = (K + kKc - 1) / kKc;
+  thread_local std::vector<float> packed;
+  float* xp = scratch(packed, chunks * panels * kKc * kRows16);
+  pack_x(x, x_stride, rows, K, xp);
   at::parallel_for(0, (N + kBlock16 - 1) / kBlock16, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(std::is_same<T, float>::value ? 0 : kBlock16 * K);
-    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
-      const int64_t p1 = std::min(rows, p0 + panel);
-      for (int64_t b = begin; b < end; ++b) {
-        if constexpr (std::is_same<T, float>::value) {
-          rows_range(x, x_stride, p0, p1, w + b * kBlock16 * K, K, bias, out, out_stride, b, N);
-        } else {
-          convert_block(w + b * kBlock16 * K, K, wf.data());
-          rows_range(x, x_stride, p0, p1, wf.data(), K, bias, out, out_stride, b, N);
+    thread_local std::vector<float> sums_buffer, converted_buffer;
+    float* sums = scratch(sums_buffer, kNcBlocks * panels * kRows16 * kBlock16);  // [block][row][16]
+    float* converted = std::is_same<T, float>::value ? nullptr : scratch(converted_buffer, kNcBlocks * kKc * kBlock16);
+    for (int64_t b0 = begin; b0 < end; b0 += kNcBlocks) {
+      const int64_t blocks = std::min(kNcBlocks, end - b0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * kKc, kc = std::min(kKc, K - k0);
+        const float* panel_of[kNcBlocks];
+        for (int64_t j = 0; j < blocks; ++j) {
+          const T* panel = w + ((b0 + j) * K + k0) * kBlock16;
+          if constexpr (std::is_same<T, float>::value) {
+            panel_of[j] = panel;
+          } else {
+            float* dst = converted + j * kKc * kBlock16;
+            for (int64_t i = 0; i < kc * kBlock16; i += 8) _mm256_store_ps(dst + i, bf16x8(panel + i));
+            panel_of[j] = dst;
+          }
+        }
+        for (int64_t p0 = 0; p0 < panels; p0 += kMcPanels) {
+          const int64_t p1 = std::min(panels, p0 + kMcPanels);
+          for (int64_t j = 0; j < blocks; ++j) {
+            float* block_sums = sums + j * panels * kRows16 * kBlock16;
+            for (int64_t p = p0; p < p1; ++p) {
+              const float* xc = xp + (c * panels + p) * kKc * kRows16;
+              float* tile_sums = block_sums + p * kRows16 * kBlock16;
+              if (c == 0)
+                tile<true>(xc, panel_of[j], kc, tile_sums);
+              else
+                tile<false>(xc, panel_of[j], kc, tile_sums);
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t n = (b0 + j) * kBlock16, width = std::min(kBlock16, N - n);
+        T bias_block[kBlock16] = {};
+        if (bias) std::memcpy(bias_block, bias + n, width * sizeof(T));
+        const __m256 bias0 = load8(bias_block), bias1 = load8(bias_block + 8);
+        const float* block_sums = sums + j * panels * kRows16 * kBlock16;
+        for (int64_t r = 0; r < rows; ++r) {
+          T* o = out + r * out_stride + n;
+          T part[kBlock16];
+          T* to = width == kBlock16 ? o : part;
+          store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16), bias0), to);
+          store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16 + 8), bias1), to + 8);
+          if (to == part) std::memcpy(o, part, width * sizeof(T));
         }
       }
     }
@@ -716,6 +824,15 @@ int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t ro
                       int64_t K, const void* bias, void* out, int64_t out_row_stride, int64_t gemv_rows) {
   static const bool supported = ts_packed_gemv_dtypes() & 4;
   if (!supported || rows < 1 || K < 1 || (dtype != 0 && dtype != 1)) return -1;
+  if (rows > gemv_rows) {
+    if (dtype == 1)
+      avx2::gemm(static_cast<const uint16_t*>(x), x_row_stride, rows, static_cast<const uint16_t*>(weight), N, K,
+                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_row_stride);
+    else
+      avx2::gemm(static_cast<const float*>(x), x_row_stride, rows, static_cast<const float*>(weight), N, K,
+                 static_cast<const float*>(bias), static_cast<float*>(out), out_row_stride);
+    return 0;
+  }
   const float* xf = static_cast<const float*>(x);
   int64_t xf_stride = x_row_stride;
   thread_local std::vector<float> converted;
@@ -725,14 +842,7 @@ int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t ro
     xf = converted.data();
     xf_stride = K;
   }
-  if (rows <= gemv_rows)
-    run_matmul({dtype == 1 ? 2 : 3, xf, xf_stride, rows, weight, N, K, bias, out, out_row_stride});
-  else if (dtype == 1)
-    avx2::gemm(xf, xf_stride, rows, static_cast<const uint16_t*>(weight), N, K, static_cast<const uint16_t*>(bias),
-               static_cast<uint16_t*>(out), out_row_stride);
-  else
-    avx2::gemm(xf, xf_stride, rows, static_cast<const float*>(weight), N, K, static_cast<const float*>(bias),
-               static_cast<float*>(out), out_row_stride);
+  run_matmul({dtype == 1 ? 2 : 3, xf, xf_stride, rows, weight, N, K, bias, out, out_row_stride});
   return 0;
 }
 
