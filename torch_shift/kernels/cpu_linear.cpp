@@ -170,71 +170,89 @@ TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
   _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(packed));
 }
 
-// R rows of x (float32) against one block of 16 features, its K rows bf16 (`W` uint16_t) or float32 (a block
-// converted for a panel); y: R x 16 float32 sums
-template <int R, typename W>
-TS_AVX2 void rows_of_block(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
-  __m256 acc[R][2];
+// R rows of x (float32) against B consecutive blocks of 16 features, their K rows bf16 (`W` uint16_t) or float32;
+// y: R rows of B x 16 float32 sums, kPair apart. Each sum is one chain of FMAs in k order whatever R and B: two blocks
+// at a time give one to three rows twice the chains to interleave, whose FMA latency (4 cycles on Zen 3) held the
+// GEMV below the rate memory streams: 8 layers of the 106M model, 2 threads, 1.10-1.29x at one row, 1.14-1.19x at
+// two, 1.0-1.15x at three (docs/performance.md, issue 20).
+constexpr int64_t kPair = 2 * kBlock16;
+template <int R, int B, typename W>
+TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
+  __m256 acc[R][2 * B];
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    __m256 w0, w1;
-    if constexpr (sizeof(W) == 2) {
-      w0 = bf16x8(w + k * kBlock16);
-      w1 = bf16x8(w + k * kBlock16 + 8);
-    } else {
-      w0 = _mm256_loadu_ps(w + k * kBlock16);
-      w1 = _mm256_loadu_ps(w + k * kBlock16 + 8);
+    __m256 wv[2 * B];
+#pragma GCC unroll 4
+    for (int v = 0; v < 2 * B; ++v) {
+      const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
+      if constexpr (sizeof(W) == 2)
+        wv[v] = bf16x8(at);
+      else
+        wv[v] = _mm256_loadu_ps(at);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
-      acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xv, acc[r][v]);
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * kBlock16, acc[r][0]);
-    _mm256_storeu_ps(y + r * kBlock16 + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < 2 * B; ++v) _mm256_storeu_ps(y + r * kPair + v * 8, acc[r][v]);
 }
 
-// The block's 16 outputs of a row, bias added: float32 stored, bfloat16 rounded
+// The outputs of a row, bias added: float32 stored, bfloat16 rounded
 TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 TS_AVX2 inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
 TS_AVX2 inline void store8(__m256 v, float* out) { _mm256_storeu_ps(out, v); }
 TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 
-// rows [r0, r1) of x (float32, rows x_stride apart) against block b (its weights `w`: bfloat16, or float32 as stored
-// or converted), bias added, into out (T: float32 or bfloat16); the last block of N features not a multiple of 16 is
-// padded with zero weights, and only its N % 16 outputs stored
+// R rows of x against the one or two blocks of 16 features that start at `w`
+template <int R, typename W>
+TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y) {
+  if (blocks == 2 && R <= 3) {
+    rows_of_blocks<R, 2>(x, x_stride, w, K, y);
+    return;
+  }
+  for (int64_t s = 0; s < blocks; ++s) rows_of_blocks<R, 1>(x, x_stride, w + s * kBlock16 * K, K, y + s * kBlock16);
+}
+
+// rows [r0, r1) of x (float32, rows x_stride apart) against pair p of blocks (features [32 p, 32 p + 32), weights
+// `w`: bfloat16 or float32), bias added, into out (T: float32 or bfloat16); the last block of N features not a
+// multiple of 16 is padded with zero weights, and only its N % 16 outputs stored; the last pair of an odd number of
+// blocks is one block
 template <typename W, typename T>
 TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1, const W* w, int64_t K,
-                        const T* bias, T* out, int64_t out_stride, int64_t b, int64_t N) {
-  alignas(32) float y[kRows16 * kBlock16];
-  const int64_t n = b * kBlock16, width = std::min(kBlock16, N - n);
-  T bias_block[kBlock16] = {};
-  if (bias) std::memcpy(bias_block, bias + n, width * sizeof(T));
-  const __m256 bias0 = load8(bias_block), bias1 = load8(bias_block + 8);
+                        const T* bias, T* out, int64_t out_stride, int64_t p, int64_t N) {
+  alignas(32) float y[kRows16 * kPair];
+  const int64_t n = p * kPair, width = std::min(kPair, N - n), blocks = (width + kBlock16 - 1) / kBlock16;
+  T bias_pair[kPair] = {};
+  if (bias) std::memcpy(bias_pair, bias + n, width * sizeof(T));
+  __m256 bias_v[4];
+  for (int v = 0; v < 4; ++v) bias_v[v] = load8(bias_pair + v * 8);
   const int64_t groups = (r1 - r0 + kRows16 - 1) / kRows16;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t rows = (r1 - r0) / (groups - g);  // groups as equal as they can be
     const float* xr = x + r0 * x_stride;
     switch (rows) {
-      case 1: rows_of_block<1>(xr, x_stride, w, K, y); break;
-      case 2: rows_of_block<2>(xr, x_stride, w, K, y); break;
-      case 3: rows_of_block<3>(xr, x_stride, w, K, y); break;
-      case 4: rows_of_block<4>(xr, x_stride, w, K, y); break;
-      case 5: rows_of_block<5>(xr, x_stride, w, K, y); break;
-      default: rows_of_block<6>(xr, x_stride, w, K, y); break;
+      case 1: rows_of_pair<1>(xr, x_stride, w, K, blocks, y); break;
+      case 2: rows_of_pair<2>(xr, x_stride, w, K, blocks, y); break;
+      case 3: rows_of_pair<3>(xr, x_stride, w, K, blocks, y); break;
+      case 4: rows_of_pair<4>(xr, x_stride, w, K, blocks, y); break;
+      case 5: rows_of_pair<5>(xr, x_stride, w, K, blocks, y); break;
+      default: rows_of_pair<6>(xr, x_stride, w, K, blocks, y); break;
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* o = out + (r0 + r) * out_stride + n;
-      T part[kBlock16];
-      T* to = width == kBlock16 ? o : part;
-      store8(_mm256_add_ps(_mm256_load_ps(y + r * kBlock16), bias0), to);
-      store8(_mm256_add_ps(_mm256_load_ps(y + r * kBlock16 + 8), bias1), to + 8);
+      T part[kPair];
+      T* to = width == kPair ? o : part;
+      for (int64_t v = 0; v < blocks * 2; ++v)
+        store8(_mm256_add_ps(_mm256_load_ps(y + r * kPair + v * 8), bias_v[v]), to + v * 8);
       if (to == part) std::memcpy(o, part, width * sizeof(T));
     }
     r0 += rows;
@@ -397,7 +415,7 @@ void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int
 
 }  // namespace avx2
 
-// out[rows, N] = x @ W.T (+ bias) for one block b of W, in the job's dtype
+// out[rows, N] = x @ W.T (+ bias) for one block b of W (avx2: a pair of 16-feature blocks), in the job's dtype
 struct Matmul {
   // 0 float32, 1 bfloat16 (oneDNN's layouts); in 16-feature blocks (avx2), x in float32: 2 bfloat16, 3 float32
   int dtype;
@@ -412,11 +430,11 @@ struct Matmul {
   void block(int64_t b) const {
     if (dtype == 2)
       avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
-                       static_cast<const uint16_t*>(w) + b * avx2::kBlock16 * K, K, static_cast<const uint16_t*>(bias),
+                       static_cast<const uint16_t*>(w) + b * avx2::kPair * K, K, static_cast<const uint16_t*>(bias),
                        static_cast<uint16_t*>(out), out_stride, b, N);
     else if (dtype == 3)
       avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
-                       static_cast<const float*>(w) + b * avx2::kBlock16 * K, K, static_cast<const float*>(bias),
+                       static_cast<const float*>(w) + b * avx2::kPair * K, K, static_cast<const float*>(bias),
                        static_cast<float*>(out), out_stride, b, N);
     else if (dtype == 0)
       rows_of_block<F32Rows>(static_cast<const float*>(x), x_stride, rows, static_cast<const float*>(w), K,
@@ -425,7 +443,7 @@ struct Matmul {
       rows_of_block<Bf16Rows>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                               static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
   }
-  int64_t block_width() const { return dtype >= 2 ? avx2::kBlock16 : kBlock; }
+  int64_t block_width() const { return dtype >= 2 ? avx2::kPair : kBlock; }
   int64_t blocks() const { return (N + block_width() - 1) / block_width(); }  // dtype 0 and 1: N % 64 == 0
   int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
 };
