@@ -223,3 +223,22 @@ def test_bench_linear_prints_every_shape_and_row_count(capsys):
     assert len(lines) == 2 * len(SHAPES)
     expected = "blocks" if BLOCKED and not gemv_expected(torch.float32) else "oneDNN"
     assert all(line.split()[-1] == expected for line in lines)
+
+
+@pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")
+def test_ab_cpu_linear_builds_both_revisions_and_compares_their_bits(capsys):
+    """bench/ab_cpu_linear.py (the A/B figures in docs/performance.md): this tree's kernel and HEAD's, built apart and
+    loaded into one process, a line per dtype and row count with both rates and whether their outputs agree."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    sys.path.insert(0, str(root / "bench"))
+    from ab_cpu_linear import main
+
+    assert main(["--base", "HEAD", "--rows", "1,17", "--dtypes", "float32", "--layers", "1", "--repeats", "1"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
+    assert [line[1] for line in lines] == ["1", "17"]
+    assert all(float(line[-2]) > 0 and line[-1] in ("True", "False") for line in lines)
