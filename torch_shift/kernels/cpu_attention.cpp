@@ -423,11 +423,6 @@ inline void chunk_softmax(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, i
 template <typename T>
 constexpr bool kAvx2Type = std::is_same<T, float>::value || std::is_same<T, bf16_t>::value;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 // scores[r][s] of rows [0, RB) (their queries `q`, D apart) against one piece of 16 keys, dim-major `stride` apart;
 // a decode item's loop also requests the next chunk as it goes (`prefetcher`, for one piece of the chunk)
 template <int RB, typename KT>

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -56,6 +56,15 @@ inline vfloat load16(const bf16_t* p) {
   vfloat v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+}
+#endif
+
+#if defined(__x86_64__)
+// 8 consecutive values as float32 in one AVX2 register; callable from code built for AVX2 by its flags (-march=native:
+// cpu_attention.cpp) or by a target attribute (cpu_linear.cpp's run-time choice)
+__attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 #endif
 

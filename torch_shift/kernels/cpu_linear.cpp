@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cpu_common.h"
 #include "cpu_threads.h"
 
 namespace {
@@ -153,10 +154,6 @@ namespace avx2 {
 constexpr int64_t kBlock16 = 16;
 constexpr int kRows16 = 6;  // 6 x 2 accumulators, 2 weight vectors and x: 15 of the 16 AVX2 registers
 
-TS_AVX2 inline __m256 bf16x8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 // 8 floats -> 8 bfloat16, rounding to nearest even, NaN kept quiet (cpu_common.h's to_bf16, 8 at a time)
 TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -193,10 +190,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
       const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
       if constexpr (sizeof(W) == 2)
         if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
-      if constexpr (sizeof(W) == 2)
-        wv[v] = bf16x8(at);
-      else
-        wv[v] = _mm256_loadu_ps(at);
+      wv[v] = load8(at);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -211,9 +205,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     for (int v = 0; v < 2 * B; ++v) _mm256_storeu_ps(y + r * kPair + v * 8, acc[r][v]);
 }
 
-// The outputs of a row, bias added: float32 stored, bfloat16 rounded
-TS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-TS_AVX2 inline __m256 load8(const uint16_t* p) { return bf16x8(p); }
+// The outputs of a row, bias added: float32 stored, bfloat16 rounded (load8: cpu_common.h)
 TS_AVX2 inline void store8(__m256 v, float* out) { _mm256_storeu_ps(out, v); }
 TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 
@@ -270,7 +262,7 @@ TS_AVX2 void convert_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int
     const uint16_t* src = x + r * x_stride;
     float* dst = xf + r * K;
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16x8(src + k));
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8(src + k));
     for (; k < K; ++k) {
       const uint32_t bits = uint32_t(src[k]) << 16;
       std::memcpy(dst + k, &bits, sizeof(float));
@@ -295,7 +287,7 @@ constexpr int64_t kNcBlocks = 8;
 
 // xp[((c * panels + p) * kKc + kk) * 6 + r] = x[6 p + r, c kKc + kk] as float32, rows past the last zero
 template <typename T>
-TS_AVX2 void pack_x(const T* x, int64_t x_stride, int64_t rows, int64_t K, float* xp) {
+void pack_x(const T* x, int64_t x_stride, int64_t rows, int64_t K, float* xp) {
   const int64_t panels = (rows + kRows16 - 1) / kRows16, chunks = (K + kKc - 1) / kKc;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -356,8 +348,64 @@ inline float* scratch(std::vector<float>& buffer, int64_t floats) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
 }
 
-// A matmul of many rows: x packed (pack_x), the blocks split between torch's threads, each thread's blocks run a
-// chunk of kNcBlocks at a time
+// Blocks [begin, end) of a matmul against x packed (pack_x), a chunk of kNcBlocks blocks at a time (a function of its
+// own: at::parallel_for's lambda would not take the AVX2 target)
+template <typename T>
+TS_AVX2 void gemm_blocks(const float* xp, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
+                         int64_t out_stride, int64_t begin, int64_t end) {
+  const int64_t panels = (rows + kRows16 - 1) / kRows16, chunks = (K + kKc - 1) / kKc;
+  thread_local std::vector<float> sums_buffer, converted_buffer;
+  float* sums = scratch(sums_buffer, kNcBlocks * panels * kRows16 * kBlock16);  // [block][row][16]
+  float* converted = std::is_same<T, float>::value ? nullptr : scratch(converted_buffer, kNcBlocks * kKc * kBlock16);
+  for (int64_t b0 = begin; b0 < end; b0 += kNcBlocks) {
+    const int64_t blocks = std::min(kNcBlocks, end - b0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = c * kKc, kc = std::min(kKc, K - k0);
+      const float* panel_of[kNcBlocks];
+      for (int64_t j = 0; j < blocks; ++j) {
+        const T* panel = w + ((b0 + j) * K + k0) * kBlock16;
+        if constexpr (std::is_same<T, float>::value) {
+          panel_of[j] = panel;
+        } else {
+          float* dst = converted + j * kKc * kBlock16;
+          for (int64_t i = 0; i < kc * kBlock16; i += 8) _mm256_store_ps(dst + i, load8(panel + i));
+          panel_of[j] = dst;
+        }
+      }
+      for (int64_t p0 = 0; p0 < panels; p0 += kMcPanels) {
+        const int64_t p1 = std::min(panels, p0 + kMcPanels);
+        for (int64_t j = 0; j < blocks; ++j) {
+          float* block_sums = sums + j * panels * kRows16 * kBlock16;
+          for (int64_t p = p0; p < p1; ++p) {
+            const float* xc = xp + (c * panels + p) * kKc * kRows16;
+            float* tile_sums = block_sums + p * kRows16 * kBlock16;
+            if (c == 0)
+              tile<true>(xc, panel_of[j], kc, tile_sums);
+            else
+              tile<false>(xc, panel_of[j], kc, tile_sums);
+          }
+        }
+      }
+    }
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t n = (b0 + j) * kBlock16, width = std::min(kBlock16, N - n);
+      T bias_block[kBlock16] = {};
+      if (bias) std::memcpy(bias_block, bias + n, width * sizeof(T));
+      const __m256 bias0 = load8(bias_block), bias1 = load8(bias_block + 8);
+      const float* block_sums = sums + j * panels * kRows16 * kBlock16;
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + r * out_stride + n;
+        T part[kBlock16];
+        T* to = width == kBlock16 ? o : part;
+        store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16), bias0), to);
+        store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16 + 8), bias1), to + 8);
+        if (to == part) std::memcpy(o, part, width * sizeof(T));
+      }
+    }
+  }
+}
+
+// A matmul of many rows: x packed, the blocks split between torch's threads
 template <typename T>
 void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int64_t K, const T* bias, T* out,
           int64_t out_stride) {
@@ -366,55 +414,7 @@ void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int
   float* xp = scratch(packed, chunks * panels * kKc * kRows16);
   pack_x(x, x_stride, rows, K, xp);
   at::parallel_for(0, (N + kBlock16 - 1) / kBlock16, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> sums_buffer, converted_buffer;
-    float* sums = scratch(sums_buffer, kNcBlocks * panels * kRows16 * kBlock16);  // [block][row][16]
-    float* converted = std::is_same<T, float>::value ? nullptr : scratch(converted_buffer, kNcBlocks * kKc * kBlock16);
-    for (int64_t b0 = begin; b0 < end; b0 += kNcBlocks) {
-      const int64_t blocks = std::min(kNcBlocks, end - b0);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t k0 = c * kKc, kc = std::min(kKc, K - k0);
-        const float* panel_of[kNcBlocks];
-        for (int64_t j = 0; j < blocks; ++j) {
-          const T* panel = w + ((b0 + j) * K + k0) * kBlock16;
-          if constexpr (std::is_same<T, float>::value) {
-            panel_of[j] = panel;
-          } else {
-            float* dst = converted + j * kKc * kBlock16;
-            for (int64_t i = 0; i < kc * kBlock16; i += 8) _mm256_store_ps(dst + i, bf16x8(panel + i));
-            panel_of[j] = dst;
-          }
-        }
-        for (int64_t p0 = 0; p0 < panels; p0 += kMcPanels) {
-          const int64_t p1 = std::min(panels, p0 + kMcPanels);
-          for (int64_t j = 0; j < blocks; ++j) {
-            float* block_sums = sums + j * panels * kRows16 * kBlock16;
-            for (int64_t p = p0; p < p1; ++p) {
-              const float* xc = xp + (c * panels + p) * kKc * kRows16;
-              float* tile_sums = block_sums + p * kRows16 * kBlock16;
-              if (c == 0)
-                tile<true>(xc, panel_of[j], kc, tile_sums);
-              else
-                tile<false>(xc, panel_of[j], kc, tile_sums);
-            }
-          }
-        }
-      }
-      for (int64_t j = 0; j < blocks; ++j) {
-        const int64_t n = (b0 + j) * kBlock16, width = std::min(kBlock16, N - n);
-        T bias_block[kBlock16] = {};
-        if (bias) std::memcpy(bias_block, bias + n, width * sizeof(T));
-        const __m256 bias0 = load8(bias_block), bias1 = load8(bias_block + 8);
-        const float* block_sums = sums + j * panels * kRows16 * kBlock16;
-        for (int64_t r = 0; r < rows; ++r) {
-          T* o = out + r * out_stride + n;
-          T part[kBlock16];
-          T* to = width == kBlock16 ? o : part;
-          store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16), bias0), to);
-          store8(_mm256_add_ps(_mm256_load_ps(block_sums + r * kBlock16 + 8), bias1), to + 8);
-          if (to == part) std::memcpy(o, part, width * sizeof(T));
-        }
-      }
-    }
+    gemm_blocks(xp, rows, w, N, K, bias, out, out_stride, begin, end);
   });
 }
 
