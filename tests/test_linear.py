@@ -89,6 +89,7 @@ def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):
         for row in (0, 1, 5, 6, 97, 130):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), row
 
+
 def test_a_weight_packed_in_another_layout_keeps_onednn():
     """The layout check reads the real weight: a packed tensor whose elements are not where the kernel's
     formula puts them gives no kernel."""

@@ -145,8 +145,8 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
 // float32, or bfloat16 where oneDNN would emulate bf16 at a sixth of its float32 rate (docs/performance.md, issue 20).
 // A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a run of k-steps (the
 // matmul); products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once
-// (as the bf16 dot-product instructions do). On 2 Zen 3 cores: 140-183 GFLOP/s at 512 rows (oneDNN's float32:
-// 120-150), 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
+// (as the bf16 dot-product instructions do). On 2 Zen 3 cores: 113-183 GFLOP/s at 512 rows, run to run (oneDNN's
+// float32: 120-150), 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
 namespace avx2 {
 
 #define TS_AVX2 __attribute__((target("avx2,fma")))
@@ -170,8 +170,8 @@ TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
 // R rows of x (float32) against B consecutive blocks of 16 features, their K rows bf16 (`W` uint16_t) or float32;
 // y: R rows of B x 16 float32 sums, kPair apart. Each sum is one chain of FMAs in k order whatever R and B: two blocks
 // at a time give one to three rows twice the chains to interleave, whose FMA latency (4 cycles on Zen 3) held the
-// GEMV below the rate memory streams: 8 layers of the 106M model, 2 threads, 1.10-1.29x at one row, 1.14-1.19x at
-// two, 1.0-1.15x at three (docs/performance.md, issue 20).
+// GEMV below the rate memory streams: 8 layers of the 106M model, 2 threads, 1.10-1.18x at one and two rows,
+// 0.94-1.13x at three (bench/ab_cpu_linear.py; docs/performance.md, issue 20).
 constexpr int64_t kPair = 2 * kBlock16;
 // bfloat16 weights are prefetched this far ahead of each block's stream, a line every other k-step: 1-2 rows 1.05-1.17x
 // on one thread and 1.02-1.13x on two (bench/ab_cpu_linear.py); float32's streams ran 0.85x with it
@@ -277,10 +277,9 @@ TS_AVX2 void convert_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int
 // 120 KiB) stays in L2 while the kNcBlocks micro-panels of a chunk of blocks run against it, and those (128 KiB) are
 // read from memory once a run and from L2 for the later row blocks. The sums of a 6 x 16 tile run in registers over
 // a run of k-steps and wait in float32 between runs (`tile`), so that every output is the same chain of FMAs in k
-// order as the GEMV's (rows_of_block): a row's result does not depend on how many rows the call has. The weights
-// were read from L2 by every group of 6 rows before (16 x K floats a block, 64-180 KiB): 2 threads at 512 rows ran
-// 128-134 GFLOP/s on the 106M model's float32 shapes against 175-183 for the bfloat16 ones, whose converted block
-// stayed in L2 (docs/performance.md, issue 20).
+// order as the GEMV's (rows_of_blocks): a row's result does not depend on how many rows the call has. Against the
+// loop before, in which every group of 6 rows read its whole block (16 x K floats, 64-180 KiB) from L2: bfloat16
+// 1.03-1.09x, float32 level, at 64-2,048 rows (bench/ab_cpu_linear.py; docs/performance.md, issue 20).
 constexpr int64_t kKc = 256;
 constexpr int64_t kMcPanels = 20;
 constexpr int64_t kNcBlocks = 8;
