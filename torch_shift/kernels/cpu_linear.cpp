@@ -263,10 +263,7 @@ TS_AVX2 void convert_rows(const uint16_t* x, int64_t x_stride, int64_t rows, int
     float* dst = xf + r * K;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8(src + k));
-    for (; k < K; ++k) {
-      const uint32_t bits = uint32_t(src[k]) << 16;
-      std::memcpy(dst + k, &bits, sizeof(float));
-    }
+    for (; k < K; ++k) dst[k] = to_float(src[k]);
   }
 }
 
@@ -300,14 +297,7 @@ void pack_x(const T* x, int64_t x_stride, int64_t rows, int64_t K, float* xp) {
             continue;
           }
           const T* src = x + (p * kRows16 + r) * x_stride + k0;
-          for (int64_t kk = 0; kk < kc; ++kk) {
-            if constexpr (std::is_same<T, float>::value) {
-              dst[kk * kRows16 + r] = src[kk];
-            } else {
-              const uint32_t bits = uint32_t(src[kk]) << 16;
-              std::memcpy(dst + kk * kRows16 + r, &bits, sizeof(float));
-            }
-          }
+          for (int64_t kk = 0; kk < kc; ++kk) dst[kk * kRows16 + r] = to_float(src[kk]);
         }
       }
     }
