@@ -243,3 +243,30 @@ def test_ab_cpu_linear_builds_both_revisions_and_compares_their_bits(capsys):
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
     assert [line[1] for line in lines] == ["1", "17"]
     assert all(float(line[-2]) > 0 and line[-1] in ("True", "False") for line in lines)
+
+
+@pytest.mark.skipif(not gemv_expected(torch.bfloat16), reason="this CPU has no AVX-512 bf16 GEMV kernel")
+def test_gemv_reads_both_onednn_bf16_layouts_alike():
+    """oneDNN packs bfloat16 in blocks of 64 features on AVX-512 CPUs and of 32 where it packs for AMX; the GEMV
+    reads either (codes 1 and 4) and gives the same bits, whichever this CPU's oneDNN makes: both built here by
+    the layout formulas of kernels/cpu_linear.cpp, every row count up to the GEMV's limit, with bias."""
+    kernels = cpu_kernels()
+    torch.manual_seed(5)
+    out_features, in_features = 192, 96
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+
+    def layout(width):  # element (n, k) at (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2
+        return weight.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        outs = []
+        for code, width in ((1, 64), (4, 32)):
+            packed = layout(width)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+            assert kernels.packed_gemv(code, x.data_ptr(), in_features, rows, packed.data_ptr(), out_features,
+                                       in_features, bias.data_ptr(), out.data_ptr(), out_features) == 0
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), rows
+        assert_close(outs[1], reference(x, weight, bias), torch.bfloat16, in_features)

@@ -82,7 +82,7 @@ enum LayerField {
 // and of the model
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
-  kCosSin, kSiluLanes, kBlocked, kModelFields
+  kCosSin, kSiluLanes, kBlocked, kGemvCode, kModelFields
 };
 
 struct Layer {
@@ -126,6 +126,7 @@ struct Decoder {
   int64_t elem, hidden, heads, kv_heads, head_dim, intermediate, vocab, lanes, positions;
   int silu_lanes;  // the width of PyTorch's vectorised exp that SiLU reproduces: 16 (AVX-512) or 8 (AVX2)
   bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
+  int gemv_code;   // ts_packed_gemv's code for every weight's dtype and layout (4: bfloat16 packed for AMX)
   float eps;
   const void* embed;
   const void* final_norm;
@@ -237,7 +238,7 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
 int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t N, int64_t K,
            const void* bias, void* out, int64_t out_stride) {
   if (d.blocked) return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kMaxTokens);
-  return ts_packed_gemv(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride);
+  return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }
 
 int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, const void* attention) {
@@ -419,6 +420,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->positions = model[kPositions];
   d->silu_lanes = static_cast<int>(model[kSiluLanes]);
   d->blocked = model[kBlocked] != 0;
+  d->gemv_code = static_cast<int>(model[kGemvCode]);
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));

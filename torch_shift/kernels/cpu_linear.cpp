@@ -5,6 +5,9 @@
 // for the large-batch path) keeps blocks of 64 output features, each block's rows of K contiguous:
 //   float32:  element (n, k) at ((n / 64) * K + k) * 64 + n % 64
 //   bfloat16: element (n, k) at (((n / 64) * (K / 2) + k / 2) * 64 + n % 64) * 2 + k % 2   (pairs of k, VNNI)
+// and on CPUs with AMX (Sapphire Rapids and later), bfloat16 in blocks of 32 output features:
+//   bfloat16: element (n, k) at (((n / 32) * (K / 2) + k / 2) * 32 + n % 32) * 2 + k % 2
+// which the kernel reads two blocks at a time: 64 features, one contiguous stream, as in the other layouts.
 // Each block is one contiguous stream of 64 * K elements, so a thread walking its blocks in order reads
 // memory sequentially and every weight element once for all rows of x. The caller checks the layout on the
 // real weight before it uses this kernel (torch_shift/models/linear.py), so a oneDNN that packs differently
@@ -82,20 +85,24 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-template <int R>
+// kHalves: the weight in oneDNN's AMX layout, a block of 64 features as two blocks of 32 (the header's formulas)
+template <int R, bool kHalves>
 struct Bf16Rows {
   __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
       const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
       int64_t out_stride, int64_t begin, int64_t end) {
+    constexpr int64_t kWidth = kHalves ? kBlock / 2 : kBlock;  // features a k-pair row of the stream holds
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* wb = w + b * kBlock * K;
+      const uint16_t* wb_high = kHalves ? wb + kWidth * K : wb + 64;  // features 32-63
       __m512 acc[R][4];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 2) {
-        const uint16_t* wk = wb + k * kBlock;  // 64 outputs x 2 consecutive k
+        const uint16_t* wk = wb + k * kWidth;  // features 0-31 x 2 consecutive k
+        const uint16_t* wk_high = wb_high + k * kWidth;
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk_high), w3 = (__m512bh)_mm512_loadu_si512(wk_high + 32);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
@@ -116,6 +123,11 @@ struct Bf16Rows {
     }
   }
 };
+
+template <int R>
+using Bf16Rows64 = Bf16Rows<R, false>;
+template <int R>
+using Bf16Rows32 = Bf16Rows<R, true>;
 
 // Rows of x in groups of at most kMaxRows, as equal as they can be, against one block of the weight. The block
 // (64 x K weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
@@ -411,7 +423,8 @@ void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int
 
 // out[rows, N] = x @ W.T (+ bias) for one block b of W (avx2: a pair of 16-feature blocks), in the job's dtype
 struct Matmul {
-  // 0 float32, 1 bfloat16 (oneDNN's layouts); in 16-feature blocks (avx2), x in float32: 2 bfloat16, 3 float32
+  // 0 float32, 1 bfloat16 (oneDNN's layouts), 4 bfloat16 in oneDNN's AMX layout; in 16-feature blocks (avx2), x in
+  // float32: 2 bfloat16, 3 float32
   int dtype;
   const void* x;
   int64_t x_stride, rows;
@@ -433,11 +446,14 @@ struct Matmul {
     else if (dtype == 0)
       rows_of_block<F32Rows>(static_cast<const float*>(x), x_stride, rows, static_cast<const float*>(w), K,
                              static_cast<const float*>(bias), static_cast<float*>(out), out_stride, b);
+    else if (dtype == 1)
+      rows_of_block<Bf16Rows64>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
+                                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
     else
-      rows_of_block<Bf16Rows>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
-                              static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
+      rows_of_block<Bf16Rows32>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
+                                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
   }
-  int64_t block_width() const { return dtype >= 2 ? avx2::kPair : kBlock; }
+  int64_t block_width() const { return dtype == 2 || dtype == 3 ? avx2::kPair : kBlock; }
   int64_t blocks() const { return (N + block_width() - 1) / block_width(); }  // dtype 0 and 1: N % 64 == 0
   int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
 };
@@ -820,11 +836,12 @@ int ts_packed_gemv_dtypes() {
   return dtypes;
 }
 
-// out[rows, N] = x[rows, K] @ W.T (+ bias); dtype 0 float32, 1 bfloat16 (x, weight, bias and out alike).
-// Returns 0, or -1 for a shape the layout above does not cover.
+// out[rows, N] = x[rows, K] @ W.T (+ bias); dtype 0 float32, 1 bfloat16, 4 bfloat16 in oneDNN's AMX layout (x,
+// weight, bias and out alike). Returns 0, or -1 for a shape the layouts above do not cover.
 int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight, int64_t N,
                    int64_t K, const void* bias, void* out, int64_t out_row_stride) {
-  if (N % kBlock != 0 || rows < 1 || (dtype == 1 && K % 2 != 0) || (dtype != 0 && dtype != 1)) return -1;
+  if (dtype != 0 && dtype != 1 && dtype != 4) return -1;
+  if (N % kBlock != 0 || rows < 1 || (dtype != 0 && K % 2 != 0)) return -1;
   run_matmul({dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride});
   return 0;
 }

@@ -47,7 +47,8 @@ namespace {
 struct Packed {
   at::Tensor weight;         // oneDNN's blocked layout (an opaque mkldnn tensor), or torch_shift's 16-feature blocks
   const void* gemv_weight;   // its data, which the GEMV kernel reads in place
-  int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16; in 16-feature blocks 2 bfloat16, 3 float32
+  int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16, 4 bfloat16 packed for AMX; in 16-feature
+                             // blocks 2 bfloat16, 3 float32
   int64_t gemv_max_rows;     // matmuls of up to this many rows run the GEMV (linear.py's GEMV_MAX_ROWS; 0: none)
   at::ScalarType dtype;
   int64_t out_features, in_features;
@@ -59,7 +60,7 @@ std::unordered_map<int64_t, Packed>& registry() {
   return packed;
 }
 
-// weight_address: the opaque tensor's data (torch.ops.mkldnn.data_ptr); dtype_code 0 float32, 1 bfloat16
+// weight_address: the opaque tensor's data (torch.ops.mkldnn.data_ptr); dtype_code as Packed's
 void register_packed(const at::Tensor& weight, int64_t handle, int64_t weight_address, int64_t gemv_max_rows,
                      int64_t out_features, int64_t in_features, int64_t dtype_code) {
   std::lock_guard<std::mutex> lock(registry_mutex);
@@ -110,7 +111,7 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
   const int64_t rows = input.numel() / packed->in_features;
   if (rows == 0) return at::empty(sizes, input.options());  // oneDNN refuses an empty matmul
   const bool bias_matches = !bias.has_value() || bias->scalar_type() == packed->dtype;
-  if (packed->dtype_code >= 2) {  // every matmul through the blocked kernel (linear.py's PackedWeight.run)
+  if (packed->dtype_code == 2 || packed->dtype_code == 3) {  // every matmul through the blocked kernel (linear.py's PackedWeight.run)
     if (input.scalar_type() != packed->dtype || !bias_matches) {
       at::Tensor dense = packed->weight.transpose(1, 2).reshape({-1, packed->in_features}).narrow(0, 0, out_features);
       return at::linear(input, dense.to(input.scalar_type()), bias);

@@ -14,7 +14,8 @@ A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that check
 packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
 one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
-for every batch.
+for every batch. Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the
+kernel reads that layout too, and oneDNN's AMX matmul runs the larger batches.
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
@@ -49,6 +50,7 @@ from torch_shift.memory import advise_huge_pages
 GEMV_MAX_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
+_AMX_BF16_CODE = 4  # the GEMV kernel's code for bfloat16 in oneDNN's AMX layout (blocks of 32 features)
 # torch_shift's own 16-feature blocks (kernels/cpu_linear.cpp's AVX2 kernel): each dtype's code in the operator's
 # registry and in ts_blocked_linear, the kernel's capability bit, the block's width
 _BLOCKED_CODES = {torch.float32: (3, 0), torch.bfloat16: (2, 1)}
@@ -107,6 +109,9 @@ class PackedWeight:
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             self.address = torch.ops.mkldnn.data_ptr(self.tensor)
             self.gemv = _gemv_kernel(weight, self.tensor)
+        # the code the kernel's call takes for this weight's dtype and layout (ts_packed_gemv's: 0 float32, 1 bfloat16,
+        # 4 bfloat16 packed for AMX; ts_blocked_linear's for the blocks), also where no GEMV reads it
+        self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
         self._weight_ptr = self.address if self.gemv is not None else None
@@ -117,7 +122,7 @@ class PackedWeight:
         if self.native:
             torch.ops.torch_shift_cpu.register_packed(
                 self.tensor, self.handle, self.address, 0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features,
-                self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else _GEMV_DTYPES[self.dtype][0])
+                self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else self.gemv_code)
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
 
     def _blocked_dense(self) -> torch.Tensor:
@@ -195,11 +200,14 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
     buffer = torch.frombuffer(raw, dtype=weight.dtype)
     if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
         read = buffer.view(-1, in_features, _GEMV_BLOCK).transpose(1, 2)
-    else:  # pairs of k: (((n / 64) * (K / 2) + k / 2) * 64 + n % 64) * 2 + k % 2
-        read = buffer.view(-1, in_features // 2, _GEMV_BLOCK, 2).permute(0, 2, 1, 3)
-    if not torch.equal(read.reshape(out_features, in_features), weight):
-        return None
-    return kernels, code
+        return (kernels, code) if torch.equal(read.reshape(out_features, in_features), weight) else None
+    # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2;
+    # 64 on AVX-512 CPUs, 32 where oneDNN packs for AMX (the kernel's code _AMX_BF16_CODE)
+    for width, layout_code in ((_GEMV_BLOCK, code), (_GEMV_BLOCK // 2, _AMX_BF16_CODE)):
+        read = buffer.view(-1, in_features // 2, width, 2).permute(0, 2, 1, 3)
+        if torch.equal(read.reshape(out_features, in_features), weight):
+            return kernels, layout_code
+    return None
 
 
 # out_features travels beside the handle: where one compiled graph serves several weights, dynamo makes the

@@ -40,7 +40,7 @@ from torch_shift.models.rope import RotaryEmbedding
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
-                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked")
+                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down")
 
@@ -76,7 +76,7 @@ class NativeDecoder:
             vocab=config.vocab_size, lanes=_sum_lanes(), positions=model.rotary.cos_sin.shape[1],
             embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
             lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes,
-            blocked=int(model.lm_head.packed.blocked))
+            blocked=int(model.lm_head.packed.blocked), gemv_code=model.lm_head.packed.gemv_code)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -205,13 +205,14 @@ def _supported(model: torch.nn.Module) -> bool:
     config = model.config
     embed = model.embed_tokens.weight
     dtype, eps = embed.dtype, config.rms_norm_eps
-    blocked = getattr(getattr(model.lm_head, "packed", None), "blocked", False)  # every weight alike, checked below
+    packed = getattr(model.lm_head, "packed", None)
+    layout = (packed.blocked, packed.gemv_code) if packed is not None else None  # every weight alike, checked below
     if (embed.device.type != "cpu" or dtype not in _DTYPE_CODES or not embed.is_contiguous()
             or config.sparse_layers or config.attention_sinks or config.head_dim % 2
             or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
             or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
             or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
-            or not _gemv_ok(model.lm_head, dtype, blocked, bias=False)):
+            or not _gemv_ok(model.lm_head, dtype, layout, bias=False)):
         return False
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
@@ -220,10 +221,10 @@ def _supported(model: torch.nn.Module) -> bool:
                 or not _norm_ok(layer.post_attention_norm, dtype, eps)
                 or (attn.q_norm is not None
                     and not (_norm_ok(attn.q_norm, dtype, eps) and _norm_ok(attn.k_norm, dtype, eps)))
-                or not _gemv_ok(attn.qkv_proj, dtype, blocked, bias=True)
-                or not _gemv_ok(attn.o_proj, dtype, blocked, bias=True)
-                or not _gemv_ok(mlp.gate_up_proj, dtype, blocked, bias=False)
-                or not _gemv_ok(mlp.down_proj, dtype, blocked, bias=False)
+                or not _gemv_ok(attn.qkv_proj, dtype, layout, bias=True)
+                or not _gemv_ok(attn.o_proj, dtype, layout, bias=True)
+                or not _gemv_ok(mlp.gate_up_proj, dtype, layout, bias=False)
+                or not _gemv_ok(mlp.down_proj, dtype, layout, bias=False)
                 or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
                     config.num_attention_heads, config.num_key_value_heads, config.head_dim)):
             return False
@@ -234,12 +235,12 @@ def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype and norm.weight.is_contiguous() and norm.eps == eps
 
 
-def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, blocked: bool, bias: bool) -> bool:
+def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, layout: tuple[bool, int] | None, bias: bool) -> bool:
     """Whether the decoder runs `linear` as the forward does: its weight packed for the GEMV on oneDNN's layout, or
-    in the 16-feature blocks (`blocked`, as every other weight of the model)."""
+    in the 16-feature blocks, `layout` (blocked, the kernel's code) as every other weight of the model."""
     packed = getattr(linear, "packed", None)
     return (type(linear) is Linear and packed is not None and packed.gemv is not None and packed.dtype == dtype
-            and packed.blocked == blocked and packed.native
+            and (packed.blocked, packed.gemv_code) == layout and packed.native
             and (linear.bias is None or (bias and linear.bias.dtype == dtype and linear.bias.is_contiguous())))
 
 
