@@ -224,3 +224,45 @@ def test_cpu_kernel_bf16_prompt_tiles_match_the_reference(heads, kv_heads, head_
         error = (out.double() - reference).abs().max()
         rounding = (reference.bfloat16().double() - reference).abs().max()  # the exact result stored in bf16
         assert error < 2 * rounding, (window, sinks is not None, error, rounding)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 64), (8, 2, 128), (8, 8, 32), (12, 2, 64)])
+def test_cpu_kernel_bf16_prompt_tiles_on_amx(heads, kv_heads, head_dim):
+    """On a CPU with AMX the bfloat16 prompt tiles run on the tile unit, 16 rows at a time (the last block of a KV
+    head's rows shorter): against the float64 reference as the dot products are, within a unit in the last place
+    of theirs (which the kernel runs when told to; the tile unit rounds a pair's two products differently in a few
+    sums), and a run's bits the same whatever the block size and the other runs of the step. Skipped where the CPU
+    has no AMX."""
+    kernels = cpu_kernels()
+    if not kernels.attention_amx(-1):
+        pytest.skip("this CPU has no AMX (or Linux did not grant its tile state)")
+    runs = [(0, 1), (0, 200), (60, 100), (130, 64), (3, 65), (37, 1), (0, 67)]
+    attention = attention_backend("cpu", torch.device("cpu"), torch.bfloat16)
+    for window, sinks in [(None, None), (50, None), (None, torch.linspace(-2.0, 3.0, heads))]:
+        cache, batch, q, k, v, reference = make_step(runs, heads, kv_heads, head_dim, 16, torch.bfloat16, window,
+                                                     sinks=sinks, num_layers=1)
+        step = attention.build(batch, cache)
+        try:
+            amx = step(0, q, k, v, sinks)
+            assert kernels.attention_amx(0) == 0
+            dot = step(0, q, k, v, sinks)
+        finally:
+            kernels.attention_amx(1)
+        rounding = (reference.bfloat16().double() - reference).abs().max()
+        assert (amx.double() - reference).abs().max() < 2 * rounding, (window, sinks is not None)
+        torch.testing.assert_close(amx.float(), dot.float(), rtol=2 ** -7, atol=2 ** -9)
+        assert (amx != dot).float().mean() < 0.01
+        # blocks of 32 tokens: the same bits
+        cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, head_dim, 32, torch.bfloat16, window,
+                                             sinks=sinks, num_layers=1)
+        assert torch.equal(attention.build(batch, cache)(0, q, k, v, sinks), amx)
+    # run (60, 100) alone: the same bits as beside the others
+    cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, head_dim, 16, torch.bfloat16, num_layers=1)
+    together = attention.build(batch, cache)(0, q, k, v)
+    rows = slice(int(batch.query_start[2]), int(batch.query_start[2] + batch.query_len[2]))
+    alone = AttentionBatch(num_decodes=0, query_start=np.zeros(1, np.int32), query_len=batch.query_len[2:3],
+                           num_computed=batch.num_computed[2:3], block_table=batch.block_table,
+                           block_table_rows=batch.block_table_rows[2:3], tokens_per_block=16,
+                           slot_mapping=batch.slot_mapping[rows], positions=batch.positions[rows], sliding_window=None)
+    assert torch.equal(attention.build(alone, cache)(0, q[rows], k[rows], v[rows]), together[rows])

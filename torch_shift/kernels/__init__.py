@@ -51,6 +51,9 @@ class CpuKernels:
         self.paged_attention.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr,
                                          ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr]
         self.paged_attention.restype = ctypes.c_int
+        self.attention_amx = lib.ts_attention_amx
+        self.attention_amx.argtypes = [ctypes.c_int]
+        self.attention_amx.restype = ctypes.c_int
         self.write_kv = lib.ts_write_kv
         self.write_kv.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64,
                                   i64]

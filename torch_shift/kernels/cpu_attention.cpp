@@ -5,7 +5,8 @@
 // key and value is read once per (run, KV head, tile of queries) and converted to float32 in registers.
 //
 // A bfloat16 prompt chunk of 64 queries or more multiplies in AVX512-BF16 dot products instead, its
-// probabilities rounded to bfloat16 for the values' sum (1.6-1.7x faster; see kDotMinQueries).
+// probabilities rounded to bfloat16 for the values' sum (1.6-1.7x faster; see kDotMinQueries), and on CPUs with AMX
+// the same products on the tile unit (chunk_head_amx).
 //
 // Online softmax over chunks of keys (FlashAttention's recurrence, one pass), accumulated in float32. The
 // query heads that share a KV head are computed together (GQA), so a KV head's keys are read once for all
@@ -32,7 +33,10 @@
 #include "cpu_common.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -636,8 +640,10 @@ TS_BF16_TARGET void pair_chunk(const Piece<bf16_t, bf16_t>* pieces, int64_t num_
                                int64_t value_stride, __m512i* keys, __m512i* values) {
   constexpr int64_t D = DV * kLanes;
   for (int64_t s = 0; s < kPieces; ++s) {
-    if (s >= num_pieces) {
+    if (s >= num_pieces) {  // (values too: AMX tiles multiply 16 pairs at a time, past the chunk's end)
       for (int64_t e = 0; e < D / 2; ++e) keys[s * D / 2 + e] = _mm512_setzero_si512();
+      for (int64_t t = s * kLanes / 2; t < (s + 1) * kLanes / 2; ++t)
+        for (int v = 0; v < DV; ++v) values[t * DV + v] = _mm512_setzero_si512();
       continue;
     }
     const Piece<bf16_t, bf16_t>& piece = pieces[s];
@@ -744,6 +750,162 @@ void chunk_head_dot(Rows& rows, int64_t r0, int64_t count, const uint32_t* queri
   for (; r + RB <= r0 + count; r += RB) block(r, std::integral_constant<int, RB>{});
   for (; r < r0 + count; ++r) block(r, std::integral_constant<int, 1>{});
 }
+
+// On CPUs with AMX (Sapphire Rapids and later) the same tiles' products run on the tile unit: 16 rows against 16 keys
+// (or dimensions) times 16 pairs in one instruction (TDPBF16PS), in the same order as chunk_head_dot's; the unit
+// rounds a pair's two products into a sum differently from VDPBF16PS in a few sums (about 0.03% of a prompt's outputs
+// differ, by one unit in bfloat16's last place). A row's result still depends only on its position: every row of a
+// dot-product run takes the tiles. A 512-token bf16 prompt of the 106M model: 5.5 ms a layer in dot products against
+// 3.2 ms for PyTorch's SDPA, whose matmuls oneDNN runs on AMX (bench_attention.py; docs/performance.md, issue 20).
+#define TS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+std::atomic<bool> amx_enabled{true};  // ts_attention_amx: off to compare with the dot products
+
+bool amx_supported() {
+  static const bool supported = [] {
+    if (!bf16_dot_supported()) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    // Linux gives the tile registers' state only to a process that asks for it (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA); oneDNN asks the same way for its bf16 matmuls on these CPUs
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return supported && amx_enabled.load(std::memory_order_relaxed);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: 16 x 16 float32 sums each; tmm4: m rows of 16 pairs (queries or probabilities); tmm5: 16 pairs of 16
+// columns (keys or dimensions). m rows in tmm0-4.
+TS_AMX_TARGET void configure_tiles(int m) {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = t == 5 ? 16 : m;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The softmax of rows [r, r + RB) from their sums against the chunk (`sums`: [rows][kChunk], the first `pieces`
+// pieces computed), their probabilities in bfloat16 pairs into `prob_pairs` ([rows][kChunk / 2]) and their
+// accumulators scaled by the correction, as chunk_rows_dot does it.
+template <int RB, int DV>
+TS_BF16_TARGET void softmax_to_pairs(Rows& rows, int64_t r, const float* sums, int64_t pieces_computed,
+                                     const Piece<bf16_t, bf16_t>* pieces, int64_t num_pieces, int64_t chunk,
+                                     float scale, uint32_t* prob_pairs) {
+  constexpr int64_t D = DV * kLanes;
+  vfloat scores[RB][kPieces];
+  for (int i = 0; i < RB; ++i)
+    for (int s = 0; s < kPieces; ++s)
+      scores[i][s] = (vfloat)(s < pieces_computed
+                                  ? _mm512_mul_ps(_mm512_load_ps(sums + i * kChunk + s * kLanes), _mm512_set1_ps(scale))
+                                  : _mm512_setzero_ps());
+  alignas(64) float probs[RB][kChunk];
+  float correction[RB];
+  chunk_softmax<RB>(rows, r, pieces, num_pieces, chunk, scores, probs, correction);
+  for (int i = 0; i < RB; ++i) {
+    for (int s = 0; s < kPieces; s += 2) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(probs[i] + (s + 1) * kLanes),
+                                                _mm512_load_ps(probs[i] + s * kLanes));
+      _mm512_store_si512(prob_pairs + i * kChunk / 2 + s * kLanes / 2, (__m512i)both);
+    }
+    float* acc = rows.acc + (r + i) * D;
+    for (int v = 0; v < DV; ++v)
+      _mm512_storeu_ps(acc + v * kLanes, _mm512_mul_ps(_mm512_loadu_ps(acc + v * kLanes),
+                                                       _mm512_set1_ps(correction[i])));
+  }
+}
+
+// Rows [r0, r0 + count) of one KV head against a chunk in pairs (pair_chunk), 16 rows at a time on the tiles.
+template <int DV>
+TS_AMX_TARGET void chunk_head_amx(Rows& rows, int64_t r0, int64_t count, const uint32_t* queries, const __m512i* keys,
+                                  const __m512i* values, const Piece<bf16_t, bf16_t>* pieces, int64_t num_pieces,
+                                  int64_t chunk, float scale) {
+  constexpr int64_t D = DV * kLanes;
+  alignas(64) float sums[16 * kChunk];
+  alignas(64) uint32_t prob_pairs[16 * kChunk / 2];
+  int configured = 0;
+  for (int64_t r = r0; r < r0 + count; r += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, r0 + count - r));
+    const int64_t seen = std::min<int64_t>(rows.hi[r + m - 1] + 1 - chunk, kChunk);  // rows in position order
+    if (seen <= 0) continue;
+    if (m != configured) {
+      configure_tiles(m);
+      configured = m;
+    }
+    const int64_t np = (seen + kLanes - 1) / kLanes;  // pieces any row of the block sees
+    // sums[i][16 s + j] = query r + i . key j of piece s, over the dimensions' pairs 16 at a time
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t e = 0; e < D / 2; e += 16) {
+      _tile_loadd(4, queries + r * D / 2 + e, D * 2);
+      _tile_loadd(5, keys + e, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (np > 1) {
+        _tile_loadd(5, keys + D / 2 + e, 64);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (np > 2) {
+        _tile_loadd(5, keys + D + e, 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (np > 3) {
+        _tile_loadd(5, keys + 3 * D / 2 + e, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, sums, kChunk * 4);
+    _tile_stored(1, sums + kLanes, kChunk * 4);
+    _tile_stored(2, sums + 2 * kLanes, kChunk * 4);
+    _tile_stored(3, sums + 3 * kLanes, kChunk * 4);
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+      softmax_to_pairs<4, DV>(rows, r + i, sums + i * kChunk, np, pieces, num_pieces, chunk, scale,
+                              prob_pairs + i * kChunk / 2);
+    for (; i < m; ++i)
+      softmax_to_pairs<1, DV>(rows, r + i, sums + i * kChunk, np, pieces, num_pieces, chunk, scale,
+                              prob_pairs + i * kChunk / 2);
+    // acc[i][16 v + d] += probabilities of row r + i . values of dimension 16 v + d, 16 pairs of keys at a time
+    // (pairs past the chunk's keys are zero in both)
+    const int64_t steps = seen > kChunk / 2 ? 2 : 1;
+    float* acc = rows.acc + r * D;
+    for (int64_t v0 = 0; v0 < DV; v0 += 4) {
+      _tile_loadd(0, acc + v0 * kLanes, D * 4);
+      _tile_loadd(1, acc + (v0 + 1) * kLanes, D * 4);
+      if (DV > 2) {
+        _tile_loadd(2, acc + (v0 + 2) * kLanes, D * 4);
+        _tile_loadd(3, acc + (v0 + 3) * kLanes, D * 4);
+      }
+      for (int64_t t = 0; t < steps; ++t) {
+        _tile_loadd(4, prob_pairs + t * 16, kChunk * 2);
+        const __m512i* pairs = values + 16 * t * DV + v0;
+        _tile_loadd(5, pairs, DV * 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, pairs + 1, DV * 64);
+        _tile_dpbf16ps(1, 4, 5);
+        if (DV > 2) {
+          _tile_loadd(5, pairs + 2, DV * 64);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, pairs + 3, DV * 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, acc + v0 * kLanes, D * 4);
+      _tile_stored(1, acc + (v0 + 1) * kLanes, D * 4);
+      if (DV > 2) {
+        _tile_stored(2, acc + (v0 + 2) * kLanes, D * 4);
+        _tile_stored(3, acc + (v0 + 3) * kLanes, D * 4);
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
 #endif  // __x86_64__
 
 // The same for any head_dim, one row at a time, in scalars.
@@ -818,6 +980,7 @@ void attend(const Problem& p, const Item& item) {
   // (pieces read in place: blocks of whole pieces)
   const bool dot = std::is_same<T, bf16_t>::value && (D == 32 || D == 64 || D == 128) &&
                    p.block_size % kLanes == 0 && p.query_len[item.run] >= kDotMinQueries && bf16_dot_supported();
+  const bool amx = dot && amx_supported();
   uint32_t* query_pairs = reinterpret_cast<uint32_t*>(copied_values + kChunk * D);  // [rows][D / 2]
   __m512i* key_pairs = reinterpret_cast<__m512i*>(
       (reinterpret_cast<uintptr_t>(query_pairs + kMaxRows * D / 2) + 63) & ~uintptr_t(63));  // [kPieces][D / 2]
@@ -942,8 +1105,12 @@ void attend(const Problem& p, const Item& item) {
 #define TS_DOT(DVC)                                                                                           \
   case DVC:                                                                                                   \
     pair_chunk<DVC>(pieces, num_pieces, p.k.dim, p.v.token, key_pairs, value_pairs);                          \
-    chunk_head_dot<DVC>(rows, h * rows_per_head, rows_per_head, query_pairs, key_pairs, value_pairs, pieces, \
-                        num_pieces, chunk, num_pairs, p.scale);                                               \
+    if (amx)                                                                                                  \
+      chunk_head_amx<DVC>(rows, h * rows_per_head, rows_per_head, query_pairs, key_pairs, value_pairs, pieces, \
+                          num_pieces, chunk, p.scale);                                                        \
+    else                                                                                                      \
+      chunk_head_dot<DVC>(rows, h * rows_per_head, rows_per_head, query_pairs, key_pairs, value_pairs, pieces, \
+                          num_pieces, chunk, num_pairs, p.scale);                                             \
     break
               TS_DOT(2);
               TS_DOT(4);
@@ -1090,6 +1257,18 @@ bool valid(const Problem& p) {
 }  // namespace
 
 extern "C" {
+
+// Whether bfloat16 prompt tiles run on AMX where the CPU has it (1, the default) or in AVX512-BF16 dot products (0):
+// `enable` 0 or 1 sets it, -1 leaves it. Returns whether they run on AMX now (tests compare the two).
+int ts_attention_amx(int enable) {
+#if defined(__x86_64__)
+  if (enable >= 0) amx_enabled.store(enable != 0);
+  return amx_supported() ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
 
 // The cache layouts are 4 strides each (elements): block, token, head, dim of one layer's K and V caches;
 // keys must be dim-major (token stride 1) and values token-major (dim stride 1).
