@@ -119,6 +119,26 @@ def test_compiled_graphs_keep_the_eager_operators(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
+    """`torch_shift::cpu_silu_mul` runs the C++ decoder's loop in one pass where that is bitwise PyTorch's here, its
+    parts (TensorIterator's split above 32768 elements) on torch's threads: a prompt's rows and a few, on one
+    thread and two, as `F.silu(gate) * up`."""
+    g = torch.Generator().manual_seed(6)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for tokens, intermediate in ((512, 2816), (3, 352), (37, 1000), (1, 2816)):
+                gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
+                gate, up = gate_up.chunk(2, dim=-1)
+                out = torch.ops.torch_shift.cpu_silu_mul(gate_up)
+                assert torch.equal(out, torch.nn.functional.silu(gate) * up), (count, tokens, intermediate)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_is_torchs(dtype):
     """The first of equal maxima, the first NaN where a row has one, the first of a row of -inf; any width and row
     stride (logits sliced to the vocabulary)."""

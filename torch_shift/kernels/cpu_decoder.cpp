@@ -213,20 +213,23 @@ void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dty
     const int64_t parts = std::min<int64_t>(threads, (numel + kGrain - 1) / kGrain);
     part = (numel + parts - 1) / parts;
   }
-  std::vector<float> silu(I);
-  for (int64_t start = 0; start < numel; start += part) {
-    const int64_t end = std::min(numel, start + part);
-    for (int64_t e = start; e < end;) {
-      const int64_t t = e / I, col = e % I, n = std::min(end - e, I - col);
-      silu_segment(static_cast<const char*>(gate_up) + t * 2 * I * (dtype == 0 ? 4 : 2), col, n, dtype, lanes,
-                   silu.data());
-      for (int64_t i = 0; i < n; ++i) {
-        const float s = dtype == 0 ? silu[i] : to_float(to_bf16(silu[i]));
-        store(out, t * I + col + i, s * load(gate_up, t * 2 * I + I + col + i, dtype), dtype);
+  // the parts on torch's threads as they come (each part's results depend only on where it starts and ends)
+  at::parallel_for(0, (numel + part - 1) / part, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> silu(I);
+    for (int64_t start = first * part; start < std::min(numel, last * part); start += part) {
+      const int64_t end = std::min(numel, start + part);
+      for (int64_t e = start; e < end;) {
+        const int64_t t = e / I, col = e % I, n = std::min(end - e, I - col);
+        silu_segment(static_cast<const char*>(gate_up) + t * 2 * I * (dtype == 0 ? 4 : 2), col, n, dtype, lanes,
+                     silu.data());
+        for (int64_t i = 0; i < n; ++i) {
+          const float s = dtype == 0 ? silu[i] : to_float(to_bf16(silu[i]));
+          store(out, t * I + col + i, s * load(gate_up, t * 2 * I + I + col + i, dtype), dtype);
+        }
+        e += n;
       }
-      e += n;
     }
-  }
+  });
 }
 
 int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void* out) {

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_shift.custom_ops import custom_op
-from torch_shift.kernels import CpuKernels, cpu_kernels
+from torch_shift.kernels import CpuKernels, DecoderKernels, cpu_kernels, decoder_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
@@ -116,13 +116,69 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @custom_op("torch_shift::cpu_silu_mul")
 def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The eager forward's `silu(gate) * up` on the CPU, kept whole by torch.compile (the module's docstring)."""
-    return silu_mul(gate_up)
+    """The eager forward's `silu(gate) * up` on the CPU, kept whole by torch.compile (the module's docstring): in one
+    pass of the C++ decoder's loop where that is bitwise PyTorch's on this machine (checked once per dtype and width),
+    else PyTorch's two operators. A 512-token prefill of the 106M model spent 11 ms of 207 in those two on a 2-core
+    Sapphire Rapids (docs/performance.md, issue 20)."""
+    out = _native_silu_mul(gate_up)
+    return silu_mul(gate_up) if out is None else out
+
+
+def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    intermediate = gate_up.shape[-1] // 2
+    if (gate_up.dtype not in _DTYPE_CODES or gate_up.dim() < 2 or gate_up.requires_grad
+            or decoder_kernels() is None):
+        return None
+    lanes = _silu_lanes(gate_up.dtype, intermediate)
+    if lanes is None:
+        return None
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(*gate_up.shape[:-1], intermediate)
+    tokens = gate_up.numel() // gate_up.shape[-1]
+    if decoder_kernels().silu_mul(_DTYPE_CODES[gate_up.dtype], lanes, gate_up.data_ptr(), tokens, intermediate,
+                                  out.data_ptr()) != 0:
+        return None
+    return out
 
 
 @cpu_silu_mul.register_fake
 def _(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@cache
+def _silu_lanes(dtype: torch.dtype, intermediate: int) -> int | None:
+    """The width of PyTorch's vectorised exp (16: AVX-512, 8: AVX2) with which the C++ `silu(gate) * up` is bitwise
+    PyTorch's on this machine for rows of `intermediate` (PyTorch may run its AVX2 build on an AVX-512 CPU), or None."""
+    kernels = decoder_kernels()
+    for lanes in (16, 8):
+        if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes):
+            return lanes
+    return None
+
+
+def _silu_mul_matches(kernels: DecoderKernels, dtype: torch.dtype, intermediate: int, lanes: int) -> bool:
+    """Whether the C++ `silu(gate) * up` with an exp of `lanes` floats is bitwise PyTorch's for rows of
+    `intermediate`: every finite bfloat16 (as gate, with up 1 and random), or a spread of float32 values over the
+    whole range."""
+    generator = torch.Generator().manual_seed(0)
+    if dtype == torch.bfloat16:
+        gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        gate = gate[torch.isfinite(gate)]
+    else:
+        gate = torch.cat([torch.randn(1 << 16, generator=generator) * scale for scale in (1.0, 8.0, 100.0)])
+        gate = torch.cat([gate, torch.tensor([0.0, -0.0, 88.0, -88.0, 104.0, -104.0, 1e-30, -1e-30])])
+    rows = -(-len(gate) // intermediate)
+    gate = torch.cat([gate, torch.zeros(rows * intermediate - len(gate), dtype=dtype)]).view(rows, intermediate)
+    for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=generator).to(dtype)):
+        gate_up = torch.cat([gate, up], dim=1)
+        expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        out = torch.empty_like(expected)
+        if kernels.silu_mul(_DTYPE_CODES[dtype], lanes, gate_up.data_ptr(), rows, intermediate, out.data_ptr()) != 0:
+            return False
+        if not torch.equal(out, expected):
+            return False
+    return True
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None

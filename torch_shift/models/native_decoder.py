@@ -24,20 +24,17 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import deque
-from functools import cache
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from torch_shift.compilation import enter_step_attention, exit_step_attention
 from torch_shift.kernels import DecoderKernels, decoder_kernels, native_attention, register_native_attention
 from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
-from torch_shift.models.fused import _SPLIT_ROW, ROW_ARGMAX, _sum_lanes
+from torch_shift.models.fused import _DTYPE_CODES, _SPLIT_ROW, ROW_ARGMAX, _silu_lanes, _sum_lanes
 from torch_shift.models.linear import GEMV_MAX_ROWS, Linear
 from torch_shift.models.rope import RotaryEmbedding
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
                  "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code")
@@ -252,36 +249,3 @@ def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-@cache
-def _silu_lanes(dtype: torch.dtype, intermediate: int) -> int | None:
-    """The width of PyTorch's vectorised exp (16: AVX-512, 8: AVX2) with which the C++ `silu(gate) * up` is bitwise
-    PyTorch's on this machine for rows of `intermediate` (PyTorch may run its AVX2 build on an AVX-512 CPU), or None."""
-    kernels = decoder_kernels()
-    for lanes in (16, 8):
-        if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes):
-            return lanes
-    return None
-
-
-def _silu_mul_matches(kernels: DecoderKernels, dtype: torch.dtype, intermediate: int, lanes: int) -> bool:
-    """Whether the C++ `silu(gate) * up` with an exp of `lanes` floats is bitwise PyTorch's for rows of
-    `intermediate`: every finite bfloat16 (as gate, with up 1 and random), or a spread of float32 values over the
-    whole range."""
-    generator = torch.Generator().manual_seed(0)
-    if dtype == torch.bfloat16:
-        gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        gate = gate[torch.isfinite(gate)]
-    else:
-        gate = torch.cat([torch.randn(1 << 16, generator=generator) * scale for scale in (1.0, 8.0, 100.0)])
-        gate = torch.cat([gate, torch.tensor([0.0, -0.0, 88.0, -88.0, 104.0, -104.0, 1e-30, -1e-30])])
-    rows = -(-len(gate) // intermediate)
-    gate = torch.cat([gate, torch.zeros(rows * intermediate - len(gate), dtype=dtype)]).view(rows, intermediate)
-    for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=generator).to(dtype)):
-        gate_up = torch.cat([gate, up], dim=1)
-        expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out = torch.empty_like(expected)
-        if kernels.silu_mul(_DTYPE_CODES[dtype], lanes, gate_up.data_ptr(), rows, intermediate, out.data_ptr()) != 0:
-            return False
-        if not torch.equal(out, expected):
-            return False
-    return True
