@@ -128,7 +128,7 @@ def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for tokens, intermediate in ((512, 2816), (3, 352), (37, 1000), (1, 2816)):
+            for tokens, intermediate in ((512, 2816), (3, 352), (37, 1000), (1, 2816), (0, 352)):
                 gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
                 gate, up = gate_up.chunk(2, dim=-1)
                 out = torch.ops.torch_shift.cpu_silu_mul(gate_up)

@@ -208,6 +208,7 @@ void silu_segment(const void* gate, int64_t begin, int64_t n, int dtype, int lan
 void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dtype, int lanes, int threads) {
   constexpr int64_t kGrain = 32768;  // at::internal::GRAIN_SIZE
   const int64_t numel = tokens * I;
+  if (numel == 0) return;  // a rank's forward of no rows (Ulysses with fewer tokens than ranks)
   int64_t part = numel;
   if (numel > kGrain && threads > 1) {
     const int64_t parts = std::min<int64_t>(threads, (numel + kGrain - 1) / kGrain);

@@ -126,7 +126,7 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     intermediate = gate_up.shape[-1] // 2
-    if (gate_up.dtype not in _DTYPE_CODES or gate_up.dim() < 2 or gate_up.requires_grad
+    if (gate_up.dtype not in _DTYPE_CODES or gate_up.dim() < 2 or gate_up.requires_grad or gate_up.numel() == 0
             or decoder_kernels() is None):
         return None
     lanes = _silu_lanes(gate_up.dtype, intermediate)
