@@ -757,9 +757,10 @@ void chunk_head_dot(Rows& rows, int64_t r0, int64_t count, const uint32_t* queri
 // differ, by one unit in bfloat16's last place). A row's result still depends only on its position: every row of a
 // dot-product run takes the tiles. A 512-token bf16 prompt of the 106M model: 5.5 ms a layer in dot products against
 // 3.2 ms for PyTorch's SDPA, whose matmuls oneDNN runs on AMX (bench_attention.py; docs/performance.md, issue 20).
-#define TS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
 std::atomic<bool> amx_enabled{true};  // ts_attention_amx: off to compare with the dot products
+
+#if defined(__clang__) || __GNUC__ >= 11  // compilers with AMX intrinsics
+#define TS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 bool amx_supported() {
   static const bool supported = [] {
@@ -906,6 +907,15 @@ TS_AMX_TARGET void chunk_head_amx(Rows& rows, int64_t r0, int64_t count, const u
   }
   if (configured) _tile_release();
 }
+#else
+bool amx_supported() { return false; }
+
+template <int DV>
+void chunk_head_amx(Rows&, int64_t, int64_t, const uint32_t*, const __m512i*, const __m512i*,
+                    const Piece<bf16_t, bf16_t>*, int64_t, int64_t, float) {
+  assert(false);  // amx_supported() is false
+}
+#endif
 #endif  // __x86_64__
 
 // The same for any head_dim, one row at a time, in scalars.
