@@ -49,18 +49,28 @@ constexpr int kMaxLanes = 16;
 constexpr int kIlp = 4;
 constexpr int kLevels = 4;
 
+// multi_row_sum's cascade over `groups` groups of kIlp vectors: a level's sums go up one level every `step` groups
+struct Cascade {
+  int64_t power, step, mask;
+  explicit Cascade(int64_t groups) {
+    int64_t ceil_log2 = 1;
+    if (groups > 2) {
+      ceil_log2 = 0;
+      while ((int64_t(1) << ceil_log2) < groups) ++ceil_log2;
+    }
+    power = std::max<int64_t>(4, ceil_log2 / kLevels);
+    step = int64_t(1) << power;
+    mask = step - 1;
+  }
+};
+
 template <typename T>
 float sum_of_squares(const T* row, int64_t dim, int64_t lanes) {
   if (dim < lanes) lanes = 1;
   const int64_t vectors = dim / lanes;
   const int64_t groups = vectors / kIlp;  // multi_row_sum's rows: kIlp vectors each
-  int64_t ceil_log2 = 1;
-  if (groups > 2) {
-    ceil_log2 = 0;
-    while ((int64_t(1) << ceil_log2) < groups) ++ceil_log2;
-  }
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels);
-  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  const Cascade cascade(groups);
+  const int64_t level_power = cascade.power, level_step = cascade.step, level_mask = cascade.mask;
   float acc[kLevels][kIlp][kMaxLanes] = {};
   auto add_group = [&](int64_t g) {
     for (int k = 0; k < kIlp; ++k)
@@ -176,13 +186,8 @@ float sum_of_squares_vec(const T* row, int64_t dim) {
   using F = typename V::F;
   const int64_t vectors = dim / L;
   const int64_t groups = vectors / kIlp;
-  int64_t ceil_log2 = 1;
-  if (groups > 2) {
-    ceil_log2 = 0;
-    while ((int64_t(1) << ceil_log2) < groups) ++ceil_log2;
-  }
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels);
-  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  const Cascade cascade(groups);
+  const int64_t level_power = cascade.power, level_step = cascade.step, level_mask = cascade.mask;
   F acc[kLevels][kIlp] = {};
   int64_t g = 0;
   auto add_group = [&](int64_t group) {

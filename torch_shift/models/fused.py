@@ -126,8 +126,9 @@ def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     intermediate = gate_up.shape[-1] // 2
+    kernels = decoder_kernels()
     if (gate_up.dtype not in _DTYPE_CODES or gate_up.dim() < 2 or gate_up.requires_grad or gate_up.numel() == 0
-            or decoder_kernels() is None):
+            or kernels is None):
         return None
     lanes = _silu_lanes(gate_up.dtype, intermediate)
     if lanes is None:
@@ -135,7 +136,7 @@ def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(*gate_up.shape[:-1], intermediate)
     tokens = gate_up.numel() // gate_up.shape[-1]
-    if decoder_kernels().silu_mul(_DTYPE_CODES[gate_up.dtype], lanes, gate_up.data_ptr(), tokens, intermediate,
+    if kernels.silu_mul(_DTYPE_CODES[gate_up.dtype], lanes, gate_up.data_ptr(), tokens, intermediate,
                                   out.data_ptr()) != 0:
         return None
     return out
