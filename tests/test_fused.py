@@ -55,11 +55,13 @@ def test_rms_norm_is_bitwise_the_expression(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_is_bitwise_the_expression(dtype):
+@pytest.mark.parametrize("head_dim", [64, 16, 6])  # halves of 16-float vectors, of 8, and the scalar loop
+def test_rotary_is_bitwise_the_expression(dtype, head_dim):
     g = torch.Generator().manual_seed(1)
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0), 64, 512)
-    qkv = torch.randn(11, (8 + 2 * 2) * 64, generator=g).to(dtype)
-    q, k = qkv[:, :512].view(11, 8, 64), qkv[:, 512:640].view(11, 2, 64)  # strided views, as the model splits
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0), head_dim, 512)
+    qkv = torch.randn(11, (8 + 2 * 2) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :8 * head_dim].view(11, 8, head_dim)  # strided views, as the model splits
+    k = qkv[:, 8 * head_dim:10 * head_dim].view(11, 2, head_dim)
     positions = torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 64, 65, 3])
     got = fused.rotary(positions, q, k, rope.cos_sin)
     assert got is not None

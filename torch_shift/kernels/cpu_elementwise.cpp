@@ -254,6 +254,24 @@ void rms_norm(const T* x, int64_t outer, int64_t inner, int64_t outer_stride, in
   });
 }
 
+// One head's rotation, `half` = dim / 2 a multiple of L: L dimensions of each half a vector, every product and sum
+// rounded to T as the scalar loop below rounds them (rounding to nearest is symmetric, so -(x * s) is (-x) * s).
+// The scalar loop took 398 us for a 512-token bf16 prompt's q and k (16 and 4 heads of 64) on a 2-core Sapphire
+// Rapids, a tenth of that in memory traffic.
+template <int L, typename T>
+void rotate_head_vec(const T* v, const float* cos, const float* sin, int64_t half, T* o) {
+  using V = Lanes<L>;
+  using F = typename V::F;
+  T* tag = nullptr;
+  for (int64_t d = 0; d < half; d += L) {
+    const F lo = V::load(v + d), hi = V::load(v + d + half);
+    const F cos_lo = V::round(V::load(cos + d), tag), cos_hi = V::round(V::load(cos + d + half), tag);
+    const F sin_lo = V::round(V::load(sin + d), tag), sin_hi = V::round(V::load(sin + d + half), tag);
+    V::store(V::round(lo * cos_lo, tag) + V::round(-hi * sin_lo, tag), o + d);
+    V::store(V::round(hi * cos_hi, tag) + V::round(lo * sin_hi, tag), o + d + half);
+  }
+}
+
 // x [tokens, heads, dim] (strides token_stride, head_stride; dimension stride 1) rotated by its token's position:
 // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]); cos_sin [2, positions, dim] float32,
 // rounded to T first (as `.to(dtype)`). out [tokens, heads, dim] contiguous.
@@ -262,6 +280,7 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t token_stride, int
             const int64_t* positions, const float* cos_sin, int64_t table_positions, T* out) {
   const int64_t half = dim / 2;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1));
+  const int lanes = half % 16 == 0 ? 16 : half % 8 == 0 ? 8 : 1;
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cos_sin + positions[t] * dim;
@@ -269,6 +288,14 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t token_stride, int
       for (int64_t h = 0; h < heads; ++h) {
         const T* v = x + t * token_stride + h * head_stride;
         T* o = out + (t * heads + h) * dim;
+        if (lanes == 16) {
+          rotate_head_vec<16>(v, cos, sin, half, o);
+          continue;
+        }
+        if (lanes == 8) {
+          rotate_head_vec<8>(v, cos, sin, half, o);
+          continue;
+        }
         for (int64_t d = 0; d < dim; ++d) {
           const float rotated = d < half ? -to_float(v[d + half]) : to_float(v[d - half]);
           const float a = round_to<T>(to_float(v[d]) * round_to<T>(cos[d]));
