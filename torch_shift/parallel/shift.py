@@ -347,6 +347,12 @@ class ShiftModule(LayoutCounters, nn.Module):
     def _base_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                    logits_indices: torch.Tensor) -> torch.Tensor:
         sp, sp_rank = self.groups.sp, self.groups.sp_rank
+        if sp == 1:
+            # plain TP: the step's attention as it is (wrapped for Ulysses with SP 1, its all-to-alls only copied,
+            # and the compiled forward's attention ran its Python path instead of the C++ one: a TP-2 decode step
+            # of the 106M model took 2 ms more for it, docs/performance.md)
+            hidden = self.forwards["base"](input_ids, positions, attention)
+            return self.base.compute_logits(hidden[logits_indices])
         n = input_ids.shape[0]
         # SP rank r holds counts[r] tokens (n // sp or one more), after those of ranks < r, none padded: a step of
         # fewer tokens than SP ranks leaves the last ranks no rows, and they read no weights (padded, batch-1 decode
