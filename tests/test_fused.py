@@ -141,6 +141,47 @@ def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operators_cpp_implementations_are_the_python_ones(dtype):
+    """Once registered (as a compiled CPU forward does), the three operators run C++ on the CPU (kernels/cpu_ops.cpp):
+    the same bits as their Python implementations, which they call where their kernels do not apply."""
+    from torch_shift.kernels import cpu_ops
+
+    if not cpu_ops() or not fused.register_native_operators():
+        pytest.skip("the C++ operator library does not build here")
+    for name in ("cpu_rms_norm", "cpu_rotary", "cpu_silu_mul"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_shift::{name}", "CPU"), name
+    ops = torch.ops.torch_shift
+    g = torch.Generator().manual_seed(8)
+    for tokens in (0, 1, 7, 300):
+        x = torch.randn(tokens, 1024 + 64, generator=g).to(dtype)[:, 64:]  # rows strided
+        weight = torch.randn(1024, generator=g).to(dtype)
+        assert torch.equal(ops.cpu_rms_norm(x, weight, 1e-5), ops.cpu_rms_norm_python(x, weight, 1e-5))
+        qkv = torch.randn(tokens, 24 * 64, generator=g).to(dtype)
+        q, k = qkv[:, :16 * 64].view(tokens, 16, 64), qkv[:, 16 * 64:20 * 64].view(tokens, 4, 64)
+        assert torch.equal(ops.cpu_rms_norm(q, weight[:64], 1e-5), ops.cpu_rms_norm_python(q, weight[:64], 1e-5))
+        positions, cos_sin = torch.randint(0, 500, (tokens,), generator=g), torch.randn(2, 500, 64, generator=g)
+        for a, b in zip(ops.cpu_rotary(positions, q, k, cos_sin), ops.cpu_rotary_python(positions, q, k, cos_sin)):
+            assert torch.equal(a, b)
+        gate_up = (torch.randn(tokens, 2 * 352, generator=g) * 4).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        for _ in range(2):  # the first call finds the vector width in Python, the second runs C++
+            assert torch.equal(ops.cpu_silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    if tokens:
+        with pytest.raises(IndexError, match="rotary table"):
+            ops.cpu_rotary(positions + 500, q, k, cos_sin)
+    # where the kernels do not apply, the Python implementations' expressions
+    half = torch.randn(3, 64, generator=g).half()
+    assert torch.equal(ops.cpu_rms_norm(half, torch.ones(64).half(), 1e-6),
+                       fused.rms_norm_expression(half, torch.ones(64).half(), 1e-6))
+    q16 = torch.randn(3, 2, 16, generator=g)
+    for a, b in zip(ops.cpu_rotary(torch.tensor([0, 1, 2]), q16, q16.half(), torch.randn(2, 4, 16, generator=g)),
+                    fused.rotary_expression(torch.tensor([0, 1, 2]), q16, q16.half(), torch.randn(2, 4, 16,
+                                                                                              generator=g))):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_is_torchs(dtype):
     """The first of equal maxima, the first NaN where a row has one, the first of a row of -inf; any width and row
     stride (logits sliced to the vocabulary)."""

@@ -21,6 +21,7 @@ import torch
 from torch_shift.custom_ops import custom_op
 from torch_shift.kernels import native_attention, register_native_attention
 from torch_shift.models.decoder import AttentionFn
+from torch_shift.models.fused import register_native_operators
 
 _current: list[AttentionFn] = []
 
@@ -118,6 +119,7 @@ class CompiledForward:
         options = _CPU_INDUCTOR_OPTIONS if on_cpu else _INDUCTOR_OPTIONS
         if on_cpu:
             register_native_attention()
+            register_native_operators()
         self._compiled = torch.compile(model, dynamic=True, options=options)
         self.sealed = False
         self._ran = False

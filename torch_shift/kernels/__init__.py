@@ -295,6 +295,8 @@ class DecoderKernels:
         self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul
         self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
+        self.note_silu_lanes = library.ts_note_silu_lanes  # for the C++ torch_shift::cpu_silu_mul
+        self.note_silu_lanes.argtypes, self.note_silu_lanes.restype = [ctypes.c_int, i64, ctypes.c_int], None
 
 
 @lru_cache(maxsize=1)
@@ -319,6 +321,25 @@ def register_native_attention() -> bool:
                           stacklevel=2)
             return False
     return _native_attention is not None
+
+
+_native_elementwise = False
+
+
+def register_native_elementwise(sum_lanes: int) -> bool:
+    """Register the C++ implementations of `torch_shift::cpu_rms_norm`, `cpu_rotary` and `cpu_silu_mul` for the CPU
+    (cpu_ops.cpp; once torch_shift.models.fused has defined them and their `_python` twins), RMSNorm summing in
+    vectors of `sum_lanes` floats (0: RMSNorm stays in Python); False where the operator library does not build."""
+    global _native_elementwise
+    if not _native_elementwise and cpu_ops():
+        _ops_library.ts_register_elementwise.argtypes = [ctypes.c_int]
+        _ops_library.ts_register_elementwise.restype = ctypes.c_int
+        if _ops_library.ts_register_elementwise(sum_lanes) != 0:
+            warnings.warn("PyTorch refused the C++ implementations of torch_shift's elementwise operators: compiled "
+                          "forwards run them through Python, which is slower", RuntimeWarning, stacklevel=2)
+            return False
+        _native_elementwise = True
+    return _native_elementwise
 
 
 def native_attention() -> NativeAttention | None:

@@ -42,6 +42,14 @@ extern "C" int ts_write_kv(int dtype, void* k_cache, void* v_cache, const int64_
                            int64_t v_row_stride, int64_t v_head_stride, const int64_t* slot_mapping,
                            int64_t num_tokens, int64_t block_size, int64_t num_kv_heads, int64_t head_dim);
 
+extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
+                           int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
+extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
+                         int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
+                         int64_t table_positions, void* out);
+extern "C" int ts_decoder_silu_mul(int dtype, int lanes, const void* gate_up, int64_t tokens, int64_t intermediate,
+                                   void* out);
+
 namespace {
 
 struct Packed {
@@ -220,9 +228,122 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
+// The elementwise operators of a compiled CPU forward (torch_shift/models/fused.py: cpu_rms_norm, cpu_rotary,
+// cpu_silu_mul), in C++ where their kernels apply, else their Python implementations (registered as <name>_python).
+// Python, cold after each weight streamed through the caches, cost 58-100 us a call at a TP-2 rank's decode step of
+// the 106M model: 2.4 ms of a 20 ms step for its 33 calls (docs/performance.md, issue 20).
+int sum_lanes = 0;  // fused.py's _sum_lanes(): the vector width of PyTorch's sum on this machine (0: unknown)
+std::mutex silu_mutex;
+std::unordered_map<int64_t, int>& silu_lanes() {  // (dtype code, intermediate) -> fused.py's _silu_lanes (0: none)
+  static std::unordered_map<int64_t, int> lanes;
+  return lanes;
+}
+int64_t silu_key(int dtype_code, int64_t intermediate) { return intermediate * 4 + dtype_code; }
+
+int elementwise_code(at::ScalarType dtype) {
+  return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : -1;
+}
+
+c10::OperatorHandle python_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int code = elementwise_code(x.scalar_type());
+  if (code < 0 || sum_lanes == 0 || x.requires_grad() || weight.requires_grad() || (x.dim() != 2 && x.dim() != 3) ||
+      x.stride(-1) != 1 || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.dim() != 1 ||
+      weight.size(0) != x.size(-1) || x.size(-1) >= 32768 || !weight.device().is_cpu()) {
+    static const c10::OperatorHandle op = python_op("torch_shift::cpu_rms_norm_python");
+    return call_boxed(op, {x, weight, eps});
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const bool heads = x.dim() == 3;
+  const int status = ts_rms_norm(code, x.data_ptr(), x.size(0), heads ? x.size(1) : 1, x.stride(0),
+                                 heads ? x.stride(1) : 0, x.size(-1), weight.data_ptr(), static_cast<float>(eps),
+                                 sum_lanes, out.data_ptr());
+  TORCH_CHECK(status == 0, "torch_shift::cpu_rms_norm: the kernel failed (", status, ")");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos_sin) {
+  const int code = elementwise_code(q.scalar_type());
+  if (code < 0 || k.scalar_type() != q.scalar_type() || q.dim() != 3 || k.dim() != 3 || q.stride(-1) != 1 ||
+      k.stride(-1) != 1 || q.size(-1) % 2 != 0 || k.size(-1) != q.size(-1) ||
+      cos_sin.scalar_type() != at::kFloat || !cos_sin.is_contiguous() || cos_sin.dim() != 3 ||
+      cos_sin.size(-1) != q.size(-1) || !cos_sin.device().is_cpu() || positions.dim() != 1 ||
+      positions.size(0) != q.size(0) || !positions.device().is_cpu() || q.requires_grad() || k.requires_grad()) {
+    static const c10::OperatorHandle op = python_op("torch_shift::cpu_rotary_python");
+    torch::jit::Stack stack{positions, q, k, cos_sin};
+    op.callBoxed(&stack);
+    return {stack[0].toTensor(), stack[1].toTensor()};
+  }
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  std::tuple<at::Tensor, at::Tensor> rotated;
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& x = i == 0 ? q : k;
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    const int status = ts_rotary(code, x.data_ptr(), x.size(0), x.size(1), x.stride(0), x.stride(1), x.size(2),
+                                 pos.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cos_sin.size(1), out.data_ptr());
+    TORCH_CHECK_INDEX(status != -3, "a position is outside the rotary table of ", cos_sin.size(1), " positions");
+    TORCH_CHECK(status == 0, "torch_shift::cpu_rotary: the kernel failed (", status, ")");
+    (i == 0 ? std::get<0>(rotated) : std::get<1>(rotated)) = out;
+  }
+  return rotated;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int code = elementwise_code(gate_up.scalar_type());
+  const int64_t intermediate = gate_up.dim() >= 2 ? gate_up.size(-1) / 2 : 0;
+  int lanes = 0;
+  if (code >= 0 && gate_up.dim() >= 2 && !gate_up.requires_grad()) {
+    std::lock_guard<std::mutex> lock(silu_mutex);
+    auto it = silu_lanes().find(silu_key(code, intermediate));
+    lanes = it == silu_lanes().end() ? 0 : it->second;
+  }
+  if (lanes == 0) {  // the Python implementation, which finds the lanes (ts_note_silu_lanes) or computes without them
+    static const c10::OperatorHandle op = python_op("torch_shift::cpu_silu_mul_python");
+    return call_boxed(op, {gate_up});
+  }
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  sizes.back() = intermediate;
+  at::Tensor out = at::empty(sizes, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;  // a rank's forward of no rows (Ulysses with fewer tokens than ranks)
+  const at::Tensor input = gate_up.contiguous();
+  const int status = ts_decoder_silu_mul(code, lanes, input.data_ptr(), input.numel() / input.size(-1), intermediate,
+                                         out.data_ptr());
+  TORCH_CHECK(status == 0, "torch_shift::cpu_silu_mul: the kernel failed (", status, ")");
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
+
+// fused.py's _silu_lanes(dtype, intermediate) for the C++ cpu_silu_mul: lanes 8 or 16, or 0 where none reproduces
+// PyTorch (the Python implementation serves those)
+void ts_note_silu_lanes(int dtype_code, int64_t intermediate, int lanes) {
+  std::lock_guard<std::mutex> lock(silu_mutex);
+  silu_lanes()[silu_key(dtype_code, intermediate)] = lanes;
+}
+
+// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary and cpu_silu_mul on the CPU, once
+// fused.py has defined them and their <name>_python twins; `lanes`: fused.py's _sum_lanes() (0: RMSNorm stays in
+// Python). 0, or -1 where PyTorch refused them.
+int ts_register_elementwise(int lanes) {
+  static torch::Library* library = nullptr;
+  sum_lanes = lanes;
+  if (library != nullptr) return 0;
+  try {
+    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    library->impl("cpu_rms_norm", TORCH_FN(rms_norm));
+    library->impl("cpu_rotary", TORCH_FN(rotary));
+    library->impl("cpu_silu_mul", TORCH_FN(silu_mul));
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
 
 // CpuPagedAttention.install_native: its arrays' addresses (see PagedStep)
 void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64_t k_layer_bytes,

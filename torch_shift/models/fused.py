@@ -32,7 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from torch_shift.custom_ops import custom_op
-from torch_shift.kernels import CpuKernels, DecoderKernels, cpu_kernels, decoder_kernels
+from torch_shift.kernels import (
+    CpuKernels,
+    DecoderKernels,
+    cpu_kernels,
+    decoder_kernels,
+    register_native_elementwise,
+)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
@@ -101,6 +107,11 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return rms_norm_expression(x, weight, eps) if out is None else out
 
 
+# the Python implementations under names of their own, which the C++ ones (kernels/cpu_ops.cpp) call where their
+# kernels do not apply
+custom_op("torch_shift::cpu_rms_norm_python")(cpu_rms_norm.__wrapped__)
+
+
 @cpu_rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
@@ -142,6 +153,9 @@ def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+custom_op("torch_shift::cpu_silu_mul_python")(cpu_silu_mul.__wrapped__)
+
+
 @cpu_silu_mul.register_fake
 def _(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
@@ -152,10 +166,17 @@ def _silu_lanes(dtype: torch.dtype, intermediate: int) -> int | None:
     """The width of PyTorch's vectorised exp (16: AVX-512, 8: AVX2) with which the C++ `silu(gate) * up` is bitwise
     PyTorch's on this machine for rows of `intermediate` (PyTorch may run its AVX2 build on an AVX-512 CPU), or None."""
     kernels = decoder_kernels()
-    for lanes in (16, 8):
-        if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes):
-            return lanes
-    return None
+    found = next((lanes for lanes in (16, 8)
+                  if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes)), None)
+    kernels.note_silu_lanes(_DTYPE_CODES[dtype], intermediate, found or 0)  # for the C++ operator
+    return found
+
+
+def register_native_operators() -> bool:
+    """The C++ implementations of the three CPU operators above (kernels/cpu_ops.cpp), registered with PyTorch's
+    dispatcher, so that a compiled forward's calls run no Python where their kernels apply; False where the operator
+    library does not build."""
+    return register_native_elementwise(_sum_lanes() or 0)
 
 
 def _silu_mul_matches(kernels: DecoderKernels, dtype: torch.dtype, intermediate: int, lanes: int) -> bool:
@@ -313,6 +334,9 @@ def cpu_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """The eager forward's rotary embeddings on the CPU, kept whole by torch.compile (the module's docstring)."""
     out = rotary(positions, q, k, cos_sin)
     return rotary_expression(positions, q, k, cos_sin) if out is None else out
+
+
+custom_op("torch_shift::cpu_rotary_python")(cpu_rotary.__wrapped__)
 
 
 @cpu_rotary.register_fake
