@@ -242,6 +242,71 @@ def test_a_stalled_rank_ends_the_others_at_the_timeout_and_a_closed_one_at_once(
     assert closed_s < 2.0
 
 
+def _native_all_reduce_rank(rank, world):
+    """The all-reduce operator of compiled forwards, in C++ (kernels/cpu_ops.cpp), between the communicator's
+    Python collectives: the same sums on every rank as gloo's; a peer late by more than its spin (the rest waited
+    in Python), one that sent another size (an error on both), one that died (an error within the timeout)."""
+    from torch_shift.kernels import cpu_ops
+    from torch_shift.parallel import comm as parallel_comm
+
+    dist.init_process_group("gloo")
+    if not cpu_ops():
+        return None
+    assert parallel_comm.share_memory(dist.group.WORLD, timeout_s=5.0)
+    communicator_id = parallel_comm._shared_id(dist.group.WORLD)
+    comm = parallel_comm._shared_by_id[communicator_id]
+    assert comm._native_id == communicator_id
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("torch_shift::shm_all_reduce", "CPU")
+    op = torch.ops.torch_shift.shm_all_reduce
+    generator = torch.Generator().manual_seed(rank)
+    sums = []
+    cases = [((1, 1024), torch.float32), ((7, 1024), torch.bfloat16), ((0, 16), torch.float32), ((3000,), torch.float32),
+             ((2, 5), torch.float16), ((4 << 20,), torch.float32)]  # the last two: Python's (float16, chunks)
+    for i, (shape, dtype) in enumerate(cases):
+        x = _random(shape, dtype, generator)
+        if rank == 1 and i == 1:
+            time.sleep(0.05)  # rank 0 hands this one to Python
+        expected = x.clone()
+        dist.all_reduce(expected)
+        got = op(x, communicator_id)
+        assert got.shape == x.shape and got.dtype == dtype
+        if dtype.is_floating_point:
+            rtol, atol = TOLERANCE[dtype]
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+        sums.append(got.view(torch.uint8).numpy().tobytes() if got.numel() else b"")
+        assert comm.broadcast_object({"step": i} if rank == 0 else None) == {"step": i}  # Python's steps between
+    assert comm._collectives == 12
+    with pytest.raises(ValueError, match="different collectives, or with different sizes"):
+        op(torch.ones(3 + rank), communicator_id)
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        op(torch.ones(3), communicator_id)
+    parallel_comm.release_shared_memory()
+    # a peer that dies before the operator's all-reduce
+    assert parallel_comm.share_memory(dist.group.WORLD, timeout_s=5.0)
+    communicator_id = parallel_comm._shared_id(dist.group.WORLD)
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) died during all_reduce #1"):
+        op(torch.ones(3), communicator_id)
+    return sums, time.monotonic() - start
+
+
+def test_the_cpp_all_reduce_operator_matches_gloo_and_ends_on_errors():
+    ranks = LocalRanks(_native_all_reduce_rank, 2, [0, 1], port=free_port())
+    try:
+        rank, status, value = ranks.results.get(timeout=60)
+        assert (rank, status) == (0, "ok"), value
+        result = pickle.loads(value)
+    finally:
+        ranks.stop(grace_s=1.0)
+    if result is None:
+        pytest.skip("the C++ operator library does not build here")
+    sums, elapsed = result
+    assert len(sums) == 6 and elapsed < 3.0
+
+
 def _segment_mappings() -> list[str]:
     with open("/proc/self/maps") as f:
         return [line.strip() for line in f if SEGMENT_PREFIX in line]

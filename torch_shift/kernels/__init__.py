@@ -342,6 +342,40 @@ def register_native_elementwise(sum_lanes: int) -> bool:
     return _native_elementwise
 
 
+_native_all_reduce = False
+
+
+def register_native_all_reduce(communicator_id: int, segment: int, rank: int, world_size: int, slot_bytes: int,
+                               header_bytes: int, row_words: int, first_parity_word: int, parity_words: int,
+                               counters: int, float32_signature: int, bfloat16_signature: int) -> bool:
+    """Serve `torch_shift::shm_all_reduce` of communicator `communicator_id` in C++ on the CPU (cpu_ops.cpp), from its
+    segment's layout (torch_shift.parallel.shm) and the address of its [step, collectives] counters; False where
+    the operator library does not build."""
+    global _native_all_reduce
+    if not cpu_ops():
+        return False
+    lib = _ops_library
+    if not _native_all_reduce:
+        lib.ts_register_all_reduce.restype = ctypes.c_int
+        if lib.ts_register_all_reduce() != 0:
+            warnings.warn("PyTorch refused the C++ implementation of torch_shift::shm_all_reduce: compiled forwards "
+                          "run it through Python, which is slower", RuntimeWarning, stacklevel=2)
+            return False
+        _native_all_reduce = True
+    lib.ts_shm_register.argtypes = [i64] * 12
+    lib.ts_shm_register.restype = None
+    lib.ts_shm_register(communicator_id, segment, rank, world_size, slot_bytes, header_bytes, row_words,
+                        first_parity_word, parity_words, counters, float32_signature, bfloat16_signature)
+    return True
+
+
+def unregister_native_all_reduce(communicator_id: int) -> None:
+    """Calls of communicator `communicator_id` go to Python from now on (it closed, or failed)."""
+    _ops_library.ts_shm_unregister.argtypes = [i64]
+    _ops_library.ts_shm_unregister.restype = None
+    _ops_library.ts_shm_unregister(communicator_id)
+
+
 def native_attention() -> NativeAttention | None:
     """The registered C++ attention implementation, or None (nothing compiled on the CPU yet, or no library)."""
     return _native_attention

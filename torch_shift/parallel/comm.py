@@ -56,6 +56,7 @@ def use_shared_memory(group: dist.ProcessGroup, communicator: ShmCommunicator) -
     """Run the collectives of `group` through `communicator` (made over that group on every rank)."""
     _shared[group] = len(_shared_by_id)
     _shared_by_id.append(communicator)
+    communicator.register_native(_shared[group])
 
 
 def share_memory(group: dist.ProcessGroup, timeout_s: float) -> bool:
@@ -87,6 +88,16 @@ def _shm_all_reduce(x: torch.Tensor, communicator: int) -> torch.Tensor:
 @_shm_all_reduce.register_fake
 def _(x: torch.Tensor, communicator: int) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+# On the CPU the operator's implementation is C++ (kernels/cpu_ops.cpp, registered with the first communicator), which
+# calls these: the whole collective where it cannot run it, or the rest of one it published, to wait for the peers
+custom_op("torch_shift::shm_all_reduce_python")(_shm_all_reduce.__wrapped__)
+
+
+@custom_op("torch_shift::shm_all_reduce_resume")
+def _shm_all_reduce_resume(x: torch.Tensor, communicator: int, step: int) -> torch.Tensor:
+    return _shared_by_id[communicator].resume_all_reduce(x, step)
 
 
 @custom_op("torch_shift::shm_all_gather")

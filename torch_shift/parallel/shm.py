@@ -28,6 +28,11 @@ large memcpy are fenced by glibc before it returns), and not on weaker memory mo
 `create` returns None and the caller keeps gloo. An aligned int64 read or written through a memoryview is one
 load or store.
 
+The all-reduce of compiled forwards (`torch_shift::shm_all_reduce`) runs this protocol in C++ on the same words
+(kernels/cpu_ops.cpp, `register_native`), sharing the step and collective counters with this class: it spins for
+its peers for up to 1 ms, then hands the rest to `resume_all_reduce`, so waits, deadlines and errors are this
+module's.
+
 Waiting and failure: a rank waits by spinning on the counters with sched_yield between checks (so that more
 ranks than cores make progress), then with sleeps growing to 1 ms; every 50 ms it checks that the ranks it
 waits for are alive (their pid and start time are in the header; a zombie counts as dead) and have not closed
@@ -46,6 +51,7 @@ import uuid
 import zlib
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -211,8 +217,10 @@ class ShmCommunicator:
             self._slots = [segment[offsets[0]:offsets[0] + world_size * slot_bytes].view(world_size, slot_bytes)
                            for offsets in self._slot_offset]
         self._views: dict[tuple, tuple] = {}
-        self._step = 0  # the last step this rank published
-        self._collectives = 0
+        # the last step this rank published, and its collectives so far: in an array that the C++ all-reduce of
+        # compiled forwards (register_native) counts in too
+        self._counters = np.zeros(2, dtype=np.int64)
+        self._native_id: int | None = None
         self._unusable: str | None = None
         self._header[self._my_row + _PID] = os.getpid()
         self._header[self._my_row + _START_TIME] = _start_time(os.getpid())
@@ -266,6 +274,42 @@ class ShmCommunicator:
             assert communicator._header[row + _START_TIME] == identities[peer].start_time
         return communicator
 
+    @property
+    def _step(self) -> int:
+        return int(self._counters[0])
+
+    @_step.setter
+    def _step(self, step: int) -> None:
+        self._counters[0] = step
+
+    @property
+    def _collectives(self) -> int:
+        return int(self._counters[1])
+
+    @_collectives.setter
+    def _collectives(self, count: int) -> None:
+        self._counters[1] = count
+
+    def register_native(self, communicator_id: int) -> bool:
+        """Serve `torch_shift::shm_all_reduce(x, communicator_id)` in C++ where it can (kernels/cpu_ops.cpp: the
+        operator of compiled forwards); False where the operator library does not build."""
+        from torch_shift.kernels import register_native_all_reduce
+
+        registered = register_native_all_reduce(
+            communicator_id, self._segment.data_ptr(), self.rank, self.world_size, self.slot_bytes,
+            _header_bytes(self.world_size), self._row_words, _FIRST_PARITY_WORD, _PARITY_SPLITS + self.world_size,
+            self._counters.ctypes.data, _signature("all_reduce", torch.float32),
+            _signature("all_reduce", torch.bfloat16))
+        self._native_id = communicator_id if registered else None
+        return registered
+
+    def _unregister_native(self) -> None:
+        if self._native_id is not None:
+            from torch_shift.kernels import unregister_native_all_reduce
+
+            unregister_native_all_reduce(self._native_id)
+            self._native_id = None
+
     # -- collectives ------------------------------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,8 +329,24 @@ class ShmCommunicator:
         try:
             mine.copy_(x)
             self._publish(step, signature, nbytes)
+        except BaseException as e:
+            self._interrupted("all_reduce", e)
+            raise
+        return self._finish_all_reduce(rows, step, signature, nbytes)
+
+    def resume_all_reduce(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """The rest of an all-reduce of `x` that the C++ operator published as `step` and handed over to wait
+        for its peers (longer than it spins, or a peer's fields differ)."""
+        assert step == self._step, (step, self._step)
+        nbytes = x.numel() * x.element_size()
+        key = ("all_reduce", x.shape, x.dtype)
+        views = self._views.get(key) or self._make_views(key, nbytes)
+        return self._finish_all_reduce(views[step & 1][1], step, _signature("all_reduce", x.dtype), nbytes)
+
+    def _finish_all_reduce(self, rows: tuple, step: int, signature: int, nbytes: int) -> torch.Tensor:
+        try:
             self._await(step, "all_reduce")
-            self._check_peers(parity, signature, nbytes, "all_reduce")
+            self._check_peers(step & 1, signature, nbytes, "all_reduce")
             out = torch.add(rows[0], rows[1])
             for row in rows[2:]:
                 out += row
@@ -419,6 +479,7 @@ class ShmCommunicator:
         Idempotent; every later call raises."""
         if self._segment is None:
             return
+        self._unregister_native()  # before the mapping goes
         self._header[self._my_row + _CLOSED] = 1
         self._unusable = "the shared-memory communicator is closed"
         self._views.clear()
@@ -670,10 +731,12 @@ class ShmCommunicator:
 
     def _fail(self, error: type[Exception], message: str):
         self._unusable = f"the shared-memory communicator failed earlier: {message}"
+        self._unregister_native()  # its calls come to Python, which refuses them
         raise error(message)
 
     def _interrupted(self, op: str, error: BaseException) -> None:
         """A collective that did not end leaves the ranks at different steps: no later call may run."""
+        self._unregister_native()
         if self._unusable is None:
             self._unusable = (f"the shared-memory communicator failed earlier: {op} #{self._collectives} was "
                               f"interrupted by {type(error).__name__}: {error}")
