@@ -254,9 +254,10 @@ c10::OperatorHandle python_op(const char* name) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int code = elementwise_code(x.scalar_type());
-  if (code < 0 || sum_lanes == 0 || x.requires_grad() || weight.requires_grad() || (x.dim() != 2 && x.dim() != 3) ||
-      x.stride(-1) != 1 || weight.scalar_type() != x.scalar_type() || !weight.is_contiguous() || weight.dim() != 1 ||
-      weight.size(0) != x.size(-1) || x.size(-1) >= 32768 || !weight.device().is_cpu()) {
+  if (code < 0 || sum_lanes == 0 || (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) ||
+      (x.dim() != 2 && x.dim() != 3) || x.stride(-1) != 1 || weight.scalar_type() != x.scalar_type() ||
+      !weight.is_contiguous() || weight.dim() != 1 || weight.size(0) != x.size(-1) || x.size(-1) >= 32768 ||
+      !weight.device().is_cpu()) {
     static const c10::OperatorHandle op = python_op("torch_shift::cpu_rms_norm_python");
     return call_boxed(op, {x, weight, eps});
   }
@@ -276,7 +277,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
       k.stride(-1) != 1 || q.size(-1) % 2 != 0 || k.size(-1) != q.size(-1) ||
       cos_sin.scalar_type() != at::kFloat || !cos_sin.is_contiguous() || cos_sin.dim() != 3 ||
       cos_sin.size(-1) != q.size(-1) || !cos_sin.device().is_cpu() || positions.dim() != 1 ||
-      positions.size(0) != q.size(0) || !positions.device().is_cpu() || q.requires_grad() || k.requires_grad()) {
+      positions.size(0) != q.size(0) || !positions.device().is_cpu() ||
+      (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad()))) {
     static const c10::OperatorHandle op = python_op("torch_shift::cpu_rotary_python");
     torch::jit::Stack stack{positions, q, k, cos_sin};
     op.callBoxed(&stack);
