@@ -361,18 +361,17 @@ def register_native_all_reduce(communicator_id: int, segment: int, rank: int, wo
             warnings.warn("PyTorch refused the C++ implementation of torch_shift::shm_all_reduce: compiled forwards "
                           "run it through Python, which is slower", RuntimeWarning, stacklevel=2)
             return False
+        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 12, None
+        lib.ts_shm_unregister.argtypes, lib.ts_shm_unregister.restype = [i64], None
         _native_all_reduce = True
-    lib.ts_shm_register.argtypes = [i64] * 12
-    lib.ts_shm_register.restype = None
     lib.ts_shm_register(communicator_id, segment, rank, world_size, slot_bytes, header_bytes, row_words,
                         first_parity_word, parity_words, counters, float32_signature, bfloat16_signature)
     return True
 
 
 def unregister_native_all_reduce(communicator_id: int) -> None:
-    """Calls of communicator `communicator_id` go to Python from now on (it closed, or failed)."""
-    _ops_library.ts_shm_unregister.argtypes = [i64]
-    _ops_library.ts_shm_unregister.restype = None
+    """Calls of communicator `communicator_id` go to Python from now on (it closed, or failed); after a
+    registration (register_native_all_reduce)."""
     _ops_library.ts_shm_unregister(communicator_id)
 
 

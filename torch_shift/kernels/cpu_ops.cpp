@@ -395,6 +395,20 @@ at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
   return out;
 }
 
+// CPU implementations of torch_shift operators, registered with PyTorch's dispatcher once per `library` (`add`
+// registers them on it): 0, or -1 where PyTorch refused them (a C++ exception must not cross into ctypes)
+template <typename Add>
+int register_once(torch::Library*& library, Add add) {
+  if (library != nullptr) return 0;
+  try {
+    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    add(*library);
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -419,14 +433,7 @@ void ts_shm_unregister(int64_t id) {
 // defined it and its _python and _resume twins). 0, or -1 where PyTorch refused it.
 int ts_register_all_reduce() {
   static torch::Library* library = nullptr;
-  if (library != nullptr) return 0;
-  try {
-    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    library->impl("shm_all_reduce", TORCH_FN(shm_all_reduce));
-    return 0;
-  } catch (const std::exception&) {
-    return -1;
-  }
+  return register_once(library, [](torch::Library& m) { m.impl("shm_all_reduce", TORCH_FN(shm_all_reduce)); });
 }
 
 // fused.py's _silu_lanes(dtype, intermediate) for the C++ cpu_silu_mul: lanes 8 or 16, or 0 where none reproduces
@@ -442,16 +449,11 @@ void ts_note_silu_lanes(int dtype_code, int64_t intermediate, int lanes) {
 int ts_register_elementwise(int lanes) {
   static torch::Library* library = nullptr;
   sum_lanes = lanes;
-  if (library != nullptr) return 0;
-  try {
-    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    library->impl("cpu_rms_norm", TORCH_FN(rms_norm));
-    library->impl("cpu_rotary", TORCH_FN(rotary));
-    library->impl("cpu_silu_mul", TORCH_FN(silu_mul));
-    return 0;
-  } catch (const std::exception&) {
-    return -1;
-  }
+  return register_once(library, [](torch::Library& m) {
+    m.impl("cpu_rms_norm", TORCH_FN(rms_norm));
+    m.impl("cpu_rotary", TORCH_FN(rotary));
+    m.impl("cpu_silu_mul", TORCH_FN(silu_mul));
+  });
 }
 
 // CpuPagedAttention.install_native: its arrays' addresses (see PagedStep)
@@ -513,18 +515,10 @@ int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_
 }
 
 // Registers the C++ implementation of torch_shift::attention on the CPU; called once torch_shift/compilation.py has
-// defined it and torch_shift::attention_python. 0, or -1 where PyTorch refused it (a C++ exception must not cross
-// into ctypes).
+// defined it and torch_shift::attention_python. 0, or -1 where PyTorch refused it.
 int ts_register_attention() {
   static torch::Library* library = nullptr;
-  if (library != nullptr) return 0;
-  try {
-    library = new torch::Library(torch::Library::IMPL, "torch_shift", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    library->impl("attention", TORCH_FN(attention));
-    return 0;
-  } catch (const std::exception&) {
-    return -1;
-  }
+  return register_once(library, [](torch::Library& m) { m.impl("attention", TORCH_FN(attention)); });
 }
 
 }  // extern "C"
