@@ -124,7 +124,8 @@ def test_compiled_graphs_keep_the_eager_operators(dtype):
 def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
     """`torch_shift::cpu_silu_mul` runs the C++ decoder's loop in one pass where that is bitwise PyTorch's here, its
     parts (TensorIterator's split above 32768 elements) on torch's threads: a prompt's rows and a few, on one
-    thread and two, as `F.silu(gate) * up`."""
+    thread and two, as `F.silu(gate) * up`; NaN and infinities included (a NaN's bits are not compared: PyTorch's
+    vectorised and scalar loops write different ones)."""
     g = torch.Generator().manual_seed(6)
     threads = torch.get_num_threads()
     try:
@@ -132,9 +133,13 @@ def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
             torch.set_num_threads(count)
             for tokens, intermediate in ((512, 2816), (3, 352), (37, 1000), (1, 2816), (0, 352)):
                 gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
+                special = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+                gate_up.view(-1)[::97] = special[torch.arange(len(gate_up.view(-1)[::97])) % 3]
                 gate, up = gate_up.chunk(2, dim=-1)
                 out = torch.ops.torch_shift.cpu_silu_mul(gate_up)
-                assert torch.equal(out, torch.nn.functional.silu(gate) * up), (count, tokens, intermediate)
+                expected = torch.nn.functional.silu(gate) * up
+                torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True,
+                                           msg=f"{count} threads, {tokens} x {intermediate}")
     finally:
         torch.set_num_threads(threads)
 

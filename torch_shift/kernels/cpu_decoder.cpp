@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -158,45 +159,101 @@ void add(const void* a, const void* b, void* out, int64_t n, int dtype) {
 
 #if defined(__x86_64__)
 // x / (1 + exp(-x)) on 16 floats as PyTorch's vectorised silu computes them (Vectorized<float>: neg, exp, add, div)
-__attribute__((target("avx512f"))) inline void silu16(const float* x, float* out) {
-  const __m512 v = _mm512_loadu_ps(x);
+__attribute__((target("avx512f"))) inline __m512 silu16(__m512 v) {
   const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
                                                                          _mm512_set1_epi32(INT32_MIN))));
-  _mm512_storeu_ps(out, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
 // and on 8, as PyTorch's AVX2 build does
-__attribute__((target("avx2,fma"))) inline void silu8(const float* x, float* out) {
-  const __m256 v = _mm256_loadu_ps(x);
+__attribute__((target("avx2,fma"))) inline __m256 silu8(__m256 v) {
   const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f)));
-  _mm256_storeu_ps(out, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+  return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// float -> bfloat16 bits in the low half of each lane as PyTorch's vectorised conversion rounds (nearest even; NaN
+// becomes 0xffff, where the scalar to_bf16 keeps the NaN's sign and payload)
+__attribute__((target("avx512f"))) inline __m512i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))),
+      16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
+}
+
+__attribute__((target("avx2"))) inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)))),
+      16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// out[0, 16) = silu(gate) * up, each operator's result rounded to the dtype (T: float or bf16_t)
+template <typename T>
+__attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T* up, T* out) {
+  __m512 g;
+  if constexpr (std::is_same<T, float>::value)
+    g = _mm512_loadu_ps(gate);
+  else
+    g = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate))), 16));
+  __m512 s = silu16(g), u;
+  if constexpr (std::is_same<T, float>::value) {
+    u = _mm512_loadu_ps(up);
+    _mm512_storeu_ps(out, _mm512_mul_ps(s, u));
+  } else {
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(s), 16));
+    u = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up))), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void silu_mul8(const T* gate, const T* up, T* out) {
+  __m256 s = silu8(load8(gate));
+  const __m256 u = load8(up);
+  if constexpr (std::is_same<T, float>::value) {
+    _mm256_storeu_ps(out, _mm256_mul_ps(s, u));
+  } else {
+    s = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(s), 16));
+    const __m256i p = bf16_bits8(_mm256_mul_ps(s, u));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  }
 }
 #endif
 
-// silu(x) in the vectorised loop's runs and its scalar remainder (see silu_mul), from element `begin` of a row; the
-// runs are two of PyTorch's vectors of the dtype: 2 x `lanes` floats, or 4 x `lanes` bfloat16 (a bfloat16 vector
-// is twice as many elements, converted as two float vectors)
-void silu_segment(const void* gate, int64_t begin, int64_t n, int dtype, int lanes, float* out) {
-#if defined(__x86_64__)
-  const int64_t run = (dtype == 0 ? 2 : 4) * lanes;
-  float in[64];
+// out[i] = silu(gate[i]) * up[i] for i < n, silu as PyTorch's vectorised loop computes it in its runs (two of its
+// vectors of the dtype: 2 x `lanes` floats, or 4 x `lanes` bfloat16, a bfloat16 vector being twice as many elements
+// converted as two float vectors) and its scalar remainder (std::exp); `lanes` at a time in vectors here
+template <typename T>
+void silu_mul_segment(const T* gate, const T* up, T* out, int64_t n, int lanes) {
   int64_t i = 0;
+#if defined(__x86_64__)
+  const int64_t run = (std::is_same<T, float>::value ? 2 : 4) * lanes;
   for (; i + run <= n; i += run) {
-    for (int64_t j = 0; j < run; ++j) in[j] = load(gate, begin + i + j, dtype);
     for (int64_t j = 0; j < run; j += lanes) {
       if (lanes == 16)
-        silu16(in + j, out + i + j);
+        silu_mul16(gate + i + j, up + i + j, out + i + j);
       else
-        silu8(in + j, out + i + j);
+        silu_mul8(gate + i + j, up + i + j, out + i + j);
     }
   }
-  for (; i < n; ++i) {
-    const float v = load(gate, begin + i, dtype);
-    out[i] = v / (1.0f + std::exp(-v));
-  }
 #else
-  (void)gate, (void)begin, (void)n, (void)dtype, (void)lanes, (void)out;
+  (void)lanes;
 #endif
+  for (; i < n; ++i) {
+    const float v = to_float(gate[i]);
+    const float silu = v / (1.0f + std::exp(-v));
+    if constexpr (std::is_same<T, float>::value)
+      out[i] = silu * up[i];
+    else
+      out[i] = to_bf16(to_float(to_bf16(silu)) * to_float(up[i]));
+  }
 }
 
 // out[t, :I] = silu(gate_up[t, :I]) * gate_up[t, I:], each operator's result rounded to the dtype, as
@@ -216,16 +273,16 @@ void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dty
   }
   // the parts on torch's threads as they come (each part's results depend only on where it starts and ends)
   at::parallel_for(0, (numel + part - 1) / part, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> silu(I);
     for (int64_t start = first * part; start < std::min(numel, last * part); start += part) {
       const int64_t end = std::min(numel, start + part);
       for (int64_t e = start; e < end;) {
         const int64_t t = e / I, col = e % I, n = std::min(end - e, I - col);
-        silu_segment(static_cast<const char*>(gate_up) + t * 2 * I * (dtype == 0 ? 4 : 2), col, n, dtype, lanes,
-                     silu.data());
-        for (int64_t i = 0; i < n; ++i) {
-          const float s = dtype == 0 ? silu[i] : to_float(to_bf16(silu[i]));
-          store(out, t * I + col + i, s * load(gate_up, t * 2 * I + I + col + i, dtype), dtype);
+        if (dtype == 0) {
+          const float* row = static_cast<const float*>(gate_up) + t * 2 * I;
+          silu_mul_segment(row + col, row + I + col, static_cast<float*>(out) + t * I + col, n, lanes);
+        } else {
+          const bf16_t* row = static_cast<const bf16_t*>(gate_up) + t * 2 * I;
+          silu_mul_segment(row + col, row + I + col, static_cast<bf16_t*>(out) + t * I + col, n, lanes);
         }
         e += n;
       }

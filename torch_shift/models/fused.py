@@ -166,8 +166,11 @@ def _silu_lanes(dtype: torch.dtype, intermediate: int) -> int | None:
     """The width of PyTorch's vectorised exp (16: AVX-512, 8: AVX2) with which the C++ `silu(gate) * up` is bitwise
     PyTorch's on this machine for rows of `intermediate` (PyTorch may run its AVX2 build on an AVX-512 CPU), or None."""
     kernels = decoder_kernels()
-    found = next((lanes for lanes in (16, 8)
-                  if kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate, lanes)), None)
+    # the width of the build PyTorch runs (ATEN_CPU_CAPABILITY may pick AVX2 on an AVX-512 CPU), checked: the other
+    # width can pass the check on its values and still round another row's remainder differently (measured)
+    lanes = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
+    found = lanes if lanes and kernels.silu_lanes & lanes and _silu_mul_matches(kernels, dtype, intermediate,
+                                                                                 lanes) else None
     kernels.note_silu_lanes(_DTYPE_CODES[dtype], intermediate, found or 0)  # for the C++ operator
     return found
 
