@@ -62,7 +62,10 @@ CONFIGS = {
     "DP": {"dp": "2"},
     "TP": {"tp": "2"},
     "SP": {"sp": "2", "shift_threshold": "0"},
-    "Shift": {"sp": "2", "shift_threshold": "64"},
+    # the library's default threshold (256): on the bursty stream of a Sapphire Rapids CPU, 64 had a 1.4x higher median
+    # TTFT than 128 and 256 (an SP-2 decode step of 8-128 rows reads every weight on each rank: 1.04-1.74x TP-2's
+    # step; its prefill is faster from about 200 tokens; docs/performance.md, 2026-11-29)
+    "Shift": {"sp": "2"},
     "Flying": {"dp": "2", "policy": "flying"},
 }
 # --moe: bench_moe.py's random Mixtral (315M parameters, 107M active), and its experts split whole over the ranks
@@ -476,6 +479,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=None,
                     help=f"bursty part: configurations to compare (default {','.join(CONFIGS)}, and with --moe "
                          f"also {','.join(MOE_CONFIGS)})")
+    ap.add_argument("--shift-thresholds", default=None,
+                    help="bursty part: also Shift (SP-2 base) at each of these thresholds, as configurations Shift@N")
     ap.add_argument("--phase-s", type=float, default=None, help="length of each phase (default 30 s, quick 6 s)")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="lengths: a CSV with num_prefill_tokens, num_decode_tokens")
     ap.add_argument("--length-scale", type=float, default=0.25, help="trace lengths are multiplied by this")
@@ -494,6 +499,11 @@ def main(argv=None) -> int:
     if args.moe:
         CONFIGS.update(MOE_CONFIGS)
     configs = args.configs.split(",") if args.configs else list(CONFIGS)
+    for threshold in args.shift_thresholds.split(",") if args.shift_thresholds else ():
+        if not threshold.isdigit():
+            ap.error(f"--shift-thresholds: {threshold!r} is not a number of tokens")
+        CONFIGS[f"Shift@{threshold}"] = {**CONFIGS["Shift"], "shift_threshold": threshold}
+        configs.append(f"Shift@{threshold}")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
