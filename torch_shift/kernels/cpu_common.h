@@ -66,6 +66,38 @@ __attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm
 __attribute__((target("avx2"))) inline __m256 load8(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+
+// 8 floats -> bfloat16 bits in the low half of each 32-bit lane, rounding as to_bf16 (nearest even, NaN kept quiet)
+__attribute__((target("avx2"))) inline __m256i bf16_words8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// 8 floats stored as bfloat16 (to_bf16, 8 at a time)
+__attribute__((target("avx2"))) inline void store_bf16x8(__m256 v, bf16_t* out) {
+  const __m256i words = bf16_words8(v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);
+  _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(packed));
+}
+
+// and 16 at a time with AVX-512
+__attribute__((target("avx512f"))) inline __m512i bf16_words16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff))),
+      16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+}
+
+__attribute__((target("avx512f"))) inline void store_bf16x16(__m512 v, bf16_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_words16(v)));
+}
 #endif
 
 }  // namespace

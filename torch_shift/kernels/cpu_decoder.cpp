@@ -171,26 +171,6 @@ __attribute__((target("avx2,fma"))) inline __m256 silu8(__m256 v) {
   return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-// float -> bfloat16 bits in the low half of each lane as PyTorch's vectorised conversion rounds (nearest even; NaN
-// becomes 0xffff, where the scalar to_bf16 keeps the NaN's sign and payload)
-__attribute__((target("avx512f"))) inline __m512i bf16_bits16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i high = _mm512_srli_epi32(bits, 16);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)))),
-      16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xffff));
-}
-
-__attribute__((target("avx2"))) inline __m256i bf16_bits8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i high = _mm256_srli_epi32(bits, 16);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)))),
-      16);
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
 // out[0, 16) = silu(gate) * up, each operator's result rounded to the dtype (T: float or bf16_t)
 template <typename T>
 __attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T* up, T* out) {
@@ -205,10 +185,10 @@ __attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T
     u = _mm512_loadu_ps(up);
     _mm512_storeu_ps(out, _mm512_mul_ps(s, u));
   } else {
-    s = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(s), 16));
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_words16(s), 16));
     u = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up))), 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
+    store_bf16x16(_mm512_mul_ps(s, u), out);
   }
 }
 
@@ -219,10 +199,8 @@ __attribute__((target("avx2,fma"))) inline void silu_mul8(const T* gate, const T
   if constexpr (std::is_same<T, float>::value) {
     _mm256_storeu_ps(out, _mm256_mul_ps(s, u));
   } else {
-    s = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(s), 16));
-    const __m256i p = bf16_bits8(_mm256_mul_ps(s, u));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                     _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+    s = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_words8(s), 16));
+    store_bf16x8(_mm256_mul_ps(s, u), out);
   }
 }
 #endif

@@ -166,19 +166,6 @@ namespace avx2 {
 constexpr int64_t kBlock16 = 16;
 constexpr int kRows16 = 6;  // 6 x 2 accumulators, 2 weight vectors and x: 15 of the 16 AVX2 registers
 
-// 8 floats -> 8 bfloat16, rounding to nearest even, NaN kept quiet (cpu_common.h's to_bf16, 8 at a time)
-TS_AVX2 inline void store_bf16x8(__m256 v, uint16_t* out) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i words = _mm256_blendv_epi8(rounded, quiet, nan);  // 8 words in the low halves of 8 dwords
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(words, words), 0x08);
-  _mm_storeu_si128((__m128i*)out, _mm256_castsi256_si128(packed));
-}
-
 // R rows of x (float32) against B consecutive blocks of 16 features, their K rows bf16 (`W` uint16_t) or float32;
 // y: R rows of B x 16 float32 sums, kPair apart. Each sum is one chain of FMAs in k order whatever R and B: two blocks
 // at a time give one to three rows twice the chains to interleave, whose FMA latency (4 cycles on Zen 3) held the
