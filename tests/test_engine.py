@@ -470,6 +470,16 @@ def test_prompt_and_sampling_param_types(llama):
                                          r"'\\ud800' at character 4"):
         llm.generate(["fine", "bad \ud800 text"], greedy, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # the engine takes the same prompts as LLM (vLLM's LLMEngine.add_request does)
+    engine = llm.engine
+    engine.add_request("dict", {"prompt_token_ids": ids}, greedy)
+    with pytest.raises(TypeError, match=r"a dict with keys \['prompt_ids'\]; a prompt is a string or a list"):
+        engine.add_request("bad", {"prompt_ids": ids}, greedy)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["dict"]
+    assert outputs[-1].outputs[0].token_ids == text.token_ids
 
 
 def test_llm_without_a_model_uses_the_embedded_default_model():

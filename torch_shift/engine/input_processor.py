@@ -14,7 +14,21 @@ from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
 from torch_shift.engine.structured_output import GrammarCompiler
 from torch_shift.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, unwrapped by `unwrap_prompt`
+PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt': text} or "
+                "{'prompt_token_ids': [ids]}")
+
+
+def unwrap_prompt(prompt):
+    """vLLM's prompt dicts as the text or token ids they hold; anything else as it is."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return prompt["prompt_token_ids"]
+        raise TypeError(f"a dict with keys {sorted(keys)}; {PROMPT_KINDS}")
+    return prompt
 
 
 @dataclass(frozen=True)
@@ -76,9 +90,10 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
 
     def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
-        """Check a prompt (text or token ids) and tokenize it."""
+        """Check a prompt (text, token ids or vLLM's prompt dict) and tokenize it."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
+        prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -99,7 +114,7 @@ class InputProcessor:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
                 raise TypeError("a token-id prompt must be a list of ints")
         else:
-            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"got {type(prompt).__name__}; {PROMPT_KINDS}")
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.config.model.vocab_size

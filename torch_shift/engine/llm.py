@@ -10,6 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.input_processor import PROMPT_KINDS, unwrap_prompt
 from torch_shift.engine.llm_engine import LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
@@ -183,19 +184,12 @@ class LLM:
         return self._on_every_rank(chat)
 
 
-PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt': text} or "
-                "{'prompt_token_ids': [ids]}")
-
-
 def _prompt_of(prompt, index: int) -> Prompt:
     """A prompt as the engine takes it (text or token ids); vLLM's prompt dicts are unwrapped."""
-    if isinstance(prompt, dict):
-        keys = set(prompt)
-        if keys == {"prompt"}:
-            return prompt["prompt"]
-        if keys == {"prompt_token_ids"}:
-            return prompt["prompt_token_ids"]
-        raise TypeError(f"prompt {index}: a dict with keys {sorted(keys)}; {PROMPT_KINDS}")
+    try:
+        prompt = unwrap_prompt(prompt)
+    except TypeError as e:
+        raise TypeError(f"prompt {index}: {e}") from None
     if not isinstance(prompt, (str, list, tuple)):
         raise TypeError(f"prompt {index}: got {type(prompt).__name__}; {PROMPT_KINDS}")
     return prompt
