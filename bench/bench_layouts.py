@@ -12,7 +12,9 @@ Parts:
             so that TP queues in the bursts and DP does not (paper 004's premise)
   bursty    alternating low and high phases (paper 004's shape), lengths from the Azure conversation trace;
             per phase: TTFT p50/p90, TPOT p50, server queue time, mean and peak throughput, switches and the
-            latency of switching steps; a timeline plot
+            latency of switching steps; a timeline plot. With --rounds N every configuration serves the stream N
+            times, the configurations in turn, and the ratios against a peer (--vllm-python) are per round, with
+            their median (this machine's rates move by 2x between minutes)
   priority  10% of the requests with priority -1 (paper 004 Table 1): TTFT and TPOT of those and of all
   long      the longest request each configuration serves with the same KV memory per rank, and switch
             latency against a cold start in the other layout (paper 004 Table 2)
@@ -249,44 +251,27 @@ def prediction(model_dir: Path, profile, name: str, specs, measured: dict) -> di
 
 
 def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[float, float], phase_s: float,
-           configs: list[str], out_dir: Path, progress: bool, profile=None) -> dict:
+           configs: list[str], out_dir: Path, progress: bool, profile=None, rounds: int = 1) -> dict:
+    """The stream served by each configuration in turn, `rounds` times over (configurations alternated, so that a
+    slow spell of the machine falls on all of them); each configuration's detail is its first round's."""
     low, high = rates
     phases = [(phase_s, low), (phase_s, high), (phase_s, low), (phase_s, high)]
     arrivals = phase_arrivals(phases, random.Random(0))
     specs = workload(arrivals, lengths, vocab, seed=0)
     boundaries = [i * phase_s for i in range(len(phases) + 1)]
-    log(f"  {len(specs)} requests: " + ", ".join(f"{d:g} s at {r:.2f}/s" for d, r in phases))
+    log(f"  {len(specs)} requests: " + ", ".join(f"{d:g} s at {r:.2f}/s" for d, r in phases)
+        + (f"; {rounds} rounds, configurations alternated" if rounds > 1 else ""))
     results, timelines = {}, {}
-    for name in configs:
-        run = serve_and_load(model_dir, name, CONFIGS.get(name, {}), specs, boundaries[:-1], progress)
-        records, snaps = run["records"], run["snapshots"]
-        snaps = snaps[: len(phases)] + [snaps[-1]]  # a probe at each phase start, then the final scrape
-        per_phase = []
-        for i, (duration, rate) in enumerate(phases):
-            start, end = boundaries[i], boundaries[i + 1]
-            stats = window_stats(records, start, end, records)
-            before, after = snaps[i], snaps[i + 1]
-            stats.update({
-                "phase": "high" if rate == high else "low", "rate": rate,
-                "queue_ms": _ms(mean_between(before, after, "vllm:request_queue_time_seconds")),
-                "switches": int(between(before, after, "torch_shift:layout_switches_total")),
-                "switch_step_ms": _ms(mean_between(before, after, "torch_shift:layout_switch_latency_seconds")),
-                "step_ms": _ms(mean_between(before, after, "torch_shift:step_duration_seconds")),
-                "steps_by_layout": steps_by_layout(before, after),
-            })
-            per_phase.append(stats)
-        by_phase = {kind: window_stats_merge([records], [(boundaries[i], boundaries[i + 1])
-                                                         for i, (_, r) in enumerate(phases)
-                                                         if (r == high) == (kind == "high")])
-                    for kind in ("low", "high")}
-        results[name] = {"phases": per_phase, "by_kind": by_phase, "startup_s": run["startup_s"],
-                         "overall": window_stats(records, 0.0, boundaries[-1] + 1e9, records)}
-        timelines[name] = {"timeline": timeline(records, 1.0)}
-        log(format_phases(name, per_phase))
-        ok = [r for r in records if r["status"] == 200 and not r["error"]]
-        overall = results[name]["overall"]
-        overall["output_tok_s"] = sum(r["output_tokens"] for r in ok) / (max(r["end_s"] for r in ok)
-                                                                          - min(r["start_s"] for r in ok))
+    for round_index in range(rounds):
+        for name in configs:
+            result = serve_stream(model_dir, name, specs, phases, boundaries, high, progress)
+            label = name if rounds == 1 else f"{name} (round {round_index + 1})"
+            log(format_phases(label, result["phases"]))
+            run_timeline = result.pop("timeline")
+            if name not in results:
+                results[name] = {**result, "rounds": []}
+                timelines[name] = {"timeline": run_timeline}
+            results[name]["rounds"].append(result["overall"])
     peers = [name for name in configs if name in PEERS]
     if peers:
         log(compare_with_peer(results, peers[0]))
@@ -299,19 +284,61 @@ def bursty(model_dir: Path, lengths: LengthSource, vocab: int, rates: tuple[floa
     out_dir.mkdir(parents=True, exist_ok=True)
     plot({"title": f"Bursty load at world 2: {', '.join(configs)}", "bin_s": 1.0, "configs": timelines},
          out_dir / "bursty_timeline.png")
-    return {"phases": [{"duration_s": d, "rate": r} for d, r in phases], "configs": results}
+    return {"phases": [{"duration_s": d, "rate": r} for d, r in phases], "rounds": rounds, "configs": results}
+
+
+def serve_stream(model_dir: Path, name: str, specs, phases: list[tuple[float, float]], boundaries: list[float],
+                 high: float, progress: bool) -> dict:
+    """One configuration's server through the whole stream: figures per phase, per kind of phase and overall."""
+    run = serve_and_load(model_dir, name, CONFIGS.get(name, {}), specs, boundaries[:-1], progress)
+    records, snaps = run["records"], run["snapshots"]
+    snaps = snaps[: len(phases)] + [snaps[-1]]  # a probe at each phase start, then the final scrape
+    per_phase = []
+    for i, (duration, rate) in enumerate(phases):
+        start, end = boundaries[i], boundaries[i + 1]
+        stats = window_stats(records, start, end, records)
+        before, after = snaps[i], snaps[i + 1]
+        stats.update({
+            "phase": "high" if rate == high else "low", "rate": rate,
+            "queue_ms": _ms(mean_between(before, after, "vllm:request_queue_time_seconds")),
+            "switches": int(between(before, after, "torch_shift:layout_switches_total")),
+            "switch_step_ms": _ms(mean_between(before, after, "torch_shift:layout_switch_latency_seconds")),
+            "step_ms": _ms(mean_between(before, after, "torch_shift:step_duration_seconds")),
+            "steps_by_layout": steps_by_layout(before, after),
+        })
+        per_phase.append(stats)
+    by_phase = {kind: window_stats_merge([records], [(boundaries[i], boundaries[i + 1])
+                                                     for i, (_, r) in enumerate(phases)
+                                                     if (r == high) == (kind == "high")])
+                for kind in ("low", "high")}
+    overall = window_stats(records, 0.0, boundaries[-1] + 1e9, records)
+    ok = [r for r in records if r["status"] == 200 and not r["error"]]
+    overall["output_tok_s"] = sum(r["output_tokens"] for r in ok) / (max(r["end_s"] for r in ok)
+                                                                      - min(r["start_s"] for r in ok))
+    return {"phases": per_phase, "by_kind": by_phase, "startup_s": run["startup_s"], "overall": overall,
+            "timeline": timeline(records, 1.0)}
 
 
 def compare_with_peer(results: dict, peer: str) -> str:
-    """Every configuration's whole-stream TTFT median and output throughput beside the peer's, with the ratios."""
-    base = results[peer]["overall"]
-    lines = [f"  against {peer}, the whole stream:",
-             f"  {'config':<12} {'TTFT p50 ms':>12} {'x peer':>7} {'out tok/s':>10} {'x peer':>7}"]
+    """Every configuration's whole-stream TTFT median and output throughput beside the peer's, with the ratios; with
+    several rounds, each round's ratio against the peer's run of the same round, and their median."""
+    rounds = len(results[peer]["rounds"])
+    lines = [f"  against {peer}, the whole stream" + (f", {rounds} rounds:" if rounds > 1 else ":"),
+             f"  {'config':<20} {'TTFT p50 ms':>12} {'x peer':>7} {'out tok/s':>10} {'x peer':>7}"]
     for name, result in results.items():
-        o = result["overall"]
-        ttft, peer_ttft = o["ttft_ms"]["p50"], base["ttft_ms"]["p50"]
-        lines.append(f"  {name:<12} {ttft:>12.0f} {ttft / peer_ttft:>7.2f} {o['output_tok_s']:>10.0f} "
-                     f"{o['output_tok_s'] / base['output_tok_s']:>7.2f}")
+        ttft_ratios, tput_ratios = [], []
+        for i in range(rounds):
+            o, base = result["rounds"][i], results[peer]["rounds"][i]
+            ttft, peer_ttft = o["ttft_ms"]["p50"], base["ttft_ms"]["p50"]
+            ttft_ratios.append(ttft / peer_ttft)
+            tput_ratios.append(o["output_tok_s"] / base["output_tok_s"])
+            label = name if rounds == 1 else f"{name} ({i + 1})"
+            lines.append(f"  {label:<20} {ttft:>12.0f} {ttft_ratios[-1]:>7.2f} {o['output_tok_s']:>10.0f} "
+                         f"{tput_ratios[-1]:>7.2f}")
+        if rounds > 1:
+            lines.append(f"  {name + ' (median)':<20} {'':>12} {statistics.median(ttft_ratios):>7.2f} {'':>10} "
+                         f"{statistics.median(tput_ratios):>7.2f}")
+        result["x_peer"] = {"ttft_p50": ttft_ratios, "output_tok_s": tput_ratios}
     return "\n".join(lines)
 
 
@@ -481,6 +508,9 @@ def main(argv=None) -> int:
                          f"also {','.join(MOE_CONFIGS)})")
     ap.add_argument("--shift-thresholds", default=None,
                     help="bursty part: also Shift (SP-2 base) at each of these thresholds, as configurations Shift@N")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="bursty part: serve the stream this many times per configuration, configurations alternated; "
+                         "ratios against the peer per round and their median")
     ap.add_argument("--phase-s", type=float, default=None, help="length of each phase (default 30 s, quick 6 s)")
     ap.add_argument("--trace", default=str(DEFAULT_TRACE), help="lengths: a CSV with num_prefill_tokens, num_decode_tokens")
     ap.add_argument("--length-scale", type=float, default=0.25, help="trace lengths are multiplied by this")
@@ -496,6 +526,8 @@ def main(argv=None) -> int:
                     help="bursty part: also print the planner's prediction of each configuration with this hardware "
                          "profile (torch-shift calibrate --out PROFILE), beside the measured figures")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.moe:
         CONFIGS.update(MOE_CONFIGS)
     configs = args.configs.split(",") if args.configs else list(CONFIGS)
@@ -551,7 +583,7 @@ def main(argv=None) -> int:
         if "bursty" in parts:
             log("\n== bursty load (paper 004's shape)")
             results["bursty"] = bursty(model_dir, lengths, vocab, rates, phase_s, configs, out_dir, progress,
-                                       profile)
+                                       profile, args.rounds)
         if "priority" in parts:
             log("\n== priority mix (paper 004 Table 1)")
             n = 16 if args.quick else 80
