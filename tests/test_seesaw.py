@@ -503,6 +503,33 @@ def test_tier_and_link_arguments_are_checked():
             EngineArgs("model", **bad)
 
 
+def test_a_shared_host_tier_is_made_in_shared_memory_without_a_private_copy():
+    """The tier ranks share: zero-filled, shared, and never held twice (a copy into shared memory made the README's
+    cpu_kv_gb=8 take 16 GiB at its peak, and an engine built after another ran out of memory)."""
+    import subprocess
+    import sys
+
+    from torch_shift.kv.host_tier import create_host_tier
+
+    tier = create_host_tier((2, 3, 4, 16), torch.bfloat16, shared=True)
+    assert tier.shape == (2, 3, 4, 16) and tier.is_contiguous() and tier.is_shared()
+    assert not tier.any()
+    pid = os.fork()
+    if pid == 0:  # a forked rank writes, this process reads
+        tier[1, 2, 3, 4] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert tier[1, 2, 3, 4].item() == 7.0 and tier.count_nonzero().item() == 1
+    # peak memory of this process while a 512 MiB tier is made: its pages are touched only when written
+    script = ("import resource, torch; from torch_shift.kv.host_tier import create_host_tier; "
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+              "tier = create_host_tier((256 << 20,), torch.bfloat16, shared=True); "
+              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)")
+    grown_mib = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                   check=True).stdout.split()[-1])
+    assert grown_mib < 64, grown_mib
+
+
 def _emulated_link_rank(rank, world):
     import types
 

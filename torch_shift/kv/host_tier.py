@@ -13,6 +13,7 @@ is re-sharded by the copy, byte for byte.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -42,9 +43,14 @@ def tier_shape(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: in
 
 
 def create_host_tier(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """The tier's memory in this process; `shared`: in shared memory, for ranks started after this."""
-    tier = torch.zeros(shape, dtype=dtype)
-    return tier.share_memory_() if shared else tier
+    """The tier's memory in this process, zero-filled; `shared`: in shared memory, for ranks started after this."""
+    if not shared:
+        return torch.zeros(shape, dtype=dtype)
+    # made in shared memory (zero-filled by the kernel) rather than moved there: `share_memory_()` copies the
+    # tensor into a new shared storage, so the tier took twice its size until the copy was freed
+    numel = math.prod(shape)
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadcast: Callable,
@@ -52,9 +58,7 @@ def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadca
     """Under torchrun: every local rank maps one file in /dev/shm that rank 0 creates (zero-filled);
     the file is removed once all have mapped it (the memory lives while a mapping does), and by rank 0
     whatever happens. `broadcast(obj)` returns rank 0's object on every rank; `barrier()` waits for every rank."""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     path = None
     if rank == 0:
