@@ -324,3 +324,22 @@ def test_benchmark_servers_take_switches_as_flags_and_serve_parses_them():
     assert "--enable-expert-parallel" in cmd and "--no-compile" in cmd
     args = build_parser().parse_args(cmd[cmd.index("serve"):])
     assert args.enable_expert_parallel is True and args.compile is False and args.tp == 2
+
+
+def test_the_command_shows_the_librarys_notes_such_as_a_first_kernel_build(capsys):
+    """A first run builds the CPU kernels for about 40 s: the command says so instead of looking hung."""
+    import logging
+
+    from torch_shift.cli import _show_library_log
+    from torch_shift.kernels import logger as kernels_logger
+
+    library_log = logging.getLogger("torch_shift")
+    saved = library_log.handlers[:], library_log.level, library_log.propagate
+    try:
+        library_log.handlers.clear()
+        _show_library_log()
+        _show_library_log()  # once only
+        kernels_logger.info("building %s ...", "libtorch_shift_cpu.so")
+        assert capsys.readouterr().err == "[torch-shift] building libtorch_shift_cpu.so ...\n"
+    finally:
+        library_log.handlers[:], library_log.level, library_log.propagate = saved

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -432,11 +433,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_library_log()
     try:
         return args.func(args)
     except ValueError as e:
         print(f"torch-shift: error: {e}", file=sys.stderr)
         return 2
+
+
+def _show_library_log() -> None:
+    """The library's INFO lines (a first run building the CPU kernels) on stderr, as this command's own notes."""
+    log = logging.getLogger("torch_shift")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[torch-shift] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """C++ kernels for the CPU, compiled on first use with the machine's C++ compiler and cached on disk.
 
 The sources ship in this package. The kernels (`cpu_kernels()`, called through ctypes) need only torch's headers
-(ATen/Parallel.h, for torch's own intra-op threads) and compile in about 12 s, one compiler per source (the
-attention kernel's 10 s is the longest). A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full headers
-(about 11 s more) and registers the CPU implementations of `torch_shift::packed_linear` and, once a forward is
-compiled on the CPU, `torch_shift::attention` (`register_native_attention`) with PyTorch's dispatcher.
+(ATen/Parallel.h, for torch's own intra-op threads) and compile in about 18 s on 2 cores, one compiler per source.
+A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full headers (about 19 s more) and registers the CPU
+implementations of `torch_shift::packed_linear` and, once a forward is compiled on the CPU, `torch_shift::attention`
+(`register_native_attention`) with PyTorch's dispatcher.
 Each library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by its sources,
 torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks started together
 build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
@@ -18,18 +18,22 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)  # the CLI shows its INFO lines; a library user's logging decides
 
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h", "cpu_no_contract.h", "cpu_threads.h")  # part of the build's key, as the sources
@@ -175,6 +179,9 @@ def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together: one builds, the others wait for it
         if target.exists():
             return target
+        # the first run on a machine waits for this (about 20 s a library on 2 cores): say so, or it looks hung
+        logger.info("building %s with %s, once for this machine (cached in %s) ...", name, Path(cxx).name, cache_dir())
+        started = time.monotonic()
         errors = []
         for native in (True, False):  # -march=native where the compiler knows this CPU
             with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
@@ -182,6 +189,7 @@ def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "
                 error = _compile_and_link(cxx, [sources_dir / s for s in sources], out, native)
                 if error is None:
                     os.replace(out, target)  # atomic: a reader never sees half a library
+                    logger.info("built %s in %.0f s", name, time.monotonic() - started)
                     return target
                 errors.append(error)
         raise RuntimeError(f"{Path(cxx).name} failed to build the CPU kernels:\n{errors[-1]}")
