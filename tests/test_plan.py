@@ -68,6 +68,13 @@ def test_recommendation_under_an_slo_and_without():
     assert rec.result is fast and rec.best_threshold == 64 and "meet" in rec.reason
     rec = recommend([tp, fast, slow], parse_slo("ttft=10ms"))  # nobody meets it: the smallest miss
     assert rec.result is fast and "no candidate meets" in rec.reason
+    too_long = "max_model_len=7979 exceeds the model's max_position_embeddings=1024"
+    failed = [CandidateResult(Candidate("tp", {"tp": 2}, {}), error=too_long),
+              CandidateResult(Candidate("dp", {"dp": 2, "tp": 1}, {}), error=too_long), broken]
+    with pytest.raises(ValueError) as info:  # one line per reason, naming the candidates it stopped
+        recommend(failed, {})
+    assert str(info.value) == (f"no candidate could serve the workload: {too_long} ({failed[0].candidate.label}, "
+                               f"{failed[1].candidate.label}); does not fit ({broken.candidate.label})")
     assert parse_slo("ttft=1.5s") == {"ttft": 1500.0}
     for bad in ("ttft", "latency=5ms", "ttft=-1ms", "ttft=fast"):
         with pytest.raises(ValueError):

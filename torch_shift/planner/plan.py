@@ -217,8 +217,12 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
     when none meets it, the one that misses it by the smallest factor; without an SLO, by throughput."""
     ran = [r for r in results if r.error is None and r.metrics["num_finished"] == r.metrics["num_requests"]]
     if not ran:
+        by_error: dict[str, list[str]] = {}  # one line per reason, not one per candidate
+        for r in results:
+            if r.error:
+                by_error.setdefault(r.error, []).append(r.candidate.label)
         raise ValueError("no candidate could serve the workload: " + "; ".join(
-            f"{r.candidate.label}: {r.error}" for r in results if r.error))
+            f"{error} ({', '.join(labels)})" for error, labels in by_error.items()))
 
     def miss(r: CandidateResult) -> float:
         return max([r.metrics[SLO_METRICS[k]] / bound for k, bound in slo.items()
