@@ -23,8 +23,9 @@ args = parser.parse_args()
 
 llm = LLM(args.model, sp=args.sp, tp=args.tp, shift_threshold=args.shift_threshold)
 outputs = llm.generate(args.prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), use_tqdm=False)
-print(json.dumps({"rank": dist.get_rank(), "layouts": dict(llm.engine.model.layout_counts),
-                  "outputs": [o.outputs[0].token_ids for o in outputs],
-                  "texts": [o.outputs[0].text for o in outputs]}), flush=True)
+line = json.dumps({"rank": dist.get_rank(), "layouts": dict(llm.engine.model.layout_counts),
+                   "outputs": [o.outputs[0].token_ids for o in outputs],
+                   "texts": [o.outputs[0].text for o in outputs]})
+print(line + "\n", end="", flush=True)  # one write: the lines of ranks printing at once stay whole
 dist.barrier()  # no rank leaves while another still talks to it
 dist.destroy_process_group()
