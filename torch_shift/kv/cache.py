@@ -21,7 +21,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -49,7 +49,7 @@ def create_host_tier(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -
     # made in shared memory (zero-filled by the kernel) rather than moved there: `share_memory_()` copies the
     # tensor into a new shared storage, so the tier took twice its size until the copy was freed
     numel = math.prod(shape)
-    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
@@ -59,7 +59,7 @@ def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadca
     the file is removed once all have mapped it (the memory lives while a mapping does), and by rank 0
     whatever happens. `broadcast(obj)` returns rank 0's object on every rank; `barrier()` waits for every rank."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     path = None
     if rank == 0:
         free = _shm_free_bytes()
