@@ -9,8 +9,10 @@ single-device engine.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -450,6 +452,21 @@ def test_a_single_device_engine_swaps_preempted_requests_through_the_tier(layers
     stats = llm.stats()
     assert stats["num_swap_outs"] > 0 and stats["num_swap_outs"] == stats["num_preemptions"]
     assert stats["num_scheduled_tokens"] == sum(len(p) + PARAMS.max_tokens - 1 for p in prompts)
+
+
+def test_an_engine_with_a_tier_is_freed_when_dropped_without_waiting_for_the_collector(layers4):
+    """Nothing of an engine with a host tier holds itself in a cycle: its weights, KV and tier go when the
+    last reference does (its swapper held the runner back until Python's next full collection)."""
+    llm = LLM(str(layers4), block_size=4, num_kv_blocks=14, num_cpu_kv_blocks=16)
+    llm.generate(random_prompts(1, [8], seed=3), PARAMS, use_tqdm=False)
+    runner = weakref.ref(llm.engine.worker.runner)
+    assert runner().swapper is not None
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None
+    finally:
+        gc.enable()
 
 
 def _map_rank(rank, world):

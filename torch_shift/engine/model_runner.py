@@ -17,6 +17,7 @@ traffic outside the layouts' own collectives and the pipeline's activations).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,7 +72,11 @@ class ModelRunner:
         self.swapper = None
         if host_tier is not None:
             assert barrier is not None or deployment.world_size == 1
-            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica, self.pool_view, barrier)
+            # the swapper reaches the runner weakly: an engine with a tier is freed when dropped, not at the
+            # collector's next full pass (a runner <-> swapper cycle held the tier and the weights until then)
+            pool_view = weakref.WeakMethod(self.pool_view)
+            self.swapper = SwapExecutor(host_tier, kv_swap, self.replica,
+                                        lambda layout_name: pool_view()(layout_name), barrier)
         self.interconnect_gbps = interconnect_gbps
         self.host_cores = host_cores
         kv_bytes_per_token = kv_bytes_per_block(kv_cache.num_layers, 1, kv_cache.num_kv_heads, kv_cache.head_dim,
