@@ -50,6 +50,32 @@ def test_memory_per_candidate_by_hand():
         pool_blocks(ModelShape.from_config(config, dtype="bf16"), get_profile("a10"), dp8, 16, 0.9, 256, 8192)
 
 
+def test_on_cpu_ranks_seesaws_tier_comes_out_of_the_ranks_memory():
+    """CPU ranks' memory is the host's: Seesaw's host tier shrinks their KV pools by its share per rank, and a
+    tier that leaves no room is refused with the reason; beside GPUs the tier is host memory of its own."""
+    from dataclasses import replace
+
+    from torch_shift.config import ModelConfig
+    from torch_shift.planner.plan import default_tier_gb
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **LLAMA_70B, "num_hidden_layers": 2})
+    shape, gpus = ModelShape.from_config(config, dtype="bf16"), get_profile("h200x8")
+    cpus = replace(gpus, name="cpu ranks", num_devices=2, device_memory_bytes=12 * 2**30, host_link_bandwidth=None)
+    assert not gpus.memory_is_host and cpus.memory_is_host
+    assert default_tier_gb(gpus) == 64.0 and default_tier_gb(cpus) == 4.0
+    assert default_tier_gb(replace(cpus, device_memory_bytes=2**30)) == 0.5  # a quarter of 2 GiB
+    kv_block = 2 * 8 * 128 * 2 * 16  # K and V of a PP-2 stage (one layer), 8 KV heads of 128, bf16, 16 tokens
+
+    def blocks(hw, tier_gb):
+        seesaw = Candidate("seesaw", {"pp": 2, "cpu_kv_gb": tier_gb}, {"pp": 2, "policy": "seesaw"})
+        return pool_blocks(shape, hw, seesaw, 16, 0.9, 4096, 8192)[0]
+
+    assert blocks(gpus, 64.0) == blocks(gpus, 1.0)
+    assert blocks(cpus, 1.0) - blocks(cpus, 4.0) == pytest.approx(1.5 * 2**30 / kv_block, abs=1)  # 3 GiB over 2 ranks
+    with pytest.raises(ValueError, match="host KV tier of 64 GiB .* do not fit in 21.6 GiB"):
+        blocks(cpus, 64.0)
+
+
 def _result(policy, threshold=None, throughput=100.0, ttft=50.0, tpot=10.0):
     params = {"sp": 2, "tp": 1, "threshold": threshold} if policy == "shift" else {"tp": 2}
     metrics = {"num_requests": 4, "num_finished": 4, "throughput_tok_s": throughput, "ttft_p50_ms": ttft,

@@ -296,7 +296,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give a workload: --trace FILE or --synthetic IN:OUT")
     if args.rate is not None and args.concurrency is not None:
         raise ValueError("--rate (open loop) and --concurrency (closed loop) exclude each other")
-    for name in ("rate", "time_scale", "num_requests", "concurrency"):
+    for name in ("rate", "time_scale", "num_requests", "concurrency", "cpu_kv_gb"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.trace is not None:
@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--slo", default=None, help="bounds on p90 TTFT and TPOT, e.g. ttft=500ms,tpot=50ms")
     plan.add_argument("--policies", default=None, help="a comma list of candidates' policies (default: all)")
     plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")
-    plan.add_argument("--cpu-kv-gb", type=float, default=64.0, help="Seesaw's host KV tier (GiB)")
+    plan.add_argument("--cpu-kv-gb", type=float, default=None,
+                      help="Seesaw's host KV tier (GiB; default 64, or on CPU ranks a quarter of the memory up to 4)")
     plan.add_argument("--max-num-seqs", type=int, default=256)
     plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
     plan.add_argument("--block-size", type=int, default=16)

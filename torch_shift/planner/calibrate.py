@@ -125,6 +125,17 @@ def measure_copy_bandwidth(reps: int = 5, sync=None, device: str = "cpu") -> flo
     return 2 * src.numel() * src.element_size() / _best_time(_timed(copy, device), reps, sync=sync)
 
 
+def measure_host_link_bandwidth(reps: int = 5) -> float:
+    """Bytes/s per direction between the GPU and pinned host memory (the host KV tier's swaps), the slower of
+    the two directions, by copies of 256 MiB."""
+    host = torch.empty(64 << 20, dtype=torch.float32, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    copies = (lambda: device.copy_(host, non_blocking=True), lambda: host.copy_(device, non_blocking=True))
+    times = [_best_time(lambda copy=copy: (copy(), torch.cuda.synchronize()), reps, sync=torch.cuda.synchronize)
+             for copy in copies]
+    return host.numel() * host.element_size() / max(times)
+
+
 def _attention_shape(dtype: str) -> ModelShape:
     return ModelShape(hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16, num_kv_heads=4,
                       head_dim=64, vocab_size=1024, weight_dtype=dtype)
@@ -421,6 +432,8 @@ def _calibrate_gpu(name: str | None, dtypes: tuple[str, ...], overhead_steps: in
     log(f"calibrate: one GPU ({gpu})")
     solo = _device_rank(0, 1, list(dtypes), "cuda")
     _log_device(log, "the GPU", solo)
+    host_link = measure_host_link_bandwidth()
+    log(f"  host link (pinned, per direction): {host_link / 1e9:.1f} GB/s")
     steps = _overhead_rank(0, 1, overhead_steps, "cuda")
     step_s, seq_s = _log_overhead(log, steps)
     wall = time.perf_counter() - start
@@ -430,7 +443,8 @@ def _calibrate_gpu(name: str | None, dtypes: tuple[str, ...], overhead_steps: in
         device_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
         matmul_flops=solo["matmul_flops"], attention_flops=solo["attention_flops"],
         matmul_bandwidth=solo["matmul_bandwidth"], attention_bandwidth=solo["attention_bandwidth"],
-        copy_bandwidth=solo["copy_bandwidth"], node_bandwidth=None, collectives=CollectiveModel({}),
+        copy_bandwidth=solo["copy_bandwidth"], node_bandwidth=None, host_link_bandwidth=host_link,
+        collectives=CollectiveModel({}),
         overhead=EngineOverhead(step_s, seq_s),
         source=(f"measured by torch-shift calibrate --device cuda: {gpu}, torch {torch.__version__}, "
                 f"{platform.platform()}, {time.strftime('%Y-%m-%d')}"),

@@ -119,7 +119,9 @@ class HardwareProfile:
     collectives: CollectiveModel
     overhead: EngineOverhead
     node_bandwidth: float | None = None
-    host_link_bandwidth: float | None = None  # device <-> host memory (the KV tier); None: copy_bandwidth (CPUs)
+    # device <-> host memory (the KV tier); None: CPU ranks, whose memory is the host's: the tier's copies run at
+    # copy_bandwidth and the tier takes from the ranks' own memory
+    host_link_bandwidth: float | None = None
     source: str = ""
     measurements: Mapping = field(default_factory=dict, compare=False)  # raw figures of a calibration
     borrowed: Mapping[int, Mapping] = field(default_factory=dict)  # multiple -> rates, keys as BORROWED_RATES
@@ -155,6 +157,11 @@ class HardwareProfile:
         if not measured:
             return self
         return replace(self, **self.borrowed[max(measured)], borrowed={})
+
+    @property
+    def memory_is_host(self) -> bool:
+        """The devices are CPU ranks: their memory is the host's, which a host KV tier shares with them."""
+        return self.host_link_bandwidth is None
 
     @property
     def host_bandwidth(self) -> float:

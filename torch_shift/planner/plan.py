@@ -134,19 +134,35 @@ def weight_layout(candidate: Candidate) -> list[Layout]:
 
 def pool_blocks(shape: ModelShape, hw: HardwareProfile, candidate: Candidate, block_size: int,
                 memory_utilization: float, max_num_seqs: int, max_model_len: int) -> tuple[int, dict]:
-    """KV blocks of one replica's pool (per rank: device memory x utilization less the weights), capped
-    as the engine caps them (every sequence slot filled to max_model_len), and the memory per rank."""
+    """KV blocks of one replica's pool (per rank: device memory x utilization less the weights, and on CPU
+    ranks less their share of Seesaw's host tier), capped as the engine caps them (every sequence slot filled
+    to max_model_len), and the memory per rank."""
     layouts = weight_layout(candidate)
     mems = [memory_per_rank(shape, layout) for layout in layouts]
     weights = sum(m.weight_bytes for m in mems)
     kv_per_token = mems[0].kv_bytes_per_token  # the same bytes per block under every view of a pool
-    free = hw.device_memory_bytes * memory_utilization - weights
+    usable = hw.device_memory_bytes * memory_utilization
+    free = usable - weights
     if free <= 0:
-        raise ValueError(f"weights of {weights / 2**30:.1f} GiB per rank do not fit in "
-                         f"{hw.device_memory_bytes * memory_utilization / 2**30:.1f} GiB")
+        raise ValueError(f"weights of {weights / 2**30:.1f} GiB per rank do not fit in {usable / 2**30:.1f} GiB")
+    tier_gb = candidate.params.get("cpu_kv_gb", 0.0) if candidate.policy == "seesaw" else 0.0
+    if tier_gb and hw.memory_is_host:
+        free -= tier_gb * 2**30 / candidate.params["pp"]  # the local ranks share one tier
+        if free <= 0:
+            raise ValueError(f"a host KV tier of {tier_gb:g} GiB and weights of {weights / 2**30:.1f} GiB per rank "
+                             f"do not fit in {usable * candidate.params['pp'] / 2**30:.1f} GiB: these ranks' memory "
+                             "is the host's, which the tier shares (--cpu-kv-gb)")
     blocks = int(free // (kv_per_token * block_size))
     blocks = min(blocks, max_num_seqs * math.ceil(max_model_len / block_size))
     return blocks, {"weight_bytes_per_rank": weights, "kv_bytes_per_rank": blocks * block_size * kv_per_token}
+
+
+def default_tier_gb(hw: HardwareProfile) -> float:
+    """Seesaw's host tier when none is given: 64 GiB beside GPUs (a GPU server's host memory is several
+    times its devices'); on CPU ranks what the engine takes there, a quarter of the memory up to 4 GiB."""
+    if not hw.memory_is_host:
+        return 64.0
+    return min(4.0, hw.device_memory_bytes * hw.num_devices / 4 / 2**30)
 
 
 def tier_blocks(shape: ModelShape, cpu_kv_gb: float, block_size: int) -> int:
@@ -350,9 +366,11 @@ class PlanReport:
 
 def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: Sequence[RequestSpec], *,
          world: int, workload: str, model_name: str, policies: Sequence[str] = POLICIES,
-         thresholds: Sequence[int] = DEFAULT_THRESHOLDS, cpu_kv_gb: float = 64.0, slo: dict | None = None,
+         thresholds: Sequence[int] = DEFAULT_THRESHOLDS, cpu_kv_gb: float | None = None, slo: dict | None = None,
          concurrency: int | None = None, log=None, **engine) -> PlanReport:
+    """`cpu_kv_gb`: Seesaw's host tier (default: `default_tier_gb`)."""
     results = []
+    cpu_kv_gb = default_tier_gb(hw) if cpu_kv_gb is None else cpu_kv_gb
     for candidate in candidates(world, policies, thresholds, cpu_kv_gb,
                                 num_experts=config.num_experts if config.is_moe else 0):
         result = run_candidate(candidate, config, shape, hw, requests, concurrency=concurrency, **engine)
