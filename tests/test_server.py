@@ -219,6 +219,26 @@ def test_burst_larger_than_the_queue_is_fully_accounted(checkpoints):
         s.stop()
 
 
+def test_a_kv_cache_smaller_than_the_context_is_the_context_the_server_serves(checkpoints):
+    """A request never grows past the KV cache (it ends with "length" there): a server whose cache holds fewer
+    tokens than max_model_len advertises what it holds and refuses a request asking for more, as it refuses one
+    past the context, instead of cutting its output short."""
+    _, model_dir = checkpoints("llama")
+    s = RunningServer(model_dir, engine={"block_size": 4, "num_kv_blocks": 8})  # 32 tokens
+    try:
+        assert s.engine.scheduler_config.max_model_len > 32
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == 32
+        prompt = [5, 6, 7, 8]
+        with pytest.raises(openai.BadRequestError) as info:
+            s.client().completions.create(model="tiny", prompt=prompt, max_tokens=29)
+        assert info.value.body["param"] == "max_tokens" and "KV cache holds 32 tokens" in info.value.body["message"]
+        out = s.client().completions.create(model="tiny", prompt=prompt, max_tokens=28,
+                                            extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 28 and out.choices[0].finish_reason == "length"
+    finally:
+        s.stop()
+
+
 def test_metrics_parse_and_move(server):
     def scrape():
         text = httpx.get(server.url + "/metrics").text
@@ -500,6 +520,26 @@ def test_streaming_several_prompts(server, reference):
     assert texts == {c.index: c.text for c in whole.choices} and set(finish) == set(range(6))
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 30
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_choice_that_finished_is_streamed_once_while_its_siblings_go_on():
+    """An n > 1 request's outputs carry every choice at each step, finished ones too: the tracker sends a
+    finished choice's last delta once (it sent the finish chunk again at every later step, and a chat
+    choice's tool calls with it)."""
+    from torch_shift.engine.outputs import CompletionOutput, RequestOutput
+    from torch_shift.serve.responses import DeltaTracker
+
+    def step(first: tuple[str, str | None], second: tuple[str, str | None]) -> RequestOutput:
+        choices = [CompletionOutput(i, text, list(range(len(text))), None, None, finish)
+                   for i, (text, finish) in enumerate((first, second))]
+        return RequestOutput("r", "p", [1], None, choices, finished=all(f for _, f in (first, second)))
+
+    tracker = DeltaTracker(stop=["."])
+    sent = [[(d.choice.index, d.text, d.choice.finish_reason) for d in tracker.deltas(out)] for out in (
+        step(("ab", None), ("x", None)), step(("ab", "stop"), ("xy", None)), step(("ab", "stop"), ("xyz", None)),
+        step(("ab", "stop"), ("xyz!", "length")))]
+    assert sent == [[(0, "ab", None), (1, "x", None)], [(0, "", "stop"), (1, "y", None)], [(1, "z", None)],
+                    [(1, "!", "length")]]
 
 
 def test_streaming_echo_with_logprobs_and_offsets_with_a_bos(server):

@@ -10,6 +10,7 @@ every rank runs the user's program: the ranks other than 0 follow rank 0 inside 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -46,6 +47,8 @@ from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import Tokenizer
 
 __all__ = ["ENGINE_ARG_ALIASES", "EngineArgs", "LLMEngine", "Prompt", "TokenizedPrompt", "child_seed"]
+
+logger = logging.getLogger("torch_shift.engine")
 
 
 def engine_config(args: EngineArgs, weights: WeightSource | None = None,
@@ -146,6 +149,11 @@ class LLMEngine:
             static_replicas=config.deployment.num_replicas > 1 and widest == 1)
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, capacity,
                                               policy.uses_priority, policy.name)
+        if capacity.max_request_tokens < config.scheduler.max_model_len:
+            logger.warning("the KV cache holds %d tokens a request, fewer than max_model_len=%d: a request ends "
+                           "('length') at %d tokens, and the server refuses longer ones (give the cache more memory "
+                           "or lower max_model_len)", capacity.max_request_tokens, config.scheduler.max_model_len,
+                           capacity.max_request_tokens)
         self.last_core_step: CoreStep | None = None  # what the last step did (None: it ran nothing)
 
     def _draft_proposer(self) -> DraftModelProposer | None:

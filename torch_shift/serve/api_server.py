@@ -196,7 +196,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         tokenizer.chat_template = chat_options.template()
     auto_tool_parser = TOOL_PARSERS[chat_options.auto_tool_parser] if chat_options.auto_tool_parser else None
     reasoning_parser = REASONING_PARSERS[chat_options.reasoning_parser] if chat_options.reasoning_parser else None
-    max_model_len = llm.scheduler_config.max_model_len
+    # a sequence never outgrows the KV cache (it would preempt itself forever): where the cache holds less than
+    # the model's context, what it holds is the context this server serves, advertised and checked as such
+    max_model_len = min(llm.scheduler_config.max_model_len, llm.max_request_tokens)
+    bound = ("" if max_model_len == llm.scheduler_config.max_model_len else
+             f" (this server's KV cache holds {max_model_len} tokens a request, fewer than max_model_len="
+             f"{llm.scheduler_config.max_model_len})")
     vocab_size = llm.model_config.vocab_size
 
     @app.exception_handler(RequestValidationError)
@@ -254,12 +259,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         text = prompt if isinstance(prompt, str) else None
         token_ids = need_tokenizer("give the prompt as token ids").encode(prompt) if text is not None else prompt
         if len(token_ids) >= max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                                f"request has {len(token_ids)} input tokens ({what}), which leaves no room for "
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens{bound}. However, "
+                                f"your request has {len(token_ids)} input tokens ({what}), which leaves no room for "
                                 f"a completion. Please reduce the length of the {what}.", param=what)
         if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                f"requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the {what}, "
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens{bound}. However, "
+                                f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the {what}, "
                                 f"{max_tokens} in the completion). Please reduce the length of the {what} or "
                                 "completion.", param="max_tokens")
         try:

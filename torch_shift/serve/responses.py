@@ -148,10 +148,15 @@ class DeltaTracker:
     stop: str | list[str] | None
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # choices whose last delta was sent
 
     def deltas(self, out: RequestOutput) -> list[Delta]:
+        """The new part of each choice; a finished choice once (an n > 1 request's outputs carry the
+        choices that finished while the others go on)."""
         result = []
         for c in out.outputs:
+            if c.index in self.finished:
+                continue
             end = len(c.text) - _hold_back(self.stop, c.finish_reason is not None)
             first = c.index not in self.sent_tokens
             start = self.sent_chars.get(c.index, 0)
@@ -161,4 +166,6 @@ class DeltaTracker:
                     self.sent_chars[c.index] = end
                 self.sent_tokens[c.index] = t1
                 result.append(Delta(c, c.text[start:max(start, end)], (t0, t1), first))
+                if c.finish_reason is not None:
+                    self.finished.add(c.index)
         return result
