@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import threading
 import time
@@ -415,7 +416,7 @@ REFUSED = [  # (path, extra fields, what the message must name)
     ("/v1/completions", {"seed": -1}, "seed"),
     ("/v1/completions", {"max_tokens": 250}, "maximum context length"),
     ("/v1/completions", {"prompt": "word " * 400}, "maximum context length"),
-    ("/v1/chat/completions", {"max_completion_tokens": 256}, "maximum context length"),
+    ("/v1/chat/completions", {"max_tokens": None, "max_completion_tokens": 256}, "maximum context length"),
 ]
 
 
@@ -640,6 +641,7 @@ RANGE_CHECKS = [  # (path, extra fields, the param the 400 must name)
      "min_tokens"),
     ("/v1/chat/completions", {"temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"min_tokens": 9, "max_completion_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": 5}, "max_completion_tokens"),  # beside max_tokens 4
     ("/v1/chat/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2, "priority": 3}, "priority"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
@@ -652,8 +654,22 @@ def test_every_range_check_names_its_field(server, path, extra, param):
     response = post(server, path, _body(path, extra))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == 400, error
     assert server.idle_free_blocks()
+
+
+def test_an_empty_body_is_named_and_ids_are_unique_across_servers(server, checkpoints):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = post(server, path, b"")
+        assert response.status_code == 400 and "body is missing" in response.json()["error"]["message"]
+    ids = {server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=1).id for _ in range(2)}
+    _, model_dir = checkpoints("llama")
+    other = RunningServer(model_dir)  # a restarted server starts no count over
+    try:
+        ids.add(other.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=1).id)
+    finally:
+        other.stop()
+    assert len(ids) == 3 and all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids), ids
 
 
 def test_usage_reports_cached_prompt_tokens(server):

@@ -182,6 +182,9 @@ def _generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs, ignore_eos=args.ignore_eos,
     )
     token_id_prompts = [_token_ids(p, i) for i, p in enumerate(args.prompts)] if args.token_ids else []
+    if args.n > 1 and args.temperature == 0:
+        print(f"[torch-shift] --n {args.n} with --temperature 0 (greedy): the samples are all the same; give "
+              "--temperature > 0 to draw different ones", file=sys.stderr)
     llm = LLM(model, **_engine_kwargs(args))
     try:
         prompts: list = []
@@ -193,13 +196,15 @@ def _generate(args: argparse.Namespace) -> int:
             else:
                 prompts.append(p)
         engine = llm.engine
-        context = min(engine.scheduler_config.max_model_len, engine.block_manager.capacity_tokens)
+        context = min(engine.scheduler_config.max_model_len, engine.max_request_tokens)
+        bound = ("--max-model-len" if context == engine.scheduler_config.max_model_len
+                 else "the KV cache's memory, --kv-cache-memory-bytes")
         for i, prompt in enumerate(prompts):
             n = len(engine.tokenize_prompt(prompt).token_ids)
             if n + args.max_tokens > context:
                 raise ValueError(f"prompt {i} has {n} tokens; with --max-tokens {args.max_tokens} that is "
                                  f"{n + args.max_tokens}, more than the context of {context} tokens: lower "
-                                 "--max-tokens (or raise --max-model-len)")
+                                 f"--max-tokens (or raise {bound})")
         outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()

@@ -66,7 +66,9 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        # vLLM's `code` is the status where nothing more specific applies
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = status if code is None else code
         self.headers = headers
 
     def body(self) -> dict:
@@ -211,7 +213,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         loc = [str(x) for x in first.get("loc", ())[1:] if not ("[" in str(x) or str(x) in _TYPE_TAGS)]
         param = ".".join(loc) or None
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
+        if first.get("type") == "missing" and param is None:
+            msg = "the request body is missing: send a JSON object"
+        elif first.get("type") == "extra_forbidden":
             msg = "unknown field: torch_shift does not support it (see docs/reliability.md, 'API differences')"
         elif first.get("type") == "json_invalid":
             param, msg = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
@@ -426,6 +430,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             messages = template_messages([m.template_message() for m in body.messages])
         except ValueError as e:
             raise _parameter_error(e) from None
+        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, f"max_tokens ({body.max_tokens}) and max_completion_tokens "
+                                f"({body.max_completion_tokens}) differ: give one (max_tokens is the older name)",
+                           param="max_completion_tokens")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -89,7 +90,6 @@ class AsyncEngine:
         self._stopping = False
         self._step_started: float | None = None
         self._recent_steps: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
-        self._ids = 0
         self._thread = threading.Thread(target=self._run, name="torch-shift-engine", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch, name="torch-shift-watchdog", daemon=True)
@@ -97,9 +97,8 @@ class AsyncEngine:
 
     # -- client side (event loop) -------------------------------------------------------------------------
     def new_request_id(self, prefix: str) -> str:
-        with self._lock:
-            self._ids += 1
-            return f"{prefix}-{self._ids}"
+        """A fresh id, as vLLM's: unique across the server's restarts too (clients log and compare them)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     @property
     def num_waiting_seqs(self) -> int:
