@@ -235,6 +235,38 @@ def test_prompt_larger_than_the_kv_pool(llama):
     assert len(out.outputs[0].token_ids) == 16 - 5 and out.outputs[0].finish_reason == "length"
 
 
+def test_sampling_params_changed_after_they_were_made_are_checked_again(llama):
+    """A SamplingParams is checked when it is made, and again by the engine on a copy of its own: a field set
+    later is refused (n = 0 made no sequence and generate spun forever) or applied (a stop set later was not)."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    free = llm.generate([[6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        llm.generate([[6, 7]], params, use_tqdm=False)
+    params.n, params.stop_token_ids = 1, [free[0].outputs[0].token_ids[2]]
+    cut = llm.generate([[6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert cut.token_ids == free[0].outputs[0].token_ids[:3] and cut.finish_reason == "stop"
+    params.stop_token_ids, params.stop = None, [free[0].outputs[0].text[3:6]]
+    cut = llm.generate([[6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == free[0].outputs[0].text[:free[0].outputs[0].text.index(
+        params.stop[0])]
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="request_id must be a non-empty str"):
+        llm.engine.add_request(7, [6, 7], SamplingParams())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"seed": "x"}, "seed must be an int"), ({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be"),
+    ({"seed": 2**70}, "seed must be"), ({"tokenizer": "/nonexistent"}, "no tokenizer.json there"),
+])
+def test_bad_engine_args_are_refused_when_the_engine_is_made(llama, kwargs, match):
+    _, model_dir = llama
+    with pytest.raises((ValueError, TypeError), match=match):
+        LLM(str(model_dir), **kwargs)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_p": 0.0}, "top_p"),
@@ -246,6 +278,9 @@ def test_prompt_larger_than_the_kv_pool(llama):
     ({"max_tokens": "8"}, "max_tokens"),
     ({"stop": 5}, "stop must be a string or a list of strings, got int"),
     ({"stop_token_ids": 5}, "stop_token_ids must be a list of ints, got int"),
+    ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output must be True or False"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+    ({"skip_special_tokens": None}, "skip_special_tokens must be True or False"),
     ({"seed": 2**63}, r"seed must be an int in \[0, 2\*\*63 - 1\], got 9223372036854775808"),
     ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*63 - 1\]"),
     *[({name: value}, f"{name} must be a finite number, got {value}")
@@ -346,8 +381,12 @@ def test_chat_renders_the_template(llama):
     rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered.endswith("<|im_start|>assistant\n")
     expected = llm.generate([llm.tokenizer.encode(rendered, add_special_tokens=False)], params, use_tqdm=False)[0]
-    assert out.prompt_token_ids == expected.prompt_token_ids
+    assert out.prompt_token_ids == expected.prompt_token_ids and out.prompt == rendered  # vLLM's prompt text
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert llm.get_tokenizer() is llm.tokenizer
+    for bad in ("hello", [], ["hello"], [[]], {"role": "user", "content": "x"}):
+        with pytest.raises(TypeError, match="messages must be a conversation"):
+            llm.chat(bad, params, use_tqdm=False)
 
 
 def test_stop_string_completed_by_the_last_allowed_token(llama):

@@ -47,7 +47,8 @@ class EngineArgs:
     """Engine arguments, named as in vLLM where the concept is the same; each field carries its command-line
     option (`torch-shift generate/serve --help`)."""
 
-    model: str = _arg(None, "checkpoint directory or Hugging Face hub id (default: the embedded default model)")
+    model: str = _arg(None, "checkpoint directory or Hugging Face hub id (`LLM()` and the CLI take the embedded "
+                            "default model when none is given)")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model's)")
     revision: str | None = _arg(None, "hub revision of the model")
     dtype: str = _arg("auto", "weights and activations ('auto': the checkpoint's)",
@@ -170,6 +171,10 @@ class EngineArgs:
     def _check(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise TypeError(f"model must be a checkpoint directory or a hub id, got {self.model!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+            raise TypeError(f"tokenizer must be a directory, got {self.tokenizer!r}")
         for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -307,6 +312,8 @@ class EngineArgs:
                                  f"not with dp={self.dp} or pp={self.pp} (DP, Flying, PP, Seesaw)")
             validate_expert_parallel(model_config, self.sp, self.tp)
         tokenizer_dir = Path(self.tokenizer) if self.tokenizer else model_dir
+        if self.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer={self.tokenizer!r}: no tokenizer.json there")
         return EngineConfig(
             model=model_config, model_dir=model_dir, tokenizer_dir=tokenizer_dir, seed=self.seed,
             deployment=deployment, policy=self.policy or deployment.default_policy,

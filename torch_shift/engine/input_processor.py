@@ -148,6 +148,7 @@ class InputProcessor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = replace(params)  # checked again, on a copy: its fields may have changed since it was made
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         scheduling = self.config.scheduler.policy

@@ -66,6 +66,10 @@ class LLM:
         """The model's tokenizer (None without a tokenizer.json), loaded on every rank."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer, as vLLM's `LLM.get_tokenizer()`."""
+        return self.engine.tokenizer
+
     def _on_every_rank(self, call):
         """Run `call` on rank 0; under torchrun the other ranks, which call the same method, follow rank 0's
         steps meanwhile and return its result (or raise its error)."""
@@ -173,13 +177,23 @@ class LLM:
                 raise ValueError("this model has no tokenizer, so no chat template")
             if tools is not None:
                 check_tools(tools)
-            conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-            prompts = [
+            conversations = messages
+            if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+                conversations = [messages]
+            if not (isinstance(conversations, list) and conversations and all(
+                    isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in conversations)):
+                raise TypeError("messages must be a conversation, a list of {'role': ..., 'content': ...} dicts, or "
+                                f"a list of conversations; got {type(messages).__name__} {str(messages)[:60]!r}")
+            texts = [
                 self.tokenizer.apply_chat_template(template_messages(c), add_generation_prompt=add_generation_prompt,
-                                                   tokenize=True, tools=tools, **(chat_template_kwargs or {}))
+                                                   tools=tools, **(chat_template_kwargs or {}))
                 for c in conversations
             ]
-            return self._generate(prompts, sampling_params, use_tqdm, None)
+            outputs = self._generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
+                                     sampling_params, use_tqdm, None)
+            for output, text in zip(outputs, texts):
+                output.prompt = text  # the rendered conversation, as vLLM's
+            return outputs
 
         return self._on_every_rank(chat)
 

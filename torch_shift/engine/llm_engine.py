@@ -151,9 +151,9 @@ class LLMEngine:
                                               policy.uses_priority, policy.name)
         if capacity.max_request_tokens < config.scheduler.max_model_len:
             logger.warning("the KV cache holds %d tokens a request, fewer than max_model_len=%d: a request ends "
-                           "('length') at %d tokens, and the server refuses longer ones (give the cache more memory "
-                           "or lower max_model_len)", capacity.max_request_tokens, config.scheduler.max_model_len,
-                           capacity.max_request_tokens)
+                           "('length') at %d tokens, and `serve` takes that as its context (give the cache more "
+                           "memory or lower max_model_len)", capacity.max_request_tokens,
+                           config.scheduler.max_model_len, capacity.max_request_tokens)
         self.last_core_step: CoreStep | None = None  # what the last step did (None: it ran nothing)
 
     def _draft_proposer(self) -> DraftModelProposer | None:
@@ -294,6 +294,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt | TokenizedPrompt, params=None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = self.input_processor.process(request_id, prompt, params, priority, arrival_time)

@@ -57,6 +57,9 @@ class SamplingParams:
             if not ok:
                 raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)}")
 
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("n", self.n, 1)
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         check_int("min_tokens", self.min_tokens, 0)
