@@ -110,7 +110,7 @@ def test_parallel_llms_one_after_another_match_single_device_and_leave_the_proce
     the rendezvous listens on the loopback only; nothing of the user's process changes; the ports close."""
     _, model_dir = llama
     expected = tokens(LLM(str(model_dir)))  # (its import of torch._dynamo sets TORCHINDUCTOR_CACHE_DIR: torch's)
-    env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
+    env, threads, frozen, hook = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count(), sys.excepthook
     listening = listening_sockets()
     previous = None
     for args in ({"tp": 2}, {"tp": 2}, {"sp": 2, "shift_threshold": 4}):
@@ -126,6 +126,7 @@ def test_parallel_llms_one_after_another_match_single_device_and_leave_the_proce
         assert not any(p.is_alive() for p in ranks)
         assert dict(os.environ) == env
         assert torch.get_num_threads() == threads and gc.get_freeze_count() == frozen
+        assert sys.excepthook is hook  # init_process_group's wrapper (a rank prefix) is taken off again
         previous = llm
     del llm, previous
     assert listening_sockets() <= listening  # none of theirs is left (an earlier test's may have closed since)

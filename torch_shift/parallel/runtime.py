@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -62,6 +63,7 @@ class ParallelRuntime:
         self.timeout = timedelta(seconds=timeout_s)
         self.launched: LocalRanks | None = None
         self._user_threads: int | None = None  # the thread count to restore at shutdown
+        self._user_excepthook = sys.excepthook  # init_process_group wraps it (a rank prefix): restored at shutdown
         self._closed = False
         self._close_lock = threading.Lock()
         # held while this process is inside a collective of the engine, so that a shutdown from another
@@ -256,6 +258,8 @@ class ParallelRuntime:
         atexit.unregister(self.shutdown)
         if self._user_threads is not None:
             torch.set_num_threads(self._user_threads)
+        if released and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+            sys.excepthook = self._user_excepthook  # unless someone set one of their own since
 
 
 def _broadcast_quietly(box: list, group: dist.ProcessGroup, control: ShmCommunicator | None,
