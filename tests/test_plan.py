@@ -127,6 +127,19 @@ def test_plan_cli_on_the_default_model(tmp_path, capsys):
     assert "unknown hardware" in capsys.readouterr().err
 
 
+def test_plan_cli_clips_a_trace_to_the_models_context(capsys):
+    """The shipped trace has requests beyond the default model's 1,024 tokens: said as such, with the flags that
+    clip it (every candidate used to fail on a max_model_len the user never gave)."""
+    from torch_shift.bench.traffic import DEFAULT_TRACE
+
+    trace = ["plan", "--hardware", "a10x2", "--trace", str(DEFAULT_TRACE), "--num-requests", "20", "--policies", "tp"]
+    assert main(trace) == 2
+    err = capsys.readouterr().err
+    assert "more than the model's context of 1024" in err and "--max-prompt" in err
+    assert main(trace + ["--max-prompt", "512", "--max-output", "256"]) == 0
+    assert "recommended: TP2" in capsys.readouterr().out
+
+
 def test_plan_cli_on_a_config_only_70b_model(tmp_path, capsys):
     """Llama-3-70B in FP8 on 8 H200s, from a config.json alone: the paper-000 shape of Fig. 1 (Shift's
     TTFT below TP's, far below DP's) at 4k-token prompts."""

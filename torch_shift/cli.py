@@ -301,14 +301,14 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("give a workload: --trace FILE or --synthetic IN:OUT")
     if args.rate is not None and args.concurrency is not None:
         raise ValueError("--rate (open loop) and --concurrency (closed loop) exclude each other")
-    for name in ("rate", "time_scale", "num_requests", "concurrency", "cpu_kv_gb"):
+    for name in ("rate", "time_scale", "num_requests", "concurrency", "cpu_kv_gb", "max_prompt", "max_output"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.trace is not None:
         if not Path(args.trace).is_file():
             raise ValueError(f"--trace {args.trace}: no such file")
         requests = trace_requests(Path(args.trace), args.num_requests, args.time_scale or 1.0, args.rate,
-                                  config.vocab_size, args.seed)
+                                  config.vocab_size, args.seed, args.max_prompt, args.max_output)
         workload = f"trace {Path(args.trace).name} ({len(requests)} requests"
     else:
         try:
@@ -323,6 +323,11 @@ def _plan(args: argparse.Namespace) -> int:
     workload += (f", Poisson {args.rate:g}/s)" if args.rate else f", {args.concurrency} clients)" if args.concurrency
                  else f", arrivals / {args.time_scale:g})" if args.time_scale else ", trace arrivals)"
                  if args.trace else ", all at once)")
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    if longest > config.max_position_embeddings:
+        raise ValueError(f"the workload's longest request has {longest} tokens (prompt and output), more than the "
+                         f"model's context of {config.max_position_embeddings}: clip the trace's lengths "
+                         "(--max-prompt, --max-output) or plan a model with a longer context")
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
     try:
         thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
@@ -411,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
     plan.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients")
     plan.add_argument("--time-scale", type=float, default=None, help="divide the trace's arrival times by this")
+    plan.add_argument("--max-prompt", type=int, default=None, help="clip the trace's prompt lengths to this")
+    plan.add_argument("--max-output", type=int, default=None, help="clip the trace's output lengths to this")
     plan.add_argument("--slo", default=None, help="bounds on p90 TTFT and TPOT, e.g. ttft=500ms,tpot=50ms")
     plan.add_argument("--policies", default=None, help="a comma list of candidates' policies (default: all)")
     plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")

@@ -271,9 +271,9 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
 
 # -- workloads --------------------------------------------------------------------------------------------
 def trace_requests(path: Path, num: int | None, time_scale: float, rate: float | None, vocab_size: int,
-                   seed: int = 0) -> list[RequestSpec]:
-    """Requests with a trace's lengths: at its own arrival times divided by `time_scale` (all at once when
-    it has none), or Poisson arrivals at `rate` per second."""
+                   seed: int = 0, max_prompt: int | None = None, max_output: int | None = None) -> list[RequestSpec]:
+    """Requests with a trace's lengths (clipped to `max_prompt` and `max_output` where given): at its own arrival
+    times divided by `time_scale` (all at once when it has none), or Poisson arrivals at `rate` per second."""
     rows = read_trace(path)
     if not rows:
         raise ValueError(f"{path}: the trace has no rows")
@@ -287,7 +287,8 @@ def trace_requests(path: Path, num: int | None, time_scale: float, rate: float |
     else:
         t0 = rows[0][0]
         arrivals = [(row[0] - t0) / time_scale for row in rows]
-    return [RequestSpec(f"r{i}", at, [rng.randrange(8, vocab_size) for _ in range(max(1, p))], max(1, o))
+    rows = [(at, max(1, min(p, max_prompt or p)), max(1, min(o, max_output or o))) for at, p, o in rows]
+    return [RequestSpec(f"r{i}", at, [rng.randrange(8, vocab_size) for _ in range(p)], o)
             for i, (at, (_, p, o)) in enumerate(zip(arrivals, rows))]
 
 
