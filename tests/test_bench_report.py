@@ -146,7 +146,7 @@ def test_format_table_rounds_latencies_to_a_tenth_and_throughputs_to_integers():
 def test_format_table5():
     table = format_table5({"Shift": summarize(RECORDS), "DP": summarize(RECORDS[1:2])})
     header = table.splitlines()[0]
-    assert "median TTFT (ms)" in header and "median TPOT (ms)" in header and "peak throughput (tok/s)" in header
+    assert "median TTFT (ms)" in header and "median TPOT (ms)" in header and "peak input + output tok/s" in header
     assert row_cells(table, "Shift") == ["Shift", "250.0", "275.0", "103"]
     # r2 alone: TTFT 500, TPOT 400, 3 tokens + 20 prompt tokens in [1, 2)
     assert row_cells(table, "DP") == ["DP", "500.0", "400.0", "23"]

@@ -214,7 +214,7 @@ def format_table(summaries: dict[str, dict]) -> str:
 def format_table5(summaries: dict[str, dict]) -> str:
     """The Shift Parallelism paper's Table 5: median TTFT and TPOT (ms, 1 decimal), peak combined (input + output)
     throughput (tokens/s, integer) per configuration."""
-    header = ["config", "median TTFT (ms)", "median TPOT (ms)", "peak throughput (tok/s)"]
+    header = ["config", "median TTFT (ms)", "median TPOT (ms)", "peak input + output tok/s"]
     rows = [[name, _cell(s["ttft_ms"]["p50"], 1), _cell(s["tpot_ms"]["p50"], 1), _cell(s["peak_total_tok_s"], 0)]
             for name, s in summaries.items()]
     return _table(header, rows)
