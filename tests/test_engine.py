@@ -260,6 +260,7 @@ def test_sampling_params_changed_after_they_were_made_are_checked_again(llama):
 @pytest.mark.parametrize("kwargs, match", [
     ({"seed": "x"}, "seed must be an int"), ({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be"),
     ({"seed": 2**70}, "seed must be"), ({"tokenizer": "/nonexistent"}, "no tokenizer.json there"),
+    ({"device": "tpu"}, "runs on .cpu. or .cuda."),
 ])
 def test_bad_engine_args_are_refused_when_the_engine_is_made(llama, kwargs, match):
     _, model_dir = llama

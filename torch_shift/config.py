@@ -36,7 +36,13 @@ _DTYPES = {
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device an engine runs on: the one given, else CUDA where there is a GPU, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: torch_shift runs on 'cpu' or 'cuda' (optionally 'cuda:N')")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = None) -> torch.dtype:
