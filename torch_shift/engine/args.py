@@ -173,7 +173,7 @@ class EngineArgs:
             raise TypeError(f"model must be a checkpoint directory or a hub id, got {self.model!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
-        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, (str, os.PathLike)) and str(self.tokenizer)):
             raise TypeError(f"tokenizer must be a directory, got {self.tokenizer!r}")
         for name in ("sp", "tp", "dp", "pp"):
             value = getattr(self, name)
