@@ -196,7 +196,7 @@ def _generate(args: argparse.Namespace) -> int:
             else:
                 prompts.append(p)
         engine = llm.engine
-        context = min(engine.scheduler_config.max_model_len, engine.max_request_tokens)
+        context = engine.max_context_tokens
         bound = ("--max-model-len" if context == engine.scheduler_config.max_model_len
                  else "the KV cache's memory, --kv-cache-memory-bytes")
         for i, prompt in enumerate(prompts):

@@ -68,6 +68,10 @@ class Capacity:
         tokens = self.widest * self.pool_tokens
         return tokens if self.tier_tokens is None else min(tokens, self.tier_tokens)
 
+    def context_tokens(self, max_model_len: int) -> int:
+        """Tokens a request may reach: the context, or less where the KV memory holds less."""
+        return min(max_model_len, self.max_request_tokens)
+
 
 def child_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of an n > 1 request: sample 0 draws from `seed` itself (as with n = 1),
@@ -181,7 +185,7 @@ class InputProcessor:
         token_ids = prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
         # preempting itself forever): past either it finishes with "length".
-        max_len = min(self.config.scheduler.max_model_len, self.capacity.max_request_tokens)
+        max_len = self.capacity.context_tokens(self.config.scheduler.max_model_len)
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

@@ -149,11 +149,11 @@ class LLMEngine:
             static_replicas=config.deployment.num_replicas > 1 and widest == 1)
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, capacity,
                                               policy.uses_priority, policy.name)
-        if capacity.max_request_tokens < config.scheduler.max_model_len:
+        if self.max_context_tokens < config.scheduler.max_model_len:
             logger.warning("the KV cache holds %d tokens a request, fewer than max_model_len=%d: a request ends "
                            "('length') at %d tokens, and `serve` takes that as its context (give the cache more "
-                           "memory or lower max_model_len)", capacity.max_request_tokens,
-                           config.scheduler.max_model_len, capacity.max_request_tokens)
+                           "memory or lower max_model_len)", self.max_context_tokens,
+                           config.scheduler.max_model_len, self.max_context_tokens)
         self.last_core_step: CoreStep | None = None  # what the last step did (None: it ran nothing)
 
     def _draft_proposer(self) -> DraftModelProposer | None:
@@ -252,6 +252,11 @@ class LLMEngine:
         """Tokens (prompt and output) the widest group of replicas can hold: no sequence grows past it
         (nor past the host tier when every request passes through it, as under Seesaw)."""
         return self.input_processor.capacity.max_request_tokens
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Tokens (prompt and output) a request may reach: max_model_len, or less where the KV memory holds less."""
+        return self.input_processor.capacity.context_tokens(self.config.scheduler.max_model_len)
 
     # -- statistics -------------------------------------------------------------------------------------
     @property

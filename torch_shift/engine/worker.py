@@ -36,6 +36,12 @@ from torch_shift.parallel.shift import ShiftModule
 _CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
 
 
+def cpu_kv_budget_bytes(memory_bytes: int | float) -> int:
+    """KV memory an engine takes on CPU ranks when not told (its pools, or its host tier): a quarter of the
+    host's memory, up to 4 GiB."""
+    return int(min(_CPU_KV_BUDGET_BYTES, memory_bytes // 4))
+
+
 def num_tier_blocks(config: EngineConfig) -> int:
     """Blocks of the host tier of the KV cache (0: none); a block holds every layer's and head's KV of
     block_size tokens."""
@@ -49,7 +55,7 @@ def num_tier_blocks(config: EngineConfig) -> int:
         if tier.cpu_kv_gb > 0 and num_blocks == 0:
             raise ValueError(f"cpu_kv_gb={tier.cpu_kv_gb} holds no KV block of {per_block} bytes")
     elif config.deployment.moves_kv_through_tier:
-        num_blocks = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(torch.device("cpu")) // 4) // per_block
+        num_blocks = cpu_kv_budget_bytes(available_memory_bytes(torch.device("cpu"))) // per_block
     else:
         num_blocks = 0
     if config.deployment.moves_kv_through_tier and num_blocks == 0:
@@ -283,7 +289,7 @@ def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.devic
         budget = int(free - (1.0 - cc.gpu_memory_utilization) * total) - peak
     else:
         # local ranks share the host's memory
-        budget = min(_CPU_KV_BUDGET_BYTES, available_memory_bytes(device) // 4) // config.deployment.world_size
+        budget = cpu_kv_budget_bytes(available_memory_bytes(device)) // config.deployment.world_size
     # never more than every sequence slot filled to the context
     enough = sc.max_num_seqs * math.ceil(sc.max_model_len / cc.block_size)
     num_blocks = min(budget // per_block, enough)

@@ -19,6 +19,7 @@ from pathlib import Path
 from torch_shift.bench.traffic import RequestSpec, read_trace
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.engine.worker import cpu_kv_budget_bytes
 from torch_shift.planner.cost import Layout, memory_per_rank
 from torch_shift.planner.hardware import HardwareProfile
 from torch_shift.planner.shape import ModelShape
@@ -162,7 +163,7 @@ def default_tier_gb(hw: HardwareProfile) -> float:
     times its devices'); on CPU ranks what the engine takes there, a quarter of the memory up to 4 GiB."""
     if not hw.memory_is_host:
         return 64.0
-    return min(4.0, hw.device_memory_bytes * hw.num_devices / 4 / 2**30)
+    return cpu_kv_budget_bytes(hw.device_memory_bytes * hw.num_devices) / 2**30
 
 
 def tier_blocks(shape: ModelShape, cpu_kv_gb: float, block_size: int) -> int:

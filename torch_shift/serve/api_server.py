@@ -200,7 +200,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     reasoning_parser = REASONING_PARSERS[chat_options.reasoning_parser] if chat_options.reasoning_parser else None
     # a sequence never outgrows the KV cache (it would preempt itself forever): where the cache holds less than
     # the model's context, what it holds is the context this server serves, advertised and checked as such
-    max_model_len = min(llm.scheduler_config.max_model_len, llm.max_request_tokens)
+    max_model_len = llm.max_context_tokens
     bound = ("" if max_model_len == llm.scheduler_config.max_model_len else
              f" (this server's KV cache holds {max_model_len} tokens a request, fewer than max_model_len="
              f"{llm.scheduler_config.max_model_len})")
