@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from dataclasses import replace
@@ -225,9 +226,11 @@ def test_bad_prompts_are_value_errors_and_disturb_nothing(llama, bad, match):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_prompt_larger_than_the_kv_pool(llama):
+def test_prompt_larger_than_the_kv_pool(llama, caplog):
     _, model_dir = llama
-    llm = LLM(str(model_dir), num_kv_blocks=4, block_size=4, max_model_len=200)
+    with caplog.at_level(logging.WARNING, logger="torch_shift"):
+        llm = LLM(str(model_dir), num_kv_blocks=4, block_size=4, max_model_len=200)
+    assert "the KV cache holds 16 tokens a request, fewer than max_model_len=200" in caplog.text
     with pytest.raises(ValueError, match="KV pool holds only 16 tokens"):
         llm.generate([list(range(6, 26))], use_tqdm=False)
     # a sequence that would outgrow the whole pool ends with "length" instead of preempting itself forever

@@ -7,6 +7,7 @@ only the sampled token values differ (the simulator's filler token against the m
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -175,6 +176,18 @@ def test_a_replica_alone_with_work_is_priced_on_the_idle_replicas_cores():
     assert records["r0"].first_token_s == pytest.approx(0.5 + borrowed, rel=1e-9)
     both = step_cost(shape, plain, Layout.dp_groups(1, 1), [Seq(300, 0, 1)] * 2, groups=[0, 1]).total_s
     assert records["p0"].first_token_s == pytest.approx(10.0 + both, rel=1e-9)
+
+
+def test_a_simulated_engine_with_a_short_context_does_not_warn_as_a_server_would(caplog):
+    """The engine warns at start when its KV cache holds less than max_model_len (`serve` takes that as its
+    context); the planner's simulated engines refuse such a candidate in the plan's own terms instead."""
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256})
+    with caplog.at_level(logging.WARNING, logger="torch_shift"):
+        engine = SimulatedEngine.simulated(EngineArgs("config-only", block_size=4, max_model_len=256), config, 8,
+                                           FixedStepTimer(TIMES))
+    assert engine.max_context_tokens == 32 and "KV cache holds" not in caplog.text
 
 
 def test_the_simulator_prices_speculative_steps():

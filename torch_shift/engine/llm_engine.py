@@ -149,7 +149,8 @@ class LLMEngine:
             static_replicas=config.deployment.num_replicas > 1 and widest == 1)
         self.input_processor = InputProcessor(config, self.tokenizer, self.eos_token_ids, capacity,
                                               policy.uses_priority, policy.name)
-        if self.max_context_tokens < config.scheduler.max_model_len:
+        # the planner's simulated engines (no worker) refuse a candidate whose context is too short instead
+        if self.worker is not None and self.max_context_tokens < config.scheduler.max_model_len:
             logger.warning("the KV cache holds %d tokens a request, fewer than max_model_len=%d: a request ends "
                            "('length') at %d tokens, and `serve` takes that as its context (give the cache more "
                            "memory or lower max_model_len)", self.max_context_tokens,
