@@ -355,6 +355,34 @@ def test_a_grammar_that_fails_while_generating_ends_the_request_with_an_error():
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_a_grammar_that_starts_after_its_marker():
+    """A reasoning model reasons first: with `starts_after`, the grammar applies once the output's tokens end with
+    the marker's (drawn here by a logit bias, which the grammar then overrides), and not before it."""
+    pytest.importorskip("llguidance")
+    import json
+
+    from torch_shift.engine.structured_output import WaitingGrammar
+
+    llm = LLM()  # the embedded default model: a real tokenizer
+    marker = llm.get_tokenizer().encode(" LORD", add_special_tokens=False)
+    assert len(marker) == 1
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=30, temperature=0.0, logit_bias={marker[0]: 100.0})
+    waits = replace(params, structured_outputs=StructuredOutputsParams(json=schema, starts_after=" LORD"))
+    at_once = replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+    waited, constrained = (o.outputs[0] for o in llm.generate(["And God said"] * 2, [waits, at_once],
+                                                                use_tqdm=False))
+    assert waited.token_ids[0] == marker[0] and marker[0] not in waited.token_ids[1:]
+    assert waited.text.startswith(" LORD") and isinstance(json.loads(waited.text[len(" LORD"):])["a"], int)
+    assert waited.finish_reason == "stop" and isinstance(json.loads(constrained.text)["a"], int)
+    with pytest.raises(TypeError, match="starts_after"):
+        StructuredOutputsParams(json_object=True, starts_after="")
+    two = WaitingGrammar(None, [5, 6])  # a marker of several tokens ends with its last, after the others
+    assert two.starts_after([1, 5], 6) and not two.starts_after([6], 6) and not two.starts_after([], 6)
+    assert not two.starts_after([5], 5)
+
+
 def test_unknown_stop_token_and_engine_arguments(llama):
     _, model_dir = llama
     with pytest.raises(TypeError, match="unknown engine arguments: max_seqs"):

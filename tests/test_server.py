@@ -405,7 +405,8 @@ REFUSED = [  # (path, extra fields, what the message must name)
     ("/v1/completions", {"store": True}, "store"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream"),
     ("/v1/completions", {"response_format": {"type": "json_schema"}}, "schema"),
-    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}},
      "schema"),
     ("/v1/completions", {"logit_bias": {"512": 5}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"7": 150}}, "[-100, 100]"),
@@ -635,7 +636,8 @@ RANGE_CHECKS = [  # (path, extra fields, the param the 400 must name)
     ("/v1/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"priority": -1}, "priority"),
-    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ("/v1/completions", {"echo": True, "logprobs": 5, "response_format": {"type": "json_object"}, "min_tokens": 2},
      "min_tokens"),
@@ -644,7 +646,8 @@ RANGE_CHECKS = [  # (path, extra fields, the param the 400 must name)
     ("/v1/chat/completions", {"max_completion_tokens": 5}, "max_completion_tokens"),  # beside max_tokens 4
     ("/v1/chat/completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2, "priority": 3}, "priority"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
 ]
 

@@ -497,6 +497,35 @@ def test_structured_output_with_speculation(llama):
     assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
 
 
+def test_a_grammar_that_starts_after_its_marker_with_speculation(llama):
+    """A grammar waiting for its marker applies from the position after it, inside a check of proposed tokens too."""
+    pytest.importorskip("llguidance")
+    _, model_dir = llama
+    from torch_shift.engine.structured_output import StructuredOutputsParams
+
+    reference_llm = LLM(str(model_dir), compile=False)
+    tokenizer = reference_llm.get_tokenizer()
+    prompts = repetitive_prompts(3, seed=4)
+    free = reference_llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False)
+    # a token the outputs write on their own (a check of proposed tokens may then run past it)
+    marker = next(t for o in free for t in o.outputs[0].token_ids[4:]
+                  if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t])
+    structured = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                         starts_after=tokenizer.decode([marker]))
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=structured)
+    reference = reference_llm.generate(prompts, params, use_tqdm=False)
+    assert any(marker in o.outputs[0].token_ids for o in reference)
+    llm = LLM(str(model_dir), compile=False, speculative_config=SPECS["suffix"])
+    # proposals of the unconstrained continuation: past the marker they are what the grammar must refuse
+    continuation = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, free)}
+    llm.engine.core.speculator.proposer.propose = lambda requests, rooms: [
+        continuation[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
+        for r, k in zip(requests, rooms)]
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    stats = llm.stats()["spec_decode"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
 def test_disable_by_batch_size(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir), compile=False, speculative_config={**SPECS["suffix"], "disable_by_batch_size": 3})

@@ -24,10 +24,10 @@ RECORDED = [
      '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": '
      '"celsius"}}\n</tool_call>',
      "Let me check both cities.\n", [("get_weather", WEATHER), ("get_weather", {"city": "Rome", "unit": "celsius"})]),
-    ("hermes",  # escapes, unicode, nested values, numbers of every form, no arguments at all
+    ("hermes",  # escapes, unicode, nested values, numbers of every form, empty arguments
      '<tool_call>\n{"name": "search", "arguments": {"q": "caf\\u00e9 \\"cr\\u00e8me\\"\\n", "limit": 10, '
      '"score": -1.5e-3, "filters": {"tags": ["a", "b"], "exact": true, "after": null}}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "now"}\n</tool_call>',
+     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
      None, [("search", {"q": 'café "crème"\n', "limit": 10, "score": -1.5e-3,
                         "filters": {"tags": ["a", "b"], "exact": True, "after": None}}), ("now", {})]),
     ("hermes",  # a last call without its closing tag (the output stopped there): accepted, as in vLLM
@@ -57,6 +57,13 @@ RECORDED = [
 MALFORMED = [  # (parser, output): never a call, all of it content, whole or streamed
     ("hermes", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
     ("hermes", '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>'),  # no name
+    # no arguments (vLLM's parsers fail on the missing key): a plain JSON answer, or arguments written beside
+    # the name, are not a call with arguments {}
+    ("hermes", '<tool_call>\n{"name": "now"}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "city": "Paris"}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "John", "age": 30}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "city": "Paris"}]'),
     ("hermes", '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": "city=Paris"}\n</tool_call>'),  # arguments not an object
     ("hermes", '<tool_call>\n{"name": "f",, "arguments": {}}\n</tool_call>'),
@@ -184,27 +191,33 @@ def test_reasoning_is_kept_out_of_content_and_tool_parsing():
     """The <tool_call> mentioned inside the reasoning is not a call; the one after </think> is."""
     output = ChatOutputFormat(ToolChoice("auto", tools=[]), TOOL_PARSERS["hermes"], REASONING_PARSERS["qwen3"],
                               prompt="<|im_start|>assistant\n")
-    message = output.parser().parse(QWEN3_WITH_CALL)
-    assert message["reasoning_content"] == "\nThe user wants the weather; <tool_call> is how I call tools.\n"
+    message = output.parser().parse(QWEN3_WITH_CALL, "stop")
+    assert message["reasoning"] == message["reasoning_content"] == \
+        "\nThe user wants the weather; <tool_call> is how I call tools.\n"
     assert message["content"] is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
         [("get_weather", WEATHER)]
     for pieces in splits(QWEN3_WITH_CALL):
         parser = output.parser()
-        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish("stop")]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
         assert "".join(d.get("content", "") for d in deltas) == ""
         arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
         assert json.loads(arguments) == WEATHER and parser.tools_called
     assert output.finish_reason("stop", True) == "tool_calls" and output.finish_reason("length", True) == "length"
     hidden = ChatOutputFormat(ToolChoice("none"), None, REASONING_PARSERS["qwen3"], include_reasoning=False)
-    assert "reasoning_content" not in hidden.parser().parse("<think>x</think>y")
+    assert {"reasoning_content", "reasoning"}.isdisjoint(hidden.parser().parse("<think>x</think>y", "stop"))
+    assert hidden.hides_reasoning and not output.hides_reasoning  # no logprobs: they would show the reasoning
+    # only reasoning: content null beside it (vLLM's); without a reasoning parser an empty output is ""
+    assert output.parser().parse("<think>x</think>", "stop")["content"] is None
+    assert ChatOutputFormat(ToolChoice("none")).parser().parse("", "stop")["content"] == ""
 
 
 def test_only_the_first_call_without_parallel_tool_calls():
     text = RECORDED[1][1]
     output = ChatOutputFormat(ToolChoice("auto", tools=[], parallel=False), TOOL_PARSERS["hermes"])
-    assert len(output.parser().parse(text)["tool_calls"]) == 1
+    assert len(output.parser().parse(text, "stop")["tool_calls"]) == 1
     parser = output.parser()
-    deltas = [parser.feed(text), parser.finish()]
+    deltas = [parser.feed(text), parser.finish("stop")]
     assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}

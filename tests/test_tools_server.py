@@ -18,6 +18,7 @@ from test_server import RunningServer
 from torch_shift import LLM
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampler import SamplerOutput
+from torch_shift.engine.structured_output import start_waiting_grammars
 from torch_shift.models.default import default_model_dir
 from torch_shift.models.toy import TOOLS_CHAT_TEMPLATE, build_tokenizer, tiny_llama_config, write_random_checkpoint
 from torch_shift.serve.options import ChatOptions
@@ -200,6 +201,11 @@ BAD_TOOLS = [  # (extra fields, the param named, words of the message)
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice",
      "'get_news' is not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "gives none"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs `tools`"),  # vLLM's and OpenAI's rule
+    ({"tools": []}, "tools", "an empty list"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "could never call a tool"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name", "required"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot also follow response_format"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
@@ -269,7 +275,115 @@ def test_reasoning_is_split_from_content(server, stream):
     assert content == "\n\nI will look it up.\n" and finish == "tool_calls"  # the content as written after </think>
     with scripted(server, THINKING):
         _, _, _, extra = chat(server, stream, extra_body={"include_reasoning": False})
-    assert "reasoning_content" not in extra
+    assert "reasoning_content" not in extra and "reasoning" not in extra
+
+
+class ReasonThenSample:
+    """Writes the given reasoning (`<think>...</think>`), then samples as the engine does: a constrained output's
+    grammar, which waits for the reasoning's end, holds from there."""
+
+    def __init__(self, tokenizer, reasoning: str, real):
+        self.script = tokenizer.encode(reasoning, add_special_tokens=False)
+        self.real = real
+
+    def __call__(self, logits, requests) -> SamplerOutput:
+        (request,) = requests
+        if request.num_output_tokens < len(self.script):
+            tokens = [self.script[request.num_output_tokens]]
+            start_waiting_grammars(requests, tokens)
+            return SamplerOutput(tokens, [None])
+        return self.real(logits, requests)
+
+
+@pytest.fixture(scope="module")
+def r1_server(tools_model):
+    s = RunningServer(tools_model, engine={"async_scheduling": False},
+                      chat_options=ChatOptions(reasoning_parser="deepseek_r1"))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constrained_output_follows_the_reasoning(r1_server, stream):
+    """With a reasoning parser the model reasons first and the answer follows response_format, or is the forced
+    call (vLLM's engine starts the grammar where the reasoning ends); it was constrained from the first token,
+    which put the answer in the reasoning and left content empty."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    outputs = r1_server.engine.output_processor
+    real = outputs.sampler
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}},
+                  {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
+        outputs.sampler = ReasonThenSample(r1_server.engine.tokenizer, "<think>\nParis, surely.\n</think>", real)
+        try:
+            content, calls, finish, fields = chat(r1_server, stream, temperature=1.0, seed=2, **extra)
+        finally:
+            outputs.sampler = real
+        assert fields["reasoning"] == fields["reasoning_content"] == "\nParis, surely.\n"
+        assert finish == "stop"
+        if "tools" in extra:
+            (call,) = calls
+            assert call["name"] == "get_weather" and valid_arguments("get_weather", call["arguments"])
+        else:
+            assert json.loads(content)["city"] in ("Paris", "Rome") and not calls
+    # without a reasoning parser's thinking to wait for, the grammar holds from the first token
+    content, _, _, _ = chat(r1_server, stream, temperature=1.0, seed=2, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert content is None  # deepseek_r1: all reasoning until </think>, which this model never writes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_hidden_reasoning_sends_no_logprobs(r1_server, stream):
+    """include_reasoning=false: the logprobs would spell the reasoning out, so none are sent (vLLM's rule)."""
+    client = r1_server.client()
+    kwargs = {"model": "tiny", "messages": ASK, "max_tokens": 6, "logprobs": True,
+              "extra_body": {"include_reasoning": False}}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    else:
+        assert client.chat.completions.create(**kwargs).choices[0].logprobs is None
+    kwargs["extra_body"] = {}
+    assert client.chat.completions.create(**kwargs).choices[0].logprobs is not None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_a_stop_string_is_no_call(server, stream):
+    """A stop string inside a forced call's JSON leaves arguments that are not JSON: it is no call and the finish
+    reason is not "tool_calls" (it was, with arguments `{"`); max_tokens keeps the cut call ("length" says so)."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS, tool_choice=choice, stop=[","],
+                                         temperature=1.0, seed=1, parallel_tool_calls=False)
+        assert finish == "stop"
+        if not stream:
+            assert calls == [] and content in (None, "")
+        content, calls, finish, _ = chat(server, stream, tools=TOOLS, tool_choice=choice, stop=["{"])
+        assert (calls, finish) == ([], "stop")  # nothing was written: nothing announced, streamed or not
+    for max_tokens in range(8, 40):  # the first cut past the call's name
+        _, calls, finish, _ = chat(server, stream, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+        if calls:
+            break
+    assert finish == "length" and len(calls) == 1 and not calls[0]["arguments"].endswith("}")
+
+
+def test_tokenize_renders_messages_as_a_chat_request(server):
+    """vLLM's /tokenize with messages takes the request's tools and chat_template_kwargs (a tool request's prompt
+    can be counted), and joins text parts with newlines, as a chat request renders them."""
+    def tokenize(**body) -> httpx.Response:
+        return httpx.post(server.url + "/tokenize", json={"messages": ASK, **body}, timeout=30)
+
+    plain, with_tools = tokenize().json(), tokenize(tools=TOOLS).json()
+    assert with_tools["count"] > plain["count"] + 50
+    usage = server.client().chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none",
+                                                    max_tokens=1).usage
+    assert usage.prompt_tokens == with_tools["count"]
+    refused = tokenize(tools=[WEATHER, WEATHER])
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    assert tokenize(chat_template_kwargs={"enable_thinking": False}).json()["count"] == plain["count"]
+    parts = tokenize(messages=[{"role": "user", "content": [{"type": "text", "text": "Paris"},
+                                                            {"type": "text", "text": "Rome"}]}]).json()
+    assert "Paris\nRome" in server.engine.tokenizer.decode(parts["tokens"])
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": TOOLS}).status_code == 400
 
 
 def test_offline_chat_renders_tools(tools_model):

@@ -11,7 +11,7 @@ from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.request import Request
 from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
-from torch_shift.engine.structured_output import GrammarCompiler
+from torch_shift.engine.structured_output import GrammarCompiler, WaitingGrammar
 from torch_shift.tokenizer import Tokenizer
 
 Prompt = str | list[int]  # or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, unwrapped by `unwrap_prompt`
@@ -181,6 +181,8 @@ class InputProcessor:
         """The request's sequences, ready for the scheduler (nothing is queued yet)."""
         params = self.check_params(params, priority)
         grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
+        if grammar_compiler is not None and params.structured_outputs.starts_after is not None:
+            grammar_marker = self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False)
         prompt = self.tokenize_prompt(prompt)
         token_ids = prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
@@ -200,7 +202,11 @@ class InputProcessor:
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
             if grammar_compiler is not None:
-                child.grammar = grammar_compiler.matcher(params.structured_outputs)
+                matcher = grammar_compiler.matcher(params.structured_outputs)
+                if params.structured_outputs.starts_after is None:
+                    child.grammar = matcher
+                else:
+                    child.waiting_grammar = WaitingGrammar(matcher, grammar_marker)
             children.append(child)
         return ParentRequest(request_id, prompt.text, token_ids, params, children)
 

@@ -349,8 +349,9 @@ class OutputProcessor:
 def _position_independent(request: Request) -> bool:
     """Whether the request's distribution at a position is the same whatever it drew before (within one check)."""
     p = request.sampling_params
-    return (request.grammar is None and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and request.num_output_tokens >= p.min_tokens)
+    return (request.grammar is None and request.waiting_grammar is None and p.logprobs is None
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and request.num_output_tokens >= p.min_tokens)
 
 
 def _take_back(request: Request, num_tokens: int, logprobs: bool = False) -> None:

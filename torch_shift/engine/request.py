@@ -87,6 +87,7 @@ class Request:
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
         self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
+        self.waiting_grammar = None  # a WaitingGrammar: the matcher that becomes `grammar` after its marker
         self.error: str | None = None  # why the request cannot go on (set by the sampler); it finishes with "error"
         # speculative decoding: tokens proposed to follow its last one, checked at its next step
         self.spec_token_ids: list[int] = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_shift.engine.request import Request
-from torch_shift.engine.structured_output import grammar_mask
+from torch_shift.engine.structured_output import grammar_mask, start_waiting_grammars
 from torch_shift.memory import to_device
 from torch_shift.models.fused import argmax, argmax_list
 
@@ -82,6 +82,7 @@ class Sampler:
             request = requests[i]
             if request.error is None and (not request.grammar.consume_token(token_ids[i]) or request.grammar.is_error()):
                 _grammar_failed(request)
+        start_waiting_grammars(requests, token_ids)
         row_logprobs: list = [None] * len(requests)
         if raw_logprobs is not None:
             rows = [i for i, k in enumerate(want_logprobs) if k is not None]

@@ -19,10 +19,15 @@ from torch_shift.engine.errors import ParameterError
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's name and fields: `json` a JSON schema (str or dict), or `json_object` for any JSON object."""
+    """vLLM's name and fields: `json` a JSON schema (str or dict), or `json_object` for any JSON object.
+
+    `starts_after`: the grammar applies only once the output's tokens end with this text's tokens (a reasoning
+    model's `</think>`: it reasons freely first, as vLLM's engine does with a reasoning parser); None: from the
+    first token."""
 
     json: str | dict | None = None
     json_object: bool = False
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.json_object):
@@ -30,6 +35,9 @@ class StructuredOutputsParams:
                                  "structured outputs take exactly one of json (a schema) and json_object=True")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
+        if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
+            raise TypeError(f"structured_outputs.starts_after is the text the grammar waits for, got "
+                            f"{self.starts_after!r}")
 
     @property
     def schema(self) -> str:
@@ -71,6 +79,32 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {matcher.get_error()}")
         return matcher
+
+
+class WaitingGrammar:
+    """A matcher that applies once the output ends with `marker` (token ids of `starts_after`)."""
+
+    def __init__(self, matcher: Any, marker: list[int]):
+        assert marker
+        self.matcher = matcher
+        self.marker = marker
+
+    def starts_after(self, output_token_ids: list[int], token_id: int) -> bool:
+        """Whether `token_id`, drawn after `output_token_ids`, ends the marker."""
+        marker = self.marker
+        if token_id != marker[-1]:
+            return False
+        before = len(marker) - 1
+        return before == 0 or output_token_ids[-before:] == marker[:-1]
+
+
+def start_waiting_grammars(requests: list, token_ids: list[int]) -> None:
+    """After a draw of `token_ids` (one per request, not yet appended): a request whose output now ends with its
+    waiting grammar's marker is constrained from its next token on."""
+    for request, token_id in zip(requests, token_ids):
+        waiting = request.waiting_grammar
+        if waiting is not None and waiting.starts_after(request.output_token_ids, token_id):
+            request.grammar, request.waiting_grammar = waiting.matcher, None
 
 
 def grammar_mask(matchers: list[Any], vocab_size: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ from torch_shift.serve.responses import (
     sse,
 )
 from torch_shift.serve.tool_parsers import TOOL_PARSERS
-from torch_shift.serve.tools import template_messages, tool_choice
+from torch_shift.serve.tools import check_tools, template_messages, tool_choice
 
 logger = logging.getLogger("torch_shift.serve")
 
@@ -355,9 +355,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             if body.messages is None:
                 return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
             messages = template_messages([m.template_message() for m in body.messages])
-            text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                                           **(body.chat_template_kwargs or {}))
             return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
+        tools = body.template_tools()
+        if tools is not None:
+            try:
+                check_tools(tools)
+            except ValueError as e:
+                raise _parameter_error(e) from None
         try:
             token_ids = await asyncio.to_thread(run)
         except (ValueError, TypeError) as e:
@@ -438,6 +445,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{max_tokens_field}: must be >= 1, got {max_tokens}", param=max_tokens_field)
+        if tools.mode == "auto" and body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format: held to the format, the output could never call a tool "
+                                "(tool_choice 'auto'); send tool_choice 'none' to answer in the format, or "
+                                "'required' or a named function for a call", param="response_format")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         grammar_field = "tools" if tools.forced else "response_format"
         fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}
@@ -455,6 +466,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
 
         prompt_text, prompt = await asyncio.to_thread(render)
         output = ChatOutputFormat(tools, auto_tool_parser, reasoning_parser, prompt_text, body.include_reasoning)
+        if params.structured_outputs is not None and output.reasoning_first:  # the model reasons, then answers
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, starts_after=reasoning_parser.end))
         if body.stream:
             return await stream_response(
                 "chatcmpl", [prompt], params, body.priority, fields,
@@ -469,11 +483,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             if c.finish_reason == "error":
                 raise _generation_error(str(c.stop_reason), grammar_field)
             parser = output.parser()
-            message = parser.parse(c.text)
+            message = parser.parse(c.text, c.finish_reason)
             choices.append({"index": c.index, "message": message,
                             "logprobs": (chat_logprobs(c.token_ids, c.logprobs or [], tokenizer, body.top_logprobs or 0)
-                                         if body.logprobs else None),
-                            "finish_reason": output.finish_reason(c.finish_reason, parser.tools_called)})
+                                         if body.logprobs and not output.hides_reasoning else None),
+                            "finish_reason": output.finish_reason(c.finish_reason, parser.tools_called),
+                            "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
                 "choices": choices,
@@ -551,8 +566,11 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
                                                      prefix.offsets + offsets[choice_index].extend(token_ids),
                                                      tokenizer, body.logprobs)
                 finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
-                yield chunk([{"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
-                              "finish_reason": finish}], usage.totals() if usage.continuous else None)
+                choice = {"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
+                          "finish_reason": finish}
+                if finish is not None:
+                    choice["stop_reason"] = None if echo_only else c.stop_reason
+                yield chunk([choice], usage.totals() if usage.continuous else None)
         if usage.include:
             yield chunk([], usage.totals())
     except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
@@ -591,14 +609,17 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
                 fields = parser.feed(delta.text) if delta.text else {}
                 finish = None
                 if c.finish_reason is not None:
-                    for key, value in parser.finish().items():
+                    for key, value in parser.finish(c.finish_reason).items():
                         fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
                     finish = output.finish_reason(c.finish_reason, parser.tools_called)
                 logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
-                                          body.top_logprobs or 0) if body.logprobs else None)
+                                          body.top_logprobs or 0) if body.logprobs and not output.hides_reasoning
+                            else None)
                 if fields or logprobs or finish:
-                    yield chunk([{"index": c.index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}],
-                                usage.totals() if usage.continuous else None)
+                    choice = {"index": c.index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
+                    if finish is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    yield chunk([choice], usage.totals() if usage.continuous else None)
         if usage.include:
             yield chunk([], usage.totals())
     except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised

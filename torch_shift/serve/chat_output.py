@@ -32,9 +32,21 @@ class ChatOutputFormat:
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self)
 
+    @property
+    def reasoning_first(self) -> bool:
+        """Whether the output begins inside reasoning (a constrained output's grammar then waits for its end)."""
+        return self.reasoning_parser is not None and self.reasoning_parser(self.prompt).starts_in_reasoning(
+            self.prompt)
+
+    @property
+    def hides_reasoning(self) -> bool:
+        """include_reasoning=false with a reasoning parser: the tokens' logprobs would show it, so none are sent
+        (vLLM's rule)."""
+        return self.reasoning_parser is not None and not self.include_reasoning
+
     def finish_reason(self, engine_reason: str | None, tools_called: bool) -> str | None:
-        """As OpenAI: "tool_calls" when calls ended the output under "auto" or "required" ("stop" for a named
-        function)."""
+        """As OpenAI: "tool_calls" when complete calls ended the output under "auto" or "required" ("stop" for a
+        named function)."""
         if engine_reason == "stop" and tools_called and self.tools.mode in ("auto", "required"):
             return "tool_calls"
         return engine_reason
@@ -46,9 +58,8 @@ class ChatOutputParser:
     def __init__(self, output: ChatOutputFormat):
         self.output = output
         tools = output.tools
-        # a forced call is all of the output: there is no reasoning before it
-        self._reasoning = (output.reasoning_parser(output.prompt) if output.reasoning_parser and not tools.forced
-                           else None)
+        # a constrained output (a forced call, response_format) may follow reasoning too: its grammar waits for it
+        self._reasoning = output.reasoning_parser(output.prompt) if output.reasoning_parser else None
         self._make_tool_parser: Callable[[], ToolParser] | None = None
         if tools.mode == "required":
             self._make_tool_parser = RequiredToolCallsParser
@@ -57,34 +68,43 @@ class ChatOutputParser:
         elif tools.mode == "auto":
             self._make_tool_parser = output.tool_parser
         self._tools = self._make_tool_parser() if self._make_tool_parser else None
-        self.tools_called = False
+        self.tools_called = False  # complete calls were made (what finish_reason "tool_calls" says)
 
-    def parse(self, text: str) -> dict:
-        """The message of a whole output: content, tool_calls and reasoning_content as OpenAI (and vLLM) send them."""
+    def parse(self, text: str, finish_reason: str | None) -> dict:
+        """The message of a whole output that ended with `finish_reason`: content, tool_calls and the reasoning
+        as OpenAI (and vLLM) send them."""
         reasoning, content = (self._reasoning.parse(text, self.output.prompt) if self._reasoning is not None
                               else (None, text))
         calls: list[ToolCall] = []
         if self._tools is not None and content:
-            parsed = self._make_tool_parser().parse_whole(content)
+            parser = self._make_tool_parser()
+            self._keep_truncated_calls(parser, finish_reason)
+            parsed = parser.parse_whole(content)
             content, calls = parsed.content, parsed.tool_calls
+            if self.output.tools.forced and not calls:
+                content = None  # a forced call cut short by a stop string is no call, and no text (vLLM's)
             if not self.output.tools.parallel:
                 calls = calls[:1]
         self.tools_called = bool(calls)
-        message: dict = {"role": "assistant", "content": content if content is not None or calls else ""}
+        if content is None and not calls and self._reasoning is None:
+            content = ""  # an empty output; with a reasoning parser, null beside the reasoning (vLLM's)
+        message: dict = {"role": "assistant", "content": content}
         if self._reasoning is not None and self.output.include_reasoning:
-            message["reasoning_content"] = reasoning
+            message.update(_reasoning_fields(reasoning))
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message
 
     def feed(self, text: str) -> dict:
         """The delta fields for more of the output (empty when all of it is held back for now)."""
-        return self._delta(text, final=False)
+        return self._delta(text, None)
 
-    def finish(self) -> dict:
-        return self._delta("", final=True)
+    def finish(self, finish_reason: str) -> dict:
+        """The last delta fields, once the output ended with `finish_reason`."""
+        return self._delta("", finish_reason)
 
-    def _delta(self, text: str, final: bool) -> dict:
+    def _delta(self, text: str, finish_reason: str | None) -> dict:
+        final = finish_reason is not None
         reasoning, content = "", text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.finish() if final else self._reasoning.feed(text)
@@ -92,6 +112,7 @@ class ChatOutputParser:
         if self._tools is not None:
             piece = self._tools.feed(content) if content else StreamDelta()
             if final:
+                self._keep_truncated_calls(self._tools, finish_reason)
                 rest = self._tools.finish()
                 piece.content += rest.content
                 piece.tool_calls += rest.tool_calls
@@ -99,11 +120,24 @@ class ChatOutputParser:
             if not self.output.tools.parallel:
                 calls = [call for call in calls if call.index == 0]
             self.tools_called |= bool(calls)
+            if final and self._tools.failed:
+                self.tools_called = False  # a call announced, then cut or malformed: not "tool_calls"
         delta: dict = {}
         if reasoning and self.output.include_reasoning:
-            delta["reasoning_content"] = reasoning
+            delta.update(_reasoning_fields(reasoning))
         if content:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = [call.to_openai() for call in calls]
         return delta
+
+    def _keep_truncated_calls(self, parser: ToolParser, finish_reason: str | None) -> None:
+        """A forced call the output ended inside is kept when max_tokens cut it (finish_reason "length" says so),
+        not when a stop string did (a client could not tell it from a whole call)."""
+        if self.output.tools.forced:
+            parser.keeps_truncated_calls = finish_reason == "length"
+
+
+def _reasoning_fields(reasoning: str | None) -> dict:
+    """vLLM's field (`reasoning`, since 0.11) and the one DeepSeek's API and earlier vLLM send."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}

@@ -55,7 +55,7 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    name: str | None = None
+    name: str = Field(min_length=1)  # required by OpenAI and vLLM
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -250,16 +250,21 @@ class ChatMessage(_Strict):
             raise ValueError("a message of role 'tool' needs the tool_call_id of the call it answers")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls belong to assistant messages, not to role {self.role!r}")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ: give one (two names of the same field)")
         return self
 
     def template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
+            content = "\n".join(part["text"] for part in content)  # vLLM's joining of text parts
         message = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # templates read either name (Qwen3's reads reasoning_content)
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         return message
@@ -334,6 +339,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # with messages, rendered as a chat request renders them (to count a tool request's prompt)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _own_template_variables = field_validator("chat_template_kwargs")(
+        ChatCompletionRequest._own_template_variables.__func__)
 
     @field_validator("prompt")
     @classmethod
@@ -345,7 +356,12 @@ class TokenizeRequest(_Strict):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise ValueError("tools and chat_template_kwargs are rendered with messages, not with a prompt")
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class DetokenizeRequest(_Strict):

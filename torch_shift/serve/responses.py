@@ -122,7 +122,8 @@ def completion_choice(index: int, out: RequestOutput, c: CompletionOutput, *, ec
         choice_logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
                                               prefix.offsets + offsets, tokenizer, logprobs)
     return {"index": index, "text": prefix.text + text, "logprobs": choice_logprobs,
-            "finish_reason": "length" if echo_only else c.finish_reason}
+            "finish_reason": "length" if echo_only else c.finish_reason,
+            "stop_reason": None if echo_only else c.stop_reason}
 
 
 def _hold_back(stop: str | list[str] | None, finished: bool) -> int:

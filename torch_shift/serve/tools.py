@@ -161,11 +161,14 @@ def tool_choice(tools: Sequence[Any] | None, choice: str | Mapping | None, paral
     """Check a request's tools and tool_choice. `auto_parser`: the server's tool-call parser when it was started
     with --enable-auto-tool-choice (None: "auto" cannot be honoured)."""
     parallel = parallel_tool_calls is not False
+    if tools is not None and not isinstance(tools, (str, bytes, Mapping)) and len(tools) == 0:
+        raise ParameterError("tools", "tools: an empty list; give at least one tool or leave the field out (as OpenAI "
+                                      "and vLLM)")
     if not tools:
-        if choice in (None, "none", "auto"):  # nothing to call: the output is plain content either way
+        if choice in (None, "none"):  # nothing to call: the output is plain content
             return ToolChoice("none", parallel=parallel)
-        raise ParameterError("tool_choice", "tool_choice: a function can only be chosen among `tools`, and the "
-                                            "request gives none")
+        raise ParameterError("tool_choice", f"tool_choice {json.dumps(choice)[:80]} needs `tools`, and the request "
+                                            "gives none")
     functions = check_tools(tools)
     rendered = [copy.deepcopy(dict(tool)) for tool in tools]
     if choice is None:

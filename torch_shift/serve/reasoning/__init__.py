@@ -22,6 +22,7 @@ class ReasoningParser:
     """One output's reasoning and content; make one per choice."""
 
     name = ""
+    end = END  # the text that ends the reasoning (a constrained output's grammar waits for it)
 
     def __init__(self, prompt: str = ""):
         # "opening": the output may begin with <think>; "reasoning" until </think>; then "content"

@@ -3,7 +3,8 @@
     tool_choice "required":                  [{"name": "get_weather", "parameters": {"city": "Paris"}}]
     tool_choice {"function": {"name": ...}}: {"city": "Paris"}
 
-as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so).
+as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so); the server makes
+one cut by a stop string no call (`ChatOutputParser`), as nothing would tell a client it is incomplete.
 """
 
 from __future__ import annotations

@@ -189,10 +189,11 @@ class JsonValue:
 
 class CallObject:
     """One tool call as a JSON object with its name under "name" and its arguments (an object) under one of
-    `argument_keys`; other keys are ignored. With `name` given, the whole object is the arguments.
+    `argument_keys` (required: a JSON object with a "name" and no arguments is not a call, as in vLLM); other keys
+    are ignored. With `name` given, the whole object is the arguments.
 
-    `committed` once the name is known and the arguments have begun (or the object ended without any): from
-    then on the call can be announced and its arguments streamed as they arrive."""
+    `committed` once the name is known and the arguments have begun: from then on the call can be announced and
+    its arguments streamed as they arrive."""
 
     def __init__(self, argument_keys: tuple[str, ...] = ("arguments",), name: str | None = None):
         self.json = JsonValue("{")
@@ -208,7 +209,8 @@ class CallObject:
 
     @property
     def committed(self) -> bool:
-        return self.name is not None and (self._arguments_start is not None or self.json.done)
+        # (a named call's arguments begin with their first character: an empty output announces nothing)
+        return self.name is not None and self._arguments_start is not None and bool(self.json.chars)
 
     def push(self, ch: str) -> None:
         if self._whole_is_arguments and not self.json.chars and ch in WHITESPACE:
@@ -237,11 +239,13 @@ class CallObject:
                 self._arguments_start = members[key][0]
         if self.json.done and self.name is None:
             raise MalformedCall("the call has no name")
+        if self.json.done and self._arguments_start is None:  # as vLLM's parsers: a call names its arguments
+            raise MalformedCall(f"the call has no {' or '.join(map(repr, self.argument_keys))}")
 
     def arguments(self) -> str:
-        """The arguments' JSON text so far (all of it once `done`; "{}" when the call has none)."""
+        """The arguments' JSON text so far (all of it once `done`)."""
         if self._arguments_start is None:
-            return "{}" if self.json.done else ""
+            return ""
         if self._whole_is_arguments:
             return self.json.text(0)
         end = self.json.members[self._argument_key()][1]
