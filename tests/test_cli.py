@@ -32,7 +32,8 @@ def test_generate_prints_what_the_api_returns(llama, capsys):
 def test_generate_with_speculative_config(llama, capsys):
     _, model_dir = llama
     prompt = "the quick brown fox " * 4
-    assert main(["generate", "--model", str(model_dir), "--max-tokens", "12", "--json", "--speculative-config",
+    # vLLM's command lines write flags with underscores too
+    assert main(["generate", "--model", str(model_dir), "--max_tokens=12", "--json", "--speculative_config",
                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', prompt]) == 0
     expected = LLM(str(model_dir)).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     assert json.loads(capsys.readouterr().out)["token_ids"] == expected[0].outputs[0].token_ids

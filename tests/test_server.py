@@ -762,7 +762,8 @@ def test_speculative_decoding_through_the_server(checkpoints, reference):
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
         drafts = sum(x.value for x in families["vllm:spec_decode_num_drafts"].samples if x.name.endswith("_total"))
         assert drafts == s.engine.stats()["spec_decode"]["num_drafts"] > 0
-        assert "vllm:spec_decode_num_accepted_tokens_per_pos" in families
+        positions = {x.labels["position"] for x in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
+        assert positions == {str(i) for i in range(6)}  # every position of the proposal, as vLLM's
         assert s.idle_free_blocks()
     finally:
         s.stop()

@@ -50,7 +50,21 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)  # as vLLM: one bound gives the other
     suffix = SpeculativeConfig.from_user(json.dumps({"method": "suffix", "suffix_decoding_max_tree_depth": 16}))
     assert suffix.num_speculative_tokens == 16  # vLLM: the tree depth by default
+    # vLLM's other spellings: the method from `model` (older docs), null as unset, `model` naming the proposer
+    assert SpeculativeConfig.from_user({"model": "[ngram]", "num_speculative_tokens": 4}).method == "ngram"
+    draft = SpeculativeConfig.from_user({"model": "/ckpt/draft", "num_speculative_tokens": 4})
+    assert (draft.method, draft.model) == ("draft_model", "/ckpt/draft")
+    assert SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": None,
+                                        "prompt_lookup_max": None}).prompt_lookup_min == 5
+    assert SpeculativeConfig.from_user({"method": "suffix", "num_speculative_tokens": None}).num_speculative_tokens \
+        == 24
+    assert SpeculativeConfig.from_user({"method": "ngram", "model": "ngram", "num_speculative_tokens": 2}).model is None
     for bad, message in [
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 0},
+         "prompt_lookup_max=0 must be an integer >= 1"),  # the option given, not the one it fills in
+        ({"method": ["ngram"], "num_speculative_tokens": 4}, "method is a name"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": True}, "disable_by_batch_size"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": True}, "suffix_decoding_max_spec_factor=True"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
         ({"num_speculative_tokens": 2}, "'method' is required"),
         ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
@@ -401,6 +415,13 @@ def test_outputs_are_the_same_with_speculation(llama, method, compile):
     assert stats["method"] == method and stats["num_accepted_tokens"] > 0
     assert stats["num_draft_tokens"] >= stats["num_accepted_tokens"] == sum(stats["accepted_per_position"])
     assert not llm.engine.block_manager.req_blocks  # every block given back
+    # vLLM's offline metrics (its speculative decoding example reads them so)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["vllm:spec_decode_num_drafts"].value == stats["num_drafts"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats["num_accepted_tokens"]
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert len(per_position) == llm.engine.config.speculative.num_speculative_tokens  # every position, from 0
+    assert per_position == stats["accepted_per_position"] and metrics["vllm:num_requests_running"].value == 0
 
 
 def test_steps_where_every_request_waits_call_no_speculator(llama):

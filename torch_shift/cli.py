@@ -445,13 +445,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_dashed_flags(sys.argv[1:] if argv is None else argv))
     _show_library_log()
     try:
         return args.func(args)
     except ValueError as e:
         print(f"torch-shift: error: {e}", file=sys.stderr)
         return 2
+
+
+def _dashed_flags(argv: Sequence[str]) -> list[str]:
+    """vLLM's command lines spell a flag with underscores too (`--max_model_len 4096`, `--tensor_parallel_size=2`):
+    the flag's name (not its value) with dashes."""
+    dashed = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        dashed.append(arg)
+    return dashed
 
 
 def _show_library_log() -> None:

@@ -61,6 +61,13 @@ class LLM:
         calls this and gets rank 0's."""
         return self._on_every_rank(self.engine.stats)
 
+    def get_metrics(self) -> list:
+        """vLLM's `LLM.get_metrics()`: the engine's counters and gauges under vLLM's names
+        (`torch_shift.engine.metrics`: Counter, Gauge, Vector); under torchrun every rank gets rank 0's."""
+        from torch_shift.engine.metrics import engine_metrics
+
+        return self._on_every_rank(lambda: engine_metrics(self.engine))
+
     @property
     def tokenizer(self):
         """The model's tokenizer (None without a tokenizer.json), loaded on every rank."""

@@ -131,6 +131,7 @@ class LLMEngine:
         if config.speculative is not None:
             speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer())
             self.stats_recorder.spec_method = config.speculative.method
+            self.stats_recorder.accepted_per_position = [0] * config.speculative.num_speculative_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
                                                 config.scheduler.max_model_len)
         # the executor is the Worker's (no reference back to the engine: dropping it frees its process groups)

@@ -106,10 +106,9 @@ class EngineMetrics:
         self.spec_drafts.labels(m).inc(stats.num_drafts - drafts)
         self.spec_draft_tokens.labels(m).inc(stats.num_draft_tokens - draft_tokens)
         self.spec_accepted_tokens.labels(m).inc(stats.num_accepted_tokens - accepted)
-        for position, count in enumerate(stats.accepted_per_position):
+        for position, count in enumerate(stats.accepted_per_position):  # every position, at 0 until one counts
             seen = per_pos[position] if position < len(per_pos) else 0
-            if count > seen:
-                self.spec_accepted_per_pos.labels(m, str(position)).inc(count - seen)
+            self.spec_accepted_per_pos.labels(m, str(position)).inc(count - seen)
         self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                            list(stats.accepted_per_position))
 

@@ -49,11 +49,18 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos}): {value!r}") from None
         if not isinstance(value, dict):
             raise TypeError(f"speculative_config: a dict (or its JSON), got {type(value).__name__}")
-        options = dict(value)
-        method = options.get("method")
-        if method is None:
-            raise ValueError(f"speculative_config: 'method' is required: one of {', '.join(METHODS)}")
+        options = {name: option for name, option in value.items() if option is not None}  # null: unset (vLLM)
+        method, model = options.get("method"), options.get("model")
+        if method is None:  # vLLM infers it from the model: "ngram", else a draft's checkpoint
+            if model is None:
+                raise ValueError(f"speculative_config: 'method' is required: one of {', '.join(METHODS)} (or "
+                                 "'model': a draft's checkpoint)")
+            method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        if not isinstance(method, str):
+            raise ValueError(f"speculative_config: method is a name ({', '.join(METHODS)}), got {method!r}")
         method = _METHOD_ALIASES.get(method, method)
+        if method != "draft_model" and model in (method, f"[{method}]"):
+            del options["model"]  # vLLM's model field names the proposer for methods without a draft
         if method not in METHODS:
             raise ValueError(f"speculative_config: method {method!r} is not supported here; one of {', '.join(METHODS)}"
                              " (EAGLE, MTP and Medusa need heads this engine does not load)")
@@ -64,7 +71,11 @@ class SpeculativeConfig:
             if name not in _SHARED and name not in _OPTIONS[method]:
                 raise ValueError(f"speculative_config: option {name!r} does not apply to method {method!r}")
         options["method"] = method
-        if method == "ngram":  # vLLM: either bound gives the other
+        if method == "ngram":  # vLLM: either bound gives the other (checked first, so an error names the one given)
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                bound = options.get(name)
+                if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+                    raise ValueError(f"speculative_config: {name}={bound!r} must be an integer >= 1")
             lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
             if lo is None and hi is not None:
                 options["prompt_lookup_min"] = hi
@@ -90,6 +101,7 @@ class SpeculativeConfig:
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
         require(isinstance(self.goodput_budget, bool), "goodput_budget", "must be true or false")
         require(self.disable_by_batch_size is None or (isinstance(self.disable_by_batch_size, int)
+                                                       and not isinstance(self.disable_by_batch_size, bool)
                                                        and self.disable_by_batch_size >= 1),
                 "disable_by_batch_size", "must be an integer >= 1")
         require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1")
@@ -97,11 +109,11 @@ class SpeculativeConfig:
                 f"must be >= prompt_lookup_min={self.prompt_lookup_min}")
         require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth", "must be >= 1")
         require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests", "must be >= 0")
-        require(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
-                and self.suffix_decoding_max_spec_factor >= 0, "suffix_decoding_max_spec_factor", "must be >= 0")
-        require(isinstance(self.suffix_decoding_min_token_prob, (int, float))
-                and 0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob",
-                "must be in [0, 1]")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            number = getattr(self, name)
+            require(isinstance(number, (int, float)) and not isinstance(number, bool), name, "must be a number")
+        require(self.suffix_decoding_max_spec_factor >= 0, "suffix_decoding_max_spec_factor", "must be >= 0")
+        require(0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob", "must be in [0, 1]")
         if self.method == "draft_model":
             require(isinstance(self.model, str) and bool(self.model), "model", "must name the draft's checkpoint")
 
