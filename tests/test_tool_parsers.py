@@ -221,3 +221,16 @@ def test_only_the_first_call_without_parallel_tool_calls():
     parser = output.parser()
     deltas = [parser.feed(text), parser.finish("stop")]
     assert {c["index"] for d in deltas for c in d.get("tool_calls", [])} == {0}
+
+
+def test_forced_calls_take_the_id_format_of_the_servers_parser():
+    """Mistral's templates refuse ids other than 9 letters and digits: a forced call on a server with the mistral
+    parser gets one, whole and streamed, as the model's own calls do."""
+    forced = ChatOutputFormat(ToolChoice("named", tools=[], function="f", schema={}), TOOL_PARSERS["mistral"])
+    (call,) = forced.parser().parse('{"a": 1}', "stop")["tool_calls"]
+    parser = forced.parser()
+    (delta,) = parser.feed('{"a": 1}')["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and parser.finish("stop") == {}
+    assert all(len(i) == 9 and i.isalnum() for i in (call["id"], delta["id"]))
+    plain = ChatOutputFormat(ToolChoice("named", tools=[], function="f", schema={}))
+    assert plain.parser().parse('{"a": 1}', "stop")["tool_calls"][0]["id"].startswith("call_")

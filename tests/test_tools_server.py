@@ -206,6 +206,8 @@ BAD_TOOLS = [  # (extra fields, the param named, words of the message)
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "could never call a tool"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name", "required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
+     "response_format.json_schema.schema", "dictionary"),  # llguidance's own words refused it before
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot also follow response_format"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),

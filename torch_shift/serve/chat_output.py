@@ -68,6 +68,8 @@ class ChatOutputParser:
         elif tools.mode == "auto":
             self._make_tool_parser = output.tool_parser
         self._tools = self._make_tool_parser() if self._make_tool_parser else None
+        if tools.forced and output.tool_parser is not None:
+            self._tools.make_call_id = output.tool_parser.make_call_id  # the model's id format (Mistral's)
         self.tools_called = False  # complete calls were made (what finish_reason "tool_calls" says)
 
     def parse(self, text: str, finish_reason: str | None) -> dict:
@@ -78,6 +80,7 @@ class ChatOutputParser:
         calls: list[ToolCall] = []
         if self._tools is not None and content:
             parser = self._make_tool_parser()
+            parser.make_call_id = self._tools.make_call_id
             self._keep_truncated_calls(parser, finish_reason)
             parsed = parser.parse_whole(content)
             content, calls = parsed.content, parsed.tool_calls

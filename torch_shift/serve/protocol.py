@@ -57,7 +57,7 @@ class StreamOptions(_Strict):
 class JsonSchemaFormat(_Strict):
     name: str = Field(min_length=1)  # required by OpenAI and vLLM
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # an object (llguidance refuses true/false)
     strict: bool | None = None
 
 

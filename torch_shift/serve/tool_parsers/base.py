@@ -130,7 +130,8 @@ class ToolParser:
             return ParsedOutput(text or None, [])
         return ParsedOutput(content or None, self.calls)
 
-    def make_call_id(self) -> str:
+    @staticmethod
+    def make_call_id() -> str:
         return random_call_id()
 
     # -- for the formats ------------------------------------------------------------------------------------

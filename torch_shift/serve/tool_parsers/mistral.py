@@ -32,7 +32,8 @@ class MistralToolParser(ToolParser):
         self._function = ""  # the v11 call's name so far
         self._raw = ""  # read since the marker
 
-    def make_call_id(self) -> str:
+    @staticmethod
+    def make_call_id() -> str:  # Mistral's templates refuse other ids than 9 letters and digits
         return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
 
     def _read(self, final: bool) -> bool:
