@@ -175,6 +175,34 @@ def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.timeout(120)
+def test_an_interrupted_step_ends_the_ranks_and_the_next_call_says_why(llama):
+    """Ctrl+C in a notebook lands inside a step: the other rank stays in the step's collectives, which rank 0 can
+    never meet again. The ranks are ended at once, and the next call fails at once naming the interruption (it
+    waited out the 120 s timeout, then every later call failed with a rank's exit code)."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), tp=2)
+    worker = llm.engine.parallel.launched.procs[1]
+    runner = llm.engine.worker.runner
+    real = runner.execute
+
+    def interrupted(*args, **kwargs):
+        runner.execute = real
+        raise KeyboardInterrupt
+
+    runner.execute = interrupted
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - start < 10 and not worker.is_alive()
+        with pytest.raises(RuntimeError, match="a step was interrupted \\(KeyboardInterrupt\\).*create a new"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.shutdown(timeout_s=5)
+
+
 def test_del_ends_the_ranks(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir), sp=2, tp=1)

@@ -65,6 +65,7 @@ class ParallelRuntime:
         self._user_threads: int | None = None  # the thread count to restore at shutdown
         self._user_excepthook = sys.excepthook  # init_process_group wraps it (a rank prefix): restored at shutdown
         self._closed = False
+        self._closed_reason: str | None = None  # why it was shut down, when not by its owner
         self._close_lock = threading.Lock()
         # held while this process is inside a collective of the engine, so that a shutdown from another
         # thread destroys the process group only once that collective has ended
@@ -134,7 +135,8 @@ class ParallelRuntime:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the parallel engine was shut down")
+            raise RuntimeError("the parallel engine was shut down" + (f": {self._closed_reason}"
+                                                                       if self._closed_reason else ""))
 
     def broadcast(self, message: Any = None) -> Any:
         """Rank 0 sends `message`; every rank returns it. The other ranks wait for it without a deadline (they
@@ -152,13 +154,23 @@ class ParallelRuntime:
         return box[0]
 
     def run_step(self, plan: Any, execute) -> Any:
-        """Rank 0: send the step plan to every rank and run `execute(plan)` here with them."""
-        with self._in_collective:
-            self.broadcast(("step", plan))
-            try:
-                return execute(plan)
-            except Exception as e:
-                raise self.failure(e) from e
+        """Rank 0: send the step plan to every rank and run `execute(plan)` here with them. Interrupted inside
+        (KeyboardInterrupt in a notebook), the started ranks stay in the step's collectives, which rank 0 can no
+        longer meet: they are ended at once, and the engine's next call says why instead of waiting out the
+        timeout."""
+        try:
+            with self._in_collective:
+                self.broadcast(("step", plan))
+                try:
+                    return execute(plan)
+                except Exception as e:
+                    raise self.failure(e) from e
+        except BaseException as e:
+            if not isinstance(e, Exception) and self.launched is not None and not self._closed:
+                self._closed_reason = (f"a step was interrupted ({type(e).__name__}) while the ranks were in it; "
+                                       "create a new engine")
+                self.shutdown(timeout_s=4.0)
+            raise
 
     def min_over_ranks(self, value: int) -> int:
         """Every rank's minimum of `value`, within the process group's timeout."""
