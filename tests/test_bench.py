@@ -89,3 +89,31 @@ def test_bench_command_compares_configs_side_by_side(checkpoints, tmp_path):
     assert all(c["summary"]["succeeded"] == 6 for c in data["configs"].values())
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "single" in result.stdout and "Shift" in result.stdout
+
+
+def test_bench_against_a_url_where_no_server_answers_says_so(tmp_path, capsys):
+    """A wrong --url printed a table of 0/4 and exited 0."""
+    import socket
+
+    from torch_shift.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    assert main(["bench", "--url", f"http://127.0.0.1:{port}", "--vocab-size", "512", "--num-requests", "2",
+                 "--out", str(tmp_path), "--no-progress"]) == 2
+    assert f"--url http://127.0.0.1:{port}: no server answers there" in capsys.readouterr().err
+
+
+def test_bench_where_every_request_fails_exits_non_zero(checkpoints, tmp_path, capsys):
+    """A server that refuses every request (here: an API key not given) is a failed run, with the first error."""
+    from torch_shift.cli import main
+
+    _, model_dir = checkpoints("llama")
+    server = RunningServer(model_dir, api_key="secret")
+    try:
+        assert main(["bench", "--url", server.url, "--vocab-size", "512", "--num-requests", "2", "--out",
+                     str(tmp_path), "--no-progress"]) == 1
+    finally:
+        server.stop()
+    assert "every request to server failed; the first: status 401" in capsys.readouterr().err

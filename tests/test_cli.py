@@ -27,6 +27,17 @@ def test_generate_prints_what_the_api_returns(llama, capsys):
                                             use_tqdm=False)
     assert [(d["prompt"], d["token_ids"], d["text"]) for d in lines] == [
         (o.prompt, o.outputs[0].token_ids, o.outputs[0].text) for o in expected]
+    # --logprobs: each token's logprob and the top ones, in JSON and in text (they were computed, never shown)
+    logprobs = LLM(str(model_dir)).generate(["the quick"], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2),
+                                            use_tqdm=False)[0].outputs[0].logprobs
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "3", "--logprobs", "2", "--json",
+                 "the quick"]) == 0
+    (line,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["logprob"] for p in line["logprobs"]] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(logprobs, line["token_ids"])])
+    assert all(len(p["top"]) == 2 and p["top"][0]["token_id"] == p["token_id"] for p in line["logprobs"])
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "3", "--logprobs", "2", "the quick"]) == 0
+    assert capsys.readouterr().out.count("(top: ") == 3
 
 
 def test_generate_with_speculative_config(llama, capsys):
@@ -319,6 +330,10 @@ def test_serve_on_a_taken_port_fails_before_the_model_loads(capsys, monkeypatch)
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in err and "--port 0" in err
     assert main(["serve", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine has it
     assert "--host 192.0.2.1 --port 8000: cannot listen there" in capsys.readouterr().err
+    for bad in ("99999", "-1"):  # 99999 served on 99999 mod 65536; -1 was said to be a bad host
+        with pytest.raises(SystemExit):
+            main(["serve", "--port", bad])
+        assert "a port is 0 to 65535" in capsys.readouterr().err
 
 
 def test_benchmark_servers_take_switches_as_flags_and_serve_parses_them():

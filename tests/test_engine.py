@@ -264,6 +264,8 @@ def test_sampling_params_changed_after_they_were_made_are_checked_again(llama):
     ({"seed": "x"}, "seed must be an int"), ({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be"),
     ({"seed": 2**70}, "seed must be"), ({"tokenizer": "/nonexistent"}, "no tokenizer.json there"),
     ({"device": "tpu"}, "runs on .cpu. or .cuda."),
+    ({"tensor_parallel_size": 2, "tp": 1}, "tensor_parallel_size=2 and tp=1 disagree"),  # tp given at its default
+    *([({"device": "cuda"}, "sees no CUDA device")] if not torch.cuda.is_available() else []),
 ])
 def test_bad_engine_args_are_refused_when_the_engine_is_made(llama, kwargs, match):
     _, model_dir = llama
@@ -383,6 +385,41 @@ def test_a_grammar_that_starts_after_its_marker():
     assert not two.starts_after([5], 5)
 
 
+def _with_generation_config(model_dir, directory, **fields):
+    """A copy of the checkpoint whose generation_config.json also sets `fields`."""
+    import json
+
+    shutil.copytree(model_dir, directory)
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**config, **fields}))
+    return directory
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(llama, tmp_path):
+    """vLLM's --generation-config auto: a call without sampling params takes the model's generation_config.json
+    (top_k 1 here: greedy, and max_new_tokens as max_tokens); "vllm" leaves it out; a field at Hugging Face's own
+    default (top_k 50) or do_sample is not read, as in vLLM."""
+    _, model_dir = llama
+    model = _with_generation_config(model_dir, tmp_path / "m", do_sample=True, temperature=0.7, top_k=1,
+                                    top_p=1.0, max_new_tokens=5)
+    llm = LLM(str(model))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.7, 1, 1.0, 5)
+    greedy = llm.generate(["the quick"], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    for _ in range(2):
+        assert llm.generate(["the quick"], use_tqdm=False)[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    neutral = LLM(str(model), generation_config="vllm").get_default_sampling_params()
+    assert (neutral.temperature, neutral.top_k, neutral.max_tokens) == (1.0, 0, 16)
+    assert LLM(str(model_dir), generation_config=str(model)).get_default_sampling_params().top_k == 1
+    hf_default = _with_generation_config(model_dir, tmp_path / "hf", top_k=50, temperature=1.0)
+    assert LLM(str(hf_default)).engine.default_sampling_fields == {}
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        LLM(str(_with_generation_config(model_dir, tmp_path / "bad", temperature="hot")))
+    with pytest.raises(ValueError, match="no such directory"):
+        LLM(str(model_dir), generation_config=str(tmp_path / "nowhere"))
+
+
 def test_unknown_stop_token_and_engine_arguments(llama):
     _, model_dir = llama
     with pytest.raises(TypeError, match="unknown engine arguments: max_seqs"):
@@ -419,6 +456,14 @@ def test_chat_renders_the_template(llama):
     for bad in ("hello", [], ["hello"], [[]], {"role": "user", "content": "x"}):
         with pytest.raises(TypeError, match="messages must be a conversation"):
             llm.chat(bad, params, use_tqdm=False)
+    # OpenAI's text parts, as the server takes them (joined with newlines, vLLM's); roles checked as the server does
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    assert llm.chat(parts, params, use_tqdm=False)[0].prompt == llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello\nthere"}], add_generation_prompt=True)
+    with pytest.raises(ValueError, match="this model reads text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    with pytest.raises(ValueError, match=r"messages\[0\].role: one of system, user"):
+        llm.chat([{"role": "bogus", "content": "x"}], params)
 
 
 def test_stop_string_completed_by_the_last_allowed_token(llama):

@@ -77,6 +77,28 @@ def greedy(reference, prompt=PROMPT, **kwargs):
     return reference.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
+def test_a_request_without_sampling_fields_takes_the_models_defaults(checkpoints, reference, tmp_path):
+    """vLLM's --generation-config auto: fields a request leaves out come from the model's generation_config.json
+    (top_k 1: greedy), fields it gives win (vLLM's neutral defaults otherwise)."""
+    import shutil
+
+    _, model_dir = checkpoints("llama")
+    shutil.copytree(model_dir, tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), "top_k": 1}))
+    s = RunningServer(tmp_path / "m")
+    try:
+        expected = greedy(reference)
+        texts = {s.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, seed=i).choices[0].text
+                 for i in range(3)}
+        assert texts == {expected.text}
+        sampled = {s.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, seed=i,
+                                                 extra_body={"top_k": 0}).choices[0].text for i in range(3)}
+        assert len(sampled) > 1
+    finally:
+        s.stop()
+
+
 def test_completion_streamed_and_not_equal_the_engine(server, reference):
     client = server.client()
     expected = greedy(reference)
@@ -139,6 +161,12 @@ def test_logprobs_and_echo_with_prompt_logprobs(server, reference):
     assert lp.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(expected.logprobs, expected.token_ids)],
                                               abs=1e-5)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # sampled far from the top: the chosen token is among top_logprobs too (OpenAI's up to k + 1 entries)
+    hot = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=3.0, seed=5,
+                                    logprobs=1).choices[0].logprobs
+    assert all(top[token] == logprob and len(top) <= 2
+               for token, logprob, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs))
+    assert any(len(top) == 2 for top in hot.top_logprobs)
     # lm-eval's local-completions loglikelihood: echo, max_tokens=0, logprobs
     prompt_ids = reference.tokenizer.encode(PROMPT)
     ref = reference.generate([prompt_ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]

@@ -208,16 +208,37 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
-    for out in outputs:
+    for out, given in zip(outputs, args.prompts):
         for c in out.outputs:
+            logprobs = None if c.logprobs is None else [_position_logprobs(t, p) for t, p in zip(c.token_ids,
+                                                                                              c.logprobs)]
             if args.json:
-                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                  "finish_reason": c.finish_reason}))
-            else:
-                head = f"--- prompt {out.prompt!r}" if out.prompt is not None else f"--- prompt {out.prompt_token_ids}"
-                print(f"{head} [sample {c.index}, {len(c.token_ids)} tokens, finish={c.finish_reason}]")
-                print((out.prompt or "") + c.text)
+                record = {"prompt": given, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                          "finish_reason": c.finish_reason}
+                if args.token_ids:
+                    record["prompt"], record["prompt_token_ids"] = None, out.prompt_token_ids
+                if logprobs is not None:
+                    record["logprobs"] = logprobs
+                print(json.dumps(record))
+                continue
+            kind = "chat message" if args.chat else "prompt"
+            head = f"--- {kind} {given!r}" if not args.token_ids else f"--- prompt {out.prompt_token_ids}"
+            print(f"{head} [sample {c.index}, {len(c.token_ids)} tokens, finish={c.finish_reason}]")
+            print((out.prompt or "") + c.text)
+            for position in logprobs or []:
+                top = ", ".join(f"{t['token']!r} {t['logprob']:.3f}" for t in position["top"])
+                print(f"  {position['token']!r} {position['logprob']:.3f}  (top: {top})")
     return 0
+
+
+def _position_logprobs(token_id: int, logprobs: dict) -> dict:
+    """A generated token's logprob and the top ones at its position, as `--logprobs` prints them."""
+    def entry(tid: int) -> dict:
+        return {"token_id": tid, "token": logprobs[tid].decoded_token, "logprob": logprobs[tid].logprob}
+
+    top = sorted((tid for tid, lp in logprobs.items() if lp.rank is not None and lp.rank >= 1),
+                 key=lambda tid: logprobs[tid].rank)
+    return {**entry(token_id), "rank": logprobs[token_id].rank, "top": [entry(tid) for tid in top]}
 
 
 def _serve(args: argparse.Namespace) -> int:

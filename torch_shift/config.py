@@ -45,6 +45,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def check_device_present(device: torch.device) -> None:
+    """A CUDA device the engine is to run on exists (a device only named, as the planner's, need not)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA device"
+                             + ("" if torch.backends.cuda.is_built() else " (a CPU-only build)"))
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = None) -> torch.dtype:
     """`"auto"`/None takes the checkpoint's dtype (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):

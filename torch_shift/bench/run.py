@@ -199,6 +199,7 @@ def run_bench(args) -> int:
     try:
         if args.url is not None:
             name = args.served_model_name or "server"
+            _check_reachable(args.url, args.api_key)
             records[name] = asyncio.run(run_load(args.url, specs, args.served_model_name, name, args.api_key,
                                                  not args.no_progress))
         else:
@@ -219,4 +220,20 @@ def run_bench(args) -> int:
     if args.table5:
         print(format_table5(summaries))
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'timeline.png'}")
-    return 0
+    failed = {name: next(r for r in rs if r["error"] is not None) for name, rs in records.items()
+              if rs and all(r["error"] is not None for r in rs)}
+    for name, record in failed.items():
+        print(f"[torch-shift] every request to {name} failed; the first: status {record['status']}, "
+              f"{record['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _check_reachable(url: str, api_key: str | None) -> None:
+    """A server that does not answer is the user's mistake (a wrong --url), said before any request is timed."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--url {url}: no server answers there ({type(e).__name__}: {e})") from None

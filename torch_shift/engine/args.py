@@ -32,6 +32,17 @@ ENGINE_ARG_ALIASES = {
     "pipeline_parallel_size": "pp",
 }
 _NOT_GIVEN: Any = object()
+
+
+def check_alias_pairs(engine_args: dict[str, Any]) -> None:
+    """Keyword arguments that give both names of one argument must agree (EngineArgs itself cannot tell a short
+    name given at its default, `tp=1`, from one left out)."""
+    for alias, name in ENGINE_ARG_ALIASES.items():
+        if alias in engine_args and name in engine_args and engine_args[alias] != engine_args[name]:
+            raise ValueError(f"{alias}={engine_args[alias]!r} and {name}={engine_args[name]!r} disagree; give one "
+                             "of them")
+
+
 COMPILE_MIN_PARAMETERS = 50_000_000  # compile=None compiles one rank's model from this size up
 
 
@@ -51,6 +62,9 @@ class EngineArgs:
                             "default model when none is given)")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model's)")
     revision: str | None = _arg(None, "hub revision of the model")
+    generation_config: str = _arg("auto", "sampling defaults of requests that leave them out: 'auto' the model's "
+                                          "generation_config.json (temperature, top_p, top_k, min_p, penalties, "
+                                          "max_new_tokens; vLLM's default), 'vllm' none, or a directory holding one")
     dtype: str = _arg("auto", "weights and activations ('auto': the checkpoint's)",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str | None = _arg(None, "cpu or cuda (default: cuda when available)")
@@ -173,6 +187,11 @@ class EngineArgs:
             raise TypeError(f"model must be a checkpoint directory or a hub id, got {self.model!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an int in [0, 2**63 - 1] or None, got {self.seed!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or not str(self.generation_config):
+            raise TypeError(f"generation_config is 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        if str(self.generation_config) not in ("auto", "vllm") and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config {str(self.generation_config)!r}: 'auto', 'vllm' or a directory "
+                             "holding a generation_config.json (no such directory)")
         if self.tokenizer is not None and not (isinstance(self.tokenizer, (str, os.PathLike)) and str(self.tokenizer)):
             raise TypeError(f"tokenizer must be a directory, got {self.tokenizer!r}")
         for name in ("sp", "tp", "dp", "pp"):

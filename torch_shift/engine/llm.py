@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.args import EngineArgs, check_alias_pairs
 from torch_shift.engine.input_processor import PROMPT_KINDS, unwrap_prompt
 from torch_shift.engine.llm_engine import LLMEngine, Prompt
 from torch_shift.engine.outputs import RequestOutput
@@ -34,6 +34,7 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        check_alias_pairs(engine_args)
         module = None
         if isinstance(model, nn.Module):
             if not isinstance(model, (ShiftModule, DecoderLM)):
@@ -60,6 +61,11 @@ class LLM:
         """Which layouts ran and how often they switched (see LLMEngine.stats). Under torchrun every rank
         calls this and gets rank 0's."""
         return self._on_every_rank(self.engine.stats)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses, as vLLM's: the model's generation_config.json defaults
+        (`generation_config="auto"`), over SamplingParams' own."""
+        return SamplingParams(**self.engine.default_sampling_fields)
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: the engine's counters and gauges under vLLM's names
@@ -117,7 +123,7 @@ class LLM:
                             f"{PROMPT_KINDS}")
         prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -29,6 +29,7 @@ from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.policies import Policy, build_policy
 from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.sampler import Sampler
+from torch_shift.engine.sampling_params import generation_config_defaults
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.spec_decode.draft import DraftCheckpoint, DraftModelProposer, load_draft_proposer
@@ -115,6 +116,10 @@ class LLMEngine:
             launches = self.worker is not None and self.worker.runner.launch_steps
             self.config = replace(self.config, scheduler=replace(self.config.scheduler, async_scheduling=launches))
         config, mc = self.config, self.config.model
+        source = str(self.args.generation_config)
+        # the sampling defaults of requests that leave them out (vLLM's --generation-config)
+        self.default_sampling_fields = generation_config_defaults(
+            config.model_dir if source == "auto" else None if source == "vllm" else Path(source))
         eos = set(mc.eos_token_id)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.structured_output import StructuredOutputsParams
+
+# a model's generation_config.json fields that vLLM (--generation-config auto) takes as sampling defaults, with
+# the values Hugging Face's GenerationConfig defaults them to (a field at that value is not a default of the model)
+_GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                             "presence_penalty": None, "frequency_penalty": None, "max_new_tokens": None}
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 GREEDY_TEMPERATURE = 1e-5
@@ -121,3 +129,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def generation_config_defaults(directory: Path | None) -> dict[str, Any]:
+    """The sampling defaults a model's generation_config.json in `directory` sets (SamplingParams fields:
+    `max_new_tokens` is `max_tokens`), as vLLM reads them: its fields that differ from Hugging Face's own
+    defaults; `do_sample` is not read (vLLM's rule: temperature says it). {} without the file."""
+    path = None if directory is None else Path(directory) / "generation_config.json"
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    defaults = {}
+    for name, hf_default in _GENERATION_CONFIG_FIELDS.items():
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None or value == hf_default:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}")
+        defaults["max_tokens" if name == "max_new_tokens" else name] = value
+    if defaults:
+        SamplingParams(**defaults)  # the model's values are valid sampling parameters
+    return defaults

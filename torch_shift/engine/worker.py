@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.attention import attention_backend
-from torch_shift.config import resolve_device
+from torch_shift.config import check_device_present, resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
 from torch_shift.engine.step_plan import StepPlan
@@ -224,7 +224,9 @@ class Worker:
 
 def _device(config: EngineConfig) -> torch.device:
     """The device the engine was asked for (default: CUDA where there is a GPU)."""
-    return resolve_device(config.runner.device)
+    device = resolve_device(config.runner.device)
+    check_device_present(device)
+    return device
 
 
 def _map_host_tier(config: EngineConfig, runtime: ParallelRuntime, num_blocks: int) -> tuple[int, torch.Tensor]:

@@ -349,8 +349,10 @@ def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> di
         for n in OVERHEAD_BATCHES:
             # no CUDA graphs: a graph would replay the real model's kernels, not the null model; no C++ decoder,
             # which would run (and launch) the real model's small steps
+            # a context of what the pool holds: a longer one would have the engine warn of its KV cache
+            blocks = n * ((prompt + steps + 40) // 16 + 2)
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
-                      num_kv_blocks=n * ((prompt + steps + 40) // 16 + 2), enable_prefix_caching=False,
+                      num_kv_blocks=blocks, max_model_len=min(4096, blocks * 16), enable_prefix_caching=False,
                       device=device, cuda_graphs=False, native_decode=False)
             engine = llm.engine
             engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model, device)

@@ -279,7 +279,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     def sampling(body, max_tokens, logprobs, prompt_logprobs, fields: dict[str, str], structured_outputs=None
                  ) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured_outputs)
+            return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured_outputs,
+                                        llm.default_sampling_fields)
         except (ValueError, TypeError) as e:
             raise _parameter_error(e, fields) from None
 
@@ -330,7 +331,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             return APIError(503, "the server is shutting down", "server_error", code=503).response()
         return JSONResponse({"status": "ok"})
 
-    model_card = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "torch_shift",
+    model_card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "torch_shift",
                   "max_model_len": max_model_len}
 
     @app.get("/v1/models")

@@ -10,10 +10,20 @@ from pathlib import Path
 API_KEY_ENV = "TORCH_SHIFT_API_KEY"
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: --model, or 'default' for the default model)")
     g.add_argument("--api-key", default=None,

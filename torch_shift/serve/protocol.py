@@ -90,8 +90,9 @@ class _SamplingRequest(_Strict):
     seed: Int | None = Field(default=None, ge=0, le=_MAX_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    # None: the model's default (generation_config.json), else vLLM's
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # accepted and without effect on the output: an end-user id and tags for OpenAI's stored completions
@@ -100,9 +101,9 @@ class _SamplingRequest(_Strict):
     store: bool | None = None
     # vLLM extensions
     priority: Int = 0  # lower is more urgent; needs scheduling_policy "priority" or a policy that uses it
-    top_k: Int | None = 0
-    min_p: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    top_k: Int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: Int = 0
     stop_token_ids: list[Int] | None = None
@@ -139,10 +140,16 @@ class _SamplingRequest(_Strict):
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """`structured_outputs`: what a forced tool call constrains the output to (instead of response_format)."""
-        def default(value, fallback):
-            return fallback if value is None else value
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`structured_outputs`: what a forced tool call constrains the output to (instead of response_format);
+        `defaults`: the model's sampling defaults (LLMEngine.default_sampling_fields) for the fields the request
+        leaves out, over vLLM's."""
+        defaults = defaults or {}
+
+        def default(name: str, fallback):
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
 
         if self.response_format is not None:
             if structured_outputs is not None and self.response_format.type != "text":
@@ -152,11 +159,11 @@ class _SamplingRequest(_Strict):
             structured_outputs = structured_outputs or self.response_format.structured_outputs()
 
         return SamplingParams(
-            n=self.n, temperature=default(self.temperature, 1.0), top_p=default(self.top_p, 1.0),
-            top_k=default(self.top_k, 0), min_p=default(self.min_p, 0.0),
-            presence_penalty=default(self.presence_penalty, 0.0),
-            frequency_penalty=default(self.frequency_penalty, 0.0),
-            repetition_penalty=default(self.repetition_penalty, 1.0), seed=self.seed, max_tokens=max_tokens,
+            n=self.n, temperature=default("temperature", 1.0), top_p=default("top_p", 1.0),
+            top_k=default("top_k", 0), min_p=default("min_p", 0.0),
+            presence_penalty=default("presence_penalty", 0.0), frequency_penalty=default("frequency_penalty", 0.0),
+            repetition_penalty=default("repetition_penalty", 1.0), seed=self.seed,
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -255,10 +262,7 @@ class ChatMessage(_Strict):
         return self
 
     def template_message(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part["text"] for part in content)  # vLLM's joining of text parts
-        message = {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": self.content or ""}  # text parts: joined by template_messages
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)

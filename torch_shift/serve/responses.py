@@ -77,7 +77,12 @@ def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | N
     for token_id, entry in zip(token_ids, entries):
         tokens.append(token_text(tokenizer, token_id))
         token_logprobs.append(None if entry is None else _logprob(entry[token_id].logprob))  # first prompt token
-        tops.append(None if entry is None else dict(_top(entry, k, tokenizer)))
+        if entry is None:
+            tops.append(None)
+            continue
+        top = dict(_top(entry, k, tokenizer))
+        top.setdefault(tokens[-1], token_logprobs[-1])  # the chosen token too, outside the top k (k + 1 entries)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

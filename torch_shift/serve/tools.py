@@ -231,22 +231,39 @@ def null_content_error(role: Any, content: Any, tool_calls: Any) -> str | None:
     return None
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them: the arguments of earlier tool calls as objects, not JSON text (as
-    transformers' templates expect, and vLLM passes them); ParameterError for arguments that are not JSON."""
+    """Messages as chat templates read them: content given as OpenAI's text parts joined with newlines (vLLM's), the
+    arguments of earlier tool calls as objects, not JSON text (as transformers' templates expect, and vLLM passes
+    them); ParameterError for an unknown role, parts other than text, or arguments that are not JSON."""
     prepared = []
     for i, message in enumerate(messages):
         message = dict(message)
+        if message.get("role") not in ROLES:
+            raise ParameterError(f"messages[{i}].role", f"messages[{i}].role: one of {', '.join(ROLES)}, got "
+                                                        f"{message.get('role')!r}")
         calls = message.get("tool_calls")
         error = null_content_error(message.get("role"), message.get("content"), calls)
         if error is not None:
             raise ParameterError(f"messages[{i}].content", f"messages[{i}]: {error}")
+        if isinstance(message.get("content"), list):
+            message["content"] = _text_of_parts(message["content"], f"messages[{i}].content")
         if calls:
             message["content"] = message.get("content") or ""  # null beside tool calls: no text
             message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(calls)]
         prepared.append(message)
     return prepared
+
+
+def _text_of_parts(parts: list, where: str) -> str:
+    for j, part in enumerate(parts):
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ParameterError(where, f"{where}[{j}]: this model reads text only, parts of the form "
+                                        f"{{'type': 'text', 'text': ...}}; got {str(part)[:60]!r}")
+    return "\n".join(part["text"] for part in parts)
 
 
 def _template_tool_call(call: Mapping[str, Any], where: str) -> dict[str, Any]:
