@@ -43,7 +43,9 @@ def test_generate_prints_what_the_api_returns(llama, capsys):
 def test_generate_with_speculative_config(llama, capsys):
     _, model_dir = llama
     prompt = "the quick brown fox " * 4
-    # vLLM's command lines write flags with underscores too
+    # vLLM's command lines write flags with underscores too (not what follows "--": prompts)
+    from torch_shift.cli import _dashed_flags
+    assert _dashed_flags(["--max_tokens=3", "a_b", "--", "--x_y"]) == ["--max-tokens=3", "a_b", "--", "--x_y"]
     assert main(["generate", "--model", str(model_dir), "--max_tokens=12", "--json", "--speculative_config",
                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', prompt]) == 0
     expected = LLM(str(model_dir)).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)

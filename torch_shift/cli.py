@@ -478,12 +478,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dashed_flags(argv: Sequence[str]) -> list[str]:
     """vLLM's command lines spell a flag with underscores too (`--max_model_len 4096`, `--tensor_parallel_size=2`):
     the flag's name (not its value) with dashes."""
-    dashed = []
-    for arg in argv:
+    dashed = list(argv)
+    for i, arg in enumerate(dashed):
+        if arg == "--":  # what follows is positional (a prompt may begin with dashes)
+            break
         if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
             name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
-        dashed.append(arg)
+            dashed[i] = name.replace("_", "-") + sep + value
     return dashed
 
 
