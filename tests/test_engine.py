@@ -464,6 +464,12 @@ def test_chat_renders_the_template(llama):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
     with pytest.raises(ValueError, match=r"messages\[0\].role: one of system, user"):
         llm.chat([{"role": "bogus", "content": "x"}], params)
+    # continue_final_message: the output continues an assistant turn the caller began (vLLM's, transformers' cut)
+    begun = [*messages, {"role": "assistant", "content": "General Kenobi"}]
+    out = llm.chat(begun, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nGeneral Kenobi")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(begun, params, use_tqdm=False, continue_final_message=True)
 
 
 def test_stop_string_completed_by_the_last_allowed_token(llama):

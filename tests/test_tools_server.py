@@ -388,6 +388,28 @@ def test_tokenize_renders_messages_as_a_chat_request(server):
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": TOOLS}).status_code == 400
 
 
+def test_continue_final_message_and_reasoning_effort(server):
+    """vLLM's continue_final_message: the prompt ends inside the caller's assistant turn (as /tokenize renders it
+    with the same flag); reasoning_effort reaches the template as a variable (GPT-OSS's reads it)."""
+    from torch_shift.serve.protocol import ChatCompletionRequest
+
+    begun = [*ASK, {"role": "assistant", "content": "The weather in Paris is"}]
+    usage = server.client().chat.completions.create(
+        model="tiny", messages=begun, max_tokens=1,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False}).usage
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": begun, "continue_final_message": True,
+                                                          "add_generation_prompt": False}).json()
+    assert usage.prompt_tokens == rendered["count"]
+    assert server.engine.tokenizer.decode(rendered["tokens"]).endswith("assistant\nThe weather in Paris is")
+    refused = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": begun, "max_tokens": 1, "continue_final_message": True})
+    assert refused.status_code == 400 and "add_generation_prompt=false" in refused.json()["error"]["message"]
+    request = ChatCompletionRequest(messages=ASK, reasoning_effort="low", chat_template_kwargs={"x": 1})
+    assert request.template_kwargs() == {"x": 1, "reasoning_effort": "low"}
+    assert server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=1,
+                                                   reasoning_effort="high").choices
+
+
 def test_offline_chat_renders_tools(tools_model):
     llm = LLM(str(tools_model))
     out = llm.chat(ASK, tools=TOOLS, use_tqdm=False)[0]

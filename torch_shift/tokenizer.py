@@ -136,9 +136,15 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render messages with the chat template as transformers does; token ids if tokenize (no extra bos)."""
+        """Render messages with the chat template as transformers does; token ids if tokenize (no extra bos).
+        `continue_final_message`: the text ends inside the last message (an assistant turn the model continues),
+        cut after its content, as transformers cuts it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second opens a new one")
         if self.chat_template is None:
             raise ValueError(
                 "This tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or "
@@ -159,6 +165,8 @@ class Tokenizer:
         text = _compile_chat_template(self.chat_template).render(
             messages=_validated_messages(messages), add_generation_prompt=add_generation_prompt, **template_variables
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content"))
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _token_id(self, token: str | None) -> int | None:
@@ -294,6 +302,19 @@ def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
         # Like transformers: templates handle a missing key better than a None value.
         validated.append({key: value for key, value in message.items() if value is not None})
     return validated
+
+
+def _cut_after_final_message(text: str, content: Any) -> str:
+    """The rendered chat up to the end of the last message's content (templates that strip a message are
+    matched by its stripped text), as transformers' continue_final_message."""
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    for final in (content, content.strip()):
+        end = text.rfind(final)
+        if end >= 0:
+            return text[:end + len(final)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's text as it is; "
+                     "it cannot be continued")
 
 
 def _raise_exception(message: str) -> None:

@@ -174,6 +174,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template and generate, as vLLM's `LLM.chat` (under
         torchrun on every rank, as `generate`).
@@ -182,7 +183,9 @@ class LLM:
         checked as the server checks them and given to the template (transformers' `tools=`); the arguments of
         earlier calls in `messages` may be JSON text, as OpenAI clients send them. To read calls out of the
         output: `torch_shift.serve.tool_parsers.TOOL_PARSERS["hermes"].parse(text)` (or the model's format).
-        `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3)."""
+        `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3).
+        `continue_final_message` (with `add_generation_prompt=False`): the output continues the last message, as
+        vLLM's (an assistant turn begun by the caller)."""
         from torch_shift.serve.tools import check_tools, template_messages
 
         def chat():
@@ -199,7 +202,8 @@ class LLM:
                                 f"a list of conversations; got {type(messages).__name__} {str(messages)[:60]!r}")
             texts = [
                 self.tokenizer.apply_chat_template(template_messages(c), add_generation_prompt=add_generation_prompt,
-                                                   tools=tools, **(chat_template_kwargs or {}))
+                                                   tools=tools, continue_final_message=continue_final_message,
+                                                   **(chat_template_kwargs or {}))
                 for c in conversations
             ]
             outputs = self._generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],

@@ -357,6 +357,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                 return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
             messages = template_messages([m.template_message() for m in body.messages])
             text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                                           continue_final_message=body.continue_final_message,
                                            **(body.chat_template_kwargs or {}))
             return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
@@ -460,7 +461,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         def render() -> tuple[str, TokenizedPrompt]:
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                               tools=tools.tools, **(body.chat_template_kwargs or {}))
+                                               tools=tools.tools, continue_final_message=body.continue_final_message,
+                                               **body.template_kwargs())
             except (ValueError, TypeError) as e:
                 raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
             return text, prepare(tok.encode(text, add_special_tokens=False), max_tokens, "messages")

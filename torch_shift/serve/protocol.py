@@ -307,14 +307,17 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's, given to the chat template as `reasoning_effort` (GPT-OSS's template reads it), as vLLM does
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's extensions
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
     include_reasoning: bool = True  # with a reasoning parser: send reasoning_content
+    continue_final_message: bool = False  # the output continues the last (assistant) message
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_template_variables(cls, value):
-        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt"})
+        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt", "continue_final_message"})
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not chat_template_kwargs")
         return value
@@ -323,7 +326,19 @@ class ChatCompletionRequest(_SamplingRequest):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=false (the first continues the "
+                             "last message, the second opens a new one)")
+        if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
+            raise ValueError("reasoning_effort is given twice (and in chat_template_kwargs): give it once")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables beyond the messages and tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as plain dicts, as the chat template and the tool checks read them."""
@@ -346,6 +361,7 @@ class TokenizeRequest(_Strict):
     # with messages, rendered as a chat request renders them (to count a tool request's prompt)
     tools: list[ChatTool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
     _own_template_variables = field_validator("chat_template_kwargs")(
         ChatCompletionRequest._own_template_variables.__func__)
