@@ -338,7 +338,7 @@ class PlanReport:
             unfinished = "" if m["num_finished"] == m["num_requests"] else f"  ({m['num_finished']} finished)"
             lines.append(f"{name:34} {f(m['ttft_p50_ms'])} {f(m['ttft_p90_ms'])} {f(m['tpot_p50_ms'])} "
                          f"{f(m['tpot_p90_ms'], 8)} {f(m['queue_p50_ms'])} {f(m['throughput_tok_s'])} "
-                         f"{r.memory['weight_bytes_per_rank'] / 2**30:>10.2f}Gi {r.memory['kv_bytes_per_rank'] / 2**30:>7.2f}Gi "
+                         f"{_size(r.memory['weight_bytes_per_rank']):>12} {_size(r.memory['kv_bytes_per_rank']):>9} "
                          f"{m['num_switches']:>8}{unfinished}")
         lines.append("")
         lines.append(f"recommended: {self.recommendation.result.candidate.label}: {self.recommendation.reason}")
@@ -381,3 +381,8 @@ def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: 
                                            f"{result.metrics['throughput_tok_s']:.1f} tok/s"))
         results.append(result)
     return PlanReport(results, recommend(results, slo or {}), workload, hw.name, model_name, world, slo or {})
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes as GiB, or as MiB below a tenth of one (a small model's weights read 0.00Gi)."""
+    return f"{num_bytes / 2**30:.2f}Gi" if num_bytes >= 2**30 / 10 else f"{num_bytes / 2**20:.1f}Mi"
