@@ -33,6 +33,9 @@ RECORDED = [
     ("hermes",  # a last call without its closing tag (the output stopped there): accepted, as in vLLM
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
      None, [("get_weather", WEATHER)]),
+    ("hermes",  # the output ended inside the closing tag (max_tokens): the complete call stands, whole or streamed
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_ca',
+     None, [("get_weather", WEATHER)]),
     ("hermes",  # no call at all; text that looks like the start of a tag
      "The weather is fine. Use <tool to check, or <tool_cal", "The weather is fine. Use <tool to check, or <tool_cal",
      []),

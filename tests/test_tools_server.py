@@ -280,21 +280,33 @@ def test_reasoning_is_split_from_content(server, stream):
     assert "reasoning_content" not in extra and "reasoning" not in extra
 
 
-class ReasonThenSample:
-    """Writes the given reasoning (`<think>...</think>`), then samples as the engine does: a constrained output's
-    grammar, which waits for the reasoning's end, holds from there."""
+class ScriptThenSample:
+    """Writes the given text (reasoning, or the opening of a call), then samples as the engine does; a grammar
+    consumes the written tokens as it would the drawn ones (one waiting for the reasoning's end starts there)."""
 
-    def __init__(self, tokenizer, reasoning: str, real):
-        self.script = tokenizer.encode(reasoning, add_special_tokens=False)
+    def __init__(self, tokenizer, script: str, real):
+        self.script = tokenizer.encode(script, add_special_tokens=False)
         self.real = real
 
     def __call__(self, logits, requests) -> SamplerOutput:
         (request,) = requests
         if request.num_output_tokens < len(self.script):
             tokens = [self.script[request.num_output_tokens]]
+            if request.grammar is not None:
+                assert request.grammar.consume_token(tokens[0]), "the script leaves the grammar"
             start_waiting_grammars(requests, tokens)
             return SamplerOutput(tokens, [None])
         return self.real(logits, requests)
+
+
+@contextmanager
+def script_then_sample(server, script: str):
+    outputs = server.engine.output_processor
+    real, outputs.sampler = outputs.sampler, ScriptThenSample(server.engine.tokenizer, script, outputs.sampler)
+    try:
+        yield
+    finally:
+        outputs.sampler = real
 
 
 @pytest.fixture(scope="module")
@@ -312,15 +324,10 @@ def test_a_constrained_output_follows_the_reasoning(r1_server, stream):
     which put the answer in the reasoning and left content empty."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
               "required": ["city"], "additionalProperties": False}
-    outputs = r1_server.engine.output_processor
-    real = outputs.sampler
     for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}},
                   {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
-        outputs.sampler = ReasonThenSample(r1_server.engine.tokenizer, "<think>\nParis, surely.\n</think>", real)
-        try:
+        with script_then_sample(r1_server, "<think>\nParis, surely.\n</think>"):
             content, calls, finish, fields = chat(r1_server, stream, temperature=1.0, seed=2, **extra)
-        finally:
-            outputs.sampler = real
         assert fields["reasoning"] == fields["reasoning_content"] == "\nParis, surely.\n"
         assert finish == "stop"
         if "tools" in extra:
@@ -366,6 +373,39 @@ def test_a_forced_call_cut_by_a_stop_string_is_no_call(server, stream):
         if calls:
             break
     assert finish == "length" and len(calls) == 1 and not calls[0]["arguments"].endswith("}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_strict_tools_under_auto_hold_the_models_calls_to_their_schemas(server, stream):
+    """strict: true under tool_choice "auto" (vLLM enforces it through structural tags): once the model opens a
+    call (`<tool_call>`, written here), what follows is a call to one of the functions with valid arguments; without
+    strict the random model writes no call there. The text before the call is free."""
+    strict_tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    for seed in range(3):
+        with script_then_sample(server, "I will check.<tool_call>"):
+            content, calls, _, _ = chat(server, stream, tools=strict_tools, temperature=1.0, seed=seed,
+                                        max_tokens=200)
+        # (free text may follow the call: the random model writes some)
+        assert content.startswith("I will check.") and len(calls) == 1, (content, calls)
+        assert valid_arguments(calls[0]["name"], calls[0]["arguments"]), calls
+    with script_then_sample(server, "I will check.<tool_call>"):
+        content, calls, _, _ = chat(server, stream, tools=TOOLS, temperature=1.0, seed=0, max_tokens=20)
+    assert calls == [] and content.startswith("I will check.<tool_call>")  # not held: random text, no call
+
+
+def test_strict_tools_in_a_format_without_structural_tags_are_refused():
+    from torch_shift.serve.tools import tool_choice
+
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]
+    assert tool_choice(strict, "auto", None, "hermes").grammar is not None
+    assert tool_choice(strict, "auto", None, "llama3_json").grammar is not None
+    assert tool_choice(TOOLS, "auto", None, "hermes").grammar is None  # nothing strict: the model's calls as written
+    with pytest.raises(ParameterError, match="hermes and llama3_json formats, and this server parses mistral") as e:
+        tool_choice(strict, "auto", None, "mistral")
+    assert e.value.param == "tools[0].function.strict"
+    from torch_shift.engine.structured_output import StructuredOutputsParams
+    with pytest.raises(ParameterError, match="exactly one of"):
+        StructuredOutputsParams(json_object=True, grammar="start: /a/")
 
 
 def test_tokenize_renders_messages_as_a_chat_request(server):

@@ -27,12 +27,15 @@ class StructuredOutputsParams:
 
     json: str | dict | None = None
     json_object: bool = False
+    grammar: str | None = None  # a Lark grammar in llguidance's syntax (vLLM's field; tool calls under "auto")
     starts_after: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is None) == (not self.json_object):
-            raise ParameterError("structured_outputs",
-                                 "structured outputs take exactly one of json (a schema) and json_object=True")
+        if (self.json is not None) + self.json_object + (self.grammar is not None) != 1:
+            raise ParameterError("structured_outputs", "structured outputs take exactly one of json (a schema), "
+                                                       "json_object=True and grammar")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise TypeError(f"structured_outputs.grammar is a Lark grammar (str), got {type(self.grammar).__name__}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
         if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
@@ -68,8 +71,10 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> Any:
         LLMatcher = self._llguidance.LLMatcher
         try:
-            # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
-            grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
+            if params.grammar is not None:
+                grammar = LLMatcher.grammar_from_lark(params.grammar)
+            else:  # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
+                grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
         except Exception as e:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError on a bad schema
             raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {e}") from None
         error = LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits)

@@ -452,7 +452,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                                 "(tool_choice 'auto'); send tool_choice 'none' to answer in the format, or "
                                 "'required' or a named function for a call", param="response_format")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar_field = "tools" if tools.forced else "response_format"
+        grammar_field = "tools" if tools.forced or tools.grammar is not None else "response_format"
         fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, logprobs, None, fields, tools.structured_outputs())
         if tools.mode == "auto" and auto_tool_parser.needs_special_tokens:

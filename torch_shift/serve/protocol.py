@@ -278,8 +278,8 @@ class FunctionDefinition(_Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of type "object"
-    # accepted: honoured under tool_choice "required" or a named function (the output is constrained to the
-    # schema), not under "auto" (the model's own call is parsed as it is)
+    # the call held to `parameters`: always under tool_choice "required" or a named function; under "auto" with
+    # the hermes and llama3_json parsers (structural tags), as vLLM; refused with a parser that cannot
     strict: bool | None = None
 
 

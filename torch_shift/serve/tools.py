@@ -147,12 +147,15 @@ class ToolChoice:
     function: str | None = None  # the named function
     schema: dict | None = None  # the JSON schema the output is constrained to ("required", "named")
     parallel: bool = True  # several calls may be made
+    grammar: str | None = None  # under "auto" with strict functions: the calls held to their schemas
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.grammar is not None:
+            return StructuredOutputsParams(grammar=self.grammar)
         return StructuredOutputsParams(json=self.schema) if self.schema is not None else None
 
 
@@ -181,7 +184,7 @@ def tool_choice(tools: Sequence[Any] | None, choice: str | Mapping | None, paral
                                                 "server started with --enable-auto-tool-choice and --tool-call-parser;"
                                                 ' this one has no tool-call parser (use "required", a named function,'
                                                 ' or "none")')
-        return ToolChoice("auto", rendered, parallel=parallel)
+        return ToolChoice("auto", rendered, parallel=parallel, grammar=_strict_calls_grammar(functions, auto_parser))
     if choice == "required":
         return ToolChoice("required", rendered, schema=_required_schema(functions, parallel), parallel=parallel)
     if isinstance(choice, Mapping):
@@ -197,6 +200,31 @@ def tool_choice(tools: Sequence[Any] | None, choice: str | Mapping | None, paral
         return ToolChoice("named", rendered, function=name, schema=dict(parameters), parallel=parallel)
     raise ParameterError("tool_choice", f"tool_choice: 'none', 'auto', 'required' or a named function, got "
                                         f"{json.dumps(choice)[:80]}")
+
+
+def _strict_calls_grammar(functions: Mapping[str, Mapping], auto_parser: str) -> str | None:
+    """Under "auto", where a function is `strict`: a grammar of free text in which every call the model opens is
+    held to its function's parameters (llguidance's structural tags, as vLLM enforces strict tools), in the
+    server's call format; None where no function is strict. A format without structural tags (mistral) cannot
+    enforce it: ParameterError naming the field."""
+    strict = [name for name, function in functions.items() if function.get("strict")]
+    if not strict:
+        return None
+    from torch_shift.serve.tool_parsers import TOOL_PARSERS
+
+    parser = TOOL_PARSERS[auto_parser]
+    parameters = {name: dict(function.get("parameters") or _EMPTY_PARAMETERS) for name, function in functions.items()}
+    # every function is a tag (a call to one without one would be refused); only the strict ones' schemas hold
+    grammar = parser.calls_grammar({name: schema if name in strict else {"type": "object"}
+                                    for name, schema in parameters.items()})
+    if grammar is None:
+        where = f"tools[{list(functions).index(strict[0])}].function.strict"
+        enforcing = [name for name, p in TOOL_PARSERS.items() if p.calls_grammar({"f": _EMPTY_PARAMETERS})]
+        raise ParameterError(where, f"{where}: strict calls under tool_choice 'auto' are enforced in the "
+                                    f"{' and '.join(enforcing)} formats, and this server parses {auto_parser} (send "
+                                    "strict: false, or tool_choice 'required' or a named function, which always "
+                                    "hold a call to its schema)")
+    return grammar
 
 
 def _required_schema(functions: Mapping[str, Mapping], parallel: bool) -> dict:

@@ -134,6 +134,28 @@ class ToolParser:
     def make_call_id() -> str:
         return random_call_id()
 
+    @classmethod
+    def calls_grammar(cls, parameters: dict[str, dict]) -> str | None:
+        """A grammar (llguidance's Lark) of free text in which each call, once the model opens it in this format,
+        names one of the functions and has arguments valid for its `parameters` schema (structural tags, as
+        vLLM holds strict tools); None for a format without them."""
+        tags = cls.call_tags(parameters)
+        if tags is None:
+            return None
+        from llguidance import StructTag
+
+        # JSON as the templates show it to the model (json.dumps' separators), no free whitespace: a small model
+        # would fill the call with spaces
+        style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return StructTag.to_grammar([StructTag(trigger=trigger, begin=begin, end=end,
+                                               grammar={**schema, "x-guidance": style})
+                                     for trigger, begin, schema, end in tags], assume_special=False)
+
+    @classmethod
+    def call_tags(cls, parameters: dict[str, dict]) -> list[tuple[str, str, dict, str]] | None:
+        """Per function: (trigger, begin, arguments schema, end) of a call as the format writes it."""
+        return None
+
     # -- for the formats ------------------------------------------------------------------------------------
     def _read(self, final: bool) -> bool:
         """Read from the buffer; False when nothing more can be read until more text (or the end) arrives."""

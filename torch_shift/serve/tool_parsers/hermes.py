@@ -10,6 +10,8 @@ in vLLM, a last call whose closing tag never came is accepted when its JSON is c
 
 from __future__ import annotations
 
+import json
+
 from torch_shift.serve.tool_parsers.base import ToolParser
 from torch_shift.serve.tool_parsers.json_calls import WHITESPACE, CallObject
 
@@ -19,6 +21,12 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
     needs_special_tokens = True  # <tool_call> is a special token in some Hermes tokenizers (vLLM keeps them too)
+
+    @classmethod
+    def call_tags(cls, parameters: dict[str, dict]) -> list[tuple[str, str, dict, str]]:
+        # as Qwen's and Hermes' templates show the format to the model
+        return [(START, f'{START}\n{{"name": {json.dumps(name)}, "arguments": ', schema, f"}}\n{END}")
+                for name, schema in parameters.items()]
 
     def _read(self, final: bool) -> bool:
         if self._call is None:
@@ -33,10 +41,9 @@ class HermesToolParser(ToolParser):
             self._buffer = rest[len(END):]
             self._end_call()
             return True
-        if not final and END.startswith(rest):
-            return False  # whitespace, or the start of the closing tag: wait for more
-        if not rest:
-            self._buffer = ""
-            return False  # the end of the output: finish() accepts the complete call
+        if END.startswith(rest):  # whitespace, or the start of the closing tag
+            if final:  # the output ended there (max_tokens, a stop string): finish() accepts the complete call
+                self._buffer = ""
+            return False
         self._fail_call(final=False)  # text after the call's JSON, inside its tags
         return True

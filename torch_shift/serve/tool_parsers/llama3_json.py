@@ -9,6 +9,8 @@ that does not begin with `{` is content.
 
 from __future__ import annotations
 
+import json
+
 from torch_shift.serve.tool_parsers.base import ToolParser
 from torch_shift.serve.tool_parsers.json_calls import WHITESPACE, CallObject
 
@@ -22,6 +24,12 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
         self._started = False
+
+    @classmethod
+    def call_tags(cls, parameters: dict[str, dict]) -> list[tuple[str, str, dict, str]]:
+        # as Llama 3.1's template shows the format to the model
+        return [('{"name": ', f'{{"name": {json.dumps(name)}, "parameters": ', schema, "}")
+                for name, schema in parameters.items()]
 
     def _read(self, final: bool) -> bool:
         if self._call is not None:
