@@ -416,6 +416,8 @@ def test_the_models_generation_config_sets_the_sampling_defaults(llama, tmp_path
     assert LLM(str(hf_default)).engine.default_sampling_fields == {}
     with pytest.raises(ValueError, match="temperature must be a number"):
         LLM(str(_with_generation_config(model_dir, tmp_path / "bad", temperature="hot")))
+    with pytest.raises(ValueError, match="generation_config.json: top_k must be an int"):  # the file named
+        LLM(str(_with_generation_config(model_dir, tmp_path / "float", top_k=20.0)))
     with pytest.raises(ValueError, match="no such directory"):
         LLM(str(model_dir), generation_config=str(tmp_path / "nowhere"))
 
@@ -462,8 +464,11 @@ def test_chat_renders_the_template(llama):
         [{"role": "user", "content": "hello\nthere"}], add_generation_prompt=True)
     with pytest.raises(ValueError, match="this model reads text only"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
-    with pytest.raises(ValueError, match=r"messages\[0\].role: one of system, user"):
-        llm.chat([{"role": "bogus", "content": "x"}], params)
+    with pytest.raises(ValueError, match=r"messages\[0\].role: a role name"):
+        llm.chat([{"role": 5, "content": "x"}], params)
+    # a role beyond OpenAI's (Llama 3.1's "ipython") is the template's to take or refuse, as in vLLM
+    with pytest.raises(ValueError, match="the chat template refused the messages: Unknown role: ipython"):
+        llm.chat([{"role": "ipython", "content": "x"}], params, use_tqdm=False)
     # continue_final_message: the output continues an assistant turn the caller began (vLLM's, transformers' cut)
     begun = [*messages, {"role": "assistant", "content": "General Kenobi"}]
     out = llm.chat(begun, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]

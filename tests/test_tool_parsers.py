@@ -237,3 +237,30 @@ def test_forced_calls_take_the_id_format_of_the_servers_parser():
     assert all(len(i) == 9 and i.isalnum() for i in (call["id"], delta["id"]))
     plain = ChatOutputFormat(ToolChoice("named", tools=[], function="f", schema={}))
     assert plain.parser().parse('{"a": 1}', "stop")["tool_calls"][0]["id"].startswith("call_")
+    # --tool-call-parser mistral without --enable-auto-tool-choice: the forced calls' ids still Mistral's
+    named = ChatOutputFormat(ToolChoice("named", tools=[], function="f", schema={}), id_parser=TOOL_PARSERS["mistral"])
+    assert len(named.parser().parse('{"a": 1}', "stop")["tool_calls"][0]["id"]) == 9
+
+
+def test_a_constrained_output_waits_for_reasoning_unless_the_prompt_closed_it():
+    """Qwen3's template in thinking mode ends with the assistant's turn and the model opens <think> itself; with
+    enable_thinking false it closes an empty block in the prompt; DeepSeek-R1's opens one in the prompt."""
+    def waits(parser: str, prompt: str) -> bool:
+        return ChatOutputFormat(ToolChoice("none"), None, REASONING_PARSERS[parser], prompt).reasoning_first
+
+    assert waits("qwen3", "<|im_start|>assistant\n") and waits("qwen3", "<|im_start|>assistant\n<think>\n")
+    assert not waits("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert waits("deepseek_r1", "<｜Assistant｜><think>\n") and not waits("deepseek_r1", "<｜Assistant｜></think>")
+    assert not ChatOutputFormat(ToolChoice("none"), None, None, "<|im_start|>assistant\n").reasoning_first
+
+
+def test_a_streamed_forced_call_is_held_while_a_stop_string_may_cut_it():
+    """With stop strings, a forced call streams whole at the end: a call a stop string cut is no call, as when
+    not streamed (it was announced with arguments that are not JSON)."""
+    forced = ChatOutputFormat(ToolChoice("named", tools=[], function="f", schema={}), stop_strings=True)
+    parser = forced.parser()
+    assert parser.feed('{"a": 1') == {} and parser.finish("stop") == {} and not parser.tools_called
+    parser = forced.parser()
+    assert parser.feed('{"a": 1}') == {}
+    (call,) = parser.finish("stop")["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and call["index"] == 0 and call["id"]

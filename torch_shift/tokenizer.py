@@ -162,9 +162,13 @@ class Tokenizer:
             **{name: token for name, token in special_tokens.items() if token is not None},
             **kwargs,
         }
-        text = _compile_chat_template(self.chat_template).render(
-            messages=_validated_messages(messages), add_generation_prompt=add_generation_prompt, **template_variables
-        )
+        try:
+            text = _compile_chat_template(self.chat_template).render(
+                messages=_validated_messages(messages), add_generation_prompt=add_generation_prompt,
+                **template_variables
+            )
+        except jinja2.exceptions.TemplateError as e:  # the template's own raise_exception (an unknown role, ...)
+            raise ValueError(f"the chat template refused the messages: {e}") from None
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
         return self.encode(text, add_special_tokens=False) if tokenize else text

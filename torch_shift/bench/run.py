@@ -235,5 +235,5 @@ def _check_reachable(url: str, api_key: str | None) -> None:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
         raise ValueError(f"--url {url}: no server answers there ({type(e).__name__}: {e})") from None

@@ -150,6 +150,8 @@ def generation_config_defaults(directory: Path | None) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: {name} must be a number, got {value!r}")
         defaults["max_tokens" if name == "max_new_tokens" else name] = value
-    if defaults:
+    try:
         SamplingParams(**defaults)  # the model's values are valid sampling parameters
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e} (generation_config='vllm' leaves the file out)") from None
     return defaults

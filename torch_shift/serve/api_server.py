@@ -197,6 +197,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     if tokenizer is not None and chat_options.chat_template is not None:
         tokenizer.chat_template = chat_options.template()
     auto_tool_parser = TOOL_PARSERS[chat_options.auto_tool_parser] if chat_options.auto_tool_parser else None
+    id_parser = TOOL_PARSERS[chat_options.tool_call_parser] if chat_options.tool_call_parser else None
     reasoning_parser = REASONING_PARSERS[chat_options.reasoning_parser] if chat_options.reasoning_parser else None
     # a sequence never outgrows the KV cache (it would preempt itself forever): where the cache holds less than
     # the model's context, what it holds is the context this server serves, advertised and checked as such
@@ -468,7 +469,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             return text, prepare(tok.encode(text, add_special_tokens=False), max_tokens, "messages")
 
         prompt_text, prompt = await asyncio.to_thread(render)
-        output = ChatOutputFormat(tools, auto_tool_parser, reasoning_parser, prompt_text, body.include_reasoning)
+        output = ChatOutputFormat(tools, auto_tool_parser, reasoning_parser, prompt_text, body.include_reasoning,
+                                  id_parser, stop_strings=bool(body.stop))
         if params.structured_outputs is not None and output.reasoning_first:  # the model reasons, then answers
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after=reasoning_parser.end))

@@ -28,15 +28,20 @@ class ChatOutputFormat:
     reasoning_parser: type[ReasoningParser] | None = None
     prompt: str = ""  # the rendered prompt (where the reasoning parser may find an open thinking block)
     include_reasoning: bool = True
+    id_parser: type[ToolParser] | None = None  # the server's --tool-call-parser (the model's call id format)
+    # stop strings may cut the output: a stream then holds a forced call until the output ends (a call cut by one
+    # is no call, which a stream could not take back once announced)
+    stop_strings: bool = False
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self)
 
     @property
     def reasoning_first(self) -> bool:
-        """Whether the output begins inside reasoning (a constrained output's grammar then waits for its end)."""
-        return self.reasoning_parser is not None and self.reasoning_parser(self.prompt).starts_in_reasoning(
-            self.prompt)
+        """Whether the model may reason before it answers (a constrained output's grammar then waits for the
+        reasoning's end): with a reasoning parser, unless the prompt closed the thinking block itself (vLLM's test
+        of the prompt; Qwen3's template with enable_thinking false)."""
+        return self.reasoning_parser is not None and not self.reasoning_parser.prompt_closed_reasoning(self.prompt)
 
     @property
     def hides_reasoning(self) -> bool:
@@ -68,8 +73,10 @@ class ChatOutputParser:
         elif tools.mode == "auto":
             self._make_tool_parser = output.tool_parser
         self._tools = self._make_tool_parser() if self._make_tool_parser else None
-        if tools.forced and output.tool_parser is not None:
-            self._tools.make_call_id = output.tool_parser.make_call_id  # the model's id format (Mistral's)
+        id_parser = output.id_parser or output.tool_parser
+        if tools.forced and id_parser is not None:
+            self._tools.make_call_id = id_parser.make_call_id  # the model's id format (Mistral's)
+        self._held: str | None = "" if tools.forced and output.stop_strings else None  # a forced call's held text
         self.tools_called = False  # complete calls were made (what finish_reason "tool_calls" says)
 
     def parse(self, text: str, finish_reason: str | None) -> dict:
@@ -77,17 +84,7 @@ class ChatOutputParser:
         as OpenAI (and vLLM) send them."""
         reasoning, content = (self._reasoning.parse(text, self.output.prompt) if self._reasoning is not None
                               else (None, text))
-        calls: list[ToolCall] = []
-        if self._tools is not None and content:
-            parser = self._make_tool_parser()
-            parser.make_call_id = self._tools.make_call_id
-            self._keep_truncated_calls(parser, finish_reason)
-            parsed = parser.parse_whole(content)
-            content, calls = parsed.content, parsed.tool_calls
-            if self.output.tools.forced and not calls:
-                content = None  # a forced call cut short by a stop string is no call, and no text (vLLM's)
-            if not self.output.tools.parallel:
-                calls = calls[:1]
+        content, calls = self._calls_of(content, finish_reason)
         self.tools_called = bool(calls)
         if content is None and not calls and self._reasoning is None:
             content = ""  # an empty output; with a reasoning parser, null beside the reasoning (vLLM's)
@@ -97,6 +94,19 @@ class ChatOutputParser:
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message
+
+    def _calls_of(self, content: str | None, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """A whole output's content and calls, read as the tool choice says."""
+        if self._tools is None or not content:
+            return content, []
+        parser = self._make_tool_parser()
+        parser.make_call_id = self._tools.make_call_id
+        self._keep_truncated_calls(parser, finish_reason)
+        parsed = parser.parse_whole(content)
+        content, calls = parsed.content, parsed.tool_calls
+        if self.output.tools.forced and not calls:
+            content = None  # a forced call cut short by a stop string is no call, and no text (vLLM's)
+        return content, calls if self.output.tools.parallel else calls[:1]
 
     def feed(self, text: str) -> dict:
         """The delta fields for more of the output (empty when all of it is held back for now)."""
@@ -112,7 +122,14 @@ class ChatOutputParser:
         if self._reasoning is not None:
             reasoning, content = self._reasoning.finish() if final else self._reasoning.feed(text)
         calls: list[ToolCallDelta] = []
-        if self._tools is not None:
+        if self._held is not None:  # a forced call is sent whole once the output ended (stop strings may cut it)
+            self._held += content
+            content = ""
+            if final:
+                content, whole = self._calls_of(self._held, finish_reason)
+                calls = [ToolCallDelta(i, call.id, call.name, call.arguments) for i, call in enumerate(whole)]
+                self.tools_called = bool(whole)
+        elif self._tools is not None:
             piece = self._tools.feed(content) if content else StreamDelta()
             if final:
                 self._keep_truncated_calls(self._tools, finish_reason)

@@ -224,7 +224,8 @@ class MessageToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # OpenAI's roles, or another the chat template knows (vLLM's custom roles: Llama 3.1's "ipython")
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     # earlier turns of a conversation with tools, rendered by the chat template
@@ -317,7 +318,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_template_variables(cls, value):
-        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt", "continue_final_message"})
+        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                           "tokenize", "return_dict"})
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not chat_template_kwargs")
         return value

@@ -259,19 +259,17 @@ def null_content_error(role: Any, content: Any, tool_calls: Any) -> str | None:
     return None
 
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: content given as OpenAI's text parts joined with newlines (vLLM's), the
     arguments of earlier tool calls as objects, not JSON text (as transformers' templates expect, and vLLM passes
-    them); ParameterError for an unknown role, parts other than text, or arguments that are not JSON."""
+    them); ParameterError for a role that is not a name, parts other than text, or arguments that are not JSON
+    (a role the template does not know is the template's error, as in vLLM)."""
     prepared = []
     for i, message in enumerate(messages):
         message = dict(message)
-        if message.get("role") not in ROLES:
-            raise ParameterError(f"messages[{i}].role", f"messages[{i}].role: one of {', '.join(ROLES)}, got "
-                                                        f"{message.get('role')!r}")
+        if not isinstance(message.get("role"), str) or not message.get("role"):
+            raise ParameterError(f"messages[{i}].role", f"messages[{i}].role: a role name (OpenAI's, or one the chat "
+                                                        f"template knows), got {message.get('role')!r}")
         calls = message.get("tool_calls")
         error = null_content_error(message.get("role"), message.get("content"), calls)
         if error is not None:

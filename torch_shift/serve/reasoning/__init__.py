@@ -34,6 +34,11 @@ class ReasoningParser:
         """Whether an output that does not begin with <think> is reasoning."""
         raise NotImplementedError
 
+    @staticmethod
+    def prompt_closed_reasoning(prompt: str) -> bool:
+        """Whether the prompt's last thinking marker closes a block: the answer follows at once."""
+        return prompt.rfind(END) > prompt.rfind(START)
+
     def feed(self, text: str) -> tuple[str, str]:
         """Read more of the output: the (reasoning, content) text that can be sent now."""
         self._buffer += text
