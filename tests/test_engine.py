@@ -226,8 +226,9 @@ def test_bad_prompts_are_value_errors_and_disturb_nothing(llama, bad, match):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_prompt_larger_than_the_kv_pool(llama, caplog):
+def test_prompt_larger_than_the_kv_pool(llama, caplog, monkeypatch):
     _, model_dir = llama
+    monkeypatch.setattr(logging.getLogger("torch_shift"), "propagate", True)  # the CLI's tests stop it
     with caplog.at_level(logging.WARNING, logger="torch_shift"):
         llm = LLM(str(model_dir), num_kv_blocks=4, block_size=4, max_model_len=200)
     assert "the KV cache holds 16 tokens a request, fewer than max_model_len=200" in caplog.text

@@ -178,12 +178,13 @@ def test_a_replica_alone_with_work_is_priced_on_the_idle_replicas_cores():
     assert records["p0"].first_token_s == pytest.approx(10.0 + both, rel=1e-9)
 
 
-def test_a_simulated_engine_with_a_short_context_does_not_warn_as_a_server_would(caplog):
+def test_a_simulated_engine_with_a_short_context_does_not_warn_as_a_server_would(caplog, monkeypatch):
     """The engine warns at start when its KV cache holds less than max_model_len (`serve` takes that as its
     context); the planner's simulated engines refuse such a candidate in the plan's own terms instead."""
     config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
                                        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256})
+    monkeypatch.setattr(logging.getLogger("torch_shift"), "propagate", True)  # the CLI's tests stop it
     with caplog.at_level(logging.WARNING, logger="torch_shift"):
         engine = SimulatedEngine.simulated(EngineArgs("config-only", block_size=4, max_model_len=256), config, 8,
                                            FixedStepTimer(TIMES))
