@@ -179,8 +179,10 @@ def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together: one builds, the others wait for it
         if target.exists():
             return target
-        # the first run on a machine waits for this (about 20 s a library on 2 cores): say so, or it looks hung
-        logger.info("building %s with %s, once for this machine (cached in %s) ...", name, Path(cxx).name, cache_dir())
+        # the first run on a machine waits for this (20-35 s a library on 2 cores): say so, or it looks hung; a
+        # warning, so that Python prints it where the user configured no logging (`LLM()` in a notebook)
+        logger.warning("building %s with %s, once for this machine (cached in %s) ...", name, Path(cxx).name,
+                       cache_dir())
         started = time.monotonic()
         errors = []
         for native in (True, False):  # -march=native where the compiler knows this CPU

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampling_params import SamplingParams
@@ -193,12 +193,13 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix (insertion) is not supported")
         return value
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self):
-        if self.best_of is not None and self.best_of not in (1, self.n):
-            raise ValueError(f"best_of={self.best_of} is not supported: torch_shift returns all n samples "
-                             "(best_of must be 1 or equal to n)")
-        return self
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):  # a field's check, so that the error names it
+        if value is not None and value not in (1, info.data.get("n", 1)):
+            raise ValueError(f"best_of={value} is not supported: torch_shift returns all n samples (best_of must be "
+                             "1 or equal to n)")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -324,10 +325,15 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not chat_template_kwargs")
         return value
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
+        return value
+
+    @model_validator(mode="after")
+    def _template_fields_agree(self):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=false (the first continues the "
                              "last message, the second opens a new one)")
