@@ -251,6 +251,9 @@ def test_a_constrained_output_waits_for_reasoning_unless_the_prompt_closed_it():
     assert waits("qwen3", "<|im_start|>assistant\n") and waits("qwen3", "<|im_start|>assistant\n<think>\n")
     assert not waits("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert waits("deepseek_r1", "<｜Assistant｜><think>\n") and not waits("deepseek_r1", "<｜Assistant｜></think>")
+    # and the parser reads such an output as the answer (it was all reasoning)
+    assert REASONING_PARSERS["deepseek_r1"].parse("Paris.", "<｜Assistant｜></think>") == (None, "Paris.")
+    assert REASONING_PARSERS["deepseek_r1"].parse("Paris.", "<｜Assistant｜><think>\n") == ("Paris.", None)
     assert not ChatOutputFormat(ToolChoice("none"), None, None, "<|im_start|>assistant\n").reasoning_first
 
 

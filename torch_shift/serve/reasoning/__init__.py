@@ -3,7 +3,8 @@
 either way. The answer alone (the content) goes on to tool-call parsing.
 
 - `deepseek_r1` (DeepSeek-R1 and its distills, QwQ): everything up to `</think>` is reasoning, whether or not
-  the output begins with `<think>` (newer templates put it in the prompt); no `</think>`: all reasoning.
+  the output begins with `<think>` (newer templates put it in the prompt); no `</think>`: all reasoning; but where
+  the prompt's last thinking marker is `</think>` (thinking turned off in the template), the output is content.
 - `qwen3` (Qwen3, Qwen3-Thinking-2507, Qwen3.5): the output is reasoning up to `</think>` when it begins with
   `<think>` or when the rendered prompt ends inside an open `<think>` (templates that start the thinking
   themselves); otherwise all of it is content, as with `chat_template_kwargs={"enable_thinking": false}`, where
@@ -81,7 +82,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
     def starts_in_reasoning(self, prompt: str) -> bool:
-        return True
+        return not self.prompt_closed_reasoning(prompt)  # a template that closed the block: the answer follows
 
 
 class Qwen3ReasoningParser(ReasoningParser):
