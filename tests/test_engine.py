@@ -564,6 +564,39 @@ def test_vllm_and_arctic_inference_argument_names():
         EngineArgs("m", pp=4, pipeline_parallel_size=2)
 
 
+def test_vllms_calling_conventions(llama):
+    """What code written for vLLM's offline API passes: priority as one int, lora_request=None, the engine's
+    from_engine_args and add_request's argument order (arrival time fourth; it returns the id), abort_request with
+    a list, -1 for every logprob and for no seed, SamplingParams.from_optional and clone; vLLM's fields
+    torch_shift does not honour are refused by name at anything but their defaults."""
+    from torch_shift import EngineArgs
+    from torch_shift.engine.llm_engine import LLMEngine
+
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    assert len(llm.generate([[6, 7], [8, 9]], params, priority=0, lora_request=None, use_tqdm=False)) == 2
+    with pytest.raises(ValueError, match="lora_request: not supported"):
+        llm.generate([[6, 7]], params, lora_request=object())
+    engine = LLMEngine.from_engine_args(EngineArgs(str(model_dir)))
+    assert engine.add_request("a", [6, 7, 8], params, 123.0) == "a"
+    engine.add_request("b", [6, 7], params)
+    engine.abort_request(["a", "b", "never-added"])
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    everything = llm.generate([[6, 7]], SamplingParams(max_tokens=1, logprobs=-1, seed=-1),
+                              use_tqdm=False)[0].outputs[0]
+    assert len(everything.logprobs[0]) == llm.engine.config.model.vocab_size
+    assert SamplingParams(seed=-1).seed is None
+    optional = SamplingParams.from_optional(temperature=None, max_tokens=None, logit_bias={"5": 300.0})
+    assert (optional.temperature, optional.max_tokens, optional.logit_bias) == (1.0, 16, {5: 100.0})
+    assert params.clone() == params and params.clone() is not params
+    assert SamplingParams(detokenize=True, spaces_between_special_tokens=True).max_tokens == 16
+    for name, value in (("bad_words", ["x"]), ("allowed_token_ids", [1]), ("detokenize", False)):
+        with pytest.raises(ValueError, match=f"{name}=.* is not supported by torch_shift"):
+            SamplingParams(**{name: value})
+
+
 def test_vllm_names_through_llm(llama):
     _, model_dir = llama
     expected = LLM(str(model_dir)).generate("the quick", SamplingParams(max_tokens=6, temperature=0.0),

@@ -166,7 +166,9 @@ class InputProcessor:
             raise ParameterError("stop_token_ids", f"stop_token_ids outside the vocabulary: {bad}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > vocab:
+            if k == -1:  # vLLM's: the whole vocabulary's
+                params = replace(params, **{name: vocab})
+            elif k is not None and k > vocab:
                 raise ParameterError(name, f"{name}={k} exceeds the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ParameterError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from torch_shift.engine.args import EngineArgs, check_alias_pairs
 from torch_shift.engine.input_processor import PROMPT_KINDS, unwrap_prompt
-from torch_shift.engine.llm_engine import LLMEngine, Prompt
+from torch_shift.engine.llm_engine import LLMEngine, Prompt, refuse_vllm_options
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.models.decoder import DecoderLM
@@ -104,13 +104,18 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        lora_request=None,
+        priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids.
+        """Outputs in the order of `prompts`. A prompt is a string or a list of token ids. `priority`: one for
+        every prompt, or one each. `lora_request` and `tokenization_kwargs` are vLLM's and must be None here.
 
         Under torchrun every rank calls this; rank 0 schedules and all ranks return its outputs.
         """
+        refuse_vllm_options(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return self._on_every_rank(lambda: self._generate(prompts, sampling_params, use_tqdm, priority))
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
@@ -132,7 +137,10 @@ class LLM:
             hint = " (make one with SamplingParams(**the_dict))" if isinstance(sampling_params, dict) else ""
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt; got "
                             f"{type(sampling_params).__name__}{hint}")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         tokenized = []

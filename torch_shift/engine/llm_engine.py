@@ -94,6 +94,11 @@ class LLMEngine:
                 raise
 
     @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor of an engine from its arguments."""
+        return cls(engine_args)
+
+    @classmethod
     def driver_only(cls, args: EngineArgs, config: ModelConfig,
                     num_kv_blocks: int | Callable[[Deployment], int]) -> LLMEngine:
         """Rank 0's half of an engine (requests, scheduler, policy, plan builder, output processing) with no
@@ -304,8 +309,13 @@ class LLMEngine:
         """Check a prompt (text or token ids) and tokenize it."""
         return self.input_processor.tokenize_prompt(prompt)
 
-    def add_request(self, request_id: str, prompt: Prompt | TokenizedPrompt, params=None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt | TokenizedPrompt, params=None,
+                    arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                    trace_headers=None, priority: int = 0) -> str:
+        """Queue a request (vLLM's order of arguments); returns its id. `lora_request`, `tokenization_kwargs` and
+        `trace_headers` are vLLM's and must be None here (no LoRA adapters, no tokenizer options, no tracing)."""
+        refuse_vllm_options(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      trace_headers=trace_headers)
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.output_processor.requests:
@@ -317,13 +327,16 @@ class LLMEngine:
         self.output_processor.add(parent)
         for child in parent.children:
             self.core.add_request(child)
+        return request_id
 
-    def abort_request(self, request_id: str) -> None:
-        parent = self.output_processor.remove(request_id)
-        if parent is None:
-            return
-        for child in parent.children:
-            self.core.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """End requests by id (one, or vLLM's list); an id not in flight is ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.output_processor.remove(request_id)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.core.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
@@ -400,6 +413,15 @@ class LLMEngine:
         worker = getattr(self, "worker", None)  # None: driver_only, or a construction that failed
         if worker is not None:
             worker.close(timeout_s)
+
+
+def refuse_vllm_options(**options) -> None:
+    """vLLM's options torch_shift has no counterpart for: None (what vLLM's callers pass by default) or an error
+    that names them."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not supported by torch_shift (no LoRA adapters, tokenizer options or "
+                         "request tracing); leave it out or pass None")
 
 
 def _no_forward(plan: StepPlan) -> StepResult:

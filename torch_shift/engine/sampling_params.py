@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,10 @@ from torch_shift.engine.structured_output import StructuredOutputsParams
 # the values Hugging Face's GenerationConfig defaults them to (a field at that value is not a default of the model)
 _GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
                              "presence_penalty": None, "frequency_penalty": None, "max_new_tokens": None}
+
+_UNSUPPORTED_VLLM_FIELDS = {"detokenize": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
+                            "bad_words": None, "logits_processors": None, "truncate_prompt_tokens": None,
+                            "extra_args": None}
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 GREEDY_TEMPERATURE = 1e-5
@@ -43,6 +47,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a JSON schema
+    # vLLM's fields torch_shift does not honour: accepted at vLLM's defaults only, refused by name otherwise
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: int | None = None
+    extra_args: dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,15 +77,21 @@ class SamplingParams:
             if not ok:
                 raise ParameterError(name, f"{name} must be {rule}, got {getattr(self, name)}")
 
+        for name, default in _UNSUPPORTED_VLLM_FIELDS.items():
+            if getattr(self, name) != default:
+                raise ParameterError(name, f"{name}={getattr(self, name)!r} is not supported by torch_shift (a "
+                                           f"field of vLLM's SamplingParams); leave it at {default!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("n", self.n, 1)
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         check_int("min_tokens", self.min_tokens, 0)
-        check_int("logprobs", self.logprobs, 0, allow_none=True)
-        check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        check_int("logprobs", self.logprobs, -1, allow_none=True)  # -1: every token's (vLLM's)
+        check_int("prompt_logprobs", self.prompt_logprobs, -1, allow_none=True)
         check_int("top_k", self.top_k, -1)
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: no seed
+            self.seed = None
         if self.seed is not None:
             check_int("seed", self.seed, 0)
             check_range("seed", self.seed <= MAX_SEED, "an int in [0, 2**63 - 1]")
@@ -125,6 +143,26 @@ class SamplingParams:
                 raise ParameterError("ignore_eos" if self.ignore_eos else "min_tokens",
                                      "structured outputs end at the end-of-sequence token: they cannot be combined "
                                      "with ignore_eos or min_tokens")
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> SamplingParams:
+        """vLLM's: the fields given as None take their defaults (logit_bias keys may be strings, as JSON writes
+        them, and biases are clamped to [-100, 100], as vLLM clamps them)."""
+        fields = {name: value for name, value in fields.items() if value is not None}
+        if isinstance(fields.get("logit_bias"), dict):
+            bias = {}
+            for token, value in fields["logit_bias"].items():
+                try:
+                    token = int(token)
+                except (TypeError, ValueError):
+                    raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {token!r}") from None
+                bias[token] = min(100.0, max(-100.0, value)) if isinstance(value, (int, float)) else value
+            fields["logit_bias"] = bias
+        return cls(**fields)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's), checked again."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
