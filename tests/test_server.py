@@ -522,6 +522,35 @@ def test_response_format_json_schema_and_json_object(server):
         assert out.choices[0].text.startswith("{")
 
 
+def test_vllms_structured_outputs_field(server):
+    """vLLM's `structured_outputs` request field: a regex, a choice, a JSON schema, a Lark grammar; one at a time,
+    and not beside response_format; a bad one is a 400 naming the field."""
+    client = server.client()
+    choice = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}],
+                                            max_tokens=20, temperature=1.0, seed=3,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert choice.choices[0].message.content in ("yes", "no", "maybe")
+    regex = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", regex.choices[0].text)
+    schema = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0.0,
+                                       extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert set(json.loads(schema.choices[0].text)) == {"answer", "word"}
+    grammar = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=1,
+                                        extra_body={"structured_outputs": {"grammar": 'start: "a" "b"+ "c"'}})
+    assert re.fullmatch("ab+c", grammar.choices[0].text)
+    for bad in ({"regex": "(", "words": "regex cannot be used"}, {"regex": "a", "choice": ["b"]},
+                {"json_object": True, "response_format": {"type": "json_object"}}):
+        body = {"structured_outputs": {k: v for k, v in bad.items() if k not in ("words", "response_format")}}
+        if "response_format" in bad:
+            body["response_format"] = bad["response_format"]
+        response = post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", \
+            response.text
+        assert bad.get("words", "") in response.json()["error"]["message"]
+    assert server.idle_free_blocks()
+
+
 def test_models_retrieve_and_openai_shaped_404_405(server):
     client = server.client()
     assert client.models.retrieve("tiny").id == "tiny"

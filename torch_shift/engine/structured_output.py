@@ -19,7 +19,9 @@ from torch_shift.engine.errors import ParameterError
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's name and fields: `json` a JSON schema (str or dict), or `json_object` for any JSON object.
+    """vLLM's name and fields, one of: `json` a JSON schema (str or dict), `json_object` for any JSON object,
+    `regex` (Rust's regex syntax, as llguidance reads it), `choice` (one of these strings), `grammar` (a Lark
+    grammar in llguidance's syntax).
 
     `starts_after`: the grammar applies only once the output's tokens end with this text's tokens (a reasoning
     model's `</think>`: it reasons freely first, as vLLM's engine does with a reasoning parser); None: from the
@@ -27,15 +29,24 @@ class StructuredOutputsParams:
 
     json: str | dict | None = None
     json_object: bool = False
-    grammar: str | None = None  # a Lark grammar in llguidance's syntax (vLLM's field; tool calls under "auto")
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None  # also what strict tool calls under "auto" are held to
     starts_after: str | None = None
 
     def __post_init__(self) -> None:
-        if (self.json is not None) + self.json_object + (self.grammar is not None) != 1:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
             raise ParameterError("structured_outputs", "structured outputs take exactly one of json (a schema), "
-                                                       "json_object=True and grammar")
-        if self.grammar is not None and not isinstance(self.grammar, str):
-            raise TypeError(f"structured_outputs.grammar is a Lark grammar (str), got {type(self.grammar).__name__}")
+                                                       "json_object=True, regex, choice and grammar")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} is a non-empty string, got {value!r}")
+        if self.choice is not None and (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple))
+                                        or not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise TypeError(f"structured_outputs.choice is a non-empty list of strings, got {self.choice!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
         if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
@@ -70,19 +81,25 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
         LLMatcher = self._llguidance.LLMatcher
+        what = ("the grammar" if params.grammar is not None or params.choice is not None else "the regex"
+                if params.regex is not None else "the JSON schema")
         try:
             if params.grammar is not None:
                 grammar = LLMatcher.grammar_from_lark(params.grammar)
+            elif params.regex is not None:
+                grammar = LLMatcher.grammar_from_regex(params.regex)
+            elif params.choice is not None:
+                grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
             else:  # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
                 grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
         except Exception as e:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError on a bad schema
-            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {e}") from None
+            raise ParameterError("structured_outputs", f"{what} cannot be used: {e}") from None
         error = LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits)
         if error:
-            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {error}")
+            raise ParameterError("structured_outputs", f"{what} cannot be used: {error}")
         matcher = LLMatcher(self._tokenizer, grammar, limits=self._limits)
         if matcher.is_error():
-            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {matcher.get_error()}")
+            raise ParameterError("structured_outputs", f"{what} cannot be used: {matcher.get_error()}")
         return matcher
 
 

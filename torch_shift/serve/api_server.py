@@ -400,7 +400,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                            param="max_tokens")
         max_tokens = 1 if echo_only else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        fields = {"prompt_logprobs": "logprobs", "structured_outputs": "response_format"}
+        grammar_field = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        fields = {"prompt_logprobs": "logprobs", "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, body.logprobs, prompt_logprobs, fields)
         tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
         if body.stream:
@@ -418,7 +419,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             cached_tokens += final.num_cached_tokens
             for c in final.outputs:
                 if c.finish_reason == "error":
-                    raise _generation_error(str(c.stop_reason), "response_format")
+                    raise _generation_error(str(c.stop_reason), grammar_field)
                 completion_tokens += 0 if echo_only else len(c.token_ids)
                 choices.append(completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
                                                    echo_only=echo_only, logprobs=body.logprobs,
@@ -453,7 +454,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                                 "(tool_choice 'auto'); send tool_choice 'none' to answer in the format, or "
                                 "'required' or a named function for a call", param="response_format")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar_field = "tools" if tools.forced or tools.grammar is not None else "response_format"
+        grammar_field = ("tools" if tools.forced or tools.grammar is not None else
+                         "structured_outputs" if body.structured_outputs is not None else "response_format")
         fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, logprobs, None, fields, tools.structured_outputs())
         if tools.mode == "auto" and auto_tool_parser.needs_special_tokens:
@@ -550,7 +552,8 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
                 if c.finish_reason == "error":
-                    raise _generation_error(str(c.stop_reason), "response_format")
+                    raise _generation_error(str(c.stop_reason), "structured_outputs" if body.structured_outputs
+                                            is not None else "response_format")
                 if echo_only and c.finish_reason is None:
                     continue  # the prompt is all that is sent, once the one scored token is there
                 choice_index = index * body.n + c.index

@@ -81,6 +81,22 @@ class ResponseFormat(_Strict):
         return None
 
 
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # (`json` is a BaseModel method)
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        fields = self.model_dump(exclude_none=True, by_alias=True)
+        if fields.get("json_object") is False:
+            del fields["json_object"]
+        return StructuredOutputsParams(**fields)
+
+
 class _SamplingRequest(_Strict):
     model: str | None = None
     n: Int = Field(default=1, ge=1)
@@ -95,6 +111,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's: json, json_object, regex, choice, grammar
     # accepted and without effect on the output: an end-user id and tags for OpenAI's stored completions
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -157,6 +174,11 @@ class _SamplingRequest(_Strict):
                                                         "a named function is the call; it cannot also follow "
                                                         "response_format")
             structured_outputs = structured_outputs or self.response_format.structured_outputs()
+        if self.structured_outputs is not None:
+            if structured_outputs is not None:
+                raise ParameterError("structured_outputs", "structured_outputs: the output already follows "
+                                                           "response_format or a forced tool call; give one")
+            structured_outputs = self.structured_outputs.params()
 
         return SamplingParams(
             n=self.n, temperature=default("temperature", 1.0), top_p=default("top_p", 1.0),
