@@ -208,6 +208,8 @@ def test_llm_serves_a_decoder_lm_and_refuses_other_modules(llama):
         LLM(hf_model)
     with pytest.raises(ValueError, match="sp, tp: set by the module itself"):
         LLM(load_model(model_dir), sp=2, tp=1)
+    # the engine's collectives' bound is the engine's, not the module's (it was refused as "set by the module")
+    assert LLM(load_model(model_dir), distributed_timeout_s=30.0).engine.config.parallel.timeout_s == 30.0
 
 
 def _errors_rank(rank, world):
@@ -227,6 +229,10 @@ def _errors_rank(rank, world):
         (build_hf_model("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=3), mesh),
         (llama, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))),
     ]
+    with torch.device("meta"):  # torchtitan's and FSDP's way to build a model before its weights
+        attempts.append((build_hf_model("llama"), mesh))
+    # a mesh of rank 0 alone: rank 1, not in it, failed inside torch's DeviceMesh.get_group (an IndexError)
+    attempts.append((llama, init_device_mesh("cpu", (1, 1), mesh_dim_names=("sp", "tp"))))
     for model, m in attempts:
         try:
             torch_shift.parallelize(model, m)
@@ -238,7 +244,7 @@ def _errors_rank(rank, world):
 
 
 def test_unsupported_models_and_meshes_are_clear_errors():
-    for (no_head, linear, heads, axes) in run_ranks(_errors_rank, 2):
+    for rank, (no_head, linear, heads, axes, meta, outside) in enumerate(run_ranks(_errors_rank, 2)):
         for kind, message in (no_head, linear):
             assert kind == "TypeError"
             for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -249,3 +255,7 @@ def test_unsupported_models_and_meshes_are_clear_errors():
                          "by SP x TP = 1 x 2 = 2; num_key_value_heads=3 and TP=2: neither divides the other; "
                          "num_key_value_heads=3 and SP x TP=2: neither divides the other")
         assert axes[0] == "ValueError" and "1-D with axis ('tp',)" in axes[1]
+        assert meta[0] == "ValueError" and "on the meta device" in meta[1] and "to_empty" in meta[1]
+        if rank == 1:
+            assert outside == ("ValueError", "rank 1 is not in the mesh (it holds ranks [0] of a world of 2): every "
+                               "rank that calls parallelize must be in its mesh")

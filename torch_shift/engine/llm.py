@@ -20,8 +20,7 @@ from torch_shift.models.loader import WeightSource
 from torch_shift.parallel.shift import ShiftModule
 
 # What a module passed to LLM fixes by itself (its mesh, parallelize's arguments, its parameters).
-_SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision",
-                  "distributed_timeout_s")
+_SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision")
 
 
 class LLM:

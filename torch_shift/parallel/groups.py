@@ -64,6 +64,9 @@ class ShiftGroups:
         replica's 2-D submesh with SP = 1 (its ranks `first + tp`)."""
         sp, tp = mesh_shape(mesh)
         ranks = mesh.mesh.cpu().flatten()
+        if dist.get_rank() not in ranks.tolist():  # torch's get_group fails with an IndexError on such a rank
+            raise ValueError(f"rank {dist.get_rank()} is not in the mesh (it holds ranks {ranks.tolist()} of a world "
+                             f"of {dist.get_world_size()}): every rank that calls parallelize must be in its mesh")
         first = int(ranks.min())
         if not torch.equal(ranks, first + torch.arange(sp * tp)):
             raise ValueError(f"the mesh must lay global ranks out row-major (rank = sp * TP + tp), got {mesh.mesh}")

@@ -401,6 +401,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None 
     DTensor is gathered one parameter at a time) onto the mesh's device: the model is only read,
     and can be dropped afterwards.
     """
+    on_meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(f"the model's parameters are on the meta device ({on_meta}, ...): they hold no weights to "
+                         "shard; materialize them first (model.to_empty(device=...) and load a checkpoint)")
     source = model_source(model)
     sp, tp = mesh_shape(mesh)
     validate_mesh_for_model(source.config, sp, tp)  # before any group is made
