@@ -315,7 +315,7 @@ class LLMEngine:
         """Queue a request (vLLM's order of arguments); returns its id. `lora_request`, `tokenization_kwargs` and
         `trace_headers` are vLLM's and must be None here (no LoRA adapters, no tokenizer options, no tracing)."""
         refuse_vllm_options(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                      trace_headers=trace_headers)
+                            trace_headers=trace_headers)
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.output_processor.requests:
