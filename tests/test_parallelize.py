@@ -259,3 +259,28 @@ def test_unsupported_models_and_meshes_are_clear_errors():
         if rank == 1:
             assert outside == ("ValueError", "rank 1 is not in the mesh (it holds ranks [0] of a world of 2): every "
                                "rank that calls parallelize must be in its mesh")
+
+
+def _partial_rank(rank, world, model_dir):
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # the user's group, as under torchrun
+    if rank == 1:  # never builds the engine
+        time.sleep(8)
+        return None
+    start = time.monotonic()
+    try:
+        LLM(model_dir, sp=2, distributed_timeout_s=4.0)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "built", time.monotonic() - start
+
+
+def test_an_engine_some_ranks_never_build_ends_with_an_error_in_its_timeout(llama):
+    """Under torchrun every rank builds the engine; one that never does hung the others in the engine's group
+    creation for the user's group's timeout (30 minutes): the engine's own bound ends them with an error."""
+    _, model_dir = llama
+    (message, seconds), _ = run_ranks(_partial_rank, 2, str(model_dir), timeout_s=120)
+    assert "not every one of the 2 ranks built the engine within 4 s" in message and seconds < 30

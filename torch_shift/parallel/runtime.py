@@ -52,6 +52,8 @@ class ParallelRuntime:
                 import torch.distributed.nn.functional  # noqa: F401
 
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
+            else:  # the user's group (torchrun): every rank of it must be building the engine
+                every_rank_joins(timeout_s)
             self.groups = DeploymentGroups.build(deployment)
             self.rank = dist.get_rank()
             self._share_memory(timeout_s)
@@ -82,6 +84,7 @@ class ParallelRuntime:
         every rank running the user's program): nothing is started or initialised."""
         runtime = cls.__new__(cls)
         runtime._init_state(timeout_s)
+        every_rank_joins(timeout_s)
         runtime.groups = DeploymentGroups.build(deployment, replica_groups)
         runtime.rank = dist.get_rank()
         runtime._share_memory(timeout_s)
@@ -272,6 +275,21 @@ class ParallelRuntime:
             torch.set_num_threads(self._user_threads)
         if released and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
             sys.excepthook = self._user_excepthook  # unless someone set one of their own since
+
+
+def every_rank_joins(timeout_s: float) -> None:
+    """Every rank of the user's default group is building the engine, within `timeout_s`: the groups the engine
+    makes next wait for every rank with the group's own timeout (gloo's connect; 30 minutes by default), so a rank
+    that never calls LLM(...) or handoff(...) hung the others. A bounded all-reduce ends them with an error."""
+    if dist.get_backend() != "gloo":  # NCCL's collectives time out through the group's own watchdog
+        return
+    present = torch.ones(1)
+    try:
+        dist.all_reduce(present, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(f"not every one of the {dist.get_world_size()} ranks built the engine within "
+                           f"{timeout_s:.0f} s (distributed_timeout_s): under torchrun every rank calls LLM(...) "
+                           f"or handoff(...) together ({e})") from None
 
 
 def _broadcast_quietly(box: list, group: dist.ProcessGroup, control: ShmCommunicator | None,
