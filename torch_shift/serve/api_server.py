@@ -400,7 +400,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                            param="max_tokens")
         max_tokens = 1 if echo_only else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        grammar_field = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        grammar_field = body.grammar_field
         fields = {"prompt_logprobs": "logprobs", "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, body.logprobs, prompt_logprobs, fields)
         tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
@@ -454,8 +454,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                                 "(tool_choice 'auto'); send tool_choice 'none' to answer in the format, or "
                                 "'required' or a named function for a call", param="response_format")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        grammar_field = ("tools" if tools.forced or tools.grammar is not None else
-                         "structured_outputs" if body.structured_outputs is not None else "response_format")
+        grammar_field = "tools" if tools.forced or tools.grammar is not None else body.grammar_field
         fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, logprobs, None, fields, tools.structured_outputs())
         if tools.mode == "auto" and auto_tool_parser.needs_special_tokens:
@@ -552,8 +551,7 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
             for delta in tracker.deltas(out):
                 c, (t0, t1) = delta.choice, delta.token_range
                 if c.finish_reason == "error":
-                    raise _generation_error(str(c.stop_reason), "structured_outputs" if body.structured_outputs
-                                            is not None else "response_format")
+                    raise _generation_error(str(c.stop_reason), body.grammar_field)
                 if echo_only and c.finish_reason is None:
                     continue  # the prompt is all that is sent, once the one scored token is there
                 choice_index = index * body.n + c.index

@@ -156,6 +156,11 @@ class _SamplingRequest(_Strict):
             raise ValueError("stream_options can only be given with stream=true")
         return self
 
+    @property
+    def grammar_field(self) -> str:
+        """The request field a constrained output comes from (what its errors name), a forced tool call aside."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:

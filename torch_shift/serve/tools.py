@@ -219,7 +219,7 @@ def _strict_calls_grammar(functions: Mapping[str, Mapping], auto_parser: str) ->
                                     for name, schema in parameters.items()})
     if grammar is None:
         where = f"tools[{list(functions).index(strict[0])}].function.strict"
-        enforcing = [name for name, p in TOOL_PARSERS.items() if p.calls_grammar({"f": _EMPTY_PARAMETERS})]
+        enforcing = [name for name, p in TOOL_PARSERS.items() if p.call_tags({"f": _EMPTY_PARAMETERS}) is not None]
         raise ParameterError(where, f"{where}: strict calls under tool_choice 'auto' are enforced in the "
                                     f"{' and '.join(enforcing)} formats, and this server parses {auto_parser} (send "
                                     "strict: false, or tool_choice 'required' or a named function, which always "
