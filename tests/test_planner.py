@@ -203,6 +203,23 @@ def test_a_group_alone_with_work_is_priced_on_the_idle_groups_cores():
         SHAPE, plain, wide, [Seq(1, 10)], groups=[0]).group_s[0]
 
 
+
+def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_are_priced_on_the_others_cores():
+    """model_runner.step_threads: in a Ulysses step of fewer tokens than SP ranks the ranks with rows run on the
+    others' cores too (those only attend); the profile's borrowed rates price that step, and only it."""
+    plain = unit_profile(overhead=EngineOverhead(1e-3, 1e-6))
+    hw = replace(plain, borrowed={2: scaled_rates(plain, 2), 4: scaled_rates(plain, 4)})
+    sp2, sp4 = Layout("sp_tp", sp=2), Layout("sp_tp", sp=4)
+    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)]).total_s == pytest.approx(
+        step_cost(SHAPE, hw.borrowing(2), sp2, [Seq(1, 100)]).total_s)
+    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)]).total_s < step_cost(SHAPE, plain, sp2, [Seq(1, 100)]).total_s
+    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)] * 2).total_s == pytest.approx(
+        step_cost(SHAPE, plain, sp2, [Seq(1, 100)] * 2).total_s)
+    # SP-4: one token, four times a rank's threads; two tokens, twice; three, a rank's own (4 // 3 = 1)
+    for tokens, profile in ((1, hw.borrowing(4)), (2, hw.borrowing(2)), (3, plain)):
+        assert step_cost(SHAPE, hw, sp4, [Seq(1, 100)] * tokens).total_s == pytest.approx(
+            step_cost(SHAPE, profile, sp4, [Seq(1, 100)] * tokens).total_s)
+
 def test_matmul_bandwidth_by_rows():
     """A profile may give the weight-streaming rate per number of input rows (CPU GEMMs with a few rows pack
     their weights): interpolated in log(rows), constant past the ends, and used for each linear's token count."""

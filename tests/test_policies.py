@@ -453,11 +453,36 @@ def test_a_layout_alone_with_work_borrows_the_idle_ranks_cores():
     replicas = [layout.name for layout in dp4.replica_layouts()]
     tp2 = next(layout for layout in dp4.layouts if len(layout.ranks) == 2 and 0 in layout.ranks)
     tp4 = next(layout for layout in dp4.layouts if len(layout.ranks) == 4)
-    assert step_threads(dp4, replicas[:1], 0, 16) == 16
-    assert step_threads(dp4, replicas[:1], 1, 16) is None
-    assert step_threads(dp4, replicas[:2], 1, 16) == 4  # two replicas with work: each rank's own share
-    assert step_threads(dp4, [tp2.name], 1, 16) == 8
-    assert step_threads(dp4, [tp2.name, replicas[2]], 0, 16) == 4
-    assert step_threads(dp4, [tp4.name], 3, 16) == 4
-    assert step_threads(dp4, replicas[:1], 0, 2) == 2  # more ranks than cores: at least one thread each
-    assert step_threads(dp4, replicas, 3, 2) == 1
+
+    def alone(*names):  # a step of one token in each
+        return [(name, 1) for name in names]
+
+    assert step_threads(dp4, alone(*replicas[:1]), 0, 16) == 16
+    assert step_threads(dp4, alone(*replicas[:1]), 1, 16) is None
+    assert step_threads(dp4, alone(*replicas[:2]), 1, 16) == 4  # two replicas with work: each rank's own share
+    assert step_threads(dp4, alone(tp2.name), 1, 16) == 8
+    assert step_threads(dp4, alone(tp2.name, replicas[2]), 0, 16) == 4
+    assert step_threads(dp4, alone(tp4.name), 3, 16) == 4
+    assert step_threads(dp4, alone(*replicas[:1]), 0, 2) == 2  # more ranks than cores: at least one thread each
+    assert step_threads(dp4, alone(*replicas), 3, 2) == 1
+
+
+def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_borrow_the_others_cores():
+    """Ulysses SP rank s holds n // SP tokens or one more: in a step of fewer tokens than SP ranks the ranks with
+    rows (global rank = sp * TP + tp) take the host's cores split over them; the others attend on their own share.
+    The warm-up compiles each such count (borrowed_thread_counts, the same list on every rank)."""
+    from torch_shift.engine.model_runner import borrowed_thread_counts, step_threads
+
+    config = ModelConfig.from_hf_dict({**CONFIG_DICT, "num_key_value_heads": 4})
+    sp2tp2 = build_deployment(config, sp=2, tp=2)
+    base = sp2tp2["base"]
+    assert base.ranks_with_rows(1) == (0, 1) and base.ranks_with_rows(2) == base.ranks_with_rows(9) == (0, 1, 2, 3)
+    assert [step_threads(sp2tp2, [("base", 1)], rank, 8) for rank in range(4)] == [4, 4, 2, 2]
+    assert [step_threads(sp2tp2, [("base", 2)], rank, 8) for rank in range(4)] == [2, 2, 2, 2]
+    assert [step_threads(sp2tp2, [("shift", 1)], rank, 8) for rank in range(4)] == [2, 2, 2, 2]  # full TP
+    assert borrowed_thread_counts(sp2tp2, base, 8) == [{0: 4, 1: 4, 2: 2, 3: 2}]
+    assert borrowed_thread_counts(sp2tp2, sp2tp2["shift"], 8) == []
+    sp4 = build_deployment(config, sp=4)
+    assert [step_threads(sp4, [("base", n)], 0, 4) for n in (1, 2, 3, 4)] == [4, 2, 1, 1]
+    assert borrowed_thread_counts(sp4, sp4["base"], 4) == [{0: 4, 1: 1, 2: 1, 3: 1}, {0: 2, 1: 2, 2: 1, 3: 1}]
+    assert borrowed_thread_counts(sp4, sp4["base"], 2) == [{0: 2, 1: 1, 2: 1, 3: 1}]  # more ranks than cores

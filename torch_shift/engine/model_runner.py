@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,13 +126,13 @@ class ModelRunner:
         run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1)
         if self.host_cores is not None:
             # dynamo guards on the thread count: a layout that may run alone on borrowed cores is compiled for
-            # that count too (every rank of the layout does this, in the deployment's order of layouts)
+            # those counts too (every rank of the layout does this, at its own count in each, in the deployment's
+            # order of layouts)
             own = own_threads(self.host_cores, self.deployment.world_size)
             assert torch.get_num_threads() == own, "the runtime gave this rank its own share of the cores"
             for layout in self.deployment.layouts_of(self.rank):
-                threads = self._max_threads(layout)
-                if threads != own:
-                    torch.set_num_threads(threads)
+                for counts in borrowed_thread_counts(self.deployment, layout, self.host_cores):
+                    torch.set_num_threads(counts[self.rank])
                     run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
                     torch.set_num_threads(own)
         # and a layout whose small steps may run on the decode pool, for torch's one thread there
@@ -142,8 +142,9 @@ class ModelRunner:
                   and (self.decode_pool.enabled and not self._native(layout) if len(layout.ranks) == 1
                        else self.pool_requested)]
         threads = torch.get_num_threads()
-        if pooled and threads > 1:
-            pool.hold_one_thread(threads)
+        if pooled:  # a rank of one thread runs them too: their collectives need every rank of the layout
+            if threads > 1:
+                pool.hold_one_thread(threads)
             try:
                 run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
             finally:
@@ -155,10 +156,12 @@ class ModelRunner:
         return self.native_decode and layout.kv_width == 1 and len(layout.ranks) == 1
 
     def _max_threads(self, layout: Layout) -> int:
-        """The most threads this rank runs `layout`'s steps on."""
+        """The most threads a rank of `layout` runs its steps on (the same on every rank of it)."""
         if self.host_cores is None:
             return torch.get_num_threads()
-        return step_threads(self.deployment, [layout.name], self.rank, self.host_cores)
+        counts = borrowed_thread_counts(self.deployment, layout, self.host_cores)
+        return max([own_threads(self.host_cores, self.deployment.world_size)]
+                   + [threads for by_rank in counts for threads in by_rank.values()])
 
     def _replays(self, inputs: HostInputs) -> bool:
         """Whether a captured graph runs this step: decodes only (one token and one logits row per run), no more
@@ -219,8 +222,8 @@ class ModelRunner:
             self.batch.apply(delta)
         threads = None  # the thread's own
         if self.host_cores is not None:
-            threads = step_threads(self.deployment, [group.layout for group in plan.groups], self.rank,
-                                   self.host_cores)
+            threads = step_threads(self.deployment, [(group.layout, group.num_tokens) for group in plan.groups],
+                                   self.rank, self.host_cores)
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
@@ -330,17 +333,35 @@ class ModelRunner:
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
 
 
-def step_threads(deployment: Deployment, layouts: list[str], rank: int, host_cores: int) -> int | None:
-    """The intra-op threads of `rank` in a step that runs `layouts` (the groups with work): its own share of the
-    host's cores (host_cores // world size), or, where its layout is the step's only one, the host's cores split
-    over that layout's ranks: a DP replica (or Flying's TP group) alone with work borrows the idle ranks' cores,
-    so that a lone request runs as fast as the host allows. None when the rank has no work in the step."""
-    if not any(rank in deployment[name].ranks for name in layouts):
+def step_threads(deployment: Deployment, groups: Sequence[tuple[str, int]], rank: int, host_cores: int) -> int | None:
+    """The intra-op threads of `rank` in a step of `groups` (each group's layout and token count): its own share of
+    the host's cores (host_cores // world size), or, where one layout is the step's only one, the host's cores split
+    over that layout's ranks with rows: a DP replica (or Flying's TP group) alone with work borrows the idle ranks'
+    cores, so that a lone request runs as fast as the host allows, and so do the SP ranks that hold a step of fewer
+    tokens than SP ranks (the other SP ranks only attend, on their own share). None when the rank has no work."""
+    if not any(rank in deployment[name].ranks for name, _ in groups):
         return None
     own = own_threads(host_cores, deployment.world_size)
-    if len(layouts) > 1:
+    if len(groups) > 1:
         return own
-    return max(own, host_cores // len(deployment[layouts[0]].ranks))
+    ((name, num_tokens),) = groups
+    with_rows = deployment[name].ranks_with_rows(num_tokens)
+    if rank not in with_rows:
+        return own
+    return max(own, host_cores // len(with_rows))
+
+
+def borrowed_thread_counts(deployment: Deployment, layout: Layout, host_cores: int) -> list[dict[int, int]]:
+    """The threads of each rank of `layout` in each kind of step it may run alone on borrowed cores, where some rank
+    runs other than its own share (`step_threads`); the same list on every rank."""
+    own = own_threads(host_cores, deployment.world_size)
+    counts: list[dict[int, int]] = []
+    for num_tokens in range(1, max(layout.sp, 1) + 1):
+        by_rank = {rank: step_threads(deployment, [(layout.name, num_tokens)], rank, host_cores)
+                   for rank in layout.ranks}
+        if any(threads != own for threads in by_rank.values()) and by_rank not in counts:
+            counts.append(by_rank)
+    return counts
 
 
 def _zero_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

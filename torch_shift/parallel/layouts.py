@@ -61,6 +61,14 @@ class Layout:
         """The rank whose forward returns the step's logits: the last stage of a pipeline, else the first."""
         return self.ranks[-1] if self.pp > 1 else self.ranks[0]
 
+    def ranks_with_rows(self, num_tokens: int) -> tuple[int, ...]:
+        """The ranks whose forward has rows in a step of `num_tokens` tokens. Ulysses SP rank s holds n // SP
+        tokens or one more (ShiftModule._base_step), so a step of fewer tokens than SP ranks leaves the SP ranks
+        from n on without rows: they only attend with their heads. Global rank = sp * TP + tp (parallel.groups)."""
+        if self.kind != "sp_tp" or num_tokens >= self.sp:
+            return self.ranks
+        return self.ranks[:num_tokens * self.tp]
+
     @property
     def label(self) -> str:
         """What the layout is, without where: "tp2", "sp2xtp2", "dp", ... (stats and metrics)."""

@@ -382,7 +382,8 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     step's micro-batches as the engine cut them (`torch_shift.engine.step_plan.split_micro_batches`, which
     may cut a prompt chunk); by default whole sequences are dealt into `num_microbatches` of them. Every rank that has work in the step
     counts as active for a shared memory bandwidth (hw.node_bandwidth); a "dp" group alone with work is priced on
-    the idle groups' cores too (`hw.borrowing`)."""
+    the idle groups' cores too (`hw.borrowing`), as are the SP ranks that hold a step of fewer tokens than SP
+    ranks."""
     validate_layout(shape, layout)
     if not seqs:
         raise ValueError("a step has at least one sequence")
@@ -406,9 +407,12 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     elif layout.kind == "pp":
         op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks, micro_batches)
     else:
-        # a step of fewer tokens than SP ranks leaves the last SP ranks no rows: they read no weights
+        # a step of fewer tokens than SP ranks leaves the last SP ranks no rows: they read no weights, and the
+        # ranks with rows run on their cores too (step_threads)
         tokens = sum(s.num_new_tokens for s in seqs)
         active = layout.tp * min(layout.sp, tokens)
+        if active < layout.num_ranks:
+            hw = hw.borrowing(lone_multiple(layout.num_ranks, active))
         op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=active,
                                          expert_parallel=layout.expert_parallel)
     compute, memory = _split_compute_memory(op_costs)
