@@ -228,3 +228,84 @@ def test_compiled_dp_replicas_that_borrow_cores_do_not_recompile(llama):
         assert torch.get_num_threads() == local_cores()
     finally:
         llm.shutdown()
+
+
+def _python_ulysses_refused_while_serving(monkeypatch):
+    """UlyssesAttention's Python path raises in a serving step (the start-up warm-up, whose attention is no paged
+    step, keeps it): forked ranks inherit the patch."""
+    from torch_shift.attention.cpu import CpuPagedAttention
+    from torch_shift.parallel.ulysses import UlyssesAttention
+
+    python_call = UlyssesAttention.__call__
+
+    def refusing(self, *args, **kwargs):
+        assert not isinstance(self.inner, CpuPagedAttention), "a serving step ran Ulysses in Python"
+        return python_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(UlyssesAttention, "__call__", refusing)
+
+
+@pytest.mark.slow
+def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recompiling(llama, monkeypatch):
+    """compile=True at SP-2, started from this process: a compiled step's all-to-alls and the paged attention between
+    them run in C++ on both ranks (kernels/cpu_ops.cpp), never UlyssesAttention's Python. A step of one token leaves
+    SP rank 1 without rows: it only attends with its heads, and rank 0 runs on both cores (step_threads), a thread
+    count the start-up compiled. Lone requests and batches then compile nothing and match eager."""
+    import torch
+
+    from torch_shift.kernels import cpu_ops
+    from torch_shift.parallel.launch import local_cores
+
+    if not cpu_ops():
+        pytest.skip("the C++ operator library does not build here")
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=32)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
+    _python_ulysses_refused_while_serving(monkeypatch)
+    llm = LLM(str(model_dir), sp=2, shift_threshold=None, compile=True, max_num_batched_tokens=32)
+    try:
+        for run in _run(llm):
+            assert [_token_ids(o) for o in run] == expected
+        assert _token_ids(llm.generate(SERVING[1], PARAMS, use_tqdm=False)) == expected[2]  # one-token steps
+        assert set(llm.engine.model.layout_counts) == {"base"}
+        assert torch.get_num_threads() == local_cores()
+    finally:
+        llm.shutdown()
+
+
+def _late_rank(rank, world, model_dir, prompts):
+    import time
+
+    import torch.distributed as dist
+
+    from torch_shift.parallel.shm import ShmCommunicator
+    from torch_shift.parallel.ulysses import UlyssesAttention
+
+    if rank == 1:  # Ulysses in Python, 3 ms late to every all-to-all
+        python_call = UlyssesAttention.__call__
+        UlyssesAttention.install_native = lambda self: False
+        UlyssesAttention.__call__ = lambda self, *a, **k: time.sleep(3e-3) or python_call(self, *a, **k)
+    resumed = []
+    resume = ShmCommunicator.resume_all_to_all
+    ShmCommunicator.resume_all_to_all = lambda self, x, step: resumed.append(step) or resume(self, x, step)
+    llm = LLM(str(model_dir), sp=2, shift_threshold=None, compile=True, max_num_batched_tokens=32)
+    outputs = _token_ids(llm.generate(prompts, PARAMS, use_tqdm=False))
+    dist.barrier()
+    return outputs, len(resumed)
+
+
+@pytest.mark.slow
+def test_a_late_peer_hands_the_cpp_all_to_all_to_pythons_wait(llama):
+    """SP rank 0 runs Ulysses in C++, rank 1 in Python and 3 ms late to each all-to-all: rank 0 spins 1 ms for its
+    peer, then hands the collective it published to the communicator's Python wait (resume_all_to_all, with its
+    deadline and liveness checks); the two paths share the protocol. The tokens of eager one-rank runs."""
+    from torch_shift.kernels import cpu_ops
+
+    if not cpu_ops():
+        pytest.skip("the C++ operator library does not build here")
+    _, model_dir = llama
+    prompts = WARMUP[:3]
+    expected = _token_ids(LLM(str(model_dir), max_num_batched_tokens=32).generate(prompts, PARAMS, use_tqdm=False))
+    (outputs0, resumed0), (outputs1, resumed1) = run_ranks(_late_rank, 2, model_dir, prompts, timeout_s=600)
+    assert outputs0 == outputs1 == expected
+    assert resumed0 > 0 and resumed1 == 0

@@ -178,7 +178,10 @@ def test_converted_checkpoint_and_in_memory_model_give_the_same_outputs(gpt_oss,
 
 
 # every family that shards the model, and DP replicas and pipeline stages (SHARDED: test_moe's)
-LAYOUTS = {**SHARDED, "dp2": (2, {"dp": 2}, {"dp@0", "dp@1"}), "pp2": (2, {"pp": 2}, {"pp"})}
+LAYOUTS = {**SHARDED, "dp2": (2, {"dp": 2}, {"dp@0", "dp@1"}), "pp2": (2, {"pp": 2}, {"pp"}),
+           # SP-4 alone, compiled: the last steps' 1-3 tokens leave SP ranks without rows (they only attend, with
+           # their sinks and windows), and Ulysses runs in C++ around the paged attention
+           "sp4_compiled": (4, {"sp": 4, "shift_threshold": None, "compile": True}, {"base"})}
 
 
 @pytest.mark.slow

@@ -271,15 +271,21 @@ def gemv_pool_workers() -> int:
 
 class NativeAttention:
     """The C++ implementation of `torch_shift::attention` on the CPU (cpu_ops.cpp): `install` gives it a step's
-    paged attention (CpuPagedAttention.install_native), `uninstall` sends its calls back to Python."""
+    paged attention (CpuPagedAttention.install_native), `install_ulysses` Ulysses' all-to-alls around it
+    (UlyssesAttention.install_native), `uninstall` sends its calls back to Python."""
 
     def __init__(self, library: ctypes.CDLL):
         self.install = library.ts_install_paged_step
         self.install.argtypes = [ctypes.c_int, *[i64] * 17]
         self.install.restype = None
-        self.uninstall = library.ts_uninstall_paged_step
+        self.uninstall = library.ts_uninstall_paged_step  # and Ulysses'
         self.uninstall.argtypes = []
         self.uninstall.restype = None
+        # (communicator, SP, SP rank, counts, kv_send_index, its length): after `install`, Ulysses' all-to-alls
+        # around it (UlyssesAttention.install_native)
+        self.install_ulysses = library.ts_install_ulysses
+        self.install_ulysses.argtypes = [i64, i64, i64, ptr, ptr, i64]
+        self.install_ulysses.restype = None
         library.ts_register_attention.restype = ctypes.c_int
         if library.ts_register_attention() != 0:
             raise RuntimeError("PyTorch refused the C++ implementation of torch_shift::attention")
@@ -357,10 +363,11 @@ _native_all_reduce = False
 
 def register_native_all_reduce(communicator_id: int, segment: int, rank: int, world_size: int, slot_bytes: int,
                                header_bytes: int, row_words: int, first_parity_word: int, parity_words: int,
-                               counters: int, float32_signature: int, bfloat16_signature: int) -> bool:
-    """Serve `torch_shift::shm_all_reduce` of communicator `communicator_id` in C++ on the CPU (cpu_ops.cpp), from its
-    segment's layout (torch_shift.parallel.shm) and the address of its [step, collectives] counters; False where
-    the operator library does not build."""
+                               counters: int, signatures: tuple[int, int, int, int]) -> bool:
+    """Serve `torch_shift::shm_all_reduce` of communicator `communicator_id` in C++ on the CPU (cpu_ops.cpp), and
+    Ulysses' all-to-alls of a compiled forward (install_ulysses), from its segment's layout
+    (torch_shift.parallel.shm), the address of its [step, collectives] counters and its `signatures` (all_reduce's,
+    then all_to_all's, in float32 and bfloat16); False where the operator library does not build."""
     global _native_all_reduce
     if not cpu_ops():
         return False
@@ -371,11 +378,11 @@ def register_native_all_reduce(communicator_id: int, segment: int, rank: int, wo
             warnings.warn("PyTorch refused the C++ implementation of torch_shift::shm_all_reduce: compiled forwards "
                           "run it through Python, which is slower", RuntimeWarning, stacklevel=2)
             return False
-        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 12, None
+        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 14, None
         lib.ts_shm_unregister.argtypes, lib.ts_shm_unregister.restype = [i64], None
         _native_all_reduce = True
     lib.ts_shm_register(communicator_id, segment, rank, world_size, slot_bytes, header_bytes, row_words,
-                        first_parity_word, parity_words, counters, float32_signature, bfloat16_signature)
+                        first_parity_word, parity_words, counters, *signatures)
     return True
 
 

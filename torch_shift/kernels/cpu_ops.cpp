@@ -210,10 +210,15 @@ struct PagedStepCopy {
   std::vector<int64_t> slots;
 };
 
+bool ulysses_installed = false;  // the step's attention is Ulysses' around the paged step (ulysses_attention)
+at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                             const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window);
+
 // CpuPagedAttention.__call__, in C++
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
                      const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
   if (!step_installed) return python_attention(q, k, v, layer_idx, sinks, sliding_window);
+  if (ulysses_installed) return ulysses_attention(q, k, v, layer_idx, sinks, sliding_window);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.scalar_type() == step.dtype &&
                   k.scalar_type() == step.dtype && v.scalar_type() == step.dtype,
@@ -331,9 +336,10 @@ struct ShmComm {
   char* segment;
   int64_t rank, world_size, slot_bytes, header_bytes, row_words, first_parity_word, parity_words;
   int64_t* counters;  // [the last step published, collectives so far], shared with the Python communicator
-  int64_t float32_signature, bfloat16_signature;
+  int64_t float32_signature, bfloat16_signature;  // all_reduce's
+  int64_t float32_a2a_signature, bfloat16_a2a_signature;  // all_to_all's
 };
-constexpr int64_t kSeqWord = 0, kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2;  // shm.py's _SEQ, _PARITY_*
+constexpr int64_t kSeqWord = 0, kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // shm.py's
 constexpr int64_t kSpinNs = 1'000'000;
 std::mutex shm_mutex;
 std::unordered_map<int64_t, ShmComm>& shm_comms() {
@@ -343,13 +349,53 @@ std::unordered_map<int64_t, ShmComm>& shm_comms() {
 
 int64_t load_word(const int64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
-  std::optional<ShmComm> found;
-  {
-    std::lock_guard<std::mutex> lock(shm_mutex);
-    auto it = shm_comms().find(communicator);
-    if (it != shm_comms().end()) found = it->second;
+std::optional<ShmComm> find_comm(int64_t communicator) {
+  std::lock_guard<std::mutex> lock(shm_mutex);
+  auto it = shm_comms().find(communicator);
+  if (it == shm_comms().end()) return std::nullopt;
+  return it->second;
+}
+
+// One step of the protocol (shm.py): the step's number, and where this rank's slot and a rank's fields are
+struct ShmStep {
+  const ShmComm& c;
+  int64_t step, parity;
+  explicit ShmStep(const ShmComm& comm) : c(comm), step(comm.counters[0] + 1), parity(step & 1) {
+    c.counters[1] += 1;  // a collective (one step: the message fits a slot)
   }
+  char* slot(int64_t rank) const { return c.segment + c.header_bytes + (parity * c.world_size + rank) * c.slot_bytes; }
+  int64_t* block(int64_t rank) const {
+    return reinterpret_cast<int64_t*>(c.segment) + rank * c.row_words + c.first_parity_word + parity * c.parity_words;
+  }
+  // The step's fields, then the counter (after the data in this rank's slot); waits up to kSpinNs for every peer to
+  // publish the step with the same signature, size and `aux`. False where one did not: the caller hands the rest to
+  // Python, which waits with the communicator's deadline and liveness checks and reports a peer whose fields differ.
+  // `part_bytes` (>= 0): an all-to-all's split sizes, equal parts of that many bytes to every rank.
+  bool publish_and_wait(int64_t signature, int64_t nbytes, int64_t aux, int64_t part_bytes = -1) {
+    const int64_t* header = reinterpret_cast<const int64_t*>(c.segment);
+    if (part_bytes >= 0)
+      for (int64_t j = 0; j < c.world_size; ++j) block(c.rank)[kSplitsWord + j] = part_bytes;
+    block(c.rank)[kSignatureWord] = signature;
+    block(c.rank)[kNbytesWord] = nbytes;
+    block(c.rank)[kAuxWord] = aux;
+    __atomic_store_n(reinterpret_cast<int64_t*>(c.segment) + c.rank * c.row_words + kSeqWord, step, __ATOMIC_RELEASE);
+    c.counters[0] = step;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t p = 0; p < c.world_size; ++p) {
+      if (p == c.rank) continue;
+      while (load_word(header + p * c.row_words + kSeqWord) < step) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNs)) return false;
+        sched_yield();  // as the Python wait: more ranks than cores still make progress
+      }
+      if (block(p)[kSignatureWord] != signature || block(p)[kNbytesWord] != nbytes || block(p)[kAuxWord] != aux)
+        return false;
+    }
+    return true;
+  }
+};
+
+at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
+  const std::optional<ShmComm> found = find_comm(communicator);
   const int64_t nbytes = x.numel() * x.element_size();
   const bool float32 = x.scalar_type() == at::kFloat;
   if (!found || (!float32 && x.scalar_type() != at::kBFloat16) || nbytes > found->slot_bytes || x.requires_grad() ||
@@ -357,41 +403,127 @@ at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
     static const c10::OperatorHandle op = python_op("torch_shift::shm_all_reduce_python");
     return call_boxed(op, {x, communicator});
   }
-  const ShmComm& c = *found;
-  int64_t* header = reinterpret_cast<int64_t*>(c.segment);
-  const int64_t step = c.counters[0] + 1, parity = step & 1;
-  c.counters[1] += 1;
-  auto slot = [&](int64_t rank) { return c.segment + c.header_bytes + (parity * c.world_size + rank) * c.slot_bytes; };
-  auto block = [&](int64_t rank) { return header + rank * c.row_words + c.first_parity_word + parity * c.parity_words; };
+  ShmStep s(*found);
   const at::Tensor input = x.contiguous();
-  std::memcpy(slot(c.rank), input.data_ptr(), nbytes);
-  const int64_t signature = float32 ? c.float32_signature : c.bfloat16_signature;
-  block(c.rank)[kSignatureWord] = signature;
-  block(c.rank)[kNbytesWord] = nbytes;
-  block(c.rank)[kAuxWord] = 0;
-  __atomic_store_n(header + c.rank * c.row_words + kSeqWord, step, __ATOMIC_RELEASE);  // after the data and fields
-  c.counters[0] = step;
-  bool arrived = true;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t p = 0; p < c.world_size && arrived; ++p) {
-    if (p == c.rank) continue;
-    while (load_word(header + p * c.row_words + kSeqWord) < step) {
-      if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNs)) {
-        arrived = false;
-        break;
-      }
-      sched_yield();  // as the Python wait: more ranks than cores still make progress
-    }
-    if (arrived && (block(p)[kSignatureWord] != signature || block(p)[kNbytesWord] != nbytes)) arrived = false;
-  }
-  if (!arrived) {
+  std::memcpy(s.slot(s.c.rank), input.data_ptr(), nbytes);
+  if (!s.publish_and_wait(float32 ? s.c.float32_signature : s.c.bfloat16_signature, nbytes, 0)) {
     static const c10::OperatorHandle op = python_op("torch_shift::shm_all_reduce_resume");
-    return call_boxed(op, {x, communicator, step});
+    return call_boxed(op, {x, communicator, s.step});
   }
   // every rank adds the contributions in group-rank order: bit-identical sums, as the Python implementation's
-  auto row = [&](int64_t p) { return at::from_blob(slot(p), x.sizes(), x.options()); };
+  auto row = [&](int64_t p) { return at::from_blob(s.slot(p), x.sizes(), x.options()); };
   at::Tensor out = at::add(row(0), row(1));
-  for (int64_t p = 2; p < c.world_size; ++p) out.add_(row(p));
+  for (int64_t p = 2; p < s.c.world_size; ++p) out.add_(row(p));
+  return out;
+}
+
+// torch_shift/parallel/ulysses.py's UlyssesAttention in C++ for a compiled forward's step whose messages fit a slot
+// (UlyssesAttention.install_native): the two all-to-alls of equal parts through the shared-memory communicator of the
+// SP group (the protocol of ShmCommunicator.all_to_all, with its rows written into and read out of the slots in place)
+// around the installed paged step's attention. In Python the pair and its packing cost a batch-1 decode step of the
+// 106M model in SP-2 about 0.45 ms a layer (docs/performance.md).
+struct UlyssesStep {
+  int64_t communicator, sp_rank;
+  std::vector<int64_t> counts;  // tokens held by each SP rank, in token order
+  at::Tensor kv_send_index;  // undefined: identity
+};
+UlyssesStep ulysses;
+
+// The rest of an all-to-all this rank published as step `s` with its message (`rows` x `row_bytes` bytes) in its slot:
+// in Python where a peer was late, else the parts received (each `part_rows` rows), read in place by `read(p, part)`
+template <typename Read>
+void finish_all_to_all(ShmStep& s, int64_t rows, int64_t row_bytes, at::ScalarType dtype, int64_t signature,
+                       Read read) {
+  const int64_t nbytes = rows * row_bytes, part_bytes = nbytes / s.c.world_size;
+  if (s.publish_and_wait(signature, nbytes, 1, part_bytes)) {
+    for (int64_t p = 0; p < s.c.world_size; ++p) read(p, s.slot(p) + s.c.rank * part_bytes);
+    return;
+  }
+  const int64_t element = c10::elementSize(dtype);
+  at::Tensor message = at::from_blob(s.slot(s.c.rank), {rows, row_bytes / element}, at::TensorOptions().dtype(dtype))
+                           .clone();
+  static const c10::OperatorHandle op = python_op("torch_shift::shm_all_to_all_resume");
+  at::Tensor received = call_boxed(op, {message, ulysses.communicator, s.step}).contiguous();
+  const char* bytes = static_cast<const char*>(received.data_ptr());
+  for (int64_t p = 0; p < s.c.world_size; ++p) read(p, bytes + p * part_bytes);
+}
+
+at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                             int64_t layer_idx, const std::optional<at::Tensor>& sinks,
+                             std::optional<int64_t> sliding_window) {
+  const std::optional<ShmComm> found = find_comm(ulysses.communicator);
+  const int64_t sp = static_cast<int64_t>(ulysses.counts.size()), sp_rank = ulysses.sp_rank;
+  const int64_t n_local = q_in.size(0), n_max = ulysses.counts[0], num_heads = q_in.size(1), head_dim = q_in.size(2);
+  at::Tensor k = k_in, v = v_in;
+  if (ulysses.kv_send_index.defined()) {
+    k = k.index_select(1, ulysses.kv_send_index);
+    v = v.index_select(1, ulysses.kv_send_index);
+  }
+  const int64_t hq = num_heads / sp, hkv = k.size(1) / sp, element = q_in.element_size();
+  const int64_t q_bytes = hq * head_dim * element, kv_bytes = hkv * head_dim * element;
+  const int64_t row_bytes = q_bytes + 2 * kv_bytes, out_row_bytes = q_bytes;
+  const bool float32 = q_in.scalar_type() == at::kFloat;
+  if (!found || found->rank != sp_rank || found->world_size != sp || n_local != ulysses.counts[sp_rank] ||
+      sp * n_max * row_bytes > found->slot_bytes || (!float32 && q_in.scalar_type() != at::kBFloat16)) {
+    return python_attention(q_in, k_in, v_in, layer_idx, sinks, sliding_window);
+  }
+  const ShmComm& c = *found;
+  const int64_t signature = float32 ? c.float32_a2a_signature : c.bfloat16_a2a_signature;
+  // each head's dims contiguous, a token's heads one after another: a head chunk of a token is one run of bytes
+  const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == head_dim ? q_in : q_in.contiguous();
+  if (!(k.stride(2) == 1 && k.stride(1) == head_dim)) k = k.contiguous();
+  if (!(v.stride(2) == 1 && v.stride(1) == head_dim)) v = v.contiguous();
+  std::vector<int64_t> first(sp + 1, 0);  // the first token of each SP rank's, and n
+  for (int64_t p = 0; p < sp; ++p) first[p + 1] = first[p] + ulysses.counts[p];
+  const int64_t n = first[sp];
+
+  // 1. to the rank of each head chunk: message [SP parts (head chunk)][n_max rows][q | k | v of the chunk]
+  ShmStep out1(c);
+  char* mine = out1.slot(c.rank);
+  const char* qb = static_cast<const char*>(q.data_ptr());
+  const char* kb = static_cast<const char*>(k.data_ptr());
+  const char* vb = static_cast<const char*>(v.data_ptr());
+  for (int64_t j = 0; j < sp; ++j) {
+    for (int64_t i = 0; i < n_local; ++i) {
+      char* row = mine + (j * n_max + i) * row_bytes;  // rows from n_local to n_max: padding that nothing reads
+      std::memcpy(row, qb + i * q.stride(0) * element + j * q_bytes, q_bytes);
+      std::memcpy(row + q_bytes, kb + i * k.stride(0) * element + j * kv_bytes, kv_bytes);
+      std::memcpy(row + q_bytes + kv_bytes, vb + i * v.stride(0) * element + j * kv_bytes, kv_bytes);
+    }
+  }
+  // every rank's tokens of this rank's head chunk, in token order
+  at::Tensor gathered = at::empty({n, row_bytes / element}, q.options());
+  char* gb = static_cast<char*>(gathered.data_ptr());
+  finish_all_to_all(out1, sp * n_max, row_bytes, q.scalar_type(), signature, [&](int64_t p, const char* part) {
+    std::memcpy(gb + first[p] * row_bytes, part, ulysses.counts[p] * row_bytes);
+  });
+
+  // 2. attention of the head chunk over the step's tokens (writing their K/V into this rank's cache)
+  at::Tensor sinks_f32;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "torch_shift::attention: one sink per head");
+    sinks_f32 = sinks->narrow(0, sp_rank * hq, hq).to(at::kFloat).contiguous();
+  }
+  at::Tensor attended = at::empty({n, hq, head_dim}, q.options());
+  const int64_t row = row_bytes / element;
+  const int rc = attend(step, layer_idx, gb, row, head_dim, gb + q_bytes, row, head_dim, gb + q_bytes + kv_bytes, row,
+                        head_dim, n, hq, head_dim, sinks_f32.defined() ? sinks_f32.data_ptr<float>() : nullptr,
+                        sliding_window.has_value() ? *sliding_window : -1, attended.data_ptr());
+  TORCH_CHECK(rc == 0, "torch_shift::attention: the KV write or attention kernel failed (", rc, ")");
+
+  // 3. back to the ranks that hold the tokens: message [SP parts (SP rank)][n_max rows][the chunk's outputs]
+  ShmStep out2(c);
+  mine = out2.slot(c.rank);
+  const char* ab = static_cast<const char*>(attended.data_ptr());
+  for (int64_t p = 0; p < sp; ++p)
+    std::memcpy(mine + p * n_max * out_row_bytes, ab + first[p] * out_row_bytes, ulysses.counts[p] * out_row_bytes);
+  at::Tensor out = at::empty({n_local, num_heads, head_dim}, q.options());
+  char* ob = static_cast<char*>(out.data_ptr());
+  finish_all_to_all(out2, sp * n_max, out_row_bytes, q.scalar_type(), signature, [&](int64_t p, const char* part) {
+    for (int64_t i = 0; i < n_local; ++i)  // head chunk p of this rank's token i
+      std::memcpy(ob + (i * num_heads * head_dim) * element + p * out_row_bytes, part + i * out_row_bytes,
+                  out_row_bytes);
+  });
   return out;
 }
 
@@ -417,11 +549,12 @@ extern "C" {
 // earlier registration of the id
 void ts_shm_register(int64_t id, int64_t segment, int64_t rank, int64_t world_size, int64_t slot_bytes,
                      int64_t header_bytes, int64_t row_words, int64_t first_parity_word, int64_t parity_words,
-                     int64_t counters, int64_t float32_signature, int64_t bfloat16_signature) {
+                     int64_t counters, int64_t float32_signature, int64_t bfloat16_signature,
+                     int64_t float32_a2a_signature, int64_t bfloat16_a2a_signature) {
   std::lock_guard<std::mutex> lock(shm_mutex);
   shm_comms()[id] = ShmComm{reinterpret_cast<char*>(segment), rank, world_size, slot_bytes, header_bytes, row_words,
                             first_parity_word, parity_words, reinterpret_cast<int64_t*>(counters),
-                            float32_signature, bfloat16_signature};
+                            float32_signature, bfloat16_signature, float32_a2a_signature, bfloat16_a2a_signature};
 }
 
 void ts_shm_unregister(int64_t id) {
@@ -470,9 +603,26 @@ void ts_install_paged_step(int dtype_code, int64_t k_base, int64_t v_base, int64
                    i32(block_table), block_table_stride, i32(block_table_row), block_size, num_kv_heads,
                    i64(slot_mapping), sliding_window};
   step_installed = true;
+  ulysses_installed = false;  // until ts_install_ulysses
 }
 
-void ts_uninstall_paged_step() { step_installed = false; }
+void ts_uninstall_paged_step() {
+  step_installed = false;
+  ulysses_installed = false;
+}
+
+// UlyssesAttention.install_native, after its paged step's install: the step's attention calls run Ulysses' all-to-alls
+// through shared-memory communicator `communicator` around it (ulysses_attention) until the step is uninstalled
+void ts_install_ulysses(int64_t communicator, int64_t sp, int64_t sp_rank, const int64_t* counts,
+                        const int64_t* kv_send_index, int64_t kv_send_len) {
+  ulysses.communicator = communicator;
+  ulysses.sp_rank = sp_rank;
+  ulysses.counts.assign(counts, counts + sp);
+  ulysses.kv_send_index = kv_send_len > 0 ? at::from_blob(const_cast<int64_t*>(kv_send_index), {kv_send_len},
+                                                          at::kLong).clone()
+                                          : at::Tensor();
+  ulysses_installed = step_installed;
+}
 
 // A copy of the installed step for the native decoder (PagedStepCopy): new, refilled from the installed step (0, or
 // -100 where none is installed), deleted

@@ -80,6 +80,16 @@ def _shared_id(group: dist.ProcessGroup) -> int | None:
     return _shared.get(group)
 
 
+def native_all_to_all(group: dist.ProcessGroup) -> int | None:
+    """The id of the shared-memory communicator that serves `group`'s all-to-alls in C++ (UlyssesAttention's in
+    compiled forwards: kernels/cpu_ops.cpp), or None: another backend, a communicator without the C++ operators, or
+    an emulated link (whose delays, and the ledger's counts, only the Python collectives make)."""
+    shared = _shared.get(group)
+    if shared is None or _link_bytes_per_s is not None or _shared_by_id[shared].native_id is None:
+        return None
+    return shared
+
+
 @custom_op("torch_shift::shm_all_reduce")
 def _shm_all_reduce(x: torch.Tensor, communicator: int) -> torch.Tensor:
     return _shared_by_id[communicator].all_reduce(x)
@@ -98,6 +108,11 @@ custom_op("torch_shift::shm_all_reduce_python")(_shm_all_reduce.__wrapped__)
 @custom_op("torch_shift::shm_all_reduce_resume")
 def _shm_all_reduce_resume(x: torch.Tensor, communicator: int, step: int) -> torch.Tensor:
     return _shared_by_id[communicator].resume_all_reduce(x, step)
+
+
+@custom_op("torch_shift::shm_all_to_all_resume")
+def _shm_all_to_all_resume(x: torch.Tensor, communicator: int, step: int) -> torch.Tensor:
+    return _shared_by_id[communicator].resume_all_to_all(x, step)
 
 
 @custom_op("torch_shift::shm_all_gather")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_shift.compilation import CompiledForward, seal
+from torch_shift.compilation import CompiledForward, attention_op, seal, step_attention
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.batch import CausalAttention, PackedBatch
@@ -272,6 +272,8 @@ class ShiftModule(LayoutCounters, nn.Module):
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
         self.num_kv_layers = config.num_hidden_layers
+        # experts split over the SP ranks exchange tokens in every layer: a rank without rows still runs the layers
+        self._experts_over_sp = any(isinstance(layer.mlp, ExpertParallelSparseMoe) for layer in base.layers)
         k_rows = local_part_slice(shift_plan(groups), config, "layers.0.attn.qkv_proj.weight", "k")
         self._kv_region = KVRegion(0, config.num_hidden_layers, k_rows.start // config.head_dim,
                                    self.num_local_kv_heads)
@@ -361,7 +363,10 @@ class ShiftModule(LayoutCounters, nn.Module):
         start = sum(counts[:sp_rank])
         n_local = counts[sp_rank]
         ulysses = UlyssesAttention(attention, self.groups.sp_group, counts, self.kv_send_index)
-        hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
+        if n_local or self._experts_over_sp:
+            hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
+        else:
+            hidden = self._attend_only(ulysses)
         # the LM head needs the sampled positions' hidden states on every rank: each SP rank fills
         # the rows of its own tokens and a sum over "sp" assembles them
         local = logits_indices - start
@@ -372,6 +377,25 @@ class ShiftModule(LayoutCounters, nn.Module):
             rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
         rows = comm.all_reduce(rows, self.groups.sp_group)
         return self.base.compute_logits(rows)
+
+    def _attend_only(self, ulysses: UlyssesAttention) -> torch.Tensor:
+        """A rank without rows in the step (fewer tokens than SP ranks): only its head chunk of each layer's
+        attention over the other ranks' tokens, which the all-to-alls bring. Its forward of no rows took 0.6 ms a
+        layer of the 106M model on one core in Python and kernel launches, while the ranks with rows waited for it
+        at the next all-to-all (docs/performance.md). Returns the hidden states of no rows."""
+        weight = self.base.embed_tokens.weight
+        # through the attention operator, as a compiled forward calls it: in C++ where Ulysses installs there
+        attend = attention_op if isinstance(self.forwards["base"], CompiledForward) else ulysses
+        with step_attention(ulysses):
+            for layer in self.base.layers:
+                attn = layer.attn
+                q = weight.new_empty(0, attn.num_heads, attn.head_dim)
+                kv = weight.new_empty(0, attn.num_kv_heads, attn.head_dim)
+                if attn.sinks is None and attn.sliding_window is None:
+                    attend(attn.layer_idx, q, kv, kv)
+                else:
+                    attend(attn.layer_idx, q, kv, kv, attn.sinks, attn.sliding_window)
+        return weight.new_empty(0, self.config.hidden_size)
 
 
 def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorReader, dtype: torch.dtype,

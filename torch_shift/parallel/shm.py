@@ -290,16 +290,23 @@ class ShmCommunicator:
     def _collectives(self, count: int) -> None:
         self._counters[1] = count
 
+    @property
+    def native_id(self) -> int | None:
+        """The id the C++ operators serve this communicator under (register_native), None where they do not."""
+        return self._native_id
+
     def register_native(self, communicator_id: int) -> bool:
-        """Serve `torch_shift::shm_all_reduce(x, communicator_id)` in C++ where it can (kernels/cpu_ops.cpp: the
-        operator of compiled forwards); False where the operator library does not build."""
+        """Serve `torch_shift::shm_all_reduce(x, communicator_id)`, and Ulysses' all-to-alls of compiled forwards, in
+        C++ where it can (kernels/cpu_ops.cpp); False where the operator library does not build."""
         from torch_shift.kernels import register_native_all_reduce
 
         registered = register_native_all_reduce(
             communicator_id, self._segment.data_ptr(), self.rank, self.world_size, self.slot_bytes,
             _header_bytes(self.world_size), self._row_words, _FIRST_PARITY_WORD, _PARITY_SPLITS + self.world_size,
-            self._counters.ctypes.data, _signature("all_reduce", torch.float32),
-            _signature("all_reduce", torch.bfloat16))
+            self._counters.ctypes.data, (_signature("all_reduce", torch.float32),
+                                         _signature("all_reduce", torch.bfloat16),
+                                         _signature("all_to_all", torch.float32),
+                                         _signature("all_to_all", torch.bfloat16)))
         self._native_id = communicator_id if registered else None
         return registered
 
@@ -403,24 +410,40 @@ class ShmCommunicator:
             key = ("all_to_all", x.shape, x.dtype)
             views = self._views.get(key) or self._make_views(key, nbytes)
             step = self._step + 1
-            parity = step & 1
-            mine, received = views[parity]
-            mine.copy_(x)
+            views[step & 1][0].copy_(x)
             self._publish_splits(step, in_bytes)
             self._publish(step, signature, nbytes, aux=1)
-            self._await(step, "all_to_all")
-            self._check_peers(parity, signature, None, "all_to_all")
-            header = self._header
-            if all(header[word + _PARITY_AUX] == 1 and header[word + _PARITY_NBYTES] == nbytes
-                   for word in self._peer_parity_word[parity]):
-                return received.clone(memory_format=torch.contiguous_format).view(x.shape)
-            # a peer sends other parts (or more than a slot): its split sizes say where this rank's part is
-            out = self._all_to_all_steps(x.reshape(-1).view(torch.uint8), in_bytes, out_bytes, equal, signature,
-                                         first_step_taken=True)
-            return out.view(x.dtype).view(x.shape)
+            return self._finish_all_to_all(x, views, step, signature)
         except BaseException as e:
             self._interrupted("all_to_all", e)
             raise
+
+    def resume_all_to_all(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """The rest of an all-to-all of equal parts of `x` (its message, in this rank's slot) that the C++ operator
+        published as `step` and handed over to wait for its peers (longer than it spins, or a peer's fields differ)."""
+        assert step == self._step, (step, self._step)
+        key = ("all_to_all", x.shape, x.dtype)
+        views = self._views.get(key) or self._make_views(key, x.numel() * x.element_size())
+        try:
+            return self._finish_all_to_all(x, views, step, _signature("all_to_all", x.dtype))
+        except BaseException as e:
+            self._interrupted("all_to_all", e)
+            raise
+
+    def _finish_all_to_all(self, x: torch.Tensor, views: tuple, step: int, signature: int) -> torch.Tensor:
+        parity = step & 1
+        nbytes = x.numel() * x.element_size()
+        self._await(step, "all_to_all")
+        self._check_peers(parity, signature, None, "all_to_all")
+        header = self._header
+        if all(header[word + _PARITY_AUX] == 1 and header[word + _PARITY_NBYTES] == nbytes
+               for word in self._peer_parity_word[parity]):
+            return views[parity][1].clone(memory_format=torch.contiguous_format).view(x.shape)
+        # a peer sends other parts (or more than a slot): its split sizes say where this rank's part is
+        part = nbytes // self.world_size
+        out = self._all_to_all_steps(x.reshape(-1).view(torch.uint8), [part] * self.world_size,
+                                     [part] * self.world_size, True, signature, first_step_taken=True)
+        return out.view(x.dtype).view(x.shape)
 
     def broadcast_object(self, obj: object = None, src: int = 0, timeout_s: float | None = ...) -> object:
         """Group rank `src`'s `obj` (pickled; any size) on every rank. `timeout_s` bounds each wait: `...` (the

@@ -10,10 +10,14 @@ KV heads: with more head chunks than KV heads, the K/V heads are repeated before
 so that segment s carries the KV heads of head chunk tp * SP + s (the repeat-interleave
 equivalent of paper 000, Alg. 1). That keeps q, k and v in one all-to-all; it sends the
 replicated heads once each instead of running Alg. 1's all-to-all plus all-gather.
+
+In a compiled CPU forward whose SP group shares memory, both all-to-alls and the paged attention between them run
+in C++ (`install_native`; kernels/cpu_ops.cpp), on the same protocol as this Python path.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -65,6 +69,26 @@ class UlyssesAttention:
             out = out.new_zeros(sp * n_max, hq_chunk * d).index_copy_(0, real_rows, out)
         back = comm.all_to_all(out, self.group)  # [SP (head chunk), n_max, hq_chunk * d]
         return back.view(sp, n_max, hq_chunk, d)[:, :n_local].transpose(0, 1).reshape(n_local, hq, d)
+
+    def install_native(self) -> bool:
+        """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls then run
+        both all-to-alls and the paged attention between them without Python: kernels/cpu_ops.cpp): where the inner
+        attention installs natively and the SP group's collectives run through a shared-memory communicator in C++.
+        False (nothing installed) otherwise."""
+        from torch_shift.kernels import native_attention
+
+        install = getattr(self.inner, "install_native", None)
+        communicator = comm.native_all_to_all(self.group)
+        native = native_attention()
+        if install is None or communicator is None or native is None or not install():
+            return False
+        counts = np.asarray(self.counts, dtype=np.int64)
+        index = self.kv_send_index
+        if index is not None:
+            index = np.ascontiguousarray(index.cpu().numpy(), dtype=np.int64)
+        native.install_ulysses(communicator, self.sp, self.sp_rank, counts.ctypes.data,
+                               None if index is None else index.ctypes.data, 0 if index is None else len(index))
+        return True
 
     def _rows(self, device: torch.device) -> torch.Tensor | None:
         """Where the counts differ, the rows of the padded messages that hold tokens, in token order."""
