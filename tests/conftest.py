@@ -118,3 +118,19 @@ def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
             break
     engine.abort_request("probe")
     return torch.cat(rows)
+
+
+def refuse_python_ulysses(monkeypatch):
+    """UlyssesAttention's Python path raises in a serving step (the start-up warm-up, whose attention is no paged
+    step, keeps it): forked ranks inherit the patch."""
+    from torch_shift.attention.cpu import CpuPagedAttention
+    from torch_shift.parallel.ulysses import UlyssesAttention
+
+    python_call = UlyssesAttention.__call__
+
+    def refusing(self, *args, **kwargs):
+        assert not isinstance(self.inner, CpuPagedAttention), "a serving step ran Ulysses in Python"
+        return python_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(UlyssesAttention, "__call__", refusing)
+

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, refuse_python_ulysses
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.parallel.launch import run_ranks
@@ -52,7 +52,7 @@ def _run(llm):
 
 
 def _compiled_rank(rank, world, model_dir, shift_threshold):
-    llm = LLM(str(model_dir), sp=2, tp=1, shift_threshold=shift_threshold, compile=True, max_num_batched_tokens=32)
+    llm = LLM(str(model_dir), sp=world, tp=1, shift_threshold=shift_threshold, compile=True, max_num_batched_tokens=32)
     return [[_token_ids(o) for o in run] for run in _run(llm)], dict(llm.engine.model.layout_counts)
 
 
@@ -100,13 +100,15 @@ def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shift_threshold", [16, None])
-def test_compiled_layouts_match_eager_without_recompiles(llama, shift_threshold):
-    """SP-2 with Shift's TP-2 steps, and SP-2 alone, whose one-token steps leave SP rank 1 a forward of no rows."""
+@pytest.mark.parametrize("world, shift_threshold", [(2, 16), (2, None), (4, None)])
+def test_compiled_layouts_match_eager_without_recompiles(llama, world, shift_threshold):
+    """SP-2 with Shift's TP-2 steps, and SP-2 or SP-4 alone, whose steps of fewer tokens than SP ranks leave the last
+    SP ranks without rows (they only attend): every rank's forwards were compiled and sealed at start-up all the same
+    (the warm-up gives every SP rank a token)."""
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
-    for runs, counts in run_ranks(_compiled_rank, 2, model_dir, shift_threshold, timeout_s=600):
+    for runs, counts in run_ranks(_compiled_rank, world, model_dir, shift_threshold, timeout_s=600):
         assert runs == [expected, expected]
         if shift_threshold is None:
             assert counts == {"base": counts["base"]} and counts["base"] >= 30
@@ -230,21 +232,6 @@ def test_compiled_dp_replicas_that_borrow_cores_do_not_recompile(llama):
         llm.shutdown()
 
 
-def _python_ulysses_refused_while_serving(monkeypatch):
-    """UlyssesAttention's Python path raises in a serving step (the start-up warm-up, whose attention is no paged
-    step, keeps it): forked ranks inherit the patch."""
-    from torch_shift.attention.cpu import CpuPagedAttention
-    from torch_shift.parallel.ulysses import UlyssesAttention
-
-    python_call = UlyssesAttention.__call__
-
-    def refusing(self, *args, **kwargs):
-        assert not isinstance(self.inner, CpuPagedAttention), "a serving step ran Ulysses in Python"
-        return python_call(self, *args, **kwargs)
-
-    monkeypatch.setattr(UlyssesAttention, "__call__", refusing)
-
-
 @pytest.mark.slow
 def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recompiling(llama, monkeypatch):
     """compile=True at SP-2, started from this process: a compiled step's all-to-alls and the paged attention between
@@ -253,15 +240,17 @@ def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recomp
     count the start-up compiled. Lone requests and batches then compile nothing and match eager."""
     import torch
 
-    from torch_shift.kernels import cpu_ops
+    from torch_shift.kernels import cpu_ops, gemv_pool_workers
     from torch_shift.parallel.launch import local_cores
 
     if not cpu_ops():
         pytest.skip("the C++ operator library does not build here")
+    if local_cores() < 2:
+        pytest.skip("one core: nothing to lend")
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
-    _python_ulysses_refused_while_serving(monkeypatch)
+    refuse_python_ulysses(monkeypatch)
     llm = LLM(str(model_dir), sp=2, shift_threshold=None, compile=True, max_num_batched_tokens=32)
     try:
         for run in _run(llm):
@@ -269,6 +258,19 @@ def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recomp
         assert _token_ids(llm.generate(SERVING[1], PARAMS, use_tqdm=False)) == expected[2]  # one-token steps
         assert set(llm.engine.model.layout_counts) == {"base"}
         assert torch.get_num_threads() == local_cores()
+        # rank 0 ran the one-token steps on every core, the others on its own share (the decode pool's worker on the
+        # lent core counts, where the pool runs them: not for this small a model)
+        threads, forward_step = {}, llm.engine.model.forward_step
+
+        def recording(layout, micro_batches):
+            threads[len(micro_batches[0].input_ids)] = torch.get_num_threads() + gemv_pool_workers()
+            return forward_step(layout, micro_batches)
+
+        llm.engine.model.forward_step = recording
+        llm.generate(SERVING[1] + WARMUP[:2], PARAMS, use_tqdm=False)  # steps of three tokens and more
+        llm.generate(SERVING[1], PARAMS, use_tqdm=False)  # of one
+        assert threads.pop(1) == local_cores() and threads
+        assert set(threads.values()) == {local_cores() // 2}
     finally:
         llm.shutdown()
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
+from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts, refuse_python_ulysses
 from test_moe import SHARDED, _generate_rank
 from test_shift import assert_same_outputs
 
@@ -186,12 +186,14 @@ LAYOUTS = {**SHARDED, "dp2": (2, {"dp": 2}, {"dp@0", "dp@1"}), "pp2": (2, {"pp":
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(LAYOUTS))
-def test_every_layout_matches_one_rank(gpt_oss, family):
+def test_every_layout_matches_one_rank(gpt_oss, family, monkeypatch):
     """Sinks sharded with their heads (and handed to each Ulysses rank for its head chunk), o_proj's and the
     experts' down bias added once after the TP sum, the gate/up biases split with their rows, windows per
     layer in pipeline stages: greedy tokens and logprobs those of one rank."""
     world, engine_args, layouts = LAYOUTS[family]
     _, model_dir = gpt_oss
+    if engine_args.get("compile"):
+        refuse_python_ulysses(monkeypatch)  # the compiled steps' Ulysses runs in C++
     prompts = random_prompts(4, [3, 17, 40, 9])
     params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
     ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)

@@ -206,19 +206,28 @@ def test_a_group_alone_with_work_is_priced_on_the_idle_groups_cores():
 
 def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_are_priced_on_the_others_cores():
     """model_runner.step_threads: in a Ulysses step of fewer tokens than SP ranks the ranks with rows run on the
-    others' cores too (those only attend); the profile's borrowed rates price that step, and only it."""
+    others' cores too, while every rank attends with its heads on its own: the profile's borrowed rates price that
+    step's other ops, and only that step's. Not with experts split over the SP ranks (every rank computes)."""
     plain = unit_profile(overhead=EngineOverhead(1e-3, 1e-6))
     hw = replace(plain, borrowed={2: scaled_rates(plain, 2), 4: scaled_rates(plain, 4)})
     sp2, sp4 = Layout("sp_tp", sp=2), Layout("sp_tp", sp=4)
-    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)]).total_s == pytest.approx(
-        step_cost(SHAPE, hw.borrowing(2), sp2, [Seq(1, 100)]).total_s)
-    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)]).total_s < step_cost(SHAPE, plain, sp2, [Seq(1, 100)]).total_s
-    assert step_cost(SHAPE, hw, sp2, [Seq(1, 100)] * 2).total_s == pytest.approx(
-        step_cost(SHAPE, plain, sp2, [Seq(1, 100)] * 2).total_s)
+
+    def ops(profile, layout, tokens):
+        return {o.name: o.time_s for o in step_cost(SHAPE, profile, layout, [Seq(1, 100)] * tokens).ops}
+
+    lent, own, borrowed = ops(hw, sp2, 1), ops(plain, sp2, 1), ops(hw.borrowing(2), sp2, 1)
+    assert lent["attention_decode"] == pytest.approx(own["attention_decode"])
+    assert {k: v for k, v in lent.items() if k != "attention_decode"} == pytest.approx(
+        {k: v for k, v in borrowed.items() if k != "attention_decode"})
+    assert lent["qkv"] < own["qkv"]
+    assert ops(hw, sp2, 2) == pytest.approx(ops(plain, sp2, 2))
     # SP-4: one token, four times a rank's threads; two tokens, twice; three, a rank's own (4 // 3 = 1)
     for tokens, profile in ((1, hw.borrowing(4)), (2, hw.borrowing(2)), (3, plain)):
-        assert step_cost(SHAPE, hw, sp4, [Seq(1, 100)] * tokens).total_s == pytest.approx(
-            step_cost(SHAPE, profile, sp4, [Seq(1, 100)] * tokens).total_s)
+        assert ops(hw, sp4, tokens)["qkv"] == pytest.approx(ops(profile, sp4, tokens)["qkv"])
+    ep = Layout("sp_tp", sp=2, expert_parallel=True)
+    moe = replace(SHAPE, num_experts=4, experts_per_token=2, expert_intermediate_size=32, num_sparse_layers=1)
+    assert step_cost(moe, hw, ep, [Seq(1, 100)]).total_s == pytest.approx(
+        step_cost(moe, plain, ep, [Seq(1, 100)]).total_s)
 
 def test_matmul_bandwidth_by_rows():
     """A profile may give the weight-streaming rate per number of input rows (CPU GEMMs with a few rows pack

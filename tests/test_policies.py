@@ -469,20 +469,26 @@ def test_a_layout_alone_with_work_borrows_the_idle_ranks_cores():
 
 def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_borrow_the_others_cores():
     """Ulysses SP rank s holds n // SP tokens or one more: in a step of fewer tokens than SP ranks the ranks with
-    rows (global rank = sp * TP + tp) take the host's cores split over them; the others attend on their own share.
-    The warm-up compiles each such count (borrowed_thread_counts, the same list on every rank)."""
+    rows (global rank = sp * TP + tp) take the host's cores split over them; the others attend on one thread. The
+    warm-up compiles each such count (borrowed_thread_counts, the same list on every rank). Not with experts split
+    over the SP ranks."""
     from torch_shift.engine.model_runner import borrowed_thread_counts, step_threads
 
     config = ModelConfig.from_hf_dict({**CONFIG_DICT, "num_key_value_heads": 4})
     sp2tp2 = build_deployment(config, sp=2, tp=2)
     base = sp2tp2["base"]
-    assert base.ranks_with_rows(1) == (0, 1) and base.ranks_with_rows(2) == base.ranks_with_rows(9) == (0, 1, 2, 3)
-    assert [step_threads(sp2tp2, [("base", 1)], rank, 8) for rank in range(4)] == [4, 4, 2, 2]
+    assert base.working_ranks(1) == (0, 1) and base.working_ranks(2) == base.working_ranks(9) == (0, 1, 2, 3)
+    assert [step_threads(sp2tp2, [("base", 1)], rank, 8) for rank in range(4)] == [4, 4, 1, 1]
     assert [step_threads(sp2tp2, [("base", 2)], rank, 8) for rank in range(4)] == [2, 2, 2, 2]
     assert [step_threads(sp2tp2, [("shift", 1)], rank, 8) for rank in range(4)] == [2, 2, 2, 2]  # full TP
-    assert borrowed_thread_counts(sp2tp2, base, 8) == [{0: 4, 1: 4, 2: 2, 3: 2}]
+    assert borrowed_thread_counts(sp2tp2, base, 8) == [{0: 4, 1: 4, 2: 1, 3: 1}]
     assert borrowed_thread_counts(sp2tp2, sp2tp2["shift"], 8) == []
     sp4 = build_deployment(config, sp=4)
     assert [step_threads(sp4, [("base", n)], 0, 4) for n in (1, 2, 3, 4)] == [4, 2, 1, 1]
     assert borrowed_thread_counts(sp4, sp4["base"], 4) == [{0: 4, 1: 1, 2: 1, 3: 1}, {0: 2, 1: 2, 2: 1, 3: 1}]
     assert borrowed_thread_counts(sp4, sp4["base"], 2) == [{0: 2, 1: 1, 2: 1, 3: 1}]  # more ranks than cores
+    # experts split over the SP ranks: every rank runs every step's layers (their all-to-alls), nothing is lent
+    moe = ModelConfig.from_hf_dict({**CONFIG_DICT, "num_key_value_heads": 4, "architectures": ["Qwen3MoeForCausalLM"],
+                                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    ep = build_deployment(moe, sp=2, expert_parallel=True)
+    assert ep["base"].working_ranks(1) == (0, 1) and borrowed_thread_counts(ep, ep["base"], 4) == []

@@ -123,7 +123,9 @@ class ModelRunner:
         step of two tokens through each (attention returning zeros; nothing read from or written to the KV
         cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
         is dynamic in the compiled graphs: later steps of any size reuse them."""
-        run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1)
+        # at least a token for every SP rank: a rank without rows runs no forward (ShiftModule._attend_only)
+        num_tokens = max([2] + [layout.sp for layout in self.deployment.layouts])
+        run_without_kv(self.model, self.deployment, self.rank, self.device, num_tokens, 1)
         if self.host_cores is not None:
             # dynamo guards on the thread count: a layout that may run alone on borrowed cores is compiled for
             # those counts too (every rank of the layout does this, at its own count in each, in the deployment's
@@ -133,7 +135,8 @@ class ModelRunner:
             for layout in self.deployment.layouts_of(self.rank):
                 for counts in borrowed_thread_counts(self.deployment, layout, self.host_cores):
                     torch.set_num_threads(counts[self.rank])
-                    run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=[layout])
+                    run_without_kv(self.model, self.deployment, self.rank, self.device, num_tokens, 1,
+                                   layouts=[layout])
                     torch.set_num_threads(own)
         # and a layout whose small steps may run on the decode pool, for torch's one thread there
         # (a layout of one rank by whether its weights allow the pool; one of several ranks, whose warm-up runs its
@@ -146,7 +149,7 @@ class ModelRunner:
             if threads > 1:
                 pool.hold_one_thread(threads)
             try:
-                run_without_kv(self.model, self.deployment, self.rank, self.device, 2, 1, layouts=pooled)
+                run_without_kv(self.model, self.deployment, self.rank, self.device, num_tokens, 1, layouts=pooled)
             finally:
                 pool.end_step()
         self.model.reset_counters()
@@ -338,17 +341,18 @@ def step_threads(deployment: Deployment, groups: Sequence[tuple[str, int]], rank
     the host's cores (host_cores // world size), or, where one layout is the step's only one, the host's cores split
     over that layout's ranks with rows: a DP replica (or Flying's TP group) alone with work borrows the idle ranks'
     cores, so that a lone request runs as fast as the host allows, and so do the SP ranks that hold a step of fewer
-    tokens than SP ranks (the other SP ranks only attend, on their own share). None when the rank has no work."""
+    tokens than SP ranks. The other SP ranks only attend to those few tokens with their heads, on one thread: the
+    lent cores run the decode pool's workers, which spin between their jobs. None when the rank has no work."""
     if not any(rank in deployment[name].ranks for name, _ in groups):
         return None
     own = own_threads(host_cores, deployment.world_size)
     if len(groups) > 1:
         return own
     ((name, num_tokens),) = groups
-    with_rows = deployment[name].ranks_with_rows(num_tokens)
-    if rank not in with_rows:
-        return own
-    return max(own, host_cores // len(with_rows))
+    working = deployment[name].working_ranks(num_tokens)
+    if rank not in working:
+        return 1
+    return max(own, host_cores // len(working))
 
 
 def borrowed_thread_counts(deployment: Deployment, layout: Layout, host_cores: int) -> list[dict[int, int]]:

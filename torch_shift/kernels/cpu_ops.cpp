@@ -464,7 +464,8 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   const int64_t row_bytes = q_bytes + 2 * kv_bytes, out_row_bytes = q_bytes;
   const bool float32 = q_in.scalar_type() == at::kFloat;
   if (!found || found->rank != sp_rank || found->world_size != sp || n_local != ulysses.counts[sp_rank] ||
-      sp * n_max * row_bytes > found->slot_bytes || (!float32 && q_in.scalar_type() != at::kBFloat16)) {
+      sp * n_max * row_bytes > found->slot_bytes || (!float32 && q_in.scalar_type() != at::kBFloat16) ||
+      q_in.scalar_type() != step.dtype || k.scalar_type() != step.dtype || v.scalar_type() != step.dtype) {
     return python_attention(q_in, k_in, v_in, layer_idx, sinks, sliding_window);
   }
   const ShmComm& c = *found;

@@ -46,6 +46,7 @@ class Layout:
     sp: int = 1
     tp: int = 1
     pp: int = 1
+    experts_over_sp: bool = False  # whole experts split over the SP ranks: every SP rank runs every step's layers
 
     @property
     def kv_width(self) -> int:
@@ -61,11 +62,12 @@ class Layout:
         """The rank whose forward returns the step's logits: the last stage of a pipeline, else the first."""
         return self.ranks[-1] if self.pp > 1 else self.ranks[0]
 
-    def ranks_with_rows(self, num_tokens: int) -> tuple[int, ...]:
-        """The ranks whose forward has rows in a step of `num_tokens` tokens. Ulysses SP rank s holds n // SP
+    def working_ranks(self, num_tokens: int) -> tuple[int, ...]:
+        """The ranks that run the model's layers in a step of `num_tokens` tokens. Ulysses SP rank s holds n // SP
         tokens or one more (ShiftModule._base_step), so a step of fewer tokens than SP ranks leaves the SP ranks
-        from n on without rows: they only attend with their heads. Global rank = sp * TP + tp (parallel.groups)."""
-        if self.kind != "sp_tp" or num_tokens >= self.sp:
+        from n on without rows: they only attend with their heads (ShiftModule._attend_only), unless experts split
+        over the SP ranks exchange tokens in every layer. Global rank = sp * TP + tp (parallel.groups)."""
+        if self.kind != "sp_tp" or num_tokens >= self.sp or self.experts_over_sp:
             return self.ranks
         return self.ranks[:num_tokens * self.tp]
 
@@ -220,7 +222,7 @@ def build_deployment(config: ModelConfig, *, sp: int = 1, tp: int = 1, dp: int =
             family = "tp"
         else:
             validate_mesh_for_model(config, sp, tp, expert_parallel)
-            layouts = [Layout("base", "sp_tp", ranks, (0,), sp=sp, tp=tp)]
+            layouts = [Layout("base", "sp_tp", ranks, (0,), sp=sp, tp=tp, experts_over_sp=expert_parallel)]
             if shift:
                 layouts.append(Layout("shift", "shift", tuple(shift_rank_order(sp, tp)), (0,), tp=world))
             layouts = tuple(layouts)

@@ -28,10 +28,10 @@ large memcpy are fenced by glibc before it returns), and not on weaker memory mo
 `create` returns None and the caller keeps gloo. An aligned int64 read or written through a memoryview is one
 load or store.
 
-The all-reduce of compiled forwards (`torch_shift::shm_all_reduce`) runs this protocol in C++ on the same words
-(kernels/cpu_ops.cpp, `register_native`), sharing the step and collective counters with this class: it spins for
-its peers for up to 1 ms, then hands the rest to `resume_all_reduce`, so waits, deadlines and errors are this
-module's.
+The all-reduce of compiled forwards (`torch_shift::shm_all_reduce`) and the all-to-alls of their Ulysses attention
+(torch_shift.parallel.ulysses) run this protocol in C++ on the same words (kernels/cpu_ops.cpp, `register_native`),
+sharing the step and collective counters with this class: they spin for their peers for up to 1 ms, then hand the
+rest to `resume_all_reduce` / `resume_all_to_all`, so waits, deadlines and errors are this module's.
 
 Waiting and failure: a rank waits by spinning on the counters with sched_yield between checks (so that more
 ranks than cores make progress), then with sleeps growing to 1 ms; every 50 ms it checks that the ranks it

@@ -268,11 +268,14 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
     return out
 
 
-def _price(hw: HardwareProfile, op_list: Sequence[Op], active: int) -> list[OpCost]:
+def _price(hw: HardwareProfile, op_list: Sequence[Op], active: int,
+           attention_hw: HardwareProfile | None = None) -> list[OpCost]:
+    """Each op at `hw`'s rates, attention at `attention_hw`'s where given."""
     costs = []
     for o in op_list:
-        compute = o.flops / hw.flops(o.rate, o.dtype) if o.flops else 0.0
-        memory = o.bytes / hw.bandwidth(o.rate, o.dtype, active, o.rows)
+        rates = attention_hw if attention_hw is not None and o.rate == "attention" else hw
+        compute = o.flops / rates.flops(o.rate, o.dtype) if o.flops else 0.0
+        memory = o.bytes / rates.bandwidth(o.rate, o.dtype, active, o.rows)
         costs.append(OpCost(o.name, o.flops, o.bytes, compute, memory, max(compute, memory)))
     return costs
 
@@ -357,11 +360,12 @@ def _pipeline(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
 
 
 def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *, tp: int, sp: int, active: int,
-                 expert_parallel: bool = False):
-    """(ops, collectives, seconds) of one rank of an (SP x) TP group running the whole model."""
+                 expert_parallel: bool = False, attention_hw: HardwareProfile | None = None):
+    """(ops, collectives, seconds) of one rank of an (SP x) TP group running the whole model (its attention at
+    `attention_hw`'s rates where given)."""
     op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
                                             first_stage=True, last_stage=True, expert_parallel=expert_parallel),
-                             active))
+                             active, attention_hw))
     comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
                                                            last_stage=True, expert_parallel=expert_parallel)))
     return op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm)
@@ -407,14 +411,16 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     elif layout.kind == "pp":
         op_costs, comm, bubble = _pipeline(shape, hw, layout, seqs, layout.num_ranks, micro_batches)
     else:
-        # a step of fewer tokens than SP ranks leaves the last SP ranks no rows: they read no weights, and the
-        # ranks with rows run on their cores too (step_threads)
+        # a step of fewer tokens than SP ranks leaves the last SP ranks no rows: they read no weights and only attend
+        # (on one thread), and the ranks with rows run their other ops on those ranks' cores too (step_threads);
+        # not where experts split over the SP ranks keep every rank computing
         tokens = sum(s.num_new_tokens for s in seqs)
         active = layout.tp * min(layout.sp, tokens)
-        if active < layout.num_ranks:
-            hw = hw.borrowing(lone_multiple(layout.num_ranks, active))
+        attention_hw = None
+        if active < layout.num_ranks and not layout.expert_parallel:
+            hw, attention_hw = hw.borrowing(lone_multiple(layout.num_ranks, active)), hw
         op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=active,
-                                         expert_parallel=layout.expert_parallel)
+                                         expert_parallel=layout.expert_parallel, attention_hw=attention_hw)
     compute, memory = _split_compute_memory(op_costs)
     return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead, group_s)
 
