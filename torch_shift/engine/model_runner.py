@@ -120,8 +120,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Compile every layout this rank runs now, at start-up, instead of in the first steps that use them: a
-        step of two tokens through each (attention returning zeros; nothing read from or written to the KV
-        cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
+        step of two tokens (or one for every SP rank) through each (attention returning zeros; nothing read from or
+        written to the KV cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
         is dynamic in the compiled graphs: later steps of any size reuse them."""
         # at least a token for every SP rank: a rank without rows runs no forward (ShiftModule._attend_only)
         num_tokens = max([2] + [layout.sp for layout in self.deployment.layouts])

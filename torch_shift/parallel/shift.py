@@ -380,9 +380,9 @@ class ShiftModule(LayoutCounters, nn.Module):
 
     def _attend_only(self, ulysses: UlyssesAttention) -> torch.Tensor:
         """A rank without rows in the step (fewer tokens than SP ranks): only its head chunk of each layer's
-        attention over the other ranks' tokens, which the all-to-alls bring. Its forward of no rows took 0.6 ms a
-        layer of the 106M model on one core in Python and kernel launches, while the ranks with rows waited for it
-        at the next all-to-all (docs/performance.md). Returns the hidden states of no rows."""
+        attention over the other ranks' tokens, which the all-to-alls bring, instead of every layer's kernels on no
+        rows (an SP-2 batch-1 decode step took 0.83-1.07x the time, median 0.93, alternated with that;
+        docs/performance.md). Returns the hidden states of no rows."""
         weight = self.base.embed_tokens.weight
         # through the attention operator, as a compiled forward calls it: in C++ where Ulysses installs there
         attend = attention_op if isinstance(self.forwards["base"], CompiledForward) else ulysses
