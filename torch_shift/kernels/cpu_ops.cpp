@@ -430,7 +430,7 @@ struct UlyssesStep {
 UlyssesStep ulysses;
 
 // The rest of an all-to-all this rank published as step `s` with its message (`rows` x `row_bytes` bytes) in its slot:
-// in Python where a peer was late, else the parts received (each `part_rows` rows), read in place by `read(p, part)`
+// in Python where a peer was late, else in place: `read(p, part)` for each rank p's part for this rank (1 / world)
 template <typename Read>
 void finish_all_to_all(ShmStep& s, int64_t rows, int64_t row_bytes, at::ScalarType dtype, int64_t signature,
                        Read read) {
