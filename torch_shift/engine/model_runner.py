@@ -121,8 +121,8 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Compile every layout this rank runs now, at start-up, instead of in the first steps that use them: a
         step of two tokens (or one for every SP rank) through each (attention returning zeros; nothing read from or
-        written to the KV cache). The ranks of a layout run it together, in the deployment's order of layouts. The token count
-        is dynamic in the compiled graphs: later steps of any size reuse them."""
+        written to the KV cache). The ranks of a layout run it together, in the deployment's order of layouts. The
+        token count is dynamic in the compiled graphs: later steps of any size reuse them."""
         # at least a token for every SP rank: a rank without rows runs no forward (ShiftModule._attend_only)
         num_tokens = max([2] + [layout.sp for layout in self.deployment.layouts])
         run_without_kv(self.model, self.deployment, self.rank, self.device, num_tokens, 1)
@@ -360,7 +360,7 @@ def borrowed_thread_counts(deployment: Deployment, layout: Layout, host_cores: i
     runs other than its own share (`step_threads`); the same list on every rank."""
     own = own_threads(host_cores, deployment.world_size)
     counts: list[dict[int, int]] = []
-    for num_tokens in range(1, max(layout.sp, 1) + 1):
+    for num_tokens in range(1, layout.sp + 1):
         by_rank = {rank: step_threads(deployment, [(layout.name, num_tokens)], rank, host_cores)
                    for rank in layout.ranks}
         if any(threads != own for threads in by_rank.values()) and by_rank not in counts:
