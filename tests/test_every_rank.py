@@ -43,6 +43,13 @@ def _every_call(rank, world, model_dir, engine_args):
     except (TypeError, ValueError) as e:
         answers["error"] = str(e)
     answers["after_error"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]
+    try:  # each rank its own prompts (a data loader sharded by rank): every rank raises, and the engine goes on
+        llm.generate(PROMPTS[rank:rank + 1], PARAMS, use_tqdm=False)
+        answers["different_calls"] = "no error"
+    except ValueError as e:
+        answers["different_calls"] = "the ranks made different calls" in str(e)
+    answers["after_different_calls"] = [o.outputs[0].token_ids
+                                        for o in llm.generate(PROMPTS[:1], PARAMS, use_tqdm=rank == 0)]
     answers["stats"] = llm.stats()
     answers["tokenizer"] = llm.tokenizer.encode("the quick brown fox")
     llm.shutdown()
@@ -58,6 +65,23 @@ def test_every_public_call_answers_the_same_on_every_rank(layers4, family):
     assert ranks[0]["layout_model"] == LAYOUT_MODELS[family]
     assert "prompt 1" in ranks[0]["error"]
     assert ranks[0]["stats"]["num_steps"] > 0
+    assert ranks[0]["different_calls"] is True
+    assert ranks[0]["after_different_calls"] == ranks[0]["after_error"]
     for rank, answers in enumerate(ranks[1:], start=1):
         for call in ranks[0]:
             assert answers[call] == ranks[0][call], (family, rank, call)
+
+
+def test_a_call_digest_reads_the_name_and_the_arguments_contents():
+    from torch_shift.engine.llm import _call_digest
+
+    def digest(*arguments, name="generate"):
+        return _call_digest(name, arguments)
+
+    same = digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None)
+    assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None) == same
+    assert digest(["hi", [1, 3]], SamplingParams(max_tokens=3), None) != same
+    assert digest(["hi", [1, 2]], SamplingParams(max_tokens=4), None) != same
+    assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), 1) != same
+    assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None, name="chat") != same
+    assert digest([[1, 2]]) != digest([[1], [2]])  # lengths are part of it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -59,7 +61,7 @@ class LLM:
     def stats(self) -> dict:
         """Which layouts ran and how often they switched (see LLMEngine.stats). Under torchrun every rank
         calls this and gets rank 0's."""
-        return self._on_every_rank(self.engine.stats)
+        return self._on_every_rank(self.engine.stats, "stats")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling params uses, as vLLM's: the model's generation_config.json defaults
@@ -71,7 +73,7 @@ class LLM:
         (`torch_shift.engine.metrics`: Counter, Gauge, Vector); under torchrun every rank gets rank 0's."""
         from torch_shift.engine.metrics import engine_metrics
 
-        return self._on_every_rank(lambda: engine_metrics(self.engine))
+        return self._on_every_rank(lambda: engine_metrics(self.engine), "get_metrics")
 
     @property
     def tokenizer(self):
@@ -82,12 +84,15 @@ class LLM:
         """The model's tokenizer, as vLLM's `LLM.get_tokenizer()`."""
         return self.engine.tokenizer
 
-    def _on_every_rank(self, call):
-        """Run `call` on rank 0; under torchrun the other ranks, which call the same method, follow rank 0's
-        steps meanwhile and return its result (or raise its error)."""
+    def _on_every_rank(self, call, name: str, *arguments):
+        """Run `call` on rank 0; under torchrun the other ranks, which call the same method (`name`) with the
+        same `arguments`, follow rank 0's steps meanwhile and return its result (or raise its error); a rank whose
+        call differs makes every rank raise a ValueError."""
         engine = self.engine
+        digest = _call_digest(name, arguments)
         if not engine.is_driver:
-            return engine.follow()
+            return engine.follow(digest)
+        engine.begin_call(digest)
         try:
             result = call()
         except BaseException as e:
@@ -115,7 +120,9 @@ class LLM:
         Under torchrun every rank calls this; rank 0 schedules and all ranks return its outputs.
         """
         refuse_vllm_options(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
-        return self._on_every_rank(lambda: self._generate(prompts, sampling_params, use_tqdm, priority))
+        # use_tqdm may differ (a bar on rank 0 only)
+        return self._on_every_rank(lambda: self._generate(prompts, sampling_params, use_tqdm, priority), "generate",
+                                   prompts, sampling_params, priority)
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (
@@ -219,7 +226,38 @@ class LLM:
                 output.prompt = text  # the rendered conversation, as vLLM's
             return outputs
 
-        return self._on_every_rank(chat)
+        return self._on_every_rank(chat, "chat", messages, sampling_params, add_generation_prompt, tools,
+                                   chat_template_kwargs, continue_final_message)
+
+
+def _call_digest(name: str, arguments: tuple) -> str:
+    """A public call's name and arguments as a digest that ranks of one program compare (under torchrun): values by
+    their contents, dataclasses (SamplingParams) by their fields, functions by their qualified names, other objects
+    by their type (their repr may hold an address that differs between processes)."""
+    digest = hashlib.blake2b(digest_size=16)
+
+    def feed(value) -> None:
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
+            digest.update(repr(value).encode())
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[%d" % len(value))
+            for item in value:
+                feed(item)
+        elif isinstance(value, dict):
+            digest.update(b"{%d" % len(value))
+            for key, item in value.items():
+                feed(key)
+                feed(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            digest.update(type(value).__qualname__.encode())
+            for field in dataclasses.fields(value):
+                feed(getattr(value, field.name))
+        else:
+            digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
+        digest.update(b";")
+
+    feed((name, arguments))
+    return digest.hexdigest()
 
 
 def _prompt_of(prompt, index: int) -> Prompt:

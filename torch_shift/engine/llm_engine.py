@@ -390,11 +390,17 @@ class LLMEngine:
         return [group.entries for group in output.groups if group.entries], result.logits
 
     # -- ranks ----------------------------------------------------------------------------------------------
-    def follow(self):
+    def begin_call(self, digest: str) -> None:
+        """Rank 0 under torchrun, as a public call begins: check that every rank makes this call (`digest`: its
+        name and arguments); a ValueError on every rank where one differs."""
+        if self.worker is not None:
+            self.worker.begin_call(digest)
+
+    def follow(self, digest: str | None = None):
         """A rank other than 0 under torchrun: run the steps rank 0 sends until it ends the current public
-        call; returns rank 0's result (see torch_shift.engine.worker)."""
+        call; returns rank 0's result (see torch_shift.engine.worker). `digest`: this rank's call."""
         assert not self.is_driver
-        return self.worker.follow()
+        return self.worker.follow(digest)
 
     def send_result(self, kind: str, payload) -> None:
         """Rank 0 under torchrun: end the public call every rank made with rank 0's "result" or "error"."""

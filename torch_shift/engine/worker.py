@@ -175,10 +175,31 @@ class Worker:
         assert self.config.deployment.world_size == 1, "asynchronous scheduling runs one rank"
         return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens, launch))
 
+    @property
+    def every_rank_runs_the_program(self) -> bool:
+        """Ranks of one program (torchrun): each makes the public calls that rank 0 makes."""
+        return self.runtime is not None and not self.started_ranks and dist.is_initialized()
+
+    def begin_call(self, digest: str) -> None:
+        """Rank 0 under torchrun, as a public call begins: the call's digest (its name and arguments) to every
+        rank, which compares it with its own in `follow`; all raise the same ValueError where one differs."""
+        if not self.every_rank_runs_the_program:
+            return
+        self.runtime.broadcast(("call", digest))
+        self._agree_on_call(True)
+
+    def _agree_on_call(self, same: bool) -> None:
+        if self.runtime.min_over_ranks(int(same)) == 0:
+            where = "rank 0's" if same else f"this rank's ({self.rank})"
+            raise ValueError(f"the ranks made different calls: {where} call or its arguments differ from another "
+                             "rank's. Under torchrun every rank runs the same program and makes the same calls "
+                             "with the same prompts and sampling params; rank 0 schedules and every rank returns "
+                             "its outputs")
+
     def send_result(self, kind: str, payload: Any) -> None:
         """Rank 0 under torchrun: end the public call every rank made, with rank 0's answer ("result") or
         error ("error"). Nothing to do for one rank or for ranks this process started."""
-        if self.runtime is None or self.started_ranks or not dist.is_initialized():
+        if not self.every_rank_runs_the_program:
             return
         try:
             self.runtime.broadcast((kind, payload))
@@ -186,14 +207,18 @@ class Worker:
             if kind != "error":
                 raise
 
-    def follow(self) -> Any:
+    def follow(self, digest: str | None = None) -> Any:
         """A rank other than 0: run the steps rank 0 sends until it ends the current public call; returns the
-        call's result, None after "shutdown", and raises rank 0's error."""
+        call's result, None after "shutdown", and raises rank 0's error. `digest`: this rank's call (see
+        `begin_call`), under torchrun."""
         assert self.runtime is not None and self.rank != 0
         while True:
             kind, payload = self.runtime.broadcast()
             if kind == "step":
                 self.runner.execute(payload)
+                continue
+            if kind == "call":
+                self._agree_on_call(payload == digest)
                 continue
             self.runner.idle()  # the call ends: the user's program (torchrun) runs on this process's threads
             if kind == "result":
