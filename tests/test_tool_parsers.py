@@ -168,6 +168,12 @@ REASONING = [  # (parser, prompt, output, reasoning, content)
      "The user asks 2+2. That is 4.\n", "\n\nIt is 4."),
     ("deepseek_r1", "<｜User｜>2+2?<｜Assistant｜>", "<think>\nAdd them.\n</think>4", "\nAdd them.\n", "4"),
     ("deepseek_r1", "", "Still thinking when the output was cut", "Still thinking when the output was cut", None),
+    # text before a late <think>: kept as reasoning, the marker dropped (as vLLM streams it); one after </think> is
+    # content
+    ("deepseek_r1", "", "x<think>a</think>b", "xa", "b"),
+    ("deepseek_r1", "", "a</think>b<think>c", "a", "b<think>c"),
+    ("deepseek_r1", "", "a <thin", "a <thin", None),
+    ("deepseek_r1", "", "x<think>a", "xa", None),
     ("qwen3", "<|im_start|>assistant\n", "<think>\nOkay, 2+2.\n</think>\n\n4", "\nOkay, 2+2.\n", "\n\n4"),
     ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "4, without thinking.", None, "4, without thinking."),
     ("qwen3", "<|im_start|>assistant\n<think>\n", "the template opened it</think>4", "the template opened it", "4"),

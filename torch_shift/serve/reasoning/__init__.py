@@ -3,7 +3,8 @@
 either way. The answer alone (the content) goes on to tool-call parsing.
 
 - `deepseek_r1` (DeepSeek-R1 and its distills, QwQ): everything up to `</think>` is reasoning, whether or not
-  the output begins with `<think>` (newer templates put it in the prompt); no `</think>`: all reasoning; but where
+  the output begins with `<think>` (newer templates put it in the prompt; a `<think>` later in the reasoning is
+  dropped, the text around it kept); no `</think>`: all reasoning; but where
   the prompt's last thinking marker is `</think>` (thinking turned off in the template), the output is content.
 - `qwen3` (Qwen3, Qwen3-Thinking-2507, Qwen3.5): the output is reasoning up to `</think>` when it begins with
   `<think>` or when the rendered prompt ends inside an open `<think>` (templates that start the thinking
@@ -30,6 +31,10 @@ class ReasoningParser:
         self._state = "opening"
         self._buffer = ""
         self._after_opening = "reasoning" if self.starts_in_reasoning(prompt) else "content"
+        # reasoning that did not begin with <think>: the marker, where it comes before </think>, is dropped and
+        # the text on both sides of it kept as reasoning (vLLM's streamed deepseek_r1 output; its whole-output
+        # parse drops the text before the marker)
+        self._unopened = False
 
     def starts_in_reasoning(self, prompt: str) -> bool:
         """Whether an output that does not begin with <think> is reasoning."""
@@ -66,10 +71,20 @@ class ReasoningParser:
                 return "", ""  # whitespace or the start of <think>: undecided
             else:
                 self._state = self._after_opening
+                self._unopened = self._state == "reasoning"
         if self._state == "reasoning":
             end = self._buffer.find(END)
+            if self._unopened:
+                start = self._buffer.find(START)
+                if 0 <= start and (end < 0 or start < end):
+                    self._buffer = self._buffer[:start] + self._buffer[start + len(START):]
+                    self._unopened = False
+                    end = self._buffer.find(END)
+                elif end >= 0:
+                    self._unopened = False
             if end < 0:
-                keep = 0 if final else held_marker_prefix(self._buffer, END)
+                keep = 0 if final else max(held_marker_prefix(self._buffer, END),
+                                           held_marker_prefix(self._buffer, START) if self._unopened else 0)
                 reasoning = self._buffer[:len(self._buffer) - keep]
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return reasoning, ""
