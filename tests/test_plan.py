@@ -127,6 +127,21 @@ def test_plan_cli_on_the_default_model(tmp_path, capsys):
     assert "unknown hardware" in capsys.readouterr().err
 
 
+def test_plan_says_each_reason_a_candidate_cannot_run_once(capsys):
+    """At world 3 the default model splits no way but DP and PP: one reason for the SP and Shift candidates, said
+    once on the way and once in the table's notes."""
+    assert main(["plan", "--hardware", "a10x2", "--world", "3", "--synthetic", "64:8", "--num-requests", "4",
+                 "--policies", "dp,sp,shift", "--thresholds", "32,512"]) == 0
+    captured = capsys.readouterr()
+    reason = "layout SP3xTP1 does not fit"
+    assert captured.err.count(reason) == 1 and captured.err.count("cannot run (as above)") == 2
+    assert captured.out.count(reason) == 1
+    rows = [line for line in captured.out.splitlines() if line.startswith(("SP3", "Shift"))]
+    assert len(rows) == 3 and all(line.endswith("cannot run [1]") for line in rows)
+    assert any(line.startswith("[1] " + reason) for line in captured.out.splitlines())
+    assert "recommended: DP3: the only candidate that ran" in captured.out
+
+
 def test_plan_cli_clips_a_trace_to_the_models_context(capsys):
     """The shipped trace has requests beyond the default model's 1,024 tokens: said as such, with the flags that
     clip it (every candidate used to fail on a max_model_len the user never gave)."""

@@ -261,7 +261,8 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
         reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"
     else:
         best = min(ran, key=key)
-        reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of {len(ran)} candidates, "
+        reason = (f"the only candidate that ran ({best.metrics['throughput_tok_s']:.1f} tok/s)" if len(ran) == 1 else
+                  f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of {len(ran)} candidates, "
                   f"then the lowest median TTFT ({best.metrics['ttft_p50_ms']:.1f} ms)")
     threshold = best_shift.candidate.params["threshold"] if best_shift else None
     if best_shift is not None:
@@ -326,10 +327,12 @@ class PlanReport:
                 f"{'tok/s':>9} {'weights/rank':>12} {'KV/rank':>9} {'switches':>8}")
         lines = [f"model {self.model} on {self.hardware}, world {self.world}; {self.workload}",
                  "latencies in ms; throughput: output tokens per second", head, "-" * len(head)]
+        reasons: dict[str, int] = {}  # each reason a candidate cannot run, once, below the table
         for r in self.results:
             name = r.candidate.label + (" *" if r is self.recommendation.result else "")
             if r.error:
-                lines.append(f"{name:34} cannot run: {r.error}")
+                note = reasons.setdefault(r.error, len(reasons) + 1)
+                lines.append(f"{name:34} cannot run [{note}]")
                 continue
             m = r.metrics
 
@@ -341,6 +344,7 @@ class PlanReport:
                          f"{_size(r.memory['weight_bytes_per_rank']):>12} {_size(r.memory['kv_bytes_per_rank']):>9} "
                          f"{m['num_switches']:>8}{unfinished}")
         lines.append("")
+        lines += [f"[{note}] {reason}" for reason, note in reasons.items()] + ([""] if reasons else [])
         lines.append(f"recommended: {self.recommendation.result.candidate.label}: {self.recommendation.reason}")
         return "\n".join(lines)
 
@@ -377,8 +381,12 @@ def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: 
                                 num_experts=config.num_experts if config.is_moe else 0):
         result = run_candidate(candidate, config, shape, hw, requests, concurrency=concurrency, **engine)
         if log is not None:
-            log(f"{candidate.label}: " + (result.error or f"TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "
-                                           f"{result.metrics['throughput_tok_s']:.1f} tok/s"))
+            if result.error is None:
+                log(f"{candidate.label}: TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "
+                    f"{result.metrics['throughput_tok_s']:.1f} tok/s")
+            else:  # a reason said once (a model that does not split three ways stops every such candidate)
+                said = any(r.error == result.error for r in results)
+                log(f"{candidate.label}: cannot run" + (" (as above)" if said else f": {result.error}"))
         results.append(result)
     return PlanReport(results, recommend(results, slo or {}), workload, hw.name, model_name, world, slo or {})
 
