@@ -809,6 +809,16 @@ def test_speculative_decoding_through_the_server(checkpoints, reference):
                                                                 "suffix_decoding_min_token_prob": 0.0,
                                                                 "goodput_budget": False}})
     try:
+        # before any request, every series at 0 (as vLLM's logger declares them): each family has its samples
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics").text)}
+        empty = [name for name, f in families.items() if name.startswith(("vllm:", "torch_shift:")) and not f.samples]
+        assert not empty, empty
+        assert {x.labels["finished_reason"] for x in families["vllm:request_success"].samples} == \
+            {"stop", "length", "abort", "error"}
+        assert {x.labels["position"] for x in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+                if x.name.endswith("_total")} == {str(i) for i in range(6)}
+        assert all(x.value == 0 for name in ("vllm:spec_decode_num_drafts", "vllm:request_success")
+                   for x in families[name].samples if x.name.endswith("_total"))
         prompt = (PROMPT + " ") * 6
         expected = greedy(reference, prompt, max_tokens=24, ignore_eos=True)
         client = s.client()

@@ -733,6 +733,7 @@ def create_server(engine_args, served_model_name: str | None = None, api_key: st
     engine = LLMEngine(engine_args)
     name = served_model_name or engine_args.model
     metrics = EngineMetrics(name)
+    metrics.declare(engine)
     async_engine = AsyncEngine(engine, max_waiting_seqs=max_waiting_seqs, metrics=metrics,
                                step_deadline_s=step_deadline_s, on_fatal=on_fatal)
 

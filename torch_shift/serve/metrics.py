@@ -9,6 +9,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from torch_shift.engine.outputs import RequestOutput
+from torch_shift.engine.request import RequestStatus
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -79,6 +80,29 @@ class EngineMetrics:
         self._preemptions = 0
         self._scheduled_tokens = 0
         self._spec_seen = (0, 0, 0, [])  # the engine's spec counters at the last step
+
+    def declare(self, engine) -> None:
+        """Every series the engine can move, at 0 before it moves (as vLLM's logger makes them at start-up): a
+        dashboard's first scrape sees them all, and a rate over a window that starts before a series' first count
+        is right."""
+        m = self.model_name
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.preemptions, self.ttft, self.itl, self.tpot, self.e2e, self.queue_time,
+                       self.inference_time, self.prefill_time, self.decode_time, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.iteration_tokens, self.layout_switches,
+                       self.step_duration, self.switch_latency):
+            metric.labels(m)
+        for status in RequestStatus:
+            if status.finished:
+                self.requests.labels(m, status.value)
+        for layout in engine.deployment.layouts:
+            self.steps.labels(m, layout.name)
+        if engine.stats_recorder.spec_method is not None:
+            for metric in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
+                metric.labels(m)
+            for position in range(len(engine.stats_recorder.accepted_per_position)):
+                self.spec_accepted_per_pos.labels(m, str(position))
+        self.update_gauges(engine)
 
     def on_step(self, engine) -> None:
         m = self.model_name
