@@ -15,6 +15,7 @@ import errno
 import hmac
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -688,12 +689,29 @@ def run_server(engine_args, args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = Server(config)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again under the handler it found:
+    # Python's SIGINT handler (a KeyboardInterrupt and its traceback) and SIGTERM's default (the process killed
+    # before the engine's ranks are stopped below). Both end here as the stop they asked for.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_stop) if on_main_thread else None
     try:
         server.run(sockets=[sock])
+    except (KeyboardInterrupt, _StopSignal):
+        print("[torch-shift] stopped", file=sys.stderr, flush=True)
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         sock.close()
         app.state.stop()  # also after a forced exit, which skips the lifespan's shutdown
     return 0 if async_engine.error is None else 1
+
+
+class _StopSignal(Exception):
+    """SIGTERM, raised again by uvicorn after its graceful shutdown."""
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _StopSignal
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
