@@ -142,6 +142,17 @@ def test_plan_says_each_reason_a_candidate_cannot_run_once(capsys):
     assert "recommended: DP3: the only candidate that ran" in captured.out
 
 
+def test_plan_names_a_model_given_by_its_config_file_after_its_directory(tmp_path, capsys):
+    from torch_shift.models.default import default_model_dir
+
+    model = tmp_path / "Llama-X"
+    model.mkdir()
+    (model / "config.json").write_text((default_model_dir() / "config.json").read_text())
+    assert main(["plan", "--model", str(model / "config.json"), "--hardware", "a10x2", "--synthetic", "64:8",
+                 "--num-requests", "4", "--policies", "dp"]) == 0
+    assert capsys.readouterr().out.startswith("model Llama-X on a10x2")
+
+
 def test_plan_cli_clips_a_trace_to_the_models_context(capsys):
     """The shipped trace has requests beyond the default model's 1,024 tokens: said as such, with the flags that
     clip it (every candidate used to fail on a max_model_len the user never gave)."""
