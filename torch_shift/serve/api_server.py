@@ -703,6 +703,7 @@ def run_server(engine_args, args) -> int:
             signal.signal(signal.SIGTERM, previous_sigterm)
         sock.close()
         app.state.stop()  # also after a forced exit, which skips the lifespan's shutdown
+        gc.unfreeze()  # frozen objects outlive the interpreter's last collection (nanobind, under triton, lists them)
     return 0 if async_engine.error is None else 1
 
 
