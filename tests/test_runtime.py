@@ -203,6 +203,32 @@ def test_an_interrupted_step_ends_the_ranks_and_the_next_call_says_why(llama):
         llm.shutdown(timeout_s=5)
 
 
+@pytest.mark.timeout(120)
+def test_a_second_interrupt_during_the_shutdown_still_ends_the_ranks(llama):
+    """Ctrl+C again while the interrupted step's shutdown waits for the ranks to leave: the ranks are ended at once
+    and the process group released (the ranks were left running, waiting for rank 0's next message, for as long as
+    the notebook's kernel lived, and no later engine could start)."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), tp=2)
+    launched = llm.engine.parallel.launched
+    worker = launched.procs[1]
+    real_stop = launched.stop
+    graceful = []
+
+    def stop(grace_s, kill_after_s):
+        graceful.append(grace_s)
+        if len(graceful) == 1:
+            raise KeyboardInterrupt  # during the graceful wait
+        real_stop(grace_s=grace_s, kill_after_s=kill_after_s)
+
+    launched.stop = stop
+    with pytest.raises(KeyboardInterrupt):
+        llm.shutdown(timeout_s=5)
+    assert graceful[1:] == [0.0] and not worker.is_alive()
+    llm = LLM(str(model_dir), tp=2)  # the process group was released: a new engine starts
+    llm.shutdown()
+
+
 def test_del_ends_the_ranks(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir), sp=2, tp=1)

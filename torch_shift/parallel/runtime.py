@@ -244,17 +244,22 @@ class ParallelRuntime:
         deadline = time.monotonic() + timeout_s
         launched = self.launched
         sender = None
-        if self.groups is not None and not launched.silent_ranks(1.0) and self._in_collective.acquire(
-                blocking=False):
-            try:  # the ranks wait on the control channel for the next message: tell them to exit
-                sender = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
-                                          self.groups.control_group, self.control, timeout_s / 4), daemon=True)
-                sender.start()
-                sender.join(timeout_s / 4)
-            finally:
-                self._in_collective.release()
-        grace = (deadline - time.monotonic()) / 2 if sender is not None else 0.0
-        launched.stop(grace_s=max(0.0, grace), kill_after_s=1.0)
+        interrupted: BaseException | None = None
+        try:
+            if self.groups is not None and not launched.silent_ranks(1.0) and self._in_collective.acquire(
+                    blocking=False):
+                try:  # the ranks wait on the control channel for the next message: tell them to exit
+                    sender = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
+                                              self.groups.control_group, self.control, timeout_s / 4), daemon=True)
+                    sender.start()
+                    sender.join(timeout_s / 4)
+                finally:
+                    self._in_collective.release()
+            grace = (deadline - time.monotonic()) / 2 if sender is not None else 0.0
+            launched.stop(grace_s=max(0.0, grace), kill_after_s=1.0)
+        except BaseException as e:  # a second Ctrl+C during the wait: the ranks are ended at once, the group
+            interrupted = e         # released below (a later engine can start), and the interruption raised
+            launched.stop(grace_s=0.0, kill_after_s=1.0)
         if sender is not None:
             sender.join(max(0.0, deadline - time.monotonic()))  # it ends with the ranks at the latest
         released = False
@@ -275,6 +280,8 @@ class ParallelRuntime:
             torch.set_num_threads(self._user_threads)
         if released and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
             sys.excepthook = self._user_excepthook  # unless someone set one of their own since
+        if interrupted is not None:
+            raise interrupted
 
 
 def every_rank_joins(timeout_s: float) -> None:
