@@ -268,3 +268,36 @@ def test_the_operators_compile_for_avx2_cpus(tmp_path):
     errors = {name: err[-2000:] for name, process, err in zip(sources, compiles, stderr, strict=True)
               if process.returncode != 0}
     assert not errors, errors
+
+
+@needs_kernels
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked, monkeypatch):
+    """fused.gate_up_silu runs a packed float32 projection's rows in chunks (GATE_UP_CHUNK_BYTES): the bits of the
+    whole projection followed by `silu(gate) * up`, eagerly and through its C++ operator (what a compiled forward
+    runs), in oneDNN's layout and in the AVX2 kernel's blocks; no chunk is a GEMV's few rows."""
+    dtype = torch.float32
+    from torch_shift.kernels import cpu_ops
+    from torch_shift.models.linear import Linear, PackedWeight
+
+    g = torch.Generator().manual_seed(9)
+    hidden, intermediate, chunk_rows = 1024, 64, 64  # K = 1024: a GEMV of a few rows sums in another order
+    proj = Linear(hidden, 2 * intermediate, bias=False)
+    with torch.no_grad():
+        proj.weight.copy_(torch.randn(proj.weight.shape, generator=g) * 0.1)
+    proj = proj.to(dtype)
+    try:
+        proj.packed = PackedWeight(proj.weight.detach(), blocked=blocked)
+    except ValueError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(fused, "GATE_UP_CHUNK_BYTES", chunk_rows * 2 * intermediate * proj.weight.element_size())
+    native = cpu_ops() and fused.register_native_operators()
+    assert not native or torch._C._dispatch_has_kernel_for_dispatch_key("torch_shift::cpu_gate_up_silu", "CPU")
+    # at most 32768 elements: PyTorch's silu in one part, as the chunks'; 140 = 2 x 64 + 12: chunks of 47, 47, 46
+    for tokens in (1, 16, 17, 64, 65, 76, 100, 140, 300):
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        whole = fused.silu_mul(proj(x))
+        assert torch.equal(fused.gate_up_silu(proj, x), whole), tokens
+        if native:
+            assert torch.equal(torch.ops.torch_shift.cpu_gate_up_silu(x, proj.packed.handle, 2 * intermediate,
+                                                                      chunk_rows), whole), tokens

@@ -327,6 +327,26 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// torch_shift::cpu_gate_up_silu (fused.py's gate_up_silu): the packed gate/up projection and `silu(gate) * up` of
+// `chunk_rows` rows at a time, each chunk's projection still in the caches when it is activated
+at::Tensor gate_up_silu(const at::Tensor& x, int64_t handle, int64_t out_features, int64_t chunk_rows) {
+  const int64_t in_features = x.size(-1);
+  const int64_t rows = in_features > 0 ? x.numel() / in_features : 0;
+  if (rows <= chunk_rows) return silu_mul(packed_linear(x, handle, out_features, std::nullopt));
+  const at::Tensor input = x.contiguous().view({rows, in_features});
+  at::Tensor out = at::empty({rows, out_features / 2}, x.options());
+  const int64_t count = (rows + chunk_rows - 1) / chunk_rows;  // chunks of equal rows or one more, as fused.py's
+  for (int64_t i = 0, start = 0; i < count; ++i) {
+    const int64_t n = rows / count + (i < rows % count);
+    out.narrow(0, start, n).copy_(silu_mul(packed_linear(input.narrow(0, start, n), handle, out_features,
+                                                         std::nullopt)));
+    start += n;
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features / 2;
+  return out.view(sizes);
+}
+
 // torch_shift::shm_all_reduce (torch_shift/parallel/shm.py's ShmCommunicator.all_reduce) in C++ for messages that fit
 // a slot: the same protocol, the same words in the segment, the same sum. It spins for its peers for up to
 // kSpinNs, then hands the collective it published to Python (shm_all_reduce_resume), which waits with the
@@ -577,9 +597,9 @@ void ts_note_silu_lanes(int dtype_code, int64_t intermediate, int lanes) {
   silu_lanes()[silu_key(dtype_code, intermediate)] = lanes;
 }
 
-// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary and cpu_silu_mul on the CPU, once
-// fused.py has defined them and their <name>_python twins; `lanes`: fused.py's _sum_lanes() (0: RMSNorm stays in
-// Python). 0, or -1 where PyTorch refused them.
+// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary, cpu_silu_mul and cpu_gate_up_silu on the
+// CPU, once fused.py has defined them and their <name>_python twins; `lanes`: fused.py's _sum_lanes() (0: RMSNorm
+// stays in Python). 0, or -1 where PyTorch refused them.
 int ts_register_elementwise(int lanes) {
   static torch::Library* library = nullptr;
   sum_lanes = lanes;
@@ -587,6 +607,7 @@ int ts_register_elementwise(int lanes) {
     m.impl("cpu_rms_norm", TORCH_FN(rms_norm));
     m.impl("cpu_rotary", TORCH_FN(rotary));
     m.impl("cpu_silu_mul", TORCH_FN(silu_mul));
+    m.impl("cpu_gate_up_silu", TORCH_FN(gate_up_silu));
   });
 }
 

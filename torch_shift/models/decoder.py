@@ -17,12 +17,12 @@ from torch import nn
 
 from torch_shift.config import ModelConfig
 from torch_shift.models.fused import (
+    gate_up_silu,
     gpu_add_rms_norm,
     gpu_rms_norm,
     gpu_rms_norm_applies,
     rms_norm,
     rms_norm_expression,
-    silu_mul,
 )
 from torch_shift.models.linear import Linear
 from torch_shift.models.moe import SparseMoeBlock
@@ -110,7 +110,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):

@@ -7,9 +7,10 @@ caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps
 opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's
 own code for them rounds differently, and a compiled engine runs its steps of up to 16 tokens through the C++ decoder
-(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, so a token's
-logits do not depend on the size of the step that computed it (greedy output is the same with and without
-speculative decoding, whose checks change the steps' sizes).
+(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, so a float32
+token's logits do not depend on the size of the step that computed it (greedy output is the same with and without
+speculative decoding, whose checks change the steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row
+counts otherwise (gate_up_silu).
 
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where
@@ -39,6 +40,7 @@ from torch_shift.kernels import (
     decoder_kernels,
     register_native_elementwise,
 )
+from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packed_weight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
@@ -159,6 +161,53 @@ custom_op("torch_shift::cpu_silu_mul_python")(cpu_silu_mul.__wrapped__)
 @cpu_silu_mul.register_fake
 def _(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+# Rows of a packed float32 gate/up projection computed and activated at a time: about 8 MiB of projection, still in
+# the caches when `silu(gate) * up` reads it. A step's whole projection went to memory and back, and above 32 MiB
+# (glibc maps such blocks afresh for every call) its pages were faulted in on every layer: 6-10% of the CPU time of a
+# float32 prefill in 2048-token steps of the 106M model (docs/performance.md, issue 20).
+GATE_UP_CHUNK_BYTES = 8 << 20
+
+
+def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a fused gate/up projection of x [..., hidden]: a packed float32 one on the CPU in chunks
+    of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque `torch_shift::cpu_gate_up_silu`. The same bits
+    as the whole projection: a float32 row's sums do not depend on how many rows oneDNN multiplies at once (measured
+    and tested); bfloat16's do on AMX (a 128 x 1024 weight: 100 rows at once round otherwise than 300), so bfloat16
+    projections stay whole."""
+    packed = getattr(gate_up_proj, "packed", None)
+    if (packed is None or not x.is_cpu or x.dtype != torch.float32 or getattr(gate_up_proj, "bias", None) is not None
+            or getattr(gate_up_proj, "biases", None) is not None):
+        return silu_mul(gate_up_proj(x))
+    chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
+    if _compiling_on_cpu(x):
+        return cpu_gate_up_silu(x, packed.handle, packed.out_features, chunk_rows)
+    return _gate_up_silu_chunks(packed, x, chunk_rows)
+
+
+def _gate_up_silu_chunks(packed: PackedWeight, x: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= chunk_rows:
+        return silu_mul(packed(x, None))
+    # chunks of equal rows (or one more): each at least chunk_rows / 2, far above GEMV_MAX_ROWS, so that every chunk
+    # takes the whole step's matmul and not the GEMV kernel, whose sums run in another order
+    count = -(-rows // chunk_rows)
+    sizes = [rows // count + (i < rows % count) for i in range(count)]
+    flat = x.reshape(rows, x.shape[-1])
+    out = torch.cat([silu_mul(packed(part, None)) for part in flat.split(sizes)])
+    return out.view(*x.shape[:-1], packed.out_features // 2)
+
+
+@custom_op("torch_shift::cpu_gate_up_silu")
+def cpu_gate_up_silu(x: torch.Tensor, handle: int, out_features: int, chunk_rows: int) -> torch.Tensor:
+    """gate_up_silu of the packed weight `handle`, kept whole by torch.compile (C++ in kernels/cpu_ops.cpp)."""
+    return _gate_up_silu_chunks(packed_weight(handle), x, chunk_rows)
+
+
+@cpu_gate_up_silu.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int, chunk_rows: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features // 2)
 
 
 @cache
