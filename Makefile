@@ -15,7 +15,7 @@ test:
 	PYTHON=$(PYTHON) scripts/install.sh serve,dev
 	$(PYTHON) -m pytest -q --timeout=900 tests
 
-# The quick subset, while developing (the dev extras installed first, as for `make test`).
+# The quick subset, while developing (the dev extras installed first where pytest is missing, as after `make demo`).
 test-fast:
-	PYTHON=$(PYTHON) scripts/install.sh serve,dev
+	$(PYTHON) -c "import pytest" 2>/dev/null || PYTHON=$(PYTHON) scripts/install.sh serve,dev
 	$(PYTHON) -m pytest -q -m "not slow" tests

@@ -4,6 +4,7 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), none started by another."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from torch_shift import LLM, SamplingParams
@@ -85,3 +86,6 @@ def test_a_call_digest_reads_the_name_and_the_arguments_contents():
     assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), 1) != same
     assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None, name="chat") != same
     assert digest([[1, 2]]) != digest([[1], [2]])  # lengths are part of it
+    assert digest([np.array([1, 2])]) == digest([[np.int64(1), 2]]) == digest([[1, 2]])  # numbers by value
+    assert digest([np.array([1, 3])]) != digest([[1, 2]])
+    assert digest({"b": 1, "a": 2}) == digest({"a": 2, "b": 1})  # no hash seed decides an order

@@ -139,7 +139,7 @@ def test_plan_says_each_reason_a_candidate_cannot_run_once(capsys):
     rows = [line for line in captured.out.splitlines() if line.startswith(("SP3", "Shift"))]
     assert len(rows) == 3 and all(line.endswith("cannot run [1]") for line in rows)
     assert any(line.startswith("[1] " + reason) for line in captured.out.splitlines())
-    assert "recommended: DP3: the only candidate that ran" in captured.out
+    assert "recommended: DP3: the only candidate that served the whole workload" in captured.out
 
 
 def test_plan_names_a_model_given_by_its_config_file_after_its_directory(tmp_path, capsys):

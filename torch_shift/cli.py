@@ -314,7 +314,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot:  # before the simulations, not after them
         _require_extra("bench", "plan --plot", "matplotlib")
     config = load_model_config(model)
-    label = Path(model).parent if Path(model).suffix == ".json" else Path(model)  # .../Llama-3-70B/config.json
+    label = Path(args.model or model)  # a hub id's name, not its snapshot's
+    label = label.parent if label.suffix == ".json" else label  # .../Llama-3-70B/config.json
     shape = ModelShape.from_config(config, dtype=args.dtype, name=label.name)
     hw = get_profile(args.hardware)
     world = args.world or hw.num_devices

@@ -390,6 +390,11 @@ class LLMEngine:
         return [group.entries for group in output.groups if group.entries], result.logits
 
     # -- ranks ----------------------------------------------------------------------------------------------
+    @property
+    def every_rank_runs_the_program(self) -> bool:
+        """Ranks of one program (torchrun), each making the public calls rank 0 makes."""
+        return self.worker is not None and self.worker.every_rank_runs_the_program
+
     def begin_call(self, digest: str) -> None:
         """Rank 0 under torchrun, as a public call begins: check that every rank makes this call (`digest`: its
         name and arguments); a ValueError on every rank where one differs."""

@@ -190,9 +190,9 @@ class Worker:
 
     def _agree_on_call(self, same: bool) -> None:
         if self.runtime.min_over_ranks(int(same)) == 0:
-            where = "rank 0's" if same else f"this rank's ({self.rank})"
-            raise ValueError(f"the ranks made different calls: {where} call or its arguments differ from another "
-                             "rank's. Under torchrun every rank runs the same program and makes the same calls "
+            which = "" if same else f" (this rank's, rank {self.rank}, does)"
+            raise ValueError(f"the ranks made different calls: a rank's call or its arguments differ from rank 0's"
+                             f"{which}. Under torchrun every rank runs the same program and makes the same calls "
                              "with the same prompts and sampling params; rank 0 schedules and every rank returns "
                              "its outputs")
 

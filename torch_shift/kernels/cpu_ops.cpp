@@ -597,9 +597,10 @@ void ts_note_silu_lanes(int dtype_code, int64_t intermediate, int lanes) {
   silu_lanes()[silu_key(dtype_code, intermediate)] = lanes;
 }
 
-// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary, cpu_silu_mul and cpu_gate_up_silu on the
-// CPU, once fused.py has defined them and their <name>_python twins; `lanes`: fused.py's _sum_lanes() (0: RMSNorm
-// stays in Python). 0, or -1 where PyTorch refused them.
+// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary, cpu_silu_mul (with <name>_python twins
+// for where their kernels do not apply) and cpu_gate_up_silu (packed_linear and silu_mul in chunks) on the CPU, once
+// fused.py has defined them; `lanes`: fused.py's _sum_lanes() (0: RMSNorm stays in Python). 0, or -1 where PyTorch
+// refused them.
 int ts_register_elementwise(int lanes) {
   static torch::Library* library = nullptr;
   sum_lanes = lanes;

@@ -172,13 +172,15 @@ GATE_UP_CHUNK_BYTES = 8 << 20
 
 def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused gate/up projection of x [..., hidden]: a packed float32 one on the CPU in chunks
-    of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque `torch_shift::cpu_gate_up_silu`. The same bits
-    as the whole projection: a float32 row's sums do not depend on how many rows oneDNN multiplies at once (measured
-    and tested); bfloat16's do on AMX (a 128 x 1024 weight: 100 rows at once round otherwise than 300), so bfloat16
-    projections stay whole."""
+    of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque `torch_shift::cpu_gate_up_silu`; eager and
+    compiled steps chunk alike. The bits of the whole projection where a float32 row's sums do not depend on how many
+    rows oneDNN multiplies at once and PyTorch's SiLU splits the chunks' elements over its threads on vector
+    boundaries, as on the machines measured (two threads; tests/test_fused.py); where it splits a row elsewhere the
+    split's last elements take its scalar exp, as they already do in steps of other sizes. bfloat16 rows on AMX do
+    depend on the row count (a 128 x 1024 weight: 100 rows at once round otherwise than 300): those stay whole."""
     packed = getattr(gate_up_proj, "packed", None)
-    if (packed is None or not x.is_cpu or x.dtype != torch.float32 or getattr(gate_up_proj, "bias", None) is not None
-            or getattr(gate_up_proj, "biases", None) is not None):
+    if (packed is None or not x.is_cpu or x.dtype != torch.float32 or packed.dtype != torch.float32
+            or getattr(gate_up_proj, "bias", None) is not None or getattr(gate_up_proj, "biases", None) is not None):
         return silu_mul(gate_up_proj(x))
     chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
     if _compiling_on_cpu(x):

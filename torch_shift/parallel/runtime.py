@@ -249,9 +249,10 @@ class ParallelRuntime:
             if self.groups is not None and not launched.silent_ranks(1.0) and self._in_collective.acquire(
                     blocking=False):
                 try:  # the ranks wait on the control channel for the next message: tell them to exit
-                    sender = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
+                    thread = threading.Thread(target=_broadcast_quietly, args=([("shutdown", None)],
                                               self.groups.control_group, self.control, timeout_s / 4), daemon=True)
-                    sender.start()
+                    thread.start()
+                    sender = thread  # only once started: an interruption before leaves none to join
                     sender.join(timeout_s / 4)
                 finally:
                     self._in_collective.release()

@@ -261,7 +261,8 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
         reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"
     else:
         best = min(ran, key=key)
-        reason = (f"the only candidate that ran ({best.metrics['throughput_tok_s']:.1f} tok/s)" if len(ran) == 1 else
+        reason = (f"the only candidate that served the whole workload ({best.metrics['throughput_tok_s']:.1f} tok/s)"
+                  if len(ran) == 1 else
                   f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of {len(ran)} candidates, "
                   f"then the lowest median TTFT ({best.metrics['ttft_p50_ms']:.1f} ms)")
     threshold = best_shift.candidate.params["threshold"] if best_shift else None

@@ -699,11 +699,13 @@ def run_server(engine_args, args) -> int:
     except (KeyboardInterrupt, _StopSignal):
         print("[torch-shift] stopped", file=sys.stderr, flush=True)
     finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        if on_main_thread:  # a supervisor's second SIGTERM does not cut the ranks' stop short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sock.close()
         app.state.stop()  # also after a forced exit, which skips the lifespan's shutdown
         gc.unfreeze()  # frozen objects outlive the interpreter's last collection (nanobind, under triton, lists them)
+        if on_main_thread:  # None: a handler installed from C, which Python cannot put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
     return 0 if async_engine.error is None else 1
 
 

@@ -8,8 +8,8 @@ either way. The answer alone (the content) goes on to tool-call parsing.
   the prompt's last thinking marker is `</think>` (thinking turned off in the template), the output is content.
 - `qwen3` (Qwen3, Qwen3-Thinking-2507, Qwen3.5): the output is reasoning up to `</think>` when it begins with
   `<think>` or when the rendered prompt ends inside an open `<think>` (templates that start the thinking
-  themselves); otherwise all of it is content, as with `chat_template_kwargs={"enable_thinking": false}`, where
-  the template closes an empty thinking block in the prompt.
+  themselves; a later `<think>` dropped as for `deepseek_r1`); otherwise all of it is content, as with
+  `chat_template_kwargs={"enable_thinking": false}`, where the template closes an empty thinking block in the prompt.
 """
 
 from __future__ import annotations
