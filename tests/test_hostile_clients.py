@@ -297,7 +297,9 @@ def test_sigterm_ends_every_process_while_a_worker_is_stopped(model_dir):
         assert stream.result(timeout=30)[-1]["error"]["message"] == "the server is shutting down"
         assert plain.result(timeout=30).status_code == 503
         pool.shutdown()
-        assert server.wait_exit(30) == -signal.SIGTERM  # uvicorn re-raises the signal it handled
+        # the stop it asked for, not the signal's default death that uvicorn's raising it again used to bring (before
+        # the ranks were stopped): 1 where the stalled step failed the engine first, for a supervisor to restart it
+        assert server.wait_exit(30) in (0, 1)
         _wait_gone(worker, 10)
     finally:
         server.stop()
