@@ -234,12 +234,12 @@ struct Prefetcher {
   }
 };
 
-// A decode item's chunk of values weighted by `probs` added into rows [r0, r0 + RB)'s accumulators (first
-// scaled by `correction`), DVB vectors of a row at a time: RB x DVB independent chains of multiply-adds.
+// A chunk's first `seen` values weighted by `probs` added into rows [r0, r0 + RB)'s accumulators (first scaled by
+// `correction`), DVB vectors of a row at a time: RB x DVB independent chains of multiply-adds.
 template <int RB, int DVB, typename KT, typename VT>
 inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces,
-                         int64_t value_stride, const float (&probs)[RB][kChunk], const float (&correction)[RB],
-                         Prefetcher& prefetcher) {
+                         int64_t value_stride, int64_t seen, const float (&probs)[RB][kChunk],
+                         const float (&correction)[RB], Prefetcher& prefetcher) {
   const int64_t D = rows.head_dim;
   for (int64_t dv = 0; dv < D; dv += DVB * kLanes) {
     vfloat out[RB][DVB];
@@ -247,7 +247,8 @@ inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, in
       for (int b = 0; b < DVB; ++b) out[r][b] = load16(rows.acc + (r0 + r) * D + dv + b * kLanes) * correction[r];
     for (int64_t s = 0; s < num_pieces; ++s) {
       const VT* values = pieces[s].values + dv;
-      for (int64_t j = 0; j < pieces[s].n; ++j) {
+      const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
+      for (int64_t j = 0; j < n; ++j) {
         prefetcher.step();
         vfloat weight[RB];
         for (int r = 0; r < RB; ++r) weight[r] = broadcast(probs[r][s * kLanes + j]);
@@ -263,7 +264,7 @@ inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, in
   }
 }
 
-// A decode item's scores of rows [r0, r0 + RB) against NF full pieces and, if PARTIAL, one partial piece after
+// The scores of rows [r0, r0 + RB) against NF full pieces and, if PARTIAL, one partial piece after
 // them (its keys padded with zeros in `padded`, never reading past them). The piece count is a template
 // argument so that the RB x kPieces accumulators are registers, RB x NF independent chains.
 template <int RB, int NF, bool PARTIAL, typename KT, typename VT>
@@ -484,10 +485,11 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 
 // Rows [r0, r0 + RB) (one KV head) against one chunk of keys starting at position `chunk`: scores, the online
 // softmax update (once per chunk: FlashAttention's recurrence), and the values added into the accumulators.
-// DECODE (one query: bound by reading the keys and values) takes the loops above, which keep more
-// multiply-adds in flight and request the next chunk as they go (decode attention 1.3-1.5x faster at 64-256
-// sequences, bench_attention.py); a prompt tile (many row blocks on one chunk, bound by arithmetic) keeps the
-// loops below, which measured 1.3x faster for it. Only a chunk's last piece can be partial.
+// Decode and prompt rows alike take the loops above: RB x pieces (scores) and RB x DVB (values) independent
+// chains of multiply-adds. A prompt tile's loops over one piece, then one vector of dimensions at a time (RB
+// chains, each waiting on its last multiply-add) ran float32 prompt attention at 49-65 GFLOP/s against 74-92
+// (bench_attention.py's shapes, one thread, alternated). A decode item also requests the next chunk as it
+// goes. Only a chunk's last piece can be partial.
 template <int RB, bool DECODE, typename KT, typename VT>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
                 int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
@@ -509,10 +511,10 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
 #else
   constexpr bool avx2 = false;
 #endif
-  if constexpr (DECODE && avx2) {
+  if constexpr (avx2) {
 #ifdef TS_AVX2_TILES
-    for (int64_t s = 0; s < num_pieces; ++s) {  // the next chunk requested during the first piece
-      Prefetcher* requests = s == 0 ? &prefetcher : nullptr;
+    for (int64_t s = 0; s < num_pieces; ++s) {  // a decode item requests the next chunk during the first piece
+      Prefetcher* requests = DECODE && s == 0 ? &prefetcher : nullptr;
       if (pieces[s].n < kLanes) {
         pad_keys(pieces[s], D, key_dim_stride, padded);
         piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, requests);
@@ -521,7 +523,7 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
       }
     }
 #endif
-  } else if constexpr (DECODE) {
+  } else {
     switch (num_pieces * 2 + (pieces[num_pieces - 1].n < kLanes)) {
 #define TS_SCORES(NF, PARTIAL)                                                                \
   chunk_scores<RB, NF, PARTIAL>(rows, r0, pieces, key_dim_stride, padded, prefetcher, scores); \
@@ -537,33 +539,6 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
 #undef TS_SCORES
       default: assert(false);
     }
-  } else {
-    for (int64_t s = 0; s < num_pieces; ++s) {
-      const KT* keys = pieces[s].keys;
-      int64_t stride = key_dim_stride;
-      if (pieces[s].n < kLanes) {
-        pad_keys(pieces[s], D, stride, padded);
-#ifdef TS_AVX2_TILES
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, nullptr);
-        continue;
-#endif
-        for (int64_t d = 0; d < D; ++d) {
-          const vfloat kd = load16(padded + d * kLanes);
-          for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
-        }
-        continue;
-      }
-#ifdef TS_AVX2_TILES
-      if constexpr (avx2) {
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, keys, stride, scores, s, nullptr);
-        continue;
-      }
-#endif
-      for (int64_t d = 0; d < D; ++d) {
-        const vfloat kd = load16(keys + d * stride);
-        for (int r = 0; r < RB; ++r) scores[r][s] += rows.q[(r0 + r) * D + d] * kd;
-      }
-    }
   }
 
   alignas(64) float probs[RB][kChunk];
@@ -577,26 +552,10 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
     return;
   }
 #endif
-  if constexpr (DECODE) {
-    switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
-      case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
-      case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
-      default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, probs, correction, prefetcher); break;
-    }
-    return;
-  }
-  for (int64_t dv = 0; dv < DV; ++dv) {
-    vfloat out[RB];
-    for (int r = 0; r < RB; ++r) out[r] = load16(rows.acc + (r0 + r) * D + dv * kLanes) * correction[r];
-    for (int64_t s = 0; s < num_pieces; ++s) {
-      const VT* values = pieces[s].values + dv * kLanes;
-      const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
-      for (int64_t j = 0; j < n; ++j) {
-        const vfloat vv = load16(values + j * value_stride);
-        for (int r = 0; r < RB; ++r) out[r] += probs[r][s * kLanes + j] * vv;
-      }
-    }
-    for (int r = 0; r < RB; ++r) std::memcpy(rows.acc + (r0 + r) * D + dv * kLanes, &out[r], sizeof(vfloat));
+  switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
+    case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
+    case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
+    default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
   }
 }
 
