@@ -8,6 +8,7 @@ Defaults live here only: the command line (torch_shift.cli) builds its engine fl
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
@@ -38,7 +39,8 @@ def check_alias_pairs(engine_args: dict[str, Any]) -> None:
     """Keyword arguments that give both names of one argument must agree (EngineArgs itself cannot tell a short
     name given at its default, `tp=1`, from one left out)."""
     for alias, name in ENGINE_ARG_ALIASES.items():
-        if alias in engine_args and name in engine_args and engine_args[alias] != engine_args[name]:
+        if (engine_args.get(alias, _NOT_GIVEN) is not _NOT_GIVEN and name in engine_args
+                and engine_args[alias] != engine_args[name]):
             raise ValueError(f"{alias}={engine_args[alias]!r} and {name}={engine_args[name]!r} disagree; give one "
                              "of them")
 
@@ -357,6 +359,21 @@ class EngineArgs:
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
             speculative=SpeculativeConfig.from_user(self.speculative_config),
         )
+
+
+def _refusing_disagreeing_aliases(dataclass_init):
+    """EngineArgs' generated __init__, first checking its keywords' alias pairs: `tp=1, tensor_parallel_size=2`
+    passed directly would otherwise read as tp left at its default."""
+
+    @functools.wraps(dataclass_init)
+    def __init__(self, *args, **kwargs):
+        check_alias_pairs(kwargs)
+        dataclass_init(self, *args, **kwargs)
+
+    return __init__
+
+
+EngineArgs.__init__ = _refusing_disagreeing_aliases(EngineArgs.__init__)
 
 
 @dataclass(frozen=True)
