@@ -561,6 +561,11 @@ def test_vllm_and_arctic_inference_argument_names():
         EngineArgs("m", tp=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="shift_parallel_threshold=64 and shift_threshold=256 disagree"):
         EngineArgs("m", shift_threshold=256, shift_parallel_threshold=64)
+    # dataclasses.replace passes every field's old value: an alias there replaces its field
+    assert replace(EngineArgs("m"), tensor_parallel_size=2).tp == 2
+    assert replace(EngineArgs("m", tp=2), dp=3).tp == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and tp=4 disagree"):
+        replace(EngineArgs("m", tp=4), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size=2 and dp=4 disagree"):
         EngineArgs("m", dp=4, data_parallel_size=2)
     assert EngineArgs("m", pipeline_parallel_size=2).pp == 2

@@ -36,8 +36,8 @@ _NOT_GIVEN: Any = object()
 
 
 def check_alias_pairs(engine_args: dict[str, Any]) -> None:
-    """Keyword arguments that give both names of one argument must agree (EngineArgs itself cannot tell a short
-    name given at its default, `tp=1`, from one left out)."""
+    """Keyword arguments that give both names of one argument must agree (EngineArgs' fields cannot tell a short
+    name given at its default, `tp=1`, from one left out). An alias at the `_NOT_GIVEN` sentinel was not given."""
     for alias, name in ENGINE_ARG_ALIASES.items():
         if (engine_args.get(alias, _NOT_GIVEN) is not _NOT_GIVEN and name in engine_args
                 and engine_args[alias] != engine_args[name]):
@@ -363,11 +363,15 @@ class EngineArgs:
 
 def _refusing_disagreeing_aliases(dataclass_init):
     """EngineArgs' generated __init__, first checking its keywords' alias pairs: `tp=1, tensor_parallel_size=2`
-    passed directly would otherwise read as tp left at its default."""
+    passed directly would otherwise read as tp left at its default. A call naming every field is
+    `dataclasses.replace`'s, whose fields carry the old values: an alias given there replaces its field, as in
+    vLLM, where `replace(args, tensor_parallel_size=2)` is the way to change it."""
+    field_names = {f.name for f in fields(EngineArgs) if f.init}
 
     @functools.wraps(dataclass_init)
     def __init__(self, *args, **kwargs):
-        check_alias_pairs(kwargs)
+        if not field_names <= kwargs.keys():
+            check_alias_pairs(kwargs)
         dataclass_init(self, *args, **kwargs)
 
     return __init__

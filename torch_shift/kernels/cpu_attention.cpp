@@ -71,7 +71,7 @@ inline vfloat load16(const fp16_t* p) {
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
-// x in every lane, kept in a register: a decode loop's query or probability, multiplied by several vectors.
+// x in every lane, kept in a register: a row's query or probability, multiplied by several vectors.
 // (`splat` above costs a scalar add, as 0 + -0 is +0; a broadcast folded into each multiply-add as a memory
 // operand, or spilled with the accumulators, measured slower for bfloat16 keys.)
 inline vfloat broadcast(float x) {
@@ -486,10 +486,10 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 // Rows [r0, r0 + RB) (one KV head) against one chunk of keys starting at position `chunk`: scores, the online
 // softmax update (once per chunk: FlashAttention's recurrence), and the values added into the accumulators.
 // Decode and prompt rows alike take the loops above: RB x pieces (scores) and RB x DVB (values) independent
-// chains of multiply-adds. A prompt tile's loops over one piece, then one vector of dimensions at a time (RB
-// chains, each waiting on its last multiply-add) ran float32 prompt attention at 49-65 GFLOP/s against 74-92
-// (bench_attention.py's shapes, one thread, alternated). A decode item also requests the next chunk as it
-// goes. Only a chunk's last piece can be partial.
+// chains of multiply-adds. (Prompt tiles once looped over one piece, then one vector of dimensions, at a time:
+// RB chains, each waiting on its last multiply-add; float32 prompts of 512 and chunks after 1,024 ran at 56-67
+// GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) A decode item also requests
+// the next chunk as it goes; a prompt tile's prefetcher is empty there. Only a chunk's last piece can be partial.
 template <int RB, bool DECODE, typename KT, typename VT>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
                 int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
@@ -976,8 +976,8 @@ void attend(const Problem& p, const Item& item) {
   const bool vector = D % kLanes == 0;
 
   // A decode item's next chunk is requested a few lines at a time from inside its loops; a prompt tile's at
-  // once, before the current chunk (steps inside its loops cost it 2x, measured). The prefetcher stays empty
-  // where blocks are copied out.
+  // once, before the current chunk (requests spread inside its loops cost it 2x, measured), so that its loops
+  // find the prefetcher empty. The prefetcher stays empty where blocks are copied out.
   Prefetcher prefetcher;
   const bool decode = item.num_queries == 1;
   // one chunk of head h against that head's rows
