@@ -72,6 +72,24 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked):
     assert torch.equal(packed(x.reshape(4, -1, 128), None), together.reshape(4, -1, 256))
 
 
+@pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
+@pytest.mark.parametrize("in_features", [96, 512, 640, 1024, 1408, 2816])
+def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
+    """oneDNN's float32 matmul sums K in runs of k-steps (512 up to K = 1,024, else 1,024) added in order, and the GEMV
+    sums so too: a row's outputs are the same bits on either side of GEMV_MAX_ROWS, with and without a bias, so that
+    a token's logits do not depend on its step's size (the checks of speculative decoding change it)."""
+    torch.manual_seed(3)
+    weight = torch.randn(128, in_features) * 0.05
+    bias = torch.randn(128)
+    packed = PackedWeight(weight, blocked=False)
+    assert packed.gemv is not None and packed.rounds_as_onednn
+    x = torch.randn(GEMV_MAX_ROWS + 1, in_features)
+    for b in (None, bias):
+        together = packed(x, b)  # GEMV_MAX_ROWS + 1 rows: oneDNN's matmul
+        for row in (0, 7, GEMV_MAX_ROWS):
+            assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), (in_features, row)
+
+
 @pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):

@@ -49,34 +49,50 @@ __attribute__((target("avx512f"))) inline __m512 load_bias_f32(const float* bias
   return bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
 }
 
+// oneDNN's float32 matmul (brgemm, AVX-512 and AMX CPUs) sums K in runs of this many k-steps, each run a chain of
+// FMAs from zero, the runs' sums added in order, then the bias: the GEMV sums so too, so that a row's outputs are
+// the same bits through either (a token's logits then do not depend on its step's row count). Measured on oneDNN
+// 3.x: 512 for K <= 1024, else 1024, whatever the rows and features; torch_shift/models/linear.py checks each
+// packed weight against oneDNN (`PackedWeight.rounds_as_onednn`).
+inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
+
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
 struct F32Rows {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* w, int64_t K,
                                                      const float* bias, float* out, int64_t out_stride,
                                                      int64_t begin, int64_t end) {
+    const int64_t run_length = onednn_k_run(K);
     for (int64_t b = begin; b < end; ++b) {
       const float* wb = w + b * kBlock * K;
-      __m512 acc[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; ++k) {
-        const float* wk = wb + k * kBlock;
-        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-        const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
-        for (int r = 0; r < R; ++r) {
-          const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
-          acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
-          acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
-          acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
-        }
-      }
       const int64_t n = b * kBlock;
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j)
-          _mm512_storeu_ps(out + r * out_stride + n + 16 * j,
-                           _mm512_add_ps(acc[r][j], load_bias_f32(bias, n + 16 * j)));
+      __m512 acc[R][4];
+      for (int64_t k0 = 0; k0 < K; k0 += run_length) {
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+        const int64_t k1 = std::min(K, k0 + run_length);
+        for (int64_t k = k0; k < k1; ++k) {
+          const float* wk = wb + k * kBlock;
+          const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+          const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+          for (int r = 0; r < R; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+            acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(w2, xv, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
+          }
+        }
+        // the runs' sums wait in `out` (exact); the bias joins after the last
+        const bool last = k1 == K;
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) {
+            float* o = out + r * out_stride + n + 16 * j;
+            __m512 y = k0 == 0 ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]);
+            if (last) y = _mm512_add_ps(y, load_bias_f32(bias, n + 16 * j));
+            _mm512_storeu_ps(o, y);
+          }
+      }
     }
   }
 };

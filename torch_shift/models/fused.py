@@ -7,13 +7,11 @@ caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps
 opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's
 own code for them rounds differently, and a compiled engine runs its steps of up to 16 tokens through the C++ decoder
-(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, so a float32
-token's logits do not depend on the size of the step that computed it among steps on the same matmul path: up to
-GEMV_MAX_ROWS rows the GEMV kernel, above it oneDNN's matmul. On AVX-512 CPUs the two add a row's products in
-different orders (the last bits differ), so greedy output with and without speculative decoding, whose checks
-change the steps' sizes, is the same while both stay on one side (batch 1 with at most 15 proposed tokens) and may
-differ on a near-tie otherwise; on AVX2 CPUs one kernel runs every row count. In bfloat16 on AMX oneDNN's matmul
-rounds some row counts otherwise (gate_up_silu).
+(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the GEMV
+kernel of steps of up to GEMV_MAX_ROWS rows adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
+checked per weight: `PackedWeight.rounds_as_onednn`), so a float32 token's logits do not depend on the size of the
+step that computed it (greedy output is the same with and without speculative decoding, whose checks change the
+steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row counts otherwise (gate_up_silu).
 
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where

@@ -14,8 +14,10 @@ A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that check
 packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
 one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
-for every batch. Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the
-kernel reads that layout too, and oneDNN's AMX matmul runs the larger batches.
+for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them in, so a row gets the
+same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks it). Where oneDNN
+packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads that layout too,
+and oneDNN's AMX matmul runs the larger batches.
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
@@ -33,6 +35,7 @@ has flushed the caches, against 4-7 us warm, and a decode step runs one after ev
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import itertools
 import weakref
@@ -124,6 +127,19 @@ class PackedWeight:
                 self.tensor, self.handle, self.address, 0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features,
                 self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else self.gemv_code)
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
+
+    @functools.cached_property
+    def rounds_as_onednn(self) -> bool:
+        """Whether the GEMV kernel gives a row oneDNN's bits for this weight (kernels/cpu_linear.cpp sums K in
+        oneDNN's runs for float32), so that a row's outputs do not depend on which of the two its step's row count
+        picks: three random rows and a random bias through both. False where no GEMV reads the weight."""
+        if self.gemv is None or self.blocked:
+            return False
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, self.in_features, generator=g).to(self.dtype)
+        bias = torch.randn(self.out_features, generator=g).to(self.dtype)
+        onednn = torch.ops.mkldnn._linear_pointwise
+        return all(torch.equal(self._gemv(x, b, 3), onednn(x, self.tensor, b, "none", [], "")) for b in (None, bias))
 
     def _blocked_dense(self) -> torch.Tensor:
         """A blocked weight as a dense [out_features, in_features] tensor (a copy)."""
