@@ -288,3 +288,26 @@ def test_gemv_reads_both_onednn_bf16_layouts_alike():
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), rows
         assert_close(outs[1], reference(x, weight, bias), torch.bfloat16, in_features)
+
+
+@pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
+def test_a_prompts_logprobs_do_not_depend_on_its_steps_size(tmp_path):
+    """The engine end to end, on a Llama whose MLP is wide enough (a down projection of K = 1,088, which oneDNN sums in
+    two runs) that the GEMV's old single chain rounded otherwise: the logprobs of 16 prompt tokens computed in one
+    16-token step (the GEMV) and in a 17-token step (oneDNN's matmul) are the same bits."""
+    from torch_shift import LLM, SamplingParams
+    from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+
+    model_dir = write_random_checkpoint(tmp_path / "model", tiny_llama_config(intermediate_size=1088,
+                                                                              num_hidden_layers=2), init_std=0.05)
+    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, enable_prefix_caching=False, seed=0)
+    try:
+        prompt = list(range(6, 23))  # 17 tokens
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+        alone, longer = (llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].prompt_logprobs
+                         for p in (prompt[:16], prompt))
+        logprobs = [[sorted((t, lp.logprob) for t, lp in position.items()) for position in lps[1:16]]
+                    for lps in (alone, longer)]
+        assert logprobs[0] == logprobs[1]
+    finally:
+        llm.shutdown()

@@ -380,7 +380,7 @@ def repetitive_prompts(num: int, seed: int = 0) -> list[list[int]]:
 
 def _outputs(outputs):
     return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-              None if c.logprobs is None else [sorted((t, round(lp.logprob, 4)) for t, lp in pos.items())
+              None if c.logprobs is None else [sorted((t, lp.logprob) for t, lp in pos.items())
                                                for pos in c.logprobs]) for c in o.outputs] for o in outputs]
 
 
