@@ -281,7 +281,7 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     from torch_shift.models.linear import Linear, PackedWeight
 
     g = torch.Generator().manual_seed(9)
-    hidden, intermediate, chunk_rows = 1024, 64, 64  # K = 1024: a GEMV of a few rows sums in another order
+    hidden, intermediate, chunk_rows = 1024, 64, 64  # K = 1024: oneDNN sums each row in two runs of k-steps
     proj = Linear(hidden, 2 * intermediate, bias=False)
     with torch.no_grad():
         proj.weight.copy_(torch.randn(proj.weight.shape, generator=g) * 0.1)

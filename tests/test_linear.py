@@ -88,6 +88,8 @@ def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
         together = packed(x, b)  # GEMV_MAX_ROWS + 1 rows: oneDNN's matmul
         for row in (0, 7, GEMV_MAX_ROWS):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), (in_features, row)
+        for rows in (7, GEMV_MAX_ROWS):  # the GEMV's groups of up to 6 rows
+            assert torch.equal(packed(x[:rows], b), together[:rows]), (in_features, rows)
 
 
 @pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")

@@ -50,10 +50,11 @@ __attribute__((target("avx512f"))) inline __m512 load_bias_f32(const float* bias
 }
 
 // oneDNN's float32 matmul (brgemm, AVX-512 and AMX CPUs) sums K in runs of this many k-steps, each run a chain of
-// FMAs from zero, the runs' sums added in order, then the bias: the GEMV sums so too, so that a row's outputs are
-// the same bits through either (a token's logits then do not depend on its step's row count). Measured on oneDNN
-// 3.x: 512 for K <= 1024, else 1024, whatever the rows and features; torch_shift/models/linear.py checks each
-// packed weight against oneDNN (`PackedWeight.rounds_as_onednn`).
+// FMAs from zero, the runs' sums added in order, then the bias (its blocking heuristic for AVX-512: 1024 k-steps
+// where K > 1024, else 512; measured alike from 17 to 2,048 rows and 64 to 14,336 features). The GEMV sums so too,
+// so that a row's outputs are the same bits through either: a token's logits then do not depend on its step's row
+// count. Not where oneDNN splits K over threads (float32 with K of 20,000 or more and few rows and features), nor on
+// another oneDNN that blocks otherwise: `PackedWeight.rounds_as_onednn` (models/linear.py) checks a weight.
 inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.

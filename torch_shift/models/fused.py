@@ -9,9 +9,10 @@ opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run wh
 own code for them rounds differently, and a compiled engine runs its steps of up to 16 tokens through the C++ decoder
 (native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the GEMV
 kernel of steps of up to GEMV_MAX_ROWS rows adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
-checked per weight: `PackedWeight.rounds_as_onednn`), so a float32 token's logits do not depend on the size of the
-step that computed it (greedy output is the same with and without speculative decoding, whose checks change the
-steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row counts otherwise (gate_up_silu).
+`PackedWeight.rounds_as_onednn` checks a weight), so a float32 token's logits do not depend on the size of the step
+that computed it where the GEMV reads the weights (greedy output is the same with and without speculative decoding,
+whose checks change the steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row counts otherwise
+(gate_up_silu).
 
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where
@@ -194,7 +195,7 @@ def _gate_up_silu_chunks(packed: PackedWeight, x: torch.Tensor, chunk_rows: int)
     if rows <= chunk_rows:
         return silu_mul(packed(x, None))
     # chunks of equal rows (or one more): each at least chunk_rows / 2, far above GEMV_MAX_ROWS, so that every chunk
-    # takes the whole step's matmul and not the GEMV kernel, whose sums run in another order
+    # takes oneDNN's matmul, as the whole step does
     count = -(-rows // chunk_rows)
     sizes = [rows // count + (i < rows % count) for i in range(count)]
     flat = x.reshape(rows, x.shape[-1])

@@ -132,14 +132,16 @@ class PackedWeight:
     def rounds_as_onednn(self) -> bool:
         """Whether the GEMV kernel gives a row oneDNN's bits for this weight (kernels/cpu_linear.cpp sums K in
         oneDNN's runs for float32), so that a row's outputs do not depend on which of the two its step's row count
-        picks: three random rows and a random bias through both. False where no GEMV reads the weight."""
+        picks: three random rows through the GEMV against them in a matmul of GEMV_MAX_ROWS + 1 rows (oneDNN's, as
+        in a step), with and without a random bias. False where no GEMV reads the weight."""
         if self.gemv is None or self.blocked:
             return False
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(3, self.in_features, generator=g).to(self.dtype)
+        x = torch.randn(GEMV_MAX_ROWS + 1, self.in_features, generator=g).to(self.dtype)
         bias = torch.randn(self.out_features, generator=g).to(self.dtype)
         onednn = torch.ops.mkldnn._linear_pointwise
-        return all(torch.equal(self._gemv(x, b, 3), onednn(x, self.tensor, b, "none", [], "")) for b in (None, bias))
+        return all(torch.equal(self._gemv(x[:3], b, 3), onednn(x, self.tensor, b, "none", [], "")[:3])
+                   for b in (None, bias))
 
     def _blocked_dense(self) -> torch.Tensor:
         """A blocked weight as a dense [out_features, in_features] tensor (a copy)."""
