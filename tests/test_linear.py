@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from torch_shift.kernels import compiler, cpu_kernels
-from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, _gemv_kernel, packing_supported
+from torch_shift.models.linear import (
+    FLOAT32_GEMV_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    PackedWeight,
+    _gemv_kernel,
+    packing_supported,
+)
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 # the AVX2 kernel's 16-feature blocks run on every CPU with AVX2 and FMA (the engine takes them where the AVX-512
@@ -76,19 +82,20 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked):
 @pytest.mark.parametrize("in_features", [96, 512, 640, 1024, 1408, 2816])
 def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
     """oneDNN's float32 matmul sums K in runs of k-steps (512 up to K = 1,024, else 1,024) added in order, and the GEMV
-    sums so too: a row's outputs are the same bits on either side of GEMV_MAX_ROWS, with and without a bias, so that
+    sums so too: a row's outputs are the same bits on either side of the GEMV's rows, with and without a bias, so that
     a token's logits do not depend on its step's size (the checks of speculative decoding change it)."""
     torch.manual_seed(3)
     weight = torch.randn(128, in_features) * 0.05
     bias = torch.randn(128)
     packed = PackedWeight(weight, blocked=False)
     assert packed.gemv is not None and packed.rounds_as_onednn
-    x = torch.randn(GEMV_MAX_ROWS + 1, in_features)
+    assert packed.gemv_max_rows == FLOAT32_GEMV_MAX_ROWS
+    x = torch.randn(FLOAT32_GEMV_MAX_ROWS + 1, in_features)
     for b in (None, bias):
-        together = packed(x, b)  # GEMV_MAX_ROWS + 1 rows: oneDNN's matmul
-        for row in (0, 7, GEMV_MAX_ROWS):
+        together = packed(x, b)  # one row more than the GEMV takes: oneDNN's matmul
+        for row in (0, 7, FLOAT32_GEMV_MAX_ROWS):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), (in_features, row)
-        for rows in (7, GEMV_MAX_ROWS):  # the GEMV's groups of up to 6 rows
+        for rows in (7, GEMV_MAX_ROWS, FLOAT32_GEMV_MAX_ROWS):  # the GEMV's groups of up to 6 rows
             assert torch.equal(packed(x[:rows], b), together[:rows]), (in_features, rows)
 
 
@@ -295,8 +302,8 @@ def test_gemv_reads_both_onednn_bf16_layouts_alike():
 @pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
 def test_a_prompts_logprobs_do_not_depend_on_its_steps_size(tmp_path):
     """The engine end to end, on a Llama whose MLP is wide enough (a down projection of K = 1,088, which oneDNN sums in
-    two runs) that the GEMV's old single chain rounded otherwise: the logprobs of 16 prompt tokens computed in one
-    16-token step (the GEMV) and in a 17-token step (oneDNN's matmul) are the same bits."""
+    two runs) that the GEMV's old single chain rounded otherwise: the logprobs of 32 prompt tokens computed in one
+    32-token step (the GEMV) and in a 33-token step (oneDNN's matmul) are the same bits."""
     from torch_shift import LLM, SamplingParams
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
@@ -304,11 +311,12 @@ def test_a_prompts_logprobs_do_not_depend_on_its_steps_size(tmp_path):
                                                                               num_hidden_layers=2), init_std=0.05)
     llm = LLM(str(model_dir), dtype=torch.float32, compile=False, enable_prefix_caching=False, seed=0)
     try:
-        prompt = list(range(6, 23))  # 17 tokens
+        n = FLOAT32_GEMV_MAX_ROWS
+        prompt = list(range(6, 7 + n))  # n + 1 tokens
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
         alone, longer = (llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].prompt_logprobs
-                         for p in (prompt[:16], prompt))
-        logprobs = [[sorted((t, lp.logprob) for t, lp in position.items()) for position in lps[1:16]]
+                         for p in (prompt[:n], prompt))
+        logprobs = [[sorted((t, lp.logprob) for t, lp in position.items()) for position in lps[1:n]]
                     for lps in (alone, longer)]
         assert logprobs[0] == logprobs[1]
     finally:

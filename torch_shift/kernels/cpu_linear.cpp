@@ -62,7 +62,8 @@ template <int R>
 struct F32Rows {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* w, int64_t K,
                                                      const float* bias, float* out, int64_t out_stride,
-                                                     int64_t begin, int64_t end) {
+                                                     int64_t begin, int64_t end, const char* prefetch = nullptr,
+                                                     int64_t prefetch_lines = 0) {
     const int64_t run_length = onednn_k_run(K);
     for (int64_t b = begin; b < end; ++b) {
       const float* wb = w + b * kBlock * K;
@@ -73,6 +74,10 @@ struct F32Rows {
           for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
         const int64_t k1 = std::min(K, k0 + run_length);
         for (int64_t k = k0; k < k1; ++k) {
+          if (prefetch) {  // lines [k * lines / K, (k + 1) * lines / K) of the range
+            for (int64_t l = k * prefetch_lines / K, e = (k + 1) * prefetch_lines / K; l < e; ++l)
+              __builtin_prefetch(prefetch + l * 64, 0, 1);
+          }
           const float* wk = wb + k * kBlock;
           const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
           const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -107,7 +112,7 @@ template <int R, bool kHalves>
 struct Bf16Rows {
   __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
       const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
-      int64_t out_stride, int64_t begin, int64_t end) {
+      int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0) {
     constexpr int64_t kWidth = kHalves ? kBlock / 2 : kBlock;  // features a k-pair row of the stream holds
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* wb = w + b * kBlock * K;
@@ -150,19 +155,28 @@ using Bf16Rows32 = Bf16Rows<R, true>;
 // (64 x K weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
 template <template <int> class Rows, typename T>
 void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K, const T* bias, T* out,
-                   int64_t out_stride, int64_t b) {
+                   int64_t out_stride, int64_t b, const T* next_block = nullptr) {
   const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
     const T* xr = x + r0 * x_stride;
     T* outr = out + r0 * out_stride;
+    // the groups after the first (which reads this block from memory) request the next block, a share each
+    const char* pf = nullptr;
+    int64_t pf_lines = 0;
+    if (next_block && g > 0) {
+      const int64_t first = (g - 1) * next_lines / (groups - 1), last = g * next_lines / (groups - 1);
+      pf = reinterpret_cast<const char*>(next_block) + first * 64;
+      pf_lines = last - first;
+    }
     switch (n) {
-      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
-      default: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1); break;
+      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      default: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
     }
     r0 += n;
   }
@@ -438,7 +452,7 @@ struct Matmul {
   void* out;
   int64_t out_stride;
 
-  void block(int64_t b) const {
+  void block(int64_t b, bool request_next = false) const {
     if (dtype == 2)
       avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
                        static_cast<const uint16_t*>(w) + b * avx2::kPair * K, K, static_cast<const uint16_t*>(bias),
@@ -449,7 +463,8 @@ struct Matmul {
                        static_cast<float*>(out), out_stride, b, N);
     else if (dtype == 0)
       rows_of_block<F32Rows>(static_cast<const float*>(x), x_stride, rows, static_cast<const float*>(w), K,
-                             static_cast<const float*>(bias), static_cast<float*>(out), out_stride, b);
+                             static_cast<const float*>(bias), static_cast<float*>(out), out_stride, b,
+                             request_next ? static_cast<const float*>(w) + (b + 1) * kBlock * K : nullptr);
     else if (dtype == 1)
       rows_of_block<Bf16Rows64>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
@@ -465,7 +480,7 @@ struct Matmul {
 // Blocks split between torch's threads in equal parts (the pool below runs the decode steps it is armed for).
 void run_parallel(const Matmul& m) {
   at::parallel_for(0, m.blocks(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) m.block(b);
+    for (int64_t b = begin; b < end; ++b) m.block(b, b + 1 < end && m.rows > kMaxRows);
   });
 }
 

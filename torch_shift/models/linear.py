@@ -10,7 +10,8 @@ of it) and drops the dense copies it no longer needs. On a GPU nothing is packed
 operator `torch_shift::gpu_linear`, which runs cuBLAS or, for a few rows, the kernel timed fastest for its shape,
 a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 
-A matmul of at most `GEMV_MAX_ROWS` rows (a small decode step, or one that checks proposed tokens) reads the same
+A matmul of at most `GEMV_MAX_ROWS` rows (`FLOAT32_GEMV_MAX_ROWS` for a float32 weight; a small decode step, or one
+that checks proposed tokens) reads the same
 packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
 one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
 layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
@@ -51,6 +52,11 @@ from torch_shift.memory import advise_huge_pages
 # weight block read from memory once, again from L2 for every 6 rows: cpu_linear.cpp); a check of k proposed
 # tokens at batch 1 is a step of 1 + k rows (docs/performance.md, issue 22).
 GEMV_MAX_ROWS = 16
+# A float32 weight in oneDNN's layout takes the GEMV up to this many rows (a step of 17-32 tokens as well): with the
+# next block requested while the current one's later rows run (cpu_linear.cpp), 0.80-0.95x oneDNN's time at 16-32
+# rows on one thread, level at 48 and slower at 64 (a TP-2 rank's eight layers of the peer model; docs/performance.md).
+# Its rows round as oneDNN's (`PackedWeight.rounds_as_onednn`), so the line moves no result.
+FLOAT32_GEMV_MAX_ROWS = 32
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
 _AMX_BF16_CODE = 4  # the GEMV kernel's code for bfloat16 in oneDNN's AMX layout (blocks of 32 features)
@@ -115,6 +121,9 @@ class PackedWeight:
         # the code the kernel's call takes for this weight's dtype and layout (ts_packed_gemv's: 0 float32, 1 bfloat16,
         # 4 bfloat16 packed for AMX; ts_blocked_linear's for the blocks), also where no GEMV reads it
         self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
+        # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
+        self.gemv_max_rows = (0 if self.gemv is None else FLOAT32_GEMV_MAX_ROWS
+                              if self.dtype == torch.float32 and not self.blocked else GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
         self._weight_ptr = self.address if self.gemv is not None else None
@@ -124,7 +133,7 @@ class PackedWeight:
         self.native = _native_operator()
         if self.native:
             torch.ops.torch_shift_cpu.register_packed(
-                self.tensor, self.handle, self.address, 0 if self.gemv is None else GEMV_MAX_ROWS, self.out_features,
+                self.tensor, self.handle, self.address, self.gemv_max_rows, self.out_features,
                 self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else self.gemv_code)
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
 
@@ -132,12 +141,12 @@ class PackedWeight:
     def rounds_as_onednn(self) -> bool:
         """Whether the GEMV kernel gives a row oneDNN's bits for this weight (kernels/cpu_linear.cpp sums K in
         oneDNN's runs for float32), so that a row's outputs do not depend on which of the two its step's row count
-        picks: three random rows through the GEMV against them in a matmul of GEMV_MAX_ROWS + 1 rows (oneDNN's, as
-        in a step), with and without a random bias. False where no GEMV reads the weight."""
+        picks: three random rows through the GEMV against them in a matmul of one row more than the GEMV takes
+        (oneDNN's, as in a step), with and without a random bias. False where no GEMV reads the weight."""
         if self.gemv is None or self.blocked:
             return False
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(GEMV_MAX_ROWS + 1, self.in_features, generator=g).to(self.dtype)
+        x = torch.randn(self.gemv_max_rows + 1, self.in_features, generator=g).to(self.dtype)
         bias = torch.randn(self.out_features, generator=g).to(self.dtype)
         onednn = torch.ops.mkldnn._linear_pointwise
         return all(torch.equal(self._gemv(x[:3], b, 3), onednn(x, self.tensor, b, "none", [], "")[:3])
@@ -160,7 +169,7 @@ class PackedWeight:
             if x.dtype != self.dtype or (bias is not None and bias.dtype != self.dtype):
                 return F.linear(x, self._blocked_dense().to(x.dtype), bias)
             return self._gemv(x, bias, rows)
-        if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == self.dtype
+        if (rows <= self.gemv_max_rows and x.dtype == self.dtype
                 and (bias is None or bias.dtype == self.dtype)):
             return self._gemv(x, bias, rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
