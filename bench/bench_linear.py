@@ -6,9 +6,9 @@ model's shapes (bench_peers.py), at a few row counts, in GFLOP/s.
 
 Columns, where they run here: torch_shift's 16-feature blocks (`PackedWeight(w, blocked=True)`: the AVX2 kernel,
 any CPU with AVX2), oneDNN's packed weight (`blocked=False`: oneDNN's matmul, and the AVX-512 GEMV kernel for up to 16
-rows where it runs), and `F.linear` on the dense weight. The engine takes the blocks where the AVX-512 kernel does not
-run (`torch_shift.models.linear.blocked_layout`). Each figure is the best of `--repeats` timings after two warm-ups;
-a weight that fits in the L3 is read from there between repeats.
+rows, 32 in float32, where it runs), and `F.linear` on the dense weight. The engine takes the blocks where the AVX-512
+kernel does not run (`torch_shift.models.linear.blocked_layout`). Each figure is the best of `--repeats` timings after
+two warm-ups; a weight that fits in the L3 is read from there between repeats.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ struct F32Rows {
                                                      int64_t begin, int64_t end, const char* prefetch = nullptr,
                                                      int64_t prefetch_lines = 0) {
     const int64_t run_length = onednn_k_run(K);
+    int64_t credit = 0;  // prefetch: k-steps' shares of lines not yet requested, in units of 1 / K line
     for (int64_t b = begin; b < end; ++b) {
       const float* wb = w + b * kBlock * K;
       const int64_t n = b * kBlock;
@@ -74,9 +75,8 @@ struct F32Rows {
           for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
         const int64_t k1 = std::min(K, k0 + run_length);
         for (int64_t k = k0; k < k1; ++k) {
-          if (prefetch) {  // lines [k * lines / K, (k + 1) * lines / K) of the range
-            for (int64_t l = k * prefetch_lines / K, e = (k + 1) * prefetch_lines / K; l < e; ++l)
-              __builtin_prefetch(prefetch + l * 64, 0, 1);
+          if (prefetch) {  // the range's lines spread evenly over the K k-steps (no division in the loop)
+            for (credit += prefetch_lines; credit >= K; credit -= K, prefetch += 64) __builtin_prefetch(prefetch, 0, 1);
           }
           const float* wk = wb + k * kBlock;
           const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);

@@ -61,7 +61,7 @@ struct Packed {
   const void* gemv_weight;   // its data, which the GEMV kernel reads in place
   int dtype_code;            // the GEMV kernel's: 0 float32, 1 bfloat16, 4 bfloat16 packed for AMX; in 16-feature
                              // blocks 2 bfloat16, 3 float32
-  int64_t gemv_max_rows;     // matmuls of up to this many rows run the GEMV (linear.py's GEMV_MAX_ROWS; 0: none)
+  int64_t gemv_max_rows;     // matmuls of up to this many rows run the GEMV (PackedWeight.gemv_max_rows; 0: none)
   at::ScalarType dtype;
   int64_t out_features, in_features;
 };

@@ -55,7 +55,7 @@ GEMV_MAX_ROWS = 16
 # A float32 weight in oneDNN's layout takes the GEMV up to this many rows (a step of 17-32 tokens as well): with the
 # next block requested while the current one's later rows run (cpu_linear.cpp), 0.80-0.95x oneDNN's time at 16-32
 # rows on one thread, level at 48 and slower at 64 (a TP-2 rank's eight layers of the peer model; docs/performance.md).
-# Its rows round as oneDNN's (`PackedWeight.rounds_as_onednn`), so the line moves no result.
+# Its rows round as oneDNN's where `PackedWeight.rounds_as_onednn` holds, so there the line moves no result.
 FLOAT32_GEMV_MAX_ROWS = 32
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
