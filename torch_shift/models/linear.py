@@ -11,14 +11,13 @@ operator `torch_shift::gpu_linear`, which runs cuBLAS or, for a few rows, the ke
 a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 
 A matmul of at most `GEMV_MAX_ROWS` rows (`FLOAT32_GEMV_MAX_ROWS` for a float32 weight; a small decode step, or one
-that checks proposed tokens) reads the same
-packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at the memory's rate: oneDNN's
-one-row matmul reads about two thirds of that (docs/performance.md). The kernel knows oneDNN's AVX-512
-layout; each weight is checked against it once, when it is packed, and one packed differently keeps oneDNN
-for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them in, so a row gets the
-same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks it). Where oneDNN
-packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads that layout too,
-and oneDNN's AMX matmul runs the larger batches.
+that checks proposed tokens) reads the same packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp),
+which streams it at the memory's rate: oneDNN's one-row matmul reads about two thirds of that (docs/performance.md).
+The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once, when it is packed, and one packed
+differently keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
+in, so a row gets the same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks
+it). Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads
+that layout too, and oneDNN's AMX matmul runs the larger batches.
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
