@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_shift.engine.args import EngineArgs, check_alias_pairs
+from torch_shift.engine.args import EngineArgs
 from torch_shift.engine.input_processor import PROMPT_KINDS, unwrap_prompt
 from torch_shift.engine.llm_engine import LLMEngine, Prompt, refuse_vllm_options
 from torch_shift.engine.outputs import RequestOutput
@@ -36,7 +36,6 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        check_alias_pairs(engine_args)
         module = None
         if isinstance(model, nn.Module):
             if not isinstance(model, (ShiftModule, DecoderLM)):
