@@ -82,6 +82,19 @@ inline vfloat broadcast(float x) {
   return v;
 }
 
+// A vector loaded once into a register for the rows that multiply it. Left to itself GCC folds the load into each
+// row's multiply-add as a memory operand: one load per row per vector, free where a core loads two vectors a cycle
+// (Sapphire Rapids) but not on AMD's Zen 4, which loads one: its float32 prompt attention ran at 47 GFLOP/s against
+// 70 with this (bench_attention.py, one thread, alternated), decode 12-16% faster. Same instructions, same bits.
+template <typename T>
+inline vfloat load16_once(const T* p) {
+  vfloat v = load16(p);
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
 #if defined(__clang__)
 #define TS_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #else
@@ -253,7 +266,7 @@ inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, in
         vfloat weight[RB];
         for (int r = 0; r < RB; ++r) weight[r] = broadcast(probs[r][s * kLanes + j]);
         for (int b = 0; b < DVB; ++b) {
-          const vfloat vv = load16(values + j * value_stride + b * kLanes);
+          const vfloat vv = load16_once(values + j * value_stride + b * kLanes);
           for (int r = 0; r < RB; ++r) out[r][b] += weight[r] * vv;
         }
       }
@@ -278,7 +291,7 @@ inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* piec
     vfloat qd[RB];
     for (int r = 0; r < RB; ++r) qd[r] = broadcast(q[r * D + d]);
     for (int s = 0; s < NF; ++s) {
-      const vfloat kd = load16(pieces[s].keys + d * key_dim_stride);
+      const vfloat kd = load16_once(pieces[s].keys + d * key_dim_stride);
       for (int r = 0; r < RB; ++r) scores[r][s] += qd[r] * kd;
     }
     if (PARTIAL) {
