@@ -247,12 +247,19 @@ struct Prefetcher {
   }
 };
 
+// A prompt tile's requests: none inside its loops (its next chunk was requested before them), and no registers held
+// for them there (with an empty Prefetcher's loop in them, GCC kept pointers in vector registers and spilled a row's
+// probability to the stack in the values loop)
+struct NoPrefetch {
+  inline void step() {}
+};
+
 // A chunk's first `seen` values weighted by `probs` added into rows [r0, r0 + RB)'s accumulators (first scaled by
 // `correction`), DVB vectors of a row at a time: RB x DVB independent chains of multiply-adds.
-template <int RB, int DVB, typename KT, typename VT>
+template <int RB, int DVB, typename KT, typename VT, typename Requests>
 inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces,
                          int64_t value_stride, int64_t seen, const float (&probs)[RB][kChunk],
-                         const float (&correction)[RB], Prefetcher& prefetcher) {
+                         const float (&correction)[RB], Requests& prefetcher) {
   const int64_t D = rows.head_dim;
   for (int64_t dv = 0; dv < D; dv += DVB * kLanes) {
     vfloat out[RB][DVB];
@@ -280,9 +287,9 @@ inline void chunk_values(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, in
 // The scores of rows [r0, r0 + RB) against NF full pieces and, if PARTIAL, one partial piece after
 // them (its keys padded with zeros in `padded`, never reading past them). The piece count is a template
 // argument so that the RB x kPieces accumulators are registers, RB x NF independent chains.
-template <int RB, int NF, bool PARTIAL, typename KT, typename VT>
+template <int RB, int NF, bool PARTIAL, typename KT, typename VT, typename Requests>
 inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t key_dim_stride,
-                         float* padded, Prefetcher& prefetcher, vfloat (&scores)[RB][kPieces]) {
+                         float* padded, Requests& prefetcher, vfloat (&scores)[RB][kPieces]) {
   const int64_t D = rows.head_dim;
   if (PARTIAL) pad_keys(pieces[NF], D, key_dim_stride, padded);
   const float* q = rows.q + r0 * D;
@@ -503,11 +510,21 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 // RB chains, each waiting on its last multiply-add; float32 prompts of 512 and chunks after 1,024 ran at 56-67
 // GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) A decode item also requests
 // the next chunk as it goes; a prompt tile's prefetcher is empty there. Only a chunk's last piece can be partial.
+template <bool DECODE>
+inline auto& requests_in_loops(Prefetcher& prefetcher, NoPrefetch& none) {
+  if constexpr (DECODE)
+    return prefetcher;
+  else
+    return none;
+}
+
 template <int RB, bool DECODE, typename KT, typename VT>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
                 int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
   const int64_t D = rows.head_dim;
   const int64_t DV = D / kLanes;
+  NoPrefetch none;
+  auto& requests = requests_in_loops<DECODE>(prefetcher, none);
   // a tile's rows see keys up to their last row's position (rows are in position order): the chunk's keys
   // past it only add zeros (a decode row sees the whole chunk)
   int64_t seen = kChunk;
@@ -539,7 +556,7 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   } else {
     switch (num_pieces * 2 + (pieces[num_pieces - 1].n < kLanes)) {
 #define TS_SCORES(NF, PARTIAL)                                                                \
-  chunk_scores<RB, NF, PARTIAL>(rows, r0, pieces, key_dim_stride, padded, prefetcher, scores); \
+  chunk_scores<RB, NF, PARTIAL>(rows, r0, pieces, key_dim_stride, padded, requests, scores); \
   break
       case 2: TS_SCORES(1, false);
       case 3: TS_SCORES(0, true);
@@ -566,9 +583,9 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   }
 #endif
   switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
-    case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
-    case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
-    default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, prefetcher); break;
+    case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
+    case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
+    default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
   }
 }
 
