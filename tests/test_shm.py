@@ -242,6 +242,43 @@ def test_a_stalled_rank_ends_the_others_at_the_timeout_and_a_closed_one_at_once(
     assert closed_s < 2.0
 
 
+def _wake_rank(rank, world):
+    """A rank asleep on its peer's counter (its sleeps bounded by a minute here, not 10 ms) is woken by the peer's
+    next step, published from Python (a broadcast, an all-reduce) and from C++ (the operator of compiled forwards)."""
+    from torch_shift.kernels import cpu_ops
+    from torch_shift.parallel import comm as parallel_comm
+    from torch_shift.parallel import shm
+
+    shm._MAX_SLEEP_S = shm._LIVENESS_INTERVAL_S = 60.0
+    dist.init_process_group("gloo")
+    assert parallel_comm.share_memory(dist.group.WORLD, timeout_s=120.0)
+    communicator_id = parallel_comm._shared_id(dist.group.WORLD)
+    comm = parallel_comm._shared_by_id[communicator_id]
+    native = cpu_ops() is not None and comm.native_id == communicator_id
+    steps = [lambda: comm.broadcast_object("plan" if rank == 1 else None, src=1, timeout_s=None),
+             lambda: comm.all_reduce(torch.ones(4))]
+    if native:
+        steps.append(lambda: torch.ops.torch_shift.shm_all_reduce(torch.ones(4), communicator_id))
+    waits = []
+    for step in steps:
+        dist.barrier()
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 spins 1 ms, then sleeps on rank 1's counter
+        start = time.monotonic()
+        result = step()
+        waits.append(time.monotonic() - start)
+        assert result == "plan" if isinstance(result, str) else torch.equal(result, torch.full((4,), 2.0))
+        assert comm._header[comm._my_row + shm._SLEEPING] == 0
+    parallel_comm.release_shared_memory()
+    return native, waits
+
+
+def test_a_sleeping_rank_is_woken_by_its_peer_s_next_step():
+    (native, waits), _ = run_ranks(_wake_rank, 2)
+    assert len(waits) == (3 if native else 2)
+    assert all(0.2 < wait < 10.0 for wait in waits), waits  # woken, not at its one-minute bound
+
+
 def _native_all_reduce_rank(rank, world):
     """The all-reduce operator of compiled forwards, in C++ (kernels/cpu_ops.cpp), between the communicator's
     Python collectives: the same sums on every rank as gloo's; a peer late by more than its spin (the rest waited

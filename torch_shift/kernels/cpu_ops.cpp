@@ -15,7 +15,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <climits>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -359,7 +363,8 @@ struct ShmComm {
   int64_t float32_signature, bfloat16_signature;  // all_reduce's
   int64_t float32_a2a_signature, bfloat16_a2a_signature;  // all_to_all's
 };
-constexpr int64_t kSeqWord = 0, kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // shm.py's
+constexpr int64_t kSeqWord = 0, kSleepingWord = 4;  // shm.py's header row
+constexpr int64_t kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // and parity block
 constexpr int64_t kSpinNs = 1'000'000;
 std::mutex shm_mutex;
 std::unordered_map<int64_t, ShmComm>& shm_comms() {
@@ -398,8 +403,16 @@ struct ShmStep {
     block(c.rank)[kSignatureWord] = signature;
     block(c.rank)[kNbytesWord] = nbytes;
     block(c.rank)[kAuxWord] = aux;
-    __atomic_store_n(reinterpret_cast<int64_t*>(c.segment) + c.rank * c.row_words + kSeqWord, step, __ATOMIC_RELEASE);
+    // sequentially consistent: the counter is visible before the sleeping words are read (shm.py's "Waking")
+    int64_t* seq = reinterpret_cast<int64_t*>(c.segment) + c.rank * c.row_words + kSeqWord;
+    __atomic_store_n(seq, step, __ATOMIC_SEQ_CST);
     c.counters[0] = step;
+    for (int64_t p = 0; p < c.world_size; ++p) {
+      if (p != c.rank && load_word(header + p * c.row_words + kSleepingWord)) {
+        syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);  // the low 32 bits: x86-64 is little-endian
+        break;
+      }
+    }
     const auto start = std::chrono::steady_clock::now();
     for (int64_t p = 0; p < c.world_size; ++p) {
       if (p == c.rank) continue;

@@ -34,13 +34,24 @@ sharing the step and collective counters with this class: they spin for their pe
 rest to `resume_all_reduce` / `resume_all_to_all`, so waits, deadlines and errors are this module's.
 
 Waiting and failure: a rank waits by spinning on the counters with sched_yield between checks (so that more
-ranks than cores make progress), then with sleeps growing to 1 ms; every 50 ms it checks that the ranks it
-waits for are alive (their pid and start time are in the header; a zombie counts as dead) and have not closed
-the communicator, and gives up at the deadline. A failed communicator refuses every later call.
+ranks than cores make progress) for 1 ms, then asleep on the counter of the first peer it still waits for (a futex
+on the counter's low 32 bits) until that peer publishes, at most 10 ms at a time; every 50 ms it checks that the
+ranks it waits for are alive (their pid and start time are in the header; a zombie counts as dead) and have not
+closed the communicator, and gives up at the deadline. A failed communicator refuses every later call.
+
+Waking: a rank about to sleep sets the sleeping word of its header row, then checks the counter again, then sleeps
+while the counter holds the value it read (the kernel compares it); a rank that publishes a step wakes the sleepers
+on its counter when a peer's sleeping word is set (no system call otherwise). An idle rank that slept in steps of at
+most 1 ms instead woke 1,000 times a second, each time taking the core from a working rank's thread for tens of
+microseconds: a DP-2 replica's lone 512-token prefill on both cores took 471-487 ms against 468-469 now
+(docs/performance.md). A publisher's counter store may still wait in its store buffer while it reads the sleeping
+word (x86-64 lets a load pass an earlier store; the C++ publisher fences, the Python one cannot): a sleeper that
+both miss wakes at its 10 ms bound.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import pickle
@@ -60,20 +71,18 @@ SEGMENT_PREFIX = "torch_shift_shm_"
 
 # A header row: these words, then one block per parity (see _PARITY_*). Rows are padded to 128 bytes so that no
 # two ranks' counters share a cache line or an adjacent-line prefetch pair.
-_SEQ, _PID, _START_TIME, _CLOSED, _FIRST_PARITY_WORD = 0, 1, 2, 3, 4
+_SEQ, _PID, _START_TIME, _CLOSED, _SLEEPING, _FIRST_PARITY_WORD = 0, 1, 2, 3, 4, 5
 # a parity block: the step's signature (operation and dtype), this rank's message size in bytes, an operation's
 # own value (broadcast: the source; all_to_all: 1 when its parts are equal), then world_size split sizes (bytes)
 _PARITY_SIGNATURE, _PARITY_NBYTES, _PARITY_AUX, _PARITY_SPLITS = 0, 1, 2, 3
 _ROW_ALIGN_WORDS = 16
 _SLOT_ALIGN = 64
 
-# Spin (yielding the core) this long before sleeping, then sleep longer and longer: a rank that sleeps wakes at
-# most about a third of its wait so far late (until the 1 ms cap), and an idle one wakes 1000 times a second.
+# Spin (yielding the core) this long before sleeping until the peer publishes, at most _MAX_SLEEP_S at a time
 _SPIN_S = 1e-3
-_FIRST_SLEEP_S = 2e-5
-_SLEEP_GROWTH = 1.5
-_MAX_SLEEP_S = 1e-3
+_MAX_SLEEP_S = 1e-2
 _LIVENESS_INTERVAL_S = 0.05
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64's system call number (the only machine served)
 
 _SUPPORTED_MACHINES = ("x86_64", "AMD64")
 _MAX_CACHED_VIEWS = 256
@@ -160,6 +169,27 @@ def _map_segment(path: str, nbytes: int) -> torch.Tensor | None:
         return None
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> None:
+    """FUTEX_WAIT (sleep while the 32-bit word at `address` holds `value`, at most `timeout_s`; the GIL released)
+    or FUTEX_WAKE (wake up to `value` sleepers on it). Its result is not needed: a waiter checks the counters again."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    timeout = None
+    if timeout_s is not None:
+        seconds = int(timeout_s)
+        timeout = ctypes.byref(_Timespec(seconds, int((timeout_s - seconds) * 1e9)))
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_uint32(value),
+                  timeout, None, ctypes.c_int(0))
+
+
 _signatures: dict[tuple[str, torch.dtype | None], int] = {}
 
 
@@ -205,6 +235,8 @@ class ShmCommunicator:
         self._my_row = rank * self._row_words
         self._peers = [p for p in range(world_size) if p != rank]
         self._peer_seq_words = [p * self._row_words + _SEQ for p in self._peers]
+        self._peer_sleeping_words = [p * self._row_words + _SLEEPING for p in self._peers]
+        self._segment_address = segment.data_ptr()
         parity_words = _PARITY_SPLITS + world_size
         # [parity][rank]: the first word of that rank's parity block
         self._parity_word = [[p * self._row_words + _FIRST_PARITY_WORD + parity * parity_words
@@ -687,6 +719,10 @@ class ShmCommunicator:
         header[block + _PARITY_AUX] = aux
         header[self._my_row + _SEQ] = step
         self._step = step
+        for word in self._peer_sleeping_words:
+            if header[word]:  # a peer sleeps (on some rank's counter: this one's may be it)
+                _futex(self._segment_address + 8 * (self._my_row + _SEQ), _FUTEX_WAKE, self.world_size)
+                break
 
     def _await(self, step: int, op: str, timeout_s: float | None = ...) -> None:
         header = self._header
@@ -699,23 +735,35 @@ class ShmCommunicator:
         header = self._header
         start = time.monotonic()
         next_check = start + _LIVENESS_INTERVAL_S
-        sleep_s = _FIRST_SLEEP_S
         while True:
-            waiting = [p for p, word in zip(self._peers, self._peer_seq_words, strict=True) if header[word] < step]
+            waiting = [(p, word) for p, word in zip(self._peers, self._peer_seq_words, strict=True)
+                       if header[word] < step]
             if not waiting:
                 return
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _LIVENESS_INTERVAL_S
-                self._check_alive(waiting, op)
+                ranks = [p for p, _ in waiting]
+                self._check_alive(ranks, op)
                 if timeout_s is not None and now - start >= timeout_s:
-                    names = f"rank {waiting[0]}" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))}"
+                    names = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
                     self._fail(RuntimeError, f"{names} did not reach {op} #{self._collectives} within {timeout_s:g} s")
             if now - start < _SPIN_S:
                 os.sched_yield()
             else:
-                time.sleep(sleep_s)
-                sleep_s = min(_SLEEP_GROWTH * sleep_s, _MAX_SLEEP_S)
+                self._sleep_on(waiting[0][1], step, min(_MAX_SLEEP_S, next_check - now))
+
+    def _sleep_on(self, seq_word: int, step: int, timeout_s: float) -> None:
+        """Sleep until the peer of counter `seq_word` publishes (it wakes this rank: _publish), at most
+        `timeout_s`; at once if it published `step` meanwhile."""
+        header = self._header
+        header[self._my_row + _SLEEPING] = 1
+        try:
+            seen = header[seq_word]  # after the sleeping word: a peer publishing later sees it and wakes this rank
+            if seen < step:
+                _futex(self._segment_address + 8 * seq_word, _FUTEX_WAIT, seen & 0xFFFFFFFF, max(timeout_s, 0.0))
+        finally:
+            header[self._my_row + _SLEEPING] = 0
 
     def _check_alive(self, ranks: list[int], op: str) -> None:
         header = self._header
