@@ -264,9 +264,9 @@ def _wake_rank(rank, world):
         dist.barrier()
         if rank == 1:
             time.sleep(0.3)  # rank 0 spins 1 ms, then sleeps on rank 1's counter
-        start = time.monotonic()
+        sleeps, cpu_start, start = comm.sleeps, time.process_time(), time.monotonic()
         result = step()
-        waits.append(time.monotonic() - start)
+        waits.append((time.monotonic() - start, time.process_time() - cpu_start, comm.sleeps - sleeps))
         assert result == "plan" if isinstance(result, str) else torch.equal(result, torch.full((4,), 2.0))
         assert comm._header[comm._my_row + shm._SLEEPING] == 0
     parallel_comm.release_shared_memory()
@@ -276,7 +276,9 @@ def _wake_rank(rank, world):
 def test_a_sleeping_rank_is_woken_by_its_peer_s_next_step():
     (native, waits), _ = run_ranks(_wake_rank, 2)
     assert len(waits) == (3 if native else 2)
-    assert all(0.2 < wait < 10.0 for wait in waits), waits  # woken, not at its one-minute bound
+    for wall_s, cpu_s, sleeps in waits:
+        assert 0.2 < wall_s < 10.0, waits  # woken, not at its one-minute bound
+        assert sleeps >= 1 and cpu_s < 0.1, waits  # asleep in the kernel, not spinning
 
 
 def _native_all_reduce_rank(rank, world):

@@ -85,7 +85,8 @@ inline vfloat broadcast(float x) {
 // A vector loaded once into a register for the rows that multiply it. Left to itself GCC folds the load into each
 // row's multiply-add as a memory operand: one load per row per vector, free where a core loads two vectors a cycle
 // (Sapphire Rapids) but not on AMD's Zen 4, which loads one: its float32 prompt attention ran at 47 GFLOP/s against
-// 70 with this (bench_attention.py, one thread, alternated), decode 12-16% faster. Same instructions, same bits.
+// 70 with this (bench_attention.py, one thread, alternated), decode 10-19% faster. The same multiply-adds in the
+// same order (a register operand instead of a memory one): the same bits.
 template <typename T>
 inline vfloat load16_once(const T* p) {
   vfloat v = load16(p);
@@ -302,7 +303,7 @@ inline void chunk_scores(const Rows& rows, int64_t r0, const Piece<KT, VT>* piec
       for (int r = 0; r < RB; ++r) scores[r][s] += qd[r] * kd;
     }
     if (PARTIAL) {
-      const vfloat kd = load16(padded + d * kLanes);
+      const vfloat kd = load16_once(padded + d * kLanes);
       for (int r = 0; r < RB; ++r) scores[r][NF] += qd[r] * kd;
     }
   }
@@ -509,7 +510,7 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 // chains of multiply-adds. (Prompt tiles once looped over one piece, then one vector of dimensions, at a time:
 // RB chains, each waiting on its last multiply-add; float32 prompts of 512 and chunks after 1,024 ran at 56-67
 // GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) A decode item also requests
-// the next chunk as it goes; a prompt tile's prefetcher is empty there. Only a chunk's last piece can be partial.
+// the next chunk as it goes; a prompt tile's loops take NoPrefetch. Only a chunk's last piece can be partial.
 template <bool DECODE>
 inline auto& requests_in_loops(Prefetcher& prefetcher, NoPrefetch& none) {
   if constexpr (DECODE)
@@ -544,12 +545,12 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   if constexpr (avx2) {
 #ifdef TS_AVX2_TILES
     for (int64_t s = 0; s < num_pieces; ++s) {  // a decode item requests the next chunk during the first piece
-      Prefetcher* requests = DECODE && s == 0 ? &prefetcher : nullptr;
+      Prefetcher* piece_requests = DECODE && s == 0 ? &prefetcher : nullptr;
       if (pieces[s].n < kLanes) {
         pad_keys(pieces[s], D, key_dim_stride, padded);
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, requests);
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, piece_requests);
       } else {
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, requests);
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, piece_requests);
       }
     }
 #endif
@@ -1006,8 +1007,8 @@ void attend(const Problem& p, const Item& item) {
   const bool vector = D % kLanes == 0;
 
   // A decode item's next chunk is requested a few lines at a time from inside its loops; a prompt tile's at
-  // once, before the current chunk (requests spread inside its loops cost it 2x, measured), so that its loops
-  // find the prefetcher empty. The prefetcher stays empty where blocks are copied out.
+  // once, before the current chunk (requests spread inside its loops cost it 2x, measured), and its loops take
+  // NoPrefetch (chunk_rows). The prefetcher stays empty where blocks are copied out.
   Prefetcher prefetcher;
   const bool decode = item.num_queries == 1;
   // one chunk of head h against that head's rows

@@ -16,10 +16,12 @@
 #include <torch/library.h>
 
 #include <climits>
-#include <linux/futex.h>
 #include <sched.h>
+#ifdef __linux__
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <chrono>
 #include <cmath>
@@ -407,12 +409,14 @@ struct ShmStep {
     int64_t* seq = reinterpret_cast<int64_t*>(c.segment) + c.rank * c.row_words + kSeqWord;
     __atomic_store_n(seq, step, __ATOMIC_SEQ_CST);
     c.counters[0] = step;
+#ifdef __linux__  // (the communicator serves x86-64 Linux only)
     for (int64_t p = 0; p < c.world_size; ++p) {
-      if (p != c.rank && load_word(header + p * c.row_words + kSleepingWord)) {
+      if (p != c.rank && __atomic_load_n(header + p * c.row_words + kSleepingWord, __ATOMIC_SEQ_CST)) {
         syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);  // the low 32 bits: x86-64 is little-endian
         break;
       }
     }
+#endif
     const auto start = std::chrono::steady_clock::now();
     for (int64_t p = 0; p < c.world_size; ++p) {
       if (p == c.rank) continue;

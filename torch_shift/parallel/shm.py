@@ -45,13 +45,16 @@ on its counter when a peer's sleeping word is set (no system call otherwise). An
 most 1 ms instead woke 1,000 times a second, each time taking the core from a working rank's thread for tens of
 microseconds: a DP-2 replica's lone 512-token prefill on both cores took 471-487 ms against 468-469 now
 (docs/performance.md). A publisher's counter store may still wait in its store buffer while it reads the sleeping
-word (x86-64 lets a load pass an earlier store; the C++ publisher fences, the Python one cannot): a sleeper that
-both miss wakes at its 10 ms bound.
+word (x86-64 lets a load pass an earlier store; the C++ publisher fences, the Python one cannot), as may a
+sleeper's store of its sleeping word while it reads the counter: the kernel compares the counter again after a full
+barrier, so a sleeper misses a wake only where the publisher's counter store came late as well, and then wakes at
+its 10 ms bound.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import pickle
@@ -176,9 +179,10 @@ class _Timespec(ctypes.Structure):
 _libc: ctypes.CDLL | None = None
 
 
-def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> None:
+def _futex(address: int, op: int, value: int, timeout_s: float | None = None) -> int:
     """FUTEX_WAIT (sleep while the 32-bit word at `address` holds `value`, at most `timeout_s`; the GIL released)
-    or FUTEX_WAKE (wake up to `value` sleepers on it). Its result is not needed: a waiter checks the counters again."""
+    or FUTEX_WAKE (wake up to `value` sleepers on it). 0 where it worked (a wait woken or the word already changed:
+    EAGAIN; out of time: ETIMEDOUT; a signal: EINTR), else the errno."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -186,8 +190,12 @@ def _futex(address: int, op: int, value: int, timeout_s: float | None = None) ->
     if timeout_s is not None:
         seconds = int(timeout_s)
         timeout = ctypes.byref(_Timespec(seconds, int((timeout_s - seconds) * 1e9)))
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_uint32(value),
-                  timeout, None, ctypes.c_int(0))
+    result = _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op),
+                           ctypes.c_uint32(value), timeout, None, ctypes.c_int(0))
+    if result >= 0:
+        return 0
+    error = ctypes.get_errno()
+    return 0 if error in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR) else error
 
 
 _signatures: dict[tuple[str, torch.dtype | None], int] = {}
@@ -237,6 +245,7 @@ class ShmCommunicator:
         self._peer_seq_words = [p * self._row_words + _SEQ for p in self._peers]
         self._peer_sleeping_words = [p * self._row_words + _SLEEPING for p in self._peers]
         self._segment_address = segment.data_ptr()
+        self.sleeps = 0  # sleeps on a peer's counter (FUTEX_WAIT) so far
         parity_words = _PARITY_SPLITS + world_size
         # [parity][rank]: the first word of that rank's parity block
         self._parity_word = [[p * self._row_words + _FIRST_PARITY_WORD + parity * parity_words
@@ -757,11 +766,15 @@ class ShmCommunicator:
         """Sleep until the peer of counter `seq_word` publishes (it wakes this rank: _publish), at most
         `timeout_s`; at once if it published `step` meanwhile."""
         header = self._header
+        timeout_s = max(timeout_s, 0.0)
         header[self._my_row + _SLEEPING] = 1
         try:
-            seen = header[seq_word]  # after the sleeping word: a peer publishing later sees it and wakes this rank
+            seen = header[seq_word]  # the kernel compares the counter again, after a full barrier
             if seen < step:
-                _futex(self._segment_address + 8 * seq_word, _FUTEX_WAIT, seen & 0xFFFFFFFF, max(timeout_s, 0.0))
+                if _futex(self._segment_address + 8 * seq_word, _FUTEX_WAIT, seen & 0xFFFFFFFF, timeout_s):
+                    time.sleep(min(timeout_s, 1e-3))  # futexes refused (a sandbox): sleeps of 1 ms, as before them
+                else:
+                    self.sleeps += 1
         finally:
             header[self._my_row + _SLEEPING] = 0
 
