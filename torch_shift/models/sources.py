@@ -16,13 +16,16 @@ torch_shift's own (a DecoderLM).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from torch_shift.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from torch_shift.models.decoder import DecoderLM
@@ -78,7 +81,9 @@ class _WholeTensors:
         self._last: tuple[DTensor, torch.Tensor] | None = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, DTensor):
+        # a DTensor exists only once its module was imported (importing it here would cost 1.5 s at start-up)
+        dtensor_module = sys.modules.get("torch.distributed.tensor")
+        if dtensor_module is None or not isinstance(tensor, dtensor_module.DTensor):
             return tensor.detach()
         if self._last is None or self._last[0] is not tensor:
             self._last = None  # drop the previous whole tensor before gathering the next

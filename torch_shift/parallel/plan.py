@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 from torch_shift.config import ModelConfig
 from torch_shift.parallel.groups import ShiftGroups
@@ -37,6 +40,8 @@ class ParallelPlan:
 
     def shard_dim_and_axis(self, param_name: str) -> tuple[int, str] | None:
         """(tensor dim, mesh axis) of the parameter's single Shard placement, or None if replicated."""
+        from torch.distributed.tensor import Shard
+
         mesh, placements = self.lookup(param_name)
         sharded = [(p.dim, mesh.mesh_dim_names[i]) for i, p in enumerate(placements) if isinstance(p, Shard)]
         assert len(sharded) <= 1, f"{param_name}: one sharded mesh axis at most, got {placements}"
@@ -70,6 +75,8 @@ def _expert_parallel(entries: dict, mesh: DeviceMesh, placements: tuple[Placemen
 
 def base_plan(groups: ShiftGroups, expert_parallel: bool = False) -> ParallelPlan:
     """`expert_parallel`: the experts split over the SP ranks (TP = 1 then), or over TP when SP = 1."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = groups.mesh
     entries = _megatron_entries(mesh, lambda dim: (Replicate(), Shard(dim)))
     if expert_parallel:
@@ -84,6 +91,8 @@ def tp_plan(mesh: DeviceMesh, layout: str = "tp", vocab_parallel: bool = True,
             expert_parallel: bool = False) -> ParallelPlan:
     """Megatron TP over a 1-D mesh; the LM head vocab-parallel, or replicated; the experts split whole over the
     ranks with `expert_parallel`."""
+    from torch.distributed.tensor import Replicate, Shard
+
     entries = _megatron_entries(mesh, lambda dim: (Shard(dim),))
     if expert_parallel:
         _expert_parallel(entries, mesh, (Shard(0),))
