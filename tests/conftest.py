@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +139,38 @@ def refuse_python_ulysses(monkeypatch):
 
     monkeypatch.setattr(UlyssesAttention, "__call__", refusing)
 
+
+# A test past these (the slowest runs for about two minutes on 2 cores): the stacks of its processes, then the
+# run ended (tests/hang_watch.py; pytest-timeout, at 900 s in `make test`, acts only on a test hung in Python)
+HANG_DUMP_AFTER_S = float(os.environ.get("TORCH_SHIFT_TEST_DUMP_AFTER_S", 600))
+HANG_KILL_AFTER_S = float(os.environ.get("TORCH_SHIFT_TEST_KILL_AFTER_S", 1200))
+_hang_watch: subprocess.Popen | None = None
+
+
+def pytest_configure(config):
+    """Started after pytest suspended its initial capture: file descriptor 2 is the run's own standard error, which
+    the watchdog and faulthandler's SIGUSR1 dumps (in this process and in ranks forked from it) write to."""
+    global _hang_watch
+    stderr = os.fdopen(os.dup(2), "w")
+    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    _hang_watch = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("hang_watch.py")), str(os.getpid()), str(HANG_DUMP_AFTER_S),
+         str(HANG_KILL_AFTER_S)], stdin=subprocess.PIPE, stdout=stderr, stderr=stderr)
+
+
+def pytest_unconfigure(config):
+    if _hang_watch is not None:
+        _hang_watch.stdin.close()
+        _hang_watch.kill()
+        _hang_watch.wait()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _hang_watch is not None:
+        _hang_watch.stdin.write(f"start {item.nodeid}\n".encode())
+        _hang_watch.stdin.flush()
+    yield
+    if _hang_watch is not None:
+        _hang_watch.stdin.write(b"end\n")
+        _hang_watch.stdin.flush()
