@@ -314,3 +314,40 @@ def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, d
     if runner.launch_steps:
         assert launched and not runner.model.native_decoder.launched
     llm.shutdown()
+
+
+STOP_WHILE_A_WORKER_LOOKS = """
+import ctypes, sys, time
+import torch  # the library links libtorch's own libraries
+pool = ctypes.CDLL(sys.argv[1])
+assert pool.ts_gemv_pool_arm(1) == 1
+time.sleep(0.05)  # the worker pauses 20 ms after each look at `stopping`: stop() comes inside such a pause
+pool.ts_gemv_pool_stop()
+print("stopped")
+"""
+
+
+@pytest.mark.slow
+def test_stop_ends_a_worker_that_looked_at_stopping_just_before(tmp_path):
+    """A worker that found `stopping` false just before stop() set it: it must not sleep for ever on the arming
+    word that stop() already changed (stop() joins it). The kernel built with a pause after that look, so that stop()
+    always comes inside it (the window is a few instructions otherwise)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch_shift.kernels as kernels_module
+    from torch_shift.kernels import compiler
+
+    if compiler() is None or not kernels_module.cpu_kernels():
+        pytest.skip("no C++ compiler")
+    source = Path(kernels_module.__file__).parent / "cpu_linear.cpp"
+    error = kernels_module._compile_and_link(compiler(), [source], tmp_path / "libpool.so", native=True,
+                                             extra_flags=("-DTS_TEST_WORKER_PAUSE_US=20000",))
+    assert error is None, error
+    try:
+        run = subprocess.run([sys.executable, "-c", STOP_WHILE_A_WORKER_LOOKS, str(tmp_path / "libpool.so")],
+                             capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("stop() did not return within 30 s: the worker slept on the arming word")
+    assert run.returncode == 0 and run.stdout.strip() == "stopped", run.stderr

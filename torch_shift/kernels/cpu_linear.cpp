@@ -659,9 +659,16 @@ void* worker_main(void* arg) {
   IdleSpin idle(kSpinBeforeSleepNs);
   for (;;) {
     if (stopping.load(std::memory_order_acquire)) return nullptr;
+#ifdef TS_TEST_WORKER_PAUSE_US  // tests/test_decode_pool.py: the window between the two looks at `stopping`, widened
+    usleep(TS_TEST_WORKER_PAUSE_US);
+#endif
     if (w >= armed.load(std::memory_order_acquire)) {
       const uint32_t a = arming.load(std::memory_order_acquire);
-      if (w >= armed.load(std::memory_order_acquire)) futex_wait(&arming, a);
+      // `stopping` again: stop() sets it before it changes `arming`, so a worker that read the new `arming` sees it
+      // (without this look, a worker that passed the one above just before stop() slept here for ever, and stop()
+      // waited for it in pthread_join: CI hung in a DP test's shutdown)
+      if (w >= armed.load(std::memory_order_acquire) && !stopping.load(std::memory_order_seq_cst))
+        futex_wait(&arming, a);
       prefetch.count = 0;
       seen = epoch.load(std::memory_order_acquire);
       continue;
