@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import os
@@ -147,30 +148,49 @@ HANG_KILL_AFTER_S = float(os.environ.get("TORCH_SHIFT_TEST_KILL_AFTER_S", 1200))
 _hang_watch: subprocess.Popen | None = None
 
 
+def _allow_ptrace() -> None:
+    """Let gdb (run by the watchdog, not this process's descendant) attach where Yama's ptrace_scope is 1."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, _ANY
+    except (OSError, AttributeError):
+        pass
+
+
 def pytest_configure(config):
     """Started after pytest suspended its initial capture: file descriptor 2 is the run's own standard error, which
-    the watchdog and faulthandler's SIGUSR1 dumps (in this process and in ranks forked from it) write to."""
+    the watchdog and faulthandler's SIGUSR1 dumps (in this process and in ranks forked from it) write to. Not under
+    --pdb or --trace, whose sessions may last."""
     global _hang_watch
+    if config.getoption("usepdb", False) or config.getoption("trace", False):
+        return
     stderr = os.fdopen(os.dup(2), "w")
     faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    _allow_ptrace()
+    os.register_at_fork(after_in_child=_allow_ptrace)
+    # a session of its own: a Ctrl+C of the run does not end it before the run has reported
     _hang_watch = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("hang_watch.py")), str(os.getpid()), str(HANG_DUMP_AFTER_S),
-         str(HANG_KILL_AFTER_S)], stdin=subprocess.PIPE, stdout=stderr, stderr=stderr)
+         str(HANG_KILL_AFTER_S)], stdin=subprocess.PIPE, stdout=stderr, stderr=stderr, start_new_session=True)
+
+
+def _tell_hang_watch(line: str) -> None:
+    global _hang_watch
+    if _hang_watch is None:
+        return
+    try:
+        _hang_watch.stdin.write(f"{line}\n".encode())
+        _hang_watch.stdin.flush()
+    except OSError:  # the watchdog ended (killed): the run goes on unwatched
+        _hang_watch = None
 
 
 def pytest_unconfigure(config):
-    if _hang_watch is not None:
-        _hang_watch.stdin.close()
-        _hang_watch.kill()
-        _hang_watch.wait()
+    """The interpreter's exit (engines' finalizers, atexit) watched too: the watchdog ends when this process does."""
+    _tell_hang_watch("start the test process's exit")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if _hang_watch is not None:
-        _hang_watch.stdin.write(f"start {item.nodeid}\n".encode())
-        _hang_watch.stdin.flush()
+    _tell_hang_watch(f"start {item.nodeid}")
     yield
-    if _hang_watch is not None:
-        _hang_watch.stdin.write(b"end\n")
-        _hang_watch.stdin.flush()
+    _tell_hang_watch("end")

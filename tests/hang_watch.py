@@ -6,7 +6,8 @@ are killed so that the run ends with that report instead of running into CI's li
 pytest-timeout ends a test hung in Python; a test hung in C (a spin or a wait that never returns to the interpreter)
 holds the process where its signal cannot act, and a thread of the test process cannot be relied on either (the hung
 thread may hold the GIL). Hence a process of its own, told by conftest.py when each test starts and ends:
-`python hang_watch.py PID DUMP_AFTER_S KILL_AFTER_S`, lines `start NODEID` and `end` on its standard input."""
+`python hang_watch.py PID DUMP_AFTER_S KILL_AFTER_S`, lines `start NODEID` and `end` on its standard input. It ends
+when the test process does."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def _tree(root: int) -> list[int]:
     return order
 
 
+def _catches_sigusr1(pid: int) -> bool:
+    """Whether the process has a handler for SIGUSR1 (faulthandler's, in the test process and ranks forked from it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1)
+
+
 def _report(root: int, nodeid: str, elapsed: float) -> None:
     print(f"\n[hang-watch] {nodeid} has run for {elapsed:.0f} s: stacks of the test process {root} and its children",
           flush=True)
@@ -60,11 +71,14 @@ def _report(root: int, nodeid: str, elapsed: float) -> None:
                                stdin=subprocess.DEVNULL, timeout=120)
             except subprocess.TimeoutExpired:
                 print(f"[hang-watch] gdb did not finish on {pid} within 120 s", flush=True)
-        try:
-            os.kill(pid, signal.SIGUSR1)  # faulthandler's dump of every Python thread, to the same stderr
-        except ProcessLookupError:
-            pass
-        time.sleep(1.0)
+        if _catches_sigusr1(pid):  # faulthandler's dump of every Python thread, to the same stderr
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:  # ended since
+                continue
+            time.sleep(1.0)
+        else:  # a process started by exec (a server under test, a compiler): SIGUSR1 would end it
+            print(f"[hang-watch] process {pid} has no SIGUSR1 handler: no Python stacks", flush=True)
 
 
 def main() -> None:
@@ -72,12 +86,12 @@ def main() -> None:
     nodeid, started, reported = "", 0.0, False
     stdin = sys.stdin.fileno()
     buffer = b""
+    reading = True
     while True:
-        ready, _, _ = select.select([stdin], [], [], 1.0)
+        ready, _, _ = select.select([stdin] if reading else [], [], [], 1.0)
         if ready:
             data = os.read(stdin, 65536)
-            if not data:
-                return  # the test process closed its end (every forked rank too): the run is over
+            reading = bool(data)  # at the end of the input, the test process is still watched until it exits
             buffer += data
             *lines, buffer = buffer.split(b"\n")
             for line in lines:

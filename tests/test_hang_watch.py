@@ -4,13 +4,18 @@ printed, then the run is ended."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 HUNG_TEST = textwrap.dedent('''
     import multiprocessing as mp
+    import subprocess
+    import sys
     import time
 
 
@@ -21,11 +26,13 @@ HUNG_TEST = textwrap.dedent('''
     def test_hangs():
         child = mp.get_context("fork").Process(target=_wait_in_child, daemon=True)
         child.start()
+        started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         while True:
             time.sleep(300)
 ''')
 
 
+@pytest.mark.slow
 def test_a_hung_test_gets_its_stacks_printed_and_the_run_ended(tmp_path):
     """Without pytest-timeout, as for a test hung where its signal cannot act."""
     (tmp_path / "test_hung.py").write_text(HUNG_TEST)
@@ -38,6 +45,9 @@ def test_a_hung_test_gets_its_stacks_printed_and_the_run_ended(tmp_path):
     output = run.stdout + run.stderr
     assert run.returncode == -9, output  # killed by the watchdog
     assert "[hang-watch] test_hung.py::test_hangs has run for" in output, output
-    assert output.count("[hang-watch] process ") == 2, output  # the test process and its forked child
-    assert "in test_hangs" in output and "in _wait_in_child" in output, output  # both Python stacks
+    # the test process, its forked child and the program it started
+    assert len(re.findall(r"\[hang-watch\] process \d+: ", output)) == 3, output
+    assert "in test_hangs" in output and "in _wait_in_child" in output, output  # the forked ones' Python stacks
+    # the started program has no SIGUSR1 handler: not sent the signal, which would have ended it before the kill
+    assert output.count("has no SIGUSR1 handler") == 1, output
     assert "killing the test run" in output, output
