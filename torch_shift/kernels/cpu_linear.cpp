@@ -666,7 +666,7 @@ void* worker_main(void* arg) {
       const uint32_t a = arming.load(std::memory_order_acquire);
       // `stopping` again: stop() sets it before it changes `arming`, so a worker that read the new `arming` sees it
       // (without this look, a worker that passed the one above just before stop() slept here for ever, and stop()
-      // waited for it in pthread_join: CI hung in a DP test's shutdown)
+      // waited for it in pthread_join)
       if (w >= armed.load(std::memory_order_acquire) && !stopping.load(std::memory_order_seq_cst))
         futex_wait(&arming, a);
       prefetch.count = 0;
