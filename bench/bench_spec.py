@@ -11,9 +11,11 @@ greedy outputs without speculation, replayed through the proposer), which bounds
 
 The draft model (method "draft"): the default model's first `--draft-layers` layers with its final norm and head
 (LayerSkip's early exit as a checkpoint of its own: the only smaller model with this tokenizer), unless
-`--draft DIR` names another.
+`--draft DIR` names another. Method "draft+suffix": the same draft with suffix decoding beside it
+(`enable_suffix_decoding`, as ArcticInference: a request's suffix draft where it is expected to keep the draft's k
+tokens, else the draft model's).
 
-    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft] [--repeats 3]
+    python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft,draft+suffix] [--repeats 3]
                                [--intermediate 24576] [--vllm-python VENV/bin/python] [--json out.json]
 
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
@@ -304,11 +306,12 @@ def main() -> None:
         METHODS["suffix"] = {**METHODS["suffix"], "suffix_decoding_max_spec_factor": args.suffix_spec_factor}
     if args.intermediate is not None:
         MODEL_DIR = str(widened(default_model_dir(), Path(tempfile.mkdtemp()) / "widened", args.intermediate))
-    if "draft" in args.methods.split(","):
+    if {"draft", "draft+suffix"} & set(args.methods.split(",")):
         draft_dir = args.draft or (default_model_dir() if args.intermediate is not None else
                                    truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
                                                    args.draft_layers))
         METHODS["draft"] = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": DRAFT_K}
+        METHODS["draft+suffix"] = {**METHODS["draft"], "enable_suffix_decoding": True}
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)

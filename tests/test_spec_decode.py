@@ -86,6 +86,30 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
         SpeculativeConfig.from_user(3)
 
 
+def test_suffix_decoding_beside_a_draft_is_arctics_option():
+    """ArcticInference's `enable_suffix_decoding` on the draft method: the suffix options then apply, and suffix
+    drafts may run to the tree's depth; without it they are refused by name."""
+    both = SpeculativeConfig.from_user({"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 3,
+                                        "enable_suffix_decoding": True, "suffix_decoding_max_tree_depth": 12})
+    assert (both.label, both.max_proposal_tokens, both.suffix_decoding_max_tree_depth) == ("draft_model+suffix", 12, 12)
+    assert both.as_dict()["enable_suffix_decoding"] is True
+    draft = SpeculativeConfig.from_user({"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 3})
+    assert (draft.label, draft.max_proposal_tokens) == ("draft_model", 3)
+    assert "suffix_decoding_max_tree_depth" not in draft.as_dict()
+    for bad, message in [
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.2},
+         "'suffix_decoding_min_token_prob' applies to method 'draft_model' only with 'enable_suffix_decoding'"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "enable_suffix_decoding": False,
+          "suffix_decoding_max_tree_depth": 8}, "only with 'enable_suffix_decoding': true"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "enable_suffix_decoding": True},
+         "'enable_suffix_decoding' does not apply to method 'ngram'"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "enable_suffix_decoding": 1},
+         "enable_suffix_decoding=1 must be true or false"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.from_user(bad)
+
+
 # -- proposers against brute force --------------------------------------------------------------------------
 
 
@@ -686,6 +710,69 @@ def test_the_target_as_its_own_draft_is_always_accepted(llama):
     assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
     stats = llm.stats()["spec_decode"]
     assert stats["num_accepted_tokens"] >= 0.95 * stats["num_draft_tokens"] > 0, stats
+
+
+def test_suffix_beside_a_draft_proposes_the_suffix_draft_only_where_it_scores_the_drafts_length(draft_llama):
+    """A request whose text repeats proposes its suffix draft (longer than the draft model's k); one whose suffix
+    draft is expected to keep fewer than k tokens proposes what the draft model alone proposes, and the draft's KV
+    follows the tokens of a request whatever proposed for it (checked against a fresh draft)."""
+    from torch_shift.engine.spec_decode.draft import DraftModelProposer, SuffixBesideDraftProposer
+    from torch_shift.models.loader import load_model
+
+    model = load_model(draft_llama)
+    k = 3
+    proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16), DraftModelProposer(model, 64, 4, 64), k)
+    params = SamplingParams(max_tokens=100)
+    phrase = [7, 19, 23, 41, 5, 88, 13, 61]
+    repeating = Request("repeats", phrase * 4, params, max_tokens=100)
+    plain = Request("plain", random_prompts(1, seed=5)[0], params, max_tokens=100)
+    suffix_alone = SuffixProposer(max_depth=16)
+    for _ in range(3):
+        proposals = proposer.propose([repeating, plain], [12, 12])
+        expected_suffix = suffix_alone.propose([repeating, plain], [12, 12])
+        assert proposals[0] == expected_suffix[0] and len(proposals[0]) > k  # the phrase, past the draft's k
+        assert suffix_alone.draft(plain, 12).score < k
+        fresh = DraftModelProposer(model, 64, 4, 64)
+        assert proposals[1] == fresh.propose([plain], [k])[0] and len(proposals[1]) == k
+        n = len(repeating.all_token_ids)
+        for request, new in ((repeating, [phrase[i % len(phrase)] for i in range(n, n + len(proposals[0]) + 1)]),
+                             (plain, proposals[1][:1] + [3])):
+            request.all_token_ids.extend(new)
+            request.output_token_ids.extend(new)
+    assert (proposer.num_suffix_drafts, proposer.num_model_drafts) == (3, 3)
+    # the repeating request's draft-model KV, never used above, is right once it asks the draft model
+    repeating.all_token_ids.extend([500, 501, 502])
+    repeating.output_token_ids.extend([500, 501, 502])
+    assert proposer.suffix.draft(repeating, 12).score < k
+    fresh = DraftModelProposer(model, 64, 4, 64)
+    assert proposer.propose([repeating], [12])[0] == fresh.propose([repeating], [k])[0]
+    for request in (repeating, plain):
+        request.status = RequestStatus.FINISHED_STOPPED
+        proposer.on_finish(request, cache=True)
+    assert proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks
+    assert proposer.suffix.global_tree.num_cached == 2
+
+
+def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_llama):
+    _, model_dir = llama
+    prompts = repetitive_prompts(4) + random_prompts(2, seed=9)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.8, seed=11, ignore_eos=True)] * 3
+    reference = LLM(str(model_dir), compile=False, block_size=4).generate(prompts, params, use_tqdm=False)
+    spec = {**draft_spec(draft_llama, 2), "enable_suffix_decoding": True, "suffix_decoding_min_token_prob": 0.0,
+            "goodput_budget": False}
+    llm = LLM(str(model_dir), compile=False, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32,
+              speculative_config=spec)
+    # the second time, the global tree holds the first time's outputs: the greedy requests take suffix drafts
+    for _ in range(2):
+        assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    stats = llm.stats()["spec_decode"]
+    assert stats["method"] == "draft_model+suffix" and stats["num_accepted_tokens"] > 0
+    proposer = llm.engine.core.speculator.proposer
+    assert proposer.num_suffix_drafts > 0 and proposer.num_model_drafts > 0
+    assert len(stats["accepted_per_position"]) > 2  # suffix drafts past the draft model's k
+    assert not llm.engine.block_manager.req_blocks
+    assert not proposer.draft.states and proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks
 
 
 def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):

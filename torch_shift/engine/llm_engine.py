@@ -31,8 +31,13 @@ from torch_shift.engine.request import RequestStatus
 from torch_shift.engine.sampler import Sampler
 from torch_shift.engine.sampling_params import generation_config_defaults
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from torch_shift.engine.spec_decode import Speculator
-from torch_shift.engine.spec_decode.draft import DraftCheckpoint, DraftModelProposer, load_draft_proposer
+from torch_shift.engine.spec_decode import Speculator, build_proposer
+from torch_shift.engine.spec_decode.draft import (
+    DraftCheckpoint,
+    DraftModelProposer,
+    SuffixBesideDraftProposer,
+    load_draft_proposer,
+)
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
@@ -140,8 +145,8 @@ class LLMEngine:
         speculator = None
         if config.speculative is not None:
             speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer())
-            self.stats_recorder.spec_method = config.speculative.method
-            self.stats_recorder.accepted_per_position = [0] * config.speculative.num_speculative_tokens
+            self.stats_recorder.spec_method = config.speculative.label
+            self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
                                                 config.scheduler.max_model_len)
         # the executor is the Worker's (no reference back to the engine: dropping it frees its process groups)
@@ -168,8 +173,9 @@ class LLMEngine:
                            config.scheduler.max_model_len, self.max_context_tokens)
         self.last_core_step: CoreStep | None = None  # what the last step did (None: it ran nothing)
 
-    def _draft_proposer(self) -> DraftModelProposer | None:
-        """The draft model on rank 0's device, for method "draft_model" (None: a method without a model)."""
+    def _draft_proposer(self) -> DraftModelProposer | SuffixBesideDraftProposer | None:
+        """The draft model on rank 0's device, for method "draft_model", with suffix decoding beside it where the
+        config enables it (None: a method without a model)."""
         config = self.config
         if config.speculative.method != "draft_model":
             return None
@@ -177,11 +183,16 @@ class LLMEngine:
             raise ValueError("speculative_config: method 'draft_model' needs the draft's checkpoint and a model to run "
                              "it (a simulator prices 'ngram' and 'suffix' proposals; a draft's forwards are not "
                              "modelled)")
-        return load_draft_proposer(config.draft, config.dtype, self.worker.runner.device, config.cache.block_size,
-                                   config.scheduler.max_num_seqs, config.scheduler.max_model_len,
-                                   config.scheduler.max_num_batched_tokens, config.runner.attention_backend,
-                                   config.runner.prepack_weights, config.runner.decode_pool,
-                                   config.runner.native_decode)
+        draft = load_draft_proposer(config.draft, config.dtype, self.worker.runner.device, config.cache.block_size,
+                                    config.scheduler.max_num_seqs, config.scheduler.max_model_len,
+                                    config.scheduler.max_num_batched_tokens, config.runner.attention_backend,
+                                    config.runner.prepack_weights, config.runner.decode_pool,
+                                    config.runner.native_decode)
+        spec = config.speculative
+        if not spec.suffix_beside_draft:
+            return draft
+        return SuffixBesideDraftProposer(build_proposer(replace(spec, method="suffix")), draft,
+                                         spec.num_speculative_tokens)
 
     # -- what the engine is made of ------------------------------------------------------------------------
     @property

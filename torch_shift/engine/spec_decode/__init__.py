@@ -5,7 +5,8 @@ every position, and the output processor keeps the proposals that match what the
 
 Methods (vLLM's `speculative_config`, see config.py): "ngram" (prompt lookup) and "suffix" (SuffixDecoding, as
 ArcticInference) propose from tokens already seen and cost no forward; "draft_model" runs a smaller checkpoint on
-rank 0 with its own KV cache (draft.py).
+rank 0 with its own KV cache (draft.py), with suffix decoding beside it where `enable_suffix_decoding` asks (as
+ArcticInference: the suffix draft where it is expected to keep as many tokens as the draft model proposes).
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class Speculator:
             return
         if limit is not None and num_running >= limit:
             return
-        k = config.num_speculative_tokens
+        k = config.max_proposal_tokens
         cost = self.step_cost.at(num_running) if config.goodput_budget else None
         bar = UNFITTED_BAR if config.goodput_budget else 0.0
         probe_every = PROBE_EVERY
@@ -283,7 +284,7 @@ class Speculator:
         ask = self.ask_seconds / max(self.found_share, 0.05)
         if self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask:
             self._bar_key, self._bar_ask = (num_running, cost), ask
-            self._bar = lowest_paying_rate(self.config.num_speculative_tokens, num_running, cost, ask)
+            self._bar = lowest_paying_rate(self.config.max_proposal_tokens, num_running, cost, ask)
             # a probe costs an ask: with a slow proposer (the suffix trees of many cached outputs: ~60 us a
             # request) probes of 64 requests every 16 tokens took 4% of their step
             step = step_seconds(cost, num_running, 0, 0)

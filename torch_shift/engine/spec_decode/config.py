@@ -9,12 +9,14 @@ from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
 _METHOD_ALIASES = {"[ngram]": "ngram", "suffix_decoding": "suffix", "draft": "draft_model"}
-# options each method reads (the shared ones: method, num_speculative_tokens, disable_by_batch_size)
+_SUFFIX_OPTIONS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                   "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+# options each method reads (the shared ones: method, num_speculative_tokens, disable_by_batch_size); a draft model
+# reads the suffix options where `enable_suffix_decoding` puts suffix decoding beside it
 _OPTIONS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),
-    "suffix": ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
-    "draft_model": ("model",),
+    "suffix": _SUFFIX_OPTIONS,
+    "draft_model": ("model", "enable_suffix_decoding") + _SUFFIX_OPTIONS,
 }
 _SHARED = ("method", "num_speculative_tokens", "disable_by_batch_size", "goodput_budget")
 
@@ -36,6 +38,10 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0  # tokens proposed <= this times the length of the match
     suffix_decoding_min_token_prob: float = 0.1  # a path ends at a token whose estimated probability is below this
     model: str | None = None  # draft_model: the draft's checkpoint
+    # draft_model: suffix decoding beside the draft, as ArcticInference's option of that name (paper 002): a request
+    # whose suffix draft is expected to keep at least num_speculative_tokens tokens (its score) proposes it, up to
+    # suffix_decoding_max_tree_depth tokens; the others propose the draft model's num_speculative_tokens
+    enable_suffix_decoding: bool = False
 
     @classmethod
     def from_user(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -71,6 +77,11 @@ class SpeculativeConfig:
             if name not in _SHARED and name not in _OPTIONS[method]:
                 raise ValueError(f"speculative_config: option {name!r} does not apply to method {method!r}")
         options["method"] = method
+        if method == "draft_model" and options.get("enable_suffix_decoding") is not True:
+            for name in _SUFFIX_OPTIONS:
+                if name in options:
+                    raise ValueError(f"speculative_config: option {name!r} applies to method 'draft_model' only with "
+                                     "'enable_suffix_decoding': true")
         if method == "ngram":  # vLLM: either bound gives the other (checked first, so an error names the one given)
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 bound = options.get(name)
@@ -100,6 +111,7 @@ class SpeculativeConfig:
                     "must be an integer")
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
         require(isinstance(self.goodput_budget, bool), "goodput_budget", "must be true or false")
+        require(isinstance(self.enable_suffix_decoding, bool), "enable_suffix_decoding", "must be true or false")
         require(self.disable_by_batch_size is None or (isinstance(self.disable_by_batch_size, int)
                                                        and not isinstance(self.disable_by_batch_size, bool)
                                                        and self.disable_by_batch_size >= 1),
@@ -117,7 +129,26 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             require(isinstance(self.model, str) and bool(self.model), "model", "must name the draft's checkpoint")
 
+    @property
+    def suffix_beside_draft(self) -> bool:
+        return self.method == "draft_model" and self.enable_suffix_decoding
+
+    @property
+    def label(self) -> str:
+        """What proposes: the method, or "draft_model+suffix" (stats)."""
+        return "draft_model+suffix" if self.suffix_beside_draft else self.method
+
+    @property
+    def max_proposal_tokens(self) -> int:
+        """The most tokens a request proposes in a step: a suffix draft beside a draft model may be longer than the
+        draft's."""
+        if self.suffix_beside_draft:
+            return max(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth)
+        return self.num_speculative_tokens
+
     def as_dict(self) -> dict[str, Any]:
         """The options that apply to the method, as a user would write them."""
         names = _SHARED + _OPTIONS[self.method]
+        if self.method == "draft_model" and not self.enable_suffix_decoding:
+            names = _SHARED + ("model",)
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}

@@ -24,6 +24,7 @@ from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.config import ModelConfig
 from torch_shift.engine.decode_pool import DecodePool
+from torch_shift.engine.spec_decode.suffix import SuffixProposer
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
 from torch_shift.models.decoder import DecoderLM
@@ -233,3 +234,43 @@ class DraftModelProposer:
         # back to the callers' order of runs
         wanted_order = [order[r] for r in range(len(runs)) if runs[r].wants_logits]
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]
+
+
+class SuffixBesideDraftProposer:
+    """Suffix decoding beside a draft model (`enable_suffix_decoding`; paper 002, ArcticInference's model runner): per
+    request and step, the suffix trees' draft where its score, the expected number of its tokens a check keeps,
+    reaches what the draft model would propose (`num_speculative_tokens`, or the request's room if smaller); the
+    draft model's greedy tokens for the others, batched. Repetitive text (an agent's loops, an edit) takes the long
+    suffix drafts that cost no forward, the rest the draft model. The draft model's KV follows every request's tokens
+    either way: a request that took a suffix draft feeds the tokens it has not seen at its next draft."""
+
+    name = "draft_model+suffix"
+
+    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, num_speculative_tokens: int):
+        self.suffix = suffix
+        self.draft = draft
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_suffix_drafts = 0  # proposals that were the suffix trees'
+        self.num_model_drafts = 0  # and the draft model's
+
+    def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in requests]
+        drafted, rooms, where = [], [], []
+        for i, (request, room) in enumerate(zip(requests, max_tokens)):
+            suffix = self.suffix.draft(request, room)
+            if suffix.token_ids and suffix.score >= min(self.num_speculative_tokens, room):
+                proposals[i] = suffix.token_ids
+                self.num_suffix_drafts += 1
+            else:
+                drafted.append(request)
+                rooms.append(min(room, self.num_speculative_tokens))
+                where.append(i)
+        if drafted:
+            for i, proposal in zip(where, self.draft.propose(drafted, rooms)):
+                proposals[i] = proposal
+                self.num_model_drafts += bool(proposal)
+        return proposals
+
+    def on_finish(self, request, cache: bool) -> None:
+        self.suffix.on_finish(request, cache)
+        self.draft.on_finish(request, cache)

@@ -329,8 +329,12 @@ class SuffixProposer:
         return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
 
     def propose_one(self, request, max_tokens: int) -> list[int]:
+        return self.draft(request, max_tokens).token_ids
+
+    def draft(self, request, max_tokens: int) -> Draft:
+        """The request's draft of at most `max_tokens` tokens, with its score."""
         buffer = self.tokens.read(request)
-        return self.speculate(buffer.array[:buffer.num_tokens], buffer.array, max_tokens).token_ids
+        return self.speculate(buffer.array[:buffer.num_tokens], buffer.array, max_tokens)
 
     def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
         """The draft for a request whose tokens are `context_tokens`, which is `padded[:n]` (`padded`: int64, PAD
