@@ -312,6 +312,8 @@ def main() -> None:
                                                    args.draft_layers))
         METHODS["draft"] = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": DRAFT_K}
         METHODS["draft+suffix"] = {**METHODS["draft"], "enable_suffix_decoding": True}
+        if args.suffix_spec_factor is not None:
+            METHODS["draft+suffix"]["suffix_decoding_max_spec_factor"] = args.suffix_spec_factor
     figures: dict = {"proposer_s_at_256": proposer_cost()}
     print("proposing for 256 running requests of 1500 tokens: "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in figures["proposer_s_at_256"].items()), flush=True)

@@ -91,7 +91,8 @@ def test_suffix_decoding_beside_a_draft_is_arctics_option():
     drafts may run to the tree's depth; without it they are refused by name."""
     both = SpeculativeConfig.from_user({"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 3,
                                         "enable_suffix_decoding": True, "suffix_decoding_max_tree_depth": 12})
-    assert (both.label, both.max_proposal_tokens, both.suffix_decoding_max_tree_depth) == ("draft_model+suffix", 12, 12)
+    # a match of L tokens proposes at most min(L, depth - L): 6 at depth 12
+    assert (both.label, both.max_proposal_tokens, both.max_suffix_tokens) == ("draft_model+suffix", 6, 6)
     assert both.as_dict()["enable_suffix_decoding"] is True
     draft = SpeculativeConfig.from_user({"method": "draft_model", "model": "/ckpt/draft", "num_speculative_tokens": 3})
     assert (draft.label, draft.max_proposal_tokens) == ("draft_model", 3)
@@ -105,6 +106,12 @@ def test_suffix_decoding_beside_a_draft_is_arctics_option():
          "'enable_suffix_decoding' does not apply to method 'ngram'"),
         ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "enable_suffix_decoding": 1},
          "enable_suffix_decoding=1 must be true or false"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "enable_suffix_decoding": "yes",
+          "suffix_decoding_max_tree_depth": 8}, "enable_suffix_decoding='yes' must be true or false"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 13, "enable_suffix_decoding": True},
+         "no suffix draft can reach num_speculative_tokens=13 tokens: at most 12"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "enable_suffix_decoding": True,
+          "suffix_decoding_max_spec_factor": 0}, "at most 0 with"),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_user(bad)
@@ -713,44 +720,63 @@ def test_the_target_as_its_own_draft_is_always_accepted(llama):
 
 
 def test_suffix_beside_a_draft_proposes_the_suffix_draft_only_where_it_scores_the_drafts_length(draft_llama):
-    """A request whose text repeats proposes its suffix draft (longer than the draft model's k); one whose suffix
-    draft is expected to keep fewer than k tokens proposes what the draft model alone proposes, and the draft's KV
-    follows the tokens of a request whatever proposed for it (checked against a fresh draft)."""
-    from torch_shift.engine.spec_decode.draft import DraftModelProposer, SuffixBesideDraftProposer
+    """A request whose suffix draft is expected to keep fewer tokens than the draft model's proposal proposes what
+    the draft model alone proposes; once its text repeats, its suffix draft (longer than k). After several blocks'
+    worth of tokens the draft model never saw (suffix rounds after a draft-model round whose proposal was cut
+    short), the draft model's next proposal is still the one a fresh draft computes, and its pool holds the
+    request's blocks."""
+    from torch_shift.engine.spec_decode.draft import (
+        DRAFT_CHECKS_BEFORE_ESTIMATE,
+        DraftModelProposer,
+        SuffixBesideDraftProposer,
+    )
     from torch_shift.models.loader import load_model
 
     model = load_model(draft_llama)
-    k = 3
-    proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16), DraftModelProposer(model, 64, 4, 64), k)
-    params = SamplingParams(max_tokens=100)
-    phrase = [7, 19, 23, 41, 5, 88, 13, 61]
-    repeating = Request("repeats", phrase * 4, params, max_tokens=100)
-    plain = Request("plain", random_prompts(1, seed=5)[0], params, max_tokens=100)
+    k, block_size = 3, 4
+    proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16),
+                                         DraftModelProposer(model, 64, block_size, 64), k)
     suffix_alone = SuffixProposer(max_depth=16)
+    request = Request("r", random_prompts(1, seed=5)[0], SamplingParams(max_tokens=200), max_tokens=200)
+
+    def add(tokens: list[int]) -> None:
+        request.all_token_ids.extend(tokens)
+        request.output_token_ids.extend(tokens)
+
+    def check_draft_models(proposal: list[int]) -> None:
+        assert suffix_alone.draft(request, 12).score < k
+        fresh = DraftModelProposer(model, 64, block_size, 64)
+        assert proposal == fresh.propose([request], [k])[0] and len(proposal) == k
+        assert len(proposer.draft.blocks.block_table("r")) == -(-(request.num_tokens + k - 1) // block_size)
+
+    check_draft_models(proposer.propose([request], [12])[0])
+    add(proposer.draft.states["r"].fed_proposals[:1] + [3])  # its first token kept, then another drawn
+    phrase = [7, 19, 23, 41, 5, 88, 13, 61]
+    first = request.num_tokens
+    add(phrase * 3)
     for _ in range(3):
-        proposals = proposer.propose([repeating, plain], [12, 12])
-        expected_suffix = suffix_alone.propose([repeating, plain], [12, 12])
-        assert proposals[0] == expected_suffix[0] and len(proposals[0]) > k  # the phrase, past the draft's k
-        assert suffix_alone.draft(plain, 12).score < k
-        fresh = DraftModelProposer(model, 64, 4, 64)
-        assert proposals[1] == fresh.propose([plain], [k])[0] and len(proposals[1]) == k
-        n = len(repeating.all_token_ids)
-        for request, new in ((repeating, [phrase[i % len(phrase)] for i in range(n, n + len(proposals[0]) + 1)]),
-                             (plain, proposals[1][:1] + [3])):
-            request.all_token_ids.extend(new)
-            request.output_token_ids.extend(new)
-    assert (proposer.num_suffix_drafts, proposer.num_model_drafts) == (3, 3)
-    # the repeating request's draft-model KV, never used above, is right once it asks the draft model
-    repeating.all_token_ids.extend([500, 501, 502])
-    repeating.output_token_ids.extend([500, 501, 502])
-    assert proposer.suffix.draft(repeating, 12).score < k
-    fresh = DraftModelProposer(model, 64, 4, 64)
-    assert proposer.propose([repeating], [12])[0] == fresh.propose([repeating], [k])[0]
-    for request in (repeating, plain):
-        request.status = RequestStatus.FINISHED_STOPPED
-        proposer.on_finish(request, cache=True)
-    assert proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks
-    assert proposer.suffix.global_tree.num_cached == 2
+        proposal = proposer.propose([request], [12])[0]
+        assert proposal == suffix_alone.propose([request], [12])[0] and len(proposal) > k
+        n = request.num_tokens - first
+        add([phrase[i % len(phrase)] for i in range(n, n + len(proposal) + 1)])  # all kept, and the next one
+    add([500, 501, 502])
+    check_draft_models(proposer.propose([request], [12])[0])
+    assert (proposer.num_suffix_drafts, proposer.num_model_drafts) == (3, 2)
+    # a suffix draft expected to keep fewer than k tokens goes to the draft model while its checks are too few to
+    # say what it keeps (ArcticInference's rule), and is taken once they say it keeps less
+    add([500, 501])
+    short = suffix_alone.draft(request, 12)
+    assert short.token_ids and short.score < k
+    assert proposer.expected_draft_tokens(k) == k and len(proposer.propose([request], [12])[0]) == k
+    for _ in range(DRAFT_CHECKS_BEFORE_ESTIMATE):
+        proposer.checked("r", k, 1)  # one token kept of every three: p = 1/2
+    assert proposer.expected_draft_tokens(k) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert short.score >= 0.875 and proposer.propose([request], [12])[0] == short.token_ids
+    assert (proposer.num_suffix_drafts, proposer.num_model_drafts) == (4, 3)
+    request.status = RequestStatus.FINISHED_STOPPED
+    proposer.on_finish(request, cache=True)
+    assert proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks and not proposer.draft.states
+    assert proposer.suffix.global_tree.num_cached == 1
 
 
 def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_llama):
@@ -770,7 +796,8 @@ def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_l
     assert stats["method"] == "draft_model+suffix" and stats["num_accepted_tokens"] > 0
     proposer = llm.engine.core.speculator.proposer
     assert proposer.num_suffix_drafts > 0 and proposer.num_model_drafts > 0
-    assert len(stats["accepted_per_position"]) > 2  # suffix drafts past the draft model's k
+    assert 0 < proposer.num_draft_checks <= proposer.num_model_drafts  # the speculator tells it its checks
+    assert any(stats["accepted_per_position"][2:])  # suffix drafts kept past the draft model's k
     assert not llm.engine.block_manager.req_blocks
     assert not proposer.draft.states and proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks
 

@@ -44,6 +44,8 @@ class Proposer(Protocol):
     def on_finish(self, request: Request, cache: bool) -> None:
         """The request left (finished, with `cache`: normally, or aborted): forget its state."""
 
+    # optional: `checked(request_id, num_proposed, num_accepted)`, told each check of a proposal it made
+
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of a method that needs no model (a draft model is loaded by the engine: draft.py)."""
@@ -85,6 +87,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else build_proposer(config)
+        self._tell_checked = getattr(self.proposer, "checked", None)
         self.step_cost = StepCostFit()
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
@@ -151,6 +154,8 @@ class Speculator:
                     accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
                     self.acceptance.observe(request.request_id, len(proposed), accepted, request.greedy)
                     checks.append((len(proposed), accepted))
+                    if self._tell_checked is not None:
+                        self._tell_checked(request.request_id, len(proposed), accepted)
                 elif e.num_tokens != 1:
                     decode_only = False
                 if shadows:
@@ -284,7 +289,8 @@ class Speculator:
         ask = self.ask_seconds / max(self.found_share, 0.05)
         if self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask:
             self._bar_key, self._bar_ask = (num_running, cost), ask
-            self._bar = lowest_paying_rate(self.config.max_proposal_tokens, num_running, cost, ask)
+            # priced at the draft model's k beside suffix decoding too: most asks there run the draft's forwards
+            self._bar = lowest_paying_rate(self.config.num_speculative_tokens, num_running, cost, ask)
             # a probe costs an ask: with a slow proposer (the suffix trees of many cached outputs: ~60 us a
             # request) probes of 64 requests every 16 tokens took 4% of their step
             step = step_seconds(cost, num_running, 0, 0)

@@ -24,7 +24,9 @@ _SHARED = ("method", "num_speculative_tokens", "disable_by_batch_size", "goodput
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int  # at most this many proposed tokens per request and step
+    # at most this many proposed tokens per request and step (the draft model's, where suffix decoding beside it
+    # may propose longer suffix drafts: max_proposal_tokens)
+    num_speculative_tokens: int
     # no proposals in a step that has this many running requests or more (ArcticInference's option; vLLM 0.6's
     # speculative_disable_by_batch_size): proposed tokens inflate the step, which the policies read
     disable_by_batch_size: int | None = None
@@ -77,7 +79,10 @@ class SpeculativeConfig:
             if name not in _SHARED and name not in _OPTIONS[method]:
                 raise ValueError(f"speculative_config: option {name!r} does not apply to method {method!r}")
         options["method"] = method
-        if method == "draft_model" and options.get("enable_suffix_decoding") is not True:
+        if not isinstance(options.get("enable_suffix_decoding", False), bool):
+            raise ValueError("speculative_config: enable_suffix_decoding="
+                             f"{options['enable_suffix_decoding']!r} must be true or false")
+        if method == "draft_model" and not options.get("enable_suffix_decoding"):
             for name in _SUFFIX_OPTIONS:
                 if name in options:
                     raise ValueError(f"speculative_config: option {name!r} applies to method 'draft_model' only with "
@@ -98,6 +103,13 @@ class SpeculativeConfig:
             options["num_speculative_tokens"] = options.get("suffix_decoding_max_tree_depth", 24)
         config = cls(**options)
         config._check()
+        if config.suffix_beside_draft and config.max_suffix_tokens < config.num_speculative_tokens:
+            # a suffix draft is taken where its score reaches k, and it scores at most its length
+            raise ValueError(f"speculative_config: with enable_suffix_decoding, no suffix draft can reach "
+                             f"num_speculative_tokens={config.num_speculative_tokens} tokens: at most "
+                             f"{config.max_suffix_tokens} with suffix_decoding_max_tree_depth="
+                             f"{config.suffix_decoding_max_tree_depth} and suffix_decoding_max_spec_factor="
+                             f"{config.suffix_decoding_max_spec_factor}")
         return config
 
     def _check(self) -> None:
@@ -139,11 +151,19 @@ class SpeculativeConfig:
         return "draft_model+suffix" if self.suffix_beside_draft else self.method
 
     @property
+    def max_suffix_tokens(self) -> int:
+        """The longest suffix draft the tree's depth and the spec factor allow (over every match length)."""
+        from torch_shift.engine.spec_decode.suffix import path_limit
+
+        depth, factor = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_spec_factor
+        return max((path_limit(n, depth, depth, factor) for n in range(1, depth)), default=0)
+
+    @property
     def max_proposal_tokens(self) -> int:
         """The most tokens a request proposes in a step: a suffix draft beside a draft model may be longer than the
         draft's."""
         if self.suffix_beside_draft:
-            return max(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth)
+            return max(self.num_speculative_tokens, self.max_suffix_tokens)
         return self.num_speculative_tokens
 
     def as_dict(self) -> dict[str, Any]:

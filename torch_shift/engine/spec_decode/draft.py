@@ -236,13 +236,23 @@ class DraftModelProposer:
         return [token for _, token in sorted(zip(wanted_order, next_tokens))]
 
 
+# The draft model's acceptance beside suffix decoding: checks of its proposals, decayed by this per check (a window
+# of about a hundred), and how many before they replace ArcticInference's assumption that it keeps all its k tokens
+DRAFT_CHECK_DECAY = 0.99
+DRAFT_CHECKS_BEFORE_ESTIMATE = 8
+
+
 class SuffixBesideDraftProposer:
-    """Suffix decoding beside a draft model (`enable_suffix_decoding`; paper 002, ArcticInference's model runner): per
-    request and step, the suffix trees' draft where its score, the expected number of its tokens a check keeps,
-    reaches what the draft model would propose (`num_speculative_tokens`, or the request's room if smaller); the
-    draft model's greedy tokens for the others, batched. Repetitive text (an agent's loops, an edit) takes the long
-    suffix drafts that cost no forward, the rest the draft model. The draft model's KV follows every request's tokens
-    either way: a request that took a suffix draft feeds the tokens it has not seen at its next draft."""
+    """Suffix decoding beside a draft model (`enable_suffix_decoding`; paper 002): per request and step, the suffix
+    trees' draft where its score, the expected number of its tokens a check keeps, reaches what the draft model's
+    proposal is expected to keep; the draft model's greedy tokens for the others, batched. ArcticInference's model
+    runner expects the draft's k tokens all kept; here that holds until the draft's own checks say otherwise: with p
+    the share of its checked tokens kept before a rejection (accepted / (accepted + checks that rejected one), the
+    geometric model's estimate), its k tokens keep p + p^2 + ... + p^k. A weak draft (a 2-layer cut of the default
+    model, p about 0.2) then leaves the short suffix drafts to suffix decoding, where Arctic's rule sent them to the
+    draft and ran slower than suffix decoding alone (docs/performance.md). Repetitive text (an agent's loops, an
+    edit) takes the long suffix drafts, which cost no forward. The draft model's KV follows every request's tokens
+    either way: a request that took suffix drafts feeds the tokens it has not seen at its next draft."""
 
     name = "draft_model+suffix"
 
@@ -252,13 +262,26 @@ class SuffixBesideDraftProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.num_suffix_drafts = 0  # proposals that were the suffix trees'
         self.num_model_drafts = 0  # and the draft model's
+        self.draft_kept = 0.0  # decayed: tokens of the draft model's proposals that checks kept
+        self.draft_rejections = 0.0  # and checks of them that rejected a token
+        self.num_draft_checks = 0  # checks of them seen
+        self._by_draft: set[str] = set()  # requests whose proposal now is the draft model's
+
+    def expected_draft_tokens(self, num_tokens: int) -> float:
+        """What a proposal of `num_tokens` of the draft model's tokens is expected to keep."""
+        if self.num_draft_checks < DRAFT_CHECKS_BEFORE_ESTIMATE:
+            return float(num_tokens)
+        p = self.draft_kept / max(self.draft_kept + self.draft_rejections, 1e-9)
+        return sum(p ** i for i in range(1, num_tokens + 1))
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in requests]
         drafted, rooms, where = [], [], []
+        by_draft = self._by_draft
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
+            by_draft.discard(request.request_id)
             suffix = self.suffix.draft(request, room)
-            if suffix.token_ids and suffix.score >= min(self.num_speculative_tokens, room):
+            if suffix.token_ids and suffix.score >= self.expected_draft_tokens(min(self.num_speculative_tokens, room)):
                 proposals[i] = suffix.token_ids
                 self.num_suffix_drafts += 1
             else:
@@ -268,9 +291,21 @@ class SuffixBesideDraftProposer:
         if drafted:
             for i, proposal in zip(where, self.draft.propose(drafted, rooms)):
                 proposals[i] = proposal
-                self.num_model_drafts += bool(proposal)
+                if proposal:
+                    self.num_model_drafts += 1
+                    by_draft.add(requests[i].request_id)
         return proposals
 
+    def checked(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A check of the request's proposal (as scheduled: the budget may have cut it) kept `num_accepted` of
+        `num_proposed` tokens."""
+        if request_id not in self._by_draft or num_proposed <= 0:
+            return
+        self.draft_kept = DRAFT_CHECK_DECAY * self.draft_kept + num_accepted
+        self.draft_rejections = DRAFT_CHECK_DECAY * self.draft_rejections + (num_accepted < num_proposed)
+        self.num_draft_checks += 1
+
     def on_finish(self, request, cache: bool) -> None:
+        self._by_draft.discard(request.request_id)
         self.suffix.on_finish(request, cache)
         self.draft.on_finish(request, cache)
