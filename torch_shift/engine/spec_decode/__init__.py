@@ -6,7 +6,7 @@ every position, and the output processor keeps the proposals that match what the
 Methods (vLLM's `speculative_config`, see config.py): "ngram" (prompt lookup) and "suffix" (SuffixDecoding, as
 ArcticInference) propose from tokens already seen and cost no forward; "draft_model" runs a smaller checkpoint on
 rank 0 with its own KV cache (draft.py), with suffix decoding beside it where `enable_suffix_decoding` asks (as
-ArcticInference: the suffix draft where it is expected to keep as many tokens as the draft model proposes).
+ArcticInference: the suffix draft where it is expected to keep as many tokens as the draft model's proposal).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1  # a path ends at a token whose estimated probability is below this
     model: str | None = None  # draft_model: the draft's checkpoint
     # draft_model: suffix decoding beside the draft, as ArcticInference's option of that name (paper 002): a request
-    # whose suffix draft is expected to keep at least num_speculative_tokens tokens (its score) proposes it, up to
-    # suffix_decoding_max_tree_depth tokens; the others propose the draft model's num_speculative_tokens
+    # whose suffix draft is expected to keep (its score) what the draft model's proposal is expected to keep
+    # (draft.SuffixBesideDraftProposer) proposes it, up to max_suffix_tokens; the others the draft model's tokens
     enable_suffix_decoding: bool = False
 
     @classmethod
