@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -150,7 +151,7 @@ class SpeculativeConfig:
         """What proposes: the method, or "draft_model+suffix" (stats)."""
         return "draft_model+suffix" if self.suffix_beside_draft else self.method
 
-    @property
+    @cached_property  # read by every propose call (max_proposal_tokens)
     def max_suffix_tokens(self) -> int:
         """The longest suffix draft the tree's depth and the spec factor allow (over every match length)."""
         from torch_shift.engine.spec_decode.suffix import path_limit

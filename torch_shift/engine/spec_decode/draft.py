@@ -278,15 +278,18 @@ class SuffixBesideDraftProposer:
         proposals: list[list[int]] = [[] for _ in requests]
         drafted, rooms, where = [], [], []
         by_draft = self._by_draft
+        k = self.num_speculative_tokens
+        expected_at_k = self.expected_draft_tokens(k)
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
             by_draft.discard(request.request_id)
             suffix = self.suffix.draft(request, room)
-            if suffix.token_ids and suffix.score >= self.expected_draft_tokens(min(self.num_speculative_tokens, room)):
+            bar = expected_at_k if room >= k else self.expected_draft_tokens(room)
+            if suffix.token_ids and suffix.score >= bar:
                 proposals[i] = suffix.token_ids
                 self.num_suffix_drafts += 1
             else:
                 drafted.append(request)
-                rooms.append(min(room, self.num_speculative_tokens))
+                rooms.append(min(room, k))
                 where.append(i)
         if drafted:
             for i, proposal in zip(where, self.draft.propose(drafted, rooms)):
