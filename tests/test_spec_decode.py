@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 
 import numpy as np
@@ -779,6 +780,52 @@ def test_suffix_beside_a_draft_proposes_the_suffix_draft_only_where_it_scores_th
     assert proposer.suffix.global_tree.num_cached == 1
 
 
+def test_suffix_beside_a_draft_asks_the_draft_model_only_where_it_pays(draft_llama):
+    """Where the budget finds the draft model's forwards dearer than what they keep (`draft_model_pays` false), a
+    request proposes its suffix draft, however short, or nothing, as under suffix decoding alone, and the draft model
+    runs no forward, but for a call now and then that keeps its rate current: once DRAFT_EXPLORE_SHARE of the calls'
+    steps covers the last draft-model call's time, proposing what a fresh draft proposes. The seconds of its forwards
+    per request are measured (a clock that moves 1 ms a reading here, as long as a step)."""
+    from torch_shift.engine.spec_decode.draft import (
+        DRAFT_EXPLORE_SHARE,
+        DraftModelProposer,
+        SuffixBesideDraftProposer,
+    )
+    from torch_shift.models.loader import load_model
+
+    model = load_model(draft_llama)
+    k, block_size = 3, 4
+    readings = iter(range(10**6))
+    proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16), DraftModelProposer(model, 64, block_size, 64),
+                                         k, clock=lambda: 1e-3 * next(readings))
+    suffix_alone = SuffixProposer(max_depth=16)
+    request = Request("r", [300 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
+    assert not suffix_alone.draft(request, 12).token_ids
+    proposer.propose([request], [12])  # asked while its price is unknown: from then on a draft-model call takes 1 ms
+    assert proposer.draft.num_forwards == k and proposer.draft_ask_seconds == pytest.approx(1e-3)
+    proposer.draft_model_pays, proposer.step_seconds = False, 1e-3
+    assert proposer.propose([request], [12]) == [[]]
+    request.all_token_ids.extend([300, 301])
+    request.output_token_ids.extend([300, 301])
+    short = suffix_alone.draft(request, 12)
+    assert short.token_ids and short.score < k == proposer.expected_draft_tokens(k)
+    calls = 1
+    window = 1e-3 / (DRAFT_EXPLORE_SHARE * 1e-3)  # calls of 1 ms steps, after a draft-model call of 1 ms
+    while proposer.draft.num_forwards == k:
+        proposal = proposer.propose([request], [12])[0]
+        calls += 1
+        assert calls <= window + 2
+        if proposer.draft.num_forwards == k:
+            assert proposal == short.token_ids
+    assert calls >= window - 2
+    fresh = DraftModelProposer(model, 64, block_size, 64)
+    assert proposal == fresh.propose([request], [k])[0] and len(proposal) == k
+    assert proposer.propose([request], [12]) == [short.token_ids]  # and not again until the next exploration
+    proposer.draft_model_pays = True
+    assert proposer.propose([request], [12])[0] == proposal and proposer.draft.num_forwards == 3 * k
+    assert proposer.num_model_drafts == 3 and proposer.num_suffix_drafts == calls - 1
+
+
 def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_llama):
     _, model_dir = llama
     prompts = repetitive_prompts(4) + random_prompts(2, seed=9)
@@ -1066,6 +1113,63 @@ def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():
     assert 100 < checked.index(True) <= 128 + EXPLORE_EVERY  # once nearly all have left it
     assert speculator.step_cost.at(1)[3] < 2e-4
     assert all(checked[-100:])
+
+
+class _SevensBesideADraft(_Sevens):
+    """_Sevens with a draft model's price: the rate its checks keep its tokens at, and its seconds per request."""
+
+    def __init__(self, rate: float | None, ask_seconds: float, draft_sleep: float = 0.0):
+        self.rate, self.draft_ask_seconds, self.draft_sleep = rate, ask_seconds, draft_sleep
+        self.draft_model_pays = True
+        self.last_draft_seconds = 0.0
+        self.pays_when_asked: list[bool] = []
+
+    def draft_rate(self):
+        return self.rate
+
+    def propose(self, requests, max_tokens):
+        self.pays_when_asked.append(self.draft_model_pays)
+        start = time.perf_counter()
+        time.sleep(self.draft_sleep)  # the draft model's forwards
+        self.last_draft_seconds = time.perf_counter() - start
+        return super().propose(requests, max_tokens)
+
+
+def test_the_budget_prices_a_draft_model_beside_suffix_decoding_apart():
+    """A request whose own rate is high (its suffix drafts are kept) is still asked, but the draft model beside them
+    only where its k tokens at its own rate gain more than its forwards' time would have made: a weak draft (p = 0.2)
+    whose forwards take a quarter of a step does not pay, a good one (p = 0.9) does, as does a draft with too few
+    checks to say, or any draft without the goodput budget."""
+    cost = (4e-3, 0.0, 2e-5, 1e-4)  # a batch-1 step of 4 ms, a check's token nearly free
+
+    def pays(rate, ask_seconds, budget=True):
+        config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4,
+                                              "goodput_budget": budget})
+        proposer = _SevensBesideADraft(rate, ask_seconds)
+        speculator = Speculator(config, 1000, proposer)
+        speculator.step_cost.at = lambda num_requests: cost
+        for _ in range(20):
+            speculator.acceptance.observe("r", 4, 4, greedy=True)
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0), 100)
+        speculator.propose([request], 1)
+        assert request.spec_token_ids  # the request itself is asked either way
+        assert proposer.step_seconds == (4e-3 if budget else 0.0)
+        return proposer.pays_when_asked == [True]
+
+    goodput = 1 / 4e-3
+    assert best_net(0.2, 4, cost, goodput) < 1e-3 * goodput < best_net(0.9, 4, cost, goodput)
+    assert not pays(0.2, 1e-3)
+    assert pays(0.9, 1e-3)
+    assert pays(0.2, 1e-5)  # forwards this cheap pay even for a weak draft's quarter token
+    assert pays(None, 1e-3)
+    assert pays(0.2, 1e-3, budget=False)
+    # the draft model's time is not the price of asking a request (its suffix draft): that is the rest of the call
+    from torch_shift.engine.spec_decode import ASK_AVERAGING
+
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
+    speculator = Speculator(config, 1000, _SevensBesideADraft(0.9, 1e-3, draft_sleep=0.02))
+    speculator.propose([Request("r", [1, 2, 3], SamplingParams(max_tokens=100), 100)], 1)
+    assert speculator.ask_seconds < ASK_AVERAGING * 5e-3 < ASK_AVERAGING * 0.02
 
 
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():

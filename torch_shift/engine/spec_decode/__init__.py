@@ -20,6 +20,7 @@ from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
     StepCost,
     StepCostFit,
+    best_net,
     lowest_paying_rate,
     tokens_that_pay,
 )
@@ -88,6 +89,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
+        # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
+        self._draft_beside = self.proposer if hasattr(self.proposer, "draft_model_pays") else None
         self.step_cost = StepCostFit()
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
@@ -241,10 +244,14 @@ class Speculator:
         if not proposing and not probing and not explored:
             self.quiet_steps = self._waiting_steps(alive)
             return
+        if self._draft_beside is not None:
+            self._price_draft_model(num_running, cost)
         start = time.perf_counter()
         proposals = self.proposer.propose(proposing + explored + probing,
                                           rooms + [explorer_room] * len(explored) + [1] * len(probing))
         propose_seconds = time.perf_counter() - start
+        if self._draft_beside is not None:  # the draft model's forwards are priced apart: _price_draft_model
+            propose_seconds -= self._draft_beside.last_draft_seconds
         asked = len(proposals)
         found = sum(1 for p in proposals if p)
         self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
@@ -298,6 +305,24 @@ class Speculator:
             if step > 0:
                 self._probe_every = max(PROBE_EVERY, math.ceil(num_running * self.ask_seconds / (PROBE_SHARE * step)))
         return self._bar, self._probe_every
+
+    def _price_draft_model(self, num_running: int, cost: StepCost | None) -> None:
+        """Tells the draft model beside suffix decoding whether it is worth asking in a step of `num_running`
+        decodes: its k tokens' best net gain at the rate its checks keep them (best_net) must exceed the tokens its
+        forwards' time per request would have made; and the step's time, which its exploring calls are priced
+        against. Priced apart from the request's own rate, which the suffix drafts' checks lift on repetitive text:
+        on that text's steps with nothing to repeat, a weak draft's forwards cost more than they keep
+        (docs/performance.md)."""
+        proposer = self._draft_beside
+        rate = proposer.draft_rate()
+        step = step_seconds(cost, num_running, 0, 0) if cost is not None else 0.0
+        proposer.step_seconds = max(step, 0.0)
+        if rate is None or step <= 0:
+            proposer.draft_model_pays = True
+            return
+        goodput = num_running / step
+        proposer.draft_model_pays = (best_net(rate, self.config.num_speculative_tokens, cost, goodput)
+                                     > proposer.draft_ask_seconds * goodput)
 
     def on_finish(self, request: Request) -> None:
         self.quiet_steps = 0  # the requests the last propose saw are no longer the running ones

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -240,6 +242,13 @@ class DraftModelProposer:
 # of about a hundred), and how many before they replace ArcticInference's assumption that it keeps all its k tokens
 DRAFT_CHECK_DECAY = 0.99
 DRAFT_CHECKS_BEFORE_ESTIMATE = 8
+# of the steps' time, at most, spent asking the draft model while the goodput budget finds its forwards dearer than
+# what they keep, so that its checks keep saying what it keeps (a draft agrees with the target more on some text): such
+# a call first feeds the draft what it has not seen, a new request's whole prompt (6-20 ms on the agent loop's turns
+# against steps of 2-3 ms: one call in 32 took 5-12% of the time, docs/performance.md), so they are paid from a credit
+# of this share of each call's step, and one runs once the credit covers what the last draft-model call took
+DRAFT_EXPLORE_SHARE = 0.02
+DRAFT_ASK_AVERAGING = 0.05  # weight of the latest call in the draft model's seconds per request drafted
 
 
 class SuffixBesideDraftProposer:
@@ -252,11 +261,19 @@ class SuffixBesideDraftProposer:
     model, p about 0.2) then leaves the short suffix drafts to suffix decoding, where Arctic's rule sent them to the
     draft and ran slower than suffix decoding alone (docs/performance.md). Repetitive text (an agent's loops, an
     edit) takes the long suffix drafts, which cost no forward. The draft model's KV follows every request's tokens
-    either way: a request that took suffix drafts feeds the tokens it has not seen at its next draft."""
+    either way: a request that took suffix drafts feeds the tokens it has not seen at its next draft.
+
+    Under the goodput budget the draft model is priced apart from the suffix trees: the Speculator sets
+    `draft_model_pays` before each call from the draft's rate and the seconds its forwards take per request
+    (`draft_ask_seconds`); where they do not pay, a request whose suffix draft does not reach the bar proposes that
+    draft or nothing, as under suffix decoding alone (a weak draft asked on every step with nothing to repeat cost
+    more than it kept: docs/performance.md), but for a call now and then (at most DRAFT_EXPLORE_SHARE of the steps'
+    time, `step_seconds` a call) that keeps the draft's rate current."""
 
     name = "draft_model+suffix"
 
-    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, num_speculative_tokens: int):
+    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer, num_speculative_tokens: int,
+                 clock: Callable[[], float] = time.perf_counter):
         self.suffix = suffix
         self.draft = draft
         self.num_speculative_tokens = num_speculative_tokens
@@ -265,13 +282,31 @@ class SuffixBesideDraftProposer:
         self.draft_kept = 0.0  # decayed: tokens of the draft model's proposals that checks kept
         self.draft_rejections = 0.0  # and checks of them that rejected a token
         self.num_draft_checks = 0  # checks of them seen
+        # set by the Speculator's goodput budget before each call: whether the draft model's forwards pay, and the
+        # seconds of a step without proposals at the call's batch size
+        self.draft_model_pays = True
+        self.step_seconds = 0.0
+        self.draft_ask_seconds = 0.0  # the draft model's seconds per request drafted (moving average)
+        self.last_draft_seconds = 0.0  # the draft model's seconds in the last call (0: it did not run)
+        self._draft_call_seconds = 0.0  # and in the last call it ran in
+        self.clock = clock
+        # seconds of draft-model calls that may run though they do not pay: DRAFT_EXPLORE_SHARE of the steps of the
+        # calls since the draft model last paid, less what such calls took
+        self._explore_credit = 0.0
         self._by_draft: set[str] = set()  # requests whose proposal now is the draft model's
+
+    def draft_rate(self) -> float | None:
+        """p: the share of the draft model's checked tokens kept before a rejection (the geometric model's
+        estimate, accepted / (accepted + checks that rejected one)); None while its checks are too few to say."""
+        if self.num_draft_checks < DRAFT_CHECKS_BEFORE_ESTIMATE:
+            return None
+        return self.draft_kept / max(self.draft_kept + self.draft_rejections, 1e-9)
 
     def expected_draft_tokens(self, num_tokens: int) -> float:
         """What a proposal of `num_tokens` of the draft model's tokens is expected to keep."""
-        if self.num_draft_checks < DRAFT_CHECKS_BEFORE_ESTIMATE:
-            return float(num_tokens)
-        p = self.draft_kept / max(self.draft_kept + self.draft_rejections, 1e-9)
+        p = self.draft_rate()
+        if p is None:
+            return float(num_tokens)  # ArcticInference's assumption: all of them
         return sum(p ** i for i in range(1, num_tokens + 1))
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
@@ -280,19 +315,36 @@ class SuffixBesideDraftProposer:
         by_draft = self._by_draft
         k = self.num_speculative_tokens
         expected_at_k = self.expected_draft_tokens(k)
+        exploring = False
+        if self.draft_model_pays:
+            self._explore_credit = 0.0
+        else:
+            self._explore_credit += DRAFT_EXPLORE_SHARE * self.step_seconds
+            exploring = self._explore_credit >= self._draft_call_seconds
+        ask_draft = self.draft_model_pays or exploring
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
             by_draft.discard(request.request_id)
             suffix = self.suffix.draft(request, room)
             bar = expected_at_k if room >= k else self.expected_draft_tokens(room)
-            if suffix.token_ids and suffix.score >= bar:
+            if suffix.token_ids and (suffix.score >= bar or not ask_draft):
                 proposals[i] = suffix.token_ids
                 self.num_suffix_drafts += 1
-            else:
+            elif ask_draft:
                 drafted.append(request)
                 rooms.append(min(room, k))
                 where.append(i)
+        self.last_draft_seconds = 0.0
         if drafted:
-            for i, proposal in zip(where, self.draft.propose(drafted, rooms)):
+            start = self.clock()
+            drafts = self.draft.propose(drafted, rooms)
+            end = self.clock()
+            per_request = (end - start) / len(drafted)
+            self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_request - self.draft_ask_seconds)
+                                       if self.draft_ask_seconds else per_request)
+            self.last_draft_seconds = self._draft_call_seconds = end - start
+            if exploring:
+                self._explore_credit -= end - start
+            for i, proposal in zip(where, drafts):
                 proposals[i] = proposal
                 if proposal:
                     self.num_model_drafts += 1
