@@ -802,7 +802,10 @@ def test_suffix_beside_a_draft_asks_the_draft_model_only_where_it_pays(draft_lla
     request = Request("r", [300 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
     assert not suffix_alone.draft(request, 12).token_ids
     proposer.propose([request], [12])  # asked while its price is unknown: from then on a draft-model call takes 1 ms
-    assert proposer.draft.num_forwards == k and proposer.draft_ask_seconds == pytest.approx(1e-3)
+    assert proposer.draft.num_forwards == k
+    # an ask's price: k forwards of one token at the one-token forwards' time a row, the prompt's forward left out
+    seconds, rows = proposer.draft.last_decode_forwards
+    assert rows == k - 1 and proposer.draft_ask_seconds == pytest.approx(k * seconds / rows)
     proposer.draft_model_pays, proposer.step_seconds = False, 1e-3
     assert proposer.propose([request], [12]) == [[]]
     request.all_token_ids.extend([300, 301])
@@ -824,6 +827,13 @@ def test_suffix_beside_a_draft_asks_the_draft_model_only_where_it_pays(draft_lla
     proposer.draft_model_pays = True
     assert proposer.propose([request], [12])[0] == proposal and proposer.draft.num_forwards == 3 * k
     assert proposer.num_model_drafts == 3 and proposer.num_suffix_drafts == calls - 1
+    # an exploration asks the draft for one request, and not for a probe's single token (never checked)
+    proposer.draft_model_pays, proposer.step_seconds = False, 1.0  # the credit covers a call at once
+    probe = Request("p", [100 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
+    other = Request("o", [200 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
+    proposals = proposer.propose([probe, other, request], [1, 12, 12])
+    assert proposals == [[], fresh.propose([other], [k])[0], short.token_ids]
+    assert proposer.draft.num_forwards == 4 * k and set(proposer.draft.states) == {"r", "o"}
 
 
 def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_llama):
@@ -847,6 +857,13 @@ def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_l
     assert any(stats["accepted_per_position"][2:])  # suffix drafts kept past the draft model's k
     assert not llm.engine.block_manager.req_blocks
     assert not proposer.draft.states and proposer.draft.blocks.num_free_blocks == proposer.draft.blocks.num_blocks
+    # under the goodput budget, which prices the draft model apart
+    llm = LLM(str(model_dir), compile=False, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32,
+              speculative_config={**spec, "goodput_budget": True})
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
+    proposer = llm.engine.core.speculator.proposer
+    assert proposer.step_seconds > 0 and proposer.draft_ask_seconds > 0 and proposer.num_model_drafts > 0
+    assert not llm.engine.block_manager.req_blocks and not proposer.draft.states
 
 
 def test_a_draft_model_that_cannot_serve_is_refused(llama, tmp_path):
@@ -1169,7 +1186,7 @@ def test_the_budget_prices_a_draft_model_beside_suffix_decoding_apart():
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
     speculator = Speculator(config, 1000, _SevensBesideADraft(0.9, 1e-3, draft_sleep=0.02))
     speculator.propose([Request("r", [1, 2, 3], SamplingParams(max_tokens=100), 100)], 1)
-    assert speculator.ask_seconds < ASK_AVERAGING * 5e-3 < ASK_AVERAGING * 0.02
+    assert speculator.ask_seconds < ASK_AVERAGING * 5e-3  # without the draft's 20 ms: 5% of them at least
 
 
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():

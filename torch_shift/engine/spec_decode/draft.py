@@ -120,6 +120,9 @@ class DraftModelProposer:
         self.device = device
         self.states: dict[str, _DraftState] = {}
         self.num_forwards = 0  # forwards run, over the proposer's life
+        # the last call's forwards of one token a request (all but the first, which also feeds the unseen tokens):
+        # their seconds and rows, what a request's proposal costs once the draft has seen its tokens
+        self.last_decode_forwards = (0.0, 0)
         # its forwards of a few tokens, as the target's
         self.decode_pool = DecodePool(model, device, decode_pool, self.kv_bytes_per_block(model, 1))
         # and in one C++ call where the draft allows it (torch_shift.models.native_decoder)
@@ -134,6 +137,7 @@ class DraftModelProposer:
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in requests]
         rooms = [0] * len(requests)
+        self.last_decode_forwards = (0.0, 0)
         pending: list[_Run] = []  # the tokens each request's draft has not seen, from its last cached one
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
             tokens = request.all_token_ids
@@ -158,11 +162,14 @@ class DraftModelProposer:
         for runs in self._prefill_forwards(pending):
             for run, token in zip([r for r in runs if r.wants_logits], self._forward(runs)):
                 proposals[run.index].append(token)
+        start, rows = time.perf_counter(), 0
         for step in range(1, max(rooms)):
             runs = [_Run(i, requests[i].request_id, requests[i].num_tokens + step - 1, [proposals[i][-1]], True)
                     for i in range(len(requests)) if rooms[i] > step]
+            rows += len(runs)
             for run, token in zip(runs, self._forward(runs)):
                 proposals[run.index].append(token)
+        self.last_decode_forwards = (time.perf_counter() - start, rows)
         for i, request in enumerate(requests):
             if rooms[i]:
                 state = self.states[request.request_id]
@@ -242,13 +249,14 @@ class DraftModelProposer:
 # of about a hundred), and how many before they replace ArcticInference's assumption that it keeps all its k tokens
 DRAFT_CHECK_DECAY = 0.99
 DRAFT_CHECKS_BEFORE_ESTIMATE = 8
-# of the steps' time, at most, spent asking the draft model while the goodput budget finds its forwards dearer than
-# what they keep, so that its checks keep saying what it keeps (a draft agrees with the target more on some text): such
-# a call first feeds the draft what it has not seen, a new request's whole prompt (6-20 ms on the agent loop's turns
-# against steps of 2-3 ms: one call in 32 took 5-12% of the time, docs/performance.md), so they are paid from a credit
-# of this share of each call's step, and one runs once the credit covers what the last draft-model call took
+# of the propose calls' steps' time, about, spent asking the draft model for one request while the goodput budget finds
+# its forwards dearer than what they keep, so that its checks keep saying what it keeps (a draft agrees with the target
+# more on some text): such a call first feeds the draft what it has not seen, often a new request's whole prompt (6-20
+# ms on the agent loop's turns against steps of 2-3 ms: one call in 32 took 5-12% of the time, docs/performance.md), so
+# they are paid from a credit of this share of each call's step, and one runs once the credit covers what the last
+# draft-model call took
 DRAFT_EXPLORE_SHARE = 0.02
-DRAFT_ASK_AVERAGING = 0.05  # weight of the latest call in the draft model's seconds per request drafted
+DRAFT_ASK_AVERAGING = 0.05  # weight of the latest call in the draft model's seconds per request asked
 
 
 class SuffixBesideDraftProposer:
@@ -261,14 +269,14 @@ class SuffixBesideDraftProposer:
     model, p about 0.2) then leaves the short suffix drafts to suffix decoding, where Arctic's rule sent them to the
     draft and ran slower than suffix decoding alone (docs/performance.md). Repetitive text (an agent's loops, an
     edit) takes the long suffix drafts, which cost no forward. The draft model's KV follows every request's tokens
-    either way: a request that took suffix drafts feeds the tokens it has not seen at its next draft.
+    either way, at the request's next draft-model proposal: it then feeds the tokens the draft has not seen.
 
     Under the goodput budget the draft model is priced apart from the suffix trees: the Speculator sets
     `draft_model_pays` before each call from the draft's rate and the seconds its forwards take per request
     (`draft_ask_seconds`); where they do not pay, a request whose suffix draft does not reach the bar proposes that
     draft or nothing, as under suffix decoding alone (a weak draft asked on every step with nothing to repeat cost
-    more than it kept: docs/performance.md), but for a call now and then (at most DRAFT_EXPLORE_SHARE of the steps'
-    time, `step_seconds` a call) that keeps the draft's rate current."""
+    more than it kept: docs/performance.md), but for one request now and then (about DRAFT_EXPLORE_SHARE of the calls'
+    steps' time, `step_seconds` a call) that keeps the draft's rate current."""
 
     name = "draft_model+suffix"
 
@@ -286,12 +294,15 @@ class SuffixBesideDraftProposer:
         # seconds of a step without proposals at the call's batch size
         self.draft_model_pays = True
         self.step_seconds = 0.0
-        self.draft_ask_seconds = 0.0  # the draft model's seconds per request drafted (moving average)
+        # the draft model's seconds per request asked, once it has seen the request's tokens: k of its forwards of one
+        # token a request, each at its time over its rows (moving average). What the draft has not seen (after suffix
+        # drafts, a new request's prompt) is a cost of the first ask only, left out
+        self.draft_ask_seconds = 0.0
         self.last_draft_seconds = 0.0  # the draft model's seconds in the last call (0: it did not run)
         self._draft_call_seconds = 0.0  # and in the last call it ran in
         self.clock = clock
         # seconds of draft-model calls that may run though they do not pay: DRAFT_EXPLORE_SHARE of the steps of the
-        # calls since the draft model last paid, less what such calls took
+        # calls since, less what such calls took
         self._explore_credit = 0.0
         self._by_draft: set[str] = set()  # requests whose proposal now is the draft model's
 
@@ -317,15 +328,16 @@ class SuffixBesideDraftProposer:
         expected_at_k = self.expected_draft_tokens(k)
         exploring = False
         if self.draft_model_pays:
-            self._explore_credit = 0.0
+            self._explore_credit = min(self._explore_credit, 0.0)  # a debt stays
         else:
             self._explore_credit += DRAFT_EXPLORE_SHARE * self.step_seconds
             exploring = self._explore_credit >= self._draft_call_seconds
-        ask_draft = self.draft_model_pays or exploring
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
             by_draft.discard(request.request_id)
             suffix = self.suffix.draft(request, room)
             bar = expected_at_k if room >= k else self.expected_draft_tokens(room)
+            # exploring: one request, asked for more than a probe's token (probes are never checked)
+            ask_draft = self.draft_model_pays or (exploring and not drafted and room > 1)
             if suffix.token_ids and (suffix.score >= bar or not ask_draft):
                 proposals[i] = suffix.token_ids
                 self.num_suffix_drafts += 1
@@ -338,11 +350,13 @@ class SuffixBesideDraftProposer:
             start = self.clock()
             drafts = self.draft.propose(drafted, rooms)
             end = self.clock()
-            per_request = (end - start) / len(drafted)
-            self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_request - self.draft_ask_seconds)
-                                       if self.draft_ask_seconds else per_request)
+            seconds, rows = self.draft.last_decode_forwards
+            if rows:
+                per_ask = k * seconds / rows
+                self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_ask - self.draft_ask_seconds)
+                                           if self.draft_ask_seconds else per_ask)
             self.last_draft_seconds = self._draft_call_seconds = end - start
-            if exploring:
+            if not self.draft_model_pays:
                 self._explore_credit -= end - start
             for i, proposal in zip(where, drafts):
                 proposals[i] = proposal
