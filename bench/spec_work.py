@@ -35,12 +35,23 @@ def tpot(engine: Engine, prompt: list[int], max_tokens: int, temperature: float 
 
 
 def in_turn(names: list[str], index: int) -> list[str]:
-    """The engines' order at the `index`-th prompt: rotated by one each prompt, so that no engine always runs after
-    the same one. In a fixed order, engines read 5-15% apart for their place or their instance (two engines of the
-    same suffix method, third and fourth: 1.73 and 1.88 ms; a draft + suffix engine 12% slower than a suffix one when
-    last, 5-8% faster when right after the plain one); new engines each repeat (bench_spec) spread the instances'."""
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
+    """The engines' order at the `index`-th prompt (agent turn, throughput round): row `index` of a Williams square, so
+    that over n prompts (2n for an odd n) each engine runs once in each place and once right after each other one. In
+    a fixed order, engines read 5-15% apart for their place or their instance (two engines of the same suffix method,
+    third and fourth: 1.73 and 1.88 ms; a draft + suffix engine 12% slower than a suffix one when last, 5-8% faster
+    when right after the plain one). New engines each repeat (bench_spec) spread the instances'."""
+    n = len(names)
+    first = [0]  # 0, 1, n - 1, 2, n - 2, ...
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = index % (n if n % 2 == 0 else 2 * n)
+    order = [names[(i + row) % n] for i in first]
+    return order[::-1] if row >= n else order
 
 
 def agent_loops(engines: dict[str, Engine], work: dict) -> dict[str, list[float]]:

@@ -1,5 +1,6 @@
 """bench_spec.py's widened target: the default model with MLPs widened by neurons the down projection multiplies by
-zero computes the same function (the benchmark's premise for its weight-bound rows)."""
+zero computes the same function (the benchmark's premise for its weight-bound rows); the engines' order prompt by
+prompt (spec_work.in_turn) balanced."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch_shift.models.default import default_model_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench_spec import widened  # noqa: E402
+from spec_work import in_turn  # noqa: E402
 
 
 def test_a_widened_model_gives_the_default_models_tokens(tmp_path):
@@ -22,3 +24,19 @@ def test_a_widened_model_gives_the_default_models_tokens(tmp_path):
     llm = LLM(str(model_dir), compile=False)
     assert llm.engine.config.model.intermediate_size == 1536
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_engines_take_every_place_and_follow_every_other_engine_alike():
+    """A Williams square: over n prompts (2n for an odd n) each engine runs once in each place and right after each
+    other engine once (twice for an odd n)."""
+    for num_engines in range(1, 7):
+        names = [f"e{i}" for i in range(num_engines)]
+        rows = num_engines if num_engines % 2 == 0 else 2 * num_engines
+        orders = [in_turn(names, index) for index in range(rows)]
+        assert all(sorted(order) == names for order in orders)
+        assert orders == [in_turn(names, index + rows) for index in range(rows)]
+        times = rows // num_engines
+        for place in range(num_engines):
+            assert sorted(order[place] for order in orders) == sorted(names * times)
+        follows = [(a, b) for order in orders for a, b in zip(order, order[1:])]
+        assert sorted(follows) == sorted([(a, b) for a in names for b in names if a != b] * times)

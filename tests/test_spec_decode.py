@@ -783,9 +783,10 @@ def test_suffix_beside_a_draft_proposes_the_suffix_draft_only_where_it_scores_th
 def test_suffix_beside_a_draft_asks_the_draft_model_only_where_it_pays(draft_llama):
     """Where the budget finds the draft model's forwards dearer than what they keep (`draft_model_pays` false), a
     request proposes its suffix draft, however short, or nothing, as under suffix decoding alone, and the draft model
-    runs no forward, but for a call now and then that keeps its rate current: once DRAFT_EXPLORE_SHARE of the calls'
-    steps covers the last draft-model call's time, proposing what a fresh draft proposes. The seconds of its forwards
-    per request are measured (a clock that moves 1 ms a reading here, as long as a step)."""
+    runs no forward, but for one request now and then that keeps its rate current: once DRAFT_EXPLORE_SHARE of the
+    calls' steps covers the last draft-model call's time, proposing what a fresh draft proposes, never for a probe's
+    single token. An exploration's time is a debt that a paying call in between does not wipe. A draft-model call
+    takes the time set here (a clock that only draft-model calls move)."""
     from torch_shift.engine.spec_decode.draft import (
         DRAFT_EXPLORE_SHARE,
         DraftModelProposer,
@@ -795,45 +796,94 @@ def test_suffix_beside_a_draft_asks_the_draft_model_only_where_it_pays(draft_lla
 
     model = load_model(draft_llama)
     k, block_size = 3, 4
-    readings = iter(range(10**6))
+    now, call_seconds = [0.0], [1e-3]
     proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16), DraftModelProposer(model, 64, block_size, 64),
-                                         k, clock=lambda: 1e-3 * next(readings))
+                                         k, clock=lambda: now[0])
+    draft_propose = proposer.draft.propose
+
+    def timed_propose(requests, rooms):
+        now[0] += call_seconds[0]
+        return draft_propose(requests, rooms)
+
+    proposer.draft.propose = timed_propose
     suffix_alone = SuffixProposer(max_depth=16)
     request = Request("r", [300 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
     assert not suffix_alone.draft(request, 12).token_ids
-    proposer.propose([request], [12])  # asked while its price is unknown: from then on a draft-model call takes 1 ms
+    proposer.propose([request], [12])  # asked while its price is unknown
     assert proposer.draft.num_forwards == k
-    # an ask's price: k forwards of one token at the one-token forwards' time a row, the prompt's forward left out
-    seconds, rows = proposer.draft.last_decode_forwards
-    assert rows == k - 1 and proposer.draft_ask_seconds == pytest.approx(k * seconds / rows)
     proposer.draft_model_pays, proposer.step_seconds = False, 1e-3
     assert proposer.propose([request], [12]) == [[]]
     request.all_token_ids.extend([300, 301])
     request.output_token_ids.extend([300, 301])
     short = suffix_alone.draft(request, 12)
     assert short.token_ids and short.score < k == proposer.expected_draft_tokens(k)
-    calls = 1
-    window = 1e-3 / (DRAFT_EXPLORE_SHARE * 1e-3)  # calls of 1 ms steps, after a draft-model call of 1 ms
-    while proposer.draft.num_forwards == k:
-        proposal = proposer.propose([request], [12])[0]
-        calls += 1
-        assert calls <= window + 2
-        if proposer.draft.num_forwards == k:
+
+    def calls_to_next_exploration(limit: int) -> tuple[int, list[int] | None]:
+        forwards = proposer.draft.num_forwards
+        for calls in range(1, limit + 1):
+            proposal = proposer.propose([request], [12])[0]
+            if proposer.draft.num_forwards > forwards:
+                return calls, proposal
             assert proposal == short.token_ids
-    assert calls >= window - 2
+        return limit + 1, None
+
+    window = 1e-3 / (DRAFT_EXPLORE_SHARE * 1e-3)  # calls of 1 ms steps, after a draft-model call of 1 ms
+    calls, explored = calls_to_next_exploration(int(window) + 2)
+    assert window - 2 <= calls + 1 <= window + 2
     fresh = DraftModelProposer(model, 64, block_size, 64)
-    assert proposal == fresh.propose([request], [k])[0] and len(proposal) == k
-    assert proposer.propose([request], [12]) == [short.token_ids]  # and not again until the next exploration
+    assert explored == fresh.propose([request], [k])[0] and len(explored) == k
+    # an exploration of 5 ms leaves a debt of 4 ms, which a paying call in between does not wipe
+    call_seconds[0] = 5e-3
+    assert window - 2 <= calls_to_next_exploration(int(window) + 2)[0] <= window + 2
     proposer.draft_model_pays = True
-    assert proposer.propose([request], [12])[0] == proposal and proposer.draft.num_forwards == 3 * k
-    assert proposer.num_model_drafts == 3 and proposer.num_suffix_drafts == calls - 1
+    call_seconds[0] = 1e-3
+    assert proposer.propose([request], [12])[0] == explored
+    proposer.draft_model_pays = False
+    assert calls_to_next_exploration(200)[0] == 201  # 5 ms of credit to make up: 250 calls; without the debt, 50
     # an exploration asks the draft for one request, and not for a probe's single token (never checked)
-    proposer.draft_model_pays, proposer.step_seconds = False, 1.0  # the credit covers a call at once
+    proposer.step_seconds = 1.0  # the credit covers a call at once
     probe = Request("p", [100 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
     other = Request("o", [200 + i for i in range(20)], SamplingParams(max_tokens=200), max_tokens=200)
+    forwards = proposer.draft.num_forwards
     proposals = proposer.propose([probe, other, request], [1, 12, 12])
-    assert proposals == [[], fresh.propose([other], [k])[0], short.token_ids]
-    assert proposer.draft.num_forwards == 4 * k and set(proposer.draft.states) == {"r", "o"}
+    assert proposals in ([[], fresh.propose([other], [k])[0], short.token_ids],
+                         [[], [], fresh.propose([request], [k])[0]])
+    assert proposer.draft.num_forwards == forwards + k
+
+
+def test_a_draft_ask_is_priced_at_its_one_token_forwards(draft_llama):
+    """The draft model's price per request asked is k of its forwards of one token a request, at their time a row:
+    feeding a new request's prompt (its first ask) is left out (else a draft once off stayed off), and explorations
+    leave the price alone (their one request costs a batched forward's whole time). With k = 1, the call's time."""
+    from torch_shift.engine.spec_decode.draft import DraftModelProposer, SuffixBesideDraftProposer
+    from torch_shift.models.loader import load_model
+
+    model = load_model(draft_llama)
+    for k in (3, 1):
+        proposer = SuffixBesideDraftProposer(SuffixProposer(max_depth=16), DraftModelProposer(model, 64, 4, 64), k)
+        forward = proposer.draft._forward
+
+        def slow_prompts(runs, forward=forward):
+            if any(len(run.token_ids) > 1 for run in runs):
+                time.sleep(0.3)
+            return forward(runs)
+
+        proposer.draft._forward = slow_prompts
+        requests = [Request(f"r{i}", [100 * i + j for j in range(1, 21)], SamplingParams(max_tokens=200), 200)
+                    for i in range(1, 3)]
+        proposer.propose(requests, [12, 12])
+        if k > 1:
+            seconds, rows = proposer.draft.last_decode_forwards
+            assert rows == 2 * (k - 1) and proposer.draft_ask_seconds == pytest.approx(k * seconds / rows)
+            assert proposer.draft_ask_seconds < 0.3  # the prompts' 300 ms left out
+        else:
+            assert proposer.draft_ask_seconds >= 0.3 / 2  # the call, over its two requests
+        price = proposer.draft_ask_seconds
+        proposer.draft_model_pays, proposer.step_seconds = False, 100.0  # credit for a call at once
+        for request in requests:
+            request.all_token_ids.append(7)
+        proposer.propose(requests, [12, 12])
+        assert proposer.num_explorations == 1 and proposer.draft_ask_seconds == price
 
 
 def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_llama):
@@ -862,7 +912,7 @@ def test_outputs_are_the_same_with_suffix_decoding_beside_a_draft(llama, draft_l
               speculative_config={**spec, "goodput_budget": True})
     assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == _outputs(reference)
     proposer = llm.engine.core.speculator.proposer
-    assert proposer.step_seconds > 0 and proposer.draft_ask_seconds > 0 and proposer.num_model_drafts > 0
+    assert proposer.draft_ask_seconds > 0 and proposer.num_model_drafts > 0
     assert not llm.engine.block_manager.req_blocks and not proposer.draft.states
 
 
@@ -1187,6 +1237,14 @@ def test_the_budget_prices_a_draft_model_beside_suffix_decoding_apart():
     speculator = Speculator(config, 1000, _SevensBesideADraft(0.9, 1e-3, draft_sleep=0.02))
     speculator.propose([Request("r", [1, 2, 3], SamplingParams(max_tokens=100), 100)], 1)
     assert speculator.ask_seconds < ASK_AVERAGING * 5e-3  # without the draft's 20 ms: 5% of them at least
+    # a request's ask is priced at the longest proposal, a suffix draft's, not at the draft model's k
+    config = SpeculativeConfig.from_user({"method": "draft_model", "model": "d", "num_speculative_tokens": 4,
+                                          "enable_suffix_decoding": True})
+    speculator = Speculator(config, 1000, _SevensBesideADraft(0.9, 1e-3))
+    speculator.ask_seconds = 3e-3
+    at_k, longest = (lowest_paying_rate(n, 1, cost, 3e-3) for n in (4, config.max_proposal_tokens))
+    assert config.max_proposal_tokens == 12 and longest < at_k < 1.0
+    assert speculator._prices(1, cost)[0] == longest
 
 
 def test_acceptance_rates_start_from_the_methods_and_follow_each_request():

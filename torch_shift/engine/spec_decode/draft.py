@@ -295,8 +295,8 @@ class SuffixBesideDraftProposer:
         self.draft_model_pays = True
         self.step_seconds = 0.0
         # the draft model's seconds per request asked, once it has seen the request's tokens: k of its forwards of one
-        # token a request, each at its time over its rows (moving average). What the draft has not seen (after suffix
-        # drafts, a new request's prompt) is a cost of the first ask only, left out
+        # token a request, each at its time over its rows (moving average over the calls where it pays). What the
+        # draft has not seen (after suffix drafts, a new request's prompt), fed at its next ask, is left out
         self.draft_ask_seconds = 0.0
         self.last_draft_seconds = 0.0  # the draft model's seconds in the last call (0: it did not run)
         self._draft_call_seconds = 0.0  # and in the last call it ran in
@@ -304,6 +304,7 @@ class SuffixBesideDraftProposer:
         # seconds of draft-model calls that may run though they do not pay: DRAFT_EXPLORE_SHARE of the steps of the
         # calls since, less what such calls took
         self._explore_credit = 0.0
+        self.num_explorations = 0  # calls that asked the draft model though it did not pay
         self._by_draft: set[str] = set()  # requests whose proposal now is the draft model's
 
     def draft_rate(self) -> float | None:
@@ -321,48 +322,57 @@ class SuffixBesideDraftProposer:
         return sum(p ** i for i in range(1, num_tokens + 1))
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in requests]
-        drafted, rooms, where = [], [], []
         by_draft = self._by_draft
         k = self.num_speculative_tokens
         expected_at_k = self.expected_draft_tokens(k)
-        exploring = False
-        if self.draft_model_pays:
-            self._explore_credit = min(self._explore_credit, 0.0)  # a debt stays
-        else:
-            self._explore_credit += DRAFT_EXPLORE_SHARE * self.step_seconds
-            exploring = self._explore_credit >= self._draft_call_seconds
+        suffix_drafts, short = [], []  # short: the requests whose suffix draft falls short of the draft model's
         for i, (request, room) in enumerate(zip(requests, max_tokens)):
             by_draft.discard(request.request_id)
             suffix = self.suffix.draft(request, room)
+            suffix_drafts.append(suffix.token_ids)
             bar = expected_at_k if room >= k else self.expected_draft_tokens(room)
-            # exploring: one request, asked for more than a probe's token (probes are never checked)
-            ask_draft = self.draft_model_pays or (exploring and not drafted and room > 1)
-            if suffix.token_ids and (suffix.score >= bar or not ask_draft):
-                proposals[i] = suffix.token_ids
-                self.num_suffix_drafts += 1
-            elif ask_draft:
-                drafted.append(request)
-                rooms.append(min(room, k))
-                where.append(i)
+            if not suffix.token_ids or suffix.score < bar:
+                short.append(i)
+        pays = self.draft_model_pays
+        if pays:
+            self._explore_credit = min(self._explore_credit, 0.0)  # a debt stays
+            where = short
+        else:
+            # at most two explorations' worth saved while none could run
+            self._explore_credit = min(self._explore_credit + DRAFT_EXPLORE_SHARE * self.step_seconds,
+                                       2 * self._draft_call_seconds)
+            # exploring: one request, in turn, asked for more than a probe's token (probes are never checked)
+            where = [i for i in short if max_tokens[i] > 1]
+            if where and self._explore_credit >= self._draft_call_seconds:
+                where = [where[self.num_explorations % len(where)]]
+                self.num_explorations += 1
+            else:
+                where = []
+        proposals = suffix_drafts
         self.last_draft_seconds = 0.0
-        if drafted:
+        if where:
+            forwards = self.draft.num_forwards
             start = self.clock()
-            drafts = self.draft.propose(drafted, rooms)
+            drafts = self.draft.propose([requests[i] for i in where], [min(max_tokens[i], k) for i in where])
             end = self.clock()
-            seconds, rows = self.draft.last_decode_forwards
-            if rows:
-                per_ask = k * seconds / rows
-                self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_ask - self.draft_ask_seconds)
-                                           if self.draft_ask_seconds else per_ask)
-            self.last_draft_seconds = self._draft_call_seconds = end - start
-            if not self.draft_model_pays:
-                self._explore_credit -= end - start
+            if self.draft.num_forwards > forwards:  # else its pool was full: nothing ran
+                self.last_draft_seconds = self._draft_call_seconds = end - start
+                if not pays:
+                    self._explore_credit -= end - start
+                else:  # priced at the batch sizes it pays at, not an exploration's one request
+                    seconds, rows = self.draft.last_decode_forwards
+                    # k one-token forwards at their time a row; with k = 1 the call (its one forward feeds the tokens
+                    # the step added)
+                    per_ask = k * seconds / rows if rows else (end - start) / len(where)
+                    self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_ask - self.draft_ask_seconds)
+                                               if self.draft_ask_seconds else per_ask)
             for i, proposal in zip(where, drafts):
-                proposals[i] = proposal
-                if proposal:
+                if proposal:  # else (no room in its pool) the suffix draft, if any
+                    proposals[i] = proposal
                     self.num_model_drafts += 1
                     by_draft.add(requests[i].request_id)
+        self.num_suffix_drafts += sum(1 for i, proposal in enumerate(proposals)
+                                      if proposal and requests[i].request_id not in by_draft)
         return proposals
 
     def checked(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
