@@ -26,6 +26,7 @@ from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.config import ModelConfig
 from torch_shift.engine.decode_pool import DecodePool
+from torch_shift.engine.spec_decode import ASK_AVERAGING
 from torch_shift.engine.spec_decode.suffix import SuffixProposer
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
@@ -256,7 +257,6 @@ DRAFT_CHECKS_BEFORE_ESTIMATE = 8
 # they are paid from a credit of this share of each call's step, and one runs once the credit covers what the last
 # draft-model call took
 DRAFT_EXPLORE_SHARE = 0.02
-DRAFT_ASK_AVERAGING = 0.05  # weight of the latest call in the draft model's seconds per request asked
 
 
 class SuffixBesideDraftProposer:
@@ -364,7 +364,7 @@ class SuffixBesideDraftProposer:
                     # k one-token forwards at their time a row; with k = 1 the call (its one forward feeds the tokens
                     # the step added)
                     per_ask = k * seconds / rows if rows else (end - start) / len(where)
-                    self.draft_ask_seconds += (DRAFT_ASK_AVERAGING * (per_ask - self.draft_ask_seconds)
+                    self.draft_ask_seconds += (ASK_AVERAGING * (per_ask - self.draft_ask_seconds)
                                                if self.draft_ask_seconds else per_ask)
             for i, proposal in zip(where, drafts):
                 if proposal:  # else (no room in its pool) the suffix draft, if any
