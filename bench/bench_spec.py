@@ -16,6 +16,9 @@ forwards read their weights from memory as a larger draft's do. Method "draft+su
 decoding beside it (`enable_suffix_decoding`, as ArcticInference: a request's suffix draft where it is expected to
 keep the draft's k tokens, else the draft model's where the budget finds that its forwards pay).
 
+A method named with ":sync" (e.g. "suffix:sync") runs with `async_scheduling=False`: beside the default, where one
+rank's steps after which nothing is proposed run ahead of the host (torch_shift.engine.core), it shows what that gains.
+
     python bench/bench_spec.py [--layouts one,shift] [--methods none,ngram,suffix,draft,draft+suffix] [--repeats 3]
                                [--intermediate 24576] [--draft DIR | --draft-layers N] [--draft-intermediate N]
                                [--vllm-python VENV/bin/python] [--json out.json]
@@ -233,7 +236,11 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
     at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
     time) one method after the other."""
     def start(method: str) -> LLM:
-        llm = LLM(MODEL_DIR, compile=False, speculative_config=METHODS[method], **LAYOUTS[layout])
+        name, _, mode = method.partition(":")
+        if mode not in ("", "sync"):
+            raise ValueError(f"method {method!r}: the only suffix of a method is ':sync'")
+        llm = LLM(MODEL_DIR, compile=False, speculative_config=METHODS[name],
+                  async_scheduling=False if mode else None, **LAYOUTS[layout])
         llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         return llm
 
@@ -312,7 +319,7 @@ def main() -> None:
         METHODS["suffix"] = {**METHODS["suffix"], "suffix_decoding_max_spec_factor": args.suffix_spec_factor}
     if args.intermediate is not None:
         MODEL_DIR = str(widened(default_model_dir(), Path(tempfile.mkdtemp()) / "widened", args.intermediate))
-    if {"draft", "draft+suffix"} & set(args.methods.split(",")):
+    if {"draft", "draft+suffix"} & {method.partition(":")[0] for method in args.methods.split(",")}:
         draft_dir = args.draft
         if draft_dir is None:
             draft_dir = (default_model_dir() if args.intermediate is not None and args.draft_layers is None else

@@ -267,6 +267,40 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, mon
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+def test_launched_steps_beside_speculative_decoding(families, monkeypatch):
+    """With speculative decoding (on by default here too) the steps after which nothing is proposed are launched on
+    the decoder's thread, their input ids read there; a step that checks proposals runs on the engine's thread.
+    Greedy and seeded sampled requests: the tokens of the synchronous engine without speculation."""
+    _, model_dir = families("llama")
+    launches = []
+    original = NativeDecoder.launch
+
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
+        launches.append(placeholders is not None)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders)
+
+    monkeypatch.setattr(NativeDecoder, "launch", launch)
+    base = random_prompts(3, [5, 9, 3], seed=8)
+    prompts = [{"prompt_token_ids": p} for p in [base[0] * 4, random_prompts(1, [20], seed=9)[0], base[1] * 3,
+                                                 base[2] * 6]]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=40, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+    reference = LLM(str(model_dir), compile=False, seed=0, async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)
+                + reference.generate(prompts, sampled, use_tqdm=False)]
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix"})
+    assert llm.engine.config.scheduler.async_scheduling and llm.engine.worker.runner.launch_steps
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert sum(launches) > 0  # greedy steps ran ahead, their input ids read on the decoder's thread
+    outputs += llm.generate(prompts, sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.stats()["spec_decode"]["num_drafts"] > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 def test_the_decoders_thread_runs_on_one_openmp_thread(families):
     """The launched steps' thread starts no OpenMP team, whatever torch's process-wide count: a team of two beside
     the engine's helping thread made each step 3x as long. Over a generation of small steps, CPU time goes to the

@@ -484,6 +484,88 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
     assert min(call[late] for call in calls if late in call) == 1
 
 
+def test_quiet_steps_run_ahead_of_the_host(llama):
+    """Asynchronous scheduling beside speculative decoding (torch_shift.engine.core): the steps after which the
+    speculator proposes nothing (every request waits for a probe or a backoff's end) are launched before the step
+    before them completes; a step that proposals follow, or that checks some, waits for its tokens. Requests that
+    arrive or stop in a step that ran ahead, preemptions and an abort: the outputs without speculation, every block
+    back."""
+    _, model_dir = llama
+    prompts = random_prompts(4, [6, 40, 11, 23], seed=3) + repetitive_prompts(2, seed=4)
+    params = [SamplingParams(max_tokens=24 + 7 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(6)]
+    reference = LLM(str(model_dir), compile=False, block_size=4, async_scheduling=False).generate(
+        prompts, params, use_tqdm=False)
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(reference)}
+    stop = expected["r2"][len(expected["r2"]) // 2]  # r2 stops mid-output, in a step that may have run ahead
+    params[2] = SamplingParams(max_tokens=params[2].max_tokens, temperature=0.9, seed=2, stop_token_ids=[stop])
+    expected["r2"] = expected["r2"][:expected["r2"].index(stop) + 1]
+    llm = LLM(str(model_dir), compile=False, block_size=4, num_kv_blocks=28, max_num_batched_tokens=16,
+              async_scheduling=True, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    engine = llm.engine
+    core, speculator = engine.core, engine.core.speculator
+    # fixed prices, as above, with a lower bar (a check pays from a rate of 0.3): the repetitive prompts' proposals
+    # are checked, the random ones' find nothing and back off
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+    speculator._prices = lambda num_running, cost: (0.3, 16)
+    ran_ahead, checked, passed = [], [], []
+    executor, pass_step = core.executor, speculator.pass_step
+
+    def spy(plan, *tokens, **options):
+        ran_ahead.append(bool(options.get("launch")) and core.in_flight is not None)
+        checked.append(any(group.num_spec is not None for group in plan.groups))
+        return executor(plan, *tokens, **options)
+
+    core.executor = spy
+    speculator.pass_step = lambda updated: passed.append(len(updated)) or pass_step(updated)
+    outputs = {}
+    arrivals = {0: (0, 1, 2), 6: (3,), 20: (4, 5)}  # the repetitive prompts come while the others decode
+    step = 0
+    while step == 0 or engine.has_unfinished_requests():
+        for i in arrivals.get(step, ()):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params[i])
+        if step == 30:
+            engine.abort_request("r1")
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert outputs == {rid: tokens for rid, tokens in expected.items() if rid != "r1"}
+    assert sum(ran_ahead) > 20 and not all(ran_ahead) and any(checked)
+    assert not any(c and a for c, a in zip(checked, ran_ahead))  # no step that checks proposals ran ahead
+    assert passed  # a request came in, or finished, in a step that ran ahead
+    assert engine.stats()["num_preemptions"] > 0 and core.in_flight is None
+    assert not engine.block_manager.req_blocks and not speculator.proposer.tokens.buffers  # every request forgotten
+
+
+def test_a_preempted_request_drops_its_proposals():
+    """Proposals follow a request's last token on the host; a request that leaves the device (here preempted)
+    drops them, as a step scheduled before its next token arrives would take them as following that token."""
+    sched = make_scheduler(num_blocks=8, budget=32, max_seqs=4)
+    request = make_request("a", 9, max_tokens=20)
+    add(sched, request)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": 7})
+    request.spec_token_ids = [1, 2, 3]
+    sched._preempt(request, sched.schedule())
+    assert request.spec_token_ids == [] and request.status is RequestStatus.PREEMPTED
+
+
+def test_a_batch_at_disable_by_batch_size_needs_no_speculator_until_it_changes():
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    speculator = Speculator(config, 1000, _Sevens())
+    params = SamplingParams(max_tokens=100)
+    a, b = (Request(name, list(range(1, 6)), params, 100) for name in "ab")
+    speculator.propose([a, b], 2)
+    assert speculator.quiet_steps > 1000 and speculator.quiet_requests == 2 and not a.spec_token_ids
+    speculator.propose([a], 2)  # one of two got a token: the other may still hold proposals
+    assert speculator.quiet_steps == 0
+    speculator.propose([a, b], 2)
+    b.status = RequestStatus.FINISHED_LENGTH
+    speculator.pass_step([a, b])  # a step that ran ahead ended b: forgotten, and the next step proposes
+    assert speculator.quiet_steps == 0 and "b" not in speculator.acceptance.per_request
+
+
 def test_sampled_checks_in_one_draw_keep_seeded_outputs(llama):
     """Sampled requests without penalties are checked in one sampler call over all their positions (a seeded
     one's generator set back to where position-by-position drawing leaves it), beside a request with penalties

@@ -94,8 +94,9 @@ class EngineArgs:
                                           "rank on a GPU and the triton attention backend; --enforce-eager: off)")
     async_scheduling: bool | None = _arg(None, "schedule and launch the next step while this one's tokens are still "
                                                "on the device, where the host's work would otherwise leave it idle "
-                                               "(default: on with one rank and no speculative decoding on a GPU, and "
-                                               "on the CPU where the C++ decoder runs the small steps)")
+                                               "(default: on with one rank, on a GPU without speculative decoding "
+                                               "and on the CPU where the C++ decoder runs the small steps; with "
+                                               "speculative decoding, the steps after which nothing is proposed)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 16 tokens run their matmuls on threads of the GEMV "
                                    "kernel's own, which read the next weights while the step's other work runs")
@@ -303,15 +304,18 @@ class EngineArgs:
         """async_scheduling=None: on with one rank on a GPU and no speculative decoding; on the CPU, None: the
         engine turns it on where its runner launches the C++ decoder's small steps on a thread of their own
         (torch_shift.engine.model_runner), since elsewhere a CPU step runs in the calling thread and there is nothing
-        to overlap (True is allowed there, as a test of the path)."""
-        possible = deployment.world_size == 1 and self.speculative_config is None
+        to overlap (True is allowed there, as a test of the path). With speculative decoding only the steps after
+        which nothing is proposed run ahead (torch_shift.engine.core); on a GPU that is asked for (True), not
+        measured there yet."""
+        possible = deployment.world_size == 1
         if self.async_scheduling and not possible:
-            raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1) and no speculative_config "
-                             "(proposals are checked against tokens on the host)")
+            raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1)")
         if self.async_scheduling is None:
             if not possible:
                 return False
-            return True if resolve_device(self.device).type == "cuda" else None
+            if resolve_device(self.device).type == "cuda":
+                return self.speculative_config is None
+            return None
         return self.async_scheduling
 
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,

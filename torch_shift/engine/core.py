@@ -10,7 +10,10 @@ next step is scheduled and launched: the decodes of that step take their input i
 of between its steps. `step` then returns the step before the one it launched. A request that must see its
 tokens on the host before it samples (penalties, a minimum length, a grammar, logprobs) makes the steps
 synchronous while it is in the engine. On the CPU the C++ decoder's steps run on a thread of its own in the same way
-(torch_shift.engine.model_runner): a step's argmax rows stand for its tokens until it ran.
+(torch_shift.engine.model_runner): a step's argmax rows stand for its tokens until it ran. With speculative decoding
+only the steps after which the speculator proposes nothing run ahead (its quiet steps: every request waits for a
+probe or a backoff's end); a step whose tokens a proposal follows, and a step that checks proposals, wait for the
+tokens on the host, as proposals are made from them.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class _InFlight:
     copied: torch.cuda.Event | LaunchedStep | None  # after that copy; a CPU step still running; None: they are here
     swap_seconds: float
     reshard_seconds: float
+    num_tokens: int  # the step's scheduled tokens
 
     @property
     def sources(self) -> dict[str, int]:
@@ -72,8 +76,8 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, plan_builder: PlanBuilder, executor: Executor, sample: SampleFn,
                  stats: EngineStats, speculator: Speculator | None = None,
                  sample_on_device: SampleOnDeviceFn | None = None):
-        """`sample_on_device`: schedule asynchronously (one rank, no speculator), drawing tokens with it."""
-        assert sample_on_device is None or speculator is None
+        """`sample_on_device`: schedule asynchronously (one rank), drawing tokens with it; with a speculator, in
+        the steps after which it proposes nothing."""
         self.scheduler = scheduler
         self.plan_builder = plan_builder
         self.executor = executor
@@ -107,10 +111,15 @@ class EngineCore:
         one before the step launched; None when none was in flight)."""
         if self.sample_on_device is None:
             return self._step()
-        if self.scheduler.num_host_sampled:  # a request samples on the host: every token must be there first
+        speculator = self.speculator
+        # a request samples on the host, or proposals follow the step in flight (or the next one), or a request the
+        # last propose did not see may hold some: every token must be there first
+        if self.scheduler.num_host_sampled or (speculator is not None and not (
+                speculator.quiet_steps and speculator.quiet_requests == len(self.scheduler.running))):
             return self._complete() if self.in_flight is not None else self._step()
         in_flight = self.in_flight
         output = self.scheduler.schedule()
+        assert speculator is None or not any(group.num_spec_tokens for group in output.groups)
         plan = self.plan_builder.build(output, None if in_flight is None else in_flight.sources)
         if output.is_empty and not output.has_swaps:
             return None if in_flight is None else self._complete()
@@ -118,29 +127,31 @@ class EngineCore:
         result = self.executor(plan, None if in_flight is None else in_flight.tokens, launch=True)
         entries = [group.entries for group in output.groups if group.entries]
         requests, tokens = self.sample_on_device(entries, result.logits, result.launched)  # behind the forward
-        host_tokens, copied = None, None
+        host_tokens, copied = None, result.launched  # a CPU step still running (waited for even where none sampled)
         if tokens is not None:
             host_tokens = tokens.to("cpu", non_blocking=True)
             if tokens.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
-            else:
-                copied = result.launched
-        done = None if in_flight is None else self._complete()  # while the device runs the step just launched
+        # while the device runs the step just launched
+        done = None if in_flight is None else self._complete(launched_behind=True)
         if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
-                                       result.reshard_seconds)
+                                       result.reshard_seconds, output.num_scheduled_tokens)
         return done
 
-    def _complete(self) -> CoreStep:
-        """The step in flight, once its tokens are on the host: its requests advanced."""
+    def _complete(self, launched_behind: bool = False) -> CoreStep:
+        """The step in flight, once its tokens are on the host: its requests advanced. `launched_behind`: the next
+        step is in flight already."""
         step, self.in_flight = self.in_flight, None
         sampled = {}
+        if step.copied is not None:
+            step.copied.synchronize()
         if step.requests:
-            if step.copied is not None:
-                step.copied.synchronize()
             sampled = dict(zip([r.request_id for r in step.requests], step.host_tokens.tolist()))
         updated = self.scheduler.update_from_output(step.output, sampled)
+        if self.speculator is not None:  # a step that ran ahead checked nothing: no observe, nor a fair time
+            self._speculate(step.num_tokens, step.entries, updated, sampled, None, launched_behind)
         _stamp_first_tokens(updated)
         return CoreStep(step.output, step.entries, updated, step.swap_seconds, step.reshard_seconds)
 
@@ -154,23 +165,32 @@ class EngineCore:
         result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
         sampled = self.sample(entries, result.logits)
-        speculator = self.speculator
-        if speculator is None:
-            updated = self.scheduler.update_from_output(output, sampled)
-        else:
-            seconds = self.step_seconds(start)
-            updated = self.scheduler.update_from_output(output, sampled)
-            num_running = len(self.scheduler.running)
-            # the requests the last propose saw, none finished, each decoding a token, all of them waiting
-            if (speculator.quiet_steps and len(updated) == speculator.quiet_requests == num_running
-                    and sum(group.num_tokens for group in plan.groups) == num_running):
-                speculator.skip_step()
-            else:
-                self.stats.record_spec(speculator.observe(entries, sampled, seconds))
-                speculator.propose(updated, num_running)
-                self.stats.num_cut_tokens = speculator.num_cut_tokens
+        seconds = self.step_seconds(start) if self.speculator is not None else None
+        updated = self.scheduler.update_from_output(output, sampled)
+        if self.speculator is not None:
+            self._speculate(output.num_scheduled_tokens, entries, updated, sampled, seconds, False)
         _stamp_first_tokens(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
+
+    def _speculate(self, num_tokens: int, entries: list[list[ScheduledRequest]], updated: list[Request],
+                   sampled: dict[str, int | list[int]], seconds: float | None, launched_behind: bool) -> None:
+        """After a step of `num_tokens` tokens that ran in `seconds` (None: it ran ahead of the host), the
+        speculator: nothing where every request the last propose saw waits, else the step's checks observed and
+        the next proposals made; none while a step launched behind this one computes the tokens they would
+        follow."""
+        speculator = self.speculator
+        num_running = len(self.scheduler.running)
+        # the requests the last propose saw, none finished, each decoding a token, all of them waiting
+        if (speculator.quiet_steps and len(updated) == speculator.quiet_requests == num_running
+                and num_tokens == num_running):
+            speculator.skip_step()
+        elif launched_behind:  # a request finished, or came in, in a step that ran ahead
+            speculator.pass_step(updated)
+        else:
+            if seconds is not None:
+                self.stats.record_spec(speculator.observe(entries, sampled, seconds))
+            speculator.propose(updated, num_running)
+            self.stats.num_cut_tokens = speculator.num_cut_tokens
 
 
 def _stamp_first_tokens(updated: list[Request]) -> None:

@@ -256,7 +256,11 @@ class Scheduler:
                 self._remaining[r] += left
 
     def _release(self, request: Request, free_blocks: bool = True) -> None:
+        """The request leaves the device (finished, preempted, swapped or moved): its blocks, and its proposals,
+        which a step scheduled before its next token reaches the host would take as following that token."""
         self._placed(request, -1)
+        if request.spec_token_ids:
+            request.spec_token_ids = []
         for r in request.replicas:
             if free_blocks:
                 self.pools[r].free(request.request_id)

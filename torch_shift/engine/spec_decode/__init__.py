@@ -70,6 +70,7 @@ MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came ba
 # without it a few slow first checks priced every later one out and, no check following, the price stayed (measured:
 # speculation off for a whole edit run, 1 check in 776 steps, in one of about six runs)
 EXPLORE_EVERY = 16
+DISABLED_STEPS = 1 << 30  # the quiet steps of a batch at disable_by_batch_size: as long as its requests stay
 
 
 def num_accepted(proposed, drawn) -> int:
@@ -199,6 +200,8 @@ class Speculator:
             self.quiet_steps = self._waiting_steps(alive)
             return
         if limit is not None and num_running >= limit:
+            if len(alive) == num_running:  # until one finishes or comes in (EngineCore._speculate)
+                self.quiet_steps = DISABLED_STEPS
             return
         k = config.max_proposal_tokens
         cost = self.step_cost.at(num_running) if config.goodput_budget else None
@@ -287,6 +290,16 @@ class Speculator:
         """A step of the requests the last propose saw, each decoding one token, ran while they all wait: nothing
         to observe (no check, no probe) and nothing to propose."""
         self.quiet_steps -= 1
+        self._steps += 1
+
+    def pass_step(self, updated: list[Request]) -> None:
+        """A step ran ahead of the host (asynchronous scheduling) and is not a quiet one (a request finished or
+        came in), but the next step computes already: nothing is proposed from its tokens, which the next step's
+        follow. Its finished requests are forgotten; the next step's tokens are proposed from."""
+        for request in updated:
+            if request.status._finished:
+                self.on_finish(request)
+        self.quiet_steps = 0
         self._steps += 1
 
     def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
