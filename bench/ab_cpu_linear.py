@@ -1,14 +1,16 @@
-"""This tree's AVX2 linear kernel (torch_shift/kernels/cpu_linear.cpp, `ts_blocked_linear`) against the same file at
-another git revision, both built into libraries of their own and loaded into one process, timed in alternation on
-the same weights: the peer model's linears (bench_peers.py's shapes), `--layers` of them so that the weights come
-from memory as a step's do, at each row count. Prints GFLOP/s (best and median of `--repeats` passes) per build, the
+"""This tree's linear kernels (torch_shift/kernels/cpu_linear.cpp: the AVX2 `ts_blocked_linear`, or with `--kernel
+packed` the AVX-512 GEMV on oneDNN's packed weights, `ts_packed_gemv`) against the same file at another git
+revision, both built into libraries of their own and loaded into one process, timed in alternation on the same
+weights: the peer model's linears (bench_peers.py's shapes), `--layers` of them so that the weights come from memory
+as a step's do, at each row count. Prints GFLOP/s (best and median of `--repeats` passes) per build, the
 ratio of the best passes, and whether the two builds' outputs are the same bits. This machine's rate drifts by a
 third within minutes; separate processes cannot compare kernels that differ by 5-20%, alternation in one can.
 
     python bench/ab_cpu_linear.py --base HEAD~1 --rows 1,2,512
     python bench/ab_cpu_linear.py --base 69d0193 --rows 512 --threads 1 --layers 1
+    python bench/ab_cpu_linear.py --kernel packed --base HEAD~1 --rows 1,6,7,12,16
 
-Needs AVX2 and FMA, and a C++ compiler.
+Needs AVX2 and FMA (`--kernel packed`: AVX-512, and AVX512-BF16 for bfloat16), and a C++ compiler.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def build(revision: str | None, directory: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.ts_blocked_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.ts_blocked_linear.restype = ctypes.c_int
+    lib.ts_packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.ts_packed_gemv.restype = ctypes.c_int
     return lib
 
 
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="layers of weights (8: 360 MiB in float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: as torch starts)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernel", choices=("blocked", "packed"), default="blocked",
+                        help="blocked: the AVX2 kernel on torch_shift's 16-feature blocks; packed: the AVX-512 GEMV "
+                             "on oneDNN's packed weights (up to 16 rows, 32 in float32)")
     args = parser.parse_args(argv)
     if compiler() is None:
         raise SystemExit("no C++ compiler")
@@ -66,13 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"base": build(args.base, Path(tmp) / "base"), "this": build(None, Path(tmp) / "this")}
-        print(f"cpu_linear.cpp: this tree against {args.base}; {args.layers} layers of {', '.join(SHAPES)}, "
-              f"{torch.get_num_threads()} threads; GFLOP/s best (median) of {args.repeats}")
+        print(f"cpu_linear.cpp ({args.kernel}): this tree against {args.base}; {args.layers} layers of "
+              f"{', '.join(SHAPES)}, {torch.get_num_threads()} threads; GFLOP/s best (median) of {args.repeats}")
         print(f"{'dtype':9s} {'rows':>5s} {'base':>16s} {'this':>16s} {'this/base':>10s}  same bits")
         for dtype in [getattr(torch, name) for name in args.dtypes.split(",")]:
-            code = {torch.float32: 0, torch.bfloat16: 1}[dtype]
-            layers = [[PackedWeight(torch.randn(shape).to(dtype) * 0.05, blocked=True) for shape in SHAPES.values()]
-                      for _ in range(args.layers)]
+            packed = args.kernel == "packed"
+            layers = [[PackedWeight(torch.randn(shape).to(dtype) * 0.05, blocked=not packed)
+                       for shape in SHAPES.values()] for _ in range(args.layers)]
+            if packed and layers[0][0].gemv is None:
+                raise SystemExit(f"the AVX-512 GEMV does not run {dtype} on this CPU")
+            code = layers[0][0].gemv_code if packed else {torch.float32: 0, torch.bfloat16: 1}[dtype]
             for rows in [int(r) for r in args.rows.split(",")]:
                 xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES.values()}
                 outs = {name: [[torch.empty(rows, w.out_features, dtype=dtype) for w in layer] for layer in layers]
@@ -81,9 +91,15 @@ def main(argv: list[str] | None = None) -> int:
                 def run(name: str) -> None:
                     for layer, layer_outs in zip(layers, outs[name]):
                         for w, out in zip(layer, layer_outs):
-                            status = builds[name].ts_blocked_linear(
-                                code, xs[w.in_features].data_ptr(), w.in_features, rows, w._weight_ptr,
-                                w.out_features, w.in_features, None, out.data_ptr(), w.out_features, 16)
+                            x = xs[w.in_features].data_ptr()
+                            if packed:
+                                status = builds[name].ts_packed_gemv(code, x, w.in_features, rows, w._weight_ptr,
+                                                                     w.out_features, w.in_features, None,
+                                                                     out.data_ptr(), w.out_features)
+                            else:
+                                status = builds[name].ts_blocked_linear(
+                                    code, x, w.in_features, rows, w._weight_ptr, w.out_features, w.in_features, None,
+                                    out.data_ptr(), w.out_features, 16)
                             assert status == 0
 
                 seconds: dict[str, list[float]] = {name: [] for name in builds}

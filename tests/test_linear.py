@@ -65,17 +65,24 @@ def test_packed_matches_reference_for_every_row_count(dtype, blocked, shape):
 
 
 @pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
-def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked):
+@pytest.mark.parametrize("in_features", [128, 1408])
+def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_features):
     """Each row of a few-row matmul equals that row alone, and a strided or 3-D input gives what its
-    contiguous copy gives: the decode step's batch never changes a request's result."""
+    contiguous copy gives: the decode step's batch never changes a request's result. 1,408 inputs: more rows than
+    one group of the AVX-512 GEMV takes through a block in chunks of k-steps, across oneDNN's runs in float32."""
     torch.manual_seed(1)
-    weight = torch.randn(256, 128).to(dtype)
+    weight = torch.randn(256, in_features).to(dtype)
+    bias = torch.randn(256).to(dtype)
     packed = PackedWeight(weight, blocked)
-    x = torch.randn(GEMV_MAX_ROWS, 256).to(dtype)[:, :128]  # rows with a stride of 256
-    together = packed(x, None)
-    for row in range(GEMV_MAX_ROWS):
-        assert torch.equal(packed(x[row:row + 1], None), together[row:row + 1])
-    assert torch.equal(packed(x.reshape(4, -1, 128), None), together.reshape(4, -1, 256))
+    x = torch.randn(GEMV_MAX_ROWS, 2 * in_features).to(dtype)[:, :in_features]  # strided rows
+    for b in (None, bias):
+        together = packed(x, b)
+        assert_close(together, reference(x, weight, b), dtype, in_features)
+        for row in range(GEMV_MAX_ROWS):
+            assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1])
+        for rows in (7, 12, 13):
+            assert torch.equal(packed(x[:rows], b), together[:rows])
+        assert torch.equal(packed(x.reshape(4, -1, in_features), b), together.reshape(4, -1, 256))
 
 
 @pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
@@ -270,6 +277,11 @@ def test_ab_cpu_linear_builds_both_revisions_and_compares_their_bits(capsys):
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
     assert [line[1] for line in lines] == ["1", "17"]
     assert all(float(line[-2]) > 0 and line[-1] in ("True", "False") for line in lines)
+    if gemv_expected(torch.float32):  # the AVX-512 GEMV on oneDNN's packed weights: the same file, the same bits
+        assert main(["--kernel", "packed", "--base", "HEAD", "--rows", "1,7", "--dtypes", "float32", "--layers", "1",
+                     "--repeats", "1"]) == 0
+        lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
+        assert [line[1] for line in lines] == ["1", "7"] and all(line[-1] == "True" for line in lines)
 
 
 @pytest.mark.skipif(not gemv_expected(torch.bfloat16), reason="this CPU has no AVX-512 bf16 GEMV kernel")
