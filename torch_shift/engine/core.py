@@ -86,6 +86,9 @@ class EngineCore:
         self.stats = stats
         self.speculator = speculator
         self.in_flight: _InFlight | None = None
+        # the scheduler's count of requests that joined or left `running` when the speculator last proposed: the
+        # running requests are the ones it saw while the count stays
+        self._proposed_for = -1
         # a step's forward and sampling time from its start on perf_counter's clock (a simulator sets its model's)
         self.step_seconds: Callable[[float], float] = lambda start: time.perf_counter() - start
 
@@ -115,7 +118,7 @@ class EngineCore:
         # a request samples on the host, or proposals follow the step in flight (or the next one), or a request the
         # last propose did not see may hold some: every token must be there first
         if self.scheduler.num_host_sampled or (speculator is not None and not (
-                speculator.quiet_steps and speculator.quiet_requests == len(self.scheduler.running))):
+                speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for)):
             return self._complete() if self.in_flight is not None else self._step()
         in_flight = self.in_flight
         output = self.scheduler.schedule()
@@ -178,18 +181,20 @@ class EngineCore:
         speculator: nothing where every request the last propose saw waits, else the step's checks observed and
         the next proposals made; none while a step launched behind this one computes the tokens they would
         follow."""
-        speculator = self.speculator
-        num_running = len(self.scheduler.running)
-        # the requests the last propose saw, none finished, each decoding a token, all of them waiting
-        if (speculator.quiet_steps and len(updated) == speculator.quiet_requests == num_running
-                and num_tokens == num_running):
+        speculator, scheduler = self.speculator, self.scheduler
+        num_running = len(scheduler.running)
+        # the requests the last propose saw (none finished, none came in: counted by the scheduler, since a finish
+        # and an arrival in one step keep the number), each decoding a token, all of them waiting
+        if (speculator.quiet_steps and scheduler.num_running_changes == self._proposed_for
+                and len(updated) == num_tokens == num_running):
             speculator.skip_step()
-        elif launched_behind:  # a request finished, or came in, in a step that ran ahead
+        elif launched_behind:  # a request finished, or came in, while a step ran ahead
             speculator.pass_step(updated)
         else:
             if seconds is not None:
                 self.stats.record_spec(speculator.observe(entries, sampled, seconds))
             speculator.propose(updated, num_running)
+            self._proposed_for = scheduler.num_running_changes
             self.stats.num_cut_tokens = speculator.num_cut_tokens
 
 

@@ -178,6 +178,7 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        self.num_running_changes = 0  # requests that joined or left `running`, counted
         self.requests: dict[str, Request] = {}
         self.num_seqs = [0] * len(self.pools)  # admitted requests holding a place on each replica
         # tokens left per replica while this step admits (remaining_tokens), kept by each placement and release
@@ -250,6 +251,7 @@ class Scheduler:
         return remaining
 
     def _placed(self, request: Request, sign: int) -> None:
+        self.num_running_changes += 1
         if self._remaining is not None:
             left = sign * _tokens_left(request)
             for r in request.replicas:

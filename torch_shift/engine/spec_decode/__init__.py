@@ -124,7 +124,6 @@ class Speculator:
         # decoding, needs neither observe nor propose (EngineCore._step): on free text their calls on every step
         # were what the speculator cost (docs/performance.md)
         self.quiet_steps = 0
-        self.quiet_requests = 0  # the requests the last propose saw
 
     def _score_shadow(self, request_id: str, sampled: dict[str, int | list[int]]) -> None:
         """A probe's proposed token against the token its request drew in this step: accepted when they are the
@@ -193,11 +192,11 @@ class Speculator:
             due.append(request)
         self._steps += 1
         steps = self._steps
-        self.quiet_steps, self.quiet_requests = 0, len(alive)
+        self.quiet_steps = 0
         config = self.config
         limit = config.disable_by_batch_size
         if not due:
-            self.quiet_steps = self._waiting_steps(alive)
+            self.quiet_steps = self._waiting_steps(alive, num_running)
             return
         if limit is not None and num_running >= limit:
             if len(alive) == num_running:  # until one finishes or comes in (EngineCore._speculate)
@@ -215,7 +214,7 @@ class Speculator:
         if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in due:
                 quiet[request.request_id] = len(request.all_token_ids) + until_probe
-            self.quiet_steps = self._waiting_steps(alive)
+            self.quiet_steps = self._waiting_steps(alive, num_running)
             return
         proposing, rooms, rates, probing = [], [], [], []
         explorer, explorer_room, explorer_rate = None, 0, UNFITTED_BAR
@@ -245,7 +244,7 @@ class Speculator:
         if explored:
             self._explored_at = steps
         if not proposing and not probing and not explored:
-            self.quiet_steps = self._waiting_steps(alive)
+            self.quiet_steps = self._waiting_steps(alive, num_running)
             return
         if self._draft_beside is not None:
             self._price_draft_model(num_running, cost)
@@ -281,8 +280,11 @@ class Speculator:
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
 
-    def _waiting_steps(self, requests: list[Request]) -> int:
-        """The propose calls to come that would find every one of `requests` waiting (each adds one token a step)."""
+    def _waiting_steps(self, requests: list[Request], num_running: int) -> int:
+        """The propose calls to come that would find every one of `requests` waiting (each adds one token a step);
+        none where they are not all of the `num_running` running requests (one not seen may hold proposals)."""
+        if len(requests) != num_running:
+            return 0
         quiet = self._quiet
         return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - 1 for r in requests), default=0))
 
