@@ -121,8 +121,8 @@ class Speculator:
         # the speculator's calls were 6% of a free-text batch-1 step of the default model, which proposed nothing
         self._quiet: dict[str, int] = {}
         # steps to come in which every request the last propose saw waits, so that a step of the same requests,
-        # decoding, needs neither observe nor propose (EngineCore._step): on free text their calls on every step
-        # were what the speculator cost (docs/performance.md)
+        # decoding, needs neither observe nor propose (EngineCore._speculate; with one rank such steps run ahead of
+        # the host): on free text their calls on every step were what the speculator cost (docs/performance.md)
         self.quiet_steps = 0
 
     def _score_shadow(self, request_id: str, sampled: dict[str, int | list[int]]) -> None:
