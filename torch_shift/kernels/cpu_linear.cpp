@@ -44,6 +44,14 @@ namespace {
 
 constexpr int64_t kBlock = 64;
 constexpr int kMaxRows = 6;  // 6 x 4 accumulators, 4 weight vectors and x: 29 of the 32 AVX-512 registers
+// Up to this many rows run as one group all the same: their accumulators spill a few registers to L1, which costs
+// less than a second group's read of each block again (from L2, its dot products not overlapping the first group's
+// stream from memory). 8 layers of the 106M model's linears on 2 Zen 4 cores, one group against groups of up to 6
+// (bench/ab_cpu_linear.py --kernel packed): 7-9 rows 1.11-1.19x in bfloat16 and 1.36-1.54x in float32; 10 rows in
+// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again.
+constexpr int kMaxOneGroup = 9;
+
+inline int64_t row_groups(int64_t rows) { return rows <= kMaxOneGroup ? 1 : (rows + kMaxRows - 1) / kMaxRows; }
 
 __attribute__((target("avx512f"))) inline __m512 load_bias_f32(const float* bias, int64_t n) {
   return bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
@@ -151,12 +159,12 @@ using Bf16Rows64 = Bf16Rows<R, false>;
 template <int R>
 using Bf16Rows32 = Bf16Rows<R, true>;
 
-// Rows of x in groups of at most kMaxRows, as equal as they can be, against one block of the weight. The block
-// (64 x K weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
+// Rows of x in groups (row_groups), as equal as they can be, against one block of the weight. The block (64 x K
+// weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
 template <template <int> class Rows, typename T>
 void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K, const T* bias, T* out,
                    int64_t out_stride, int64_t b, const T* next_block = nullptr) {
-  const int64_t groups = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
@@ -176,7 +184,10 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
       case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
       case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
       case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      default: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 6: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 7: Rows<7>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 8: Rows<8>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      default: Rows<9>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
     }
     r0 += n;
   }
@@ -480,7 +491,7 @@ struct Matmul {
 // Blocks split between torch's threads in equal parts (the pool below runs the decode steps it is armed for).
 void run_parallel(const Matmul& m) {
   at::parallel_for(0, m.blocks(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) m.block(b, b + 1 < end && m.rows > kMaxRows);
+    for (int64_t b = begin; b < end; ++b) m.block(b, b + 1 < end && row_groups(m.rows) > 1);
   });
 }
 
