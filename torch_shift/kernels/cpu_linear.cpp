@@ -48,7 +48,8 @@ constexpr int kMaxRows = 6;  // 6 x 4 accumulators, 4 weight vectors and x: 29 o
 // less than a second group's read of each block again (from L2, its dot products not overlapping the first group's
 // stream from memory). 8 layers of the 106M model's linears on 2 Zen 4 cores, one group against groups of up to 6
 // (bench/ab_cpu_linear.py --kernel packed): 7-9 rows 1.11-1.19x in bfloat16 and 1.36-1.54x in float32; 10 rows in
-// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again.
+// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again. (The
+// AVX2 kernel's 16 registers spill too much for this: 7-9 rows in one group ran 0.62-0.71x there.)
 constexpr int kMaxOneGroup = 9;
 
 inline int64_t row_groups(int64_t rows) { return rows <= kMaxOneGroup ? 1 : (rows + kMaxRows - 1) / kMaxRows; }
