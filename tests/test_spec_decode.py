@@ -539,6 +539,66 @@ def test_quiet_steps_run_ahead_of_the_host(llama):
     assert not engine.block_manager.req_blocks and not speculator.proposer.tokens.buffers  # every request forgotten
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_quiet_steps_ahead_under_random_arrivals_stops_and_aborts(llama, seed):
+    """Requests arrive at random steps (repetitive and random prompts, greedy and seeded), some stop on a token,
+    some are aborted, blocks run short: every finished output is the one drawn without speculation, and afterwards
+    nothing is left of any request (KV blocks, the speculator's waits, backoffs, probes and rates; the proposer told
+    of each once)."""
+    _, model_dir = llama
+    rng = random.Random(seed)
+    num = 10
+    prompts = [p if i % 2 else p * 3 for i, p in enumerate(random_prompts(num, [rng.randint(3, 12) for _ in range(num)],
+                                                                          seed=seed + 20))]
+    params = [SamplingParams(max_tokens=rng.randint(4, 30), temperature=0.0 if rng.random() < 0.6 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(num)]
+    reference = LLM(str(model_dir), compile=False, block_size=4, async_scheduling=False).generate(
+        prompts, params, use_tqdm=False)
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(reference)}
+    for i in (2, 5):  # a token mid-output as a stop token: these requests end early
+        stop = expected[f"r{i}"][len(expected[f"r{i}"]) // 2]
+        params[i] = SamplingParams(max_tokens=params[i].max_tokens, temperature=params[i].temperature, seed=i,
+                                   stop_token_ids=[stop], ignore_eos=True)
+        expected[f"r{i}"] = expected[f"r{i}"][:expected[f"r{i}"].index(stop) + 1]
+    llm = LLM(str(model_dir), compile=False, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+              async_scheduling=True, speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    engine = llm.engine
+    core, speculator = engine.core, engine.core.speculator
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+    speculator._prices = lambda num_running, cost: (rng.choice([0.3, 0.9, 2.0]), 16)  # checks, probes, neither
+    oracle = NoisyOracle(dict(expected), seed)  # the true continuations, some tokens wrong: checks keep a part
+    finished = []
+    oracle.on_finish = lambda request, cache: finished.append(request.request_id)
+    speculator.proposer = oracle
+    arrivals = sorted(rng.sample(range(40), num))
+    aborted = {f"r{i}" for i in rng.sample(range(num), 2)}
+    ran_ahead, done_aborting = [], set()
+    executor = core.executor
+    core.executor = lambda plan, *tokens, **options: ran_ahead.append(
+        bool(options.get("launch")) and core.in_flight is not None) or executor(plan, *tokens, **options)
+    outputs, step, added = {}, 0, 0
+    while added < num or engine.has_unfinished_requests():
+        while added < num and arrivals[added] <= step:
+            engine.add_request(f"r{added}", {"prompt_token_ids": prompts[added]}, params[added])
+            added += 1
+        for rid in aborted - done_aborting:
+            request = engine.scheduler.requests.get(rid)
+            if request is not None and request.num_output_tokens >= 2:
+                engine.abort_request(rid)
+                done_aborting.add(rid)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert {rid: tokens for rid, tokens in outputs.items() if rid not in aborted} == {
+        rid: tokens for rid, tokens in expected.items() if rid not in aborted}
+    assert sum(ran_ahead) > 10 and done_aborting and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert core.in_flight is None and not engine.block_manager.req_blocks
+    assert sorted(finished) == sorted(expected)  # the proposer told of each request once
+    assert not speculator._quiet and not speculator._backoff
+    assert not speculator._shadows and not speculator.acceptance.per_request
+
+
 def test_a_preempted_request_drops_its_proposals():
     """Proposals follow a request's last token on the host; a request that leaves the device (here preempted)
     drops them, as a step scheduled before its next token arrives would take them as following that token."""
