@@ -68,8 +68,9 @@ def test_packed_matches_reference_for_every_row_count(dtype, blocked, shape):
 @pytest.mark.parametrize("in_features", [128, 1408])
 def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_features):
     """Each row of a few-row matmul equals that row alone, and a strided or 3-D input gives what its
-    contiguous copy gives: the decode step's batch never changes a request's result. 1,408 inputs: more rows than
-    one group of the AVX-512 GEMV takes through a block in chunks of k-steps, across oneDNN's runs in float32."""
+    contiguous copy gives: the decode step's batch never changes a request's result. 1,408 inputs with a bias, and 7,
+    12 and 13 rows: the AVX-512 GEMV's one group of up to 9 rows and its groups of up to 6, across oneDNN's runs of
+    k-steps in float32."""
     torch.manual_seed(1)
     weight = torch.randn(256, in_features).to(dtype)
     bias = torch.randn(256).to(dtype)

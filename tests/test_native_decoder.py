@@ -288,6 +288,7 @@ def test_launched_steps_beside_speculative_decoding(families, monkeypatch):
     reference = LLM(str(model_dir), compile=False, seed=0, async_scheduling=False)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)
                 + reference.generate(prompts, sampled, use_tqdm=False)]
+    reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix"})
     assert llm.engine.config.scheduler.async_scheduling and llm.engine.worker.runner.launch_steps
     llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
