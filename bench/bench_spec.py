@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_peers import run_json_process
-from spec_work import AGENT_TURNS, run_work
+from spec_work import AGENT_TURNS, in_turn, run_work
 
 from torch_shift import LLM, SamplingParams
 
@@ -231,10 +231,12 @@ def acceptance_ceiling(method: str, turns: dict[str, list[tuple[list[int], list[
     return ceiling
 
 
-def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
+def run_methods(layout: str, methods: list[str], work: dict, repeat: int = 0) -> dict[str, dict]:
     """One engine of `layout` per method, made for this run, on the work of spec_work.run_work: in one process all
     at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
-    time) one method after the other."""
+    time) one method after the other, in the order of row `repeat` of a Williams square (spec_work.in_turn): with a
+    fixed order the plain engine always ran first, and the machine's drift between the engines' runs (its agent
+    TPOT moved 4.3-5.6 ms between repeats) went into every ratio the same way."""
     def start(method: str) -> LLM:
         name, _, mode = method.partition(":")
         if mode not in ("", "sync"):
@@ -253,10 +255,10 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
 
     if LAYOUTS[layout]:
         rows = {}
-        for method in methods:
+        for method in in_turn(methods, repeat):
             llm = start(method)
             rows[method] = finish(llm, run_work({method: TorchShiftEngine(llm)}, work)[method])
-        return rows
+        return {method: rows[method] for method in methods}
     llms = {method: start(method) for method in methods}
     rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
     return {method: finish(llm, rows[method]) for method, llm in llms.items()}
@@ -350,7 +352,7 @@ def main() -> None:
         # process run in turn with the others prompt by prompt (spec_work.run_work); medians over repeats
         runs: dict[tuple[str, str], list[dict]] = {}
         for repeat in range(args.repeats):
-            results = run_methods(layout, args.methods.split(","), work)
+            results = run_methods(layout, args.methods.split(","), work, repeat)
             if args.vllm_python and layout == "one":
                 for method in args.methods.split(","):
                     if method in peer_methods:

@@ -40,3 +40,33 @@ def test_engines_take_every_place_and_follow_every_other_engine_alike():
             assert sorted(order[place] for order in orders) == sorted(names * times)
         follows = [(a, b) for order in orders for a, b in zip(order, order[1:])]
         assert sorted(follows) == sorted([(a, b) for a in names for b in names if a != b] * times)
+
+
+def test_several_ranks_run_their_methods_in_the_squares_order(monkeypatch):
+    """A layout of several ranks runs one engine at a time: repeat r takes row r of the Williams square, so that no
+    method always runs first (the machine drifts between the engines' runs); rows come back in the given order."""
+    import bench_spec
+
+    started = []
+
+    class Engine:
+        def __init__(self, model, speculative_config=None, **kwargs):
+            started.append(next(name for name, config in bench_spec.METHODS.items() if config is speculative_config))
+
+        def generate(self, *args, **kwargs):
+            return []
+
+        def stats(self):
+            return {"spec_decode": None}
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(bench_spec, "LLM", Engine)
+    monkeypatch.setattr(bench_spec, "TorchShiftEngine", lambda llm: llm)
+    monkeypatch.setattr(bench_spec, "run_work", lambda engines, work: {name: {} for name in engines})
+    methods = ["none", "ngram", "suffix"]
+    for repeat in range(6):
+        started.clear()
+        rows = bench_spec.run_methods("shift", methods, {}, repeat)
+        assert started == in_turn(methods, repeat) and list(rows) == methods
