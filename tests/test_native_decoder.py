@@ -52,6 +52,20 @@ def counted(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """Steps launched on the C++ decoder's thread: whether each read its input ids there (placeholders)."""
+    read_there = []
+    original = NativeDecoder.launch
+
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
+        read_there.append(placeholders is not None)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders)
+
+    monkeypatch.setattr(NativeDecoder, "launch", launch)
+    return read_there
+
+
 def _generate(model_dir, dtype, native: bool, **engine_args):
     llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
     assert llm.engine.worker.runner.native_decode is native
@@ -221,21 +235,13 @@ def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, monkeypatch):
+def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, launches):
     """Asynchronous scheduling on the CPU (on by default where the C++ decoder runs): small steps launched on the
     C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from the argmax rows
     of the step before. Greedy and seeded sampled requests (these wait for their step before they draw), a stop
     token, prompts arriving while others decode, a request with logprobs (whose steps are synchronous) and an abort
     with a step in flight: the synchronous engine's tokens and finish reasons, every KV block returned."""
     _, model_dir = families("llama")
-    launches = []
-    original = NativeDecoder.launch
-
-    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
-        launches.append(placeholders is not None)
-        return original(self, input_ids, positions, logits_indices, attention, placeholders)
-
-    monkeypatch.setattr(NativeDecoder, "launch", launch)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, [30, 7, 12, 3, 21], seed=5)]
     params = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=i != 2,
                              stop_token_ids=list(range(3, 512, 7)) if i == 2 else []) for i in range(5)]
@@ -267,19 +273,11 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, mon
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-def test_launched_steps_beside_speculative_decoding(families, monkeypatch):
+def test_launched_steps_beside_speculative_decoding(families, launches):
     """With speculative decoding (on by default here too) the steps after which nothing is proposed are launched on
     the decoder's thread, their input ids read there; a step that checks proposals runs on the engine's thread.
     Greedy and seeded sampled requests: the tokens of the synchronous engine without speculation."""
     _, model_dir = families("llama")
-    launches = []
-    original = NativeDecoder.launch
-
-    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
-        launches.append(placeholders is not None)
-        return original(self, input_ids, positions, logits_indices, attention, placeholders)
-
-    monkeypatch.setattr(NativeDecoder, "launch", launch)
     base = random_prompts(3, [5, 9, 3], seed=8)
     prompts = [{"prompt_token_ids": p} for p in [base[0] * 4, random_prompts(1, [20], seed=9)[0], base[1] * 3,
                                                  base[2] * 6]]

@@ -65,7 +65,6 @@ class _InFlight:
     copied: torch.cuda.Event | LaunchedStep | None  # after that copy; a CPU step still running; None: they are here
     swap_seconds: float
     reshard_seconds: float
-    num_tokens: int  # the step's scheduled tokens
 
     @property
     def sources(self) -> dict[str, int]:
@@ -140,7 +139,7 @@ class EngineCore:
         done = None if in_flight is None else self._complete(launched_behind=True)
         if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
-                                       result.reshard_seconds, output.num_scheduled_tokens)
+                                       result.reshard_seconds)
         return done
 
     def _complete(self, launched_behind: bool = False) -> CoreStep:
@@ -154,7 +153,7 @@ class EngineCore:
             sampled = dict(zip([r.request_id for r in step.requests], step.host_tokens.tolist()))
         updated = self.scheduler.update_from_output(step.output, sampled)
         if self.speculator is not None:  # a step that ran ahead checked nothing: no observe, nor a fair time
-            self._speculate(step.num_tokens, step.entries, updated, sampled, None, launched_behind)
+            self._speculate(step.output.num_scheduled_tokens, step.entries, updated, sampled, None, launched_behind)
         _stamp_first_tokens(updated)
         return CoreStep(step.output, step.entries, updated, step.swap_seconds, step.reshard_seconds)
 
