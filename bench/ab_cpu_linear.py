@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kernel", choices=("blocked", "packed"), default="blocked",
                         help="blocked: the AVX2 kernel on torch_shift's 16-feature blocks; packed: the AVX-512 GEMV "
-                             "on oneDNN's packed weights (up to 16 rows, 32 in float32)")
+                             "on oneDNN's packed weights (up to GEMV_MAX_ROWS rows: 64)")
     args = parser.parse_args(argv)
     if compiler() is None:
         raise SystemExit("no C++ compiler")

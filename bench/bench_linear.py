@@ -5,8 +5,9 @@ model's shapes (bench_peers.py), at a few row counts, in GFLOP/s.
     python bench/bench_linear.py --rows 1,512 --threads 1
 
 Columns, where they run here: torch_shift's 16-feature blocks (`PackedWeight(w, blocked=True)`: the AVX2 kernel,
-any CPU with AVX2), oneDNN's packed weight (`blocked=False`: oneDNN's matmul, and the AVX-512 GEMV kernel for up to 16
-rows, 32 in float32, where it runs), and `F.linear` on the dense weight. The engine takes the blocks where the AVX-512
+any CPU with AVX2), oneDNN's matmul on its packed weight (`blocked=False`), the AVX-512 GEMV kernel on the same packed
+weight (which `PackedWeight` runs instead of oneDNN's matmul up to `gemv_max_rows` rows), and `F.linear` on the dense
+weight. The engine takes the blocks where the AVX-512
 kernel does not run (`torch_shift.models.linear.blocked_layout`). Each figure is the best of `--repeats` timings after
 two warm-ups; a weight that fits in the L3 is read from there between repeats.
 """
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels = cpu_kernels()
     blocks_run = kernels is not None and bool(kernels.packed_gemv_dtypes & 4)
     print(f"{torch.get_num_threads()} threads; GFLOP/s (x: over F.linear)")
-    print(f"{'dtype':<9} {'weight':<8} {'rows':>5} {'blocks':>14} {'oneDNN':>14} {'F.linear':>9}  engine takes")
+    print(f"{'dtype':<9} {'weight':<8} {'rows':>5} {'blocks':>14} {'oneDNN':>14} {'GEMV':>14} {'F.linear':>9}  "
+          "engine takes")
     with torch.inference_mode():
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
@@ -59,23 +61,29 @@ def main(argv: list[str] | None = None) -> int:
                 weight = torch.randn(out_features, in_features).to(dtype)
                 ways = {}
                 if blocks_run:
-                    ways["blocks"] = PackedWeight(weight, blocked=True)
+                    blocks = PackedWeight(weight, blocked=True)
+                    ways["blocks"] = lambda x, w=blocks: w(x, None)
                 if onednn:
-                    ways["oneDNN"] = PackedWeight(weight, blocked=False)
+                    packed = PackedWeight(weight, blocked=False)
+                    ways["oneDNN"] = lambda x, w=packed: torch.ops.mkldnn._linear_pointwise(x, w.tensor, None, "none",
+                                                                                            [], "")
+                    if packed.gemv is not None:
+                        ways["GEMV"] = lambda x, w=packed: w._gemv(x, None, x.shape[0])
                 for rows in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(rows, in_features).to(dtype)
                     flop = 2 * rows * out_features * in_features
                     dense = flop / best_seconds(lambda: F.linear(x, weight), args.repeats) / 1e9
                     cells = []
-                    for way in ("blocks", "oneDNN"):
+                    for way in ("blocks", "oneDNN", "GEMV"):
                         if way in ways:
-                            rate = flop / best_seconds(lambda w=ways[way]: w(x, None), args.repeats) / 1e9
+                            rate = flop / best_seconds(lambda w=ways[way]: w(x), args.repeats) / 1e9
                             cells.append(f"{rate:7.1f} ({rate / dense:4.1f}x)")
                         else:
                             cells.append("-")
-                    takes = "blocks" if blocked_layout(dtype) else "oneDNN" if onednn else "F.linear"
-                    print(f"{name:<9} {label:<8} {rows:>5} {cells[0]:>14} {cells[1]:>14} {dense:9.1f}  {takes}",
-                          flush=True)
+                    takes = ("blocks" if blocked_layout(dtype) else "F.linear" if not onednn
+                             else "GEMV" if rows <= packed.gemv_max_rows else "oneDNN")
+                    print(f"{name:<9} {label:<8} {rows:>5} {cells[0]:>14} {cells[1]:>14} {cells[2]:>14} {dense:9.1f}  "
+                          f"{takes}", flush=True)
     return 0
 
 

@@ -17,7 +17,7 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.engine import decode_pool
 from torch_shift.engine.decode_pool import MAX_WORKERS, SMALL_STEPS_BEFORE_POOL
 from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers, stop_gemv_pool
-from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packing_supported
+from torch_shift.models.linear import BLOCKED_GEMV_ROWS, GEMV_MAX_ROWS, PackedWeight, packing_supported
 from torch_shift.parallel.launch import local_cores, release_openmp_threads
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
@@ -166,7 +166,7 @@ def _armed_in_decodes(llm) -> int:
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, compile, disarmed, monkeypatch):
-    """Steps of up to GEMV_MAX_ROWS tokens run on the pool (torch on one thread, compiled for it at start-up:
+    """Steps whose matmuls all run the GEMV run on the pool (torch on one thread, compiled for it at start-up:
     nothing recompiles), the others on torch's threads: the same tokens and logprobs as an engine without it."""
     import torch._dynamo
 
@@ -218,14 +218,19 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
 
 
 def test_which_steps_the_pool_takes(layers4):
-    """Steps of 1-16 tokens on a rank of several threads, whose KV reads stay below a share of the weights' bytes
-    (attention runs on one thread in a pooled step); at most the kernel's 63 workers."""
-    pool = LLM(str(layers4), dtype=POOL_DTYPE).engine.worker.runner.decode_pool
+    """Steps of 1 to GEMV_MAX_ROWS tokens (those whose matmuls all run the GEMV) on a rank of several threads,
+    whose KV reads stay below a share of the weights' bytes (attention runs on one thread in a pooled step); at most
+    the kernel's 63 workers."""
+    engine = LLM(str(layers4), dtype=POOL_DTYPE).engine
+    pool = engine.worker.runner.decode_pool
     if not pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     budget = pool.kv_budget_tokens
     assert budget is not None and budget > 0
-    assert [pool.workers(tokens, 2) for tokens in (0, 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)] == [0, 1, 1, 0]
+    limit = pool.max_tokens
+    packed = next(m.packed for m in engine.model.modules() if getattr(m, "packed", None) is not None)
+    assert limit == packed.gemv_max_rows == (BLOCKED_GEMV_ROWS if packed.blocked else GEMV_MAX_ROWS)
+    assert [pool.workers(tokens, 2) for tokens in (0, 1, limit, limit + 1)] == [0, 1, 1, 0]
     assert pool.workers(1, 1) == 0 and pool.workers(4, 200) == MAX_WORKERS
     assert pool.workers(1, 2, kv_tokens=budget) == 1 and pool.workers(1, 2, kv_tokens=budget + 1) == 0
     assert not decode_pool.DecodePool(LLM(str(layers4), decode_pool=False).engine.model, torch.device("cpu"),

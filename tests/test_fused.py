@@ -278,11 +278,11 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     runs), in oneDNN's layout and in the AVX2 kernel's blocks; no chunk is a GEMV's few rows."""
     dtype = torch.float32
     from torch_shift.kernels import cpu_ops
-    from torch_shift.models.linear import FLOAT32_GEMV_MAX_ROWS, Linear, PackedWeight
+    from torch_shift.models.linear import GEMV_MAX_ROWS, Linear, PackedWeight
 
     g = torch.Generator().manual_seed(9)
-    # K = 1024: oneDNN sums each row in two runs of k-steps; chunks of at least chunk_rows / 2 > FLOAT32_GEMV_MAX_ROWS
-    hidden, intermediate, chunk_rows = 1024, 64, 4 * FLOAT32_GEMV_MAX_ROWS
+    # K = 1024: oneDNN sums each row in two runs of k-steps; chunks of at least chunk_rows / 2 > GEMV_MAX_ROWS
+    hidden, intermediate, chunk_rows = 1024, 64, 4 * GEMV_MAX_ROWS
     proj = Linear(hidden, 2 * intermediate, bias=False)
     with torch.no_grad():
         proj.weight.copy_(torch.randn(proj.weight.shape, generator=g) * 0.1)
@@ -294,8 +294,8 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     monkeypatch.setattr(fused, "GATE_UP_CHUNK_BYTES", chunk_rows * 2 * intermediate * proj.weight.element_size())
     native = cpu_ops() and fused.register_native_operators()
     assert not native or torch._C._dispatch_has_kernel_for_dispatch_key("torch_shift::cpu_gate_up_silu", "CPU")
-    # at most 32768 elements: PyTorch's silu in one part, as the chunks'; 300 = 2 x 128 + 44: chunks of 100 each
-    for tokens in (1, 16, 17, 33, 128, 129, 150, 200, 256, 300):
+    # at most 32768 elements: PyTorch's silu in one part, as the chunks'; 257 and 300 tokens: two chunks of 129 or 150
+    for tokens in (1, 16, 17, 65, 256, 257, 300, 512):
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         whole = fused.silu_mul(proj(x))
         assert torch.equal(fused.gate_up_silu(proj, x), whole), tokens

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch_shift.kernels import compiler, cpu_kernels
 from torch_shift.models.linear import (
-    FLOAT32_GEMV_MAX_ROWS,
+    BLOCKED_GEMV_ROWS,
     GEMV_MAX_ROWS,
     PackedWeight,
     _gemv_kernel,
@@ -56,7 +56,7 @@ def test_packed_matches_reference_for_every_row_count(dtype, blocked, shape):
         assert packed.gemv is None
     elif in_features % 32 == 0:  # oneDNN pads other widths (to 16 in float32, 32 in bfloat16): oneDNN runs them
         assert (packed.gemv is not None) == gemv_expected(dtype)
-    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
+    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, BLOCKED_GEMV_ROWS + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
         x = torch.randn(rows, in_features).to(dtype)
         for b in (None, bias):
             out = packed(x, b)
@@ -97,13 +97,13 @@ def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
     bias = torch.randn(128)
     packed = PackedWeight(weight, blocked=False)
     assert packed.gemv is not None and packed.rounds_as_onednn
-    assert packed.gemv_max_rows == FLOAT32_GEMV_MAX_ROWS
-    x = torch.randn(FLOAT32_GEMV_MAX_ROWS + 1, in_features)
+    assert packed.gemv_max_rows == GEMV_MAX_ROWS
+    x = torch.randn(GEMV_MAX_ROWS + 1, in_features)
     for b in (None, bias):
         together = packed(x, b)  # one row more than the GEMV takes: oneDNN's matmul
-        for row in (0, 7, FLOAT32_GEMV_MAX_ROWS):
+        for row in (0, 7, GEMV_MAX_ROWS):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), (in_features, row)
-        for rows in (7, GEMV_MAX_ROWS, FLOAT32_GEMV_MAX_ROWS):  # the GEMV's groups of up to 6 rows
+        for rows in (7, 16, 41, GEMV_MAX_ROWS):  # the GEMV's groups of up to 6 rows
             assert torch.equal(packed(x[:rows], b), together[:rows]), (in_features, rows)
 
 
@@ -164,7 +164,7 @@ def test_the_operators_cpp_implementation_is_the_python_one(dtype, blocked):
     bias = torch.randn(192).to(dtype)
     packed = PackedWeight(weight, blocked)
     assert packed.native
-    for rows in [0, 1, 2, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40]:
+    for rows in [0, 1, 2, 5, BLOCKED_GEMV_ROWS + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
         x = torch.randn(rows, 256).to(dtype)[:, :128]
         for b in (None, bias):
             out = packed(x, b)
@@ -188,7 +188,7 @@ def test_blocked_kernel_sums_exactly_and_rounds_as_torch(dtype):
         weight = torch.randint(-8, 9, (out_features, in_features)).to(dtype)
         bias = torch.randint(-300, 301, (out_features,)).to(dtype)
         packed = PackedWeight(weight, blocked=True)
-        for rows in (1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 200):
+        for rows in (1, 5, BLOCKED_GEMV_ROWS, BLOCKED_GEMV_ROWS + 1, 200):
             x = torch.randint(-8, 9, (rows, in_features)).to(dtype)
             for b in (None, bias):
                 exact = reference(x, weight, b)
@@ -254,11 +254,15 @@ def test_bench_linear_prints_every_shape_and_row_count(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_linear import SHAPES, main
 
-    assert main(["--rows", "1,17", "--dtypes", "float32", "--repeats", "1"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
-    assert len(lines) == 2 * len(SHAPES)
-    expected = "blocks" if BLOCKED and not gemv_expected(torch.float32) else "oneDNN"
-    assert all(line.split()[-1] == expected for line in lines)
+    rows = [1, GEMV_MAX_ROWS + 1]
+    assert main(["--rows", ",".join(map(str, rows)), "--dtypes", "float32", "--repeats", "1"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
+    assert len(lines) == len(rows) * len(SHAPES)
+    for line in lines:
+        few = int(line[2]) <= GEMV_MAX_ROWS
+        expected = ("blocks" if BLOCKED and not gemv_expected(torch.float32) else "GEMV" if few
+                    and gemv_expected(torch.float32) else "oneDNN")
+        assert line[-1] == expected, line
 
 
 @pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")
@@ -315,8 +319,8 @@ def test_gemv_reads_both_onednn_bf16_layouts_alike():
 @pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
 def test_a_prompts_logprobs_do_not_depend_on_its_steps_size(tmp_path):
     """The engine end to end, on a Llama whose MLP is wide enough (a down projection of K = 1,088, which oneDNN sums in
-    two runs) that the GEMV's old single chain rounded otherwise: the logprobs of 32 prompt tokens computed in one
-    32-token step (the GEMV) and in a 33-token step (oneDNN's matmul) are the same bits."""
+    two runs) that the GEMV's old single chain rounded otherwise: the logprobs of 64 prompt tokens computed in one
+    64-token step (the GEMV) and in a 65-token step (oneDNN's matmul) are the same bits."""
     from torch_shift import LLM, SamplingParams
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
@@ -324,7 +328,7 @@ def test_a_prompts_logprobs_do_not_depend_on_its_steps_size(tmp_path):
                                                                               num_hidden_layers=2), init_std=0.05)
     llm = LLM(str(model_dir), dtype=torch.float32, compile=False, enable_prefix_caching=False, seed=0)
     try:
-        n = FLOAT32_GEMV_MAX_ROWS
+        n = GEMV_MAX_ROWS
         prompt = list(range(6, 7 + n))  # n + 1 tokens
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
         alone, longer = (llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].prompt_logprobs

@@ -1,18 +1,18 @@
 """Small steps on the GEMV kernel's decode pool (kernels/cpu_linear.cpp).
 
 A batch-1 decode step on the CPU streams every weight once, and a third of its time is other work (the interpreter,
-attention, small kernels, sampling) during which memory sits idle. The pool is threads of the GEMV kernel's own that
-run the step's matmuls with the calling thread and, between them, prefetch the weights that come next. For a step
-of at most `GEMV_MAX_ROWS` tokens (its matmuls all run the GEMV) whose context is small beside the weights (its
-attention runs on one thread), the runner arms the pool with a worker for each of its threads but one and the
-calling thread runs everything else on one OpenMP thread: OpenMP's idle workers are ended first, and the thread stays
-at one between such steps (sampling, proposals) until the engine's step returns, or OpenMP's workers would come
+attention, small kernels, sampling) during which memory sits idle. The pool is threads of the GEMV kernel's own that run
+the step's matmuls with the calling thread and, between them, prefetch the weights that come next. For a step whose
+matmuls all run the GEMV (at most `GEMV_MAX_ROWS` tokens: models/linear.py) and whose context is small beside the
+weights (its attention runs on one thread), the runner arms the pool with a worker for each of its threads but one and
+the calling thread runs everything else on one OpenMP thread: OpenMP's idle workers are ended first, and the thread
+stays at one between such steps (sampling, proposals) until the engine's step returns, or OpenMP's workers would come
 back and spin against the pool's on its cores for milliseconds. Only the calling thread's OpenMP thread count changes
-(`omp_set_num_threads`, which torch reads as its own: `torch.get_num_threads()`); other threads and torch's default
-for new ones keep theirs. A larger step puts the pool to sleep and runs on the thread's own count, as `idle` does
-when the engine runs out of work. Going from one to the other costs 0.1-0.2 ms (OpenMP's workers ended and started
-again, the pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled
-forwards guard on the thread count: a runner compiles its layouts for one thread too (ModelRunner._warm_up).
+(`omp_set_num_threads`, which torch reads as its own: `torch.get_num_threads()`); other threads and torch's default for
+new ones keep theirs. A larger step puts the pool to sleep and runs on the thread's own count, as `idle` does when the
+engine runs out of work. Going from one to the other costs 0.1-0.2 ms (OpenMP's workers ended and started again, the
+pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled forwards guard on
+the thread count: a runner compiles its layouts for one thread too (ModelRunner._warm_up).
 
 A step launched on the C++ decoder's own thread (asynchronous scheduling: torch_shift.models.native_decoder) takes the
 pool's place: the pool's workers sleep, the decoder's thread runs the GEMVs as the pool's caller, and the calling
@@ -28,7 +28,7 @@ import threading
 import torch
 from torch import nn
 
-from torch_shift.models.linear import GEMV_MAX_ROWS, gemv_reads_every_weight, weight_bytes
+from torch_shift.models.linear import gemv_rows, weight_bytes
 from torch_shift.parallel.launch import openmp_function, release_openmp_threads
 
 SMALL_STEPS_BEFORE_POOL = 8
@@ -60,14 +60,16 @@ class DecodePool:
     """Whether and how a model's steps run on the pool; `enabled` False: never."""
 
     def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, kv_bytes_per_token: int = 0):
-        self.enabled = enabled and device.type == "cpu" and gemv_reads_every_weight(model)
+        # steps of up to this many tokens run every matmul on the GEMV kernel, which the pool runs
+        self.max_tokens = gemv_rows(model) if device.type == "cpu" else 0
+        self.enabled = enabled and self.max_tokens > 0
         self.kv_budget_tokens = (int(KV_SHARE_OF_WEIGHTS * weight_bytes(model) / kv_bytes_per_token)
                                  if kv_bytes_per_token else None)
         self.small_steps = 0  # steps in a row that the pool could run
 
     def workers(self, num_tokens: int, threads: int, kv_tokens: int = 0) -> int:
         """The pool's workers for a step of `num_tokens` tokens over `kv_tokens` cached ones, on `threads` threads."""
-        if not (self.enabled and threads > 1 and 0 < num_tokens <= GEMV_MAX_ROWS):
+        if not (self.enabled and threads > 1 and 0 < num_tokens <= self.max_tokens):
             return 0
         if self.kv_budget_tokens is not None and kv_tokens > self.kv_budget_tokens:
             return 0

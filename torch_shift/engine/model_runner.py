@@ -3,10 +3,10 @@ apply the plan's deltas to its replica's persistent batch, build the inputs of t
 belongs to, run the model in that group's layout over the paged KV cache (viewed as the layout
 views it: by KV width, or as a pipeline stage's layers), and return logits.
 
-With asynchronous scheduling on the CPU, a step the C++ decoder runs (a replica's own, of at most GEMV_MAX_ROWS
-tokens) is launched on the decoder's thread and `execute` returns before its logits are written: the engine samples
-and prepares the next step meanwhile, and its thread helps with the step's GEMVs once it waits for it. Any other step
-waits for the launched ones first.
+With asynchronous scheduling on the CPU, a step the C++ decoder runs on the decode pool (a replica's own, whose
+matmuls all run the GEMV) is launched on the decoder's thread and `execute` returns before its logits are written:
+the engine samples and prepares the next step meanwhile, and its thread helps with the step's GEMVs once it waits
+for it. Any other step waits for the launched ones first.
 
 Every rank runs this, rank 0 included, on the same plan: there is one path for one rank and many.
 Rank 0 returns the logits of every group in plan order; a group without rank 0 sends its logits
@@ -32,7 +32,6 @@ from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
-from torch_shift.models.linear import GEMV_MAX_ROWS
 from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
@@ -52,8 +51,8 @@ class ModelRunner:
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
         steps at start-up (torch_shift.engine.cuda_graphs; one rank on a GPU, Triton attention); `host_cores`:
         the cores this rank shares with the deployment's other local ranks, whose idle ones it borrows in a step
-        that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps of at most GEMV_MAX_ROWS
-        tokens on the GEMV kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool);
+        that leaves them without work (`step_threads`; None: never); `decode_pool`: run steps whose matmuls all run the
+        GEMV on that kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool);
         `native_decode`: run them through one C++ call where the layout and model allow it
         (torch_shift.models.native_decoder); `launch_steps`: launch those of them that run on the decode pool on the
         C++ decoder's thread and return before their logits are written (asynchronous scheduling, one rank)."""
@@ -155,7 +154,7 @@ class ModelRunner:
         self.model.reset_counters()
 
     def _native(self, layout: Layout) -> bool:
-        """Whether the C++ decoder runs `layout`'s steps of at most GEMV_MAX_ROWS tokens (a replica's own)."""
+        """Whether the C++ decoder runs `layout`'s small steps (a replica's own)."""
         return self.native_decode and layout.kv_width == 1 and len(layout.ranks) == 1
 
     def _max_threads(self, layout: Layout) -> int:
@@ -240,12 +239,13 @@ class ModelRunner:
         return self._run_groups(plan, previous_tokens, swap_seconds)
 
     def _launches(self, plan: StepPlan) -> bool:
-        """Whether the step may be launched on the C++ decoder's thread: the replica's own group of at most
-        GEMV_MAX_ROWS tokens, and no copies to or from the host tier."""
+        """Whether the step may be launched on the C++ decoder's thread: the replica's own group, of no more tokens
+        than the decode pool takes (a launched step's GEMVs run there; the C++ decoder takes as many or more), and no
+        copies to or from the host tier."""
         if not self.launch_steps or len(plan.groups) != 1 or plan.swap_outs or plan.swap_ins:
             return False
         group = plan.groups[0]
-        return self._native(self.deployment[group.layout]) and 0 < group.num_tokens <= GEMV_MAX_ROWS
+        return self._native(self.deployment[group.layout]) and 0 < group.num_tokens <= self.decode_pool.max_tokens
 
     def _launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepResult:
         """Launch the step on the C++ decoder's thread. Input ids that the step launched before it sampled (still

@@ -71,7 +71,8 @@ extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
 
 namespace {
 
-constexpr int64_t kMaxTokens = 16;  // linear.py's GEMV_MAX_ROWS: every matmul of the step runs the GEMV
+constexpr int64_t kMaxTokens = 64;       // native_decoder.py's MAX_TOKENS: a decoder's max_tokens at most
+constexpr int64_t kBlockedGemvRows = 16;  // linear.py's BLOCKED_GEMV_ROWS, as PackedWeight runs the blocks
 constexpr int64_t kQueue = 2;       // steps launched and not finished, at most: the one running and the next
 constexpr int64_t kResults = 64;    // steps whose return codes are kept
 constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleeps after this without a step
@@ -83,7 +84,7 @@ enum LayerField {
 // and of the model
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
-  kCosSin, kSiluLanes, kBlocked, kGemvCode, kModelFields
+  kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kModelFields
 };
 
 struct Layer {
@@ -128,13 +129,14 @@ struct Decoder {
   int silu_lanes;  // the width of PyTorch's vectorised exp that SiLU reproduces: 16 (AVX-512) or 8 (AVX2)
   bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
   int gemv_code;   // ts_packed_gemv's code for every weight's dtype and layout (4: bfloat16 packed for AMX)
+  int64_t max_tokens;  // a step's tokens at most (1 to kMaxTokens): the scratch's rows
   float eps;
   const void* embed;
   const void* final_norm;
   const void* lm_head;
   const float* cos_sin;
   std::vector<Layer> layers;
-  // scratch for kMaxTokens tokens
+  // scratch for max_tokens tokens
   std::vector<char> x, h, qkv, q, k, attn, gate_up, act;
   Async* async = nullptr;  // the launched steps' thread, started at the first launch
 
@@ -273,10 +275,12 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
 }
 
 // out[rows, N] = x[rows, K] @ W.T (+ bias) as the eager forward's packed linear runs it: the GEMV on oneDNN's
-// layout, or the 16-feature blocks' kernel with its GEMV for up to kMaxTokens rows (models/linear.py's PackedWeight)
+// layout (max_tokens is at most the rows it takes there), or the 16-feature blocks' kernel with its GEMV for up to
+// kBlockedGemvRows rows and its matmul for more (models/linear.py's PackedWeight)
 int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t N, int64_t K,
            const void* bias, void* out, int64_t out_stride) {
-  if (d.blocked) return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kMaxTokens);
+  if (d.blocked)
+    return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kBlockedGemvRows);
   return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }
 
@@ -316,7 +320,7 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
 // The step of ts_decoder_step, attending through `attention` (a PagedStepCopy; null: the installed step)
 int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
              const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax, const void* attention) {
-  if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens) return -200;
+  if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens) return -200;
   const int64_t H = d.hidden, row_bytes = H * d.elem;
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (input_ids[t] < 0 || input_ids[t] >= d.vocab) return -201;
@@ -448,7 +452,8 @@ int ts_decoder_available() {
 // decoder, or null for a field out of range.
 void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num_layers, float eps) {
   if ((model[kSiluLanes] != 8 && model[kSiluLanes] != 16) || !(ts_decoder_available() & model[kSiluLanes]) ||
-      (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1)
+      (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1 || model[kMaxStepTokens] < 1 ||
+      model[kMaxStepTokens] > kMaxTokens)
     return nullptr;
   auto* d = new Decoder;
   auto ptr = [](int64_t address) { return reinterpret_cast<const void*>(address); };
@@ -460,6 +465,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->silu_lanes = static_cast<int>(model[kSiluLanes]);
   d->blocked = model[kBlocked] != 0;
   d->gemv_code = static_cast<int>(model[kGemvCode]);
+  d->max_tokens = model[kMaxStepTokens];
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));
@@ -471,9 +477,9 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   }
   const int64_t widest = std::max({d->hidden, d->qkv_rows(), d->heads * d->head_dim});
   for (auto* buffer : {&d->x, &d->h, &d->qkv, &d->q, &d->k, &d->attn})
-    buffer->resize(kMaxTokens * widest * d->elem);
-  d->gate_up.resize(kMaxTokens * 2 * d->intermediate * d->elem);
-  d->act.resize(kMaxTokens * d->intermediate * d->elem);
+    buffer->resize(d->max_tokens * widest * d->elem);
+  d->gate_up.resize(d->max_tokens * 2 * d->intermediate * d->elem);
+  d->act.resize(d->max_tokens * d->intermediate * d->elem);
   return d;
 }
 
@@ -510,7 +516,7 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
                           const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders) {
 #if defined(__linux__)
   Decoder& d = *static_cast<Decoder*>(decoder);
-  if (num_tokens < 1 || num_tokens > kMaxTokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
+  if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
       num_placeholders < 0 || num_placeholders > num_tokens)
     return -200;
   for (int64_t i = 0; i < num_placeholders; ++i)

@@ -6,7 +6,7 @@ caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 
 Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps
 opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's
-own code for them rounds differently, and a compiled engine runs its steps of up to 16 tokens through the C++ decoder
+own code for them rounds differently, and a compiled engine runs its steps of up to 64 tokens through the C++ decoder
 (native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the GEMV
 kernel of small steps adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
 `PackedWeight.rounds_as_onednn` checks a weight), so a float32 token's logits do not depend on the size of the step
@@ -42,7 +42,7 @@ from torch_shift.kernels import (
     decoder_kernels,
     register_native_elementwise,
 )
-from torch_shift.models.linear import FLOAT32_GEMV_MAX_ROWS, PackedWeight, packed_weight
+from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packed_weight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
@@ -184,7 +184,7 @@ def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     if (packed is None or not x.is_cpu or x.dtype != torch.float32 or packed.dtype != torch.float32
             or getattr(gate_up_proj, "bias", None) is not None or getattr(gate_up_proj, "biases", None) is not None):
         return silu_mul(gate_up_proj(x))
-    chunk_rows = max(4 * FLOAT32_GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
+    chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
     if _compiling_on_cpu(x):
         return cpu_gate_up_silu(x, packed.handle, packed.out_features, chunk_rows)
     return _gate_up_silu_chunks(packed, x, chunk_rows)
@@ -194,7 +194,7 @@ def _gate_up_silu_chunks(packed: PackedWeight, x: torch.Tensor, chunk_rows: int)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows <= chunk_rows:
         return silu_mul(packed(x, None))
-    # chunks of equal rows (or one more): each at least chunk_rows / 2, above FLOAT32_GEMV_MAX_ROWS, so that every chunk
+    # chunks of equal rows (or one more): each at least chunk_rows / 2, above GEMV_MAX_ROWS, so that every chunk
     # takes oneDNN's matmul, as the whole step does
     count = -(-rows // chunk_rows)
     sizes = [rows // count + (i < rows % count) for i in range(count)]

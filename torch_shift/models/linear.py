@@ -10,19 +10,19 @@ of it) and drops the dense copies it no longer needs. On a GPU nothing is packed
 operator `torch_shift::gpu_linear`, which runs cuBLAS or, for a few rows, the kernel timed fastest for its shape,
 a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 
-A matmul of at most `GEMV_MAX_ROWS` rows (`FLOAT32_GEMV_MAX_ROWS` for a float32 weight; a small decode step, or one
-that checks proposed tokens) reads the same packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp),
-which streams it at the memory's rate: oneDNN's one-row matmul reads about two thirds of that (docs/performance.md).
+A matmul of at most `GEMV_MAX_ROWS` rows (a decode step of up to that many requests, or one that checks proposed
+tokens) reads the same packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at
+the memory's rate: oneDNN's one-row matmul reads about two thirds of that (docs/performance.md).
 The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once, when it is packed, and one packed
 differently keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
 in, so a row gets the same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks
 it). Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads
-that layout too, and oneDNN's AMX matmul runs the larger batches.
+that layout too, and oneDNN's AMX matmul runs the batches of more than `AMX_GEMV_MAX_ROWS` rows.
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
-kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `GEMV_MAX_ROWS` rows (on the same decode pool) and
-a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in float32
+kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `BLOCKED_GEMV_ROWS` rows (on the same decode pool)
+and a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in float32
 there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md).
 
 The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
@@ -47,15 +47,20 @@ from torch import nn
 from torch_shift.custom_ops import custom_op
 from torch_shift.memory import advise_huge_pages
 
-# Rows of x up to which the GEMV kernel is at least as fast as oneDNN on 1 and 2 threads, fp32 and bf16 (each
-# weight block read from memory once, again from L2 for every 6 rows: cpu_linear.cpp); a check of k proposed
-# tokens at batch 1 is a step of 1 + k rows (docs/performance.md, issue 22).
-GEMV_MAX_ROWS = 16
-# A float32 weight in oneDNN's layout takes the GEMV up to this many rows (a step of 17-32 tokens as well): with the
-# next block requested while the current one's later rows run (cpu_linear.cpp), 0.80-0.95x oneDNN's time at 16-32
-# rows on one thread, level at 48 and slower at 64 (a TP-2 rank's eight layers of the peer model; docs/performance.md).
-# Its rows round as oneDNN's where `PackedWeight.rounds_as_onednn` holds, so there the line moves no result.
-FLOAT32_GEMV_MAX_ROWS = 32
+# Rows of x up to which a matmul on oneDNN's AVX-512 layout runs the GEMV kernel instead of oneDNN's matmul: each
+# weight block read from memory once, again from L2 for every further 6 rows (cpu_linear.cpp); a decode step of up to
+# this many requests, or a check of proposed tokens. Eight layers of the 106M peer model's linears on a 2-core Zen 5
+# EPYC, alternated in one process: 1.04-1.16x oneDNN's rate in bfloat16 and 1.04-1.36x in float32 at 16-96 rows, on
+# one thread and on two (an earlier CPU measured float32 on one thread level at 48 rows and slower at 64); the C++
+# decoder runs such steps whole (native_decoder.MAX_TOKENS), 1.1-1.4x faster than the compiled forward at 17-64
+# (docs/performance.md). A float32 row rounds as oneDNN's where `PackedWeight.rounds_as_onednn` holds, so there the
+# line moves no result.
+GEMV_MAX_ROWS = 64
+# bfloat16 packed for AMX (Sapphire Rapids and later): oneDNN's AMX matmul above this
+AMX_GEMV_MAX_ROWS = 16
+# the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
+# matmul in panels of rows above (ts_blocked_linear)
+BLOCKED_GEMV_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
 _AMX_BF16_CODE = 4  # the GEMV kernel's code for bfloat16 in oneDNN's AMX layout (blocks of 32 features)
@@ -121,8 +126,8 @@ class PackedWeight:
         # 4 bfloat16 packed for AMX; ts_blocked_linear's for the blocks), also where no GEMV reads it
         self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
         # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
-        self.gemv_max_rows = (0 if self.gemv is None else FLOAT32_GEMV_MAX_ROWS
-                              if self.dtype == torch.float32 and not self.blocked else GEMV_MAX_ROWS)
+        self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
+                              else AMX_GEMV_MAX_ROWS if self.gemv_code == _AMX_BF16_CODE else GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
         self._weight_ptr = self.address if self.gemv is not None else None
@@ -182,7 +187,7 @@ class PackedWeight:
             status = kernels.blocked_linear(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
                                             self.out_features, self.in_features,
                                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                            self.out_features, GEMV_MAX_ROWS)
+                                            self.out_features, BLOCKED_GEMV_ROWS)
         else:
             status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
                                          self.out_features, self.in_features, None if bias is None else bias.data_ptr(),
@@ -307,18 +312,18 @@ def prepare_linears(model: nn.Module, drop_dense: bool = True) -> int:
     return total
 
 
-def gemv_reads_every_weight(model: nn.Module) -> bool:
-    """Whether every matmul of `model` reads a packed weight that the GEMV kernel reads: its steps of at most
-    `GEMV_MAX_ROWS` rows then run no other matmul, and may run on the kernel's decode pool
-    (torch_shift.kernels.arm_gemv_pool)."""
+def gemv_rows(model: nn.Module) -> int:
+    """The most rows of a step of `model` whose matmuls all run the GEMV kernel (they then run no other matmul, and
+    may run on the kernel's decode pool: torch_shift.kernels.arm_gemv_pool); 0 where some matmul reads no packed
+    weight that the GEMV reads."""
     weights = []
     for module in model.modules():
         if hasattr(module, "packed"):
             packed = module.packed
             if packed is None:
-                return False
+                return 0
             weights += [*packed.gate_up, *packed.down] if hasattr(packed, "gate_up") else [packed]
-    return bool(weights) and all(w.gemv is not None for w in weights)
+    return min((w.gemv_max_rows for w in weights), default=0)
 
 
 def drop_parameter(module: nn.Module, name: str) -> None:

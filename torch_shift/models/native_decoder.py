@@ -1,4 +1,4 @@
-"""A dense decoder's steps of at most `GEMV_MAX_ROWS` tokens in one C++ call on the CPU (kernels/cpu_decoder.cpp).
+"""A dense decoder's steps of at most `MAX_TOKENS` tokens in one C++ call on the CPU (kernels/cpu_decoder.cpp).
 
 An eager or compiled forward of a small step calls about ten kernels per layer, with the interpreter or inductor's
 wrapper and PyTorch's dispatcher between them; after each weight streams through the caches that code runs cold.
@@ -32,24 +32,31 @@ from torch_shift.compilation import enter_step_attention, exit_step_attention
 from torch_shift.kernels import DecoderKernels, decoder_kernels, native_attention, register_native_attention
 from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
 from torch_shift.models.fused import _DTYPE_CODES, _SPLIT_ROW, ROW_ARGMAX, _silu_lanes, _sum_lanes
-from torch_shift.models.linear import GEMV_MAX_ROWS, Linear
+from torch_shift.models.linear import Linear, gemv_rows
 from torch_shift.models.rope import RotaryEmbedding
 
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
-                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code")
+                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down")
 
 
+# the most tokens a step run here has (kernels/cpu_decoder.cpp's kMaxTokens): a decode step of up to that many
+# requests, a check of proposed tokens, a short prompt's chunk
+MAX_TOKENS = 64
+
+
 class NativeDecoder:
-    """`decoder(input_ids, positions, logits_indices, attention)` -> logits, for a step of 1 to GEMV_MAX_ROWS tokens
+    """`decoder(input_ids, positions, logits_indices, attention)` -> logits, for a step of 1 to `max_tokens` tokens
     whose attention is the CPU paged kernel's (`runs` says which steps)."""
 
-    def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int):
+    def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int, max_tokens: int):
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
+        # MAX_TOKENS, or fewer where oneDNN's matmul would run a larger step's linears (AMX): the eager forward's bits
+        self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
         self.vocab_size = model.config.vocab_size
         # launched steps not yet waited for, in order: what they write and read stays alive until they ran
@@ -65,7 +72,9 @@ class NativeDecoder:
         config = model.config
         dtype = model.embed_tokens.weight.dtype
         silu_lanes = _silu_lanes(dtype, config.intermediate_size)
-        if silu_lanes is None:
+        blocked = model.lm_head.packed.blocked
+        max_tokens = MAX_TOKENS if blocked else min(MAX_TOKENS, gemv_rows(model))
+        if silu_lanes is None or max_tokens < 1:
             return None
         model_fields = dict(
             dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=config.num_attention_heads,
@@ -73,7 +82,7 @@ class NativeDecoder:
             vocab=config.vocab_size, lanes=_sum_lanes(), positions=model.rotary.cos_sin.shape[1],
             embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
             lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes,
-            blocked=int(model.lm_head.packed.blocked), gemv_code=model.lm_head.packed.gemv_code)
+            blocked=int(blocked), gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -90,13 +99,12 @@ class NativeDecoder:
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
         handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
         assert handle, "the C++ decoder refused a model the checks above accepted"
-        return cls(model, kernels, handle)
+        return cls(model, kernels, handle, max_tokens)
 
-    @staticmethod
-    def runs(num_tokens: int, attention: object) -> bool:
+    def runs(self, num_tokens: int, attention: object) -> bool:
         """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run the
         GEMV, and its attention is the CPU paged kernel's, which the C++ side reads once installed."""
-        return (1 <= num_tokens <= GEMV_MAX_ROWS and hasattr(attention, "install_native")
+        return (1 <= num_tokens <= self.max_tokens and hasattr(attention, "install_native")
                 and native_attention() is not None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,

@@ -68,7 +68,7 @@ class LayoutModel(Protocol):
         ...
 
     def native_decode(self) -> bool:
-        """Run steps of at most GEMV_MAX_ROWS tokens of the layouts that allow it through one C++ call
+        """Run steps of at most MAX_TOKENS tokens of the layouts that allow it through one C++ call
         (torch_shift.models.native_decoder: a replica's own layout on the CPU); whether any layout does."""
         ...
 

@@ -57,14 +57,14 @@ class ReplicaModel(LayoutCounters, nn.Module):
         self.forwards[None] = CompiledForward(self.model)
 
     def native_decode(self) -> bool:
-        """Run the replica's own steps of at most GEMV_MAX_ROWS tokens through one C++ call where its model allows
+        """Run the replica's own steps of at most MAX_TOKENS tokens through one C++ call where its model allows
         (torch_shift.models.native_decoder); whether it does. After `prepare_weights`: it reads the packed weights."""
         self.native_decoder = NativeDecoder.build(self.model)
         return self.native_decoder is not None
 
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None
                     ) -> tuple[torch.Tensor, LaunchedStep]:
-        """The replica's own step of at most GEMV_MAX_ROWS tokens launched on the C++ decoder's thread (asynchronous
+        """The replica's own step of at most MAX_TOKENS tokens launched on the C++ decoder's thread (asynchronous
         scheduling; `NativeDecoder.launch`): its logits, written once the returned step ran."""
         assert layout.kv_width == 1 and self.native_decoder is not None
         self.layout_counts[layout.name] += 1
