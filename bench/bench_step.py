@@ -11,9 +11,10 @@ model of the same shape whose weights read in microseconds (`--small`: hidden 25
     python bench/bench_step.py [--dtype bfloat16] [--tokens 256] [--small] [--compile true|false]
 
 The timers wrap methods of this process only (a few microseconds of their own per call, so the parts add up to a
-little more than a plain step); TPOT without them is printed first, from the same engine. Timers need Python: the
-timed steps run the packed linear operator's and the attention operator's Python implementations where their CPU
-implementations are C++ (kernels/cpu_ops.cpp); the TPOT without timers runs the C++ ones.
+little more than a plain step); TPOT without them is printed first, from an engine as a user starts it, whose small
+steps the C++ decoder runs whole (torch_shift.models.native_decoder). Timers need Python: the timed steps run in a
+second engine without that decoder, on the packed linear operator's and the attention operator's Python
+implementations where their CPU implementations are C++ (kernels/cpu_ops.cpp).
 """
 
 from __future__ import annotations
@@ -117,8 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             tpots.append((generate(args.tokens + 1) - first) / args.tokens)
         tpot = min(tpots)
 
-        # the timers wrap Python: where the packed linear operator's CPU implementation is C++ (kernels/cpu_ops.cpp),
-        # the timed steps run its Python implementation instead (the TPOT above ran the C++ one)
+        # the timers wrap Python: the timed steps run the model's forward (an engine without the C++ decoder, which
+        # runs the untimed steps above whole) and the packed linear operator's Python implementation where its CPU
+        # implementation is C++ (kernels/cpu_ops.cpp)
+        llm.shutdown()
+        llm = LLM(str(model_dir), dtype=args.dtype, max_num_batched_tokens=2048,
+                  max_model_len=config["max_position_embeddings"], enable_prefix_caching=False, seed=0,
+                  compile=args.compile == "true", native_decode=False)
         python_linear = torch.library.Library("torch_shift", "IMPL")  # noqa: TOR901 (kept until the process ends)
         python_linear.impl("packed_linear", lambda x, handle, out_features, bias: packed_weight(handle).run(
             x.contiguous(), bias), "CPU")
