@@ -58,7 +58,7 @@ def test_the_pool_computes_torchs_bits_whatever_it_prefetched(dtype, disarmed):
     computed on torch's threads bit for bit. A weight freed while the pool still expects it is harmless."""
     weights = _weights(dtype)
     bias = torch.randn(256).to(dtype)
-    for rows in [1, 2, 5, 7, 12, GEMV_MAX_ROWS]:
+    for rows in [1, 2, 5, 7, 12, 16, 33, GEMV_MAX_ROWS]:
         xs = [torch.randn(rows, w.in_features).to(dtype) for w in weights]
         expected = _step(weights, xs, bias)
         for workers in (1, 3):
@@ -170,11 +170,12 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
     nothing recompiles), the others on torch's threads: the same tokens and logprobs as an engine without it."""
     import torch._dynamo
 
-    without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=32, dtype=POOL_DTYPE)
+    # steps of up to 128 tokens: the six prompts' 134 take two, the first above what the pool takes
+    without = LLM(str(layers4), decode_pool=False, compile=compile, max_num_batched_tokens=128, dtype=POOL_DTYPE)
     expected = _outputs(without)
     assert not without.engine.worker.runner.decode_pool.enabled
     # synchronous steps: the pool's own workers run them (launched steps: tests/test_native_decoder.py)
-    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=32, async_scheduling=False, dtype=POOL_DTYPE)
+    llm = LLM(str(layers4), compile=compile, max_num_batched_tokens=128, async_scheduling=False, dtype=POOL_DTYPE)
     if not llm.engine.worker.runner.decode_pool.enabled:
         pytest.skip("the GEMV kernel does not run here")
     threads = torch.get_num_threads()
@@ -209,6 +210,7 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, com
         del llm.engine.worker.runner._run_groups
     if threads > 1:
         assert sum(pooled) >= 3 * (PARAMS.max_tokens - 1)  # the decodes of the three prompt sets
+        assert not all(pooled)  # the 128-token step on torch's threads
         assert set(other_threads) == {threads}
     assert torch.get_num_threads() == threads  # the caller's threads, after every step
     if threads > 1:

@@ -1,4 +1,4 @@
-"""The C++ decoder (kernels/cpu_decoder.cpp, torch_shift.models.native_decoder): a step of up to 16 tokens gives the
+"""The C++ decoder (kernels/cpu_decoder.cpp, torch_shift.models.native_decoder): a step of up to 64 tokens gives the
 eager forward's logits bit for bit, for every dense family, in float32 and bfloat16, for decodes and prompt chunks;
 it declines what it cannot run exactly, and the engine's switch turns it off."""
 
@@ -13,7 +13,7 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.kernels import decoder_kernels
 from torch_shift.models import native_decoder
 from torch_shift.models.fused import ROW_ARGMAX, argmax_list
-from torch_shift.models.linear import AMX_GEMV_MAX_ROWS, blocked_layout, packing_supported
+from torch_shift.models.linear import PackedWeight, blocked_layout, packing_supported
 from torch_shift.models.native_decoder import MAX_TOKENS, NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
@@ -66,6 +66,13 @@ def launches(monkeypatch):
     return read_there
 
 
+def _decoder_limit(dtype: torch.dtype) -> int:
+    """The most tokens of a step the C++ decoder takes where this CPU packs `dtype` (MAX_TOKENS, or 16 in bfloat16
+    packed for AMX, whose larger matmuls are oneDNN's)."""
+    packed = PackedWeight(torch.randn(64, 64).to(dtype))
+    return MAX_TOKENS if packed.blocked else min(MAX_TOKENS, packed.gemv_max_rows)
+
+
 def _generate(model_dir, dtype, native: bool, **engine_args):
     llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
     assert llm.engine.worker.runner.native_decode is native
@@ -82,15 +89,15 @@ def _generate(model_dir, dtype, native: bool, **engine_args):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral_window"])
 def test_steps_give_the_eager_forwards_logits_bit_for_bit(families, family, dtype, counted):
-    """Decodes of one to four requests at once and, with at most MAX_TOKENS tokens a step, every prompt chunk: the
-    same tokens and the same logprobs, to the last bit, as the eager forward (Qwen2's q/k/v bias, Qwen3's q/k norms,
-    Mistral's window, Llama 3's rotary scaling, a tied LM head)."""
+    """Decodes of one to four requests at once and, with as many tokens a step as the decoder takes, every prompt
+    chunk: the same tokens and the same logprobs, to the last bit, as the eager forward (Qwen2's q/k/v bias, Qwen3's
+    q/k norms, Mistral's window, Llama 3's rotary scaling, a tied LM head)."""
     _, model_dir = families(family)
-    reference = _generate(model_dir, dtype, native=False, max_num_batched_tokens=MAX_TOKENS)
+    limit = _decoder_limit(dtype)
+    reference = _generate(model_dir, dtype, native=False, max_num_batched_tokens=limit)
     assert not counted
-    assert _generate(model_dir, dtype, native=True, max_num_batched_tokens=MAX_TOKENS) == reference
-    # prompt chunks and decodes both ran here (bfloat16 packed for AMX: oneDNN's matmul above its GEMV's rows)
-    assert max(counted) in (MAX_TOKENS, AMX_GEMV_MAX_ROWS) and min(counted) <= 2
+    assert _generate(model_dir, dtype, native=True, max_num_batched_tokens=limit) == reference
+    assert max(counted) == limit and min(counted) <= 2  # prompt chunks and decodes both ran here
 
 
 def test_greedy_tokens_match_transformers(families, monkeypatch):

@@ -61,8 +61,8 @@ class DecodePool:
 
     def __init__(self, model: nn.Module, device: torch.device, enabled: bool = True, kv_bytes_per_token: int = 0):
         # steps of up to this many tokens run every matmul on the GEMV kernel, which the pool runs
-        self.max_tokens = gemv_rows(model) if device.type == "cpu" else 0
-        self.enabled = enabled and self.max_tokens > 0
+        self.max_tokens = gemv_rows(model) if enabled and device.type == "cpu" else 0
+        self.enabled = self.max_tokens > 0
         self.kv_budget_tokens = (int(KV_SHARE_OF_WEIGHTS * weight_bytes(model) / kv_bytes_per_token)
                                  if kv_bytes_per_token else None)
         self.small_steps = 0  # steps in a row that the pool could run

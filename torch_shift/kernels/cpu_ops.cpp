@@ -101,7 +101,7 @@ at::Tensor call_boxed(const c10::OperatorHandle& op, std::initializer_list<c10::
 }
 
 // mkldnn::_linear_pointwise(x, weight, bias, "none", [], None), called boxed: its C++ signature's string type has
-// changed between torch versions, its schema has not (and a matmul of more than 16 rows dwarfs the boxing)
+// changed between torch versions, its schema has not (and a matmul of more rows than the GEMV takes dwarfs the boxing)
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
