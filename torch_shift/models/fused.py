@@ -4,15 +4,14 @@ model runs on the CPU; and the sampler's argmax. The PyTorch expressions take 9 
 `rotary` return None where their kernel does not apply (another device or dtype, autograd, no compiler), and the
 caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 
-Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps
-opaque (`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's
-own code for them rounds differently, and a compiled engine runs its steps of up to 64 tokens (16 in bfloat16 on AMX) through the C++ decoder
-(native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the GEMV
-kernel of small steps adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
-`PackedWeight.rounds_as_onednn` checks a weight), so a float32 token's logits do not depend on the size of the step
-that computed it where the GEMV reads the weights (greedy output is the same with and without speculative decoding,
-whose checks change the steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row counts otherwise
-(gate_up_silu).
+Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps opaque
+(`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's own code
+for them rounds differently, and a compiled engine runs its steps of up to 64 tokens (16 in bfloat16 on AMX) through the
+C++ decoder (native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the
+GEMV kernel of small steps adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
+`PackedWeight.rounds_as_onednn` checks a weight), so a float32 token's logits do not depend on the size of the step that
+computed it where the GEMV reads the weights (greedy output is the same with and without speculative decoding, whose
+checks change the steps' sizes); in bfloat16 on AMX oneDNN's matmul rounds some row counts otherwise (gate_up_silu).
 
 Results are bitwise the expressions': rotary rounds each product and sum as the operators do, RMSNorm adds its
 squares in the order of PyTorch's CPU sum, with the vector width found to reproduce it on this machine (where

@@ -102,8 +102,9 @@ class NativeDecoder:
         return cls(model, kernels, handle, max_tokens)
 
     def runs(self, num_tokens: int, attention: object) -> bool:
-        """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run the
-        GEMV, and its attention is the CPU paged kernel's, which the C++ side reads once installed."""
+        """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run
+        torch_shift's kernels as the eager forward's would (the GEMV, or the AVX2 blocks' kernel), and its attention
+        is the CPU paged kernel's, which the C++ side reads once installed."""
         return (1 <= num_tokens <= self.max_tokens and hasattr(attention, "install_native")
                 and native_attention() is not None)
 
