@@ -40,6 +40,12 @@ def test_rms_norm_is_bitwise_the_expression(dtype):
             weight = torch.randn(dim, generator=g).to(dtype)
             got = fused.rms_norm(x, weight, 1e-6)
             assert got is not None and torch.equal(got, _norm_expression(x, weight, 1e-6)), (dim, rows)
+            # with the residual add before it, one pass: the same bits as the add, then the norm
+            residual = (torch.randn(rows, dim, generator=g) * 10).to(dtype)
+            total = x + residual
+            got = fused.add_rms_norm(x, residual, weight, 1e-6)
+            assert got is not None and torch.equal(got[1], total), (dim, rows)
+            assert torch.equal(got[0], _norm_expression(total, weight, 1e-6)), (dim, rows)
     # a q/k norm: [tokens, heads, head_dim] viewed out of a wider qkv row
     qkv = torch.randn(9, 24 * 32, generator=g).to(dtype)
     q = qkv[:, 64:64 + 4 * 32].view(9, 4, 32)
@@ -51,6 +57,9 @@ def test_rms_norm_is_bitwise_the_expression(dtype):
     x = torch.randn(5, 192, generator=g).to(dtype)
     with torch.no_grad():
         assert torch.equal(module(x), _norm_expression(x, module.weight, 1e-5))
+        residual = torch.randn(5, 192, generator=g).to(dtype)
+        normed, total = module(x, residual)
+        assert torch.equal(total, x + residual) and torch.equal(normed, _norm_expression(total, module.weight, 1e-5))
 
 
 @needs_kernels
@@ -82,6 +91,11 @@ def test_the_kernels_step_aside_where_they_do_not_apply():
     assert fused.rms_norm(x.requires_grad_(), torch.ones(16), 1e-6) is None  # autograd: the expression
     assert fused.rms_norm(torch.randn(16), torch.ones(16), 1e-6) is None  # one dimension
     assert fused.rms_norm(torch.randn(16, 3).t(), torch.ones(16), 1e-6) is None  # last dimension strided
+    y, w = torch.randn(3, 16), torch.ones(16)
+    assert fused.add_rms_norm(y.half(), y.half(), w.half(), 1e-6) is None  # float16
+    assert fused.add_rms_norm(y, y.bfloat16(), w, 1e-6) is None  # dtypes differ
+    assert fused.add_rms_norm(y, torch.randn(1, 16), w, 1e-6) is None  # a broadcast residual
+    assert fused.add_rms_norm(torch.randn(16, 3).t(), y, w, 1e-6) is None  # not contiguous
     q = torch.randn(2, 4, 16)
     assert fused.rotary(torch.tensor([0, 1]), q, q.half(), torch.randn(2, 8, 16)) is None  # dtypes differ
     assert fused.rotary(torch.tensor([0, 1]), q, q, torch.randn(2, 8, 16).double()) is None  # table not float32
@@ -99,7 +113,8 @@ def test_compiled_graphs_keep_the_eager_operators(dtype):
     gate_up = torch.randn(5, 2 * 40, generator=g).to(dtype)
 
     def step(x, weight, q, k, gate_up):
-        return fused.rms_norm(x, weight, 1e-6), fused.rotary(positions, q, k, cos_sin), fused.silu_mul(gate_up)
+        return (fused.rms_norm(x, weight, 1e-6), fused.rotary(positions, q, k, cos_sin), fused.silu_mul(gate_up),
+                fused.add_rms_norm(x, x * 2, weight, 1e-6))
 
     graphs = []
 
@@ -110,13 +125,16 @@ def test_compiled_graphs_keep_the_eager_operators(dtype):
     compiled = torch.compile(step, backend=backend, fullgraph=True)(x, weight, q, k, gate_up)
     targets = {node.target for node in graphs[0].graph.nodes}
     assert {torch.ops.torch_shift.cpu_rms_norm.default, torch.ops.torch_shift.cpu_rotary.default,
-            torch.ops.torch_shift.cpu_silu_mul.default} <= targets
+            torch.ops.torch_shift.cpu_silu_mul.default, torch.ops.torch_shift.cpu_add_rms_norm.default} <= targets
     eager = step(x, weight, q, k, gate_up)
     assert torch.equal(compiled[0], eager[0] if eager[0] is not None else fused.rms_norm_expression(x, weight, 1e-6))
     expected_rotary = eager[1] if eager[1] is not None else fused.rotary_expression(positions, q, k, cos_sin)
     assert all(torch.equal(a, b) for a, b in zip(compiled[1], expected_rotary))
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(compiled[2], torch.nn.functional.silu(gate) * up)
+    total = x + x * 2
+    assert torch.equal(compiled[3][1], total)
+    assert torch.equal(compiled[3][0], fused.rms_norm_expression(total, weight, 1e-6))
 
 
 @needs_kernels
@@ -133,8 +151,10 @@ def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
             torch.set_num_threads(count)
             for tokens, intermediate in ((512, 2816), (3, 352), (37, 1000), (1, 2816), (0, 352)):
                 gate_up = (torch.randn(tokens, 2 * intermediate, generator=g) * 4).to(dtype)
-                special = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
-                gate_up.view(-1)[::97] = special[torch.arange(len(gate_up.view(-1)[::97])) % 3]
+                # denormals and zeros too: the AVX512-BF16 rounding takes a vector holding one the slow way
+                special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-39, -3e-40, 0.0, -0.0,
+                                        2e-38], dtype=dtype)
+                gate_up.view(-1)[::97] = special[torch.arange(len(gate_up.view(-1)[::97])) % len(special)]
                 gate, up = gate_up.chunk(2, dim=-1)
                 out = torch.ops.torch_shift.cpu_silu_mul(gate_up)
                 expected = torch.nn.functional.silu(gate) * up
@@ -147,13 +167,13 @@ def test_the_silu_operator_is_pytorchs_at_every_thread_count(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_operators_cpp_implementations_are_the_python_ones(dtype):
-    """Once registered (as a compiled CPU forward does), the three operators run C++ on the CPU (kernels/cpu_ops.cpp):
+    """Once registered (as a compiled CPU forward does), the four operators run C++ on the CPU (kernels/cpu_ops.cpp):
     the same bits as their Python implementations, which they call where their kernels do not apply."""
     from torch_shift.kernels import cpu_ops
 
     if not cpu_ops() or not fused.register_native_operators():
         pytest.skip("the C++ operator library does not build here")
-    for name in ("cpu_rms_norm", "cpu_rotary", "cpu_silu_mul"):
+    for name in ("cpu_rms_norm", "cpu_add_rms_norm", "cpu_rotary", "cpu_silu_mul"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_shift::{name}", "CPU"), name
     ops = torch.ops.torch_shift
     g = torch.Generator().manual_seed(8)
@@ -161,6 +181,11 @@ def test_the_operators_cpp_implementations_are_the_python_ones(dtype):
         x = torch.randn(tokens, 1024 + 64, generator=g).to(dtype)[:, 64:]  # rows strided
         weight = torch.randn(1024, generator=g).to(dtype)
         assert torch.equal(ops.cpu_rms_norm(x, weight, 1e-5), ops.cpu_rms_norm_python(x, weight, 1e-5))
+        residual = torch.randn(tokens, 1024, generator=g).to(dtype)
+        for rows in (x, x.contiguous()):  # strided rows take the Python implementation
+            for a, b in zip(ops.cpu_add_rms_norm(rows, residual, weight, 1e-5),
+                            ops.cpu_add_rms_norm_python(rows, residual, weight, 1e-5)):
+                assert torch.equal(a, b)
         qkv = torch.randn(tokens, 24 * 64, generator=g).to(dtype)
         q, k = qkv[:, :16 * 64].view(tokens, 16, 64), qkv[:, 16 * 64:20 * 64].view(tokens, 4, 64)
         assert torch.equal(ops.cpu_rms_norm(q, weight[:64], 1e-5), ops.cpu_rms_norm_python(q, weight[:64], 1e-5))

@@ -73,6 +73,9 @@ class CpuKernels:
         self.rms_norm = lib.ts_rms_norm
         self.rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, ptr]
         self.rms_norm.restype = ctypes.c_int
+        self.add_rms_norm = lib.ts_add_rms_norm
+        self.add_rms_norm.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, ptr, f32, i64, ptr, ptr]
+        self.add_rms_norm.restype = ctypes.c_int
         self.rotary = lib.ts_rotary
         self.rotary.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
         self.rotary.restype = ctypes.c_int
@@ -343,9 +346,10 @@ _native_elementwise = False
 
 
 def register_native_elementwise(sum_lanes: int) -> bool:
-    """Register the C++ implementations of `torch_shift::cpu_rms_norm`, `cpu_rotary` and `cpu_silu_mul` for the CPU
-    (cpu_ops.cpp; once torch_shift.models.fused has defined them and their `_python` twins), RMSNorm summing in
-    vectors of `sum_lanes` floats (0: RMSNorm stays in Python); False where the operator library does not build."""
+    """Register the C++ implementations of `torch_shift::cpu_rms_norm`, `cpu_add_rms_norm`, `cpu_rotary` and
+    `cpu_silu_mul` for the CPU (cpu_ops.cpp; once torch_shift.models.fused has defined them and their `_python`
+    twins), RMSNorm summing in vectors of `sum_lanes` floats (0: RMSNorm stays in Python); False where the operator
+    library does not build."""
     global _native_elementwise
     if not _native_elementwise and cpu_ops():
         _ops_library.ts_register_elementwise.argtypes = [ctypes.c_int]

@@ -95,8 +95,26 @@ __attribute__((target("avx512f"))) inline __m512i bf16_words16(__m512 v) {
                                _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
 }
 
+// 16 floats as bfloat16 words, rounding as to_bf16. Where the build targets AVX512-BF16 (-march=native on such a
+// CPU), VCVTNEPS2BF16, which rounds alike (nearest even, a NaN's high half quieted) but takes denormal inputs as
+// zero: a vector holding one (or a zero) takes the integer rounding. A bfloat16 silu(gate) * up of 512 x 2816 took
+// 1.2x longer with the integer rounding on a Zen 5.
+__attribute__((target("avx512f"))) inline __m256i bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+  if (_mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(1.17549435e-38f), _CMP_LT_OQ) == 0)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+  return _mm512_cvtepi32_epi16(bf16_words16(v));
+}
+
+// v rounded to bfloat16 and back
+__attribute__((target("avx512f"))) inline __m512 round_bf16x16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+
 __attribute__((target("avx512f"))) inline void store_bf16x16(__m512 v, bf16_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_words16(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16x16(v));
 }
 #endif
 

@@ -160,37 +160,41 @@ void add(const void* a, const void* b, void* out, int64_t n, int dtype) {
 }
 
 #if defined(__x86_64__)
-// x / (1 + exp(-x)) on 16 floats as PyTorch's vectorised silu computes them (Vectorized<float>: neg, exp, add, div)
-__attribute__((target("avx512f"))) inline __m512 silu16(__m512 v) {
-  const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
-                                                                         _mm512_set1_epi32(INT32_MIN))));
-  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
-
-// and on 8, as PyTorch's AVX2 build does
+// x / (1 + exp(-x)) on 8 floats as PyTorch's vectorised silu computes them with AVX2 (Vectorized<float>: neg, exp,
+// add, div)
 __attribute__((target("avx2,fma"))) inline __m256 silu8(__m256 v) {
   const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(v, _mm256_set1_ps(-0.0f)));
   return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-// out[0, 16) = silu(gate) * up, each operator's result rounded to the dtype (T: float or bf16_t)
+// 16 floats of gate or up, float32 or bfloat16
 template <typename T>
-__attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T* up, T* out) {
-  __m512 g;
+__attribute__((target("avx512f"))) inline __m512 load_f32x16(const T* p) {
   if constexpr (std::is_same<T, float>::value)
-    g = _mm512_loadu_ps(gate);
+    return _mm512_loadu_ps(p);
   else
-    g = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate))), 16));
-  __m512 s = silu16(g), u;
-  if constexpr (std::is_same<T, float>::value) {
-    u = _mm512_loadu_ps(up);
-    _mm512_storeu_ps(out, _mm512_mul_ps(s, u));
-  } else {
-    s = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_words16(s), 16));
-    u = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(up))), 16));
-    store_bf16x16(_mm512_mul_ps(s, u), out);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// out[0, 16 N) = silu(gate) * up, each operator's result rounded to the dtype (T: float or bf16_t). The N exps (calls)
+// first, then the rest of each vector: 1.08x faster in bfloat16 than each vector in turn (512 x 2816 on two Zen 5
+// threads, alternated; float32 level).
+template <int N, typename T>
+__attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T* up, T* out) {
+  __m512 e[N];
+  for (int v = 0; v < N; ++v)
+    e[v] = Sleef_expf16_u10(_mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(load_f32x16(gate + 16 * v)), _mm512_set1_epi32(INT32_MIN))));
+  for (int v = 0; v < N; ++v) {
+    __m512 s = _mm512_div_ps(load_f32x16(gate + 16 * v), _mm512_add_ps(_mm512_set1_ps(1.0f), e[v]));
+    const __m512 u = load_f32x16(up + 16 * v);
+    if constexpr (std::is_same<T, float>::value) {
+      _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(s, u));
+    } else {
+      s = round_bf16x16(s);
+      store_bf16x16(_mm512_mul_ps(s, u), out + 16 * v);
+    }
   }
 }
 
@@ -216,12 +220,11 @@ void silu_mul_segment(const T* gate, const T* up, T* out, int64_t n, int lanes) 
 #if defined(__x86_64__)
   const int64_t run = (std::is_same<T, float>::value ? 2 : 4) * lanes;
   for (; i + run <= n; i += run) {
-    for (int64_t j = 0; j < run; j += lanes) {
-      if (lanes == 16)
-        silu_mul16(gate + i + j, up + i + j, out + i + j);
-      else
-        silu_mul8(gate + i + j, up + i + j, out + i + j);
+    if (lanes == 16) {
+      silu_mul16<std::is_same<T, float>::value ? 2 : 4>(gate + i, up + i, out + i);
+      continue;
     }
+    for (int64_t j = 0; j < run; j += lanes) silu_mul8(gate + i + j, up + i + j, out + i + j);
   }
 #else
   (void)lanes;

@@ -54,6 +54,8 @@ extern "C" int ts_write_kv(int dtype, void* k_cache, void* v_cache, const int64_
 
 extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
                            int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
+extern "C" int ts_add_rms_norm(int dtype, const void* x, const void* residual, int64_t rows, int64_t dim,
+                               const void* weight, float eps, int64_t lanes, void* sum, void* out);
 extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
@@ -243,8 +245,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// The elementwise operators of a compiled CPU forward (torch_shift/models/fused.py: cpu_rms_norm, cpu_rotary,
-// cpu_silu_mul), in C++ where their kernels apply, else their Python implementations (registered as <name>_python).
+// The elementwise operators of a compiled CPU forward (torch_shift/models/fused.py: cpu_rms_norm, cpu_add_rms_norm,
+// cpu_rotary, cpu_silu_mul), in C++ where their kernels apply, else their Python implementations (registered as
+// <name>_python).
 // Python, cold after each weight streamed through the caches, cost 58-100 us a call at a TP-2 rank's decode step of
 // the 106M model: 2.4 ms of a 20 ms step for its 33 calls (docs/performance.md, issue 20).
 int sum_lanes = 0;  // fused.py's _sum_lanes(): the vector width of PyTorch's sum on this machine (0: unknown)
@@ -279,6 +282,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                                  sum_lanes, out.data_ptr());
   TORCH_CHECK(status == 0, "torch_shift::cpu_rms_norm: the kernel failed (", status, ")");
   return out;
+}
+
+// (RMSNorm(x + residual), x + residual): fused.py's add_rms_norm
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  const int code = elementwise_code(x.scalar_type());
+  if (code < 0 || sum_lanes == 0 ||
+      (at::GradMode::is_enabled() && (x.requires_grad() || residual.requires_grad() || weight.requires_grad())) ||
+      x.dim() < 1 || !x.is_contiguous() || !residual.is_contiguous() || residual.sizes() != x.sizes() ||
+      residual.scalar_type() != x.scalar_type() || weight.scalar_type() != x.scalar_type() ||
+      !weight.is_contiguous() || weight.dim() != 1 || weight.size(0) != x.size(-1) || x.size(-1) >= 32768 ||
+      !weight.device().is_cpu() || !residual.device().is_cpu()) {
+    static const c10::OperatorHandle op = python_op("torch_shift::cpu_add_rms_norm_python");
+    torch::jit::Stack stack{x, residual, weight, eps};
+    op.callBoxed(&stack);
+    return {stack[0].toTensor(), stack[1].toTensor()};
+  }
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t dim = x.size(-1), rows = dim > 0 ? x.numel() / dim : 0;
+  const int status = ts_add_rms_norm(code, x.data_ptr(), residual.data_ptr(), rows, dim, weight.data_ptr(),
+                                     static_cast<float>(eps), sum_lanes, sum.data_ptr(), out.data_ptr());
+  TORCH_CHECK(status == 0, "torch_shift::cpu_add_rms_norm: the kernel failed (", status, ")");
+  return {out, sum};
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
@@ -614,15 +641,16 @@ void ts_note_silu_lanes(int dtype_code, int64_t intermediate, int lanes) {
   silu_lanes()[silu_key(dtype_code, intermediate)] = lanes;
 }
 
-// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_rotary, cpu_silu_mul (with <name>_python twins
-// for where their kernels do not apply) and cpu_gate_up_silu (packed_linear and silu_mul in chunks) on the CPU, once
-// fused.py has defined them; `lanes`: fused.py's _sum_lanes() (0: RMSNorm stays in Python). 0, or -1 where PyTorch
-// refused them.
+// Registers the C++ implementations of torch_shift::cpu_rms_norm, cpu_add_rms_norm, cpu_rotary, cpu_silu_mul (with
+// <name>_python twins for where their kernels do not apply) and cpu_gate_up_silu (packed_linear and silu_mul in
+// chunks) on the CPU, once fused.py has defined them; `lanes`: fused.py's _sum_lanes() (0: RMSNorm stays in Python).
+// 0, or -1 where PyTorch refused them.
 int ts_register_elementwise(int lanes) {
   static torch::Library* library = nullptr;
   sum_lanes = lanes;
   return register_once(library, [](torch::Library& m) {
     m.impl("cpu_rms_norm", TORCH_FN(rms_norm));
+    m.impl("cpu_add_rms_norm", TORCH_FN(add_rms_norm));
     m.impl("cpu_rotary", TORCH_FN(rotary));
     m.impl("cpu_silu_mul", TORCH_FN(silu_mul));
     m.impl("cpu_gate_up_silu", TORCH_FN(gate_up_silu));

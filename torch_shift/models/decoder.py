@@ -17,6 +17,7 @@ from torch import nn
 
 from torch_shift.config import ModelConfig
 from torch_shift.models.fused import (
+    add_rms_norm,
     gate_up_silu,
     gpu_add_rms_norm,
     gpu_rms_norm,
@@ -49,12 +50,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual): a decoder layer's residual add and the norm
-        after it, one kernel on a GPU."""
+        after it, one kernel on a GPU and one pass on the CPU."""
         if gpu_rms_norm_applies(x, self.weight, residual):
             if residual is None:
                 return gpu_rms_norm(x, self.weight, self.eps)
             return gpu_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
+            fused = add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
             x = x + residual
             return self._norm(x), x
         return self._norm(x)

@@ -4,8 +4,9 @@ model runs on the CPU; and the sampler's argmax. The PyTorch expressions take 9 
 `rotary` return None where their kernel does not apply (another device or dtype, autograd, no compiler), and the
 caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 
-Under torch.compile on the CPU, RMSNorm, rotary and the MLP's `silu(gate) * up` are operators the graph keeps opaque
-(`torch_shift::cpu_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's own code
+Under torch.compile on the CPU, RMSNorm (with the residual add before it: `add_rms_norm`, one pass over the rows),
+rotary and the MLP's `silu(gate) * up` are operators the graph keeps opaque (`torch_shift::cpu_rms_norm`,
+`cpu_add_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's own code
 for them rounds differently, and a compiled engine runs its steps of up to 64 tokens (16 in bfloat16 on AMX) through the
 C++ decoder (native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the
 GEMV kernel of small steps adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
@@ -118,6 +119,53 @@ custom_op("torch_shift::cpu_rms_norm_python")(cpu_rms_norm.__wrapped__)
 @cpu_rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm(x + residual), x + residual) in one pass over the rows on the CPU, bitwise the two operators: a
+    decoder layer's residual add and the norm after it. None where the kernel does not apply (as rms_norm's, and
+    x and residual contiguous, of one shape and dtype)."""
+    if _compiling_on_cpu(x, residual, weight):
+        return cpu_add_rms_norm(x, residual, weight, eps)
+    kernels = _kernels(x)
+    if (kernels is None or x.dim() < 1 or not x.is_contiguous() or not residual.is_contiguous()
+            or residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
+            or (residual.requires_grad and torch.is_grad_enabled()) or weight.dtype != x.dtype
+            or not weight.is_contiguous() or weight.shape != x.shape[-1:] or weight.device != x.device
+            or (weight.requires_grad and torch.is_grad_enabled()) or x.shape[-1] >= _SPLIT_ROW):
+        return None
+    lanes = _sum_lanes()
+    if lanes is None:
+        return None
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    status = kernels.add_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), residual.data_ptr(), rows, x.shape[-1],
+                                  weight.data_ptr(), eps, lanes, total.data_ptr(), out.data_ptr())
+    assert status == 0, (status, x.dtype)
+    return out, total
+
+
+@custom_op("torch_shift::cpu_add_rms_norm")
+def cpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager forward's residual add and RMSNorm on the CPU, kept whole by torch.compile (the module's
+    docstring)."""
+    out = add_rms_norm(x, residual, weight, eps)
+    if out is not None:
+        return out
+    total = x + residual
+    return cpu_rms_norm.__wrapped__(total, weight, eps), total
+
+
+custom_op("torch_shift::cpu_add_rms_norm_python")(cpu_add_rms_norm.__wrapped__)
+
+
+@cpu_add_rms_norm.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return torch.empty(total.shape, dtype=torch.promote_types(total.dtype, weight.dtype), device=x.device), total
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
