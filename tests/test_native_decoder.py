@@ -4,6 +4,11 @@ it declines what it cannot run exactly, and the engine's switch turns it off."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -75,13 +80,16 @@ def _decoder_limit(dtype: torch.dtype) -> int:
 
 def _generate(model_dir, dtype, native: bool, **engine_args):
     llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
-    assert llm.engine.worker.runner.native_decode is native
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
-    outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
-    # the 40-token prompt again: its blocks come from the prefix cache, and its last token is computed alone
-    outs += llm.generate(prompts[2:3], greedy, use_tqdm=False)
+    try:
+        assert llm.engine.worker.runner.native_decode is native
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
+        # the 40-token prompt again: its blocks come from the prefix cache, and its last token is computed alone
+        outs += llm.generate(prompts[2:3], greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
     return [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
                                             for step in o.outputs[0].logprobs]) for o in outs]
 
@@ -179,6 +187,55 @@ def test_dp_replicas_run_it_on_every_rank(families, counted):
         assert got == expected[:4] and counted
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=MAX_TOKENS)], ids=["tp2", "shift"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, counted):
+    """A TP-2 rank's shard (static TP, and the shift layout's TP steps beside SP-2): the same tokens and logprobs,
+    to the last bit, as the eager forward's shards, whose partial sums the same shared-memory all-reduce adds
+    (Qwen2's sharded q/k/v bias); every step of up to the decoder's limit runs it on each rank."""
+    # shards the GEMV reads whole: q/k/v 128 rows a rank, gate/up 256, a vocabulary of 2 x 256 rows
+    model_dir = save_checkpoint(build_hf_model(family, hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, vocab_size=512), tmp_path / family)
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, **layout)
+    expected = _generate(model_dir, torch.float32, native=False, **engine_args)
+    got = _generate(model_dir, torch.float32, native=True, **engine_args)
+    assert got == expected and counted
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_during_a_tensor_parallel_step_ends_the_other_with_an_error(tmp_path, counted):
+    """A TP-2 rank killed while the C++ decoder runs the steps: the other rank's all-reduce inside the decoder hands
+    its wait to the communicator, which finds the peer dead, and generate raises an error naming it (no hang)."""
+    model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, max_position_embeddings=2048), tmp_path / "m")
+    llm = LLM(str(model_dir), tp=2, compile=False, seed=0)
+    worker = llm.engine.parallel.launched.procs[1]
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2000, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 - the result of this test
+            errors.append(e)
+
+    try:
+        assert llm.engine.worker.runner.native_decode
+        thread = threading.Thread(target=generate)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while len(counted) < 20:  # the decoder runs the decode steps
+            assert time.monotonic() < deadline and thread.is_alive(), errors
+            time.sleep(0.01)
+        os.kill(worker.pid, signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the step did not end"
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+        assert "rank 1" in str(errors[0]), errors[0]
+    finally:
+        llm.shutdown(timeout_s=5)
 
 
 def test_a_draft_models_forwards_run_it(families, counted):

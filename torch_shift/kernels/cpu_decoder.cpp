@@ -1,7 +1,9 @@
-// A step of at most 16 tokens of a dense decoder (torch_shift/models/decoder.py's DecoderLM without experts or
+// A step of at most kMaxTokens tokens of a dense decoder (torch_shift/models/decoder.py's DecoderLM without experts or
 // attention sinks: Llama, Mistral, Qwen2, Qwen3) in one call: embedding, every layer and the LM head's rows run
 // here, through the kernels an eager forward calls one by one from Python (the GEMV, RMSNorm and rotary kernels,
-// the installed step's paged attention), so the result is bitwise the eager forward's.
+// the installed step's paged attention), so the result is bitwise the eager forward's. On a rank of a
+// tensor-parallel layout the model is its shard, and the o and down projections' partial outputs are summed
+// through the layout's shared-memory all-reduce (cpu_ops.cpp's ts_decoder_all_reduce), as the forward's are.
 //
 // Why: a batch-1 decode step of the 106M model spends about 1.7 ms beside its weight reads, much of it in the
 // interpreter and the dispatcher between the kernels, which run cold after each weight streams through the caches;
@@ -49,6 +51,7 @@ extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inne
 extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
+extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols);
 extern "C" void* ts_paged_step_copy_new();
 extern "C" void ts_paged_step_copy_delete(void* copy);
 extern "C" int ts_paged_step_copy_fill(void* copy);
@@ -84,7 +87,7 @@ enum LayerField {
 // and of the model
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
-  kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kModelFields
+  kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kCommunicator, kLmHeadRows, kModelFields
 };
 
 struct Layer {
@@ -130,6 +133,11 @@ struct Decoder {
   bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
   int gemv_code;   // ts_packed_gemv's code for every weight's dtype and layout (4: bfloat16 packed for AMX)
   int64_t max_tokens;  // a step's tokens at most (1 to kMaxTokens): the scratch's rows
+  // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
+  // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank (its
+  // shard of the vocabulary, gathered by the caller)
+  int64_t communicator;
+  int64_t lm_head_rows;
   float eps;
   const void* embed;
   const void* final_norm;
@@ -311,11 +319,13 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
                               T, d.heads, hd, L.window, d.attn.data())) != 0)
     return rc;
   if ((rc = linear(d, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
+  if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   if ((rc = norm(d, d.x.data(), T, L.post_norm, d.h.data())) != 0) return rc;
   if ((rc = linear(d, d.h.data(), H, T, L.gate_up, 2 * I, H, nullptr, d.gate_up.data(), 2 * I)) != 0) return rc;
   silu_mul(d.gate_up.data(), d.act.data(), T, I, dt, d.silu_lanes, at::get_num_threads());
   if ((rc = linear(d, d.act.data(), I, T, L.down, H, I, nullptr, d.h.data(), H)) != 0) return rc;
+  if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   return 0;
 }
@@ -340,8 +350,8 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   }
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
   if (rc != 0) return rc;
-  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.vocab, H, nullptr, logits, d.vocab);
-  if (rc != 0 || argmax == nullptr) return rc;
+  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_rows, H, nullptr, logits, d.lm_head_rows);
+  if (rc != 0 || argmax == nullptr || d.lm_head_rows != d.vocab) return rc;
   return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
 }
 
@@ -456,7 +466,7 @@ int ts_decoder_available() {
 void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num_layers, float eps) {
   if ((model[kSiluLanes] != 8 && model[kSiluLanes] != 16) || !(ts_decoder_available() & model[kSiluLanes]) ||
       (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1 || model[kMaxStepTokens] < 1 ||
-      model[kMaxStepTokens] > kMaxTokens)
+      model[kMaxStepTokens] > kMaxTokens || model[kLmHeadRows] < 1)
     return nullptr;
   auto* d = new Decoder;
   auto ptr = [](int64_t address) { return reinterpret_cast<const void*>(address); };
@@ -469,6 +479,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->blocked = model[kBlocked] != 0;
   d->gemv_code = static_cast<int>(model[kGemvCode]);
   d->max_tokens = model[kMaxStepTokens];
+  d->communicator = model[kCommunicator], d->lm_head_rows = model[kLmHeadRows];
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));
@@ -499,7 +510,8 @@ void ts_decoder_destroy(void* decoder) {
 // for a second call (a bf16 batch-1 step of the 106M model, whose weights had gone through the caches;
 // docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
 // a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
-// step (below) runs; else the failing kernel's code.
+// step (below) runs, -300 where a tensor-parallel rank's all-reduce failed (ts_collective_error); else the failing
+// kernel's code. A rank's shard writes its LM head's rows (logits [num_logits, lm_head_rows]) and no argmax.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);

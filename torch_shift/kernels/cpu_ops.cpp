@@ -481,6 +481,31 @@ at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
   return out;
 }
 
+// The C++ decoder's all-reduce on a rank of a tensor-parallel layout (cpu_decoder.cpp: the o and down projections'
+// partial outputs, `rows` x `cols` in place): shm_all_reduce's protocol and sum, so the same bits as the compiled
+// forward's RowParallelLinear. 0, or -300 where the collective failed (a peer died or stalled past the communicator's
+// deadline: its Python wait raised), the message in ts_collective_error.
+std::string collective_error;
+
+}  // namespace
+
+extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols) {
+  try {
+    const at::Tensor x = at::from_blob(data, {rows, cols}, at::TensorOptions().dtype(dtype == 0 ? at::kFloat
+                                                                                                   : at::kBFloat16));
+    const at::Tensor out = shm_all_reduce(x, communicator).contiguous();
+    std::memcpy(data, out.data_ptr(), x.numel() * x.element_size());
+    return 0;
+  } catch (const std::exception& e) {
+    collective_error = e.what();
+    return -300;
+  }
+}
+
+extern "C" const char* ts_collective_error() { return collective_error.c_str(); }
+
+namespace {
+
 // torch_shift/parallel/ulysses.py's UlyssesAttention in C++ for a compiled forward's step whose messages fit a slot
 // (UlyssesAttention.install_native): the two all-to-alls of equal parts through the shared-memory communicator of the
 // SP group (the protocol of ShmCommunicator.all_to_all, with its rows written into and read out of the slots in place)

@@ -9,9 +9,12 @@ head's rows. It calls the kernels the eager forward calls, in its order, and rou
 this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py).
 
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
-linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2); `NativeDecoder.build`
-returns None for anything else (experts, attention sinks, a rank of a parallel layout, a CPU without AVX2), which
-keeps its forward.
+linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
+such a model in a tensor-parallel layout (`build(model, group, communicator)`: column shards of q/k/v and gate/up, row
+shards of o and down whose partial outputs it sums through the group's shared-memory communicator as the forward's
+all-reduce does, and a shard of the vocabulary in the LM head, whose logits the caller gathers); `NativeDecoder.build`
+returns None for anything else (experts, attention sinks, sequence parallelism, a CPU without AVX2), which keeps its
+forward.
 
 With asynchronous scheduling a step is launched instead (`launch`): it runs on a thread of the decoder's own while the
 engine schedules and prepares the next step, and the engine's thread helps with its GEMVs once it waits for it
@@ -37,7 +40,8 @@ from torch_shift.models.rope import RotaryEmbedding
 
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
-                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens")
+                 "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens",
+                 "communicator", "lm_head_rows")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down")
 
@@ -51,38 +55,48 @@ class NativeDecoder:
     """`decoder(input_ids, positions, logits_indices, attention)` -> logits, for a step of 1 to `max_tokens` tokens
     whose attention is the CPU paged kernel's (`runs` says which steps)."""
 
-    def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int, max_tokens: int):
+    def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int, max_tokens: int,
+                 tensor_parallel: bool = False):
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
         # MAX_TOKENS, or fewer where oneDNN's matmul would run a larger step's linears (AMX): the eager forward's bits
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
-        self.vocab_size = model.config.vocab_size
+        self.logits_width = model.lm_head.packed.out_features  # the vocabulary, or this rank's shard of it
+        self.tensor_parallel = tensor_parallel  # a rank's shard: its logits are its shard's, gathered by the caller
         # launched steps not yet waited for, in order: what they write and read stays alive until they ran
         self.launched: deque[LaunchedStep] = deque()
         weakref.finalize(self, _destroy, kernels, handle, self.launched)
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> NativeDecoder | None:
-        """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring)."""
+    def build(cls, model: torch.nn.Module, group: object | None = None,
+              communicator: int | None = None) -> NativeDecoder | None:
+        """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring). `group`: the
+        process group over which `model` is a tensor-parallel rank's shard (its row-sharded o and down projections
+        and its LM head name it as their `group`), whose all-reduces run through the shared-memory communicator
+        `communicator` (torch_shift.parallel.comm.native_all_reduce)."""
         kernels = decoder_kernels()
-        if kernels is None or not _supported(model) or not register_native_attention():
+        if (kernels is None or (group is not None and communicator is None) or not _supported(model, group)
+                or not register_native_attention()):
             return None
         config = model.config
         dtype = model.embed_tokens.weight.dtype
-        silu_lanes = _silu_lanes(dtype, config.intermediate_size)
+        attn = model.layers[0].attn
+        intermediate = model.layers[0].mlp.gate_up_proj.packed.out_features // 2
+        silu_lanes = _silu_lanes(dtype, intermediate)
         blocked = model.lm_head.packed.blocked
         max_tokens = MAX_TOKENS if blocked else min(MAX_TOKENS, gemv_rows(model))
         if silu_lanes is None or max_tokens < 1:
             return None
         model_fields = dict(
-            dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
-            vocab=config.vocab_size, lanes=_sum_lanes(), positions=model.rotary.cos_sin.shape[1],
-            embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
-            lm_head=_gemv_address(model.lm_head), cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes,
-            blocked=int(blocked), gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens)
+            dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=config.head_dim, intermediate=intermediate, vocab=config.vocab_size, lanes=_sum_lanes(),
+            positions=model.rotary.cos_sin.shape[1], embed=model.embed_tokens.weight.data_ptr(),
+            final_norm=model.norm.weight.data_ptr(), lm_head=_gemv_address(model.lm_head),
+            cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes, blocked=int(blocked),
+            gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens,
+            communicator=-1 if group is None else communicator, lm_head_rows=model.lm_head.packed.out_features)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -99,7 +113,7 @@ class NativeDecoder:
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
         handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
         assert handle, "the C++ decoder refused a model the checks above accepted"
-        return cls(model, kernels, handle, max_tokens)
+        return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None)
 
     def runs(self, num_tokens: int, attention: object) -> bool:
         """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run
@@ -114,17 +128,19 @@ class NativeDecoder:
             self.wait()
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
-        logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
-        row_argmax = np.empty(num_logits, dtype=np.int64)
+        logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
+        # (a shard's logits have no argmax of the vocabulary's)
+        row_argmax = None if self.tensor_parallel else np.empty(num_logits, dtype=np.int64)
         enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
         try:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                    rows.data_ptr(), num_logits, logits.data_ptr(),
-                                   row_argmax.__array_interface__["data"][0])
+                                   None if row_argmax is None else row_argmax.__array_interface__["data"][0])
         finally:
             exit_step_attention()
         self._check(rc)
-        setattr(logits, ROW_ARGMAX, row_argmax)
+        if row_argmax is not None:
+            setattr(logits, ROW_ARGMAX, row_argmax)
         return logits
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
@@ -133,9 +149,10 @@ class NativeDecoder:
         """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
         (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
         (indices of input ids, rows of the last launched step's logits) whose argmax those ids take."""
+        assert not self.tensor_parallel, "a tensor-parallel rank's steps run in step with its peers, not launched"
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
-        logits = torch.empty(num_logits, self.vocab_size, dtype=self.dtype)
+        logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
         row_argmax = np.empty(num_logits, dtype=np.int64)
         index, sources = placeholders if placeholders is not None else (_NO_PLACEHOLDERS, _NO_PLACEHOLDERS)
         index, sources = np.ascontiguousarray(index, np.int64), np.ascontiguousarray(sources, np.int64)
@@ -164,6 +181,8 @@ class NativeDecoder:
             self._check(self.kernels.wait(self.handle, step.ticket))
 
     def _check(self, rc: int) -> None:
+        if rc == -300:  # the peers' error, raised by the communicator's wait (a rank died or stalled)
+            raise RuntimeError(self.kernels.collective_error())
         if rc == -201:
             raise IndexError("a token id outside the vocabulary, or a logits row outside the step")
         if rc == -3:
@@ -205,7 +224,7 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
-def _supported(model: torch.nn.Module) -> bool:
+def _supported(model: torch.nn.Module, group: object | None = None) -> bool:
     if type(model) is not DecoderLM:
         return False
     config = model.config
@@ -214,12 +233,16 @@ def _supported(model: torch.nn.Module) -> bool:
     packed = getattr(model.lm_head, "packed", None)
     layout = (packed.blocked, packed.gemv_code) if packed is not None else None  # every weight alike, checked below
     if (embed.device.type != "cpu" or dtype not in _DTYPE_CODES or not embed.is_contiguous()
-            or config.sparse_layers or config.attention_sinks or config.head_dim % 2
-            or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
+            or embed.shape[0] != config.vocab_size or config.sparse_layers or config.attention_sinks
+            or config.head_dim % 2 or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
             or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
             or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
-            or not _gemv_ok(model.lm_head, dtype, layout, bias=False)):
+            or not _gemv_ok(model.lm_head, dtype, layout, bias=False, group=group)):
         return False
+    # a rank's shard attends its heads and holds its share of the MLP's neurons: the same in every layer
+    heads, kv_heads = ((config.num_attention_heads, config.num_key_value_heads) if group is None else
+                       (model.layers[0].attn.num_heads, model.layers[0].attn.num_kv_heads))
+    intermediate = config.intermediate_size if group is None else model.layers[0].mlp.down_proj.packed.in_features
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
@@ -228,11 +251,13 @@ def _supported(model: torch.nn.Module) -> bool:
                 or (attn.q_norm is not None
                     and not (_norm_ok(attn.q_norm, dtype, eps) and _norm_ok(attn.k_norm, dtype, eps)))
                 or not _gemv_ok(attn.qkv_proj, dtype, layout, bias=True)
-                or not _gemv_ok(attn.o_proj, dtype, layout, bias=True)
+                or not _gemv_ok(attn.o_proj, dtype, layout, bias=group is None, group=group)
                 or not _gemv_ok(mlp.gate_up_proj, dtype, layout, bias=False)
-                or not _gemv_ok(mlp.down_proj, dtype, layout, bias=False)
-                or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
-                    config.num_attention_heads, config.num_key_value_heads, config.head_dim)):
+                or not _gemv_ok(mlp.down_proj, dtype, layout, bias=False, group=group)
+                or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, config.head_dim)
+                or attn.qkv_proj.packed.out_features != (heads + 2 * kv_heads) * config.head_dim
+                or mlp.gate_up_proj.packed.out_features != 2 * intermediate
+                or mlp.down_proj.packed.in_features != intermediate):
             return False
     return True
 
@@ -241,13 +266,18 @@ def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == dtype and norm.weight.is_contiguous() and norm.eps == eps
 
 
-def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, layout: tuple[bool, int] | None, bias: bool) -> bool:
+def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, layout: tuple[bool, int] | None, bias: bool,
+             group: object | None = None) -> bool:
     """Whether the decoder runs `linear` as the forward does: its weight packed for the GEMV on oneDNN's layout, or
-    in the 16-feature blocks, `layout` (blocked, the kernel's code) as every other weight of the model."""
+    in the 16-feature blocks, `layout` (blocked, the kernel's code) as every other weight of the model. With `group`:
+    a rank's shard whose outputs the forward sums or gathers over `group` (torch_shift.parallel.layers'
+    RowParallelLinear and VocabParallelLMHead name it), without a bias."""
     packed = getattr(linear, "packed", None)
-    return (type(linear) is Linear and packed is not None and packed.gemv is not None and packed.dtype == dtype
-            and (packed.blocked, packed.gemv_code) == layout and packed.native
-            and (linear.bias is None or (bias and linear.bias.dtype == dtype and linear.bias.is_contiguous())))
+    sharded = group is not None and getattr(linear, "group", None) is group and getattr(linear, "bias", None) is None
+    return ((type(linear) is Linear or sharded) and packed is not None and packed.gemv is not None
+            and packed.dtype == dtype and (packed.blocked, packed.gemv_code) == layout and packed.native
+            and (getattr(linear, "bias", None) is None
+                 or (bias and linear.bias.dtype == dtype and linear.bias.is_contiguous())))
 
 
 def _gemv_address(linear: Linear) -> int:

@@ -80,6 +80,12 @@ def _shared_id(group: dist.ProcessGroup) -> int | None:
     return _shared.get(group)
 
 
+def native_all_reduce(group: dist.ProcessGroup) -> int | None:
+    """The id of the shared-memory communicator that serves `group`'s all-reduces in C++ (the C++ decoder's steps
+    on a tensor-parallel rank: torch_shift.models.native_decoder), or None, as native_all_to_all."""
+    return native_all_to_all(group)
+
+
 def native_all_to_all(group: dist.ProcessGroup) -> int | None:
     """The id of the shared-memory communicator that serves `group`'s all-to-alls in C++ (UlyssesAttention's in
     compiled forwards: kernels/cpu_ops.cpp), or None: another backend, a communicator without the C++ operators, or
