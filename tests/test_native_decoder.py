@@ -189,19 +189,29 @@ def test_dp_replicas_run_it_on_every_rank(families, counted):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=MAX_TOKENS)], ids=["tp2", "shift"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=MAX_TOKENS), dict(dp=2, policy="flying"),
+                                    dict(pp=2, policy="seesaw")], ids=["tp2", "shift", "flying", "seesaw"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, counted):
-    """A TP-2 rank's shard (static TP, and the shift layout's TP steps beside SP-2): the same tokens and logprobs,
-    to the last bit, as the eager forward's shards, whose partial sums the same shared-memory all-reduce adds
-    (Qwen2's sharded q/k/v bias); every step of up to the decoder's limit runs it on each rank."""
+def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
+    """A TP-2 rank's shard (static TP, the shift layout's TP steps beside SP-2, Flying's TP group of two replicas,
+    whose views keep the whole LM head, Seesaw's decode beside its pipeline): the same tokens and logprobs, to the
+    last bit, as the eager forward's shards, whose partial sums the same shared-memory all-reduce adds (Qwen2's
+    sharded q/k/v bias); the decoder runs the tensor-parallel steps on each rank."""
     # shards the GEMV reads whole: q/k/v 128 rows a rank, gate/up 256, a vocabulary of 2 x 256 rows
     model_dir = save_checkpoint(build_hf_model(family, hidden_size=128, intermediate_size=256, head_dim=16,
                                                num_key_value_heads=4, vocab_size=512), tmp_path / family)
+    sharded = []
+    original = NativeDecoder.__call__
+
+    def call(self, input_ids, *args):
+        sharded.append(self.tensor_parallel)
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", call)
     engine_args = dict(max_num_batched_tokens=MAX_TOKENS, **layout)
     expected = _generate(model_dir, torch.float32, native=False, **engine_args)
     got = _generate(model_dir, torch.float32, native=True, **engine_args)
-    assert got == expected and counted
+    assert got == expected and any(sharded)
 
 
 @pytest.mark.timeout(120)

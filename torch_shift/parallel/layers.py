@@ -1,5 +1,6 @@
 """Linear layers over local shards; the only places a layout's collectives happen in the model. Each has a
-`packed` slot that torch_shift.models.linear.prepare_linears fills (see there)."""
+`packed` slot that torch_shift.models.linear.prepare_linears fills (see there). And `ShardDecoder`: a shard of such
+layers run whole by the C++ decoder, its collectives inside the call."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from torch_shift.models.linear import PackedWeight, linear
 from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
+from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
 
 
@@ -76,6 +78,42 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = comm.all_gather(linear(x, self.weight, None, self.packed), self.group, dim=-1)
         return logits[..., : self.vocab_size]
+
+
+class ShardDecoder:
+    """A tensor-parallel rank's shard of a dense model (RowParallelLinear o and down projections, an LM head whole or
+    VocabParallelLMHead) run by the C++ decoder (torch_shift.models.native_decoder): its partial sums added through
+    the group's shared-memory all-reduce inside the call, as the forward's are, and its logits gathered over the
+    vocabulary where the head is sharded. Every rank of the layout runs the same steps."""
+
+    def __init__(self, decoder: NativeDecoder, group: dist.ProcessGroup, vocab_size: int | None):
+        self.decoder = decoder
+        self.group = group
+        self.vocab_size = vocab_size  # the vocabulary a sharded LM head's gathered logits are trimmed to
+
+    @classmethod
+    def build(cls, model: nn.Module) -> ShardDecoder | None:
+        """The decoder of `model`'s shard, or None where it does not run it (native_decoder's checks, a group
+        without the shared-memory communicator's C++ collectives)."""
+        group = getattr(model.layers[0].attn.o_proj, "group", None)
+        if group is None:
+            return None
+        decoder = NativeDecoder.build(model, group, comm.native_all_reduce(group))
+        if decoder is None:
+            return None
+        head = model.lm_head
+        return cls(decoder, group, head.vocab_size if isinstance(head, VocabParallelLMHead) else None)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+             attention: object) -> torch.Tensor | None:
+        """The step's logits (every rank's), or None where the decoder does not take it: more tokens than it runs,
+        another attention, or an emulated link, whose delays only the Python collectives make."""
+        if not self.decoder.runs(len(input_ids), attention) or comm.native_all_reduce(self.group) is None:
+            return None
+        logits = self.decoder(input_ids, positions, logits_indices, attention)
+        if self.vocab_size is None:
+            return logits
+        return comm.all_gather(logits, self.group, dim=-1)[..., : self.vocab_size]
 
 
 class RowParallelSparseMoe(nn.Module):

@@ -33,6 +33,7 @@ from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
+from torch_shift.parallel.layers import ShardDecoder
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout, stage_layers
 from torch_shift.parallel.shift import TensorReader, load_base
@@ -116,6 +117,7 @@ class PipelineModel(LayoutCounters, nn.Module):
         self.num_local_kv_heads = h_kv // pp if tp is not None else h_kv
         self.reset_counters()
         self.forwards: dict[str, object] = {}  # "pp" / "tp" -> compiled forward (compile_layouts)
+        self.tp_decoder: ShardDecoder | None = None  # the TP layout's small steps in C++ (native_decode)
         self.activation_dtype = next(iter(stage.layers.parameters())).dtype  # activations between stages
         self._active = "pp"  # which set of layer weights the device holds ("host" weights)
         self._host_weights: dict[str, torch.Tensor] = {}  # "host" weights: a flat copy of each set
@@ -192,8 +194,11 @@ class PipelineModel(LayoutCounters, nn.Module):
         seal(self.forwards.values())
 
     def native_decode(self) -> bool:
-        """The C++ decoder runs a whole model on one rank (torch_shift.models.native_decoder): never a shard."""
-        return False
+        """Run Seesaw's TP layout's steps of at most MAX_TOKENS tokens through one C++ call on each rank where its
+        shards allow (torch_shift.models.native_decoder; resident weights, which are packed); whether they do. The
+        pipeline's stages keep their forwards. After `prepare_weights`: it reads the packed weights."""
+        self.tp_decoder = ShardDecoder.build(self.tp) if self.tp is not None and self.weights == "resident" else None
+        return self.tp_decoder is not None
 
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """A step of `layout`: Seesaw's TP layout (every rank returns the logits, gathered over the
@@ -206,6 +211,11 @@ class PipelineModel(LayoutCounters, nn.Module):
             assert self.tp is not None, f"{layout.name}: this pipeline replica has no TP layout"
             self.activate("tp")
             (batch,) = micro_batches
+            native = self.tp_decoder
+            logits = (native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+                      if native is not None else None)
+            if logits is not None:
+                return logits
             hidden = self.forwards.get("tp", self.tp)(batch.input_ids, batch.positions, batch.attention)
             return self.tp.compute_logits(hidden[batch.logits_indices])
 

@@ -25,6 +25,7 @@ from torch_shift.models.loader import build_model
 from torch_shift.models.native_decoder import LaunchedStep, NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
+from torch_shift.parallel.layers import ShardDecoder
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
 from torch_shift.parallel.plan import tp_plan
@@ -44,6 +45,7 @@ class ReplicaModel(LayoutCounters, nn.Module):
         self.reset_counters()  # every layout's weights are resident: no reshard ever
         self.forwards = {}  # layout name (None: the replica's own) -> compiled forward (compile_layouts)
         self.native_decoder: NativeDecoder | None = None  # the replica's own small steps (native_decode)
+        self.view_decoders: dict[str, ShardDecoder] = {}  # and Flying's TP layouts' on each rank of their groups
 
     def prepare_weights(self, drop_dense: bool = True) -> int:
         """Pack the weights for the machine's matmul (torch_shift.models.linear), unless Flying's TP layouts
@@ -58,9 +60,16 @@ class ReplicaModel(LayoutCounters, nn.Module):
 
     def native_decode(self) -> bool:
         """Run the replica's own steps of at most MAX_TOKENS tokens through one C++ call where its model allows
-        (torch_shift.models.native_decoder); whether it does. After `prepare_weights`: it reads the packed weights."""
+        (torch_shift.models.native_decoder), and on each rank of a TP layout over several replicas (Flying's) that
+        layout's, where its weights are packed copies (`flying_weights="copy"`); whether any does. After
+        `prepare_weights`: it reads the packed weights."""
         self.native_decoder = NativeDecoder.build(self.model)
-        return self.native_decoder is not None
+        self.view_decoders = {}
+        for name, view in self.views.items():
+            decoder = ShardDecoder.build(view)
+            if decoder is not None:
+                self.view_decoders[name] = decoder
+        return self.native_decoder is not None or bool(self.view_decoders)
 
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None
                     ) -> tuple[torch.Tensor, LaunchedStep]:
@@ -95,6 +104,12 @@ class ReplicaModel(LayoutCounters, nn.Module):
         if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
                                                                                             batch.attention):
             return self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+        native = self.view_decoders.get(key)
+        # (every rank of the group runs the views' LM head, the replica's whole one: the first returns its logits)
+        logits = (native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+                  if native is not None else None)
+        if logits is not None:
+            return logits if self.leaders[key] else None
         model = self.views[key] if key is not None else self.model
         forward = self.forwards.get(key, model)
         with comm.recording(self.ledger), comm.layout_scope(layout.name):

@@ -26,12 +26,17 @@ from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.moe import Experts, SparseMoeBlock
-from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
-from torch_shift.parallel.layers import PartsLinear, RowParallelLinear, RowParallelSparseMoe, VocabParallelLMHead
+from torch_shift.parallel.layers import (
+    PartsLinear,
+    RowParallelLinear,
+    RowParallelSparseMoe,
+    ShardDecoder,
+    VocabParallelLMHead,
+)
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Layout
 from torch_shift.parallel.plan import (
@@ -270,8 +275,7 @@ class ShiftModule(LayoutCounters, nn.Module):
                              index.to(base.embed_tokens.weight.device), persistent=False)
         self.reset_counters()  # both layouts' weights are resident: no reshard ever
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
-        # a tensor-parallel layout's small steps in one C++ call per rank, and its group (native_decode)
-        self.native_decoders: dict[str, tuple[NativeDecoder, dist.ProcessGroup]] = {}
+        self.native_decoders: dict[str, ShardDecoder] = {}  # a TP layout's small steps in C++ (native_decode)
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
         self.num_kv_layers = config.num_hidden_layers
@@ -330,12 +334,9 @@ class ShiftModule(LayoutCounters, nn.Module):
         float32, 1.27x in bfloat16; Shift's TP steps 1.07x (docs/performance.md)."""
         self.native_decoders = {}
         for which, model in (("base", self.base if self.groups.sp == 1 else None), ("shift", self.shift)):
-            o_proj = model.layers[0].attn.o_proj if model is not None else None
-            if not isinstance(o_proj, RowParallelLinear):
-                continue
-            decoder = NativeDecoder.build(model, o_proj.group, comm.native_all_reduce(o_proj.group))
+            decoder = ShardDecoder.build(model) if model is not None else None
             if decoder is not None:
-                self.native_decoders[which] = (decoder, o_proj.group)
+                self.native_decoders[which] = decoder
         return bool(self.native_decoders)
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
@@ -356,12 +357,9 @@ class ShiftModule(LayoutCounters, nn.Module):
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                  logits_indices: torch.Tensor) -> torch.Tensor:
         native = self.native_decoders.get(which)
-        if (native is not None and native[0].runs(len(input_ids), attention)
-                and comm.native_all_reduce(native[1]) is not None):  # (not with an emulated link's delays)
-            decoder, group = native
-            logits = decoder(input_ids, positions, logits_indices, attention)  # this rank's shard of the vocabulary
-            head = (self.shift if which == "shift" else self.base).lm_head
-            return comm.all_gather(logits, group, dim=-1)[..., : head.vocab_size]
+        logits = native.step(input_ids, positions, logits_indices, attention) if native is not None else None
+        if logits is not None:
+            return logits
         if which == "shift":
             assert self.shift is not None, "this ShiftModule was built without a shift layout"
             hidden = self.forwards["shift"](input_ids, positions, attention)
