@@ -246,10 +246,10 @@ def model_numbers() -> dict:
 
 
 def prompt_flops(numbers: dict, num_tokens: int) -> int:
-    """A prompt's FLOPs, as MFU is counted (PaLM, appendix B): the linear layers' products for every token, causal
-    attention's (query i against its i + 1 keys, QK and PV, every query head) and the LM head's for the last token,
-    whose logits give the first token. (Before 2026-11-30 this bench counted the linear layers only, 4.5% fewer for
-    its 512-token prompt.)"""
+    """A prompt's FLOPs, as MFU counts a forward's: the linear layers' products for every token, attention's (QK
+    and PV of every query head; causal: query i against its i + 1 keys, the work a causal kernel does) and the LM
+    head's for the last token, whose logits give the first token. (Before 2026-11-30 this bench counted the linear
+    layers only, 4.5% fewer for its 512-token prompt.)"""
     attention = 4 * MODEL["num_hidden_layers"] * MODEL["num_attention_heads"] * MODEL["head_dim"] * (
         num_tokens * (num_tokens + 1) // 2)
     return 2 * numbers["linear_parameters"] * num_tokens + attention + 2 * numbers["lm_head"]

@@ -78,7 +78,8 @@ def _decoder_limit(dtype: torch.dtype) -> int:
     return MAX_TOKENS if packed.blocked else min(MAX_TOKENS, packed.gemv_max_rows)
 
 
-def _generate(model_dir, dtype, native: bool, **engine_args):
+def _generate(model_dir, dtype, native: bool, ledger: dict | None = None, **engine_args):
+    """The outputs of a few greedy and sampled requests; `ledger`: filled with rank 0's counts of collectives."""
     llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
     try:
         assert llm.engine.worker.runner.native_decode is native
@@ -88,6 +89,8 @@ def _generate(model_dir, dtype, native: bool, **engine_args):
         outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
         # the 40-token prompt again: its blocks come from the prefix cache, and its last token is computed alone
         outs += llm.generate(prompts[2:3], greedy, use_tqdm=False)
+        if ledger is not None:
+            ledger.update(calls=dict(llm.engine.model.ledger.calls), bytes=dict(llm.engine.model.ledger.bytes))
     finally:
         llm.shutdown()
     return [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
@@ -209,9 +212,11 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
 
     monkeypatch.setattr(NativeDecoder, "__call__", call)
     engine_args = dict(max_num_batched_tokens=MAX_TOKENS, **layout)
-    expected = _generate(model_dir, torch.float32, native=False, **engine_args)
-    got = _generate(model_dir, torch.float32, native=True, **engine_args)
+    ledgers = [{}, {}]
+    expected = _generate(model_dir, torch.float32, native=False, ledger=ledgers[0], **engine_args)
+    got = _generate(model_dir, torch.float32, native=True, ledger=ledgers[1], **engine_args)
     assert got == expected and any(sharded)
+    assert ledgers[1] == ledgers[0]  # the decoder's all-reduces counted as the forward's
 
 
 @pytest.mark.timeout(120)

@@ -154,8 +154,10 @@ class ModelRunner:
         self.model.reset_counters()
 
     def _native(self, layout: Layout) -> bool:
-        """Whether the C++ decoder runs `layout`'s small steps (a replica's own)."""
-        return self.native_decode and layout.kv_width == 1 and len(layout.ranks) == 1
+        """Whether the C++ decoder runs `layout`'s small steps on this rank alone (a replica's own; a
+        tensor-parallel layout's run it inside the model's forward_step, in step with the other ranks)."""
+        return (self.native_decode and layout.kv_width == 1 and len(layout.ranks) == 1
+                and getattr(self.model, "native_decoder", None) is not None)
 
     def _max_threads(self, layout: Layout) -> int:
         """The most threads a rank of `layout` runs its steps on (the same on every rank of it)."""

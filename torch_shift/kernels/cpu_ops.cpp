@@ -499,6 +499,9 @@ extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data
   } catch (const std::exception& e) {
     collective_error = e.what();
     return -300;
+  } catch (...) {  // nothing unwinds through the decoder's C callers
+    collective_error = "the all-reduce failed";
+    return -300;
   }
 }
 

@@ -251,9 +251,9 @@ def _supported(model: torch.nn.Module, group: object | None = None) -> bool:
                 or (attn.q_norm is not None
                     and not (_norm_ok(attn.q_norm, dtype, eps) and _norm_ok(attn.k_norm, dtype, eps)))
                 or not _gemv_ok(attn.qkv_proj, dtype, layout, bias=True)
-                or not _gemv_ok(attn.o_proj, dtype, layout, bias=group is None, group=group)
+                or not _gemv_ok(attn.o_proj, dtype, layout, bias=group is None, group=group, reduced=True)
                 or not _gemv_ok(mlp.gate_up_proj, dtype, layout, bias=False)
-                or not _gemv_ok(mlp.down_proj, dtype, layout, bias=False, group=group)
+                or not _gemv_ok(mlp.down_proj, dtype, layout, bias=False, group=group, reduced=True)
                 or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, config.head_dim)
                 or attn.qkv_proj.packed.out_features != (heads + 2 * kv_heads) * config.head_dim
                 or mlp.gate_up_proj.packed.out_features != 2 * intermediate
@@ -267,14 +267,16 @@ def _norm_ok(norm: torch.nn.Module, dtype: torch.dtype, eps: float) -> bool:
 
 
 def _gemv_ok(linear: torch.nn.Module, dtype: torch.dtype, layout: tuple[bool, int] | None, bias: bool,
-             group: object | None = None) -> bool:
+             group: object | None = None, reduced: bool = False) -> bool:
     """Whether the decoder runs `linear` as the forward does: its weight packed for the GEMV on oneDNN's layout, or
-    in the 16-feature blocks, `layout` (blocked, the kernel's code) as every other weight of the model. With `group`:
-    a rank's shard whose outputs the forward sums or gathers over `group` (torch_shift.parallel.layers'
-    RowParallelLinear and VocabParallelLMHead name it), without a bias."""
+    in the 16-feature blocks, `layout` (blocked, the kernel's code) as every other weight of the model. With `group`,
+    also a rank's shard whose outputs the forward sums or gathers over `group` (torch_shift.parallel.layers'
+    RowParallelLinear and VocabParallelLMHead name it), without a bias; with `reduced` too, only such a shard (the o
+    and down projections, whose outputs the decoder all-reduces)."""
     packed = getattr(linear, "packed", None)
     sharded = group is not None and getattr(linear, "group", None) is group and getattr(linear, "bias", None) is None
-    return ((type(linear) is Linear or sharded) and packed is not None and packed.gemv is not None
+    plain = type(linear) is Linear and not (reduced and group is not None)
+    return ((plain or sharded) and packed is not None and packed.gemv is not None
             and packed.dtype == dtype and (packed.blocked, packed.gemv_code) == layout and packed.native
             and (getattr(linear, "bias", None) is None
                  or (bias and linear.bias.dtype == dtype and linear.bias.is_contiguous())))

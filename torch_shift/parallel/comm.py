@@ -188,12 +188,23 @@ def _size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def _all_reduce_bytes(nbytes: int, n: int) -> int:
+    return 2 * (n - 1) * nbytes // n  # ring all-reduce: each rank sends 2 (n - 1) / n of the tensor
+
+
+def record_all_reduces(count: int, nbytes: int, group: dist.ProcessGroup) -> None:
+    """Count `count` all-reduces of `nbytes` over `group` that ran outside this module (inside the C++ decoder's
+    call: torch_shift.parallel.layers.ShardDecoder), as all_reduce counts its own."""
+    n = _size(group)
+    for _ in range(count if n > 1 else 0):
+        _record("all_reduce", _all_reduce_bytes(nbytes, n))
+
+
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
-    # ring all-reduce: each rank sends 2 (n - 1) / n of the tensor
-    nbytes = 2 * (n - 1) * x.numel() * x.element_size() // n
+    nbytes = _all_reduce_bytes(x.numel() * x.element_size(), n)
     _record("all_reduce", nbytes)
     shared = _shared_id(group)
     if shared is not None:

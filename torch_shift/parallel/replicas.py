@@ -104,15 +104,16 @@ class ReplicaModel(LayoutCounters, nn.Module):
         if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
                                                                                             batch.attention):
             return self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
-        native = self.view_decoders.get(key)
-        # (every rank of the group runs the views' LM head, the replica's whole one: the first returns its logits)
-        logits = (native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
-                  if native is not None else None)
-        if logits is not None:
-            return logits if self.leaders[key] else None
         model = self.views[key] if key is not None else self.model
         forward = self.forwards.get(key, model)
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            native = self.view_decoders.get(key)
+            if native is not None:
+                # the views keep the replica's whole LM head: the group's first rank computes the logits alone
+                rows = batch.logits_indices if self.leaders[key] else batch.logits_indices[:0]
+                logits = native.step(batch.input_ids, batch.positions, rows, batch.attention)
+                if logits is not None:
+                    return logits if self.leaders[key] else None
             hidden = forward(batch.input_ids, batch.positions, batch.attention)
         if key is not None and not self.leaders[key]:
             return None
