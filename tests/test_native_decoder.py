@@ -173,6 +173,13 @@ def test_declines_what_it_cannot_run_exactly(families, tmp_path):
         num_experts_per_tok=2))
     assert not LLM(str(mixtral), compile=False).engine.worker.runner.native_decode
     assert NativeDecoder.build(build_hf_model("llama", **SHAPES)) is None  # transformers' module, not ours
+    # Flying's TP groups of zero-copy views: nothing packed, every step the forward's
+    llm = LLM(str(model_dir), dp=2, policy="flying", flying_weights="view", compile=False)
+    try:
+        assert not llm.engine.worker.runner.native_decode
+        assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
 
 
 def test_dp_replicas_run_it_on_every_rank(families, counted):

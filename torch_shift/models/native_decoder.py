@@ -242,7 +242,10 @@ def _supported(model: torch.nn.Module, group: object | None = None) -> bool:
     # a rank's shard attends its heads and holds its share of the MLP's neurons: the same in every layer
     heads, kv_heads = ((config.num_attention_heads, config.num_key_value_heads) if group is None else
                        (model.layers[0].attn.num_heads, model.layers[0].attn.num_kv_heads))
-    intermediate = config.intermediate_size if group is None else model.layers[0].mlp.down_proj.packed.in_features
+    first_down = getattr(getattr(model.layers[0].mlp, "down_proj", None), "packed", None)
+    if group is not None and first_down is None:  # not packed (views of another layout's weights)
+        return False
+    intermediate = config.intermediate_size if group is None else first_down.in_features
     for layer in model.layers:
         attn, mlp = layer.attn, layer.mlp
         if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
