@@ -75,7 +75,7 @@ class NativeDecoder:
         """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring). `group`: the
         process group over which `model` is a tensor-parallel rank's shard (its row-sharded o and down projections
         and its LM head name it as their `group`), whose all-reduces run through the shared-memory communicator
-        `communicator` (torch_shift.parallel.comm.native_all_reduce)."""
+        `communicator` (torch_shift.parallel.comm.native_communicator)."""
         kernels = decoder_kernels()
         if (kernels is None or (group is not None and communicator is None) or not _supported(model, group)
                 or not register_native_attention()):

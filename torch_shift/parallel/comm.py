@@ -80,16 +80,11 @@ def _shared_id(group: dist.ProcessGroup) -> int | None:
     return _shared.get(group)
 
 
-def native_all_reduce(group: dist.ProcessGroup) -> int | None:
-    """The id of the shared-memory communicator that serves `group`'s all-reduces in C++ (the C++ decoder's steps
-    on a tensor-parallel rank: torch_shift.models.native_decoder), or None, as native_all_to_all."""
-    return native_all_to_all(group)
-
-
-def native_all_to_all(group: dist.ProcessGroup) -> int | None:
-    """The id of the shared-memory communicator that serves `group`'s all-to-alls in C++ (UlyssesAttention's in
-    compiled forwards: kernels/cpu_ops.cpp), or None: another backend, a communicator without the C++ operators, or
-    an emulated link (whose delays, and the ledger's counts, only the Python collectives make)."""
+def native_communicator(group: dist.ProcessGroup) -> int | None:
+    """The id of the shared-memory communicator that serves `group`'s collectives in C++ (kernels/cpu_ops.cpp:
+    UlyssesAttention's all-to-alls in compiled forwards, the C++ decoder's all-reduces on a tensor-parallel rank),
+    or None: another backend, a communicator without the C++ operators, or an emulated link (whose delays, and the
+    ledger's counts, only the Python collectives make)."""
     shared = _shared.get(group)
     if shared is None or _link_bytes_per_s is not None or _shared_by_id[shared].native_id is None:
         return None

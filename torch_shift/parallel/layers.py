@@ -86,26 +86,23 @@ class ShardDecoder:
     the group's shared-memory all-reduce inside the call, as the forward's are, and its logits gathered over the
     vocabulary where the head is sharded. Every rank of the layout runs the same steps."""
 
-    def __init__(self, decoder: NativeDecoder, group: dist.ProcessGroup, communicator: int, vocab_size: int | None,
-                 hidden_size: int, num_layers: int):
+    def __init__(self, decoder: NativeDecoder, group: dist.ProcessGroup, communicator: int, vocab_size: int | None):
         self.decoder = decoder
         self.group = group
-        self.communicator = communicator  # the id the decoder was built with (comm.native_all_reduce)
+        self.communicator = communicator  # the id the decoder was built with (comm.native_communicator)
         self.vocab_size = vocab_size  # the vocabulary a sharded LM head's gathered logits are trimmed to
-        self.hidden_size, self.num_layers = hidden_size, num_layers
 
     @classmethod
     def build(cls, model: nn.Module) -> ShardDecoder | None:
         """The decoder of `model`'s shard, or None where it does not run it (native_decoder's checks, a group
         without the shared-memory communicator's C++ collectives)."""
         group = getattr(model.layers[0].attn.o_proj, "group", None)
-        communicator = comm.native_all_reduce(group) if group is not None else None
+        communicator = comm.native_communicator(group) if group is not None else None
         decoder = NativeDecoder.build(model, group, communicator) if communicator is not None else None
         if decoder is None:
             return None
         head = model.lm_head
-        return cls(decoder, group, communicator, head.vocab_size if isinstance(head, VocabParallelLMHead) else None,
-                   model.config.hidden_size, len(model.layers))
+        return cls(decoder, group, communicator, head.vocab_size if isinstance(head, VocabParallelLMHead) else None)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
              attention: object) -> torch.Tensor | None:
@@ -113,12 +110,13 @@ class ShardDecoder:
         where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
         delays only the Python collectives make), or another communicator than the one it was built with."""
         if (not self.decoder.runs(len(input_ids), attention)
-                or comm.native_all_reduce(self.group) != self.communicator):
+                or comm.native_communicator(self.group) != self.communicator):
             return None
         logits = self.decoder(input_ids, positions, logits_indices, attention)
         # the ledger counts the call's all-reduces (two a layer, [tokens, hidden] each), as the forward's
-        comm.record_all_reduces(2 * self.num_layers, len(input_ids) * self.hidden_size * logits.element_size(),
-                                self.group)
+        model = self.decoder.model
+        comm.record_all_reduces(2 * len(model.layers), len(input_ids) * model.config.hidden_size
+                                * logits.element_size(), self.group)
         if self.vocab_size is None:
             return logits
         return comm.all_gather(logits, self.group, dim=-1)[..., : self.vocab_size]

@@ -78,7 +78,7 @@ class UlyssesAttention:
         from torch_shift.kernels import native_attention
 
         install = getattr(self.inner, "install_native", None)
-        communicator = comm.native_all_to_all(self.group)
+        communicator = comm.native_communicator(self.group)
         native = native_attention()
         if install is None or communicator is None or native is None or not install():
             return False
