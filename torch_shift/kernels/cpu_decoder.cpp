@@ -48,6 +48,8 @@ extern "C" int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride,
 extern "C" int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out);
 extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
                            int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
+extern "C" int ts_add_rms_norm(int dtype, const void* x, const void* residual, int64_t rows, int64_t dim,
+                               const void* weight, float eps, int64_t lanes, void* sum, void* out);
 extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads, int64_t token_stride,
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
@@ -320,8 +322,9 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
     return rc;
   if ((rc = linear(d, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
   if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
-  add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
-  if ((rc = norm(d, d.x.data(), T, L.post_norm, d.h.data())) != 0) return rc;
+  // the residual add and the norm after it, as the eager forward's RMSNorm(x, residual): x += h, h = norm(x)
+  rc = ts_add_rms_norm(dt, d.x.data(), d.h.data(), T, H, L.post_norm, d.eps, d.lanes, d.x.data(), d.h.data());
+  if (rc != 0) return rc;
   if ((rc = linear(d, d.h.data(), H, T, L.gate_up, 2 * I, H, nullptr, d.gate_up.data(), 2 * I)) != 0) return rc;
   silu_mul(d.gate_up.data(), d.act.data(), T, I, dt, d.silu_lanes, at::get_num_threads());
   if ((rc = linear(d, d.act.data(), I, T, L.down, H, I, nullptr, d.h.data(), H)) != 0) return rc;

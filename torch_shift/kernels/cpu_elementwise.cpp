@@ -423,7 +423,8 @@ int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t 
   }
 }
 
-// sum = x + residual and out = RMSNorm(sum), all [rows, dim] contiguous; dtype and lanes as ts_rms_norm's.
+// sum = x + residual and out = RMSNorm(sum), all [rows, dim] contiguous; dtype and lanes as ts_rms_norm's. In place
+// too: sum may be x and out residual (each row is read before it is written).
 int ts_add_rms_norm(int dtype, const void* x, const void* residual, int64_t rows, int64_t dim, const void* weight,
                     float eps, int64_t lanes, void* sum, void* out) {
   if (lanes < 1 || lanes > kMaxLanes) return -1;
