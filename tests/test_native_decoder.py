@@ -4,6 +4,7 @@ it declines what it cannot run exactly, and the engine's switch turns it off."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -226,13 +227,57 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
     assert ledgers[1] == ledgers[0]  # the decoder's all-reduces counted as the forward's
 
 
+# shards the GEMV reads whole (q/k/v 128 rows a TP rank), and at SP-2 x TP-2 one KV head a TP rank, repeated for its
+# two head chunks
+@pytest.mark.parametrize("layout", [dict(sp=2, family="llama", model=dict(num_key_value_heads=4)),
+                                    dict(sp=2, family="qwen2", model=dict(num_key_value_heads=4)),
+                                    dict(sp=2, tp=2, family="llama",
+                                         model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32))],
+                         ids=["sp2-llama", "sp2-qwen2", "sp2tp2-replicated-kv"])
+def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
+    """Static SP's steps (no shift layout): each SP rank runs its share of a step's tokens in the C++ decoder, Ulysses'
+    all-to-alls inside each layer's attention call and, at SP-2 x TP-2, its TP shard's all-reduces; a rank without
+    tokens (a batch-1 decode) attends through the Python path's protocol meanwhile. The same tokens and logprobs, to
+    the last bit, as the eager forward's, and the same collectives counted (Qwen2's q/k/v bias; KV heads repeated for
+    the head chunks where SP x TP exceeds them)."""
+    layout = dict(layout)
+    family, shape = layout.pop("family"), dict(hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
+    shape.update(layout.pop("model"))
+    model_dir = save_checkpoint(build_hf_model(family, **shape), tmp_path / family)
+    hidden_out = []
+    attends = multiprocessing.get_context("fork").Value("i", 0)  # on the other SP rank, a forked worker
+    original_call, original_attend = NativeDecoder.__call__, NativeDecoder.attend
+
+    def call(self, input_ids, *args):
+        hidden_out.append((not self.head, len(input_ids)))
+        return original_call(self, input_ids, *args)
+
+    def attend(self, attention):
+        attends.value += 1
+        return original_attend(self, attention)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", call)
+    monkeypatch.setattr(NativeDecoder, "attend", attend)
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, shift_threshold=None, **layout)
+    ledgers = [{}, {}]
+    expected = _generate(model_dir, torch.float32, native=False, ledger=ledgers[0], **engine_args)
+    assert not hidden_out and not attends.value
+    got = _generate(model_dir, torch.float32, native=True, ledger=ledgers[1], **engine_args)
+    assert got == expected
+    assert all(sp for sp, _ in hidden_out) and {1, MAX_TOKENS // 2} <= {n for _, n in hidden_out}
+    assert attends.value  # the batch-1 decodes' rank without tokens attended in one call
+    assert ledgers[1] == ledgers[0] and ledgers[0]["calls"]  # the decoder's all-to-alls counted as the forward's
+
+
 @pytest.mark.timeout(120)
-def test_a_rank_killed_during_a_tensor_parallel_step_ends_the_other_with_an_error(tmp_path, counted):
-    """A TP-2 rank killed while the C++ decoder runs the steps: the other rank's all-reduce inside the decoder hands
-    its wait to the communicator, which finds the peer dead, and generate raises an error naming it (no hang)."""
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=None)], ids=["tp2", "sp2"])
+def test_a_rank_killed_during_a_parallel_step_ends_the_other_with_an_error(tmp_path, counted, layout):
+    """A TP-2 or SP-2 rank killed while the C++ decoder runs the steps: the other rank's all-reduce (TP) or Ulysses
+    all-to-all (SP) inside the decoder hands its wait to the communicator, which finds the peer dead, and generate
+    raises an error naming it (no hang)."""
     model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
                                                num_key_value_heads=4, max_position_embeddings=2048), tmp_path / "m")
-    llm = LLM(str(model_dir), tp=2, compile=False, seed=0)
+    llm = LLM(str(model_dir), compile=False, seed=0, **layout)
     worker = llm.engine.parallel.launched.procs[1]
     errors: list[BaseException] = []
 

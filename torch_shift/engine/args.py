@@ -103,8 +103,9 @@ class EngineArgs:
                                    "other work runs")
     native_decode: bool = _arg(True, "on the CPU, a dense model's steps of at most 64 tokens on one rank, or on each "
                                      "rank of a tensor-parallel layout (TP, Shift's TP steps, Flying's TP groups, "
-                                     "Seesaw's TP decode), run in one C++ call (embedding, layers, LM head; bitwise "
-                                     "the eager forward) instead of its forward")
+                                     "Seesaw's TP decode), and an SP rank's share of such steps (Ulysses' all-to-alls "
+                                     "inside), run in one C++ call (embedding, layers, LM head; bitwise the eager "
+                                     "forward) instead of its forward")
     speculative_config: dict | None = _arg(None, "speculative decoding as vLLM's speculative_config (JSON on the command "
                                                  "line), e.g. '{\"method\": \"suffix\"}' or '{\"method\": \"ngram\", "
                                                  "\"num_speculative_tokens\": 4}' (docs/speculative.md)")

@@ -308,6 +308,8 @@ class DecoderKernels:
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
         self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
+        self.attend = library.ts_decoder_attend
+        self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int
         self.launch = library.ts_decoder_launch
         self.launch.argtypes, self.launch.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64], i64
         self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits

@@ -3,7 +3,9 @@
 // here, through the kernels an eager forward calls one by one from Python (the GEMV, RMSNorm and rotary kernels,
 // the installed step's paged attention), so the result is bitwise the eager forward's. On a rank of a
 // tensor-parallel layout the model is its shard, and the o and down projections' partial outputs are summed
-// through the layout's shared-memory all-reduce (cpu_ops.cpp's ts_decoder_all_reduce), as the forward's are.
+// through the layout's shared-memory all-reduce (cpu_ops.cpp's ts_decoder_all_reduce), as the forward's are. On a rank
+// of a sequence-parallel layout the step is its share of the tokens, each layer's attention runs Ulysses' all-to-alls
+// around the paged kernel (cpu_ops.cpp's, installed for the step), and the result is the rows' hidden states.
 //
 // Why: a batch-1 decode step of the 106M model spends about 1.7 ms beside its weight reads, much of it in the
 // interpreter and the dispatcher between the kernels, which run cold after each weight streams through the caches;
@@ -54,6 +56,7 @@ extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
 extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols);
+extern "C" int ts_ulysses_installed();
 extern "C" void* ts_paged_step_copy_new();
 extern "C" void ts_paged_step_copy_delete(void* copy);
 extern "C" int ts_paged_step_copy_fill(void* copy);
@@ -62,7 +65,7 @@ extern "C" void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t t
 extern "C" int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride,
                                  int64_t q_head_stride, const void* k, int64_t k_row_stride, int64_t k_head_stride,
                                  const void* v, int64_t v_row_stride, int64_t v_head_stride, int64_t num_tokens,
-                                 int64_t num_heads, int64_t head_dim, int64_t window, void* out);
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window, void* out);
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -137,7 +140,9 @@ struct Decoder {
   int64_t max_tokens;  // a step's tokens at most (1 to kMaxTokens): the scratch's rows
   // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
   // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank (its
-  // shard of the vocabulary, gathered by the caller)
+  // shard of the vocabulary, gathered by the caller). A rank of a sequence-parallel layout has no LM head here (null):
+  // its step's result is its logits rows' final hidden states (after the model's last norm), which the caller
+  // gathers before the head.
   int64_t communicator;
   int64_t lm_head_rows;
   float eps;
@@ -318,7 +323,7 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
   if ((rc = ts_rotary(dt, k, T, d.kv_heads, k_stride, hd, hd, positions, d.cos_sin, d.positions, d.k.data())) != 0)
     return rc;
   if ((rc = ts_step_attention(attention, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd,
-                              T, d.heads, hd, L.window, d.attn.data())) != 0)
+                              T, d.heads, d.kv_heads, hd, L.window, d.attn.data())) != 0)
     return rc;
   if ((rc = linear(d, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
   if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
@@ -347,12 +352,14 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
     if (rc != 0) return rc;
   }
   if (num_logits == 0) return 0;
+  if (d.lm_head == nullptr && argmax != nullptr) return -200;
   for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
     if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
     std::memcpy(d.row(d.q, r, H), d.row(d.x, logits_rows[r], H), row_bytes);
   }
-  int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.h.data());
-  if (rc != 0) return rc;
+  // without an LM head the rows' final hidden states are the step's result
+  int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
+  if (rc != 0 || d.lm_head == nullptr) return rc;
   rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_rows, H, nullptr, logits, d.lm_head_rows);
   if (rc != 0 || argmax == nullptr) return rc;
   if (d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
@@ -515,7 +522,8 @@ void ts_decoder_destroy(void* decoder) {
 // docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
 // a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
 // step (below) runs, -300 where a tensor-parallel rank's all-reduce failed (ts_collective_error); else the failing
-// kernel's code. A rank's shard writes its LM head's rows (logits [num_logits, lm_head_rows]) and no argmax.
+// kernel's code. A rank's shard writes its LM head's rows (logits [num_logits, lm_head_rows]) and no argmax; a decoder
+// without an LM head the rows' final hidden states, after the model's last norm (logits [num_logits, hidden]).
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);
@@ -523,6 +531,26 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
       d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed))
     return -202;
   return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
+}
+
+// A sequence-parallel rank's part in a step that gives it no tokens (fewer than SP ranks): each layer's Ulysses
+// attention with no rows of its own, which brings the other ranks' q/k/v of its head chunk, attends them and sends the
+// outputs back (ts_step_attention), the layers one after another without returning to Python between them. Its waits
+// for the others' layers are asleep (cpu_ops.cpp's idle wait), their linears on its core. 0; -100 where no Ulysses
+// step is installed; -202 while a launched step runs; -300 where an all-to-all failed (ts_collective_error).
+int ts_decoder_attend(void* decoder) {
+  Decoder& d = *static_cast<Decoder*>(decoder);
+  if (d.async != nullptr && d.async->owner == getpid() &&
+      d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed))
+    return -202;
+  if (!ts_ulysses_installed()) return -100;
+  const int64_t hd = d.head_dim, q_size = d.heads * hd, kv_size = d.kv_heads * hd;
+  for (const Layer& L : d.layers) {
+    const int rc = ts_step_attention(nullptr, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, d.k.data(),
+                                     kv_size, hd, 0, d.heads, d.kv_heads, hd, L.window, d.attn.data());
+    if (rc != 0) return rc;
+  }
+  return 0;
 }
 
 // Launch a step (as ts_decoder_step's, argmax required) to run on the decoder's own thread, after those launched

@@ -25,6 +25,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -395,6 +396,10 @@ struct ShmComm {
 constexpr int64_t kSeqWord = 0, kSleepingWord = 4;  // shm.py's header row
 constexpr int64_t kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // and parity block
 constexpr int64_t kSpinNs = 1'000'000;
+// An idle rank's wait (ShmStep::publish_and_wait): SP-2 batch-1 decode's rank without tokens waits about a layer's
+// linears for each layer's q/k/v (1.3 ms of the 106M model in float32), spinning through most of it beside the other
+// rank's GEMVs on its core, then in Python
+constexpr int64_t kIdleSpinNs = 50'000, kIdleSleepNs = 50'000'000, kMaxSleepNs = 10'000'000;
 std::mutex shm_mutex;
 std::unordered_map<int64_t, ShmComm>& shm_comms() {
   static std::unordered_map<int64_t, ShmComm> comms;
@@ -424,8 +429,10 @@ struct ShmStep {
   // The step's fields, then the counter (after the data in this rank's slot); waits up to kSpinNs for every peer to
   // publish the step with the same signature, size and `aux`. False where one did not: the caller hands the rest to
   // Python, which waits with the communicator's deadline and liveness checks and reports a peer whose fields differ.
-  // `part_bytes` (>= 0): an all-to-all's split sizes, equal parts of that many bytes to every rank.
-  bool publish_and_wait(int64_t signature, int64_t nbytes, int64_t aux, int64_t part_bytes = -1) {
+  // `part_bytes` (>= 0): an all-to-all's split sizes, equal parts of that many bytes to every rank. `idle`: a rank
+  // with nothing to do until its peers publish (an SP rank without tokens: ulysses_attention) spins only kIdleSpinNs,
+  // then sleeps as shm.py's waits do, up to kIdleSleepNs before Python takes over.
+  bool publish_and_wait(int64_t signature, int64_t nbytes, int64_t aux, int64_t part_bytes = -1, bool idle = false) {
     const int64_t* header = reinterpret_cast<const int64_t*>(c.segment);
     if (part_bytes >= 0)
       for (int64_t j = 0; j < c.world_size; ++j) block(c.rank)[kSplitsWord + j] = part_bytes;
@@ -445,16 +452,43 @@ struct ShmStep {
     }
 #endif
     const auto start = std::chrono::steady_clock::now();
+    const std::chrono::nanoseconds spin(idle ? kIdleSpinNs : kSpinNs);
+    const std::chrono::nanoseconds limit(idle ? kIdleSpinNs + kIdleSleepNs : kSpinNs);
     for (int64_t p = 0; p < c.world_size; ++p) {
       if (p == c.rank) continue;
-      while (load_word(header + p * c.row_words + kSeqWord) < step) {
-        if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kSpinNs)) return false;
-        sched_yield();  // as the Python wait: more ranks than cores still make progress
+      const int64_t* peer_seq = header + p * c.row_words + kSeqWord;
+      while (load_word(peer_seq) < step) {
+        const auto waited = std::chrono::steady_clock::now() - start;
+        if (waited > limit) return false;
+        if (waited < spin)
+          sched_yield();  // as the Python wait: more ranks than cores still make progress
+        else
+          sleep_on(peer_seq, std::min<int64_t>(kMaxSleepNs, (limit - waited).count()));
       }
       if (block(p)[kSignatureWord] != signature || block(p)[kNbytesWord] != nbytes || block(p)[kAuxWord] != aux)
         return false;
     }
     return true;
+  }
+
+  // Sleep until the peer of counter `peer_seq` publishes (its publish wakes this rank), at most `timeout_ns`; at once
+  // if it published this step meanwhile (shm.py's _sleep_on: the sleeping word, then the counter read again, which
+  // the kernel compares once more)
+  void sleep_on(const int64_t* peer_seq, int64_t timeout_ns) const {
+#ifdef __linux__
+    int64_t* sleeping = reinterpret_cast<int64_t*>(c.segment) + c.rank * c.row_words + kSleepingWord;
+    __atomic_store_n(sleeping, 1, __ATOMIC_SEQ_CST);
+    const int64_t seen = __atomic_load_n(peer_seq, __ATOMIC_SEQ_CST);
+    if (seen < step) {
+      const timespec timeout{static_cast<time_t>(timeout_ns / 1'000'000'000),
+                             static_cast<long>(timeout_ns % 1'000'000'000)};
+      syscall(SYS_futex, peer_seq, FUTEX_WAIT, static_cast<uint32_t>(seen & 0xFFFFFFFF), &timeout, nullptr, 0);
+    }
+    __atomic_store_n(sleeping, 0, __ATOMIC_SEQ_CST);
+#else
+    (void)peer_seq, (void)timeout_ns;
+    sched_yield();
+#endif
   }
 };
 
@@ -525,9 +559,9 @@ UlyssesStep ulysses;
 // in Python where a peer was late, else in place: `read(p, part)` for each rank p's part for this rank (1 / world)
 template <typename Read>
 void finish_all_to_all(ShmStep& s, int64_t rows, int64_t row_bytes, at::ScalarType dtype, int64_t signature,
-                       Read read) {
+                       bool idle, Read read) {
   const int64_t nbytes = rows * row_bytes, part_bytes = nbytes / s.c.world_size;
-  if (s.publish_and_wait(signature, nbytes, 1, part_bytes)) {
+  if (s.publish_and_wait(signature, nbytes, 1, part_bytes, idle)) {
     for (int64_t p = 0; p < s.c.world_size; ++p) read(p, s.slot(p) + s.c.rank * part_bytes);
     return;
   }
@@ -587,7 +621,9 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   // every rank's tokens of this rank's head chunk, in token order
   at::Tensor gathered = at::empty({n, row_bytes / element}, q.options());
   char* gb = static_cast<char*>(gathered.data_ptr());
-  finish_all_to_all(out1, sp * n_max, row_bytes, q.scalar_type(), signature, [&](int64_t p, const char* part) {
+  // a rank without tokens waits for the others' q/k/v through their layer's linears: asleep, its core theirs
+  const bool idle = n_local == 0;
+  finish_all_to_all(out1, sp * n_max, row_bytes, q.scalar_type(), signature, idle, [&](int64_t p, const char* part) {
     std::memcpy(gb + first[p] * row_bytes, part, ulysses.counts[p] * row_bytes);
   });
 
@@ -612,7 +648,8 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
     std::memcpy(mine + p * n_max * out_row_bytes, ab + first[p] * out_row_bytes, ulysses.counts[p] * out_row_bytes);
   at::Tensor out = at::empty({n_local, num_heads, head_dim}, q.options());
   char* ob = static_cast<char*>(out.data_ptr());
-  finish_all_to_all(out2, sp * n_max, out_row_bytes, q.scalar_type(), signature, [&](int64_t p, const char* part) {
+  finish_all_to_all(out2, sp * n_max, out_row_bytes, q.scalar_type(), signature, idle,
+                    [&](int64_t p, const char* part) {
     for (int64_t i = 0; i < n_local; ++i)  // head chunk p of this rank's token i
       std::memcpy(ob + (i * num_heads * head_dim) * element + p * out_row_bytes, part + i * out_row_bytes,
                   out_row_bytes);
@@ -720,6 +757,9 @@ void ts_install_ulysses(int64_t communicator, int64_t sp, int64_t sp_rank, const
   ulysses_installed = step_installed;
 }
 
+// Whether the installed step's attention runs Ulysses' all-to-alls (ts_install_ulysses), for the native decoder
+int ts_ulysses_installed() { return ulysses_installed ? 1 : 0; }
+
 // A copy of the installed step for the native decoder (PagedStepCopy): new, refilled from the installed step (0, or
 // -100 where none is installed), deleted
 void* ts_paged_step_copy_new() { return new PagedStepCopy; }
@@ -749,12 +789,35 @@ int ts_paged_step_copy_fill(void* copy) {
 }
 
 // `attend` for the native decoder (cpu_decoder.cpp): the step of `copy` (a PagedStepCopy), or the installed one where
-// it is null; -100 where none is installed
+// it is null, with Ulysses' all-to-alls around it where those are installed (a sequence-parallel rank's tokens:
+// ulysses_attention, which sends each head chunk its share of the `num_kv_heads` heads of k and v); -100 where none is
+// installed, -300 where an all-to-all failed (ts_collective_error)
 int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride,
                       const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
-                      int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t window,
-                      void* out) {
+                      int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t window, void* out) {
   if (copy == nullptr && !step_installed) return -100;
+  if (copy == nullptr && ulysses_installed) {
+    try {
+      const at::TensorOptions options = at::TensorOptions().dtype(step.dtype);
+      auto view = [&](const void* p, int64_t heads, int64_t row_stride, int64_t head_stride) {
+        return at::from_blob(const_cast<void*>(p), {num_tokens, heads, head_dim}, {row_stride, head_stride, 1},
+                             options);
+      };
+      const at::Tensor attended = ulysses_attention(
+          view(q, num_heads, q_row_stride, q_head_stride), view(k, num_kv_heads, k_row_stride, k_head_stride),
+          view(v, num_kv_heads, v_row_stride, v_head_stride), layer_idx, std::nullopt,
+          window >= 0 ? std::optional<int64_t>(window) : std::nullopt);
+      std::memcpy(out, attended.contiguous().data_ptr(), attended.numel() * attended.element_size());
+      return 0;
+    } catch (const std::exception& e) {
+      collective_error = e.what();
+      return -300;
+    } catch (...) {  // nothing unwinds through the decoder's C callers
+      collective_error = "Ulysses' all-to-all failed";
+      return -300;
+    }
+  }
   const PagedStep& s = copy != nullptr ? static_cast<const PagedStepCopy*>(copy)->step : step;
   return attend(s, layer_idx, q, q_row_stride, q_head_stride, k, k_row_stride, k_head_stride, v, v_row_stride,
                 v_head_stride, num_tokens, num_heads, head_dim, nullptr, window, out);

@@ -12,9 +12,11 @@ It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or b
 linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
 such a model in a tensor-parallel layout (`build(model, group, communicator)`: column shards of q/k/v and gate/up, row
 shards of o and down whose partial outputs it sums through the group's shared-memory communicator as the forward's
-all-reduce does, and a shard of the vocabulary in the LM head, whose logits the caller gathers); `NativeDecoder.build`
-returns None for anything else (experts, attention sinks, sequence parallelism, a CPU without AVX2), which keeps its
-forward.
+all-reduce does, and a shard of the vocabulary in the LM head, whose logits the caller gathers). Under sequence
+parallelism (`head=False`) a rank runs its share of a step's tokens with Ulysses' all-to-alls inside each layer's
+attention call and returns their final hidden states for the caller's LM head; a rank without tokens in a step runs
+only each layer's attention for the others (`attend`). `NativeDecoder.build` returns None for anything else (experts,
+attention sinks, a CPU without AVX2), which keeps its forward.
 
 With asynchronous scheduling a step is launched instead (`launch`): it runs on a thread of the decoder's own while the
 engine schedules and prepares the next step, and the engine's thread helps with its GEMVs once it waits for it
@@ -56,29 +58,35 @@ class NativeDecoder:
     whose attention is the CPU paged kernel's (`runs` says which steps)."""
 
     def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int, max_tokens: int,
-                 tensor_parallel: bool = False):
+                 tensor_parallel: bool = False, head: bool = True):
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
         # MAX_TOKENS, or fewer where oneDNN's matmul would run a larger step's linears (AMX): the eager forward's bits
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
-        self.logits_width = model.lm_head.packed.out_features  # the vocabulary, or this rank's shard of it
+        # the vocabulary, or this rank's shard of it; without the head, the hidden size (its rows' hidden states)
+        self.logits_width = model.lm_head.packed.out_features if head else model.config.hidden_size
         self.tensor_parallel = tensor_parallel  # a rank's shard: its logits are its shard's, gathered by the caller
+        self.head = head
         # launched steps not yet waited for, in order: what they write and read stays alive until they ran
         self.launched: deque[LaunchedStep] = deque()
         weakref.finalize(self, _destroy, kernels, handle, self.launched)
 
     @classmethod
-    def build(cls, model: torch.nn.Module, group: object | None = None,
-              communicator: int | None = None) -> NativeDecoder | None:
+    def build(cls, model: torch.nn.Module, group: object | None = None, communicator: int | None = None,
+              head: bool = True) -> NativeDecoder | None:
         """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring). `group`: the
         process group over which `model` is a tensor-parallel rank's shard (its row-sharded o and down projections
         and its LM head name it as their `group`), whose all-reduces run through the shared-memory communicator
-        `communicator` (torch_shift.parallel.comm.native_communicator)."""
+        `communicator` (torch_shift.parallel.comm.native_communicator; None for a group of one rank, which sums
+        nothing). `head=False`: a step's result is its logits rows' final hidden states (after the model's last
+        norm, as DecoderLM.forward returns them), the LM head left to the caller (a sequence-parallel rank's, whose
+        rows are gathered first)."""
         kernels = decoder_kernels()
-        if (kernels is None or (group is not None and communicator is None) or not _supported(model, group)
-                or not register_native_attention()):
+        alone = group is not None and group.size() == 1
+        if (kernels is None or (group is not None and communicator is None and not alone)
+                or not _supported(model, group, head) or not register_native_attention()):
             return None
         config = model.config
         dtype = model.embed_tokens.weight.dtype
@@ -93,10 +101,11 @@ class NativeDecoder:
             dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
             head_dim=config.head_dim, intermediate=intermediate, vocab=config.vocab_size, lanes=_sum_lanes(),
             positions=model.rotary.cos_sin.shape[1], embed=model.embed_tokens.weight.data_ptr(),
-            final_norm=model.norm.weight.data_ptr(), lm_head=_gemv_address(model.lm_head),
+            final_norm=model.norm.weight.data_ptr(), lm_head=_gemv_address(model.lm_head) if head else 0,
             cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes, blocked=int(blocked),
             gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens,
-            communicator=-1 if group is None else communicator, lm_head_rows=model.lm_head.packed.out_features)
+            communicator=-1 if group is None or alone else communicator,
+            lm_head_rows=model.lm_head.packed.out_features if head else config.hidden_size)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -113,7 +122,7 @@ class NativeDecoder:
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
         handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
         assert handle, "the C++ decoder refused a model the checks above accepted"
-        return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None)
+        return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None, head=head)
 
     def runs(self, num_tokens: int, attention: object) -> bool:
         """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run
@@ -129,8 +138,8 @@ class NativeDecoder:
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
-        # (a shard's logits have no argmax of the vocabulary's)
-        row_argmax = None if self.tensor_parallel else np.empty(num_logits, dtype=np.int64)
+        # (a shard's logits have no argmax of the vocabulary's, nor hidden states any)
+        row_argmax = None if self.tensor_parallel or not self.head else np.empty(num_logits, dtype=np.int64)
         enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
         try:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
@@ -143,13 +152,26 @@ class NativeDecoder:
             setattr(logits, ROW_ARGMAX, row_argmax)
         return logits
 
+    def attend(self, attention: object) -> None:
+        """A sequence-parallel rank's part in a step that gives it no tokens: each layer's attention of its head chunk
+        over the other ranks' tokens, which `attention` (a UlyssesAttention that installs natively) exchanges, in one
+        call."""
+        if self.launched:
+            self.wait()
+        enter_step_attention(attention)
+        try:
+            rc = self.kernels.attend(self.handle)
+        finally:
+            exit_step_attention()
+        self._check(rc)
+
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None
                ) -> tuple[torch.Tensor, LaunchedStep]:
         """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
         (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
         (indices of input ids, rows of the last launched step's logits) whose argmax those ids take."""
-        assert not self.tensor_parallel, "a tensor-parallel rank's steps run in step with its peers, not launched"
+        assert not self.tensor_parallel and self.head, "a parallel rank's steps run in step with its peers"
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
@@ -181,7 +203,7 @@ class NativeDecoder:
             self._check(self.kernels.wait(self.handle, step.ticket))
 
     def _check(self, rc: int) -> None:
-        if rc == -300:  # the peers' error, raised by the communicator's wait (a rank died or stalled)
+        if rc == -300:  # the peers' error, raised by the communicator's wait (a rank died or stalled), or Ulysses' own
             raise RuntimeError(self.kernels.collective_error())
         if rc == -201:
             raise IndexError("a token id outside the vocabulary, or a logits row outside the step")
@@ -224,7 +246,7 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
-def _supported(model: torch.nn.Module, group: object | None = None) -> bool:
+def _supported(model: torch.nn.Module, group: object | None = None, head: bool = True) -> bool:
     if type(model) is not DecoderLM:
         return False
     config = model.config
@@ -237,7 +259,7 @@ def _supported(model: torch.nn.Module, group: object | None = None) -> bool:
             or config.head_dim % 2 or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
             or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
             or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
-            or not _gemv_ok(model.lm_head, dtype, layout, bias=False, group=group)):
+            or (head and not _gemv_ok(model.lm_head, dtype, layout, bias=False, group=group))):
         return False
     # a rank's shard attends its heads and holds its share of the MLP's neurons: the same in every layer
     heads, kv_heads = ((config.num_attention_heads, config.num_key_value_heads) if group is None else

@@ -187,12 +187,15 @@ def _all_reduce_bytes(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n  # ring all-reduce: each rank sends 2 (n - 1) / n of the tensor
 
 
-def record_all_reduces(count: int, nbytes: int, group: dist.ProcessGroup) -> None:
-    """Count `count` all-reduces of `nbytes` over `group` that ran outside this module (inside the C++ decoder's
-    call: torch_shift.parallel.layers.ShardDecoder), as all_reduce counts its own."""
+def record_outside(op: str, count: int, nbytes: int, group: dist.ProcessGroup) -> None:
+    """Count `count` collectives `op` ("all_reduce" or "all_to_all" of equal parts) of tensors of `nbytes` over
+    `group` that ran outside this module (inside the C++ decoder's call: torch_shift.parallel.layers'
+    ShardDecoder and UlyssesDecoder), as the functions below count their own."""
     n = _size(group)
+    assert op in ("all_reduce", "all_to_all"), op
+    sent = _all_reduce_bytes(nbytes, n) if op == "all_reduce" else (n - 1) * nbytes // n
     for _ in range(count if n > 1 else 0):
-        _record("all_reduce", _all_reduce_bytes(nbytes, n))
+        _record(op, sent)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Linear layers over local shards; the only places a layout's collectives happen in the model. Each has a
-`packed` slot that torch_shift.models.linear.prepare_linears fills (see there). And `ShardDecoder`: a shard of such
-layers run whole by the C++ decoder, its collectives inside the call."""
+`packed` slot that torch_shift.models.linear.prepare_linears fills (see there). And `ShardDecoder` and
+`UlyssesDecoder`: a shard of such layers run whole by the C++ decoder, its collectives inside the call."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch_shift.models.linear import PackedWeight, linear
 from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
+from torch_shift.parallel.ulysses import UlyssesAttention
 
 
 class PartsLinear(nn.Module):
@@ -115,11 +116,81 @@ class ShardDecoder:
         logits = self.decoder(input_ids, positions, logits_indices, attention)
         # the ledger counts the call's all-reduces (two a layer, [tokens, hidden] each), as the forward's
         model = self.decoder.model
-        comm.record_all_reduces(2 * len(model.layers), len(input_ids) * model.config.hidden_size
-                                * logits.element_size(), self.group)
+        comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
+                            * logits.element_size(), self.group)
         if self.vocab_size is None:
             return logits
         return comm.all_gather(logits, self.group, dim=-1)[..., : self.vocab_size]
+
+
+class UlyssesDecoder:
+    """A sequence-parallel rank's tokens of a dense model's step (the base layout of static SP or of Shift: every rank
+    holds its share of the step's tokens, all of its TP shard's heads) run by the C++ decoder: each layer's attention
+    runs Ulysses' two all-to-alls around the paged kernel inside the call (kernels/cpu_ops.cpp's, which
+    `UlyssesAttention.install_native` installs for a compiled forward's attention calls; the same protocol as the
+    Python path, which a rank without tokens runs meanwhile), the o and down projections' partial sums go through the
+    TP group's all-reduce where TP > 1, and the step's result is the rank's logits rows' hidden states, which the
+    caller gathers over "sp" for the LM head. A static SP-2 batch-1 decode step ran its one token's rank through the
+    compiled forward before (docs/performance.md)."""
+
+    def __init__(self, decoder: NativeDecoder, sp_group: dist.ProcessGroup, sp_communicator: int,
+                 tp_group: dist.ProcessGroup, tp_communicator: int | None):
+        self.decoder = decoder
+        self.sp_group, self.sp_communicator = sp_group, sp_communicator
+        self.tp_group, self.tp_communicator = tp_group, tp_communicator  # None: TP 1, nothing summed
+
+    @classmethod
+    def build(cls, model: nn.Module, sp_group: dist.ProcessGroup) -> UlyssesDecoder | None:
+        """The decoder of `model`'s shard (its o and down projections RowParallelLinear over the TP group, of one rank
+        or more), or None where it does not run it: native_decoder's checks, or a group without the shared-memory
+        communicator's C++ collectives."""
+        tp_group = getattr(model.layers[0].attn.o_proj, "group", None)
+        sp_communicator = comm.native_communicator(sp_group)
+        if tp_group is None or sp_communicator is None:
+            return None
+        tp_communicator = comm.native_communicator(tp_group) if tp_group.size() > 1 else None
+        if tp_group.size() > 1 and tp_communicator is None:
+            return None
+        decoder = NativeDecoder.build(model, tp_group, tp_communicator, head=False)
+        return None if decoder is None else cls(decoder, sp_group, sp_communicator, tp_group, tp_communicator)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_rows: torch.Tensor,
+             ulysses: UlyssesAttention) -> torch.Tensor | None:
+        """The hidden states [len(logits_rows), hidden] of this rank's `logits_rows` (indices into its tokens), or
+        None where the decoder does not take the step: more tokens than it runs, another attention inside Ulysses,
+        or other communicators than those it was built with (an emulated link's included)."""
+        if not self._takes(len(input_ids), ulysses):
+            return None
+        hidden = self.decoder(input_ids, positions, logits_rows, ulysses)
+        # the ledger counts the call's collectives as the forward's: two all-to-alls a layer over "sp", two
+        # all-reduces of [tokens, hidden] over "tp"
+        self._record_all_to_alls(ulysses)
+        model = self.decoder.model
+        comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
+                            * self.decoder.dtype.itemsize, self.tp_group)
+        return hidden
+
+    def attend(self, ulysses: UlyssesAttention) -> bool:
+        """This rank's part in a step that gives it no tokens (ShiftModule._attend_only: each layer's attention of its
+        head chunk over the other ranks' tokens) in one C++ call, its waits for their layers asleep; False (nothing
+        run) where the decoder does not take the step."""
+        if not self._takes(1, ulysses):
+            return False
+        self.decoder.attend(ulysses)
+        self._record_all_to_alls(ulysses)
+        return True
+
+    def _takes(self, num_tokens: int, ulysses: UlyssesAttention) -> bool:
+        return (self.decoder.runs(num_tokens, ulysses.inner)
+                and comm.native_communicator(self.sp_group) == self.sp_communicator
+                and (self.tp_communicator is None
+                     or comm.native_communicator(self.tp_group) == self.tp_communicator))
+
+    def _record_all_to_alls(self, ulysses: UlyssesAttention) -> None:
+        attn = self.decoder.model.layers[0].attn
+        for nbytes in ulysses.message_bytes(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                            self.decoder.dtype.itemsize):
+            comm.record_outside("all_to_all", len(self.decoder.model.layers), nbytes, self.sp_group)
 
 
 class RowParallelSparseMoe(nn.Module):

@@ -35,6 +35,7 @@ from torch_shift.parallel.layers import (
     RowParallelLinear,
     RowParallelSparseMoe,
     ShardDecoder,
+    UlyssesDecoder,
     VocabParallelLMHead,
 )
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
@@ -275,7 +276,8 @@ class ShiftModule(LayoutCounters, nn.Module):
                              index.to(base.embed_tokens.weight.device), persistent=False)
         self.reset_counters()  # both layouts' weights are resident: no reshard ever
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
-        self.native_decoders: dict[str, ShardDecoder] = {}  # a TP layout's small steps in C++ (native_decode)
+        # a layout's small steps in C++ (native_decode): a TP layout's, and the base layout's SP ranks' tokens
+        self.native_decoders: dict[str, ShardDecoder | UlyssesDecoder] = {}
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
         self.num_kv_layers = config.num_hidden_layers
@@ -327,14 +329,20 @@ class ShiftModule(LayoutCounters, nn.Module):
         seal(self.forwards.values())
 
     def native_decode(self) -> bool:
-        """Run the tensor-parallel layouts' steps of at most MAX_TOKENS tokens through one C++ call on each rank where
-        the model allows (torch_shift.models.native_decoder): the shift layout's, and the base layout's where it has
-        no sequence parallelism (static TP); whether any does. After `prepare_weights`: it reads the packed weights.
-        Batch-1 decode of the 106M model at TP-2, alternated with the compiled forward in one engine: 1.13x faster in
-        float32, 1.27x in bfloat16; Shift's TP steps 1.07x (docs/performance.md)."""
+        """Run each layout's steps of at most MAX_TOKENS tokens (a rank's share of them under SP) through one C++ call
+        on each rank where the model allows (torch_shift.models.native_decoder): the shift layout's and static TP's
+        shards (ShardDecoder), and the tokens of the base layout's SP ranks (UlyssesDecoder); whether any does. After
+        `prepare_weights`: it reads the packed weights. Batch-1 decode of the 106M model at TP-2, alternated with the
+        compiled forward in one engine: 1.13x faster in float32, 1.27x in bfloat16; Shift's TP steps 1.07x
+        (docs/performance.md)."""
         self.native_decoders = {}
-        for which, model in (("base", self.base if self.groups.sp == 1 else None), ("shift", self.shift)):
-            decoder = ShardDecoder.build(model) if model is not None else None
+        for which, model in (("base", self.base), ("shift", self.shift)):
+            if model is None:
+                continue
+            if which == "base" and self.groups.sp > 1:
+                decoder = UlyssesDecoder.build(model, self.groups.sp_group)
+            else:
+                decoder = ShardDecoder.build(model)
             if decoder is not None:
                 self.native_decoders[which] = decoder
         return bool(self.native_decoders)
@@ -356,6 +364,8 @@ class ShiftModule(LayoutCounters, nn.Module):
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                  logits_indices: torch.Tensor) -> torch.Tensor:
+        if which == "base" and self.groups.sp > 1:
+            return self._base_step(input_ids, positions, attention, logits_indices)
         native = self.native_decoders.get(which)
         logits = native.step(input_ids, positions, logits_indices, attention) if native is not None else None
         if logits is not None:
@@ -383,17 +393,24 @@ class ShiftModule(LayoutCounters, nn.Module):
         start = sum(counts[:sp_rank])
         n_local = counts[sp_rank]
         ulysses = UlyssesAttention(attention, self.groups.sp_group, counts, self.kv_send_index)
-        if n_local or self._experts_over_sp:
-            hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
-        else:
-            hidden = self._attend_only(ulysses)
         # the LM head needs the sampled positions' hidden states on every rank: each SP rank fills
         # the rows of its own tokens and a sum over "sp" assembles them
         local = logits_indices - start
         mine = (local >= 0) & (local < n_local)
-        if n_local:
-            rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
+        native = self.native_decoders.get("base") if n_local else None
+        mine_rows = (native.step(input_ids[start:start + n_local], positions[start:start + n_local], local[mine],
+                                 ulysses) if native is not None else None)
+        if mine_rows is not None:
+            rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
+            rows[mine] = mine_rows
+        elif n_local or self._experts_over_sp:
+            hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
+            if n_local:
+                rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
+            else:
+                rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
         else:
+            hidden = self._attend_only(ulysses)
             rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
         rows = comm.all_reduce(rows, self.groups.sp_group)
         return self.base.compute_logits(rows)
@@ -402,8 +419,12 @@ class ShiftModule(LayoutCounters, nn.Module):
         """A rank without rows in the step (fewer tokens than SP ranks): only its head chunk of each layer's
         attention over the other ranks' tokens, which the all-to-alls bring, instead of every layer's kernels on no
         rows (an SP-2 batch-1 decode step took 0.83-1.07x the time, median 0.93, alternated with that;
-        docs/performance.md). Returns the hidden states of no rows."""
+        docs/performance.md), all of it in one C++ call where the base layout's decoder takes the step. Returns the
+        hidden states of no rows."""
         weight = self.base.embed_tokens.weight
+        native = self.native_decoders.get("base")
+        if native is not None and native.attend(ulysses):
+            return weight.new_empty(0, self.config.hidden_size)
         # through the attention operator, as a compiled forward calls it: in C++ where Ulysses installs there
         attend = attention_op if isinstance(self.forwards["base"], CompiledForward) else ulysses
         with step_attention(ulysses):

@@ -70,6 +70,15 @@ class UlyssesAttention:
         back = comm.all_to_all(out, self.group)  # [SP (head chunk), n_max, hq_chunk * d]
         return back.view(sp, n_max, hq_chunk, d)[:, :n_local].transpose(0, 1).reshape(n_local, hq, d)
 
+    def message_bytes(self, num_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> tuple[int, int]:
+        """The sizes of the two all-to-alls' messages (bytes) for a layer of `num_heads` query and `num_kv_heads` KV
+        heads (TP-local), as `__call__` makes them: q, k and v of every head chunk for counts[0] tokens (the KV heads
+        repeated where `kv_send_index` says), and the attention's output."""
+        kv_heads = num_kv_heads if self.kv_send_index is None else len(self.kv_send_index)
+        rows = self.sp * self.counts[0]
+        return (rows * (num_heads + 2 * kv_heads) // self.sp * head_dim * element_size,
+                rows * num_heads // self.sp * head_dim * element_size)
+
     def install_native(self) -> bool:
         """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls then run
         both all-to-alls and the paged attention between them without Python: kernels/cpu_ops.cpp): where the inner
