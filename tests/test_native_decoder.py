@@ -229,18 +229,22 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
 
 # shards the GEMV reads whole (q/k/v 128 rows a TP rank), and at SP-2 x TP-2 one KV head a TP rank, repeated for its
 # two head chunks
-@pytest.mark.parametrize("layout", [dict(sp=2, family="llama", model=dict(num_key_value_heads=4)),
-                                    dict(sp=2, family="qwen2", model=dict(num_key_value_heads=4)),
-                                    dict(sp=2, tp=2, family="llama",
-                                         model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32))],
-                         ids=["sp2-llama", "sp2-qwen2", "sp2tp2-replicated-kv"])
+@pytest.mark.parametrize("layout", [
+    dict(sp=2, family=family, model=dict(num_key_value_heads=4))
+    for family in ("llama", "qwen2", "qwen3", "mistral_window")
+] + [dict(sp=2, family="llama", model=dict(num_key_value_heads=4), dtype=torch.bfloat16),
+     dict(sp=2, tp=2, family="llama", model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32))],
+    ids=["sp2-llama", "sp2-qwen2", "sp2-qwen3", "sp2-mistral_window", "sp2-llama-bf16", "sp2tp2-replicated-kv"])
 def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
     """Static SP's steps (no shift layout): each SP rank runs its share of a step's tokens in the C++ decoder, Ulysses'
     all-to-alls inside each layer's attention call and, at SP-2 x TP-2, its TP shard's all-reduces; a rank without
     tokens (a batch-1 decode) attends through the Python path's protocol meanwhile. The same tokens and logprobs, to
-    the last bit, as the eager forward's, and the same collectives counted (Qwen2's q/k/v bias; KV heads repeated for
-    the head chunks where SP x TP exceeds them)."""
+    the last bit, as the eager forward's, and the same collectives counted (Qwen2's q/k/v bias, Qwen3's q/k norms,
+    Mistral's window; KV heads repeated for the head chunks where SP x TP exceeds them)."""
     layout = dict(layout)
+    dtype = layout.pop("dtype", torch.float32)
+    if dtype not in DTYPES:
+        pytest.skip(f"{dtype} is not packed for the GEMV on this CPU")
     family, shape = layout.pop("family"), dict(hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
     shape.update(layout.pop("model"))
     model_dir = save_checkpoint(build_hf_model(family, **shape), tmp_path / family)
@@ -260,11 +264,13 @@ def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
     monkeypatch.setattr(NativeDecoder, "attend", attend)
     engine_args = dict(max_num_batched_tokens=MAX_TOKENS, shift_threshold=None, **layout)
     ledgers = [{}, {}]
-    expected = _generate(model_dir, torch.float32, native=False, ledger=ledgers[0], **engine_args)
+    engine_args["max_num_batched_tokens"] = min(MAX_TOKENS, 2 * _decoder_limit(dtype))  # each rank's half runs here
+    expected = _generate(model_dir, dtype, native=False, ledger=ledgers[0], **engine_args)
     assert not hidden_out and not attends.value
-    got = _generate(model_dir, torch.float32, native=True, ledger=ledgers[1], **engine_args)
+    got = _generate(model_dir, dtype, native=True, ledger=ledgers[1], **engine_args)
     assert got == expected
-    assert all(sp for sp, _ in hidden_out) and {1, MAX_TOKENS // 2} <= {n for _, n in hidden_out}
+    assert all(sp for sp, _ in hidden_out)
+    assert {1, engine_args["max_num_batched_tokens"] // 2} <= {n for _, n in hidden_out}
     assert attends.value  # the batch-1 decodes' rank without tokens attended in one call
     assert ledgers[1] == ledgers[0] and ledgers[0]["calls"]  # the decoder's all-to-alls counted as the forward's
 

@@ -318,7 +318,7 @@ class DecoderKernels:
         self.silu_mul.argtypes, self.silu_mul.restype = [ctypes.c_int, ctypes.c_int, ptr, i64, i64, ptr], ctypes.c_int
         self.note_silu_lanes = library.ts_note_silu_lanes  # for the C++ torch_shift::cpu_silu_mul
         self.note_silu_lanes.argtypes, self.note_silu_lanes.restype = [ctypes.c_int, i64, ctypes.c_int], None
-        self._collective_error = library.ts_collective_error  # why a tensor-parallel step's all-reduce failed
+        self._collective_error = library.ts_collective_error  # why a step's all-reduce or all-to-all failed
         self._collective_error.argtypes, self._collective_error.restype = [], ctypes.c_char_p
 
     def collective_error(self) -> str:

@@ -669,7 +669,7 @@ void* worker_main(void* arg) {
   const int w = static_cast<int>(reinterpret_cast<intptr_t>(arg));
   Prefetch prefetch;
   uint32_t seen = epoch.load(std::memory_order_acquire);
-  IdleSpin idle(kSpinBeforeSleepNs);
+  IdleSpin idle(kSpinBeforeSleepNs, 1);  // each spin yields the core (below)
   for (;;) {
     if (stopping.load(std::memory_order_acquire)) return nullptr;
 #ifdef TS_TEST_WORKER_PAUSE_US  // tests/test_decode_pool.py: the window between the two looks at `stopping`, widened

@@ -23,12 +23,15 @@
 #include <unistd.h>
 #endif
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <initializer_list>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -397,8 +400,10 @@ constexpr int64_t kSeqWord = 0, kSleepingWord = 4;  // shm.py's header row
 constexpr int64_t kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // and parity block
 constexpr int64_t kSpinNs = 1'000'000;
 // An idle rank's wait (ShmStep::publish_and_wait): SP-2 batch-1 decode's rank without tokens waits about a layer's
-// linears for each layer's q/k/v (1.3 ms of the 106M model in float32), spinning through most of it beside the other
-// rank's GEMVs on its core, then in Python
+// linears for each layer's q/k/v (1.3 ms of the 106M model in float32). Spinning for 1 ms and then waiting in Python,
+// it took that time from the working rank's decode pool worker on its core; asleep here, it does not (a step 10.2-13.1
+// ms before, 8.0-8.8 with the decoder's own changes; docs/performance.md). A compiled forward's call holds the GIL
+// while it sleeps, at most kIdleSleepNs; then Python's wait (deadline, liveness) takes over.
 constexpr int64_t kIdleSpinNs = 50'000, kIdleSleepNs = 50'000'000, kMaxSleepNs = 10'000'000;
 std::mutex shm_mutex;
 std::unordered_map<int64_t, ShmComm>& shm_comms() {
@@ -414,6 +419,25 @@ std::optional<ShmComm> find_comm(int64_t communicator) {
   if (it == shm_comms().end()) return std::nullopt;
   return it->second;
 }
+
+// An idle rank's recent waits that outlasted the spin: the shortest of them is when its peers are next expected to
+// publish (a layer's linears on the working rank: the layers are alike). It sleeps until kIdleWakeEarlyNs before that,
+// then spins until kIdleSpinLateNs after, then sleeps until woken (the wait across a step's end, longer). Asleep
+// until the peer's publish woke it, the working rank's exchange took 0.16 ms a layer for about 0.04 ms of work.
+// SP-2 batch-1 decode, alternated: bf16 4.8-5.5 ms a step against 5.6-7.0 asleep until woken, float32 8.0-8.7
+// against 8.1-9.4. One forward thread a process: a rank's Ulysses waits are one at a time.
+struct IdleWaits {
+  int64_t lengths[8] = {};
+  int next = 0;
+  int64_t expected() const { return *std::min_element(std::begin(lengths), std::end(lengths)); }
+  void add(int64_t ns) {
+    if (ns <= kIdleSpinNs) return;
+    lengths[next] = ns;
+    next = (next + 1) % 8;
+  }
+};
+IdleWaits idle_waits;
+constexpr int64_t kIdleWakeEarlyNs = 150'000, kIdleSpinLateNs = 300'000;
 
 // One step of the protocol (shm.py): the step's number, and where this rank's slot and a rank's fields are
 struct ShmStep {
@@ -452,22 +476,25 @@ struct ShmStep {
     }
 #endif
     const auto start = std::chrono::steady_clock::now();
-    const std::chrono::nanoseconds spin(idle ? kIdleSpinNs : kSpinNs);
-    const std::chrono::nanoseconds limit(idle ? kIdleSpinNs + kIdleSleepNs : kSpinNs);
+    const int64_t spin = idle ? kIdleSpinNs : kSpinNs, limit = idle ? kIdleSpinNs + kIdleSleepNs : kSpinNs;
+    const int64_t expected = idle ? idle_waits.expected() : 0;
     for (int64_t p = 0; p < c.world_size; ++p) {
       if (p == c.rank) continue;
       const int64_t* peer_seq = header + p * c.row_words + kSeqWord;
       while (load_word(peer_seq) < step) {
-        const auto waited = std::chrono::steady_clock::now() - start;
+        const int64_t waited = (std::chrono::steady_clock::now() - start).count();
         if (waited > limit) return false;
-        if (waited < spin)
+        if (waited < spin || (waited >= expected - kIdleWakeEarlyNs && waited < expected + kIdleSpinLateNs))
           sched_yield();  // as the Python wait: more ranks than cores still make progress
+        else if (waited < expected - kIdleWakeEarlyNs)
+          sleep_on(peer_seq, expected - kIdleWakeEarlyNs - waited);  // woken by the timer, or by the peer
         else
-          sleep_on(peer_seq, std::min<int64_t>(kMaxSleepNs, (limit - waited).count()));
+          sleep_on(peer_seq, std::min(kMaxSleepNs, limit - waited));
       }
       if (block(p)[kSignatureWord] != signature || block(p)[kNbytesWord] != nbytes || block(p)[kAuxWord] != aux)
         return false;
     }
+    if (idle) idle_waits.add((std::chrono::steady_clock::now() - start).count());
     return true;
   }
 
@@ -482,7 +509,12 @@ struct ShmStep {
     if (seen < step) {
       const timespec timeout{static_cast<time_t>(timeout_ns / 1'000'000'000),
                              static_cast<long>(timeout_ns % 1'000'000'000)};
-      syscall(SYS_futex, peer_seq, FUTEX_WAIT, static_cast<uint32_t>(seen & 0xFFFFFFFF), &timeout, nullptr, 0);
+      const uint32_t low = static_cast<uint32_t>(seen & 0xFFFFFFFF);
+      if (syscall(SYS_futex, peer_seq, FUTEX_WAIT, low, &timeout, nullptr, 0) != 0 && errno != EAGAIN &&
+          errno != ETIMEDOUT && errno != EINTR) {
+        const timespec nap{0, std::min<long>(1'000'000, static_cast<long>(timeout_ns))};
+        nanosleep(&nap, nullptr);  // futexes refused (a sandbox): naps of at most 1 ms, as shm.py's
+      }
     }
     __atomic_store_n(sleeping, 0, __ATOMIC_SEQ_CST);
 #else

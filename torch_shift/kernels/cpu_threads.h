@@ -26,14 +26,16 @@ int64_t now_ns() {
   return t.tv_sec * 1'000'000'000LL + t.tv_nsec;
 }
 
-// A thread without work spins, reading the clock every 1024 spins; `spun()` is true once it has spun `sleep_after_ns`
-// since it last had work (`busy()`, also after it slept): time to sleep.
+// A thread without work spins, reading the clock every `spins_per_check` spins (1024 where a spin is a pause; 1 where
+// it yields the core, which may take a scheduler's slice); `spun()` is true once it has spun `sleep_after_ns` since it
+// last had work (`busy()`, also after it slept): time to sleep.
 class IdleSpin {
  public:
-  explicit IdleSpin(int64_t sleep_after_ns) : sleep_after_ns_(sleep_after_ns) {}
+  explicit IdleSpin(int64_t sleep_after_ns, int spins_per_check = 1024)
+      : sleep_after_ns_(sleep_after_ns), spins_per_check_(spins_per_check) {}
   void busy() { since_ = -1; }
   bool spun() {
-    if (++spins_ < 1024) return false;
+    if (++spins_ < spins_per_check_) return false;
     spins_ = 0;
     const int64_t now = now_ns();
     if (since_ < 0) {
@@ -45,6 +47,7 @@ class IdleSpin {
 
  private:
   int64_t sleep_after_ns_;
+  int spins_per_check_;
   int64_t since_ = -1;
   int spins_ = 0;
 };

@@ -137,8 +137,8 @@ def _(x: torch.Tensor, communicator: int) -> torch.Tensor:
 
 
 @contextmanager
-def recording(ledger: CommLedger):
-    """Count the collectives run inside the block into `ledger`."""
+def recording(ledger: CommLedger | None):
+    """Count the collectives run inside the block into `ledger` (None: none counted)."""
     global _ledger
     previous, _ledger = _ledger, ledger
     try:

@@ -127,10 +127,11 @@ class UlyssesDecoder:
     """A sequence-parallel rank's tokens of a dense model's step (the base layout of static SP or of Shift: every rank
     holds its share of the step's tokens, all of its TP shard's heads) run by the C++ decoder: each layer's attention
     runs Ulysses' two all-to-alls around the paged kernel inside the call (kernels/cpu_ops.cpp's, which
-    `UlyssesAttention.install_native` installs for a compiled forward's attention calls; the same protocol as the
-    Python path, which a rank without tokens runs meanwhile), the o and down projections' partial sums go through the
-    TP group's all-reduce where TP > 1, and the step's result is the rank's logits rows' hidden states, which the
-    caller gathers over "sp" for the LM head. A static SP-2 batch-1 decode step ran its one token's rank through the
+    `UlyssesAttention.install_native` installs for a compiled forward's attention calls too; the same protocol as the
+    Python path, so a rank whose step the decoder declines still exchanges with the others), the o and down
+    projections' partial sums go through the TP group's all-reduce where TP > 1, and the step's result is the rank's
+    logits rows' final hidden states, which the caller gathers over "sp" for the LM head. A rank given no tokens
+    (fewer than SP ranks) attends for the others in one call (`attend`). Static SP-2's batch-1 decode ran the
     compiled forward before (docs/performance.md)."""
 
     def __init__(self, decoder: NativeDecoder, sp_group: dist.ProcessGroup, sp_communicator: int,
@@ -161,7 +162,8 @@ class UlyssesDecoder:
         or other communicators than those it was built with (an emulated link's included)."""
         if not self._takes(len(input_ids), ulysses):
             return None
-        hidden = self.decoder(input_ids, positions, logits_rows, ulysses)
+        with comm.recording(None):  # a layer whose exchange falls back to Python's path (counted below, once)
+            hidden = self.decoder(input_ids, positions, logits_rows, ulysses)
         # the ledger counts the call's collectives as the forward's: two all-to-alls a layer over "sp", two
         # all-reduces of [tokens, hidden] over "tp"
         self._record_all_to_alls(ulysses)
@@ -176,7 +178,8 @@ class UlyssesDecoder:
         run) where the decoder does not take the step."""
         if not self._takes(1, ulysses):
             return False
-        self.decoder.attend(ulysses)
+        with comm.recording(None):
+            self.decoder.attend(ulysses)
         self._record_all_to_alls(ulysses)
         return True
 

@@ -30,8 +30,9 @@ load or store.
 
 The all-reduce of compiled forwards (`torch_shift::shm_all_reduce`) and the all-to-alls of their Ulysses attention
 (torch_shift.parallel.ulysses) run this protocol in C++ on the same words (kernels/cpu_ops.cpp, `register_native`),
-sharing the step and collective counters with this class: they spin for their peers for up to 1 ms, then hand the
-rest to `resume_all_reduce` / `resume_all_to_all`, so waits, deadlines and errors are this module's.
+sharing the step and collective counters with this class: they spin for their peers for up to 1 ms (an SP rank
+without tokens, which waits a whole layer for the others' q/k/v, spins 50 us and then sleeps as below for up to
+50 ms), then hand the rest to `resume_all_reduce` / `resume_all_to_all`, so deadlines and errors are this module's.
 
 Waiting and failure: a rank waits by spinning on the counters with sched_yield between checks (so that more
 ranks than cores make progress) for 1 ms, then asleep on the counter of the first peer it still waits for (a futex

@@ -12,7 +12,8 @@ equivalent of paper 000, Alg. 1). That keeps q, k and v in one all-to-all; it se
 replicated heads once each instead of running Alg. 1's all-to-all plus all-gather.
 
 In a compiled CPU forward whose SP group shares memory, both all-to-alls and the paged attention between them run
-in C++ (`install_native`; kernels/cpu_ops.cpp), on the same protocol as this Python path.
+in C++ (`install_native`; kernels/cpu_ops.cpp), on the same protocol as this Python path; so do the C++ decoder's
+steps of an SP rank (torch_shift.parallel.layers.UlyssesDecoder).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ class UlyssesAttention:
                 rows * num_heads // self.sp * head_dim * element_size)
 
     def install_native(self) -> bool:
-        """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls then run
-        both all-to-alls and the paged attention between them without Python: kernels/cpu_ops.cpp): where the inner
-        attention installs natively and the SP group's collectives run through a shared-memory communicator in C++.
-        False (nothing installed) otherwise."""
+        """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls, and the C++
+        decoder's, then run both all-to-alls and the paged attention between them without Python: kernels/cpu_ops.cpp):
+        where the inner attention installs natively and the SP group's collectives run through a shared-memory
+        communicator in C++. False (nothing installed) otherwise."""
         from torch_shift.kernels import native_attention
 
         install = getattr(self.inner, "install_native", None)
