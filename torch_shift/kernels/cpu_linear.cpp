@@ -703,8 +703,8 @@ void* worker_main(void* arg) {
     }
     if (prefetch.step()) continue;
     // the core to any other thread that wants it (SP-2 batch-1 decode: the rank without tokens, woken for each layer's
-    // attention on this worker's core, waited for the worker's time slice; a step took 8.0-8.8 ms against 9.0-13.0
-    // with a pause here, alternated; one rank's steps level)
+    // attention on this worker's core, waited for the worker's time slice; a float32 step took 7.9-8.8 ms against
+    // 9.0-13.0 with a pause here, alternated; one rank's steps level)
     sched_yield();
     if (!idle.spun()) continue;
     sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -401,9 +401,9 @@ constexpr int64_t kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord
 constexpr int64_t kSpinNs = 1'000'000;
 // An idle rank's wait (ShmStep::publish_and_wait): SP-2 batch-1 decode's rank without tokens waits about a layer's
 // linears for each layer's q/k/v (1.3 ms of the 106M model in float32). Spinning for 1 ms and then waiting in Python,
-// it took that time from the working rank's decode pool worker on its core; asleep here, it does not (a step 10.2-13.1
-// ms before, 8.0-8.8 with the decoder's own changes; docs/performance.md). A compiled forward's call holds the GIL
-// while it sleeps, at most kIdleSleepNs; then Python's wait (deadline, liveness) takes over.
+// it took that time from the working rank's decode pool worker on its core; asleep here, it does not (float32 steps
+// of 10.0-14.0 ms before, 8.0-8.7 after, with the decoder's own changes; docs/performance.md). A compiled forward's
+// call holds the GIL while it sleeps, at most kIdleSleepNs; then Python's wait (deadline, liveness) takes over.
 constexpr int64_t kIdleSpinNs = 50'000, kIdleSleepNs = 50'000'000, kMaxSleepNs = 10'000'000;
 std::mutex shm_mutex;
 std::unordered_map<int64_t, ShmComm>& shm_comms() {
