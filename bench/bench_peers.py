@@ -20,10 +20,11 @@ against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP
 GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt: its linear layers',
 causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate, and batch-1 TPOT against the
 weights' bytes over the bandwidth measured just before and after that engine's own run (the machine's read rate
-moved between 30 and 51 GB/s within an hour), and, for a torch_shift engine of one process, against its own
-matmuls run alone (every packed weight through the GEMV at one row, on its decode pool, in the same process, timed
-just before and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over
-its two timings' mean, what a step costs beyond reading its weights).
+moved between 30 and 51 GB/s within an hour), and, for every torch_shift engine, against the model's matmuls run
+alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's process: a
+layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed just before
+and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over its two
+timings' mean, what a step costs beyond reading its weights).
 """
 
 from __future__ import annotations
@@ -103,13 +104,14 @@ def run_torch_shift(spec: dict) -> dict:
     single = spec["single"]
     timed([single["prompt"]], [2])  # warm-up
     ttft = min(timed([single["prompt"]], [1])[0] for _ in range(spec["repeats"]))
+    weights = gemv_weights(llm, spec["model"], spec["engine_args"].get("dtype", "float32"))
     # each generation between two timings of the step's matmuls alone: its TPOT over their mean is one pair's
     # TPOT / GEMVs (the machine's read rate drifts within minutes, so the two are set side by side, not apart)
     fulls, alone, paired = [], [], []
     for _ in range(spec["repeats"]):
-        before = weights_read_alone(llm)
+        before = weights_read_alone(weights)
         fulls.append(timed([single["prompt"]], [single["max_tokens"]])[0])
-        after = weights_read_alone(llm)
+        after = weights_read_alone(weights)
         if before and after:
             alone += [before, after]
             paired.append((fulls[-1] - ttft) / (single["max_tokens"] - 1) / ((before + after) / 2))
@@ -127,29 +129,48 @@ def run_torch_shift(spec: dict) -> dict:
             "steps_by_layout": stats["steps_by_layout"]}
 
 
-def weights_read_alone(llm) -> float | None:
-    """The time a batch-1 decode step's matmuls take alone in this engine's process: every packed weight of the
-    model through the GEMV kernel at one row, back to back on its decode pool (as a pooled step runs them), the
+def gemv_weights(llm, model_dir: str, dtype: str) -> list | None:
+    """The whole model's packed weights in this process: the engine's own where rank 0 holds them all (one rank),
+    else a copy loaded and packed here for the reference alone (a layout of several ranks, each holding a shard; the
+    copy is never served). None where a weight does not run the GEMV."""
+    import torch
+
+    from torch_shift.models.linear import prepare_linears
+    from torch_shift.models.loader import load_model
+
+    runner = llm.engine.worker.runner if llm.engine.worker is not None else None
+    if runner is None:
+        return None
+    if runner.deployment.world_size == 1:
+        model = runner.model
+    else:
+        model = load_model(model_dir, getattr(torch, dtype))
+        prepare_linears(model)
+    weights = list({id(m.packed): m.packed for m in model.modules() if getattr(m, "packed", None) is not None}.values())
+    if not weights or any(getattr(w, "gemv", None) is None for w in weights):
+        return None
+    return weights
+
+
+def weights_read_alone(weights: list | None) -> float | None:
+    """The time a batch-1 decode step's matmuls take alone: every packed weight of the model (`gemv_weights`) through
+    the GEMV kernel at one row, back to back on the decode pool over every core of the host (as a pooled step of one
+    rank runs them; a layout of several ranks reads the same bytes on the same cores, its ranks idle meanwhile), the
     best of 10 passes. A reference for TPOT that moves with the machine's phases as the step does, unlike a
-    streaming sum measured apart. None where rank 0 does not hold the whole model (several ranks) or a weight does
-    not run the GEMV."""
+    streaming sum measured apart. None where `weights` is."""
     import torch
 
     from torch_shift.kernels import arm_gemv_pool
 
-    runner = llm.engine.worker.runner if llm.engine.worker is not None else None
-    if runner is None or runner.deployment.world_size != 1:
+    if weights is None:
         return None
-    weights = {id(m.packed): m.packed for m in runner.model.modules() if getattr(m, "packed", None) is not None}
-    if not weights or any(getattr(w, "gemv", None) is None for w in weights.values()):
-        return None
-    rows = {w.in_features: torch.randn(1, w.in_features).to(w.dtype) for w in weights.values()}
+    rows = {w.in_features: torch.randn(1, w.in_features).to(w.dtype) for w in weights}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     arm_gemv_pool(max(0, (os.cpu_count() or 1) - 1))
     try:
         with torch.inference_mode():
-            return _best(lambda: [w(rows[w.in_features], None) for w in weights.values()])
+            return _best(lambda: [w(rows[w.in_features], None) for w in weights])
     finally:
         arm_gemv_pool(0)
         torch.set_num_threads(threads)
