@@ -522,9 +522,9 @@ void ts_decoder_destroy(void* decoder) {
 // docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
 // a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
 // step (below) runs, -300 where a tensor-parallel rank's all-reduce or a sequence-parallel rank's all-to-all failed
-// (ts_collective_error); else the failing
-// kernel's code. A rank's shard writes its LM head's rows (logits [num_logits, lm_head_rows]) and no argmax; a decoder
-// without an LM head the rows' final hidden states, after the model's last norm (logits [num_logits, hidden]).
+// (ts_collective_error); else the failing kernel's code. A rank's shard writes its LM head's rows (logits
+// [num_logits, lm_head_rows]) and no argmax; a decoder without an LM head the rows' final hidden states, after the
+// model's last norm (logits [num_logits, hidden]), and no argmax.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);

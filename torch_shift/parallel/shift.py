@@ -333,7 +333,8 @@ class ShiftModule(LayoutCounters, nn.Module):
         on each rank where the model allows (torch_shift.models.native_decoder): the shift layout's and static TP's
         shards (ShardDecoder), and the tokens of the base layout's SP ranks (UlyssesDecoder); whether any does. After
         `prepare_weights`: it reads the packed weights. Batch-1 decode of the 106M model at TP-2, alternated with the
-        compiled forward in one engine: 1.13x faster in float32, 1.27x in bfloat16; Shift's TP steps 1.07x
+        compiled forward in one engine: 1.13x faster in float32, 1.27x in bfloat16; Shift's TP steps 1.07x; static
+        SP-2's about 1.05x (0.95-1.14 over eight runs), most of its gain being the idle rank's waits asleep
         (docs/performance.md)."""
         self.native_decoders = {}
         for which, model in (("base", self.base), ("shift", self.shift)):
