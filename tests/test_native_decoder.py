@@ -238,7 +238,7 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
 def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
     """Static SP's steps (no shift layout): each SP rank runs its share of a step's tokens in the C++ decoder, Ulysses'
     all-to-alls inside each layer's attention call and, at SP-2 x TP-2, its TP shard's all-reduces; a rank without
-    tokens (a batch-1 decode) attends through the Python path's protocol meanwhile. The same tokens and logprobs, to
+    tokens (a batch-1 decode) attends for the others in one C++ call meanwhile. The same tokens and logprobs, to
     the last bit, as the eager forward's, and the same collectives counted (Qwen2's q/k/v bias, Qwen3's q/k norms,
     Mistral's window; KV heads repeated for the head chunks where SP x TP exceeds them)."""
     layout = dict(layout)
