@@ -553,22 +553,30 @@ at::Tensor shm_all_reduce(const at::Tensor& x, int64_t communicator) {
 // deadline: its Python wait raised), the message in ts_collective_error.
 std::string collective_error;
 
+// `collective()` for the decoder's C callers, which nothing may unwind through: 0, or -300 with the exception's message
+// (or `what` where it has none) in collective_error
+template <typename Collective>
+int collective_code(const char* what, Collective collective) {
+  try {
+    collective();
+    return 0;
+  } catch (const std::exception& e) {
+    collective_error = e.what();
+  } catch (...) {
+    collective_error = what;
+  }
+  return -300;
+}
+
 }  // namespace
 
 extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols) {
-  try {
+  return collective_code("the all-reduce failed", [&] {
     const at::Tensor x = at::from_blob(data, {rows, cols}, at::TensorOptions().dtype(dtype == 0 ? at::kFloat
                                                                                                    : at::kBFloat16));
     const at::Tensor out = shm_all_reduce(x, communicator).contiguous();
     std::memcpy(data, out.data_ptr(), x.numel() * x.element_size());
-    return 0;
-  } catch (const std::exception& e) {
-    collective_error = e.what();
-    return -300;
-  } catch (...) {  // nothing unwinds through the decoder's C callers
-    collective_error = "the all-reduce failed";
-    return -300;
-  }
+  });
 }
 
 extern "C" const char* ts_collective_error() { return collective_error.c_str(); }
@@ -830,7 +838,7 @@ int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_
                       int64_t head_dim, int64_t window, void* out) {
   if (copy == nullptr && !step_installed) return -100;
   if (copy == nullptr && ulysses_installed) {
-    try {
+    return collective_code("Ulysses' all-to-all failed", [&] {
       const at::TensorOptions options = at::TensorOptions().dtype(step.dtype);
       auto view = [&](const void* p, int64_t heads, int64_t row_stride, int64_t head_stride) {
         return at::from_blob(const_cast<void*>(p), {num_tokens, heads, head_dim}, {row_stride, head_stride, 1},
@@ -841,14 +849,7 @@ int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_
           view(v, num_kv_heads, v_row_stride, v_head_stride), layer_idx, std::nullopt,
           window >= 0 ? std::optional<int64_t>(window) : std::nullopt);
       std::memcpy(out, attended.contiguous().data_ptr(), attended.numel() * attended.element_size());
-      return 0;
-    } catch (const std::exception& e) {
-      collective_error = e.what();
-      return -300;
-    } catch (...) {  // nothing unwinds through the decoder's C callers
-      collective_error = "Ulysses' all-to-all failed";
-      return -300;
-    }
+    });
   }
   const PagedStep& s = copy != nullptr ? static_cast<const PagedStepCopy*>(copy)->step : step;
   return attend(s, layer_idx, q, q_row_stride, q_head_stride, k, k_row_stride, k_head_stride, v, v_row_stride,

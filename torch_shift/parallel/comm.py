@@ -187,13 +187,17 @@ def _all_reduce_bytes(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n  # ring all-reduce: each rank sends 2 (n - 1) / n of the tensor
 
 
+def _all_to_all_bytes(nbytes: int, n: int) -> int:
+    return (n - 1) * nbytes // n  # equal parts: each rank keeps its own 1 / n
+
+
 def record_outside(op: str, count: int, nbytes: int, group: dist.ProcessGroup) -> None:
     """Count `count` collectives `op` ("all_reduce" or "all_to_all" of equal parts) of tensors of `nbytes` over
     `group` that ran outside this module (inside the C++ decoder's call: torch_shift.parallel.layers'
     ShardDecoder and UlyssesDecoder), as the functions below count their own."""
     n = _size(group)
     assert op in ("all_reduce", "all_to_all"), op
-    sent = _all_reduce_bytes(nbytes, n) if op == "all_reduce" else (n - 1) * nbytes // n
+    sent = (_all_reduce_bytes if op == "all_reduce" else _all_to_all_bytes)(nbytes, n)
     for _ in range(count if n > 1 else 0):
         _record(op, sent)
 
@@ -222,7 +226,7 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, input_split_sizes: lis
         return x
     row_bytes = x[:1].numel() * x.element_size()
     if input_split_sizes is None:
-        nbytes = (n - 1) * x.numel() * x.element_size() // n
+        nbytes = _all_to_all_bytes(x.numel() * x.element_size(), n)
     else:
         nbytes = (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)]) * row_bytes
     _record("all_to_all", nbytes)
