@@ -58,15 +58,25 @@ def counted(monkeypatch):
     return calls
 
 
+class Launches(list):
+    drawn: list[bool]
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = []
+
+
 @pytest.fixture
 def launches(monkeypatch):
-    """Steps launched on the C++ decoder's thread: whether each read its input ids there (placeholders)."""
-    read_there = []
+    """Steps launched on the C++ decoder's thread: whether each read its input ids there (placeholders); `.drawn`:
+    whether each drew its tokens there (with a sampler's draws, not by argmax)."""
+    read_there = Launches()
     original = NativeDecoder.launch
 
-    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None):
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None):
         read_there.append(placeholders is not None)
-        return original(self, input_ids, positions, logits_indices, attention, placeholders)
+        read_there.drawn.append(draws is not None)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders, draws)
 
     monkeypatch.setattr(NativeDecoder, "launch", launch)
     return read_there
@@ -375,14 +385,18 @@ def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, launches):
     """Asynchronous scheduling on the CPU (on by default where the C++ decoder runs): small steps launched on the
-    C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from the argmax rows
-    of the step before. Greedy and seeded sampled requests (these wait for their step before they draw), a stop
-    token, prompts arriving while others decode, a request with logprobs (whose steps are synchronous) and an abort
-    with a step in flight: the synchronous engine's tokens and finish reasons, every KV block returned."""
+    C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from the tokens of
+    the step before, which that thread drew (the argmax, or for sampled requests with the uniforms the sampler took
+    before the step). Greedy and seeded sampled requests (temperature, top-k, top-p, min-p), a stop token, prompts
+    arriving while others decode, a request with logprobs (whose steps are synchronous), one with a logit bias (whose
+    draws are the host's) and an abort with a step in flight: the synchronous engine's tokens and finish reasons,
+    every KV block returned."""
     _, model_dir = families("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, [30, 7, 12, 3, 21], seed=5)]
-    params = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=i != 2,
-                             stop_token_ids=list(range(3, 512, 7)) if i == 2 else []) for i in range(5)]
+    sampled = {1: {"top_k": 20}, 3: {"top_p": 0.7, "min_p": 0.02}, 4: {"temperature": 1.3}}
+    params = [SamplingParams(**{"max_tokens": 40, "temperature": 0.0 if i % 2 == 0 else 0.8, "seed": i,
+                                "ignore_eos": i != 2, "stop_token_ids": list(range(3, 512, 7)) if i == 2 else [],
+                                **sampled.get(i, {})}) for i in range(5)]
     results = []
     for mode in (False, True):
         # the default (None) on the CPU: on where the runner launches the decoder's steps
@@ -393,6 +407,9 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, lau
         runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts[:2], [params[0], SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True)],
+                             use_tqdm=False)
+        outs += llm.generate(prompts[2:4], [params[3], SamplingParams(max_tokens=20, temperature=0.8, seed=9,
+                                                                      logit_bias={5: 3.0}, ignore_eos=True)],
                              use_tqdm=False)
         engine = llm.engine
         engine.add_request("aborted", prompts[1]["prompt_token_ids"],
@@ -408,6 +425,7 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, lau
     assert results[0] == results[1]
     assert any(r[1] == "stop" for r in results[0])
     assert sum(launches) >= 20 and not all(launches)  # placeholders read on the decoder's thread, and on the host
+    assert sum(launches.drawn) >= 20 and not all(launches.drawn)  # sampled there, and greedy steps by argmax
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")

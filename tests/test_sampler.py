@@ -1,14 +1,17 @@
 """The sampler's draw: the distribution it draws from (temperature, top-k, top-p, min-p), tokens of probability 0
-never drawn, and a seeded request's draws independent of how its rows are batched."""
+never drawn, and a seeded request's draws independent of how its rows are batched; the CPU kernel's draw against its
+definition, and PyTorch's where the kernel does not run."""
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from torch_shift.engine.request import Request
 from torch_shift.engine.sampler import Sampler, draw_uniforms, inverse_cdf
 from torch_shift.engine.sampling_params import SamplingParams
+from torch_shift.models.fused import sample_rows
 
 
 def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,3 +91,73 @@ def test_seeded_rows_drawn_together_or_one_by_one_agree():
     draw_uniforms(skipped.generator, 5)
     assert torch.equal(together.generator.get_state(), alone.generator.get_state())
     assert torch.equal(skipped.generator.get_state(), alone.generator.get_state())
+
+
+def _reference_weights(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """sample_row's weights by its definition, in float64: x = logits / temperature (float32), exp(x - max), the
+    top_k largest, the top_p mass of the largest (ties by index), the weights below min_p of the largest dropped."""
+    x = logits.astype(np.float32) / np.float32(temperature)
+    order = np.lexsort((np.arange(len(x)), -x.astype(np.float64)))  # largest first, ties by index
+    keep = np.ones(len(x), dtype=bool)
+    if 0 < top_k < len(x):
+        keep[order[top_k:]] = False
+    w = np.where(keep, np.exp(x.astype(np.float64) - x.max()), 0.0)
+    if top_p < 1.0:
+        before = np.cumsum(w[order]) - w[order]
+        cut = order[(before >= top_p * w.sum()) & (np.arange(len(x)) > 0)]
+        w[cut] = 0.0
+    return np.where(w < min_p, 0.0, w)
+
+
+@pytest.mark.parametrize("vocab, temperature, top_k, top_p, min_p", [
+    (100, 1.0, 0, 1.0, 0.0), (3000, 0.7, 40, 1.0, 0.0), (3000, 1.2, 0, 0.9, 0.0), (50_000, 2.0, 0, 0.95, 0.0),
+    (50_000, 0.8, 1000, 0.5, 0.05), (257, 0.5, 0, 1.0, 0.1)])
+def test_the_cpu_kernels_draw_is_the_inverse_cdf_of_its_definition(vocab, temperature, top_k, top_p, min_p):
+    """models.fused.sample_rows (the C++ draw that the host's sampler and the C++ decoder's launched steps run)
+    against its definition in float64: at uniforms across [0, 1), the token drawn is the one whose cumulative weight
+    first exceeds the uniform times the total, to the kernel's rounding (its exp is good to about 2 ulp), and never
+    one of weight 0. Large vocabularies with top-p walk its floors (only the weights above a floor are sorted)."""
+    generator = np.random.default_rng(vocab)
+    logits = (generator.standard_normal(vocab) * 3).astype(np.float32)
+    logits[generator.integers(0, vocab, 5)] = -np.inf
+    weights = _reference_weights(logits, temperature, top_k, top_p, min_p)
+    cumulative = np.cumsum(weights)
+    total = cumulative[-1]
+    uniforms = np.concatenate([np.linspace(0.0, 1.0 - 2 ** -24, 199), generator.random(200)]).astype(np.float32)
+    draws = np.empty((5, len(uniforms)), dtype=np.float32)
+    draws[:4] = np.array([temperature, top_k, top_p, min_p], dtype=np.float32)[:, None]
+    draws[4] = uniforms
+    rows = torch.from_numpy(logits).repeat(len(uniforms), 1)
+    tokens = sample_rows(rows, draws)
+    assert tokens is not None, "the CPU kernels are built in CI"
+    tokens = tokens.numpy()
+    assert (weights[tokens] > 0).all()
+    target = uniforms.astype(np.float64) * total
+    tolerance = 1e-5 * total
+    assert (cumulative[tokens] - weights[tokens] <= target + tolerance).all()
+    assert (cumulative[tokens] >= target - tolerance).all()
+    assert len(set(tokens.tolist())) > 1
+    bf16 = sample_rows(rows.bfloat16(), draws).numpy()  # a bfloat16 row draws as its float32 values
+    assert (bf16 == sample_rows(rows.bfloat16().float(), draws).numpy()).all()
+
+
+def test_the_cpu_kernels_draw_at_the_edges():
+    """Temperature 0 draws the argmax (the first of equal maxima); a row with a NaN draws its argmax (the first NaN),
+    as does a row of -inf only; a row with one finite value draws it at any uniform."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0],
+                           [0.5, float("nan"), 1.0, 0.0],
+                           [float("-inf")] * 4,
+                           [float("-inf"), float("-inf"), 3.0, float("-inf")]])
+    for u in (0.0, 0.5, 1.0 - 2 ** -24):
+        draws = np.array([[0.0, 1.0, 1.0, 1.0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [u] * 4], dtype=np.float32)
+        assert sample_rows(logits, draws).tolist() == [1, 1, 0, 2]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, top_k=5),
+                                    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05)])
+def test_pytorchs_draw_follows_the_distribution_too(params, monkeypatch):
+    """Where the CPU kernel does not run (a GPU, no compiler), PyTorch's operators draw, with the same uniforms."""
+    import torch_shift.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "sample_rows", lambda logits, draws: None)
+    test_draws_follow_the_distribution(params)

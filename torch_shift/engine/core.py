@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torch_shift.engine.model_runner import StepResult
@@ -37,8 +38,9 @@ from torch_shift.models.native_decoder import LaunchedStep
 # may return before its logits are written (StepResult.launched)
 Executor = Callable[..., StepResult]
 SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[int]]]
-SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list, LaunchedStep | None],
+SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list, LaunchedStep | None, np.ndarray | None],
                             tuple[list[Request], torch.Tensor | None]]
+DrawsFn = Callable[[list[list[ScheduledRequest]]], np.ndarray | None]
 
 
 @dataclass
@@ -74,14 +76,16 @@ class _InFlight:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, plan_builder: PlanBuilder, executor: Executor, sample: SampleFn,
                  stats: EngineStats, speculator: Speculator | None = None,
-                 sample_on_device: SampleOnDeviceFn | None = None):
+                 sample_on_device: SampleOnDeviceFn | None = None, draws: DrawsFn | None = None):
         """`sample_on_device`: schedule asynchronously (one rank), drawing tokens with it; with a speculator, in
-        the steps after which it proposes nothing."""
+        the steps after which it proposes nothing. `draws`: what a step's sampling requests draw with, fixed before
+        it runs (OutputProcessor.draws): a step launched on the C++ decoder's thread draws its tokens with them."""
         self.scheduler = scheduler
         self.plan_builder = plan_builder
         self.executor = executor
         self.sample = sample
         self.sample_on_device = sample_on_device
+        self.draws = draws
         self.stats = stats
         self.speculator = speculator
         self.in_flight: _InFlight | None = None
@@ -126,9 +130,10 @@ class EngineCore:
         if output.is_empty and not output.has_swaps:
             return None if in_flight is None else self._complete()
         self.stats.record_plan(plan)
-        result = self.executor(plan, None if in_flight is None else in_flight.tokens, launch=True)
         entries = [group.entries for group in output.groups if group.entries]
-        requests, tokens = self.sample_on_device(entries, result.logits, result.launched)  # behind the forward
+        draws = self.draws(entries) if self.draws is not None else None
+        result = self.executor(plan, None if in_flight is None else in_flight.tokens, launch=True, draws=draws)
+        requests, tokens = self.sample_on_device(entries, result.logits, result.launched, draws)  # behind the forward
         host_tokens, copied = None, result.launched  # a CPU step still running (waited for even where none sampled)
         if tokens is not None:
             host_tokens = tokens.to("cpu", non_blocking=True)

@@ -151,11 +151,13 @@ class LLMEngine:
                                                 config.scheduler.max_model_len)
         # the executor is the Worker's (no reference back to the engine: dropping it frees its process groups)
         executor = self.worker.execute if self.worker is not None else _no_forward
-        sample_on_device = None
+        sample_on_device = draws = None
         if config.scheduler.async_scheduling and self.worker is not None:  # a simulator's steps are modelled
             sample_on_device = self.output_processor.sample_on_device
+            if self.worker.runner.launch_steps:
+                draws = self.output_processor.draws
         self.core = EngineCore(scheduler, PlanBuilder(config.deployment, config.scheduler.max_num_seqs), executor,
-                               self.output_processor.sample, self.stats_recorder, speculator, sample_on_device)
+                               self.output_processor.sample, self.stats_recorder, speculator, sample_on_device, draws)
         widest = max(layout.kv_width for layout in config.deployment.layouts)  # pools a sequence may span
         capacity = Capacity(
             pool_tokens=pools[0].capacity_tokens, widest=widest, pool_blocks=pools[0].num_blocks,

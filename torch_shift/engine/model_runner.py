@@ -208,11 +208,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None,
-                launch: bool = False) -> StepResult | None:
+                launch: bool = False, draws: np.ndarray | None = None) -> StepResult | None:
         """Rank 0: the logits of every group in plan order, and where the step's time went; other ranks: None.
         `previous_tokens`: the last step's sampled tokens, still on the device, where the plan's placeholders take
         their ids (asynchronous scheduling, one rank); `launch`: a step the C++ decoder runs may be launched on its
-        thread and return before its logits are written (asynchronous scheduling, `launch_steps`)."""
+        thread and return before its logits are written (asynchronous scheduling, `launch_steps`), its tokens drawn
+        there with `draws` where given (Sampler.draws), else its rows' argmax."""
         launch = launch and self._launches(plan)
         if not launch:
             self.wait_launched()
@@ -235,7 +236,7 @@ class ModelRunner:
         kv_tokens = sum(group.num_kv_tokens for group in mine)
         pooled = self.decode_pool.step(tokens, kv_tokens, threads, asynchronous=launch)
         if launch and pooled:
-            return self._launch(plan, previous_tokens)
+            return self._launch(plan, previous_tokens, draws)
         if launch:  # the pool does not run it now: it runs here, after those launched
             self.wait_launched()
         return self._run_groups(plan, previous_tokens, swap_seconds)
@@ -249,7 +250,7 @@ class ModelRunner:
         group = plan.groups[0]
         return self._native(self.deployment[group.layout]) and 0 < group.num_tokens <= self.decode_pool.max_tokens
 
-    def _launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None) -> StepResult:
+    def _launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None, draws: np.ndarray | None) -> StepResult:
         """Launch the step on the C++ decoder's thread. Input ids that the step launched before it sampled (still
         running) are read by that thread when the step starts."""
         (group,) = plan.groups
@@ -262,7 +263,7 @@ class ModelRunner:
         inputs = self.batch.to_device(host, previous_tokens)
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                           inputs.logits_indices)
-        logits, launched = self.model.launch_step(layout, step, placeholders)
+        logits, launched = self.model.launch_step(layout, step, placeholders, draws)
         return StepResult([logits], launched=launched)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:

@@ -8,6 +8,7 @@ reaches into it), and `make_outputs` then reports them finished.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from torch_shift.engine.input_processor import ParentRequest
@@ -93,12 +94,20 @@ class OutputProcessor:
         token_ids = self._draw(rows, sample_requests)
         return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
 
+    def draws(self, entries_by_group: list[list[ScheduledRequest]]) -> np.ndarray | None:
+        """What the requests that sample in a step about to run draw with (Sampler.draws), in sample_on_device's
+        order, before the step: a step launched on the C++ decoder's thread draws its tokens with them."""
+        requests = [e.request for entries in entries_by_group for e in entries if e.sample]
+        return self.sampler.draws(requests) if requests else None
+
     def sample_on_device(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list,
-                         launched: LaunchedStep | None = None) -> tuple[list[Request], torch.Tensor | None]:
+                         launched: LaunchedStep | None = None, draws: np.ndarray | None = None
+                         ) -> tuple[list[Request], torch.Tensor | None]:
         """The requests that sample this step (groups in plan order) and their tokens, left on the device
         (asynchronous scheduling: every request samples on the device; no prompt logprobs, no proposals).
-        `launched`: the step still runs on the C++ decoder's thread; where every request draws the argmax over the
-        whole row, its tokens are the argmax rows that thread writes, else the step is waited for."""
+        `launched`: the step still runs on the C++ decoder's thread; where it draws the tokens as it ends (every
+        request draws its argmax, or the step was launched with `draws`, those of `self.draws`), its tokens are the
+        rows that thread writes, else the step is waited for."""
         rows, requests = [], []
         for entries, logits in zip(entries_by_group, logits_by_group):
             if logits is not None:
@@ -107,10 +116,13 @@ class OutputProcessor:
         if not requests:
             return [], None
         if launched is not None:
-            if rows[0].shape[1] == self.sampler.vocab_size and all(r.draws_argmax for r in requests):
+            if rows[0].shape[1] == self.sampler.vocab_size and (
+                    launched.draws is not None or all(r.draws_argmax for r in requests)):
+                assert launched.draws is draws, "a launched step draws with the step's draws"
                 return requests, torch.from_numpy(launched.row_argmax)
             launched.synchronize()
-        return requests, self.sampler.sample_on_device(rows[0] if len(rows) == 1 else torch.cat(rows), requests)
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return requests, self.sampler.sample_on_device(logits, requests, draws)
 
     def _draw(self, rows: list[torch.Tensor], requests: list[Request]) -> list[int]:
         """One token per row, drawn for its request (logprobs recorded)."""

@@ -3,18 +3,26 @@
 Every operation runs on the whole batch; the only host transfer is the final one of the
 sampled ids (and of the logprobs asked for). A seeded request draws from its own
 generator, so its tokens do not depend on what else is in the batch.
+
+Each row draws by the inverse CDF from one uniform, which its generator gives before the logits exist. On the CPU
+the draw from the (biased, penalized, masked) logits is one C++ kernel (models.fused.sample_rows: temperature,
+top-k, top-p, min-p and the inverse CDF in one pass), which the C++ decoder's launched steps also run as they end, so
+that a sampled request's steps run ahead of the host as a greedy one's do (asynchronous scheduling; `draws`);
+elsewhere, PyTorch's operators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torch_shift.engine.request import Request
 from torch_shift.engine.structured_output import grammar_mask, start_waiting_grammars
+from torch_shift.kernels import cpu_kernels
 from torch_shift.memory import to_device
-from torch_shift.models.fused import argmax, argmax_list
+from torch_shift.models.fused import argmax, argmax_list, sample_rows
 
 _NEG_INF = float("-inf")
 
@@ -94,16 +102,39 @@ class Sampler:
                 row_logprobs[i] = (chosen[j], ranks[j], top_ids[j][:k], top_lps[j][:k])
         return SamplerOutput(token_ids, row_logprobs)
 
-    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request],
+                         draws: np.ndarray | None = None) -> torch.Tensor:
         """The tokens of requests that sample on the device (`Request.samples_on_device`: no penalty, minimum
-        length, grammar or logprobs), left there: nothing waits for the device (asynchronous scheduling)."""
+        length, grammar or logprobs), left there: nothing waits for the device (asynchronous scheduling).
+        `draws`: what `draws` returned for them before the step, whose uniforms they draw with."""
         assert all(r.samples_on_device for r in requests)
         if all(r.draws_argmax for r in requests):
             return argmax(logits[:, : self.vocab_size])
         params = [r.sampling_params for r in requests]
         logits = self._apply_logit_bias(logits[:, : self.vocab_size].float(), params)
         greedy = [p.greedy for p in params]
-        return argmax(logits) if all(greedy) else self._sample(logits, requests, greedy)
+        return argmax(logits) if all(greedy) else self._sample(logits, requests, greedy, draws)
+
+    def draws(self, requests: list[Request]) -> np.ndarray | None:
+        """What the rows of `requests` (which sample on the device) draw with on the CPU, fixed before their logits
+        exist: float32 [5, rows] for models.fused.sample_rows, each row's uniform taken from its generator now. The
+        C++ decoder's thread draws a launched step's tokens with them as the step ends, and where the step was not
+        launched, `sample_on_device` draws with them. None where every request draws its argmax, one has a logit
+        bias (added to its logits on the host) or no kernel runs here."""
+        if (all(r.draws_argmax for r in requests) or any(r.sampling_params.logit_bias for r in requests)
+                or cpu_kernels() is None):
+            return None
+        return self._cpu_draws(requests, [r.greedy for r in requests])
+
+    def _cpu_draws(self, requests: list[Request], greedy: list[bool]) -> np.ndarray:
+        params = [r.sampling_params for r in requests]
+        draws = np.empty((5, len(requests)), dtype=np.float32)
+        draws[0] = [0.0 if g else p.temperature for g, p in zip(greedy, params)]
+        draws[1] = [max(p.top_k, 0) for p in params]
+        draws[2] = [p.top_p for p in params]
+        draws[3] = [p.min_p for p in params]
+        draws[4] = self._uniforms(requests, torch.device("cpu"))[:, 0].numpy()
+        return draws
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         rows: list[int] = []
@@ -152,9 +183,20 @@ class Sampler:
                 row[banned] = _NEG_INF
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool],
+                draws: np.ndarray | None = None) -> torch.Tensor:
+        """`draws`: the rows' parameters and uniforms (`draws`), else taken now."""
         device = logits.device
+        if device.type == "cpu" and (draws is not None or cpu_kernels() is not None):
+            if draws is None:
+                draws = self._cpu_draws(requests, greedy)
+            sampled = sample_rows(logits, draws)
+            if sampled is not None:
+                return sampled
+            uniform = torch.from_numpy(draws[4].copy())[:, None]
+        else:
+            uniform = self._uniforms(requests, device)
+        params = [r.sampling_params for r in requests]
         temperature = _to(device, [1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32)
         logits_t = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
@@ -166,9 +208,15 @@ class Sampler:
         if any(mp > 0.0 for mp in min_p):
             mp = _to(device, min_p, torch.float32)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Inverse CDF: one uniform u per row, the first token whose cumulative probability exceeds u times the
-        # row's total (torch's exponential_, for an exponential race, costs 20 ns per element on this CPU:
-        # 0.17 ms per row at a vocabulary of 8192, more than the rest of sampling; docs/performance.md)
+        sampled = inverse_cdf(probs, uniform)
+        if any(greedy):
+            sampled = torch.where(_to(device, greedy, torch.bool), argmax(logits), sampled)
+        return sampled
+
+    def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """One uniform per row [rows, 1] on `device`: a seeded request's from its own generator, the others' from the
+        sampler's. (Inverse CDF: torch's exponential_, for an exponential race, costs 20 ns per element on this CPU:
+        0.17 ms per row at a vocabulary of 8192, more than the rest of sampling; docs/performance.md)"""
         uniform = torch.empty(len(requests), 1, dtype=torch.float32, device=device)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
@@ -182,10 +230,7 @@ class Sampler:
         if seeded:  # CPU generators: the same draws on any device
             draws = torch.cat([draw_uniforms(requests[i].generator, 1) for i in seeded])
             uniform[_to(device, seeded, torch.long)] = _to(device, draws[:, None], torch.float32)
-        sampled = inverse_cdf(probs, uniform)
-        if any(greedy):
-            sampled = torch.where(_to(device, greedy, torch.bool), argmax(logits), sampled)
-        return sampled
+        return uniform
 
 
 def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

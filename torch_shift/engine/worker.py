@@ -17,6 +17,7 @@ import math
 import os
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -163,17 +164,17 @@ class Worker:
         rank running the same program (torchrun)."""
         return self.runtime is not None and self.runtime.launched is not None
 
-    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None, launch: bool = False
-                ) -> StepResult:
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None, launch: bool = False,
+                draws: np.ndarray | None = None) -> StepResult:
         """Rank 0: the step on every rank; returns rank 0's result (logits per group). `previous_tokens`: the
         last step's sampled tokens on the device; `launch`: the step may return before its logits are written
-        (asynchronous scheduling: one rank; ModelRunner.execute)."""
+        (asynchronous scheduling: one rank; ModelRunner.execute), its tokens drawn with `draws`."""
         if self.runtime is None:
-            return self.runner.execute(plan, previous_tokens, launch)
+            return self.runner.execute(plan, previous_tokens, launch, draws)
         if previous_tokens is None and not launch:
             return self.runtime.run_step(plan, self.runner.execute)
         assert self.config.deployment.world_size == 1, "asynchronous scheduling runs one rank"
-        return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens, launch))
+        return self.runtime.run_step(plan, lambda p: self.runner.execute(p, previous_tokens, launch, draws))
 
     @property
     def every_rank_runs_the_program(self) -> bool:

@@ -82,6 +82,9 @@ class CpuKernels:
         self.argmax = lib.ts_argmax
         self.argmax.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
         self.argmax.restype = ctypes.c_int
+        self.sample_rows = lib.ts_sample_rows
+        self.sample_rows.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr]
+        self.sample_rows.restype = ctypes.c_int
         self.suffix_draft = lib.ts_suffix_draft
         self.suffix_draft.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, f64, f64, f64, ptr, ptr,
                                       ptr]
@@ -311,7 +314,7 @@ class DecoderKernels:
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int
         self.launch = library.ts_decoder_launch
-        self.launch.argtypes, self.launch.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64], i64
+        self.launch.argtypes, self.launch.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr], i64
         self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits
         self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul

@@ -120,29 +120,7 @@ inline float hmax(vfloat v) {
   return std::max(v[0], v[1]);
 }
 
-// exp(x) for x <= 0 to about 2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p a degree-7 Taylor
-// polynomial; below -87 it is 2^-126 * p (callers mask those lanes).
-// (V, VI: a float vector and the int vector of its width; the same expressions at every width, so the same bits)
-template <typename V, typename VI>
-inline V exp_nonpositive(V x) {
-  const V lowest = V{} + -87.0f;
-  x = x > lowest ? x : lowest;
-  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (|x| < 2^22)
-  const V n = (x * 1.44269504088896341f + shifter) - shifter;
-  const V r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  V p = V{} + 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// exp_nonpositive's template: cpu_common.h
 inline vfloat exp_nonpositive(vfloat x) { return exp_nonpositive<vfloat, vint>(x); }
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }

@@ -48,6 +48,8 @@ extern "C" int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride,
                                  int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride,
                                  int64_t gemv_rows);
 extern "C" int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out);
+extern "C" int ts_sample_rows(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride,
+                              const float* draws, int64_t* out);
 extern "C" int ts_rms_norm(int dtype, const void* x, int64_t outer, int64_t inner, int64_t outer_stride,
                            int64_t inner_stride, int64_t dim, const void* weight, float eps, int64_t lanes, void* out);
 extern "C" int ts_add_rms_norm(int dtype, const void* x, const void* residual, int64_t rows, int64_t dim,
@@ -114,6 +116,7 @@ struct Layer {
 struct Launched {
   std::vector<int64_t> input_ids, positions, logits_rows;
   std::vector<int64_t> placeholders, sources;  // input ids the step before sampled: their indices, and its rows
+  std::vector<float> draws;                    // ts_sample_rows' [5, logits rows], or empty: each row's argmax
   void* logits = nullptr;
   int64_t* argmax = nullptr;
   void* attention = nullptr;  // the paged step installed at launch, copied (cpu_ops.cpp's PagedStepCopy)
@@ -340,7 +343,8 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
 
 // The step of ts_decoder_step, attending through `attention` (a PagedStepCopy; null: the installed step)
 int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
-             const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax, const void* attention) {
+             const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax, const void* attention,
+             const float* draws = nullptr) {
   if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens) return -200;
   const int64_t H = d.hidden, row_bytes = H * d.elem;
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -363,6 +367,7 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_rows, H, nullptr, logits, d.lm_head_rows);
   if (rc != 0 || argmax == nullptr) return rc;
   if (d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
+  if (draws != nullptr) return ts_sample_rows(d.dtype, logits, num_logits, d.vocab, d.vocab, draws, argmax);
   return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
 }
 
@@ -396,7 +401,8 @@ void* async_main(void* arg) {
       const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
       if (rc == 0)
         rc = run_step(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
-                      s.logits_rows.data(), num_logits, s.logits, s.argmax, s.attention);
+                      s.logits_rows.data(), num_logits, s.logits, s.argmax, s.attention,
+                      s.draws.empty() ? nullptr : s.draws.data());
       if (rc == 0)
         a.last_argmax.assign(s.argmax, s.argmax + num_logits);
       else
@@ -559,9 +565,12 @@ int ts_decoder_attend(void* decoder) {
 // of range, -100 where no step is installed, -203 where the system refused the thread. The caller keeps logits and
 // argmax alive until it waited for the ticket. `placeholders` (num_placeholders of them, or null): indices of input
 // ids that the step launched just before this one sampled, taken from its argmax rows `sources` when this one starts.
+// `draws` (or null): ts_sample_rows' float32 [5, num_logits], copied: each row's token is drawn by them into argmax
+// (and read so by the next step's placeholders) instead of its argmax.
 int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                           const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
-                          const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders) {
+                          const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders,
+                          const float* draws) {
 #if defined(__linux__)
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
@@ -580,6 +589,10 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
   s.logits_rows.assign(logits_rows, logits_rows + num_logits);
   s.placeholders.assign(placeholders, placeholders + num_placeholders);
   s.sources.assign(sources, sources + num_placeholders);
+  if (draws != nullptr)
+    s.draws.assign(draws, draws + 5 * num_logits);
+  else
+    s.draws.clear();
   s.logits = logits;
   s.argmax = argmax;
   a.launched.store(ticket, std::memory_order_seq_cst);

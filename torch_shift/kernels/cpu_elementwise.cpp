@@ -1,7 +1,8 @@
 // RMSNorm and rotary embeddings in one pass each, for models run eagerly on the CPU (a rank of a parallel layout,
 // or a model below the size that is compiled): the PyTorch expressions take 9 (RMSNorm) and 7 per tensor (rotary)
 // operators, each a pass over the activations and 2-5 us of dispatch at a decode step (docs/performance.md).
-// Compiled forwards keep the expressions, which inductor fuses. Also the sampler's row argmax (argmax_rows).
+// Compiled forwards keep the expressions, which inductor fuses. Also the sampler's row argmax (argmax_rows) and its
+// draws (sample_rows).
 //
 // Both round exactly as the expressions do in the tensor's dtype: rotary's products and sum each rounded,
 // RMSNorm's sum of squares added in the order of PyTorch's own reduction (sum_of_squares), so their results are
@@ -15,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <utility>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -357,47 +361,214 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t token_stride, int
 // index: one pass over the row, which PyTorch's CPU argmax walks one element at a time (0.46 ms for a row of 128k
 // bfloat16 logits, docs/performance.md).
 template <typename T>
+int64_t argmax_row(const T* row, int64_t cols) {
+  vint lane;
+  for (int l = 0; l < 16; ++l) lane[l] = l;
+  vfloat best = vfloat{} - INFINITY;
+  vint index = vint{} - 1;
+  vint nan = vint{};
+  int64_t c = 0;
+  for (; c + 16 <= cols && c + 16 <= INT32_MAX; c += 16) {
+    const vfloat v = load16(row + c);
+    const vint better = v > best;  // strict: a lane keeps its first maximum
+    best = better ? v : best;
+    index = better ? lane + static_cast<int32_t>(c) : index;
+    nan |= v != v;
+  }
+  float top = -INFINITY;
+  int64_t result = -1;
+  bool has_nan = false;
+  for (int l = 0; l < 16; ++l) {
+    has_nan |= nan[l] != 0;
+    if (index[l] >= 0 && (best[l] > top || (best[l] == top && index[l] < result))) {
+      top = best[l];
+      result = index[l];
+    }
+  }
+  for (; c < cols; ++c) {
+    const float v = to_float(row[c]);
+    has_nan |= v != v;
+    if (v > top) {
+      top = v;
+      result = c;
+    }
+  }
+  if (has_nan) {
+    result = 0;
+    while (to_float(row[result]) == to_float(row[result])) ++result;
+  }
+  return result < 0 ? 0 : result;  // every value -inf: the first
+}
+
+template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 262144 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
-    vint lane;
-    for (int l = 0; l < 16; ++l) lane[l] = l;
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * row_stride;
-      vfloat best = vfloat{} - INFINITY;
-      vint index = vint{} - 1;
-      vint nan = vint{};
-      int64_t c = 0;
-      for (; c + 16 <= cols && c + 16 <= INT32_MAX; c += 16) {
-        const vfloat v = load16(row + c);
-        const vint better = v > best;  // strict: a lane keeps its first maximum
-        best = better ? v : best;
-        index = better ? lane + static_cast<int32_t>(c) : index;
-        nan |= v != v;
-      }
-      float top = -INFINITY;
-      int64_t result = -1;
-      bool has_nan = false;
-      for (int l = 0; l < 16; ++l) {
-        has_nan |= nan[l] != 0;
-        if (index[l] >= 0 && (best[l] > top || (best[l] == top && index[l] < result))) {
-          top = best[l];
-          result = index[l];
-        }
-      }
-      for (; c < cols; ++c) {
-        const float v = to_float(row[c]);
-        has_nan |= v != v;
-        if (v > top) {
-          top = v;
-          result = c;
-        }
-      }
-      if (has_nan) {
-        result = 0;
-        while (to_float(row[result]) == to_float(row[result])) ++result;
-      }
-      out[r] = result < 0 ? 0 : result;  // every value -inf: the first
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * row_stride, cols);
+  });
+}
+
+// The sum of w[begin, end) added one by one in double: the blocks' sums that sample_row's total and its walk share.
+inline double block_sum(const float* w, int64_t begin, int64_t end) {
+  double sum = 0.0;
+  for (int64_t c = begin; c < end; ++c) sum += w[c];
+  return sum;
+}
+
+constexpr int64_t kSampleBlock = 16;
+
+// The sum of w[0, cols) over blocks of kSampleBlock (each block_sum).
+inline double weight_sum(const float* w, int64_t cols) {
+  double total = 0.0;
+  for (int64_t b = 0; b < cols; b += kSampleBlock) total += block_sum(w, b, std::min(cols, b + kSampleBlock));
+  return total;
+}
+
+// Top-k and top-p bin the weights (in [0, 1]) by their float's top 12 bits: exponent and 3 bits of mantissa, eighths
+// of a binade, in the order of the floats. Only the weights of the bin where the cut falls are sorted.
+constexpr int kBinShift = 20;
+
+inline uint32_t weight_bin(float w) {
+  uint32_t bits;
+  std::memcpy(&bits, &w, sizeof bits);
+  return bits >> kBinShift;
+}
+
+// Where the cut falls in `bin`: the weights of the bins below are zeroed, and the bin's positive ones are in `order`,
+// largest first (equal ones by index).
+void sort_bin(float* w, int64_t cols, uint32_t bin, std::vector<std::pair<float, int32_t>>& order) {
+  order.clear();
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint32_t at = weight_bin(w[c]);
+    if (at == bin && w[c] > 0.0f)
+      order.emplace_back(w[c], static_cast<int32_t>(c));
+    else if (at < bin)
+      w[c] = 0.0f;
+  }
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+}
+
+// Keeps the top_k largest positive weights (the lowest indices among equal ones), the others zeroed.
+void keep_top_k(float* w, int64_t cols, int64_t top_k, std::vector<double>& bins,
+                std::vector<std::pair<float, int32_t>>& order) {
+  bins.assign(weight_bin(1.0f) + 1, 0.0);
+  for (int64_t c = 0; c < cols; ++c) bins[weight_bin(w[c])] += w[c] > 0.0f;
+  double before = 0.0;
+  uint32_t bin = static_cast<uint32_t>(bins.size()) - 1;
+  for (; bin > 0 && before + bins[bin] < static_cast<double>(top_k); --bin) before += bins[bin];
+  sort_bin(w, cols, bin, order);
+  for (size_t i = 0; i < order.size(); ++i)
+    if (before + static_cast<double>(i) >= static_cast<double>(top_k)) w[order[i].second] = 0.0f;
+}
+
+// Zeroes the weights past the smallest set of the largest whose sum reaches top_p of the total: a weight is kept
+// while the weights before it (larger, or equal and of a lower index) sum to less than top_p * total (the bins above
+// its own, then its bin's larger ones), the largest always.
+void keep_top_p(float* w, int64_t cols, float top_p, std::vector<double>& bins,
+                std::vector<std::pair<float, int32_t>>& order) {
+  const double target = static_cast<double>(top_p) * weight_sum(w, cols);
+  bins.assign(weight_bin(1.0f) + 1, 0.0);
+  for (int64_t c = 0; c < cols; ++c) bins[weight_bin(w[c])] += w[c];  // 0 adds nothing
+  double before = 0.0;
+  uint32_t bin = static_cast<uint32_t>(bins.size()) - 1;
+  for (; bin > 0 && before + bins[bin] < target; --bin) before += bins[bin];
+  sort_bin(w, cols, bin, order);
+  for (const auto& [weight, c] : order) {  // the largest (1) has nothing before it: kept, as target > 0
+    if (before >= target) w[c] = 0.0f;
+    before += weight;
+  }
+}
+
+// One token drawn from a row of logits: temperature <= 0 draws the argmax (argmax_row). Else, with x = logits /
+// temperature (float32), weights w = exp(x - max x) (exp_nonpositive; 0 below e^-87), the top_k largest kept
+// (keep_top_k) where 0 < top_k < cols, then the top_p mass (keep_top_p) where top_p < 1, and the weights below min_p
+// of the largest (1) zeroed: the first token whose cumulative weight (in double, over blocks of kSampleBlock) exceeds
+// uniform (in [0, 1)) times their total; never a token of weight 0. A row with a NaN, or all -inf, draws its argmax.
+// PyTorch's operators (the sampler's path elsewhere) took 2 ms for top-p or top-k over 32k logits, 9 ms over 128k;
+// this 0.05-0.09 and 0.2-0.55 ms (docs/performance.md).
+template <typename T>
+int64_t sample_row(const T* row, int64_t cols, float temperature, int64_t top_k, float top_p, float min_p,
+                   float uniform) {
+  if (!(temperature > 0.0f)) return argmax_row(row, cols);
+  thread_local std::vector<float> w;
+  thread_local std::vector<double> bins;
+  thread_local std::vector<std::pair<float, int32_t>> order;
+  w.resize(cols);
+  float* x = w.data();
+  const vfloat divisor = vfloat{} + temperature;
+  vfloat top = vfloat{} - INFINITY;
+  vint nan = vint{};
+  int64_t c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    const vfloat v = load16(row + c) / divisor;
+    std::memcpy(x + c, &v, sizeof v);
+    top = v > top ? v : top;
+    nan |= v != v;
+  }
+  float largest = -INFINITY;
+  bool has_nan = false;
+  for (int l = 0; l < 16; ++l) {
+    largest = std::max(largest, top[l]);
+    has_nan |= nan[l] != 0;
+  }
+  for (; c < cols; ++c) {
+    x[c] = to_float(row[c]) / temperature;
+    largest = std::max(largest, x[c]);
+    has_nan |= x[c] != x[c];
+  }
+  if (has_nan || largest == -INFINITY) return argmax_row(row, cols);
+  const vfloat shift = vfloat{} + largest;
+  const vfloat lowest = vfloat{} + -87.0f;
+  for (c = 0; c + 16 <= cols; c += 16) {
+    const vfloat d = load16(x + c) - shift;
+    const vfloat e = exp_nonpositive<vfloat, vint>(d);
+    const vfloat kept = d > lowest ? e : vfloat{};
+    std::memcpy(x + c, &kept, sizeof kept);
+  }
+  for (; c < cols; ++c) {
+    const float d = x[c] - largest;
+    x[c] = d > -87.0f ? exp_nonpositive<vfloat, vint>(vfloat{} + d)[0] : 0.0f;
+  }
+  if (top_k > 0 && top_k < cols) keep_top_k(x, cols, top_k, bins, order);
+  if (top_p < 1.0f) keep_top_p(x, cols, top_p, bins, order);
+  if (min_p > 0.0f)
+    for (c = 0; c < cols; ++c) x[c] = x[c] < min_p ? 0.0f : x[c];
+  const double total = weight_sum(x, cols);
+  if (!(total > 0.0)) return argmax_row(row, cols);
+  const double target = static_cast<double>(uniform) * total;
+  double before = 0.0;
+  for (int64_t b = 0; b < cols; b += kSampleBlock) {
+    const int64_t end = std::min(cols, b + kSampleBlock);
+    const double sum = block_sum(x, b, end);
+    if (before + sum <= target) {
+      before += sum;
+      continue;
     }
+    // the block's own walk; where its sum rounded above its walk's, its last weighted token
+    double cumulative = before;
+    int64_t last = -1;
+    for (c = b; c < end; ++c) {
+      if (x[c] <= 0.0f) continue;
+      cumulative += x[c];
+      last = c;
+      if (cumulative > target) return c;
+    }
+    return last;
+  }
+  for (c = cols - 1; c >= 0; --c)  // not reached (uniform < 1, and the blocks' sums add to the total)
+    if (x[c] > 0.0f) return c;
+  return argmax_row(row, cols);
+}
+
+template <typename T>
+void sample_rows(const T* x, int64_t rows, int64_t cols, int64_t row_stride, const float* draws, int64_t* out) {
+  const float *temperature = draws, *top_k = draws + rows, *top_p = draws + 2 * rows, *min_p = draws + 3 * rows,
+              *uniform = draws + 4 * rows;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      out[r] = sample_row(x + r * row_stride, cols, temperature[r], static_cast<int64_t>(top_k[r]), top_p[r], min_p[r],
+                          uniform[r]);
   });
 }
 
@@ -467,6 +638,17 @@ int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_
   switch (dtype) {
     case 0: argmax_rows(static_cast<const float*>(x), rows, cols, row_stride, out); return 0;
     case 1: argmax_rows(static_cast<const bf16_t*>(x), rows, cols, row_stride, out); return 0;
+    default: return -2;
+  }
+}
+
+// out[r] = a token drawn from row r (int64) by sample_row. draws: float32 [5, rows], each row's temperature, top_k
+// (0: all), top_p, min_p and uniform (in [0, 1)). dtype as ts_rms_norm's. Returns 0, or -2 for another dtype.
+int ts_sample_rows(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, const float* draws,
+                   int64_t* out) {
+  switch (dtype) {
+    case 0: sample_rows(static_cast<const float*>(x), rows, cols, row_stride, draws, out); return 0;
+    case 1: sample_rows(static_cast<const bf16_t*>(x), rows, cols, row_stride, draws, out); return 0;
     default: return -2;
   }
 }

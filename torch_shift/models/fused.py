@@ -473,6 +473,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample_rows(x: torch.Tensor, draws: np.ndarray) -> torch.Tensor | None:
+    """A token drawn from each row of x [rows, cols] by the CPU kernel (cpu_elementwise.cpp's `sample_row`) with
+    `draws`, float32 [5, rows]: each row's temperature (0: its argmax), top_k (0: all), top_p, min_p and uniform in
+    [0, 1); None where the kernel does not take x. The C++ decoder's launched steps draw with the same kernel."""
+    kernels = _argmax_kernels(x)
+    if kernels is None:
+        return None
+    assert draws.dtype == np.float32 and draws.shape == (5, x.shape[0]) and draws.flags.c_contiguous
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    status = kernels.sample_rows(_DTYPE_CODES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                 draws.ctypes.data, out.data_ptr())
+    assert status == 0, (status, x.dtype)
+    return out
+
+
 # a logits tensor's attribute: each row's argmax (int64 numpy array), found by the code that made the logits (the C++
 # decoder, while they were in cache); a tensor made from it (a slice, a copy) has none
 ROW_ARGMAX = "_torch_shift_row_argmax"

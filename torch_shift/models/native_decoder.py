@@ -166,11 +166,13 @@ class NativeDecoder:
         self._check(rc)
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-               attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None
-               ) -> tuple[torch.Tensor, LaunchedStep]:
+               attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None,
+               draws: np.ndarray | None = None) -> tuple[torch.Tensor, LaunchedStep]:
         """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
         (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
-        (indices of input ids, rows of the last launched step's logits) whose argmax those ids take."""
+        (indices of input ids, rows of the last launched step's logits) whose tokens those ids take. `draws`
+        (Sampler.draws: float32 [5, logits rows]): each row's token is drawn with them (models.fused.sample_rows)
+        instead of its argmax, into the step's `row_argmax`."""
         assert not self.tensor_parallel and self.head, "a parallel rank's steps run in step with its peers"
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
@@ -178,18 +180,22 @@ class NativeDecoder:
         row_argmax = np.empty(num_logits, dtype=np.int64)
         index, sources = placeholders if placeholders is not None else (_NO_PLACEHOLDERS, _NO_PLACEHOLDERS)
         index, sources = np.ascontiguousarray(index, np.int64), np.ascontiguousarray(sources, np.int64)
+        if draws is not None:
+            assert draws.dtype == np.float32 and draws.shape == (5, num_logits) and draws.flags.c_contiguous
         enter_step_attention(attention)  # copied by the launch
         try:
             ticket = self.kernels.launch(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                          rows.data_ptr(), num_logits, logits.data_ptr(), row_argmax.ctypes.data,
-                                         index.ctypes.data, sources.ctypes.data, len(index))
+                                         index.ctypes.data, sources.ctypes.data, len(index),
+                                         None if draws is None else draws.ctypes.data)
         finally:
             exit_step_attention()
         if ticket == -203:
             raise RuntimeError("the system refused the C++ decoder's thread")
         assert ticket > 0, f"the C++ decoder refused a launch ({ticket})"
-        setattr(logits, ROW_ARGMAX, row_argmax)
-        step = LaunchedStep(self, ticket, logits, row_argmax, attention)
+        if draws is None:  # rows drawn otherwise are not their argmax
+            setattr(logits, ROW_ARGMAX, row_argmax)
+        step = LaunchedStep(self, ticket, logits, row_argmax, attention, draws)
         self.launched.append(step)
         return logits, step
 
@@ -218,11 +224,12 @@ class LaunchedStep:
     event's does for a GPU's step)."""
 
     def __init__(self, decoder: NativeDecoder, ticket: int, logits: torch.Tensor, row_argmax: np.ndarray,
-                 attention: object):
+                 attention: object, draws: np.ndarray | None = None):
         self.decoder = weakref.ref(decoder)  # a decoder gone waited for its steps (_destroy)
         self.ticket = ticket
         self.logits = logits
-        self.row_argmax = row_argmax
+        self.row_argmax = row_argmax  # each row's token: its argmax, or drawn with `draws`
+        self.draws = draws
         self.attention = attention  # keeps the KV cache it writes alive
         self.done = False
 

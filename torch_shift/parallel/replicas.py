@@ -13,6 +13,7 @@ them from); the others return None.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,14 +72,14 @@ class ReplicaModel(LayoutCounters, nn.Module):
                 self.view_decoders[name] = decoder
         return self.native_decoder is not None or bool(self.view_decoders)
 
-    def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None
-                    ) -> tuple[torch.Tensor, LaunchedStep]:
+    def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None,
+                    draws: np.ndarray | None = None) -> tuple[torch.Tensor, LaunchedStep]:
         """The replica's own step of at most MAX_TOKENS tokens launched on the C++ decoder's thread (asynchronous
         scheduling; `NativeDecoder.launch`): its logits, written once the returned step ran."""
         assert layout.kv_width == 1 and self.native_decoder is not None
         self.layout_counts[layout.name] += 1
         return self.native_decoder.launch(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
-                                          placeholders)
+                                          placeholders, draws)
 
     def wait_launched(self) -> None:
         """Wait for the steps `launch_step` launched."""
