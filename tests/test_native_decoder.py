@@ -46,15 +46,20 @@ def families(tmp_path_factory):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Steps the C++ decoder ran."""
+    """Steps the C++ decoder ran (called, or launched on its thread)."""
     calls = []
-    original = NativeDecoder.__call__
+    original, original_launch = NativeDecoder.__call__, NativeDecoder.launch
 
     def call(self, input_ids, *args):
         calls.append(len(input_ids))
         return original(self, input_ids, *args)
 
+    def launch(self, input_ids, *args, **options):
+        calls.append(len(input_ids))
+        return original_launch(self, input_ids, *args, **options)
+
     monkeypatch.setattr(NativeDecoder, "__call__", call)
+    monkeypatch.setattr(NativeDecoder, "launch", launch)
     return calls
 
 
