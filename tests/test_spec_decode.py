@@ -26,10 +26,12 @@ from torch_shift.engine.spec_decode import SpeculativeConfig, Speculator
 from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
     StepCostFit,
+    SyncPenalty,
     best_net,
     lowest_paying_rate,
     seconds,
     tokens_that_pay,
+    with_sync_penalty,
 )
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import (
@@ -487,9 +489,9 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
 def test_quiet_steps_run_ahead_of_the_host(llama):
     """Asynchronous scheduling beside speculative decoding (torch_shift.engine.core): the steps after which the
     speculator proposes nothing (every request waits for a probe or a backoff's end) are launched before the step
-    before them completes; a step that proposals follow, or that checks some, waits for its tokens. Requests that
-    arrive or stop in a step that ran ahead, preemptions and an abort: the outputs without speculation, every block
-    back."""
+    before them completes; a step that proposals follow, or that checks some, waits for its tokens; the intervals
+    after both kinds of plain steps are timed for the budget. Requests that arrive or stop in a step that ran ahead,
+    preemptions and an abort: the outputs without speculation, every block back."""
     _, model_dir = llama
     prompts = random_prompts(4, [6, 40, 11, 23], seed=3) + repetitive_prompts(2, seed=4)
     params = [SamplingParams(max_tokens=24 + 7 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
@@ -535,6 +537,8 @@ def test_quiet_steps_run_ahead_of_the_host(llama):
     assert sum(ran_ahead) > 20 and not all(ran_ahead) and any(checked)
     assert not any(c and a for c, a in zip(checked, ran_ahead))  # no step that checks proposals ran ahead
     assert passed  # a request came in, or finished, in a step that ran ahead
+    # the intervals after plain decode steps, of both kinds, told to the budget (its prices are fixed here)
+    assert {pipelined for _, pipelined in speculator.sync_penalty.intervals} == {False, True}
     assert engine.stats()["num_preemptions"] > 0 and core.in_flight is None
     assert not engine.block_manager.req_blocks and not speculator.proposer.tokens.buffers  # every request forgotten
 
@@ -1243,6 +1247,29 @@ def test_the_proposers_time_per_ask_raises_the_rate_an_ask_needs():
     assert best_net(bars[1] + 1e-3, 4, cost, goodput) > 2e-5 * goodput > best_net(bars[1] - 1e-3, 4, cost, goodput)
 
 
+def test_a_check_is_priced_against_steps_that_run_ahead_of_the_host():
+    """Where steps run ahead of the host, a check (whose step waits for its tokens) costs the difference between a
+    synchronous and a pipelined plain step on top of its fitted cost: a rate that pays against synchronous steps (free
+    text sampled: about 0.25) no longer pays against pipelined ones, a likely proposal still does. The difference is
+    the medians' per range of batch sizes, once each kind was seen a few times."""
+    penalty = SyncPenalty()
+    for _ in range(3):
+        penalty.observe(1, False, 2.5e-3)
+        penalty.observe(1, True, 1.6e-3)
+    assert penalty.at(1) == 0.0  # too few steps of each kind yet
+    for seconds_ in (2.4e-3, 2.6e-3, 9e-3):  # an outlier does not move the median
+        penalty.observe(1, False, seconds_)
+        penalty.observe(1, True, 1.6e-3)
+    assert penalty.at(1) == pytest.approx(0.9e-3) and penalty.at(64) == 0.0
+    cost = (1.3e-3, 1e-4, 2e-5, 1e-4)  # a synchronous plain step of 1.4 ms
+    priced = with_sync_penalty(cost, 1, penalty.at(1))
+    assert seconds(priced, 1, 0, 0) == pytest.approx(0.7e-3)  # at most half the plain step's time
+    assert seconds(priced, 1, 4, 1) - seconds(priced, 1, 0, 0) == pytest.approx(4 * 2e-5 + 1e-4 + 0.7e-3)
+    assert with_sync_penalty(cost, 1, 0.0) == cost
+    assert lowest_paying_rate(16, 1, cost) < 0.25 < lowest_paying_rate(16, 1, priced) < 0.6
+    assert tokens_that_pay([0.25, 0.8], [16, 16], 2, with_sync_penalty(cost, 2, 0.3e-3))[0] == 0
+
+
 class _Sevens:
     """A proposer whose every proposal is the token 7, as long as asked."""
 
@@ -1257,10 +1284,11 @@ class _Sevens:
 
 def test_probes_are_scored_against_the_next_draw_and_never_checked():
     """Requests whose rate is below what a check needs propose one token every PROBE_EVERY steps, all of them on
-    the same steps whatever their lengths, so that the steps between need no speculator; the token is not checked
-    (the step holds no proposal) but compared with the token the request draws next, which counts as a check's
-    outcome. Above the bar a request proposes and checks as before; where no check can pay, no probe."""
-    from torch_shift.engine.spec_decode import PROBE_EVERY
+    the same steps whatever their lengths, in the quiet steps between the steps that look at them (which run ahead of
+    the host); the token is not checked (the step holds no proposal) but compared with the token the request draws in
+    its place, which counts as a check's outcome. A request whose rate passes the bar ends the quiet steps and
+    proposes to be checked; where no check can pay, no probe."""
+    from torch_shift.engine.spec_decode import PROBE_EVERY, RELOOK_PROBES
 
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
     speculator = Speculator(config, 1000, _Sevens())
@@ -1268,44 +1296,38 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
     speculator.step_cost.at = lambda num_requests: dear_check
     for i in range(50):  # the method's rate: mostly rejections
         speculator.acceptance.observe(f"earlier{i}", 4, 0, greedy=False)
-    params = SamplingParams(max_tokens=100)
-    probed = Request("probed", list(range(1, 6)), params, 100)
-    other = Request("other", list(range(1, 12)), params, 100)  # another length, probed on the same steps
+    params = SamplingParams(max_tokens=200)
+    probed = Request("probed", list(range(1, 6)), params, 200)
+    other = Request("other", list(range(1, 12)), params, 200)  # another length, probed on the same steps
+    requests = [probed, other]
 
-    def to_next_probe(requests):  # decode steps up to the next probe's: one that looks at them, then skipped ones
-        for request in requests:
-            request.all_token_ids.append(1)
-        speculator.propose(requests, len(requests))  # every running request: else no step is quiet
-        skipped = speculator.quiet_steps
-        for _ in range(skipped):
-            for request in requests:
-                request.all_token_ids.append(1)
-            speculator.skip_step()
-        for request in requests:  # the probe's step
-            request.all_token_ids.append(1)
-        return skipped
+    def quiet_step(drawn=7):  # a step that ran ahead: a token each (`drawn` for probed), then the speculator
+        probed.all_token_ids.append(drawn)
+        other.all_token_ids.append(3)
+        speculator.skip_step(requests)
 
-    assert to_next_probe([probed, other]) == PROBE_EVERY - 2  # the first step is no probe's: no proposal, no probe
-    assert speculator._shadows == {}
-    speculator.propose([probed, other], 2)
+    for request in requests:
+        request.all_token_ids.append(1)
+    speculator.propose(requests, 2)  # the first step is no probe's: both go quiet past their next probes
+    assert not speculator._shadows and not probed.spec_token_ids
+    assert speculator.quiet_steps >= (RELOOK_PROBES - 1) * PROBE_EVERY
+    while speculator._steps % PROBE_EVERY:
+        quiet_step(drawn=1)
+    assert speculator._shadows == {"probed": (7, False, probed.num_tokens), "other": (7, False, other.num_tokens)}
     assert probed.spec_token_ids == [] and other.spec_token_ids == []
-    assert speculator._shadows == {"probed": (7, False), "other": (7, False)}
-
-    def step(drawn):
-        entries = [[ScheduledRequest(r, 1, r.num_tokens - 1, True, False, ([0],)) for r in (probed, other)]]
-        return speculator.observe(entries, {"probed": drawn, "other": 3}, 1e-3)
-
-    assert step(7) == []  # nothing was checked
+    quiet_step()  # probed drew the probe's token, other did not
     assert speculator.acceptance.per_request["probed"] == [1, 1]
     assert speculator.acceptance.per_request["other"] == [0, 1]
     assert speculator._shadows == {}
-    for _ in range(3):  # more hits: the request's rate passes the bar and it proposes to be checked
-        to_next_probe([probed])
-        speculator.propose([probed], 1)
-        step(7)
-    probed.all_token_ids.append(1)
-    speculator.propose([probed], 1)
+    for _ in range(RELOOK_PROBES * PROBE_EVERY):  # more hits: probed's rate passes the bar, and the quiet steps end
+        if not speculator.quiet_steps:
+            break
+        quiet_step()
+    assert speculator.quiet_steps == 0 and speculator.acceptance.rate("probed", False) >= speculator._last_bar
+    quiet_step()
+    speculator.propose(requests, 2)
     assert len(probed.spec_token_ids) >= 2 and set(probed.spec_token_ids) == {7}  # checked: as many as pay
+    assert other.spec_token_ids == []
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1.0, 0.0)  # no check can pay: no probe either
     fresh = Request("fresh", list(range(1, 4)), params, 100)
     speculator._steps = 2 * PROBE_EVERY - 1  # the next call is a probe's step
@@ -1314,9 +1336,10 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
 
 
 def test_a_request_below_the_bar_is_not_looked_at_until_its_next_probe():
-    """Between its probes a request whose rate is below the bar costs no pricing and no rate lookup: the steps in
-    between only count its tokens (on free text the speculator's calls were 6% of a batch-1 step)."""
-    from torch_shift.engine.spec_decode import PROBE_EVERY
+    """Between the steps that look at it a request whose rate is below the bar costs no pricing and no rate lookup:
+    the steps in between only count its tokens and make its probes (on free text the speculator's calls were 6% of a
+    batch-1 step). It is looked at again after RELOOK_PROBES probes."""
+    from torch_shift.engine.spec_decode import PROBE_EVERY, RELOOK_PROBES
 
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
     speculator = Speculator(config, 1000, _Sevens())
@@ -1326,17 +1349,17 @@ def test_a_request_below_the_bar_is_not_looked_at_until_its_next_probe():
     looked_at = []
     rate = speculator.acceptance.rate
     speculator.acceptance.rate = lambda request_id, greedy: looked_at.append(request_id) or rate(request_id, greedy)
-    request = Request("free", list(range(1, PROBE_EVERY + 2)), SamplingParams(max_tokens=100), 100)
+    request = Request("free", list(range(1, PROBE_EVERY + 2)), SamplingParams(max_tokens=1000), 1000)
     probes = []
-    for _ in range(2 * PROBE_EVERY):
+    for _ in range(2 * RELOOK_PROBES * PROBE_EVERY):  # a look at every step (as where other requests check)
         speculator.propose([request], 1)
         assert request.spec_token_ids == []
         probes.append("free" in speculator._shadows)
         speculator._shadows.clear()
         request.all_token_ids.append(1)
-    # twice in each interval between probes: where it goes quiet, and at its probe
-    assert looked_at == ["free"] * 4
-    assert probes.count(True) == 2
+    # where it goes quiet, then once after each RELOOK_PROBES probes; a probe on each probe's step
+    assert looked_at == ["free"] * 3
+    assert probes.count(True) == 2 * RELOOK_PROBES
 
 
 def test_a_few_slow_first_checks_do_not_turn_speculation_off_for_good():

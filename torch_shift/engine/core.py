@@ -94,6 +94,9 @@ class EngineCore:
         self._proposed_for = -1
         # a step's forward and sampling time from its start on perf_counter's clock (a simulator sets its model's)
         self.step_seconds: Callable[[float], float] = lambda start: time.perf_counter() - start
+        # the last call of `step` with a speculator that may run steps ahead: its start, and the plain decode step it
+        # ran as (requests, whether launched behind the one in flight), or None: any other (speculator.sync_penalty)
+        self._last_call: tuple[float, tuple[int, bool] | None] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -118,11 +121,18 @@ class EngineCore:
         if self.sample_on_device is None:
             return self._step()
         speculator = self.speculator
+        if speculator is not None:
+            self._time_call()
         # a request samples on the host, or proposals follow the step in flight (or the next one), or a request the
         # last propose did not see may hold some: every token must be there first
         if self.scheduler.num_host_sampled or (speculator is not None and not (
                 speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for)):
-            return self._complete() if self.in_flight is not None else self._step()
+            if self.in_flight is not None:
+                return self._complete()
+            done = self._step()
+            if speculator is not None and done is not None and _plain_decode(done.entries):
+                self._last_call = (self._last_call[0], (sum(map(len, done.entries)), False))
+            return done
         in_flight = self.in_flight
         output = self.scheduler.schedule()
         assert speculator is None or not any(group.num_spec_tokens for group in output.groups)
@@ -142,10 +152,22 @@ class EngineCore:
                 copied.record()
         # while the device runs the step just launched
         done = None if in_flight is None else self._complete(launched_behind=True)
+        if speculator is not None and done is not None and _plain_decode(entries):
+            self._last_call = (self._last_call[0], (sum(map(len, entries)), True))
         if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
                                        result.reshard_seconds)
         return done
+
+    def _time_call(self) -> None:
+        """The interval since the last call of `step`, told to the speculator where that call ran a plain decode step
+        (synchronously, or launched behind the one in flight): what a step costs that waits for its tokens beside
+        one that runs ahead of the host."""
+        now = time.perf_counter()
+        if self._last_call is not None and self._last_call[1] is not None:
+            num_requests, pipelined = self._last_call[1]
+            self.speculator.sync_penalty.observe(num_requests, pipelined, now - self._last_call[0])
+        self._last_call = (now, None)
 
     def _complete(self, launched_behind: bool = False) -> CoreStep:
         """The step in flight, once its tokens are on the host: its requests advanced. `launched_behind`: the next
@@ -191,7 +213,7 @@ class EngineCore:
         # and an arrival in one step keep the number), each decoding a token, all of them waiting
         if (speculator.quiet_steps and scheduler.num_running_changes == self._proposed_for
                 and len(updated) == num_tokens == num_running):
-            speculator.skip_step()
+            speculator.skip_step(updated)
         elif launched_behind:  # a request finished, or came in, while a step ran ahead
             speculator.pass_step(updated)
         else:
@@ -200,6 +222,11 @@ class EngineCore:
             speculator.propose(updated, num_running)
             self._proposed_for = scheduler.num_running_changes
             self.stats.num_cut_tokens = speculator.num_cut_tokens
+
+
+def _plain_decode(entries: list[list[ScheduledRequest]]) -> bool:
+    """Whether a step's entries are decodes of one token each, none checking proposals."""
+    return all(e.num_tokens == 1 and not e.spec_token_ids for group in entries for e in group) and any(entries)
 
 
 def _stamp_first_tokens(updated: list[Request]) -> None:

@@ -20,9 +20,11 @@ from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
     StepCost,
     StepCostFit,
+    SyncPenalty,
     best_net,
     lowest_paying_rate,
     tokens_that_pay,
+    with_sync_penalty,
 )
 from torch_shift.engine.spec_decode.budget import seconds as step_seconds
 from torch_shift.engine.spec_decode.config import SpeculativeConfig
@@ -71,6 +73,11 @@ MAX_BACKOFF = 8  # tokens a request waits, at most, after proposals that came ba
 # speculation off for a whole edit run, 1 check in 776 steps, in one of about six runs)
 EXPLORE_EVERY = 16
 DISABLED_STEPS = 1 << 30  # the quiet steps of a batch at disable_by_batch_size: as long as its requests stay
+# where probes are made in quiet steps (a proposer without a model), a request below the bar is looked at again (by a
+# step that waits for its tokens) every RELOOK_PROBES probe intervals: its probes keep its rate meanwhile, and one whose
+# rate passes the bar is looked at by the next step (free text lost 8-11% to a waiting step at every probe and the
+# step after it: docs/performance.md)
+RELOOK_PROBES = 4
 
 
 def num_accepted(proposed, drawn) -> int:
@@ -93,6 +100,7 @@ class Speculator:
         # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
         self._draft_beside = self.proposer if hasattr(self.proposer, "draft_model_pays") else None
         self.step_cost = StepCostFit()
+        self.sync_penalty = SyncPenalty()  # told by the engine core where steps may run ahead of the host
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
         # the proposer's seconds per request asked, and the share of asks that found a proposal (moving averages):
@@ -103,14 +111,21 @@ class Speculator:
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
+        self._last_bar = UNFITTED_BAR  # the bar of the last propose (`_prices`', or UNFITTED_BAR before a fit)
+        self._last_probe_every = PROBE_EVERY  # and its probes' interval
         self._probe_every = PROBE_EVERY
+        # the requests below the bar that probe in quiet steps (skip_step, pass_step): a draft model's forward cannot
+        # run there, beside the step that runs ahead of the host
+        self._probes_in_quiet = config.method != "draft_model"
+        self._below_bar: set[str] = set()
         # steps seen (propose and skip_step calls): probes and the ends of waits fall on multiples of their interval
         # in these steps, so that the requests that wait, wait together and the steps between need no speculator (by
         # each request's own length, 64 requests' probes fell on 48-68 of 96 steps: docs/performance.md)
         self._steps = 0
         self._explored_at = -EXPLORE_EVERY  # the step of the last check made to price checks
-        # request id -> (the token a probe proposed, scored against the next draw; whether the request is greedy)
-        self._shadows: dict[str, tuple[int, bool]] = {}
+        # request id -> (the token a probe proposed; whether the request is greedy; the position of the token it is
+        # scored against, whenever the request is seen holding it: the step after the probe's may run ahead)
+        self._shadows: dict[str, tuple[int, bool, int]] = {}
         # request id -> its last wait: after a proposal of which nothing was checked (none found, or none paid) a
         # request waits up to 1, 2, 4 ... MAX_BACKOFF tokens (to a multiple of the wait in steps) before the next,
         # under the budget: on free text most n-gram lookups find nothing, and a lookup every step cost 2% of a
@@ -125,15 +140,21 @@ class Speculator:
         # the host): on free text their calls on every step were what the speculator cost (docs/performance.md)
         self.quiet_steps = 0
 
-    def _score_shadow(self, request_id: str, sampled: dict[str, int | list[int]]) -> None:
-        """A probe's proposed token against the token its request drew in this step: accepted when they are the
-        same. For greedy requests that is what a check would say; for sampled ones it has a check's chance, p of
-        the proposed token under the request's processed distribution, without costing one."""
-        shadow = self._shadows.pop(request_id, None)
-        drawn = sampled.get(request_id)
-        if shadow is not None and drawn is not None:
-            first = drawn if isinstance(drawn, int) else drawn[0]
-            self.acceptance.observe(request_id, 1, int(first == shadow[0]), shadow[1])
+    def _score_shadows(self, requests) -> None:
+        """Probes' proposed tokens against the tokens their requests drew in their places: accepted when they are the
+        same. For greedy requests that is what a check would say; for sampled ones it has a check's chance, p of the
+        proposed token under the request's processed distribution, without costing one."""
+        shadows = self._shadows
+        for request in requests:
+            shadow = shadows.get(request.request_id)
+            if shadow is not None and len(request.all_token_ids) > shadow[2]:
+                del shadows[request.request_id]
+                drawn = request.all_token_ids[shadow[2]]
+                self.acceptance.observe(request.request_id, 1, int(drawn == shadow[0]), shadow[1])
+                # a request whose rate now pays is looked at by the next step (which then waits for its tokens)
+                if self.acceptance.rate(request.request_id, shadow[1]) >= self._last_bar:
+                    self._quiet.pop(request.request_id, None)
+                    self.quiet_steps = 0
 
     def observe(self, entries: list[list[ScheduledRequest]], sampled: dict[str, int | list[int]],
                 seconds: float) -> list[tuple[int, int]]:
@@ -161,8 +182,8 @@ class Speculator:
                         self._tell_checked(request.request_id, len(proposed), accepted)
                 elif e.num_tokens != 1:
                     decode_only = False
-                if shadows:
-                    self._score_shadow(e.request.request_id, sampled)
+        if shadows:
+            self._score_shadows(e.request for group in entries for e in group)
         if decode_only and num_requests:
             self.step_cost.observe(num_requests, num_proposed, len(checks), seconds)
         return checks
@@ -189,10 +210,14 @@ class Speculator:
                 request.spec_token_ids = []
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
+            if self._below_bar:
+                self._below_bar.discard(request.request_id)
             due.append(request)
         self._steps += 1
         steps = self._steps
         self.quiet_steps = 0
+        if self._below_bar:  # those not looked at probe on their steps all the same
+            self._probe_quiet(alive)
         config = self.config
         limit = config.disable_by_batch_size
         if not due:
@@ -207,7 +232,9 @@ class Speculator:
         bar = UNFITTED_BAR if config.goodput_budget else 0.0
         probe_every = PROBE_EVERY
         if cost is not None:
-            bar, probe_every = self._prices(num_running, cost)
+            bar, probe_every = self._prices(num_running, with_sync_penalty(cost, num_running,
+                                                                           self.sync_penalty.at(num_running)))
+        self._last_bar, self._last_probe_every = bar, probe_every
         explore = (cost is not None and steps - self._explored_at >= EXPLORE_EVERY
                    and self.step_cost.lacks_checks(num_running))
         until_probe = probe_every - steps % probe_every  # steps to the next probe
@@ -223,7 +250,11 @@ class Speculator:
             rate = self.acceptance.rate(request.request_id, request.greedy) if config.goodput_budget else 1.0
             if rate < bar and until_probe != probe_every and not (explore and rate >= UNFITTED_BAR):
                 # neither checked, nor explored (no explorer below UNFITTED_BAR), nor probed until the next probe
+                # (made in a quiet step, where it may be, and then looked at again after RELOOK_PROBES of them)
                 quiet[request.request_id] = num_tokens + until_probe
+                if self._probes_in_quiet and bar <= 1.0:
+                    quiet[request.request_id] += (RELOOK_PROBES - 1) * probe_every
+                    self._below_bar.add(request.request_id)
                 continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
             room = min(k, request.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - num_tokens - 1)
@@ -232,10 +263,14 @@ class Speculator:
             if rate < bar:
                 if explore and rate >= explorer_rate:
                     explorer, explorer_room, explorer_rate = request, room, rate
-                # a probe (one token, never checked: scored against the next draw) where a check could pay (bar
-                # <= 1)
+                # a probe (one token, never checked: scored against the token drawn in its place) where a check could
+                # pay (bar <= 1); the request waits for its next probe meanwhile
                 elif bar <= 1.0 and until_probe == probe_every:
                     probing.append(request)
+                    quiet[request.request_id] = num_tokens + probe_every
+                    if self._probes_in_quiet:
+                        quiet[request.request_id] += (RELOOK_PROBES - 1) * probe_every
+                        self._below_bar.add(request.request_id)
                 continue
             proposing.append(request)
             rooms.append(room)
@@ -248,19 +283,9 @@ class Speculator:
             return
         if self._draft_beside is not None:
             self._price_draft_model(num_running, cost)
-        start = time.perf_counter()
-        proposals = self.proposer.propose(proposing + explored + probing,
-                                          rooms + [explorer_room] * len(explored) + [1] * len(probing))
-        propose_seconds = time.perf_counter() - start
-        if self._draft_beside is not None:  # the draft model's forwards are priced apart: _price_draft_model
-            propose_seconds -= self._draft_beside.last_draft_seconds
-        asked = len(proposals)
-        found = sum(1 for p in proposals if p)
-        self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
-        self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
-        for request, probe in zip(probing, proposals[len(proposing) + len(explored):]):
-            if probe:
-                self._shadows[request.request_id] = (probe[0], request.greedy)
+        proposals = self._ask(proposing + explored + probing,
+                              rooms + [explorer_room] * len(explored) + [1] * len(probing))
+        self._keep_probes(probing, proposals[len(proposing) + len(explored):])
         if explored:
             explorer.spec_token_ids = proposals[len(proposing)]
         proposals = proposals[:len(proposing)]
@@ -280,6 +305,36 @@ class Speculator:
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
 
+    def _ask(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
+        """The proposer's proposals, its time per request asked and the share of asks that found one followed."""
+        start = time.perf_counter()
+        proposals = self.proposer.propose(requests, max_tokens)
+        propose_seconds = time.perf_counter() - start
+        if self._draft_beside is not None:  # the draft model's forwards are priced apart: _price_draft_model
+            propose_seconds -= self._draft_beside.last_draft_seconds
+        asked = len(proposals)
+        found = sum(1 for p in proposals if p)
+        self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
+        self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
+        return proposals
+
+    def _keep_probes(self, requests: list[Request], probes: list[list[int]]) -> None:
+        """Probes' tokens, scored against the tokens drawn in their places (_score_shadows)."""
+        for request, probe in zip(requests, probes):
+            if probe:
+                self._shadows[request.request_id] = (probe[0], request.greedy, len(request.all_token_ids))
+
+    def _probe_quiet(self, updated: list[Request]) -> None:
+        """On a probe's step, the probes of the requests below the bar among `updated` that are not looked at (a quiet
+        step's: the next step computes already; each probe is scored against the token drawn in its place)."""
+        if self._steps % self._last_probe_every or self._last_bar > 1.0:
+            return
+        below, shadows = self._below_bar, self._shadows
+        probing = [r for r in updated if r.request_id in below and r.request_id not in shadows
+                   and r.max_tokens - len(r.output_token_ids) > 1 and self.max_model_len - len(r.all_token_ids) > 1]
+        if probing:
+            self._keep_probes(probing, self._ask(probing, [1] * len(probing)))
+
     def _waiting_steps(self, requests: list[Request], num_running: int) -> int:
         """The propose calls to come that would find every one of `requests` waiting (each adds one token a step);
         none where they are not all of the `num_running` running requests (one not seen may hold proposals)."""
@@ -288,21 +343,29 @@ class Speculator:
         quiet = self._quiet
         return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - 1 for r in requests), default=0))
 
-    def skip_step(self) -> None:
-        """A step of the requests the last propose saw, each decoding one token, ran while they all wait: nothing
-        to observe (no check, no probe) and nothing to propose."""
+    def skip_step(self, updated: list[Request] = ()) -> None:
+        """A step of the requests the last propose saw, each decoding one token (`updated`), ran while they all wait:
+        nothing to check or propose; their probes scored."""
         self.quiet_steps -= 1
         self._steps += 1
+        if self._shadows:
+            self._score_shadows(updated)
+        if self._below_bar:
+            self._probe_quiet(updated)
 
     def pass_step(self, updated: list[Request]) -> None:
         """A step ran ahead of the host (asynchronous scheduling) and is not a quiet one (a request finished or
         came in), but the next step computes already: nothing is proposed from its tokens, which the next step's
-        follow. Its finished requests are forgotten; the next step's tokens are proposed from."""
+        follow. Its finished requests are forgotten, its probes scored; the next step's tokens are proposed from."""
+        if self._shadows:
+            self._score_shadows(updated)
         for request in updated:
             if request.status._finished:
                 self.on_finish(request)
         self.quiet_steps = 0
         self._steps += 1
+        if self._below_bar:
+            self._probe_quiet([r for r in updated if not r.status._finished])
 
     def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
         """The lowest rate at which a request can pay for its ask and its check (above 1: none can), and the tokens
@@ -346,5 +409,6 @@ class Speculator:
         self._shadows.pop(request.request_id, None)
         self._backoff.pop(request.request_id, None)
         self._quiet.pop(request.request_id, None)
+        self._below_bar.discard(request.request_id)
         self.proposer.on_finish(request, cache=request.status is not RequestStatus.FINISHED_ABORTED)
         self.acceptance.forget(request.request_id)

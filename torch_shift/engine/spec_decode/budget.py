@@ -159,6 +159,52 @@ def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> n
     return coefficients
 
 
+class SyncPenalty:
+    """What a step costs more when the host waits for it than when it runs ahead of the host (asynchronous scheduling),
+    per range of batch sizes [2^i, 2^(i+1)): the median interval between the engine core's calls after a plain decode
+    step it ran synchronously, less the median after one launched behind the step in flight. A check costs that
+    penalty on top of its fitted cost, as does the step whose tokens a proposal follows (both wait for their tokens),
+    while the fit (StepCostFit) sees synchronous steps only. Measured on free text in one process: pipelined steps
+    1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
+
+    def __init__(self, window: int = 32, min_steps: int = 4):
+        self.min_steps = min_steps
+        self.window = window
+        self.intervals: dict[tuple[int, bool], deque[float]] = {}  # (R's bit length, pipelined?) -> last intervals
+
+    def observe(self, num_requests: int, pipelined: bool, seconds: float) -> None:
+        key = (num_requests.bit_length(), pipelined)
+        last = self.intervals.get(key)
+        if last is None:
+            last = self.intervals[key] = deque(maxlen=self.window)
+        last.append(seconds)
+
+    def at(self, num_requests: int) -> float:
+        """The penalty for steps of `num_requests` requests (0 until both kinds of step were seen in its range)."""
+        key = num_requests.bit_length()
+        synchronous, pipelined = self.intervals.get((key, False)), self.intervals.get((key, True))
+        if synchronous is None or pipelined is None or min(len(synchronous), len(pipelined)) < self.min_steps:
+            return 0.0
+        return max(0.0, _median(synchronous) - _median(pipelined))
+
+
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def with_sync_penalty(cost: StepCost, num_requests: int, penalty: float) -> StepCost:
+    """`cost` priced against steps that run ahead of the host: a plain step `penalty` cheaper, a check that much dearer
+    (a step that checks waits for its tokens). At most half the plain step's fitted time, rounded to a twentieth of it
+    (the prices derived from a cost are kept while it stays: Speculator._prices)."""
+    a, c, b, d = cost
+    plain = a + c * num_requests
+    if penalty <= 0.0 or plain <= 0.0:
+        return cost
+    penalty = min(0.5, round(20.0 * penalty / plain) / 20.0) * plain
+    return (a - penalty, c, b, d + penalty)
+
+
 def seconds(cost: StepCost, num_requests: int, num_proposed: int, num_checks: int) -> float:
     a, c, b, d = cost
     return a + c * num_requests + b * num_proposed + d * num_checks
