@@ -97,6 +97,7 @@ class EngineCore:
         # the last call of `step` with a speculator that may run steps ahead: its start, and the plain decode step it
         # ran as (requests, whether launched behind the one in flight), or None: any other (speculator.sync_penalty)
         self._last_call: tuple[float, tuple[int, bool] | None] | None = None
+        self._speculator_seconds = 0.0  # the speculator's time after the last step run synchronously
 
     @property
     def policy(self) -> Policy:
@@ -129,9 +130,12 @@ class EngineCore:
                 speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for)):
             if self.in_flight is not None:
                 return self._complete()
+            self._speculator_seconds = 0.0
             done = self._step()
             if speculator is not None and done is not None and _plain_decode(done.entries):
-                self._last_call = (self._last_call[0], (sum(map(len, done.entries)), False))
+                # less the speculator's own time (its asks are priced apart: Speculator._prices)
+                self._last_call = (self._last_call[0] + self._speculator_seconds,
+                                   (sum(map(len, done.entries)), False))
             return done
         in_flight = self.in_flight
         output = self.scheduler.schedule()
@@ -217,11 +221,13 @@ class EngineCore:
         elif launched_behind:  # a request finished, or came in, while a step ran ahead
             speculator.pass_step(updated)
         else:
+            start = time.perf_counter()
             if seconds is not None:
                 self.stats.record_spec(speculator.observe(entries, sampled, seconds))
             speculator.propose(updated, num_running)
             self._proposed_for = scheduler.num_running_changes
             self.stats.num_cut_tokens = speculator.num_cut_tokens
+            self._speculator_seconds = time.perf_counter() - start
 
 
 def _plain_decode(entries: list[list[ScheduledRequest]]) -> bool:

@@ -162,7 +162,8 @@ def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> n
 class SyncPenalty:
     """What a step costs more when the host waits for it than when it runs ahead of the host (asynchronous scheduling),
     per range of batch sizes [2^i, 2^(i+1)): the median interval between the engine core's calls after a plain decode
-    step it ran synchronously, less the median after one launched behind the step in flight. A check costs that
+    step it ran synchronously (less the speculator's own time in it, priced per ask), less the median after one
+    launched behind the step in flight. A check costs that
     penalty on top of its fitted cost, as does the step whose tokens a proposal follows (both wait for their tokens),
     while the fit (StepCostFit) sees synchronous steps only. Measured on free text in one process: pipelined steps
     1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
