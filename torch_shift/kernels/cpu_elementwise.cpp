@@ -449,15 +449,24 @@ void sort_bin(float* w, int64_t cols, uint32_t bin, std::vector<std::pair<float,
   });
 }
 
+// The bins' sums (of the positive weights' count where `count`, else of the weights) added from the largest bin down to
+// the one where they reach `target`: that bin's weights sorted into `order`, those of the bins below zeroed (sort_bin).
+// Returns the sum of the bins above it.
+double cut_at_bin(float* w, int64_t cols, bool count, double target, std::vector<double>& bins,
+                  std::vector<std::pair<float, int32_t>>& order) {
+  bins.assign(weight_bin(1.0f) + 1, 0.0);
+  for (int64_t c = 0; c < cols; ++c) bins[weight_bin(w[c])] += count ? w[c] > 0.0f : w[c];  // 0 adds nothing
+  double before = 0.0;
+  uint32_t bin = static_cast<uint32_t>(bins.size()) - 1;
+  for (; bin > 0 && before + bins[bin] < target; --bin) before += bins[bin];
+  sort_bin(w, cols, bin, order);
+  return before;
+}
+
 // Keeps the top_k largest positive weights (the lowest indices among equal ones), the others zeroed.
 void keep_top_k(float* w, int64_t cols, int64_t top_k, std::vector<double>& bins,
                 std::vector<std::pair<float, int32_t>>& order) {
-  bins.assign(weight_bin(1.0f) + 1, 0.0);
-  for (int64_t c = 0; c < cols; ++c) bins[weight_bin(w[c])] += w[c] > 0.0f;
-  double before = 0.0;
-  uint32_t bin = static_cast<uint32_t>(bins.size()) - 1;
-  for (; bin > 0 && before + bins[bin] < static_cast<double>(top_k); --bin) before += bins[bin];
-  sort_bin(w, cols, bin, order);
+  const double before = cut_at_bin(w, cols, true, static_cast<double>(top_k), bins, order);
   for (size_t i = 0; i < order.size(); ++i)
     if (before + static_cast<double>(i) >= static_cast<double>(top_k)) w[order[i].second] = 0.0f;
 }
@@ -468,12 +477,7 @@ void keep_top_k(float* w, int64_t cols, int64_t top_k, std::vector<double>& bins
 void keep_top_p(float* w, int64_t cols, float top_p, std::vector<double>& bins,
                 std::vector<std::pair<float, int32_t>>& order) {
   const double target = static_cast<double>(top_p) * weight_sum(w, cols);
-  bins.assign(weight_bin(1.0f) + 1, 0.0);
-  for (int64_t c = 0; c < cols; ++c) bins[weight_bin(w[c])] += w[c];  // 0 adds nothing
-  double before = 0.0;
-  uint32_t bin = static_cast<uint32_t>(bins.size()) - 1;
-  for (; bin > 0 && before + bins[bin] < target; --bin) before += bins[bin];
-  sort_bin(w, cols, bin, order);
+  double before = cut_at_bin(w, cols, false, target, bins, order);
   for (const auto& [weight, c] : order) {  // the largest (1) has nothing before it: kept, as target > 0
     if (before >= target) w[c] = 0.0f;
     before += weight;

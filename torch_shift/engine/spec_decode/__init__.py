@@ -343,7 +343,7 @@ class Speculator:
         quiet = self._quiet
         return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - 1 for r in requests), default=0))
 
-    def skip_step(self, updated: list[Request] = ()) -> None:
+    def skip_step(self, updated: list[Request]) -> None:
         """A step of the requests the last propose saw, each decoding one token (`updated`), ran while they all wait:
         nothing to check or propose; their probes scored."""
         self.quiet_steps -= 1

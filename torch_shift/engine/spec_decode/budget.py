@@ -22,6 +22,7 @@ starting from the method's rate over all requests. A proposal's j-th token is ac
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -186,12 +187,7 @@ class SyncPenalty:
         synchronous, pipelined = self.intervals.get((key, False)), self.intervals.get((key, True))
         if synchronous is None or pipelined is None or min(len(synchronous), len(pipelined)) < self.min_steps:
             return 0.0
-        return max(0.0, _median(synchronous) - _median(pipelined))
-
-
-def _median(values: deque[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+        return max(0.0, statistics.median_high(synchronous) - statistics.median_high(pipelined))
 
 
 def with_sync_penalty(cost: StepCost, num_requests: int, penalty: float) -> StepCost:
