@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import signal
 import sys
@@ -226,6 +227,24 @@ def test_dropped_stream_frees_its_blocks(server):
     assert server.idle_free_blocks()
 
 
+def test_a_dropped_stream_of_many_choices_is_not_written_to(server, caplog):
+    """n choices come out of a step together: once the client hangs up, the server stops writing (asyncio logged
+    'socket.send() raised exception.' for each write to the closed socket past the fifth)."""
+    async def drop():
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = {"prompt": PROMPT, "max_tokens": 200, "n": 16, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        for _ in range(3):
+            asyncio.run(drop())
+            assert server.idle_free_blocks()
+    assert not [r for r in caplog.records if "socket.send() raised exception" in r.getMessage()]
+
+
 def test_burst_larger_than_the_queue_is_fully_accounted(checkpoints):
     _, model_dir = checkpoints("llama")
     s = RunningServer(model_dir, max_waiting_seqs=4, engine={"max_num_seqs": 2})
@@ -308,6 +327,7 @@ def test_api_key_models_health_and_openapi(checkpoints):
                          headers={"authorization": "Bearer sekret"})
         assert big.status_code == 413
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+        assert httpx.head(s.url + "/health").status_code == 200  # balancers that probe without a body
         assert "/v1/chat/completions" in httpx.get(s.url + "/openapi.json").json()["paths"]
     finally:
         s.stop()
@@ -450,6 +470,14 @@ REFUSED = [  # (path, extra fields, what the message must name)
     ("/v1/completions", {"max_tokens": 250}, "maximum context length"),
     ("/v1/completions", {"prompt": "word " * 400}, "maximum context length"),
     ("/v1/chat/completions", {"max_tokens": None, "max_completion_tokens": 256}, "maximum context length"),
+    ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),  # null is accepted (asks for nothing)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "audio": {"id": "audio_1"}}]}, "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "assistant"),
+    ("/v1/completions", {"logit_bias": {"\uff15": 1}}, "token ids"),  # a full-width 5
+    ("/v1/completions", {"temperature": 1e39}, "float32"),
 ]
 
 
@@ -466,6 +494,59 @@ def test_fields_not_honoured_are_refused_by_name(server, path, extra, named):
     assert error["type"] == "invalid_request_error" and named in error["message"], error
     if named in ("top_logprobs", "best_of"):  # a check across fields names the field it refuses
         assert error["param"] == named
+    if named == "stream":
+        assert error["param"] == "stream_options"
+
+
+def test_an_empty_choice_names_structured_outputs(server):
+    response = post(server, "/v1/completions", _body("/v1/completions", {"structured_outputs": {"choice": []}}))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", response.text
+
+
+def test_what_clients_send_as_null_and_an_assistant_reply_sent_back_are_accepted(server):
+    """A client that writes out its unset fields sends them as null, and the openai client's reply message
+    (`message.model_dump()`) carries refusal, annotations, audio and function_call: all accepted, the reply rendered
+    as its content (a refusal where content is null), the output the same as without them."""
+    client = server.client()
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           temperature=0)
+    reply = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(reply)
+    nulls = {"n": None, "functions": None, "function_call": None, "modalities": None, "prediction": None,
+             "service_tier": None, "audio": None, "web_search_options": None, "verbosity": None,
+             "prompt_cache_key": "k", "safety_identifier": "s"}
+
+    def text(messages, **extra):
+        response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                         **extra})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply["content"]},
+             {"role": "user", "content": "and?"}]
+    assert text([plain[0], reply, plain[2]], **nulls) == text(plain)
+    refusal = {"role": "assistant", "content": None, "refusal": "I cannot help with that."}
+    assert text([plain[0], refusal, plain[2]]) == text([plain[0], {"role": "assistant", "content": refusal["refusal"]},
+                                                        plain[2]])
+    response = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": None})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1, response.text
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(server):
+    """Each token's own bytes: joined, they give the text back where a character spans several byte tokens (its
+    text alone decodes to a replacement character)."""
+    schema = {"const": "\U0001f600\u65e5\u672c"}
+    response = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "temperature": 0, "logprobs": True,
+        "top_logprobs": 1, "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    content = choice["message"]["content"]
+    assert content == '"\U0001f600\u65e5\u672c"'
+    rebuilt = b"".join(bytes(entry["bytes"]) for entry in choice["logprobs"]["content"])
+    assert rebuilt.startswith(content.encode())  # then the end of sequence, a token of its own
+    assert "\ufffd".encode() not in rebuilt
+    assert all(bytes(top["bytes"]) for entry in choice["logprobs"]["content"] for top in entry["top_logprobs"])
 
 
 def test_lone_surrogate_is_named(server):

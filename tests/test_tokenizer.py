@@ -312,3 +312,32 @@ def test_chat_template_from_chat_template_json_or_named_list(tokenizer_dir: Path
     assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
     (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0].role }}?"}))
     assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "user?"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_rebuild_the_text_byte_level(tokenizer: Tokenizer, text: str) -> None:
+    """A byte-level BPE's tokens of a character split over several of them each carry their own bytes (OpenAI's
+    logprobs `bytes`), not the replacement character their text decodes to alone."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    (eos,) = tokenizer.eos_token_ids
+    assert tokenizer.token_bytes(eos) == tokenizer.token_to_str(eos).encode()  # an added token: its text
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback(tmp_path: Path) -> None:
+    """Llama 2's decoders (▁ as a space, byte-fallback pieces <0xHH>): a piece's bytes with its space, a byte piece's
+    byte."""
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁Hello", "▁world", *[f"<0x{b:02X}>" for b in range(256)]]
+    backend = tokenizers.Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                                              byte_fallback=True))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    ids = tokenizer.encode("Hello world 日本", add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == " Hello world 日本".encode()
+    assert tokenizer.token_bytes(pieces.index("<0xE6>")) == b"\xe6"
+    assert tokenizer.token_bytes(2) == b"</s>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -14,6 +15,18 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers.decoders import DecodeStream
+
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_bytes() -> dict[str, int]:
+    """The byte each character of a byte-level BPE's alphabet stands for (GPT-2's bytes_to_unicode, inverted):
+    printable Latin-1 bytes are themselves, the others 256 and up in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
 
 # Prompt tokens handed to DecodeStream as context, so that the first generated token decodes as it would after
 # the prompt (e.g. SentencePiece's leading space is kept instead of stripped as at the start of a text).
@@ -56,6 +69,8 @@ class Tokenizer:
         # add_bos_token=false (transformers 5 ignores add_bos_token when tokenizer.json exists).
         self._prepend_bos = bool(add_bos_token) and self.bos_token_id is not None and not self._post_processor_adds_bos
         self.add_bos_token: bool = self._post_processor_adds_bos or self._prepend_bos
+        self._added_ids: frozenset[int] | None = None  # token_bytes' lookups, made at its first call
+        self._decoders: frozenset[str] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -130,6 +145,39 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
         return [self.token_to_str(token_id) for token_id in token_ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (OpenAI's logprobs `bytes`, which a client joins to rebuild a text whose
+        characters span tokens): a byte-level BPE token's own bytes, a byte-fallback token's byte (<0xE6>), a
+        SentencePiece piece with its spaces; else (added tokens, other decoders) its text in UTF-8."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None or token_id in self._added_token_ids:
+            return self.token_to_str(token_id).encode()
+        decoders = self._decoder_types
+        if "ByteLevel" in decoders:
+            byte_of = _byte_level_bytes()
+            if all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+        elif "ByteFallback" in decoders and (match := _BYTE_FALLBACK_PIECE.fullmatch(piece)):
+            return bytes([int(match.group(1), 16)])
+        elif "Metaspace" in decoders or "Replace" in decoders:
+            return piece.replace("▁", " ").encode()
+        return self.token_to_str(token_id).encode()
+
+    @property
+    def _added_token_ids(self) -> frozenset[int]:
+        if self._added_ids is None:
+            self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
+        return self._added_ids
+
+    @property
+    def _decoder_types(self) -> frozenset[str]:
+        """The types of the tokenizer's decoder and of those in its sequence (ByteLevel, ByteFallback, ...)."""
+        if self._decoders is None:
+            decoder = self.backend.decoder
+            described = json.loads(decoder.__getstate__()) if decoder is not None else {}
+            self._decoders = frozenset(d.get("type") for d in [described, *described.get("decoders", [])])
+        return self._decoders
 
     def apply_chat_template(
         self,

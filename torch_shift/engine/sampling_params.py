@@ -22,6 +22,7 @@ _UNSUPPORTED_VLLM_FIELDS = {"detokenize": True, "spaces_between_special_tokens":
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**63 - 1  # an int64, as OpenAI's `seed` and torch.Generator take it
 
 
@@ -101,7 +102,8 @@ class SamplingParams:
         self.presence_penalty = check_float("presence_penalty", self.presence_penalty)
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty)
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
-        check_range("temperature", self.temperature >= 0.0, ">= 0")
+        # the sampler divides float32 logits by it: past float32's range it is infinite and every logit 0
+        check_range("temperature", 0.0 <= self.temperature <= FLOAT32_MAX, "in [0, 3.4e38] (float32's range)")
         check_range("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
         check_range("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]")
         check_range("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")

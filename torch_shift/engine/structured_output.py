@@ -42,11 +42,16 @@ class StructuredOutputsParams:
                                                        "json_object=True, regex, choice and grammar")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
+            if value is not None and not isinstance(value, str):
                 raise TypeError(f"structured_outputs.{name} is a non-empty string, got {value!r}")
+            if value == "":
+                raise ParameterError("structured_outputs", f"structured_outputs.{name} is a non-empty string, got ''")
         if self.choice is not None and (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple))
-                                        or not self.choice or not all(isinstance(c, str) for c in self.choice)):
+                                        or not all(isinstance(c, str) for c in self.choice)):
             raise TypeError(f"structured_outputs.choice is a non-empty list of strings, got {self.choice!r}")
+        if self.choice is not None and not self.choice:
+            raise ParameterError("structured_outputs", "structured_outputs.choice is a non-empty list of strings, "
+                                                       "got []")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise TypeError(f"structured_outputs.json is a JSON schema (str or dict), got {type(self.json).__name__}")
         if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):

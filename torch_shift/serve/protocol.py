@@ -27,6 +27,8 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+# OpenAI's `n` where a client writes out its unset fields as null (vLLM's default too)
+N = Annotated[int, BeforeValidator(lambda value: 1 if value is None else _integral(value))]
 
 
 def _check_text(value: Any, where: str = "") -> None:
@@ -99,7 +101,7 @@ class StructuredOutputsRequest(_Strict):
 
 class _SamplingRequest(_Strict):
     model: str | None = None
-    n: Int = Field(default=1, ge=1)
+    n: N = Field(default=1, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -144,17 +146,18 @@ class _SamplingRequest(_Strict):
     @classmethod
     def _bias_keys(cls, value):
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # int() reads other scripts' digits too
                 raise ValueError(f"keys are token ids (non-negative integers written as strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"the bias of token {key} is {bias}; biases must be in [-100, 100]")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):  # a field's check: its error names it
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options can only be given with stream=true")
-        return self
+        return value
 
     @property
     def grammar_field(self) -> str:
@@ -262,6 +265,27 @@ class ChatMessage(_Strict):
     # an earlier turn's reasoning, as this server sent it (templates of reasoning models may read it)
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # the rest of OpenAI's assistant message, as its client sends a reply back (`message.model_dump()`): a refusal
+    # is the turn's text where content is null; annotations (citations of the reply) are not rendered, as OpenAI's
+    # own; audio and the deprecated function_call only as null
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        if value is not None:
+            raise ValueError("an earlier turn's audio is not supported: this model reads text (send null)")
+        return value
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value):
+        if value is not None:
+            raise ValueError("function_call (deprecated by OpenAI) is not supported: send the call in tool_calls")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -279,6 +303,10 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError(f"a refusal belongs to an assistant message, not to role {self.role!r}")
+        if self.content is None and self.refusal is not None:
+            self.content = self.refusal
         error = null_content_error(self.role, self.content, self.tool_calls)
         if error is not None:
             raise ValueError(error)
@@ -326,6 +354,12 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# OpenAI's chat fields that torch_shift cannot honour: a client that writes out its unset fields sends them as null,
+# which asks for nothing; any other value is refused as an unknown field
+_UNSUPPORTED_WHEN_SET = ("functions", "function_call", "modalities", "prediction", "service_tier", "audio",
+                         "web_search_options", "verbosity")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
@@ -342,6 +376,17 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
     include_reasoning: bool = True  # with a reasoning parser: send reasoning_content
     continue_final_message: bool = False  # the output continues the last (assistant) message
+    # OpenAI's, accepted without effect on the output, as `user`: a key for its prompt cache (prefixes are cached
+    # whatever the key) and an end-user id
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _UNSUPPORTED_WHEN_SET):
+            data = {k: v for k, v in data.items() if not (k in _UNSUPPORTED_WHEN_SET and v is None)}
+        return data
 
     @field_validator("chat_template_kwargs")
     @classmethod

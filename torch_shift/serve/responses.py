@@ -29,10 +29,14 @@ def _logprob(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
-def _top(entry: PositionLogprobs, k: int, tokenizer: Tokenizer | None) -> list[tuple[str, float]]:
-    """The k most likely tokens of a position (the chosen token too, only if it is among them)."""
+def _top(entry: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of a position and their logprobs (the chosen token too, only if among them)."""
     ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k)
-    return [(token_text(tokenizer, t), _logprob(logprob)) for _, t, logprob in ranked]
+    return [(t, _logprob(logprob)) for _, t, logprob in ranked]
+
+
+def token_bytes(tokenizer: Tokenizer | None, token_id: int) -> list[int]:
+    return list(tokenizer.token_bytes(token_id) if tokenizer is not None else str(token_id).encode())
 
 
 def prompt_offsets(tokenizer: Tokenizer | None, text: str, token_ids: list[int]) -> list[int]:
@@ -80,7 +84,7 @@ def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | N
         if entry is None:
             tops.append(None)
             continue
-        top = dict(_top(entry, k, tokenizer))
+        top = {token_text(tokenizer, t): logprob for t, logprob in _top(entry, k)}
         top.setdefault(tokens[-1], token_logprobs[-1])  # the chosen token too, outside the top k (k + 1 entries)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -90,9 +94,10 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], tokeniz
     content = []
     for token_id, entry in zip(token_ids, entries):
         text = token_text(tokenizer, token_id)
-        top = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(entry, k, tokenizer)]
-        content.append({"token": text, "logprob": _logprob(entry[token_id].logprob), "bytes": list(text.encode()),
-                        "top_logprobs": top})
+        top = [{"token": token_text(tokenizer, t), "logprob": lp, "bytes": token_bytes(tokenizer, t)}
+               for t, lp in _top(entry, k)]
+        content.append({"token": text, "logprob": _logprob(entry[token_id].logprob),
+                        "bytes": token_bytes(tokenizer, token_id), "top_logprobs": top})
     return {"content": content}
 
 
