@@ -254,6 +254,9 @@ class ModelRunner:
         """Launch the step on the C++ decoder's thread. Input ids that the step launched before it sampled (still
         running) are read by that thread when the step starts."""
         (group,) = plan.groups
+        # a check's proposed tokens are written where `prepare` reads them by _run_groups_here alone (launched, a
+        # check read stale ids: seeded tokens changed, docs/performance.md)
+        assert group.num_spec is None, "a step that checks proposals is not launched"
         layout = self.deployment[group.layout]
         kv, _ = self.pool_view(group.layout)
         host = self.batch.prepare(group, 0, layout.kv_width)
