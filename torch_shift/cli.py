@@ -197,14 +197,18 @@ def _generate(args: argparse.Namespace) -> int:
                 prompts.append(p)
         engine = llm.engine
         context = engine.max_context_tokens
-        bound = ("--max-model-len" if context == engine.scheduler_config.max_model_len
-                 else "the KV cache's memory, --kv-cache-memory-bytes")
+        if context < engine.scheduler_config.max_model_len:
+            hint = " (or raise the KV cache's memory, --kv-cache-memory-bytes)"
+        elif context < engine.model_config.max_position_embeddings:
+            hint = " (or raise --max-model-len)"
+        else:  # the model's own context
+            hint = ""
         for i, prompt in enumerate(prompts):
             n = len(engine.tokenize_prompt(prompt).token_ids)
             if n + args.max_tokens > context:
                 raise ValueError(f"prompt {i} has {n} tokens; with --max-tokens {args.max_tokens} that is "
                                  f"{n + args.max_tokens}, more than the context of {context} tokens: lower "
-                                 f"--max-tokens (or raise {bound})")
+                                 f"--max-tokens{hint}")
         outputs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
