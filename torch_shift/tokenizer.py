@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,6 @@ class Tokenizer:
         # add_bos_token=false (transformers 5 ignores add_bos_token when tokenizer.json exists).
         self._prepend_bos = bool(add_bos_token) and self.bos_token_id is not None and not self._post_processor_adds_bos
         self.add_bos_token: bool = self._post_processor_adds_bos or self._prepend_bos
-        self._added_ids: frozenset[int] | None = None  # token_bytes' lookups, made at its first call
-        self._decoders: frozenset[str] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -164,20 +162,16 @@ class Tokenizer:
             return piece.replace("▁", " ").encode()
         return self.token_to_str(token_id).encode()
 
-    @property
+    @cached_property
     def _added_token_ids(self) -> frozenset[int]:
-        if self._added_ids is None:
-            self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
-        return self._added_ids
+        return frozenset(self.backend.get_added_tokens_decoder())
 
-    @property
+    @cached_property
     def _decoder_types(self) -> frozenset[str]:
         """The types of the tokenizer's decoder and of those in its sequence (ByteLevel, ByteFallback, ...)."""
-        if self._decoders is None:
-            decoder = self.backend.decoder
-            described = json.loads(decoder.__getstate__()) if decoder is not None else {}
-            self._decoders = frozenset(d.get("type") for d in [described, *described.get("decoders", [])])
-        return self._decoders
+        decoder = self.backend.decoder
+        described = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        return frozenset(d.get("type") for d in [described, *described.get("decoders", [])])
 
     def apply_chat_template(
         self,

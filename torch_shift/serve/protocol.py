@@ -273,18 +273,14 @@ class ChatMessage(_Strict):
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
 
-    @field_validator("audio")
+    @field_validator("audio", "function_call")
     @classmethod
-    def _no_audio(cls, value):
+    def _only_null(cls, value, info: ValidationInfo):
         if value is not None:
-            raise ValueError("an earlier turn's audio is not supported: this model reads text (send null)")
-        return value
-
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, value):
-        if value is not None:
-            raise ValueError("function_call (deprecated by OpenAI) is not supported: send the call in tool_calls")
+            raise ValueError({
+                "audio": "an earlier turn's audio is not supported: this model reads text (send null)",
+                "function_call": "function_call (deprecated by OpenAI) is not supported: send the call in tool_calls",
+            }[info.field_name])
         return value
 
     @field_validator("content")
