@@ -27,7 +27,10 @@ sys.exit(0 if version >= (2, 11) else 1)' 2>/dev/null; then
     "$PYTHON" -m pip install --quiet "$TORCH_PIN"
   fi
 fi
-"$PYTHON" -m pip install --quiet -e ".${extras:+[$extras]}"
+# compat mode puts this checkout on sys.path (a .pth file) instead of setuptools' import hook, which comes after
+# sys.path: with the hook, a script run from the folder that holds a clone named torch_shift imported that clone
+# as an empty namespace package
+"$PYTHON" -m pip install --quiet -e ".${extras:+[$extras]}" --config-settings editable_mode=compat
 if [[ ",$extras," == *",dev,"* ]]; then
   # the torchtitan handoff tests import only its model code: skip its training-job dependencies
   "$PYTHON" -m pip install --quiet --no-deps "torchtitan==0.3.0"

@@ -40,6 +40,25 @@ def test_generate_prints_what_the_api_returns(llama, capsys):
     assert capsys.readouterr().out.count("(top: ") == 3
 
 
+def test_a_progress_bar_made_by_the_callers_function_and_none_from_generate_off_a_terminal(llama, capsys):
+    """As vLLM's `use_tqdm`: a function that makes the bar (the command's, on a terminal, clears itself when done);
+    the command's output in a file or a pipe holds no bar."""
+    from tqdm.auto import tqdm
+
+    _, model_dir = llama
+    made = []
+
+    def make_bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**kwargs)
+
+    LLM(str(model_dir)).generate(["the quick", "café"], SamplingParams(max_tokens=2), use_tqdm=make_bar)
+    assert [(kwargs["total"], kwargs["disable"]) for kwargs in made] == [(2, False)]
+    assert "Processed prompts: 100%" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--max-tokens", "2", "the quick", "café"]) == 0
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
 def test_generate_with_speculative_config(llama, capsys):
     _, model_dir = llama
     prompt = "the quick brown fox " * 4
@@ -135,8 +154,19 @@ def test_help_says_what_each_command_is_and_shows_defaults(capsys):
     assert "Generate text offline for each prompt" in text
     for expected in ("token budget of one step (default: 2048)", "(default: 256)", "--tensor-parallel-size TP",
                      "--ulysses-sequence-parallel-size SP", "--distributed-timeout DISTRIBUTED_TIMEOUT_S",
-                     "--temperature TEMPERATURE 0: greedy (default: 0.0)"):
+                     "--temperature TEMPERATURE 0: greedy (default: 0.0)",
+                     "reuse the KV blocks of a shared prompt prefix (default: on)",
+                     "instead of each expert's FFN split by TP (docs/moe.md) (default: off)"):
         assert expected in text, expected
+
+
+def test_a_script_run_beside_a_clone_named_torch_shift_imports_the_installed_package(tmp_path):
+    """scripts/install.sh installs in setuptools' compat mode: its import hook (the default mode) comes after
+    sys.path, where a folder named torch_shift without __init__.py (a clone) became an empty namespace package."""
+    (tmp_path / "torch_shift").mkdir()
+    result = subprocess.run([sys.executable, "-c", "import torch_shift; print(torch_shift.LLM.__module__)"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "torch_shift.engine.llm", result.stderr[-2000:]
 
 
 def test_sampling_without_a_seed_differs_between_runs(llama, capsys):

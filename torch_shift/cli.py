@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -17,12 +18,16 @@ King James Bible). `torch-shift COMMAND --help` lists a command's options and th
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; each option's default after its help, unless it has none worth showing."""
+    """Descriptions as written; each option's default after its help (a switch's as on or off), unless it has none
+    worth showing (a flag that is off unless given)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.default is not None and action.default != argparse.SUPPRESS and action.nargs != 0
-                and "default" not in text and action.option_strings):
+        if "default" in text or not action.option_strings or action.default in (None, argparse.SUPPRESS):
+            return text
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return text + (" (default: on)" if action.default else " (default: off)")
+        if action.nargs != 0:
             text += " (default: %(default)s)"
         return text
 
@@ -173,6 +178,8 @@ def _token_ids(prompt: str, index: int) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
     from torch_shift import LLM, SamplingParams
 
     model = _model_or_default(args, "using")
@@ -209,7 +216,9 @@ def _generate(args: argparse.Namespace) -> int:
                 raise ValueError(f"prompt {i} has {n} tokens; with --max-tokens {args.max_tokens} that is "
                                  f"{n + args.max_tokens}, more than the context of {context} tokens: lower "
                                  f"--max-tokens{hint}")
-        outputs = llm.generate(prompts, params)
+        # a bar only on a terminal, cleared when done: the outputs printed after it are what stays
+        bar = functools.partial(tqdm, leave=False) if sys.stderr.isatty() else False
+        outputs = llm.generate(prompts, params, use_tqdm=bar)
     finally:
         llm.shutdown()
     for out, given in zip(outputs, args.prompts):

@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -109,13 +109,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request=None,
         priority: int | Sequence[int] | None = None,
         tokenization_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A prompt is a string or a list of token ids. `priority`: one for
-        every prompt, or one each. `lora_request` and `tokenization_kwargs` are vLLM's and must be None here.
+        every prompt, or one each. `use_tqdm`: a progress bar (for two prompts or more), or a function that makes
+        one, as vLLM's (`functools.partial(tqdm, leave=False)`). `lora_request` and `tokenization_kwargs` are
+        vLLM's and must be None here.
 
         Under torchrun every rank calls this; rank 0 schedules and all ranks return its outputs.
         """
@@ -167,9 +169,10 @@ class LLM:
             if not self.engine.has_unfinished_requests():
                 self.engine.idle()
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
         wanted = set(request_ids)
         with bar, self.engine.steps_in_a_row():
             while len(finished) < len(request_ids):
@@ -184,7 +187,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
