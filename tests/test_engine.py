@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import random
 import shutil
 from dataclasses import replace
 
@@ -13,6 +15,7 @@ from conftest import hf_greedy, random_prompts, rewrite_config
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine.errors import ParameterError
+from torch_shift.engine.output_processor import StopStrings
 from torch_shift.engine.structured_output import StructuredOutputsParams
 
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
@@ -535,6 +538,36 @@ def test_stop_strings_count_only_after_min_tokens(llama):
                                                               stop=stop, min_tokens=4), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) > 4 and late.token_ids == free.token_ids[:len(late.token_ids)]
     assert late.text.startswith(stop)  # the early occurrence stays in the text
+
+
+def _first_stop_in_list_order(stops, text, num_new):
+    """The search StopStrings replaced: each stop string in the request's order, in the text it may end in."""
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
+        if idx != -1:
+            return stop, idx
+    return None
+
+
+def test_stop_strings_found_as_the_list_order_search_finds_them():
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = tuple("".join(rng.choice("ab c") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6)))
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(1, 12)))
+        num_new = rng.randint(1, len(text))
+        assert StopStrings(stops).find(text, num_new) == _first_stop_in_list_order(stops, text, num_new)
+
+
+def test_a_hundred_thousand_stop_strings(llama):
+    """A body may hold that many; matching them costs a lookup per new character and length (was a search each)."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0]
+    stop = free.text[10:13]
+    noise = ["".join(p) for p in itertools.product("QZXJKV", repeat=6)][:100_000]
+    out = llm.generate("the quick brown fox", replace(params, stop=[*noise, stop]), use_tqdm=False)[0].outputs[0]
+    assert out.stop_reason == stop and out.text == free.text[:free.text.index(stop)]
 
 
 def test_temperature_below_1e_5_is_greedy(llama):

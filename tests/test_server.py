@@ -19,6 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
 
+import torch_shift
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.parallel.launch import free_port
@@ -477,6 +478,9 @@ REFUSED = [  # (path, extra fields, what the message must name)
         "role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]}, "tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "assistant"),
     ("/v1/completions", {"logit_bias": {"\uff15": 1}}, "token ids"),  # a full-width 5
+    ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),  # OpenAI's rule: at least n
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "empty list of content parts"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
     ("/v1/completions", {"temperature": 1e39}, "float32"),
 ]
 
@@ -549,11 +553,31 @@ def test_chat_logprob_bytes_rebuild_characters_split_over_tokens(server):
     assert all(bytes(top["bytes"]) for entry in choice["logprobs"]["content"] for top in entry["top_logprobs"])
 
 
-def test_lone_surrogate_is_named(server):
-    response = post(server, "/v1/completions", b'{"prompt": ["fine", "bad \\ud800 text"], "max_tokens": 2}')
+SURROGATES = [  # (path, a body with a lone surrogate as JSON escapes it, the field the 400 names)
+    ("/v1/completions", '{"prompt": ["fine", "bad \\ud800 text"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["a\\udc00"], "max_tokens": 2}', "stop[0]"),
+    # fields a chat template renders into the prompt, not only content (a refusal becomes content; were 500s)
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null,'
+                             ' "refusal": "a\\ud800"}], "max_tokens": 2}', "messages[1].refusal"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "name": "\\ud800"}], "max_tokens": 2}',
+     "messages[0].name"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                             '"chat_template_kwargs": {"bos_token": "a\\ud800"}}', "chat_template_kwargs.bos_token"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "metadata": {"\\ud800": "v"}}', "metadata"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages[0].content[0].text"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", SURROGATES)
+def test_a_lone_surrogate_anywhere_in_a_body_is_named(server, reference, path, body, param):
+    response = post(server, path, body.encode())
     assert response.status_code == 400, response.text
-    message = response.json()["error"]["message"]
-    assert message.startswith("prompt") and "U+D800" in message and "Unicode" in message
+    error = response.json()["error"]
+    assert param in error["message"] and error["param"] == param, error
+    assert "U+D" in error["message"] and "Unicode" in error["message"]
+    out = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy(reference).text
 
 
 def test_fields_real_clients_send_are_accepted(server, reference):
@@ -639,6 +663,10 @@ def test_vllms_structured_outputs_field(server):
 def test_models_retrieve_and_openai_shaped_404_405(server):
     client = server.client()
     assert client.models.retrieve("tiny").id == "tiny"
+    # vLLM's: an empty model name is the served model; /ping answers as /health; /version
+    assert post(server, "/v1/completions", _body("/v1/completions", {"model": ""})).status_code == 200
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json() == {"version": torch_shift.__version__}
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-5")
     assert missing.value.body["code"] == "model_not_found"
@@ -712,6 +740,16 @@ def test_streaming_echo_with_logprobs_and_offsets_with_a_bos(server):
     batch = post(server, "/v1/completions", {"prompt": [ids, ids[:3]], "max_tokens": 1, "echo": True, "logprobs": 1,
                                              "temperature": 0, "seed": 1234}).json()
     assert [len(c["logprobs"]["token_logprobs"]) for c in batch["choices"]] == [len(ids) + 1, 4]
+
+
+def test_tokenize_names_continue_final_message_as_chat_does(server):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well"}]
+    for path in ("/tokenize", "/v1/chat/completions"):
+        response = post(server, path, {"messages": messages, "continue_final_message": True, "max_tokens": 2}
+                        if path != "/tokenize" else {"messages": messages, "continue_final_message": True})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "continue_final_message" and "add_generation_prompt=false" in error["message"]
 
 
 def test_tokenize_and_detokenize_as_vllm(server):

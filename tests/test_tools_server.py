@@ -214,24 +214,25 @@ BAD_TOOLS = [  # (extra fields, the param named, words of the message)
     ({"tool_choice": "auto"}, "tool_choice", "needs `tools`"),  # vLLM's and OpenAI's rule
     ({"tools": []}, "tools", "an empty list"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "could never call a tool"),
+    ({"tools": TOOLS, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "could never call a tool"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name", "required"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}},
      "response_format.json_schema.schema", "dictionary"),  # llguidance's own words refused it before
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "cannot also follow response_format"),
-    ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "function"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
-    ({"messages": [{"role": "tool", "content": "18C"}]}, "messages.0", "tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "18C"}]}, "messages[0]", "tool_call_id"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18C"}]},
      "messages[1].tool_calls[0].function.arguments", "not JSON"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),  # was a 500
-    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "role 'user' needs content"),
-    ({"messages": [{"role": "user"}]}, "messages.0", "role 'user' needs content"),
-    ({"messages": [*ASK, {"role": "assistant", "content": None}, *ASK]}, "messages.1",
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "role 'user' needs content"),
+    ({"messages": [{"role": "user"}]}, "messages[0]", "role 'user' needs content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None}, *ASK]}, "messages[1]",
      "only an assistant message with tool_calls may have content null"),
 ]
 

@@ -31,6 +31,30 @@ class _Tracked:
                              for _ in parent.children]
         self.texts = [""] * len(parent.children)
         self.num_detokenized = [0] * len(parent.children)  # output tokens of each sample turned into text
+        self.stops = StopStrings(parent.params.stop_strings) if parent.params.stop_strings else None
+
+
+class StopStrings:
+    """A request's stop strings, found in each step's new text at a cost that does not grow with their number (a
+    body may hold 100,000 of them, on the engine's thread): one dictionary lookup per new character and distinct
+    length. Which one is found is vLLM's: the first in the request's list that the new text completes, at its
+    earliest place."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.by_length: dict[int, dict[str, int]] = {}  # length -> stop string -> its first place in the list
+        for place, stop in enumerate(stops):
+            self.by_length.setdefault(len(stop), {}).setdefault(stop, place)
+
+    def find(self, text: str, num_new: int) -> tuple[str, int] | None:
+        """The stop string that ends within the last `num_new` characters of `text`, and where it starts."""
+        found = None  # (its place in the list, where it starts)
+        for length, places in self.by_length.items():
+            for end in range(max(length, len(text) - num_new + 1), len(text) + 1):
+                place = places.get(text[end - length:end])
+                if place is not None and (found is None or place < found[0]):
+                    found = (place, end - length)  # within one length, the earliest end is the earliest start
+        return None if found is None else (self.stops[found[0]], found[1])
 
 
 class OutputProcessor:
@@ -310,23 +334,21 @@ class OutputProcessor:
                 continue
             text += new_text
             # as in vLLM, stop strings count only once more than min_tokens tokens were generated
-            if params.stop_strings and request.stop_reason is None and i + 1 > params.min_tokens:
-                for stop in params.stop_strings:
-                    # only the new text and the tail it can complete a stop string with need looking at
-                    idx = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
-                    if idx != -1:
-                        text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
-                        request.stop_reason = stop
-                        if not last:
-                            _take_back(request, num_outputs - i - 1, logprobs=True)
-                            tracked.num_detokenized[index] = i + 1
-                        if request.status.finished:  # the token that ended it otherwise also completed the stop
-                            request.status = RequestStatus.FINISHED_STOPPED
-                        else:
-                            stopped = True
-                        break
-                if request.stop_reason is not None:
-                    break
+            found = (tracked.stops.find(text, len(new_text))
+                     if tracked.stops is not None and request.stop_reason is None and i + 1 > params.min_tokens
+                     else None)
+            if found is not None:
+                stop, idx = found
+                text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                request.stop_reason = stop
+                if not last:
+                    _take_back(request, num_outputs - i - 1, logprobs=True)
+                    tracked.num_detokenized[index] = i + 1
+                if request.status.finished:  # the token that ended it otherwise also completed the stop
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    stopped = True
+                break
         tracked.texts[index] = text
         return stopped
 

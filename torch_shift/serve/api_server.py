@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -98,6 +98,18 @@ def _generation_error(reason: str, field: str) -> APIError:
     """A request whose output could not be kept to its grammar (finish reason "error")."""
     return APIError(400, f"{field}: {reason}; the output would not have matched it (simplify the schema)",
                     param=field, code="grammar_failed")
+
+
+def _field_path(loc: Sequence[str | int]) -> str | None:
+    """A pydantic error's location as the request checks name fields (`messages[0].content`), without pydantic's
+    tags for the branches of a union."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not ("[" in part or part in _TYPE_TAGS):
+            path += f".{part}" if path else part
+    return path or None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
@@ -222,9 +234,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ())[1:] if not ("[" in str(x) or str(x) in _TYPE_TAGS)]
-        param = ".".join(loc) or None
+        param = _field_path(first.get("loc", ())[1:])
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a check of the whole body names it
+        if param is None and named is not None:
+            return APIError(400, msg, param=named, code=400).response()
         if first.get("type") == "missing" and param is None:
             msg = "the request body is missing: send a JSON object"
         elif first.get("type") == "extra_forbidden":
@@ -249,7 +263,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                         headers=exc.headers).response()
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name and name != served_model_name:  # vLLM takes a missing or empty name for the served model
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
@@ -343,6 +357,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         if not engine.healthy:
             return APIError(503, "the server is shutting down", "server_error", code=503).response()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ping")
+    @app.post("/ping")  # vLLM's (SageMaker's probe): /health's answer
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from torch_shift import __version__
+
+        return {"version": __version__}
 
     model_card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "torch_shift",
                   "max_model_len": max_model_len}
@@ -461,10 +486,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{max_tokens_field}: must be >= 1, got {max_tokens}", param=max_tokens_field)
-        if tools.mode == "auto" and body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, "response_format: held to the format, the output could never call a tool "
+        held = ("response_format" if body.response_format is not None and body.response_format.type != "text"
+                else "structured_outputs" if body.structured_outputs is not None else None)
+        if tools.mode == "auto" and held is not None:
+            raise APIError(400, f"{held}: held to the format, the output could never call a tool "
                                 "(tool_choice 'auto'); send tool_choice 'none' to answer in the format, or "
-                                "'required' or a named function for a call", param="response_format")
+                                "'required' or a named function for a call", param=held)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         grammar_field = "tools" if tools.forced or tools.grammar is not None else body.grammar_field
         fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", "structured_outputs": grammar_field}

@@ -31,24 +31,37 @@ Int = Annotated[int, BeforeValidator(_integral)]
 N = Annotated[int, BeforeValidator(lambda value: 1 if value is None else _integral(value))]
 
 
-def _check_text(value: Any, where: str = "") -> None:
-    """Refuse lone surrogates (JSON allows "\\ud800"; no tokenizer can encode it)."""
+def _check_text(value: Any, where: str = "", label: str = "") -> None:
+    """Refuse lone surrogates (JSON allows "\\ud800"; no tokenizer can encode it, and a chat template renders any
+    field into the prompt) in every string of `value`, keys included, naming the field (`messages[1].name`)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{where or 'the text'} holds a lone surrogate (U+{ord(value[e.start]):04X}) at "
-                             f"character {e.start}: text must be valid Unicode") from None
+            raise ParameterError(where or None, f"{label or where or 'the text'} holds a lone surrogate "
+                                                f"(U+{ord(value[e.start]):04X}) at character {e.start}: text must be "
+                                                "valid Unicode") from None
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_text(item, f"{where}[{i}]")
     elif isinstance(value, dict):
         for key, item in value.items():
+            _check_text(key, where, f"a key of {where or 'the body'}")
             _check_text(item, f"{where}.{key}" if where else str(key))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    """A request's whole body: every string in it valid Unicode, whichever field holds it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _check_text(data)
+        return data
 
 
 class StreamOptions(_Strict):
@@ -99,7 +112,7 @@ class StructuredOutputsRequest(_Strict):
         return StructuredOutputsParams(**fields)
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Body):
     model: str | None = None
     n: N = Field(default=1, ge=1)
     temperature: float | None = None
@@ -128,12 +141,6 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_text(cls, value):
-        _check_text(value)
-        return value
 
     @field_validator("store")
     @classmethod
@@ -210,12 +217,6 @@ class CompletionRequest(_SamplingRequest):
     best_of: Int | None = None
     suffix: str | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_text(cls, value):
-        _check_text(value)
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value):
@@ -226,9 +227,12 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value, info: ValidationInfo):  # a field's check, so that the error names it
-        if value is not None and value not in (1, info.data.get("n", 1)):
-            raise ValueError(f"best_of={value} is not supported: torch_shift returns all n samples (best_of must be "
-                             "1 or equal to n)")
+        n = info.data.get("n", 1)
+        if value is not None and value < n:  # OpenAI's rule
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        if value is not None and value != n:
+            raise ValueError(f"best_of={value} is not supported: torch_shift returns all n samples (best_of must "
+                             "equal n)")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -286,7 +290,8 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _text_parts_only(cls, value):
-        _check_text(value)
+        if value == []:  # OpenAI refuses it too
+            raise ValueError("an empty list of content parts: send text, or parts of type 'text'")
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type")
@@ -388,9 +393,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _own_template_variables(cls, value):
         taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                           "tokenize", "return_dict"})
+                                           "tokenize", "return_dict", "self"})
         if taken:
-            raise ValueError(f"{', '.join(taken)}: set by the request's own fields, not chat_template_kwargs")
+            raise ValueError(f"{', '.join(taken)}: the template call's own arguments (set by the request's fields), "
+                             "not chat_template_kwargs")
         return value
 
     @field_validator("top_logprobs")
@@ -402,9 +408,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _template_fields_agree(self):
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt=false (the first continues the "
-                             "last message, the second opens a new one)")
+        _continue_or_open(self.continue_final_message, self.add_generation_prompt)
         if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
             raise ValueError("reasoning_effort is given twice (and in chat_template_kwargs): give it once")
         return self
@@ -425,7 +429,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
-class TokenizeRequest(_Strict):
+def _continue_or_open(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ParameterError("continue_final_message", "continue_final_message needs add_generation_prompt=false "
+                                                       "(the first continues the last message, the second opens a "
+                                                       "new one)")
+
+
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
 
     model: str | None = None
@@ -442,24 +453,20 @@ class TokenizeRequest(_Strict):
     _own_template_variables = field_validator("chat_template_kwargs")(
         ChatCompletionRequest._own_template_variables.__func__)
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_text(cls, value):
-        _check_text(value)
-        return value
-
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
             raise ValueError("tools and chat_template_kwargs are rendered with messages, not with a prompt")
+        if self.messages is not None:
+            _continue_or_open(self.continue_final_message, self.add_generation_prompt)
         return self
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Int]

@@ -136,14 +136,6 @@ def completion_choice(index: int, out: RequestOutput, c: CompletionOutput, *, ec
             "stop_reason": None if echo_only else c.stop_reason}
 
 
-def _hold_back(stop: str | list[str] | None, finished: bool) -> int:
-    """Characters to hold back while streaming: the start of a stop string may still be cut."""
-    if finished or not stop:
-        return 0
-    stops = [stop] if isinstance(stop, str) else stop
-    return max(len(s) for s in stops) - 1
-
-
 @dataclass
 class Delta:
     choice: CompletionOutput
@@ -161,6 +153,11 @@ class DeltaTracker:
     sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)  # choices whose last delta was sent
 
+    def __post_init__(self) -> None:
+        # characters held back while streaming: the start of a stop string may still be cut
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        self.hold_back = max((len(s) for s in stops), default=1) - 1
+
     def deltas(self, out: RequestOutput) -> list[Delta]:
         """The new part of each choice; a finished choice once (an n > 1 request's outputs carry the
         choices that finished while the others go on)."""
@@ -168,7 +165,7 @@ class DeltaTracker:
         for c in out.outputs:
             if c.index in self.finished:
                 continue
-            end = len(c.text) - _hold_back(self.stop, c.finish_reason is not None)
+            end = len(c.text) - (0 if c.finish_reason is not None else self.hold_back)
             first = c.index not in self.sent_tokens
             start = self.sent_chars.get(c.index, 0)
             t0, t1 = self.sent_tokens.get(c.index, 0), len(c.token_ids)
