@@ -1,5 +1,6 @@
 """Shift parallelism under torchrun: every rank runs this program, rank 0 schedules.
 
+    torchrun --standalone --nproc-per-node 2 examples/shift_generate.py --sp 2   # the embedded default model
     torchrun --standalone --nproc-per-node 4 examples/shift_generate.py --model DIR --sp 2 --tp 2
 
 Each rank prints what `generate` returned (the same on every rank) as one JSON line.
@@ -13,12 +14,12 @@ import torch.distributed as dist
 from torch_shift import LLM, SamplingParams
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", required=True)
+parser.add_argument("--model", default=None, help="a checkpoint directory or hub id (default: the embedded model)")
 parser.add_argument("--sp", type=int, default=2)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--shift-threshold", type=int, default=16)
 parser.add_argument("--max-tokens", type=int, default=8)
-parser.add_argument("prompts", nargs="*", default=["def fib(n):", "The quick brown fox"])
+parser.add_argument("prompts", nargs="*", default=["And God said", "In the beginning"])
 args = parser.parse_args()
 
 llm = LLM(args.model, sp=args.sp, tp=args.tp, shift_threshold=args.shift_threshold)

@@ -90,6 +90,10 @@ def test_recommendation_under_an_slo_and_without():
     slow = _result("shift", 1024, throughput=110.0, ttft=300.0)
     broken = CandidateResult(Candidate("pp", {"pp": 2}, {}), error="does not fit")
     assert recommend([tp, fast, slow, broken], {}).result is tp  # throughput first
+    # an open-loop stream every candidate keeps up with: throughputs within 1% tie, the median TTFT decides
+    level, quick = _result("dp", throughput=852.637, ttft=9.3), _result("tp", throughput=852.600, ttft=5.6)
+    rec = recommend([level, quick], {})
+    assert rec.result is quick and "ties within 1%" in rec.reason
     rec = recommend([tp, fast, slow, broken], parse_slo("ttft=200ms,tpot=0.05s"))
     assert rec.result is fast and rec.best_threshold == 64 and "meet" in rec.reason
     rec = recommend([tp, fast, slow], parse_slo("ttft=10ms"))  # nobody meets it: the smallest miss

@@ -742,6 +742,13 @@ def test_streaming_echo_with_logprobs_and_offsets_with_a_bos(server):
     assert [len(c["logprobs"]["token_logprobs"]) for c in batch["choices"]] == [len(ids) + 1, 4]
 
 
+def test_a_body_without_a_json_content_type_is_told_so(server):
+    # curl -d sends application/x-www-form-urlencoded
+    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                          headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
+
+
 def test_tokenize_names_continue_final_message_as_chat_does(server):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well"}]
     for path in ("/tokenize", "/v1/chat/completions"):

@@ -33,7 +33,23 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _subcommand(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+    parser = sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
+    parser.set_defaults(command_parser=parser)  # an unknown option is reported with this command's usage
+    return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit with `parser`'s usage and, for a misspelt option, the option meant (`--temprature`: --temperature)."""
+    import difflib
+
+    options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    hints = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}" + ("; " + "; ".join(hints) if hints else ""))
 
 
 def _require_extra(extra: str, command: str, *modules: str) -> None:
@@ -45,6 +61,18 @@ def _require_extra(extra: str, command: str, *modules: str) -> None:
             missing.append(module)
     if missing:
         raise ValueError(f"torch-shift {command} needs {', '.join(missing)}: pip install 'torch_shift[{extra}]'")
+
+
+def dtype_name(value: str) -> str:
+    """--dtype: every name `LLM(dtype=...)` takes ('bf16', 'half', ...), as its full name."""
+    from torch_shift.config import dtype_name
+
+    return dtype_name(value)
+
+
+def _short_dtype_name(value: str) -> str:
+    """The planner's --dtype: the short names (fp32, bf16, fp16, fp8), from any name `LLM(dtype=...)` takes too."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype_name(value), value)
 
 
 def _threshold(value: str) -> int | None:
@@ -78,7 +106,8 @@ def _typed(kind):
 
 
 # options whose type the field's annotation does not say, or that the command line treats apart
-_OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object}
+_OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object,
+                 "dtype": dtype_name}
 _COMMAND_LINE_DEFAULTS = {"seed": None, "model": None}  # no --seed: a fresh seed each run; no --model: the default
 _GROUP_TITLES = {"engine": "engine", "parallel": "parallel (this process starts the other local ranks)"}
 
@@ -414,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory (or hub id)")
     convert.add_argument("--revision", default=None, help="hub revision")
     convert.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    convert.add_argument("--dtype", default="auto", type=dtype_name,
+                         choices=["auto", "float32", "bfloat16", "float16"],
                          help="dtype of the stored weights ('auto': the checkpoint's)")
     convert.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest output file")
     convert.add_argument("--overwrite", action="store_true", help="replace --out once the conversion succeeded")
@@ -444,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hardware", required=True, help="h100, h200, a100, a100-pcie, l4, a10 with an optional "
                                                         "count (h200x8), or a profile from torch-shift calibrate")
     plan.add_argument("--world", type=int, default=None, help="devices to deploy on (default: the hardware's)")
-    plan.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+    plan.add_argument("--dtype", default="auto", type=_short_dtype_name,
+                      choices=["auto", "fp32", "bf16", "fp16", "fp8"],
                       help="weight dtype ('auto': the checkpoint's)")
     plan.add_argument("--trace", default=None, help="CSV with num_prefill_tokens,num_decode_tokens[,arrived_at]")
     plan.add_argument("--synthetic", default=None, metavar="IN:OUT", help="fixed prompt and output lengths")
@@ -459,11 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")
     plan.add_argument("--cpu-kv-gb", type=float, default=None,
                       help="Seesaw's host KV tier (GiB; default 64, or on CPU ranks a quarter of the memory up to 4)")
-    plan.add_argument("--max-num-seqs", type=int, default=256)
-    plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    plan.add_argument("--block-size", type=int, default=16)
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--max-num-seqs", type=int, default=256, help="the simulated engine's running sequences")
+    plan.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                      help="the simulated engine's tokens per step")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="the share of each device's memory the weights and KV cache may take")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids and arrivals")
     plan.add_argument("--json", default=None, help="write the candidates and the recommendation as JSON")
     plan.add_argument("--plot", default=None, help="write TTFT against throughput per candidate (PNG)")
     plan.set_defaults(func=_plan)
@@ -481,7 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_dashed_flags(sys.argv[1:] if argv is None else argv))
+    args, unknown = build_parser().parse_known_args(_dashed_flags(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        _refuse_unknown(args.command_parser, unknown)
     _show_library_log()
     try:
         return args.func(args)

@@ -55,6 +55,13 @@ def check_device_present(device: torch.device) -> None:
             raise ValueError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA devices")
 
 
+def dtype_name(name: str) -> str:
+    """A dtype's full name for any name `resolve_dtype` takes ('bf16', 'half', ...: 'bfloat16', 'float16'); other
+    text as given (the command line's choices then list the names)."""
+    dtype = _DTYPES.get(name)
+    return name if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = None) -> torch.dtype:
     """`"auto"`/None takes the checkpoint's dtype (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):

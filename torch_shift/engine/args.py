@@ -67,7 +67,7 @@ class EngineArgs:
     generation_config: str = _arg("auto", "sampling defaults of requests that leave them out: 'auto' the model's "
                                           "generation_config.json (temperature, top_p, top_k, min_p, penalties, "
                                           "max_new_tokens; vLLM's default), 'vllm' none, or a directory holding one")
-    dtype: str = _arg("auto", "weights and activations ('auto': the checkpoint's)",
+    dtype: str = _arg("auto", "weights and activations ('auto': the checkpoint's; also bf16, fp16, half, fp32)",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str | None = _arg(None, "cpu or cuda (default: cuda when available)")
     seed: int | None = _arg(0, "seed of the sampling of requests without a seed of their own (None: a fresh one; on "

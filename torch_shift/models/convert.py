@@ -111,6 +111,10 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str | 
                     "source": str(model_dir.resolve()), "tensors": entries}
         # the manifest goes last: a directory without it is not a torch_shift checkpoint
         (staging / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=1))
+        # safetensors creates its files owner-only: the shards take the mode the umask gave the files written here
+        mode = (staging / "config.json").stat().st_mode & 0o777
+        for i in range(num_files):
+            os.chmod(staging / f"model-{i:05d}.safetensors", mode)
         os.chmod(staging, 0o755)
         if out_dir.exists():
             shutil.rmtree(out_dir)

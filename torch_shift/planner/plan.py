@@ -229,9 +229,15 @@ class Recommendation:
     best_threshold: int | None = None
 
 
+# Throughputs this close count as a tie, which the median TTFT breaks: under an open-loop stream every candidate that
+# keeps up serves the arrival rate, and what is left between them is when the last requests finish.
+THROUGHPUT_TIE = 0.01
+
+
 def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Recommendation:
-    """The candidate with the highest throughput among those that meet the SLO (its TTFT p50 breaks ties);
-    when none meets it, the one that misses it by the smallest factor; without an SLO, by throughput."""
+    """The candidate with the highest throughput among those that meet the SLO (its TTFT p50 breaks ties, and
+    throughputs within THROUGHPUT_TIE of the highest tie); when none meets it, the one that misses it by the
+    smallest factor; without an SLO, by throughput."""
     ran = [r for r in results if r.error is None and r.metrics["num_finished"] == r.metrics["num_requests"]]
     if not ran:
         by_error: dict[str, list[str]] = {}  # one line per reason, not one per candidate
@@ -245,26 +251,32 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
         return max([r.metrics[SLO_METRICS[k]] / bound for k, bound in slo.items()
                     if r.metrics[SLO_METRICS[k]] is not None] + [0.0])
 
-    def key(r: CandidateResult):
-        return (-round(r.metrics["throughput_tok_s"], 6), r.metrics["ttft_p50_ms"])
+    def fastest(pool: list[CandidateResult]) -> CandidateResult:
+        top = max(r.metrics["throughput_tok_s"] for r in pool)
+        tied = [r for r in pool if r.metrics["throughput_tok_s"] >= top * (1 - THROUGHPUT_TIE)]
+        return min(tied, key=lambda r: (r.metrics["ttft_p50_ms"], -r.metrics["throughput_tok_s"]))
 
     shift = [r for r in ran if r.candidate.policy == "shift"]
-    best_shift = min(shift, key=lambda r: (miss(r) > 1, key(r)) if slo else key(r)) if shift else None
     meeting = [r for r in ran if miss(r) <= 1.0]
+    best_shift = None
+    if shift:
+        shift_meeting = [r for r in shift if miss(r) <= 1.0] if slo else shift
+        best_shift = fastest(shift_meeting or shift)
     bounds = ", ".join(f"{k.upper()} {'p90' if k != 'e2e' else 'p50'} <= {v:g} ms" for k, v in slo.items())
     if slo and meeting:
-        best = min(meeting, key=key)
+        best = fastest(meeting)
         reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of the {len(meeting)} of "
                   f"{len(ran)} candidates that meet {bounds}")
     elif slo:
         best = min(ran, key=miss)
         reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"
     else:
-        best = min(ran, key=key)
+        best = fastest(ran)
         reason = (f"the only candidate that served the whole workload ({best.metrics['throughput_tok_s']:.1f} tok/s)"
                   if len(ran) == 1 else
-                  f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of {len(ran)} candidates, "
-                  f"then the lowest median TTFT ({best.metrics['ttft_p50_ms']:.1f} ms)")
+                  f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s, ties within "
+                  f"{THROUGHPUT_TIE:.0%}) of {len(ran)} candidates, then the lowest median TTFT "
+                  f"({best.metrics['ttft_p50_ms']:.1f} ms)")
     threshold = best_shift.candidate.params["threshold"] if best_shift else None
     if best_shift is not None:
         reason += (f"; Shift's sweep found threshold {threshold} best (TTFT p50 {best_shift.metrics['ttft_p50_ms']:.1f} "
@@ -378,16 +390,19 @@ def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: 
     """`cpu_kv_gb`: Seesaw's host tier (default: `default_tier_gb`)."""
     results = []
     cpu_kv_gb = default_tier_gb(hw) if cpu_kv_gb is None else cpu_kv_gb
-    for candidate in candidates(world, policies, thresholds, cpu_kv_gb,
-                                num_experts=config.num_experts if config.is_moe else 0):
+    chosen = candidates(world, policies, thresholds, cpu_kv_gb, num_experts=config.num_experts if config.is_moe else 0)
+    if log is not None:  # each one is a whole simulated serving run: seconds to minutes
+        log(f"simulating {len(chosen)} candidates over {len(requests)} requests, one after another")
+    for i, candidate in enumerate(chosen):
         result = run_candidate(candidate, config, shape, hw, requests, concurrency=concurrency, **engine)
         if log is not None:
             if result.error is None:
-                log(f"{candidate.label}: TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "
+                log(f"[{i + 1}/{len(chosen)}] {candidate.label}: TTFT p50 {result.metrics['ttft_p50_ms']:.1f} ms, "
                     f"{result.metrics['throughput_tok_s']:.1f} tok/s")
             else:  # a reason said once (a model that does not split three ways stops every such candidate)
                 said = any(r.error == result.error for r in results)
-                log(f"{candidate.label}: cannot run" + (" (as above)" if said else f": {result.error}"))
+                log(f"[{i + 1}/{len(chosen)}] {candidate.label}: cannot run"
+                    + (" (as above)" if said else f": {result.error}"))
         results.append(result)
     return PlanReport(results, recommend(results, slo or {}), workload, hw.name, model_name, world, slo or {})
 

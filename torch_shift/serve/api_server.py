@@ -245,6 +245,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             msg = "unknown field: torch_shift does not support it (see docs/reliability.md, 'API differences')"
         elif first.get("type") == "json_invalid":
             param, msg = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+        elif param is None and "json" not in request.headers.get("content-type", ""):  # FastAPI did not parse it
+            msg = (f"the body was sent as {request.headers.get('content-type') or 'no content type'}: send a JSON "
+                   "object with Content-Type: application/json")
         return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=400).response()
 
     @app.exception_handler(APIError)
