@@ -286,6 +286,26 @@ def test_every_engine_argument_is_a_flag_of_generate_and_serve_with_vllms_names(
         LLM(cuda_graphs=True, device="cpu")
 
 
+def test_dtype_names_and_a_misspelt_option(capsys):
+    """--dtype takes every name LLM(dtype=...) takes; an unknown option is named with its command's usage and the
+    option meant."""
+    from torch_shift.cli import build_parser, main
+
+    parser = build_parser()
+    for given, full in [("bf16", "bfloat16"), ("half", "float16"), ("fp32", "float32"), ("auto", "auto")]:
+        assert parser.parse_args(["generate", "--dtype", given, "x"]).dtype == full
+        assert parser.parse_args(["convert", "--model", "m", "--out", "o", "--dtype", given]).dtype == full
+    assert parser.parse_args(["plan", "--hardware", "h100", "--dtype", "bfloat16"]).dtype == "bf16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--dtype", "fp17", "x"])
+    assert "invalid choice: 'fp17'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--temprature", "0.5", "x"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "usage: torch-shift generate" in err and "--temprature: did you mean --temperature?" in err
+
+
 def test_compile_by_default_for_a_model_of_50m_parameters_or_more():
     from types import SimpleNamespace
 

@@ -51,9 +51,9 @@ def test_layout_of_the_converted_directory(checkpoints, converted):
         assert (out / f).is_file()
     assert ModelConfig.from_dir(out) == ModelConfig.from_dir(model_dir)
     assert not list(out.parent.glob(".*partial*"))
-    # every file as readable as the umask makes the config (safetensors writes its files owner-only)
-    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
-    assert set(modes.values()) == {modes["config.json"]}, modes
+    # the shards as readable as the umask makes the config (safetensors writes its files owner-only)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.glob("*.safetensors")}
+    assert set(modes.values()) == {(out / "config.json").stat().st_mode & 0o777}, modes
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

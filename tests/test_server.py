@@ -743,10 +743,22 @@ def test_streaming_echo_with_logprobs_and_offsets_with_a_bos(server):
 
 
 def test_a_body_without_a_json_content_type_is_told_so(server):
-    # curl -d sends application/x-www-form-urlencoded
-    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
-                          headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
-    assert response.status_code == 400 and "Content-Type: application/json" in response.json()["error"]["message"]
+    body = b'{"prompt": "x", "max_tokens": 2, "n": "two"}'
+    for content_type, told in [("application/x-www-form-urlencoded", True),  # curl -d
+                               ("text/plain", True), ("Application/JSON", False)]:  # media types ignore case
+        response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type},
+                              timeout=30)
+        error = response.json()["error"]
+        assert response.status_code == 400 and ("Content-Type: application/json" in error["message"]) == told, error
+        assert told or error["param"] == "n"
+
+
+def test_a_body_nested_as_deep_as_the_parser_allows_is_a_400(server):
+    for depth in (100, *range(900, 1000), 2000):  # a recursive walk failed at 961-963 here
+        body = '{"prompt": "x", "max_tokens": 1, "metadata": ' + '{"a": ' * depth + "1" + "}" * (depth + 1)
+        response = post(server, "/v1/completions", body.encode())
+        assert response.status_code == 400, (depth, response.text)
+    assert httpx.get(server.url + "/v1/models/").status_code == 404  # a path's empty name is no model
 
 
 def test_tokenize_names_continue_final_message_as_chat_does(server):

@@ -35,10 +35,10 @@ class _Tracked:
 
 
 class StopStrings:
-    """A request's stop strings, found in each step's new text at a cost that does not grow with their number (a
-    body may hold 100,000 of them, on the engine's thread): one dictionary lookup per new character and distinct
-    length. Which one is found is vLLM's: the first in the request's list that the new text completes, at its
-    earliest place."""
+    """A request's stop strings, found in each step's new text on the engine's thread. A body may hold 100,000 of
+    them: each length's strings are looked up in a dictionary, one slice per place the new text lets one end, or
+    searched for one by one where that length has fewer strings than places (many distinct long lengths). Which one
+    is found is vLLM's: the first in the request's list that the new text completes, at its earliest place."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
@@ -50,10 +50,18 @@ class StopStrings:
         """The stop string that ends within the last `num_new` characters of `text`, and where it starts."""
         found = None  # (its place in the list, where it starts)
         for length, places in self.by_length.items():
-            for end in range(max(length, len(text) - num_new + 1), len(text) + 1):
-                place = places.get(text[end - length:end])
+            first_start = max(0, len(text) - num_new - length + 1)
+            if len(places) * (length + num_new) < num_new * length:  # fewer characters to search than to hash
+                for stop, place in places.items():
+                    if found is None or place < found[0]:
+                        start = text.find(stop, first_start)
+                        if start != -1:
+                            found = (place, start)
+                continue
+            for start in range(first_start, len(text) - length + 1):
+                place = places.get(text[start:start + length])
                 if place is not None and (found is None or place < found[0]):
-                    found = (place, end - length)  # within one length, the earliest end is the earliest start
+                    found = (place, start)  # within one length, the earliest start is the earliest end
         return None if found is None else (self.stops[found[0]], found[1])
 
 

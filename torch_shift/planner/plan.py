@@ -265,8 +265,9 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
     bounds = ", ".join(f"{k.upper()} {'p90' if k != 'e2e' else 'p50'} <= {v:g} ms" for k, v in slo.items())
     if slo and meeting:
         best = fastest(meeting)
-        reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s) of the {len(meeting)} of "
-                  f"{len(ran)} candidates that meet {bounds}")
+        reason = (f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s, ties within "
+                  f"{THROUGHPUT_TIE:.0%} broken by the median TTFT) of the {len(meeting)} of {len(ran)} candidates "
+                  f"that meet {bounds}")
     elif slo:
         best = min(ran, key=miss)
         reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"

@@ -245,7 +245,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             msg = "unknown field: torch_shift does not support it (see docs/reliability.md, 'API differences')"
         elif first.get("type") == "json_invalid":
             param, msg = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
-        elif param is None and "json" not in request.headers.get("content-type", ""):  # FastAPI did not parse it
+        elif first.get("type") == "model_attributes_type" and isinstance(first.get("input"), bytes):
+            # FastAPI left the body unparsed: its content type is not JSON's
             msg = (f"the body was sent as {request.headers.get('content-type') or 'no content type'}: send a JSON "
                    "object with Content-Type: application/json")
         return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=400).response()
@@ -265,8 +266,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         return APIError(exc.status_code, message, _status_type(exc.status_code), code=exc.status_code,
                         headers=exc.headers).response()
 
-    def check_model(name: str | None) -> None:
-        if name and name != served_model_name:  # vLLM takes a missing or empty name for the served model
+    def check_model(name: str | None, path: bool = False) -> None:
+        """A request's model: a body's missing or empty name is the served model (vLLM's), a path's is not."""
+        if (name or path) and name != served_model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
@@ -381,7 +383,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(model_id)
+        check_model(model_id, path=True)
         return model_card
 
     @app.get("/metrics")

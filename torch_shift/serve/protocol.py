@@ -31,23 +31,34 @@ Int = Annotated[int, BeforeValidator(_integral)]
 N = Annotated[int, BeforeValidator(lambda value: 1 if value is None else _integral(value))]
 
 
-def _check_text(value: Any, where: str = "", label: str = "") -> None:
+def _check_text(value: Any) -> None:
     """Refuse lone surrogates (JSON allows "\\ud800"; no tokenizer can encode it, and a chat template renders any
-    field into the prompt) in every string of `value`, keys included, naming the field (`messages[1].name`)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ParameterError(where or None, f"{label or where or 'the text'} holds a lone surrogate "
-                                                f"(U+{ord(value[e.start]):04X}) at character {e.start}: text must be "
-                                                "valid Unicode") from None
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, where, f"a key of {where or 'the body'}")
-            _check_text(item, f"{where}.{key}" if where else str(key))
+    field into the prompt) in every string of `value`, keys included, naming the field (`messages[1].name`). An
+    explicit stack, not recursion: a body nested as deep as the JSON parser allows is walked without a
+    RecursionError."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                _check_string(key, path, is_key=True)
+                stack.append((child, (*path, key)))
+        elif isinstance(item, list):
+            stack.extend((child, (*path, i)) for i, child in enumerate(item))
+        else:
+            _check_string(item, path)
+
+
+def _check_string(value: Any, path: tuple, is_key: bool = False) -> None:
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).removeprefix(".") or None
+        label = f"a key of {where or 'the body'}" if is_key else where or "the text"
+        raise ParameterError(where, f"{label} holds a lone surrogate (U+{ord(value[e.start]):04X}) at character "
+                                    f"{e.start}: text must be valid Unicode") from None
 
 
 class _Strict(BaseModel):
@@ -60,7 +71,8 @@ class _Body(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
-        _check_text(data)
+        if isinstance(data, dict):  # anything else is refused as not an object
+            _check_text(data)
         return data
 
 

@@ -156,7 +156,7 @@ class DeltaTracker:
     def __post_init__(self) -> None:
         # characters held back while streaming: the start of a stop string may still be cut
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.hold_back = max([len(s) - 1 for s in stops] + [0])
 
     def deltas(self, out: RequestOutput) -> list[Delta]:
         """The new part of each choice; a finished choice once (an n > 1 request's outputs carry the
