@@ -5,6 +5,7 @@ hold."""
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 
 from torch_shift.engine.args import EngineConfig
@@ -24,8 +25,14 @@ def unwrap_prompt(prompt):
     if isinstance(prompt, dict):
         keys = set(prompt)
         if keys == {"prompt"}:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"{{'prompt': ...}} holds text, got {type(prompt['prompt']).__name__} (token ids go "
+                                "in {'prompt_token_ids': [...]})")
             return prompt["prompt"]
         if keys == {"prompt_token_ids"}:
+            if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+                raise TypeError(f"{{'prompt_token_ids': ...}} holds a list of token ids, got "
+                                f"{type(prompt['prompt_token_ids']).__name__}")
             return prompt["prompt_token_ids"]
         raise TypeError(f"a dict with keys {sorted(keys)}; {PROMPT_KINDS}")
     return prompt
@@ -94,10 +101,12 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
 
     def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
-        """Check a prompt (text, token ids or vLLM's prompt dict) and tokenize it."""
+        """Check a prompt (text, token ids, vLLM's prompt dict, or one tokenized before: its ids checked again, as
+        another engine or the caller may have made it) and tokenize it."""
         if isinstance(prompt, TokenizedPrompt):
-            return prompt
-        prompt = unwrap_prompt(prompt)
+            text, prompt = prompt.text, prompt.token_ids
+        else:
+            prompt = text = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -114,7 +123,7 @@ class InputProcessor:
             text = prompt
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
-            text = None
+            text = text if isinstance(text, str) else None
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
                 raise TypeError("a token-id prompt must be a list of ints")
         else:
@@ -182,6 +191,10 @@ class InputProcessor:
                 priority: int = 0, arrival_time: float | None = None) -> ParentRequest:
         """The request's sequences, ready for the scheduler (nothing is queued yet)."""
         params = self.check_params(params, priority)
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+                                         or not math.isfinite(arrival_time)):
+            raise TypeError(f"arrival_time must be a finite number of seconds (time.time()'s clock) or None, got "
+                            f"{arrival_time!r}")
         grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         if grammar_compiler is not None and params.structured_outputs.starts_after is not None:
             grammar_marker = self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -97,8 +98,8 @@ class LLM:
             result = call()
         except BaseException as e:
             # a user's mistake is raised as the same ValueError or TypeError on every rank
-            mistake = type(e) in (ValueError, TypeError)
-            engine.send_result("error", (type(e).__name__ if mistake else None, str(e) if mistake
+            kind = next((k for k in (ValueError, TypeError) if isinstance(e, k)), None)  # ParameterError too
+            engine.send_result("error", (kind.__name__ if kind else None, str(e) if kind
                                          else f"{type(e).__name__}: {e}"))
             raise
         engine.send_result("result", result)
@@ -147,8 +148,10 @@ class LLM:
                             f"{type(sampling_params).__name__}{hint}")
         if priority is None or isinstance(priority, int):
             priorities = [priority or 0] * len(prompts)
-        else:
+        elif isinstance(priority, (list, tuple)):
             priorities = list(priority)
+        else:
+            raise TypeError(f"priority must be an int or a list of ints, one per prompt; got {type(priority).__name__}")
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         tokenized = []
@@ -158,25 +161,37 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
 
+        if self.engine.has_unfinished_requests():  # their outputs would end in this call's steps, unseen
+            held = list(self.engine.output_processor.requests)
+            raise ValueError(f"the engine holds requests added through llm.engine ({', '.join(held[:3])}"
+                             f"{', ...' if len(held) > 3 else ''}): step them to their end or abort them before "
+                             "generate")
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added = []
         try:
             for rid, prompt, p, prio in zip(request_ids, tokenized, params, priorities):
                 self.engine.add_request(rid, prompt, p, priority=prio)
+                added.append(rid)
             return self._run(request_ids, use_tqdm)
         finally:
-            for rid in request_ids:  # nothing stays queued after an error or an interrupt
-                self.engine.abort_request(rid)
+            self.engine.abort_request(added)  # nothing of this call stays queued after an error or an interrupt
             if not self.engine.has_unfinished_requests():
                 self.engine.idle()
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
+        if use_tqdm and len(request_ids) > 1:
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(request_ids), desc="Processed prompts")
+        else:  # no tqdm made: its first bar takes a multiprocessing lock, which fixes the process's start method
+            bar = contextlib.nullcontext(_NoBar())
         wanted = set(request_ids)
-        with bar, self.engine.steps_in_a_row():
+        with bar as bar, self.engine.steps_in_a_row():
             while len(finished) < len(request_ids):
-                assert self.engine.has_unfinished_requests()
+                if not self.engine.has_unfinished_requests():
+                    gone = [rid for rid in request_ids if rid not in finished]
+                    raise RuntimeError(f"requests {gone[:3]} of this generate call were aborted while it ran "
+                                       "(llm.engine.abort_request)")
                 for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
@@ -203,7 +218,7 @@ class LLM:
         `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3).
         `continue_final_message` (with `add_generation_prompt=False`): the output continues the last message, as
         vLLM's (an assistant turn begun by the caller)."""
-        from torch_shift.serve.tools import check_tools, template_messages
+        from torch_shift.serve.tools import TEMPLATE_CALL_ARGUMENTS, check_tools, template_messages
 
         def chat():
             if self.tokenizer is None:
@@ -217,12 +232,24 @@ class LLM:
                     isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in conversations)):
                 raise TypeError("messages must be a conversation, a list of {'role': ..., 'content': ...} dicts, or "
                                 f"a list of conversations; got {type(messages).__name__} {str(messages)[:60]!r}")
+            if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+                raise TypeError("add_generation_prompt and continue_final_message must be True or False")
+            reserved = sorted(set(chat_template_kwargs or {}) & TEMPLATE_CALL_ARGUMENTS)
+            if reserved:
+                raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are the template call's own arguments "
+                                 "(chat's parameters), not template variables")
             texts = [
                 self.tokenizer.apply_chat_template(template_messages(c), add_generation_prompt=add_generation_prompt,
                                                    tools=tools, continue_final_message=continue_final_message,
                                                    **(chat_template_kwargs or {}))
                 for c in conversations
             ]
+            for i, text in enumerate(texts):  # a lone surrogate in any field the template renders
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"conversation {i}: its messages render to text that is not valid Unicode (a "
+                                     f"lone surrogate {text[e.start]!r})") from None
             outputs = self._generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
                                      sampling_params, use_tqdm, None)
             for output, text in zip(outputs, texts):
@@ -281,3 +308,8 @@ def _prompt_of(prompt, index: int) -> Prompt:
     if not isinstance(prompt, (str, list, tuple)):
         raise TypeError(f"prompt {index}: got {type(prompt).__name__}; {PROMPT_KINDS}")
     return prompt
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass

@@ -11,7 +11,9 @@ every rank runs the user's program: the ranks other than 0 follow rank 0 inside 
 from __future__ import annotations
 
 import logging
+import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
@@ -48,7 +50,7 @@ from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
 from torch_shift.models.loader import WeightSource
 from torch_shift.parallel.layouts import Deployment
-from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.runtime import ParallelRuntime, check_timeout
 from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import Tokenizer
 
@@ -89,7 +91,8 @@ class LLMEngine:
         self.args = args
         self.config = engine_config(args, weights, model)
         self._holding_threads = 0  # steps_in_a_row blocks open
-        self.worker: Worker | None = Worker.create(self.config, weights, model)
+        with _torch_import_side_effects_undone():
+            self.worker: Worker | None = Worker.create(self.config, weights, model)
         self.tokenizer = _load_tokenizer(self.config)
         if self.is_driver:
             try:
@@ -344,7 +347,10 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """End requests by id (one, or vLLM's list); an id not in flight is ignored."""
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_ids must be a request id (str) or a list of them, got {request_ids!r}")
+        for request_id in ids:
             parent = self.output_processor.remove(request_id)
             if parent is None:
                 continue
@@ -434,9 +440,29 @@ class LLMEngine:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """End the ranks this process started and leave the process group, within about `timeout_s`.
         Safe from any thread, also while another thread is blocked in a step; a step after it raises."""
+        check_timeout(timeout_s)
         worker = getattr(self, "worker", None)  # None: driver_only, or a construction that failed
         if worker is not None:
             worker.close(timeout_s)
+
+
+@contextmanager
+def _torch_import_side_effects_undone():
+    """Building a model on the meta device (and compiling it) imports torch._dynamo, which sets
+    TORCHINDUCTOR_CACHE_DIR to its default and, through sympy, adds a warnings filter: the user's process gets both
+    back as they were (inductor computes the same default again where it needs it)."""
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    filters = list(warnings.filters)
+    try:
+        yield
+    finally:
+        if cache_dir is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        if warnings.filters != filters:
+            warnings.filters[:] = filters
+            mutated = getattr(warnings, "_filters_mutated", None)  # the C module's cache of the list (3.11-3.13)
+            if mutated is not None:
+                mutated()
 
 
 def refuse_vllm_options(**options) -> None:

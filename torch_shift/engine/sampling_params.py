@@ -119,6 +119,12 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for s in stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:  # no text the model writes could ever match it
+                raise ParameterError("stop", f"stop string {s!r} holds a lone surrogate at character {e.start}: "
+                                             "text must be valid Unicode") from None
         self.stop_strings = tuple(stop)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
@@ -158,7 +164,8 @@ class SamplingParams:
                     token = int(token)
                 except (TypeError, ValueError):
                     raise ParameterError("logit_bias", f"logit_bias keys must be token ids, got {token!r}") from None
-                bias[token] = min(100.0, max(-100.0, value)) if isinstance(value, (int, float)) else value
+                clamps = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+                bias[token] = min(100.0, max(-100.0, value)) if clamps else value  # NaN and the rest refused below
             fields["logit_bias"] = bias
         return cls(**fields)
 

@@ -237,6 +237,7 @@ class ParallelRuntime:
         process group is destroyed once no collective of this process is in flight any more (the ended
         ranks end it). Idempotent; a no-op under torchrun."""
         global _holder
+        check_timeout(timeout_s)
         with self._close_lock:
             if self._closed or self.launched is None:
                 return
@@ -261,8 +262,8 @@ class ParallelRuntime:
         except BaseException as e:  # a second Ctrl+C during the wait: the ranks are ended at once, the group
             interrupted = e         # released below (a later engine can start), and the interruption raised
             launched.stop(grace_s=0.0, kill_after_s=1.0)
-        if sender is not None:
-            sender.join(max(0.0, deadline - time.monotonic()))  # it ends with the ranks at the latest
+        if sender is not None:  # it ends with the ranks at the latest: a moment even with no time left
+            sender.join(max(0.5, deadline - time.monotonic()))
         released = False
         if (sender is None or not sender.is_alive()) and self._in_collective.acquire(
                 timeout=max(0.1, deadline - time.monotonic())):
@@ -283,6 +284,14 @@ class ParallelRuntime:
             sys.excepthook = self._user_excepthook  # unless someone set one of their own since
         if interrupted is not None:
             raise interrupted
+
+
+def check_timeout(timeout_s: float) -> None:
+    """A shutdown's timeout, checked before anything closes: a bad call leaves the engine as it was."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not timeout_s >= 0:
+        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
 
 
 def every_rank_joins(timeout_s: float) -> None:

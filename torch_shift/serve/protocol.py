@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.structured_output import StructuredOutputsParams
-from torch_shift.serve.tools import null_content_error
+from torch_shift.serve.tools import TEMPLATE_CALL_ARGUMENTS, null_content_error
 
 _MAX_SEED = 2**63 - 1  # torch.Generator takes a 64-bit seed; vLLM bounds it to int64 as well
 
@@ -404,8 +404,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_template_variables(cls, value):
-        taken = sorted(set(value or {}) & {"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                           "tokenize", "return_dict", "self"})
+        taken = sorted(set(value or {}) & TEMPLATE_CALL_ARGUMENTS)
         if taken:
             raise ValueError(f"{', '.join(taken)}: the template call's own arguments (set by the request's fields), "
                              "not chat_template_kwargs")

@@ -259,6 +259,12 @@ def null_content_error(role: Any, content: Any, tool_calls: Any) -> str | None:
     return None
 
 
+# names a chat template call takes itself (Tokenizer.apply_chat_template's and the request's own fields): never
+# template variables from chat_template_kwargs
+TEMPLATE_CALL_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                     "tokenize", "return_dict", "self"})
+
+
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: content given as OpenAI's text parts joined with newlines (vLLM's), the
     arguments of earlier tool calls as objects, not JSON text (as transformers' templates expect, and vLLM passes
@@ -276,6 +282,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise ParameterError(f"messages[{i}].content", f"messages[{i}]: {error}")
         if isinstance(message.get("content"), list):
             message["content"] = _text_of_parts(message["content"], f"messages[{i}].content")
+        if calls is not None and not isinstance(calls, list):
+            raise ParameterError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: a list of calls, got "
+                                                              f"{type(calls).__name__}")
         if calls:
             message["content"] = message.get("content") or ""  # null beside tool calls: no text
             message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
@@ -293,7 +302,7 @@ def _text_of_parts(parts: list, where: str) -> str:
 
 
 def _template_tool_call(call: Mapping[str, Any], where: str) -> dict[str, Any]:
-    call = copy.deepcopy(dict(call))
+    call = copy.deepcopy(dict(call)) if isinstance(call, Mapping) else {}
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ParameterError(where, f"{where}: a tool call is {{'id': ..., 'type': 'function', 'function': "

@@ -1,0 +1,116 @@
+"""The offline API under a user's mistakes and unusual calls, as a probe of it found them: each a ValueError or
+TypeError that says what is wrong, with no KV block held and the engine usable afterwards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tqdm import tqdm
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.engine.errors import ParameterError
+from torch_shift.engine.input_processor import TokenizedPrompt
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    _, model_dir = llama
+    engine = LLM(str(model_dir))
+    yield engine
+    engine.shutdown()
+
+
+def _clean(llm) -> bool:
+    engine = llm.engine
+    return (not engine.has_unfinished_requests()
+            and all(pool.num_free_blocks == pool.num_blocks for pool in engine.pools))
+
+
+def test_a_prompt_tokenized_elsewhere_is_checked_again(llm):
+    for prompt, error in [(TokenizedPrompt(None, [10**6]), "outside the vocabulary"),
+                          (TokenizedPrompt(None, []), "empty"), (TokenizedPrompt(None, [5] * 5000), "context")]:
+        with pytest.raises(ValueError, match=error):
+            llm.engine.add_request("t", prompt, SamplingParams(max_tokens=2))
+        assert _clean(llm)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arrival_time", ["now", float("nan"), True])
+def test_arrival_time_is_a_finite_number(llm, arrival_time):
+    with pytest.raises(TypeError, match="arrival_time"):
+        llm.engine.add_request("a", [5, 6], SamplingParams(max_tokens=2), arrival_time=arrival_time)
+    assert _clean(llm)
+
+
+def test_generate_never_touches_requests_added_through_the_engine(llm):
+    engine = llm.engine
+    engine.add_request("gen-0", [5, 6], SamplingParams(max_tokens=3))  # an id generate might have made
+    with pytest.raises(ValueError, match="step them to their end or abort them"):
+        llm.generate([[7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step(final_only=True)
+    assert [o.request_id for o in outputs] == ["gen-0"] and len(outputs[0].outputs[0].token_ids) == 3
+    assert _clean(llm)
+
+
+def test_requests_aborted_while_generate_runs_end_it_with_an_error(llm):
+    def bar_that_aborts(**kwargs):
+        llm.engine.abort_request(list(llm.engine.output_processor.requests))
+        return tqdm(disable=True, **kwargs)
+
+    with pytest.raises(RuntimeError, match="were aborted while it ran"):
+        llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=4), use_tqdm=bar_that_aborts)
+    assert _clean(llm)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda llm: llm.generate({"prompt_token_ids": "abc"}), "holds a list of token ids"),
+    (lambda llm: llm.generate({"prompt": [1, 2]}), "holds text"),
+    (lambda llm: llm.generate("a", priority=1.5), "priority must be an int"),
+    (lambda llm: llm.engine.abort_request(None), "request_ids"),
+    (lambda llm: llm.engine.abort_request([5]), "request_ids"),
+    (lambda llm: SamplingParams.from_optional(logit_bias={"1": float("nan")}), "logit_bias"),
+    (lambda llm: SamplingParams(stop=["a\ud800"]), "lone surrogate"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a\ud800"}]), "not valid Unicode"),
+    (lambda llm: llm.chat([{"role": "assistant", "content": None, "tool_calls": "x"}]), "a list of calls"),
+    (lambda llm: llm.chat([{"role": "assistant", "content": None, "tool_calls": ["x"]}]), "a tool call is"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_kwargs={"self": 1}), "own arguments"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], add_generation_prompt="x"), "True or False"),
+])
+def test_a_mistake_is_said_plainly(llm, call, error):
+    with pytest.raises((ValueError, TypeError), match=error) as info:
+        call(llm)
+    assert isinstance(info.value, (ParameterError, ValueError, TypeError))
+    assert _clean(llm)
+
+
+def test_a_bad_shutdown_timeout_changes_nothing(llama):
+    _, model_dir = llama
+    llm = LLM(str(model_dir), tp=2)
+    with pytest.raises(TypeError, match="timeout_s"):
+        llm.shutdown(None)
+    with pytest.raises(ValueError, match="timeout_s"):
+        llm.shutdown(-1)
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown(0)  # no time left: the group is still released
+    again = LLM(str(model_dir), tp=2)
+    assert again.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    again.shutdown()
+
+
+def test_a_fresh_process_keeps_its_environment_warnings_and_start_method(llama):
+    """torch's first import of torch._dynamo (building on the meta device) sets TORCHINDUCTOR_CACHE_DIR and a
+    warnings filter, both undone; a tqdm bar takes a multiprocessing lock, which fixes the start method: no bar,
+    no tqdm object."""
+    _, model_dir = llama
+    script = (f"import multiprocessing, os, warnings\nfrom torch_shift import LLM\n"
+              f"env, filters = dict(os.environ), list(warnings.filters)\n"
+              f"LLM({str(model_dir)!r}).generate('x', use_tqdm=False)\n"
+              "assert dict(os.environ) == env, set(os.environ) ^ set(env)\n"
+              "assert warnings.filters == filters\n"
+              "multiprocessing.set_start_method('spawn')\nprint('ok')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
