@@ -79,10 +79,20 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
          "prompt_lookup_max=2 must be >= prompt_lookup_min=5"),
         ({"method": "suffix", "disable_by_batch_size": 0}, "disable_by_batch_size=0"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": float("inf")}, "must be a finite number"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "must be >= 2"),  # would never propose
         ("{not json", "not JSON"),
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_user(bad)
+    # a proposal is shorter than the context (k = 10**6 took 27 s a generate in the budget's search, and made as many
+    # per-position metrics)
+    for too_long, name in [({"method": "ngram", "num_speculative_tokens": 10**6}, "num_speculative_tokens"),
+                           ({"method": "suffix", "suffix_decoding_max_tree_depth": 10**7}, "max_tree_depth")]:
+        with pytest.raises(ValueError, match=f"{name}=.* must be below the context, max_model_len=1024"):
+            LLM(speculative_config=too_long)
+    with pytest.raises(ValueError, match="the draft model '/no/such/draft': no such directory"):
+        LLM(speculative_config={"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="model=None must name the draft's checkpoint"):
         EngineArgs("some-model", speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
     with pytest.raises(TypeError, match="a dict"):

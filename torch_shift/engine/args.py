@@ -342,6 +342,9 @@ class EngineArgs:
         tokenizer_dir = Path(self.tokenizer) if self.tokenizer else model_dir
         if self.tokenizer and not (tokenizer_dir / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer={self.tokenizer!r}: no tokenizer.json there")
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
+        if speculative is not None:
+            speculative.check_context(max_model_len)
         return EngineConfig(
             model=model_config, model_dir=model_dir, tokenizer_dir=tokenizer_dir, seed=self.seed,
             deployment=deployment, policy=self.policy or deployment.default_policy,
@@ -364,7 +367,7 @@ class EngineArgs:
                                 decode_pool=self.decode_pool, native_decode=self.native_decode,
                                 cuda_graphs=self._captures(deployment)),
             tier=TierConfig(cpu_kv_gb=self.cpu_kv_gb, num_blocks=self.num_cpu_kv_blocks, kv_swap=self.kv_swap),
-            speculative=SpeculativeConfig.from_user(self.speculative_config),
+            speculative=speculative,
         )
 
 

@@ -4,6 +4,7 @@ ArcticInference's option names, checked once; an option that a method cannot hon
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -132,15 +133,25 @@ class SpeculativeConfig:
         require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1")
         require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
                 f"must be >= prompt_lookup_min={self.prompt_lookup_min}")
-        require(self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth", "must be >= 1")
+        require(self.suffix_decoding_max_tree_depth >= 2, "suffix_decoding_max_tree_depth",
+                "must be >= 2 (a match of L tokens leaves depth - L to propose)")
         require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests", "must be >= 0")
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
             number = getattr(self, name)
             require(isinstance(number, (int, float)) and not isinstance(number, bool), name, "must be a number")
-        require(self.suffix_decoding_max_spec_factor >= 0, "suffix_decoding_max_spec_factor", "must be >= 0")
+        require(math.isfinite(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor >= 0,
+                "suffix_decoding_max_spec_factor", "must be a finite number >= 0")
         require(0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob", "must be in [0, 1]")
         if self.method == "draft_model":
             require(isinstance(self.model, str) and bool(self.model), "model", "must name the draft's checkpoint")
+
+    def check_context(self, max_model_len: int) -> None:
+        """No proposal longer than the context can hold: beyond it a check's work and the per-position metrics grow
+        with the option, never its tokens."""
+        for name in ("suffix_decoding_max_tree_depth", "num_speculative_tokens"):  # k defaults to the depth
+            if getattr(self, name) >= max_model_len:
+                raise ValueError(f"speculative_config: {name}={getattr(self, name)} must be below the context, "
+                                 f"max_model_len={max_model_len}")
 
     @property
     def suffix_beside_draft(self) -> bool:

@@ -49,8 +49,11 @@ class DraftCheckpoint:
 
     @classmethod
     def resolve(cls, model: str, target: ModelConfig, target_tokenizer_dir: Path | None) -> DraftCheckpoint:
-        model_dir = resolve_model_dir(model)
-        config = ModelConfig.from_dir(model_dir)
+        try:
+            model_dir = resolve_model_dir(model)
+            config = ModelConfig.from_dir(model_dir)
+        except (ValueError, OSError) as e:  # as the target's errors read, but naming the draft
+            raise ValueError(f"speculative_config: the draft model {model!r}: {e}") from None
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary of {config.vocab_size} "
                              f"tokens, the target {target.vocab_size}: a draft must share the target's tokenizer")
