@@ -91,6 +91,16 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
                            ({"method": "suffix", "suffix_decoding_max_tree_depth": 10**7}, "max_tree_depth")]:
         with pytest.raises(ValueError, match=f"{name}=.* must be below the context, max_model_len=1024"):
             LLM(speculative_config=too_long)
+    # the depth is checked only where a method reads it: n-gram with a context of 20 tokens
+    assert LLM(max_model_len=20, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                     "prompt_lookup_min": 1}).generate(
+        "And God said", SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+    # a finite factor past the depth allows what the depth allows (1e308 x L overflowed int())
+    huge = LLM(speculative_config={"method": "suffix", "suffix_decoding_max_spec_factor": 1e308,
+                                   "goodput_budget": False})
+    for _ in range(2):
+        assert huge.generate("And God said unto Moses, " * 6, SamplingParams(max_tokens=24, temperature=0.0),
+                             use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="the draft model '/no/such/draft': no such directory"):
         LLM(speculative_config={"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="model=None must name the draft's checkpoint"):

@@ -191,10 +191,12 @@ class InputProcessor:
                 priority: int = 0, arrival_time: float | None = None) -> ParentRequest:
         """The request's sequences, ready for the scheduler (nothing is queued yet)."""
         params = self.check_params(params, priority)
-        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
-                                         or not math.isfinite(arrival_time)):
-            raise TypeError(f"arrival_time must be a finite number of seconds (time.time()'s clock) or None, got "
-                            f"{arrival_time!r}")
+        if arrival_time is not None:
+            if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
+                raise TypeError(f"arrival_time must be a number of seconds on time.monotonic()'s clock, or None; got "
+                                f"{arrival_time!r}")
+            if not math.isfinite(arrival_time):
+                raise ValueError(f"arrival_time must be finite, got {arrival_time}")
         grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
         if grammar_compiler is not None and params.structured_outputs.starts_after is not None:
             grammar_marker = self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False)

@@ -170,8 +170,8 @@ class LLM:
         added = []
         try:
             for rid, prompt, p, prio in zip(request_ids, tokenized, params, priorities):
+                added.append(rid)  # before: an interrupt inside add_request may leave it registered
                 self.engine.add_request(rid, prompt, p, priority=prio)
-                added.append(rid)
             return self._run(request_ids, use_tqdm)
         finally:
             self.engine.abort_request(added)  # nothing of this call stays queued after an error or an interrupt

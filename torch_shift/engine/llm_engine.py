@@ -347,9 +347,12 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """End requests by id (one, or vLLM's list); an id not in flight is ignored."""
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(i, str) for i in ids):
-            raise TypeError(f"request_ids must be a request id (str) or a list of them, got {request_ids!r}")
+        try:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        except TypeError:
+            ids = None
+        if ids is None or not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_ids must be a request id (str) or an iterable of them, got {request_ids!r}")
         for request_id in ids:
             parent = self.output_processor.remove(request_id)
             if parent is None:
@@ -458,8 +461,9 @@ def _torch_import_side_effects_undone():
     finally:
         if cache_dir is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        if warnings.filters != filters:
-            warnings.filters[:] = filters
+        added = [f for f in warnings.filters if f not in filters]  # another thread's own filters stay
+        if added:
+            warnings.filters[:] = [f for f in warnings.filters if f not in added]
             mutated = getattr(warnings, "_filters_mutated", None)  # the C module's cache of the list (3.11-3.13)
             if mutated is not None:
                 mutated()

@@ -290,8 +290,8 @@ def check_timeout(timeout_s: float) -> None:
     """A shutdown's timeout, checked before anything closes: a bad call leaves the engine as it was."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    if not timeout_s >= 0:
-        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+    if not 0 <= timeout_s <= threading.TIMEOUT_MAX:  # NaN and infinity too (a thread's join overflows on them)
+        raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s}")
 
 
 def every_rank_joins(timeout_s: float) -> None:

@@ -282,7 +282,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise ParameterError(f"messages[{i}].content", f"messages[{i}]: {error}")
         if isinstance(message.get("content"), list):
             message["content"] = _text_of_parts(message["content"], f"messages[{i}].content")
-        if calls is not None and not isinstance(calls, list):
+        if calls is not None and not isinstance(calls, (list, tuple)):
             raise ParameterError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: a list of calls, got "
                                                               f"{type(calls).__name__}")
         if calls:

@@ -148,7 +148,10 @@ class SpeculativeConfig:
     def check_context(self, max_model_len: int) -> None:
         """No proposal longer than the context can hold: beyond it a check's work and the per-position metrics grow
         with the option, never its tokens."""
-        for name in ("suffix_decoding_max_tree_depth", "num_speculative_tokens"):  # k defaults to the depth
+        names = ["num_speculative_tokens"]
+        if self.method == "suffix" or self.suffix_beside_draft:  # the depth first: a suffix k defaults to it
+            names.insert(0, "suffix_decoding_max_tree_depth")
+        for name in names:
             if getattr(self, name) >= max_model_len:
                 raise ValueError(f"speculative_config: {name}={getattr(self, name)} must be below the context, "
                                  f"max_model_len={max_model_len}")

@@ -148,7 +148,7 @@ def grow_path(tokens: np.ndarray, ends: np.ndarray, max_tokens: int, min_token_p
 
 def path_limit(match_len: int, max_depth: int, max_spec_tokens: int, max_spec_factor: float) -> int:
     """The most tokens a path below a match of `match_len` tokens may hold (and so the most it can score)."""
-    return min(max_spec_tokens, int(match_len * max_spec_factor + 1e-6), max_depth - match_len)
+    return min(max_spec_tokens, int(min(match_len * max_spec_factor, max_depth) + 1e-6), max_depth - match_len)
 
 
 def best_draft(tokens: np.ndarray, matches: list[np.ndarray], first_len: int, max_depth: int, max_spec_tokens: int,
@@ -313,7 +313,8 @@ class SuffixProposer:
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1):
         self.max_depth = max_depth
-        self.max_spec_factor = max_spec_factor
+        # a match of L >= 1 tokens leaves at most depth - L to propose: any larger factor allows the same
+        self.max_spec_factor = min(max_spec_factor, max_depth)
         self.min_token_prob = min_token_prob
         self.global_tree = GlobalTree(max_depth, max_cached_requests)
         self.tokens = RequestTokens(headroom=max_depth + 2)
