@@ -10,7 +10,7 @@ import torch
 import torchtitan_llama
 from conftest import VOCAB_SIZE, build_hf_model, random_prompts
 
-from torch_shift import LLM, SamplingParams
+from torch_shift import LLM, SamplingParams, parallelize
 from torch_shift.models import load_model
 from torch_shift.models.batch import PackedBatch
 from torch_shift.parallel.launch import run_ranks
@@ -241,6 +241,33 @@ def _errors_rank(rank, world):
             errors.append((type(e).__name__, str(e)))
     dist.destroy_process_group()
     return errors
+
+
+def test_parallelizes_arguments_are_checked_before_anything_is_read():
+    """Found by a probe: these were AttributeErrors, a TypeError comparing a str, or accepted silently (no group is
+    made, so one process checks them)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class Mesh(DeviceMesh):  # never used past its type and device: every check comes first
+        device_type = "cpu"
+
+    class GpuMesh(DeviceMesh):
+        device_type = "cuda"
+
+    mesh = Mesh.__new__(Mesh)
+    model = torch.nn.Linear(2, 2)
+    for args, kwargs, error, words in [
+        ((None, mesh), {}, TypeError, "nn.Module, got NoneType"),
+        ((model, "tp"), {}, TypeError, "DeviceMesh"),
+        ((model, mesh), {"shift_threshold": "256"}, ValueError, "shift_threshold must be an int >= 0"),
+        ((model, mesh), {"shift_threshold": True}, ValueError, "shift_threshold must be an int >= 0"),
+        ((model, mesh), {"shift_weights": "bogus"}, ValueError, "'copy' or 'view'"),
+    ]:
+        with pytest.raises(error, match=words):
+            parallelize(*args, **kwargs)
+    if not torch.cuda.is_available():  # was an AssertionError from torch.cuda
+        with pytest.raises(ValueError, match="which this machine does not have"):
+            parallelize(model, GpuMesh.__new__(GpuMesh))
 
 
 def test_unsupported_models_and_meshes_are_clear_errors():

@@ -467,6 +467,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None 
     DTensor is gathered one parameter at a time) onto the mesh's device: the model is only read,
     and can be dropped afterwards.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize takes the model as an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize takes a DeviceMesh (torch.distributed.device_mesh.init_device_mesh), got "
+                        f"{type(mesh).__name__}")
+    if shift_threshold is not None and (isinstance(shift_threshold, bool) or not isinstance(shift_threshold, int)
+                                        or shift_threshold < 0):
+        raise ValueError(f"shift_threshold must be an int >= 0 or None, got {shift_threshold!r}")
+    if shift_weights not in ("copy", "view"):
+        raise ValueError(f"shift_weights must be 'copy' or 'view', got {shift_weights!r}")
+    accelerator = getattr(torch, mesh.device_type, None) if mesh.device_type != "cpu" else None
+    if mesh.device_type != "cpu" and (accelerator is None or not accelerator.is_available()):
+        raise ValueError(f"the mesh is on {mesh.device_type!r}, which this machine does not have")
     on_meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
     if on_meta is not None:
         raise ValueError(f"the model's parameters are on the meta device ({on_meta}, ...): they hold no weights to "
