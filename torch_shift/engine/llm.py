@@ -167,14 +167,14 @@ class LLM:
                              f"{', ...' if len(held) > 3 else ''}): step them to their end or abort them before "
                              "generate")
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added = []
         try:
             for rid, prompt, p, prio in zip(request_ids, tokenized, params, priorities):
-                added.append(rid)  # before: an interrupt inside add_request may leave it registered
                 self.engine.add_request(rid, prompt, p, priority=prio)
             return self._run(request_ids, use_tqdm)
         finally:
-            self.engine.abort_request(added)  # nothing of this call stays queued after an error or an interrupt
+            # every id is this call's (the engine held none before it); nothing stays queued after an error or an
+            # interrupt, also one inside add_request, and an id never added is ignored
+            self.engine.abort_request(request_ids)
             if not self.engine.has_unfinished_requests():
                 self.engine.idle()
 
