@@ -288,6 +288,17 @@ class IncrementalDetokenizer:
         return remainder
 
 
+def lone_surrogate_error(text: str, label: str) -> str | None:
+    """The error for `text` (`label` names it) holding a lone surrogate, which Python's and JSON's strings allow and
+    no tokenizer can encode; None for valid Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"{label} holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: text must be "
+                "valid Unicode")
+    return None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

@@ -13,7 +13,7 @@ from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.request import Request
 from torch_shift.engine.sampling_params import MAX_SEED, SamplingParams
 from torch_shift.engine.structured_output import GrammarCompiler, WaitingGrammar
-from torch_shift.tokenizer import Tokenizer
+from torch_shift.tokenizer import Tokenizer, lone_surrogate_error
 
 Prompt = str | list[int]  # or vLLM's {"prompt": text} / {"prompt_token_ids": ids}, unwrapped by `unwrap_prompt`
 PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt': text} or "
@@ -110,11 +110,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt is not valid Unicode text: {e.reason} {prompt[e.start]!r} at "
-                                 f"character {e.start}") from None
+            if (error := lone_surrogate_error(prompt, "the prompt")) is not None:
+                raise ValueError(error)
             if self.tokenizer is None:
                 model_dir = self.config.model_dir
                 where = f"{model_dir} has no tokenizer.json" if model_dir else "no tokenizer was given"

@@ -22,6 +22,7 @@ from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.default import default_model_dir
 from torch_shift.models.loader import WeightSource
 from torch_shift.parallel.shift import ShiftModule
+from torch_shift.tokenizer import lone_surrogate_error
 
 # What a module passed to LLM fixes by itself (its mesh, parallelize's arguments, its parameters).
 _SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision")
@@ -245,11 +246,9 @@ class LLM:
                 for c in conversations
             ]
             for i, text in enumerate(texts):  # a lone surrogate in any field the template renders
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(f"conversation {i}: its messages render to text that is not valid Unicode (a "
-                                     f"lone surrogate {text[e.start]!r})") from None
+                error = lone_surrogate_error(text, f"conversation {i}: the text its messages render to")
+                if error is not None:
+                    raise ValueError(error)
             outputs = self._generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
                                      sampling_params, use_tqdm, None)
             for output, text in zip(outputs, texts):

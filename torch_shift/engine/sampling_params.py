@@ -10,6 +10,7 @@ from typing import Any
 
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.structured_output import StructuredOutputsParams
+from torch_shift.tokenizer import lone_surrogate_error
 
 # a model's generation_config.json fields that vLLM (--generation-config auto) takes as sampling defaults, with
 # the values Hugging Face's GenerationConfig defaults them to (a field at that value is not a default of the model)
@@ -119,12 +120,9 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        for s in stop:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:  # no text the model writes could ever match it
-                raise ParameterError("stop", f"stop string {s!r} holds a lone surrogate at character {e.start}: "
-                                             "text must be valid Unicode") from None
+        for s in stop:  # no text the model writes could ever match a lone surrogate
+            if (error := lone_surrogate_error(s, f"stop string {s!r}")) is not None:
+                raise ParameterError("stop", error)
         self.stop_strings = tuple(stop)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")

@@ -16,6 +16,7 @@ from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.engine.structured_output import StructuredOutputsParams
 from torch_shift.serve.tools import TEMPLATE_CALL_ARGUMENTS, null_content_error
+from torch_shift.tokenizer import lone_surrogate_error
 
 _MAX_SEED = 2**63 - 1  # torch.Generator takes a 64-bit seed; vLLM bounds it to int64 as well
 
@@ -50,15 +51,11 @@ def _check_text(value: Any) -> None:
 
 
 def _check_string(value: Any, path: tuple, is_key: bool = False) -> None:
-    if not isinstance(value, str):
+    if not isinstance(value, str) or lone_surrogate_error(value, "") is None:
         return
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).removeprefix(".") or None
-        label = f"a key of {where or 'the body'}" if is_key else where or "the text"
-        raise ParameterError(where, f"{label} holds a lone surrogate (U+{ord(value[e.start]):04X}) at character "
-                                    f"{e.start}: text must be valid Unicode") from None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).removeprefix(".") or None
+    raise ParameterError(where, lone_surrogate_error(value, f"a key of {where or 'the body'}" if is_key
+                                                     else where or "the text"))
 
 
 class _Strict(BaseModel):
