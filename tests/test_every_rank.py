@@ -4,8 +4,11 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), none started by another."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.parallel.launch import run_ranks
@@ -74,10 +77,10 @@ def test_every_public_call_answers_the_same_on_every_rank(layers4, family):
 
 
 def test_a_call_digest_reads_the_name_and_the_arguments_contents():
-    from torch_shift.engine.llm import _call_digest
+    from torch_shift.parallel.agreement import value_digest
 
     def digest(*arguments, name="generate"):
-        return _call_digest(name, arguments)
+        return value_digest((name, arguments))
 
     same = digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None)
     assert digest(["hi", [1, 2]], SamplingParams(max_tokens=3), None) == same
@@ -89,3 +92,5 @@ def test_a_call_digest_reads_the_name_and_the_arguments_contents():
     assert digest([np.array([1, 2])]) == digest([[np.int64(1), 2]]) == digest([[1, 2]])  # numbers by value
     assert digest([np.array([1, 3])]) != digest([[1, 2]])
     assert digest({"b": 1, "a": 2}) == digest({"a": 2, "b": 1})  # no hash seed decides an order
+    assert digest(torch.float32) != digest(torch.bfloat16)  # dtypes, paths and devices by their names
+    assert digest(Path("a")) != digest(Path("b")) and digest(torch.device("cpu")) != digest(torch.device("meta"))

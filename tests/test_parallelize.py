@@ -288,6 +288,59 @@ def test_unsupported_models_and_meshes_are_clear_errors():
                                "rank that calls parallelize must be in its mesh")
 
 
+def _disagreeing_rank(rank, world, model_dir):
+    """Under torchrun, ranks whose calls differ: each failed inside a collective (gloo aborted the process on a size
+    mismatch), hung, or ran on with another rank's layout or weights."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_shift
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("sp", "tp"))
+    errors = []
+    calls = [
+        lambda: torch_shift.parallelize(build_hf_model("llama"), mesh, shift_threshold=4 if rank else 256),
+        lambda: torch_shift.parallelize(build_hf_model("llama", seed=rank), mesh),  # each rank's own random init
+        lambda: torch_shift.parallelize(build_hf_model("llama", num_hidden_layers=2 + rank), mesh),
+        lambda: module(ids[:, :5 + rank]),
+        lambda: module(ids, torch.ones_like(ids) if rank else None),
+        lambda: LLM(str(model_dir), sp=world if rank else 1, tp=1 if rank else world),
+        lambda: LLM(str(model_dir), sp=world, num_kv_blocks=32 + rank, distributed_timeout_s=60.0),
+    ]
+    module = torch_shift.parallelize(build_hf_model("llama"), mesh)
+    ids = torch.randint(6, VOCAB_SIZE, (2, 7), generator=torch.Generator().manual_seed(1))
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    # the ranks and their groups go on: the same call on every rank works
+    logits = module(ids)
+    dist.destroy_process_group()
+    return errors, logits
+
+
+def test_ranks_whose_calls_differ_all_raise_a_value_error_naming_the_difference(llama):
+    _, model_dir = llama
+    ranks = run_ranks(_disagreeing_rank, 2, str(model_dir), timeout_s=240)
+    (errors, logits), (errors_1, logits_1) = ranks
+    assert errors == errors_1 and torch.equal(logits, logits_1)
+    threshold, weights, layers, batch, mask, layout, blocks = errors
+    assert threshold.startswith("parallelize: the ranks differ in shift_threshold: rank 0 256, rank 1 4. Under "
+                                "torchrun every rank runs the same program")
+    assert "the ranks differ in weights.model.embed_tokens.weight: rank 0 ((512, 64), '" in weights
+    assert "more of weights" in weights
+    assert "the ranks differ in config.num_hidden_layers: rank 0 2, rank 1 3" in layers
+    assert batch.startswith("a parallelized module's forward: the ranks differ in input_ids.shape: rank 0 (2, 5), "
+                            "rank 1 (2, 6); input_ids.contents: ")
+    assert "the ranks differ in attention_mask: rank 0 None, rank 1 {" in mask
+    assert layout.startswith("LLM(...) under torchrun: the ranks differ in deployment.family: rank 0 'tp', rank 1 "
+                             "'shift'; deployment.sp: rank 0 1, rank 1 2")
+    assert "the ranks differ in num_kv_blocks: rank 0 32, rank 1 33" in blocks
+
+
 def _partial_rank(rank, world, model_dir):
     import time
 

@@ -446,3 +446,22 @@ class EngineConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    def rank_fingerprint(self) -> dict[str, Any]:
+        """What every rank of one program (torchrun) must build alike, by the options' names: the model's config,
+        the deployment's shape and every engine option; not the directories (each rank may read its own copy) nor
+        a CUDA device's index (each rank has its own)."""
+        d = self.deployment
+        fingerprint = {
+            "model": self.model, "deployment": {"family": d.family, "sp": d.sp, "tp": d.tp, "pp": d.pp,
+                                                "dp": d.num_replicas, "layouts": [layout.name for layout in d.layouts]},
+            "seed": self.seed, "policy": self.policy, "policy_options": self.policy_options,
+            "speculative_config": self.speculative, "draft model": None if self.draft is None else self.draft.config,
+        }
+        renamed = {"policy": "scheduling_policy", "expert_parallel": "enable_expert_parallel",
+                   "timeout_s": "distributed_timeout_s", "num_blocks": "num_cpu_kv_blocks"}
+        for section in (self.cache, self.scheduler, self.parallel, self.runner, self.tier):
+            for f in fields(section):
+                fingerprint[renamed.get(f.name, f.name)] = getattr(section, f.name)
+        fingerprint["device"] = resolve_device(self.runner.device).type
+        return fingerprint

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import itertools
-import numbers
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -21,6 +18,7 @@ from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.default import default_model_dir
 from torch_shift.models.loader import WeightSource
+from torch_shift.parallel.agreement import value_digest
 from torch_shift.parallel.shift import ShiftModule
 from torch_shift.tokenizer import lone_surrogate_error
 
@@ -91,7 +89,7 @@ class LLM:
         same `arguments`, follow rank 0's steps meanwhile and return its result (or raise its error); a rank whose
         call differs makes every rank raise a ValueError."""
         engine = self.engine
-        digest = _call_digest(name, arguments) if engine.every_rank_runs_the_program else None
+        digest = value_digest((name, arguments)) if engine.every_rank_runs_the_program else None
         if not engine.is_driver:
             return engine.follow(digest)
         engine.begin_call(digest)
@@ -257,45 +255,6 @@ class LLM:
 
         return self._on_every_rank(chat, "chat", messages, sampling_params, add_generation_prompt, tools,
                                    chat_template_kwargs, continue_final_message)
-
-
-def _call_digest(name: str, arguments: tuple) -> str:
-    """A public call's name and arguments as a digest that ranks of one program compare (under torchrun): values by
-    their contents (numbers by value, arrays by their elements, dicts and sets by sorted keys), dataclasses
-    (SamplingParams) by their fields, functions by their qualified names, other objects by their type (their repr
-    may hold an address that differs between processes)."""
-    digest = hashlib.blake2b(digest_size=16)
-
-    def feed(value) -> None:
-        if not isinstance(value, numbers.Number) and callable(getattr(value, "tolist", None)):
-            value = value.tolist()  # an array or tensor of token ids: its elements
-        if value is None or isinstance(value, (bool, str, bytes)):
-            digest.update(repr(value).encode())
-        elif isinstance(value, numbers.Integral):  # numpy's integers too
-            digest.update(b"i%d" % int(value))
-        elif isinstance(value, numbers.Real):
-            digest.update(repr(float(value)).encode())
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[%d" % len(value))
-            for item in value:
-                feed(item)
-        elif isinstance(value, (dict, set, frozenset)):  # in an order that no process's hash seed decides
-            items = sorted(value.items() if isinstance(value, dict) else ((item, None) for item in value),
-                           key=lambda pair: repr(pair[0]))
-            digest.update(b"{%d" % len(items))
-            for key, item in items:
-                feed(key)
-                feed(item)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            digest.update(type(value).__qualname__.encode())
-            for field in dataclasses.fields(value):
-                feed(getattr(value, field.name))
-        else:
-            digest.update(getattr(value, "__qualname__", type(value).__qualname__).encode())
-        digest.update(b";")
-
-    feed((name, arguments))
-    return digest.hexdigest()
 
 
 def _prompt_of(prompt, index: int) -> Prompt:

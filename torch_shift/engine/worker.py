@@ -101,10 +101,10 @@ class Worker:
         runtime = None
         timeout = config.parallel.timeout_s
         if isinstance(model, ShiftModule):  # every rank built it and runs this: nothing to start
-            runtime = ParallelRuntime.over(config.deployment, model.groups, timeout)
+            runtime = ParallelRuntime.over(config.deployment, model.groups, timeout, config.rank_fingerprint())
         elif config.deployment.world_size > 1:
             runtime = ParallelRuntime(config.deployment, _started_rank_main, (config, host_tier), timeout,
-                                      _device(config).type)
+                                      _device(config).type, config.rank_fingerprint())
         try:
             return cls.build(config, runtime, weights, model, host_tier, tier_blocks)
         except BaseException:

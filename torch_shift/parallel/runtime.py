@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.parallel import comm
+from torch_shift.parallel.agreement import check_ranks_agree
 from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.launch import LocalRanks, default_start_method, local_cores, own_threads, started_rank_cores
 from torch_shift.parallel.shm import ShmCommunicator
@@ -35,9 +37,11 @@ _holder: ParallelRuntime | None = None
 
 
 class ParallelRuntime:
-    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float, device_type: str = "cpu"):
+    def __init__(self, deployment, worker_main, worker_args: tuple, timeout_s: float, device_type: str = "cpu",
+                 fingerprint: Mapping[str, Any] | None = None):
         """`device_type`: where the ranks run their models ("cuda": NCCL for the layouts' collectives, one GPU
-        per local rank; "cpu": gloo and shared memory)."""
+        per local rank; "cpu": gloo and shared memory). `fingerprint`: what every rank's engine agrees on, where
+        every rank runs the user's program (see `every_rank_joins`)."""
         world = deployment.world_size
         self._init_state(timeout_s)
         self.device_type = device_type
@@ -52,8 +56,8 @@ class ParallelRuntime:
                 import torch.distributed.nn.functional  # noqa: F401
 
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
-            else:  # the user's group (torchrun): every rank of it must be building the engine
-                every_rank_joins(timeout_s)
+            else:  # the user's group (torchrun): every rank of it must be building the same engine
+                every_rank_joins(timeout_s, fingerprint or {})
             self.groups = DeploymentGroups.build(deployment)
             self.rank = dist.get_rank()
             self._share_memory(timeout_s)
@@ -79,12 +83,12 @@ class ParallelRuntime:
         self.control: ShmCommunicator | None = None  # the control channel through shared memory, where it can be
 
     @classmethod
-    def over(cls, deployment, replica_groups, timeout_s: float) -> ParallelRuntime:
+    def over(cls, deployment, replica_groups, timeout_s: float, fingerprint: Mapping[str, Any]) -> ParallelRuntime:
         """The runtime of ranks that already hold their groups (a module from `torch_shift.parallelize`,
         every rank running the user's program): nothing is started or initialised."""
         runtime = cls.__new__(cls)
         runtime._init_state(timeout_s)
-        every_rank_joins(timeout_s)
+        every_rank_joins(timeout_s, fingerprint)
         runtime.groups = DeploymentGroups.build(deployment, replica_groups)
         runtime.rank = dist.get_rank()
         runtime._share_memory(timeout_s)
@@ -294,16 +298,14 @@ def check_timeout(timeout_s: float) -> None:
         raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s}")
 
 
-def every_rank_joins(timeout_s: float) -> None:
-    """Every rank of the user's default group is building the engine, within `timeout_s`: the groups the engine
+def every_rank_joins(timeout_s: float, fingerprint: Mapping[str, Any]) -> None:
+    """Every rank of the user's default group is building the same engine, within `timeout_s`: the groups the engine
     makes next wait for every rank with the group's own timeout (gloo's connect; 30 minutes by default), so a rank
-    that never calls LLM(...) or handoff(...) hung the others. A bounded all-reduce ends them with an error."""
-    if dist.get_backend() != "gloo":  # NCCL's collectives time out through the group's own watchdog
-        return
-    present = torch.ones(1)
+    that never calls LLM(...) or handoff(...) hung the others, and ranks that built different deployments failed
+    inside a collective. `fingerprint`: what every rank's engine must agree on (a ValueError naming what differs)."""
     try:
-        dist.all_reduce(present, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as e:
+        check_ranks_agree(fingerprint, "LLM(...) under torchrun", timeout_s=timeout_s)
+    except TimeoutError as e:
         raise RuntimeError(f"not every one of the {dist.get_world_size()} ranks built the engine within "
                            f"{timeout_s:.0f} s (distributed_timeout_s): under torchrun every rank calls LLM(...) "
                            f"or handoff(...) together ({e})") from None

@@ -28,6 +28,7 @@ from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.moe import Experts, SparseMoeBlock
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
+from torch_shift.parallel.agreement import check_ranks_agree, tensor_digest, value_digest
 from torch_shift.parallel.expert_parallel import ExpertParallelSparseMoe
 from torch_shift.parallel.groups import ShiftGroups, mesh_shape
 from torch_shift.parallel.layers import (
@@ -299,8 +300,11 @@ class ShiftModule(LayoutCounters, nn.Module):
         `attention_mask` (1 = token, 0 = padding, on either side): only the real tokens run, each
         row as if alone (positions counted from its first real token, as transformers' `generate`
         does), and the logits at padding are zero. The layout is chosen by the number of real
-        tokens, as the engine chooses per step. Every rank calls it with the same batch.
+        tokens, as the engine chooses per step. Every rank calls it with the same batch (compared: a ValueError on
+        every rank where one differs).
         """
+        check_ranks_agree({"input_ids": tensor_digest(input_ids), "attention_mask": tensor_digest(attention_mask)},
+                          "a parallelized module's forward", self.groups.shift_group)
         device = self.base.embed_tokens.weight.device
         batch = PackedBatch.from_padded(input_ids, attention_mask, self.config, device)
         if batch.num_tokens == 0:
@@ -454,6 +458,32 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
 
 
+def _weights_sample(model: nn.Module) -> dict[str, tuple]:
+    """Each parameter's shape and a few of its values (a DTensor's placements instead: its local shards differ by
+    rank): ranks whose models were initialised apart (no common seed, no checkpoint) differ here."""
+    from torch.distributed.tensor import DTensor
+
+    sample = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            sample[name] = (tuple(p.shape), str(p.placements))
+        else:
+            flat = p.detach().reshape(-1)
+            sample[name] = (tuple(p.shape), value_digest(flat[::max(1, flat.numel() // 8)][:8].float())[:8])
+    return sample
+
+
+def _mesh_wide_group(mesh: DeviceMesh) -> dist.ProcessGroup | None | bool:
+    """The group of every rank of the mesh (None: the default group), or False where there is none to agree in:
+    a mesh of one rank, or one this rank is not in or that `ShiftGroups.from_mesh` refuses."""
+    ranks = mesh.mesh.flatten().tolist()
+    if len(ranks) == 1 or dist.get_rank() not in ranks:
+        return False
+    if len(ranks) == dist.get_world_size():
+        return None
+    return mesh.get_group(mesh.ndim - 1) if mesh.ndim == 1 or mesh.shape[0] == 1 else False
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None = 256,
                 shift_weights: str = "copy") -> ShiftModule:
     """Shard a model over a ("sp", "tp") DeviceMesh, or a 1-D ("tp",) one, into a ShiftModule: the
@@ -485,9 +515,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, shift_threshold: int | None 
         raise ValueError(f"the model's parameters are on the meta device ({on_meta}, ...): they hold no weights to "
                          "shard; materialize them first (model.to_empty(device=...) and load a checkpoint)")
     source = model_source(model)
-    sp, tp = mesh_shape(mesh)
-    validate_mesh_for_model(source.config, sp, tp)  # before any group is made
     dtype = next(model.parameters()).dtype
+    try:
+        # ranks that differ in any of these failed inside a collective (gloo aborts the process) or ran on silently
+        fingerprint = {"model": type(model).__qualname__, "config": source.config, "dtype": dtype,
+                       "mesh": {"axes": mesh.mesh_dim_names, "shape": tuple(mesh.shape), "device": mesh.device_type,
+                                "ranks": mesh.mesh.flatten().tolist()},
+                       "shift_threshold": shift_threshold, "shift_weights": shift_weights,
+                       "weights": _weights_sample(model)}
+        with_ranks = _mesh_wide_group(mesh)
+        if with_ranks is not False:
+            check_ranks_agree(fingerprint, "parallelize", with_ranks)
+        sp, tp = mesh_shape(mesh)
+        validate_mesh_for_model(source.config, sp, tp)  # before any group is made
+    except BaseException:
+        source.close()
+        raise
     device = torch.device(mesh.device_type)
     if device.type != "cpu":
         device = torch.device(device.type, getattr(torch, device.type).current_device())
