@@ -32,6 +32,9 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    # transformers' attention_bias: q, k, v and o projections with biases
+    "llama_bias": ("LlamaConfig", {"attention_bias": True}),
+    "qwen3_bias": ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
 }
 
 

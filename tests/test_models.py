@@ -96,6 +96,57 @@ def test_transformers_4_config_layout(tmp_path, checkpoints):
     torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(old))), prompt), ref, atol=FP32_ATOL, rtol=1e-5)
 
 
+ROPE_CONFIGS = {  # config.json's rope keys as written -> what transformers reads them as
+    # the scaled types without their pretraining length: max_position_embeddings (256 here)
+    "yarn_without_original": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+    "llama3_without_original": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    # both layouts written: transformers 5 takes rope_scaling (read as default rope, its linear scaling was dropped)
+    "scaling_beside_parameters": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CONFIGS))
+def test_rope_keys_read_as_transformers_reads_them(tmp_path, llama, case):
+    import transformers
+
+    model_dir = shutil.copytree(llama[1], tmp_path / case)
+    rewrite_config(model_dir, **ROPE_CONFIGS[case])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt = random_prompts(1, [40])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt), ref, atol=FP32_ATOL,
+                               rtol=1e-5)
+
+
+def test_keys_left_out_of_config_json_take_transformers_defaults():
+    """A config.json without a key reads as transformers' config class of its family reads it: Mixtral's rope theta
+    (1e6) and norm epsilon (1e-5), Mistral's window (4096), Qwen3's head_dim (128), each family's context (were
+    Llama's defaults for every family)."""
+    import transformers
+
+    from torch_shift.config import SUPPORTED_ARCHITECTURES
+
+    for arch in SUPPORTED_ARCHITECTURES:
+        written = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+                   "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128}
+        if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
+            written |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**written)
+        got = ModelConfig.from_hf_dict(written)
+        rope = hf.rope_parameters
+        assert (got.max_position_embeddings, got.rms_norm_eps, got.rope.theta, got.rope.rope_type) == (
+            hf.max_position_embeddings, hf.rms_norm_eps, rope["rope_theta"], rope["rope_type"]), arch
+        assert got.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads), arch
+        if arch == "MistralForCausalLM":
+            assert got.sliding_window == hf.sliding_window == 4096
+        if arch == "GptOssForCausalLM":
+            assert got.o_proj_bias and got.attention_bias and got.rope.factor == rope["factor"] == 32.0
+            assert got.rope.original_max_position_embeddings == rope["original_max_position_embeddings"]
+
+
 def test_unsupported_architecture_names_supported_ones(tmp_path, llama):
     model_dir = shutil.copytree(llama[1], tmp_path / "gpt2")
     rewrite_config(model_dir, architectures=["GPT2LMHeadModel"])

@@ -115,10 +115,10 @@ def _logits_rank(rank, world, mesh_shape, names):
 
 CASES = {
     (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp", "moe_qwen3_moe", "moe_mixtral",
-               "gpt_oss"],
+               "gpt_oss", "qwen3_bias"],
     (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin", "moe_qwen3_moe",
                "gpt_oss"],
-    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral"],  # a 1-D ("tp",) mesh: SP = 1
+    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral", "llama_bias"],  # a 1-D ("tp",) mesh: SP = 1
 }
 
 

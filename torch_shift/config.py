@@ -19,7 +19,24 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
 }
-# Families whose MLP is (in some or all layers) a sparse mixture of experts.
+# transformers' defaults for the keys a config.json leaves out (its config classes), Llama's for every family and
+# where a family's own differ
+_HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64,
+                "sliding_window": 128, "attention_bias": True,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096}},
+}
+# Families whose attention takes transformers' `attention_bias` (q, k, v and o projections; Qwen2's q, k and v always
+# have a bias, Mistral's and Mixtral's never) and the families whose MLP is (in some or all layers) a sparse mixture
+# of experts.
+ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 _DTYPES = {
@@ -94,19 +111,23 @@ class RopeConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
-        # transformers 5.x: rope_parameters holds rope_theta and the scaling;
-        # transformers 4.x: rope_theta at top level and an optional rope_scaling dict.
+        """As transformers 5 reads a config.json (`convert_rope_params_to_dict`, `standardize_rope_params`):
+        rope_parameters holds rope_theta and the scaling (transformers 5), or rope_theta sits at the top level
+        beside an optional rope_scaling (transformers 4), which wins where both are written. `hf`: with its
+        family's defaults for keys left out (rope_theta, max_position_embeddings)."""
         params = dict(hf.get("rope_parameters") or {})
         if "full_attention" in params and isinstance(params["full_attention"], dict):
             params = dict(params["full_attention"])
-        scaling = dict(hf.get("rope_scaling") or {})
-        merged = {**scaling, **params}
-        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+        merged = dict(hf.get("rope_scaling") or params)
+        theta = merged.get("rope_theta", hf["rope_theta"])
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
         if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+        # the length the scaled types were pretrained at: a top-level key first (Phi-3's), the model's own last
+        original = int(hf.get("original_max_position_embeddings")
+                       or merged.get("original_max_position_embeddings") or hf["max_position_embeddings"])
         if rope_type == "yarn" and merged.get("factor") is None:
-            raise ValueError("yarn rope without a 'factor' is not supported")
+            merged["factor"] = hf["max_position_embeddings"] / original
 
         def optional(key: str) -> float | None:
             return None if merged.get(key) is None else float(merged[key])
@@ -117,7 +138,7 @@ class RopeConfig:
             factor=float(merged.get("factor", 1.0)),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=original,
             beta_fast=float(merged.get("beta_fast") or 32.0),
             beta_slow=float(merged.get("beta_slow") or 1.0),
             truncate=bool(merged.get("truncate", True)),
@@ -183,6 +204,7 @@ class ModelConfig:
                 f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        hf = {**_HF_DEFAULTS, **_FAMILY_DEFAULTS.get(family, {}), **hf}
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -198,6 +220,8 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{arch} with mlp_bias=true is not supported")
         sliding_window = hf.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
@@ -219,11 +243,12 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
             rope=RopeConfig.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", family == "gpt_oss")),
+            attention_bias=family == "qwen2" or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias")),
+            o_proj_bias=family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             hidden_act=act,
@@ -331,7 +356,7 @@ def _gpt_oss_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | N
         raise ValueError("GptOssForCausalLM: sliding_attention layers without a sliding_window")
     return {"moe_routing": "topk_softmax", "router_bias": True, "expert_bias": True,
             "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
-            "o_proj_bias": bool(hf.get("attention_bias", True)), "attention_sinks": True,
+            "attention_sinks": True,
             "layer_windows": tuple(int(sliding_window) if t == "sliding_attention" else None for t in layer_types)}
 
 

@@ -49,6 +49,7 @@ _LLAMA_NAMES: list[tuple[str, str, str | None]] = [
 _QKV_BIAS_NAMES = [
     (rf"model\.layers\.(\d+)\.self_attn\.{p}_proj\.bias", "layers.{}.attn.qkv_proj.bias", p) for p in "qkv"
 ]
+_O_BIAS_NAMES = [(r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers.{}.attn.o_proj.bias", None)]
 _QK_NORM_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{}.attn.q_norm.weight", None),
     (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{}.attn.k_norm.weight", None),
@@ -73,7 +74,6 @@ _MIXTRAL_NAMES = [  # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down
      "{1}"),
 ]
 _GPT_OSS_NAMES = [
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers.{}.attn.o_proj.bias", None),
     (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{}.attn.sinks", None),
     (r"model\.layers\.(\d+)\.mlp\.router\.weight", "layers.{}.mlp.router.weight", None),
     (r"model\.layers\.(\d+)\.mlp\.router\.bias", "layers.{}.mlp.router.bias", None),
@@ -84,13 +84,13 @@ _GPT_OSS_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias", "layers.{}.mlp.experts.down_bias", STACKED_INTERLEAVED),
 ]
 NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
-    "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES,  # attention_bias=True Llama variants carry q/k/v bias
+    "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES,  # attention_bias=true: q, k, v and o biases
     "mistral": _LLAMA_NAMES,
     "qwen2": _LLAMA_NAMES + _QKV_BIAS_NAMES,
-    "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES,
-    "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
+    "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _QK_NORM_NAMES,
+    "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
     "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
-    "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _GPT_OSS_NAMES,
+    "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _GPT_OSS_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")

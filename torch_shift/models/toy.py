@@ -242,6 +242,8 @@ def write_random_checkpoint(
             tensors |= {p + f"self_attn.{x}_proj.bias": normal(r) for x, r in
                         (("q", mc.num_attention_heads * hd), ("k", mc.num_key_value_heads * hd),
                          ("v", mc.num_key_value_heads * hd))}
+        if mc.o_proj_bias:
+            tensors[p + "self_attn.o_proj.bias"] = normal(d)
         if mc.qk_norm:
             tensors |= {p + "self_attn.q_norm.weight": torch.ones(hd, dtype=dtype),
                         p + "self_attn.k_norm.weight": torch.ones(hd, dtype=dtype)}
