@@ -56,6 +56,9 @@ RECORDED = [
      "Checking.", [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]),
     ("mistral",  # Magistral / Mistral v13: [ARGS]
      '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [("get_weather", WEATHER)]),
+    ("mistral",  # a call before v11 without its array (vLLM's parser reads it too)
+     'Sure.[TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', "Sure.",
+     [("get_weather", WEATHER)]),
 ]
 MALFORMED = [  # (parser, output): never a call, all of it content, whole or streamed
     ("hermes", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),
@@ -141,6 +144,22 @@ def test_a_call_that_breaks_after_it_was_announced():
         assert parser.failed and calls == [("f", {"a": 1})] and content.endswith("trailing</tool_call>")
     truncated = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'  # cut by max_tokens
     assert TOOL_PARSERS["hermes"].parse(truncated).content == truncated
+
+
+@pytest.mark.parametrize("name, text, arguments, content", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>', '{"x": ', 'NaN}}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"city": "Paris",}}', '{"city": "Paris",', "}}"),
+    ("mistral", '[TOOL_CALLS]f{"a": 01}', '{"a": 0', "1}"),
+])
+def test_the_character_that_breaks_an_announced_call_is_sent_once(name, text, arguments, content):
+    """Found by a differential run against vLLM's parsers: the character was streamed as the arguments' last and
+    again as the content's first."""
+    for pieces in splits(text):
+        parser = TOOL_PARSERS[name]()
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        assert parser.failed
+        assert "".join(call.arguments for d in deltas for call in d.tool_calls) == arguments, pieces
+        assert "".join(d.content for d in deltas) == content, pieces
 
 
 def test_mistral_ids_are_nine_letters_and_digits():

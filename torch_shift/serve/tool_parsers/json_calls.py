@@ -215,7 +215,13 @@ class CallObject:
     def push(self, ch: str) -> None:
         if self._whole_is_arguments and not self.json.chars and ch in WHITESPACE:
             return  # leading whitespace is not part of the arguments
-        self.json.push(ch)
+        try:
+            self.json.push(ch)
+        except MalformedCall:
+            # the character no JSON continues with is the failed call's content, not its arguments' last one (it
+            # was streamed twice, as both)
+            self.json.chars.pop()
+            raise
         if self._whole_is_arguments:
             return
         members = self.json.members

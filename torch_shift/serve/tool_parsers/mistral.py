@@ -1,6 +1,7 @@
 """Mistral calls (`--tool-call-parser mistral`): Mistral 7B v0.3, Mistral Small / Large, Ministral.
 
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]      (tokenizers before v11)
+    [TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Paris"}}        (the same call without its array)
     [TOOL_CALLS]get_weather{"city": "Paris"}                                  (v11 and later)
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                            (v13 and later)
 
@@ -64,6 +65,10 @@ class MistralToolParser(ToolParser):
                 self._array.raw = self._raw
             elif text[0] in _NAME_CHARACTERS:
                 self._state, self._function = "name", ""
+            elif text[0] == "{":  # one call without its array: a call, as vLLM reads it
+                self._buffer = text
+                self._begin_call(self._raw, CallObject(("arguments",)))
+                self._state = "content"
             else:
                 self._fail(self._raw)
             return True
