@@ -402,8 +402,8 @@ def _with_generation_config(model_dir, directory, **fields):
 
 def test_the_models_generation_config_sets_the_sampling_defaults(llama, tmp_path):
     """vLLM's --generation-config auto: a call without sampling params takes the model's generation_config.json
-    (top_k 1 here: greedy, and max_new_tokens as max_tokens); "vllm" leaves it out; a field at Hugging Face's own
-    default (top_k 50) or do_sample is not read, as in vLLM."""
+    (top_k 1 here: greedy, and max_new_tokens as max_tokens); "vllm" leaves it out; do_sample is not read, and a
+    field at transformers 4's default (top_k 50) is read, as vLLM 0.32 (with transformers 5) reads it."""
     _, model_dir = llama
     model = _with_generation_config(model_dir, tmp_path / "m", do_sample=True, temperature=0.7, top_k=1,
                                     top_p=1.0, max_new_tokens=5)
@@ -417,7 +417,7 @@ def test_the_models_generation_config_sets_the_sampling_defaults(llama, tmp_path
     assert (neutral.temperature, neutral.top_k, neutral.max_tokens) == (1.0, 0, 16)
     assert LLM(str(model_dir), generation_config=str(model)).get_default_sampling_params().top_k == 1
     hf_default = _with_generation_config(model_dir, tmp_path / "hf", top_k=50, temperature=1.0)
-    assert LLM(str(hf_default)).engine.default_sampling_fields == {}
+    assert LLM(str(hf_default)).engine.default_sampling_fields == {"top_k": 50, "temperature": 1.0}
     with pytest.raises(ValueError, match="temperature must be a number"):
         LLM(str(_with_generation_config(model_dir, tmp_path / "bad", temperature="hot")))
     with pytest.raises(ValueError, match="generation_config.json: top_k must be an int"):  # the file named

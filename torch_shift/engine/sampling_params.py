@@ -12,10 +12,9 @@ from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.structured_output import StructuredOutputsParams
 from torch_shift.tokenizer import lone_surrogate_error
 
-# a model's generation_config.json fields that vLLM (--generation-config auto) takes as sampling defaults, with
-# the values Hugging Face's GenerationConfig defaults them to (a field at that value is not a default of the model)
-_GENERATION_CONFIG_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
-                             "presence_penalty": None, "frequency_penalty": None, "max_new_tokens": None}
+# a model's generation_config.json fields that vLLM (--generation-config auto) takes as sampling defaults
+_GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                             "frequency_penalty", "max_new_tokens")
 
 _UNSUPPORTED_VLLM_FIELDS = {"detokenize": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
                             "bad_words": None, "logits_processors": None, "truncate_prompt_tokens": None,
@@ -178,8 +177,9 @@ class SamplingParams:
 
 def generation_config_defaults(directory: Path | None) -> dict[str, Any]:
     """The sampling defaults a model's generation_config.json in `directory` sets (SamplingParams fields:
-    `max_new_tokens` is `max_tokens`), as vLLM reads them: its fields that differ from Hugging Face's own
-    defaults; `do_sample` is not read (vLLM's rule: temperature says it). {} without the file."""
+    `max_new_tokens` is `max_tokens`), as vLLM 0.32 reads them (with transformers 5, whose generation config has no
+    defaults of its own: a top_k of 50 written there is a top_k of 50); `do_sample` is not read (vLLM's rule:
+    temperature says it). {} without the file."""
     path = None if directory is None else Path(directory) / "generation_config.json"
     if path is None or not path.is_file():
         return {}
@@ -188,9 +188,9 @@ def generation_config_defaults(directory: Path | None) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a JSON file ({e})") from None
     defaults = {}
-    for name, hf_default in _GENERATION_CONFIG_FIELDS.items():
+    for name in _GENERATION_CONFIG_FIELDS:
         value = config.get(name) if isinstance(config, dict) else None
-        if value is None or value == hf_default:
+        if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: {name} must be a number, got {value!r}")
