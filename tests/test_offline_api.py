@@ -104,6 +104,18 @@ def test_a_mistake_is_said_plainly(llm, call, error):
     assert _clean(llm)
 
 
+@pytest.mark.parametrize("kwargs, option", [
+    ({"num_kv_blocks": 10**12}, "num_kv_blocks=1000000000000 on each rank"),
+    ({"num_kv_blocks": 10**12, "tp": 2}, "num_kv_blocks=1000000000000 on each rank"),
+    ({"num_cpu_kv_blocks": 10**12}, r"the host KV tier \(num_cpu_kv_blocks=1000000000000\)"),
+    ({"cpu_kv_gb": 1e6}, r"the host KV tier \(cpu_kv_gb=1000000.0\)"),
+])
+def test_a_memory_size_beyond_the_machine_is_refused_by_name(llama, kwargs, option):
+    """Were the allocator's RuntimeError, which names no option."""
+    with pytest.raises(ValueError, match=f"{option}: .* GiB, more than the .* GiB of memory this machine has"):
+        LLM(str(llama[1]), **kwargs)
+
+
 def test_a_bad_shutdown_timeout_changes_nothing(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir), tp=2)

@@ -26,7 +26,7 @@ from torch_shift.config import check_device_present, resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
 from torch_shift.engine.step_plan import StepPlan
-from torch_shift.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_block
+from torch_shift.kv.cache import KVCache, available_memory_bytes, check_fits, kv_bytes_per_block
 from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
 from torch_shift.models.loader import CheckpointReader, WeightSource
 from torch_shift.parallel.layout_model import LayoutModel
@@ -62,6 +62,9 @@ def num_tier_blocks(config: EngineConfig) -> int:
     if config.deployment.moves_kv_through_tier and num_blocks == 0:
         raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
                          "(cpu_kv_gb > 0)")
+    asked = (f"num_cpu_kv_blocks={tier.num_blocks}" if tier.num_blocks is not None
+             else f"cpu_kv_gb={tier.cpu_kv_gb}" if tier.cpu_kv_gb is not None else "its default")
+    check_fits(num_blocks * per_block, torch.device("cpu"), f"the host KV tier ({asked})")
     return num_blocks
 
 
@@ -305,10 +308,11 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
 
 def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.device, rank: int) -> int:
     cc, mc, sc = config.cache, config.model, config.scheduler
-    if cc.num_kv_blocks is not None:
-        return cc.num_kv_blocks
     per_block = kv_bytes_per_block(model.num_kv_layers, cc.block_size, model.num_local_kv_heads, mc.head_dim,
                                    config.dtype)
+    if cc.num_kv_blocks is not None:
+        check_fits(cc.num_kv_blocks * per_block, device, f"num_kv_blocks={cc.num_kv_blocks} on each rank")
+        return cc.num_kv_blocks
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
     elif device.type == "cuda":

@@ -38,6 +38,23 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory (the host's physical memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """A ValueError where a size the user gave (`what`) cannot fit the device's whole memory at all (the
+    allocator's own error named no option)."""
+    total = total_memory_bytes(device)
+    if nbytes > total:
+        where = "this machine" if device.type == "cpu" else f"the GPU ({device})"
+        raise ValueError(f"{what}: {nbytes / 2**30:.1f} GiB, more than the {total / 2**30:.1f} GiB of memory {where} "
+                         "has")
+
+
 class KVCache:
     """Per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim], views of one
     buffer per K and V laid out block-major: a block's bytes are one contiguous run holding every layer, so
