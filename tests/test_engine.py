@@ -178,6 +178,10 @@ def test_eos_ends_generation_unless_ignored(llama, tmp_path):
     eos = tokens[3]
     copy = shutil.copytree(model_dir, tmp_path / "eos")
     rewrite_config(copy, eos_token_id=[1, eos])  # a list, as Llama 3 configs write it
+    # beside a generation_config.json (transformers writes one) its ids are the model's, as transformers and vLLM
+    # read them; config.json's are read without it
+    assert LLM(str(copy)).engine.eos_token_ids == frozenset({1})
+    (copy / "generation_config.json").unlink()
     llm = LLM(str(copy))
     assert llm.engine.eos_token_ids == frozenset({1, eos})
     stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0]

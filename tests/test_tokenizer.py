@@ -113,14 +113,18 @@ def test_add_bos_token_inferred_from_post_processor(tokenizer_dir: Path, tmp_pat
     assert tokenizer.encode("Hello").count(tokenizer.bos_token_id) == 1
 
 
-def test_eos_token_ids_are_the_union_of_all_config_files(tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_eos_token_ids_are_the_generation_configs_else_the_configs(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """As transformers' generate and vLLM read them: config.json's ids are not read beside a generation_config.json
+    (a union stopped outputs that both go on with)."""
     model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
     edit_json(model_dir / "tokenizer_config.json", eos_token={"content": "</s>", "special": True})
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5], "bos_token_id": 0}))
     (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     tokenizer = Tokenizer.from_dir(model_dir)
-    assert tokenizer.eos_token_ids == frozenset({1, 5, 7})
+    assert tokenizer.eos_token_ids == frozenset({1, 5})
     assert tokenizer.eos_token == "</s>"
+    (model_dir / "generation_config.json").unlink()
+    assert Tokenizer.from_dir(model_dir).eos_token_ids == frozenset({1, 7})  # the tokenizer's own and config.json's
 
 
 def test_special_tokens_fall_back_to_config_ids(tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -93,11 +93,7 @@ class Tokenizer:
         bos_token = special_token("bos_token")
         eos_token = special_token("eos_token")
         pad_token = special_token("pad_token")
-        eos_token_ids = [
-            *_int_list(generation_config.get("eos_token_id")),
-            *_int_list(model_config.get("eos_token_id")),
-            *_int_list(text_model_config.get("eos_token_id")),
-        ]
+        eos_token_ids = model_eos_token_ids(model_dir)
         # Fall back to config ids for tokens that tokenizer_config.json does not name.
         if bos_token is None:
             bos_token = _first_token(backend, generation_config, model_config, text_model_config, key="bos_token_id")
@@ -286,6 +282,17 @@ class IncrementalDetokenizer:
         if remainder:
             self._chunks.append(remainder)
         return remainder
+
+
+def model_eos_token_ids(model_dir: Path) -> list[int]:
+    """The ids that end a model's output beside its tokenizer's eos token, as transformers' `generate` and vLLM read
+    them: generation_config.json's where that file exists (config.json's are then not read), else config.json's
+    and its text_config's."""
+    if (model_dir / "generation_config.json").is_file():
+        return _int_list(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
+    model_config = _read_json(model_dir / "config.json")
+    return [*_int_list(model_config.get("eos_token_id")),
+            *_int_list((model_config.get("text_config") or {}).get("eos_token_id"))]
 
 
 def lone_surrogate_error(text: str, label: str) -> str | None:

@@ -52,7 +52,7 @@ from torch_shift.models.loader import WeightSource
 from torch_shift.parallel.layouts import Deployment
 from torch_shift.parallel.runtime import ParallelRuntime, check_timeout
 from torch_shift.parallel.shift import ShiftModule
-from torch_shift.tokenizer import Tokenizer
+from torch_shift.tokenizer import Tokenizer, model_eos_token_ids
 
 __all__ = ["ENGINE_ARG_ALIASES", "EngineArgs", "LLMEngine", "Prompt", "TokenizedPrompt", "child_seed"]
 
@@ -133,7 +133,7 @@ class LLMEngine:
         # the sampling defaults of requests that leave them out (vLLM's --generation-config)
         self.default_sampling_fields = generation_config_defaults(
             config.model_dir if source == "auto" else None if source == "vllm" else Path(source))
-        eos = set(mc.eos_token_id)
+        eos = set(mc.eos_token_id if config.model_dir is None else model_eos_token_ids(config.model_dir))
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
