@@ -56,6 +56,9 @@ RECORDED = [
      "Checking.", [("get_weather", WEATHER), ("get_time", {"tz": "UTC"})]),
     ("mistral",  # Magistral / Mistral v13: [ARGS]
      '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [("get_weather", WEATHER)]),
+    ("mistral",  # arguments encoded as a JSON string before v11 (vLLM's parser takes the string's text)
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": \\"celsius\\"}"}]', None,
+     [("get_weather", WEATHER)]),
     ("mistral",  # a call before v11 without its array (vLLM's parser reads it too)
      'Sure.[TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', "Sure.",
      [("get_weather", WEATHER)]),
@@ -80,6 +83,7 @@ MALFORMED = [  # (parser, output): never a call, all of it content, whole or str
     ("llama3_json", "{ not json at all"),
     ("mistral", "[TOOL_CALLS] I cannot call tools."),
     ("mistral", '[TOOL_CALLS][{"arguments": {}}]'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": "city=Paris"}]'),  # a string, but no JSON object in it
 ]
 
 

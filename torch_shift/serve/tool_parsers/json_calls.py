@@ -193,15 +193,20 @@ class CallObject:
     are ignored. With `name` given, the whole object is the arguments.
 
     `committed` once the name is known and the arguments have begun: from then on the call can be announced and
-    its arguments streamed as they arrive."""
+    its arguments streamed as they arrive. With `encoded_arguments`, the arguments may also be a JSON string holding
+    an object's JSON text (Mistral's models before v11 write them so at times; vLLM takes the text), committed once
+    the string is whole."""
 
-    def __init__(self, argument_keys: tuple[str, ...] = ("arguments",), name: str | None = None):
+    def __init__(self, argument_keys: tuple[str, ...] = ("arguments",), name: str | None = None,
+                 encoded_arguments: bool = False):
         self.json = JsonValue("{")
         self.argument_keys = argument_keys
         self.name = name
+        self.encoded_arguments = encoded_arguments
         self._whole_is_arguments = name is not None
         self._arguments_start: int | None = 0 if name is not None else None
         self._checked: set[str] = set()
+        self._decoded: str | None = None  # encoded arguments' text, once their string ended
 
     @property
     def done(self) -> bool:
@@ -210,7 +215,8 @@ class CallObject:
     @property
     def committed(self) -> bool:
         # (a named call's arguments begin with their first character: an empty output announces nothing)
-        return self.name is not None and self._arguments_start is not None and bool(self.json.chars)
+        return (self.name is not None and self._arguments_start is not None and bool(self.json.chars)
+                and (self._decoded is not None or self.json.chars[self._arguments_start] != '"'))
 
     def push(self, ch: str) -> None:
         if self._whole_is_arguments and not self.json.chars and ch in WHITESPACE:
@@ -240,9 +246,19 @@ class CallObject:
                 self._checked.add(key)
                 if self._arguments_start is not None:
                     raise MalformedCall(f"the call's arguments are given twice ({' and '.join(self.argument_keys)})")
-                if self.json.chars[members[key][0]] != "{":
+                first = self.json.chars[members[key][0]]
+                if first != "{" and not (first == '"' and self.encoded_arguments):
                     raise MalformedCall(f"the call's {key!r} is not a JSON object")
                 self._arguments_start = members[key][0]
+        if (self._arguments_start is not None and self._decoded is None
+                and self.json.chars[self._arguments_start] == '"' and members[self._argument_key()][1] is not None):
+            decoded = json.loads(self.json.text(self._arguments_start, members[self._argument_key()][1]))
+            try:
+                if not isinstance(json.loads(decoded), dict):
+                    raise ValueError
+            except ValueError:
+                raise MalformedCall("the call's arguments are a string that holds no JSON object") from None
+            self._decoded = decoded
         if self.json.done and self.name is None:
             raise MalformedCall("the call has no name")
         if self.json.done and self._arguments_start is None:  # as vLLM's parsers: a call names its arguments
@@ -252,6 +268,8 @@ class CallObject:
         """The arguments' JSON text so far (all of it once `done`)."""
         if self._arguments_start is None:
             return ""
+        if self._decoded is not None:
+            return self._decoded
         if self._whole_is_arguments:
             return self.json.text(0)
         end = self.json.members[self._argument_key()][1]

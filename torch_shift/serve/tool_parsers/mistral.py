@@ -2,6 +2,7 @@
 
     [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]      (tokenizers before v11)
     [TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Paris"}}        (the same call without its array)
+    [TOOL_CALLS][{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}]  (arguments encoded as a string)
     [TOOL_CALLS]get_weather{"city": "Paris"}                                  (v11 and later)
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                            (v13 and later)
 
@@ -61,13 +62,13 @@ class MistralToolParser(ToolParser):
                 return False
             if text[0] == "[":
                 self._buffer, self._raw = text[1:], self._raw + "["
-                self._state, self._array = "array", CallArrayReader(self, ("arguments",))
+                self._state, self._array = "array", CallArrayReader(self, ("arguments",), encoded_arguments=True)
                 self._array.raw = self._raw
             elif text[0] in _NAME_CHARACTERS:
                 self._state, self._function = "name", ""
             elif text[0] == "{":  # one call without its array: a call, as vLLM reads it
                 self._buffer = text
-                self._begin_call(self._raw, CallObject(("arguments",)))
+                self._begin_call(self._raw, CallObject(("arguments",), encoded_arguments=True))
                 self._state = "content"
             else:
                 self._fail(self._raw)
