@@ -79,8 +79,8 @@ def test_generate_token_ids_and_bad_input(llama, capsys):
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
     assert main(["generate", "--model", str(model_dir), "--top-p", "0", "x"]) == 2
     assert "top_p" in capsys.readouterr().err
-    assert main(["generate", "--model", str(model_dir), "--token-ids", "7 8 9", "--max-tokens", "2", "--n", "2"]) == 0
-    assert "--n 2 with --temperature 0 (greedy): the samples are all the same" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--token-ids", "7 8 9", "--max-tokens", "2", "--n", "2"]) == 2
+    assert "n must be 1 when using greedy sampling (temperature 0), got 2" in capsys.readouterr().err  # vLLM's rule
     assert main(["generate", "--model", str(model_dir), "--token-ids", "7 8 9", "--max-tokens", "30",
                  "--num-kv-blocks", "2", "--block-size", "16"]) == 2
     assert "the context of 32 tokens: lower --max-tokens (or raise the KV cache's memory" in capsys.readouterr().err

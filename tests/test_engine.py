@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import random
+import re
 import shutil
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from conftest import hf_greedy, random_prompts, rewrite_config
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.output_processor import StopStrings
+from torch_shift.engine.sampling_params import RequestOutputKind
 from torch_shift.engine.structured_output import StructuredOutputsParams
 
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
@@ -143,6 +145,16 @@ def test_n_samples_and_seeds(llama):
     assert len(set(samples[7]) | set(samples[8]) | set(samples[9])) == 9
 
 
+def test_min_tokens_keeps_the_end_token_out_with_ignore_eos_too(llama):
+    """vLLM's rule, found by a differential run: ignore_eos let a forced end token through before min_tokens."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    (eos,) = llm.engine.eos_token_ids
+    params = SamplingParams(max_tokens=6, min_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={eos: 100})
+    tokens = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert eos not in tokens[:3] and tokens[3:] == [eos] * 3
+
+
 def test_text_prompts_stop_strings_and_stop_tokens(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir))
@@ -213,8 +225,7 @@ def test_penalties_and_filters_change_only_what_they_should(llama):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ("", "empty"),
-    ([], "empty"),
+    ([], "empty"),  # ("" is the BOS token: test_an_empty_text_prompt_is_its_bos_where_the_tokenizer_adds_one)
     ([5, 600], "outside the vocabulary"),
     ([5, -1], "outside the vocabulary"),
     (list(range(6, 6 + 256)), "context"),
@@ -307,7 +318,8 @@ def test_bad_sampling_params(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"temperature": -1.0}, "temperature"), ({"temperature": 2.5}, "temperature"), ({"n": 2, "temperature": 0.0}, "n"),
+    ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"stop": ["x", ""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -363,6 +375,45 @@ def test_a_grammar_that_fails_while_generating_ends_the_request_with_an_error():
     assert out.finish_reason == "error" and "grammar" in out.stop_reason and "lexer" in out.stop_reason
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_logprobs_under_a_grammar_are_of_the_masked_distribution():
+    """vLLM masks the logits before its sampler: a token the grammar forces has logprob 0 and rank 1, and no token the
+    grammar refuses is among the top ones (found by a differential run: the unmasked distribution was returned)."""
+    pytest.importorskip("llguidance")
+    llm = LLM()
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3,
+                            structured_outputs=StructuredOutputsParams(regex=" (unto|of) the [A-Z]+"))
+    out = llm.generate("Blessed are the", params, use_tqdm=False)[0].outputs[0]
+    free = llm.generate("Blessed are the", replace(params, structured_outputs=None), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(" (unto|of) the [A-Z]+", out.text) and out.token_ids != free.token_ids[:len(out.token_ids)]
+    for token_id, position in zip(out.token_ids, out.logprobs):
+        assert position[token_id].rank == 1
+        assert sum(math.exp(lp.logprob) for lp in position.values()) <= 1 + 1e-5
+    forced = [p[t].logprob for t, p in zip(out.token_ids, out.logprobs) if p[t].logprob > -1e-6]
+    assert forced and all(lp == pytest.approx(0.0, abs=1e-6) for lp in forced)
+
+
+def test_logprob_entries_of_a_character_split_over_byte_tokens_are_vllms():
+    """The tokens that begin a multi-byte character read "", the one that completes it the character (vLLM 0.32's
+    correction; each read "\ufffd" before, found by a differential run)."""
+    llm = LLM()  # the default model: byte-fallback tokens
+    out = llm.generate("The café au lait", SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0,
+                                                         logprobs=2), use_tqdm=False)[0]
+    decoded = [e[t].decoded_token for e, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    assert "".join(decoded) == "The café au lait" and "\ufffd" not in "".join(decoded) and "" in decoded
+    sample = out.outputs[0]
+    assert "".join(e[t].decoded_token for e, t in zip(sample.logprobs, sample.token_ids)) == sample.text
+
+
+def test_an_empty_text_prompt_is_its_bos_where_the_tokenizer_adds_one():
+    """vLLM's: "" tokenizes to the BOS token and generates (it was refused as empty)."""
+    llm = LLM()
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    out = llm.generate("", params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [llm.tokenizer.bos_token_id]
+    assert out.outputs[0].token_ids == llm.generate([[llm.tokenizer.bos_token_id]], params,
+                                                    use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_a_grammar_that_starts_after_its_marker():
@@ -544,22 +595,26 @@ def test_stop_strings_count_only_after_min_tokens(llama):
     assert late.text.startswith(stop)  # the early occurrence stays in the text
 
 
-def _first_stop_in_list_order(stops, text, num_new):
-    """The search StopStrings replaced: each stop string in the request's order, in the text it may end in."""
-    for stop in stops:
-        idx = text.find(stop, max(0, len(text) - num_new - len(stop) + 1))
-        if idx != -1:
-            return stop, idx
+def _stop_found_one_character_at_a_time(stops, text, num_new):
+    """vLLM 0.32's rule (`check_stop_strings`): the new text read a character at a time; the first stop string (in
+    the request's order) that a character completes."""
+    for end in range(len(text) - num_new + 1, len(text) + 1):
+        for stop in stops:
+            if text[:end].endswith(stop):
+                return stop, end - len(stop)
     return None
 
 
-def test_stop_strings_found_as_the_list_order_search_finds_them():
+def test_stop_strings_found_as_one_character_at_a_time_finds_them():
+    """A differential run against vLLM found the first string in the list taken where another ended earlier
+    (stop=["LORD", "the L"] on " unto the LORD": " unto the " where vLLM gives " unto ")."""
     rng = random.Random(0)
     for _ in range(3000):
         stops = tuple("".join(rng.choice("ab c") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6)))
         text = "".join(rng.choice("ab c") for _ in range(rng.randint(1, 12)))
         num_new = rng.randint(1, len(text))
-        assert StopStrings(stops).find(text, num_new) == _first_stop_in_list_order(stops, text, num_new)
+        assert StopStrings(stops).find(text, num_new) == _stop_found_one_character_at_a_time(stops, text, num_new)
+    assert StopStrings(("LORD", "the L")).find(" unto the LORD", 14) == ("the L", 6)
 
 
 def test_a_hundred_thousand_stop_strings(llama):
@@ -638,9 +693,21 @@ def test_vllms_calling_conventions(llama):
     assert (optional.temperature, optional.max_tokens, optional.logit_bias) == (1.0, 16, {5: 100.0})
     assert params.clone() == params and params.clone() is not params
     assert SamplingParams(detokenize=True, spaces_between_special_tokens=True).max_tokens == 16
-    for name, value in (("bad_words", ["x"]), ("allowed_token_ids", [1]), ("detokenize", False)):
+    for name, value in (("bad_words", ["x"]), ("allowed_token_ids", [1]), ("detokenize", False),
+                        ("flat_logprobs", True), ("thinking_token_budget", 8), ("logprob_token_ids", [3])):
         with pytest.raises(ValueError, match=f"{name}=.* is not supported by torch_shift"):
             SamplingParams(**{name: value})
+    # vLLM 0.32's fields at their defaults, as ported code passes them (were TypeErrors)
+    assert SamplingParams(flat_logprobs=False, skip_clone=True, stream_interval=None,
+                          output_kind=RequestOutputKind.FINAL_ONLY).max_tokens == 16
+    assert SamplingParams(logprobs=True).logprobs == 1  # vLLM's: True is 1
+    with pytest.raises(ValueError, match="output_kind=.*DELTA.* is not supported"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    # FINAL_ONLY: LLMEngine.step returns a request's output once, when it finishes
+    engine.add_request("final", [6, 7], replace(params, max_tokens=3, output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("each", [6, 7], replace(params, max_tokens=3))
+    seen = [[o.request_id for o in engine.step()] for _ in range(3)]
+    assert seen[:2] == [["each"], ["each"]] and sorted(seen[2]) == ["each", "final"]
 
 
 def test_vllm_names_through_llm(llama):

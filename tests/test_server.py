@@ -165,7 +165,7 @@ def test_logprobs_and_echo_with_prompt_logprobs(server, reference):
                                               abs=1e-5)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
     # sampled far from the top: the chosen token is among top_logprobs too (OpenAI's up to k + 1 entries)
-    hot = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=3.0, seed=5,
+    hot = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=2.0, seed=5,
                                     logprobs=1).choices[0].logprobs
     assert all(top[token] == logprob and len(top) <= 2
                for token, logprob, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs))
@@ -428,7 +428,9 @@ def test_server_with_parallel_ranks(checkpoints, reference, name):
 
 def test_several_prompts_in_one_completion_request(server, reference):
     prompts = [PROMPT, "café au lait", "x"]
-    out = server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
+    # n > 1 samples (greedy ones are refused, as by vLLM): top_k 1 draws the greedy token
+    out = server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=1.0, n=2,
+                                             extra_body={"top_k": 1})
     assert [c.index for c in out.choices] == list(range(6))
     for i, prompt in enumerate(prompts):
         expected = greedy(reference, prompt, max_tokens=5).text
@@ -481,7 +483,9 @@ REFUSED = [  # (path, extra fields, what the message must name)
     ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),  # OpenAI's rule: at least n
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "empty list of content parts"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
-    ("/v1/completions", {"temperature": 1e39}, "float32"),
+    ("/v1/completions", {"temperature": 1e39}, "in [0, 2]"),
+    ("/v1/completions", {"temperature": 2.5}, "in [0, 2]"),  # vLLM's and OpenAI's range
+    ("/v1/completions", {"temperature": 0, "n": 2}, "n must be 1 when using greedy sampling"),  # vLLM's
 ]
 
 
@@ -681,9 +685,10 @@ def test_models_retrieve_and_openai_shaped_404_405(server):
 
 def test_streaming_several_prompts(server, reference):
     prompts = [PROMPT, "café au lait", "x"]
-    whole = server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2)
-    chunks = list(server.client().completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2,
-                                                     stream=True, stream_options={"include_usage": True}))
+    same = {"max_tokens": 5, "temperature": 1.0, "n": 2, "extra_body": {"top_k": 1}}  # n > 1 greedy samples
+    whole = server.client().completions.create(model="tiny", prompt=prompts, **same)
+    chunks = list(server.client().completions.create(model="tiny", prompt=prompts, **same, stream=True,
+                                                     stream_options={"include_usage": True}))
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
     for chunk in chunks[:-1]:

@@ -218,9 +218,6 @@ def _generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs, ignore_eos=args.ignore_eos,
     )
     token_id_prompts = [_token_ids(p, i) for i, p in enumerate(args.prompts)] if args.token_ids else []
-    if args.n > 1 and args.temperature == 0:
-        print(f"[torch-shift] --n {args.n} with --temperature 0 (greedy): the samples are all the same; give "
-              "--temperature > 0 to draw different ones", file=sys.stderr)
     llm = LLM(model, **_engine_kwargs(args))
     try:
         prompts: list = []

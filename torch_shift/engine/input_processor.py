@@ -107,9 +107,7 @@ class InputProcessor:
             text, prompt = prompt.text, prompt.token_ids
         else:
             prompt = text = unwrap_prompt(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
+        if isinstance(prompt, str):  # "" too: a tokenizer that adds a BOS makes a prompt of it (vLLM's)
             if (error := lone_surrogate_error(prompt, "the prompt")) is not None:
                 raise ValueError(error)
             if self.tokenizer is None:

@@ -8,6 +8,8 @@ reaches into it), and `make_outputs` then reports them finished.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ from torch_shift.engine.input_processor import ParentRequest
 from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
+from torch_shift.engine.sampling_params import RequestOutputKind
 from torch_shift.engine.scheduler import ScheduledRequest
 from torch_shift.models.fused import argmax_list
 from torch_shift.models.native_decoder import LaunchedStep
@@ -32,13 +35,15 @@ class _Tracked:
         self.texts = [""] * len(parent.children)
         self.num_detokenized = [0] * len(parent.children)  # output tokens of each sample turned into text
         self.stops = StopStrings(parent.params.stop_strings) if parent.params.stop_strings else None
+        self.final_only = parent.params.output_kind == RequestOutputKind.FINAL_ONLY  # (vLLM's output_kind)
 
 
 class StopStrings:
     """A request's stop strings, found in each step's new text on the engine's thread. A body may hold 100,000 of
     them: each length's strings are looked up in a dictionary, one slice per place the new text lets one end, or
     searched for one by one where that length has fewer strings than places (many distinct long lengths). Which one
-    is found is vLLM's: the first in the request's list that the new text completes, at its earliest place."""
+    is found is vLLM's (0.32, `check_stop_strings`): the one that the new text completes earliest, as appending one
+    character at a time would find it, ties broken by the request's list order."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
@@ -47,22 +52,25 @@ class StopStrings:
             self.by_length.setdefault(len(stop), {}).setdefault(stop, place)
 
     def find(self, text: str, num_new: int) -> tuple[str, int] | None:
-        """The stop string that ends within the last `num_new` characters of `text`, and where it starts."""
-        found = None  # (its place in the list, where it starts)
+        """The stop string that ends first within the last `num_new` characters of `text`, and where it starts."""
+        found = None  # (where it ends, its place in the list, where it starts)
         for length, places in self.by_length.items():
             first_start = max(0, len(text) - num_new - length + 1)
             if len(places) * (length + num_new) < num_new * length:  # fewer characters to search than to hash
                 for stop, place in places.items():
-                    if found is None or place < found[0]:
-                        start = text.find(stop, first_start)
-                        if start != -1:
-                            found = (place, start)
+                    start = text.find(stop, first_start)
+                    if start != -1 and (found is None or (start + length, place) < found[:2]):
+                        found = (start + length, place, start)
                 continue
             for start in range(first_start, len(text) - length + 1):
+                if found is not None and start + length > found[0]:
+                    break  # every later place of this length ends later
                 place = places.get(text[start:start + length])
-                if place is not None and (found is None or place < found[0]):
-                    found = (place, start)  # within one length, the earliest start is the earliest end
-        return None if found is None else (self.stops[found[0]], found[1])
+                if place is not None:
+                    if found is None or (start + length, place) < found[:2]:
+                        found = (start + length, place, start)
+                    break  # of one length (distinct strings), the first found ends first
+        return None if found is None else (self.stops[found[1]], found[2])
 
 
 class OutputProcessor:
@@ -162,7 +170,8 @@ class OutputProcessor:
         for request, token_id, lp in zip(requests, result.token_ids, result.logprobs):
             if lp is not None:
                 chosen_lp, rank, top_ids, top_lps = lp
-                request.logprobs.append(self._position_logprobs(token_id, chosen_lp, rank, top_ids, top_lps))
+                request.logprobs.append(self._position_logprobs(token_id, chosen_lp, rank, top_ids, top_lps,
+                                                                request.output_token_ids[-4:]))
                 request.cumulative_logprob += chosen_lp
         return result.token_ids
 
@@ -275,16 +284,47 @@ class OutputProcessor:
         k = request.sampling_params.prompt_logprobs
         chosen, ranks, top_ids, top_lps = topk_logprobs(logprobs, targets, k)
         for j in range(len(chosen)):
-            recorded.append(self._position_logprobs(int(targets[j]), chosen[j], ranks[j], top_ids[j], top_lps[j]))
+            position = first_position + start + 1 + j
+            # the prompt tokens before it that have entries (the first has none), as vLLM's context
+            context = request.prompt_token_ids[max(1, position - 4):position]
+            recorded.append(self._position_logprobs(int(targets[j]), chosen[j], ranks[j], top_ids[j], top_lps[j],
+                                                    context))
 
     def _position_logprobs(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
-                           top_lps: list[float]) -> PositionLogprobs:
-        tok = self.tokenizer
-        entry = {token_id: Logprob(logprob, rank, tok.token_to_str(token_id) if tok else None)}
+                           top_lps: list[float], context: list[int]) -> PositionLogprobs:
+        """`context`: the sequence's tokens before the position (up to 4), which complete a token's partial
+        UTF-8 character."""
+        entry = {token_id: Logprob(logprob, rank, self._decoded_token(token_id, context))}
         for r, (t, lp) in enumerate(zip(top_ids, top_lps), start=1):
             if t not in entry:
-                entry[t] = Logprob(lp, r, tok.token_to_str(t) if tok else None)
+                entry[t] = Logprob(lp, r, self._decoded_token(t, context))
         return entry
+
+    def _decoded_token(self, token_id: int, context: list[int]) -> str | None:
+        """A logprob entry's text, as vLLM 0.32 gives it (`LogprobsProcessor._correct_decoded_token`): a token that
+        ends a multi-byte character begun by the tokens before it is that character ("é", not "\ufffd"), the
+        tokens that begin it are "" (their bytes show in the one that completes it), and a token whose character
+        is still incomplete is ""."""
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        text = tok.token_to_str(token_id)
+        if not text.endswith("\ufffd"):
+            return text
+        for num_context in range(1, len(context) + 1):
+            before = context[-num_context:]
+            whole = tok.decode([*before, token_id], skip_special_tokens=False)
+            if whole.endswith("\ufffd"):
+                continue
+            # the context's tokens that are themselves partial characters give their bytes to this one
+            clean = len(before)
+            while clean > 0 and tok.token_to_str(before[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = tok.decode(before[:clean], skip_special_tokens=False) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            return whole[len(os.path.commonprefix([prefix, whole])):]
+        return ""
 
     # -- outputs ------------------------------------------------------------------------------------------
     def detokenize(self, updated: list[Request]) -> list[Request]:
@@ -304,15 +344,15 @@ class OutputProcessor:
         per-step objects for the others); a finished one is forgotten."""
         touched: dict[str, _Tracked] = {}
         for request in updated:
-            if not final_only or request.status.finished:
-                tracked, _ = self.sample_of[request.request_id]
+            tracked, _ = self.sample_of[request.request_id]
+            if request.status.finished or not (final_only or tracked.final_only):
                 touched[tracked.parent.request_id] = tracked
         outputs = []
         for tracked in touched.values():
             finished = all(c.status.finished for c in tracked.parent.children)
             if finished:
                 self.remove(tracked.parent.request_id)
-            if finished or not final_only:
+            if finished or not (final_only or tracked.final_only):
                 outputs.append(self._output(tracked))
         return outputs
 

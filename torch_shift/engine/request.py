@@ -49,6 +49,8 @@ class Request:
         self.max_tokens = max_tokens  # max_tokens clipped to the model's context
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # what min_tokens keeps from being drawn: the model's end ids with ignore_eos too (vLLM's rule)
+        self.min_tokens_banned = eos_token_ids | self.stop_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.status = RequestStatus.WAITING

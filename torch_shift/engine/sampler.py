@@ -65,10 +65,6 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
         want_logprobs = [p.logprobs for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
-
-        logits = self._apply_logit_bias(logits, params)
-        logits = self._apply_penalties(logits, requests)
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
             allowed = grammar_mask([requests[i].grammar for i in constrained], logits.shape[1])
@@ -79,6 +75,11 @@ class Sampler:
             allowed = allowed.to(logits.device)
             logits = logits.clone()
             logits[constrained] = logits[constrained].masked_fill(~allowed, _NEG_INF)
+        # vLLM's raw logprobs: the grammar's mask applied (vLLM masks the logits before its sampler), the bias and
+        # penalties not
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
+        logits = self._apply_logit_bias(logits, params)
+        logits = self._apply_penalties(logits, requests)
         greedy = [p.greedy for p in params]
         if all(greedy):
             sampled = argmax(logits)
@@ -155,7 +156,7 @@ class Sampler:
         rows = []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            suppress = r.num_output_tokens < p.min_tokens and (r.eos_token_ids or r.stop_token_ids)
+            suppress = r.num_output_tokens < p.min_tokens and r.min_tokens_banned
             if suppress or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 rows.append(i)
         if not rows:
@@ -179,7 +180,7 @@ class Sampler:
                                         minlength=vocab)[:vocab]
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
             if r.num_output_tokens < p.min_tokens:
-                banned = [t for t in (r.eos_token_ids | r.stop_token_ids) if t < vocab]
+                banned = [t for t in r.min_tokens_banned if t < vocab]
                 row[banned] = _NEG_INF
         return logits
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -16,13 +17,25 @@ from torch_shift.tokenizer import lone_surrogate_error
 _GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                              "frequency_penalty", "max_new_tokens")
 
+# vLLM's fields (0.32's, and older ones offline code still passes) that torch_shift does not honour, at vLLM's defaults
 _UNSUPPORTED_VLLM_FIELDS = {"detokenize": True, "spaces_between_special_tokens": True, "allowed_token_ids": None,
                             "bad_words": None, "logits_processors": None, "truncate_prompt_tokens": None,
-                            "extra_args": None}
+                            "extra_args": None, "watermarking": None, "logprob_token_ids": None,
+                            "prompt_logprob_token_ids": None, "prompt_logprob_start": None, "flat_logprobs": False,
+                            "stream_interval": None, "skip_reading_prefix_cache": None, "thinking_token_budget": None,
+                            "repetition_detection": None, "routed_experts_prompt_start": 0,
+                            "trace_decode_token_ids": None}
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: which outputs `LLMEngine.step` returns for a request (`LLM.generate` returns the final ones)."""
+
+    CUMULATIVE = 0  # all of its output so far, at every step it advances
+    DELTA = 1  # what each step added (not supported)
+    FINAL_ONLY = 2  # its output once, when it finishes
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 GREEDY_TEMPERATURE = 1e-5
-FLOAT32_MAX = 3.4028234663852886e38
 MAX_SEED = 2**63 - 1  # an int64, as OpenAI's `seed` and torch.Generator take it
 
 
@@ -56,6 +69,19 @@ class SamplingParams:
     logits_processors: Any = None
     truncate_prompt_tokens: int | None = None
     extra_args: dict | None = None
+    watermarking: Any = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    flat_logprobs: bool = False
+    stream_interval: int | None = None
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    skip_clone: bool = False  # vLLM's hint that the params need not be copied: nothing to honour here
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,9 +108,16 @@ class SamplingParams:
             if getattr(self, name) != default:
                 raise ParameterError(name, f"{name}={getattr(self, name)!r} is not supported by torch_shift (a "
                                            f"field of vLLM's SamplingParams); leave it at {default!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ParameterError("output_kind", f"output_kind={self.output_kind!r} is not supported by torch_shift "
+                                                "(CUMULATIVE or FINAL_ONLY)")
+        self.output_kind = RequestOutputKind(self.output_kind)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "skip_clone"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logprobs is True or self.prompt_logprobs is True:  # vLLM's: True is 1
+            self.logprobs = 1 if self.logprobs is True else self.logprobs
+            self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         check_int("n", self.n, 1)
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         check_int("min_tokens", self.min_tokens, 0)
@@ -102,8 +135,9 @@ class SamplingParams:
         self.presence_penalty = check_float("presence_penalty", self.presence_penalty)
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty)
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
-        # the sampler divides float32 logits by it: past float32's range it is infinite and every logit 0
-        check_range("temperature", 0.0 <= self.temperature <= FLOAT32_MAX, "in [0, 3.4e38] (float32's range)")
+        check_range("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2]")  # vLLM's and OpenAI's range
+        if self.temperature < GREEDY_TEMPERATURE and self.n > 1:  # vLLM's: n identical copies
+            raise ParameterError("n", f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
         check_range("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
         check_range("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]")
         check_range("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]")
