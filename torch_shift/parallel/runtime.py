@@ -57,7 +57,8 @@ class ParallelRuntime:
 
                 dist.init_process_group(**self._process_group_args(world, worker_main, worker_args))
             else:  # the user's group (torchrun): every rank of it must be building the same engine
-                every_rank_joins(timeout_s, fingerprint or {})
+                assert fingerprint is not None, "ranks of the user's program compare their engines' fingerprints"
+                every_rank_joins(timeout_s, fingerprint)
             self.groups = DeploymentGroups.build(deployment)
             self.rank = dist.get_rank()
             self._share_memory(timeout_s)
