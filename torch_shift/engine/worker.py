@@ -62,9 +62,6 @@ def num_tier_blocks(config: EngineConfig) -> int:
     if config.deployment.moves_kv_through_tier and num_blocks == 0:
         raise ValueError("policy 'seesaw' moves every request's KV through the host tier: give it a size "
                          "(cpu_kv_gb > 0)")
-    asked = (f"num_cpu_kv_blocks={tier.num_blocks}" if tier.num_blocks is not None
-             else f"cpu_kv_gb={tier.cpu_kv_gb}" if tier.cpu_kv_gb is not None else "its default")
-    check_fits(num_blocks * per_block, torch.device("cpu"), f"the host KV tier ({asked})")
     return num_blocks
 
 
@@ -77,6 +74,12 @@ def create_local_tier(config: EngineConfig, num_blocks: int) -> torch.Tensor | N
     """The host tier's memory in this process, before local ranks start (forked ranks inherit it, spawned ones
     get it as shared memory); None without a tier, or under torchrun, where every rank maps a file instead."""
     world = config.deployment.world_size
+    if num_blocks:  # (here, where the tier is made: the planner sizes tiers for other machines)
+        tier = config.tier
+        asked = (f"num_cpu_kv_blocks={tier.num_blocks}" if tier.num_blocks is not None
+                 else f"cpu_kv_gb={tier.cpu_kv_gb}" if tier.cpu_kv_gb is not None else "its default")
+        check_fits(math.prod(_tier_shape(config, num_blocks)) * config.dtype.itemsize, torch.device("cpu"),
+                   f"the host KV tier ({asked})")
     if not num_blocks or (world > 1 and "RANK" in os.environ):
         return None
     return create_host_tier(_tier_shape(config, num_blocks), config.dtype, shared=world > 1)
