@@ -271,8 +271,8 @@ def test_burst_larger_than_the_queue_is_fully_accounted(checkpoints):
 
 def test_a_kv_cache_smaller_than_the_context_is_the_context_the_server_serves(checkpoints):
     """A request never grows past the KV cache (it ends with "length" there): a server whose cache holds fewer
-    tokens than max_model_len advertises what it holds and refuses a request asking for more, as it refuses one
-    past the context, instead of cutting its output short."""
+    tokens than max_model_len advertises what it holds, refuses a request asking for more, and clips one asking
+    for more than its prompt leaves, as vLLM 0.32 does at the context."""
     _, model_dir = checkpoints("llama")
     s = RunningServer(model_dir, engine={"block_size": 4, "num_kv_blocks": 8})  # 32 tokens
     try:
@@ -280,9 +280,9 @@ def test_a_kv_cache_smaller_than_the_context_is_the_context_the_server_serves(ch
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == 32
         prompt = [5, 6, 7, 8]
         with pytest.raises(openai.BadRequestError) as info:
-            s.client().completions.create(model="tiny", prompt=prompt, max_tokens=29)
+            s.client().completions.create(model="tiny", prompt=prompt, max_tokens=33)
         assert info.value.body["param"] == "max_tokens" and "KV cache holds 32 tokens" in info.value.body["message"]
-        out = s.client().completions.create(model="tiny", prompt=prompt, max_tokens=28,
+        out = s.client().completions.create(model="tiny", prompt=prompt, max_tokens=29,
                                             extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 28 and out.choices[0].finish_reason == "length"
     finally:
@@ -470,9 +470,9 @@ REFUSED = [  # (path, extra fields, what the message must name)
     ("/v1/completions", {"n": True}, "n"),
     ("/v1/completions", {"seed": 2**64}, "seed"),
     ("/v1/completions", {"seed": -1}, "seed"),
-    ("/v1/completions", {"max_tokens": 250}, "maximum context length"),
+    ("/v1/completions", {"max_tokens": 257}, "max_tokens=257 cannot be greater than max_model_len=256"),
     ("/v1/completions", {"prompt": "word " * 400}, "maximum context length"),
-    ("/v1/chat/completions", {"max_tokens": None, "max_completion_tokens": 256}, "maximum context length"),
+    ("/v1/chat/completions", {"max_tokens": None, "max_completion_tokens": 257}, "cannot be greater than"),
     ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),  # null is accepted (asks for nothing)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
         "role": "assistant", "content": None, "audio": {"id": "audio_1"}}]}, "audio"),
@@ -596,6 +596,10 @@ def test_fields_real_clients_send_are_accepted(server, reference):
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
     assert all("usage" in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 4
+    # continuous usage without include_usage: none, as vLLM's (every chunk carried it)
+    body["stream_options"] = {"continuous_usage_stats": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert not any("usage" in json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
     chat = server.client().chat.completions.create(
         model="tiny", messages=[{"role": "system", "content": "be brief"},
                                 {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
@@ -783,9 +787,13 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert out["max_model_len"] == server.engine.scheduler_config.max_model_len
     with_bos = post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
     assert with_bos["tokens"][0] == tok.bos_token_id and with_bos["token_strs"][0] == "<s>"
+    # the vocabulary's pieces, as vLLM's (were decoded text; a differential run against vLLM's server)
+    assert with_bos["token_strs"] == [tok.backend.id_to_token(t) for t in with_bos["tokens"]]
     chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
     assert post(server, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": PROMPT}
+    # special tokens kept, as vLLM keeps them
+    assert post(server, "/detokenize", {"tokens": with_bos["tokens"]}).json() == {"prompt": "<s>" + PROMPT}
     assert post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
     assert post(server, "/tokenize", {"prompt": "x", "messages": []}).status_code == 400
 

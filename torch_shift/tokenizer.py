@@ -138,7 +138,9 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str]:
-        return [self.token_to_str(token_id) for token_id in token_ids]
+        """The vocabulary's pieces (`"Ġthe"` for " the" in a byte-level BPE), as transformers' method of this name
+        gives them and vLLM's /tokenize returns them."""
+        return [self.backend.id_to_token(token_id) for token_id in token_ids]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of one token (OpenAI's logprobs `bytes`, which a client joins to rebuild a text whose

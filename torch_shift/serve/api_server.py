@@ -297,11 +297,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens{bound}. However, "
                                 f"your request has {len(token_ids)} input tokens ({what}), which leaves no room for "
                                 f"a completion. Please reduce the length of the {what}.", param=what)
-        if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens{bound}. However, "
-                                f"you requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the {what}, "
-                                f"{max_tokens} in the completion). Please reduce the length of the {what} or "
-                                "completion.", param="max_tokens")
+        # vLLM 0.32's rule: more than the context is refused, more than the room the prompt leaves is clipped to it
+        # (the engine stops the request at the context: finish_reason "length")
+        if max_tokens is not None and max_tokens > max_model_len:
+            raise APIError(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}"
+                                f"{bound}. Please request fewer output tokens.", param="max_tokens")
         try:
             return TokenizedPrompt(text, llm.tokenize_prompt(list(token_ids)).token_ids)
         except (ValueError, TypeError) as e:
@@ -426,7 +426,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param="tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}  # vLLM's: special tokens kept
 
     # -- completions --------------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -562,7 +562,8 @@ def _stream_error(e: BaseException) -> str:
 class _Usage:
     def __init__(self, stream_options):
         self.include = bool(stream_options and stream_options.include_usage)
-        self.continuous = bool(stream_options and stream_options.continuous_usage_stats)
+        # vLLM's: usage in every chunk only where the stream reports usage at all
+        self.continuous = self.include and bool(stream_options.continuous_usage_stats)
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
