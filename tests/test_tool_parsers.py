@@ -184,6 +184,14 @@ def test_forced_calls_whole_and_streamed():
     # cut by max_tokens: the call is kept as it is (finish_reason "length" tells the client)
     (cut,) = NamedToolCallParser.parse('{"city":"Par', function="get_weather").tool_calls
     assert cut.arguments == '{"city":"Par'
+    # ... once it has a name and its arguments began; before, the text as written (vLLM's content; was an empty
+    # message, found by a differential run against vLLM's server)
+    for early in ('[{"na', ' [{"name":"now","param'):
+        for pieces in splits(early):
+            parser = RequiredToolCallsParser()
+            parser.keeps_truncated_calls = True  # as the server sets it for finish_reason "length"
+            deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+            assert "".join(d.content for d in deltas) == early and not parser.calls, pieces
 
 
 REASONING = [  # (parser, prompt, output, reasoning, content)

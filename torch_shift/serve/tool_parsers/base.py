@@ -109,8 +109,8 @@ class ToolParser:
         """The output ended: what was held back, decided."""
         self._run(final=True)
         if self._call is not None:
-            if self._call.done or self.keeps_truncated_calls:
-                self._end_call()  # complete, or cut by the length limit in a forced call
+            if self._call.done or (self.keeps_truncated_calls and self._call.committed):
+                self._end_call()  # complete, or cut by the length limit in a forced call once it has a name
             else:
                 self._fail_call(final=True)  # the output ended inside a call
         if not self.calls:

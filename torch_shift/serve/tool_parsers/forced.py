@@ -3,8 +3,9 @@
     tool_choice "required":                  [{"name": "get_weather", "parameters": {"city": "Paris"}}]
     tool_choice {"function": {"name": ...}}: {"city": "Paris"}
 
-as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so); the server makes
-one cut by a stop string no call (`ChatOutputParser`), as nothing would tell a client it is incomplete.
+as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so) once its name is
+whole, and is the text as written before (vLLM's: content); the server makes one cut by a stop string no call
+(`ChatOutputParser`), as nothing would tell a client it is incomplete.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ class RequiredToolCallsParser(ToolParser):
             if text[0] != "[":
                 self._fail("")
                 return True
-            self._buffer, self._array = text[1:], CallArrayReader(self, ("parameters",))
+            self._array = CallArrayReader(self, ("parameters",))
+            self._array.raw = self._buffer[:len(self._buffer) - len(text) + 1]  # content again if no call comes
+            self._buffer = text[1:]
             return True
         progress = self._array.read(final)
         if progress is None:
