@@ -780,6 +780,26 @@ def test_tokenize_names_continue_final_message_as_chat_does(server):
         assert error["param"] == "continue_final_message" and "add_generation_prompt=false" in error["message"]
 
 
+def test_vllms_prompt_logprobs_field(server, reference):
+    """vLLM's extension of /v1/completions (was refused as an unknown field): the prompt's logprobs in the choice,
+    None at the first position, each position's token and its top k keyed by token id."""
+    expected = reference.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2),
+                                  use_tqdm=False)[0]
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for token_id, entry, want in zip(expected.prompt_token_ids[1:], got[1:], expected.prompt_logprobs[1:]):
+        assert str(token_id) in entry and len(entry) <= 3
+        assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in want.items()}, abs=1e-5)
+    assert "prompt_logprobs" not in post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()[
+        "choices"][0]
+    for bad in ({"prompt_logprobs": 2, "stream": True}, {"prompt_logprobs": -2}):
+        response = post(server, "/v1/completions", {**body, **bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     tok = server.engine.tokenizer
     out = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()

@@ -441,9 +441,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(400, f"max_tokens: must be >= 1 (or 0 with echo), got {body.max_tokens}",
                            param="max_tokens")
         max_tokens = 1 if echo_only else body.max_tokens
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        # vLLM's prompt_logprobs, and echo's logprobs, which read the prompt's: the engine computes the most of them
+        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        prompt_logprobs = None if not wanted else -1 if -1 in wanted else max(wanted)
         grammar_field = body.grammar_field
-        fields = {"prompt_logprobs": "logprobs", "structured_outputs": grammar_field}
+        fields = {"prompt_logprobs": "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs",
+                  "structured_outputs": grammar_field}
         params = sampling(body, max_tokens, body.logprobs, prompt_logprobs, fields)
         tokenized = await asyncio.to_thread(lambda: [prepare(p, max_tokens, "prompt") for p in prompts])
         if body.stream:
@@ -465,7 +468,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                 completion_tokens += 0 if echo_only else len(c.token_ids)
                 choices.append(completion_choice(i * body.n + c.index, final, c, echo=bool(body.echo),
                                                    echo_only=echo_only, logprobs=body.logprobs,
-                                                   skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer))
+                                                   skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer,
+                                                   prompt_logprobs=body.prompt_logprobs))
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 

@@ -225,6 +225,16 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     best_of: Int | None = None
     suffix: str | None = None
+    prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs in the choice (-1: the whole vocabulary's)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, value, info: ValidationInfo):  # vLLM's rules
+        if value is not None and value < -1:
+            raise ValueError("prompt_logprobs must be >= 0, or -1 for the whole vocabulary")
+        if value is not None and value != 0 and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream=true")
+        return value
 
     @field_validator("suffix")
     @classmethod

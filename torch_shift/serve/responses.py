@@ -120,8 +120,24 @@ class EchoedPrompt:
         return cls(text, ids, entries, prompt_offsets(tokenizer, text, ids))
 
 
+def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: per prompt position (None at the first) its token and the k
+    most likely ones (-1: all computed), keyed by token id, each {"logprob", "rank", "decoded_token"}."""
+    result: list[dict | None] = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        if entry is None:
+            result.append(None)
+            continue
+        result.append({str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                       for t, lp in entry.items()
+                       if t == token_id or k == -1 or (lp.rank is not None and lp.rank <= k)})
+    return result
+
+
 def completion_choice(index: int, out: RequestOutput, c: CompletionOutput, *, echo: bool, echo_only: bool,
-                      logprobs: int | None, skip_special_tokens: bool, tokenizer: Tokenizer | None) -> dict:
+                      logprobs: int | None, skip_special_tokens: bool, tokenizer: Tokenizer | None,
+                      prompt_logprobs: int | None = None) -> dict:
+    """`prompt_logprobs`: how many of each prompt position's top logprobs to return (vLLM's field; None: none)."""
     text = "" if echo_only else c.text
     token_ids = [] if echo_only else c.token_ids
     entries = [] if echo_only else list(c.logprobs or [])
@@ -131,9 +147,12 @@ def completion_choice(index: int, out: RequestOutput, c: CompletionOutput, *, ec
         offsets = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text), skip_special_tokens).extend(token_ids)
         choice_logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
                                               prefix.offsets + offsets, tokenizer, logprobs)
-    return {"index": index, "text": prefix.text + text, "logprobs": choice_logprobs,
-            "finish_reason": "length" if echo_only else c.finish_reason,
-            "stop_reason": None if echo_only else c.stop_reason}
+    choice = {"index": index, "text": prefix.text + text, "logprobs": choice_logprobs,
+              "finish_reason": "length" if echo_only else c.finish_reason,
+              "stop_reason": None if echo_only else c.stop_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(out, prompt_logprobs)
+    return choice
 
 
 @dataclass
