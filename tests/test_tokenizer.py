@@ -308,14 +308,58 @@ def test_incremental_detokenizer_survives_non_monotonic_decoder(tmp_path: Path) 
 
 
 def test_chat_template_from_chat_template_json_or_named_list(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """As a transformers tokenizer reads them (a differential run found the tool_use template never used and a
+    processor's chat_template.json taking the tokenizer's place)."""
     model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    hi = [{"role": "user", "content": "hi"}]
     edit_json(model_dir / "tokenizer_config.json", chat_template=[
-        {"name": "tool_use", "template": "tools"},
+        {"name": "tool_use", "template": "{{ messages[0].content }} with {{ tools | length }} tools"},
         {"name": "default", "template": "{{ messages[0].content }}!"},
     ])
-    assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.apply_chat_template(hi) == "hi!"
+    assert tokenizer.apply_chat_template(hi, tools=[{"type": "function"}]) == "hi with 1 tools"  # transformers'
     (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages[0].role }}?"}))
-    assert Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "user?"
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(hi) == "hi!"  # the tokenizer's own first
+    edit_json(model_dir / "tokenizer_config.json", chat_template=None)
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(hi) == "user?"  # the processor's where it has none
+    (model_dir / "additional_chat_templates").mkdir()
+    (model_dir / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools[0].type }}")
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(hi, tools=[{"type": "function"}]) == "function"
+    tokenizer.chat_template = "{{ messages[0].content }}."  # a server's --chat-template replaces every one
+    assert tokenizer.apply_chat_template(hi, tools=[{"type": "function"}]) == "hi."
+
+
+@pytest.mark.parametrize("template, messages, expected", [
+    # a trimming template and a trailing-space prefill that an earlier message also holds: the cut was inside the
+    # user's turn ("<user>Sure, ")
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>{% endfor %}",
+     [{"role": "user", "content": "Sure, tell me a story"}, {"role": "assistant", "content": "Sure, "}],
+     "<user>Sure, tell me a story</s><assistant>Sure,"),
+    # content that the template's own closing marker holds: the cut was after the marker's "<" ("<<")
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}",
+     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<"}], "<user>hi</s><assistant><"),
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}",  # whitespace is text to continue too
+     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}], "<user>hi</s><assistant> "),
+])
+def test_continue_final_message_cuts_where_transformers_does(tokenizer_dir: Path, tmp_path: Path, template, messages,
+                                                             expected) -> None:
+    """transformers marks the end of the last message with a tag before rendering (found by a differential run
+    against its apply_chat_template; the search for the content found it in other places)."""
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    edit_json(model_dir / "tokenizer_config.json", chat_template=template)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+
+
+def test_reasoning_reaches_templates_under_its_aliases(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """transformers copies a turn's `reasoning` or `thinking` to `reasoning_content`, and to `thinking` (GPT-OSS's)."""
+    model_dir = copy_dir(tokenizer_dir, tmp_path / "model")
+    edit_json(model_dir / "tokenizer_config.json",
+              chat_template="{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.content }};"
+                            "{% endfor %}")
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(turns, add_generation_prompt=False) == "||q;r|r|a;"
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -46,7 +46,7 @@ class Tokenizer:
         unk_token: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         add_bos_token: bool | None = None,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
     ) -> None:
         backend.no_truncation()
         backend.no_padding()
@@ -62,7 +62,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(
             [*([eos_token_id] if eos_token_id is not None else []), *extra_eos_token_ids]
         )
-        self.chat_template = chat_template
+        # by name, as transformers holds several: "default", and "tool_use" for requests with tools
+        self.chat_templates: dict[str, str] = (dict(chat_template) if isinstance(chat_template, Mapping)
+                                               else {} if chat_template is None else {"default": chat_template})
 
         self._post_processor_adds_bos = self.bos_token_id is not None and self._encode_adds_bos()
         # A bos that tokenizer.json's post-processor adds is kept even if tokenizer_config.json says
@@ -171,6 +173,15 @@ class Tokenizer:
         described = json.loads(decoder.__getstate__()) if decoder is not None else {}
         return frozenset(d.get("type") for d in [described, *described.get("decoders", [])])
 
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (None: none); set, it replaces every named one (a server's --chat-template)."""
+        return self.chat_templates.get("default")
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self.chat_templates = {} if template is None else {"default": template}
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -185,7 +196,10 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second opens a new one")
-        if self.chat_template is None:
+        # transformers' choice: the "tool_use" template for a request with tools, where the model has one
+        name = "tool_use" if kwargs.get("tools") is not None and "tool_use" in self.chat_templates else "default"
+        template = self.chat_templates.get(name)
+        if template is None:
             raise ValueError(
                 "This tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or "
                 "chat_template.json); pass raw prompts instead of messages"
@@ -202,15 +216,17 @@ class Tokenizer:
             **{name: token for name, token in special_tokens.items() if token is not None},
             **kwargs,
         }
+        messages = _validated_messages(messages)
+        if continue_final_message:  # transformers' way: a tag after the content marks where the text is cut
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
         try:
-            text = _compile_chat_template(self.chat_template).render(
-                messages=_validated_messages(messages), add_generation_prompt=add_generation_prompt,
-                **template_variables
+            text = _compile_chat_template(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **template_variables
             )
         except jinja2.exceptions.TemplateError as e:  # the template's own raise_exception (an unknown role, ...)
             raise ValueError(f"the chat template refused the messages: {e}") from None
         if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1].get("content"))
+            text = _cut_at_continue_tag(text)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _token_id(self, token: str | None) -> int | None:
@@ -336,19 +352,24 @@ def _first_token(backend: tokenizers.Tokenizer, *configs: Mapping[str, Any], key
     return None
 
 
-def _read_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
-    """chat_template.jinja, else chat_template.json, else tokenizer_config.json (the order transformers uses)."""
+def _read_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The chat templates by name, as a transformers tokenizer reads them: chat_template.jinja (the default) and
+    additional_chat_templates/NAME.jinja, else tokenizer_config.json's (a string, or a list of named ones); a
+    processor's chat_template.json only where the tokenizer has none (vLLM's fallback)."""
+    template = tokenizer_config.get("chat_template")
+    if template is None:
+        template = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates, as older configs store them
+        templates = {entry["name"]: entry["template"] for entry in template}
+    else:
+        templates = {} if template is None else {"default": template}
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(model_dir / "chat_template.json").get("chat_template")
-    if template is None:
-        template = tokenizer_config.get("chat_template")
-    # Older configs store a list of named templates.
-    if isinstance(template, list):
-        named_templates = {entry["name"]: entry["template"] for entry in template}
-        template = named_templates.get("default")
-    return template
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    extra = model_dir / "additional_chat_templates"
+    if extra.is_dir():
+        templates |= {path.stem: path.read_text(encoding="utf-8") for path in sorted(extra.glob("*.jinja"))}
+    return templates
 
 
 def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -366,21 +387,28 @@ def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
             if not isinstance(message[key], str):
                 raise TypeError(f"messages[{index}][{key!r}] must be a str, got {type(message[key]).__name__}")
         # Like transformers: templates handle a missing key better than a None value.
-        validated.append({key: value for key, value in message.items() if value is not None})
+        message = {key: value for key, value in message.items() if value is not None}
+        # and its aliases of an assistant turn's reasoning: reasoning_content, and thinking (GPT-OSS's templates)
+        reasoning = next((message[key] for key in ("reasoning_content", "thinking", "reasoning") if key in message),
+                         None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        validated.append(message)
     return validated
 
 
-def _cut_after_final_message(text: str, content: Any) -> str:
-    """The rendered chat up to the end of the last message's content (templates that strip a message are
-    matched by its stripped text), as transformers' continue_final_message."""
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("continue_final_message needs a last message with text to continue")
-    for final in (content, content.strip()):
-        end = text.rfind(final)
-        if end >= 0:
-            return text[:end + len(final)]
-    raise ValueError("continue_final_message: the chat template does not render the last message's text as it is; "
-                     "it cannot be continued")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' (render_jinja_template)
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    """The rendered chat up to the tag after the last message's content: where the template kept the tag's space,
+    just before it; where it trimmed the message, before the tag, without the whitespace it left (a search for the
+    content itself found it in earlier messages or in the template's own markers)."""
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not render the last message's text as it is; "
+                         "it cannot be continued")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
 
 
 def _raise_exception(message: str) -> None:
