@@ -352,6 +352,34 @@ def test_continue_final_message_cuts_where_transformers_does(tokenizer_dir: Path
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
 
 
+def test_content_parts_reach_the_templates_that_walk_them(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """vLLM's content formats: a template that loops over a message's content (Llama 3.1's, Gemma 3's) gets OpenAI's
+    parts, others their texts joined with newlines (were joined for every template; a differential run found
+    "Hello \nworld" where transformers renders the parts "Helloworld")."""
+    from torch_shift.serve.tools import template_messages
+    from torch_shift.tokenizer import template_reads_content_parts
+
+    walks = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+             "{% for part in m['content'] %}[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}")
+    assigned = ("{% for m in messages %}{% set c = m.content %}{% for p in c | reverse %}{{ p.text }}{% endfor %}"
+                "{% endfor %}")
+    reads = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    assert template_reads_content_parts(walks) and template_reads_content_parts(assigned)
+    assert not template_reads_content_parts(reads) and not template_reads_content_parts("{% broken")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    tokenizers = []
+    for i, (template, expected) in enumerate(((walks, "[a][b]"), (assigned, "ba"), (reads, "<a\nb>"))):
+        model_dir = copy_dir(tokenizer_dir, tmp_path / f"model{i}")
+        edit_json(model_dir / "tokenizer_config.json", chat_template=template)
+        tok = Tokenizer.from_dir(model_dir)
+        tokenizers.append(tok)
+        messages = template_messages(parts, tok.reads_content_parts())
+        assert tok.apply_chat_template(messages, add_generation_prompt=False) == expected
+    # continued after the last text part
+    assert tokenizers[0].apply_chat_template(template_messages(parts, True), add_generation_prompt=False,
+                                             continue_final_message=True) == "[a][b"
+
+
 def test_reasoning_reaches_templates_under_its_aliases(tokenizer_dir: Path, tmp_path: Path) -> None:
     """transformers copies a turn's `reasoning` or `thinking` to `reasoning_content`, and to `thinking` (GPT-OSS's)."""
     model_dir = copy_dir(tokenizer_dir, tmp_path / "model")

@@ -182,6 +182,13 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         self.chat_templates = {} if template is None else {"default": template}
 
+    def reads_content_parts(self, tools: Any = None) -> bool:
+        """Whether the template a request (with `tools` or without) renders with walks a message's content as a
+        list of text parts (`template_reads_content_parts`)."""
+        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
+        template = self.chat_templates.get(name)
+        return template is not None and template_reads_content_parts(template)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -218,7 +225,16 @@ class Tokenizer:
         }
         messages = _validated_messages(messages)
         if continue_final_message:  # transformers' way: a tag after the content marks where the text is cut
-            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}
+            content = messages[-1]["content"]
+            if isinstance(content, str):
+                content += _CONTINUE_TAG
+            else:  # after the last text part
+                last = max((i for i, part in enumerate(content) if "text" in part), default=None)
+                if last is None:
+                    raise ValueError("continue_final_message: the last message has no text to continue")
+                content = [{**part, "text": part["text"] + _CONTINUE_TAG} if i == last else part
+                           for i, part in enumerate(content)]
+            messages[-1] = {**messages[-1], "content": content}
         try:
             text = _compile_chat_template(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **template_variables
@@ -384,8 +400,14 @@ def _validated_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"messages[{index}] has no {key!r}")
-            if not isinstance(message[key], str):
-                raise TypeError(f"messages[{index}][{key!r}] must be a str, got {type(message[key]).__name__}")
+        if not isinstance(message["role"], str):
+            raise TypeError(f"messages[{index}]['role'] must be a str, got {type(message['role']).__name__}")
+        content = message["content"]
+        # a string, or a list of parts (dicts) for templates that walk them, as transformers takes it
+        if not isinstance(content, str) and not (isinstance(content, (list, tuple))
+                                                 and all(isinstance(part, Mapping) for part in content)):
+            raise TypeError(f"messages[{index}]['content'] must be a str or a list of parts (dicts), got "
+                            f"{type(content).__name__}")
         # Like transformers: templates handle a missing key better than a None value.
         message = {key: value for key, value in message.items() if value is not None}
         # and its aliases of an assistant turn's reasoning: reasoning_content, and thinking (GPT-OSS's templates)
@@ -426,12 +448,45 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-@lru_cache(maxsize=16)
-def _compile_chat_template(chat_template: str) -> jinja2.Template:
+def _environment() -> jinja2.Environment:
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
-    return environment.from_string(chat_template)
+    return environment
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(chat_template: str) -> jinja2.Template:
+    return _environment().from_string(chat_template)
+
+
+@lru_cache(maxsize=16)
+def template_reads_content_parts(chat_template: str) -> bool:
+    """Whether a chat template walks a message's content as OpenAI's list of parts (`{% for part in
+    message['content'] %}`: Llama 3.1's, Gemma 3's, Mistral Small 3's), which vLLM then passes it as ("openai"
+    content format); otherwise the template reads one string, and the parts' texts are joined ("string")."""
+    try:
+        tree = _environment().parse(chat_template)
+    except jinja2.exceptions.TemplateSyntaxError:
+        return False
+    names = {"content"}  # variables that hold a message's content
+    for assign in tree.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and _is_content(assign.node, names):
+            names.add(assign.target.name)
+    return any(_is_content(loop.iter, names) for loop in tree.find_all(jinja2.nodes.For))
+
+
+def _is_content(node: jinja2.nodes.Node, names: set[str]) -> bool:
+    """`x.content`, `x['content']` or a name in `names`, filtered, tested or sliced."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        node = node.node
+    if isinstance(node, jinja2.nodes.Name):
+        return node.name in names
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content")

@@ -238,8 +238,9 @@ class LLM:
                 raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are the template call's own arguments "
                                  "(chat's parameters), not template variables")
             texts = [
-                self.tokenizer.apply_chat_template(template_messages(c), add_generation_prompt=add_generation_prompt,
-                                                   tools=tools, continue_final_message=continue_final_message,
+                self.tokenizer.apply_chat_template(template_messages(c, self.tokenizer.reads_content_parts(tools)),
+                                                   add_generation_prompt=add_generation_prompt, tools=tools,
+                                                   continue_final_message=continue_final_message,
                                                    **(chat_template_kwargs or {}))
                 for c in conversations
             ]

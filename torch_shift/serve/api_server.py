@@ -398,7 +398,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         def run() -> list[int]:
             if body.messages is None:
                 return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-            messages = template_messages([m.template_message() for m in body.messages])
+            messages = template_messages([m.template_message() for m in body.messages], tok.reads_content_parts(tools))
             text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
                                            continue_final_message=body.continue_final_message,
                                            **(body.chat_template_kwargs or {}))
@@ -484,7 +484,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         try:
             tools = tool_choice(body.template_tools(), body.template_tool_choice(), body.parallel_tool_calls,
                                 chat_options.auto_tool_parser)
-            messages = template_messages([m.template_message() for m in body.messages])
+            messages = template_messages([m.template_message() for m in body.messages],
+                                         tok.reads_content_parts(tools.tools))
         except ValueError as e:
             raise _parameter_error(e) from None
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:

@@ -265,11 +265,12 @@ TEMPLATE_CALL_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt
                                      "tokenize", "return_dict", "self"})
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them: content given as OpenAI's text parts joined with newlines (vLLM's), the
-    arguments of earlier tool calls as objects, not JSON text (as transformers' templates expect, and vLLM passes
-    them); ParameterError for a role that is not a name, parts other than text, or arguments that are not JSON
-    (a role the template does not know is the template's error, as in vLLM)."""
+def template_messages(messages: Sequence[Mapping[str, Any]], content_parts: bool = False) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: content given as OpenAI's text parts joined with newlines, or as the
+    parts where the template walks them (`content_parts`, `Tokenizer.reads_content_parts`: vLLM's content formats
+    "string" and "openai"), the arguments of earlier tool calls as objects, not JSON text (as transformers'
+    templates expect, and vLLM passes them); ParameterError for a role that is not a name, parts other than text,
+    or arguments that are not JSON (a role the template does not know is the template's error, as in vLLM)."""
     prepared = []
     for i, message in enumerate(messages):
         message = dict(message)
@@ -281,7 +282,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         if error is not None:
             raise ParameterError(f"messages[{i}].content", f"messages[{i}]: {error}")
         if isinstance(message.get("content"), list):
-            message["content"] = _text_of_parts(message["content"], f"messages[{i}].content")
+            text = _text_of_parts(message["content"], f"messages[{i}].content")
+            message["content"] = [{"type": "text", "text": part["text"]} for part in message["content"]] \
+                if content_parts else text
         if calls is not None and not isinstance(calls, (list, tuple)):
             raise ParameterError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: a list of calls, got "
                                                               f"{type(calls).__name__}")
