@@ -182,11 +182,15 @@ class Tokenizer:
     def chat_template(self, template: str | None) -> None:
         self.chat_templates = {} if template is None else {"default": template}
 
+    def _template_for(self, tools: Any) -> str | None:
+        """transformers' choice: the "tool_use" template for a request with tools, where the model has one."""
+        return self.chat_templates.get("tool_use" if tools is not None and "tool_use" in self.chat_templates
+                                       else "default")
+
     def reads_content_parts(self, tools: Any = None) -> bool:
         """Whether the template a request (with `tools` or without) renders with walks a message's content as a
         list of text parts (`template_reads_content_parts`)."""
-        name = "tool_use" if tools is not None and "tool_use" in self.chat_templates else "default"
-        template = self.chat_templates.get(name)
+        template = self._template_for(tools)
         return template is not None and template_reads_content_parts(template)
 
     def apply_chat_template(
@@ -203,9 +207,7 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second opens a new one")
-        # transformers' choice: the "tool_use" template for a request with tools, where the model has one
-        name = "tool_use" if kwargs.get("tools") is not None and "tool_use" in self.chat_templates else "default"
-        template = self.chat_templates.get(name)
+        template = self._template_for(kwargs.get("tools"))
         if template is None:
             raise ValueError(
                 "This tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or "

@@ -3,9 +3,9 @@
     tool_choice "required":                  [{"name": "get_weather", "parameters": {"city": "Paris"}}]
     tool_choice {"function": {"name": ...}}: {"city": "Paris"}
 
-as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so) once its name is
-whole, and is the text as written before (vLLM's: content); the server makes one cut by a stop string no call
-(`ChatOutputParser`), as nothing would tell a client it is incomplete.
+as vLLM renders them. A call cut by max_tokens is kept as it is (finish_reason "length" says so) once its name and
+arguments began, and is the text as written before (vLLM's: content); the server makes one cut by a stop string no
+call (`ChatOutputParser`), as nothing would tell a client it is incomplete.
 """
 
 from __future__ import annotations
