@@ -380,6 +380,44 @@ def test_content_parts_reach_the_templates_that_walk_them(tokenizer_dir: Path, t
                                              continue_final_message=True) == "[a][b"
 
 
+def _sentencepiece_style_dir(out: Path, **config) -> Path:
+    """A tokenizer.json as Llama 2's and Mistral's are published (byte-fallback BPE, a normalizer that prepends "▁"
+    and replaces spaces, a post-processor adding <s>), with tokenizer_config.json's class LlamaTokenizer."""
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    byte_pieces = [f"<0x{i:02X}>" for i in range(256)]
+    corpus = ["the quick brown fox jumps over the lazy dog", "In the beginning God created the heaven"] * 50
+    bpe.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_pieces], show_progress=False))
+    bpe.normalizer = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend("▁"),
+                                                      tokenizers.normalizers.Replace(" ", "▁")])
+    bpe.pre_tokenizer = None
+    bpe.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    bpe.decoder = tokenizers.decoders.Sequence([
+        tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse(),
+        tokenizers.decoders.Strip(" ", 1, 0)])
+    out.mkdir(parents=True)
+    bpe.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, **config}))
+    return out
+
+
+@pytest.mark.parametrize("config", [{"legacy": True}, {"legacy": False}, {}, {"add_prefix_space": False}])
+def test_a_llama_tokenizer_encodes_as_transformers_5_and_vllm(tmp_path: Path, config) -> None:
+    """transformers 5's LlamaTokenizer rebuilds such a file's pipeline (and vLLM 0.32 reads it so): " x" was
+    "<s> ▁ ▁x" here and "<s> ▁x" there, and a piece after a special token took a "▁" (found by a differential run)."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = _sentencepiece_style_dir(tmp_path / "sp", **config)
+    ours, theirs = Tokenizer.from_dir(model_dir), transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    for text in ["the quick fox", " x", "a </s> b", "</s>In the", "   ", "the  lazy\n dog", "café 你好"]:
+        for special in (True, False):
+            ids = theirs.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
+            assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
 def test_reasoning_reaches_templates_under_its_aliases(tokenizer_dir: Path, tmp_path: Path) -> None:
     """transformers copies a turn's `reasoning` or `thinking` to `reasoning_content`, and to `thinking` (GPT-OSS's)."""
     model_dir = copy_dir(tokenizer_dir, tmp_path / "model")

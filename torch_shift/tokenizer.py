@@ -92,6 +92,8 @@ class Tokenizer:
             return _token_content(tokenizer_config.get(name)) or _token_content(special_tokens_map.get(name))
 
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        if tokenizer_config.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast"):
+            _as_transformers_llama(backend, tokenizer_config)
         bos_token = special_token("bos_token")
         eos_token = special_token("eos_token")
         pad_token = special_token("pad_token")
@@ -318,6 +320,24 @@ class IncrementalDetokenizer:
         if remainder:
             self._chunks.append(remainder)
         return remainder
+
+
+def _as_transformers_llama(backend: tokenizers.Tokenizer, tokenizer_config: Mapping[str, Any]) -> None:
+    """transformers 5's LlamaTokenizer (Llama 2's, Mistral's, Mixtral's class) rebuilds a SentencePiece-style file's
+    pipeline, and vLLM reads it through transformers: no normalizer, and a Metaspace pre-tokenizer that puts "▁"
+    before the first piece of the text only (`legacy: false`, the default), before every piece between special
+    tokens (`legacy: true`), or nowhere (`add_prefix_space: false`). The file's own normalizer put it before every
+    piece and doubled a leading space: " x" was "▁▁x", "<s>[INST]" "<s>▁[INST]". A byte-level file is read as it
+    is, as transformers reads it."""
+    if "ByteLevel" in backend.to_str():
+        return
+    prefix = tokenizer_config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if tokenizer_config.get("legacy", False) else "first") if prefix else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()]
+    backend.decoder = tokenizers.decoders.Sequence(steps + ([tokenizers.decoders.Strip(" ", 1, 0)] if prefix else []))
 
 
 def model_eos_token_ids(model_dir: Path) -> list[int]:
