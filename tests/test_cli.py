@@ -306,6 +306,32 @@ def test_dtype_names_and_a_misspelt_option(capsys):
     assert "usage: torch-shift generate" in err and "--temprature: did you mean --temperature?" in err
 
 
+def test_a_vllm_serve_command_line_moves_over(capsys):
+    """What a probe of vLLM users' flags found: the positional model, vLLM's size suffixes and its uvicorn log level
+    were refused, a bad --log-level failed only after the model had loaded, and hints named the opposite flag."""
+    from torch_shift.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "some/model", "--max-model-len", "32k", "--max-num-batched-tokens", "4K",
+                              "--kv-cache-memory-bytes", "1G", "--uvicorn-log-level", "DEBUG"])
+    assert (args.model_tag, args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes,
+            args.log_level) == ("some/model", 32_000, 4096, 1 << 30, "debug")
+    assert parser.parse_args(["serve", "--max-model-len", "auto"]).max_model_len is None
+    assert parser.parse_args(["serve", "--max-model-len", "-1"]).max_model_len is None
+    for bad in (["--log-level", "notset"], ["--max-model-len", "1.5K"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+    capsys.readouterr()
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two models: 'a' and --model 'b'" in capsys.readouterr().err
+    for unknown, hint in (("--no-enforce-eager", None), ("--tokenizer-mode", None),
+                         ("--max-modle-len", "--max-model-len")):
+        with pytest.raises(SystemExit):
+            main(["serve", unknown])
+        err = capsys.readouterr().err
+        assert (f"{unknown}: did you mean {hint}?" in err) if hint else "did you mean" not in err, (unknown, err)
+
+
 def test_compile_by_default_for_a_model_of_50m_parameters_or_more():
     from types import SimpleNamespace
 

@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
@@ -45,10 +46,15 @@ def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
     options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
     hints = []
     for arg in unknown:
-        if arg.startswith("--"):
-            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.75)
+        name = arg.split("=", 1)[0]
+        if name.startswith("--"):
+            # close enough to be a misspelling (vLLM's --tokenizer-mode is not --tokenizer), and never the opposite
+            # of what was asked (--no-enforce-eager is not --enforce-eager)
+            plain = name.removeprefix("--").removeprefix("no-")
+            close = [option for option in difflib.get_close_matches(name, options, n=3, cutoff=0.86)
+                     if option.removeprefix("--").removeprefix("no-") != plain]
             if close:
-                hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+                hints.append(f"{name}: did you mean {close[0]}?")
     parser.error(f"unrecognized arguments: {' '.join(unknown)}" + ("; " + "; ".join(hints) if hints else ""))
 
 
@@ -94,6 +100,24 @@ def _json_object(value: str) -> dict:
     return parsed
 
 
+def _size(value: str) -> int:
+    """An integer, or one with vLLM's suffixes: k, m, g, t decimal ('32k': 32,000; '25.6k'), K, M, G, T binary
+    ('4K': 4,096)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value.strip())
+    if match is None or (match[2].isupper() and "." in match[1]) or (not match[2] and "." in match[1]):
+        raise argparse.ArgumentTypeError(f"an integer (or with vLLM's k, m, g or K, M, G suffixes), got {value!r}")
+    number, suffix = match.groups()
+    if not suffix:
+        return int(number)
+    power = "kmgt".index(suffix.lower()) + 1
+    return int(float(number) * 1000 ** power) if suffix.islower() else int(number) * 1024 ** power
+
+
+def _context_length(value: str) -> int | None:
+    """--max-model-len: a size, or 'auto' / -1 for the model's own (vLLM's spellings)."""
+    return None if value.strip() in ("auto", "-1") else _size(value)
+
+
 def _typed(kind):
     """An argparse type that names what it wanted: argparse reports 'invalid int value' with the option's name."""
     def parse(value: str):
@@ -107,7 +131,8 @@ def _typed(kind):
 
 # options whose type the field's annotation does not say, or that the command line treats apart
 _OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object,
-                 "dtype": dtype_name}
+                 "dtype": dtype_name, "max_model_len": _context_length, "max_num_batched_tokens": _size,
+                 "kv_cache_memory_bytes": _size}
 _COMMAND_LINE_DEFAULTS = {"seed": None, "model": None}  # no --seed: a fresh seed each run; no --model: the default
 _GROUP_TITLES = {"engine": "engine", "parallel": "parallel (this process starts the other local ranks)"}
 
@@ -285,6 +310,10 @@ def _serve(args: argparse.Namespace) -> int:
     from torch_shift.engine.llm_engine import EngineArgs
     from torch_shift.serve.api_server import run_server
 
+    if args.model_tag is not None:  # vLLM's positional model
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     model = _model_or_default(args, "serving")
     args.served_model_name = args.served_model_name or ("default" if args.model is None else model)
     return run_server(EngineArgs(model=model, **_engine_kwargs(args)), args)
@@ -430,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = _subcommand(sub, "serve", "an OpenAI-compatible HTTP server (needs the serve extra)",
                         "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics over HTTP.\n"
                         "Needs the serve extra. Example: torch-shift serve --port 8000")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     _add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=_serve)

@@ -40,7 +40,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "rank silent for this long, fails the requests in flight and the server exits non-zero; "
                         "keep it below --distributed-timeout (a compiled engine compiles before it serves, not in "
                         "its first steps)")
-    g.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    g.add_argument("--log-level", "--uvicorn-log-level", default="warning", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (vLLM's --uvicorn-log-level)")
     from torch_shift.serve.reasoning import REASONING_PARSERS
     from torch_shift.serve.tool_parsers import TOOL_PARSERS
 
