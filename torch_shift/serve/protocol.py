@@ -229,7 +229,7 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt_logprobs")
     @classmethod
-    def _prompt_logprobs_whole(cls, value, info: ValidationInfo):  # vLLM's rules
+    def _prompt_logprobs_as_vllm(cls, value, info: ValidationInfo):  # vLLM's rules
         if value is not None and value < -1:
             raise ValueError("prompt_logprobs must be >= 0, or -1 for the whole vocabulary")
         if value is not None and value != 0 and info.data.get("stream"):
