@@ -31,8 +31,8 @@ PROMPT = "the quick brown fox"
 class RunningServer:
     def __init__(self, model_dir, **kwargs):
         engine_kwargs = kwargs.pop("engine", {})
-        self.app, self.async_engine = create_server(EngineArgs(str(model_dir), **engine_kwargs),
-                                                    served_model_name="tiny", **kwargs)
+        kwargs.setdefault("served_model_name", "tiny")
+        self.app, self.async_engine = create_server(EngineArgs(str(model_dir), **engine_kwargs), **kwargs)
         self.engine = self.async_engine.engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -316,14 +316,17 @@ def test_metrics_parse_and_move(server):
 
 def test_api_key_models_health_and_openapi(checkpoints):
     _, model_dir = checkpoints("llama")
-    s = RunningServer(model_dir, api_key="sekret", max_body_bytes=2000)
+    # several keys and names, as vLLM's --api-key and --served-model-name take them
+    s = RunningServer(model_dir, api_key=["sekret", "other"], max_body_bytes=2000, served_model_name=["tiny", "alias"])
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="wrong").completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
         assert httpx.get(s.url + "/v1/models").status_code == 401
         ok = s.client(api_key="sekret")
-        assert [m.id for m in ok.models.list().data] == ["tiny"]
+        assert [m.id for m in ok.models.list().data] == ["tiny", "alias"]
         assert ok.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        aliased = s.client(api_key="other").completions.create(model="alias", prompt=PROMPT, max_tokens=2)
+        assert aliased.model == "alias" and ok.models.retrieve("alias").id == "alias"
         big = httpx.post(s.url + "/v1/completions", json={"prompt": "x" * 5000},
                          headers={"authorization": "Bearer sekret"})
         assert big.status_code == 413

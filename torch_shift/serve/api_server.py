@@ -127,17 +127,19 @@ class _Guard:
     """ASGI middleware in front of the app: the API key, and the body limit counted as the bytes arrive
     (FastAPI >= 0.164 has `max_body_size` for the latter; the `serve` extra supports older ones)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | Sequence[str] | None, max_body_bytes: int):
         self.app = app
-        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.api_keys = [f"Bearer {key}".encode() for key in keys]  # any of them (vLLM's --api-key takes several)
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith(_PROTECTED):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.api_key):
+        if self.api_keys and scope["path"].startswith(_PROTECTED):
+            given = headers.get(b"authorization", b"")
+            if not any([hmac.compare_digest(given, key) for key in self.api_keys]):  # every key compared
                 error = APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
                 return await error.response()(scope, receive, send)
         too_large = f"the request body is larger than {self.max_body_bytes} bytes"
@@ -203,9 +205,13 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> tuple[bool,
     return True, task.result()
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics, api_key: str | None = None,
+def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metrics: EngineMetrics,
+              api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 1 << 20, max_n: int = 128, max_prompts_per_request: int = 256,
               on_shutdown: Callable[[], None] | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
+    served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name = served_names[0]
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -266,11 +272,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         return APIError(exc.status_code, message, _status_type(exc.status_code), code=exc.status_code,
                         headers=exc.headers).response()
 
-    def check_model(name: str | None, path: bool = False) -> None:
-        """A request's model: a body's missing or empty name is the served model (vLLM's), a path's is not."""
-        if (name or path) and name != served_model_name:
+    def check_model(name: str | None, path: bool = False) -> str:
+        """A request's model, as its responses name it: a body's missing or empty name is the served model (vLLM's),
+        a path's is not; any of the served names (vLLM's --served-model-name takes several, the first the main)."""
+        if (name or path) and name not in served_names:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
+        return name or served_model_name
 
     def check_counts(num_prompts: int, n: int) -> None:
         if n > max_n:
@@ -374,17 +382,19 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
 
         return {"version": __version__}
 
-    model_card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "torch_shift",
-                  "max_model_len": max_model_len}
+    created = int(time.time())
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "torch_shift",
+                "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": [model_card(name) for name in served_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        check_model(model_id, path=True)
-        return model_card
+        return model_card(check_model(model_id, path=True))
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -431,7 +441,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     # -- completions --------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        model_name = check_model(body.model)
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt: the prompt is empty", param="prompt")
@@ -452,7 +462,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         if body.stream:
             return await stream_response(
                 "cmpl", tokenized, params, body.priority, fields,
-                lambda rid, submission: _completion_chunks(rid, submission, served_model_name, body, echo_only,
+                lambda rid, submission: _completion_chunks(rid, submission, model_name, body, echo_only,
                                                            tokenizer))
         collected = await collect(request, "cmpl", tokenized, params, body.priority, fields)
         if collected is None:
@@ -470,13 +480,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                                                    echo_only=echo_only, logprobs=body.logprobs,
                                                    skip_special_tokens=body.skip_special_tokens, tokenizer=tokenizer,
                                                    prompt_logprobs=body.prompt_logprobs))
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     # -- chat ---------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        model_name = check_model(body.model)
         check_counts(1, body.n)
         tok = need_tokenizer("chat needs a tokenizer with a chat template")
         if tok.chat_template is None:
@@ -527,7 +537,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         if body.stream:
             return await stream_response(
                 "chatcmpl", [prompt], params, body.priority, fields,
-                lambda rid, submission: _chat_chunks(rid, submission, served_model_name, body, tokenizer, output,
+                lambda rid, submission: _chat_chunks(rid, submission, model_name, body, tokenizer, output,
                                                      grammar_field))
         collected = await collect(request, "chatcmpl", [prompt], params, body.priority, fields)
         if collected is None:
@@ -545,7 +555,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
                             "finish_reason": output.finish_reason(c.finish_reason, parser.tools_called),
                             "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices,
                 "usage": _usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)}
 
@@ -786,7 +796,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def create_server(engine_args, served_model_name: str | None = None, api_key: str | None = None,
+def create_server(engine_args, served_model_name: str | Sequence[str] | None = None,
+                  api_key: str | Sequence[str] | None = None,
                   max_waiting_seqs: int = 256, max_body_bytes: int = 1 << 20, max_n: int = 128,
                   max_prompts_per_request: int = 256, step_deadline_s: float = 30.0,
                   on_fatal: Callable[[], None] | None = None, chat_options: ChatOptions | None = None
@@ -801,7 +812,9 @@ def create_server(engine_args, served_model_name: str | None = None, api_key: st
     chat_options.template()  # a missing template file fails before the engine is built
 
     engine = LLMEngine(engine_args)
-    name = served_model_name or engine_args.model
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [engine_args.model]
+    name = names[0]
     metrics = EngineMetrics(name)
     metrics.declare(engine)
     async_engine = AsyncEngine(engine, max_waiting_seqs=max_waiting_seqs, metrics=metrics,
@@ -816,7 +829,7 @@ def create_server(engine_args, served_model_name: str | None = None, api_key: st
             async_engine.shutdown()  # requests still in flight end with an explicit 503 / stream error
             engine.shutdown()  # ends the ranks, even when the engine thread is stuck in a collective
 
-    app = build_app(async_engine, name, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
+    app = build_app(async_engine, names, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
                     max_prompts_per_request=max_prompts_per_request, on_shutdown=stop, chat_options=chat_options)
     app.state.stop = stop
     app.state.served_model_name = name

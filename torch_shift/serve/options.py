@@ -24,11 +24,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free port)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: --model, or 'default' for the default model)")
-    g.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (default: the "
-                        f"{API_KEY_ENV} environment variable, which keeps the key out of `ps`)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name clients use (default: --model, or 'default' for the default model); several "
+                        "names are all accepted, the first is the main one (vLLM's)")
+    g.add_argument("--api-key", nargs="+", default=None,
+                   help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize, any of several "
+                        f"keys (default: the {API_KEY_ENV} environment variable, which keeps the key out of `ps`)")
     g.add_argument("--max-waiting-seqs", "--max-waiting-requests", dest="max_waiting_seqs", type=int, default=256,
                    help="sequences (n per prompt) that may wait to run; a request that would pass it gets 429")
     g.add_argument("--max-n", type=int, default=128, help="largest n (samples per prompt) of one request")
