@@ -310,6 +310,9 @@ def _serve(args: argparse.Namespace) -> int:
     from torch_shift.engine.llm_engine import EngineArgs
     from torch_shift.serve.api_server import run_server
 
+    if not args.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill: torch_shift always chunks prompts (--max-num-batched-tokens "
+                         "tokens a step)")
     if args.model_tag is not None:  # vLLM's positional model
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")

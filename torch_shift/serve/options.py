@@ -41,6 +41,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "rank silent for this long, fails the requests in flight and the server exits non-zero; "
                         "keep it below --distributed-timeout (a compiled engine compiles before it serves, not in "
                         "its first steps)")
+    # vLLM's flags that ask for what torch_shift always does
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's: accepted; torch_shift runs no code from a checkpoint (its model classes are its own)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's: prompts are always chunked by --max-num-batched-tokens (the --no- form is refused)")
     g.add_argument("--log-level", "--uvicorn-log-level", default="warning", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (vLLM's --uvicorn-log-level)")
