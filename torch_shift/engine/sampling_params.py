@@ -115,9 +115,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "skip_clone"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.logprobs is True or self.prompt_logprobs is True:  # vLLM's: True is 1
-            self.logprobs = 1 if self.logprobs is True else self.logprobs
-            self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
+        # vLLM's: True is 1
+        self.logprobs = 1 if self.logprobs is True else self.logprobs
+        self.prompt_logprobs = 1 if self.prompt_logprobs is True else self.prompt_logprobs
         check_int("n", self.n, 1)
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         check_int("min_tokens", self.min_tokens, 0)
