@@ -557,8 +557,8 @@ def test_request_errors_leave_requests_in_flight_untouched(llama):
         engine.add_request("x", [7, 8], SamplingParams(n=2, max_tokens=3))
     with pytest.raises(ValueError, match="logprobs=600 exceeds the vocabulary size 512"):
         engine.add_request("y", [7, 8], SamplingParams(logprobs=600))
-    with pytest.raises(ValueError, match="prompt_logprobs=513"):
-        engine.add_request("z", [7, 8], SamplingParams(prompt_logprobs=513))
+    with pytest.raises(ValueError, match="prompt logprobs of 21, which is greater than max allowed: 20"):
+        engine.add_request("z", [7, 8], SamplingParams(prompt_logprobs=21))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step(final_only=True)
@@ -629,15 +629,17 @@ def test_a_hundred_thousand_stop_strings(llama):
     assert out.stop_reason == stop and out.text == free.text[:free.text.index(stop)]
 
 
-def test_temperature_below_1e_5_is_greedy(llama):
+def test_temperatures_below_0_01_are_raised_to_it_as_vllm_does(llama, caplog):
     _, model_dir = llama
     llm = LLM(str(model_dir))
-    tiny = SamplingParams(max_tokens=8, temperature=5e-6, top_p=0.5, min_p=0.3)
-    assert tiny.greedy and not SamplingParams(temperature=1e-5).greedy
+    with caplog.at_level("WARNING", logger="torch_shift.engine.sampling_params"):
+        tiny = SamplingParams(max_tokens=8, temperature=5e-6, n=2, seed=3)
+    assert tiny.temperature == 0.01 and not tiny.greedy and "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
     prompts = random_prompts(3, [4, 9, 2], seed=6)
-    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, tiny, use_tqdm=False)]
-            == [o.outputs[0].token_ids for o in llm.generate(prompts, replace(tiny, temperature=0.0),
-                                                             use_tqdm=False)])
+    assert ([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, tiny, use_tqdm=False)]
+            == [[c.token_ids for c in o.outputs]
+                for o in llm.generate(prompts, replace(tiny, temperature=0.01), use_tqdm=False)])
 
 
 def test_vllm_and_arctic_inference_argument_names():
@@ -685,9 +687,16 @@ def test_vllms_calling_conventions(llama):
     engine.abort_request(["a", "b", "never-added"])
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    everything = llm.generate([[6, 7]], SamplingParams(max_tokens=1, logprobs=-1, seed=-1),
-                              use_tqdm=False)[0].outputs[0]
+    with pytest.raises(ValueError, match="Requested sample logprobs of 512, which is greater than max allowed: 20"):
+        llm.generate([[6, 7]], SamplingParams(max_tokens=1, logprobs=-1))  # vLLM's max_logprobs, 20 by default
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate([[6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=21))
+    unbounded = LLM(str(model_dir), max_logprobs=-1)
+    everything = unbounded.generate([[6, 7]], SamplingParams(max_tokens=1, logprobs=-1, seed=-1),
+                                    use_tqdm=False)[0].outputs[0]
     assert len(everything.logprobs[0]) == llm.engine.config.model.vocab_size
+    assert len(LLM(str(model_dir), max_logprobs=30).generate(
+        [[6, 7]], SamplingParams(max_tokens=1, logprobs=30), use_tqdm=False)[0].outputs[0].logprobs[0]) >= 30
     assert SamplingParams(seed=-1).seed is None
     optional = SamplingParams.from_optional(temperature=None, max_tokens=None, logit_bias={"5": 300.0})
     assert (optional.temperature, optional.max_tokens, optional.logit_bias) == (1.0, 16, {5: 100.0})

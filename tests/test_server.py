@@ -197,6 +197,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400),  # beyond the engine's max_logprobs (20, vLLM's default)
 ]
 
 

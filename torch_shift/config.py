@@ -386,8 +386,11 @@ class SchedulerConfig:
     # the next step is scheduled and launched before this one's tokens reach the host (torch_shift.engine.core);
     # None: where the runner launches the C++ decoder's steps on the CPU (decided once the engine has its runner)
     async_scheduling: bool | None = False
+    max_logprobs: int = 20  # the most logprobs a request may ask for a token (vLLM's; -1: the whole vocabulary)
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the whole vocabulary), got {self.max_logprobs!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError(
                 "max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1, got "

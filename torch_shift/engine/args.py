@@ -75,6 +75,8 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length: prompt plus generated tokens (default: the model's)")
     max_num_batched_tokens: int = _arg(2048, "token budget of one step")
     max_num_seqs: int = _arg(256, "requests running at once")
+    max_logprobs: int = _arg(20, "the most logprobs a request may ask for, per generated or prompt token (-1: the "
+                                 "whole vocabulary)")
     block_size: int = _arg(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _arg(None, "KV pool size in blocks (default: sized from memory)")
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache memory per rank in bytes (default: sized from memory)")
@@ -355,7 +357,7 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
-                                      policy=self.scheduling_policy,
+                                      policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
                                       async_scheduling=self._schedules_async(deployment)),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,

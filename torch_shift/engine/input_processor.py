@@ -168,12 +168,19 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ParameterError("stop_token_ids", f"stop_token_ids outside the vocabulary: {bad}")
+        max_logprobs = self.config.scheduler.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k == -1:  # vLLM's: the whole vocabulary's
+                k = vocab
                 params = replace(params, **{name: vocab})
-            elif k is not None and k > vocab:
+            if k is not None and k > vocab:
                 raise ParameterError(name, f"{name}={k} exceeds the vocabulary size {vocab}")
+            if k is not None and max_logprobs != -1 and k > max_logprobs:  # vLLM's check and words
+                what = "sample" if name == "logprobs" else "prompt"
+                raise ParameterError(name, f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                                           f"{max_logprobs} (raise max_logprobs, --max-logprobs, up to -1 for the "
+                                           f"whole vocabulary)")
         if params.stop_strings and self.tokenizer is None:
             raise ParameterError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         bad = [t for t in params.logit_bias or {} if t >= vocab]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.structured_output import StructuredOutputsParams
 from torch_shift.tokenizer import lone_surrogate_error
+
+logger = logging.getLogger(__name__)
 
 # a model's generation_config.json fields that vLLM (--generation-config auto) takes as sampling defaults
 _GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -36,6 +39,8 @@ class RequestOutputKind(enum.IntEnum):
 
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 GREEDY_TEMPERATURE = 1e-5
+# vLLM's _MAX_TEMP: a temperature in (0, MIN_TEMPERATURE) is raised to it, where softmax(logits / T) stays finite
+MIN_TEMPERATURE = 1e-2
 MAX_SEED = 2**63 - 1  # an int64, as OpenAI's `seed` and torch.Generator take it
 
 
@@ -136,6 +141,10 @@ class SamplingParams:
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty)
         self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
         check_range("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2]")  # vLLM's and OpenAI's range
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's: raised, with its warning
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors; "
+                           "raised to %s (vLLM's rule)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if self.temperature < GREEDY_TEMPERATURE and self.n > 1:  # vLLM's: n identical copies
             raise ParameterError("n", f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
         check_range("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")

@@ -221,7 +221,7 @@ class _SamplingRequest(_Body):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
-    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (vLLM's)
     echo: bool | None = False
     best_of: Int | None = None
     suffix: str | None = None
@@ -385,7 +385,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (vLLM's)
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
