@@ -77,7 +77,7 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_fe
     weight = torch.randn(256, in_features).to(dtype)
     bias = torch.randn(256).to(dtype)
     packed = PackedWeight(weight, blocked)
-    # the GEMV's rows (16 in bfloat16 packed for AMX, whose larger batches run oneDNN's tile unit, rounding its own way)
+    # the GEMV's rows (4 in bfloat16 packed for AMX, whose larger batches run oneDNN's tile unit, rounding its own way)
     max_rows = AMX_GEMV_MAX_ROWS if packed.gemv_code == _AMX_BF16_CODE else GEMV_MAX_ROWS
     x = torch.randn(max_rows, 2 * in_features).to(dtype)[:, :in_features]  # strided rows
     for b in (None, bias):

@@ -88,7 +88,7 @@ def launches(monkeypatch):
 
 
 def _decoder_limit(dtype: torch.dtype) -> int:
-    """The most tokens of a step the C++ decoder takes where this CPU packs `dtype` (MAX_TOKENS, or 16 in bfloat16
+    """The most tokens of a step the C++ decoder takes where this CPU packs `dtype` (MAX_TOKENS, or 4 in bfloat16
     packed for AMX, whose larger matmuls are oneDNN's)."""
     packed = PackedWeight(torch.randn(64, 64).to(dtype))
     return MAX_TOKENS if packed.blocked else min(MAX_TOKENS, packed.gemv_max_rows)
