@@ -340,7 +340,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
   return rotated;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// silu(gate) * up of gate_up [..., 2 * intermediate]; into `into` where given (contiguous, of the result's shape)
+at::Tensor silu_mul_into(const at::Tensor& gate_up, const at::Tensor* into) {
   const int code = elementwise_code(gate_up.scalar_type());
   const int64_t intermediate = gate_up.dim() >= 2 ? gate_up.size(-1) / 2 : 0;
   int lanes = 0;
@@ -351,11 +352,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   }
   if (lanes == 0) {  // the Python implementation, which finds the lanes (ts_note_silu_lanes) or computes without them
     static const c10::OperatorHandle op = python_op("torch_shift::cpu_silu_mul_python");
-    return call_boxed(op, {gate_up});
+    at::Tensor result = call_boxed(op, {gate_up});
+    return into != nullptr ? into->copy_(result) : result;
   }
   std::vector<int64_t> sizes = gate_up.sizes().vec();
   sizes.back() = intermediate;
-  at::Tensor out = at::empty(sizes, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
+  TORCH_CHECK(into == nullptr || (into->is_contiguous() && into->sizes() == at::IntArrayRef(sizes)),
+              "torch_shift::cpu_silu_mul: the output must be contiguous, of the result's shape");
+  at::Tensor out = into != nullptr ? *into
+                                   : at::empty(sizes, gate_up.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;  // a rank's forward of no rows (Ulysses with fewer tokens than ranks)
   const at::Tensor input = gate_up.contiguous();
   const int status = ts_decoder_silu_mul(code, lanes, input.data_ptr(), input.numel() / input.size(-1), intermediate,
@@ -363,6 +368,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(status == 0, "torch_shift::cpu_silu_mul: the kernel failed (", status, ")");
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return silu_mul_into(gate_up, nullptr); }
 
 // torch_shift::cpu_gate_up_silu (fused.py's gate_up_silu): the packed gate/up projection and `silu(gate) * up` of
 // `chunk_rows` rows at a time, each chunk's projection still in the caches when it is activated
@@ -375,8 +382,8 @@ at::Tensor gate_up_silu(const at::Tensor& x, int64_t handle, int64_t out_feature
   const int64_t count = (rows + chunk_rows - 1) / chunk_rows;  // chunks of equal rows or one more, as fused.py's
   for (int64_t i = 0, start = 0; i < count; ++i) {
     const int64_t n = rows / count + (i < rows % count);
-    out.narrow(0, start, n).copy_(silu_mul(packed_linear(input.narrow(0, start, n), handle, out_features,
-                                                         std::nullopt)));
+    const at::Tensor part = out.narrow(0, start, n);  // activated straight into the output's rows
+    silu_mul_into(packed_linear(input.narrow(0, start, n), handle, out_features, std::nullopt), &part);
     start += n;
   }
   std::vector<int64_t> sizes = x.sizes().vec();
