@@ -117,6 +117,12 @@ def test_completion_streamed_and_not_equal_the_engine(server, reference):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's chunks carry stop_reason, null until a stop string or token ends the choice
+    stopped = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                             stop=[expected.text[-3:]]))
+    assert all("stop_reason" in c.choices[0].model_extra for c in stopped)
+    assert [c.choices[0].model_extra["stop_reason"] for c in stopped] == [None] * (len(stopped) - 1) + [
+        expected.text[-3:]]
 
 
 def test_chat_uses_the_template(server, reference):

@@ -633,9 +633,8 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
                                                      tokenizer, body.logprobs)
                 finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
                 choice = {"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
-                          "finish_reason": finish}
-                if finish is not None:
-                    choice["stop_reason"] = None if echo_only else c.stop_reason
+                          "finish_reason": finish,  # stop_reason in every chunk (null until the last), as vLLM's
+                          "stop_reason": None if finish is None or echo_only else c.stop_reason}
                 yield chunk([choice], usage.totals() if usage.continuous else None)
         if usage.include:
             yield chunk([], usage.totals())
