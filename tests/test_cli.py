@@ -317,6 +317,9 @@ def test_a_vllm_serve_command_line_moves_over(capsys):
     assert (args.model_tag, args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes,
             args.log_level) == ("some/model", 32_000, 4096, 1 << 30, "debug")
     assert parser.parse_args(["serve", "--trust-remote-code", "--enable-chunked-prefill"]).trust_remote_code
+    logs = parser.parse_args(["serve", "--disable-log-stats", "--enable-log-requests"])
+    assert logs.disable_log_stats and logs.enable_log_requests
+    assert not parser.parse_args(["serve", "--no-enable-log-requests"]).enable_log_requests
     assert main(["serve", "--no-enable-chunked-prefill"]) == 2
     assert "--no-enable-chunked-prefill: torch_shift always chunks prompts" in capsys.readouterr().err
     several = parser.parse_args(["serve", "--served-model-name", "a", "b", "--api-key", "k1", "k2"])

@@ -208,7 +208,8 @@ async def _unless_disconnected(request: Request, work: Awaitable) -> tuple[bool,
 def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metrics: EngineMetrics,
               api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 1 << 20, max_n: int = 128, max_prompts_per_request: int = 256,
-              on_shutdown: Callable[[], None] | None = None, chat_options: ChatOptions | None = None) -> FastAPI:
+              on_shutdown: Callable[[], None] | None = None, chat_options: ChatOptions | None = None,
+              log_requests: bool = False) -> FastAPI:
     served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = served_names[0]
 
@@ -330,6 +331,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         try:
             async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
+                if log_requests:  # vLLM's --enable-log-requests: once admitted
+                    logger.info("Received request %s: prompt tokens %s, priority %d, params: %s", rid,
+                                [len(p.token_ids) for p in prompts], priority, params)
                 yield rid, submission
         except (ValueError, TypeError) as e:
             raise _parameter_error(e, fields) from None
@@ -706,6 +710,11 @@ def run_server(engine_args, args) -> int:
 
     server: uvicorn.Server | None = None
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a second
+    if args.enable_log_requests and not logger.handlers:  # this process is the CLI's own: its stderr, at INFO
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
     def exit_on_fatal() -> None:  # from the engine or watchdog thread; clients in flight have their errors
         def leave() -> None:
@@ -720,7 +729,8 @@ def run_server(engine_args, args) -> int:
             engine_args, served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get(API_KEY_ENV), max_waiting_seqs=args.max_waiting_seqs,
             max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
-            step_deadline_s=args.step_deadline_s, on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args))
+            step_deadline_s=args.step_deadline_s, on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args),
+            log_requests=args.enable_log_requests)
     except BaseException:
         sock.close()
         raise
@@ -799,12 +809,13 @@ def create_server(engine_args, served_model_name: str | Sequence[str] | None = N
                   api_key: str | Sequence[str] | None = None,
                   max_waiting_seqs: int = 256, max_body_bytes: int = 1 << 20, max_n: int = 128,
                   max_prompts_per_request: int = 256, step_deadline_s: float = 30.0,
-                  on_fatal: Callable[[], None] | None = None, chat_options: ChatOptions | None = None
-                  ) -> tuple[FastAPI, AsyncEngine]:
+                  on_fatal: Callable[[], None] | None = None, chat_options: ChatOptions | None = None,
+                  log_requests: bool = False) -> tuple[FastAPI, AsyncEngine]:
     """Build the engine (rank 0 of a parallel one starts its other ranks), its async wrapper and the app.
     `on_fatal` runs (from another thread) when the engine failed or stalled; every client in flight has been
     told by then. `chat_options`: tools and reasoning (vLLM's --enable-auto-tool-choice, --tool-call-parser,
-    --reasoning-parser, --chat-template)."""
+    --reasoning-parser, --chat-template). `log_requests`: each admitted request logged at INFO on the
+    "torch_shift.serve" logger (vLLM's --enable-log-requests)."""
     from torch_shift.engine.llm_engine import LLMEngine
 
     chat_options = chat_options or ChatOptions()
@@ -829,7 +840,8 @@ def create_server(engine_args, served_model_name: str | Sequence[str] | None = N
             engine.shutdown()  # ends the ranks, even when the engine thread is stuck in a collective
 
     app = build_app(async_engine, names, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
-                    max_prompts_per_request=max_prompts_per_request, on_shutdown=stop, chat_options=chat_options)
+                    max_prompts_per_request=max_prompts_per_request, on_shutdown=stop, chat_options=chat_options,
+                    log_requests=log_requests)
     app.state.stop = stop
     app.state.served_model_name = name
     return app, async_engine

@@ -46,6 +46,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's: accepted; torch_shift runs no code from a checkpoint (its model classes are its own)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's: prompts are always chunked by --max-num-batched-tokens (the --no- form is refused)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="vLLM's: accepted; torch_shift logs no periodic statistics (GET /metrics serves them)")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request as it is admitted (its id, prompt length and sampling parameters) at INFO "
+                        "on stderr, as vLLM's flag does")
     g.add_argument("--log-level", "--uvicorn-log-level", default="warning", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (vLLM's --uvicorn-log-level)")
