@@ -631,6 +631,14 @@ def test_fields_real_clients_send_are_accepted(server, reference):
         max_completion_tokens=3, temperature=0, tool_choice="none", parallel_tool_calls=False, user="u",
         response_format={"type": "text"}, logprobs=True, top_logprobs=2)
     assert chat.usage.completion_tokens == 3 and len(chat.choices[0].logprobs.content) == 3
+    # chat with continuous usage: every chunk, the role chunk first (no tokens generated yet), as vLLM's
+    streamed = list(server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in streamed)
+    assert streamed[0].choices[0].delta.role == "assistant" and streamed[0].usage.completion_tokens == 0
+    assert streamed[0].usage.prompt_tokens == streamed[-1].usage.prompt_tokens > 0
+    assert streamed[-1].usage.completion_tokens == 3
 
 
 def test_logit_bias_forces_a_token(server):

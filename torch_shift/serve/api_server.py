@@ -542,7 +542,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
             return await stream_response(
                 "chatcmpl", [prompt], params, body.priority, fields,
                 lambda rid, submission: _chat_chunks(rid, submission, model_name, body, tokenizer, output,
-                                                     grammar_field))
+                                                     grammar_field, len(prompt.token_ids)))
         collected = await collect(request, "chatcmpl", [prompt], params, body.priority, fields)
         if collected is None:
             return Response(status_code=499)
@@ -650,7 +650,7 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
 
 
 async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatCompletionRequest, tokenizer,
-                       output: ChatOutputFormat, grammar_field: str) -> AsyncIterator[str]:
+                       output: ChatOutputFormat, grammar_field: str, num_prompt_tokens: int) -> AsyncIterator[str]:
     created = int(time.time())
     usage = _Usage(body.stream_options)
 
@@ -662,9 +662,13 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
         return sse(payload)
 
     try:
+        # vLLM's role chunks carry continuous usage too: the prompt's tokens, none generated (whether the prefix
+        # cache held some is known once the first token is, in the next chunk's prompt_tokens_details)
+        role_usage = ({"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
+                      if usage.continuous else None)
         for i in range(body.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+                          "finish_reason": None}], role_usage)
         tracker = DeltaTracker(body.stop)
         parsers = [output.parser() for _ in range(body.n)]
         async for _, out in submission:
