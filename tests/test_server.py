@@ -813,6 +813,22 @@ def test_tokenize_names_continue_final_message_as_chat_does(server):
         assert error["param"] == "continue_final_message" and "add_generation_prompt=false" in error["message"]
 
 
+def test_a_reply_without_a_generation_prompt_takes_the_last_messages_role(server):
+    """vLLM's rule: with add_generation_prompt false no assistant turn is opened, and the reply continues the last
+    message, in its role (whole and streamed)."""
+    client = server.client()
+    for messages, extra, role in (
+            ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well"}],
+             {"add_generation_prompt": False, "continue_final_message": True}, "assistant"),
+            ([{"role": "user", "content": "hi"}], {"add_generation_prompt": False}, "user"),
+            ([{"role": "user", "content": "hi"}], {}, "assistant")):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
+        assert out.choices[0].message.role == role
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, stream=True,
+                                                     extra_body=extra))
+        assert chunks[0].choices[0].delta.role == role
+
+
 def test_vllms_prompt_logprobs_field(server, reference):
     """vLLM's extension of /v1/completions (was refused as an unknown field): the prompt's logprobs in the choice,
     None at the first position, each position's token and its top k keyed by token id."""

@@ -534,7 +534,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
 
         prompt_text, prompt = await asyncio.to_thread(render)
         output = ChatOutputFormat(tools, auto_tool_parser, reasoning_parser, prompt_text, body.include_reasoning,
-                                  id_parser, stop_strings=bool(body.stop))
+                                  id_parser, stop_strings=bool(body.stop),
+                                  role="assistant" if body.add_generation_prompt else body.messages[-1].role)
         if params.structured_outputs is not None and output.reasoning_first:  # the model reasons, then answers
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, starts_after=reasoning_parser.end))
@@ -667,7 +668,7 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
         role_usage = ({"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
                       if usage.continuous else None)
         for i in range(body.n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield chunk([{"index": i, "delta": {"role": output.role, "content": ""}, "logprobs": None,
                           "finish_reason": None}], role_usage)
         tracker = DeltaTracker(body.stop)
         parsers = [output.parser() for _ in range(body.n)]

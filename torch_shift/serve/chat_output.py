@@ -32,6 +32,8 @@ class ChatOutputFormat:
     # stop strings may cut the output: a stream then holds a forced call until the output ends (a call cut by one
     # is no call, which a stream could not take back once announced)
     stop_strings: bool = False
+    # the reply's role: "assistant", or the last message's where no generation prompt opened a new turn (vLLM's)
+    role: str = "assistant"
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self)
@@ -88,7 +90,7 @@ class ChatOutputParser:
         self.tools_called = bool(calls)
         if content is None and not calls and self._reasoning is None:
             content = ""  # an empty output; with a reasoning parser, null beside the reasoning (vLLM's)
-        message: dict = {"role": "assistant", "content": content}
+        message: dict = {"role": self.output.role, "content": content}
         if self._reasoning is not None and self.output.include_reasoning:
             message.update(_reasoning_fields(reasoning))
         if calls:
