@@ -71,7 +71,7 @@ class Sampler:
             for row, i in enumerate(constrained):
                 if requests[i].grammar.is_error():  # e.g. a lexer past its limits: the request ends with "error"
                     _grammar_failed(requests[i])
-                    allowed[row] = True  # its mask holds no token; the token drawn is never shown as valid output
+                    allowed[row] = True  # its mask holds no token; the token drawn is not output (Scheduler)
             allowed = allowed.to(logits.device)
             logits = logits.clone()
             logits[constrained] = logits[constrained].masked_fill(~allowed, _NEG_INF)
@@ -261,7 +261,9 @@ def _to(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _grammar_failed(request: Request) -> None:
-    request.error = f"the output could not be kept to its grammar: {request.grammar.get_error() or 'token refused'}"
+    """The request ends with "error" once its step's tokens arrive; the token drawn in this step is not output."""
+    why = (request.grammar.get_error() or "").replace("<non-verbose/>", "").strip()  # llguidance's marker
+    request.error = f"the output could not be kept to its grammar: {why or 'token refused'}"
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -571,7 +571,9 @@ class Scheduler:
                 request.num_output_placeholders -= 1
                 updated.append(request)
                 drawn = sampled_token_ids[request.request_id]
-                if drawn.__class__ is int:  # the common case, kept cheap: 256 requests per step
+                if request.error is not None:  # its grammar failed at this draw: the token drawn is not output
+                    self._finish_failed(request)
+                elif drawn.__class__ is int:  # the common case, kept cheap: 256 requests per step
                     request.append_output_token(drawn)
                     status = request.check_stop(max_model_len)
                     if status is not None:
@@ -581,12 +583,19 @@ class Scheduler:
         return updated
 
     def _append_drawn(self, request: Request, drawn: list[int]) -> None:
-        for token in drawn:
+        failed = request.error is not None  # its grammar failed at the last draw, whose token is not output
+        for token in drawn[:-1] if failed else drawn:
             request.append_output_token(token)
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 return
+        if failed:
+            self._finish_failed(request)
+
+    def _finish_failed(self, request: Request) -> None:
+        request.stop_reason = request.error
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
     def _update_speculating(self, entry: ScheduledRequest, pool: BlockManager | None, drawn: list[int]) -> None:
         """A request that verified proposed tokens: computed are its last token and the accepted proposals (all
