@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import random
@@ -18,7 +19,7 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.engine.errors import ParameterError
 from torch_shift.engine.output_processor import StopStrings
 from torch_shift.engine.sampling_params import RequestOutputKind
-from torch_shift.engine.structured_output import StructuredOutputsParams
+from torch_shift.engine.structured_output import StructuredOutputsParams, ascii_shorthands
 
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
 MAX_TOKENS = 12
@@ -375,6 +376,51 @@ def test_a_grammar_that_fails_while_generating_ends_the_request_with_an_error():
     assert out.finish_reason == "error" and "grammar" in out.stop_reason and "lexer" in out.stop_reason
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_structured_outputs_as_vllm_reads_them():
+    """What a probe against vLLM 0.32 found: a grammar that fails at its first token showed the unconstrained token
+    drawn there; an empty regex, GBNF grammars and vLLM's option fields were refused; a regex's \\d drew
+    non-ASCII digits."""
+    pytest.importorskip("llguidance")
+    llm = LLM()
+
+    def first(so, **kwargs):
+        params = SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **kwargs}, structured_outputs=so)
+        return llm.generate("And the LORD said unto Moses,", params, use_tqdm=False)[0].outputs
+
+    (failed,) = first(StructuredOutputsParams(regex=r"[^\s\S]"))  # matches nothing: no token may come
+    assert (failed.text, failed.token_ids, failed.finish_reason) == ("", [], "error")
+    assert "grammar" in failed.stop_reason and "<" not in failed.stop_reason  # llguidance's marker left out
+    (empty,) = first(StructuredOutputsParams(regex=""))
+    assert (empty.text, empty.finish_reason) == ("", "stop")
+    gbnf = 'root ::= "The " animal " is " color "."\nanimal ::= "cat" | "dog"\ncolor ::= "red" | "blue"'
+    (sentence,) = first(StructuredOutputsParams(grammar=gbnf))
+    assert re.fullmatch(r"The (cat|dog) is (red|blue)\.", sentence.text) and sentence.finish_reason == "stop"
+    with pytest.raises(ParameterError, match="the grammar cannot be used"):
+        first(StructuredOutputsParams(grammar="root ::= ("))
+    dates = first(StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}"), n=6, temperature=1.0, seed=3)
+    assert all(re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", d.text) for d in dates)
+    (spaced,) = first(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                    "required": ["a"]}, whitespace_pattern=" "), max_tokens=8)
+    assert spaced.text.startswith('{ "a": ')
+    closed = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}, disable_additional_properties=True, disable_any_whitespace=True)
+    assert json.loads(closed.schema) == {"type": "object", "additionalProperties": False, "properties": {"a": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}}}
+    with pytest.raises(ParameterError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag='{"structures": []}')
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("regex, ascii_regex", [
+    (r"\d", "[0-9]"), (r"[\d]", "[0-9]"), (r"[^\d\s]", r"[^0-9\s]"), (r"\D", "[^0-9]"), (r"[\D]", "[[^0-9]]"),
+    (r"\\d", r"\\d"), (r"[]\d]", "[]0-9]"), (r"[[:alpha:]\d]", "[[:alpha:]0-9]"), (r"\p{L}\w", r"\p{L}[0-9A-Za-z_]"),
+    (r"\W+", "[^0-9A-Za-z_]+"), (r"[a-c]\d|x", "[a-c][0-9]|x"),
+])
+def test_regex_shorthands_are_ascii(regex, ascii_regex):
+    assert ascii_shorthands(regex) == ascii_regex
 
 
 def test_logprobs_under_a_grammar_are_of_the_masked_distribution():

@@ -534,6 +534,13 @@ def test_fields_not_honoured_are_refused_by_name(server, path, extra, named):
 def test_an_empty_choice_names_structured_outputs(server):
     response = post(server, "/v1/completions", _body("/v1/completions", {"structured_outputs": {"choice": []}}))
     assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", response.text
+    tagged = post(server, "/v1/completions", _body("/v1/completions", {"structured_outputs": {
+        "structural_tag": "{}"}}))
+    assert tagged.status_code == 400 and "structural_tag is not supported" in tagged.json()["error"]["message"]
+    # vLLM's option fields are read, not refused as unknown
+    digits = post(server, "/v1/completions", _body("/v1/completions", {"max_tokens": 8, "structured_outputs": {
+        "regex": "\\d{3}", "disable_any_whitespace": True, "disable_additional_properties": False}}))
+    assert digits.status_code == 200 and re.fullmatch("[0-9]{3}", digits.json()["choices"][0]["text"]), digits.text
 
 
 def test_what_clients_send_as_null_and_an_assistant_reply_sent_back_are_accepted(server):

@@ -8,6 +8,7 @@ directly; it is an optional dependency (the `serve` extra), imported only when a
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,8 @@ from torch_shift.engine.errors import ParameterError
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's name and fields, one of: `json` a JSON schema (str or dict), `json_object` for any JSON object,
-    `regex` (Rust's regex syntax, as llguidance reads it), `choice` (one of these strings), `grammar` (a Lark
-    grammar in llguidance's syntax).
+    `regex` (Rust's regex syntax, as llguidance reads it, but \\d and \\w ASCII as vLLM's default backend reads
+    them), `choice` (one of these strings), `grammar` (a Lark grammar in llguidance's syntax, or GBNF).
 
     `starts_after`: the grammar applies only once the output's tokens end with this text's tokens (a reasoning
     model's `</think>`: it reasons freely first, as vLLM's engine does with a reasoning parser); None: from the
@@ -33,19 +34,36 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None  # also what strict tool calls under "auto" are held to
     starts_after: str | None = None
+    # vLLM's options. JSON is always written compact (disable_any_whitespace=True is what it does; vLLM's False,
+    # any whitespace, lets a small model fill max_tokens with spaces); whitespace_pattern: the regex JSON's
+    # whitespace must match instead; disable_additional_properties: objects with properties but no
+    # additionalProperties take none (vLLM's rule). structural_tag is not supported.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
                  self.grammar is not None]
+        if self.structural_tag is not None:
+            raise ParameterError("structured_outputs", "structured_outputs.structural_tag is not supported by "
+                                                       "torch_shift (json, json_object, regex, choice or grammar)")
         if sum(given) != 1:
             raise ParameterError("structured_outputs", "structured outputs take exactly one of json (a schema), "
                                                        "json_object=True, regex, choice and grammar")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or not self.whitespace_pattern):
+            raise TypeError(f"structured_outputs.whitespace_pattern is a regex, got {self.whitespace_pattern!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise TypeError(f"structured_outputs.{name} is a non-empty string, got {value!r}")
-            if value == "":
-                raise ParameterError("structured_outputs", f"structured_outputs.{name} is a non-empty string, got ''")
+                raise TypeError(f"structured_outputs.{name} is a string, got {value!r}")
+        if self.grammar == "":
+            raise ParameterError("structured_outputs", "structured_outputs.grammar is a non-empty string, got ''")
         if self.choice is not None and (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple))
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise TypeError(f"structured_outputs.choice is a non-empty list of strings, got {self.choice!r}")
@@ -62,7 +80,89 @@ class StructuredOutputsParams:
     def schema(self) -> str:
         if self.json_object:
             return '{"type": "object"}'
-        return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if not self.disable_additional_properties:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        try:
+            schema = json.loads(self.json) if isinstance(self.json, str) else copy.deepcopy(self.json)
+        except json.JSONDecodeError as e:
+            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {e}") from None
+        _no_additional_properties(schema)
+        return json.dumps(schema)
+
+
+# the keywords whose values are a subschema or a list of them, and those whose values map names to subschemas
+_SUBSCHEMA_KEYWORDS = ("items", "prefixItems", "additionalItems", "contains", "not", "if", "then", "else",
+                       "allOf", "anyOf", "oneOf", "additionalProperties", "propertyNames", "unevaluatedItems",
+                       "unevaluatedProperties")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _no_additional_properties(schema: Any) -> None:
+    """vLLM's disable_additional_properties, in place: every object schema with properties and no
+    additionalProperties gets additionalProperties false."""
+    if isinstance(schema, list):
+        for item in schema:
+            _no_additional_properties(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in _SCHEMA_MAP_KEYWORDS:
+        if isinstance(schema.get(key), dict):
+            for subschema in schema[key].values():
+                _no_additional_properties(subschema)
+    for key in _SUBSCHEMA_KEYWORDS:
+        if isinstance(schema.get(key), (dict, list)):
+            _no_additional_properties(schema[key])
+    if "additionalProperties" not in schema and (isinstance(schema.get("properties"), dict)
+                                                 or isinstance(schema.get("patternProperties"), dict)):
+        schema["additionalProperties"] = False
+
+
+# \d and \w outside and inside classes: ASCII, as vLLM's default backend (xgrammar) and JSON Schema's patterns read
+# them; llguidance reads a regex's \d as any Unicode digit ("4333-1۷-33" for a date)
+_ASCII_SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_shorthands(regex: str) -> str:
+    """`regex` with \\d, \\D, \\w and \\W written as ASCII classes (nested classes inside a class, which
+    llguidance's Rust syntax reads); every other character and escape as it was."""
+    out: list[str] = []
+    i, depth, n = 0, 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            e = regex[i + 1]
+            body = _ASCII_SHORTHANDS.get(e.lower())
+            if body is None:
+                out.append(regex[i:i + 2])
+            elif e.isupper():
+                out.append(f"[^{body}]")
+            else:
+                out.append(body if depth else f"[{body}]")
+            i += 2
+            continue
+        if c == "[":
+            if depth and regex.startswith("[:", i):  # a POSIX class such as [:alpha:], kept whole
+                end = regex.find(":]", i + 2)
+                if end != -1:
+                    out.append(regex[i:end + 2])
+                    i = end + 2
+                    continue
+            depth += 1
+            out.append(c)
+            i += 1
+            if i < n and regex[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and regex[i] == "]":  # a class's first character: a literal ]
+                out.append("]")
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 class GrammarCompiler:
@@ -90,13 +190,16 @@ class GrammarCompiler:
                 if params.regex is not None else "the JSON schema")
         try:
             if params.grammar is not None:
-                grammar = LLMatcher.grammar_from_lark(params.grammar)
+                grammar = self._lark_or_gbnf(params.grammar)
             elif params.regex is not None:
-                grammar = LLMatcher.grammar_from_regex(params.regex)
+                grammar = LLMatcher.grammar_from_regex(ascii_shorthands(params.regex))
             elif params.choice is not None:
                 grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
             else:  # compact separators, no free whitespace: a small model would otherwise fill max_tokens with spaces
-                grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults={"whitespace_flexible": False})
+                options = {"whitespace_flexible": False}
+                if params.whitespace_pattern is not None:
+                    options["whitespace_pattern"] = params.whitespace_pattern
+                grammar = LLMatcher.grammar_from_json_schema(params.schema, defaults=options)
         except Exception as e:  # noqa: BLE001 - llguidance raises plain ValueError/RuntimeError on a bad schema
             raise ParameterError("structured_outputs", f"{what} cannot be used: {e}") from None
         error = LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits)
@@ -106,6 +209,20 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ParameterError("structured_outputs", f"{what} cannot be used: {matcher.get_error()}")
         return matcher
+
+    def _lark_or_gbnf(self, text: str) -> str:
+        """A Lark grammar (llguidance's syntax), or else a GBNF/EBNF one (llama.cpp's `root ::= ...`, which vLLM
+        takes too), converted to Lark by llguidance; the Lark parser's error where neither reads it."""
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        LLMatcher = self._llguidance.LLMatcher
+        grammar = LLMatcher.grammar_from_lark(text)
+        if "::=" in text and LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits):
+            try:
+                return LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+            except Exception:  # noqa: BLE001 - not GBNF either: the Lark parser's error is the one to show
+                pass
+        return grammar
 
 
 class WaitingGrammar:

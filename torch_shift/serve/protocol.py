@@ -113,6 +113,10 @@ class StructuredOutputsRequest(_Strict):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None  # refused by name (StructuredOutputsParams)
 
     def params(self) -> StructuredOutputsParams:
         fields = self.model_dump(exclude_none=True, by_alias=True)
