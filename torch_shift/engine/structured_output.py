@@ -84,8 +84,8 @@ class StructuredOutputsParams:
             return self.json if isinstance(self.json, str) else json.dumps(self.json)
         try:
             schema = json.loads(self.json) if isinstance(self.json, str) else copy.deepcopy(self.json)
-        except json.JSONDecodeError as e:
-            raise ParameterError("structured_outputs", f"the JSON schema cannot be used: {e}") from None
+        except json.JSONDecodeError as e:  # named as a schema that cannot be used where it is compiled
+            raise ValueError(f"not JSON: {e}") from None
         _no_additional_properties(schema)
         return json.dumps(schema)
 
