@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -81,6 +82,40 @@ def checkpoint_cache(tmp_path_factory, build):
 
     return get
 
+
+
+@pytest.fixture(autouse=True)
+def _library_log_restored():
+    """`torch_shift.cli.main` shows the library's log on the stderr of its call (pytest's capture, closed after the
+    test) and stops it propagating: put the "torch_shift" logger back, so that later tests' caplog sees it."""
+    log = logging.getLogger("torch_shift")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
+
+
+class LogLines(logging.Handler):
+    """The messages a logger emits at `level` or above while the block runs, caught on that logger itself (root's
+    handlers, caplog's among them, miss what a logger that does not propagate keeps)."""
+
+    def __init__(self, name: str, level: int = logging.INFO):
+        super().__init__(level)
+        self.logger, self.messages, self._level = logging.getLogger(name), [], level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> LogLines:
+        self._saved = self.logger.level
+        self.logger.setLevel(self._level)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self._saved)
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):

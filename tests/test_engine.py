@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import hf_greedy, random_prompts, rewrite_config
+from conftest import LogLines, hf_greedy, random_prompts, rewrite_config
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine.errors import ParameterError
@@ -675,12 +675,12 @@ def test_a_hundred_thousand_stop_strings(llama):
     assert out.stop_reason == stop and out.text == free.text[:free.text.index(stop)]
 
 
-def test_temperatures_below_0_01_are_raised_to_it_as_vllm_does(llama, caplog):
+def test_temperatures_below_0_01_are_raised_to_it_as_vllm_does(llama):
     _, model_dir = llama
     llm = LLM(str(model_dir))
-    with caplog.at_level("WARNING", logger="torch_shift.engine.sampling_params"):
+    with LogLines("torch_shift.engine.sampling_params", logging.WARNING) as log:
         tiny = SamplingParams(max_tokens=8, temperature=5e-6, n=2, seed=3)
-    assert tiny.temperature == 0.01 and not tiny.greedy and "raised to 0.01" in caplog.text
+    assert tiny.temperature == 0.01 and not tiny.greedy and "raised to 0.01" in log.messages[0]
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
     prompts = random_prompts(3, [4, 9, 2], seed=6)
     assert ([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, tiny, use_tqdm=False)]

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import LogLines
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
@@ -125,17 +126,17 @@ def test_completion_streamed_and_not_equal_the_engine(server, reference):
         expected.text[-3:]]
 
 
-def test_enable_log_requests_logs_each_admitted_request(checkpoints, caplog):
+def test_enable_log_requests_logs_each_admitted_request(checkpoints):
     _, model_dir = checkpoints("llama")
     logged = RunningServer(model_dir, log_requests=True)
     try:
-        with caplog.at_level(logging.INFO, logger="torch_shift.serve"):
+        with LogLines("torch_shift.serve") as log:
             logged.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
             with pytest.raises(openai.BadRequestError):  # refused before admission: not logged
                 logged.client().completions.create(model="tiny", prompt=[5, 6], max_tokens=2, logprobs=21)
     finally:
         logged.stop()
-    received = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
+    received = [m for m in log.messages if m.startswith("Received request")]
     assert len(received) == 1 and "prompt tokens [3]" in received[0] and "max_tokens=2" in received[0]
 
 

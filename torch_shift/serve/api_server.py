@@ -715,11 +715,6 @@ def run_server(engine_args, args) -> int:
 
     server: uvicorn.Server | None = None
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails in a second
-    if args.enable_log_requests and not logger.handlers:  # this process is the CLI's own: its stderr, at INFO
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
 
     def exit_on_fatal() -> None:  # from the engine or watchdog thread; clients in flight have their errors
         def leave() -> None:
