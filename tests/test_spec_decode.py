@@ -636,6 +636,22 @@ def test_a_preempted_request_drops_its_proposals():
     assert request.spec_token_ids == [] and request.status is RequestStatus.PREEMPTED
 
 
+def test_a_grammar_that_fails_in_a_check_keeps_the_tokens_accepted_before_it():
+    """A check whose last draw broke the request's grammar: the accepted proposals before it are output (their KV
+    was computed), the failing draw is not, and the request ends with "error"; its blocks go back."""
+    sched = make_scheduler(num_blocks=8, budget=32, max_seqs=4)
+    request = make_request("a", 9, max_tokens=20)
+    add(sched, request)
+    sched.update_from_output(sched.schedule(), {"a": 7})
+    request.spec_token_ids = [11, 12, 13]
+    out = sched.schedule()
+    assert out.scheduled[0].spec_token_ids == (11, 12, 13)
+    request.error = "the output could not be kept to its grammar: token refused"  # as the sampler sets it
+    sched.update_from_output(out, {"a": [11, 12, 5]})  # 11 and 12 accepted, 5 drawn where the grammar failed
+    assert request.output_token_ids == [7, 11, 12] and request.status is RequestStatus.FINISHED_ERROR
+    assert request.stop_reason == request.error and not sched.pools[0].req_blocks
+
+
 class _TellsFinishes:
     """Proposes the token 7, as long as asked; records the requests it is told have finished."""
 

@@ -583,14 +583,16 @@ class Scheduler:
         return updated
 
     def _append_drawn(self, request: Request, drawn: list[int]) -> None:
-        failed = request.error is not None  # its grammar failed at the last draw, whose token is not output
-        for token in drawn[:-1] if failed else drawn:
+        # a grammar that failed at the last draw: that token is not output, the accepted ones before it are
+        error, request.error = request.error, None
+        for token in drawn[:-1] if error is not None else drawn:
             request.append_output_token(token)
             status = request.check_stop(self.config.max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 return
-        if failed:
+        if error is not None:
+            request.error = error
             self._finish_failed(request)
 
     def _finish_failed(self, request: Request) -> None:
