@@ -55,9 +55,11 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
-                                                    or not self.whitespace_pattern):
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise TypeError(f"structured_outputs.whitespace_pattern is a regex, got {self.whitespace_pattern!r}")
+        if self.whitespace_pattern == "":
+            raise ParameterError("structured_outputs", "structured_outputs.whitespace_pattern is a non-empty regex, "
+                                                       "got ''")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -93,8 +95,8 @@ class StructuredOutputsParams:
 # the keywords whose values are a subschema or a list of them, and those whose values map names to subschemas
 _SUBSCHEMA_KEYWORDS = ("items", "prefixItems", "additionalItems", "contains", "not", "if", "then", "else",
                        "allOf", "anyOf", "oneOf", "additionalProperties", "propertyNames", "unevaluatedItems",
-                       "unevaluatedProperties")
-_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+                       "unevaluatedProperties", "contentSchema")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
 
 def _no_additional_properties(schema: Any) -> None:
@@ -118,45 +120,37 @@ def _no_additional_properties(schema: Any) -> None:
         schema["additionalProperties"] = False
 
 
-# \d and \w outside and inside classes: ASCII, as vLLM's default backend (xgrammar) and JSON Schema's patterns read
-# them; llguidance reads a regex's \d as any Unicode digit ("4333-1۷-33" for a date)
-_ASCII_SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_"}
+# \d and \w: ASCII, as vLLM's default backend (xgrammar) and JSON Schema's patterns read them; llguidance reads a
+# regex's \d as any Unicode digit ("4333-1۷-33" for a date)
+_ASCII_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
 
 
 def ascii_shorthands(regex: str) -> str:
-    """`regex` with \\d, \\D, \\w and \\W written as ASCII classes (nested classes inside a class, which
-    llguidance's Rust syntax reads); every other character and escape as it was."""
+    """`regex` with \\d, \\D, \\w and \\W written as ASCII classes, inside a class as a nested class (no range
+    forms with a neighbour); one beside a class's `-` (a range's end, which Rust's syntax refuses) is left for
+    llguidance to read. Every other character and escape as it was."""
     out: list[str] = []
     i, depth, n = 0, 0, len(regex)
     while i < n:
         c = regex[i]
         if c == "\\" and i + 1 < n:
-            e = regex[i + 1]
-            body = _ASCII_SHORTHANDS.get(e.lower())
-            if body is None:
-                out.append(regex[i:i + 2])
-            elif e.isupper():
-                out.append(f"[^{body}]")
-            else:
-                out.append(body if depth else f"[{body}]")
+            ascii_class = _ASCII_SHORTHANDS.get(regex[i + 1])
+            in_range = depth and (regex[i - 1:i] == "-" or regex[i + 2:i + 3] == "-" and regex[i + 3:i + 4] != "]")
+            out.append(ascii_class if ascii_class is not None and not in_range else regex[i:i + 2])
             i += 2
             continue
         if c == "[":
-            if depth and regex.startswith("[:", i):  # a POSIX class such as [:alpha:], kept whole
-                end = regex.find(":]", i + 2)
-                if end != -1:
-                    out.append(regex[i:end + 2])
-                    i = end + 2
-                    continue
+            if depth and regex.startswith("[:", i) and (end := regex.find(":]", i + 2)) != -1:  # [:alpha:]
+                out.append(regex[i:end + 2])
+                i = end + 2
+                continue
             depth += 1
             out.append(c)
             i += 1
-            if i < n and regex[i] == "^":
-                out.append("^")
-                i += 1
-            if i < n and regex[i] == "]":  # a class's first character: a literal ]
-                out.append("]")
-                i += 1
+            for literal in ("^", "]"):  # a class's negation, and a ] first in it: a literal
+                if regex[i:i + 1] == literal:
+                    out.append(literal)
+                    i += 1
             continue
         if c == "]" and depth:
             depth -= 1
