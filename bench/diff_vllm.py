@@ -134,6 +134,8 @@ def compare(ours: dict, theirs: dict) -> list[str]:
         who = "torch_shift" if "refused" in ours else "vLLM"
         return [f"only {who} refused: {(ours if who == 'torch_shift' else theirs)['refused']}"]
     differences = []
+    if len(ours["outputs"]) != len(theirs["outputs"]):
+        differences.append(f"outputs: torch_shift {len(ours['outputs'])} / vLLM {len(theirs['outputs'])}")
     for a, b in zip(ours["outputs"], theirs["outputs"]):
         for key in ("text", "token_ids", "finish_reason", "stop_reason", "logprobs"):
             if a[key] != b[key]:
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = {"same": 0, "known": 0, "new": 0}
     report = {}
     for case_id in ours:
-        differences = compare(ours[case_id], theirs[case_id])
+        differences = (compare(ours[case_id], theirs[case_id]) if case_id in theirs
+                       else ["vLLM's side returned no result"])
         kind = "same" if not differences else "known" if known[case_id] else "new"
         counts[kind] += 1
         report[case_id] = {"kind": kind, "differences": differences, "torch_shift": ours[case_id],

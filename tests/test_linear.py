@@ -85,7 +85,7 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_fe
         assert_close(together, reference(x, weight, b), dtype, in_features)
         for row in range(max_rows):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1])
-        for rows in (7, 12, 13):
+        for rows in [r for r in (2, 3, 7, 12, 13) if r < max_rows]:
             assert torch.equal(packed(x[:rows], b), together[:rows])
         assert torch.equal(packed(x.reshape(4, -1, in_features), b), together.reshape(4, -1, 256))
 

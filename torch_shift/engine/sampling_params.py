@@ -37,7 +37,7 @@ class RequestOutputKind(enum.IntEnum):
     DELTA = 1  # what each step added (not supported)
     FINAL_ONLY = 2  # its output once, when it finishes
 
-# vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily (only 0 once MIN_TEMPERATURE raised the rest)
 GREEDY_TEMPERATURE = 1e-5
 # vLLM's _MAX_TEMP: a temperature in (0, MIN_TEMPERATURE) is raised to it, where softmax(logits / T) stays finite
 MIN_TEMPERATURE = 1e-2
