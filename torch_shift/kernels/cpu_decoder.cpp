@@ -59,6 +59,8 @@ extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads
                          int64_t table_positions, void* out);
 extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols);
 extern "C" int ts_ulysses_installed();
+extern "C" int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_stride, int64_t rows,
+                                     int64_t K, int64_t N, const void* bias, void* out, int64_t out_stride);
 extern "C" void* ts_paged_step_copy_new();
 extern "C" void ts_paged_step_copy_delete(void* copy);
 extern "C" int ts_paged_step_copy_fill(void* copy);
@@ -89,12 +91,14 @@ constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleep
 
 // the fields of one layer in the array ts_decoder_create reads (torch_shift/models/native_decoder.py writes it)
 enum LayerField {
-  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kKvLayer, kWindow, kO, kOBias, kPostNorm, kGateUp, kDown, kLayerFields
+  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kKvLayer, kWindow, kO, kOBias, kPostNorm, kGateUp, kDown, kQkvHandle,
+  kOHandle, kGateUpHandle, kDownHandle, kLayerFields
 };
 // and of the model
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
-  kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kCommunicator, kLmHeadRows, kModelFields
+  kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kCommunicator, kLmHeadRows, kGemvRows, kLmHeadHandle,
+  kModelFields
 };
 
 struct Layer {
@@ -110,6 +114,8 @@ struct Layer {
   const void* post_norm;
   const void* gate_up;
   const void* down;
+  // the weights' handles (linear.py's PackedWeight.handle): a matmul of more rows than the GEMV takes runs oneDNN's
+  int64_t qkv_handle, o_handle, gate_up_handle, down_handle;
 };
 
 // A launched step: its inputs copied, the caller's outputs (alive until it waited for the step)
@@ -141,6 +147,9 @@ struct Decoder {
   bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
   int gemv_code;   // ts_packed_gemv's code for every weight's dtype and layout (4: bfloat16 packed for AMX)
   int64_t max_tokens;  // a step's tokens at most (1 to kMaxTokens): the scratch's rows
+  // matmuls of more rows run oneDNN's, as the eager forward's packed linear runs them (bfloat16 packed for AMX)
+  int64_t gemv_rows;
+  int64_t lm_head_handle;
   // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
   // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank (its
   // shard of the vocabulary, gathered by the caller). A rank of a sequence-parallel layout has no LM head here (null):
@@ -298,10 +307,12 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
 // out[rows, N] = x[rows, K] @ W.T (+ bias) as the eager forward's packed linear runs it: the GEMV on oneDNN's
 // layout (max_tokens is at most the rows it takes there), or the 16-feature blocks' kernel with its GEMV for up to
 // kBlockedGemvRows rows and its matmul for more (models/linear.py's PackedWeight)
-int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t N, int64_t K,
-           const void* bias, void* out, int64_t out_stride) {
+int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t handle, int64_t N,
+           int64_t K, const void* bias, void* out, int64_t out_stride) {
   if (d.blocked)
     return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kBlockedGemvRows);
+  if (rows > d.gemv_rows)  // oneDNN's matmul (cpu_ops.cpp's packed_linear): bfloat16 on AMX above 4 rows
+    return ts_packed_linear_rows(handle, d.dtype, x, x_stride, rows, K, N, bias, out, out_stride) == 0 ? 0 : -210;
   return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }
 
@@ -311,7 +322,8 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
   const int64_t q_size = d.heads * hd, kv_size = d.kv_heads * hd;
   int rc;
   if ((rc = norm(d, d.x.data(), T, L.input_norm, d.h.data())) != 0) return rc;
-  if ((rc = linear(d, d.h.data(), H, T, L.qkv, rows, H, L.qkv_bias, d.qkv.data(), rows)) != 0) return rc;
+  rc = linear(d, d.h.data(), H, T, L.qkv, L.qkv_handle, rows, H, L.qkv_bias, d.qkv.data(), rows);
+  if (rc != 0) return rc;
   const char* q = d.qkv.data();
   const char* k = q + q_size * d.elem;
   const char* v = k + kv_size * d.elem;
@@ -328,14 +340,16 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
   if ((rc = ts_step_attention(attention, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd,
                               T, d.heads, d.kv_heads, hd, L.window, d.attn.data())) != 0)
     return rc;
-  if ((rc = linear(d, d.attn.data(), q_size, T, L.o, H, q_size, L.o_bias, d.h.data(), H)) != 0) return rc;
+  rc = linear(d, d.attn.data(), q_size, T, L.o, L.o_handle, H, q_size, L.o_bias, d.h.data(), H);
+  if (rc != 0) return rc;
   if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
   // the residual add and the norm after it, as the eager forward's RMSNorm(x, residual): x += h, h = norm(x)
   rc = ts_add_rms_norm(dt, d.x.data(), d.h.data(), T, H, L.post_norm, d.eps, d.lanes, d.x.data(), d.h.data());
   if (rc != 0) return rc;
-  if ((rc = linear(d, d.h.data(), H, T, L.gate_up, 2 * I, H, nullptr, d.gate_up.data(), 2 * I)) != 0) return rc;
+  rc = linear(d, d.h.data(), H, T, L.gate_up, L.gate_up_handle, 2 * I, H, nullptr, d.gate_up.data(), 2 * I);
+  if (rc != 0) return rc;
   silu_mul(d.gate_up.data(), d.act.data(), T, I, dt, d.silu_lanes, at::get_num_threads());
-  if ((rc = linear(d, d.act.data(), I, T, L.down, H, I, nullptr, d.h.data(), H)) != 0) return rc;
+  if ((rc = linear(d, d.act.data(), I, T, L.down, L.down_handle, H, I, nullptr, d.h.data(), H)) != 0) return rc;
   if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
   add(d.x.data(), d.h.data(), d.x.data(), T * H, dt);
   return 0;
@@ -364,7 +378,8 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   // without an LM head the rows' final hidden states are the step's result
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
   if (rc != 0 || d.lm_head == nullptr) return rc;
-  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_rows, H, nullptr, logits, d.lm_head_rows);
+  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_handle, d.lm_head_rows, H, nullptr, logits,
+                d.lm_head_rows);
   if (rc != 0 || argmax == nullptr) return rc;
   if (d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
   if (draws != nullptr) return ts_sample_rows(d.dtype, logits, num_logits, d.vocab, d.vocab, draws, argmax);
@@ -483,7 +498,7 @@ int ts_decoder_available() {
 void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num_layers, float eps) {
   if ((model[kSiluLanes] != 8 && model[kSiluLanes] != 16) || !(ts_decoder_available() & model[kSiluLanes]) ||
       (model[kDtype] != 0 && model[kDtype] != 1) || num_layers < 1 || model[kMaxStepTokens] < 1 ||
-      model[kMaxStepTokens] > kMaxTokens || model[kLmHeadRows] < 1)
+      model[kMaxStepTokens] > kMaxTokens || model[kLmHeadRows] < 1 || model[kGemvRows] < 1)
     return nullptr;
   auto* d = new Decoder;
   auto ptr = [](int64_t address) { return reinterpret_cast<const void*>(address); };
@@ -496,6 +511,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->blocked = model[kBlocked] != 0;
   d->gemv_code = static_cast<int>(model[kGemvCode]);
   d->max_tokens = model[kMaxStepTokens];
+  d->gemv_rows = model[kGemvRows], d->lm_head_handle = model[kLmHeadHandle];
   d->communicator = model[kCommunicator], d->lm_head_rows = model[kLmHeadRows];
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
@@ -504,7 +520,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
     const int64_t* f = layers + l * kLayerFields;
     d->layers.push_back({ptr(f[kInputNorm]), ptr(f[kQkv]), ptr(f[kQkvBias]), ptr(f[kQNorm]), ptr(f[kKNorm]),
                          f[kKvLayer], f[kWindow], ptr(f[kO]), ptr(f[kOBias]), ptr(f[kPostNorm]), ptr(f[kGateUp]),
-                         ptr(f[kDown])});
+                         ptr(f[kDown]), f[kQkvHandle], f[kOHandle], f[kGateUpHandle], f[kDownHandle]});
   }
   const int64_t widest = std::max({d->hidden, d->qkv_rows(), d->heads * d->head_dim});
   for (auto* buffer : {&d->x, &d->h, &d->qkv, &d->q, &d->k, &d->attn})

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <climits>
@@ -721,6 +722,29 @@ int register_once(torch::Library*& library, Add add) {
 }  // namespace
 
 extern "C" {
+
+// The C++ decoder's matmul of more rows than the GEMV takes (cpu_decoder.cpp's linear, bfloat16 packed for AMX): x
+// [rows, K] (row stride x_stride, the decoder's dtype: 0 float32, 1 bfloat16) by packed weight `handle`, plus `bias`
+// (N values, or null), as packed_linear runs it for the eager forward (the same bits), into out (row stride
+// out_stride). 0, or -1 where it failed.
+int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_stride, int64_t rows, int64_t K,
+                          int64_t N, const void* bias, void* out, int64_t out_stride) {
+  try {
+    c10::InferenceMode guard;
+    const auto options = at::TensorOptions().dtype(dtype == 0 ? at::kFloat : at::kBFloat16);
+    const at::Tensor input = at::from_blob(const_cast<void*>(x), {rows, K}, {x_stride, 1}, options);
+    std::optional<at::Tensor> b;
+    if (bias != nullptr) b = at::from_blob(const_cast<void*>(bias), {N}, options);
+    const at::Tensor result = packed_linear(input, handle, N, b).contiguous();
+    const int64_t element = result.element_size(), row_bytes = N * element;
+    const char* from = static_cast<const char*>(result.data_ptr());
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<char*>(out) + r * out_stride * element, from + r * row_bytes, row_bytes);
+    return 0;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
 
 // ShmCommunicator.register_native: communicator `id`'s segment, layout and counters (see ShmComm); replaces an
 // earlier registration of the id

@@ -59,8 +59,8 @@ GEMV_MAX_ROWS = 64
 # bfloat16 packed for AMX (Sapphire Rapids and later): oneDNN's AMX matmul above this. The GEMV's AVX512-BF16 dot
 # products run out of compute at a few rows where the tile unit does not: decode steps of the 106M peer model on 2 cores
 # of an AMX Xeon, alternated: 4 rows alike, 6 rows 1.06x, 8 1.17x, 12 1.5x and 16 1.76x faster through oneDNN's
-# matmul (and the compiled forward) than through the GEMV (and the C++ decoder); 2-3 rows 1.1-1.2x faster through the
-# GEMV (docs/performance.md, issue 20)
+# matmul (then through the compiled forward) than through the GEMV (and the C++ decoder); 2-3 rows 1.1-1.2x faster
+# through the GEMV (docs/performance.md, issue 20). The C++ decoder calls oneDNN's matmul for such steps too.
 AMX_GEMV_MAX_ROWS = 4
 # the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
 # matmul in panels of rows above (ts_blocked_linear)

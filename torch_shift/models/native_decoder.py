@@ -6,7 +6,9 @@ wrapper and PyTorch's dispatcher between them; after each weight streams through
 and rotary table) and runs each small step there: the embedding, every layer (RMSNorm, the q/k/v GEMV, the q/k norms
 where the model has them, rotary, the step's paged attention, the output GEMV, the residual, the MLP) and the LM
 head's rows. It calls the kernels the eager forward calls, in its order, and rounds SiLU as PyTorch does (checked on
-this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py).
+this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py). Where
+the forward's packed linear runs oneDNN's matmul instead of the GEMV (bfloat16 packed for AMX, above 4 rows), the
+decoder calls that operator's C++ implementation by the weight's handle (cpu_ops.cpp's ts_packed_linear_rows).
 
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
 linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
@@ -43,9 +45,9 @@ from torch_shift.models.rope import RotaryEmbedding
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
                  "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens",
-                 "communicator", "lm_head_rows")
+                 "communicator", "lm_head_rows", "gemv_rows", "lm_head_handle")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
-                 "post_norm", "gate_up", "down")
+                 "post_norm", "gate_up", "down", "qkv_handle", "o_handle", "gate_up_handle", "down_handle")
 
 
 # the most tokens a step run here has (kernels/cpu_decoder.cpp's kMaxTokens): a decode step of up to that many
@@ -62,7 +64,8 @@ class NativeDecoder:
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
-        # MAX_TOKENS, or fewer where oneDNN's matmul would run a larger step's linears (AMX): the eager forward's bits
+        # MAX_TOKENS; where a larger step's linears run oneDNN's matmul (bfloat16 on AMX), the decoder calls it as the
+        # eager forward does (the same bits), or takes no more than the GEMV's rows where it cannot
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
         # the vocabulary, or this rank's shard of it; without the head, the hidden size (its rows' hidden states)
@@ -94,8 +97,11 @@ class NativeDecoder:
         intermediate = model.layers[0].mlp.gate_up_proj.packed.out_features // 2
         silu_lanes = _silu_lanes(dtype, intermediate)
         blocked = model.lm_head.packed.blocked
-        max_tokens = MAX_TOKENS if blocked else min(MAX_TOKENS, gemv_rows(model))
-        if silu_lanes is None or max_tokens < 1:
+        gemv_limit = gemv_rows(model)
+        # more rows than the GEMV takes: oneDNN's matmul, reached through the operator library's weight handles
+        registered = all(m.packed.native for m in model.modules() if getattr(m, "packed", None) is not None)
+        max_tokens = MAX_TOKENS if blocked or registered else min(MAX_TOKENS, gemv_limit)
+        if silu_lanes is None or gemv_limit < 1:
             return None
         model_fields = dict(
             dtype=_DTYPE_CODES[dtype], hidden=config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
@@ -105,7 +111,8 @@ class NativeDecoder:
             cos_sin=model.rotary.cos_sin.data_ptr(), silu_lanes=silu_lanes, blocked=int(blocked),
             gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens,
             communicator=-1 if group is None or alone else communicator,
-            lm_head_rows=model.lm_head.packed.out_features if head else config.hidden_size)
+            lm_head_rows=model.lm_head.packed.out_features if head else config.hidden_size, gemv_rows=gemv_limit,
+            lm_head_handle=model.lm_head.packed.handle if head else -1)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -116,7 +123,9 @@ class NativeDecoder:
                 k_norm=_address(attn.k_norm.weight if attn.k_norm is not None else None), kv_layer=attn.layer_idx,
                 window=-1 if attn.sliding_window is None else attn.sliding_window, o=_gemv_address(attn.o_proj),
                 o_bias=_address(attn.o_proj.bias), post_norm=layer.post_attention_norm.weight.data_ptr(),
-                gate_up=_gemv_address(layer.mlp.gate_up_proj), down=_gemv_address(layer.mlp.down_proj))]
+                gate_up=_gemv_address(layer.mlp.gate_up_proj), down=_gemv_address(layer.mlp.down_proj),
+                qkv_handle=attn.qkv_proj.packed.handle, o_handle=attn.o_proj.packed.handle,
+                gate_up_handle=layer.mlp.gate_up_proj.packed.handle, down_handle=layer.mlp.down_proj.packed.handle)]
         model_array = (ctypes.c_int64 * len(_MODEL_FIELDS))(*(model_fields[name] for name in _MODEL_FIELDS))
         layer_array = (ctypes.c_int64 * (len(_LAYER_FIELDS) * len(layer_fields)))(
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
