@@ -83,7 +83,6 @@ def checkpoint_cache(tmp_path_factory, build):
     return get
 
 
-
 @pytest.fixture(autouse=True)
 def _library_log_restored():
     """`torch_shift.cli.main` shows the library's log on the stderr of its call (pytest's capture, closed after the
@@ -116,6 +115,7 @@ class LogLines(logging.Handler):
     def __exit__(self, *exc) -> None:
         self.logger.removeHandler(self)
         self.logger.setLevel(self._saved)
+
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
