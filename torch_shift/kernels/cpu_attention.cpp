@@ -759,25 +759,37 @@ TS_AMX_TARGET void configure_tiles(int m) {
   _tile_loadconfig(&config);
 }
 
-// Per lane i of the result: v[i]'s 16 lanes reduced by `op` in hsum's tree ((j, j + 8), then (j, j + 4), (j, j + 2),
-// (j, j + 1)), so that a sum is the same bits as hsum's, for 16 vectors at once: 15 shuffled pairs instead of 16 trees
-// of dependent shuffles.
-template <typename Op>
-TS_BF16_TARGET __m512 reduce16(const __m512 (&v)[16], Op op) {
+// x + y, or the larger (kMax)
+template <bool kMax>
+TS_BF16_TARGET inline __m512 combine(__m512 x, __m512 y) {
+  return kMax ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y);
+}
+
+// Per lane i of the result: v[i]'s 16 lanes summed (or their maximum: kMax) in hsum's tree ((j, j + 8), then
+// (j, j + 4), (j, j + 2), (j, j + 1)), so that a sum is the same bits as hsum's, for 16 vectors at once: 15 shuffled
+// pairs instead of 16 trees of dependent shuffles. (No lambdas here: GCC compiles them without the function's target.)
+template <bool kMax>
+TS_BF16_TARGET __m512 reduce16(const __m512 (&v)[16]) {
   __m512 halves[8], quarters[4], eighths[2];
   for (int i = 0; i < 8; ++i)  // lanes [8 h, 8 h + 8): row 2 i + h's lanes j + (j + 8)
-    halves[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                   _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    halves[i] = combine<kMax>(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
   for (int i = 0; i < 4; ++i)  // 128-bit block c: row 4 i + c's pairs j + (j + 4)
-    quarters[i] = op(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
-                     _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xdd));
+    quarters[i] = combine<kMax>(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xdd));
   for (int i = 0; i < 2; ++i)  // block c: rows 8 i + c and 8 i + 4 + c, two lanes each (j + (j + 2))
-    eighths[i] = op(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
-                    _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xee));
+    eighths[i] = combine<kMax>(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xee));
   // lane 4 c + p: row 4 p + c
   const __m512 mixed =
-      op(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88), _mm512_shuffle_ps(eighths[0], eighths[1], 0xdd));
+      combine<kMax>(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88), _mm512_shuffle_ps(eighths[0], eighths[1], 0xdd));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
+}
+
+// Row i's scaled scores against piece s of the chunk from a tile's sums ([16][kChunk]); 0 past the pieces computed
+TS_BF16_TARGET inline __m512 tile_score(const float* sums, int i, int s, int64_t pieces_computed, float scale) {
+  return s < pieces_computed ? _mm512_mul_ps(_mm512_load_ps(sums + i * kChunk + s * kLanes), _mm512_set1_ps(scale))
+                             : _mm512_setzero_ps();
 }
 
 // The softmax of a tile's rows [r, r + m), m <= 16, from their sums against the chunk (`sums`: [16][kChunk], the first
@@ -785,18 +797,16 @@ TS_BF16_TARGET __m512 reduce16(const __m512 (&v)[16], Op op) {
 // their accumulators scaled by the correction, in chunk_softmax's arithmetic (a row's sum in hsum's tree). Row by row,
 // the maxima, sums and corrections (each a chain of dependent shuffles, a correction an exp of its own) took most of a
 // bf16 prompt's attention on AMX (perf); here the 16 rows' maxima and sums reduce together and their corrections are
-// one exp: a 512-token prompt's attention 8% faster (bench_attention.py), the same bits as row by row (random prompts
-// with windows and sinks, head_dim 32-128).
+// one exp: a 512-token prompt's attention 8% faster (bench_attention.py). Against the rows one by one (random prompts
+// with windows and sinks, head_dim 32-128) 4e-5 of the outputs differ, by a unit in bfloat16's last place: where GCC
+// had contracted a score's scaling and the row's maximum into one rounding in some instantiations and not in others,
+// it is one multiply-subtract here in all.
 template <int DV>
 TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float* sums, int64_t pieces_computed,
                                        const Piece<bf16_t, bf16_t>* pieces, int64_t num_pieces, int64_t chunk,
                                        float scale, uint32_t* prob_pairs) {
   constexpr int64_t D = DV * kLanes;
   const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
-  auto score = [&](int i, int s) {
-    return s < pieces_computed ? _mm512_mul_ps(_mm512_load_ps(sums + i * kChunk + s * kLanes), _mm512_set1_ps(scale))
-                               : _mm512_setzero_ps();
-  };
   __mmask16 visible[16][kPieces];
   __m512 top[16];
   for (int i = 0; i < 16; ++i) {
@@ -810,11 +820,12 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
       const int64_t to = std::clamp<int64_t>(std::min<int64_t>(b - s * kLanes, s < num_pieces ? pieces[s].n : 0), 0,
                                              kLanes);
       visible[i][s] = to > from ? __mmask16(((1u << to) - 1) & ~((1u << from) - 1)) : __mmask16(0);
-      top[i] = _mm512_max_ps(top[i], _mm512_mask_blend_ps(visible[i][s], minus_infinity, score(i, s)));
+      const __m512 score = tile_score(sums, i, s, pieces_computed, scale);
+      top[i] = _mm512_max_ps(top[i], _mm512_mask_blend_ps(visible[i][s], minus_infinity, score));
     }
   }
   const __mmask16 valid = __mmask16((1u << m) - 1);
-  const vfloat chunk_max = (vfloat)reduce16(top, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
+  const vfloat chunk_max = (vfloat)reduce16<true>(top);
   const vfloat old_max = (vfloat)_mm512_maskz_loadu_ps(valid, rows.max + r);
   const vfloat new_max = old_max > chunk_max ? old_max : chunk_max;
   const vint none_seen = chunk_max == splat(-INFINITY);  // such a row keeps its state: correction 1, probabilities 0
@@ -830,8 +841,12 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
     vfloat e[kPieces];
     for (int s = 0; s < kPieces; ++s) {
       e[s] = vfloat{};
-      if (i < m && visible[i][s])
-        e[s] = (vfloat)_mm512_maskz_mov_ps(visible[i][s], (__m512)exp_nonpositive((vfloat)score(i, s) - row_max));
+      if (i < m && visible[i][s]) {  // score - row max in one rounding, as GCC contracts chunk_softmax's
+        const __m512 sum_or_zero = s < pieces_computed ? _mm512_load_ps(sums + i * kChunk + s * kLanes)
+                                                       : _mm512_setzero_ps();
+        const vfloat x = (vfloat)_mm512_fmsub_ps(sum_or_zero, _mm512_set1_ps(scale), (__m512)row_max);
+        e[s] = (vfloat)_mm512_maskz_mov_ps(visible[i][s], (__m512)exp_nonpositive(x));
+      }
       sum += e[s];
     }
     total[i] = (__m512)sum;
@@ -846,7 +861,7 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
         _mm512_storeu_ps(acc + v * kLanes, _mm512_mul_ps(_mm512_loadu_ps(acc + v * kLanes), factor));
     }
   }
-  const vfloat chunk_sum = (vfloat)reduce16(total, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  const vfloat chunk_sum = (vfloat)reduce16<false>(total);
   const vfloat old_sum = (vfloat)_mm512_maskz_loadu_ps(valid, rows.sum + r);
   _mm512_mask_storeu_ps(rows.sum + r, valid, (__m512)(old_sum * correction + chunk_sum));
   _mm512_mask_storeu_ps(rows.max + r, valid, (__m512)new_max);
