@@ -1284,26 +1284,31 @@ def test_the_proposers_time_per_ask_raises_the_rate_an_ask_needs():
 
 
 def test_a_check_is_priced_against_steps_that_run_ahead_of_the_host():
-    """Where steps run ahead of the host, a check (whose step waits for its tokens) costs the difference between a
-    synchronous and a pipelined plain step on top of its fitted cost: a rate that pays against synchronous steps (free
-    text sampled: about 0.25) no longer pays against pipelined ones, a likely proposal still does. The difference is
-    the medians' per range of batch sizes, once each kind was seen a few times."""
+    """Where steps run ahead of the host, a plain step costs the interval between the engine's calls of pipelined
+    steps and a check (whose step waits for its tokens) that of a synchronous step plus its proposals' fitted time:
+    both carry the host's time, which the fit of forwards leaves out. A rate that pays against synchronous forwards
+    (free text sampled: about 0.25) no longer pays, a likely proposal still does. The intervals are the medians' per
+    range of batch sizes, once each kind was seen a few times."""
     penalty = SyncPenalty()
     for _ in range(3):
         penalty.observe(1, False, 2.5e-3)
         penalty.observe(1, True, 1.6e-3)
-    assert penalty.at(1) == 0.0  # too few steps of each kind yet
+    assert penalty.at(1) is None  # too few steps of each kind yet
     for seconds_ in (2.4e-3, 2.6e-3, 9e-3):  # an outlier does not move the median
         penalty.observe(1, False, seconds_)
         penalty.observe(1, True, 1.6e-3)
-    assert penalty.at(1) == pytest.approx(0.9e-3) and penalty.at(64) == 0.0
-    cost = (1.3e-3, 1e-4, 2e-5, 1e-4)  # a synchronous plain step of 1.4 ms
+    assert penalty.at(1) == pytest.approx((2.5e-3, 1.6e-3)) and penalty.at(64) is None
+    cost = (1.3e-3, 1e-4, 2e-5, 1e-4)  # a synchronous plain step's forward: 1.4 ms
     priced = with_sync_penalty(cost, 1, penalty.at(1))
-    assert seconds(priced, 1, 0, 0) == pytest.approx(0.7e-3)  # at most half the plain step's time
-    assert seconds(priced, 1, 4, 1) - seconds(priced, 1, 0, 0) == pytest.approx(4 * 2e-5 + 1e-4 + 0.7e-3)
-    assert with_sync_penalty(cost, 1, 0.0) == cost
+    # each interval to a twentieth of the fitted step: 1.61 and 2.52 ms
+    assert seconds(priced, 1, 0, 0) == pytest.approx(1.61e-3)
+    assert seconds(priced, 1, 4, 1) == pytest.approx(2.52e-3 + 4 * 2e-5 + 1e-4)
+    assert with_sync_penalty(cost, 1, None) == cost
+    # a pipelined interval at least half the fitted step, a synchronous one at least the pipelined
+    assert seconds(with_sync_penalty(cost, 1, (0.5e-3, 0.4e-3)), 1, 0, 0) == pytest.approx(0.7e-3)
+    assert seconds(with_sync_penalty(cost, 1, (0.5e-3, 0.4e-3)), 1, 4, 1) == pytest.approx(0.7e-3 + 4 * 2e-5 + 1e-4)
     assert lowest_paying_rate(16, 1, cost) < 0.25 < lowest_paying_rate(16, 1, priced) < 0.6
-    assert tokens_that_pay([0.25, 0.8], [16, 16], 2, with_sync_penalty(cost, 2, 0.3e-3))[0] == 0
+    assert tokens_that_pay([0.25, 0.8], [16, 16], 2, with_sync_penalty(cost, 2, (1.9e-3, 1.6e-3)))[0] == 0
 
 
 class _Sevens:

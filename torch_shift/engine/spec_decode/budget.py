@@ -161,13 +161,13 @@ def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> n
 
 
 class SyncPenalty:
-    """What a step costs more when the host waits for it than when it runs ahead of the host (asynchronous scheduling),
-    per range of batch sizes [2^i, 2^(i+1)): the median interval between the engine core's calls after a plain decode
-    step it ran synchronously (less the speculator's own time in it, priced per ask), less the median after one
-    launched behind the step in flight. A check costs that
-    penalty on top of its fitted cost, as does the step whose tokens a proposal follows (both wait for their tokens),
-    while the fit (StepCostFit) sees synchronous steps only. Measured on free text in one process: pipelined steps
-    1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
+    """What a plain decode step costs when the host waits for it and when it runs ahead of the host (asynchronous
+    scheduling), per range of batch sizes [2^i, 2^(i+1)): the median interval between the engine core's calls after
+    such a step run synchronously (less the speculator's own time in it, priced per ask), and after one launched
+    behind the step in flight. A check waits for its tokens, as does the step whose tokens a proposal follows: it
+    costs a synchronous step's interval and its proposals' fitted time (with_sync_penalty), while the fit
+    (StepCostFit) sees synchronous steps' forwards and sampling only. Measured on free text in one process: pipelined
+    steps 1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
 
     def __init__(self, window: int = 32, min_steps: int = 4):
         self.min_steps = min_steps
@@ -181,25 +181,33 @@ class SyncPenalty:
             last = self.intervals[key] = deque(maxlen=self.window)
         last.append(seconds)
 
-    def at(self, num_requests: int) -> float:
-        """The penalty for steps of `num_requests` requests (0 until both kinds of step were seen in its range)."""
+    def at(self, num_requests: int) -> tuple[float, float] | None:
+        """The (synchronous, pipelined) median intervals for steps of `num_requests` requests; None until both kinds
+        of step were seen in its range."""
         key = num_requests.bit_length()
         synchronous, pipelined = self.intervals.get((key, False)), self.intervals.get((key, True))
         if synchronous is None or pipelined is None or min(len(synchronous), len(pipelined)) < self.min_steps:
-            return 0.0
-        return max(0.0, statistics.median_high(synchronous) - statistics.median_high(pipelined))
+            return None
+        return statistics.median_high(synchronous), statistics.median_high(pipelined)
 
 
-def with_sync_penalty(cost: StepCost, num_requests: int, penalty: float) -> StepCost:
-    """`cost` priced against steps that run ahead of the host: a plain step `penalty` cheaper, a check that much dearer
-    (a step that checks waits for its tokens). At most half the plain step's fitted time, rounded to a twentieth of it
-    (the prices derived from a cost are kept while it stays: Speculator._prices)."""
+def with_sync_penalty(cost: StepCost, num_requests: int, intervals: tuple[float, float] | None) -> StepCost:
+    """`cost` priced against steps that run ahead of the host, from SyncPenalty's (synchronous, pipelined) intervals:
+    a plain step costs the pipelined interval, a check (which waits for its tokens) the synchronous one plus its
+    proposed tokens' and its check's fitted time. Both intervals carry the host's time between steps, which the fit
+    leaves out: pricing a plain step at its fitted forward less the difference (as before) left the host's time out
+    of both, and on an AMX Xeon's agent loop, where the host's time is a fifth of a step, the budget checked 38
+    proposals and gained nothing where checking every proposal ran 1.36x (docs/performance.md). The pipelined
+    interval at least half the plain step's fitted time, the synchronous one at least the pipelined, each rounded to
+    a twentieth of the fitted time (the prices derived from a cost are kept while it stays: Speculator._prices)."""
     a, c, b, d = cost
     plain = a + c * num_requests
-    if penalty <= 0.0 or plain <= 0.0:
+    if intervals is None or plain <= 0.0:
         return cost
-    penalty = min(0.5, round(20.0 * penalty / plain) / 20.0) * plain
-    return (a - penalty, c, b, d + penalty)
+    synchronous, pipelined = (round(20.0 * x / plain) / 20.0 * plain for x in intervals)
+    pipelined = max(pipelined, 0.5 * plain)
+    synchronous = max(synchronous, pipelined)
+    return (a + pipelined - plain, c, b, d + synchronous - pipelined)
 
 
 def seconds(cost: StepCost, num_requests: int, num_proposed: int, num_checks: int) -> float:
