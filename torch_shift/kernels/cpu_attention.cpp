@@ -841,7 +841,7 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
     vfloat e[kPieces];
     for (int s = 0; s < kPieces; ++s) {
       e[s] = vfloat{};
-      if (i < m && visible[i][s]) {  // score - row max in one rounding, as GCC contracts chunk_softmax's
+      if (i < m && visible[i][s]) {  // score - row max in one rounding (GCC contracts chunk_softmax's so, mostly)
         const __m512 sum_or_zero = s < pieces_computed ? _mm512_load_ps(sums + i * kChunk + s * kLanes)
                                                        : _mm512_setzero_ps();
         const vfloat x = (vfloat)_mm512_fmsub_ps(sum_or_zero, _mm512_set1_ps(scale), (__m512)row_max);

@@ -72,6 +72,7 @@ inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 // 1 / 2 / 4 / 8 rows without it, 36 / 36 / 28 / 24 with it (2 threads, an AMX Xeon, alternated in one process;
 // 2 KiB and 8 KiB ahead in between)
 constexpr int64_t kF32StreamAheadBytes = 4096;
+
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
 struct F32Rows {
@@ -131,6 +132,7 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) 
 // 36 / 28 against 51 / 49 / 50 (2 threads, an AMX Xeon, alternated in one process). 16 KiB ahead ran the first
 // shape's 4 rows faster (34 GB/s) and the second's slower (44).
 constexpr int64_t kBf16StreamAheadBytes = 4096;
+
 // kHalves: the weight in oneDNN's AMX layout, a block of 64 features as two blocks of 32 (the header's formulas)
 template <int R, bool kHalves>
 struct Bf16Rows {

@@ -195,11 +195,11 @@ def with_sync_penalty(cost: StepCost, num_requests: int, intervals: tuple[float,
     """`cost` priced against steps that run ahead of the host, from SyncPenalty's (synchronous, pipelined) intervals:
     a plain step costs the pipelined interval, a check (which waits for its tokens) the synchronous one plus its
     proposed tokens' and its check's fitted time. Both intervals carry the host's time between steps, which the fit
-    leaves out: pricing a plain step at its fitted forward less the difference (as before) left the host's time out
-    of both, and on an AMX Xeon's agent loop, where the host's time is a fifth of a step, the budget checked 38
-    proposals and gained nothing where checking every proposal ran 1.36x (docs/performance.md). The pipelined
-    interval at least half the plain step's fitted time, the synchronous one at least the pipelined, each rounded to
-    a twentieth of the fitted time (the prices derived from a cost are kept while it stays: Speculator._prices)."""
+    leaves out: a plain step priced at its fitted forward less the difference (until 2026-12-01) left the host's time
+    out of both and priced a check dearer against a plain step than it is (free text's steps of 1.6 ms pipelined and
+    2.5 synchronous: 2x instead of 1.56x). The pipelined interval at least half the plain step's fitted time, the
+    synchronous one at least the pipelined, each rounded to a twentieth of the fitted time (the prices derived from a
+    cost are kept while it stays: Speculator._prices)."""
     a, c, b, d = cost
     plain = a + c * num_requests
     if intervals is None or plain <= 0.0:
