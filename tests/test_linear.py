@@ -250,8 +250,8 @@ def test_packed_weights_move_into_huge_pages_where_the_kernel_offers_them():
 
 
 def test_bench_linear_prints_every_shape_and_row_count(capsys):
-    """bench/bench_linear.py (the figures in docs/performance.md) runs here: a line per weight and row count, each
-    way that runs on this CPU timed, and the layout the engine takes named."""
+    """bench/bench_linear.py (the figures in docs/performance.md) runs here, over two copies of each weight: a line per
+    weight and row count, each way that runs on this CPU timed, and the layout the engine takes named."""
     import sys
     from pathlib import Path
 
@@ -259,7 +259,7 @@ def test_bench_linear_prints_every_shape_and_row_count(capsys):
     from bench_linear import SHAPES, main
 
     rows = [1, GEMV_MAX_ROWS + 1]
-    assert main(["--rows", ",".join(map(str, rows)), "--dtypes", "float32", "--repeats", "1"]) == 0
+    assert main(["--rows", ",".join(map(str, rows)), "--dtypes", "float32", "--repeats", "1", "--copies", "2"]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
     assert len(lines) == len(rows) * len(SHAPES)
     for line in lines:
