@@ -89,7 +89,7 @@ def launches(monkeypatch):
 
 def _decoder_limit(dtype: torch.dtype) -> int:
     """The most tokens of a step the C++ decoder takes where this CPU packs `dtype`: MAX_TOKENS (in bfloat16 packed
-    for AMX, its matmuls of more than 4 rows are oneDNN's, called as the eager forward calls them), or the GEMV's
+    for AMX, its matmuls of more than 5 rows are oneDNN's, called as the eager forward calls them), or the GEMV's
     rows where the operator library does not hold the weights."""
     packed = PackedWeight(torch.randn(64, 64).to(dtype))
     return MAX_TOKENS if packed.blocked or packed.native else min(MAX_TOKENS, packed.gemv_max_rows)

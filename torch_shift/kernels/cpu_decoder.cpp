@@ -311,7 +311,7 @@ int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, cons
            int64_t K, const void* bias, void* out, int64_t out_stride) {
   if (d.blocked)
     return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kBlockedGemvRows);
-  if (rows > d.gemv_rows)  // oneDNN's matmul (cpu_ops.cpp's packed_linear): bfloat16 on AMX above 4 rows
+  if (rows > d.gemv_rows)  // oneDNN's matmul (cpu_ops.cpp's packed_linear): bfloat16 on AMX above 5 rows
     return ts_packed_linear_rows(handle, d.dtype, x, x_stride, rows, K, N, bias, out, out_stride) == 0 ? 0 : -210;
   return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }

@@ -60,8 +60,10 @@ GEMV_MAX_ROWS = 64
 # products run out of compute at a few rows where the tile unit does not: decode steps of the 106M peer model on 2 cores
 # of an AMX Xeon, alternated: 4 rows alike, 6 rows 1.06x, 8 1.17x, 12 1.5x and 16 1.76x faster through oneDNN's
 # matmul (then through the compiled forward) than through the GEMV (and the C++ decoder); 2-3 rows 1.1-1.2x faster
-# through the GEMV (docs/performance.md, issue 20). The C++ decoder calls oneDNN's matmul for such steps too.
-AMX_GEMV_MAX_ROWS = 4
+# through the GEMV (docs/performance.md, issue 20). The C++ decoder calls oneDNN's matmul for such steps too. With the
+# GEMV's weight streams prefetched (cpu_linear.cpp), 5 rows run faster through it: the four weights cold (bench_linear
+# --copies 8) 1.04-1.13x oneDNN's rate, decode steps of 5 requests 8.7-9.4 against 10.2-10.3 ms; 6 rows still slower.
+AMX_GEMV_MAX_ROWS = 5
 # the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
 # matmul in panels of rows above (ts_blocked_linear)
 BLOCKED_GEMV_ROWS = 16

@@ -7,7 +7,7 @@ and rotary table) and runs each small step there: the embedding, every layer (RM
 where the model has them, rotary, the step's paged attention, the output GEMV, the residual, the MLP) and the LM
 head's rows. It calls the kernels the eager forward calls, in its order, and rounds SiLU as PyTorch does (checked on
 this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py). Where
-the forward's packed linear runs oneDNN's matmul instead of the GEMV (bfloat16 packed for AMX, above 4 rows), the
+the forward's packed linear runs oneDNN's matmul instead of the GEMV (bfloat16 packed for AMX, above 5 rows), the
 decoder calls that operator's C++ implementation by the weight's handle (cpu_ops.cpp's ts_packed_linear_rows).
 
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
