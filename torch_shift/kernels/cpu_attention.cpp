@@ -786,10 +786,9 @@ TS_BF16_TARGET __m512 reduce16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), mixed);
 }
 
-// Row i's scaled scores against piece s of the chunk from a tile's sums ([16][kChunk]); 0 past the pieces computed
-TS_BF16_TARGET inline __m512 tile_score(const float* sums, int i, int s, int64_t pieces_computed, float scale) {
-  return s < pieces_computed ? _mm512_mul_ps(_mm512_load_ps(sums + i * kChunk + s * kLanes), _mm512_set1_ps(scale))
-                             : _mm512_setzero_ps();
+// Row i's sums against piece s of the chunk from a tile's ([16][kChunk]); 0 past the pieces computed
+TS_BF16_TARGET inline __m512 tile_sum(const float* sums, int i, int s, int64_t pieces_computed) {
+  return s < pieces_computed ? _mm512_load_ps(sums + i * kChunk + s * kLanes) : _mm512_setzero_ps();
 }
 
 // The softmax of a tile's rows [r, r + m), m <= 16, from their sums against the chunk (`sums`: [16][kChunk], the first
@@ -820,7 +819,7 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
       const int64_t to = std::clamp<int64_t>(std::min<int64_t>(b - s * kLanes, s < num_pieces ? pieces[s].n : 0), 0,
                                              kLanes);
       visible[i][s] = to > from ? __mmask16(((1u << to) - 1) & ~((1u << from) - 1)) : __mmask16(0);
-      const __m512 score = tile_score(sums, i, s, pieces_computed, scale);
+      const __m512 score = _mm512_mul_ps(tile_sum(sums, i, s, pieces_computed), _mm512_set1_ps(scale));
       top[i] = _mm512_max_ps(top[i], _mm512_mask_blend_ps(visible[i][s], minus_infinity, score));
     }
   }
@@ -842,9 +841,8 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
     for (int s = 0; s < kPieces; ++s) {
       e[s] = vfloat{};
       if (i < m && visible[i][s]) {  // score - row max in one rounding (GCC contracts chunk_softmax's so, mostly)
-        const __m512 sum_or_zero = s < pieces_computed ? _mm512_load_ps(sums + i * kChunk + s * kLanes)
-                                                       : _mm512_setzero_ps();
-        const vfloat x = (vfloat)_mm512_fmsub_ps(sum_or_zero, _mm512_set1_ps(scale), (__m512)row_max);
+        const __m512 sum = tile_sum(sums, i, s, pieces_computed);
+        const vfloat x = (vfloat)_mm512_fmsub_ps(sum, _mm512_set1_ps(scale), (__m512)row_max);
         e[s] = (vfloat)_mm512_maskz_mov_ps(visible[i][s], (__m512)exp_nonpositive(x));
       }
       sum += e[s];

@@ -67,11 +67,15 @@ __attribute__((target("avx512f"))) inline __m512 load_bias_f32(const float* bias
 // another oneDNN that blocks otherwise: `PackedWeight.rounds_as_onednn` (models/linear.py) checks a weight.
 inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 
-// A block's stream prefetched this far ahead, two of the four lines of each k-step (the others come with them in
-// 128-byte pairs), as the bfloat16 rows below: eight cold 5,632 x 1,024 weights in turn read 34 / 31 / 24 / 20 GB/s at
-// 1 / 2 / 4 / 8 rows without it, 36 / 36 / 28 / 24 with it (2 threads, an AMX Xeon, alternated in one process;
-// 2 KiB and 8 KiB ahead in between)
-constexpr int64_t kF32StreamAheadBytes = 4096;
+// The GEMVs' weight streams are prefetched this far ahead (float32: two of each k-step's four lines; bfloat16: a line
+// of each half-block's stream a k-pair; the other line of a 128-byte pair comes with each): the weights of a decode
+// step stream from memory, and the out-of-order window alone kept too few of their lines in flight, fewer the more
+// rows (each row's products queue behind the loads). Eight cold weights in turn, 2 threads of an AMX Xeon, alternated
+// in one process, GB/s without and with it: float32 5,632 x 1,024 at 1 / 2 / 4 / 8 rows 34 / 31 / 24 / 20 against
+// 36 / 36 / 28 / 24; bfloat16 49,152 x 192 at 1 / 2 / 4 rows 33 / 26 / 22 against 34 / 31 / 29, 5,632 x 1,024 45 /
+// 36 / 28 against 51 / 49 / 50. 2, 8 and 16 KiB measured too (16 KiB: the first bf16 shape's 4 rows faster, 34 GB/s,
+// the second's slower, 44).
+constexpr int64_t kStreamAheadBytes = 4096;
 
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
@@ -95,8 +99,8 @@ struct F32Rows {
             for (credit += prefetch_lines; credit >= K; credit -= K, prefetch += 64) __builtin_prefetch(prefetch, 0, 1);
           }
           const float* wk = wb + k * kBlock;
-          _mm_prefetch(reinterpret_cast<const char*>(wk) + kF32StreamAheadBytes, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wk) + kF32StreamAheadBytes + 128, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes + 128, _MM_HINT_T0);
           const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
           const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
           for (int r = 0; r < R; ++r) {
@@ -125,14 +129,6 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// Each of a block's two streams prefetched this far ahead, a line a k-pair (the other line of its 128-byte pair comes
-// with it): the weights of a decode step stream from memory, and the out-of-order window alone kept too few of their
-// lines in flight, fewer the more rows (each row's dot products queue behind the loads). Eight weights in turn of
-// 49,152 x 192 (cold) read 33 / 26 / 22 GB/s at 1 / 2 / 4 rows without it, 34 / 31 / 29 with it; 5,632 x 1,024 45 /
-// 36 / 28 against 51 / 49 / 50 (2 threads, an AMX Xeon, alternated in one process). 16 KiB ahead ran the first
-// shape's 4 rows faster (34 GB/s) and the second's slower (44).
-constexpr int64_t kBf16StreamAheadBytes = 4096;
-
 // kHalves: the weight in oneDNN's AMX layout, a block of 64 features as two blocks of 32 (the header's formulas)
 template <int R, bool kHalves>
 struct Bf16Rows {
@@ -149,8 +145,8 @@ struct Bf16Rows {
       for (int64_t k = 0; k < K; k += 2) {
         const uint16_t* wk = wb + k * kWidth;  // features 0-31 x 2 consecutive k
         const uint16_t* wk_high = wb_high + k * kWidth;
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + kBf16StreamAheadBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wk_high) + kBf16StreamAheadBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wk_high) + kStreamAheadBytes, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk_high), w3 = (__m512bh)_mm512_loadu_si512(wk_high + 32);
         for (int r = 0; r < R; ++r) {
