@@ -258,6 +258,7 @@ def test_the_kernels_build_and_agree_without_native_flags(tmp_path, march):
     import torch_shift.kernels as kernels_module
     from torch_shift.attention.cpu import CpuBackend
     from torch_shift.kernels import CpuKernels, cpu_kernels
+    from torch_shift.models.linear import PackedWeight
 
     sources = [Path(kernels_module.__file__).parent / name for name in kernels_module._SOURCES]
     error = kernels_module._compile_and_link(compiler(), sources, tmp_path / "libbaseline.so", native=False,
@@ -283,6 +284,16 @@ def test_the_kernels_build_and_agree_without_native_flags(tmp_path, march):
         for kernels in (baseline, native):
             out = CpuBackend(kernels).build(batch, cache)(0, q, k, v)
             assert (out.double() - reference).abs().max() < TOLERANCE[dtype] * max(1.0, reference.abs().max())
+        # the GEMV on weights in oneDNN's layout (on AMX, bf16 on the tile unit): the same bits
+        packed = PackedWeight(torch.randn(128, 256, generator=g).to(dtype), blocked=False)
+        if packed.gemv is not None:
+            rows = torch.randn(7, 256, generator=g).to(dtype)
+            out = [torch.empty(7, 128, dtype=dtype) for _ in range(2)]
+            for kernels, o in zip((baseline, native), out, strict=True):
+                assert kernels.packed_gemv(packed.gemv_code, rows.data_ptr(), 256, 7, packed.address, 128, 256, None,
+                                           o.data_ptr(), 128) == 0
+            assert torch.equal(out[0], out[1])
+            assert baseline.gemv_amx(-1) == native.gemv_amx(-1)
 
 
 @needs_kernels

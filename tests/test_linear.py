@@ -112,6 +112,37 @@ def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
             assert torch.equal(packed(x[:rows], b), together[:rows]), (in_features, rows)
 
 
+@pytest.mark.parametrize("shape", [(192, 1024), (64, 4096), (1536, 96)])
+def test_bf16_gemv_on_the_tile_unit_against_the_dot_products(shape):
+    """On a CPU with AMX, bfloat16 packed for it runs the GEMV on the tile unit (1-16 rows of x a tile, a block of 32
+    features at a time, rows past 16 in groups): against float64 as the AVX512-BF16 dot products are, within a unit in
+    the last place of theirs in a few outputs (the unit rounds a pair's two products into a sum its own way), and each
+    row's bits the same at every row count. Skipped where the CPU has no AMX."""
+    kernels = cpu_kernels() if compiler() is not None else None
+    if kernels is None or not kernels.gemv_amx(-1):
+        pytest.skip("the GEMV does not run on a tile unit here")
+    torch.manual_seed(4)
+    out_features, in_features = shape
+    weight = torch.randn(shape).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = PackedWeight(weight, blocked=False)
+    assert packed.gemv_code == _AMX_BF16_CODE and packed.gemv_max_rows == AMX_GEMV_MAX_ROWS == 16
+    x = torch.randn(37, 2 * in_features).to(torch.bfloat16)[:, :in_features]  # strided rows
+    for b in (None, bias):
+        tiles = packed._gemv(x, b, 37)
+        try:
+            assert kernels.gemv_amx(0) == 0
+            dots = packed._gemv(x, b, 37)
+        finally:
+            kernels.gemv_amx(1)
+        assert_close(tiles, reference(x, weight, b), torch.bfloat16, in_features)
+        torch.testing.assert_close(tiles.float(), dots.float(), rtol=2 ** -7, atol=0)
+        assert (tiles != dots).float().mean() < 0.01
+        for rows in (1, 2, 5, 15, 16, 17, 33):
+            assert torch.equal(packed._gemv(x[:rows], b, rows), tiles[:rows]), rows
+        assert torch.equal(packed._gemv(x[20:21], b, 1), tiles[20:21])
+
+
 @pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):
@@ -297,9 +328,20 @@ def test_ab_cpu_linear_builds_both_revisions_and_compares_their_bits(capsys):
 @pytest.mark.skipif(not gemv_expected(torch.bfloat16), reason="this CPU has no AVX-512 bf16 GEMV kernel")
 def test_gemv_reads_both_onednn_bf16_layouts_alike():
     """oneDNN packs bfloat16 in blocks of 64 features on AVX-512 CPUs and of 32 where it packs for AMX; the GEMV
-    reads either (codes 1 and 4) and gives the same bits, whichever this CPU's oneDNN makes: both built here by
-    the layout formulas of kernels/cpu_linear.cpp, every row count up to the GEMV's limit, with bias."""
+    reads either (codes 1 and 4) and gives the same bits in its dot products, whichever this CPU's oneDNN makes: both
+    built here by the layout formulas of kernels/cpu_linear.cpp, every row count up to the GEMV's limit, with bias. (On
+    a CPU with AMX, code 4 runs on the tile unit, which rounds a few sums otherwise:
+    test_bf16_gemv_on_the_tile_unit_against_the_dot_products.)"""
     kernels = cpu_kernels()
+    tiles = kernels.gemv_amx(-1)
+    kernels.gemv_amx(0)
+    try:
+        _read_both_bf16_layouts(kernels)
+    finally:
+        kernels.gemv_amx(tiles)
+
+
+def _read_both_bf16_layouts(kernels):
     torch.manual_seed(5)
     out_features, in_features = 192, 96
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)

@@ -66,6 +66,9 @@ class CpuKernels:
         self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
         self.packed_gemv.restype = ctypes.c_int
         self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
+        self.gemv_amx = lib.ts_gemv_amx
+        self.gemv_amx.argtypes = [ctypes.c_int]
+        self.gemv_amx.restype = ctypes.c_int
         self.blocked_linear = lib.ts_blocked_linear
         self.blocked_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
         self.blocked_linear.restype = ctypes.c_int

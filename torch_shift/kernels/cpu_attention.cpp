@@ -727,26 +727,8 @@ void chunk_head_dot(Rows& rows, int64_t r0, int64_t count, const uint32_t* queri
 // 3.2 ms for PyTorch's SDPA, whose matmuls oneDNN runs on AMX (bench_attention.py; docs/performance.md, issue 20).
 std::atomic<bool> amx_enabled{true};  // ts_attention_amx: off to compare with the dot products
 
-#if defined(__clang__) || __GNUC__ >= 11  // compilers with AMX intrinsics
-#define TS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-bool amx_supported() {
-  static const bool supported = [] {
-    if (!bf16_dot_supported()) return false;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    // Linux gives the tile registers' state only to a process that asks for it (ARCH_REQ_XCOMP_PERM for
-    // XFEATURE_XTILEDATA); oneDNN asks the same way for its bf16 matmuls on these CPUs
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  }();
-  return supported && amx_enabled.load(std::memory_order_relaxed);
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+#ifdef TS_AMX_INTRINSICS
+bool amx_supported() { return amx_bf16_usable() && amx_enabled.load(std::memory_order_relaxed); }
 
 // tmm0-3: 16 x 16 float32 sums each; tmm4: m rows of 16 pairs (queries or probabilities); tmm5: 16 pairs of 16
 // columns (keys or dimensions). m rows in tmm0-4.

@@ -7,7 +7,10 @@
 #include <cstring>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -60,6 +63,34 @@ inline vfloat load16(const bf16_t* p) {
 #endif
 
 #if defined(__x86_64__)
+// Whether the CPU has the tile unit with bfloat16 (AMX-TILE, AMX-BF16) and AVX512-BF16, and Linux gives this process
+// the tile registers' state, which it gives only to a process that asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA;
+// oneDNN asks the same way for its bf16 matmuls on these CPUs; a forked child keeps the permission)
+inline bool amx_bf16_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bf16"))
+      return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return usable;
+}
+
+#if defined(__clang__) || __GNUC__ >= 11  // compilers with AMX intrinsics
+#define TS_AMX_INTRINSICS 1
+#define TS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
+
+// The tile unit's configuration (palette 1): each tile's bytes a row and rows
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // 8 consecutive values as float32 in one AVX2 register; callable from code built for AVX2 by its flags (-march=native:
 // cpu_attention.cpp) or by a target attribute (cpu_linear.cpp's run-time choice)
 __attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -7,7 +7,9 @@
 //   bfloat16: element (n, k) at (((n / 64) * (K / 2) + k / 2) * 64 + n % 64) * 2 + k % 2   (pairs of k, VNNI)
 // and on CPUs with AMX (Sapphire Rapids and later), bfloat16 in blocks of 32 output features:
 //   bfloat16: element (n, k) at (((n / 32) * (K / 2) + k / 2) * 32 + n % 32) * 2 + k % 2
-// which the kernel reads two blocks at a time: 64 features, one contiguous stream, as in the other layouts.
+// which is the tile unit's layout for its second operand: the kernel runs it there (amx_block), a block of 32 features
+// at a time, up to 16 rows of x against each tile of the weight (where the compiler has no AMX intrinsics, or K is no
+// multiple of 32, in AVX512-BF16 dot products, two blocks at a time: 64 features, as in the other layouts).
 // Each block is one contiguous stream of 64 * K elements, so a thread walking its blocks in order reads
 // memory sequentially and every weight element once for all rows of x. The caller checks the layout on the
 // real weight before it uses this kernel (torch_shift/models/linear.py), so a oneDNN that packs differently
@@ -174,6 +176,67 @@ template <int R>
 using Bf16Rows64 = Bf16Rows<R, false>;
 template <int R>
 using Bf16Rows32 = Bf16Rows<R, true>;
+
+#ifdef TS_AMX_INTRINSICS
+
+std::atomic<bool> amx_gemv_enabled{true};  // ts_gemv_amx: off to compare with the dot products
+
+// The rows' tiles this thread has configured for amx_block (0: none; a thread releases them after its blocks of a
+// matmul: amx_release)
+thread_local int amx_configured_rows = 0;
+constexpr int64_t kAmxBlock = 32;  // features a block of the AMX layout holds
+
+// tmm0-1: m rows of 16 float32 sums (features 0-15 and 16-31 of a block of 32); tmm2: m rows of x, 16 pairs of k;
+// tmm3-4: 16 pairs of k of 16 features
+TS_AMX_TARGET void amx_configure(int m) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = t < 3 ? m : 16;
+  }
+  _tile_loadconfig(&config);
+  amx_configured_rows = m;
+}
+
+TS_AMX_TARGET void amx_release() {
+  if (amx_configured_rows) {
+    _tile_release();
+    amx_configured_rows = 0;
+  }
+}
+
+// Rows [0, m) of x, m <= 16, against block b of 32 features of a weight in oneDNN's AMX layout (a stream of K / 2
+// rows of 32 features x 2 k: the tile unit's own layout for B, 16 features a tile), on the tile unit: each sum in k
+// order, pairs of products added as the unit adds them.
+TS_AMX_TARGET void amx_block(const uint16_t* x, int64_t x_stride, int m, const uint16_t* w, int64_t K,
+                             const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t b) {
+  if (amx_configured_rows != m) amx_configure(m);
+  const uint16_t* wb = w + b * kAmxBlock * K;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint16_t* wk = wb + k * kAmxBlock;  // k-pair k / 2: 64 values, 128 bytes
+    const char* ahead = reinterpret_cast<const char*>(wk) + kStreamAheadBytes;
+    for (int i = 0; i < 2048; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);  // the k-step's 16 pairs
+    _tile_loadd(2, x + k, x_stride * 2);
+    _tile_loadd(3, wk, 128);
+    _tile_loadd(4, wk + 32, 128);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  alignas(64) float sums[16 * kAmxBlock];
+  _tile_stored(0, sums, kAmxBlock * 4);
+  _tile_stored(1, sums + 16, kAmxBlock * 4);
+  const int64_t n = b * kAmxBlock;
+  for (int r = 0; r < m; ++r)
+    for (int j = 0; j < 2; ++j) {
+      __m512 y = _mm512_load_ps(sums + r * kAmxBlock + 16 * j);
+      if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + n + 16 * j));
+      _mm256_storeu_si256((__m256i*)(out + r * out_stride + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+#endif
 
 // Rows of x in groups (row_groups), as equal as they can be, against one block of the weight. The block (64 x K
 // weights, at most a few hundred KiB) is read from memory for its first group and from L2 for the others.
@@ -478,6 +541,7 @@ struct Matmul {
   const void* bias;
   void* out;
   int64_t out_stride;
+  bool amx = false;  // dtype 4 on the tile unit (amx_block)
 
   void block(int64_t b, bool request_next = false) const {
     if (dtype == 2)
@@ -495,11 +559,29 @@ struct Matmul {
     else if (dtype == 1)
       rows_of_block<Bf16Rows64>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
+#ifdef TS_AMX_INTRINSICS
+    else if (amx)
+      for (int64_t r = 0; r < rows; r += 16)  // (the engine's steps: 16 rows at most, AMX_GEMV_MAX_ROWS)
+        amx_block(static_cast<const uint16_t*>(x) + r * x_stride, x_stride,
+                  static_cast<int>(std::min<int64_t>(16, rows - r)), static_cast<const uint16_t*>(w), K,
+                  static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out) + r * out_stride, out_stride, b);
+#endif
     else
       rows_of_block<Bf16Rows32>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
   }
-  int64_t block_width() const { return dtype == 2 || dtype == 3 ? avx2::kPair : kBlock; }
+  // a thread's blocks of this matmul are done: the tile unit's state given back
+  void done() const {
+#ifdef TS_AMX_INTRINSICS
+    if (amx) amx_release();
+#endif
+  }
+  int64_t block_width() const {
+#ifdef TS_AMX_INTRINSICS
+    if (amx) return kAmxBlock;
+#endif
+    return dtype == 2 || dtype == 3 ? avx2::kPair : kBlock;
+  }
   int64_t blocks() const { return (N + block_width() - 1) / block_width(); }  // dtype 0 and 1: N % 64 == 0
   int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
 };
@@ -508,6 +590,7 @@ struct Matmul {
 void run_parallel(const Matmul& m) {
   at::parallel_for(0, m.blocks(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) m.block(b, b + 1 < end && row_groups(m.rows) > 1);
+    m.done();
   });
 }
 
@@ -622,6 +705,7 @@ void work(const Matmul& m, int t, int threads) {
     m.block(b);
     blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
   }
+  m.done();
 }
 
 // A thread without a part (a helper that came after the job was posted): the others' last blocks
@@ -631,6 +715,7 @@ void take_over(const Matmul& m, int threads) {
     m.block(b);
     blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
   }
+  m.done();
 }
 
 // What a worker prefetches after a job: byte ranges in order, each a run of whole blocks.
@@ -898,7 +983,11 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
                    int64_t K, const void* bias, void* out, int64_t out_row_stride) {
   if (dtype != 0 && dtype != 1 && dtype != 4) return -1;
   if (N % kBlock != 0 || rows < 1 || (dtype != 0 && K % 2 != 0)) return -1;
-  run_matmul({dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride});
+  Matmul m{dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride};
+#ifdef TS_AMX_INTRINSICS
+  m.amx = dtype == 4 && K % 32 == 0 && amx_gemv_enabled.load(std::memory_order_relaxed) && amx_bf16_usable();
+#endif
+  run_matmul(m);
   return 0;
 }
 
@@ -931,6 +1020,18 @@ int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t ro
   return 0;
 }
 
+// Whether bfloat16 in oneDNN's AMX layout runs on the tile unit where the CPU has it (1, the default) or in AVX512-BF16
+// dot products (0): `enable` 0 or 1 sets it, -1 leaves it. Returns whether it runs on the tile unit now.
+int ts_gemv_amx(int enable) {
+#ifdef TS_AMX_INTRINSICS
+  if (enable >= 0) amx_gemv_enabled.store(enable != 0);
+  return amx_gemv_enabled.load() && amx_bf16_usable() ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
+
 // Let `workers` threads of the decode pool (above) run the GEMVs with the caller from now on (0: none, OpenMP's
 // split again). The caller runs its OpenMP regions on one thread while armed. Returns the workers armed.
 int ts_gemv_pool_arm(int workers) { return pool::arm(workers); }
@@ -961,6 +1062,7 @@ int ts_blocked_linear(int, const void*, int64_t, int64_t, const void*, int64_t, 
                       int64_t) {
   return -1;
 }
+int ts_gemv_amx(int) { return 0; }
 int ts_gemv_pool_arm(int) { return 0; }
 int ts_gemv_pool_workers() { return 0; }
 void ts_gemv_pool_stop() {}

@@ -17,7 +17,7 @@ The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once
 differently keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
 in, so a row gets the same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks
 it). Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads
-that layout too, and oneDNN's AMX matmul runs the batches of more than `AMX_GEMV_MAX_ROWS` rows.
+that layout too, on the tile unit, and oneDNN's AMX matmul runs the batches of more than `AMX_GEMV_MAX_ROWS` rows.
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
@@ -56,14 +56,21 @@ from torch_shift.memory import advise_huge_pages
 # (docs/performance.md). A float32 row rounds as oneDNN's where `PackedWeight.rounds_as_onednn` holds, so there the
 # line moves no result.
 GEMV_MAX_ROWS = 64
-# bfloat16 packed for AMX (Sapphire Rapids and later): oneDNN's AMX matmul above this. The GEMV's AVX512-BF16 dot
-# products run out of compute at a few rows where the tile unit does not: decode steps of the 106M peer model on 2 cores
-# of an AMX Xeon, alternated: 4 rows alike, 6 rows 1.06x, 8 1.17x, 12 1.5x and 16 1.76x faster through oneDNN's
-# matmul (then through the compiled forward) than through the GEMV (and the C++ decoder); 2-3 rows 1.1-1.2x faster
-# through the GEMV (docs/performance.md, issue 20). The C++ decoder calls oneDNN's matmul for such steps too. With the
-# GEMV's weight streams prefetched (cpu_linear.cpp), 5 rows run faster through it: the four weights cold (bench_linear
-# --copies 8) 1.04-1.13x oneDNN's rate, decode steps of 5 requests 8.7-9.4 against 10.2-10.3 ms; 6 rows still slower.
-AMX_GEMV_MAX_ROWS = 5
+# bfloat16 packed for AMX (Sapphire Rapids and later): oneDNN's AMX matmul above this. The GEMV runs such a weight on
+# the tile unit (cpu_linear.cpp's amx_block), 16 rows of x against each weight tile as it streams by: its rate at 16
+# rows is its rate at one, where its AVX512-BF16 dot products ran out of compute at a few. Eight cold copies of a weight
+# on 2 threads of an AMX Xeon (`bench_linear.py --copies 8`), GB/s at 1 / 4 / 16 rows: 5,632 x 1,024 52 / 53 / 48-49
+# (dot products 52 / 47 / -, oneDNN 41 / 40 / 38); 1,024 x 2,816 53 / 53 / 51 (54 / 50 / -, 42 / 43 / 40). From 17 rows
+# on, groups of 16 read each block again: oneDNN's matmul is as fast or faster from 48 rows (docs/performance.md, issue
+# 20). Decode steps of the 106M peer model, 6 / 8 / 12 / 16 requests: 9.5-10.1 / 10.2 / 11.3-11.7 / 12.3-13.0 ms
+# through oneDNN (and the compiled forward) against 6.3-6.9 / 7.5-8.0 / 7.8-8.0 / 8.7-9.7 through the tile unit's
+# GEMV (and the C++ decoder); 1-4 requests level, alternated in one process. A row's bits are the same at every row
+# count up to this, so a check of up to 15 proposed tokens rounds each as a plain decode step does.
+AMX_GEMV_MAX_ROWS = 16
+# the same weights where the GEMV cannot use the tile unit (built by a compiler without its intrinsics, or inputs not a
+# multiple of the tiles' 32): the dot
+# products were 1.1-1.2x faster than oneDNN's matmul at 2-3 rows and 1.04-1.13x at 5, slower from 6
+AMX_DOT_GEMV_MAX_ROWS = 5
 # the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
 # matmul in panels of rows above (ts_blocked_linear)
 BLOCKED_GEMV_ROWS = 16
@@ -133,7 +140,9 @@ class PackedWeight:
         self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
         # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
         self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
-                              else AMX_GEMV_MAX_ROWS if self.gemv_code == _AMX_BF16_CODE else GEMV_MAX_ROWS)
+                              else GEMV_MAX_ROWS if self.gemv_code != _AMX_BF16_CODE
+                              else AMX_GEMV_MAX_ROWS if self.gemv[0].gemv_amx(-1) and self.in_features % 32 == 0
+                              else AMX_DOT_GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
         self._weight_ptr = self.address if self.gemv is not None else None
