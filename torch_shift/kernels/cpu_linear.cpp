@@ -700,22 +700,24 @@ bool claim_other(int t, int threads, int64_t* b) {
 }
 
 void work(const Matmul& m, int t, int threads) {
-  int64_t b;
+  int64_t b, done = 0;
   while (claim_own(t, &b) || claim_other(t, threads, &b)) {
     m.block(b);
-    blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
+    ++done;
   }
   m.done();
+  if (done) blocks_done.value.fetch_add(done, std::memory_order_acq_rel);
 }
 
 // A thread without a part (a helper that came after the job was posted): the others' last blocks
 void take_over(const Matmul& m, int threads) {
-  int64_t b;
+  int64_t b, done = 0;
   while (claim_other(threads, threads + 1, &b)) {  // as the part after the last one
     m.block(b);
-    blocks_done.value.fetch_add(1, std::memory_order_acq_rel);
+    ++done;
   }
   m.done();
+  if (done) blocks_done.value.fetch_add(done, std::memory_order_acq_rel);
 }
 
 // What a worker prefetches after a job: byte ranges in order, each a run of whole blocks.
