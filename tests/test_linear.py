@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch_shift.kernels import compiler, cpu_kernels
 from torch_shift.models.linear import (
     _AMX_BF16_CODE,
-    AMX_GEMV_MAX_ROWS,
+    AMX_DOT_GEMV_MAX_ROWS,
     BLOCKED_GEMV_ROWS,
     GEMV_MAX_ROWS,
     PackedWeight,
@@ -77,8 +77,10 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_fe
     weight = torch.randn(256, in_features).to(dtype)
     bias = torch.randn(256).to(dtype)
     packed = PackedWeight(weight, blocked)
-    # the GEMV's rows (fewer in bf16 packed for AMX, whose larger batches run oneDNN's tile unit, rounding its own way)
-    max_rows = AMX_GEMV_MAX_ROWS if packed.gemv_code == _AMX_BF16_CODE else GEMV_MAX_ROWS
+    # the GEMV's rows (fewer in bf16 packed for AMX where the tile unit cannot run: larger batches run oneDNN's matmul,
+    # rounding its own way)
+    dots_on_amx = packed.gemv_code == _AMX_BF16_CODE and packed.gemv_max_rows == AMX_DOT_GEMV_MAX_ROWS
+    max_rows = AMX_DOT_GEMV_MAX_ROWS if dots_on_amx else GEMV_MAX_ROWS
     x = torch.randn(max_rows, 2 * in_features).to(dtype)[:, :in_features]  # strided rows
     for b in (None, bias):
         together = packed(x, b)
@@ -114,10 +116,10 @@ def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
 
 @pytest.mark.parametrize("shape", [(192, 1024), (64, 4096), (1536, 96)])
 def test_bf16_gemv_on_the_tile_unit_against_the_dot_products(shape):
-    """On a CPU with AMX, bfloat16 packed for it runs the GEMV on the tile unit (1-16 rows of x a tile, a block of 32
-    features at a time, rows past 16 in groups): against float64 as the AVX512-BF16 dot products are, within a unit in
-    the last place of theirs in a few outputs (the unit rounds a pair's two products into a sum its own way), and each
-    row's bits the same at every row count. Skipped where the CPU has no AMX."""
+    """On a CPU with AMX, bfloat16 packed for it runs the GEMV on the tile unit (a block of 32 features at a time, in
+    passes of up to 32 rows, each one or two tiles of up to 16): against float64 as the AVX512-BF16 dot products are,
+    within a unit in the last place of theirs in a few outputs (the unit rounds a pair's two products into a sum its
+    own way), and each row's bits the same at every row count. Skipped where the CPU has no AMX."""
     kernels = cpu_kernels() if compiler() is not None else None
     if kernels is None or not kernels.gemv_amx(-1):
         pytest.skip("the GEMV does not run on a tile unit here")
@@ -126,21 +128,22 @@ def test_bf16_gemv_on_the_tile_unit_against_the_dot_products(shape):
     weight = torch.randn(shape).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
     packed = PackedWeight(weight, blocked=False)
-    assert packed.gemv_code == _AMX_BF16_CODE and packed.gemv_max_rows == AMX_GEMV_MAX_ROWS == 16
-    x = torch.randn(37, 2 * in_features).to(torch.bfloat16)[:, :in_features]  # strided rows
+    assert packed.gemv_code == _AMX_BF16_CODE and packed.gemv_max_rows == GEMV_MAX_ROWS
+    x = torch.randn(70, 2 * in_features).to(torch.bfloat16)[:, :in_features]  # strided rows
     for b in (None, bias):
-        tiles = packed._gemv(x, b, 37)
+        tiles = packed._gemv(x, b, 70)
         try:
             assert kernels.gemv_amx(0) == 0
-            dots = packed._gemv(x, b, 37)
+            dots = packed._gemv(x, b, 70)
         finally:
             kernels.gemv_amx(1)
         assert_close(tiles, reference(x, weight, b), torch.bfloat16, in_features)
         torch.testing.assert_close(tiles.float(), dots.float(), rtol=2 ** -7, atol=0)
         assert (tiles != dots).float().mean() < 0.01
-        for rows in (1, 2, 5, 15, 16, 17, 33):
+        for rows in (1, 2, 5, 16, 17, 32, 33, 48, 64):
             assert torch.equal(packed._gemv(x[:rows], b, rows), tiles[:rows]), rows
-        assert torch.equal(packed._gemv(x[20:21], b, 1), tiles[20:21])
+        for row in (20, 69):
+            assert torch.equal(packed._gemv(x[row:row + 1], b, 1), tiles[row:row + 1])
 
 
 @pytest.mark.skipif(not BLOCKED, reason="the AVX2 kernel does not run on this CPU")

@@ -8,7 +8,7 @@
 // and on CPUs with AMX (Sapphire Rapids and later), bfloat16 in blocks of 32 output features:
 //   bfloat16: element (n, k) at (((n / 32) * (K / 2) + k / 2) * 32 + n % 32) * 2 + k % 2
 // which is the tile unit's layout for its second operand: the kernel runs it there (amx_block), a block of 32 features
-// at a time, up to 16 rows of x against each tile of the weight (where the compiler has no AMX intrinsics, or K is no
+// at a time, up to 32 rows of x against each tile of the weight (where the compiler has no AMX intrinsics, or K is no
 // multiple of 32, in AVX512-BF16 dot products, two blocks at a time: 64 features, as in the other layouts).
 // Each block is one contiguous stream of 64 * K elements, so a thread walking its blocks in order reads
 // memory sequentially and every weight element once for all rows of x. The caller checks the layout on the
@@ -181,59 +181,94 @@ using Bf16Rows32 = Bf16Rows<R, true>;
 
 std::atomic<bool> amx_gemv_enabled{true};  // ts_gemv_amx: off to compare with the dot products
 
-// The rows' tiles this thread has configured for amx_block (0: none; a thread releases them after its blocks of a
-// matmul: amx_release)
-thread_local int amx_configured_rows = 0;
+// The tiles this thread has configured for amx_pass (0: none; else 32 m0 + m1: its passes' two groups of rows): a
+// thread releases them after its blocks of a matmul (amx_release)
+thread_local int amx_configured = 0;
 constexpr int64_t kAmxBlock = 32;  // features a block of the AMX layout holds
 
-// tmm0-1: m rows of 16 float32 sums (features 0-15 and 16-31 of a block of 32); tmm2: m rows of x, 16 pairs of k;
-// tmm3-4: 16 pairs of k of 16 features
-TS_AMX_TARGET void amx_configure(int m) {
+// tmm0-1: m0 rows of 16 float32 sums (features 0-15 and 16-31 of a block of 32), tmm2-3 the same for the next m1 rows;
+// tmm4: m0 rows of x, 16 pairs of k, tmm5 the next m1; tmm6-7: 16 pairs of k of 16 features
+TS_AMX_TARGET void amx_configure(int m0, int m1) {
   TileConfig config;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
-    config.rows[t] = t < 3 ? m : 16;
+    config.rows[t] = t >= 6 ? 16 : (t < 2 || t == 4) ? m0 : m1;
+    if (config.rows[t] == 0) config.colsb[t] = 0;  // a tile not used
   }
   _tile_loadconfig(&config);
-  amx_configured_rows = m;
+  amx_configured = 32 * m0 + m1;
 }
 
 TS_AMX_TARGET void amx_release() {
-  if (amx_configured_rows) {
+  if (amx_configured) {
     _tile_release();
-    amx_configured_rows = 0;
+    amx_configured = 0;
   }
 }
 
-// Rows [0, m) of x, m <= 16, against block b of 32 features of a weight in oneDNN's AMX layout (a stream of K / 2
-// rows of 32 features x 2 k: the tile unit's own layout for B, 16 features a tile), on the tile unit: each sum in k
-// order, pairs of products added as the unit adds them.
-TS_AMX_TARGET void amx_block(const uint16_t* x, int64_t x_stride, int m, const uint16_t* w, int64_t K,
-                             const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t b) {
-  if (amx_configured_rows != m) amx_configure(m);
-  const uint16_t* wb = w + b * kAmxBlock * K;
+// Rows [0, m0 + m1) of x, m0 <= 16 and m1 <= 16, against block b of 32 features of a weight in oneDNN's AMX layout (a
+// stream of K / 2 rows of 32 features x 2 k: the tile unit's own layout for B, 16 features a tile), each weight tile
+// loaded once for both groups of rows: each sum in k order, pairs of products added as the unit adds them.
+template <bool kTwoGroups>
+TS_AMX_TARGET void amx_pass(const uint16_t* x, int64_t x_stride, int m0, int m1, const uint16_t* wb, int64_t K,
+                            const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t n) {
+  if (amx_configured != 32 * m0 + m1) amx_configure(m0, m1);
+  const uint16_t* x1 = x + m0 * x_stride;
   _tile_zero(0);
   _tile_zero(1);
+  if (kTwoGroups) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t k = 0; k < K; k += 32) {
     const uint16_t* wk = wb + k * kAmxBlock;  // k-pair k / 2: 64 values, 128 bytes
     const char* ahead = reinterpret_cast<const char*>(wk) + kStreamAheadBytes;
     for (int i = 0; i < 2048; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);  // the k-step's 16 pairs
-    _tile_loadd(2, x + k, x_stride * 2);
-    _tile_loadd(3, wk, 128);
-    _tile_loadd(4, wk + 32, 128);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
+    _tile_loadd(6, wk, 128);
+    _tile_loadd(7, wk + 32, 128);
+    _tile_loadd(4, x + k, x_stride * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwoGroups) {
+      _tile_loadd(5, x1 + k, x_stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  alignas(64) float sums[16 * kAmxBlock];
+  alignas(64) float sums[32 * kAmxBlock];
   _tile_stored(0, sums, kAmxBlock * 4);
   _tile_stored(1, sums + 16, kAmxBlock * 4);
-  const int64_t n = b * kAmxBlock;
-  for (int r = 0; r < m; ++r)
+  if (kTwoGroups) {
+    _tile_stored(2, sums + 16 * kAmxBlock, kAmxBlock * 4);
+    _tile_stored(3, sums + 16 * kAmxBlock + 16, kAmxBlock * 4);
+  }
+  for (int r = 0; r < m0 + m1; ++r) {
+    const float* row = sums + (r < m0 ? r : 16 + r - m0) * kAmxBlock;
     for (int j = 0; j < 2; ++j) {
-      __m512 y = _mm512_load_ps(sums + r * kAmxBlock + 16 * j);
+      __m512 y = _mm512_load_ps(row + 16 * j);
       if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + n + 16 * j));
       _mm256_storeu_si256((__m256i*)(out + r * out_stride + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
     }
+  }
+}
+
+// All rows of x against block b of 32 features: passes of up to 32 rows (as equal as they can be), the block read from
+// memory for the first and from L2 for the others. A row's bits do not depend on its pass or group.
+TS_AMX_TARGET void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t K,
+                             const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t b) {
+  const uint16_t* wb = w + b * kAmxBlock * K;
+  const int64_t passes = (rows + 31) / 32;
+  for (int64_t p = 0, r0 = 0; p < passes; ++p) {
+    const int n = static_cast<int>((rows - r0) / (passes - p));
+    const int m0 = std::min(n, 16);
+    if (n > 16)
+      amx_pass<true>(x + r0 * x_stride, x_stride, m0, n - m0, wb, K, bias, out + r0 * out_stride, out_stride,
+                     b * kAmxBlock);
+    else
+      amx_pass<false>(x + r0 * x_stride, x_stride, m0, 0, wb, K, bias, out + r0 * out_stride, out_stride,
+                      b * kAmxBlock);
+    r0 += n;
+  }
 }
 
 #endif
@@ -561,10 +596,8 @@ struct Matmul {
                                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
 #ifdef TS_AMX_INTRINSICS
     else if (amx)
-      for (int64_t r = 0; r < rows; r += 16)  // (the engine's steps: 16 rows at most, AMX_GEMV_MAX_ROWS)
-        amx_block(static_cast<const uint16_t*>(x) + r * x_stride, x_stride,
-                  static_cast<int>(std::min<int64_t>(16, rows - r)), static_cast<const uint16_t*>(w), K,
-                  static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out) + r * out_stride, out_stride, b);
+      amx_block(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
+                static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
 #endif
     else
       rows_of_block<Bf16Rows32>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,

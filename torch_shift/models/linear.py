@@ -17,7 +17,7 @@ The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once
 differently keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
 in, so a row gets the same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks
 it). Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads
-that layout too, on the tile unit, and oneDNN's AMX matmul runs the batches of more than `AMX_GEMV_MAX_ROWS` rows.
+that layout too, on the tile unit (and where that cannot run, in dot products up to `AMX_DOT_GEMV_MAX_ROWS` rows).
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
@@ -56,20 +56,19 @@ from torch_shift.memory import advise_huge_pages
 # (docs/performance.md). A float32 row rounds as oneDNN's where `PackedWeight.rounds_as_onednn` holds, so there the
 # line moves no result.
 GEMV_MAX_ROWS = 64
-# bfloat16 packed for AMX (Sapphire Rapids and later): oneDNN's AMX matmul above this. The GEMV runs such a weight on
-# the tile unit (cpu_linear.cpp's amx_block), 16 rows of x against each weight tile as it streams by: its rate at 16
-# rows is its rate at one, where its AVX512-BF16 dot products ran out of compute at a few. Eight cold copies of a weight
-# on 2 threads of an AMX Xeon (`bench_linear.py --copies 8`), GB/s at 1 / 4 / 16 rows: 5,632 x 1,024 52 / 53 / 48-49
-# (dot products 52 / 47 / -, oneDNN 41 / 40 / 38); 1,024 x 2,816 53 / 53 / 51 (54 / 50 / -, 42 / 43 / 40). From 17 rows
-# on, groups of 16 read each block again: oneDNN's matmul is as fast or faster from 48 rows (docs/performance.md, issue
-# 20). Decode steps of the 106M peer model, 6 / 8 / 12 / 16 requests: 9.5-10.1 / 10.2 / 11.3-11.7 / 12.3-13.0 ms
-# through oneDNN (and the compiled forward) against 6.3-6.9 / 7.5-8.0 / 7.8-8.0 / 8.7-9.7 through the tile unit's
-# GEMV (and the C++ decoder); 1-4 requests level, alternated in one process. A row's bits are the same at every row
-# count up to this, so a check of up to 15 proposed tokens rounds each as a plain decode step does.
-AMX_GEMV_MAX_ROWS = 16
-# the same weights where the GEMV cannot use the tile unit (built by a compiler without its intrinsics, or inputs not a
-# multiple of the tiles' 32): the dot
-# products were 1.1-1.2x faster than oneDNN's matmul at 2-3 rows and 1.04-1.13x at 5, slower from 6
+# bfloat16 packed for AMX (Sapphire Rapids and later) runs the GEMV on the tile unit (cpu_linear.cpp's amx_block), up to
+# 32 rows of x against each weight tile as it streams by, in passes of 32 rows for more: flat from 1 to 16 rows where
+# the AVX512-BF16 dot products ran out of compute at a few. Eight cold copies of a weight on 2 threads of an AMX Xeon,
+# GB/s at 1 / 4 / 16 rows: 5,632 x 1,024 52 / 53 / 48-49 (dot products 52 / 47 / -, oneDNN 41 / 40 / 38); at 24 / 32 /
+# 48 / 64 rows 1.46 / 1.44 / 1.00 / 1.07x oneDNN's rate (1,024 x 2,816: 1.36 / 1.35 / 1.32 / 1.52x). Decode steps of
+# the 106M peer model, 6 / 8 / 12 / 16 requests: 9.5-10.1 / 10.2 / 11.3-11.7 / 12.3-13.0 ms through oneDNN (and the
+# compiled forward) against 6.3-6.9 / 7.5-8.0 / 7.8-8.0 / 8.7-9.7 through the tile unit's GEMV (and the C++ decoder),
+# 1-4 requests level; 24 / 32 / 48 requests 12.7-13.6 / 13.6-15.5 / 18.8-19.4 against 15.4-15.9 / 17.7-18.3 /
+# 21.2-22.2 through oneDNN's matmul in the C++ decoder, 64 alike (docs/performance.md, issue 20). A row's bits are the
+# same at every row count, so a check of proposed tokens rounds each as a plain decode step does.
+# Where the GEMV cannot use the tile unit (built by a compiler without its intrinsics, or inputs not a multiple of the
+# tiles' 32), its dot products read that layout up to this many rows, oneDNN's AMX matmul above: 1.1-1.2x faster than
+# oneDNN at 2-3 rows and 1.04-1.13x at 5, slower from 6.
 AMX_DOT_GEMV_MAX_ROWS = 5
 # the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
 # matmul in panels of rows above (ts_blocked_linear)
@@ -141,7 +140,7 @@ class PackedWeight:
         # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
         self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
                               else GEMV_MAX_ROWS if self.gemv_code != _AMX_BF16_CODE
-                              else AMX_GEMV_MAX_ROWS if self.gemv[0].gemv_amx(-1) and self.in_features % 32 == 0
+                              or (self.gemv[0].gemv_amx(-1) and self.in_features % 32 == 0)
                               else AMX_DOT_GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
