@@ -100,7 +100,7 @@ class EngineArgs:
                                                "and on the CPU where the C++ decoder runs the small steps; with "
                                                "speculative decoding, the steps after which nothing is proposed)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
-    decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens (5 in bfloat16 on AMX) run their matmuls "
+    decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "
                                    "other work runs")
     native_decode: bool = _arg(True, "on the CPU, a dense model's steps of at most 64 tokens on one rank, or on each "

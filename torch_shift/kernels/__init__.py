@@ -66,7 +66,7 @@ class CpuKernels:
         self.packed_gemv.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
         self.packed_gemv.restype = ctypes.c_int
         self.packed_gemv_dtypes = lib.ts_packed_gemv_dtypes()
-        self.gemv_amx = lib.ts_gemv_amx
+        self.gemv_amx = lib.ts_gemv_amx  # this library's own switch: gemv_on_tile_unit sets every library's
         self.gemv_amx.argtypes = [ctypes.c_int]
         self.gemv_amx.restype = ctypes.c_int
         self.blocked_linear = lib.ts_blocked_linear
@@ -237,6 +237,22 @@ def cpu_ops() -> bool:
         warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers and compiled "
                       "forwards' attention run through Python, which is slower", RuntimeWarning, stacklevel=2)
         return False
+
+
+def gemv_on_tile_unit(enable: int = -1) -> bool:
+    """Whether bfloat16 packed for AMX runs the GEMV on the tile unit (the default) or in AVX512-BF16 dot products
+    (kernels/cpu_linear.cpp), in both libraries that hold the GEMV: the kernels' (`PackedWeight._gemv`) and the
+    operators' (`torch_shift::packed_linear`, the C++ decoder). `enable` 1 or 0 sets it (to compare the two; weights
+    packed afterwards take the GEMV's row limit of the path on), -1 leaves it. False where the CPU, the compiler or
+    Linux does not give the kernel the tile unit."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return False
+    if cpu_ops():
+        switch = _ops_library.ts_gemv_amx
+        switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
+        switch(enable)
+    return bool(kernels.gemv_amx(enable))
 
 
 @lru_cache(maxsize=1)

@@ -738,7 +738,7 @@ TS_AMX_TARGET void configure_tiles(int m) {
     config.colsb[t] = 64;
     config.rows[t] = t == 5 ? 16 : m;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // x + y, or the larger (kMax)

@@ -91,6 +91,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+#ifdef TS_AMX_INTRINSICS
+// LDTILECFG of the whole 64-byte configuration: GCC's _tile_loadconfig tells the compiler that it reads 8 bytes, so
+// where the function that fills `config` is not inlined the stores of its rows and widths can be dropped (every tile
+// then has 0 rows, and the products and stores do nothing)
+TS_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(config));
+}
+#endif
+
 // 8 consecutive values as float32 in one AVX2 register; callable from code built for AVX2 by its flags (-march=native:
 // cpu_attention.cpp) or by a target attribute (cpu_linear.cpp's run-time choice)
 __attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -147,7 +147,8 @@ struct Decoder {
   bool blocked;    // every weight in torch_shift's 16-feature blocks (ts_blocked_linear), else oneDNN's (the GEMV)
   int gemv_code;   // ts_packed_gemv's code for every weight's dtype and layout (4: bfloat16 packed for AMX)
   int64_t max_tokens;  // a step's tokens at most (1 to kMaxTokens): the scratch's rows
-  // matmuls of more rows run oneDNN's, as the eager forward's packed linear runs them (bfloat16 packed for AMX)
+  // matmuls of more rows run oneDNN's, as the eager forward's packed linear runs them (bfloat16 packed for AMX where
+  // the GEMV cannot use the tile unit)
   int64_t gemv_rows;
   int64_t lm_head_handle;
   // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
@@ -311,7 +312,9 @@ int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, cons
            int64_t K, const void* bias, void* out, int64_t out_stride) {
   if (d.blocked)
     return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kBlockedGemvRows);
-  if (rows > d.gemv_rows)  // oneDNN's matmul (cpu_ops.cpp's packed_linear): bfloat16 on AMX above 5 rows
+  // oneDNN's matmul (cpu_ops.cpp's packed_linear): above GEMV_MAX_ROWS, or AMX_DOT_GEMV_MAX_ROWS (bf16 on AMX without
+  // the tile unit's GEMV)
+  if (rows > d.gemv_rows)
     return ts_packed_linear_rows(handle, d.dtype, x, x_stride, rows, K, N, bias, out, out_stride) == 0 ? 0 : -210;
   return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }

@@ -8,10 +8,11 @@
 // and on CPUs with AMX (Sapphire Rapids and later), bfloat16 in blocks of 32 output features:
 //   bfloat16: element (n, k) at (((n / 32) * (K / 2) + k / 2) * 32 + n % 32) * 2 + k % 2
 // which is the tile unit's layout for its second operand: the kernel runs it there (amx_block), a block of 32 features
-// at a time, up to 32 rows of x against each tile of the weight (where the compiler has no AMX intrinsics, or K is no
-// multiple of 32, in AVX512-BF16 dot products, two blocks at a time: 64 features, as in the other layouts).
-// Each block is one contiguous stream of 64 * K elements, so a thread walking its blocks in order reads
-// memory sequentially and every weight element once for all rows of x. The caller checks the layout on the
+// at a time, up to 32 rows of x against each tile of the weight (where the compiler has no AMX intrinsics, K is no
+// multiple of 32, Linux refuses the process the tiles' state or ts_gemv_amx turned them off, in AVX512-BF16 dot
+// products, two blocks at a time: 64 features, as in the other layouts).
+// Each block is one contiguous stream of 64 * K elements (32 * K on the tile unit), so a thread walking its blocks in
+// order reads memory sequentially and every weight element once for all rows of x. The caller checks the layout on the
 // real weight before it uses this kernel (torch_shift/models/linear.py), so a oneDNN that packs differently
 // only loses the fast path.
 //
@@ -195,7 +196,7 @@ TS_AMX_TARGET void amx_configure(int m0, int m1) {
     config.rows[t] = t >= 6 ? 16 : (t < 2 || t == 4) ? m0 : m1;
     if (config.rows[t] == 0) config.colsb[t] = 0;  // a tile not used
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
   amx_configured = 32 * m0 + m1;
 }
 
@@ -564,7 +565,8 @@ void gemm(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t N, int
 
 }  // namespace avx2
 
-// out[rows, N] = x @ W.T (+ bias) for one block b of W (avx2: a pair of 16-feature blocks), in the job's dtype
+// out[rows, N] = x @ W.T (+ bias) for one block b of W (avx2: a pair of 16-feature blocks; the tile unit: 32 features),
+// in the job's dtype
 struct Matmul {
   // 0 float32, 1 bfloat16 (oneDNN's layouts), 4 bfloat16 in oneDNN's AMX layout; in 16-feature blocks (avx2), x in
   // float32: 2 bfloat16, 3 float32

@@ -138,9 +138,11 @@ class PackedWeight:
         # 4 bfloat16 packed for AMX; ts_blocked_linear's for the blocks), also where no GEMV reads it
         self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
         # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
+        from torch_shift.kernels import gemv_on_tile_unit
+
         self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
                               else GEMV_MAX_ROWS if self.gemv_code != _AMX_BF16_CODE
-                              or (self.gemv[0].gemv_amx(-1) and self.in_features % 32 == 0)
+                              or (gemv_on_tile_unit() and self.in_features % 32 == 0)
                               else AMX_DOT_GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)

@@ -7,8 +7,9 @@ and rotary table) and runs each small step there: the embedding, every layer (RM
 where the model has them, rotary, the step's paged attention, the output GEMV, the residual, the MLP) and the LM
 head's rows. It calls the kernels the eager forward calls, in its order, and rounds SiLU as PyTorch does (checked on
 this machine before it is used), so its logits are bitwise the eager forward's (tests/test_native_decoder.py). Where
-the forward's packed linear runs oneDNN's matmul instead of the GEMV (bfloat16 packed for AMX, above 5 rows), the
-decoder calls that operator's C++ implementation by the weight's handle (cpu_ops.cpp's ts_packed_linear_rows).
+the forward's packed linear runs oneDNN's matmul instead of the GEMV (bfloat16 packed for AMX above 5 rows where the
+GEMV cannot use the tile unit), the decoder calls that operator's C++ implementation by the weight's handle
+(cpu_ops.cpp's ts_packed_linear_rows).
 
 It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or bfloat16 on one rank, with every
 linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
@@ -64,7 +65,8 @@ class NativeDecoder:
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
-        # MAX_TOKENS; where a larger step's linears run oneDNN's matmul (bfloat16 on AMX), the decoder calls it as the
+        # MAX_TOKENS; where a larger step's linears run oneDNN's matmul (bfloat16 on AMX without the tile unit's
+        # GEMV), the decoder calls it as the
         # eager forward does (the same bits), or takes no more than the GEMV's rows where it cannot
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
