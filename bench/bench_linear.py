@@ -7,7 +7,8 @@ model's shapes (bench_peers.py), at a few row counts, in GFLOP/s.
 
 Columns, where they run here: torch_shift's 16-feature blocks (`PackedWeight(w, blocked=True)`: the AVX2 kernel, any CPU
 with AVX2), oneDNN's matmul on its packed weight (`blocked=False`), the AVX-512 GEMV kernel on the same packed weight
-(which `PackedWeight` runs instead of oneDNN's matmul up to `gemv_max_rows` rows), and `F.linear` on the dense weight.
+(which `PackedWeight` runs instead of oneDNN's matmul up to `gemv_max_rows` rows; bfloat16 packed for AMX on the tile
+unit, `torch_shift.kernels.gemv_on_tile_unit`), and `F.linear` on the dense weight.
 The engine takes the blocks where the AVX-512 kernel does not run (`torch_shift.models.linear.blocked_layout`). Each
 figure is the best of `--repeats` timings after two warm-ups; a weight that fits in the L3 is read from there between
 repeats. With `--copies N` each way runs N copies of the weight in turn, the rate over all of them: enough copies to
