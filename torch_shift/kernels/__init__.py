@@ -248,11 +248,20 @@ def gemv_on_tile_unit(enable: int = -1) -> bool:
     kernels = cpu_kernels()
     if kernels is None:
         return False
-    if cpu_ops():
-        switch = _ops_library.ts_gemv_amx
-        switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
-        switch(enable)
+    ops_switch = _ops_gemv_amx()
+    if ops_switch is not None:
+        ops_switch(enable)
     return bool(kernels.gemv_amx(enable))
+
+
+@lru_cache(maxsize=1)
+def _ops_gemv_amx() -> Callable[[int], int] | None:
+    """The operator library's ts_gemv_amx (None where that library does not build)."""
+    if not cpu_ops():
+        return None
+    switch = _ops_library.ts_gemv_amx
+    switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
+    return switch
 
 
 @lru_cache(maxsize=1)

@@ -33,10 +33,7 @@
 #include "cpu_common.h"
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -578,15 +575,6 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
 // it: decode steps and the checks of proposed tokens keep the float32 tiles, whose rows round exactly as a
 // decode row does, so greedy output is the same with and without speculation.
 constexpr int32_t kDotMinQueries = 64;
-
-bool bf16_dot_supported() {
-  static const bool supported = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  }();
-  return supported;
-}
 
 // word 2j of a pair vector comes from word j of the first row, word 2j + 1 from word j of the second
 alignas(64) constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,

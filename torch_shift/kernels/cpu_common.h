@@ -63,15 +63,22 @@ inline vfloat load16(const bf16_t* p) {
 #endif
 
 #if defined(__x86_64__)
+// Whether the CPU has AVX512-BF16's dot products and the AVX-512 subsets their kernels use
+inline bool bf16_dot_supported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
+}
+
 // Whether the CPU has the tile unit with bfloat16 (AMX-TILE, AMX-BF16) and AVX512-BF16, and Linux gives this process
 // the tile registers' state, which it gives only to a process that asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA;
 // oneDNN asks the same way for its bf16 matmuls on these CPUs; a forked child keeps the permission)
 inline bool amx_bf16_usable() {
   static const bool usable = [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bf16"))
-      return false;
+    if (!bf16_dot_supported()) return false;
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
