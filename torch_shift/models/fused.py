@@ -7,7 +7,7 @@ caller computes the expression (`rms_norm_expression`, `rotary_expression`).
 Under torch.compile on the CPU, RMSNorm (with the residual add before it: `add_rms_norm`, one pass over the rows),
 rotary and the MLP's `silu(gate) * up` are operators the graph keeps opaque (`torch_shift::cpu_rms_norm`,
 `cpu_add_rms_norm`, `cpu_rotary`, `cpu_silu_mul`), which run what the eager forward runs: inductor's own code
-for them rounds differently, and a compiled engine runs its steps of up to 64 tokens (5 in bfloat16 on AMX) through the
+for them rounds differently, and a compiled engine runs its steps of up to 64 tokens through the
 C++ decoder (native_decoder.py), which rounds as the eager forward. With the operators every step rounds alike, and the
 GEMV kernel of small steps adds a float32 row's products in oneDNN's runs (kernels/cpu_linear.cpp;
 `PackedWeight.rounds_as_onednn` checks a weight), so a float32 token's logits do not depend on the size of the step that
