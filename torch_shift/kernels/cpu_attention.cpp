@@ -39,7 +39,11 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kMaxRows = 64;  // query rows (queries x heads of a KV head) of one work item
+constexpr int kItemRows = 64;  // query rows (queries x heads of a KV head) of one work item
+// and of a prompt's item whose chunks are put in pairs for the dot products (pair_chunk): every item pairs each chunk
+// it sees, so larger items pair less (a bf16 512-token prompt on AMX: pairing was 16% of its attention at 64 rows)
+constexpr int kPairedItemRows = 256;
+constexpr int kMaxRows = kPairedItemRows;
 constexpr int kPieces = 4;    // pieces of kLanes keys in a chunk: one online-softmax update per chunk
 constexpr int kChunk = kPieces * kLanes;
 static_assert(kPieces == 4, "chunk_rows dispatches on 1 to 4 pieces");
@@ -770,16 +774,24 @@ TS_BF16_TARGET inline __m512 tile_sum(const float* sums, int i, int s, int64_t p
 // with windows and sinks, head_dim 32-128) 4e-5 of the outputs differ, by a unit in bfloat16's last place: where GCC
 // had contracted a score's scaling and the row's maximum into one rounding in some instantiations and not in others,
 // it is one multiply-subtract here in all.
-template <int DV>
+// kWhole: 16 rows that each see every key of a whole chunk (most of a prompt's blocks), without the masks' arithmetic
+// (the same operations on every lane otherwise: the same bits).
+template <int DV, bool kWhole>
 TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float* sums, int64_t pieces_computed,
                                        const Piece<bf16_t, bf16_t>* pieces, int64_t num_pieces, int64_t chunk,
                                        float scale, uint32_t* prob_pairs) {
   constexpr int64_t D = DV * kLanes;
   const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
   __mmask16 visible[16][kPieces];
+  const __mmask16 every_key = __mmask16((1u << pieces[kPieces - 1].n) - 1);  // kWhole: 0xffff, not known to GCC
   __m512 top[16];
   for (int i = 0; i < 16; ++i) {
     top[i] = minus_infinity;
+    if constexpr (kWhole) {
+      for (int s = 0; s < kPieces; ++s)
+        top[i] = _mm512_max_ps(top[i], _mm512_mul_ps(tile_sum(sums, i, s, kPieces), _mm512_set1_ps(scale)));
+      continue;
+    }
     if (i >= m) continue;
     // this row's visible keys of the chunk: [a, b) relative to the chunk, and each piece's keys
     const int64_t a = std::max<int64_t>(rows.lo[r + i] - chunk, 0);
@@ -810,15 +822,16 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
     vfloat e[kPieces];
     for (int s = 0; s < kPieces; ++s) {
       e[s] = vfloat{};
-      if (i < m && visible[i][s]) {  // score - row max in one rounding (GCC contracts chunk_softmax's so, mostly)
-        const __m512 sum = tile_sum(sums, i, s, pieces_computed);
+      if (kWhole || (i < m && visible[i][s])) {  // score - row max in one rounding (GCC contracts chunk_softmax's so)
+        const __m512 sum = tile_sum(sums, i, s, kWhole ? kPieces : pieces_computed);
         const vfloat x = (vfloat)_mm512_fmsub_ps(sum, _mm512_set1_ps(scale), (__m512)row_max);
-        e[s] = (vfloat)_mm512_maskz_mov_ps(visible[i][s], (__m512)exp_nonpositive(x));
+        // (masked in both: a plain product into the sum below could be contracted into one rounding)
+        e[s] = (vfloat)_mm512_maskz_mov_ps(kWhole ? every_key : visible[i][s], (__m512)exp_nonpositive(x));
       }
       sum += e[s];
     }
     total[i] = (__m512)sum;
-    if (i >= m) continue;
+    if (!kWhole && i >= m) continue;
     for (int s = 0; s < kPieces; s += 2)
       _mm512_store_si512(prob_pairs + i * kChunk / 2 + s * kLanes / 2,
                          (__m512i)_mm512_cvtne2ps_pbh((__m512)e[s + 1], (__m512)e[s]));
@@ -879,7 +892,12 @@ TS_AMX_TARGET void chunk_head_amx(Rows& rows, int64_t r0, int64_t count, const u
     _tile_stored(1, sums + kLanes, kChunk * 4);
     _tile_stored(2, sums + 2 * kLanes, kChunk * 4);
     _tile_stored(3, sums + 3 * kLanes, kChunk * 4);
-    softmax16_to_pairs<DV>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+    const bool whole = m == 16 && np == kPieces && num_pieces == kPieces && pieces[kPieces - 1].n == kLanes &&
+                       rows.lo[r + 15] <= chunk && rows.hi[r] + 1 - chunk >= kChunk;  // rows in position order
+    if (whole)
+      softmax16_to_pairs<DV, true>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+    else
+      softmax16_to_pairs<DV, false>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
     // acc[i][16 v + d] += probabilities of row r + i . values of dimension 16 v + d, 16 pairs of keys at a time
     // (pairs past the chunk's keys are zero in both)
     const int64_t steps = seen > kChunk / 2 ? 2 : 1;
@@ -966,6 +984,19 @@ void chunk_row_scalar(Rows& rows, int64_t row, const Piece<KT, VT>* pieces, int6
   rows.max[row] = new_max;
 }
 
+// Whether a run of `query_len` queries takes the bfloat16 dot products (or the tile unit) on its chunks in pairs
+template <typename T>
+bool paired_dots(const Problem& p, int64_t query_len) {
+#ifdef TS_BF16_DOT
+  const int64_t D = p.head_dim;  // (pieces read in place: blocks of whole pieces)
+  return std::is_same<T, bf16_t>::value && (D == 32 || D == 64 || D == 128) && p.block_size % kLanes == 0 &&
+         query_len >= kDotMinQueries && bf16_dot_supported();
+#else
+  (void)p, (void)query_len;
+  return false;
+#endif
+}
+
 template <typename T>
 void attend(const Problem& p, const Item& item) {
   const int64_t D = p.head_dim;
@@ -995,9 +1026,7 @@ void attend(const Problem& p, const Item& item) {
   float* copied_values = copied_keys + kChunk * D;  // [kChunk][D]
 #ifdef TS_BF16_DOT
   const int64_t DV = D / kLanes;
-  // (pieces read in place: blocks of whole pieces)
-  const bool dot = std::is_same<T, bf16_t>::value && (D == 32 || D == 64 || D == 128) &&
-                   p.block_size % kLanes == 0 && p.query_len[item.run] >= kDotMinQueries && bf16_dot_supported();
+  const bool dot = paired_dots<T>(p, p.query_len[item.run]);
   const bool amx = dot && amx_supported();
   uint32_t* query_pairs = reinterpret_cast<uint32_t*>(copied_values + kChunk * D);  // [rows][D / 2]
   __m512i* key_pairs = reinterpret_cast<__m512i*>(
@@ -1203,15 +1232,15 @@ void run(const Problem& p, int64_t num_runs) {
   // tiles of queries of one KV head.
   int64_t num_decodes = 0;
   for (int32_t r = 0; r < num_runs; ++r) num_decodes += p.query_len[r] == 1;
-  int64_t heads_per_decode = std::min<int64_t>(p.num_kv_heads, std::max<int64_t>(1, kMaxRows / G));
+  int64_t heads_per_decode = std::min<int64_t>(p.num_kv_heads, std::max<int64_t>(1, kItemRows / G));
   while (heads_per_decode > 1 && (num_decodes * (p.num_kv_heads / heads_per_decode) < 4 * threads ||
                                   p.num_kv_heads % heads_per_decode != 0))
     --heads_per_decode;
-  const int64_t queries_per_item = std::max<int64_t>(1, kMaxRows / G);
   std::vector<Item> items;
   for (int32_t r = 0; r < num_runs; ++r) {
     const int32_t len = p.query_len[r];
     const int32_t nh = static_cast<int32_t>(len == 1 ? heads_per_decode : 1);
+    const int64_t queries_per_item = std::max<int64_t>(1, (paired_dots<T>(p, len) ? kPairedItemRows : kItemRows) / G);
     for (int32_t first = 0; first < len; first += static_cast<int32_t>(queries_per_item)) {
       const int32_t nq = std::min<int32_t>(static_cast<int32_t>(queries_per_item), len - first);
       int64_t keys = static_cast<int64_t>(p.num_computed[r]) + first + nq;
@@ -1269,7 +1298,7 @@ Problem make_problem(const int64_t* k_layout, const int64_t* v_layout, int64_t b
 
 bool valid(const Problem& p) {
   return p.head_dim > 0 && p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 &&
-         p.num_heads / p.num_kv_heads <= kMaxRows && p.k.token == 1 && p.v.dim == 1;
+         p.num_heads / p.num_kv_heads <= kItemRows && p.k.token == 1 && p.v.dim == 1;
 }
 
 }  // namespace
