@@ -266,3 +266,33 @@ def test_cpu_kernel_bf16_prompt_tiles_on_amx(heads, kv_heads, head_dim):
                            block_table_rows=batch.block_table_rows[2:3], tokens_per_block=16,
                            slot_mapping=batch.slot_mapping[rows], positions=batch.positions[rows], sliding_window=None)
     assert torch.equal(attention.build(alone, cache)(0, q[rows], k[rows], v[rows]), together[rows])
+
+
+@needs_kernels
+@pytest.mark.parametrize("amx", [True, False])
+def test_cpu_kernel_bf16_prompt_tiles_round_the_same_whatever_their_work_items(amx):
+    """bfloat16 prompt runs put their chunks in pairs once per work item, and take items of up to 256 rows where
+    that leaves every thread items (fewer where it would not): a row's bits do not depend on its item. One thread
+    (items of 256 rows) against eight (128 rows with 16 heads of 4 KV heads, 64 with 8 of 8), on the tile unit and
+    in dot products."""
+    kernels = cpu_kernels()
+    if amx and not kernels.attention_amx(-1):
+        pytest.skip("this CPU has no AMX (or Linux did not grant its tile state)")
+    runs = [(0, 70), (40, 129), (5, 1)]
+    attention = attention_backend("cpu", torch.device("cpu"), torch.bfloat16)
+    threads = torch.get_num_threads()
+    enabled = kernels.attention_amx(-1)
+    try:
+        if not amx:
+            kernels.attention_amx(0)
+        for heads, kv_heads in [(16, 4), (8, 8)]:
+            cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, 64, 16, torch.bfloat16, num_layers=1, seed=9)
+            step = attention.build(batch, cache)
+            torch.set_num_threads(1)
+            one = step(0, q, k, v)
+            torch.set_num_threads(8)
+            eight = step(0, q, k, v)
+            assert torch.equal(one, eight), (heads, kv_heads)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.attention_amx(1 if enabled else 0)

@@ -42,7 +42,7 @@ constexpr int kLanes = 16;
 constexpr int kItemRows = 64;  // query rows (queries x heads of a KV head) of one work item
 // and of a prompt's item whose chunks are put in pairs for the dot products (pair_chunk): every item pairs each chunk
 // it sees, so larger items pair less (a bf16 512-token prompt on AMX: pairing was 16% of its attention at 64 rows)
-constexpr int kPairedItemRows = 256;
+constexpr int kPairedItemRows = 256;  // (a power of 2 times kItemRows)
 constexpr int kMaxRows = kPairedItemRows;
 constexpr int kPieces = 4;    // pieces of kLanes keys in a chunk: one online-softmax update per chunk
 constexpr int kChunk = kPieces * kLanes;
@@ -1236,11 +1236,21 @@ void run(const Problem& p, int64_t num_runs) {
   while (heads_per_decode > 1 && (num_decodes * (p.num_kv_heads / heads_per_decode) < 4 * threads ||
                                   p.num_kv_heads % heads_per_decode != 0))
     --heads_per_decode;
+  // paired prompt runs: items of up to kPairedItemRows rows, fewer where that would leave threads without items
+  auto paired_items = [&](int64_t rows) {
+    int64_t n = 0;
+    for (int32_t r = 0; r < num_runs; ++r)
+      if (paired_dots<T>(p, p.query_len[r]))
+        n += (p.query_len[r] + std::max<int64_t>(1, rows / G) - 1) / std::max<int64_t>(1, rows / G) * p.num_kv_heads;
+    return n;
+  };
+  int64_t paired_rows = kPairedItemRows;
+  while (paired_rows > kItemRows && paired_items(paired_rows) < 4 * threads) paired_rows /= 2;
   std::vector<Item> items;
   for (int32_t r = 0; r < num_runs; ++r) {
     const int32_t len = p.query_len[r];
     const int32_t nh = static_cast<int32_t>(len == 1 ? heads_per_decode : 1);
-    const int64_t queries_per_item = std::max<int64_t>(1, (paired_dots<T>(p, len) ? kPairedItemRows : kItemRows) / G);
+    const int64_t queries_per_item = std::max<int64_t>(1, (paired_dots<T>(p, len) ? paired_rows : kItemRows) / G);
     for (int32_t first = 0; first < len; first += static_cast<int32_t>(queries_per_item)) {
       const int32_t nq = std::min<int32_t>(static_cast<int32_t>(queries_per_item), len - first);
       int64_t keys = static_cast<int64_t>(p.num_computed[r]) + first + nq;
