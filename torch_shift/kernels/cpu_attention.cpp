@@ -783,7 +783,8 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
   constexpr int64_t D = DV * kLanes;
   const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
   __mmask16 visible[16][kPieces];
-  const __mmask16 every_key = __mmask16((1u << pieces[kPieces - 1].n) - 1);  // kWhole: 0xffff, not known to GCC
+  // kWhole: 0xffff, not known to GCC (only then is the last piece there to read)
+  const __mmask16 every_key = kWhole ? __mmask16((1u << pieces[kPieces - 1].n) - 1) : __mmask16(0);
   __m512 top[16];
   for (int i = 0; i < 16; ++i) {
     top[i] = minus_infinity;
