@@ -273,26 +273,29 @@ def test_cpu_kernel_bf16_prompt_tiles_on_amx(heads, kv_heads, head_dim):
 def test_cpu_kernel_bf16_prompt_tiles_round_the_same_whatever_their_work_items(amx):
     """bfloat16 prompt runs put their chunks in pairs once per work item, and take items of up to 256 rows where
     that leaves every thread items (fewer where it would not): a row's bits do not depend on its item. One thread
-    (items of 256 rows) against eight (128 rows with 16 heads of 4 KV heads, 64 with 8 of 8), on the tile unit and
-    in dot products."""
+    (items of 256 rows) against eight (128 rows with 16 heads of 4 KV heads, 64 with 8 of 8; with 12 of 4, items of
+    255 and 63 rows, so that a row moves between 16-row blocks that see a whole chunk and blocks that do not), with
+    windows and sinks, on the tile unit and in dot products. (On a CPU without AVX512-BF16 no run takes those paths.)"""
     kernels = cpu_kernels()
     if amx and not kernels.attention_amx(-1):
         pytest.skip("this CPU has no AMX (or Linux did not grant its tile state)")
     runs = [(0, 70), (40, 129), (5, 1)]
     attention = attention_backend("cpu", torch.device("cpu"), torch.bfloat16)
     threads = torch.get_num_threads()
-    enabled = kernels.attention_amx(-1)
     try:
         if not amx:
             kernels.attention_amx(0)
-        for heads, kv_heads in [(16, 4), (8, 8)]:
-            cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, 64, 16, torch.bfloat16, num_layers=1, seed=9)
-            step = attention.build(batch, cache)
-            torch.set_num_threads(1)
-            one = step(0, q, k, v)
-            torch.set_num_threads(8)
-            eight = step(0, q, k, v)
-            assert torch.equal(one, eight), (heads, kv_heads)
+        for heads, kv_heads in [(16, 4), (8, 8), (12, 4)]:
+            for window, sinks in [(None, None), (50, torch.linspace(-2.0, 3.0, heads))]:
+                cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, 64, 16, torch.bfloat16, window,
+                                                     sinks=sinks, num_layers=1, seed=9)
+                step = attention.build(batch, cache)
+                torch.set_num_threads(1)
+                one = step(0, q, k, v, sinks)
+                torch.set_num_threads(8)
+                eight = step(0, q, k, v, sinks)
+                assert torch.equal(one.view(torch.int16), eight.view(torch.int16)), (heads, kv_heads, window)
     finally:
         torch.set_num_threads(threads)
-        kernels.attention_amx(1 if enabled else 0)
+        if not amx:
+            kernels.attention_amx(1)

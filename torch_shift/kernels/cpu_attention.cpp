@@ -691,6 +691,7 @@ void chunk_head_dot(Rows& rows, int64_t r0, int64_t count, const uint32_t* queri
   auto block = [&](int64_t r, auto rb) {
     const int64_t seen = std::min<int64_t>(rows.hi[r + decltype(rb)::value - 1] + 1 - chunk, kChunk);
     if (seen <= 0) return;  // the chunk is past every row of the block
+    if (rows.lo[r] >= chunk + kChunk) return;  // or before every row's window
     const int64_t pairs = std::min<int64_t>(num_pairs, (seen + 1) / 2);
     switch ((seen + kLanes - 1) / kLanes) {
 #define TS_PIECES(NP)                                                                                        \
@@ -861,7 +862,9 @@ TS_AMX_TARGET void chunk_head_amx(Rows& rows, int64_t r0, int64_t count, const u
   for (int64_t r = r0; r < r0 + count; r += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, r0 + count - r));
     const int64_t seen = std::min<int64_t>(rows.hi[r + m - 1] + 1 - chunk, kChunk);  // rows in position order
-    if (seen <= 0) continue;
+    // the chunk past every row of the block, or before every row's window (an item's rows start at the chunk of its
+    // first row's window: with 256-row items and a window of 128, a block's rows saw up to 4 chunks of nothing)
+    if (seen <= 0 || rows.lo[r] >= chunk + kChunk) continue;
     if (m != configured) {
       configure_tiles(m);
       configured = m;
