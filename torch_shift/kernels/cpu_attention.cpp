@@ -1311,7 +1311,7 @@ Problem make_problem(const int64_t* k_layout, const int64_t* v_layout, int64_t b
 }
 
 bool valid(const Problem& p) {
-  return p.head_dim > 0 && p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 &&
+  return p.head_dim > 0 && p.num_kv_heads > 0 && p.num_heads > 0 && p.num_heads % p.num_kv_heads == 0 &&
          p.num_heads / p.num_kv_heads <= kItemRows && p.k.token == 1 && p.v.dim == 1;
 }
 
