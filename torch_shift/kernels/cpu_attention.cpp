@@ -776,8 +776,9 @@ TS_BF16_TARGET inline __m512 tile_sum(const float* sums, int i, int s, int64_t p
 // had contracted a score's scaling and the row's maximum into one rounding in some instantiations and not in others,
 // it is one multiply-subtract here in all.
 // kWhole: 16 rows that each see every key of a whole chunk (most of a prompt's blocks), without the masks' arithmetic
-// (the same operations on every lane otherwise: the same bits).
-template <int DV, bool kWhole>
+// (the same operations on every lane otherwise: the same bits). kScaleAfter (scale > 0): a row's largest score is
+// its largest sum times scale (rounding is monotonic), one product a row instead of one a score.
+template <int DV, bool kWhole, bool kScaleAfter>
 TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float* sums, int64_t pieces_computed,
                                        const Piece<bf16_t, bf16_t>* pieces, int64_t num_pieces, int64_t chunk,
                                        float scale, uint32_t* prob_pairs) {
@@ -790,8 +791,10 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
   for (int i = 0; i < 16; ++i) {
     top[i] = minus_infinity;
     if constexpr (kWhole) {
-      for (int s = 0; s < kPieces; ++s)
-        top[i] = _mm512_max_ps(top[i], _mm512_mul_ps(tile_sum(sums, i, s, kPieces), _mm512_set1_ps(scale)));
+      for (int s = 0; s < kPieces; ++s) {
+        const __m512 sum = tile_sum(sums, i, s, kPieces);
+        top[i] = _mm512_max_ps(top[i], kScaleAfter ? sum : _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+      }
       continue;
     }
     if (i >= m) continue;
@@ -803,12 +806,14 @@ TS_BF16_TARGET void softmax16_to_pairs(Rows& rows, int64_t r, int m, const float
       const int64_t to = std::clamp<int64_t>(std::min<int64_t>(b - s * kLanes, s < num_pieces ? pieces[s].n : 0), 0,
                                              kLanes);
       visible[i][s] = to > from ? __mmask16(((1u << to) - 1) & ~((1u << from) - 1)) : __mmask16(0);
-      const __m512 score = _mm512_mul_ps(tile_sum(sums, i, s, pieces_computed), _mm512_set1_ps(scale));
+      const __m512 sum = tile_sum(sums, i, s, pieces_computed);
+      const __m512 score = kScaleAfter ? sum : _mm512_mul_ps(sum, _mm512_set1_ps(scale));
       top[i] = _mm512_max_ps(top[i], _mm512_mask_blend_ps(visible[i][s], minus_infinity, score));
     }
   }
   const __mmask16 valid = __mmask16((1u << m) - 1);
-  const vfloat chunk_max = (vfloat)reduce16<true>(top);
+  const vfloat chunk_max =
+      kScaleAfter ? (vfloat)_mm512_mul_ps(reduce16<true>(top), _mm512_set1_ps(scale)) : (vfloat)reduce16<true>(top);
   const vfloat old_max = (vfloat)_mm512_maskz_loadu_ps(valid, rows.max + r);
   const vfloat new_max = old_max > chunk_max ? old_max : chunk_max;
   const vint none_seen = chunk_max == splat(-INFINITY);  // such a row keeps its state: correction 1, probabilities 0
@@ -898,10 +903,14 @@ TS_AMX_TARGET void chunk_head_amx(Rows& rows, int64_t r0, int64_t count, const u
     _tile_stored(3, sums + 3 * kLanes, kChunk * 4);
     const bool whole = m == 16 && np == kPieces && num_pieces == kPieces && pieces[kPieces - 1].n == kLanes &&
                        rows.lo[r + 15] <= chunk && rows.hi[r] + 1 - chunk >= kChunk;  // rows in position order
-    if (whole)
-      softmax16_to_pairs<DV, true>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+    if (whole && scale > 0.0f)
+      softmax16_to_pairs<DV, true, true>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+    else if (whole)
+      softmax16_to_pairs<DV, true, false>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+    else if (scale > 0.0f)
+      softmax16_to_pairs<DV, false, true>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
     else
-      softmax16_to_pairs<DV, false>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
+      softmax16_to_pairs<DV, false, false>(rows, r, m, sums, np, pieces, num_pieces, chunk, scale, prob_pairs);
     // acc[i][16 v + d] += probabilities of row r + i . values of dimension 16 v + d, 16 pairs of keys at a time
     // (pairs past the chunk's keys are zero in both)
     const int64_t steps = seen > kChunk / 2 ? 2 : 1;
@@ -1223,7 +1232,13 @@ void attend(const Problem& p, const Item& item) {
     const int64_t i = m / (NH * G), head = item.first_kv_head * G + m % (NH * G);
     T* dst = out + (row0 + i) * p.out_row_stride + head * p.out_head_stride;
     const float inv = 1.0f / rows.sum[m];
-    for (int64_t d = 0; d < D; ++d) store(rows.acc[m * D + d] * inv, dst + d);
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same<T, bf16_t>::value)  // 16 at a time, rounded as to_bf16 (GCC vectorized 8 at a time)
+      for (; d + 16 <= D; d += 16)
+        store_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(rows.acc + m * D + d), _mm512_set1_ps(inv)), dst + d);
+#endif
+    for (; d < D; ++d) store(rows.acc[m * D + d] * inv, dst + d);
   }
 }
 
