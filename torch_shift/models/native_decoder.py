@@ -66,8 +66,8 @@ class NativeDecoder:
         self.kernels = kernels
         self.handle = handle
         # MAX_TOKENS; where a larger step's linears run oneDNN's matmul (bfloat16 on AMX without the tile unit's
-        # GEMV), the decoder calls it as the
-        # eager forward does (the same bits), or takes no more than the GEMV's rows where it cannot
+        # GEMV), the decoder calls it as the eager forward does (the same bits), or takes no more than the GEMV's rows
+        # where it cannot
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
         # the vocabulary, or this rank's shard of it; without the head, the hidden size (its rows' hidden states)
