@@ -687,6 +687,74 @@ def test_a_batch_at_disable_by_batch_size_needs_no_speculator_until_it_changes()
     assert speculator.quiet_steps == 0 and proposer.finished == ["b"] and "b" not in speculator.acceptance.per_request
 
 
+def _speculator_where_no_check_pays(bar: float = 2.0) -> tuple[Speculator, list[Request]]:
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3})
+    speculator = Speculator(config, 1000, _TellsFinishes())
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+    speculator.step_cost.lacks_checks = lambda num_requests: False
+    speculator._prices = lambda num_running, cost: (bar, 16)
+    params = SamplingParams(max_tokens=100)
+    return speculator, [Request(name, list(range(1, n)), params, 100) for name, n in (("a", 6), ("b", 9))]
+
+
+def test_a_wait_that_ends_where_no_check_pays_is_looked_at_before_its_tokens():
+    """The end of a wait where no check can pay (the bar above 1): Speculator.relook_ahead, called while the step in
+    flight's tokens are not on the host, leaves the speculator as `propose` after them would (the waits, the steps
+    seen, the quiet steps to come with the step in flight's counted by skip_step), so that the next step runs ahead
+    too. Where a check may pay, or an exploring check is due, it changes nothing: that step waits for its tokens."""
+    ahead, ahead_requests = _speculator_where_no_check_pays()
+    after, after_requests = _speculator_where_no_check_pays()
+    ahead.propose(ahead_requests, 2)
+    after.propose(after_requests, 2)
+    token = 10
+    for _ in range(40):  # two waits' ends and more, from different lengths
+        if after.quiet_steps:
+            assert ahead.quiet_steps == after.quiet_steps
+            for speculator, requests in ((ahead, ahead_requests), (after, after_requests)):
+                for request in requests:
+                    request.append_output_token(token)
+                speculator.skip_step(requests)
+        else:
+            assert ahead.quiet_steps == 0 and ahead.relook_ahead(ahead_requests, 2)
+            for request in ahead_requests + after_requests:
+                request.append_output_token(token)
+            ahead.skip_step(ahead_requests)
+            after.propose(after_requests, 2)
+        token += 1
+        assert (ahead._quiet, ahead._steps, ahead.quiet_steps) == (after._quiet, after._steps, after.quiet_steps)
+        assert not any(r.spec_token_ids for r in after_requests)
+    for bar, explore in ((0.5, False), (2.0, True)):  # a check that may pay; a batch size's first checks due
+        speculator, requests = _speculator_where_no_check_pays(bar)
+        speculator.step_cost.lacks_checks = lambda num_requests: explore
+        before = (dict(speculator._quiet), speculator._steps, speculator.quiet_steps, speculator._last_bar)
+        assert not speculator.relook_ahead(requests, 2)
+        assert (speculator._quiet, speculator._steps, speculator.quiet_steps, speculator._last_bar) == before
+
+
+def test_steps_run_ahead_through_the_ends_of_waits_where_no_check_pays(llama):
+    """With one rank and no check that can pay, every step after the first runs ahead of the host, at the ends of
+    the requests' waits too, until one finishes: the outputs are those drawn without speculation."""
+    _, model_dir = llama
+    prompts = random_prompts(3, [7, 12, 9], seed=8)
+    params = [SamplingParams(max_tokens=70, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(3)]
+    reference = LLM(str(model_dir), compile=False, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir), compile=False, async_scheduling=True,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 6})
+    core, speculator = llm.engine.core, llm.engine.core.speculator
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+    speculator.step_cost.lacks_checks = lambda num_requests: False
+    speculator._prices = lambda num_running, cost: (2.0, 16)
+    launches, executor = [], core.executor
+    core.executor = lambda plan, *tokens, **options: launches.append(
+        (bool(options.get("launch")), core.in_flight is not None)) or executor(plan, *tokens, **options)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    # the prompts' step waits for its tokens (the proposals of new requests follow it), the next one starts the run
+    # ahead; then 68 steps launched behind the one in flight, the ends of waits (every 16 steps) included
+    assert launches[:2] == [(False, False), (True, False)] and launches[2:] == [(True, True)] * 68
+
+
 def test_a_finish_and_an_arrival_in_one_step_that_ran_ahead(llama):
     """A request ends in a step that ran ahead while the next step, launched before it completed, admitted another:
     the running requests number the same, yet the speculator must forget the one that ended (its proposer's

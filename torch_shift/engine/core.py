@@ -12,8 +12,9 @@ tokens on the host before it samples (penalties, a minimum length, a grammar, lo
 synchronous while it is in the engine. On the CPU the C++ decoder's steps run on a thread of its own in the same way
 (torch_shift.engine.model_runner): a step's argmax rows stand for its tokens until it ran. With speculative decoding
 only the steps after which the speculator proposes nothing run ahead (its quiet steps: every request waits for a
-probe or a backoff's end); a step whose tokens a proposal follows, and a step that checks proposals, wait for the
-tokens on the host, as proposals are made from them.
+probe or a backoff's end; and the end of such a wait where no check can pay, found without the tokens); a step whose
+tokens a proposal follows, and a step that checks proposals, wait for the tokens on the host, as proposals are made
+from them.
 """
 
 from __future__ import annotations
@@ -126,8 +127,7 @@ class EngineCore:
             self._time_call()
         # a request samples on the host, or proposals follow the step in flight (or the next one), or a request the
         # last propose did not see may hold some: every token must be there first
-        if self.scheduler.num_host_sampled or (speculator is not None and not (
-                speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for)):
+        if self.scheduler.num_host_sampled or (speculator is not None and not self._quiet_ahead()):
             if self.in_flight is not None:
                 return self._complete()
             self._speculator_seconds = 0.0
@@ -162,6 +162,20 @@ class EngineCore:
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
                                        result.reshard_seconds)
         return done
+
+    def _quiet_ahead(self) -> bool:
+        """Whether the next step may run ahead of the host beside the speculator: the requests the last propose saw
+        are the running ones, and they wait (quiet steps), or the step in flight decodes each of them and the
+        speculator finds, without its tokens, that it would propose nothing after it (Speculator.relook_ahead)."""
+        speculator, scheduler = self.speculator, self.scheduler
+        if scheduler.num_running_changes != self._proposed_for:
+            return False
+        if speculator.quiet_steps:
+            return True
+        in_flight, num_running = self.in_flight, len(scheduler.running)
+        return (in_flight is not None and in_flight.output.num_scheduled_tokens == num_running
+                and _plain_decode(in_flight.entries)
+                and speculator.relook_ahead([e.request for group in in_flight.entries for e in group], num_running))
 
     def _time_call(self) -> None:
         """The interval since the last call of `step`, told to the speculator where that call ran a plain decode step

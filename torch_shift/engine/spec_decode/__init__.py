@@ -229,14 +229,8 @@ class Speculator:
             return
         k = config.max_proposal_tokens
         cost = self.step_cost.at(num_running) if config.goodput_budget else None
-        bar = UNFITTED_BAR if config.goodput_budget else 0.0
-        probe_every = PROBE_EVERY
-        if cost is not None:
-            bar, probe_every = self._prices(num_running, with_sync_penalty(cost, num_running,
-                                                                           self.sync_penalty.at(num_running)))
+        bar, probe_every, explore = self._step_prices(num_running, cost, steps)
         self._last_bar, self._last_probe_every = bar, probe_every
-        explore = (cost is not None and steps - self._explored_at >= EXPLORE_EVERY
-                   and self.step_cost.lacks_checks(num_running))
         until_probe = probe_every - steps % probe_every  # steps to the next probe
         if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in due:
@@ -304,6 +298,47 @@ class Speculator:
                     quiet[request.request_id] = request.num_tokens + wait - steps % wait
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
+
+    def _step_prices(self, num_running: int, cost: StepCost | None, steps: int) -> tuple[float, int, bool]:
+        """A propose's bar, probe interval and whether it explores, in its `steps`-th step of `num_running` decodes
+        (`cost`: the fit's, None without the budget or before a fit)."""
+        if cost is None:
+            return (UNFITTED_BAR if self.config.goodput_budget else 0.0), PROBE_EVERY, False
+        bar, probe_every = self._prices(num_running, with_sync_penalty(cost, num_running,
+                                                                       self.sync_penalty.at(num_running)))
+        explore = steps - self._explored_at >= EXPLORE_EVERY and self.step_cost.lacks_checks(num_running)
+        return bar, probe_every, explore
+
+    def relook_ahead(self, requests: list[Request], num_running: int) -> bool:
+        """At the end of a wait, before the tokens of the step in flight (one for each of `requests`: the running
+        requests the last propose saw, each decoding) reach the host: where the propose after that step would ask
+        nothing (no check can pay, nothing to explore), it is made now, as `propose` would make it, and the quiet
+        steps go on, that step's own counted (skip_step takes it), so that the next step runs ahead of the host too.
+        False, changing nothing, where the propose may ask the proposer or probes and their scores are kept: the
+        step waits for its tokens. The wait's end, every 16 steps of 64 requests that no check could pay for, cost
+        their throughput 1% (docs/performance.md)."""
+        config, quiet = self.config, self._quiet
+        limit = config.disable_by_batch_size
+        if self._below_bar or self._shadows or (limit is not None and num_running >= limit):
+            return False
+        cost = self.step_cost.at(num_running) if config.goodput_budget else None
+        if cost is None:
+            return False
+        lengths = [len(request.all_token_ids) + 1 for request in requests]
+        due = [i for i, request in enumerate(requests) if lengths[i] >= quiet.get(request.request_id, 0)]
+        if not due:
+            return False
+        steps = self._steps + 1  # the propose's, which skip_step counts
+        bar, probe_every, explore = self._step_prices(num_running, cost, steps)
+        if bar <= 1.0 or explore:
+            return False
+        self._last_bar, self._last_probe_every = bar, probe_every
+        until_probe = probe_every - steps % probe_every
+        for i in due:
+            quiet[requests[i].request_id] = lengths[i] + until_probe
+        self.quiet_steps = 1 + max(0, min(quiet.get(request.request_id, 0) - length - 1
+                                          for request, length in zip(requests, lengths)))
+        return True
 
     def _ask(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
         """The proposer's proposals, its time per request asked and the share of asks that found one followed."""
