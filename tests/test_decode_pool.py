@@ -4,6 +4,7 @@ give the same tokens and logprobs with it as without."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import threading
@@ -13,7 +14,7 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from torch_shift import LLM, SamplingParams
+from torch_shift import LLM, SamplingParams, kernels
 from torch_shift.engine import decode_pool
 from torch_shift.engine.decode_pool import MAX_WORKERS, SMALL_STEPS_BEFORE_POOL
 from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers, stop_gemv_pool
@@ -103,6 +104,36 @@ def test_two_threads_calling_at_once_both_get_torchs_bits(dtype, disarmed):
     for t in callers:
         t.join()
     assert not failures
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_of_a_pooled_step_runs_on_the_pool_with_one_threads_bits(dtype, disarmed):
+    """A pooled step's SiLU (torch's threads at one) runs in pieces on the pool's threads: every element as one thread
+    computes it, in rows whose length leaves a remainder after the vectorised runs (std::exp) too. The pool's pieces
+    (ts_pool_run_pieces) each run once; where the pool is not armed none runs there and the caller runs them."""
+    if not kernels.cpu_ops():
+        pytest.skip("the operator library does not build here")
+    import torch_shift.models.fused  # noqa: F401 - defines torch_shift::cpu_silu_mul
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for tokens, intermediate in ((1, 24576), (17, 24576), (64, 2816), (5, 5000), (3, 4097), (2, 8191)):
+            gate_up = (torch.randn(tokens, 2 * intermediate) * 4).to(dtype)
+            expected = torch.ops.torch_shift.cpu_silu_mul(gate_up)
+            assert arm_gemv_pool(1) == 1
+            assert torch.equal(torch.ops.torch_shift.cpu_silu_mul(gate_up), expected), (tokens, intermediate)
+            arm_gemv_pool(0)
+    finally:
+        torch.set_num_threads(threads)
+    piece_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+    run_pieces = kernels._ops_library.ts_pool_run_pieces
+    run_pieces.argtypes, run_pieces.restype = [ctypes.c_int64, piece_type, ctypes.c_void_p], ctypes.c_int
+    ran = []
+    piece = piece_type(lambda ctx, b: ran.append(b))
+    assert run_pieces(100, piece, None) == 1 and not ran  # not armed: the caller's own way
+    assert arm_gemv_pool(1) == 1
+    assert run_pieces(100, piece, None) == 0 and sorted(ran) == list(range(100))
 
 
 def test_a_child_forked_from_an_armed_process_computes_without_the_parents_threads(disarmed):

@@ -579,9 +579,15 @@ struct Matmul {
   void* out;
   int64_t out_stride;
   bool amx = false;  // dtype 4 on the tile unit (amx_block)
+  // a job of independent pieces instead (ts_pool_run_pieces: no weight): piece(ctx, b) for b < pieces
+  void (*piece)(const void* ctx, int64_t b) = nullptr;
+  const void* ctx = nullptr;
+  int64_t pieces = 0;
 
   void block(int64_t b, bool request_next = false) const {
-    if (dtype == 2)
+    if (piece != nullptr)
+      piece(ctx, b);
+    else if (dtype == 2)
       avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
                        static_cast<const uint16_t*>(w) + b * avx2::kPair * K, K, static_cast<const uint16_t*>(bias),
                        static_cast<uint16_t*>(out), out_stride, b, N);
@@ -617,7 +623,9 @@ struct Matmul {
 #endif
     return dtype == 2 || dtype == 3 ? avx2::kPair : kBlock;
   }
-  int64_t blocks() const { return (N + block_width() - 1) / block_width(); }  // dtype 0 and 1: N % 64 == 0
+  int64_t blocks() const {  // dtype 0 and 1: N % 64 == 0
+    return piece != nullptr ? pieces : (N + block_width() - 1) / block_width();
+  }
   int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
 };
 
@@ -920,7 +928,9 @@ void learn_order(const Matmul& m) {
 }
 
 void run(const Matmul& m, int workers) {
-  learn_order(m);
+  // a job of pieces has no weight: its workers prefetch, after it, what follows the last weight
+  const void* last = m.piece != nullptr ? previous : m.w;
+  if (m.piece == nullptr) learn_order(m);
   const bool helper = helping.load(std::memory_order_seq_cst) != 0;
   const int threads = workers + 1 + (helper ? 1 : 0);
   const int64_t blocks = m.blocks();
@@ -929,7 +939,7 @@ void run(const Matmul& m, int workers) {
   job.workers = workers;
   job.helper = helper ? threads - 1 : -1;
   job.num_next = 0;
-  for (const void* at = m.w; job.num_next < kAhead;) {
+  for (const void* at = last; at != nullptr && job.num_next < kAhead;) {
     auto it = next_of->find(at);
     if (it == next_of->end()) break;
     at = it->second;
@@ -1086,6 +1096,22 @@ void ts_gemv_pool_always_caller() { pool::always_caller = true; }
 // Help the pool's caller (another thread) with its GEMVs until `*counter` reaches `target` (cpu_decoder.cpp)
 void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) { pool::help(counter, target); }
 
+// piece(ctx, b) for every b < pieces, on the decode pool's threads with the caller, where the calling thread runs its
+// GEMVs on the pool now (armed, or the C++ decoder's thread) and no other job is in flight: returns 0. Otherwise 1,
+// and nothing ran: the caller runs the pieces its own way. The pieces run in any order, on any of the threads.
+int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx) {
+  const int workers = pool::armed.load(std::memory_order_acquire);
+  if (pieces <= 0 || pieces >= (int64_t(1) << 32) || (workers == 0 && !pool::always_caller)) return 1;
+  if (pool::busy.exchange(true, std::memory_order_acquire)) return 1;
+  Matmul m{};
+  m.piece = piece;
+  m.ctx = ctx;
+  m.pieces = pieces;
+  pool::run(m, workers);
+  pool::busy.store(false, std::memory_order_release);
+  return 0;
+}
+
 }  // extern "C"
 
 #else
@@ -1108,6 +1134,7 @@ void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) {
   while (counter->load(std::memory_order_acquire) < target) {
   }
 }
+int ts_pool_run_pieces(int64_t, void (*)(const void*, int64_t), const void*) { return 1; }
 }  // extern "C"
 
 #endif  // __x86_64__
