@@ -4,6 +4,7 @@ and the paged CPU kernel's results independent of the block size and of the othe
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
@@ -266,6 +267,34 @@ def test_cpu_kernel_bf16_prompt_tiles_on_amx(heads, kv_heads, head_dim):
                            block_table_rows=batch.block_table_rows[2:3], tokens_per_block=16,
                            slot_mapping=batch.slot_mapping[rows], positions=batch.positions[rows], sliding_window=None)
     assert torch.equal(attention.build(alone, cache)(0, q[rows], k[rows], v[rows]), together[rows])
+
+
+@needs_kernels
+def test_cpu_kernel_on_one_thread_hands_its_items_to_the_decode_pool_with_the_same_bits():
+    """On one thread (a pooled step's) the kernel's work items run on the decode pool's threads where the pool is
+    armed: each row as one thread alone computes it, decodes and prompt runs, float32 and bfloat16, with windows and
+    sinks."""
+    kernels = cpu_kernels()
+    arm, stop = kernels.library.ts_gemv_pool_arm, kernels.library.ts_gemv_pool_stop
+    arm.argtypes, arm.restype, stop.argtypes, stop.restype = [ctypes.c_int], ctypes.c_int, [], None
+    runs = [(0, 70), (40, 17), (5, 1), (300, 1), (12, 1)]
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            attention = attention_backend("cpu", torch.device("cpu"), dtype)
+            for heads, kv_heads, window, sinks in [(8, 2, None, None), (12, 4, 50, torch.linspace(-2.0, 3.0, 12))]:
+                cache, batch, q, k, v, _ = make_step(runs, heads, kv_heads, 64, 16, dtype, window, sinks=sinks,
+                                                     num_layers=1, seed=4)
+                step = attention.build(batch, cache)
+                torch.set_num_threads(1)
+                alone = step(0, q, k, v, sinks)
+                assert arm(1) == 1
+                pooled = step(0, q, k, v, sinks)
+                arm(0)
+                assert torch.equal(alone, pooled), (dtype, heads, kv_heads, window)
+    finally:
+        torch.set_num_threads(threads)
+        stop()
 
 
 @needs_kernels

@@ -32,6 +32,9 @@
 
 #include "cpu_common.h"
 
+// cpu_linear.cpp (the same library): independent pieces on the decode pool's threads, where the caller runs there
+extern "C" int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx);
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -1283,7 +1286,18 @@ void run(const Problem& p, int64_t num_runs) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(threads, num_items);
   if (workers <= 1) {
-    for (const Item& item : items) attend<T>(p, item);
+    // one thread (a pooled step's): the items on the decode pool's threads where the caller runs its GEMVs there
+    // (an item's results do not depend on the thread that computes it)
+    struct Pieces {
+      const Problem* p;
+      const Item* items;
+    } pieces{&p, items.data()};
+    const auto piece = [](const void* ctx, int64_t i) {
+      const Pieces& c = *static_cast<const Pieces*>(ctx);
+      attend<T>(*c.p, c.items[i]);
+    };
+    if (threads > 1 || num_items < 2 || ts_pool_run_pieces(num_items, piece, &pieces) != 0)
+      for (const Item& item : items) attend<T>(p, item);
     return;
   }
   std::atomic<int64_t> next{0};
