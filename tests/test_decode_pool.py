@@ -390,3 +390,38 @@ def test_stop_ends_a_worker_that_looked_at_stopping_just_before(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("stop() did not return within 30 s: the worker slept on the arming word")
     assert run.returncode == 0 and run.stdout.strip() == "stopped", run.stderr
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_long_context_keeps_the_pool_where_the_cpp_decoder_attends(layers4, native, disarmed, monkeypatch):
+    """The C++ decoder runs attention's work items on the pool's threads, so its small steps take the pool whatever
+    their context; where attention runs outside it (native_decode=False, on the step's one thread) a context past the
+    KV budget keeps the step's threads."""
+    llm = LLM(str(layers4), dtype=POOL_DTYPE, native_decode=native, async_scheduling=False)
+    try:
+        runner = llm.engine.worker.runner
+        pool = runner.decode_pool
+        if not pool.enabled or torch.get_num_threads() < 2:
+            pytest.skip("the GEMV kernel's pool does not run here")
+        assert runner.native_decode is native
+        budget = pool.kv_budget_tokens
+        prompt = random_prompts(1, [budget + 20], seed=5)[0]
+        assert len(prompt) + 16 <= llm.engine.config.scheduler.max_model_len, budget
+        seen, step = [], pool.step
+
+        def spy(tokens, kv_tokens=0, threads=None, asynchronous=False):
+            workers = step(tokens, kv_tokens, threads, asynchronous)
+            seen.append((tokens, kv_tokens, workers))
+            return workers
+
+        monkeypatch.setattr(pool, "step", spy)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        decodes = [(kv_tokens, workers) for tokens, kv_tokens, workers in seen if tokens == 1]
+        assert len(decodes) == 15
+        if native:
+            assert all(kv_tokens == 0 for kv_tokens, _ in decodes) and decodes[-1][1] > 0
+        else:
+            assert all(kv_tokens > budget and workers == 0 for kv_tokens, workers in decodes)
+    finally:
+        llm.shutdown()

@@ -3,9 +3,10 @@
 A batch-1 decode step on the CPU streams every weight once, and a third of its time is other work (the interpreter,
 attention, small kernels, sampling) during which memory sits idle. The pool is threads of the GEMV kernel's own that run
 the step's matmuls with the calling thread and, between them, prefetch the weights that come next. For a step whose
-matmuls all run the GEMV (at most `GEMV_MAX_ROWS` tokens: models/linear.py) and whose context is small beside the
-weights (its attention runs on one thread), the runner arms the pool with a worker for each of its threads but one and
-the calling thread runs everything else on one OpenMP thread: OpenMP's idle workers are ended first, and the thread
+matmuls all run the GEMV (at most `GEMV_MAX_ROWS` tokens: models/linear.py) and, where its attention runs on one
+thread (outside the C++ decoder, whose attention and SiLU run on the pool's threads too), whose context is small
+beside the weights, the runner arms the pool with a worker for each of its threads but one and the calling thread
+runs everything else on one OpenMP thread: OpenMP's idle workers are ended first, and the thread
 stays at one between such steps (sampling, proposals) until the engine's step returns, or OpenMP's workers would come
 back and spin against the pool's on its cores for milliseconds. Only the calling thread's OpenMP thread count changes
 (`omp_set_num_threads`, which torch reads as its own: `torch.get_num_threads()`); other threads and torch's default for
@@ -33,7 +34,8 @@ from torch_shift.parallel.launch import openmp_function, release_openmp_threads
 
 SMALL_STEPS_BEFORE_POOL = 8
 MAX_WORKERS = 63  # the kernel's bound
-# a step whose KV cache reads exceed this share of the weights' bytes keeps its threads for attention
+# a step whose KV cache reads exceed this share of the weights' bytes keeps its threads for attention, where its
+# attention runs outside the C++ decoder (on the step's one thread; the decoder's runs on the pool's threads)
 KV_SHARE_OF_WEIGHTS = 0.05
 
 _state = threading.local()  # .held: the calling thread's OpenMP threads before the pool took all but one

@@ -233,7 +233,10 @@ class ModelRunner:
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
         tokens = sum(group.num_tokens for group in mine)
-        kv_tokens = sum(group.num_kv_tokens for group in mine)
+        # the C++ decoder hands attention's items to the pool's threads; elsewhere attention runs on the step's one
+        # thread, and a long context keeps its threads (decode_pool.KV_SHARE_OF_WEIGHTS)
+        kv_tokens = 0 if all(self._native(self.deployment[group.layout]) for group in mine) else sum(
+            group.num_kv_tokens for group in mine)
         pooled = self.decode_pool.step(tokens, kv_tokens, threads, asynchronous=launch)
         if launch and pooled:
             return self._launch(plan, previous_tokens, draws)
