@@ -1286,7 +1286,8 @@ void run(const Problem& p, int64_t num_runs) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(threads, num_items);
   if (workers <= 1) {
-    // one thread (a pooled step's): the items on the decode pool's threads where the caller runs its GEMVs there
+    // one thread (a pooled step's; or one item): the items on the decode pool's threads where the caller runs its GEMVs
+    // there
     // (an item's results do not depend on the thread that computes it)
     struct Pieces {
       const Problem* p;
@@ -1296,7 +1297,7 @@ void run(const Problem& p, int64_t num_runs) {
       const Pieces& c = *static_cast<const Pieces*>(ctx);
       attend<T>(*c.p, c.items[i]);
     };
-    if (threads > 1 || num_items < 2 || ts_pool_run_pieces(num_items, piece, &pieces) != 0)
+    if (num_items < 2 || ts_pool_run_pieces(num_items, piece, &pieces) != 0)
       for (const Item& item : items) attend<T>(p, item);
     return;
   }

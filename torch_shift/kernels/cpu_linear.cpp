@@ -996,15 +996,21 @@ void help(const std::atomic<int64_t>* counter, int64_t target) {
 
 }  // namespace pool
 
-void run_matmul(const Matmul& m) {
+// `m` on the pool where the calling thread runs there now (armed, or the C++ decoder's thread) and no other job is in
+// flight; false, and nothing ran, otherwise
+bool run_on_pool(const Matmul& m) {
   const int workers = pool::armed.load(std::memory_order_acquire);
   // a forked child: 0 workers (atfork)
   if ((workers > 0 || pool::always_caller) && !pool::busy.exchange(true, std::memory_order_acquire)) {
     pool::run(m, workers);
     pool::busy.store(false, std::memory_order_release);
-    return;
+    return true;
   }
-  run_parallel(m);
+  return false;
+}
+
+void run_matmul(const Matmul& m) {
+  if (!run_on_pool(m)) run_parallel(m);
 }
 
 }  // namespace
@@ -1100,16 +1106,12 @@ void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target) { po
 // GEMVs on the pool now (armed, or the C++ decoder's thread) and no other job is in flight: returns 0. Otherwise 1,
 // and nothing ran: the caller runs the pieces its own way. The pieces run in any order, on any of the threads.
 int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx) {
-  const int workers = pool::armed.load(std::memory_order_acquire);
-  if (pieces <= 0 || pieces >= (int64_t(1) << 32) || (workers == 0 && !pool::always_caller)) return 1;
-  if (pool::busy.exchange(true, std::memory_order_acquire)) return 1;
+  if (pieces <= 0 || pieces >= (int64_t(1) << 32)) return 1;
   Matmul m{};
   m.piece = piece;
   m.ctx = ctx;
   m.pieces = pieces;
-  pool::run(m, workers);
-  pool::busy.store(false, std::memory_order_release);
-  return 0;
+  return run_on_pool(m) ? 0 : 1;
 }
 
 }  // extern "C"

@@ -336,8 +336,7 @@ class Speculator:
         until_probe = probe_every - steps % probe_every
         for i in due:
             quiet[requests[i].request_id] = lengths[i] + until_probe
-        self.quiet_steps = 1 + max(0, min(quiet.get(request.request_id, 0) - length - 1
-                                          for request, length in zip(requests, lengths)))
+        self.quiet_steps = 1 + self._waiting_steps(requests, num_running, ahead=1)
         return True
 
     def _ask(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
@@ -370,13 +369,14 @@ class Speculator:
         if probing:
             self._keep_probes(probing, self._ask(probing, [1] * len(probing)))
 
-    def _waiting_steps(self, requests: list[Request], num_running: int) -> int:
-        """The propose calls to come that would find every one of `requests` waiting (each adds one token a step);
-        none where they are not all of the `num_running` running requests (one not seen may hold proposals)."""
+    def _waiting_steps(self, requests: list[Request], num_running: int, ahead: int = 0) -> int:
+        """The propose calls to come that would find every one of `requests` waiting (each adds one token a step;
+        `ahead`: tokens each has beyond those on the host); none where they are not all of the `num_running` running
+        requests (one not seen may hold proposals)."""
         if len(requests) != num_running:
             return 0
         quiet = self._quiet
-        return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - 1 for r in requests), default=0))
+        return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - ahead - 1 for r in requests), default=0))
 
     def skip_step(self, updated: list[Request]) -> None:
         """A step of the requests the last propose saw, each decoding one token (`updated`), ran while they all wait:
