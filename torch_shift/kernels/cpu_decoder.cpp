@@ -268,6 +268,18 @@ void silu_mul_segment(const T* gate, const T* up, T* out, int64_t n, int lanes) 
   }
 }
 
+// out[t, col, col + n) of silu_mul below, in its dtype (0 float32, else bfloat16), its runs starting at col
+void silu_mul_span(const void* gate_up, void* out, int64_t I, int64_t t, int64_t col, int64_t n, int dtype,
+                   int lanes) {
+  if (dtype == 0) {
+    const float* row = static_cast<const float*>(gate_up) + t * 2 * I;
+    silu_mul_segment(row + col, row + I + col, static_cast<float*>(out) + t * I + col, n, lanes);
+  } else {
+    const bf16_t* row = static_cast<const bf16_t*>(gate_up) + t * 2 * I;
+    silu_mul_segment(row + col, row + I + col, static_cast<bf16_t*>(out) + t * I + col, n, lanes);
+  }
+}
+
 // A row of silu_mul in pieces of kSiluPiece elements, on the decode pool's threads (a pooled step's one part)
 constexpr int64_t kSiluPiece = 4096;  // a multiple of every run's elements (32 floats, 64 bfloat16)
 constexpr int64_t kSiluPoolMin = 16384;  // elements below which one thread does it (a job costs a few us)
@@ -281,14 +293,7 @@ struct SiluRows {
 void silu_piece(const void* ctx, int64_t b) {
   const SiluRows& s = *static_cast<const SiluRows*>(ctx);
   const int64_t t = b / s.pieces_per_row, col = b % s.pieces_per_row * kSiluPiece;
-  const int64_t n = std::min(kSiluPiece, s.I - col);
-  if (s.dtype == 0) {
-    const float* row = static_cast<const float*>(s.gate_up) + t * 2 * s.I;
-    silu_mul_segment(row + col, row + s.I + col, static_cast<float*>(s.out) + t * s.I + col, n, s.lanes);
-  } else {
-    const bf16_t* row = static_cast<const bf16_t*>(s.gate_up) + t * 2 * s.I;
-    silu_mul_segment(row + col, row + s.I + col, static_cast<bf16_t*>(s.out) + t * s.I + col, n, s.lanes);
-  }
+  silu_mul_span(s.gate_up, s.out, s.I, t, col, std::min(kSiluPiece, s.I - col), s.dtype, s.lanes);
 }
 
 // out[t, :I] = silu(gate_up[t, :I]) * gate_up[t, I:], each operator's result rounded to the dtype, as
@@ -319,13 +324,7 @@ void silu_mul(const void* gate_up, void* out, int64_t tokens, int64_t I, int dty
       const int64_t end = std::min(numel, start + part);
       for (int64_t e = start; e < end;) {
         const int64_t t = e / I, col = e % I, n = std::min(end - e, I - col);
-        if (dtype == 0) {
-          const float* row = static_cast<const float*>(gate_up) + t * 2 * I;
-          silu_mul_segment(row + col, row + I + col, static_cast<float*>(out) + t * I + col, n, lanes);
-        } else {
-          const bf16_t* row = static_cast<const bf16_t*>(gate_up) + t * 2 * I;
-          silu_mul_segment(row + col, row + I + col, static_cast<bf16_t*>(out) + t * I + col, n, lanes);
-        }
+        silu_mul_span(gate_up, out, I, t, col, n, dtype, lanes);
         e += n;
       }
     }
