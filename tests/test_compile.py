@@ -104,8 +104,8 @@ def test_compiled_cpu_forwards_attend_in_cpp(llama, monkeypatch):
 @pytest.mark.parametrize("world, shift_threshold", [(2, 16), (2, None), (4, None)])
 def test_compiled_layouts_match_eager_without_recompiles(llama, world, shift_threshold):
     """SP-2 with Shift's TP-2 steps, and SP-2 or SP-4 alone, whose steps of fewer tokens than SP ranks leave the last
-    SP ranks without rows (they only attend): every rank's forwards were compiled and sealed at start-up all the same
-    (the warm-up gives every SP rank a token)."""
+    SP ranks without rows (they only attend, or at one token only join the LM head): every rank's forwards were
+    compiled and sealed at start-up all the same (the warm-up gives every SP rank a token)."""
     _, model_dir = llama
     eager = LLM(str(model_dir), max_num_batched_tokens=32)
     expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in [WARMUP] + SERVING]
@@ -237,8 +237,9 @@ def test_compiled_dp_replicas_that_borrow_cores_do_not_recompile(llama):
 def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recompiling(llama, monkeypatch):
     """compile=True at SP-2, started from this process: a compiled step's all-to-alls and the paged attention between
     them run in C++ on both ranks (kernels/cpu_ops.cpp), never UlyssesAttention's Python. A step of one token leaves
-    SP rank 1 without rows: it only attends with its heads, and rank 0 runs on both cores (step_threads), a thread
-    count the start-up compiled. Lone requests and batches then compile nothing and match eager."""
+    SP rank 1 without rows (with the SP ranks' KV shared, rank 0 attends its heads too and rank 1 joins only the LM
+    head), and rank 0 runs on both cores (step_threads), a thread count the start-up compiled. Lone requests and
+    batches then compile nothing and match eager."""
     import torch
 
     from torch_shift.kernels import cpu_ops, gemv_pool_workers

@@ -22,6 +22,8 @@ from torch_shift.models.fused import ROW_ARGMAX, argmax_list
 from torch_shift.models.linear import PackedWeight, blocked_layout, packing_supported
 from torch_shift.models.native_decoder import MAX_TOKENS, NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+from torch_shift.parallel import shared_kv
+from torch_shift.parallel.shift import ShiftModule
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 # shapes whose every weight the GEMV reads (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2 KV heads
@@ -253,17 +255,13 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
     ids=["sp2-llama", "sp2-qwen2", "sp2-qwen3", "sp2-mistral_window", "sp2-llama-bf16", "sp2tp2-replicated-kv"])
 def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
     """Static SP's steps (no shift layout): each SP rank runs its share of a step's tokens in the C++ decoder, Ulysses'
-    all-to-alls inside each layer's attention call and, at SP-2 x TP-2, its TP shard's all-reduces; a rank without
-    tokens (a batch-1 decode) attends for the others in one C++ call meanwhile. The same tokens and logprobs, to
-    the last bit, as the eager forward's, and the same collectives counted (Qwen2's q/k/v bias, Qwen3's q/k norms,
-    Mistral's window; KV heads repeated for the head chunks where SP x TP exceeds them)."""
-    layout = dict(layout)
-    dtype = layout.pop("dtype", torch.float32)
-    if dtype not in DTYPES:
-        pytest.skip(f"{dtype} is not packed for the GEMV on this CPU")
-    family, shape = layout.pop("family"), dict(hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
-    shape.update(layout.pop("model"))
-    model_dir = save_checkpoint(build_hf_model(family, **shape), tmp_path / family)
+    all-to-alls inside each layer's attention call and, at SP-2 x TP-2, its TP shard's all-reduces; where the SP
+    ranks' KV caches are not shared (/dev/shm refused them here), a rank without tokens (a batch-1 decode) attends for
+    the others in one C++ call meanwhile. The same tokens and logprobs, to the last bit, as the eager forward's, and
+    the same collectives counted (Qwen2's q/k/v bias, Qwen3's q/k norms, Mistral's window; KV heads repeated for the
+    head chunks where SP x TP exceeds them)."""
+    dtype, model_dir, layout = _sp_model(tmp_path, layout)
+    monkeypatch.setattr(shared_kv, "_create_segment_file", lambda nbytes: None)
     hidden_out = []
     attends = multiprocessing.get_context("fork").Value("i", 0)  # on the other SP rank, a forked worker
     original_call, original_attend = NativeDecoder.__call__, NativeDecoder.attend
@@ -289,6 +287,74 @@ def test_sequence_parallel_ranks_run_it(tmp_path, layout, monkeypatch):
     assert {1, engine_args["max_num_batched_tokens"] // 2} <= {n for _, n in hidden_out}
     assert attends.value  # the batch-1 decodes' rank without tokens attended in one call
     assert ledgers[1] == ledgers[0] and ledgers[0]["calls"]  # the decoder's all-to-alls counted as the forward's
+
+
+def _sp_model(tmp_path, layout: dict) -> tuple[torch.dtype, object, dict]:
+    """`layout`'s dtype (skipped where the GEMV does not pack it), a checkpoint of its family and model shape, and the
+    rest of it (engine arguments)."""
+    layout = dict(layout)
+    dtype = layout.pop("dtype", torch.float32)
+    if dtype not in DTYPES:
+        pytest.skip(f"{dtype} is not packed for the GEMV on this CPU")
+    family, shape = layout.pop("family"), dict(hidden_size=128, intermediate_size=256, head_dim=16, vocab_size=512)
+    shape.update(layout.pop("model"))
+    return dtype, save_checkpoint(build_hf_model(family, **shape), tmp_path / family), layout
+
+
+@pytest.mark.parametrize("layout", [
+    dict(sp=2, family="llama", model=dict(num_key_value_heads=4)),
+    dict(sp=2, family="mistral_window", model=dict(num_key_value_heads=4)),
+    dict(sp=2, family="qwen3", model=dict(num_key_value_heads=4), dtype=torch.bfloat16),
+    dict(sp=2, tp=2, family="llama", model=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32))],
+    ids=["sp2-llama", "sp2-mistral_window", "sp2-qwen3-bf16", "sp2tp2-replicated-kv"])
+def test_one_token_steps_run_on_the_first_sp_rank_over_the_shared_kv(tmp_path, layout, monkeypatch):
+    """Where the SP ranks' KV caches are shared (torch_shift.parallel.shared_kv), a one-token step runs on SP rank 0
+    (with its TP group) alone: it attends every head chunk into that chunk's rank's cache, without Ulysses'
+    all-to-alls, in the C++ decoder and on the eager path alike. The same tokens and logprobs, to the last bit, as
+    the all-to-alls' (the caches not shared); one-token steps read the KV that steps of several tokens wrote into the
+    other ranks' caches, and a later prompt's chunk reads, through its prefix cache hit, the KV that one-token steps
+    wrote there."""
+    dtype, model_dir, layout = _sp_model(tmp_path, layout)
+    solo_steps = []
+    original = ShiftModule._solo_step
+
+    def solo_step(self, input_ids, *args):
+        solo_steps.append(len(input_ids))
+        return original(self, input_ids, *args)
+
+    monkeypatch.setattr(ShiftModule, "_solo_step", solo_step)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
+    (alone,), (other,) = random_prompts(1, [40]), random_prompts(2, [9])
+
+    def run(native: bool) -> tuple[list, dict]:
+        llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, shift_threshold=None,
+                  max_num_batched_tokens=min(MAX_TOKENS, 2 * _decoder_limit(dtype)), **layout)
+        try:
+            first = llm.generate([{"prompt_token_ids": alone}], greedy, use_tqdm=False)
+            # its 48 tokens in whole blocks, 40-47 written by one-token steps, from the prefix cache
+            again = alone + list(first[0].outputs[0].token_ids) + [5, 6, 7]
+            outs = first + llm.generate([{"prompt_token_ids": again}, {"prompt_token_ids": other}], greedy,
+                                        use_tqdm=False)
+            ledger = dict(llm.engine.model.ledger.calls)
+            assert sum(o.num_cached_tokens or 0 for o in outs) >= 48
+        finally:
+            llm.shutdown()
+        return [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]
+                                                for step in o.outputs[0].logprobs]) for o in outs], ledger
+
+    shared_native, ledger_native = run(native=True)
+    assert len(solo_steps) >= 11 and set(solo_steps) == {1}
+    del solo_steps[:]
+    shared_eager, ledger_eager = run(native=False)
+    assert len(solo_steps) >= 11
+    with monkeypatch.context() as refused:
+        refused.setattr(shared_kv, "_create_segment_file", lambda nbytes: None)
+        del solo_steps[:]
+        exchanged, ledger_exchanged = run(native=False)
+        assert not solo_steps
+    assert shared_native == exchanged and shared_eager == exchanged
+    assert ledger_native == ledger_eager
+    assert ledger_eager[("base", "all_to_all")] < ledger_exchanged[("base", "all_to_all")]  # none in one-token steps
 
 
 @pytest.mark.timeout(120)

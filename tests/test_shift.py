@@ -351,3 +351,33 @@ def _idle_rank(rank, world, model_dir):
 def test_ranks_survive_an_idle_gap_longer_than_the_collective_timeout(llama):
     _, model_dir = llama
     assert run_ranks(_idle_rank, 2, model_dir) == [True, True]
+
+
+def test_the_kv_is_shared_only_where_every_rank_mapped_it(llama, monkeypatch):
+    """SP rank 1 cannot map the segment of the SP ranks' KV caches: no rank shares it (a rank stepping alone while its
+    peer still expected Ulysses' exchanges would hang), and static SP-2's one-token steps keep the all-to-alls, with
+    the single-device engine's outputs."""
+    import torch.distributed as dist
+
+    from torch_shift.parallel import shared_kv
+
+    _, model_dir = llama
+    original = shared_kv._map_segment
+    prompts = random_prompts(2, [5, 9])
+    expected = reference(model_dir, prompts[:1]) + reference(model_dir, prompts[1:])
+    with monkeypatch.context() as refused:
+        refused.setattr(shared_kv, "_map_segment",
+                        lambda path, nbytes: None if dist.get_rank() == 1 else original(path, nbytes))
+        llm = LLM(str(model_dir), sp=2, shift_threshold=None)
+    try:
+        assert not llm.engine.model.solo_steps
+        got = [out for prompt in prompts for out in llm.generate([prompt], PARAMS, use_tqdm=False)]
+        assert llm.engine.model.ledger.calls[("base", "all_to_all")] >= 2 * 2 * (PARAMS.max_tokens - 1)
+    finally:
+        llm.shutdown()
+    assert_same_outputs(got, expected)
+    shared = LLM(str(model_dir), sp=2, shift_threshold=None)
+    try:
+        assert shared.engine.model.solo_steps  # where both map it
+    finally:
+        shared.shutdown()

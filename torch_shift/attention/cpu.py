@@ -8,6 +8,7 @@ K/V into their slots and attends. Runs on torch's intra-op threads.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -113,6 +114,21 @@ class CpuPagedAttention:
                       layout.table_address(self.block_table), self.block_table.shape[1], runs_address + 3 * row_bytes,
                       kv_cache.block_size)
         self._slot_mapping_ptr = self.slot_mapping.data_ptr()
+
+    def over(self, kv_cache: KVCache) -> CpuPagedAttention:
+        """This step's attention over another cache laid out as this one (an SP peer's, torch_shift.parallel.shared_kv):
+        the same runs, block table and slots, that cache's memory."""
+        mine = self.kv_cache
+        assert (kv_cache.k_store.shape, kv_cache.k_store.stride(), kv_cache.v_all.stride(), kv_cache.dtype) == (
+            mine.k_store.shape, mine.k_store.stride(), mine.v_all.stride(), mine.dtype)
+        other = copy.copy(self)
+        other.kv_cache = kv_cache
+        other._k_base, other._v_base = kv_cache.k_store.data_ptr(), kv_cache.v_all.data_ptr()
+        return other
+
+    def cache_bases(self) -> tuple[int, int]:
+        """The addresses of its cache's keys and values (the C++ step's k_base and v_base)."""
+        return self._k_base, self._v_base
 
     def install_native(self) -> bool:
         """Give this step to the C++ implementation of `torch_shift::attention` (a compiled forward's calls then run

@@ -32,6 +32,7 @@ from torch_shift.models.loader import CheckpointReader, WeightSource
 from torch_shift.parallel.layout_model import LayoutModel
 from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
 from torch_shift.parallel.runtime import ParallelRuntime
+from torch_shift.parallel.shared_kv import share_kv_caches
 from torch_shift.parallel.shift import ShiftModule
 
 _CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
@@ -146,8 +147,18 @@ class Worker:
         num_blocks = _num_kv_blocks(config, model, device, rank)
         if runtime is not None:  # every pool gets the size of the smallest
             num_blocks = runtime.min_over_ranks(num_blocks)
-        kv_cache = KVCache(model.num_kv_layers, num_blocks, config.cache.block_size, model.num_local_kv_heads,
-                           mc.head_dim, config.dtype, device)
+        kv_shape = (model.num_kv_layers, num_blocks, config.cache.block_size, model.num_local_kv_heads, mc.head_dim,
+                    config.dtype)
+        shared = None
+        if runtime is not None and isinstance(model, ShiftModule) and model.groups.sp > 1:
+            # one-token steps on SP rank 0 alone: its paged attention steps over the SP peers' caches (`over`), no
+            # link emulated between the ranks (which would not share memory)
+            possible = (device.type == "cpu" and parallel.interconnect_gbps is None and not model.experts_over_sp
+                        and attention_backend(runner_config.attention_backend, device, config.dtype).name == "cpu")
+            shared = share_kv_caches(model.groups, possible, *kv_shape)
+        kv_cache = shared.own if shared is not None else KVCache(*kv_shape, device)
+        if shared is not None:
+            model.share_kv(shared.peers)
         if tier_blocks and host_tier is None and runtime is not None:
             tier_blocks, host_tier = _map_host_tier(config, runtime, tier_blocks)
         runner = ModelRunner(model, kv_cache, config.deployment, rank, config.scheduler.max_num_seqs,

@@ -315,10 +315,11 @@ class NativeAttention:
         self.uninstall = library.ts_uninstall_paged_step  # and Ulysses'
         self.uninstall.argtypes = []
         self.uninstall.restype = None
-        # (communicator, SP, SP rank, counts, kv_send_index, its length): after `install`, Ulysses' all-to-alls
-        # around it (UlyssesAttention.install_native)
+        # (communicator, SP, SP rank, counts, kv_send_index, its length, each head chunk's cache's K and V bases
+        # or nulls): after `install`, Ulysses' all-to-alls around it, or where this rank holds every token and reads
+        # every chunk's cache, its attention into each (UlyssesAttention.install_native)
         self.install_ulysses = library.ts_install_ulysses
-        self.install_ulysses.argtypes = [i64, i64, i64, ptr, ptr, i64]
+        self.install_ulysses.argtypes = [i64, i64, i64, ptr, ptr, i64, ptr, ptr]
         self.install_ulysses.restype = None
         library.ts_register_attention.restype = ctypes.c_int
         if library.ts_register_attention() != 0:

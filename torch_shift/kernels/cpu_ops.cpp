@@ -195,19 +195,21 @@ at::Tensor python_attention(const at::Tensor& q, const at::Tensor& k, const at::
                          sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue()});
 }
 
-// A step's KV write and attention for one layer: q [tokens, heads, head_dim] into out (contiguous, of
-// q's shape); `sinks` one float per head or null; `window` -1 for the step's. 0, or cpu_attention.cpp's error.
+// A step's KV write and attention for one layer: q [tokens, heads, head_dim] into out (a token's heads one after
+// another, `out_row_stride` elements apart; -1: contiguous, of q's shape); `sinks` one float per head or null;
+// `window` -1 for the step's. 0, or cpu_attention.cpp's error.
 int attend(const PagedStep& step, int64_t layer_idx, const void* q, int64_t q_row_stride, int64_t q_head_stride,
            const void* k, int64_t k_row_stride, int64_t k_head_stride, const void* v, int64_t v_row_stride,
            int64_t v_head_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim, const float* sinks,
-           int64_t window, void* out) {
+           int64_t window, void* out, int64_t out_row_stride = -1) {
   char* k_layer = step.k_base + layer_idx * step.k_layer_bytes;
   char* v_layer = step.v_base + layer_idx * step.v_layer_bytes;
   int rc = ts_write_kv(step.dtype_code, k_layer, v_layer, step.k_layout, step.v_layout, k, k_row_stride, k_head_stride,
                        v, v_row_stride, v_head_stride, step.slot_mapping, num_tokens, step.block_size,
                        step.num_kv_heads, head_dim);
   if (rc != 0) return rc;
-  return ts_paged_attention(step.dtype_code, out, num_heads * head_dim, head_dim, q, q_row_stride, q_head_stride,
+  return ts_paged_attention(step.dtype_code, out, out_row_stride >= 0 ? out_row_stride : num_heads * head_dim,
+                            head_dim, q, q_row_stride, q_head_stride,
                             k_layer, v_layer, step.k_layout, step.v_layout, step.num_runs, step.query_start,
                             step.query_len, step.num_computed, step.block_table, step.block_table_stride,
                             step.block_table_row, step.block_size, num_heads, step.num_kv_heads, head_dim,
@@ -600,8 +602,44 @@ struct UlyssesStep {
   int64_t communicator, sp_rank;
   std::vector<int64_t> counts;  // tokens held by each SP rank, in token order
   at::Tensor kv_send_index;  // undefined: identity
+  // where this rank holds every token of the step and reads the SP group's shared KV (torch_shift.parallel.shared_kv):
+  // the cache of each head chunk's rank (the step's k_base and v_base there); empty: the all-to-alls
+  std::vector<char*> chunk_k_bases, chunk_v_bases;
 };
 UlyssesStep ulysses;
+
+// Ulysses' step where this rank holds all of its tokens and every SP rank's cache is mapped here: each head chunk's
+// KV write and attention into that chunk's rank's cache, as that rank would run them after the first all-to-all (the
+// same kernel on the same rows: the same bits), and no all-to-all at all
+at::Tensor solo_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                          const std::optional<at::Tensor>& sinks, std::optional<int64_t> sliding_window) {
+  const int64_t sp = static_cast<int64_t>(ulysses.counts.size());
+  const int64_t n = q_in.size(0), num_heads = q_in.size(1), head_dim = q_in.size(2);
+  const int64_t hq = num_heads / sp, hkv = k.size(1) / sp;
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  at::Tensor sinks_f32;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "torch_shift::attention: one sink per head");
+    sinks_f32 = sinks->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({n, num_heads, head_dim}, q.options());
+  const int64_t element = q.element_size();
+  for (int64_t p = 0; p < sp; ++p) {
+    PagedStep chunk = step;
+    chunk.k_base = ulysses.chunk_k_bases[p];
+    chunk.v_base = ulysses.chunk_v_bases[p];
+    const char* qb = static_cast<const char*>(q.data_ptr()) + p * hq * q.stride(1) * element;
+    const char* kb = static_cast<const char*>(k.data_ptr()) + p * hkv * k.stride(1) * element;
+    const char* vb = static_cast<const char*>(v.data_ptr()) + p * hkv * v.stride(1) * element;
+    char* ob = static_cast<char*>(out.data_ptr()) + p * hq * head_dim * element;
+    const int rc = attend(chunk, layer_idx, qb, q.stride(0), q.stride(1), kb, k.stride(0), k.stride(1), vb,
+                          v.stride(0), v.stride(1), n, hq, head_dim,
+                          sinks_f32.defined() ? sinks_f32.data_ptr<float>() + p * hq : nullptr,
+                          sliding_window.has_value() ? *sliding_window : -1, ob, num_heads * head_dim);
+    TORCH_CHECK(rc == 0, "torch_shift::attention: the KV write or attention kernel failed (", rc, ")");
+  }
+  return out;
+}
 
 // The rest of an all-to-all this rank published as step `s` with its message (`rows` x `row_bytes` bytes) in its slot:
 // in Python where a peer was late, else in place: `read(p, part)` for each rank p's part for this rank (1 / world)
@@ -632,6 +670,12 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
   if (ulysses.kv_send_index.defined()) {
     k = k.index_select(1, ulysses.kv_send_index);
     v = v.index_select(1, ulysses.kv_send_index);
+  }
+  if (!ulysses.chunk_k_bases.empty() && q_in.scalar_type() == step.dtype && k.scalar_type() == step.dtype &&
+      v.scalar_type() == step.dtype && k.stride(2) == 1 && v.stride(2) == 1) {
+    TORCH_CHECK(n_local == ulysses.counts[sp_rank] && n_local == n_max, "torch_shift::attention: a step on one SP "
+                "rank given another rank's tokens");
+    return solo_attention(q_in, k, v, layer_idx, sinks, sliding_window);
   }
   const int64_t hq = num_heads / sp, hkv = k.size(1) / sp, element = q_in.element_size();
   const int64_t q_bytes = hq * head_dim * element, kv_bytes = hkv * head_dim * element;
@@ -817,14 +861,25 @@ void ts_uninstall_paged_step() {
 
 // UlyssesAttention.install_native, after its paged step's install: the step's attention calls run Ulysses' all-to-alls
 // through shared-memory communicator `communicator` around it (ulysses_attention) until the step is uninstalled
+// (`chunk_k_bases`, `chunk_v_bases`: SP values each, where this rank holds every token and reads each head chunk's rank's
+// cache at those addresses, the step's others alike: solo_attention; null: the all-to-alls)
 void ts_install_ulysses(int64_t communicator, int64_t sp, int64_t sp_rank, const int64_t* counts,
-                        const int64_t* kv_send_index, int64_t kv_send_len) {
+                        const int64_t* kv_send_index, int64_t kv_send_len, const int64_t* chunk_k_bases,
+                        const int64_t* chunk_v_bases) {
   ulysses.communicator = communicator;
   ulysses.sp_rank = sp_rank;
   ulysses.counts.assign(counts, counts + sp);
   ulysses.kv_send_index = kv_send_len > 0 ? at::from_blob(const_cast<int64_t*>(kv_send_index), {kv_send_len},
                                                           at::kLong).clone()
                                           : at::Tensor();
+  ulysses.chunk_k_bases.clear();
+  ulysses.chunk_v_bases.clear();
+  if (chunk_k_bases != nullptr) {
+    for (int64_t p = 0; p < sp; ++p) {
+      ulysses.chunk_k_bases.push_back(reinterpret_cast<char*>(chunk_k_bases[p]));
+      ulysses.chunk_v_bases.push_back(reinterpret_cast<char*>(chunk_v_bases[p]));
+    }
+  }
   ulysses_installed = step_installed;
 }
 

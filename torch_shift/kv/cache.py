@@ -76,9 +76,23 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        memory: torch.Tensor | None = None,
     ):
-        self._init(_zeros((num_blocks, num_layers, num_kv_heads, head_dim, block_size), dtype, device),
-                   _zeros((num_blocks, num_layers, block_size, num_kv_heads, head_dim), dtype, device))
+        """`memory`: bytes of the CPU to hold it (`nbytes` of them, zeros), as a shared mapping; None: its own."""
+        k_shape = (num_blocks, num_layers, num_kv_heads, head_dim, block_size)
+        v_shape = (num_blocks, num_layers, block_size, num_kv_heads, head_dim)
+        if memory is None:
+            self._init(_zeros(k_shape, dtype, device), _zeros(v_shape, dtype, device))
+            return
+        half = KVCache.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype) // 2
+        assert memory.dtype == torch.uint8 and memory.device.type == "cpu" and memory.numel() == 2 * half
+        self._init(memory[:half].view(dtype).view(k_shape), memory[half:].view(dtype).view(v_shape))
+
+    @staticmethod
+    def nbytes(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> int:
+        """The bytes of a cache of these sizes (its keys', then its values')."""
+        return num_blocks * kv_bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
     def _init(self, k_store: torch.Tensor, v_all: torch.Tensor) -> None:
         self.k_store, self.v_all = k_store, v_all

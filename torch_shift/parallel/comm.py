@@ -80,6 +80,11 @@ def _shared_id(group: dist.ProcessGroup) -> int | None:
     return _shared.get(group)
 
 
+def shares_memory(group: dist.ProcessGroup) -> bool:
+    """Whether a shared-memory communicator serves `group` (its ranks on one host)."""
+    return group in _shared
+
+
 def native_communicator(group: dist.ProcessGroup) -> int | None:
     """The id of the shared-memory communicator that serves `group`'s collectives in C++ (kernels/cpu_ops.cpp:
     UlyssesAttention's all-to-alls in compiled forwards, the C++ decoder's all-reduces on a tensor-parallel rank),

@@ -164,9 +164,10 @@ class UlyssesDecoder:
             return None
         with comm.recording(None):  # a layer whose exchange falls back to Python's path (counted below, once)
             hidden = self.decoder(input_ids, positions, logits_rows, ulysses)
-        # the ledger counts the call's collectives as the forward's: two all-to-alls a layer over "sp", two
-        # all-reduces of [tokens, hidden] over "tp"
-        self._record_all_to_alls(ulysses)
+        # the ledger counts the call's collectives as the forward's: two all-to-alls a layer over "sp" (none where
+        # this rank attends every head chunk itself), two all-reduces of [tokens, hidden] over "tp"
+        if ulysses.exchanges:
+            self._record_all_to_alls(ulysses)
         model = self.decoder.model
         comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
                             * self.decoder.dtype.itemsize, self.tp_group)

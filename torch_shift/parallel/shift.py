@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_shift.compilation import CompiledForward, attention_op, seal, step_attention
 from torch_shift.config import ModelConfig
+from torch_shift.kv.cache import KVCache
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.batch import CausalAttention, PackedBatch
 from torch_shift.models.decoder import AttentionFn, DecoderLM
@@ -283,10 +284,24 @@ class ShiftModule(LayoutCounters, nn.Module):
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
         self.num_kv_layers = config.num_hidden_layers
         # experts split over the SP ranks exchange tokens in every layer: a rank without rows still runs the layers
-        self._experts_over_sp = any(isinstance(layer.mlp, ExpertParallelSparseMoe) for layer in base.layers)
+        self.experts_over_sp = any(isinstance(layer.mlp, ExpertParallelSparseMoe) for layer in base.layers)
         k_rows = local_part_slice(shift_plan(groups), config, "layers.0.attn.qkv_proj.weight", "k")
         self._kv_region = KVRegion(0, config.num_hidden_layers, k_rows.start // config.head_dim,
                                    self.num_local_kv_heads)
+        self.solo_steps = False  # one-token base steps on SP rank 0 alone (share_kv)
+        self._kv_peers: list[KVCache | None] | None = None
+
+    def share_kv(self, peers: list[KVCache | None] | None) -> None:
+        """The SP group's KV caches are shared (torch_shift.parallel.shared_kv; the same call on every rank of the
+        replica, `peers` SP rank 0's view of every SP rank's cache, None elsewhere): from now on a base step of one
+        token runs on SP rank 0 (with its TP group) alone, which writes and attends each head chunk in its rank's
+        cache, and the other SP ranks join only its LM head (whose vocabulary they share)."""
+        assert (peers is not None) == (self.groups.sp_rank == 0) and not self.experts_over_sp
+        self.solo_steps = True
+        self._kv_peers = peers
+
+    def _solo(self, num_tokens: int) -> bool:
+        return self.solo_steps and num_tokens == 1
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache (the same in both layouts): every layer, the
@@ -391,6 +406,8 @@ class ShiftModule(LayoutCounters, nn.Module):
             hidden = self.forwards["base"](input_ids, positions, attention)
             return self.base.compute_logits(hidden[logits_indices])
         n = input_ids.shape[0]
+        if self._solo(n) and callable(getattr(attention, "over", None)):
+            return self._solo_step(input_ids, positions, attention, logits_indices)
         # SP rank r holds counts[r] tokens (n // sp or one more), after those of ranks < r, none padded: a step of
         # fewer tokens than SP ranks leaves the last ranks no rows, and they read no weights (padded, batch-1 decode
         # in SP-2 read the weights on both ranks, one of them for a padding row)
@@ -408,7 +425,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         if mine_rows is not None:
             rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
             rows[mine] = mine_rows
-        elif n_local or self._experts_over_sp:
+        elif n_local or self.experts_over_sp:
             hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
             if n_local:
                 rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
@@ -419,6 +436,27 @@ class ShiftModule(LayoutCounters, nn.Module):
             rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
         rows = comm.all_reduce(rows, self.groups.sp_group)
         return self.base.compute_logits(rows)
+
+    def _solo_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                   logits_indices: torch.Tensor) -> torch.Tensor:
+        """A one-token base step over the shared KV (share_kv): SP rank 0 runs every layer for the token and
+        attends each head chunk into that chunk's rank's cache (`attention.over` it); the other SP ranks wait for
+        the LM head, whose vocabulary the SP ranks share."""
+        sp = self.groups.sp
+        if self.groups.sp_rank == 0:
+            own = attention.kv_cache
+            chunk_attention = [attention if cache is None else attention.over(
+                cache.regroup(own.num_layers, own.num_kv_heads)) for cache in self._kv_peers]
+            ulysses = UlyssesAttention(attention, self.groups.sp_group, [len(input_ids)] + [0] * (sp - 1),
+                                       self.kv_send_index, chunk_attention)
+            native = self.native_decoders.get("base")
+            rows = native.step(input_ids, positions, logits_indices, ulysses) if native is not None else None
+            if rows is None:
+                rows = self.forwards["base"](input_ids, positions, ulysses)[logits_indices]
+        else:
+            weight = self.base.embed_tokens.weight
+            rows = weight.new_zeros(logits_indices.shape[0], self.config.hidden_size)
+        return self.base.compute_logits(comm.all_reduce(rows, self.groups.sp_group))
 
     def _attend_only(self, ulysses: UlyssesAttention) -> torch.Tensor:
         """A rank without rows in the step (fewer tokens than SP ranks): only its head chunk of each layer's

@@ -14,6 +14,10 @@ replicated heads once each instead of running Alg. 1's all-to-all plus all-gathe
 In a compiled CPU forward whose SP group shares memory, both all-to-alls and the paged attention between them run
 in C++ (`install_native`; kernels/cpu_ops.cpp), on the same protocol as this Python path; so do the C++ decoder's
 steps of an SP rank (torch_shift.parallel.layers.UlyssesDecoder).
+
+A rank that holds every token of a step and has every SP rank's KV cache mapped (`chunk_attention`: a one-token step
+on SP rank 0 over the group's shared KV, torch_shift.parallel.shared_kv) exchanges nothing: it attends each head
+chunk into that chunk's rank's cache itself, as that rank would after the first all-to-all.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch_shift.parallel import comm
 
 class UlyssesAttention:
     def __init__(self, inner: AttentionFn, group: dist.ProcessGroup, counts: list[int],
-                 kv_send_index: torch.Tensor | None):
+                 kv_send_index: torch.Tensor | None, chunk_attention: list | None = None):
         self.inner = inner
         self.group = group
         self.sp = len(counts)
@@ -36,6 +40,15 @@ class UlyssesAttention:
         self.counts = counts  # tokens held by each SP rank, in token order, the first ranks holding the most
         self.kv_send_index = kv_send_index  # TP-local KV head for each (segment, head) slot; None: identity
         self._real_rows: torch.Tensor | None = None  # of the all-to-all's padded messages, where counts differ
+        # per head chunk the step's CpuPagedAttention over that chunk's rank's cache, where this rank holds every
+        # token and reads them all (the SP group's shared KV); None: the all-to-alls
+        assert chunk_attention is None or (len(chunk_attention) == self.sp and counts[self.sp_rank] == sum(counts))
+        self.chunk_attention = chunk_attention
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether the step's attention runs the all-to-alls (not where this rank attends every chunk itself)."""
+        return self.chunk_attention is None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
@@ -46,6 +59,14 @@ class UlyssesAttention:
             k = k.index_select(1, self.kv_send_index)
             v = v.index_select(1, self.kv_send_index)
         hq_chunk, hkv_chunk = hq // sp, k.shape[1] // sp
+        if self.chunk_attention is not None:
+            outs = []
+            for s, attention in enumerate(self.chunk_attention):
+                heads, kv_heads = slice(s * hq_chunk, (s + 1) * hq_chunk), slice(s * hkv_chunk, (s + 1) * hkv_chunk)
+                extras = () if sinks is None and sliding_window is None else (
+                    None if sinks is None else sinks[heads], sliding_window)
+                outs.append(attention(layer_idx, q[:, heads], k[:, kv_heads], v[:, kv_heads], *extras))
+            return torch.cat(outs, dim=1)
         # [n_local, SP, heads of one chunk * d] per tensor, fused, then segment-major for the all-to-all
         send = torch.cat((q.reshape(n_local, sp, hq_chunk * d), k.reshape(n_local, sp, hkv_chunk * d),
                           v.reshape(n_local, sp, hkv_chunk * d)), dim=-1)
@@ -96,8 +117,13 @@ class UlyssesAttention:
         index = self.kv_send_index
         if index is not None:
             index = np.ascontiguousarray(index.cpu().numpy(), dtype=np.int64)
+        bases = None
+        if self.chunk_attention is not None:
+            bases = np.array([attention.cache_bases() for attention in self.chunk_attention], dtype=np.int64).T.copy()
         native.install_ulysses(communicator, self.sp, self.sp_rank, counts.ctypes.data,
-                               None if index is None else index.ctypes.data, 0 if index is None else len(index))
+                               None if index is None else index.ctypes.data, 0 if index is None else len(index),
+                               None if bases is None else bases[0].ctypes.data,
+                               None if bases is None else bases[1].ctypes.data)
         return True
 
     def _rows(self, device: torch.device) -> torch.Tensor | None:
