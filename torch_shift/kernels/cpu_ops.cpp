@@ -671,11 +671,12 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
     k = k.index_select(1, ulysses.kv_send_index);
     v = v.index_select(1, ulysses.kv_send_index);
   }
-  if (!ulysses.chunk_k_bases.empty() && q_in.scalar_type() == step.dtype && k.scalar_type() == step.dtype &&
-      v.scalar_type() == step.dtype && k.stride(2) == 1 && v.stride(2) == 1) {
-    TORCH_CHECK(n_local == ulysses.counts[sp_rank] && n_local == n_max, "torch_shift::attention: a step on one SP "
-                "rank given another rank's tokens");
-    return solo_attention(q_in, k, v, layer_idx, sinks, sliding_window);
+  if (!ulysses.chunk_k_bases.empty()) {  // the peers take no part in this step: no fallback to the exchanges
+    TORCH_CHECK(n_local == ulysses.counts[sp_rank] && n_local == n_max && q_in.scalar_type() == step.dtype &&
+                    k.scalar_type() == step.dtype && v.scalar_type() == step.dtype,
+                "torch_shift::attention: a step on one SP rank given another rank's tokens or another dtype");
+    return solo_attention(q_in, k.stride(2) == 1 ? k : k.contiguous(), v.stride(2) == 1 ? v : v.contiguous(),
+                          layer_idx, sinks, sliding_window);
   }
   const int64_t hq = num_heads / sp, hkv = k.size(1) / sp, element = q_in.element_size();
   const int64_t q_bytes = hq * head_dim * element, kv_bytes = hkv * head_dim * element;
