@@ -207,7 +207,9 @@ def test_a_group_alone_with_work_is_priced_on_the_idle_groups_cores():
 def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_are_priced_on_the_others_cores():
     """model_runner.step_threads: in a Ulysses step of fewer tokens than SP ranks the ranks with rows run on the
     others' cores too, while every rank attends with its heads on its own: the profile's borrowed rates price that
-    step's other ops, and only that step's. Not with experts split over the SP ranks (every rank computes)."""
+    step's other ops, and only that step's. A step of one token on CPU ranks (the SP group's KV shared,
+    torch_shift.parallel.shared_kv) runs on SP rank 0 alone: every head's attention on the borrowed cores too, and no
+    all-to-all. Not with experts split over the SP ranks (every rank computes)."""
     plain = unit_profile(overhead=EngineOverhead(1e-3, 1e-6))
     hw = replace(plain, borrowed={2: scaled_rates(plain, 2), 4: scaled_rates(plain, 4)})
     sp2, sp4 = Layout("sp_tp", sp=2), Layout("sp_tp", sp=4)
@@ -215,12 +217,26 @@ def test_sp_ranks_with_a_step_of_fewer_tokens_than_sp_ranks_are_priced_on_the_ot
     def ops(profile, layout, tokens):
         return {o.name: o.time_s for o in step_cost(SHAPE, profile, layout, [Seq(1, 100)] * tokens).ops}
 
-    lent, own, borrowed = ops(hw, sp2, 1), ops(plain, sp2, 1), ops(hw.borrowing(2), sp2, 1)
+    def all_to_alls(profile, layout, tokens):
+        return [c for c in step_cost(SHAPE, profile, layout, [Seq(1, 100)] * tokens).collectives
+                if c.name.startswith("sp_all_to_all")]
+
+    # one token: SP rank 0's step at the borrowed rates, all heads attended there, priced as one rank's
+    assert ops(hw, sp2, 1) == pytest.approx(ops(hw.borrowing(2), Layout("sp_tp", sp=1), 1))
+    assert not all_to_alls(hw, sp2, 1) and all_to_alls(hw, sp2, 2)
+    # ranks with their own device memory (a host link): the exchanges, every rank attending its heads on its own
+    device = replace(hw, host_link_bandwidth=1e9)
+    lent, own = ops(device, sp2, 1), ops(replace(plain, host_link_bandwidth=1e9), sp2, 1)
+    borrowed = ops(device.borrowing(2), sp2, 1)
     assert lent["attention_decode"] == pytest.approx(own["attention_decode"])
     assert {k: v for k, v in lent.items() if k != "attention_decode"} == pytest.approx(
         {k: v for k, v in borrowed.items() if k != "attention_decode"})
-    assert lent["qkv"] < own["qkv"]
+    assert lent["qkv"] < own["qkv"] and all_to_alls(device, sp2, 1)
     assert ops(hw, sp2, 2) == pytest.approx(ops(plain, sp2, 2))
+    # SP-4, two tokens: the two ranks with rows on twice their threads, each rank attending on its own
+    lent, own, borrowed = ops(hw, sp4, 2), ops(plain, sp4, 2), ops(hw.borrowing(2), sp4, 2)
+    assert lent["attention_decode"] == pytest.approx(own["attention_decode"])
+    assert lent["qkv"] == pytest.approx(borrowed["qkv"])
     # SP-4: one token, four times a rank's threads; two tokens, twice; three, a rank's own (4 // 3 = 1)
     for tokens, profile in ((1, hw.borrowing(4)), (2, hw.borrowing(2)), (3, plain)):
         assert ops(hw, sp4, tokens)["qkv"] == pytest.approx(ops(profile, sp4, tokens)["qkv"])

@@ -384,10 +384,10 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
     Under a "dp" layout `groups[i]` is the group (index into layout.group_tp) that runs seqs[i] (the
     scheduler's assignment); elsewhere `groups` is not given. Under "pp", `micro_batches` gives the
     step's micro-batches as the engine cut them (`torch_shift.engine.step_plan.split_micro_batches`, which
-    may cut a prompt chunk); by default whole sequences are dealt into `num_microbatches` of them. Every rank that has work in the step
-    counts as active for a shared memory bandwidth (hw.node_bandwidth); a "dp" group alone with work is priced on
-    the idle groups' cores too (`hw.borrowing`), as are the SP ranks that hold a step of fewer tokens than SP
-    ranks."""
+    may cut a prompt chunk); by default whole sequences are dealt into `num_microbatches` of them. Every rank that
+    has work in the step counts as active for a shared memory bandwidth (hw.node_bandwidth); a "dp" group alone with
+    work is priced on the idle groups' cores too (`hw.borrowing`), as are the SP ranks that hold a step of fewer
+    tokens than SP ranks (on CPU ranks a step of one token as SP rank 0's TP group's alone: the shared KV)."""
     validate_layout(shape, layout)
     if not seqs:
         raise ValueError("a step has at least one sequence")
@@ -416,10 +416,14 @@ def step_cost(shape: ModelShape, hw: HardwareProfile, layout: Layout, seqs: Sequ
         # not where experts split over the SP ranks keep every rank computing
         tokens = sum(s.num_new_tokens for s in seqs)
         active = layout.tp * min(layout.sp, tokens)
-        attention_hw = None
+        attention_hw, sp = None, layout.sp
         if active < layout.num_ranks and not layout.expert_parallel:
             hw, attention_hw = hw.borrowing(lone_multiple(layout.num_ranks, active)), hw
-        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=layout.sp, active=active,
+            if tokens == 1 and hw.host_link_bandwidth is None:
+                # CPU ranks of one host share their SP group's KV (torch_shift.parallel.shared_kv): SP rank 0's TP
+                # group attends every head chunk on the borrowed cores, and nothing goes through Ulysses
+                attention_hw, sp = None, 1
+        op_costs, comm, _ = _price_group(shape, hw, seqs, tp=layout.tp, sp=sp, active=active,
                                          expert_parallel=layout.expert_parallel, attention_hw=attention_hw)
     compute, memory = _split_compute_memory(op_costs)
     return StepCost(layout, op_costs, comm, compute, memory, sum(c.time_s for c in comm), bubble, overhead, group_s)
