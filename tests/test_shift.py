@@ -381,3 +381,4 @@ def test_the_kv_is_shared_only_where_every_rank_mapped_it(llama, monkeypatch):
         assert shared.engine.model.solo_steps  # where both map it
     finally:
         shared.shutdown()
+    assert not shared.engine.model.solo_steps and shared.engine.model._kv_peers is None  # released with the engine

@@ -259,6 +259,8 @@ class Worker:
         """End the ranks this process started and leave the process group (rank 0 of started ranks); stop
         the tier's copy thread."""
         self.runner.close()  # before the runtime gives the user's thread count back
+        if isinstance(self.runner.model, ShiftModule):
+            self.runner.model.unshare_kv()
         if self.runtime is not None and self.rank == 0:
             self.runtime.shutdown(timeout_s)
         if self.runner.swapper is not None:

@@ -300,6 +300,12 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.solo_steps = True
         self._kv_peers = peers
 
+    def unshare_kv(self) -> None:
+        """The engine that shared the KV closes: one-token base steps exchange again, and the SP peers' caches are
+        no longer held here (a model the user built outlives its engines)."""
+        self.solo_steps = False
+        self._kv_peers = None
+
     def _solo(self, num_tokens: int) -> bool:
         return self.solo_steps and num_tokens == 1
 
