@@ -367,11 +367,12 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
     @app.head("/health", include_in_schema=False)  # load balancers that probe without a body
     @app.get("/health")
     async def health():
+        # each state read once: a step that passed its deadline between two reads of stall() read as shutting down
         if engine.error is not None:
             return APIError(503, "the engine failed; the server is restarting", "server_error", code=503).response()
         if engine.stall() is not None:
             return APIError(503, "the engine is not making progress", "server_error", code=503).response()
-        if not engine.healthy:
+        if engine.stopping:
             return APIError(503, "the server is shutting down", "server_error", code=503).response()
         return JSONResponse({"status": "ok"})
 

@@ -105,8 +105,9 @@ class AsyncEngine:
         return len(self.engine.scheduler.waiting) + self._pending_seqs
 
     @property
-    def healthy(self) -> bool:
-        return self.error is None and not self._stopping and self.stall() is None
+    def stopping(self) -> bool:
+        """Whether the server closed it (it takes no requests)."""
+        return self._stopping
 
     @asynccontextmanager
     async def open(self, request_ids: list[str], prompts: list[Prompt | TokenizedPrompt],
