@@ -155,7 +155,7 @@ class Worker:
             # link emulated between the ranks (which would not share memory)
             possible = (device.type == "cpu" and parallel.interconnect_gbps is None and not model.experts_over_sp
                         and attention_backend(runner_config.attention_backend, device, config.dtype).name == "cpu")
-            shared = share_kv_caches(model.groups, possible, *kv_shape)
+            shared = share_kv_caches(model.groups, runtime.min_over_ranks, possible, *kv_shape)
         kv_cache = shared.own if shared is not None else KVCache(*kv_shape, device)
         if shared is not None:
             model.share_kv(shared.peers)

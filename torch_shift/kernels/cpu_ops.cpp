@@ -663,7 +663,6 @@ void finish_all_to_all(ShmStep& s, int64_t rows, int64_t row_bytes, at::ScalarTy
 at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                              int64_t layer_idx, const std::optional<at::Tensor>& sinks,
                              std::optional<int64_t> sliding_window) {
-  const std::optional<ShmComm> found = find_comm(ulysses.communicator);
   const int64_t sp = static_cast<int64_t>(ulysses.counts.size()), sp_rank = ulysses.sp_rank;
   const int64_t n_local = q_in.size(0), n_max = ulysses.counts[0], num_heads = q_in.size(1), head_dim = q_in.size(2);
   at::Tensor k = k_in, v = v_in;
@@ -678,6 +677,7 @@ at::Tensor ulysses_attention(const at::Tensor& q_in, const at::Tensor& k_in, con
     return solo_attention(q_in, k.stride(2) == 1 ? k : k.contiguous(), v.stride(2) == 1 ? v : v.contiguous(),
                           layer_idx, sinks, sliding_window);
   }
+  const std::optional<ShmComm> found = find_comm(ulysses.communicator);
   const int64_t hq = num_heads / sp, hkv = k.size(1) / sp, element = q_in.element_size();
   const int64_t q_bytes = hq * head_dim * element, kv_bytes = hkv * head_dim * element;
   const int64_t row_bytes = q_bytes + 2 * kv_bytes, out_row_bytes = q_bytes;

@@ -18,6 +18,7 @@ float32, 2 threads).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,16 +40,17 @@ class SharedKV:
     peers: list[KVCache | None] | None
 
 
-def share_kv_caches(groups: ShiftGroups, possible: bool, num_layers: int, num_blocks: int, block_size: int,
-                    num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> SharedKV | None:
-    """Collective over the replica's ranks (`groups.shift_group`; every one calls it): this rank's KV cache of these
-    sizes, the SP ranks but the first in one segment of /dev/shm per SP group that its first rank maps too; None, on
-    every rank, where any rank finds it `possible` not, its SP group not served by a shared-memory communicator (ranks
-    on different hosts), or the segment cannot be made or mapped (a /dev/shm too small for the caches: containers
-    often give it 64 MiB). The segment's file is removed as soon as every rank mapped it."""
+def share_kv_caches(groups: ShiftGroups, min_over_ranks: Callable[[int], int], possible: bool, num_layers: int,
+                    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> SharedKV | None:
+    """Collective over the deployment's ranks (every one calls it; `min_over_ranks`: ParallelRuntime's): this rank's
+    KV cache of these sizes, the SP ranks but the first in one segment of /dev/shm per SP group that its first rank
+    maps too; None, on every rank, where any rank finds it `possible` not, its SP group not served by a shared-memory
+    communicator (ranks on different hosts), or the segment cannot be made or mapped (a /dev/shm too small for the
+    caches: containers often give it 64 MiB). The segment's file is removed as soon as every rank mapped it."""
     sp_group, sp, sp_rank = groups.sp_group, groups.sp, groups.sp_rank
     possible = possible and sp > 1 and comm.shares_memory(sp_group)
-    if not _everywhere(possible, groups.shift_group):
+    if not min_over_ranks(int(possible)):
         return None
     nbytes = KVCache.nbytes(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
     region = -(-nbytes // _REGION_ALIGN) * _REGION_ALIGN
@@ -57,7 +59,7 @@ def share_kv_caches(groups: ShiftGroups, possible: bool, num_layers: int, num_bl
         paths: list = [None] * sp
         dist.all_gather_object(paths, path, group=sp_group)
         segment = _map_segment(paths[0], (sp - 1) * region) if paths[0] is not None else None
-        mapped = _everywhere(segment is not None, groups.shift_group)
+        mapped = bool(min_over_ranks(int(segment is not None)))
     finally:
         if path is not None:
             os.unlink(path)
@@ -72,9 +74,3 @@ def share_kv_caches(groups: ShiftGroups, possible: bool, num_layers: int, num_bl
         return SharedKV(cache(), [None] + [cache(memory) for memory in regions])
     return SharedKV(cache(regions[sp_rank - 1]), None)
 
-
-def _everywhere(flag: bool, group: dist.ProcessGroup) -> bool:
-    """Whether `flag` holds on every rank of `group`."""
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
