@@ -23,6 +23,21 @@ def _norm_expression(x, weight, eps):
 
 
 @needs_kernels
+def test_both_kernel_libraries_build_against_the_installed_torch():
+    """Where a compiler exists, both libraries build with this torch's headers. A failed build only warns (the
+    engine keeps slower PyTorch paths) and the tests that need the operators skip, so without this test a torch
+    whose headers need another C++ standard (2.14: C++20) would pass CI with half the kernels missing."""
+    import warnings
+
+    from torch_shift.kernels import cpu_kernels, cpu_ops
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the build's failure, with the compiler's error, as this test's
+        assert cpu_kernels() is not None
+        assert cpu_ops()
+
+
+@needs_kernels
 def test_the_sum_order_of_pytorch_is_found_on_x86():
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert fused._sum_lanes() is not None

@@ -129,10 +129,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@lru_cache(maxsize=4)
+def _cxx_standard(cxx: str | None) -> str:
+    """C++20 where the compiler knows it, else C++17. PyTorch 2.14's headers need C++20 (`requires` clauses in
+    ATen/core/TensorBase.h); 2.11's build under either, and torch.utils.cpp_extension itself passes C++20 from 2.13."""
+    if cxx is None:
+        return "c++17"
+    probe = subprocess.run([cxx, "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="", capture_output=True,
+                           text=True, timeout=60)
+    return "c++20" if probe.returncode == 0 else "c++17"
+
+
 def _compile_flags(native: bool) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (the library loads torch's libgomp)
-    return ["-O3", *(["-march=native"] if native else []), "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno",
+    return ["-O3", *(["-march=native"] if native else []), f"-std={_cxx_standard(compiler())}", "-fPIC", "-fopenmp",
+            "-fno-math-errno",
             "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(Path(torch.__file__).parent / "include")]
 
 
