@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
+from test_linear import onednn_blocks_by_64
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.kernels import decoder_kernels
@@ -25,12 +26,18 @@ from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 from torch_shift.parallel import shared_kv
 from torch_shift.parallel.shift import ShiftModule
 
-DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 # shapes whose every weight the GEMV reads (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2 KV heads
 SHAPES = dict(hidden_size=128, intermediate_size=352, head_dim=16)
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 
-pytestmark = pytest.mark.skipif(decoder_kernels() is None, reason="the C++ decoder does not run here (no compiler, "
-                                "no AVX2, or a torch without its vectorised exp)")
+pytestmark = [
+    pytest.mark.skipif(decoder_kernels() is None, reason="the C++ decoder does not run here (no compiler, no AVX2, "
+                       "or a torch without its vectorised exp)"),
+    # the tests' float32 weights (inputs 128 and 352) in the GEMV's blocks: torch 2.11's oneDNN transposes them whole
+    pytest.mark.skipif(not blocked_layout(torch.float32) and not all(onednn_blocks_by_64(128, k) for k in (128, 352)),
+                       reason="this torch's oneDNN packs the tests' float32 weights in a layout the GEMV leaves to "
+                       "oneDNN's matmul, and the C++ decoder does not run on them"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -196,10 +196,34 @@ def check_layouts(model_dir: str) -> None:
         triton_paged.SPLIT_KEYS, triton_paged.DECODE_LAUNCH["BLOCK_N"] = defaults
 
 
+# a kernel that loops over a scalar argument, as every kernel of the project does
+_LOOP_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def loop(out, n):
+    total = 0
+    for i in range(0, n, 2):
+        total += i
+    tl.store(out, total)
+out = torch.zeros(1, dtype=torch.int32)
+loop[(1,)](out, 6)
+assert out.item() == 6
+"""
+
+
 def _interpreted(code: str) -> None:
+    """`code` in a Python with Triton's interpreter on; skipped where the interpreter cannot run a loop over a scalar
+    argument (Triton 3.6, torch 2.11's, with NumPy 2.4: "only 0-dimensional arrays can be converted to Python
+    scalars"), which the project's kernels all do."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
-    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
-                            timeout=600)
+
+    def run(source: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", source], cwd=HERE, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    result = run(code)
+    if result.returncode != 0 and run(_LOOP_PROBE).returncode != 0:
+        pytest.skip("Triton's interpreter cannot run a loop over a scalar argument here (Triton 3.6 with NumPy 2.4)")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 

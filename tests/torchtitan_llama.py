@@ -1,10 +1,12 @@
-"""A tiny torchtitan (0.3) Llama 3 for the handoff tests; None when torchtitan is not installed."""
+"""A tiny torchtitan (0.3) Llama 3 for the handoff tests; None when torchtitan is not installed, or does not import
+with this torch (0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which torch 2.11 lacks)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 import types
+import warnings
 
 import torch
 
@@ -30,8 +32,12 @@ def import_llama3():
         for name in _KERNEL_NAMES:
             setattr(kernels, name, _unavailable)
         sys.modules[_KERNELS] = kernels
-    import torchtitan.models.llama3 as llama3
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    try:
+        import torchtitan.models.llama3 as llama3
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    except ImportError as e:
+        warnings.warn(f"torchtitan does not import with torch {torch.__version__}: {e}", stacklevel=2)
+        return None
 
     return llama3, Llama3StateDictAdapter
 

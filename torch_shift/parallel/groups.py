@@ -8,6 +8,7 @@ so every rank attends to the same heads in both layouts and one KV cache serves 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +23,34 @@ CONTROL_TIMEOUT = timedelta(days=365)
 def shift_rank_order(sp: int, tp: int) -> list[int]:
     """Global ranks listed by shift rank: entry r is the global rank of (sp=r % SP, tp=r // SP)."""
     return [(r % sp) * tp + r // sp for r in range(sp * tp)]
+
+
+def new_group_in_order(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group over `ranks` whose group rank i is global rank ranks[i]: `new_group` sorts its ranks unless
+    told not to (`sort_ranks=False`, which torch 2.11 lacks). Every rank of the world calls it, as new_group."""
+    if ranks == sorted(ranks):
+        return dist.new_group(ranks)
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        return dist.new_group(ranks, sort_ranks=False)
+    return _new_group_unsorted(ranks)
+
+
+def _new_group_unsorted(ranks: list[int]) -> dist.ProcessGroup:
+    """torch 2.11's new_group (`_new_group_with_tag`) without its `ranks = sorted(ranks)`: the steps that later
+    versions take with sort_ranks=False (their private helpers have the same signatures)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < dist.get_world_size() for r in ranks):
+        raise ValueError(f"a group's ranks must be distinct ranks of the world, got {ranks}")
+    default_group = c10d._get_default_group()
+    backend, store = c10d._world.pg_map[default_group]
+    global_rank = default_group.rank()
+    group_rank = ranks.index(global_rank) if global_rank in ranks else None
+    group, _ = c10d._new_process_group_helper(
+        len(ranks), group_rank, ranks, dist.Backend(backend), store, c10d._process_group_name(ranks, False),
+        timeout=c10d._get_default_timeout(dist.Backend(backend)), device_id=default_group.bound_device_id)
+    c10d._world.pg_group_ranks[group] = {global_rank: group_rank for group_rank, global_rank in enumerate(ranks)}
+    return group
 
 
 @dataclass
@@ -78,8 +107,7 @@ class ShiftGroups:
         if sp == 1:  # the shift layout is the TP layout itself
             shift_group = mesh.get_group("tp")
         else:
-            # new_group sorts its ranks unless told not to; the shift group must keep shift-rank order.
-            shift_group = dist.new_group(order, sort_ranks=False)
+            shift_group = new_group_in_order(order)
         shift_mesh = DeviceMesh.from_group(shift_group, mesh.device_type, mesh=torch.tensor(order),
                                            mesh_dim_names=("shift",))
         return cls(mesh, shift_mesh, mesh.get_group("sp"), mesh.get_group("tp"), shift_group)
