@@ -144,8 +144,8 @@ def _compile_flags(native: bool) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (the library loads torch's libgomp)
     return ["-O3", *(["-march=native"] if native else []), f"-std={_cxx_standard(compiler())}", "-fPIC", "-fopenmp",
-            "-fno-math-errno",
-            "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(Path(torch.__file__).parent / "include")]
+            "-fno-math-errno", "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-I", str(Path(torch.__file__).parent / "include")]
 
 
 def _link_flags() -> list[str]:

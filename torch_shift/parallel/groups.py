@@ -49,7 +49,7 @@ def _new_group_unsorted(ranks: list[int]) -> dist.ProcessGroup:
     group, _ = c10d._new_process_group_helper(
         len(ranks), group_rank, ranks, dist.Backend(backend), store, c10d._process_group_name(ranks, False),
         timeout=c10d._get_default_timeout(dist.Backend(backend)), device_id=default_group.bound_device_id)
-    c10d._world.pg_group_ranks[group] = {global_rank: group_rank for group_rank, global_rank in enumerate(ranks)}
+    c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}
     return group
 
 
