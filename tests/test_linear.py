@@ -38,7 +38,7 @@ def gemv_expected(dtype: torch.dtype, shape: tuple[int, int] | None = None) -> b
 
 def onednn_blocks_by_64(out_features: int, in_features: int) -> bool:
     """Whether oneDNN packs a float32 weight of this shape in blocks of 64 features, element (n, k) at
-    ((n / 64) * K + k) * 64 + n % 64, the layout the GEMV reads. The oneDNN of torch 2.13 and 2.14 does for every
+    ((n / 64) * K + k) * 64 + n % 64, the layout the GEMV reads. The oneDNN of torch 2.13 to 2.15 does for every
     shape the tests use; torch 2.11's transposes a weight of fewer than 512 inputs whole (element (n, k) at
     k * N + n), which the GEMV leaves to oneDNN's matmul."""
     if out_features % 64:
