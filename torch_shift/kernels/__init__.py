@@ -140,11 +140,12 @@ def _cxx_standard(cxx: str | None) -> str:
     return "c++20" if probe.returncode == 0 else "c++17"
 
 
-def _compile_flags(native: bool) -> list[str]:
+def _compile_flags(native: bool, cxx: str | None = None) -> list[str]:
+    """`cxx`: the compiler they are for (default: `compiler()`), whose C++ standard they name."""
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     # -fopenmp: at::parallel_for runs on torch's own OpenMP threads (the library loads torch's libgomp)
-    return ["-O3", *(["-march=native"] if native else []), f"-std={_cxx_standard(compiler())}", "-fPIC", "-fopenmp",
-            "-fno-math-errno", "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return ["-O3", *(["-march=native"] if native else []), f"-std={_cxx_standard(cxx or compiler())}", "-fPIC",
+            "-fopenmp", "-fno-math-errno", "-Wno-psabi", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-I", str(Path(torch.__file__).parent / "include")]
 
 
@@ -159,7 +160,7 @@ def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool,
     the longest source's time, not their sum), then linked. None, or the compiler's error. `extra_flags`: after
     the usual ones (a test builds for another instruction set with them)."""
     objects = [output.with_name(f"{source.stem}.o") for source in sources]
-    compiles = [subprocess.Popen([cxx, *_compile_flags(native), *extra_flags, "-c", str(source), "-o", str(obj)],
+    compiles = [subprocess.Popen([cxx, *_compile_flags(native, cxx), *extra_flags, "-c", str(source), "-o", str(obj)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 for source, obj in zip(sources, objects, strict=True)]
     errors = []
@@ -188,7 +189,7 @@ def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "
     digest = hashlib.sha256()
     for source in sources + _HEADERS:
         digest.update((sources_dir / source).read_bytes())
-    flags = " ".join(_compile_flags(native=True) + _link_flags())
+    flags = " ".join(_compile_flags(native=True, cxx=cxx) + _link_flags())
     for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine(), name):
         digest.update(part.encode())
     target_dir = cache_dir() / digest.hexdigest()[:20]
