@@ -434,7 +434,7 @@ def test_benchmark_servers_take_switches_as_flags_and_serve_parses_them():
 
 
 def test_the_command_shows_the_librarys_notes_such_as_a_first_kernel_build(capsys):
-    """A first run builds the CPU kernels for about 40 s: the command says so instead of looking hung."""
+    """A first run builds the CPU kernels for about 20 s: the command says so instead of looking hung."""
     import logging
 
     from torch_shift.cli import _show_library_log

@@ -38,6 +38,60 @@ def test_both_kernel_libraries_build_against_the_installed_torch():
 
 
 @needs_kernels
+def test_the_libraries_build_together_and_one_that_fails_leaves_the_other(tmp_path, monkeypatch, caplog):
+    """`_build` compiles every library's sources at once, a shared source once; a library whose source does not
+    compile gets the compiler's error, cached so that later runs do not build it again, while the others are built
+    and cached; a failure that may pass on another try (a timeout, a kill) is not cached."""
+    import ctypes
+    import logging
+
+    import torch_shift.kernels as kernels_module
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for header in kernels_module._HEADERS:
+        (sources / header).write_text("")
+    (sources / "shared.cpp").write_text('extern "C" int shared_value() { return 7; }\n')
+    (sources / "broken.cpp").write_text("int broken( {\n")
+    monkeypatch.setattr(kernels_module, "_LIBRARIES", {"libgood.so": ("shared.cpp",),
+                                                       "libbad.so": ("shared.cpp", "broken.cpp")})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compiled, timed_out = [], []
+    compile_sources = kernels_module._compile
+
+    def counted(cxx, files, *args, **kwargs):
+        compiled.append(sorted(f.name for f in files))
+        failures = compile_sources(cxx, files, *args, **kwargs)
+        return {f: (kernels_module.BuildFailure("c++ ran past 300 s", lasting=False) if timed_out and failure else
+                    failure) for f, failure in failures.items()}
+
+    monkeypatch.setattr(kernels_module, "_compile", counted)
+
+    built = kernels_module._build(sources)
+    assert isinstance(built["libbad.so"], str) and "broken.cpp" in built["libbad.so"]
+    assert ctypes.CDLL(str(built["libgood.so"])).shared_value() == 7
+    assert compiled == [["broken.cpp", "shared.cpp"]] * 2  # -march=native, then without it
+    good_built_at = built["libgood.so"].stat().st_mtime_ns
+
+    compiled.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="torch_shift.kernels"):
+        again = kernels_module._build(sources)
+    assert again["libgood.so"] == built["libgood.so"] and again["libgood.so"].stat().st_mtime_ns == good_built_at
+    assert built["libbad.so"] in again["libbad.so"] and "delete it to build again" in again["libbad.so"]
+    assert compiled == [] and not caplog.records
+
+    (error_file,) = (tmp_path / "cache").rglob("libbad.so.error")
+    error_file.unlink()
+    timed_out.append(True)
+    for _ in range(2):  # not cached: built again
+        compiled.clear()
+        assert kernels_module._build(sources)["libbad.so"] == "c++ ran past 300 s"
+        assert compiled == [["broken.cpp", "shared.cpp"]] * 2
+        assert not list((tmp_path / "cache").rglob("libbad.so.error"))
+
+
+@needs_kernels
 def test_the_sum_order_of_pytorch_is_found_on_x86():
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert fused._sum_lanes() is not None

@@ -1,14 +1,15 @@
 """C++ kernels for the CPU, compiled on first use with the machine's C++ compiler and cached on disk.
 
 The sources ship in this package. The kernels (`cpu_kernels()`, called through ctypes) need only torch's headers
-(ATen/Parallel.h, for torch's own intra-op threads) and compile in about 18 s on 2 cores, one compiler per source.
-A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full headers (about 19 s more) and registers the CPU
-implementations of `torch_shift::packed_linear` and, once a forward is compiled on the CPU, `torch_shift::attention`
-(`register_native_attention`) with PyTorch's dispatcher.
-Each library is cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by its sources,
-torch's version, the compiler and this CPU's instruction set, so a machine builds it once. Ranks started together
-build it once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
-and the callers keep their pure-PyTorch paths (and the operators their Python implementations).
+(ATen/Parallel.h, for torch's own intra-op threads). A second library (`cpu_ops()`: cpu_ops.cpp) needs torch's full
+headers and registers the CPU implementations of `torch_shift::packed_linear` and, once a forward is compiled on the
+CPU, `torch_shift::attention` (`register_native_attention`) with PyTorch's dispatcher. The first use of either builds
+both, one compiler per source, the sources they share compiled once: about 20 s on 2 cores.
+Both are cached under `$XDG_CACHE_HOME/torch_shift/kernels` (default `~/.cache`), keyed by their sources,
+torch's version, the compiler and this CPU's instruction set, so a machine builds them once. Ranks started together
+build them once between them (a file lock). Where no compiler works, `cpu_kernels()` returns None and says why once,
+and the callers keep their pure-PyTorch paths (and the operators their Python implementations); where only one
+library fails to build, the other still serves.
 
 For GPUs: `triton_linear` (a few rows' matmuls in Triton, imported only where a GPU runs them).
 """
@@ -28,6 +29,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,8 +40,9 @@ logger = logging.getLogger(__name__)  # the CLI shows its INFO lines; a library 
 _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_suffix.cpp")
 _HEADERS = ("cpu_common.h", "cpu_no_contract.h", "cpu_threads.h")  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
-# headers (a failure to build them loses only them); the GEMV and attention kernels compiled in again
+# headers (a failure to build them loses only them); the GEMV and attention kernels linked in again
 _OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_decoder.cpp")
+_LIBRARIES = {"libtorch_shift_cpu.so": _SOURCES, "libtorch_shift_ops.so": _OPS_SOURCES}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 i64, f32, f64, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
@@ -154,76 +157,160 @@ def _link_flags() -> list[str]:
     return ["-shared", "-fopenmp", "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
-def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool,
-                      extra_flags: tuple[str, ...] = ()) -> str | None:
-    """The library at `output`: every source compiled at once (one compiler per source: the first build takes
-    the longest source's time, not their sum), then linked. None, or the compiler's error. `extra_flags`: after
-    the usual ones (a test builds for another instruction set with them)."""
-    objects = [output.with_name(f"{source.stem}.o") for source in sources]
-    compiles = [subprocess.Popen([cxx, *_compile_flags(native, cxx), *extra_flags, "-c", str(source), "-o", str(obj)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for source, obj in zip(sources, objects, strict=True)]
-    errors = []
+@dataclass(frozen=True)
+class BuildFailure:
+    """Why a source did not compile or a library did not link. `lasting`: the compiler's or linker's own diagnosis,
+    the same on every try with the same sources, flags and compiler (`_build` caches it), unlike a timeout or a kill."""
+
+    message: str
+    lasting: bool
+
+
+def _start(command: list[str]) -> subprocess.Popen | BuildFailure:
     try:
-        for process in compiles:
-            _, stderr = process.communicate(timeout=300)
-            if process.returncode != 0:
-                errors.append(stderr.strip()[-2000:])
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        return BuildFailure(f"{Path(command[0]).name} did not start: {e}", lasting=False)
+
+
+def _wait(command: list[str], process: subprocess.Popen | BuildFailure) -> BuildFailure | None:
+    """`command`'s process (`_start`'s) run to its end: None where it succeeded."""
+    if isinstance(process, BuildFailure):
+        return process
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        return BuildFailure(f"{Path(command[0]).name} ran past 300 s", lasting=False)
     finally:
-        for process in compiles:
-            if process.poll() is None:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    if process.returncode == 0:
+        return None
+    message = stderr.strip()[-2000:]
+    # a compiler killed by a signal (the OOM killer) has a negative status and often nothing to say
+    return BuildFailure(message or f"{Path(command[0]).name} exited with status {process.returncode}",
+                        lasting=process.returncode > 0 and bool(message))
+
+
+def _compile(cxx: str, sources: list[Path], out_dir: Path, native: bool,
+             extra_flags: tuple[str, ...] = ()) -> dict[Path, BuildFailure | None]:
+    """Every source compiled at once into `out_dir/<stem>.o` (one compiler per source: the build takes the longest
+    source's time or the sources' total over the cores, not their sum); each source's failure, None where it compiled.
+    `extra_flags`: after the usual ones (a test builds for another instruction set with them)."""
+    commands = {source: [cxx, *_compile_flags(native, cxx), *extra_flags, "-c", str(source),
+                         "-o", str(out_dir / f"{source.stem}.o")] for source in sources}
+    started = {source: _start(command) for source, command in commands.items()}
+    try:
+        return {source: _wait(commands[source], process) for source, process in started.items()}
+    finally:  # (an interrupted build leaves no compiler running)
+        for process in started.values():
+            if isinstance(process, subprocess.Popen) and process.poll() is None:
                 process.kill()
                 process.wait()
-    if errors:
-        return errors[0]
-    link = subprocess.run([cxx, *map(str, objects), *_link_flags(), "-o", str(output)], capture_output=True,
-                          text=True, timeout=300)
-    return None if link.returncode == 0 else link.stderr.strip()[-2000:]
 
 
-def _build(sources_dir: Path, sources: tuple[str, ...] = _SOURCES, name: str = "libtorch_shift_cpu.so") -> Path:
+def _link(cxx: str, objects: list[Path], output: Path) -> BuildFailure | None:
+    """The library at `output` from `objects`: None, or why it did not link."""
+    command = [cxx, *map(str, objects), *_link_flags(), "-o", str(output)]
+    return _wait(command, _start(command))
+
+
+def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool,
+                      extra_flags: tuple[str, ...] = ()) -> str | None:
+    """One library at `output` from `sources` (`_compile`, then `_link`): None, or the first error."""
+    failures = _compile(cxx, sources, output.parent, native, extra_flags)
+    failure = (next((f for f in failures.values() if f is not None), None)
+               or _link(cxx, [output.with_name(f"{source.stem}.o") for source in sources], output))
+    return None if failure is None else failure.message
+
+
+def _build(sources_dir: Path) -> dict[str, Path | str]:
+    """Each library of `_LIBRARIES`: its path, or why it did not build. Both build from one set of compilers at once:
+    the sources they share compile once, and the first run waits about half as long as for one library after the
+    other (20 against 37 s on 2 cores). A lasting failure (the compiler's or linker's diagnosis) is cached beside the
+    libraries as `<name>.error`, so that every later run does not build it again; a timeout or a kill is retried."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for source in sources + _HEADERS:
+    for source in sorted({s for sources in _LIBRARIES.values() for s in sources}) + list(_HEADERS):
         digest.update((sources_dir / source).read_bytes())
     flags = " ".join(_compile_flags(native=True, cxx=cxx) + _link_flags())
-    for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine(), name):
+    for part in (torch.__version__, version, flags, _cpu_flags(), sys.platform, platform.machine(), *_LIBRARIES):
         digest.update(part.encode())
     target_dir = cache_dir() / digest.hexdigest()[:20]
-    target = target_dir / name
-    if target.exists():
-        return target
+
+    def cached(name: str) -> Path | str | None:
+        """The library's path, its cached failure, or None where neither is there."""
+        error = target_dir / f"{name}.error"
+        if (target_dir / name).exists():
+            return target_dir / name
+        return f"{error.read_text()}\n(cached in {error}: delete it to build again)" if error.exists() else None
+
+    def done() -> dict[str, Path | str] | None:
+        built = {name: cached(name) for name in _LIBRARIES}
+        return None if None in built.values() else built
+
+    if (built := done()) is not None:
+        return built
     target_dir.mkdir(parents=True, exist_ok=True)
+    failures: dict[str, BuildFailure] = {}
     with open(target_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together: one builds, the others wait for it
-        if target.exists():
-            return target
-        # the first run on a machine waits for this (20-35 s a library on 2 cores): say so, or it looks hung; a
-        # warning, so that Python prints it where the user configured no logging (`LLM()` in a notebook)
-        logger.warning("building %s with %s, once for this machine (cached in %s) ...", name, Path(cxx).name,
-                       cache_dir())
+        if (built := done()) is not None:
+            return built
+        missing = {name: sources for name, sources in _LIBRARIES.items() if cached(name) is None}
+        attempted = list(missing)
+        # the first run on a machine waits for this (about 20 s on 2 cores): say so, or it looks hung; a warning, so
+        # that Python prints it where the user configured no logging (`LLM()` in a notebook)
+        logger.warning("building %s with %s, once for this machine (cached in %s) ...", " and ".join(attempted),
+                       Path(cxx).name, cache_dir())
         started = time.monotonic()
-        errors = []
         for native in (True, False):  # -march=native where the compiler knows this CPU
             with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-                out = Path(tmp) / target.name
-                error = _compile_and_link(cxx, [sources_dir / s for s in sources], out, native)
-                if error is None:
-                    os.replace(out, target)  # atomic: a reader never sees half a library
-                    logger.info("built %s in %.0f s", name, time.monotonic() - started)
-                    return target
-                errors.append(error)
-        raise RuntimeError(f"{Path(cxx).name} failed to build the CPU kernels:\n{errors[-1]}")
+                objects = Path(tmp)
+                needed = sorted({s for sources in missing.values() for s in sources})
+                compiled = _compile(cxx, [sources_dir / s for s in needed], objects, native)
+                for name, sources in list(missing.items()):
+                    failure = (next((compiled[sources_dir / s] for s in sources
+                                     if compiled[sources_dir / s] is not None), None)
+                               or _link(cxx, [objects / f"{Path(s).stem}.o" for s in sources], objects / name))
+                    if failure is None:
+                        os.replace(objects / name, target_dir / name)  # atomic: a reader never sees half a library
+                        del missing[name]
+                        failures.pop(name, None)
+                    else:
+                        failures[name] = failure
+            if not missing:
+                break
+        for name, failure in failures.items():
+            if failure.lasting:
+                (target_dir / f"{name}.error").write_text(failure.message)
+        if built_now := [name for name in attempted if name not in failures]:
+            logger.info("built %s in %.0f s", " and ".join(built_now), time.monotonic() - started)
+    return {name: failures[name].message if name in failures else cached(name) for name in _LIBRARIES}
+
+
+@lru_cache(maxsize=1)
+def _libraries() -> dict[str, Path | str]:
+    return _build(Path(__file__).parent)
+
+
+def _library(name: str) -> Path:
+    """The built library `name`, building both on first use; RuntimeError with the compiler's error where it failed."""
+    built = _libraries()[name]
+    if isinstance(built, str):
+        raise RuntimeError(f"{Path(compiler() or 'the compiler').name} failed to build {name}:\n{built}")
+    return built
 
 
 @lru_cache(maxsize=1)
 def cpu_kernels() -> CpuKernels | None:
     """The CPU kernels of this process (built on first use), or None where they cannot be built."""
     try:
-        return CpuKernels(_build(Path(__file__).parent))
+        return CpuKernels(_library("libtorch_shift_cpu.so"))
     except Exception as e:  # noqa: BLE001 - any failure leaves the pure-PyTorch paths in place
         warnings.warn(f"torch_shift's CPU kernels are unavailable ({e}); on the CPU attention falls back to SDPA "
                       "over gathered blocks and the other kernels to PyTorch, and suffix decoding drafts in Python: "
@@ -244,7 +331,7 @@ def cpu_ops() -> bool:
     if cpu_kernels() is None:  # no compiler, or the kernels themselves do not build: said once already
         return False
     try:
-        _ops_library = ctypes.CDLL(str(_build(Path(__file__).parent, _OPS_SOURCES, "libtorch_shift_ops.so")))
+        _ops_library = ctypes.CDLL(str(_library("libtorch_shift_ops.so")))
         return True
     except Exception as e:  # noqa: BLE001 - any failure leaves the Python implementations in place
         warnings.warn(f"torch_shift's CPU operators are unavailable ({e}); packed linear layers and compiled "
