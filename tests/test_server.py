@@ -269,6 +269,43 @@ def test_a_dropped_stream_of_many_choices_is_not_written_to(server, caplog):
     assert not [r for r in caplog.records if "socket.send() raised exception" in r.getMessage()]
 
 
+def test_a_stream_closed_by_the_server_ends_quietly_and_an_error_is_one_event(caplog):
+    """A stream closed mid-way (its client gone) closes its chunks' generator at once and logs nothing: the
+    generators caught GeneratorExit as an error, logged 'a stream failed' and then yielded, which Python refuses."""
+    from torch_shift.serve.api_server import _sse_stream
+
+    closed = []
+
+    async def chunks(fail: bool):
+        try:
+            for i in range(3):
+                yield f"data: {i}\n\n"
+            if fail:
+                raise ValueError("a grammar the engine refused")
+        finally:
+            closed.append(fail)
+
+    async def first_then_close():
+        stream = _sse_stream(chunks(False))
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    async def whole(fail: bool):
+        return [event async for event in _sse_stream(chunks(fail))]
+
+    with caplog.at_level(logging.DEBUG):
+        assert asyncio.run(first_then_close()) == "data: 0\n\n" and closed == [False]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert asyncio.run(whole(False))[-2:] == ["data: 2\n\n", "data: [DONE]\n\n"]
+        events = asyncio.run(whole(True))
+    assert len(events) == 5 and events[:3] == [f"data: {i}\n\n" for i in range(3)]
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[3].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "server_error"  # an unexpected error: logged, not shown
+    assert closed == [False, False, True]
+
+
 def test_burst_larger_than_the_queue_is_fully_accounted(checkpoints):
     _, model_dir = checkpoints("llama")
     s = RunningServer(model_dir, max_waiting_seqs=4, engine={"max_num_seqs": 2})

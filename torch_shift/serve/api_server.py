@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -348,7 +348,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
                               ) -> Response:
         stack = AsyncExitStack()
         rid, submission = await stack.enter_async_context(submit(prefix, prompts, params, priority, fields))
-        return _EngineStream(chunks(rid, submission), stack.aclose)  # errors before this are plain HTTP errors
+        return _EngineStream(_sse_stream(chunks(rid, submission)), stack.aclose)  # errors before: HTTP errors
 
     async def collect(request: Request, prefix: str, prompts: list[TokenizedPrompt], params: SamplingParams,
                       priority: int, fields: dict[str, str]) -> tuple[str, list[RequestOutput]] | None:
@@ -568,8 +568,20 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
     return app
 
 
-def _stream_error(e: BaseException) -> str:
-    """After the first byte an error can only be reported in the stream."""
+async def _sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A streamed response's chunks, then `[DONE]`. After the first byte an error can only be reported in the stream:
+    as one error event before `[DONE]`. Its end by the server (cancelled, or closed where the client went away) is
+    no error: `chunks` is closed with it, and nothing more is sent."""
+    async with aclosing(chunks):
+        try:
+            async for event in chunks:
+                yield event
+        except Exception as e:  # noqa: BLE001 - reported in the stream
+            yield _stream_error(e)
+    yield "data: [DONE]\n\n"
+
+
+def _stream_error(e: Exception) -> str:
     if isinstance(e, EngineStopped):
         error = APIError(503, str(e), "server_error", code=503)
     elif isinstance(e, APIError):
@@ -610,45 +622,39 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
             payload["usage"] = totals
         return sse(payload)
 
-    try:
-        async for index, out in submission:
-            usage.saw(index, out)
-            tracker = trackers.setdefault(index, DeltaTracker(body.stop))
-            for delta in tracker.deltas(out):
-                c, (t0, t1) = delta.choice, delta.token_range
-                if c.finish_reason == "error":
-                    raise _generation_error(str(c.stop_reason), body.grammar_field)
-                if echo_only and c.finish_reason is None:
-                    continue  # the prompt is all that is sent, once the one scored token is there
-                choice_index = index * body.n + c.index
-                text, token_ids, entries = delta.text, c.token_ids[t0:t1], list((c.logprobs or [])[t0:t1])
-                if echo_only:
-                    text, token_ids, entries = "", [], []
-                else:
-                    usage.completion_tokens += t1 - t0
-                prefix = EchoedPrompt()
-                if body.echo and delta.first:
-                    prefix = EchoedPrompt.of(out, tokenizer, body.logprobs is not None)
-                logprobs = None
-                if body.logprobs is not None:
-                    if choice_index not in offsets:
-                        offsets[choice_index] = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text),
-                                                              body.skip_special_tokens)
-                    logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
-                                                     prefix.offsets + offsets[choice_index].extend(token_ids),
-                                                     tokenizer, body.logprobs)
-                finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
-                choice = {"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
-                          "finish_reason": finish,  # stop_reason in every chunk (null until the last), as vLLM's
-                          "stop_reason": None if finish is None or echo_only else c.stop_reason}
-                yield chunk([choice], usage.totals() if usage.continuous else None)
-        if usage.include:
-            yield chunk([], usage.totals())
-    except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
-        if isinstance(e, asyncio.CancelledError):
-            raise
-        yield _stream_error(e)
-    yield "data: [DONE]\n\n"
+    async for index, out in submission:
+        usage.saw(index, out)
+        tracker = trackers.setdefault(index, DeltaTracker(body.stop))
+        for delta in tracker.deltas(out):
+            c, (t0, t1) = delta.choice, delta.token_range
+            if c.finish_reason == "error":
+                raise _generation_error(str(c.stop_reason), body.grammar_field)
+            if echo_only and c.finish_reason is None:
+                continue  # the prompt is all that is sent, once the one scored token is there
+            choice_index = index * body.n + c.index
+            text, token_ids, entries = delta.text, c.token_ids[t0:t1], list((c.logprobs or [])[t0:t1])
+            if echo_only:
+                text, token_ids, entries = "", [], []
+            else:
+                usage.completion_tokens += t1 - t0
+            prefix = EchoedPrompt()
+            if body.echo and delta.first:
+                prefix = EchoedPrompt.of(out, tokenizer, body.logprobs is not None)
+            logprobs = None
+            if body.logprobs is not None:
+                if choice_index not in offsets:
+                    offsets[choice_index] = TextOffsets(tokenizer, out.prompt_token_ids, len(prefix.text),
+                                                          body.skip_special_tokens)
+                logprobs = completion_logprobs(prefix.token_ids + token_ids, prefix.entries + entries,
+                                                 prefix.offsets + offsets[choice_index].extend(token_ids),
+                                                 tokenizer, body.logprobs)
+            finish = ("length" if echo_only else c.finish_reason) if c.finish_reason else None
+            choice = {"index": choice_index, "text": prefix.text + text, "logprobs": logprobs,
+                      "finish_reason": finish,  # stop_reason in every chunk (null until the last), as vLLM's
+                      "stop_reason": None if finish is None or echo_only else c.stop_reason}
+            yield chunk([choice], usage.totals() if usage.continuous else None)
+    if usage.include:
+        yield chunk([], usage.totals())
 
 
 async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatCompletionRequest, tokenizer,
@@ -663,45 +669,39 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
             payload["usage"] = totals
         return sse(payload)
 
-    try:
-        # vLLM's role chunks carry continuous usage too: the prompt's tokens, none generated (whether the prefix
-        # cache held some is known once the first token is, in the next chunk's prompt_tokens_details)
-        role_usage = ({"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
-                      if usage.continuous else None)
-        for i in range(body.n):
-            yield chunk([{"index": i, "delta": {"role": output.role, "content": ""}, "logprobs": None,
-                          "finish_reason": None}], role_usage)
-        tracker = DeltaTracker(body.stop)
-        parsers = [output.parser() for _ in range(body.n)]
-        async for _, out in submission:
-            usage.saw(0, out)
-            for delta in tracker.deltas(out):
-                c, (t0, t1) = delta.choice, delta.token_range
-                if c.finish_reason == "error":
-                    raise _generation_error(str(c.stop_reason), grammar_field)
-                usage.completion_tokens += t1 - t0
-                parser = parsers[c.index]
-                fields = parser.feed(delta.text) if delta.text else {}
-                finish = None
-                if c.finish_reason is not None:
-                    for key, value in parser.finish(c.finish_reason).items():
-                        fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
-                    finish = output.finish_reason(c.finish_reason, parser.tools_called)
-                logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
-                                          body.top_logprobs or 0) if body.logprobs and not output.hides_reasoning
-                            else None)
-                if fields or logprobs or finish:
-                    choice = {"index": c.index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
-                    if finish is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield chunk([choice], usage.totals() if usage.continuous else None)
-        if usage.include:
-            yield chunk([], usage.totals())
-    except BaseException as e:  # noqa: BLE001 - reported in the stream; cancellation is re-raised
-        if isinstance(e, asyncio.CancelledError):
-            raise
-        yield _stream_error(e)
-    yield "data: [DONE]\n\n"
+    # vLLM's role chunks carry continuous usage too: the prompt's tokens, none generated (whether the prefix
+    # cache held some is known once the first token is, in the next chunk's prompt_tokens_details)
+    role_usage = ({"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
+                  if usage.continuous else None)
+    for i in range(body.n):
+        yield chunk([{"index": i, "delta": {"role": output.role, "content": ""}, "logprobs": None,
+                      "finish_reason": None}], role_usage)
+    tracker = DeltaTracker(body.stop)
+    parsers = [output.parser() for _ in range(body.n)]
+    async for _, out in submission:
+        usage.saw(0, out)
+        for delta in tracker.deltas(out):
+            c, (t0, t1) = delta.choice, delta.token_range
+            if c.finish_reason == "error":
+                raise _generation_error(str(c.stop_reason), grammar_field)
+            usage.completion_tokens += t1 - t0
+            parser = parsers[c.index]
+            fields = parser.feed(delta.text) if delta.text else {}
+            finish = None
+            if c.finish_reason is not None:
+                for key, value in parser.finish(c.finish_reason).items():
+                    fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
+                finish = output.finish_reason(c.finish_reason, parser.tools_called)
+            logprobs = (chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], tokenizer,
+                                      body.top_logprobs or 0) if body.logprobs and not output.hides_reasoning
+                        else None)
+            if fields or logprobs or finish:
+                choice = {"index": c.index, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
+                if finish is not None:
+                    choice["stop_reason"] = c.stop_reason
+                yield chunk([choice], usage.totals() if usage.continuous else None)
+    if usage.include:
+        yield chunk([], usage.totals())
 
 
 def run_server(engine_args, args) -> int:
