@@ -1106,9 +1106,12 @@ void attend(const Problem& p, const Item& item) {
         else
           row_blocks(std::integral_constant<int, 1>{}, from, from + count);
       };
-      if (decode) {  // the query heads of the KV head (several KV heads' rows interleave in a decode item)
+      // a KV head's rows 4 at a time, then the rest (a decode item's rows, the KV head's query heads: 3 at a time
+      // where 3 divides them and 4 does not). Rows one at a time, each reading the chunk again, made decodes with 7
+      // query heads a KV head (Qwen2.5) 1.35-1.44x slower (docs/performance.md)
+      if (decode && rows_per_head % 4 != 0 && rows_per_head % 3 == 0) {
         divided_blocks(r0, rows_per_head);
-      } else {  // a tile's rows of one KV head: 4 at a time, whatever the group size, then the rest
+      } else {
         const int64_t bulk = rows_per_head / 4 * 4;
         row_blocks(std::integral_constant<int, 4>{}, r0, r0 + bulk);
         if (bulk < rows_per_head) divided_blocks(r0 + bulk, rows_per_head - bulk);
