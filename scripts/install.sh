@@ -17,14 +17,16 @@ import sys, torch
 version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 sys.exit(0 if version >= (2, 11) else 1)' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "[install] $TORCH_PIN (CUDA build, an NVIDIA GPU is present)" >&2
-    "$PYTHON" -m pip install --quiet "$TORCH_PIN"
+    echo "[install] $TORCH_PIN (CUDA build, an NVIDIA GPU is present: several GB with its CUDA packages)" >&2
+    "$PYTHON" -m pip install "$TORCH_PIN"
   elif "$PYTHON" -c "import urllib.request; urllib.request.urlopen('$CPU_INDEX/torch/', timeout=15)" 2>/dev/null; then
     echo "[install] $TORCH_PIN, CPU-only build from $CPU_INDEX (no NVIDIA GPU here)" >&2
     "$PYTHON" -m pip install --quiet --index-url "$CPU_INDEX" "$TORCH_PIN"
   else
-    echo "[install] $CPU_INDEX cannot be reached: $TORCH_PIN from the configured package index" >&2
-    "$PYTHON" -m pip install --quiet "$TORCH_PIN"
+    # (pip's progress shown: from PyPI this is the CUDA build, several GB, unless the index holds a CPU wheel)
+    echo "[install] $CPU_INDEX cannot be reached: $TORCH_PIN from the configured package index, which on PyPI" \
+         "is the CUDA build (about 20 CUDA packages, several GB); to avoid that, install a CPU torch >= 2.11 first" >&2
+    "$PYTHON" -m pip install "$TORCH_PIN"
   fi
 fi
 # compat mode puts this checkout on sys.path (a .pth file) instead of setuptools' import hook, which comes after

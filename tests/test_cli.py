@@ -229,8 +229,10 @@ CORE_COMMANDS = [
     (["generate", "--help"], 0, "--max-tokens"),
     (["convert", "--help"], 0, "--out"),
     (["generate", "And God said", "--max-tokens", "4"], 0, "--- prompt 'And God said' [sample 0, 4 tokens"),
-    (["serve"], 2, "torch-shift serve needs fastapi, uvicorn, prometheus_client: pip install 'torch_shift[serve]'"),
-    (["bench", "--table5"], 2, "torch-shift bench needs httpx, matplotlib: pip install 'torch_shift[bench]'"),
+    (["serve"], 2, "torch-shift serve needs fastapi, uvicorn, prometheus_client: scripts/install.sh serve in a "
+     "checkout of torch_shift, or pip install 'torch_shift[serve]'"),
+    (["bench", "--table5"], 2, "torch-shift bench needs httpx, matplotlib: scripts/install.sh bench in a checkout of "
+     "torch_shift, or pip install 'torch_shift[bench]'"),
 ]
 
 

@@ -66,7 +66,8 @@ def _require_extra(extra: str, command: str, *modules: str) -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise ValueError(f"torch-shift {command} needs {', '.join(missing)}: pip install 'torch_shift[{extra}]'")
+        raise ValueError(f"torch-shift {command} needs {', '.join(missing)}: scripts/install.sh {extra} in a checkout "
+                         f"of torch_shift, or pip install 'torch_shift[{extra}]'")
 
 
 def dtype_name(value: str) -> str:

@@ -65,8 +65,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="the format the model writes tool calls in: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                         '(Llama 3.1/3.2), mistral. tool_choice "required" and a named function need none')
     t.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                   help="send the model's <think> reasoning as reasoning_content, apart from content: deepseek_r1 "
-                        "(DeepSeek-R1 and its distills, QwQ), qwen3")
+                   help="send the model's <think> reasoning as reasoning (and reasoning_content), apart from "
+                        "content: deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3")
     t.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, instead of the checkpoint's")
 

@@ -398,7 +398,7 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's extensions
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
-    include_reasoning: bool = True  # with a reasoning parser: send reasoning_content
+    include_reasoning: bool = True  # with a reasoning parser: send reasoning (and reasoning_content)
     continue_final_message: bool = False  # the output continues the last (assistant) message
     # OpenAI's, accepted without effect on the output, as `user`: a key for its prompt cache (prefixes are cached
     # whatever the key) and an end-user id
