@@ -210,18 +210,22 @@ def _compile(cxx: str, sources: list[Path], out_dir: Path, native: bool,
                 process.wait()
 
 
-def _link(cxx: str, objects: list[Path], output: Path) -> BuildFailure | None:
-    """The library at `output` from `objects`: None, or why it did not link."""
-    command = [cxx, *map(str, objects), *_link_flags(), "-o", str(output)]
+def _link(cxx: str, compiled: dict[Path, BuildFailure | None], sources: list[Path],
+          output: Path) -> BuildFailure | None:
+    """The library at `output` from `sources`' objects, which `_compile` wrote beside it (`compiled`: its result):
+    None, or the first source's failure to compile, or why it did not link."""
+    failure = next((compiled[source] for source in sources if compiled[source] is not None), None)
+    if failure is not None:
+        return failure
+    command = [cxx, *(str(output.with_name(f"{source.stem}.o")) for source in sources), *_link_flags(),
+               "-o", str(output)]
     return _wait(command, _start(command))
 
 
 def _compile_and_link(cxx: str, sources: list[Path], output: Path, native: bool,
                       extra_flags: tuple[str, ...] = ()) -> str | None:
     """One library at `output` from `sources` (`_compile`, then `_link`): None, or the first error."""
-    failures = _compile(cxx, sources, output.parent, native, extra_flags)
-    failure = (next((f for f in failures.values() if f is not None), None)
-               or _link(cxx, [output.with_name(f"{source.stem}.o") for source in sources], output))
+    failure = _link(cxx, _compile(cxx, sources, output.parent, native, extra_flags), sources, output)
     return None if failure is None else failure.message
 
 
@@ -274,9 +278,7 @@ def _build(sources_dir: Path) -> dict[str, Path | str]:
                 needed = sorted({s for sources in missing.values() for s in sources})
                 compiled = _compile(cxx, [sources_dir / s for s in needed], objects, native)
                 for name, sources in list(missing.items()):
-                    failure = (next((compiled[sources_dir / s] for s in sources
-                                     if compiled[sources_dir / s] is not None), None)
-                               or _link(cxx, [objects / f"{Path(s).stem}.o" for s in sources], objects / name))
+                    failure = _link(cxx, compiled, [sources_dir / s for s in sources], objects / name)
                     if failure is None:
                         os.replace(objects / name, target_dir / name)  # atomic: a reader never sees half a library
                         del missing[name]
