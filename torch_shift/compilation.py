@@ -54,22 +54,25 @@ def attention_op(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 _native_installed = False  # a step's paged attention is installed in the C++ implementation
 
 
-def _install(attention: AttentionFn | None) -> None:
-    """Give the C++ implementation `attention` where it is the paged kernel's (CpuPagedAttention), else none."""
+def _install(attention: AttentionFn | None) -> bool:
+    """Give the C++ implementation `attention` where it is the paged kernel's (CpuPagedAttention), else none; whether
+    it was given."""
     global _native_installed
     install = getattr(attention, "install_native", None)
     if install is not None and install():
         _native_installed = True
-    elif _native_installed:
+        return True
+    if _native_installed:
         native_attention().uninstall()
         _native_installed = False
+    return False
 
 
-def enter_step_attention(attention: AttentionFn) -> None:
+def enter_step_attention(attention: AttentionFn) -> bool:
     """`attention` runs the step's attention op calls (the C++ implementation's where it is the paged kernel's)
-    until the matching `exit_step_attention`; pairs nest."""
+    until the matching `exit_step_attention`; pairs nest. Whether the C++ implementation runs them."""
     _current.append(attention)
-    _install(attention)
+    return _install(attention)
 
 
 def exit_step_attention() -> None:

@@ -143,7 +143,9 @@ class NativeDecoder:
                 and native_attention() is not None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                 attention: object) -> torch.Tensor:
+                 attention: object) -> torch.Tensor | None:
+        """The step's logits (or its logits rows' hidden states, `head=False`); None, nothing run, where `attention`
+        did not install in C++ (the caller runs the step's forward instead)."""
         if self.launched:
             self.wait()
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
@@ -151,7 +153,10 @@ class NativeDecoder:
         logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
         # (a shard's logits have no argmax of the vocabulary's, nor hidden states any)
         row_argmax = None if self.tensor_parallel or not self.head else np.empty(num_logits, dtype=np.int64)
-        enter_step_attention(attention)  # not a context manager: its calls were 8% of a batch-1 step's Python
+        # not a context manager: its calls were 8% of a batch-1 step's Python
+        if not enter_step_attention(attention):
+            exit_step_attention()
+            return None
         try:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                    rows.data_ptr(), num_logits, logits.data_ptr(),
@@ -163,18 +168,20 @@ class NativeDecoder:
             setattr(logits, ROW_ARGMAX, row_argmax)
         return logits
 
-    def attend(self, attention: object) -> None:
+    def attend(self, attention: object) -> bool:
         """A sequence-parallel rank's part in a step that gives it no tokens: each layer's attention of its head chunk
-        over the other ranks' tokens, which `attention` (a UlyssesAttention that installs natively) exchanges, in one
-        call."""
+        over the other ranks' tokens, which `attention` (a UlyssesAttention) exchanges, in one call; False, nothing
+        run, where `attention` did not install in C++."""
         if self.launched:
             self.wait()
-        enter_step_attention(attention)
         try:
+            if not enter_step_attention(attention):
+                return False
             rc = self.kernels.attend(self.handle)
         finally:
             exit_step_attention()
         self._check(rc)
+        return True
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None,
@@ -193,8 +200,9 @@ class NativeDecoder:
         index, sources = np.ascontiguousarray(index, np.int64), np.ascontiguousarray(sources, np.int64)
         if draws is not None:
             assert draws.dtype == np.float32 and draws.shape == (5, num_logits) and draws.flags.c_contiguous
-        enter_step_attention(attention)  # copied by the launch
         try:
+            installed = enter_step_attention(attention)  # copied by the launch
+            assert installed, "a launched step's attention runs in C++ (runs() took it)"
             ticket = self.kernels.launch(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                          rows.data_ptr(), num_logits, logits.data_ptr(), row_argmax.ctypes.data,
                                          index.ctypes.data, sources.ctypes.data, len(index),

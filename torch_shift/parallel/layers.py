@@ -114,6 +114,8 @@ class ShardDecoder:
                 or comm.native_communicator(self.group) != self.communicator):
             return None
         logits = self.decoder(input_ids, positions, logits_indices, attention)
+        if logits is None:
+            return None
         # the ledger counts the call's all-reduces (two a layer, [tokens, hidden] each), as the forward's
         model = self.decoder.model
         comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
@@ -164,6 +166,8 @@ class UlyssesDecoder:
             return None
         with comm.recording(None):  # a layer whose exchange falls back to Python's path (counted below, once)
             hidden = self.decoder(input_ids, positions, logits_rows, ulysses)
+        if hidden is None:  # Ulysses did not install in C++: the same exchanges through the forward's Python path
+            return None
         # the ledger counts the call's collectives as the forward's: two all-to-alls a layer over "sp" (none where
         # this rank attends every head chunk itself), two all-reduces of [tokens, hidden] over "tp"
         if ulysses.exchanges:
@@ -180,7 +184,8 @@ class UlyssesDecoder:
         if not self._takes(1, ulysses):
             return False
         with comm.recording(None):
-            self.decoder.attend(ulysses)
+            if not self.decoder.attend(ulysses):
+                return False
         self._record_all_to_alls(ulysses)
         return True
 

@@ -104,7 +104,9 @@ class ReplicaModel(LayoutCounters, nn.Module):
         key = layout.name if layout.kv_width > 1 else None
         if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
                                                                                             batch.attention):
-            return self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+            logits = self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+            if logits is not None:
+                return logits
         model = self.views[key] if key is not None else self.model
         forward = self.forwards.get(key, model)
         with comm.recording(self.ledger), comm.layout_scope(layout.name):

@@ -236,9 +236,10 @@ class DraftModelProposer:
         attention = self.attention.build(batch, self.kv_cache)
         self.decode_pool.step(len(input_ids), int(starts.sum()))
         self.num_forwards += 1
+        logits = None
         if self.native is not None and self.native.runs(len(input_ids), attention):
             logits = self.native(input_ids, positions_t, tensor(logits_indices), attention)
-        else:
+        if logits is None:
             hidden = self.model(input_ids, positions_t, attention)
             logits = self.model.compute_logits(hidden[tensor(logits_indices)]) if len(logits_indices) else None
         if not len(logits_indices):
