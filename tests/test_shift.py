@@ -113,6 +113,17 @@ def _uneven_rank(rank, world, model_dir, prompts):
         return base_forward(input_ids, positions, attention)
 
     engine.model.forwards["base"] = recording
+    native = engine.model.native_decoders.get("base")
+    if native is not None:  # where the C++ decoder takes the model's small steps (the AVX2 kernels take this one)
+        native_step = native.step
+
+        def native_recording(input_ids, positions, logits_rows, ulysses):
+            hidden = native_step(input_ids, positions, logits_rows, ulysses)
+            if hidden is not None:
+                rows.append(input_ids.shape[0])
+            return hidden
+
+        native.step = native_recording
     if rank == 0:
         engine.add_request("r", prompts[0], SamplingParams(max_tokens=1))
         engine.step()  # the whole 1-token prompt in the base layout: n = 1 < SP

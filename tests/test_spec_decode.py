@@ -496,7 +496,7 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
     speculator._prices = lambda num_running, cost: (0.9, 16)
     steps, calls = [], []
     executor, propose = core.executor, speculator.propose
-    core.executor = lambda plan, *tokens: steps.append(plan) or executor(plan, *tokens)
+    core.executor = lambda plan, *tokens, **options: steps.append(plan) or executor(plan, *tokens, **options)
     speculator.propose = lambda updated, num_running: calls.append(
         {r.request_id: r.num_output_tokens for r in updated}) or propose(updated, num_running)
     outputs = llm.generate(prompts, params, use_tqdm=False)
