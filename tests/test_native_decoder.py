@@ -4,11 +4,13 @@ it declines what it cannot run exactly, and the engine's switch turns it off."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +30,8 @@ from torch_shift.parallel.shift import ShiftModule
 
 # shapes whose every weight the GEMV reads (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2 KV heads
 SHAPES = dict(hidden_size=128, intermediate_size=352, head_dim=16)
+# and a vocabulary and MLP of no whole blocks ("llama_odd"), which oneDNN pads: the GEMV reads copies of its own
+ODD_SHAPES = dict(SHAPES, intermediate_size=344, vocab_size=500)
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torch.device("cpu"), dt)]
 
 pytestmark = [
@@ -47,7 +51,8 @@ def families(tmp_path_factory):
 
     def get(family: str):
         if family not in cache:
-            model = build_hf_model(family, **SHAPES)
+            model = (build_hf_model("llama", **ODD_SHAPES) if family == "llama_odd"
+                     else build_hf_model(family, **SHAPES))
             cache[family] = (model, save_checkpoint(model, tmp_path_factory.mktemp(family)))
         return cache[family]
 
@@ -110,7 +115,8 @@ def _generate(model_dir, dtype, native: bool, ledger: dict | None = None, **engi
     llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, **engine_args)
     try:
         assert llm.engine.worker.runner.native_decode is native
-        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9], vocab=vocab)]
         greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
         sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
         outs = llm.generate(prompts, greedy, use_tqdm=False) + llm.generate(prompts[:2], sampled, use_tqdm=False)
@@ -125,11 +131,11 @@ def _generate(model_dir, dtype, native: bool, ledger: dict | None = None, **engi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", ["llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral_window", "llama_odd"])
 def test_steps_give_the_eager_forwards_logits_bit_for_bit(families, family, dtype, counted):
     """Decodes of one to four requests at once and, with as many tokens a step as the decoder takes, every prompt
     chunk: the same tokens and the same logprobs, to the last bit, as the eager forward (Qwen2's q/k/v bias, Qwen3's
-    q/k norms, Mistral's window, Llama 3's rotary scaling, a tied LM head)."""
+    q/k norms, Mistral's window, Llama 3's rotary scaling, a tied LM head, a vocabulary of 500 and an MLP of 344)."""
     _, model_dir = families(family)
     limit = _decoder_limit(dtype)
     reference = _generate(model_dir, dtype, native=False, max_num_batched_tokens=limit)
@@ -187,12 +193,12 @@ def test_silu_rounds_as_pytorch_at_every_thread_count(dtype):
 
 
 def test_declines_what_it_cannot_run_exactly(families, tmp_path):
-    """Weights the GEMV cannot read (q/k/v of 96 rows: the 16-feature blocks take them), dense weights, experts, a
-    module it does not know, the switch off: the forward serves."""
+    """Dense weights, experts, a module it does not know, the switch off: the forward serves. Weights of any shape
+    run here (q/k/v of 96 rows: whole blocks of the GEMV's, or of the 16-feature blocks, padded with zeros)."""
     _, model_dir = families("llama")
     assert LLM(str(model_dir), dtype=torch.float32, compile=False).engine.worker.runner.native_decode
     odd = save_checkpoint(build_hf_model("llama"), tmp_path / "odd")  # hidden 64: q/k/v of 96 rows
-    assert LLM(str(odd), compile=False).engine.worker.runner.native_decode is blocked_layout(torch.float32)
+    assert LLM(str(odd), compile=False).engine.worker.runner.native_decode
     assert not LLM(str(model_dir), compile=False, prepack_weights=False).engine.worker.runner.native_decode
     assert not LLM(str(model_dir), compile=False, native_decode=False).engine.worker.runner.native_decode
     mixtral = write_random_checkpoint(tmp_path / "mixtral", tiny_llama_config(
@@ -216,7 +222,8 @@ def test_dp_replicas_run_it_on_every_rank(families, counted):
     llm = LLM(str(model_dir), dp=2, compile=False, seed=0, max_num_batched_tokens=MAX_TOKENS)
     try:
         assert llm.engine.worker.runner.native_decode
-        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9])]
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 17, 40, 9], vocab=vocab)]
         greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         got = [(list(o.outputs[0].token_ids), [[(t, lp.logprob) for t, lp in sorted(step.items())]

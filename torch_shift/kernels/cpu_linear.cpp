@@ -587,6 +587,8 @@ struct Matmul {
   void block(int64_t b, bool request_next = false) const {
     if (piece != nullptr)
       piece(ctx, b);
+    else if (dtype != 2 && dtype != 3 && (b + 1) * block_width() > N)  // (the 16-feature blocks store their own)
+      tail(b);
     else if (dtype == 2)
       avx2::rows_range(static_cast<const float*>(x), x_stride, 0, rows,
                        static_cast<const uint16_t*>(w) + b * avx2::kPair * K, K, static_cast<const uint16_t*>(bias),
@@ -611,6 +613,29 @@ struct Matmul {
       rows_of_block<Bf16Rows32>(static_cast<const uint16_t*>(x), x_stride, rows, static_cast<const uint16_t*>(w), K,
                                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride, b);
   }
+  // The last block of N features not a multiple of the block's width (oneDNN's layouts; the weight's features padded
+  // with zeros to whole blocks of 64): its rows into scratch, bias too, then the block's N - n outputs stored
+  void tail(int64_t b) const {
+    const int64_t width = block_width(), n = b * width, valid = N - n, size = dtype == 0 ? 4 : 2;
+    thread_local std::vector<char> scratch;
+    const int64_t out_bytes = (rows * width * size + 63) / 64 * 64;
+    if (scratch.size() < size_t(out_bytes + width * size + 64)) scratch.resize(out_bytes + width * size + 64);
+    char* tmp = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+    Matmul t = *this;
+    t.w = static_cast<const char*>(w) + b * width * K * size;
+    t.N = width;
+    t.out = tmp;
+    t.out_stride = width;
+    if (bias != nullptr) {
+      char* tail_bias = tmp + out_bytes;
+      std::memcpy(tail_bias, static_cast<const char*>(bias) + n * size, valid * size);
+      std::memset(tail_bias + valid * size, 0, (width - valid) * size);
+      t.bias = tail_bias;
+    }
+    t.block(0);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<char*>(out) + (r * out_stride + n) * size, tmp + r * width * size, valid * size);
+  }
   // a thread's blocks of this matmul are done: the tile unit's state given back
   void done() const {
 #ifdef TS_AMX_INTRINSICS
@@ -623,7 +648,7 @@ struct Matmul {
 #endif
     return dtype == 2 || dtype == 3 ? avx2::kPair : kBlock;
   }
-  int64_t blocks() const {  // dtype 0 and 1: N % 64 == 0
+  int64_t blocks() const {
     return piece != nullptr ? pieces : (N + block_width() - 1) / block_width();
   }
   int64_t block_bytes() const { return block_width() * K * (dtype == 0 || dtype == 3 ? 4 : 2); }
@@ -1031,11 +1056,12 @@ int ts_packed_gemv_dtypes() {
 }
 
 // out[rows, N] = x[rows, K] @ W.T (+ bias); dtype 0 float32, 1 bfloat16, 4 bfloat16 in oneDNN's AMX layout (x,
-// weight, bias and out alike). Returns 0, or -1 for a shape the layouts above do not cover.
+// weight, bias and out alike); W's features in whole blocks of 64, those past N zeros (oneDNN pads so). Returns 0, or
+// -1 for a shape the layouts above do not cover.
 int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight, int64_t N,
                    int64_t K, const void* bias, void* out, int64_t out_row_stride) {
   if (dtype != 0 && dtype != 1 && dtype != 4) return -1;
-  if (N % kBlock != 0 || rows < 1 || (dtype != 0 && K % 2 != 0)) return -1;
+  if (N < 1 || rows < 1 || (dtype != 0 && K % 2 != 0)) return -1;
   Matmul m{dtype, x, x_row_stride, rows, weight, N, K, bias, out, out_row_stride};
 #ifdef TS_AMX_INTRINSICS
   m.amx = dtype == 4 && K % 32 == 0 && amx_gemv_enabled.load(std::memory_order_relaxed) && amx_bf16_usable();

@@ -13,8 +13,10 @@ a Triton tile or cuBLAS (torch_shift.kernels.triton_linear).
 A matmul of at most `GEMV_MAX_ROWS` rows (a decode step of up to that many requests, or one that checks proposed
 tokens) reads the same packed weight through torch_shift's own kernel (kernels/cpu_linear.cpp), which streams it at
 the memory's rate: oneDNN's one-row matmul reads about two thirds of that (docs/performance.md).
-The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once, when it is packed, and one packed
-differently keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
+The kernel knows oneDNN's AVX-512 layout; each weight is checked against it once, when it is packed. A shape oneDNN
+pads otherwise than the kernel reads (a vocabulary or an MLP that is no multiple of 64, such as CodeLlama's 32,016
+tokens) gets a copy in the kernel's layout beside oneDNN's, for its steps of few rows; a weight the kernel still cannot
+read keeps oneDNN for every batch. In float32 it adds a row's products in the runs oneDNN's matmul adds them
 in, so a row gets the same bits through either, whatever its step's row count (`PackedWeight.rounds_as_onednn` checks
 it). Where oneDNN packs bfloat16 for AMX (Sapphire Rapids and later: blocks of 32 features, not 64), the kernel reads
 that layout too, on the tile unit (and where that cannot run, in dot products up to `AMX_DOT_GEMV_MAX_ROWS` rows).
@@ -123,6 +125,8 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         self.nbytes = weight.numel() * weight.element_size()
         self.blocked = weight.dtype in _BLOCKED_CODES and (blocked_layout(weight.dtype) if blocked is None else blocked)
+        # the GEMV's own copy of the weight, where it cannot read oneDNN's packing of this shape (`_copy_for_gemv`)
+        self.gemv_tensor: torch.Tensor | None = None
         if self.blocked:  # element (n, k) at ((n / 16) * K + k) * 16 + n % 16, the last block padded with zeros
             self.gemv = _blocked_kernel(self.dtype)
             if self.gemv[0] is None:
@@ -134,6 +138,8 @@ class PackedWeight:
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             self.address = torch.ops.mkldnn.data_ptr(self.tensor)
             self.gemv = _gemv_kernel(weight, self.tensor)
+            if self.gemv is None:
+                self._copy_for_gemv(weight)
         # the code the kernel's call takes for this weight's dtype and layout (ts_packed_gemv's: 0 float32, 1 bfloat16,
         # 4 bfloat16 packed for AMX; ts_blocked_linear's for the blocks), also where no GEMV reads it
         self.gemv_code = self.gemv[1] if self.gemv is not None else _GEMV_DTYPES[self.dtype][0]
@@ -145,7 +151,10 @@ class PackedWeight:
                               or (gemv_on_tile_unit() and self.in_features % 32 == 0)
                               else AMX_DOT_GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
-        advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else self.nbytes, collapse=True)
+        gemv_bytes = self.gemv_tensor.nbytes if self.gemv_tensor is not None else self.nbytes
+        advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else gemv_bytes, collapse=True)
+        if self.gemv_tensor is not None:
+            self.nbytes += self.gemv_tensor.nbytes
         self._weight_ptr = self.address if self.gemv is not None else None
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
@@ -156,6 +165,24 @@ class PackedWeight:
                 self.tensor, self.handle, self.address, self.gemv_max_rows, self.out_features,
                 self.in_features, _BLOCKED_CODES[self.dtype][0] if self.blocked else self.gemv_code)
             weakref.finalize(self, torch.ops.torch_shift_cpu.unregister_packed, self.handle).atexit = False
+
+    def _copy_for_gemv(self, weight: torch.Tensor) -> None:
+        """A weight whose oneDNN packing the GEMV cannot read (a vocabulary or MLP that is no multiple of 64, which
+        oneDNN pads) gets a copy in the GEMV's layout beside it, so that its small steps stream it as every other
+        weight's (and the C++ decoder, which needs every weight of a model on the GEMV, runs the model): oneDNN's
+        packing serves the matmuls of more rows. A float32 copy only where a row's outputs come out as oneDNN's
+        (`rounds_as_onednn`), so that its logits still do not depend on its step's row count."""
+        found = _gemv_layout(self.dtype)
+        if found is None or (self.dtype == torch.bfloat16 and self.in_features % 2):
+            return
+        self.gemv_tensor = _gemv_copy(weight, found[1])
+        self.gemv, self.address = found, self.gemv_tensor.data_ptr()
+        self._weight_ptr = self.address
+        self.gemv_max_rows = GEMV_MAX_ROWS
+        if self.dtype == torch.float32 and not self.rounds_as_onednn:
+            self.gemv = self.gemv_tensor = None
+            self.address = torch.ops.mkldnn.data_ptr(self.tensor)
+        self.__dict__.pop("rounds_as_onednn", None)  # computed again for the weight as it ends up
 
     @functools.cached_property
     def rounds_as_onednn(self) -> bool:
@@ -230,31 +257,69 @@ def _blocked_kernel(dtype: torch.dtype):
 
 
 def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
-    """(kernels, dtype code) where the GEMV kernel can read `packed`: this CPU runs it for the dtype, the shape
-    has whole blocks, and every element of `weight` sits where the kernel's layout formula says; else None."""
+    """(kernels, dtype code) where the GEMV kernel can read `packed`: this CPU runs it for the dtype, and every
+    element of `weight` sits where the kernel's layout formula says, its features padded with zeros to whole blocks
+    of 64 (the kernel reads whole blocks and stores the first N outputs) and its K not padded; else None."""
     from torch_shift.kernels import cpu_kernels
 
     if weight.dtype not in _GEMV_DTYPES or packed.layout != torch._mkldnn:
         return None
     code, bit = _GEMV_DTYPES[weight.dtype]
     out_features, in_features = weight.shape
-    if out_features % _GEMV_BLOCK or (weight.dtype == torch.bfloat16 and in_features % 2):
+    if weight.dtype == torch.bfloat16 and in_features % 2:
         return None
     kernels = cpu_kernels()
     if kernels is None or not kernels.packed_gemv_dtypes & bit:
         return None
-    raw = (ctypes.c_char * weight.nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
+    nbytes = whole.nbytes
+    if out_features % _GEMV_BLOCK and _allocated_bytes(packed) < nbytes:  # oneDNN padded less than the kernel reads
+        return None
+    raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
     buffer = torch.frombuffer(raw, dtype=weight.dtype)
     if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
         read = buffer.view(-1, in_features, _GEMV_BLOCK).transpose(1, 2)
-        return (kernels, code) if torch.equal(read.reshape(out_features, in_features), weight) else None
+        return (kernels, code) if torch.equal(read.reshape(whole.shape), whole) else None
     # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2;
     # 64 on AVX-512 CPUs, 32 where oneDNN packs for AMX (the kernel's code _AMX_BF16_CODE)
     for width, layout_code in ((_GEMV_BLOCK, code), (_GEMV_BLOCK // 2, _AMX_BF16_CODE)):
         read = buffer.view(-1, in_features // 2, width, 2).permute(0, 2, 1, 3)
-        if torch.equal(read.reshape(out_features, in_features), weight):
+        if torch.equal(read.reshape(whole.shape), whole):
             return kernels, layout_code
     return None
+
+
+def _allocated_bytes(packed: torch.Tensor) -> int:
+    """The bytes oneDNN allocated for a packed weight (its padded shape's); 0 where this torch cannot say."""
+    nbytes = getattr(torch.ops.mkldnn, "_nbytes", None)
+    return nbytes(packed) if nbytes is not None else 0
+
+
+@functools.cache
+def _gemv_layout(dtype: torch.dtype):
+    """(kernels, dtype code) of the layout the GEMV reads oneDNN's packing of `dtype` in on this CPU, for a weight of
+    whole blocks (float32: always the kernel's own; bfloat16: 64 or 32 features a block, as oneDNN packs), or None."""
+    from torch_shift.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    code, bit = _GEMV_DTYPES[dtype]
+    if kernels is None or not kernels.packed_gemv_dtypes & bit:
+        return None
+    if dtype == torch.float32:
+        return kernels, code
+    probe = torch.randn(_GEMV_BLOCK, 4 * _GEMV_BLOCK, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None))
+
+
+def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
+    """`weight` in the GEMV's layout `code` (the formulas in _gemv_kernel), its features padded with zeros to whole
+    blocks of 64: for a shape whose oneDNN packing the kernel cannot read (K padded, or too few features padded)."""
+    out_features, in_features = weight.shape
+    whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
+    if weight.dtype == torch.float32:
+        return whole.view(-1, _GEMV_BLOCK, in_features).transpose(1, 2).contiguous()
+    width = _GEMV_BLOCK // 2 if code == _AMX_BF16_CODE else _GEMV_BLOCK
+    return whole.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 # out_features travels beside the handle: where one compiled graph serves several weights, dynamo makes the
