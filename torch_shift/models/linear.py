@@ -123,7 +123,7 @@ class PackedWeight:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         weight = weight.detach().contiguous()
-        self.nbytes = weight.numel() * weight.element_size()
+        self.nbytes = weight.numel() * weight.element_size()  # what a step reads (the GEMV's copy held beside: as much)
         self.blocked = weight.dtype in _BLOCKED_CODES and (blocked_layout(weight.dtype) if blocked is None else blocked)
         # the GEMV's own copy of the weight, where it cannot read oneDNN's packing of this shape (`_copy_for_gemv`)
         self.gemv_tensor: torch.Tensor | None = None
@@ -153,8 +153,6 @@ class PackedWeight:
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
         gemv_bytes = self.gemv_tensor.nbytes if self.gemv_tensor is not None else self.nbytes
         advise_huge_pages(self.address, self.tensor.nbytes if self.blocked else gemv_bytes, collapse=True)
-        if self.gemv_tensor is not None:
-            self.nbytes += self.gemv_tensor.nbytes
         self._weight_ptr = self.address if self.gemv is not None else None
         self.handle = next(_handles)
         _packed_by_handle[self.handle] = self
