@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
-from test_linear import onednn_blocks_by_64
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.kernels import decoder_kernels
 from torch_shift.models import native_decoder
 from torch_shift.models.fused import ROW_ARGMAX, argmax_list
-from torch_shift.models.linear import PackedWeight, blocked_layout, packing_supported
+from torch_shift.models.linear import PackedWeight, packing_supported
 from torch_shift.models.native_decoder import MAX_TOKENS, NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 from torch_shift.parallel import shared_kv
 from torch_shift.parallel.shift import ShiftModule
 
-# shapes whose every weight the GEMV reads (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2 KV heads
+# shapes whose every weight the GEMV reads in oneDNN's packing (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2
+# KV heads
 SHAPES = dict(hidden_size=128, intermediate_size=352, head_dim=16)
 # and a vocabulary and MLP of no whole blocks ("llama_odd"), which oneDNN pads: the GEMV reads copies of its own
 ODD_SHAPES = dict(SHAPES, intermediate_size=344, vocab_size=500)
@@ -37,11 +37,6 @@ DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if packing_supported(torc
 pytestmark = [
     pytest.mark.skipif(decoder_kernels() is None, reason="the C++ decoder does not run here (no compiler, no AVX2, "
                        "or a torch without its vectorised exp)"),
-    # the tests' float32 weights (inputs 128 and 352) in the GEMV's blocks: torch 2.11's oneDNN transposes them whole
-    pytest.mark.skipif(decoder_kernels() is not None and not blocked_layout(torch.float32)
-                       and not all(onednn_blocks_by_64(128, k) for k in (128, 352)),
-                       reason="this torch's oneDNN packs the tests' float32 weights in a layout the GEMV leaves to "
-                       "oneDNN's matmul, and the C++ decoder does not run on them"),
 ]
 
 
