@@ -391,14 +391,14 @@ def test_the_operators_compile_for_avx2_cpus(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("blocked", [False, True])
-def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked, monkeypatch):
+@pytest.mark.parametrize("blocked,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked, dtype, monkeypatch):
     """fused.gate_up_silu runs a packed float32 projection's rows in chunks (GATE_UP_CHUNK_BYTES): the bits of the
     whole projection followed by `silu(gate) * up`, eagerly and through its C++ operator (what a compiled forward
-    runs), in oneDNN's layout and in the AVX2 kernel's blocks; no chunk is a GEMV's few rows."""
-    dtype = torch.float32
+    runs), in oneDNN's layout and in the AVX2 kernel's blocks; no chunk is a GEMV's few rows. bfloat16 packed for AMX
+    is chunked too (its rows round by the matmul's row count): the bits of each chunk's projection and activation."""
     from torch_shift.kernels import cpu_ops
-    from torch_shift.models.linear import GEMV_MAX_ROWS, Linear, PackedWeight
+    from torch_shift.models.linear import AMX_BF16_CODE, GEMV_MAX_ROWS, Linear, PackedWeight, packing_supported
 
     g = torch.Generator().manual_seed(9)
     # K = 1024: oneDNN sums each row in two runs of k-steps; chunks of at least chunk_rows / 2 > GEMV_MAX_ROWS
@@ -407,10 +407,14 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     with torch.no_grad():
         proj.weight.copy_(torch.randn(proj.weight.shape, generator=g) * 0.1)
     proj = proj.to(dtype)
+    if not packing_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"{dtype} is not packed here")
     try:
         proj.packed = PackedWeight(proj.weight.detach(), blocked=blocked)
     except ValueError as e:
         pytest.skip(str(e))
+    if dtype == torch.bfloat16 and (proj.packed.blocked or proj.packed.gemv_code != AMX_BF16_CODE):
+        pytest.skip("bfloat16 is chunked where oneDNN packs it for AMX")
     monkeypatch.setattr(fused, "GATE_UP_CHUNK_BYTES", chunk_rows * 2 * intermediate * proj.weight.element_size())
     native = cpu_ops() and fused.register_native_operators()
     assert not native or torch._C._dispatch_has_kernel_for_dispatch_key("torch_shift::cpu_gate_up_silu", "CPU")
@@ -418,6 +422,10 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     for tokens in (1, 16, 17, 65, 256, 257, 300, 512):
         x = torch.randn(tokens, hidden, generator=g).to(dtype)
         whole = fused.silu_mul(proj(x))
+        if dtype == torch.bfloat16:  # chunks of equal rows (or one more)
+            count = -(-tokens // chunk_rows)
+            sizes = [tokens // count + (i < tokens % count) for i in range(count)]
+            whole = torch.cat([fused.silu_mul(proj(part)) for part in x.split(sizes)])
         assert torch.equal(fused.gate_up_silu(proj, x), whole), tokens
         if native:
             assert torch.equal(torch.ops.torch_shift.cpu_gate_up_silu(x, proj.packed.handle, 2 * intermediate,

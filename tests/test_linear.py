@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from torch_shift.kernels import compiler, cpu_kernels, gemv_on_tile_unit
 from torch_shift.models.linear import (
-    _AMX_BF16_CODE,
+    AMX_BF16_CODE,
     AMX_DOT_GEMV_MAX_ROWS,
     BLOCKED_GEMV_ROWS,
     GEMV_MAX_ROWS,
@@ -102,7 +102,7 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_fe
     packed = PackedWeight(weight, blocked)
     # the GEMV's rows (fewer in bf16 packed for AMX where the tile unit cannot run: larger batches run oneDNN's matmul,
     # rounding its own way)
-    dots_on_amx = packed.gemv_code == _AMX_BF16_CODE and packed.gemv_max_rows == AMX_DOT_GEMV_MAX_ROWS
+    dots_on_amx = packed.gemv_code == AMX_BF16_CODE and packed.gemv_max_rows == AMX_DOT_GEMV_MAX_ROWS
     max_rows = AMX_DOT_GEMV_MAX_ROWS if dots_on_amx else GEMV_MAX_ROWS
     x = torch.randn(max_rows, 2 * in_features).to(dtype)[:, :in_features]  # strided rows
     for b in (None, bias):
@@ -150,7 +150,7 @@ def test_bf16_gemv_on_the_tile_unit_against_the_dot_products(shape):
     weight = torch.randn(shape).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
     packed = PackedWeight(weight, blocked=False)
-    if packed.gemv_code != _AMX_BF16_CODE:
+    if packed.gemv_code != AMX_BF16_CODE:
         pytest.skip("oneDNN did not pack bfloat16 in its AMX layout")
     assert packed.gemv_max_rows == GEMV_MAX_ROWS
     x = torch.randn(70, in_features).to(torch.bfloat16)

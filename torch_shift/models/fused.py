@@ -42,7 +42,7 @@ from torch_shift.kernels import (
     decoder_kernels,
     register_native_elementwise,
 )
-from torch_shift.models.linear import GEMV_MAX_ROWS, PackedWeight, packed_weight
+from torch_shift.models.linear import AMX_BF16_CODE, GEMV_MAX_ROWS, PackedWeight, packed_weight
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _SPLIT_ROW = 32768  # PyTorch's grain size: a single row this long is summed in parts over threads
@@ -215,20 +215,27 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 # Rows of a packed float32 gate/up projection computed and activated at a time: about 8 MiB of projection, still in
 # the caches when `silu(gate) * up` reads it. A step's whole projection went to memory and back, and above 32 MiB
 # (glibc maps such blocks afresh for every call) its pages were faulted in on every layer: 6-10% of the CPU time of a
-# float32 prefill in 2048-token steps of the 106M model (docs/performance.md, issue 20).
+# float32 prefill in 2048-token steps of the 106M model (docs/performance.md, issue 20). bfloat16 packed for AMX too:
+# oneDNN's AMX matmul of Qwen2.5-0.5B's gate/up (896 -> 9,728) ran at 1,200-1,450 GFLOP/s from about 1,900 rows on and
+# at 2,000-2,800 up to 1,536; in 431-row chunks a 2,000-token prefill took 1.3x less time and the 64-request batch
+# 1.2x (an AMX Xeon, 2 threads; docs/performance.md).
 GATE_UP_CHUNK_BYTES = 8 << 20
 
 
 def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` of a fused gate/up projection of x [..., hidden]: a packed float32 one on the CPU in chunks
-    of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque `torch_shift::cpu_gate_up_silu`; eager and
-    compiled steps chunk alike. The bits of the whole projection where a float32 row's sums do not depend on how many
-    rows oneDNN multiplies at once and PyTorch's SiLU splits the chunks' elements over its threads on vector
-    boundaries, as on the machines measured (two threads; tests/test_fused.py); where it splits a row elsewhere the
-    split's last elements take its scalar exp, as they already do in steps of other sizes. bfloat16 rows on AMX do
-    depend on the row count (a 128 x 1024 weight: 100 rows at once round otherwise than 300): those stay whole."""
+    """`silu(gate) * up` of a fused gate/up projection of x [..., hidden]: a packed float32 one on the CPU, or a
+    bfloat16 one packed for AMX, in chunks of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque
+    `torch_shift::cpu_gate_up_silu`; eager and compiled steps chunk alike. In float32, the bits of the whole
+    projection where a row's sums do not depend on how many rows oneDNN multiplies at once and PyTorch's SiLU splits
+    the chunks' elements over its threads on vector boundaries, as on the machines measured (two threads;
+    tests/test_fused.py); where it splits a row elsewhere the split's last elements take its scalar exp, as they already
+    do in steps of other sizes. bfloat16 rows on AMX depend on the row count of oneDNN's matmul (a 128 x 1024 weight:
+    100 rows at once round otherwise than 300) as they did on the step's. bfloat16 packed otherwise (AVX512-BF16
+    without AMX) stays whole: not measured."""
     packed = getattr(gate_up_proj, "packed", None)
-    if (packed is None or not x.is_cpu or x.dtype != torch.float32 or packed.dtype != torch.float32
+    if (packed is None or not x.is_cpu or x.dtype != packed.dtype
+            or not (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and packed.gemv_code == AMX_BF16_CODE
+                                                 and not packed.blocked))
             or getattr(gate_up_proj, "bias", None) is not None or getattr(gate_up_proj, "biases", None) is not None):
         return silu_mul(gate_up_proj(x))
     chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))

@@ -77,7 +77,7 @@ AMX_DOT_GEMV_MAX_ROWS = 5
 BLOCKED_GEMV_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
-_AMX_BF16_CODE = 4  # the GEMV kernel's code for bfloat16 in oneDNN's AMX layout (blocks of 32 features)
+AMX_BF16_CODE = 4  # the GEMV kernel's code for bfloat16 in oneDNN's AMX layout (blocks of 32 features)
 # torch_shift's own 16-feature blocks (kernels/cpu_linear.cpp's AVX2 kernel): each dtype's code in the operator's
 # registry and in ts_blocked_linear, the kernel's capability bit, the block's width
 _BLOCKED_CODES = {torch.float32: (3, 0), torch.bfloat16: (2, 1)}
@@ -147,7 +147,7 @@ class PackedWeight:
         from torch_shift.kernels import gemv_on_tile_unit
 
         self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
-                              else GEMV_MAX_ROWS if self.gemv_code != _AMX_BF16_CODE
+                              else GEMV_MAX_ROWS if self.gemv_code != AMX_BF16_CODE
                               or (gemv_on_tile_unit() and self.in_features % 32 == 0)
                               else AMX_DOT_GEMV_MAX_ROWS)
         # a decode step streams every weight once: the GEMV kernel reads 1.05-1.2x faster from huge pages
@@ -279,8 +279,8 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
         read = buffer.view(-1, in_features, _GEMV_BLOCK).transpose(1, 2)
         return (kernels, code) if torch.equal(read.reshape(whole.shape), whole) else None
     # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2;
-    # 64 on AVX-512 CPUs, 32 where oneDNN packs for AMX (the kernel's code _AMX_BF16_CODE)
-    for width, layout_code in ((_GEMV_BLOCK, code), (_GEMV_BLOCK // 2, _AMX_BF16_CODE)):
+    # 64 on AVX-512 CPUs, 32 where oneDNN packs for AMX (the kernel's code AMX_BF16_CODE)
+    for width, layout_code in ((_GEMV_BLOCK, code), (_GEMV_BLOCK // 2, AMX_BF16_CODE)):
         read = buffer.view(-1, in_features // 2, width, 2).permute(0, 2, 1, 3)
         if torch.equal(read.reshape(whole.shape), whole):
             return kernels, layout_code
@@ -316,7 +316,7 @@ def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
     whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
     if weight.dtype == torch.float32:
         return whole.view(-1, _GEMV_BLOCK, in_features).transpose(1, 2).contiguous()
-    width = _GEMV_BLOCK // 2 if code == _AMX_BF16_CODE else _GEMV_BLOCK
+    width = _GEMV_BLOCK // 2 if code == AMX_BF16_CODE else _GEMV_BLOCK
     return whole.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
