@@ -269,20 +269,14 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
     kernels = cpu_kernels()
     if kernels is None or not kernels.packed_gemv_dtypes & bit:
         return None
-    whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
-    nbytes = whole.nbytes
+    nbytes = -(-out_features // _GEMV_BLOCK) * _GEMV_BLOCK * in_features * weight.element_size()
     if out_features % _GEMV_BLOCK and _allocated_bytes(packed) < nbytes:  # oneDNN padded less than the kernel reads
         return None
     raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
     buffer = torch.frombuffer(raw, dtype=weight.dtype)
-    if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
-        read = buffer.view(-1, in_features, _GEMV_BLOCK).transpose(1, 2)
-        return (kernels, code) if torch.equal(read.reshape(whole.shape), whole) else None
-    # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2;
-    # 64 on AVX-512 CPUs, 32 where oneDNN packs for AMX (the kernel's code AMX_BF16_CODE)
-    for width, layout_code in ((_GEMV_BLOCK, code), (_GEMV_BLOCK // 2, AMX_BF16_CODE)):
-        read = buffer.view(-1, in_features // 2, width, 2).permute(0, 2, 1, 3)
-        if torch.equal(read.reshape(whole.shape), whole):
+    # bfloat16 in blocks of 64 features on AVX-512 CPUs, of 32 where oneDNN packs for AMX (the kernel's AMX_BF16_CODE)
+    for layout_code in (code,) if weight.dtype == torch.float32 else (code, AMX_BF16_CODE):
+        if torch.equal(buffer, _gemv_copy(weight, layout_code).view(-1)):
             return kernels, layout_code
     return None
 
@@ -310,12 +304,14 @@ def _gemv_layout(dtype: torch.dtype):
 
 
 def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
-    """`weight` in the GEMV's layout `code` (the formulas in _gemv_kernel), its features padded with zeros to whole
-    blocks of 64: for a shape whose oneDNN packing the kernel cannot read (K padded, or too few features padded)."""
+    """`weight` in the GEMV's layout `code`, its features padded with zeros to whole blocks of 64: what _gemv_kernel
+    finds oneDNN's packing to be, and the copy for a shape whose oneDNN packing the kernel cannot read (K padded, or
+    too few features padded)."""
     out_features, in_features = weight.shape
     whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
-    if weight.dtype == torch.float32:
+    if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
         return whole.view(-1, _GEMV_BLOCK, in_features).transpose(1, 2).contiguous()
+    # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2
     width = _GEMV_BLOCK // 2 if code == AMX_BF16_CODE else _GEMV_BLOCK
     return whole.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
