@@ -27,8 +27,8 @@ from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 from torch_shift.parallel import shared_kv
 from torch_shift.parallel.shift import ShiftModule
 
-# shapes whose every weight the GEMV reads in oneDNN's packing (whole blocks of 64 outputs): hidden 128, 8 heads of 16, 2
-# KV heads
+# shapes whose every weight the GEMV reads in oneDNN's packing (whole blocks of 64 outputs): hidden 128, 8 heads of 16,
+# 2 KV heads
 SHAPES = dict(hidden_size=128, intermediate_size=352, head_dim=16)
 # and a vocabulary and MLP of no whole blocks ("llama_odd"), which oneDNN pads: the GEMV reads copies of its own
 ODD_SHAPES = dict(SHAPES, intermediate_size=344, vocab_size=500)
@@ -434,7 +434,8 @@ def test_a_draft_models_forwards_run_it(families, counted):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
     """Generations long enough for the GEMV's decode pool to arm (after 8 small steps): the C++ decoder's matmuls
-    run on the pool's threads, its logprobs stay the eager forward's."""
+    run on the pool's threads, its logprobs stay the eager forward's. (Synchronous scheduling: with asynchronous
+    scheduling the C++ decoder's steps run on its own thread, as the pool's caller, launched or waited for.)"""
     from torch_shift.engine.decode_pool import SMALL_STEPS_BEFORE_POOL
     from torch_shift.kernels import gemv_pool_workers
 
@@ -443,7 +444,7 @@ def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [30, 7, 12], seed=5)]
     results = []
     for native in (False, True):
-        llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0)
+        llm = LLM(str(model_dir), dtype=dtype, native_decode=native, compile=False, seed=0, async_scheduling=False)
         runner = llm.engine.worker.runner
         runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
         armed = []
@@ -513,8 +514,9 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, lau
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 def test_launched_steps_beside_speculative_decoding(families, launches):
     """With speculative decoding (on by default here too) the steps after which nothing is proposed are launched on
-    the decoder's thread, their input ids read there; a step that checks proposals runs on the engine's thread.
-    Greedy and seeded sampled requests: the tokens of the synchronous engine without speculation."""
+    the decoder's thread, their input ids read there; a step that checks proposals is launched there too, with
+    nothing in flight, and waited for. Greedy and seeded sampled requests: the tokens of the synchronous engine
+    without speculation."""
     _, model_dir = families("llama")
     base = random_prompts(3, [5, 9, 3], seed=8)
     prompts = [{"prompt_token_ids": p} for p in [base[0] * 4, random_prompts(1, [20], seed=9)[0], base[1] * 3,
@@ -527,12 +529,17 @@ def test_launched_steps_beside_speculative_decoding(families, launches):
     reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix"})
     assert llm.engine.config.scheduler.async_scheduling and llm.engine.worker.runner.launch_steps
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    runner = llm.engine.worker.runner
+    runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    checks, launch = [], runner._launch  # (whether a launched step checks proposals, whether nothing was in flight)
+    runner._launch = lambda plan, previous, draws: checks.append(
+        (plan.groups[0].num_spec is not None, previous is None)) or launch(plan, previous, draws)
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert sum(launches) > 0  # greedy steps ran ahead, their input ids read on the decoder's thread
     outputs += llm.generate(prompts, sampled, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["spec_decode"]["num_drafts"] > 0
+    assert any(check for check, _ in checks) and all(alone for check, alone in checks if check)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

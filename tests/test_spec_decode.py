@@ -750,9 +750,10 @@ def test_steps_run_ahead_through_the_ends_of_waits_where_no_check_pays(llama):
         (bool(options.get("launch")), core.in_flight is not None)) or executor(plan, *tokens, **options)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    # the prompts' step waits for its tokens (the proposals of new requests follow it), the next one starts the run
-    # ahead; then 68 steps launched behind the one in flight, the ends of waits (every 16 steps) included
-    assert launches[:2] == [(False, False), (True, False)] and launches[2:] == [(True, True)] * 68
+    # the prompts' step waits for its tokens (the proposals of new requests follow it: launched, and waited for),
+    # the next one starts the run ahead; then 68 steps launched behind the one in flight, the ends of waits (every
+    # 16 steps) included
+    assert launches[:2] == [(True, False), (True, False)] and launches[2:] == [(True, True)] * 68
 
 
 def test_a_finish_and_an_arrival_in_one_step_that_ran_ahead(llama):

@@ -257,9 +257,11 @@ class ModelRunner:
         """Launch the step on the C++ decoder's thread. Input ids that the step launched before it sampled (still
         running) are read by that thread when the step starts."""
         (group,) = plan.groups
-        # a check's proposed tokens are written where `prepare` reads them by _run_groups_here alone (launched, a
-        # check read stale ids: seeded tokens changed, docs/performance.md)
-        assert group.num_spec is None, "a step that checks proposals is not launched"
+        # a check is launched with nothing in flight (it follows its proposals, made from tokens on the host), and
+        # waited for; its proposed tokens written where `prepare` reads the step's ids (unwritten, a launched check
+        # read stale ids: seeded tokens changed, docs/performance.md)
+        assert group.num_spec is None or previous_tokens is None, "a check is not launched behind another step"
+        self.batch.write_spec_tokens(group, 0)
         layout = self.deployment[group.layout]
         kv, _ = self.pool_view(group.layout)
         host = self.batch.prepare(group, 0, layout.kv_width)
