@@ -79,6 +79,20 @@ inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 // 36 / 28 against 51 / 49 / 50. 2, 8 and 16 KiB measured too (16 KiB: the first bf16 shape's 4 rows faster, 34 GB/s,
 // the second's slower, 44).
 constexpr int64_t kStreamAheadBytes = 4096;
+// A block run as one group of rows (up to kMaxOneGroup) also requests every line of its stream this far ahead into L2
+// (prefetcht2), on Intel CPUs: the stream's rate fell from 28 GB/s at one row to 19 at eight, with fewer of its lines
+// in flight the longer each k-step computes. bench/ab_cpu_linear.py --kernel packed (8 layers of the 106M model's
+// linears, 2 threads of an AMX Xeon), float32 at 1 / 2 / 3 / 4 / 6 / 8 / 9 rows: 1.02-1.04 / 1.02-1.04 / 1.13 /
+// 1.22-1.25 / 1.43 / 1.26-1.34 / 1.32x; two of the four lines, 0.98-1.00x; 32-128 KiB ahead alike; prefetchnta 0.4x.
+// bfloat16's dot products (AMX off): 1.03 / 1.09 / 1.15 / 1.06x at 1 / 2 / 4 / 8 rows. Not for blocks of several
+// groups, which request the next block already (16 rows with the weights in L3: 0.80x), nor on the tile unit
+// (1.02-1.04x, in the spread). AMD CPUs: not measured, kept as they were.
+constexpr int64_t kL2AheadBytes = 65536;
+bool intel_cpu() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+}
+const bool far_ahead_prefetch = intel_cpu();
 
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
@@ -86,7 +100,7 @@ struct F32Rows {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* w, int64_t K,
                                                      const float* bias, float* out, int64_t out_stride,
                                                      int64_t begin, int64_t end, const char* prefetch = nullptr,
-                                                     int64_t prefetch_lines = 0) {
+                                                     int64_t prefetch_lines = 0, bool far_ahead = false) {
     const int64_t run_length = onednn_k_run(K);
     int64_t credit = 0;  // prefetch: k-steps' shares of lines not yet requested, in units of 1 / K line
     for (int64_t b = begin; b < end; ++b) {
@@ -104,6 +118,13 @@ struct F32Rows {
           const float* wk = wb + k * kBlock;
           _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes + 128, _MM_HINT_T0);
+          if (far_ahead) {
+            const char* far = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
+            _mm_prefetch(far, _MM_HINT_T2);
+            _mm_prefetch(far + 64, _MM_HINT_T2);
+            _mm_prefetch(far + 128, _MM_HINT_T2);
+            _mm_prefetch(far + 192, _MM_HINT_T2);
+          }
           const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
           const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
           for (int r = 0; r < R; ++r) {
@@ -137,7 +158,7 @@ template <int R, bool kHalves>
 struct Bf16Rows {
   __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
       const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
-      int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0) {
+      int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0, bool far_ahead = false) {
     constexpr int64_t kWidth = kHalves ? kBlock / 2 : kBlock;  // features a k-pair row of the stream holds
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* wb = w + b * kBlock * K;
@@ -150,6 +171,14 @@ struct Bf16Rows {
         const uint16_t* wk_high = wb_high + k * kWidth;
         _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(wk_high) + kStreamAheadBytes, _MM_HINT_T0);
+        if (far_ahead) {
+          const char* far = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
+          const char* far_high = reinterpret_cast<const char*>(wk_high) + kL2AheadBytes;
+          _mm_prefetch(far, _MM_HINT_T2);
+          _mm_prefetch(far + 64, _MM_HINT_T2);
+          _mm_prefetch(far_high, _MM_HINT_T2);
+          _mm_prefetch(far_high + 64, _MM_HINT_T2);
+        }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk_high), w3 = (__m512bh)_mm512_loadu_si512(wk_high + 32);
         for (int r = 0; r < R; ++r) {
@@ -288,21 +317,22 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
     // the groups after the first (which reads this block from memory) request the next block, a share each
     const char* pf = nullptr;
     int64_t pf_lines = 0;
+    const bool far = far_ahead_prefetch && groups == 1;
     if (next_block && g > 0) {
       const int64_t first = (g - 1) * next_lines / (groups - 1), last = g * next_lines / (groups - 1);
       pf = reinterpret_cast<const char*>(next_block) + first * 64;
       pf_lines = last - first;
     }
     switch (n) {
-      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 6: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 7: Rows<7>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      case 8: Rows<8>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
-      default: Rows<9>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines); break;
+      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 6: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 7: Rows<7>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 8: Rows<8>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      default: Rows<9>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
     }
     r0 += n;
   }
