@@ -799,7 +799,12 @@ bool claim_other(int t, int threads, int64_t* b) {
 
 void work(const Matmul& m, int t, int threads) {
   int64_t b, done = 0;
-  while (claim_own(t, &b) || claim_other(t, threads, &b)) {
+  const bool several_groups = row_groups(m.rows) > 1;  // its later groups request the next block (rows_of_block)
+  while (claim_own(t, &b)) {
+    m.block(b, several_groups);
+    ++done;
+  }
+  while (claim_other(t, threads, &b)) {
     m.block(b);
     ++done;
   }
