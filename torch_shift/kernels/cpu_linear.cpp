@@ -80,13 +80,13 @@ inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 // the second's slower, 44).
 constexpr int64_t kStreamAheadBytes = 4096;
 // A block run as one group of rows (up to kMaxOneGroup) also requests every line of its stream this far ahead into L2
-// (prefetcht2), on Intel CPUs: the stream's rate fell from 28 GB/s at one row to 19 at eight, with fewer of its lines
-// in flight the longer each k-step computes. bench/ab_cpu_linear.py --kernel packed (8 layers of the 106M model's
-// linears, 2 threads of an AMX Xeon), float32 at 1 / 2 / 3 / 4 / 6 / 8 / 9 rows: 1.02-1.04 / 1.02-1.04 / 1.13 /
-// 1.22-1.25 / 1.43 / 1.26-1.34 / 1.32x; two of the four lines, 0.98-1.00x; 32-128 KiB ahead alike; prefetchnta 0.4x.
+// (prefetcht2), on Intel CPUs: the stream's rate fell from 28 GB/s at one row to 19 at eight, the products' time adding
+// to the reads' instead of hiding under them. bench/ab_cpu_linear.py --kernel packed (8 layers of the 106M model's
+// linears, 2 threads of an AMX Xeon), float32 at 1 / 2 / 3 / 4 / 6 / 8 / 9 rows: 1.01-1.04 / 1.02-1.04 / 1.13 /
+// 1.18-1.23 / 1.43 / 1.26-1.34 / 1.32x; two of the four lines, 0.97-1.00x; 32-128 KiB ahead alike; prefetchnta 0.4x.
 // bfloat16's dot products (AMX off): 1.03 / 1.09 / 1.15 / 1.06x at 1 / 2 / 4 / 8 rows. Not for blocks of several
 // groups, which request the next block already (16 rows with the weights in L3: 0.80x), nor on the tile unit
-// (1.02-1.04x, in the spread). AMD CPUs: not measured, kept as they were.
+// (1.01-1.04x, in the spread). AMD CPUs: not measured, kept as they were.
 constexpr int64_t kL2AheadBytes = 65536;
 bool intel_cpu() {
   __builtin_cpu_init();
