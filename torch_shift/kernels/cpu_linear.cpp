@@ -35,10 +35,12 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <array>
 #include <mutex>
 #include <new>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -52,8 +54,9 @@ constexpr int kMaxRows = 6;  // 6 x 4 accumulators, 4 weight vectors and x: 29 o
 // less than a second group's read of each block again (from L2, its dot products not overlapping the first group's
 // stream from memory). 8 layers of the 106M model's linears on 2 Zen 4 cores, one group against groups of up to 6
 // (bench/ab_cpu_linear.py --kernel packed): 7-9 rows 1.11-1.19x in bfloat16 and 1.36-1.54x in float32; 10 rows in
-// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again. (The
-// AVX2 kernel's 16 registers spill too much for this: 7-9 rows in one group ran 0.62-0.71x there.)
+// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again (on
+// Intel CPUs float32's 10-17 rows run in half blocks instead: F32HalfBlock). (The AVX2 kernel's 16 registers spill too
+// much for this: 7-9 rows in one group ran 0.62-0.71x there.)
 constexpr int kMaxOneGroup = 9;
 
 inline int64_t row_groups(int64_t rows) { return rows <= kMaxOneGroup ? 1 : (rows + kMaxRows - 1) / kMaxRows; }
@@ -92,7 +95,7 @@ bool intel_cpu() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
 }
-const bool far_ahead_prefetch = intel_cpu();
+const bool on_intel = intel_cpu();  // what was measured there only: these requests, F32HalfBlock
 
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
@@ -148,6 +151,68 @@ struct F32Rows {
     }
   }
 };
+
+// R rows of x against half a block (its vectors v0 and v0 + 1 of 16 features: 128 bytes of each k-step's 256) in one
+// pass; f32_block_in_halves runs 10-17 rows so, the block in two halves. With two accumulators a row the rows stay in
+// registers (a few spill from 15 on), and each half's lines stream from memory once, requested ahead as one group's
+// are, where groups of up to 6 rows read the block again from L2 while memory waits. bench/ab_cpu_linear.py --kernel
+// packed (as above) at 10 / 12 / 14 / 15 / 16 / 17 rows: 1.13 / 1.10-1.13 / 1.15-1.17 / 1.10 / 1.08 / 1.07x; with the
+// weights in L3 1.05 / 1.05 / 0.91 at 10 / 12 / 14 and 0.82-0.83 at 16-17 (a group's broadcast of x feeds four
+// products, a half's two). 18 rows 0.71x (spills); a quarter block of one vector at 15-28 rows 0.44-0.84x (one product a
+// broadcast). On Intel CPUs (on_intel). Each output the same chain of FMAs as F32Rows'.
+template <int R>
+struct F32HalfBlock {
+  __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* wb, int64_t K,
+                                                     const float* bias, float* out, int64_t out_stride, int64_t n,
+                                                     int v0) {
+    const int64_t run_length = onednn_k_run(K);
+    __m512 acc[R][2];
+    for (int64_t k0 = 0; k0 < K; k0 += run_length) {
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      const int64_t k1 = std::min(K, k0 + run_length);
+      for (int64_t k = k0; k < k1; ++k) {
+        const float* wk = wb + k * kBlock + 16 * v0;
+        const char* lines = reinterpret_cast<const char*>(wk);
+        _mm_prefetch(lines + kStreamAheadBytes, _MM_HINT_T0);
+        _mm_prefetch(lines + kStreamAheadBytes + 64, _MM_HINT_T0);
+        _mm_prefetch(lines + kL2AheadBytes, _MM_HINT_T2);
+        _mm_prefetch(lines + kL2AheadBytes + 64, _MM_HINT_T2);
+        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+          acc[r][0] = _mm512_fmadd_ps(w0, xv, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
+        }
+      }
+      const bool last = k1 == K;
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 2; ++j) {
+          const int64_t f = n + 16 * (v0 + j);
+          float* o = out + r * out_stride + f;
+          __m512 y = k0 == 0 ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]);
+          if (last) y = _mm512_add_ps(y, load_bias_f32(bias, f));
+          _mm512_storeu_ps(o, y);
+        }
+    }
+  }
+};
+
+constexpr int kMaxHalfBlockRows = 17;
+using HalfBlockFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                             int);
+
+template <int... I>  // rows kMaxOneGroup + 1 + I
+constexpr std::array<HalfBlockFn, sizeof...(I)> half_block_fns(std::integer_sequence<int, I...>) {
+  return {&F32HalfBlock<kMaxOneGroup + 1 + I>::run...};
+}
+constexpr auto kHalfBlockFns = half_block_fns(std::make_integer_sequence<int, kMaxHalfBlockRows - kMaxOneGroup>());
+
+// rows (kMaxOneGroup, kMaxHalfBlockRows] of x against block b of a float32 weight, half by half
+void f32_block_in_halves(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t K, const float* bias,
+                         float* out, int64_t out_stride, int64_t b) {
+  const HalfBlockFn run = kHalfBlockFns[rows - kMaxOneGroup - 1];
+  for (int v0 = 0; v0 < 4; v0 += 2) run(x, x_stride, w + b * kBlock * K, K, bias, out, out_stride, b * kBlock, v0);
+}
 
 __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -308,6 +373,12 @@ TS_AMX_TARGET void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, 
 template <template <int> class Rows, typename T>
 void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K, const T* bias, T* out,
                    int64_t out_stride, int64_t b, const T* next_block = nullptr) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (on_intel && rows > kMaxOneGroup && rows <= kMaxHalfBlockRows) {
+      f32_block_in_halves(x, x_stride, rows, w, K, bias, out, out_stride, b);
+      return;
+    }
+  }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
@@ -317,7 +388,7 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
     // the groups after the first (which reads this block from memory) request the next block, a share each
     const char* pf = nullptr;
     int64_t pf_lines = 0;
-    const bool far = far_ahead_prefetch && groups == 1;
+    const bool far = on_intel && groups == 1;
     if (next_block && g > 0) {
       const int64_t first = (g - 1) * next_lines / (groups - 1), last = g * next_lines / (groups - 1);
       pf = reinterpret_cast<const char*>(next_block) + first * 64;
