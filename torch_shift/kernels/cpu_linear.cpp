@@ -97,6 +97,20 @@ bool intel_cpu() {
 }
 const bool on_intel = intel_cpu();  // what was measured there only: these requests, F32HalfBlock
 
+// A run of k-steps' sums (R rows of V vectors, features f0 on) into `out`: the first run's stored, a later one's added
+// to what the runs before it left (exact), the bias after the last; oneDNN's order (onednn_k_run)
+template <int R, int V>
+__attribute__((target("avx512f"))) inline void store_run(const __m512 (&acc)[R][V], float* out, int64_t out_stride,
+                                                          int64_t f0, const float* bias, bool first, bool last) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) {
+      float* o = out + r * out_stride + f0 + 16 * j;
+      __m512 y = first ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]);
+      if (last) y = _mm512_add_ps(y, load_bias_f32(bias, f0 + 16 * j));
+      _mm512_storeu_ps(o, y);
+    }
+}
+
 // R rows of x against the weight's blocks [begin, end); one struct per dtype, so that run_rows picks R.
 template <int R>
 struct F32Rows {
@@ -138,15 +152,7 @@ struct F32Rows {
             acc[r][3] = _mm512_fmadd_ps(w3, xv, acc[r][3]);
           }
         }
-        // the runs' sums wait in `out` (exact); the bias joins after the last
-        const bool last = k1 == K;
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < 4; ++j) {
-            float* o = out + r * out_stride + n + 16 * j;
-            __m512 y = k0 == 0 ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]);
-            if (last) y = _mm512_add_ps(y, load_bias_f32(bias, n + 16 * j));
-            _mm512_storeu_ps(o, y);
-          }
+        store_run(acc, out, out_stride, n, bias, k0 == 0, k1 == K);
       }
     }
   }
@@ -158,8 +164,8 @@ struct F32Rows {
 // are, where groups of up to 6 rows read the block again from L2 while memory waits. bench/ab_cpu_linear.py --kernel
 // packed (as above) at 10 / 12 / 14 / 15 / 16 / 17 rows: 1.13 / 1.10-1.13 / 1.15-1.17 / 1.10 / 1.08 / 1.07x; with the
 // weights in L3 1.05 / 1.05 / 0.91 at 10 / 12 / 14 and 0.82-0.83 at 16-17 (a group's broadcast of x feeds four
-// products, a half's two). 18 rows 0.71x (spills); a quarter block of one vector at 15-28 rows 0.44-0.84x (one product a
-// broadcast). On Intel CPUs (on_intel). Each output the same chain of FMAs as F32Rows'.
+// products, a half's two). 18 rows 0.71x (spills); a quarter block of one vector at 15-28 rows 0.44-0.84x (one product
+// a broadcast). On Intel CPUs (on_intel). Each output the same chain of FMAs as F32Rows', stored as theirs (store_run).
 template <int R>
 struct F32HalfBlock {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* wb, int64_t K,
@@ -184,15 +190,7 @@ struct F32HalfBlock {
           acc[r][1] = _mm512_fmadd_ps(w1, xv, acc[r][1]);
         }
       }
-      const bool last = k1 == K;
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 2; ++j) {
-          const int64_t f = n + 16 * (v0 + j);
-          float* o = out + r * out_stride + f;
-          __m512 y = k0 == 0 ? acc[r][j] : _mm512_add_ps(_mm512_loadu_ps(o), acc[r][j]);
-          if (last) y = _mm512_add_ps(y, load_bias_f32(bias, f));
-          _mm512_storeu_ps(o, y);
-        }
+      store_run(acc, out, out_stride, n + 16 * v0, bias, k0 == 0, k1 == K);
     }
   }
 };
@@ -381,6 +379,7 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
+  const bool far = on_intel && groups == 1;  // requests kL2AheadBytes ahead (several groups request the next block)
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
     const T* xr = x + r0 * x_stride;
@@ -388,7 +387,6 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
     // the groups after the first (which reads this block from memory) request the next block, a share each
     const char* pf = nullptr;
     int64_t pf_lines = 0;
-    const bool far = on_intel && groups == 1;
     if (next_block && g > 0) {
       const int64_t first = (g - 1) * next_lines / (groups - 1), last = g * next_lines / (groups - 1);
       pf = reinterpret_cast<const char*>(next_block) + first * 64;
