@@ -496,8 +496,17 @@ def sample_rows(x: torch.Tensor, draws: np.ndarray) -> torch.Tensor | None:
 
 
 # a logits tensor's attribute: each row's argmax (int64 numpy array), found by the code that made the logits (the C++
-# decoder, while they were in cache); a tensor made from it (a slice, a copy) has none
+# decoder, while they were in cache); a tensor made from it (a slice, a copy) has none, but for logits_rows' slices
 ROW_ARGMAX = "_torch_shift_row_argmax"
+
+
+def logits_rows(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """`logits[start:stop]`, with those rows' ROW_ARGMAX where `logits` has it."""
+    rows = logits[start:stop]
+    known = getattr(logits, ROW_ARGMAX, None)
+    if known is not None:
+        setattr(rows, ROW_ARGMAX, known[start:stop])
+    return rows
 
 
 def argmax_list(x: torch.Tensor) -> list[int]:
