@@ -203,6 +203,21 @@ def test_a_weight_packed_in_another_layout_keeps_onednn():
     assert _gemv_kernel(weight, weight) is None  # a dense tensor is not a packed one
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_weight_takes_the_layout_of_the_others(dtype):
+    """An all-zero weight reads alike in every layout the GEMV knows (bench_spec's widened down projections on a TP-2
+    rank); it takes the one the dtype's other weights have, so that the C++ decoder runs a model that has one."""
+    if not packing_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"no packed {dtype} here")
+    torch.manual_seed(4)
+    usual = PackedWeight(torch.randn(192, 1024).to(dtype))
+    zero = PackedWeight(torch.zeros(192, 1024, dtype=dtype))
+    assert (zero.gemv is None) == (usual.gemv is None)
+    assert zero.gemv_code == usual.gemv_code
+    x = torch.randn(3, 1024).to(dtype)
+    assert torch.equal(zero(x, None), torch.zeros(3, 192, dtype=dtype))
+
+
 @pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)
 def test_compiled_packed_linear_takes_both_paths(dtype, blocked):
     """Under torch.compile the custom op runs the same two paths: one row and many give the eager results."""

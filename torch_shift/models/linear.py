@@ -254,10 +254,11 @@ def _blocked_kernel(dtype: torch.dtype):
             _BLOCKED_CODES[dtype][1])
 
 
-def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
+def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor, probe: bool = False):
     """(kernels, dtype code) where the GEMV kernel can read `packed`: this CPU runs it for the dtype, and every
     element of `weight` sits where the kernel's layout formula says, its features padded with zeros to whole blocks
-    of 64 (the kernel reads whole blocks and stores the first N outputs) and its K not padded; else None."""
+    of 64 (the kernel reads whole blocks and stores the first N outputs) and its K not padded; else None. `probe`:
+    `weight` finds the layout oneDNN packs the dtype in (_gemv_layout)."""
     from torch_shift.kernels import cpu_kernels
 
     if weight.dtype not in _GEMV_DTYPES or packed.layout != torch._mkldnn:
@@ -274,8 +275,15 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor):
         return None
     raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
     buffer = torch.frombuffer(raw, dtype=weight.dtype)
-    # bfloat16 in blocks of 64 features on AVX-512 CPUs, of 32 where oneDNN packs for AMX (the kernel's AMX_BF16_CODE)
-    for layout_code in (code,) if weight.dtype == torch.float32 else (code, AMX_BF16_CODE):
+    # bfloat16 in blocks of 64 features on AVX-512 CPUs, of 32 where oneDNN packs for AMX (the kernel's AMX_BF16_CODE).
+    # A weight that reads alike in both (all zeros: bench_spec's widened down projections on a TP-2 rank) takes the
+    # layout of the dtype's other weights, as the C++ decoder runs a model whose weights share one layout (rank 1 of
+    # that model had run its steps in Python, rank 0 in C++)
+    codes = (code,) if weight.dtype == torch.float32 else (code, AMX_BF16_CODE)
+    usual = None if probe or len(codes) == 1 else _gemv_layout(weight.dtype)
+    if usual is not None:
+        codes = (usual[1], *(c for c in codes if c != usual[1]))
+    for layout_code in codes:
         if torch.equal(buffer, _gemv_copy(weight, layout_code).view(-1)):
             return kernels, layout_code
     return None
@@ -300,7 +308,7 @@ def _gemv_layout(dtype: torch.dtype):
     if dtype == torch.float32:
         return kernels, code
     probe = torch.randn(_GEMV_BLOCK, 4 * _GEMV_BLOCK, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None))
+    return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None), probe=True)
 
 
 def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
