@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
 
 from torch_shift import LLM, SamplingParams
@@ -25,6 +26,7 @@ from torch_shift.models.linear import PackedWeight, packing_supported
 from torch_shift.models.native_decoder import MAX_TOKENS, NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 from torch_shift.parallel import shared_kv
+from torch_shift.parallel.layers import ShardDecoder
 from torch_shift.parallel.shift import ShiftModule
 
 # shapes whose every weight the GEMV reads in oneDNN's packing (whole blocks of 64 outputs): hidden 128, 8 heads of 16,
@@ -253,6 +255,20 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
     got = _generate(model_dir, torch.float32, native=True, ledger=ledgers[1], **engine_args)
     assert got == expected and any(sharded)
     assert ledgers[1] == ledgers[0]  # the decoder's all-reduces counted as the forward's
+
+
+def test_a_rank_without_the_decoder_is_warned_about(tmp_path, monkeypatch):
+    """A TP-2 rank whose shard the decoder refuses (rank 1's here, made to) runs its steps in Python beside rank 0's
+    C++ ones: the same tokens and logprobs, and a warning on rank 0 that names each rank's decoders."""
+    model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, vocab_size=512), tmp_path / "llama")
+    engine_args = dict(tp=2, max_num_batched_tokens=MAX_TOKENS)
+    expected = _generate(model_dir, torch.float32, native=False, **engine_args)
+    build = ShardDecoder.build
+    monkeypatch.setattr(ShardDecoder, "build", lambda model: None if dist.get_rank() == 1 else build(model))
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ decoder runs \(\{0: \['base'\], 1: \[\]\}"):
+        got = _generate(model_dir, torch.float32, native=True, **engine_args)
+    assert got == expected
 
 
 # shards the GEMV reads whole (q/k/v 128 rows a TP rank), and at SP-2 x TP-2 one KV head a TP rank, repeated for its

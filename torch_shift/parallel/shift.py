@@ -11,6 +11,7 @@ paper's choice).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -371,7 +372,22 @@ class ShiftModule(LayoutCounters, nn.Module):
                 decoder = ShardDecoder.build(model)
             if decoder is not None:
                 self.native_decoders[which] = decoder
+        if self.groups.world_size > 1:
+            self._warn_where_ranks_differ()
         return bool(self.native_decoders)
+
+    def _warn_where_ranks_differ(self) -> None:
+        """Warned on the replica's first rank: a rank whose shard the C++ decoder refuses runs its steps in Python
+        while its peers, in C++, wait for it. The outputs are the same bits, so nothing else shows it (a bfloat16
+        weight of zeros once took another layout on one TP-2 rank: its steps 1.4x as long)."""
+        group = self.groups.shift_group
+        built: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(built, sorted(self.native_decoders), group=group)
+        if dist.get_rank(group) == 0 and any(layouts != built[0] for layouts in built):
+            by_rank = {dist.get_global_rank(group, index): layouts for index, layouts in enumerate(built)}
+            warnings.warn(f"a replica's ranks differ in the layouts whose steps the C++ decoder runs ({by_rank}, by "
+                          "rank): a rank without it runs those steps in Python, and its peers wait for it",
+                          RuntimeWarning, stacklevel=2)
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
