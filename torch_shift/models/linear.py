@@ -254,10 +254,10 @@ def _blocked_kernel(dtype: torch.dtype):
             _BLOCKED_CODES[dtype][1])
 
 
-def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor, probe: bool = False):
+def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor, probing: bool = False):
     """(kernels, dtype code) where the GEMV kernel can read `packed`: this CPU runs it for the dtype, and every
     element of `weight` sits where the kernel's layout formula says, its features padded with zeros to whole blocks
-    of 64 (the kernel reads whole blocks and stores the first N outputs) and its K not padded; else None. `probe`:
+    of 64 (the kernel reads whole blocks and stores the first N outputs) and its K not padded; else None. `probing`:
     `weight` finds the layout oneDNN packs the dtype in (_gemv_layout)."""
     from torch_shift.kernels import cpu_kernels
 
@@ -280,7 +280,7 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor, probe: bool = False
     # layout of the dtype's other weights, as the C++ decoder runs a model whose weights share one layout (rank 1 of
     # that model had run its steps in Python, rank 0 in C++)
     codes = (code,) if weight.dtype == torch.float32 else (code, AMX_BF16_CODE)
-    usual = None if probe or len(codes) == 1 else _gemv_layout(weight.dtype)
+    usual = None if probing or len(codes) == 1 else _gemv_layout(weight.dtype)
     if usual is not None:
         codes = (usual[1], *(c for c in codes if c != usual[1]))
     for layout_code in codes:
@@ -308,7 +308,7 @@ def _gemv_layout(dtype: torch.dtype):
     if dtype == torch.float32:
         return kernels, code
     probe = torch.randn(_GEMV_BLOCK, 4 * _GEMV_BLOCK, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None), probe=True)
+    return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None), probing=True)
 
 
 def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
