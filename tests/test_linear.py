@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_shift.kernels import compiler, cpu_kernels, gemv_on_tile_unit
+from torch_shift.models import linear
 from torch_shift.models.linear import (
     AMX_BF16_CODE,
     AMX_DOT_GEMV_MAX_ROWS,
@@ -216,6 +217,14 @@ def test_a_zero_weight_takes_the_layout_of_the_others(dtype):
     assert zero.gemv_code == usual.gemv_code
     x = torch.randn(3, 1024).to(dtype)
     assert torch.equal(zero(x, None), torch.zeros(3, 192, dtype=dtype))
+
+
+@pytest.mark.skipif(not gemv_expected(torch.bfloat16), reason="no bfloat16 GEMV here")
+@pytest.mark.parametrize("usual", [1, AMX_BF16_CODE])
+def test_a_bf16_weight_that_reads_alike_in_both_layouts_takes_the_usual_one(usual, monkeypatch):
+    """As above on any CPU whose GEMV reads bfloat16, whichever layout oneDNN packs in: made each in turn."""
+    monkeypatch.setattr(linear, "_gemv_layout", lambda dtype: (cpu_kernels(), usual))
+    assert PackedWeight(torch.zeros(192, 1024, dtype=torch.bfloat16)).gemv_code == usual
 
 
 @pytest.mark.parametrize("dtype,blocked", VARIANTS, ids=VARIANT_IDS)

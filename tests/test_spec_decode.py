@@ -44,6 +44,7 @@ from torch_shift.engine.spec_decode.suffix import (
     best_draft,
 )
 from torch_shift.kernels import cpu_kernels
+from torch_shift.models.fused import ROW_ARGMAX
 
 # -- options ------------------------------------------------------------------------------------------------
 
@@ -414,6 +415,29 @@ def test_checking_proposals_keeps_the_distribution():
         assert drawn[0] != 0 or len(drawn) == 2  # accepted: one more token drawn after it
     chi2 = sum((counts[t] - num * p) ** 2 / (num * p) for t, p in enumerate(probs.tolist()))
     assert chi2 < 16.27, (counts, chi2)
+
+
+def test_greedy_checks_read_the_argmax_rows_their_logits_carry():
+    """The C++ decoder's logits carry each row's argmax (ROW_ARGMAX): a greedy check reads its own rows of them (here
+    planted, unlike the logits' own argmax), and where the logits are wider than the vocabulary, whose argmax the rows
+    are not, the vocabulary's columns."""
+    processor = OutputProcessor(None, Sampler(6, seed=1), max_model_len=100)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+
+    def check(logits):
+        first, second = (Request(f"r{i}", [1, 2], params, max_tokens=10) for i in range(2))
+        entries = [ScheduledRequest(first, 3, 1, True, False, ([0],), (3, 4)),
+                   ScheduledRequest(second, 2, 1, True, False, ([0],), (5,))]
+        out = processor.sample([entries], [logits])
+        return out[first.request_id], out[second.request_id]
+
+    logits = torch.zeros(5, 6)
+    logits[:, 0] = 1.0  # every row's own argmax: 0
+    setattr(logits, ROW_ARGMAX, np.array([3, 4, 2, 1, 5]))
+    assert check(logits) == ([3, 4, 2], [1])  # each request's rows: both proposals kept, then the bonus; a rejection
+    wider = torch.cat([logits, torch.full((5, 2), 9.0)], dim=1)
+    setattr(wider, ROW_ARGMAX, np.array([7, 7, 7, 7, 7]))
+    assert check(wider) == ([0], [0])
 
 
 # -- the engine: token-identical with and without speculation ------------------------------------------------

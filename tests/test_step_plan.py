@@ -175,6 +175,7 @@ def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_repl
     (several for a request after accepted proposals) and each check's proposed tokens written all at once with numpy,
     then one row at a time."""
     monkeypatch.setattr(input_batch, "_FEW_TOKENS", few_tokens)
+    monkeypatch.setattr(input_batch, "_FEW_ROWS", few_tokens)
     counts = run(policy, num_replicas, seed=num_replicas + 10, speculate=True)
     assert counts["steps"] > 150 and counts["preempted"] > 0 and counts["accepted"] > 50 and counts["rejected"] > 50
 

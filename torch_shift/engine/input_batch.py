@@ -17,7 +17,8 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine.step_plan import GroupStep, ReplicaDelta
 from torch_shift.memory import to_device
 
-_FEW_TOKENS = 8  # a delta's tokens (or a check's rows) up to which they are written one at a time
+_FEW_TOKENS = 8  # a delta's tokens up to which `apply` writes them one at a time
+_FEW_ROWS = 8  # a check's rows up to which `write_spec_tokens` writes their proposed tokens one row at a time
 
 
 @dataclass
@@ -110,7 +111,7 @@ class InputBatch:
         input ids; not counted as known (the tokens accepted arrive later as ordinary token deltas, over them)."""
         if group.num_spec is None:
             return
-        if len(group.num_spec) <= _FEW_TOKENS:  # one row at a time, as `apply` writes few tokens
+        if len(group.num_spec) <= _FEW_ROWS:
             first = 0
             for row, n in zip(group.rows[member].tolist(), group.num_spec.tolist()):
                 if n:

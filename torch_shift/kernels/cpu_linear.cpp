@@ -874,7 +874,7 @@ bool claim_other(int t, int threads, int64_t* b) {
 
 void work(const Matmul& m, int t, int threads) {
   int64_t b, done = 0;
-  const bool several_groups = row_groups(m.rows) > 1;  // its later groups request the next block (rows_of_block)
+  const bool several_groups = row_groups(m.rows) > 1;  // its groups request the next block (rows_of_block)
   while (claim_own(t, &b)) {
     m.block(b, several_groups);
     ++done;

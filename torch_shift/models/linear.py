@@ -277,8 +277,7 @@ def _gemv_kernel(weight: torch.Tensor, packed: torch.Tensor, probing: bool = Fal
     buffer = torch.frombuffer(raw, dtype=weight.dtype)
     # bfloat16 in blocks of 64 features on AVX-512 CPUs, of 32 where oneDNN packs for AMX (the kernel's AMX_BF16_CODE).
     # A weight that reads alike in both (all zeros: bench_spec's widened down projections on a TP-2 rank) takes the
-    # layout of the dtype's other weights, as the C++ decoder runs a model whose weights share one layout (rank 1 of
-    # that model had run its steps in Python, rank 0 in C++)
+    # layout of the dtype's other weights, as the C++ decoder runs a model whose weights share one layout
     codes = (code,) if weight.dtype == torch.float32 else (code, AMX_BF16_CODE)
     usual = None if probing or len(codes) == 1 else _gemv_layout(weight.dtype)
     if usual is not None:

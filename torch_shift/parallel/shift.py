@@ -361,7 +361,8 @@ class ShiftModule(LayoutCounters, nn.Module):
         `prepare_weights`: it reads the packed weights. Batch-1 decode of the 106M model at TP-2, alternated with the
         compiled forward in one engine: 1.13x faster in float32, 1.27x in bfloat16; Shift's TP steps 1.07x; static
         SP-2's about 1.05x (0.95-1.14 over eight runs), most of its gain being the idle rank's waits asleep
-        (docs/performance.md)."""
+        (docs/performance.md). Every rank of the replica calls it: its ranks' decoders are gathered, to warn where
+        they differ."""
         self.native_decoders = {}
         for which, model in (("base", self.base), ("shift", self.shift)):
             if model is None:
@@ -387,7 +388,7 @@ class ShiftModule(LayoutCounters, nn.Module):
             by_rank = {dist.get_global_rank(group, index): layouts for index, layouts in enumerate(built)}
             warnings.warn(f"a replica's ranks differ in the layouts whose steps the C++ decoder runs ({by_rank}, by "
                           "rank): a rank without it runs those steps in Python, and its peers wait for it",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
