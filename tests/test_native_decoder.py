@@ -257,16 +257,20 @@ def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
     assert ledgers[1] == ledgers[0]  # the decoder's all-reduces counted as the forward's
 
 
-def test_a_rank_without_the_decoder_is_warned_about(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, policy="flying"), dict(pp=2, policy="seesaw")],
+                         ids=["tp2", "flying", "seesaw"])
+def test_a_rank_without_the_decoder_is_warned_about(tmp_path, layout, monkeypatch):
     """A TP-2 rank whose shard the decoder refuses (rank 1's here, made to) runs its steps in Python beside rank 0's
-    C++ ones: the same tokens and logprobs, and a warning on rank 0 that names each rank's decoders."""
+    C++ ones (static TP, Flying's TP group of two replicas, Seesaw's decode): the same tokens and logprobs, and a
+    warning on rank 0 that names each rank's decoders."""
     model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
                                                num_key_value_heads=4, vocab_size=512), tmp_path / "llama")
-    engine_args = dict(tp=2, max_num_batched_tokens=MAX_TOKENS)
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, **layout)
     expected = _generate(model_dir, torch.float32, native=False, **engine_args)
     build = ShardDecoder.build
     monkeypatch.setattr(ShardDecoder, "build", lambda model: None if dist.get_rank() == 1 else build(model))
-    with pytest.warns(RuntimeWarning, match=r"C\+\+ decoder runs \(\{0: \['base'\], 1: \[\]\}"):
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ decoder runs each layout's steps .*\(\{0: \{'[^']+': True\}, "
+                                            r"1: \{'[^']+': False\}\}, by rank\)"):
         got = _generate(model_dir, torch.float32, native=True, **engine_args)
     assert got == expected
 

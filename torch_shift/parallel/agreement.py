@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import hashlib
 import numbers
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import PurePath
@@ -116,6 +117,29 @@ def check_ranks_agree(fields: Mapping[str, Any], what: str, group: dist.ProcessG
     more = f"; and {len(lines) - 4} more" if len(lines) > 4 else ""
     raise ValueError(f"{what}: the ranks differ in {'; '.join(lines[:4])}{more}. Under torchrun every rank runs the "
                      "same program and makes this call with the same arguments")
+
+
+def warn_where_ranks_differ(values: Mapping[str, Any], what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `group` (None: the default group) calls this once with what it built under some names (a name
+    a rank lacks is not compared there); where the ranks that hold a name differ in its value, the group's first rank
+    warns with `what` and each rank's values of those names. For what ranks may differ in and still compute the
+    same bits, only slower: which steps the C++ decoder runs (a rank without it runs them in Python while its peers
+    wait for it; a bfloat16 weight of zeros once took another layout on one TP-2 rank: its steps 1.4x as long)."""
+    if group is None and not dist.is_initialized():  # one process
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    every: list[dict | None] = [None] * world
+    dist.all_gather_object(every, dict(values), group=group)
+    if dist.get_rank(group) != 0:
+        return
+    differ = sorted({name for held in every for name in held
+                     if len({repr(other[name]) for other in every if name in other}) > 1})
+    if differ:
+        ranks = [dist.get_global_rank(group, index) for index in range(world)] if group is not None else range(world)
+        by_rank = {rank: {name: held[name] for name in differ if name in held} for rank, held in zip(ranks, every)}
+        warnings.warn(f"{what}: the ranks differ ({by_rank}, by rank)", RuntimeWarning, stacklevel=3)
 
 
 def _line(label: str, ranks: list[int], values: list) -> str:

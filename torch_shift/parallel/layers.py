@@ -12,6 +12,7 @@ from torch_shift.models.linear import PackedWeight, linear
 from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
+from torch_shift.parallel.agreement import warn_where_ranks_differ
 from torch_shift.parallel.ulysses import UlyssesAttention
 
 
@@ -81,6 +82,20 @@ class VocabParallelLMHead(nn.Module):
         return logits[..., : self.vocab_size]
 
 
+def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group over which `model` is a tensor-parallel rank's shard (its o projection's), or None."""
+    return getattr(model.layers[0].attn.o_proj, "group", None)
+
+
+def warn_where_decoders_differ(built: dict[str, bool], group: dist.ProcessGroup | None) -> None:
+    """Every rank of `group` (None: nothing compared) says, once its decoders are built, whether each of its layouts'
+    steps runs in the C++ decoder; the group's first rank warns where the ranks differ (a rank without one runs those
+    steps in Python, with the same bits, while its peers wait for it: agreement.warn_where_ranks_differ)."""
+    if group is not None:
+        warn_where_ranks_differ(built, "whether the C++ decoder runs each layout's steps (a rank without it runs them "
+                                "in Python, and its peers wait for it)", group)
+
+
 class ShardDecoder:
     """A tensor-parallel rank's shard of a dense model (RowParallelLinear o and down projections, an LM head whole or
     VocabParallelLMHead) run by the C++ decoder (torch_shift.models.native_decoder): its partial sums added through
@@ -97,7 +112,7 @@ class ShardDecoder:
     def build(cls, model: nn.Module) -> ShardDecoder | None:
         """The decoder of `model`'s shard, or None where it does not run it (native_decoder's checks, a group
         without the shared-memory communicator's C++ collectives)."""
-        group = getattr(model.layers[0].attn.o_proj, "group", None)
+        group = shard_group(model)
         communicator = comm.native_communicator(group) if group is not None else None
         decoder = NativeDecoder.build(model, group, communicator) if communicator is not None else None
         if decoder is None:

@@ -33,7 +33,7 @@ from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layers import ShardDecoder
+from torch_shift.parallel.layers import ShardDecoder, shard_group, warn_where_decoders_differ
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout, stage_layers
 from torch_shift.parallel.shift import TensorReader, load_base
@@ -198,6 +198,8 @@ class PipelineModel(LayoutCounters, nn.Module):
         shards allow (torch_shift.models.native_decoder; resident weights, which are packed); whether they do. The
         pipeline's stages keep their forwards. After `prepare_weights`: it reads the packed weights."""
         self.tp_decoder = ShardDecoder.build(self.tp) if self.tp is not None and self.weights == "resident" else None
+        if self.tp is not None:
+            warn_where_decoders_differ({"tp": self.tp_decoder is not None}, shard_group(self.tp))
         return self.tp_decoder is not None
 
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:

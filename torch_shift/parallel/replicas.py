@@ -26,7 +26,7 @@ from torch_shift.models.loader import build_model
 from torch_shift.models.native_decoder import LaunchedStep, NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.groups import DeploymentGroups
-from torch_shift.parallel.layers import ShardDecoder
+from torch_shift.parallel.layers import ShardDecoder, shard_group, warn_where_decoders_differ
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
 from torch_shift.parallel.plan import tp_plan
@@ -66,10 +66,11 @@ class ReplicaModel(LayoutCounters, nn.Module):
         `prepare_weights`: it reads the packed weights."""
         self.native_decoder = NativeDecoder.build(self.model)
         self.view_decoders = {}
-        for name, view in self.views.items():
+        for name, view in self.views.items():  # in the deployment's order of layouts on every rank
             decoder = ShardDecoder.build(view)
             if decoder is not None:
                 self.view_decoders[name] = decoder
+            warn_where_decoders_differ({name: decoder is not None}, shard_group(view))
         return self.native_decoder is not None or bool(self.view_decoders)
 
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None,

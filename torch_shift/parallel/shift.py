@@ -11,7 +11,6 @@ paper's choice).
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -40,6 +39,7 @@ from torch_shift.parallel.layers import (
     ShardDecoder,
     UlyssesDecoder,
     VocabParallelLMHead,
+    warn_where_decoders_differ,
 )
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Layout
@@ -361,34 +361,18 @@ class ShiftModule(LayoutCounters, nn.Module):
         `prepare_weights`: it reads the packed weights. Batch-1 decode of the 106M model at TP-2, alternated with the
         compiled forward in one engine: 1.13x faster in float32, 1.27x in bfloat16; Shift's TP steps 1.07x; static
         SP-2's about 1.05x (0.95-1.14 over eight runs), most of its gain being the idle rank's waits asleep
-        (docs/performance.md). Every rank of the replica calls it: its ranks' decoders are gathered, to warn where
-        they differ."""
+        (docs/performance.md). Every rank of the replica calls it (warn_where_decoders_differ)."""
         self.native_decoders = {}
-        for which, model in (("base", self.base), ("shift", self.shift)):
-            if model is None:
-                continue
+        models = {which: model for which, model in (("base", self.base), ("shift", self.shift)) if model is not None}
+        for which, model in models.items():
             if which == "base" and self.groups.sp > 1:
                 decoder = UlyssesDecoder.build(model, self.groups.sp_group)
             else:
                 decoder = ShardDecoder.build(model)
             if decoder is not None:
                 self.native_decoders[which] = decoder
-        if self.groups.world_size > 1:
-            self._warn_where_ranks_differ()
+        warn_where_decoders_differ({which: which in self.native_decoders for which in models}, self.groups.shift_group)
         return bool(self.native_decoders)
-
-    def _warn_where_ranks_differ(self) -> None:
-        """Warned on the replica's first rank: a rank whose shard the C++ decoder refuses runs its steps in Python
-        while its peers, in C++, wait for it. The outputs are the same bits, so nothing else shows it (a bfloat16
-        weight of zeros once took another layout on one TP-2 rank: its steps 1.4x as long)."""
-        group = self.groups.shift_group
-        built: list[list[str] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(built, sorted(self.native_decoders), group=group)
-        if dist.get_rank(group) == 0 and any(layouts != built[0] for layouts in built):
-            by_rank = {dist.get_global_rank(group, index): layouts for index, layouts in enumerate(built)}
-            warnings.warn(f"a replica's ranks differ in the layouts whose steps the C++ decoder runs ({by_rank}, by "
-                          "rank): a rank without it runs those steps in Python, and its peers wait for it",
-                          RuntimeWarning, stacklevel=3)
 
     def choose_layout(self, num_scheduled_tokens: int) -> str:
         """Paper 000, Alg. 3: more tokens than the threshold -> base, else shift."""
