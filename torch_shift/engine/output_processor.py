@@ -19,7 +19,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
 from torch_shift.engine.sampling_params import RequestOutputKind
 from torch_shift.engine.scheduler import ScheduledRequest
-from torch_shift.models.fused import ROW_ARGMAX, argmax_list, logits_rows
+from torch_shift.models.fused import argmax_lists, logits_rows
 from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -224,13 +224,7 @@ class OutputProcessor:
             p = request.sampling_params
             if not p.greedy or p.logit_bias or not _position_independent(request):
                 return False
-        vocab = self.sampler.vocab_size
-        known = [getattr(logits, ROW_ARGMAX, None) for _, _, logits in checks]
-        if checks[0][2].shape[1] == vocab and all(k is not None for k in known):  # argmax rows of the C++ decoder
-            best = (known[0] if len(known) == 1 else np.concatenate(known)).tolist()
-        else:
-            rows = checks[0][2] if len(checks) == 1 else torch.cat([logits for _, _, logits in checks])
-            best = argmax_list(rows if rows.shape[1] == vocab else rows[:, :vocab])
+        best = argmax_lists([logits for _, _, logits in checks], self.sampler.vocab_size)
         start = 0
         for request, proposed, logits in checks:
             out[request.request_id] = self._accepted(request, proposed, best[start:start + len(logits)])

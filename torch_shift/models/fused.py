@@ -509,6 +509,16 @@ def logits_rows(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return rows
 
 
+def argmax_lists(parts: list[torch.Tensor], width: int) -> list[int]:
+    """`argmax_list` over the rows of `parts` in order, each row's argmax among its first `width` columns: the parts'
+    ROW_ARGMAX where every part has it and is that wide (no logits read), else over their concatenation."""
+    known = [getattr(part, ROW_ARGMAX, None) for part in parts]
+    if parts[0].shape[1] == width and all(k is not None for k in known):
+        return (known[0] if len(known) == 1 else np.concatenate(known)).tolist()
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return argmax_list(rows if rows.shape[1] == width else rows[:, :width])
+
+
 def argmax_list(x: torch.Tensor) -> list[int]:
     """`argmax(x).tolist()`, with the CPU kernel writing into a numpy array: what the host's sampling needs, in fewer
     calls (each costs 5-15 us after a step's weights went through the caches); the rows' ROW_ARGMAX where x has it."""
