@@ -172,10 +172,8 @@ def test_deltas_reproduce_the_full_plan_inputs(policy, num_replicas):
 def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_replicas, few_tokens, monkeypatch):
     """Blocks that held rejected proposals go back and are taken again, by the request itself or another: the
     replicas' batches must follow (a stale block id there writes into another request's KV). Each delta's tokens
-    (several for a request after accepted proposals) and each check's proposed tokens written all at once with numpy,
-    then one row at a time."""
+    (several for a request after accepted proposals) written all at once with numpy, then one at a time."""
     monkeypatch.setattr(input_batch, "_FEW_TOKENS", few_tokens)
-    monkeypatch.setattr(input_batch, "_FEW_ROWS", few_tokens)
     counts = run(policy, num_replicas, seed=num_replicas + 10, speculate=True)
     assert counts["steps"] > 150 and counts["preempted"] > 0 and counts["accepted"] > 50 and counts["rejected"] > 50
 

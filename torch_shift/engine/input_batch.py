@@ -18,7 +18,6 @@ from torch_shift.engine.step_plan import GroupStep, ReplicaDelta
 from torch_shift.memory import to_device
 
 _FEW_TOKENS = 8  # a delta's tokens up to which `apply` writes them one at a time
-_FEW_ROWS = 8  # a check's rows up to which `write_spec_tokens` writes their proposed tokens one row at a time
 
 
 @dataclass
@@ -110,15 +109,6 @@ class InputBatch:
         """Put the group's proposed tokens after each of its rows' known tokens, where `prepare` reads a step's
         input ids; not counted as known (the tokens accepted arrive later as ordinary token deltas, over them)."""
         if group.num_spec is None:
-            return
-        if len(group.num_spec) <= _FEW_ROWS:
-            first = 0
-            for row, n in zip(group.rows[member].tolist(), group.num_spec.tolist()):
-                if n:
-                    end = int(self.num_tokens[row])
-                    self._ensure_token_columns(end + n)
-                    self.token_ids[row, end:end + n] = group.spec_token_ids[first:first + n]
-                    first += n
             return
         rows = group.rows[member].astype(np.int64)
         num_spec = group.num_spec.astype(np.int64)
