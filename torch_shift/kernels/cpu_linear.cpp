@@ -386,13 +386,14 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
   const bool far = on_intel && groups == 1;  // requests kL2AheadBytes ahead (several groups request the next block)
+  const int64_t requesting = on_intel ? groups : groups - 1;  // the groups that request a share of the next block
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
     const T* xr = x + r0 * x_stride;
     T* outr = out + r0 * out_stride;
     const char* pf = nullptr;
     int64_t pf_lines = 0;
-    const int64_t requesting = on_intel ? groups : groups - 1, share = on_intel ? g : g - 1;
+    const int64_t share = on_intel ? g : g - 1;
     if (next_block && groups > 1 && share >= 0) {
       const int64_t first = share * next_lines / requesting, last = (share + 1) * next_lines / requesting;
       pf = reinterpret_cast<const char*>(next_block) + first * 64;
