@@ -25,9 +25,10 @@ from torch_shift.models.fused import ROW_ARGMAX, argmax_list
 from torch_shift.models.linear import PackedWeight, packing_supported
 from torch_shift.models.native_decoder import MAX_TOKENS, NativeDecoder
 from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
-from torch_shift.parallel import shared_kv
+from torch_shift.parallel import comm, shared_kv
 from torch_shift.parallel.layers import ShardDecoder
 from torch_shift.parallel.shift import ShiftModule
+from torch_shift.parallel.shm import ShmCommunicator
 
 # shapes whose every weight the GEMV reads in oneDNN's packing (whole blocks of 64 outputs): hidden 128, 8 heads of 16,
 # 2 KV heads
@@ -273,6 +274,55 @@ def test_a_rank_without_the_decoder_is_warned_about(tmp_path, layout, monkeypatc
                                             r"1: \{'[^']+': False\}\}, by rank\)"):
         got = _generate(model_dir, torch.float32, native=True, **engine_args)
     assert got == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sharded_vocabulary_is_gathered_in_the_call(tmp_path, dtype, monkeypatch):
+    """Under TP-2 the C++ decoder gathers the LM head's shards of the vocabulary (501 tokens: 251 rows a rank, the
+    last one padding) through the head's communicator inside its call, and finds each row's argmax there: the same
+    tokens, logprobs and ledger as the eager forward, whose all-gather runs in Python."""
+    model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, vocab_size=501), tmp_path / "llama")
+    steps = []
+    original = ShardDecoder.step
+
+    def step(self, *args):
+        logits = original(self, *args)
+        if logits is not None and len(logits):
+            argmax = getattr(logits, ROW_ARGMAX, None)
+            steps.append((self.decoder.gathers_logits, logits.shape[-1],
+                          argmax is not None and argmax.tolist() == logits.argmax(-1).tolist()))
+        return logits
+
+    monkeypatch.setattr(ShardDecoder, "step", step)
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, tp=2)
+    ledgers = [{}, {}]
+    expected = _generate(model_dir, dtype, native=False, ledger=ledgers[0], **engine_args)
+    got = _generate(model_dir, dtype, native=True, ledger=ledgers[1], **engine_args)
+    assert got == expected
+    assert ledgers[1] == ledgers[0]  # the gathers counted as the forward's
+    assert steps and set(steps) == {(True, 501, True)}
+
+
+def test_a_late_peer_hands_the_cpp_all_gather_to_pythons_wait(tmp_path, monkeypatch):
+    """TP-2 with rank 1 in Python (its decoder refused, made to) and 3 ms late to each all-gather of the LM head's
+    logits: rank 0's decoder spins 1 ms for it, then hands the gather it published to the communicator's Python wait
+    (resume_all_gather, with its deadline and liveness checks); the two paths share the protocol. The tokens and
+    logprobs of the eager forward."""
+    model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, vocab_size=512), tmp_path / "llama")
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, tp=2)
+    expected = _generate(model_dir, torch.float32, native=False, **engine_args)
+    build, all_gather, resume = ShardDecoder.build, comm.all_gather, ShmCommunicator.resume_all_gather
+    monkeypatch.setattr(ShardDecoder, "build", lambda model: None if dist.get_rank() == 1 else build(model))
+    monkeypatch.setattr(comm, "all_gather", lambda x, group, dim=0: (dist.get_rank() == 1 and time.sleep(3e-3))
+                        or all_gather(x, group, dim))
+    resumed = []
+    monkeypatch.setattr(ShmCommunicator, "resume_all_gather",
+                        lambda self, x, step: resumed.append(step) or resume(self, x, step))
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ decoder runs each layout's steps"):
+        got = _generate(model_dir, torch.float32, native=True, **engine_args)
+    assert got == expected and resumed  # rank 0's resumed gathers
 
 
 # shards the GEMV reads whole (q/k/v 128 rows a TP rank), and at SP-2 x TP-2 one KV head a TP rank, repeated for its

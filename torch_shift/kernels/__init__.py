@@ -508,11 +508,12 @@ _native_all_reduce = False
 
 def register_native_all_reduce(communicator_id: int, segment: int, rank: int, world_size: int, slot_bytes: int,
                                header_bytes: int, row_words: int, first_parity_word: int, parity_words: int,
-                               counters: int, signatures: tuple[int, int, int, int]) -> bool:
-    """Serve `torch_shift::shm_all_reduce` of communicator `communicator_id` in C++ on the CPU (cpu_ops.cpp), and
-    Ulysses' all-to-alls of a compiled forward (install_ulysses), from its segment's layout
-    (torch_shift.parallel.shm), the address of its [step, collectives] counters and its `signatures` (all_reduce's,
-    then all_to_all's, in float32 and bfloat16); False where the operator library does not build."""
+                               counters: int, signatures: tuple[int, int, int, int, int, int]) -> bool:
+    """Serve `torch_shift::shm_all_reduce` of communicator `communicator_id` in C++ on the CPU (cpu_ops.cpp),
+    Ulysses' all-to-alls of a compiled forward (install_ulysses) and the C++ decoder's collectives, from its segment's
+    layout (torch_shift.parallel.shm), the address of its [step, collectives] counters and its `signatures`
+    (all_reduce's, all_to_all's, then all_gather's, in float32 and bfloat16); False where the operator library does
+    not build."""
     global _native_all_reduce
     if not cpu_ops():
         return False
@@ -523,7 +524,7 @@ def register_native_all_reduce(communicator_id: int, segment: int, rank: int, wo
             warnings.warn("PyTorch refused the C++ implementation of torch_shift::shm_all_reduce: compiled forwards "
                           "run it through Python, which is slower", RuntimeWarning, stacklevel=2)
             return False
-        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 14, None
+        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 16, None
         lib.ts_shm_unregister.argtypes, lib.ts_shm_unregister.restype = [i64], None
         _native_all_reduce = True
     lib.ts_shm_register(communicator_id, segment, rank, world_size, slot_bytes, header_bytes, row_words,

@@ -58,6 +58,8 @@ extern "C" int ts_rotary(int dtype, const void* x, int64_t tokens, int64_t heads
                          int64_t head_stride, int64_t dim, const int64_t* positions, const float* cos_sin,
                          int64_t table_positions, void* out);
 extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data, int64_t rows, int64_t cols);
+extern "C" int ts_decoder_all_gather(int64_t communicator, int dtype, const void* data, int64_t rows, int64_t cols,
+                                     void* out, int64_t out_cols);
 extern "C" int ts_ulysses_installed();
 extern "C" int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_stride, int64_t rows,
                                      int64_t K, int64_t N, const void* bias, void* out, int64_t out_stride);
@@ -99,7 +101,7 @@ enum LayerField {
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
   kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kCommunicator, kLmHeadRows, kGemvRows, kLmHeadHandle,
-  kModelFields
+  kLmHeadCommunicator, kModelFields
 };
 
 struct Layer {
@@ -154,11 +156,13 @@ struct Decoder {
   int64_t lm_head_handle;
   // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
   // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank (its
-  // shard of the vocabulary, gathered by the caller). A rank of a sequence-parallel layout has no LM head here (null):
-  // its step's result is its logits rows' final hidden states (after the model's last norm), which the caller
-  // gathers before the head.
+  // shard of the vocabulary, in group-rank order), which the communicator `lm_head_communicator` gathers into the
+  // vocabulary's logits (-1: the head is whole, or the caller gathers them). A rank of a sequence-parallel layout has
+  // no LM head here (null): its step's result is its logits rows' final hidden states (after the model's last norm),
+  // which the caller gathers before the head.
   int64_t communicator;
   int64_t lm_head_rows;
+  int64_t lm_head_communicator;
   float eps;
   const void* embed;
   const void* final_norm;
@@ -166,7 +170,7 @@ struct Decoder {
   const float* cos_sin;
   std::vector<Layer> layers;
   // scratch for max_tokens tokens
-  std::vector<char> x, h, qkv, q, k, attn, gate_up, act;
+  std::vector<char> x, h, qkv, q, k, attn, gate_up, act, shard;  // shard: the LM head's rows, before their gather
   Async* async = nullptr;  // the launched steps' thread, started at the first launch
 
   int64_t qkv_rows() const { return (heads + 2 * kv_heads) * head_dim; }
@@ -402,7 +406,11 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
     const int rc = layer_step(d, layer, positions, num_tokens, attention);
     if (rc != 0) return rc;
   }
-  if (num_logits == 0) return 0;
+  if (num_logits == 0)  // a shard's peers gather their empty rows all the same (in Python, a rank without the decoder)
+    return d.lm_head != nullptr && d.lm_head_communicator >= 0
+               ? ts_decoder_all_gather(d.lm_head_communicator, d.dtype, d.shard.data(), 0, d.lm_head_rows, logits,
+                                       d.vocab)
+               : 0;
   if (d.lm_head == nullptr && argmax != nullptr) return -200;
   for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
     if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
@@ -411,10 +419,14 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   // without an LM head the rows' final hidden states are the step's result
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
   if (rc != 0 || d.lm_head == nullptr) return rc;
-  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_handle, d.lm_head_rows, H, nullptr, logits,
-                d.lm_head_rows);
+  const bool gathered = d.lm_head_communicator >= 0;
+  rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_handle, d.lm_head_rows, H, nullptr,
+              gathered ? d.shard.data() : logits, d.lm_head_rows);
+  if (rc == 0 && gathered)
+    rc = ts_decoder_all_gather(d.lm_head_communicator, d.dtype, d.shard.data(), num_logits, d.lm_head_rows, logits,
+                               d.vocab);
   if (rc != 0 || argmax == nullptr) return rc;
-  if (d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
+  if (!gathered && d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
   if (draws != nullptr) return ts_sample_rows(d.dtype, logits, num_logits, d.vocab, d.vocab, draws, argmax);
   return ts_argmax(d.dtype, logits, num_logits, d.vocab, d.vocab, argmax);
 }
@@ -546,6 +558,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->max_tokens = model[kMaxStepTokens];
   d->gemv_rows = model[kGemvRows], d->lm_head_handle = model[kLmHeadHandle];
   d->communicator = model[kCommunicator], d->lm_head_rows = model[kLmHeadRows];
+  d->lm_head_communicator = model[kLmHeadCommunicator];
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));
@@ -560,6 +573,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
     buffer->resize(d->max_tokens * widest * d->elem);
   d->gate_up.resize(d->max_tokens * 2 * d->intermediate * d->elem);
   d->act.resize(d->max_tokens * d->intermediate * d->elem);
+  if (d->lm_head_communicator >= 0) d->shard.resize(d->max_tokens * d->lm_head_rows * d->elem);
   return d;
 }
 
@@ -576,10 +590,11 @@ void ts_decoder_destroy(void* decoder) {
 // for a second call (a bf16 batch-1 step of the 106M model, whose weights had gone through the caches;
 // docs/performance.md). The step's paged attention must be installed (ts_install_paged_step). Returns 0; -200 for
 // a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
-// step (below) runs, -300 where a tensor-parallel rank's all-reduce or a sequence-parallel rank's all-to-all failed
-// (ts_collective_error); else the failing kernel's code. A rank's shard writes its LM head's rows (logits
-// [num_logits, lm_head_rows]) and no argmax; a decoder without an LM head the rows' final hidden states, after the
-// model's last norm (logits [num_logits, hidden]), and no argmax.
+// step (below) runs, -300 where a tensor-parallel rank's all-reduce or all-gather or a sequence-parallel rank's
+// all-to-all failed (ts_collective_error); else the failing kernel's code. A rank's shard of the vocabulary gathers
+// every rank's logits rows where it has the head's communicator, else it writes its own rows (logits [num_logits,
+// lm_head_rows]) and no argmax; a decoder without an LM head the rows' final hidden states, after the model's last
+// norm (logits [num_logits, hidden]), and no argmax.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);

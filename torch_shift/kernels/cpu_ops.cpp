@@ -405,6 +405,7 @@ struct ShmComm {
   int64_t* counters;  // [the last step published, collectives so far], shared with the Python communicator
   int64_t float32_signature, bfloat16_signature;  // all_reduce's
   int64_t float32_a2a_signature, bfloat16_a2a_signature;  // all_to_all's
+  int64_t float32_gather_signature, bfloat16_gather_signature;  // all_gather's
 };
 constexpr int64_t kSeqWord = 0, kSleepingWord = 4;  // shm.py's header row
 constexpr int64_t kSignatureWord = 0, kNbytesWord = 1, kAuxWord = 2, kSplitsWord = 3;  // and parity block
@@ -586,6 +587,43 @@ extern "C" int ts_decoder_all_reduce(int64_t communicator, int dtype, void* data
                                                                                                    : at::kBFloat16));
     const at::Tensor out = shm_all_reduce(x, communicator).contiguous();
     std::memcpy(data, out.data_ptr(), x.numel() * x.element_size());
+  });
+}
+
+// The C++ decoder's gather of a vocabulary-sharded LM head's logits (cpu_decoder.cpp): each rank's `rows` x `cols`
+// shard `data` (the decoder's dtype) into out [rows, out_cols], rank p's columns at p x cols, the padding past out_cols
+// dropped; the protocol of ShmCommunicator.all_gather (stacked in group-rank order, which is vocabulary order), so a
+// peer that gathers through Python meets it. 0, or -300 as ts_decoder_all_reduce.
+extern "C" int ts_decoder_all_gather(int64_t communicator, int dtype, const void* data, int64_t rows, int64_t cols,
+                                     void* out, int64_t out_cols) {
+  return collective_code("the all-gather failed", [&] {
+    const at::ScalarType scalar = dtype == 0 ? at::kFloat : at::kBFloat16;
+    const int64_t element = c10::elementSize(scalar), nbytes = rows * cols * element;
+    const std::optional<ShmComm> found = find_comm(communicator);
+    const auto part_of = [&](int64_t world, auto part) {  // part(p): rank p's [rows, cols], contiguous
+      for (int64_t p = 0; p < world; ++p) {
+        const int64_t n = std::min(cols, out_cols - p * cols);
+        for (int64_t r = 0; n > 0 && r < rows; ++r)
+          std::memcpy(static_cast<char*>(out) + (r * out_cols + p * cols) * element, part(p) + r * cols * element,
+                      n * element);
+      }
+    };
+    const at::Tensor x = at::from_blob(const_cast<void*>(data), {rows, cols}, at::TensorOptions().dtype(scalar));
+    if (!found || nbytes > found->slot_bytes) {
+      static const c10::OperatorHandle op = python_op("torch_shift::shm_all_gather");
+      const at::Tensor gathered = call_boxed(op, {x, communicator, found ? found->world_size : 0}).contiguous();
+      const char* bytes = static_cast<const char*>(gathered.data_ptr());
+      return part_of(gathered.size(0), [&](int64_t p) { return bytes + p * nbytes; });
+    }
+    ShmStep s(*found);
+    std::memcpy(s.slot(s.c.rank), data, nbytes);
+    if (!s.publish_and_wait(dtype == 0 ? s.c.float32_gather_signature : s.c.bfloat16_gather_signature, nbytes, 0)) {
+      static const c10::OperatorHandle op = python_op("torch_shift::shm_all_gather_resume");
+      const at::Tensor gathered = call_boxed(op, {x, communicator, s.step}).contiguous();
+      const char* bytes = static_cast<const char*>(gathered.data_ptr());
+      return part_of(s.c.world_size, [&](int64_t p) { return bytes + p * nbytes; });
+    }
+    part_of(s.c.world_size, [&](int64_t p) { return static_cast<const char*>(s.slot(p)); });
   });
 }
 
@@ -796,11 +834,13 @@ int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_st
 void ts_shm_register(int64_t id, int64_t segment, int64_t rank, int64_t world_size, int64_t slot_bytes,
                      int64_t header_bytes, int64_t row_words, int64_t first_parity_word, int64_t parity_words,
                      int64_t counters, int64_t float32_signature, int64_t bfloat16_signature,
-                     int64_t float32_a2a_signature, int64_t bfloat16_a2a_signature) {
+                     int64_t float32_a2a_signature, int64_t bfloat16_a2a_signature,
+                     int64_t float32_gather_signature, int64_t bfloat16_gather_signature) {
   std::lock_guard<std::mutex> lock(shm_mutex);
   shm_comms()[id] = ShmComm{reinterpret_cast<char*>(segment), rank, world_size, slot_bytes, header_bytes, row_words,
                             first_parity_word, parity_words, reinterpret_cast<int64_t*>(counters),
-                            float32_signature, bfloat16_signature, float32_a2a_signature, bfloat16_a2a_signature};
+                            float32_signature, bfloat16_signature, float32_a2a_signature, bfloat16_a2a_signature,
+                            float32_gather_signature, bfloat16_gather_signature};
 }
 
 void ts_shm_unregister(int64_t id) {

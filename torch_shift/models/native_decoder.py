@@ -15,7 +15,8 @@ It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or b
 linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
 such a model in a tensor-parallel layout (`build(model, group, communicator)`: column shards of q/k/v and gate/up, row
 shards of o and down whose partial outputs it sums through the group's shared-memory communicator as the forward's
-all-reduce does, and a shard of the vocabulary in the LM head, whose logits the caller gathers). Under sequence
+all-reduce does, and a shard of the vocabulary in the LM head, whose logits it gathers through the head's communicator
+as the forward's all-gather does, or else leaves to the caller). Under sequence
 parallelism (`head=False`) a rank runs its share of a step's tokens with Ulysses' all-to-alls inside each layer's
 attention call and returns their final hidden states for the caller's LM head; a rank without tokens in a step runs
 only each layer's attention for the others (`attend`). `NativeDecoder.build` returns None for anything else (experts,
@@ -46,7 +47,7 @@ from torch_shift.models.rope import RotaryEmbedding
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
                  "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens",
-                 "communicator", "lm_head_rows", "gemv_rows", "lm_head_handle")
+                 "communicator", "lm_head_rows", "gemv_rows", "lm_head_handle", "lm_head_communicator")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down", "qkv_handle", "o_handle", "gate_up_handle", "down_handle")
 
@@ -61,7 +62,7 @@ class NativeDecoder:
     whose attention is the CPU paged kernel's (`runs` says which steps)."""
 
     def __init__(self, model: DecoderLM, kernels: DecoderKernels, handle: int, max_tokens: int,
-                 tensor_parallel: bool = False, head: bool = True):
+                 tensor_parallel: bool = False, head: bool = True, gathers_logits: bool = False):
         self.model = model  # keeps every weight the decoder reads alive
         self.kernels = kernels
         self.handle = handle
@@ -71,8 +72,12 @@ class NativeDecoder:
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
         # the vocabulary, or this rank's shard of it; without the head, the hidden size (its rows' hidden states)
-        self.logits_width = model.lm_head.packed.out_features if head else model.config.hidden_size
-        self.tensor_parallel = tensor_parallel  # a rank's shard: its logits are its shard's, gathered by the caller
+        self.logits_width = (model.config.vocab_size if gathers_logits else model.lm_head.packed.out_features if head
+                             else model.config.hidden_size)
+        self.tensor_parallel = tensor_parallel  # a rank's shard, which runs its steps with its peers
+        self.gathers_logits = gathers_logits  # the shards of the vocabulary gathered in the call
+        # each logits row's argmax found in the call (`ROW_ARGMAX`): where they are the vocabulary's
+        self.finds_argmax = head and self.logits_width == model.config.vocab_size
         self.head = head
         # launched steps not yet waited for, in order: what they write and read stays alive until they ran
         self.launched: deque[LaunchedStep] = deque()
@@ -80,14 +85,16 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, model: torch.nn.Module, group: object | None = None, communicator: int | None = None,
-              head: bool = True) -> NativeDecoder | None:
+              head: bool = True, lm_head_communicator: int | None = None) -> NativeDecoder | None:
         """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring). `group`: the
         process group over which `model` is a tensor-parallel rank's shard (its row-sharded o and down projections
         and its LM head name it as their `group`), whose all-reduces run through the shared-memory communicator
         `communicator` (torch_shift.parallel.comm.native_communicator; None for a group of one rank, which sums
         nothing). `head=False`: a step's result is its logits rows' final hidden states (after the model's last
         norm, as DecoderLM.forward returns them), the LM head left to the caller (a sequence-parallel rank's, whose
-        rows are gathered first)."""
+        rows are gathered first). `lm_head_communicator`: the shared-memory communicator of the group over which
+        the LM head is sharded by vocabulary rows (VocabParallelLMHead), which gathers its logits in the call, as the
+        forward's all-gather does; None: the caller gathers them."""
         kernels = decoder_kernels()
         alone = group is not None and group.size() == 1
         if (kernels is None or (group is not None and communicator is None and not alone)
@@ -114,7 +121,8 @@ class NativeDecoder:
             gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens,
             communicator=-1 if group is None or alone else communicator,
             lm_head_rows=model.lm_head.packed.out_features if head else config.hidden_size, gemv_rows=gemv_limit,
-            lm_head_handle=model.lm_head.packed.handle if head else -1)
+            lm_head_handle=model.lm_head.packed.handle if head else -1,
+            lm_head_communicator=-1 if lm_head_communicator is None or not head else lm_head_communicator)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -133,7 +141,8 @@ class NativeDecoder:
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
         handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
         assert handle, "the C++ decoder refused a model the checks above accepted"
-        return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None, head=head)
+        return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None, head=head,
+                   gathers_logits=head and lm_head_communicator is not None)
 
     def runs(self, num_tokens: int, attention: object) -> bool:
         """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run
@@ -152,7 +161,7 @@ class NativeDecoder:
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
         # (a shard's logits have no argmax of the vocabulary's, nor hidden states any)
-        row_argmax = None if self.tensor_parallel or not self.head else np.empty(num_logits, dtype=np.int64)
+        row_argmax = np.empty(num_logits, dtype=np.int64) if self.finds_argmax else None
         # not a context manager: its calls were 8% of a batch-1 step's Python
         if not enter_step_attention(attention):
             exit_step_attention()

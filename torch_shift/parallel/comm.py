@@ -121,6 +121,11 @@ def _shm_all_to_all_resume(x: torch.Tensor, communicator: int, step: int) -> tor
     return _shared_by_id[communicator].resume_all_to_all(x, step)
 
 
+@custom_op("torch_shift::shm_all_gather_resume")
+def _shm_all_gather_resume(x: torch.Tensor, communicator: int, step: int) -> torch.Tensor:
+    return _shared_by_id[communicator].resume_all_gather(x, step)
+
+
 @custom_op("torch_shift::shm_all_gather")
 def _shm_all_gather(x: torch.Tensor, communicator: int, world: int) -> torch.Tensor:
     return _shared_by_id[communicator].all_gather(x)
@@ -197,12 +202,18 @@ def _all_to_all_bytes(nbytes: int, n: int) -> int:
 
 
 def record_outside(op: str, count: int, nbytes: int, group: dist.ProcessGroup) -> None:
-    """Count `count` collectives `op` ("all_reduce" or "all_to_all" of equal parts) of tensors of `nbytes` over
-    `group` that ran outside this module (inside the C++ decoder's call: torch_shift.parallel.layers'
-    ShardDecoder and UlyssesDecoder), as the functions below count their own."""
+    """Count `count` collectives `op` ("all_reduce", "all_to_all" of equal parts, or "all_gather" of each rank's
+    part) of tensors of `nbytes` (a rank's part, for "all_gather") over `group` that ran outside this module (inside
+    the C++ decoder's call: torch_shift.parallel.layers' ShardDecoder and UlyssesDecoder), as the functions below
+    count their own."""
     n = _size(group)
-    assert op in ("all_reduce", "all_to_all"), op
-    sent = (_all_reduce_bytes if op == "all_reduce" else _all_to_all_bytes)(nbytes, n)
+    if op == "all_reduce":
+        sent = _all_reduce_bytes(nbytes, n)
+    elif op == "all_to_all":
+        sent = _all_to_all_bytes(nbytes, n)
+    else:
+        assert op == "all_gather", op
+        sent = (n - 1) * nbytes  # as all_gather counts its own
     for _ in range(count if n > 1 else 0):
         _record(op, sent)
 

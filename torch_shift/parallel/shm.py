@@ -338,8 +338,9 @@ class ShmCommunicator:
         return self._native_id
 
     def register_native(self, communicator_id: int) -> bool:
-        """Serve `torch_shift::shm_all_reduce(x, communicator_id)`, and Ulysses' all-to-alls of compiled forwards, in
-        C++ where it can (kernels/cpu_ops.cpp); False where the operator library does not build."""
+        """Serve `torch_shift::shm_all_reduce(x, communicator_id)`, Ulysses' all-to-alls of compiled forwards and the
+        C++ decoder's collectives in C++ where it can (kernels/cpu_ops.cpp); False where the operator library does not
+        build."""
         from torch_shift.kernels import register_native_all_reduce
 
         registered = register_native_all_reduce(
@@ -348,7 +349,9 @@ class ShmCommunicator:
             self._counters.ctypes.data, (_signature("all_reduce", torch.float32),
                                          _signature("all_reduce", torch.bfloat16),
                                          _signature("all_to_all", torch.float32),
-                                         _signature("all_to_all", torch.bfloat16)))
+                                         _signature("all_to_all", torch.bfloat16),
+                                         _signature("all_gather", torch.float32),
+                                         _signature("all_gather", torch.bfloat16)))
         self._native_id = communicator_id if registered else None
         return registered
 
@@ -419,6 +422,22 @@ class ShmCommunicator:
         try:
             mine.copy_(x)
             self._publish(step, signature, nbytes)
+        except BaseException as e:
+            self._interrupted("all_gather", e)
+            raise
+        return self._finish_all_gather(gathered, step, signature, nbytes)
+
+    def resume_all_gather(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """The rest of an all-gather of `x` that the C++ decoder published as `step` and handed over to wait for its
+        peers (longer than it spins, or a peer's fields differ)."""
+        assert step == self._step, (step, self._step)
+        nbytes = x.numel() * x.element_size()
+        key = ("all_gather", x.shape, x.dtype)
+        views = self._views.get(key) or self._make_views(key, nbytes)
+        return self._finish_all_gather(views[step & 1][1], step, _signature("all_gather", x.dtype), nbytes)
+
+    def _finish_all_gather(self, gathered: torch.Tensor, step: int, signature: int, nbytes: int) -> torch.Tensor:
+        try:
             self._await(step, "all_gather")
             self._check_peers(step & 1, signature, nbytes, "all_gather")
             out = gathered.clone(memory_format=torch.contiguous_format)
