@@ -40,9 +40,10 @@ class CommLedger:
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
-    def record(self, layout: str, op: str, nbytes: int) -> None:
-        self.bytes[(layout, op)] += nbytes
-        self.calls[(layout, op)] += 1
+    def record(self, layout: str, op: str, nbytes: int, count: int = 1) -> None:
+        """`count` collectives of `nbytes` sent each."""
+        self.bytes[(layout, op)] += count * nbytes
+        self.calls[(layout, op)] += count
 
 
 _ledger: CommLedger | None = None
@@ -206,6 +207,8 @@ def record_outside(op: str, count: int, nbytes: int, group: dist.ProcessGroup) -
     part) of tensors of `nbytes` (a rank's part, for "all_gather") over `group` that ran outside this module (inside
     the C++ decoder's call: torch_shift.parallel.layers' ShardDecoder and UlyssesDecoder), as the functions below
     count their own."""
+    if _ledger is None or torch.compiler.is_compiling():
+        return
     n = _size(group)
     if op == "all_reduce":
         sent = _all_reduce_bytes(nbytes, n)
@@ -214,8 +217,8 @@ def record_outside(op: str, count: int, nbytes: int, group: dist.ProcessGroup) -
     else:
         assert op == "all_gather", op
         sent = (n - 1) * nbytes  # as all_gather counts its own
-    for _ in range(count if n > 1 else 0):
-        _record(op, sent)
+    if n > 1:
+        _ledger.record(_layout, op, sent, count)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
