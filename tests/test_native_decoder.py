@@ -236,9 +236,9 @@ def test_dp_replicas_run_it_on_every_rank(families, counted):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tensor_parallel_ranks_run_it(tmp_path, family, layout, monkeypatch):
     """A TP-2 rank's shard (static TP, the shift layout's TP steps beside SP-2, Flying's TP group of two replicas,
-    whose views keep the whole LM head, Seesaw's decode beside its pipeline): the same tokens and logprobs, to the
-    last bit, as the eager forward's shards, whose partial sums the same shared-memory all-reduce adds (Qwen2's
-    sharded q/k/v bias); the decoder runs the tensor-parallel steps on each rank."""
+    whose views take their rows of the replicas' whole LM head, Seesaw's decode beside its pipeline): the same
+    tokens and logprobs, to the last bit, as the eager forward's shards, whose partial sums the same shared-memory
+    all-reduce adds (Qwen2's sharded q/k/v bias); the decoder runs the tensor-parallel steps on each rank."""
     # shards the GEMV reads whole: q/k/v 128 rows a rank, gate/up 256, a vocabulary of 2 x 256 rows
     model_dir = save_checkpoint(build_hf_model(family, hidden_size=128, intermediate_size=256, head_dim=16,
                                                num_key_value_heads=4, vocab_size=512), tmp_path / family)
@@ -276,11 +276,13 @@ def test_a_rank_without_the_decoder_is_warned_about(tmp_path, layout, monkeypatc
     assert got == expected
 
 
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2, policy="flying")], ids=["tp2", "flying"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_sharded_vocabulary_is_gathered_in_the_call(tmp_path, dtype, monkeypatch):
-    """Under TP-2 the C++ decoder gathers the LM head's shards of the vocabulary (501 tokens: 251 rows a rank, the
-    last one padding) through the head's communicator inside its call, and finds each row's argmax there: the same
-    tokens, logprobs and ledger as the eager forward, whose all-gather runs in Python."""
+def test_a_sharded_vocabulary_is_gathered_in_the_call(tmp_path, dtype, layout, monkeypatch):
+    """Under TP-2 (static, and Flying's group of two replicas, whose views take their rows of the replicas' whole
+    head) the C++ decoder gathers the LM head's shards of the vocabulary (501 tokens: 251 rows a rank, the last one
+    padding) through the head's communicator inside its call, and finds each row's argmax there: the same tokens,
+    logprobs and ledger as the eager forward, whose all-gather runs in Python."""
     model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
                                                num_key_value_heads=4, vocab_size=501), tmp_path / "llama")
     steps = []
@@ -295,13 +297,31 @@ def test_a_sharded_vocabulary_is_gathered_in_the_call(tmp_path, dtype, monkeypat
         return logits
 
     monkeypatch.setattr(ShardDecoder, "step", step)
-    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, tp=2)
+    engine_args = dict(max_num_batched_tokens=MAX_TOKENS, **layout)
     ledgers = [{}, {}]
     expected = _generate(model_dir, dtype, native=False, ledger=ledgers[0], **engine_args)
     got = _generate(model_dir, dtype, native=True, ledger=ledgers[1], **engine_args)
     assert got == expected
     assert ledgers[1] == ledgers[0]  # the gathers counted as the forward's
     assert steps and set(steps) == {(True, 501, True)}
+
+
+def test_flying_view_weights_shard_an_uneven_vocabulary(tmp_path):
+    """Flying's zero-copy views (which the C++ decoder does not run) take their rows of the whole LM head as a view,
+    the last rank's padded to the others' count in a copy (501 tokens over two replicas): the greedy tokens of
+    static TP-2, logprobs to float32 rounding."""
+    model_dir = save_checkpoint(build_hf_model("llama", hidden_size=128, intermediate_size=256, head_dim=16,
+                                               num_key_value_heads=4, vocab_size=501), tmp_path / "llama")
+    expected = _generate(model_dir, torch.float32, native=True, max_num_batched_tokens=MAX_TOKENS, tp=2)
+    ledger = {}
+    got = _generate(model_dir, torch.float32, native=False, ledger=ledger, max_num_batched_tokens=MAX_TOKENS, dp=2,
+                    policy="flying", flying_weights="view")
+    assert any(op == "all_gather" for _, op in ledger["calls"])  # the TP group's steps gathered their logits
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, got_steps), (_, want_steps) in zip(got, expected, strict=True):
+        for got_step, want_step in zip(got_steps, want_steps, strict=True):
+            assert [t for t, _ in got_step] == [t for t, _ in want_step]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got_step, want_step)) < 1e-4
 
 
 def test_a_late_peer_hands_the_cpp_all_gather_to_pythons_wait(tmp_path, monkeypatch):

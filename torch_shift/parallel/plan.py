@@ -87,16 +87,15 @@ def base_plan(groups: ShiftGroups, expert_parallel: bool = False) -> ParallelPla
     return ParallelPlan("base", entries)
 
 
-def tp_plan(mesh: DeviceMesh, layout: str = "tp", vocab_parallel: bool = True,
-            expert_parallel: bool = False) -> ParallelPlan:
-    """Megatron TP over a 1-D mesh; the LM head vocab-parallel, or replicated; the experts split whole over the
-    ranks with `expert_parallel`."""
+def tp_plan(mesh: DeviceMesh, layout: str = "tp", expert_parallel: bool = False) -> ParallelPlan:
+    """Megatron TP over a 1-D mesh, the LM head vocab-parallel; the experts split whole over the ranks with
+    `expert_parallel`."""
     from torch.distributed.tensor import Replicate, Shard
 
     entries = _megatron_entries(mesh, lambda dim: (Shard(dim),))
     if expert_parallel:
         _expert_parallel(entries, mesh, (Shard(0),))
-    entries["lm_head.weight"] = (mesh, (Shard(0),) if vocab_parallel else (Replicate(),))
+    entries["lm_head.weight"] = (mesh, (Shard(0),))
     entries["*"] = (mesh, (Replicate(),))
     return ParallelPlan(layout, entries)
 

@@ -3,7 +3,7 @@
 
 - a replica of full weights (one rank, static DP, Flying Serving's DP replicas): `ReplicaModel`,
   whose TP layouts over several replicas (paper 004) are views of the full weights, part by part
-  for the fused q/k/v and gate/up (`derive_tp`);
+  for the fused q/k/v and gate/up, the LM head's rows by vocabulary (`derive_tp`);
 - an (SP, TP) replica: `ShiftModule` (base and shift layouts, paper 000);
 - a pipeline replica: `PipelineModel` (a stage of layers, and Seesaw's TP shards, paper 003).
 
@@ -113,15 +113,15 @@ class ReplicaModel(LayoutCounters, nn.Module):
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
             native = self.view_decoders.get(key)
             if native is not None:
-                # the views keep the replica's whole LM head: the group's first rank computes the logits alone
-                rows = batch.logits_indices if self.leaders[key] else batch.logits_indices[:0]
-                logits = native.step(batch.input_ids, batch.positions, rows, batch.attention)
+                logits = native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
                 if logits is not None:
                     return logits if self.leaders[key] else None
             hidden = forward(batch.input_ids, batch.positions, batch.attention)
-        if key is not None and not self.leaders[key]:
-            return None
-        return self.model.compute_logits(hidden[batch.logits_indices])
+            # a view's LM head holds the rank's rows of the vocabulary: every rank of the group computes its share,
+            # which the group gathers (the first rank's whole head alone, while the others waited, made a TP-2 batch-1
+            # decode step of the 106M model 6-10% longer: docs/performance.md)
+            logits = model.compute_logits(hidden[batch.logits_indices])
+        return logits if key is None or self.leaders[key] else None
 
 
 def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,
@@ -143,7 +143,6 @@ def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, 
     for layout in deployment.layouts_of(rank):
         if layout.kv_width > 1:
             group, mesh = groups.pool[layout.ranks]
-            views[layout.name] = derive_tp(full, config, None, tp_plan(mesh, layout.name, vocab_parallel=False),
-                                           group, flying_weights)
+            views[layout.name] = derive_tp(full, config, None, tp_plan(mesh, layout.name), group, flying_weights)
             leaders[layout.name] = rank == layout.ranks[0]
     return ReplicaModel(full, views, leaders, flying_weights)

@@ -155,7 +155,8 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
               group: dist.ProcessGroup, weights: str) -> DecoderLM:
     """A TP model whose shards are slices of `source`'s (which holds a superset of each: its shards
     under `source_plan`, or whole tensors when that is None): views, or contiguous copies that re-fuse
-    q/k/v and gate/up. Embedding, norms, rotary tables and LM head are `source`'s own modules.
+    q/k/v and gate/up. Embedding, norms and rotary tables are `source`'s own modules, and so is the LM head,
+    unless the target shards the vocabulary and `source` holds it whole: then the rank's rows of it.
     Shift (paper 000) derives full TP from the (SP, TP) shards; Flying (paper 004) derives TP-d over
     a group of replicas from each replica's full weights."""
     if weights not in ("view", "copy"):
@@ -215,7 +216,23 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
                                               group)
         layer.attn, layer.mlp = attn, mlp
         derived.layers.append(layer)
+    head = local_part_slice(target_plan, config, "lm_head.weight", None)
+    if head is not None and not isinstance(source.lm_head, VocabParallelLMHead):
+        derived.lm_head = _vocab_rows(source.lm_head.weight.data, head, config.vocab_size, group, weights)
     return derived
+
+
+def _vocab_rows(weight: torch.Tensor, rows: PartSlice, vocab_size: int, group: dist.ProcessGroup,
+                weights: str) -> VocabParallelLMHead:
+    """A rank's rows `rows` of a whole LM head `weight` as a VocabParallelLMHead over `group`: a view or a copy,
+    the last rank's padded with zero rows to the others' count (a copy then)."""
+    count = padded_vocab(vocab_size, group.size()) // group.size()
+    part = weight[rows.start:rows.start + rows.length]
+    if rows.length < count:
+        part = torch.cat([part, part.new_zeros(count - rows.length, part.shape[1])])
+    elif weights == "copy":
+        part = part.clone()
+    return VocabParallelLMHead(part, vocab_size, group)
 
 
 def _derive_experts(block: nn.Module, prefix: str, target_window: Callable, group: dist.ProcessGroup,
