@@ -600,6 +600,8 @@ extern "C" int ts_decoder_all_gather(int64_t communicator, int dtype, const void
     const at::ScalarType scalar = dtype == 0 ? at::kFloat : at::kBFloat16;
     const int64_t element = c10::elementSize(scalar), nbytes = rows * cols * element;
     const std::optional<ShmComm> found = find_comm(communicator);
+    TORCH_CHECK(!found || found->world_size * cols >= out_cols,
+                "torch_shift: the ranks' shards of the vocabulary do not cover it");
     const auto part_of = [&](int64_t world, auto part) {  // part(p): rank p's [rows, cols], contiguous
       for (int64_t p = 0; p < world; ++p) {
         const int64_t n = std::min(cols, out_cols - p * cols);

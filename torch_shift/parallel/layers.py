@@ -130,8 +130,8 @@ class ShardDecoder:
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
              attention: object) -> torch.Tensor | None:
-        """The step's logits (every rank's; `logits_indices` may be empty on a rank that returns none), or None
-        where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
+        """The step's logits (every rank's, of the same `logits_indices` on every rank, whose shards it gathers), or
+        None where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
         delays only the Python collectives make), or another communicator than the one it was built with."""
         if (not self.decoder.runs(len(input_ids), attention)
                 or comm.native_communicator(self.group) != self.communicator

@@ -50,7 +50,8 @@ class ReplicaModel(LayoutCounters, nn.Module):
 
     def prepare_weights(self, drop_dense: bool = True) -> int:
         """Pack the weights for the machine's matmul (torch_shift.models.linear), unless Flying's TP layouts
-        are zero-copy views of them (`flying_weights="view"`), which packing would turn into copies."""
+        are views of them (`flying_weights="view"`: zero-copy but for the padding of a vocabulary that does not
+        divide over a group), which packing would turn into copies."""
         if self.views and self.view_weights == "view":
             return 0
         return prepare_linears(self, drop_dense)

@@ -225,7 +225,7 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
 def _vocab_rows(weight: torch.Tensor, rows: PartSlice, vocab_size: int, group: dist.ProcessGroup,
                 weights: str) -> VocabParallelLMHead:
     """A rank's rows `rows` of a whole LM head `weight` as a VocabParallelLMHead over `group`: a view or a copy,
-    the last rank's padded with zero rows to the others' count (a copy then)."""
+    padded with zero rows to the others' count where they run past the vocabulary (a copy then)."""
     count = padded_vocab(vocab_size, group.size()) // group.size()
     part = weight[rows.start:rows.start + rows.length]
     if rows.length < count:
