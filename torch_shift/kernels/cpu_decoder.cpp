@@ -101,7 +101,7 @@ enum LayerField {
 enum ModelField {
   kDtype, kHidden, kHeads, kKvHeads, kHeadDim, kIntermediate, kVocab, kLanes, kPositions, kEmbed, kFinalNorm, kLmHead,
   kCosSin, kSiluLanes, kBlocked, kGemvCode, kMaxStepTokens, kCommunicator, kLmHeadRows, kGemvRows, kLmHeadHandle,
-  kLmHeadCommunicator, kModelFields
+  kModelFields
 };
 
 struct Layer {
@@ -155,14 +155,12 @@ struct Decoder {
   int64_t gemv_rows;
   int64_t lm_head_handle;
   // a rank of a tensor-parallel layout: the shared-memory communicator (cpu_ops.cpp's, -1: none) that sums the o and
-  // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank (its
-  // shard of the vocabulary, in group-rank order), which the communicator `lm_head_communicator` gathers into the
-  // vocabulary's logits (-1: the head is whole, or the caller gathers them). A rank of a sequence-parallel layout has
-  // no LM head here (null): its step's result is its logits rows' final hidden states (after the model's last norm),
-  // which the caller gathers before the head.
+  // down projections' partial outputs, as RowParallelLinear's all-reduce; and the LM head's rows on this rank: the
+  // vocabulary, or its shard of it (in group-rank order), which the same communicator gathers (gathers_logits). A rank
+  // of a sequence-parallel layout has no LM head here (null): its step's result is its logits rows' final hidden
+  // states (after the model's last norm), which the caller gathers before the head.
   int64_t communicator;
   int64_t lm_head_rows;
-  int64_t lm_head_communicator;
   float eps;
   const void* embed;
   const void* final_norm;
@@ -174,6 +172,7 @@ struct Decoder {
   Async* async = nullptr;  // the launched steps' thread, started at the first launch
 
   int64_t qkv_rows() const { return (heads + 2 * kv_heads) * head_dim; }
+  bool gathers_logits() const { return communicator >= 0 && lm_head != nullptr && lm_head_rows != vocab; }
   char* row(std::vector<char>& buffer, int64_t r, int64_t width) { return buffer.data() + r * width * elem; }
 };
 
@@ -407,9 +406,8 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
     if (rc != 0) return rc;
   }
   if (num_logits == 0)  // a shard's peers gather their empty rows all the same (in Python, a rank without the decoder)
-    return d.lm_head != nullptr && d.lm_head_communicator >= 0
-               ? ts_decoder_all_gather(d.lm_head_communicator, d.dtype, d.shard.data(), 0, d.lm_head_rows, logits,
-                                       d.vocab)
+    return d.gathers_logits()
+               ? ts_decoder_all_gather(d.communicator, d.dtype, d.shard.data(), 0, d.lm_head_rows, logits, d.vocab)
                : 0;
   if (d.lm_head == nullptr && argmax != nullptr) return -200;
   for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
@@ -419,12 +417,11 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
   // without an LM head the rows' final hidden states are the step's result
   int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
   if (rc != 0 || d.lm_head == nullptr) return rc;
-  const bool gathered = d.lm_head_communicator >= 0;
+  const bool gathered = d.gathers_logits();
   rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_handle, d.lm_head_rows, H, nullptr,
               gathered ? d.shard.data() : logits, d.lm_head_rows);
   if (rc == 0 && gathered)
-    rc = ts_decoder_all_gather(d.lm_head_communicator, d.dtype, d.shard.data(), num_logits, d.lm_head_rows, logits,
-                               d.vocab);
+    rc = ts_decoder_all_gather(d.communicator, d.dtype, d.shard.data(), num_logits, d.lm_head_rows, logits, d.vocab);
   if (rc != 0 || argmax == nullptr) return rc;
   if (!gathered && d.lm_head_rows != d.vocab) return -200;  // a shard of the vocabulary has no argmax of it
   if (draws != nullptr) return ts_sample_rows(d.dtype, logits, num_logits, d.vocab, d.vocab, draws, argmax);
@@ -558,7 +555,6 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
   d->max_tokens = model[kMaxStepTokens];
   d->gemv_rows = model[kGemvRows], d->lm_head_handle = model[kLmHeadHandle];
   d->communicator = model[kCommunicator], d->lm_head_rows = model[kLmHeadRows];
-  d->lm_head_communicator = model[kLmHeadCommunicator];
   d->eps = eps;
   d->embed = ptr(model[kEmbed]), d->final_norm = ptr(model[kFinalNorm]), d->lm_head = ptr(model[kLmHead]);
   d->cos_sin = static_cast<const float*>(ptr(model[kCosSin]));
@@ -573,7 +569,7 @@ void* ts_decoder_create(const int64_t* model, const int64_t* layers, int64_t num
     buffer->resize(d->max_tokens * widest * d->elem);
   d->gate_up.resize(d->max_tokens * 2 * d->intermediate * d->elem);
   d->act.resize(d->max_tokens * d->intermediate * d->elem);
-  if (d->lm_head_communicator >= 0) d->shard.resize(d->max_tokens * d->lm_head_rows * d->elem);
+  if (d->gathers_logits()) d->shard.resize(d->max_tokens * d->lm_head_rows * d->elem);
   return d;
 }
 
@@ -592,9 +588,8 @@ void ts_decoder_destroy(void* decoder) {
 // a token count out of range, -201 for a token id or row outside the vocabulary or the step, -202 while a launched
 // step (below) runs, -300 where a tensor-parallel rank's all-reduce or all-gather or a sequence-parallel rank's
 // all-to-all failed (ts_collective_error); else the failing kernel's code. A rank's shard of the vocabulary gathers
-// every rank's logits rows where it has the head's communicator, else it writes its own rows (logits [num_logits,
-// lm_head_rows]) and no argmax; a decoder without an LM head the rows' final hidden states, after the model's last
-// norm (logits [num_logits, hidden]), and no argmax.
+// every rank's rows of the logits [num_logits, vocab] through its communicator; a decoder without an LM head writes
+// the rows' final hidden states, after the model's last norm (logits [num_logits, hidden]), and no argmax.
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);

@@ -15,8 +15,8 @@ It runs Llama, Mistral, Qwen2 and Qwen3 (decoder.py's DecoderLM) of float32 or b
 linear weight packed for the GEMV kernel (AVX-512) or in torch_shift's 16-feature blocks (AVX2), or a rank's shard of
 such a model in a tensor-parallel layout (`build(model, group, communicator)`: column shards of q/k/v and gate/up, row
 shards of o and down whose partial outputs it sums through the group's shared-memory communicator as the forward's
-all-reduce does, and a shard of the vocabulary in the LM head, whose logits it gathers through the head's communicator
-as the forward's all-gather does, or else leaves to the caller). Under sequence
+all-reduce does, and a shard of the vocabulary in the LM head, whose logits it gathers through the same communicator
+as the forward's all-gather does). Under sequence
 parallelism (`head=False`) a rank runs its share of a step's tokens with Ulysses' all-to-alls inside each layer's
 attention call and returns their final hidden states for the caller's LM head; a rank without tokens in a step runs
 only each layer's attention for the others (`attend`). `NativeDecoder.build` returns None for anything else (experts,
@@ -47,7 +47,7 @@ from torch_shift.models.rope import RotaryEmbedding
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
                  "embed", "final_norm", "lm_head", "cos_sin", "silu_lanes", "blocked", "gemv_code", "max_tokens",
-                 "communicator", "lm_head_rows", "gemv_rows", "lm_head_handle", "lm_head_communicator")
+                 "communicator", "lm_head_rows", "gemv_rows", "lm_head_handle")
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer", "window", "o", "o_bias",
                  "post_norm", "gate_up", "down", "qkv_handle", "o_handle", "gate_up_handle", "down_handle")
 
@@ -85,16 +85,15 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, model: torch.nn.Module, group: object | None = None, communicator: int | None = None,
-              head: bool = True, lm_head_communicator: int | None = None) -> NativeDecoder | None:
+              head: bool = True) -> NativeDecoder | None:
         """The decoder of `model`, or None where it cannot run it exactly (see the module's docstring). `group`: the
         process group over which `model` is a tensor-parallel rank's shard (its row-sharded o and down projections
         and its LM head name it as their `group`), whose all-reduces run through the shared-memory communicator
         `communicator` (torch_shift.parallel.comm.native_communicator; None for a group of one rank, which sums
         nothing). `head=False`: a step's result is its logits rows' final hidden states (after the model's last
         norm, as DecoderLM.forward returns them), the LM head left to the caller (a sequence-parallel rank's, whose
-        rows are gathered first). `lm_head_communicator`: the shared-memory communicator of the group over which
-        the LM head is sharded by vocabulary rows (VocabParallelLMHead), which gathers its logits in the call, as the
-        forward's all-gather does; None: the caller gathers them."""
+        rows are gathered first). An LM head sharded by vocabulary rows over `group` (VocabParallelLMHead) has its
+        logits gathered in the call, as the forward's all-gather does."""
         kernels = decoder_kernels()
         alone = group is not None and group.size() == 1
         if (kernels is None or (group is not None and communicator is None and not alone)
@@ -121,8 +120,7 @@ class NativeDecoder:
             gemv_code=model.lm_head.packed.gemv_code, max_tokens=max_tokens,
             communicator=-1 if group is None or alone else communicator,
             lm_head_rows=model.lm_head.packed.out_features if head else config.hidden_size, gemv_rows=gemv_limit,
-            lm_head_handle=model.lm_head.packed.handle if head else -1,
-            lm_head_communicator=-1 if lm_head_communicator is None or not head else lm_head_communicator)
+            lm_head_handle=model.lm_head.packed.handle if head else -1)
         layer_fields = []
         for layer in model.layers:
             attn = layer.attn
@@ -141,8 +139,10 @@ class NativeDecoder:
             *(fields[name] for fields in layer_fields for name in _LAYER_FIELDS))
         handle = kernels.create(model_array, layer_array, len(layer_fields), config.rms_norm_eps)
         assert handle, "the C++ decoder refused a model the checks above accepted"
+        # (kernels/cpu_decoder.cpp's Decoder::gathers_logits)
+        gathers = head and model_fields["communicator"] >= 0 and model_fields["lm_head_rows"] != config.vocab_size
         return cls(model, kernels, handle, max_tokens, tensor_parallel=group is not None, head=head,
-                   gathers_logits=head and lm_head_communicator is not None)
+                   gathers_logits=gathers)
 
     def runs(self, num_tokens: int, attention: object) -> bool:
         """Whether a step of `num_tokens` tokens attending through `attention` runs here: its matmuls all run

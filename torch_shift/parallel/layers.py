@@ -100,17 +100,12 @@ class ShardDecoder:
     """A tensor-parallel rank's shard of a dense model (RowParallelLinear o and down projections, an LM head whole or
     VocabParallelLMHead) run by the C++ decoder (torch_shift.models.native_decoder): its partial sums added through
     the group's shared-memory all-reduce inside the call, as the forward's are, and its logits gathered over the
-    vocabulary where the head is sharded, inside the call too (the head's group's communicator; here, where the head's
-    group has none in C++). Every rank of the layout runs the same steps."""
+    vocabulary where the head is sharded, inside the call too. Every rank of the layout runs the same steps."""
 
-    def __init__(self, decoder: NativeDecoder, group: dist.ProcessGroup, communicator: int, vocab_size: int | None,
-                 head_group: dist.ProcessGroup | None = None, head_communicator: int | None = None):
+    def __init__(self, decoder: NativeDecoder, group: dist.ProcessGroup, communicator: int):
         self.decoder = decoder
         self.group = group
         self.communicator = communicator  # the id the decoder was built with (comm.native_communicator)
-        self.vocab_size = vocab_size  # the vocabulary a sharded LM head's gathered logits are trimmed to
-        # a sharded LM head's group, and the communicator the decoder gathers its logits through (None: gathered here)
-        self.head_group, self.head_communicator = head_group, head_communicator
 
     @classmethod
     def build(cls, model: nn.Module) -> ShardDecoder | None:
@@ -118,15 +113,8 @@ class ShardDecoder:
         without the shared-memory communicator's C++ collectives)."""
         group = shard_group(model)
         communicator = comm.native_communicator(group) if group is not None else None
-        head = model.lm_head
-        sharded = isinstance(head, VocabParallelLMHead)
-        head_communicator = comm.native_communicator(head.group) if sharded else None
-        decoder = (NativeDecoder.build(model, group, communicator, lm_head_communicator=head_communicator)
-                   if communicator is not None else None)
-        if decoder is None:
-            return None
-        return cls(decoder, group, communicator, head.vocab_size if sharded else None,
-                   head.group if sharded else None, head_communicator)
+        decoder = NativeDecoder.build(model, group, communicator) if communicator is not None else None
+        return None if decoder is None else cls(decoder, group, communicator)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
              attention: object) -> torch.Tensor | None:
@@ -134,9 +122,7 @@ class ShardDecoder:
         None where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
         delays only the Python collectives make), or another communicator than the one it was built with."""
         if (not self.decoder.runs(len(input_ids), attention)
-                or comm.native_communicator(self.group) != self.communicator
-                or (self.head_communicator is not None
-                    and comm.native_communicator(self.head_group) != self.head_communicator)):
+                or comm.native_communicator(self.group) != self.communicator):
             return None
         logits = self.decoder(input_ids, positions, logits_indices, attention)
         if logits is None:
@@ -145,13 +131,10 @@ class ShardDecoder:
         model = self.decoder.model
         comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
                             * logits.element_size(), self.group)
-        if self.vocab_size is None:
-            return logits
-        if self.decoder.gathers_logits:
-            comm.record_outside("all_gather", 1, len(logits) * self.decoder.model.lm_head.packed.out_features
-                                * logits.element_size(), self.head_group)
-            return logits
-        return comm.all_gather(logits, self.head_group, dim=-1)[..., : self.vocab_size]
+        if self.decoder.gathers_logits:  # as VocabParallelLMHead's all-gather counts it
+            comm.record_outside("all_gather", 1, len(logits) * model.lm_head.packed.out_features
+                                * logits.element_size(), self.group)
+        return logits
 
 
 class UlyssesDecoder:
