@@ -508,6 +508,9 @@ def main(argv=None) -> int:
                          f"also {','.join(MOE_CONFIGS)})")
     ap.add_argument("--shift-thresholds", default=None,
                     help="bursty part: also Shift (SP-2 base) at each of these thresholds, as configurations Shift@N")
+    ap.add_argument("--flying-dp-above", default=None,
+                    help="bursty part: also Flying at each of these dp_above values (requests per replica, or 'never': "
+                         "as torch-shift plan's sweep), as configurations Flying@V")
     ap.add_argument("--rounds", type=int, default=1,
                     help="bursty part: serve the stream this many times per configuration, configurations alternated; "
                          "ratios against the peer per round and their median")
@@ -536,6 +539,16 @@ def main(argv=None) -> int:
             ap.error(f"--shift-thresholds: {threshold!r} is not a number of tokens")
         CONFIGS[f"Shift@{threshold}"] = {**CONFIGS["Shift"], "shift_threshold": threshold}
         configs.append(f"Shift@{threshold}")
+    if args.flying_dp_above:
+        from torch_shift.planner.plan import parse_dp_above
+
+        try:
+            values = parse_dp_above(args.flying_dp_above, "--flying-dp-above")
+        except ValueError as e:
+            ap.error(str(e))
+        for text, value in zip(args.flying_dp_above.split(","), values):
+            CONFIGS[f"Flying@{text.strip()}"] = {**CONFIGS["Flying"], "policy_config": json.dumps({"dp_above": value})}
+            configs.append(f"Flying@{text.strip()}")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")

@@ -176,7 +176,7 @@ def test_the_command_line_and_stats(llama):
     params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0.0)
     expected = reference(model_dir, [prompt], params)[0].outputs[0].token_ids
     proc = subprocess.run([sys.executable, "-m", "torch_shift", "generate", "--model", str(model_dir), "--dp", "2",
-                           "--policy", "flying", "--policy-config", '{"dp_above": 8}', "--token-ids",
+                           "--policy", "flying", "--policy-config", '{"dp_above": null}', "--token-ids",
                            " ".join(map(str, prompt)), "--max-tokens", "5", "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

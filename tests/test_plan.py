@@ -131,6 +131,31 @@ def test_plan_cli_on_the_default_model(tmp_path, capsys):
     assert "unknown hardware" in capsys.readouterr().err
 
 
+def test_plan_sweeps_flyings_split_load_and_never_splitting_serves_as_tp(tmp_path, capsys):
+    """Flying at each `--dp-above`: a load that splits the TP group into DP replicas switches, and 'never' runs
+    the same schedule as static TP-2 (the same simulated figures); the best of the sweep is recommended as the
+    policy_config to give the engine."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--hardware", "a10x2", "--synthetic", "64:16", "--rate", "200", "--num-requests", "40",
+                 "--policies", "tp,flying", "--dp-above", "1,never", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    by_label = {c["label"]: c for c in report["candidates"]}
+    assert set(by_label) == {"TP2", "Flying DP2 (dp_above 1)", "Flying DP2 (never DP on load)"}
+    tp, split, never = by_label["TP2"], by_label["Flying DP2 (dp_above 1)"], by_label["Flying DP2 (never DP on load)"]
+    assert split["num_switches"] > 0 and never["num_switches"] == 0
+    for key in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "throughput_tok_s"):
+        assert never[key] == tp[key]
+    assert never["params"] == {"dp": 2, "dp_above": None}
+    chosen = report["recommended"]["flying_policy_config"]
+    assert chosen in ({"dp_above": 1.0}, {"dp_above": None})
+    assert f"--policy-config '{json.dumps(chosen)}'" in printed
+    assert [c.params["dp_above"] for c in candidates(4, ["flying"], dp_above=(2.0, None))] == [2.0, None]
+    for bad in ("x", "0.5", "inf", "nan", "4,"):
+        assert main(["plan", "--hardware", "a10x2", "--synthetic", "64:16", "--dp-above", bad]) == 2
+    assert "--dp-above takes a comma list" in capsys.readouterr().err
+
+
 def test_plan_says_each_reason_a_candidate_cannot_run_once(capsys):
     """At world 3 the default model splits no way but DP and PP: one reason for the SP and Shift candidates, said
     once on the way and once in the table's notes."""

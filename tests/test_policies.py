@@ -71,6 +71,26 @@ def test_flying_runs_tp_under_light_load_and_dp_under_a_burst_with_hysteresis():
     assert sched.requests["a"].replicas == (0, 1)  # back in TP
 
 
+def test_flying_without_dp_above_keeps_its_tp_group_under_any_load_but_binds_priority_groups():
+    """dp_above=None: load never splits the TP groups (where they out-serve their replicas at every load); a
+    priority request still gets its group."""
+    sched, policy = flying(num_replicas=4, dp_above=None, priority_width=2, priority_below=0)
+    for i in range(12):  # 3 per replica, then more: a split at any finite dp_above up to 3
+        sched.add_request(make_request(f"b{i}", 5, max_tokens=4))
+    out = step(sched)
+    assert policy.mode == "tp" and layouts(out) == ["tp4@0"]
+    sched.add_request(make_request("urgent", 5, max_tokens=2, priority=-1))
+    urgent_layouts = set()
+    while sched.num_unfinished:
+        out = step(sched)
+        urgent_layouts |= {g.layout for g in out.groups for e in g.entries if e.request_id == "urgent"}
+    assert urgent_layouts == {"tp2@0"} and policy.num_binds == 1
+    assert policy.num_mode_switches == 0 and all(p.num_free_blocks == 64 for p in sched.pools)
+    assert policy_options("flying", {"dp_above": None}) == FlyingOptions(dp_above=None)
+    with pytest.raises(ValueError, match="tp_below <= dp_above"):
+        FlyingOptions(dp_above=None, tp_below=-1)
+
+
 def test_hard_preemption_pauses_dp_requests_with_their_kv():
     sched, policy = flying(num_replicas=4, dp_above=1, tp_below=0, priority_width=2)
     for i in range(8):

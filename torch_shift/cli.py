@@ -361,9 +361,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     from torch_shift.planner import ModelShape, get_profile
     from torch_shift.planner.plan import (
+        DEFAULT_DP_ABOVE,
         DEFAULT_THRESHOLDS,
         POLICIES,
         load_model_config,
+        parse_dp_above,
         parse_slo,
         plan,
         synthetic_requests,
@@ -428,8 +430,9 @@ def _plan(args: argparse.Namespace) -> int:
         thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else list(DEFAULT_THRESHOLDS)
     except ValueError:
         raise ValueError(f"--thresholds takes a comma list of token counts, got {args.thresholds!r}") from None
+    dp_above = parse_dp_above(args.dp_above) if args.dp_above else list(DEFAULT_DP_ABOVE)
     report = plan(config, shape, hw, requests, world=world, workload=workload, model_name=shape.name,
-                  policies=policies, thresholds=thresholds, cpu_kv_gb=args.cpu_kv_gb, slo=slo,
+                  policies=policies, thresholds=thresholds, dp_above=dp_above, cpu_kv_gb=args.cpu_kv_gb, slo=slo,
                   concurrency=args.concurrency, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   memory_utilization=args.gpu_memory_utilization, seed=args.seed,
@@ -497,8 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = _subcommand(sub, "plan", "simulate every layout and policy on a workload and recommend one",
                        "Run the engine's own scheduler and policies over a request stream with step times from the\n"
-                       "cost model, for every candidate (static DP, TP, SP, PP; Shift over a threshold sweep; Flying;\n"
-                       "Seesaw), print the predicted latencies, throughput and memory, and recommend one.\n"
+                       "cost model, for every candidate (static DP, TP, SP, PP; Shift over a threshold sweep; Flying\n"
+                       "over a sweep of the load that splits it; Seesaw), print the predicted latencies, throughput\n"
+                       "and memory, and recommend one.\n"
                        "Example: torch-shift plan --model config.json --hardware h200x8 --dtype fp8 "
                        "--synthetic 4096:250 --rate 2")
     plan.add_argument("--model", default=None, help="model directory or config.json (no weights needed); "
@@ -520,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--slo", default=None, help="bounds on p90 TTFT and TPOT, e.g. ttft=500ms,tpot=50ms")
     plan.add_argument("--policies", default=None, help="a comma list of candidates' policies (default: all)")
     plan.add_argument("--thresholds", default=None, help="Shift's thresholds to sweep (tokens, comma list)")
+    plan.add_argument("--dp-above", default=None,
+                      help="Flying's loads to sweep at which its TP groups split into DP replicas (requests per "
+                           "replica, comma list; 'never': load never splits them) (default: 2,4,8,16,never)")
     plan.add_argument("--cpu-kv-gb", type=float, default=None,
                       help="Seesaw's host KV tier (GiB; default 64, or on CPU ranks a quarter of the memory up to 4)")
     plan.add_argument("--max-num-seqs", type=int, default=256, help="the simulated engine's running sequences")

@@ -2,14 +2,15 @@
 
 Candidates for a world of W devices: static layouts (DP x TP for each TP width dividing W, SP-W, PP-W),
 Shift (SP-W base, TP-W for steps of at most a threshold of tokens) over a sweep of thresholds, Flying
-(DP-W replicas merged into TP groups under load) and Seesaw (PP-W prefill, TP-W decode through the host
-tier). Each runs through the real engine's scheduler and policy with the cost model's step times
-(`torch_shift.planner.simulate`); a candidate that cannot run (the model does not split that way, its
-weights do not fit) is reported with the reason.
+(DP-W replicas merged into TP groups, split into DP under load) over a sweep of that load, and Seesaw (PP-W
+prefill, TP-W decode through the host tier). Each runs through the real engine's scheduler and policy with the
+cost model's step times (`torch_shift.planner.simulate`); a candidate that cannot run (the model does not split
+that way, its weights do not fit) is reported with the reason.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -27,6 +28,10 @@ from torch_shift.planner.simulate import CostModelTimer, SimulatedEngine, Simula
 
 POLICIES = ("dp", "tp", "sp", "pp", "shift", "flying", "seesaw")
 DEFAULT_THRESHOLDS = (32, 64, 128, 256, 512, 1024, 2048)
+# Flying's `dp_above` (requests per replica at which its TP groups split into DP replicas; None: never on load). Its
+# default (4) split a 2-core CPU's TP-2 into one-core replicas that served 15% fewer requests a second and tripled
+# the bursts' TPOT (docs/performance.md, 2026-12-03): where DP pays depends on the machine.
+DEFAULT_DP_ABOVE = (2.0, 4.0, 8.0, 16.0, None)
 SLO_METRICS = {"ttft": "ttft_p90_ms", "tpot": "tpot_p90_ms", "e2e": "e2e_p50_ms"}
 
 
@@ -52,8 +57,12 @@ class Candidate:
         if self.policy == "shift":
             return f"Shift SP{p['sp']}->TP{p['sp'] * p['tp']}{ep} @{p['threshold']}"
         if self.policy == "flying":
-            return f"Flying DP{p['dp']} (dp_above {p['dp_above']:g})"
+            return f"Flying DP{p['dp']} ({_dp_above_text(p['dp_above'])})"
         return f"Seesaw P{p['pp']}->T{p['pp']} ({p['cpu_kv_gb']:g} GiB tier)"
+
+
+def _dp_above_text(dp_above: float | None) -> str:
+    return "never DP on load" if dp_above is None else f"dp_above {dp_above:g}"
 
 
 @dataclass
@@ -80,9 +89,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
-               cpu_kv_gb: float = 64.0, dp_above: float = 4.0, num_experts: int = 0) -> list[Candidate]:
-    """The configurations `plan` simulates; for a mixture of experts whose `num_experts` the world divides,
-    TP, SP and Shift also with the experts split whole over the ranks (`enable_expert_parallel`)."""
+               cpu_kv_gb: float = 64.0, dp_above: Sequence[float | None] = DEFAULT_DP_ABOVE,
+               num_experts: int = 0) -> list[Candidate]:
+    """The configurations `plan` simulates (Shift at each of `thresholds`, Flying at each of `dp_above`); for a
+    mixture of experts whose `num_experts` the world divides, TP, SP and Shift also with the experts split whole
+    over the ranks (`enable_expert_parallel`)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -104,9 +115,10 @@ def candidates(world: int, policies: Sequence[str] = POLICIES, thresholds: Seque
                 out.append(Candidate("shift", {"sp": world, "tp": 1, "threshold": threshold},
                                      {"sp": world, "shift_threshold": threshold, "shift_weights": "view"}))
         elif policy == "flying" and world > 1:
-            out.append(Candidate("flying", {"dp": world, "dp_above": dp_above},
-                                 {"dp": world, "policy": "flying", "policy_config": {"dp_above": dp_above},
-                                  "flying_weights": "view"}))
+            for value in dp_above:
+                out.append(Candidate("flying", {"dp": world, "dp_above": value},
+                                     {"dp": world, "policy": "flying", "policy_config": {"dp_above": value},
+                                      "flying_weights": "view"}))
         elif policy == "seesaw" and world > 1:
             out.append(Candidate("seesaw", {"pp": world, "cpu_kv_gb": cpu_kv_gb},
                                  {"pp": world, "policy": "seesaw"}))
@@ -222,11 +234,31 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
+def parse_dp_above(text: str, flag: str = "--dp-above") -> list[float | None]:
+    """'2,4,never' -> [2.0, 4.0, None]: Flying's loads to sweep (requests per replica; 'never': no split on load)."""
+    values: list[float | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part == "never":
+            values.append(None)
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 1:  # Flying's default tp_below is 1
+            raise ValueError(f"{flag} takes a comma list of loads >= 1 (requests per replica) or 'never', "
+                             f"got {part!r}")
+        values.append(value)
+    return values
+
+
 @dataclass
 class Recommendation:
     result: CandidateResult
     reason: str
-    best_threshold: int | None = None
+    best_threshold: int | None = None  # Shift's best threshold in the sweep
+    flying_policy_config: dict | None = None  # the best `policy_config` of Flying's sweep (its `dp_above`)
 
 
 # Throughputs this close count as a tie, which the median TTFT breaks: under an open-loop stream every candidate that
@@ -256,12 +288,15 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
         tied = [r for r in pool if r.metrics["throughput_tok_s"] >= top * (1 - THROUGHPUT_TIE)]
         return min(tied, key=lambda r: (r.metrics["ttft_p50_ms"], -r.metrics["throughput_tok_s"]))
 
-    shift = [r for r in ran if r.candidate.policy == "shift"]
+    def best_of(policy: str) -> CandidateResult | None:
+        """The best of a policy's sweep (Shift's thresholds, Flying's dp_above)"""
+        swept = [r for r in ran if r.candidate.policy == policy]
+        if not swept:
+            return None
+        return fastest(([r for r in swept if miss(r) <= 1.0] if slo else swept) or swept)
+
     meeting = [r for r in ran if miss(r) <= 1.0]
-    best_shift = None
-    if shift:
-        shift_meeting = [r for r in shift if miss(r) <= 1.0] if slo else shift
-        best_shift = fastest(shift_meeting or shift)
+    best_shift, best_flying = best_of("shift"), best_of("flying")
     bounds = ", ".join(f"{k.upper()} {'p90' if k != 'e2e' else 'p50'} <= {v:g} ms" for k, v in slo.items())
     if slo and meeting:
         best = fastest(meeting)
@@ -280,9 +315,15 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
                   f"({best.metrics['ttft_p50_ms']:.1f} ms)")
     threshold = best_shift.candidate.params["threshold"] if best_shift else None
     if best_shift is not None:
-        reason += (f"; Shift's sweep found threshold {threshold} best (TTFT p50 {best_shift.metrics['ttft_p50_ms']:.1f} "
-                   f"ms, {best_shift.metrics['throughput_tok_s']:.1f} tok/s)")
-    return Recommendation(best, reason, threshold)
+        reason += (f"; Shift's sweep found threshold {threshold} best (TTFT p50 "
+                   f"{best_shift.metrics['ttft_p50_ms']:.1f} ms, {best_shift.metrics['throughput_tok_s']:.1f} tok/s)")
+    flying_config = None
+    if best_flying is not None:
+        flying_config = best_flying.candidate.engine_args["policy_config"]
+        reason += (f"; Flying's sweep found {_dp_above_text(flying_config['dp_above'])} best (--policy-config "
+                   f"'{json.dumps(flying_config)}': TTFT p50 {best_flying.metrics['ttft_p50_ms']:.1f} ms, "
+                   f"{best_flying.metrics['throughput_tok_s']:.1f} tok/s)")
+    return Recommendation(best, reason, threshold, flying_config)
 
 
 # -- workloads --------------------------------------------------------------------------------------------
@@ -334,7 +375,8 @@ class PlanReport:
         rec = self.recommendation
         return {"model": self.model, "hardware": self.hardware, "world": self.world, "workload": self.workload,
                 "slo_ms": self.slo, "candidates": [r.to_json() for r in self.results],
-                "recommended": {**rec.result.to_json(), "reason": rec.reason, "shift_threshold": rec.best_threshold}}
+                "recommended": {**rec.result.to_json(), "reason": rec.reason, "shift_threshold": rec.best_threshold,
+                                "flying_policy_config": rec.flying_policy_config}}
 
     def table(self) -> str:
         head = (f"{'candidate':34} {'TTFT p50':>9} {'p90':>9} {'TPOT p50':>9} {'p90':>8} {'queue p50':>9} "
@@ -386,12 +428,14 @@ class PlanReport:
 
 def plan(config: ModelConfig, shape: ModelShape, hw: HardwareProfile, requests: Sequence[RequestSpec], *,
          world: int, workload: str, model_name: str, policies: Sequence[str] = POLICIES,
-         thresholds: Sequence[int] = DEFAULT_THRESHOLDS, cpu_kv_gb: float | None = None, slo: dict | None = None,
-         concurrency: int | None = None, log=None, **engine) -> PlanReport:
+         thresholds: Sequence[int] = DEFAULT_THRESHOLDS, dp_above: Sequence[float | None] = DEFAULT_DP_ABOVE,
+         cpu_kv_gb: float | None = None, slo: dict | None = None, concurrency: int | None = None, log=None,
+         **engine) -> PlanReport:
     """`cpu_kv_gb`: Seesaw's host tier (default: `default_tier_gb`)."""
     results = []
     cpu_kv_gb = default_tier_gb(hw) if cpu_kv_gb is None else cpu_kv_gb
-    chosen = candidates(world, policies, thresholds, cpu_kv_gb, num_experts=config.num_experts if config.is_moe else 0)
+    chosen = candidates(world, policies, thresholds, cpu_kv_gb, dp_above,
+                        num_experts=config.num_experts if config.is_moe else 0)
     if log is not None:  # each one is a whole simulated serving run: seconds to minutes
         log(f"simulating {len(chosen)} candidates over {len(requests)} requests, one after another")
     for i, candidate in enumerate(chosen):

@@ -4,7 +4,9 @@ Three reasons to bind a group, each decided at the step plan (the safe point):
 - load (paper 004 Use Case 1): under light load the replicas run as TP groups of `tp_width` (low
   latency); when the requests in the system reach `dp_above` per replica they run as DP replicas
   (no queue), and go back to TP when the load falls to `tp_below` per replica (hysteresis); a request
-  with proposed tokens (speculative decoding) counts once per token its next step computes. At a
+  with proposed tokens (speculative decoding) counts once per token its next step computes. With
+  `dp_above=None` load never splits them, for machines where a TP group out-serves its replicas at every
+  load (`torch-shift plan` sweeps `dp_above` on a machine's profile and a workload). At a
   switch the requests running in the other width move: their KV is dropped and recomputed in the
   new width (outputs unchanged);
 - priority (Use Case 2): a request with `priority < priority_below` (lower is more urgent, as in
@@ -21,6 +23,7 @@ Three reasons to bind a group, each decided at the step plan (the safe point):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch_shift.engine.policies.base import Policy, SchedulerView, StepDecision
@@ -31,7 +34,7 @@ from torch_shift.parallel.layouts import Deployment, check_width
 @dataclass(frozen=True)
 class FlyingOptions:
     tp_width: int | None = None  # width of the TP groups under light load (default: the widest the model allows)
-    dp_above: float = 4.0  # requests per replica at which the replicas run as DP
+    dp_above: float | None = 4.0  # requests per replica at which the replicas run as DP (None: never on load)
     tp_below: float = 1.0  # ... and back to TP at this load
     priority_below: int = 0  # a request with a priority below this gets a TP group at once
     priority_width: int | None = None  # that group's width (default: the widest)
@@ -41,9 +44,12 @@ class FlyingOptions:
     def __post_init__(self) -> None:
         for name in ("dp_above", "tp_below"):
             value = getattr(self, name)
+            if name == "dp_above" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not 0 <= self.tp_below <= self.dp_above:
+                raise TypeError(f"{name} must be a number" + (" or None" if name == "dp_above" else "")
+                                + f", got {type(value).__name__}")
+        if not 0 <= self.tp_below <= (math.inf if self.dp_above is None else self.dp_above):
             raise ValueError(f"need 0 <= tp_below <= dp_above, got tp_below={self.tp_below}, "
                              f"dp_above={self.dp_above}")
         if self.preemption not in ("hard", "soft"):
@@ -166,7 +172,7 @@ class FlyingPolicy(Policy):
         if self.tp_width == 1:
             return
         mode = self.mode
-        if mode == "tp" and load_per_replica >= self.dp_above:
+        if mode == "tp" and self.dp_above is not None and load_per_replica >= self.dp_above:
             mode = "dp"
         elif mode == "dp" and load_per_replica <= self.tp_below:
             mode = "tp"
