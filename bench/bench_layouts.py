@@ -547,8 +547,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
         for text, value in zip(args.flying_dp_above.split(","), values):
-            CONFIGS[f"Flying@{text.strip()}"] = {**CONFIGS["Flying"], "policy_config": json.dumps({"dp_above": value})}
-            configs.append(f"Flying@{text.strip()}")
+            name = f"Flying@{text.strip()}"
+            CONFIGS[name] = {**CONFIGS["Flying"], "policy_config": json.dumps({"dp_above": value})}
+            configs.append(name)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
