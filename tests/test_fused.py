@@ -416,6 +416,7 @@ def test_a_packed_gate_up_projection_in_chunks_of_rows_is_the_whole_one(blocked,
     if dtype == torch.bfloat16 and (proj.packed.blocked or proj.packed.gemv_code != AMX_BF16_CODE):
         pytest.skip("bfloat16 is chunked where oneDNN packs it for AMX")
     monkeypatch.setattr(fused, "GATE_UP_CHUNK_BYTES", chunk_rows * 2 * intermediate * proj.weight.element_size())
+    monkeypatch.setattr(fused, "GATE_UP_MIN_CHUNK_ROWS", chunk_rows)
     native = cpu_ops() and fused.register_native_operators()
     assert not native or torch._C._dispatch_has_kernel_for_dispatch_key("torch_shift::cpu_gate_up_silu", "CPU")
     # at most 32768 elements: PyTorch's silu in one part, as the chunks'; 257 and 300 tokens: two chunks of 129 or 150

@@ -220,14 +220,18 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 # at 2,000-2,800 up to 1,536; in 431-row chunks a 2,000-token prefill took 1.3x less time and the 64-request batch
 # 1.2x (an AMX Xeon, 2 threads; docs/performance.md).
 GATE_UP_CHUNK_BYTES = 8 << 20
+# and at least this many rows: oneDNN's float32 matmul of the 106M model's gate/up (1,024 -> 5,632) took 1.4-2.1% less
+# time on steps of 384-1,024 rows in chunks of up to 512 rows than of up to 372 (the bytes' bound), and the same on
+# 2,048 (an AMX Xeon, 2 threads; docs/performance.md)
+GATE_UP_MIN_CHUNK_ROWS = 512
 
 
 def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused gate/up projection of x [..., hidden]: a packed float32 one on the CPU, or a
-    bfloat16 one packed for AMX, in chunks of rows (GATE_UP_CHUNK_BYTES), under torch.compile as the opaque
-    `torch_shift::cpu_gate_up_silu`; eager and compiled steps chunk alike. In float32, the bits of the whole
-    projection where a row's sums do not depend on how many rows oneDNN multiplies at once and PyTorch's SiLU splits
-    the chunks' elements over its threads on vector boundaries, as on the machines measured (two threads;
+    bfloat16 one packed for AMX, in chunks of rows (GATE_UP_CHUNK_BYTES, GATE_UP_MIN_CHUNK_ROWS), under torch.compile
+    as the opaque `torch_shift::cpu_gate_up_silu`; eager and compiled steps chunk alike. In float32, the bits of the
+    whole projection where a row's sums do not depend on how many rows oneDNN multiplies at once and PyTorch's SiLU
+    splits the chunks' elements over its threads on vector boundaries, as on the machines measured (two threads;
     tests/test_fused.py); where it splits a row elsewhere the split's last elements take its scalar exp, as they already
     do in steps of other sizes. bfloat16 rows on AMX depend on the row count of oneDNN's matmul (a 128 x 1024 weight:
     100 rows at once round otherwise than 300) as they did on the step's. bfloat16 packed otherwise (AVX512-BF16
@@ -238,7 +242,8 @@ def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
                                                  and not packed.blocked))
             or getattr(gate_up_proj, "bias", None) is not None or getattr(gate_up_proj, "biases", None) is not None):
         return silu_mul(gate_up_proj(x))
-    chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
+    chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_MIN_CHUNK_ROWS,
+                     GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
     if _compiling_on_cpu(x):
         return cpu_gate_up_silu(x, packed.handle, packed.out_features, chunk_rows)
     return _gate_up_silu_chunks(packed, x, chunk_rows)
