@@ -220,10 +220,12 @@ def _(gate_up: torch.Tensor) -> torch.Tensor:
 # at 2,000-2,800 up to 1,536; in 431-row chunks a 2,000-token prefill took 1.3x less time and the 64-request batch
 # 1.2x (an AMX Xeon, 2 threads; docs/performance.md).
 GATE_UP_CHUNK_BYTES = 8 << 20
-# and at least this many rows: oneDNN's float32 matmul of the 106M model's gate/up (1,024 -> 5,632) took 1.4-2.1% less
-# time on steps of 384-1,024 rows in chunks of up to 512 rows than of up to 372 (the bytes' bound), and the same on
-# 2,048 (an AMX Xeon, 2 threads; docs/performance.md)
+# and at least this many rows where their projection stays under GATE_UP_MAX_CHUNK_BYTES (glibc's blocks above 32 MiB
+# are the ones faulted in afresh): oneDNN's float32 matmul of the 106M model's gate/up (1,024 -> 5,632) took 1.4-2.1%
+# less time on steps of 384-1,024 rows in chunks of up to 512 rows than of up to 372 (the bytes' bound), and the same
+# on 2,048 (an AMX Xeon, 2 threads; docs/performance.md)
 GATE_UP_MIN_CHUNK_ROWS = 512
+GATE_UP_MAX_CHUNK_BYTES = 16 << 20
 
 
 def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +244,9 @@ def gate_up_silu(gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
                                                  and not packed.blocked))
             or getattr(gate_up_proj, "bias", None) is not None or getattr(gate_up_proj, "biases", None) is not None):
         return silu_mul(gate_up_proj(x))
-    chunk_rows = max(4 * GEMV_MAX_ROWS, GATE_UP_MIN_CHUNK_ROWS,
-                     GATE_UP_CHUNK_BYTES // (packed.out_features * x.element_size()))
+    row_bytes = packed.out_features * x.element_size()
+    chunk_rows = max(4 * GEMV_MAX_ROWS, min(GATE_UP_MIN_CHUNK_ROWS, GATE_UP_MAX_CHUNK_BYTES // row_bytes),
+                     GATE_UP_CHUNK_BYTES // row_bytes)
     if _compiling_on_cpu(x):
         return cpu_gate_up_silu(x, packed.handle, packed.out_features, chunk_rows)
     return _gate_up_silu_chunks(packed, x, chunk_rows)
