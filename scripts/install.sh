@@ -23,9 +23,9 @@ sys.exit(0 if version >= (2, 11) else 1)' 2>/dev/null; then
     echo "[install] $TORCH_PIN, CPU-only build from $CPU_INDEX (no NVIDIA GPU here)" >&2
     "$PYTHON" -m pip install --quiet --index-url "$CPU_INDEX" "$TORCH_PIN"
   else
-    # (pip's progress shown: from PyPI this is the CUDA build, several GB, unless the index holds a CPU wheel)
-    echo "[install] $CPU_INDEX cannot be reached: $TORCH_PIN from the configured package index, which on PyPI" \
-         "is the CUDA build (about 20 CUDA packages, several GB); to avoid that, install a CPU torch >= 2.11 first" >&2
+    echo "[install] $CPU_INDEX cannot be reached: $TORCH_PIN from the configured package index (pip's progress" \
+         "follows), which on PyPI is the CUDA build (about 20 CUDA packages, several GB) unless the index holds a" \
+         "CPU wheel; to avoid that, install a CPU torch >= 2.11 first" >&2
     "$PYTHON" -m pip install "$TORCH_PIN"
   fi
 fi
