@@ -217,9 +217,9 @@ __attribute__((target("avx512f"))) inline __m512 silu_bf16x16(__m512i words) {
   return round_bf16x16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
-// That silu for every bfloat16 word, computed once: a bfloat16 silu(gate) * up looks its silu(gate) up. (The result
-// of a lane depends only on that lane: the same bits. The exp and division cost 2.4-2.6 cycles an element on
-// an AMX Xeon, compute-bound at any size; a lookup about 0.8: docs/performance.md.) Two words more for a gather of
+// That silu for every bfloat16 word, computed once: a bfloat16 silu(gate) * up looks its silu(gate) up. (A lane's
+// result depends only on that lane: the same bits. With the exp and division an element cost 2.3-2.6 cycles on an AMX
+// Xeon, compute-bound at any size; with the lookup 1.2-1.4: docs/performance.md.) Two words more for a gather of
 // 32-bit lanes at the last one.
 struct SiluBf16Table {
   alignas(64) uint16_t silu[65536 + 2];
@@ -243,9 +243,7 @@ const uint16_t* silu_bf16_table() {
 }
 
 // out[0, 16 N) = silu(gate) * up, each operator's result rounded to the dtype (T: float or bf16_t). float32: the N exps
-// (calls) first, then the rest of each vector (1.08x faster in bfloat16 than each vector in turn, 512 x 2816 on two Zen
-// 5 threads, alternated, before bfloat16 took the table; float32 level). bfloat16 looks silu(gate) up in `silu`
-// (silu_bf16_table's).
+// (calls) first, then the rest of each vector; bfloat16 looks silu(gate) up in `silu` (silu_bf16_table's).
 template <int N, typename T>
 __attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T* up, T* out, const uint16_t* silu) {
   if constexpr (std::is_same<T, float>::value) {
