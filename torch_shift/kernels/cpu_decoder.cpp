@@ -225,8 +225,8 @@ struct SiluBf16Table {
   alignas(64) uint16_t silu[65536 + 2];
 };
 
-// (no lambda: GCC compiles one without its function's target)
-__attribute__((target("avx512f"))) const SiluBf16Table* new_silu_bf16_table() {
+// (no lambdas: GCC compiles one without its function's target)
+__attribute__((target("avx512f"))) const SiluBf16Table* new_silu_bf16_table16() {
   auto* t = new SiluBf16Table();
   for (int32_t i = 0; i < 65536; i += 16) {
     const __m512i words = _mm512_add_epi32(_mm512_set1_epi32(i),
@@ -237,8 +237,27 @@ __attribute__((target("avx512f"))) const SiluBf16Table* new_silu_bf16_table() {
   return t;
 }
 
-const uint16_t* silu_bf16_table() {
-  static const SiluBf16Table* table = new_silu_bf16_table();  // built once (thread-safe), kept for the process
+// the same with PyTorch's AVX2 arithmetic, as silu_mul8 computes it
+__attribute__((target("avx2,fma"))) const SiluBf16Table* new_silu_bf16_table8() {
+  auto* t = new SiluBf16Table();
+  alignas(32) uint32_t words[8];
+  for (int32_t i = 0; i < 65536; i += 8) {
+    const __m256i x = _mm256_slli_epi32(_mm256_add_epi32(_mm256_set1_epi32(i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                        16);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words), bf16_words8(silu8(_mm256_castsi256_ps(x))));
+    for (int l = 0; l < 8; ++l) t->silu[i + l] = static_cast<uint16_t>(words[l]);
+  }
+  return t;
+}
+
+// lanes: the width of PyTorch's vectorised exp that the kernel reproduces (16 or 8); built once (thread-safe), kept
+// for the process
+const uint16_t* silu_bf16_table(int lanes) {
+  if (lanes == 16) {
+    static const SiluBf16Table* table = new_silu_bf16_table16();
+    return table->silu;
+  }
+  static const SiluBf16Table* table = new_silu_bf16_table8();
   return table->silu;
 }
 
@@ -265,15 +284,15 @@ __attribute__((target("avx512f"))) inline void silu_mul16(const T* gate, const T
   }
 }
 
+// out[0, 8) = silu(gate) * up (AVX2); bfloat16 looks silu(gate) up in `silu` (silu_bf16_table(8)'s)
 template <typename T>
-__attribute__((target("avx2,fma"))) inline void silu_mul8(const T* gate, const T* up, T* out) {
-  __m256 s = silu8(load8(gate));
-  const __m256 u = load8(up);
+__attribute__((target("avx2,fma"))) inline void silu_mul8(const T* gate, const T* up, T* out, const uint16_t* silu) {
   if constexpr (std::is_same<T, float>::value) {
-    _mm256_storeu_ps(out, _mm256_mul_ps(s, u));
+    _mm256_storeu_ps(out, _mm256_mul_ps(silu8(load8(gate)), load8(up)));
   } else {
-    s = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_words8(s), 16));
-    store_bf16x8(_mm256_mul_ps(s, u), out);
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gate)));
+    const __m256i looked_up = _mm256_i32gather_epi32(reinterpret_cast<const int*>(silu), words, 2);
+    store_bf16x8(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(looked_up, 16)), load8(up)), out);
   }
 }
 #endif
@@ -286,13 +305,13 @@ void silu_mul_segment(const T* gate, const T* up, T* out, int64_t n, int lanes) 
   int64_t i = 0;
 #if defined(__x86_64__)
   const int64_t run = (std::is_same<T, float>::value ? 2 : 4) * lanes;
-  const uint16_t* silu = !std::is_same<T, float>::value && lanes == 16 && n >= run ? silu_bf16_table() : nullptr;
+  const uint16_t* silu = !std::is_same<T, float>::value && n >= run ? silu_bf16_table(lanes) : nullptr;
   for (; i + run <= n; i += run) {
     if (lanes == 16) {
       silu_mul16<std::is_same<T, float>::value ? 2 : 4>(gate + i, up + i, out + i, silu);
       continue;
     }
-    for (int64_t j = 0; j < run; j += lanes) silu_mul8(gate + i + j, up + i + j, out + i + j);
+    for (int64_t j = 0; j < run; j += lanes) silu_mul8(gate + i + j, up + i + j, out + i + j, silu);
   }
 #else
   (void)lanes;
