@@ -240,12 +240,12 @@ __attribute__((target("avx512f"))) const SiluBf16Table* new_silu_bf16_table16() 
 // the same with PyTorch's AVX2 arithmetic, as silu_mul8 computes it
 __attribute__((target("avx2,fma"))) const SiluBf16Table* new_silu_bf16_table8() {
   auto* t = new SiluBf16Table();
-  alignas(32) uint32_t words[8];
+  alignas(32) uint32_t results[8];
   for (int32_t i = 0; i < 65536; i += 8) {
-    const __m256i x = _mm256_slli_epi32(_mm256_add_epi32(_mm256_set1_epi32(i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                        16);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(words), bf16_words8(silu8(_mm256_castsi256_ps(x))));
-    for (int l = 0; l < 8; ++l) t->silu[i + l] = static_cast<uint16_t>(words[l]);
+    const __m256i words = _mm256_add_epi32(_mm256_set1_epi32(i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(results), bf16_words8(silu8(x)));
+    for (int l = 0; l < 8; ++l) t->silu[i + l] = static_cast<uint16_t>(results[l]);
   }
   return t;
 }
