@@ -169,21 +169,23 @@ def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up` of gate_up [..., 2 * intermediate] (gate first)."""
+    """`F.silu(gate) * up` of gate_up [..., 2 * intermediate] (gate first). On the CPU in one pass of the C++
+    decoder's loop where that is bitwise PyTorch's on this machine (checked once per dtype and width), else PyTorch's
+    two operators; under torch.compile as the opaque `torch_shift::cpu_silu_mul`. A 512-token prefill of the 106M
+    model spent 11 ms of 207 in those two on a 2-core Sapphire Rapids (docs/performance.md, issue 20)."""
     if _compiling_on_cpu(gate_up):
         return cpu_silu_mul(gate_up)
+    out = _native_silu_mul(gate_up) if gate_up.is_cpu else None
+    if out is not None:
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 @custom_op("torch_shift::cpu_silu_mul")
 def cpu_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The eager forward's `silu(gate) * up` on the CPU, kept whole by torch.compile (the module's docstring): in one
-    pass of the C++ decoder's loop where that is bitwise PyTorch's on this machine (checked once per dtype and width),
-    else PyTorch's two operators. A 512-token prefill of the 106M model spent 11 ms of 207 in those two on a 2-core
-    Sapphire Rapids (docs/performance.md, issue 20)."""
-    out = _native_silu_mul(gate_up)
-    return silu_mul(gate_up) if out is None else out
+    """`silu_mul` on the CPU, kept whole by torch.compile (the module's docstring)."""
+    return silu_mul(gate_up)
 
 
 def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

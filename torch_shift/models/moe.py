@@ -33,6 +33,7 @@ from torch import nn
 
 from torch_shift.config import ModelConfig
 from torch_shift.custom_ops import custom_op
+from torch_shift.models.fused import silu_mul
 from torch_shift.models.linear import PackedWeight, drop_parameter, packed_weight, packing_supported
 
 
@@ -57,9 +58,9 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, float32
 def gated(gate_up: torch.Tensor, swiglu_limit: float | None, swiglu_alpha: float) -> torch.Tensor:
     """An expert's activation of its gate/up projection [n, 2 * I] (gate rows first): SiLU(gate) * up, or
     GPT-OSS's clamped SwiGLU where `swiglu_limit` is set."""
-    gate, up = gate_up.chunk(2, dim=-1)
     if swiglu_limit is None:
-        return F.silu(gate) * up
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=swiglu_limit)
     up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
     return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
