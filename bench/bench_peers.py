@@ -299,7 +299,9 @@ def summarize(runs: list[dict], work: dict) -> dict:
     return {"ttft_s": statistics.median(r["ttft_s"] for r in runs),
             "tpot_s": statistics.median(r["tpot_s"] for r in runs),
             "throughput_tok_s": statistics.median(tokens / r["batch_s"] for r in runs),
-            "read_bandwidth": statistics.median(r["read_bandwidth"] for r in runs),
+            # measured around each run where it was bracketed (main's rows; bench_moe.py's runs are not)
+            "read_bandwidth": (statistics.median(r["read_bandwidth"] for r in runs)
+                               if all(r.get("read_bandwidth") for r in runs) else None),
             "weights_alone_s": (statistics.median(r["weights_alone_s"] for r in runs)
                                 if all(r.get("weights_alone_s") for r in runs) else None),
             "tpot_over_gemvs": (statistics.median(r["tpot_over_gemvs"] for r in runs)
@@ -413,7 +415,7 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
             f"{s['throughput_tok_s'] / peer['throughput_tok_s']:.2f}", f"{s['ttft_s'] / peer['ttft_s']:.2f}",
             f"{s['tpot_s'] / peer['tpot_s']:.2f}")
         prefill = flops / s["ttft_s"] / gemm
-        run_bandwidth = s.get("read_bandwidth", bandwidth)
+        run_bandwidth = s.get("read_bandwidth") or bandwidth
         bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
         alone = f"{s['tpot_over_gemvs']:.2f}" if s.get("tpot_over_gemvs") else ""
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "

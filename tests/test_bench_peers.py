@@ -1,0 +1,33 @@
+"""bench/bench_peers.py's report, which bench_moe.py shares: a run measured without the bandwidth around it (as
+bench_moe.py's are) is summarized as well as one with it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_peers import batch_tokens, summarize  # noqa: E402
+
+WORK = {"batch": [{"prompt": [1] * 100, "max_tokens": 20}, {"prompt": [2] * 60, "max_tokens": 20}]}
+
+
+def run(ttft_s: float, batch_s: float, **extra) -> dict:
+    return {"ttft_s": ttft_s, "tpot_s": ttft_s / 10, "batch_s": batch_s, "load_s": 1.0, **extra}
+
+
+def test_runs_without_the_bandwidth_around_them_are_summarized():
+    summary = summarize([run(0.3, 2.0), run(0.5, 4.0), run(0.4, 3.0)], WORK)
+    assert summary["ttft_s"] == pytest.approx(0.4)
+    assert summary["throughput_tok_s"] == pytest.approx(batch_tokens(WORK) / 3.0)
+    assert summary["read_bandwidth"] is None and summary["weights_alone_s"] is None
+    assert summary["rounds"] == 3
+
+
+def test_bracketed_runs_keep_their_bandwidth():
+    summary = summarize([run(0.3, 2.0, read_bandwidth=20e9), run(0.5, 4.0, read_bandwidth=30e9)], WORK)
+    assert summary["read_bandwidth"] == pytest.approx(25e9)
+    # one run without it: no median of the others passed off as the whole's
+    assert summarize([run(0.3, 2.0, read_bandwidth=20e9), run(0.5, 4.0)], WORK)["read_bandwidth"] is None
