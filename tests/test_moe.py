@@ -27,9 +27,10 @@ from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.handoff import handoff
+from torch_shift.kernels import cpu_ops, register_native_moe
 from torch_shift.models import load_model
 from torch_shift.models.convert import convert_checkpoint
-from torch_shift.models.linear import weight_bytes
+from torch_shift.models.linear import PackedWeight, weight_bytes
 from torch_shift.models.loader import build_model
 from torch_shift.models.moe import SparseMoeBlock, route
 from torch_shift.models.sources import DecoderSource
@@ -118,6 +119,35 @@ def test_sparse_block_is_bitwise_transformers(moe_checkpoints, name, dtype):
         assert got.dtype == dtype
         assert torch.equal(got, ref)
         assert torch.equal(ours.layers[layer].mlp(x[:0]), ref[:0])  # a step without tokens
+
+
+@pytest.mark.skipif(not cpu_ops(), reason="torch_shift's operator library does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_cpp_experts_are_the_python_ones_bit_for_bit(dtype):
+    """torch_shift::sparse_moe in C++ (kernels/cpu_ops.cpp, what compiled forwards run) against its Python
+    implementation, which the test above holds to transformers: every routing, with and without biases, GPT-OSS's
+    clamped SwiGLU, 1-200 tokens; experts that are not packed go to Python."""
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, intermediate = 8, 64, 96
+    gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(experts, hidden, intermediate, generator=g) * 0.1).to(dtype)
+    packed = [PackedWeight(gate_up[e]) for e in range(experts)], [PackedWeight(down[e]) for e in range(experts)]
+    handles = [w.handle for w in packed[0]], [w.handle for w in packed[1]]
+    assert register_native_moe()
+    with torch.inference_mode():
+        for tokens in (1, 3, 17, 200):
+            x = torch.randn(tokens, hidden, generator=g).to(dtype)
+            logits = torch.randn(tokens, experts, generator=g).to(dtype)
+            for routing, norm, float32_weights in (("softmax_topk", False, False), ("softmax_topk", True, True),
+                                                  ("topk_softmax", False, False)):
+                for biases in (None, ((torch.randn(experts, 2 * intermediate, generator=g) * 0.1).to(dtype),
+                                      (torch.randn(experts, hidden, generator=g) * 0.1).to(dtype))):
+                    for limit in (None, 0.5):
+                        for experts_handles in (handles, ([], [])):
+                            args = (x, logits, gate_up, down, 2, norm, float32_weights, *experts_handles, routing,
+                                    *(biases or (None, None)), limit, 1.702)
+                            expected = torch.ops.torch_shift.sparse_moe_python(*args)
+                            assert torch.equal(torch.ops.torch_shift.sparse_moe(*args), expected), (tokens, routing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -503,6 +503,24 @@ def register_native_elementwise(sum_lanes: int) -> bool:
     return _native_elementwise
 
 
+_native_moe = False
+
+
+def register_native_moe() -> bool:
+    """Register the C++ implementation of `torch_shift::sparse_moe` for the CPU (cpu_ops.cpp; once
+    torch_shift.models.moe has defined it and its `_python` twin, which serves experts that are not packed); False
+    where the operator library does not build."""
+    global _native_moe
+    if not _native_moe and cpu_ops():
+        _ops_library.ts_register_moe.restype = ctypes.c_int
+        if _ops_library.ts_register_moe() != 0:
+            warnings.warn("PyTorch refused the C++ implementation of torch_shift::sparse_moe: mixtures of experts "
+                          "route and run their experts through Python, which is slower", RuntimeWarning, stacklevel=2)
+            return False
+        _native_moe = True
+    return _native_moe
+
+
 _native_all_reduce = False
 
 

@@ -119,6 +119,9 @@ def sparse_moe(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch
                        swiglu_limit, swiglu_alpha)
 
 
+custom_op("torch_shift::sparse_moe_python")(sparse_moe.__wrapped__)
+
+
 @sparse_moe.register_fake
 def _(x: torch.Tensor, router_logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
       top_k: int, norm_topk_prob: bool, float32_routing_weights: bool, gate_up_handles: list[int],
