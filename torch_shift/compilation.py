@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import torch
 
 from torch_shift.custom_ops import custom_op
-from torch_shift.kernels import native_attention, register_native_attention, register_native_moe
-from torch_shift.models.decoder import AttentionFn  # and through it models.moe, which defines torch_shift::sparse_moe
+from torch_shift.kernels import native_attention, register_native_attention
+from torch_shift.models.decoder import AttentionFn
 from torch_shift.models.fused import register_native_operators
 
 _current: list[AttentionFn] = []
@@ -123,7 +123,6 @@ class CompiledForward:
         if on_cpu:
             register_native_attention()
             register_native_operators()
-            register_native_moe()
         self._compiled = torch.compile(model, dynamic=True, options=options)
         self.sealed = False
         self._ran = False

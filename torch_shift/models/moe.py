@@ -33,6 +33,7 @@ from torch import nn
 
 from torch_shift.config import ModelConfig
 from torch_shift.custom_ops import custom_op
+from torch_shift.kernels import register_native_moe
 from torch_shift.models.fused import silu_mul
 from torch_shift.models.linear import PackedWeight, drop_parameter, packed_weight, packing_supported
 
@@ -165,6 +166,7 @@ class Experts(nn.Module):
             return 0
         self.packed = PackedExperts([PackedWeight(w) for w in self.gate_up_proj.detach()],
                                     [PackedWeight(w) for w in self.down_proj.detach()])
+        register_native_moe()  # packed experts run in C++, eager or compiled (where the operator library builds)
         if drop_dense:
             drop_parameter(self, "gate_up_proj")
             drop_parameter(self, "down_proj")
