@@ -126,7 +126,7 @@ def test_sparse_block_is_bitwise_transformers(moe_checkpoints, name, dtype):
 def test_the_cpp_experts_are_the_python_ones_bit_for_bit(dtype):
     """torch_shift::sparse_moe in C++ (kernels/cpu_ops.cpp, what compiled forwards run) against its Python
     implementation, which the test above holds to transformers: every routing, with and without biases, GPT-OSS's
-    clamped SwiGLU, 1-200 tokens; experts that are not packed go to Python."""
+    clamped SwiGLU, 0-200 tokens; experts that are not packed go to Python."""
     g = torch.Generator().manual_seed(0)
     experts, hidden, intermediate = 8, 64, 96
     gate_up = (torch.randn(experts, 2 * intermediate, hidden, generator=g) * 0.1).to(dtype)
@@ -135,7 +135,7 @@ def test_the_cpp_experts_are_the_python_ones_bit_for_bit(dtype):
     handles = [w.handle for w in packed[0]], [w.handle for w in packed[1]]
     assert register_native_moe()
     with torch.inference_mode():
-        for tokens in (1, 3, 17, 200):
+        for tokens in (0, 1, 3, 17, 200):
             x = torch.randn(tokens, hidden, generator=g).to(dtype)
             logits = torch.randn(tokens, experts, generator=g).to(dtype)
             for routing, norm, float32_weights in (("softmax_topk", False, False), ("softmax_topk", True, True),

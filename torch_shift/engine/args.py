@@ -272,9 +272,9 @@ class EngineArgs:
         eager forwards alternating in one engine, take 0.89x the batch-1 decode step under TP-2, 0.93x under
         Shift and Flying, 0.97x under DP-2, for 15-30 s more at start-up, and bench_moe.py's Mixtral under TP-2
         0.87x since its experts run in C++ (1.03-1.05x before, when each layer's routing ran in Python either way);
-        a small model's compile time (20-40 s on 2 cores) outweighs what it saves in any run shorter than hours. On a GPU (H200, a 1.1B model, with CUDA
-        graphs) one rank's decode steps take 0.71x the time, a 2k prompt 0.83x, for 20 s more at start-up;
-        several ranks on GPUs are not measured."""
+        a small model's compile time (20-40 s on 2 cores) outweighs what it saves in any run shorter than hours. On
+        a GPU (H200, a 1.1B model, with CUDA graphs) one rank's decode steps take 0.71x the time, a 2k prompt 0.83x,
+        for 20 s more at start-up; several ranks on GPUs are not measured."""
         if self.compile is not None:
             return self.compile
         if model_config.num_parameters < COMPILE_MIN_PARAMETERS:

@@ -17,7 +17,8 @@ in float32 and rounded to the model dtype once, as transformers' default (groupe
 
 Routing and experts run as one custom op, `torch_shift::sparse_moe`: its token counts per expert are
 data-dependent, which a compiled graph could only take with a graph break per layer, and its routing
-stays bit for bit the eager one under torch.compile.
+stays bit for bit the eager one under torch.compile. On the CPU, once experts are packed, the op runs in C++
+(kernels/cpu_ops.cpp): the same ATen operators in the same order, without each layer's Python.
 
 `prepare_linears` (torch_shift.models.linear) packs each expert's two projections for oneDNN as it packs
 every dense weight (`Experts.pack`); the op then runs them by their handles: oneDNN's packed matmul, or the
