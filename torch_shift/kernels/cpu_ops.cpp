@@ -116,18 +116,18 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
                          c10::List<std::optional<at::Scalar>>(), c10::IValue()});
 }
 
-// linear.py's PackedWeight.run, in C++
-at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  const Packed* packed;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    auto it = registry().find(handle);
-    TORCH_CHECK(it != registry().end(), "torch_shift::packed_linear: no packed weight ", handle);
-    packed = &it->second;  // entries are erased only when their PackedWeight is freed, never while it runs
-  }
-  TORCH_CHECK(out_features == packed->out_features, "packed_linear: weight ", handle, " has ",
-              packed->out_features, " outputs, not ", out_features);
+// packed weight `handle` (`op` names the caller in the error where there is none)
+const Packed& find_packed(int64_t handle, const char* op) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(handle);
+  TORCH_CHECK(it != registry().end(), op, ": no packed weight ", handle);
+  return it->second;  // entries are erased only when their PackedWeight is freed, never while it runs
+}
+
+// x through packed weight `handle`, found (find_packed)
+at::Tensor run_packed(const Packed* packed, int64_t handle, const at::Tensor& x,
+                      const std::optional<at::Tensor>& bias) {
+  const int64_t out_features = packed->out_features;
   at::Tensor input = x.contiguous();
   TORCH_CHECK(input.size(-1) == packed->in_features, "packed_linear: input of ", input.size(-1),
               " features for a weight of ", packed->in_features);
@@ -160,6 +160,15 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_featur
     return out;
   }
   return onednn_linear(input, packed->weight, bias);
+}
+
+// linear.py's PackedWeight.run, in C++
+at::Tensor packed_linear(const at::Tensor& x, int64_t handle, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  const Packed& packed = find_packed(handle, "torch_shift::packed_linear");
+  TORCH_CHECK(out_features == packed.out_features, "packed_linear: weight ", handle, " has ", packed.out_features,
+              " outputs, not ", out_features);
+  return run_packed(&packed, handle, x, bias);
 }
 
 // The step's paged attention (torch_shift/attention/cpu.py's CpuPagedAttention, which keeps these arrays alive while
@@ -398,13 +407,6 @@ at::Tensor gate_up_silu(const at::Tensor& x, int64_t handle, int64_t out_feature
 // packed (their handles given): the same ATen operators in the same order, so the same bits, without the Python that
 // took 0.35-0.4 ms of each layer's call in a batch-1 decode step of an 8-layer Mixtral. Experts of stacked, unpacked
 // weights run in Python (torch_shift::sparse_moe_python).
-int64_t packed_out_features(int64_t handle) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = registry().find(handle);
-  TORCH_CHECK(it != registry().end(), "torch_shift::sparse_moe: no packed weight ", handle);
-  return it->second.out_features;
-}
-
 std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& router_logits, int64_t top_k, bool norm_topk_prob,
                                          bool float32_routing_weights, const std::string& routing) {
   if (routing == "topk_softmax") {
@@ -473,11 +475,11 @@ void sparse_moe(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     if (count[expert] == 0) continue;
     const at::Tensor tokens = pair_token.narrow(0, start, count[expert]);
     const int64_t gate_up_handle = gate_up_handles[expert], down_handle = down_handles[expert];
-    at::Tensor gate_up = packed_linear(x.index_select(0, tokens), gate_up_handle, packed_out_features(gate_up_handle),
-                                       std::nullopt);
+    at::Tensor gate_up = run_packed(&find_packed(gate_up_handle, "torch_shift::sparse_moe"), gate_up_handle,
+                                    x.index_select(0, tokens), std::nullopt);
     if (gate_up_bias.has_value()) gate_up = at::add(gate_up, gate_up_bias->select(0, expert));
-    at::Tensor expert_out = packed_linear(gated(gate_up, swiglu_limit, swiglu_alpha), down_handle,
-                                          packed_out_features(down_handle), std::nullopt);
+    at::Tensor expert_out = run_packed(&find_packed(down_handle, "torch_shift::sparse_moe"), down_handle,
+                                       gated(gate_up, swiglu_limit, swiglu_alpha), std::nullopt);
     if (down_bias.has_value()) expert_out = at::add(expert_out, down_bias->select(0, expert));
     out.index_add_(0, tokens, at::mul(expert_out, pair_weight.narrow(0, start, count[expert]).unsqueeze(1))
                                   .to(at::kFloat));
