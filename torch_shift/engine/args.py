@@ -89,8 +89,8 @@ class EngineArgs:
                                           "(vLLM's names too: CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION, TRITON_ATTN)")
     compile: bool | None = _arg(None, "torch.compile each layout's forward, compiled and warmed up at start-up "
                                        "(default: on where it is faster: a model of 50M parameters or more, on "
-                                       "the CPU at any number of ranks (a mixture of experts: one rank), on a GPU "
-                                       "with one rank; --enforce-eager: vLLM's name for --no-compile)",
+                                       "the CPU at any number of ranks, on a GPU with one rank; --enforce-eager: "
+                                       "vLLM's name for --no-compile)",
                                 flags=("--enforce-eager",))
     cuda_graphs: bool | None = _arg(None, "capture decode steps in CUDA graphs at start-up (default: on with one "
                                           "rank on a GPU and the triton attention backend; --enforce-eager: off)")
