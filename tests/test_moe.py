@@ -1,7 +1,7 @@
-"""Mixture of experts (Qwen3-MoE, Mixtral) against Hugging Face `transformers` on random checkpoints: the
-sparse block bit for bit, routing ties, the engine's greedy tokens and logprobs (chunked prefill, preemption,
-prefix caching), the checkpoint layouts, and every layout that shards experts (TP, Shift, Flying, Seesaw) against
-one rank."""
+"""Mixture of experts (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral) against Hugging Face `transformers` on
+random checkpoints: the sparse block bit for bit, routing ties, the engine's greedy tokens and logprobs (chunked
+prefill, preemption, prefix caching), the checkpoint layouts, and every layout that shards experts (TP, Shift,
+Flying, Seesaw) against one rank."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ MOE_MODELS = {
                                            "moe_intermediate_size": 48, "decoder_sparse_step": 2,
                                            "norm_topk_prob": False, "head_dim": 16}),
     "mixtral": ("MixtralConfig", {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": 4}),
+    # a shared expert beside the routed ones in every sparse layer (layer 1 dense), q/k/v biases, no q/k norms
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_hidden_layers": 4, "intermediate_size": 128, "num_experts": 8,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                     "mlp_only_layers": [1], "norm_topk_prob": False, "initializer_range": 0.2}),
 }
 
 
@@ -86,11 +90,13 @@ def moe_checkpoints(tmp_path_factory):
 
 
 def test_config_reads_the_experts_and_counts_parameters(moe_checkpoints):
-    for name, sparse in (("qwen3_moe", (0, 2, 3)), ("qwen3_moe_step2", (1,)), ("mixtral", (0, 1))):
+    for name, sparse in (("qwen3_moe", (0, 2, 3)), ("qwen3_moe_step2", (1,)), ("mixtral", (0, 1)),
+                         ("qwen2_moe", (0, 2, 3))):
         hf_model, model_dir = moe_checkpoints(name)
         config = ModelConfig.from_dir(model_dir)
         assert config.is_moe and config.sparse_layers == sparse and config.num_experts_per_tok == 2
-        assert config.num_experts == hf_model.config.num_local_experts
+        hf_config = hf_model.config
+        assert config.num_experts == (getattr(hf_config, "num_local_experts", None) or hf_config.num_experts)
         assert config.num_parameters == sum(p.numel() for p in hf_model.parameters())
         per_expert = 3 * config.hidden_size * config.moe_intermediate_size
         assert config.num_parameters - config.num_active_parameters == \
@@ -101,6 +107,10 @@ def test_config_reads_the_experts_and_counts_parameters(moe_checkpoints):
     qwen = ModelConfig.from_dir(moe_checkpoints("qwen3_moe")[1])
     assert qwen.norm_topk_prob and not qwen.float32_routing_weights and qwen.qk_norm
     assert not ModelConfig.from_dir(moe_checkpoints("qwen3_moe_step2")[1]).norm_topk_prob
+    qwen2 = ModelConfig.from_dir(moe_checkpoints("qwen2_moe")[1])
+    assert qwen2.shared_expert_intermediate_size == 48 and qwen2.attention_bias and not qwen2.o_proj_bias
+    assert not (qwen2.norm_topk_prob or qwen2.float32_routing_weights or qwen2.qk_norm)
+    assert qwen.shared_expert_intermediate_size == mixtral.shared_expert_intermediate_size == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -113,12 +123,19 @@ def test_sparse_block_is_bitwise_transformers(moe_checkpoints, name, dtype):
     layer = ModelConfig.from_dir(model_dir).sparse_layers[-1]
     assert isinstance(ours.layers[layer].mlp, SparseMoeBlock)
     x = torch.randn(200, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    block, hf_block = ours.layers[layer].mlp, hf_model.model.layers[layer].mlp
     with torch.no_grad():
-        ref = hf_model.model.layers[layer].mlp(x[None])[0]
-        got = ours.layers[layer].mlp(x)
+        ref = hf_block(x[None])[0]
+        if block.shared_expert is not None:
+            # the shared expert is a dense MLP: PyTorch's SiLU over its gate projection alone (transformers) rounds
+            # some elements otherwise than over the fused gate/up rows (the dense layers' path), so it is compared
+            # apart; with transformers' own module in its place, the block is transformers' bits
+            torch.testing.assert_close(block.shared_expert(x), hf_block.shared_expert(x))
+            block.shared_expert = hf_block.shared_expert
+        got = block(x)
         assert got.dtype == dtype
         assert torch.equal(got, ref)
-        assert torch.equal(ours.layers[layer].mlp(x[:0]), ref[:0])  # a step without tokens
+        assert torch.equal(block(x[:0]), ref[:0])  # a step without tokens
 
 
 @pytest.mark.skipif(not cpu_ops(), reason="torch_shift's operator library does not build here")
@@ -272,10 +289,11 @@ def test_bfloat16_is_as_close_to_fp32_as_transformers(moe_checkpoints, name):
     assert agreement >= (hf_logits.argmax(-1) == ref.argmax(-1)).float().mean() - 0.1
 
 
-def test_stacked_experts_convert_and_in_memory_models(moe_checkpoints, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_stacked_experts_convert_and_in_memory_models(moe_checkpoints, tmp_path, name):
     """Experts stacked in one tensor per projection (transformers' in-memory layout) on disk and in a handoff
     of the model object, and `torch-shift convert`'s checkpoint: the logits of save_pretrained's layout."""
-    hf_model, model_dir = moe_checkpoints("qwen3_moe")
+    hf_model, model_dir = moe_checkpoints(name)
     prompt = random_prompts(1, [30], seed=5)[0]
     ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
 
@@ -335,7 +353,7 @@ def _weights_rank(rank, world, model_dir):
     return weight_bytes(llm.engine.model.base if world > 1 else llm.engine.model)  # world 1: one replica
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_planner_counts_the_weights_each_rank_holds(moe_checkpoints, name):
     """The planner's shape of a MoE config.json: its parameters and active parameters as the model's own, and
     a rank's weight bytes under TP-1 and TP-2 (every expert's FFN split, the router replicated) as the
@@ -390,13 +408,15 @@ SHARDED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(SHARDED))
-def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family):
+@pytest.mark.parametrize("family,name", [(family, "qwen3_moe") for family in SHARDED] + [
+    (family, "qwen2_moe") for family in ("tp2", "shift_sp2_tp2", "flying", "seesaw", "ep_tp2", "ep_shift_sp2")])
+def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family, name):
     """Every expert's FFN split by TP (the router whole): Shift's base and shift layouts (the shift one derived
     from the base's expert shards), SP x TP with KV heads replicated, Flying's TP groups of replicas, Seesaw's TP
-    decode beside its pipeline: greedy tokens and logprobs those of one rank."""
+    decode beside its pipeline: greedy tokens and logprobs those of one rank. Qwen2-MoE's shared expert is split
+    as a dense MLP in each (whole on each SP rank of expert parallelism's base layout)."""
     world, engine_args, layouts = SHARDED[family]
-    _, model_dir = moe_checkpoints("qwen3_moe")
+    _, model_dir = moe_checkpoints(name)
     prompts = random_prompts(4, [3, 17, 40, 9])
     params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
     ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)

@@ -333,7 +333,12 @@ def _group_ops_of(shape, seqs):
       "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
       "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
       "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}, 30.5, 3.3),
-], ids=["mixtral-8x7b", "qwen3-30b-a3b"])
+    # Qwen1.5-MoE-A2.7B's model card: 14.3B parameters, 2.7B activated (a shared expert beside 60 routed ones)
+    ({"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 5632,
+      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24,
+      "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936, "num_experts": 60,
+      "num_experts_per_tok": 4, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}, 14.3, 2.7),
+], ids=["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_moe_configs_have_their_published_sizes(tmp_path, capsys, config, total, active):
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = ModelShape.from_pretrained(tmp_path)

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
@@ -26,6 +27,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "qwen2_moe": {"max_position_embeddings": 32768, "qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64,
@@ -34,10 +37,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                     "truncate": False, "original_max_position_embeddings": 4096}},
 }
 # Families whose attention takes transformers' `attention_bias` (q, k, v and o projections; Qwen2's q, k and v always
-# have a bias, Mistral's and Mixtral's never) and the families whose MLP is (in some or all layers) a sparse mixture
-# of experts.
+# have a bias, Qwen2-MoE's where `qkv_bias`, Mistral's and Mixtral's never) and the families whose MLP is (in some or
+# all layers) a sparse mixture of experts.
 ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -172,13 +175,16 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
-    # Mixture of experts (Qwen3-MoE, Mixtral); a dense model has no experts and no sparse layers.
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS); a dense model has no experts and no sparse layers.
     num_experts: int = 0  # routed experts of each sparse layer
     num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = False  # the top-k routing weights are renormalised to sum to 1
     float32_routing_weights: bool = False  # they scale the experts' outputs in float32, not the model dtype
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts (the others are dense)
+    # Qwen2-MoE: beside the routed experts, a shared expert that every token runs (a gated SiLU MLP this wide),
+    # its output scaled by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
     # GPT-OSS: the router's top-k of its logits, then a softmax over them ("topk_softmax"; the others:
     # "softmax_topk"), biases on the router and the experts, each expert's SwiGLU clamped at swiglu_limit
     moe_routing: str = "softmax_topk"
@@ -223,7 +229,7 @@ class ModelConfig:
         if hf.get("mlp_bias"):
             raise ValueError(f"{arch} with mlp_bias=true is not supported")
         sliding_window = hf.get("sliding_window")
-        if family in ("qwen2", "qwen3", "qwen3_moe"):
+        if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             if hf.get("use_sliding_window"):
                 raise ValueError(f"{arch} with use_sliding_window=true is not supported")
             sliding_window = None
@@ -247,7 +253,8 @@ class ModelConfig:
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope=RopeConfig.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias")),
+            attention_bias=(family == "qwen2" or family == "qwen2_moe" and bool(hf["qkv_bias"])
+                            or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias"))),
             o_proj_bias=family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
@@ -288,7 +295,8 @@ class ModelConfig:
         dense_mlps = (self.num_hidden_layers - num_sparse) * 3 * h * self.intermediate_size
         router = h * self.num_experts + (self.num_experts if self.router_bias else 0)
         expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
-        sparse_mlps = num_sparse * (router + experts * expert)
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        sparse_mlps = num_sparse * (router + experts * expert + shared)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * (attention + 2 * h) + dense_mlps + sparse_mlps + embeddings + h
 
@@ -310,14 +318,15 @@ class ModelConfig:
 
 
 def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, intermediate_size: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE, Mixtral or GPT-OSS config.json, as transformers reads them."""
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE, Mixtral or GPT-OSS config.json, as transformers reads
+    them."""
     num_experts = hf.get("num_local_experts", hf.get("num_experts"))  # transformers 5 writes the first
     if num_experts is None:
         raise ValueError(f"{arch}: config.json lacks 'num_local_experts' (or 'num_experts')")
     if "num_experts_per_tok" not in hf:
         raise ValueError(f"{arch}: config.json lacks 'num_experts_per_tok'")
     num_experts, top_k = int(num_experts), int(hf["num_experts_per_tok"])
-    if num_experts == 0 and family == "qwen3_moe":  # as transformers builds it: every layer dense
+    if num_experts == 0 and family in ("qwen2_moe", "qwen3_moe"):  # as transformers builds it: every layer dense
         return {}
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
@@ -333,7 +342,13 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
         raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
     if "moe_intermediate_size" not in hf:
         raise ValueError(f"{arch}: config.json lacks 'moe_intermediate_size'")
-    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+    shared = {}
+    if family == "qwen2_moe":
+        shared_width = int(hf["shared_expert_intermediate_size"])
+        if shared_width < 1:
+            raise ValueError(f"{arch}: shared_expert_intermediate_size must be >= 1, got {shared_width}")
+        shared = {"shared_expert_intermediate_size": shared_width}
+    return shared | {"num_experts": num_experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": int(hf["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "float32_routing_weights": False,
             "sparse_layers": tuple(i for i in range(num_layers) if i not in dense_layers and (i + 1) % step == 0)}

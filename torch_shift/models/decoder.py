@@ -1,6 +1,6 @@
 """One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
-experts as the MLP of some or all layers (torch_shift.models.moe) Qwen3-MoE, Mixtral and GPT-OSS (with its
-attention sinks and alternating windowed and full layers).
+experts as the MLP of some or all layers (torch_shift.models.moe) Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-OSS (with
+its attention sinks and alternating windowed and full layers).
 
 No parallel code lives here. Head counts are attributes read when q/k/v are split, so a
 parallel plan that shards `qkv_proj` sets the local counts; tokens arrive flattened
@@ -18,7 +18,6 @@ from torch import nn
 from torch_shift.config import ModelConfig
 from torch_shift.models.fused import (
     add_rms_norm,
-    gate_up_silu,
     gpu_add_rms_norm,
     gpu_rms_norm,
     gpu_rms_norm_applies,
@@ -26,6 +25,7 @@ from torch_shift.models.fused import (
     rms_norm_expression,
 )
 from torch_shift.models.linear import Linear
+from torch_shift.models.mlp import MLP
 from torch_shift.models.moe import SparseMoeBlock
 from torch_shift.models.rope import RotaryEmbedding
 
@@ -107,16 +107,6 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gate_up_silu(self.gate_up_proj, x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, model_layer_idx: int | None = None):
         """`layer_idx`: the layer in the KV cache attention reads; `model_layer_idx`: the layer in the model
@@ -126,7 +116,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer_idx, model_layer_idx)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config) if model_layer_idx in config.sparse_layers else MLP(config)
+        self.mlp = (SparseMoeBlock(config) if model_layer_idx in config.sparse_layers
+                    else MLP(config.hidden_size, config.intermediate_size))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn,

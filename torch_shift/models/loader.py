@@ -64,6 +64,15 @@ _MOE_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", "layers.{}.mlp.experts.gate_up_proj", STACKED),
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "layers.{}.mlp.experts.down_proj", STACKED),
 ]
+_SHARED_EXPERT_NAMES = [  # Qwen2-MoE's shared expert and its gate
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.weight", "layers.{}.mlp.shared_expert.gate_up_proj.weight",
+     "gate"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj\.weight", "layers.{}.mlp.shared_expert.gate_up_proj.weight",
+     "up"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.weight", "layers.{}.mlp.shared_expert.down_proj.weight",
+     None),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "layers.{}.mlp.shared_expert_gate.weight", None),
+]
 _MIXTRAL_NAMES = [  # Mixtral's checkpoints: w1 the gate, w3 the up, w2 the down projection
     (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{}.mlp.router.weight", None),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", "layers.{}.mlp.experts.gate_up_proj",
@@ -88,6 +97,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "mistral": _LLAMA_NAMES,
     "qwen2": _LLAMA_NAMES + _QKV_BIAS_NAMES,
     "qwen3": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _QK_NORM_NAMES,
+    "qwen2_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _MOE_NAMES + _SHARED_EXPERT_NAMES,
     "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
     "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
     "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _GPT_OSS_NAMES,
@@ -175,6 +185,14 @@ def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[in
                     (p + "mlp.experts.gate_up_proj", expert_part(e, "gate")): (expert_inter, d),
                     (p + "mlp.experts.gate_up_proj", expert_part(e, "up")): (expert_inter, d),
                     (p + "mlp.experts.down_proj", expert_part(e)): (d, expert_inter),
+                }
+            if config.shared_expert_intermediate_size:
+                shared_inter = config.shared_expert_intermediate_size
+                shapes |= {
+                    (p + "mlp.shared_expert.gate_up_proj.weight", "gate"): (shared_inter, d),
+                    (p + "mlp.shared_expert.gate_up_proj.weight", "up"): (shared_inter, d),
+                    (p + "mlp.shared_expert.down_proj.weight", None): (d, shared_inter),
+                    (p + "mlp.shared_expert_gate.weight", None): (1, d),
                 }
         else:
             shapes |= {

@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and GPT-OSS.
+"""The sparse mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-OSS.
 
 A router scores every expert per token; each token runs through its top-k experts (gated SiLU MLPs),
 whose outputs are weighted by the routing probabilities and summed. Routing follows transformers
@@ -8,7 +8,9 @@ the model dtype (Qwen3-MoE) or kept in float32 (Mixtral) where they scale the ex
 ("topk_softmax") takes the top-k of its router's logits (the router has a bias) and a softmax over those
 in the model dtype; its experts have biases and a clamped SwiGLU (gate clamped above, up on both sides at
 `swiglu_limit`, gate * sigmoid(alpha * gate) * (up + 1)); its checkpoints interleave each expert's gate
-and up columns, which the loader separates.
+and up columns, which the loader separates. Qwen2-MoE adds a shared expert that every token runs (a gated SiLU MLP
+of its own width, sharded as a dense MLP in every layout) scaled by sigmoid(shared_expert_gate(x)), and adds it to
+the routed experts' sum in the model dtype, as transformers' Qwen2MoeSparseMoeBlock does.
 
 The experts' weights are stacked, one tensor per projection (`gate_up_proj` [E, 2 * I, H]: each expert's
 gate rows, then its up rows; `down_proj` [E, H, I]). The token-expert pairs are sorted by expert and each
@@ -37,6 +39,7 @@ from torch_shift.custom_ops import custom_op
 from torch_shift.kernels import register_native_moe
 from torch_shift.models.fused import silu_mul
 from torch_shift.models.linear import PackedWeight, drop_parameter, packed_weight, packing_supported
+from torch_shift.models.mlp import MLP
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, float32_routing_weights: bool,
@@ -189,10 +192,21 @@ ROUTING_SETTINGS = ("top_k", "norm_topk_prob", "float32_routing_weights", "routi
 
 
 def adopt_routing(module: nn.Module, block: nn.Module) -> None:
-    """`module` routes as `block` does: its router (the same module) and its routing and activation settings."""
+    """`module` routes as `block` does: its router (the same module), its routing and activation settings, and its
+    shared expert and that expert's gate (the same modules; a layout that slices the shared expert replaces it)."""
     module.router = block.router
     for name in ROUTING_SETTINGS:
         setattr(module, name, getattr(block, name))
+    module.shared_expert = block.shared_expert
+    module.shared_expert_gate = block.shared_expert_gate
+
+
+def add_shared_expert(block: nn.Module, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """The routed experts' sum `routed` plus the block's shared expert on x, scaled by sigmoid(its gate) (Qwen2-MoE),
+    or `routed` where the block has none."""
+    if block.shared_expert is None:
+        return routed
+    return routed + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
 
 
 class SparseMoeBlock(nn.Module):
@@ -209,7 +223,13 @@ class SparseMoeBlock(nn.Module):
         self.routing = config.moe_routing
         self.swiglu_limit = config.swiglu_limit
         self.swiglu_alpha = config.swiglu_alpha
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+            # a plain nn.Linear of one output, as the router: transformers' bits
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
-                            self.routing, self.swiglu_limit, self.swiglu_alpha)
+        routed = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
+                              self.routing, self.swiglu_limit, self.swiglu_alpha)
+        return add_shared_expert(self, x, routed)

@@ -215,16 +215,20 @@ class DecoderSource:
     def __init__(self, model: DecoderLM):
         self.model = model
         self.config = c = model.config
-        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        # part -> (first row, rows) in its fused parameter
-        self._part_rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter), "up": (inter, inter)}
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        # part -> (first row, rows) in its fused parameter (gate and up: each half of a gate/up projection's rows, a
+        # dense MLP's or a shared expert's)
+        self._part_rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
         self._whole = _WholeTensors()
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         tensor = self._whole(self.model.get_parameter(name))
         if ".experts." in name:  # a stacked experts' parameter (weights or biases) is split by read_part
             return read_part(tensor, part, part_slice, stacked=True)
-        if part is not None:
+        if part in ("gate", "up"):
+            half = tensor.shape[0] // 2
+            tensor = tensor.narrow(0, 0 if part == "gate" else half, half)
+        elif part is not None:
             tensor = tensor.narrow(0, *self._part_rows[part])
         return read_part(tensor, part, part_slice)
 

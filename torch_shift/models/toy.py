@@ -196,7 +196,8 @@ def write_random_checkpoint(
 ) -> Path:
     """Write `config.json` and a `model.safetensors` of random weights (stored in `dtype`) under Hugging Face
     names (a mixture of experts' as its family writes them: Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`,
-    Qwen3-MoE's `mlp.experts.N.gate_proj/up_proj/down_proj`)."""
+    Qwen2-MoE's and Qwen3-MoE's `mlp.experts.N.gate_proj/up_proj/down_proj`, Qwen2-MoE's `mlp.shared_expert.*` and
+    `mlp.shared_expert_gate`)."""
     from safetensors.torch import save_file
 
     from torch_shift.config import ModelConfig
@@ -232,6 +233,12 @@ def write_random_checkpoint(
             for e in range(mc.num_experts):
                 gate, up, down = (f"{moe}experts.{e}.{name}.weight" for name in names)
                 tensors |= {gate: normal(inter, d), up: normal(inter, d), down: normal(d, inter)}
+            if mc.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+                shared = mc.shared_expert_intermediate_size
+                tensors |= {moe + "shared_expert.gate_proj.weight": normal(shared, d),
+                            moe + "shared_expert.up_proj.weight": normal(shared, d),
+                            moe + "shared_expert.down_proj.weight": normal(d, shared),
+                            moe + "shared_expert_gate.weight": normal(1, d)}
         else:
             tensors |= {
                 p + "mlp.gate_proj.weight": normal(mc.intermediate_size, d),

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.custom_ops import custom_op
-from torch_shift.models.moe import Experts, adopt_routing, expert_forward, route
+from torch_shift.models.moe import Experts, add_shared_expert, adopt_routing, expert_forward, route
 from torch_shift.parallel import comm
 
 _groups: dict[int, dist.ProcessGroup] = {}  # the custom op names its group by id
@@ -96,7 +96,9 @@ def _(x, router_logits, gate_up_proj, down_proj, top_k, norm_topk_prob, float32_
 
 class ExpertParallelSparseMoe(nn.Module):
     """A sparse MoE block holding experts [first_expert, first_expert + E / n) of the model's E, whole; its
-    parameters keep SparseMoeBlock's names (the router's whole, the experts' a run of them)."""
+    parameters keep SparseMoeBlock's names (the router's whole, the experts' a run of them). A shared expert (Qwen2-MoE)
+    runs on the rank's tokens as a dense MLP: whole where the tokens are partitioned (SP ranks), split over the TP ranks
+    (its own partial sums reduced by its down projection) where they are replicated."""
 
     def __init__(self, block: nn.Module, experts: Experts, group: dist.ProcessGroup, tokens_partitioned: bool):
         super().__init__()
@@ -110,8 +112,9 @@ class ExpertParallelSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = self.experts
         packed = e.packed
-        return expert_parallel_moe(
+        routed = expert_parallel_moe(
             x, self.router(x), e.gate_up_proj, e.down_proj, self.top_k, self.norm_topk_prob,
             self.float32_routing_weights, packed.gate_up_handles if packed else [],
             packed.down_handles if packed else [], self.routing, e.gate_up_bias, e.down_bias, self.swiglu_limit,
             self.swiglu_alpha, e.first_expert, e.num_experts, self.group_id, self.tokens_partitioned)
+        return add_shared_expert(self, x, routed)

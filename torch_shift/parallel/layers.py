@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_shift.models.linear import PackedWeight, linear
-from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
+from torch_shift.models.moe import Experts, SparseMoeBlock, add_shared_expert, adopt_routing
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import warn_where_ranks_differ
@@ -217,7 +217,8 @@ class UlyssesDecoder:
 class RowParallelSparseMoe(nn.Module):
     """A sparse MoE block whose experts each hold a slice of their FFN's intermediate dim (TP, as the dense MLP:
     gate/up rows, down columns), the router whole; every rank routes the same tokens the same way, and the
-    partial outputs are summed over `group`. Its parameters keep SparseMoeBlock's names."""
+    partial outputs are summed over `group`; a shared expert (Qwen2-MoE) is split as a dense MLP and sums its own
+    partial outputs (its down projection a RowParallelLinear). Its parameters keep SparseMoeBlock's names."""
 
     def __init__(self, block: SparseMoeBlock, experts: Experts, group: dist.ProcessGroup):
         super().__init__()
@@ -229,4 +230,4 @@ class RowParallelSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
                            self.routing, self.swiglu_limit, self.swiglu_alpha, down_bias=self.adds_down_bias)
-        return comm.all_reduce(out, self.group)
+        return add_shared_expert(self, x, comm.all_reduce(out, self.group))

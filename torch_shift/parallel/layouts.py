@@ -146,6 +146,8 @@ def check_width(config: ModelConfig, width: int, what: str = "TP") -> None:
     widths = [("num_attention_heads", h), ("num_key_value_heads", h_kv), ("intermediate_size", inter)]
     if config.is_moe:
         widths.append(("moe_intermediate_size", config.moe_intermediate_size))
+    if config.shared_expert_intermediate_size:
+        widths.append(("shared_expert_intermediate_size", config.shared_expert_intermediate_size))
     problems = [f"{name}={n} is not divisible by {what}={width}" for name, n in widths if n % width]
     if problems:
         raise ValueError(f"this model cannot run {what}={width}: " + "; ".join(problems))

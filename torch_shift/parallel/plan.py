@@ -55,6 +55,9 @@ def _megatron_entries(mesh: DeviceMesh, placements_for) -> dict:
         "layers.*.attn.sinks": (mesh, placements_for(0)),  # one per query head, sharded with them
         "layers.*.mlp.gate_up_proj.weight": (mesh, placements_for(0)),
         "layers.*.mlp.down_proj.weight": (mesh, placements_for(1)),
+        # a sparse layer's shared expert (Qwen2-MoE) as the dense MLP; its gate replicated, as the router
+        "layers.*.mlp.shared_expert.gate_up_proj.weight": (mesh, placements_for(0)),
+        "layers.*.mlp.shared_expert.down_proj.weight": (mesh, placements_for(1)),
         # a sparse layer's experts, stacked [E, 2I, H] and [E, H, I]: every expert's FFN split as the dense one
         "layers.*.mlp.experts.gate_up_proj": (mesh, placements_for(1)),
         "layers.*.mlp.experts.down_proj": (mesh, placements_for(2)),
@@ -139,7 +142,8 @@ def part_units(config: ModelConfig, param_name: str, part: str | None) -> tuple[
     if leaf == "o_proj":
         return config.num_attention_heads, config.head_dim
     if leaf in ("gate_up_proj", "down_proj"):
-        return config.intermediate_size, 1
+        shared = param_name.split(".")[-3] == "shared_expert"
+        return config.shared_expert_intermediate_size if shared else config.intermediate_size, 1
     if leaf == "experts":
         return config.moe_intermediate_size, 1
     if leaf == "lm_head":
@@ -198,7 +202,7 @@ def validate_expert_parallel(config: ModelConfig, sp: int, tp: int) -> None:
 
 def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int, expert_parallel: bool = False) -> None:
     """A mesh must divide the heads (KV heads may be replicated) and the MLP width (and each expert's, unless
-    `expert_parallel` keeps the experts whole)."""
+    `expert_parallel` keeps the experts whole, and a shared expert's)."""
     p = sp * tp
     h, h_kv = config.num_attention_heads, config.num_key_value_heads
     problems = []
@@ -211,6 +215,9 @@ def validate_mesh_for_model(config: ModelConfig, sp: int, tp: int, expert_parall
         problems.append(f"intermediate_size={config.intermediate_size} is not divisible by SP x TP = {p}")
     if config.is_moe and not expert_parallel and config.moe_intermediate_size % p:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size} (each expert's FFN) is not divisible "
+                        f"by SP x TP = {p}")
+    if config.shared_expert_intermediate_size % p:
+        problems.append(f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} is not divisible "
                         f"by SP x TP = {p}")
     if problems:
         raise ValueError("this mesh does not fit the model: " + "; ".join(problems))

@@ -201,19 +201,26 @@ def derive_tp(source: DecoderLM, config: ModelConfig, source_plan: ParallelPlan 
         o_bias = source_layer.attn.o_proj.bias
         attn.o_proj = RowParallelLinear(target_slice(o_name, None, source.get_parameter(o_name).data), group,
                                         None if o_bias is None else o_bias.data)
+        def derive_mlp(source_mlp: nn.Module, mlp_prefix: str) -> nn.Module:
+            """A gated MLP's (a dense layer's, or a shared expert's) target slices: gate/up rows, down columns."""
+            mlp = copy.copy(source_mlp)
+            mlp._modules = dict(source_mlp._modules)
+            gu_name = mlp_prefix + "gate_up_proj.weight"
+            mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
+                                      None, weights)
+            down_name = mlp_prefix + "down_proj.weight"
+            mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data),
+                                              group)
+            return mlp
+
         if isinstance(source_layer.mlp, ExpertParallelSparseMoe):  # the same experts, tokens replicated now
             mlp = ExpertParallelSparseMoe(source_layer.mlp, source_layer.mlp.experts, group, tokens_partitioned=False)
         elif isinstance(source_layer.mlp, (SparseMoeBlock, RowParallelSparseMoe)):
             mlp = _derive_experts(source_layer.mlp, prefix + "mlp.experts.", target_window, group, weights)
         else:
-            mlp = copy.copy(source_layer.mlp)
-            mlp._modules = dict(source_layer.mlp._modules)
-            gu_name = prefix + "mlp.gate_up_proj.weight"
-            mlp.gate_up_proj = _fused([target_slice(gu_name, p, t) for p, t in part_views(source, gu_name).items()],
-                                      None, weights)
-            down_name = prefix + "mlp.down_proj.weight"
-            mlp.down_proj = RowParallelLinear(target_slice(down_name, None, source.get_parameter(down_name).data),
-                                              group)
+            mlp = derive_mlp(source_layer.mlp, prefix + "mlp.")
+        if getattr(mlp, "shared_expert", None) is not None:
+            mlp.shared_expert = derive_mlp(source_layer.mlp.shared_expert, prefix + "mlp.shared_expert.")
         layer.attn, layer.mlp = attn, mlp
         derived.layers.append(layer)
     head = local_part_slice(target_plan, config, "lm_head.weight", None)

@@ -211,6 +211,10 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         inter = shape.intermediate_size // tp
         per_kind.append(([ops.linear("gate_up", shape, local, h, 2 * inter), ops.linear("down", shape, local, inter, h),
                           ops.layer_elementwise(shape, local, q_lin, kv_lin, inter)], num_layers - sparse))
+    if sparse and shape.shared_expert_intermediate_size:  # split as a dense MLP, whole on an SP rank of EP's base
+        shared = shape.shared_expert_intermediate_size // tp
+        per_kind.append(([ops.linear("shared_expert_gate_up", shape, local, h, 2 * shared + 1),
+                          ops.linear("shared_expert_down", shape, local, shared, h)], sparse))
     if sparse and expert_parallel:  # E / n whole experts per rank: 1/n of the step's token-expert pairs
         n, width = sp * tp, shape.expert_intermediate_size
         per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
@@ -251,6 +255,8 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
         out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, local * h * a))
     if sparse and tp > 1:  # expert_parallel: the experts' outputs summed in float32
         out.append(("ep_all_reduce", "all_reduce", tp, sparse, local * h * 4))
+    if tp > 1 and shape.shared_expert_intermediate_size:  # a shared expert's row-parallel down projection
+        out.append(("shared_expert_all_reduce", "all_reduce", tp, _sparse_layers(shape, num_layers), local * h * a))
     if sparse and sp > 1:  # expert_parallel: the pair counts, the pairs' rows and expert ids to their experts'
         pairs = local * shape.experts_per_token  # ranks, the outputs back: four all-to-alls (expert_parallel.py)
         out.append(("ep_all_to_all_counts", "all_to_all", sp, sparse, sp * 8))
@@ -470,6 +476,8 @@ def memory_per_rank(shape: ModelShape, layout: Layout, group: int = 0) -> RankMe
         columns, held = shape.expert_intermediate_size, shape.num_experts // (sp * tp)
     sparse_mlp = ((h + (1 if shape.router_bias else 0)) * shape.num_experts
                   + held * (3 * h * columns + (2 * columns + h if shape.expert_bias else 0)))
+    if shape.shared_expert_intermediate_size:  # split over TP as a dense MLP, its gate replicated
+        sparse_mlp += 3 * h * (shape.shared_expert_intermediate_size // tp) + h
 
     def stage_layers(layers: int) -> int:
         sparse = _sparse_layers(shape, layers)

@@ -11,10 +11,11 @@ Bytes are those an ideal kernel moves (weights once, activations in and out once
 V read once); what a real kernel moves beyond that shows up as a lower achievable rate in the hardware
 profile (`torch-shift calibrate` measures the rates against these same counts).
 
-A mixture of experts (Qwen3-MoE, Mixtral) replaces the MLP of its sparse layers by a router and the routed
-experts (`torch_shift.models.moe`): per token only its top-k experts run, and a step reads the weights of
+A mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS) replaces the MLP of its sparse layers by a router and
+the routed experts (`torch_shift.models.moe`): per token only its top-k experts run, and a step reads the weights of
 the experts its tokens reach, expected E (1 - (1 - k/E)^T) of E for T tokens under balanced routing (one
-token reads k experts' weights; a few hundred read them all).
+token reads k experts' weights; a few hundred read them all). Qwen2-MoE's shared expert runs for every token, a dense
+MLP beside them.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def canonical_dtype(dtype: str) -> str:
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost model needs of a decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts
-    Qwen3-MoE and Mixtral: `num_experts` routed experts of `expert_intermediate_size` in `num_sparse_layers`
-    of the layers, `experts_per_token` of them per token) and its dtypes.
+    Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-OSS: `num_experts` routed experts of `expert_intermediate_size` in
+    `num_sparse_layers` of the layers, `experts_per_token` of them per token, and in each sparse layer a shared expert
+    of `shared_expert_intermediate_size` that every token runs, where that is not 0) and its dtypes.
 
     `weight_dtype` sets the bytes of a weight and the FLOP rate of the linears (FP8 weights: FP8 matmuls
     where the hardware has them, as vLLM's FP8 W8A8 on Hopper; elsewhere weight-only FP8 at the 16-bit
@@ -74,6 +76,7 @@ class ModelShape:
     router_bias: bool = False
     expert_bias: bool = False
     num_window_layers: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_dtype", canonical_dtype(self.weight_dtype))
@@ -107,7 +110,7 @@ class ModelShape:
             experts_per_token=config.num_experts_per_tok, expert_intermediate_size=config.moe_intermediate_size,
             num_sparse_layers=len(config.sparse_layers), o_proj_bias=config.o_proj_bias,
             attention_sinks=config.attention_sinks, router_bias=config.router_bias, expert_bias=config.expert_bias,
-            num_window_layers=len(windows),
+            num_window_layers=len(windows), shared_expert_intermediate_size=config.shared_expert_intermediate_size,
         )
 
     @classmethod
@@ -155,7 +158,8 @@ class ModelShape:
         return qkv + bias + self.q_size * h + extras
 
     def mlp_parameters(self, sparse: bool, experts: int | None = None) -> int:
-        """A dense layer's gated MLP, or a sparse layer's router and `experts` of its experts (all by default)."""
+        """A dense layer's gated MLP, or a sparse layer's router, `experts` of its experts (all by default) and its
+        shared expert with that expert's gate."""
         h = self.hidden_size
         if not sparse:
             return 3 * h * self.intermediate_size
@@ -163,7 +167,12 @@ class ModelShape:
         router = (h + (1 if self.router_bias else 0)) * self.num_experts
         per_expert = 3 * h * self.expert_intermediate_size + (2 * self.expert_intermediate_size + h
                                                               if self.expert_bias else 0)
-        return router + experts * per_expert
+        return router + experts * per_expert + self.shared_expert_parameters()
+
+    def shared_expert_parameters(self) -> int:
+        """A sparse layer's shared expert (a gated MLP) and its gate (one output), or 0 where it has none."""
+        width = self.shared_expert_intermediate_size
+        return 3 * self.hidden_size * width + self.hidden_size if width else 0
 
     def num_parameters(self) -> int:
         embed = self.vocab_size * self.hidden_size
