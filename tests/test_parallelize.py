@@ -40,7 +40,7 @@ def _original(family: str):
     or with CosSinRoPE ("torchtitan_cos_sin")."""
     if family.startswith("torchtitan"):
         return torchtitan_llama.build(seed=0, rope=family.partition("_")[2] or "complex")
-    if family.startswith("moe_"):  # test_moe's mixtures of experts: "moe_qwen3_moe", "moe_mixtral"
+    if family.startswith("moe_"):  # test_moe's mixtures of experts: "moe_qwen3_moe", "moe_mixtral", "moe_qwen2_moe"
         from test_moe import build_moe_model
 
         return build_moe_model(family.removeprefix("moe_"))
@@ -115,10 +115,11 @@ def _logits_rank(rank, world, mesh_shape, names):
 
 CASES = {
     (2, 2): ["llama", "qwen2", "qwen3", "llama+fsdp", "torchtitan+fsdp", "moe_qwen3_moe", "moe_mixtral",
-               "gpt_oss", "qwen3_bias"],
+               "gpt_oss", "qwen3_bias", "moe_qwen2_moe"],
     (4, 1): ["llama", "qwen2", "qwen3", "mistral_window", "torchtitan", "torchtitan_cos_sin", "moe_qwen3_moe",
                "gpt_oss"],
-    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral", "llama_bias"],  # a 1-D ("tp",) mesh: SP = 1
+    # a 1-D ("tp",) mesh: SP = 1
+    (2,): ["llama", "qwen2", "qwen3", "torchtitan+fsdp", "moe_mixtral", "llama_bias", "moe_qwen2_moe"],
 }
 
 

@@ -483,7 +483,21 @@ def register_native_attention() -> bool:
     return _native_attention is not None
 
 
-_native_elementwise = False
+# the operator library's registrations made (True) or refused by PyTorch (False), by its function's name
+_registrations: dict[str, bool] = {}
+
+
+def _register_once(function: str, refused: str, *args: int) -> bool:
+    """Call the operator library's `function(*args)`, which registers C++ implementations of torch_shift's operators
+    for the CPU (0: PyTorch took them), once per process; False where the library does not build or PyTorch refused
+    them (warned once: `refused` says what then runs in Python)."""
+    if function not in _registrations and cpu_ops():
+        register = getattr(_ops_library, function)
+        register.argtypes, register.restype = [ctypes.c_int] * len(args), ctypes.c_int
+        _registrations[function] = register(*args) == 0
+        if not _registrations[function]:
+            warnings.warn(f"PyTorch refused torch_shift's C++ {refused}, which is slower", RuntimeWarning, stacklevel=3)
+    return _registrations.get(function, False)
 
 
 def register_native_elementwise(sum_lanes: int) -> bool:
@@ -491,37 +505,16 @@ def register_native_elementwise(sum_lanes: int) -> bool:
     `cpu_silu_mul` for the CPU (cpu_ops.cpp; once torch_shift.models.fused has defined them and their `_python`
     twins), RMSNorm summing in vectors of `sum_lanes` floats (0: RMSNorm stays in Python); False where the operator
     library does not build."""
-    global _native_elementwise
-    if not _native_elementwise and cpu_ops():
-        _ops_library.ts_register_elementwise.argtypes = [ctypes.c_int]
-        _ops_library.ts_register_elementwise.restype = ctypes.c_int
-        if _ops_library.ts_register_elementwise(sum_lanes) != 0:
-            warnings.warn("PyTorch refused the C++ implementations of torch_shift's elementwise operators: compiled "
-                          "forwards run them through Python, which is slower", RuntimeWarning, stacklevel=2)
-            return False
-        _native_elementwise = True
-    return _native_elementwise
-
-
-_native_moe = False
+    return _register_once("ts_register_elementwise", "elementwise operators: compiled forwards run them through "
+                          "Python", sum_lanes)
 
 
 def register_native_moe() -> bool:
     """Register the C++ implementation of `torch_shift::sparse_moe` for the CPU (cpu_ops.cpp; once
     torch_shift.models.moe has defined it and its `_python` twin, which serves experts that are not packed); False
     where the operator library does not build."""
-    global _native_moe
-    if not _native_moe and cpu_ops():
-        _ops_library.ts_register_moe.restype = ctypes.c_int
-        if _ops_library.ts_register_moe() != 0:
-            warnings.warn("PyTorch refused the C++ implementation of torch_shift::sparse_moe: mixtures of experts "
-                          "route and run their experts through Python, which is slower", RuntimeWarning, stacklevel=2)
-            return False
-        _native_moe = True
-    return _native_moe
-
-
-_native_all_reduce = False
+    return _register_once("ts_register_moe", "torch_shift::sparse_moe: mixtures of experts route and run their "
+                          "experts through Python")
 
 
 def register_native_all_reduce(communicator_id: int, segment: int, rank: int, world_size: int, slot_bytes: int,
@@ -532,19 +525,12 @@ def register_native_all_reduce(communicator_id: int, segment: int, rank: int, wo
     layout (torch_shift.parallel.shm), the address of its [step, collectives] counters and its `signatures`
     (all_reduce's, all_to_all's, then all_gather's, in float32 and bfloat16); False where the operator library does
     not build."""
-    global _native_all_reduce
-    if not cpu_ops():
+    if not _register_once("ts_register_all_reduce", "torch_shift::shm_all_reduce: compiled forwards run it through "
+                          "Python"):
         return False
     lib = _ops_library
-    if not _native_all_reduce:
-        lib.ts_register_all_reduce.restype = ctypes.c_int
-        if lib.ts_register_all_reduce() != 0:
-            warnings.warn("PyTorch refused the C++ implementation of torch_shift::shm_all_reduce: compiled forwards "
-                          "run it through Python, which is slower", RuntimeWarning, stacklevel=2)
-            return False
-        lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 16, None
-        lib.ts_shm_unregister.argtypes, lib.ts_shm_unregister.restype = [i64], None
-        _native_all_reduce = True
+    lib.ts_shm_register.argtypes, lib.ts_shm_register.restype = [i64] * 16, None
+    lib.ts_shm_unregister.argtypes, lib.ts_shm_unregister.restype = [i64], None
     lib.ts_shm_register(communicator_id, segment, rank, world_size, slot_bytes, header_bytes, row_words,
                         first_parity_word, parity_words, counters, *signatures)
     return True
