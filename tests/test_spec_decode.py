@@ -1469,6 +1469,44 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
     assert fresh.spec_token_ids == [] and "fresh" not in speculator._shadows
 
 
+def test_proposals_fit_beside_the_plain_decodes_in_a_step_of_the_cpp_decoder():
+    """Where a step's plain decodes run on the C++ decoder (64 tokens), its proposals are cut to the room beside
+    them, the least likely tokens first, exploring checks too: a step past it runs the model's forward, about 3x as
+    long. A batch that fills the decoder proposes nothing and its steps are quiet; a batch already past it is not
+    bounded."""
+    from torch_shift.engine.spec_decode import within_room
+
+    assert within_room([4, 4, 2], [0.9, 0.5, 0.99], 6) == [4, 0, 2]  # 0.5^j are the least likely tokens
+    assert within_room([3, 1], [1.0, 1.0], 4) == [3, 1] and within_room([5], [0.8], 0) == [0]
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
+    params = SamplingParams(max_tokens=200)
+    for num_running, room in ((6, 2), (8, 0), (9, None)):
+        speculator = Speculator(config, 1000, _Sevens(), max_step_tokens=8)
+        speculator.step_cost.at = lambda num_requests: (1e-3, 1e-5, 1e-6, 1e-6)  # every check pays
+        requests = [Request(f"r{i}", list(range(1, 6)), params, 200) for i in range(num_running)]
+        for request in requests:
+            speculator.acceptance.observe(request.request_id, 10, 10 - (request.request_id == "r1"), greedy=False)
+        speculator.propose(requests, num_running)
+        proposed = sum(len(r.spec_token_ids) for r in requests)
+        if room is None:
+            assert proposed == 4 * num_running
+        else:
+            # each asked for no more than the room, the rest cut
+            assert proposed == room and speculator.num_cut_tokens == num_running * min(4, room) - room
+            assert not requests[1].spec_token_ids or room == 0  # its rate is the lowest
+            assert (speculator.quiet_steps > 0) == (room == 0)
+    # an exploring check (a batch size without checks to price one) is cut to the room too
+    speculator = Speculator(config, 1000, _Sevens(), max_step_tokens=8)
+    speculator.step_cost.at = lambda num_requests: (1e-3, 1e-5, 1.0, 1.0)  # no check pays
+    speculator.step_cost.lacks_checks = lambda num_requests: True
+    requests = [Request(f"r{i}", list(range(1, 6)), params, 200) for i in range(7)]
+    for request in requests:
+        speculator.acceptance.observe(request.request_id, 10, 9, greedy=True)
+    speculator._steps = 100
+    speculator.propose(requests, 7)
+    assert sorted(len(r.spec_token_ids) for r in requests) == [0] * 6 + [1]
+
+
 def test_a_request_below_the_bar_is_not_looked_at_until_its_next_probe():
     """Between the steps that look at it a request whose rate is below the bar costs no pricing and no rate lookup:
     the steps in between only count its tokens and make its probes (on free text the speculator's calls were 6% of a

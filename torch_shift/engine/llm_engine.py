@@ -147,7 +147,8 @@ class LLMEngine:
         self.stats_recorder = EngineStats(config.deployment)
         speculator = None
         if config.speculative is not None:
-            speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer())
+            speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer(),
+                                    self.worker.runner.native_step_tokens if self.worker is not None else 0)
             self.stats_recorder.spec_method = config.speculative.label
             self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),

@@ -153,6 +153,14 @@ class ModelRunner:
                 pool.end_step()
         self.model.reset_counters()
 
+    @property
+    def native_step_tokens(self) -> int:
+        """The most tokens of a step that the C++ decoder runs whole, where one rank holds the whole model and runs
+        its small steps there; else 0."""
+        if self.deployment.world_size != 1 or not self._native(self.deployment.layouts[0]):
+            return 0
+        return self.model.native_decoder.max_tokens
+
     def _native(self, layout: Layout) -> bool:
         """Whether the C++ decoder runs `layout`'s small steps on this rank alone (a replica's own; a
         tensor-parallel layout's run it inside the model's forward_step, in step with the other ranks)."""

@@ -88,13 +88,30 @@ def num_accepted(proposed, drawn) -> int:
     return accepted
 
 
+def within_room(keep: list[int], rates: list[float], room: int) -> list[int]:
+    """`keep` (tokens checked of each proposal) cut to `room` tokens in all, the least likely to be accepted first:
+    a proposal's j-th token is accepted with probability rate^j."""
+    keep = list(keep)
+    for _ in range(sum(keep) - room):
+        i = min((i for i, n in enumerate(keep) if n), key=lambda i: rates[i] ** keep[i])
+        keep[i] -= 1
+    return keep
+
+
 class Speculator:
     """When and how much each request proposes: after a step, for the running requests that got a token, as much
     of each proposal as pays for its share of the next step's time (budget.py)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None,
+                 max_step_tokens: int = 0):
+        """`max_step_tokens`: the most tokens of a step that runs on the C++ decoder (ModelRunner.native_step_tokens;
+        0: none)."""
         self.config = config
         self.max_model_len = max_model_len
+        # a step of more tokens runs the model's forward instead, about 3x as long for 64 requests and a check of a
+        # few tokens (a 64-request step 10.6 ms, with a check of 4 tokens 32 ms, on an AMX Xeon): where a step's
+        # plain decodes fit, its proposals are cut to fit beside them, which a linear price of the step cannot say
+        self.max_step_tokens = max_step_tokens
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
         # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
@@ -232,7 +249,8 @@ class Speculator:
         bar, probe_every, explore = self._step_prices(num_running, cost, steps)
         self._last_bar, self._last_probe_every = bar, probe_every
         until_probe = probe_every - steps % probe_every  # steps to the next probe
-        if bar > 1.0 and not explore:  # nobody proposes, nor probes: 2% of a step of 64 requests
+        room_left = self._step_room(num_running)
+        if bar > 1.0 and not explore or room_left == 0:  # nobody proposes, nor probes: 2% of a step of 64 requests
             for request in due:
                 quiet[request.request_id] = len(request.all_token_ids) + until_probe
             self.quiet_steps = self._waiting_steps(alive, num_running)
@@ -252,6 +270,8 @@ class Speculator:
                 continue
             # at most one token past max_tokens and the context: the step adds the accepted ones and one more
             room = min(k, request.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - num_tokens - 1)
+            if room_left is not None:
+                room = min(room, room_left)
             if room <= 0:
                 continue
             if rate < bar:
@@ -288,6 +308,10 @@ class Speculator:
             lengths, keep = keep, tokens_that_pay(rates, keep, num_running, cost)
             self.num_cut_tokens += sum(lengths) - sum(keep)
             proposals = [p[:n] for p, n in zip(proposals, keep)]
+        if room_left is not None and sum(keep) > room_left:
+            lengths, keep = keep, within_room(keep, rates, room_left)
+            self.num_cut_tokens += sum(lengths) - sum(keep)
+            proposals = [p[:n] for p, n in zip(proposals, keep)]
         if config.goodput_budget:  # also before any fit: a step of requests that never propose varies nothing
             for request, n in zip(proposing, keep):
                 if n:
@@ -309,6 +333,11 @@ class Speculator:
         explore = steps - self._explored_at >= EXPLORE_EVERY and self.step_cost.lacks_checks(num_running)
         return bar, probe_every, explore
 
+    def _step_room(self, num_running: int) -> int | None:
+        """The proposed tokens a step of `num_running` decoding requests can check and still run on the C++ decoder,
+        where its plain decodes do; None where no such bound applies."""
+        return self.max_step_tokens - num_running if 0 < num_running <= self.max_step_tokens else None
+
     def relook_ahead(self, requests: list[Request], num_running: int) -> bool:
         """At the end of a wait, before the tokens of the step in flight (one for each of `requests`: the running
         requests the last propose saw, each decoding) reach the host: where the propose after that step would ask
@@ -322,7 +351,8 @@ class Speculator:
         if self._below_bar or self._shadows or (limit is not None and num_running >= limit):
             return False
         cost = self.step_cost.at(num_running) if config.goodput_budget else None
-        if cost is None:
+        room_left = self._step_room(num_running)
+        if cost is None and room_left != 0:
             return False
         lengths = [len(request.all_token_ids) + 1 for request in requests]
         due = [i for i, request in enumerate(requests) if lengths[i] >= quiet.get(request.request_id, 0)]
@@ -330,7 +360,7 @@ class Speculator:
             return False
         steps = self._steps + 1  # the propose's, which skip_step counts
         bar, probe_every, explore = self._step_prices(num_running, cost, steps)
-        if bar <= 1.0 or explore:
+        if (bar <= 1.0 or explore) and room_left != 0:
             return False
         self._last_bar, self._last_probe_every = bar, probe_every
         until_probe = probe_every - steps % probe_every
