@@ -6,6 +6,7 @@ Flying, Seesaw) against one rank."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import replace
 
@@ -37,7 +38,7 @@ from torch_shift.models.sources import DecoderSource
 from torch_shift.parallel.launch import run_ranks
 from torch_shift.parallel.layouts import build_deployment
 from torch_shift.parallel.plan import validate_mesh_for_model
-from torch_shift.planner import Layout, ModelShape, Seq, get_profile, memory_per_rank, step_cost
+from torch_shift.planner import Layout, ModelShape, Seq, get_profile, memory_per_rank, step_cost, validate_layout
 from torch_shift.planner.shape import busiest_rank_pairs
 
 transformers = pytest.importorskip("transformers")
@@ -308,6 +309,11 @@ def test_stacked_experts_convert_and_in_memory_models(moe_checkpoints, tmp_path,
 
     converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
     torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted))), prompt), ref, atol=0, rtol=0)
+    # row-parallel weights stored transposed (a rank's shard one run of rows), a shared expert's down projection too
+    manifest = json.loads((converted / "torch_shift_checkpoint.json").read_text())
+    down = {e["param"]: e["transposed"] for e in manifest["tensors"].values()
+            if e["param"].endswith("down_proj.weight")}
+    assert down and all(down.values()), down
 
     prompts = random_prompts(3, [4, 9, 1], seed=7)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
@@ -346,6 +352,19 @@ def test_layouts_shard_every_experts_ffn_and_check_its_width(moe_checkpoints):
                                          " = 64"):
         validate_mesh_for_model(replace(config, num_attention_heads=64, num_key_value_heads=64,
                                         intermediate_size=64 * 4), 8, 8)
+    # a shared expert (Qwen2-MoE) is split as a dense MLP: its width must divide too, in the engine and the planner
+    qwen2 = ModelConfig.from_dir(moe_checkpoints("qwen2_moe")[1])  # shared_expert_intermediate_size 48
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=48 is not divisible by SP x TP = 32"):
+        validate_mesh_for_model(replace(qwen2, num_attention_heads=32, num_key_value_heads=32, intermediate_size=32,
+                                        moe_intermediate_size=32), 1, 32)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=48 is not divisible by TP=32"):
+        validate_layout(ModelShape.from_config(replace(qwen2, num_attention_heads=32, num_key_value_heads=32,
+                                                       intermediate_size=32, moe_intermediate_size=32)),
+                        Layout("tp", tp=32))
+    # with every layer dense there is no shared expert either
+    all_dense = ModelConfig.from_hf_dict({**json.loads((moe_checkpoints("qwen2_moe")[1] / "config.json").read_text()),
+                                          "mlp_only_layers": [0, 1, 2, 3]})
+    assert not all_dense.is_moe and all_dense.shared_expert_intermediate_size == 0
 
 
 def _weights_rank(rank, world, model_dir):

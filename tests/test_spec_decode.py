@@ -725,28 +725,31 @@ def test_a_wait_that_ends_where_no_check_pays_is_looked_at_before_its_tokens():
     """The end of a wait where no check can pay (the bar above 1): Speculator.relook_ahead, called while the step in
     flight's tokens are not on the host, leaves the speculator as `propose` after them would (the waits, the steps
     seen, the quiet steps to come with the step in flight's counted by skip_step), so that the next step runs ahead
-    too. Where a check may pay, or an exploring check is due, it changes nothing: that step waits for its tokens."""
-    ahead, ahead_requests = _speculator_where_no_check_pays()
-    after, after_requests = _speculator_where_no_check_pays()
-    ahead.propose(ahead_requests, 2)
-    after.propose(after_requests, 2)
-    token = 10
-    for _ in range(40):  # two waits' ends and more, from different lengths
-        if after.quiet_steps:
-            assert ahead.quiet_steps == after.quiet_steps
-            for speculator, requests in ((ahead, ahead_requests), (after, after_requests)):
-                for request in requests:
+    too. Where a check may pay, or an exploring check is due, it changes nothing: that step waits for its tokens. A
+    batch that fills the C++ decoder's steps (no room for a proposed token) is such a wait's end too."""
+    for bar, max_step_tokens in ((2.0, 0), (0.5, 2)):
+        ahead, ahead_requests = _speculator_where_no_check_pays(bar)
+        after, after_requests = _speculator_where_no_check_pays(bar)
+        ahead.max_step_tokens = after.max_step_tokens = max_step_tokens
+        ahead.propose(ahead_requests, 2)
+        after.propose(after_requests, 2)
+        token = 10
+        for _ in range(40):  # two waits' ends and more, from different lengths
+            if after.quiet_steps:
+                assert ahead.quiet_steps == after.quiet_steps
+                for speculator, requests in ((ahead, ahead_requests), (after, after_requests)):
+                    for request in requests:
+                        request.append_output_token(token)
+                    speculator.skip_step(requests)
+            else:
+                assert ahead.quiet_steps == 0 and ahead.relook_ahead(ahead_requests, 2)
+                for request in ahead_requests + after_requests:
                     request.append_output_token(token)
-                speculator.skip_step(requests)
-        else:
-            assert ahead.quiet_steps == 0 and ahead.relook_ahead(ahead_requests, 2)
-            for request in ahead_requests + after_requests:
-                request.append_output_token(token)
-            ahead.skip_step(ahead_requests)
-            after.propose(after_requests, 2)
-        token += 1
-        assert (ahead._quiet, ahead._steps, ahead.quiet_steps) == (after._quiet, after._steps, after.quiet_steps)
-        assert not any(r.spec_token_ids for r in after_requests)
+                ahead.skip_step(ahead_requests)
+                after.propose(after_requests, 2)
+            token += 1
+            assert (ahead._quiet, ahead._steps, ahead.quiet_steps) == (after._quiet, after._steps, after.quiet_steps)
+            assert not any(r.spec_token_ids for r in after_requests)
     for bar, explore in ((0.5, False), (2.0, True)):  # a check that may pay; a batch size's first checks due
         speculator, requests = _speculator_where_no_check_pays(bar)
         speculator.step_cost.lacks_checks = lambda num_requests: explore

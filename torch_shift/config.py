@@ -342,8 +342,9 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
         raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
     if "moe_intermediate_size" not in hf:
         raise ValueError(f"{arch}: config.json lacks 'moe_intermediate_size'")
+    sparse_layers = tuple(i for i in range(num_layers) if i not in dense_layers and (i + 1) % step == 0)
     shared = {}
-    if family == "qwen2_moe":
+    if family == "qwen2_moe" and sparse_layers:  # a shared expert in each sparse layer
         shared_width = int(hf["shared_expert_intermediate_size"])
         if shared_width < 1:
             raise ValueError(f"{arch}: shared_expert_intermediate_size must be >= 1, got {shared_width}")
@@ -351,7 +352,7 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
     return shared | {"num_experts": num_experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": int(hf["moe_intermediate_size"]),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "float32_routing_weights": False,
-            "sparse_layers": tuple(i for i in range(num_layers) if i not in dense_layers and (i + 1) % step == 0)}
+            "sparse_layers": sparse_layers}
 
 
 def _gpt_oss_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> dict[str, Any]:

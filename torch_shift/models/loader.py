@@ -272,7 +272,7 @@ CONVERTED_MANIFEST = "torch_shift_checkpoint.json"
 CONVERTED_FORMAT_VERSION = 1
 # Weights a tensor-parallel plan shards on dim 1 (Shard(1), the row-parallel layers). A converted
 # checkpoint stores them transposed, so any rank's shard is one contiguous run of rows.
-ROW_PARALLEL = re.compile(r"layers\.\d+\.(attn\.o_proj|mlp\.down_proj)\.weight")
+ROW_PARALLEL = re.compile(r"layers\.\d+\.(attn\.o_proj|mlp\.down_proj|mlp\.shared_expert\.down_proj)\.weight")
 
 
 class WeightSource(Protocol):

@@ -155,6 +155,9 @@ def validate_layout(shape: ModelShape, layout: Layout) -> None:
         if shape.is_moe and not layout.expert_parallel and shape.expert_intermediate_size % chunks:
             problems.append(f"expert_intermediate_size={shape.expert_intermediate_size} is not divisible by "
                             f"{what}={chunks}")
+        if shape.num_sparse_layers and shape.shared_expert_intermediate_size % chunks:
+            problems.append(f"shared_expert_intermediate_size={shape.shared_expert_intermediate_size} is not "
+                            f"divisible by {what}={chunks}")
     if layout.kind == "pp" and layout.pp > shape.num_layers:
         problems.append(f"PP={layout.pp} is more stages than the model's {shape.num_layers} layers")
     if layout.expert_parallel and (not shape.is_moe or shape.num_experts % layout.num_ranks):
@@ -219,13 +222,15 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         n, width = sp * tp, shape.expert_intermediate_size
         per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
                           ops.experts(shape, tokens, width, ranks=n),
-                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * width // n)],
+                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * width // n
+                                                + shape.shared_expert_intermediate_size // tp)],
                          sparse))
     elif sparse:
         columns = shape.expert_intermediate_size // tp
         per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
                           ops.experts(shape, local, columns),
-                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * columns)],
+                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * columns
+                                                + shape.shared_expert_intermediate_size // tp)],
                          sparse))
     result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype, o.rows) for o in layer]
     for kind_ops, count in per_kind:
