@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_shift.models.fused import gate_up_silu
 from torch_shift.models.linear import PackedWeight, linear
-from torch_shift.models.moe import Experts, SparseMoeBlock, add_shared_expert, adopt_routing
+from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import warn_where_ranks_differ
@@ -61,8 +62,12 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = comm.all_reduce(linear(x, self.weight, None, self.packed), self.group)
+        out = comm.all_reduce(self.partial(x), self.group)
         return out if self.bias is None else out + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before the sum over `group` and the bias."""
+        return linear(x, self.weight, None, self.packed)
 
 
 class VocabParallelLMHead(nn.Module):
@@ -217,8 +222,9 @@ class UlyssesDecoder:
 class RowParallelSparseMoe(nn.Module):
     """A sparse MoE block whose experts each hold a slice of their FFN's intermediate dim (TP, as the dense MLP:
     gate/up rows, down columns), the router whole; every rank routes the same tokens the same way, and the
-    partial outputs are summed over `group`; a shared expert (Qwen2-MoE) is split as a dense MLP and sums its own
-    partial outputs (its down projection a RowParallelLinear). Its parameters keep SparseMoeBlock's names."""
+    partial outputs are summed over `group`; a shared expert (Qwen2-MoE) is split as a dense MLP, its partial output
+    (scaled by its replicated gate) added to the experts' before the one sum, as vLLM's Qwen2-MoE does. Its parameters
+    keep SparseMoeBlock's names."""
 
     def __init__(self, block: SparseMoeBlock, experts: Experts, group: dist.ProcessGroup):
         super().__init__()
@@ -230,4 +236,9 @@ class RowParallelSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.router(x), self.top_k, self.norm_topk_prob, self.float32_routing_weights,
                            self.routing, self.swiglu_limit, self.swiglu_alpha, down_bias=self.adds_down_bias)
-        return add_shared_expert(self, x, comm.all_reduce(out, self.group))
+        shared = self.shared_expert
+        if shared is not None:
+            assert shared.down_proj.group is self.group, "the shared expert is split over the experts' ranks"
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared.down_proj.partial(
+                gate_up_silu(shared.gate_up_proj, x))
+        return comm.all_reduce(out, self.group)

@@ -260,8 +260,8 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
         out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, local * h * a))
     if sparse and tp > 1:  # expert_parallel: the experts' outputs summed in float32
         out.append(("ep_all_reduce", "all_reduce", tp, sparse, local * h * 4))
-    if tp > 1 and shape.shared_expert_intermediate_size:  # a shared expert's row-parallel down projection
-        out.append(("shared_expert_all_reduce", "all_reduce", tp, _sparse_layers(shape, num_layers), local * h * a))
+    if sparse and tp > 1 and shape.shared_expert_intermediate_size:  # expert_parallel: a shared expert's own sum
+        out.append(("shared_expert_all_reduce", "all_reduce", tp, sparse, local * h * a))
     if sparse and sp > 1:  # expert_parallel: the pair counts, the pairs' rows and expert ids to their experts'
         pairs = local * shape.experts_per_token  # ranks, the outputs back: four all-to-alls (expert_parallel.py)
         out.append(("ep_all_to_all_counts", "all_to_all", sp, sparse, sp * 8))
