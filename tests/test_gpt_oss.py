@@ -1,16 +1,19 @@
 """GPT-OSS against Hugging Face `transformers` on random checkpoints: YaRN rotary tables, the sparse block
 (router with a bias, softmax after top-k, expert biases, clamped SwiGLU, interleaved gate/up columns), the
 engine's greedy tokens and logprobs with attention sinks and alternating windowed and full layers (chunked
-prefill, preemption, eager and compiled, every CPU attention backend), the checkpoint layouts, MXFP4 refused."""
+prefill, preemption, eager and compiled, every CPU attention backend), the checkpoint layouts, MXFP4 experts
+dequantized as transformers does, other quantized checkpoints refused."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
 from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts, refuse_python_ulysses
+from safetensors.torch import load_file, save_file
 from test_moe import SHARDED, _generate_rank
 from test_shift import assert_same_outputs
 
@@ -20,6 +23,7 @@ from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.handoff import handoff
 from torch_shift.models import load_model
 from torch_shift.models.convert import convert_checkpoint
+from torch_shift.models.mxfp4 import Mxfp4Experts, dequantize
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel.launch import run_ranks
 
@@ -70,13 +74,144 @@ def test_config_reads_layers_windows_experts_and_counts_parameters(gpt_oss):
     assert config.num_parameters - config.num_active_parameters == 4 * (4 - 2) * per_expert
 
 
-def test_mxfp4_checkpoints_are_refused_with_a_message(gpt_oss, tmp_path):
+def test_quantized_checkpoints_but_gpt_oss_mxfp4_are_refused_with_a_message(gpt_oss, tmp_path):
     _, model_dir = gpt_oss
     hf = json.loads((model_dir / "config.json").read_text())
     hf["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match="mxfp4 checkpoints are not supported"):
-        ModelConfig.from_dir(tmp_path)
+    assert ModelConfig.from_hf_dict(hf).quantization == "mxfp4"
+    hf["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="GptOssForCausalLM: awq checkpoints are not supported"):
+        ModelConfig.from_hf_dict(hf)
+    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+             "num_hidden_layers": 1, "vocab_size": 128, "intermediate_size": 32,
+             "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(ValueError, match="LlamaForCausalLM: mxfp4 checkpoints are not supported"):
+        ModelConfig.from_hf_dict(llama)
+
+
+MXFP4_SCALES = (118, 124)  # E8M0 bytes of the random experts: weights up to 6 * 2 ** -3
+
+
+def mxfp4_checkpoint(model_dir, out_dir, seed: int = 0):
+    """`model_dir`'s checkpoint with every expert projection replaced by random MXFP4 blocks and scales, as
+    openai/gpt-oss-* store them (`quantization_config` and a bfloat16 `dtype` in config.json)."""
+    out_dir.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, out_dir / f.name)
+    tensors = load_file(model_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape  # [E, in, out]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=generator,
+                                                  dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(*MXFP4_SCALES, (experts, rows, cols // 32), generator=generator,
+                                                  dtype=torch.uint8)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((model_dir / "config.json").read_text())
+    hf |= {"dtype": "bfloat16", "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (out_dir / "config.json").write_text(json.dumps(hf))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """An MXFP4 checkpoint and transformers' model of it (its experts dequantized, `Mxfp4Config`), float32."""
+    model_dir = mxfp4_checkpoint(gpt_oss[1], tmp_path_factory.mktemp("mxfp4") / "model")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    return hf_model, model_dir
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mxfp4_dequantized_as_transformers_does(dtype):
+    """Every E2M1 code and every finite E8M0 scale (the extremes overflow and underflow as in transformers)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (3, 40, 4), generator=generator, dtype=torch.uint8)
+    scales[0, 0, :] = torch.tensor([0, 1, 253, 254], dtype=torch.uint8)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+    experts = Mxfp4Experts("experts.gate_up_proj", blocks, scales, dtype)
+    assert experts.get_shape() == tuple(ref.shape) == (3, 128, 40)
+    got = torch.stack([experts[e] for e in range(3)])
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))
+    assert dequantize(blocks, scales, dtype).shape == (3, 40, 128)
+
+
+def test_mxfp4_nan_scales_and_unpaired_blocks_are_refused(gpt_oss_mxfp4, tmp_path):
+    blocks, scales = torch.zeros(2, 3, 16, dtype=torch.uint8), torch.full((2, 3), 127, dtype=torch.uint8)
+    scales[1, 2] = 0xFF
+    with pytest.raises(ValueError, match="scale 0xFF"):
+        dequantize(blocks, scales)
+    with pytest.raises(ValueError, match="blocks .* and scales .* expected"):
+        dequantize(blocks, scales[:, :2])
+    _, model_dir = gpt_oss_mxfp4
+    shutil.copytree(model_dir, tmp_path / "model")
+    tensors = load_file(tmp_path / "model" / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "model" / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj_blocks' has no 'model.layers.2.mlp.experts.down_proj_scales'"):
+        load_model(tmp_path / "model")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["fp32", "bf16"])
+def test_mxfp4_checkpoint_matches_transformers(gpt_oss_mxfp4, dtype):
+    """The experts dequantized as read: greedy tokens and logprobs transformers' (float32); in bfloat16, the
+    checkpoint's dtype and the engine's default here, the parameters those of transformers' model in bfloat16."""
+    hf_model, model_dir = gpt_oss_mxfp4
+    if dtype == "bfloat16":
+        hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True))
+        ours = load_model(model_dir, dtype=torch.bfloat16)
+        for layer, ref in zip(ours.layers, hf_bf16.model.layers):
+            assert torch.equal(layer.mlp.experts.down_proj, ref.mlp.experts.down_proj.transpose(1, 2))
+            gate_up = ref.mlp.experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
+            assert torch.equal(layer.mlp.experts.gate_up_proj, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
+        return
+    prompts = random_prompts(8, PROMPT_LENGTHS, seed=2)
+    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    llm = LLM(str(model_dir), dtype=dtype, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    for out, ref in zip(outs, ref_logprobs):
+        for token, top, ref_row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, ref):
+            for t, logprob in top.items():
+                assert math.isclose(logprob.logprob, ref_row[t].item(), abs_tol=FP32_ATOL)
+
+
+def test_mxfp4_checkpoint_converts_to_an_unquantized_one(gpt_oss_mxfp4, tmp_path):
+    _, model_dir = gpt_oss_mxfp4
+    prompt = random_prompts(1, [30], seed=5)[0]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir), dtype="float32")), prompt)
+    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    stored = load_file(converted / "model-00000.safetensors")
+    assert stored["layers.0.mlp.experts.down_proj.1"].dtype == torch.bfloat16  # the checkpoint's dtype
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir),
+                                                                  dtype="float32")), prompt), ref, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tp2", "ep_shift_sp2"])
+def test_mxfp4_checkpoint_in_layouts_matches_one_rank(gpt_oss_mxfp4, family):
+    """Each rank reads its slice of the dequantized experts (TP: their rows; EP: whole experts)."""
+    world, engine_args, layouts = SHARDED[family]
+    _, model_dir = gpt_oss_mxfp4
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=3)
+    engine_args = {**engine_args, "dtype": "float32"}
+    ref = LLM(str(model_dir), dtype="float32").generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] >= layouts, results[0][1]
 
 
 def test_yarn_rotary_tables_match_transformers(gpt_oss):

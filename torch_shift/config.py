@@ -196,6 +196,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     attention_sinks: bool = False
     layer_windows: tuple[int | None, ...] = ()  # per layer, where layers differ; empty: `sliding_window` for all
+    # "mxfp4": the checkpoint stores GPT-OSS's experts as MXFP4 blocks and scales (what openai/gpt-oss-* ship),
+    # dequantized as they are read (torch_shift.models.mxfp4); None: every weight as it is computed with
+    quantization: str | None = None
 
     def layer_window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s own window, or None where every layer has the step's (`sliding_window`)."""
@@ -233,6 +236,7 @@ class ModelConfig:
             if hf.get("use_sliding_window"):
                 raise ValueError(f"{arch} with use_sliding_window=true is not supported")
             sliding_window = None
+        quantization = _quantization(hf, arch, family)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         moe = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}
@@ -262,6 +266,7 @@ class ModelConfig:
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
+            quantization=quantization,
             **moe,
         )
 
@@ -355,14 +360,22 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
             "sparse_layers": sparse_layers}
 
 
+def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
+    """The checkpoint's quantized format, where torch_shift reads it (GPT-OSS's MXFP4 experts); any other
+    `quantization_config` is refused, before a tensor is read."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    if family == "gpt_oss" and method == "mxfp4":
+        return "mxfp4"
+    raise ValueError(f"{arch}: {method} checkpoints are not supported (torch_shift loads unquantized weights, and "
+                     "GPT-OSS's MXFP4 experts); use a checkpoint in bf16 or fp32, e.g. one dequantized with "
+                     "transformers' from_pretrained(...) and save_pretrained")
+
+
 def _gpt_oss_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> dict[str, Any]:
     """GPT-OSS's fields beyond the experts' counts, as transformers' GptOssConfig reads them."""
-    quant = hf.get("quantization_config") or {}
-    if quant:
-        method = quant.get("quant_method", "?")
-        raise ValueError(f"GptOssForCausalLM: {method} checkpoints are not supported (their experts' weights are "
-                         "quantized); use a bf16 checkpoint (e.g. dequantized with transformers' from_pretrained("
-                         "..., quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)")
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:

@@ -6,6 +6,7 @@ The output is safetensors laid out for sharded loading on any (SP, TP) mesh:
 - the row-parallel weights (o_proj, down_proj, sharded on dim 1) stored transposed, so every
   rank's shard is one contiguous run of rows read straight from the memory map;
 - the tied LM head stored once, in the requested dtype;
+- MXFP4 experts (GPT-OSS) stored dequantized, so the output is an unquantized checkpoint;
 - `torch_shift_checkpoint.json` listing every tensor (file, parameter, part, transposed), plus
   config.json, the tokenizer files, the chat template and generation_config.json.
 
@@ -103,6 +104,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str | 
         for f in _SIDE_FILES:
             if (model_dir / f).is_file():
                 shutil.copy2(model_dir / f, staging / f)
+        hf_config.pop("quantization_config", None)  # MXFP4 experts are stored dequantized (CheckpointReader)
         if len(stored_dtypes) == 1:
             (stored,) = stored_dtypes
             hf_config["dtype"] = hf_config["torch_dtype"] = _DTYPE_NAMES[stored]

@@ -24,6 +24,10 @@ from safetensors import safe_open
 from torch_shift.config import ModelConfig
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.moe import Experts
+from torch_shift.models.mxfp4 import Mxfp4Experts
+
+# An MXFP4 tensor X (GPT-OSS's experts) is stored as X_blocks and X_scales (torch_shift.models.mxfp4).
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 # The part a name map gives a tensor that holds every part of a parameter, stacked as the parameter is.
 STACKED = "*"
@@ -391,12 +395,23 @@ class CheckpointReader:
         else:
             files = checkpoint_files(self.model_dir)
             map_name = hf_name_mapper(config.family)
+        self.mxfp4: dict[str, Mxfp4Experts] = {}
+        if config.quantization == "mxfp4":
+            for name in [n for n in files if n.endswith(MXFP4_BLOCKS)]:
+                stem = name.removesuffix(MXFP4_BLOCKS)
+                if stem + MXFP4_SCALES not in files:
+                    raise ValueError(f"{self.model_dir}: tensor {name!r} has no {stem + MXFP4_SCALES!r} beside it")
+                blocks, scales = files.pop(name), files.pop(stem + MXFP4_SCALES)
+                self.mxfp4[stem] = Mxfp4Experts(stem, self._handle(blocks).get_slice(name),
+                                                self._handle(scales).get_slice(stem + MXFP4_SCALES),
+                                                mxfp4_dtype(config))
+                files[stem] = blocks
         self.files = files
         self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         shapes = {}
         for name, path in files.items():
-            shape = tuple(self._handle(path).get_slice(name).get_shape())
-            shapes[name] = shape[::-1] if name in self.transposed else shape
+            shape = (self.mxfp4[name] if name in self.mxfp4 else self._handle(path).get_slice(name)).get_shape()
+            shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
 
     def _handle(self, path: Path):
@@ -406,12 +421,22 @@ class CheckpointReader:
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
-        tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
+        if source_name in self.mxfp4:
+            tensor_slice = self.mxfp4[source_name]
+        else:
+            tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
         return read_part(tensor_slice, part, part_slice, source_name in self.transposed,
                          source_name in self.interleaved)
 
     def close(self) -> None:
         self._handles.clear()
+        self.mxfp4.clear()
+
+
+def mxfp4_dtype(config: ModelConfig) -> torch.dtype:
+    """The dtype MXFP4 weights are dequantized into: the checkpoint's own where it is bfloat16 (as GPT-OSS's),
+    else float32; both hold every MXFP4 value exactly."""
+    return torch.bfloat16 if config.torch_dtype in ("bfloat16", "bf16") else torch.float32
 
 
 def read_manifest(path: Path) -> dict:
