@@ -36,6 +36,8 @@ FAMILIES = {
     # transformers' attention_bias: q, k, v and o projections with biases
     "llama_bias": ("LlamaConfig", {"attention_bias": True}),
     "qwen3_bias": ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
+    # q/k/v and gate/up fused in the checkpoint, a window (tests/test_phi3.py: LongRoPE)
+    "phi3": ("Phi3Config", {"sliding_window": 8}),
 }
 
 

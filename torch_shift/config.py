@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "Phi3ForCausalLM": "phi3",
 }
 # transformers' defaults for the keys a config.json leaves out (its config classes), Llama's for every family and
 # where a family's own differ
@@ -30,6 +32,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"max_position_embeddings": 32768, "qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4,
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"max_position_embeddings": 32768},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64,
                 "sliding_window": 128, "attention_bias": True,
@@ -98,7 +101,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | None = No
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # "default", "linear", "llama3" or "yarn"
+    rope_type: str = "default"  # "default", "linear", "llama3", "yarn" or "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -111,9 +114,21 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # LongRoPE (Phi-3, arXiv 2402.13753): a factor per frequency for contexts up to the original length and one for
+    # longer ones; `long`: the long factors for every position, where the engine's context (max_model_len) exceeds
+    # the original length (vLLM's choice; transformers switches per forward, by its longest position)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long: bool = False
+
+    def for_context(self, max_model_len: int) -> RopeConfig:
+        """As used for contexts of up to `max_model_len` tokens (LongRoPE's long or short factors)."""
+        if self.rope_type != "longrope":
+            return self
+        return replace(self, long=max_model_len > self.original_max_position_embeddings)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+    def from_hf(cls, hf: dict[str, Any], family: str | None = None) -> RopeConfig:
         """As transformers 5 reads a config.json (`convert_rope_params_to_dict`, `standardize_rope_params`):
         rope_parameters holds rope_theta and the scaling (transformers 5), or rope_theta sits at the top level
         beside an optional rope_scaling (transformers 4), which wins where both are written. `hf`: with its
@@ -124,8 +139,14 @@ class RopeConfig:
         merged = dict(hf.get("rope_scaling") or params)
         theta = merged.get("rope_theta", hf["rope_theta"])
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+        if family == "phi3" and rope_type in ("su", "yarn"):
+            rope_type = "longrope"  # Phi-3's older names for it (transformers' Phi3Config)
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, "
+                             "longrope")
+        partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary over every dimension only)")
         # the length the scaled types were pretrained at: a top-level key first (Phi-3's), the model's own last
         original = int(hf.get("original_max_position_embeddings")
                        or merged.get("original_max_position_embeddings") or hf["max_position_embeddings"])
@@ -135,20 +156,47 @@ class RopeConfig:
         def optional(key: str) -> float | None:
             return None if merged.get(key) is None else float(merged[key])
 
-        return cls(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=original,
-            beta_fast=float(merged.get("beta_fast") or 32.0),
-            beta_slow=float(merged.get("beta_slow") or 1.0),
-            truncate=bool(merged.get("truncate", True)),
-            attention_factor=optional("attention_factor"),
-            mscale=optional("mscale"),
-            mscale_all_dim=optional("mscale_all_dim"),
-        )
+        longrope = {}
+        if rope_type == "longrope":
+            longrope = _longrope_fields(merged, hf, original)
+
+        return cls(**{
+            "theta": float(theta),
+            "rope_type": rope_type,
+            "factor": float(merged.get("factor", 1.0)),
+            "low_freq_factor": float(merged.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(merged.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": original,
+            "beta_fast": float(merged.get("beta_fast") or 32.0),
+            "beta_slow": float(merged.get("beta_slow") or 1.0),
+            "truncate": bool(merged.get("truncate", True)),
+            "attention_factor": optional("attention_factor"),
+            "mscale": optional("mscale"),
+            "mscale_all_dim": optional("mscale_all_dim"),
+            **longrope,
+        })
+
+
+def _longrope_fields(merged: dict[str, Any], hf: dict[str, Any], original: int) -> dict[str, Any]:
+    """LongRoPE's factors, as transformers' _compute_longrope_parameters reads them: `factor` the model's length
+    over the original one where not given, cos and sin scaled by sqrt(1 + log(factor) / log(original)) unless
+    `attention_factor` is given; the long factors where the model's whole length exceeds the original one (the
+    engine's own context then decides: RopeConfig.for_context)."""
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    fields: dict[str, Any] = {}
+    for key in ("short_factor", "long_factor"):
+        values = merged.get(key)
+        if not isinstance(values, list) or len(values) != head_dim // 2:
+            raise ValueError(f"longrope: {key} must be a list of head_dim / 2 = {head_dim // 2} numbers, got "
+                             f"{values!r}")
+        fields[key] = tuple(float(v) for v in values)
+    factor = merged.get("factor")
+    factor = float(factor) if factor is not None else int(hf["max_position_embeddings"]) / original
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return fields | {"factor": factor, "attention_factor": float(attention_factor),
+                     "long": int(hf["max_position_embeddings"]) > original}
 
 
 @dataclass(frozen=True)
@@ -255,7 +303,7 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=int(hf["max_position_embeddings"]),
             rms_norm_eps=float(hf["rms_norm_eps"]),
-            rope=RopeConfig.from_hf(hf),
+            rope=RopeConfig.from_hf(hf, family),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=(family == "qwen2" or family == "qwen2_moe" and bool(hf["qkv_bias"])
                             or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias"))),
@@ -269,6 +317,11 @@ class ModelConfig:
             quantization=quantization,
             **moe,
         )
+
+    def for_context(self, max_model_len: int) -> ModelConfig:
+        """This model as run with contexts of up to `max_model_len` tokens (LongRoPE's factors depend on it)."""
+        rope = self.rope.for_context(max_model_len)
+        return self if rope == self.rope else replace(self, rope=rope)
 
     @property
     def is_moe(self) -> bool:

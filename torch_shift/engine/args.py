@@ -330,6 +330,7 @@ class EngineArgs:
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{model_config.max_position_embeddings}")
+        model_config = model_config.for_context(max_model_len)
         deployment = build_deployment(
             model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,
             flying=self.policy in ("flying", "random") and self.dp > 1, seesaw=self.policy == "seesaw",

@@ -29,6 +29,7 @@ from torch_shift.engine.step_plan import StepPlan
 from torch_shift.kv.cache import KVCache, available_memory_bytes, check_fits, kv_bytes_per_block
 from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
 from torch_shift.models.loader import CheckpointReader, WeightSource
+from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel.layout_model import LayoutModel
 from torch_shift.parallel.replicas import ReplicaModel, build_layout_model
 from torch_shift.parallel.runtime import ParallelRuntime
@@ -133,6 +134,9 @@ class Worker:
         given = model is not None
         if given:
             device = next(model.parameters()).device
+            for rotary in (m for m in model.modules() if isinstance(m, RotaryEmbedding) and m.rope != mc.rope):
+                rotary.rope = mc.rope  # LongRoPE's factors for the engine's context (ModelConfig.for_context)
+                rotary.materialize(device)
             model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
         else:
             reader = weights or CheckpointReader(config.model_dir, mc)

@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, and with a sparse mixture of
+"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3, and with a sparse mixture of
 experts as the MLP of some or all layers (torch_shift.models.moe) Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-OSS (with
 its attention sinks and alternating windowed and full layers).
 

@@ -34,6 +34,10 @@ STACKED = "*"
 # ... stacked with each expert's projection transposed ([E, H, 2 * I], [E, I, H]) and its gate and up columns
 # interleaved (gate_up_proj and its bias [E, 2 * I]): GPT-OSS's checkpoints.
 STACKED_INTERLEAVED = "*T"
+# The part of a tensor that holds every part of a fused parameter, concatenated on dim 0 as the parameter holds
+# them (Phi-3's `qkv_proj` and `gate_up_proj`).
+FUSED = "+"
+PartKey = tuple[str, str | None]  # (parameter name, part)
 
 # (pattern on the Hugging Face name, parameter name template, part template: the part of a fused parameter)
 _LLAMA_NAMES: list[tuple[str, str, str | None]] = [
@@ -96,6 +100,12 @@ _GPT_OSS_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "layers.{}.mlp.experts.down_proj", STACKED_INTERLEAVED),
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias", "layers.{}.mlp.experts.down_bias", STACKED_INTERLEAVED),
 ]
+_PHI3_NAMES = _LLAMA_NAMES[:5] + [
+    (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", "layers.{}.attn.qkv_proj.weight", FUSED),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{}.attn.o_proj.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{}.mlp.gate_up_proj.weight", FUSED),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{}.mlp.down_proj.weight", None),
+]
 NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES,  # attention_bias=true: q, k, v and o biases
     "mistral": _LLAMA_NAMES,
@@ -105,6 +115,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "qwen3_moe": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _QK_NORM_NAMES + _MOE_NAMES,
     "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
     "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _GPT_OSS_NAMES,
+    "phi3": _PHI3_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
@@ -312,6 +323,16 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
         if config.tie_word_embeddings and target == ("lm_head.weight", None):
             continue  # tied: the embedding is the head
         param, part = target
+        if part == FUSED:  # every part of a fused parameter in one tensor, each read from its rows
+            if param not in parts_of:
+                raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
+            part_shapes = [expected[(param, p)] for p in parts_of[param]]
+            implied = (sum(rows for rows, *_ in part_shapes), *part_shapes[0][1:])
+            if tuple(shape) != implied:
+                raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
+                                 f"config.json implies {implied}")
+            index |= {(param, p): source_name for p in parts_of[param]}
+            continue
         if part in (STACKED, STACKED_INTERLEAVED):  # every expert's parts in one tensor, each read from it
             if param not in parts_of:
                 raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
@@ -334,6 +355,21 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
     return index
 
 
+def fused_part_rows(index: dict[PartKey, str], config: ModelConfig,
+                    map_name: Callable[[str], PartKey | None]) -> dict[PartKey, tuple[int, int]]:
+    """(parameter name, part) -> (first row, rows) of the part within its FUSED source tensor (index_tensors'
+    index), the parts in the parameter's order."""
+    expected = expected_parts(config)
+    rows: dict[PartKey, tuple[int, int]] = {}
+    first_of: dict[str, int] = {}
+    for key, source in index.items():  # a fused parameter's parts were indexed in its order
+        if (map_name(source) or (None, None))[1] == FUSED:
+            first = first_of.get(source, 0)
+            rows[key] = (first, expected[key][0])
+            first_of[source] = first + expected[key][0]
+    return rows
+
+
 def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None]:
     """Hugging Face tensor name -> (parameter name, part) for a model family."""
     name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
@@ -341,17 +377,29 @@ def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None
 
 
 def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False,
-              interleaved: bool = False, stacked: bool | None = None) -> torch.Tensor:
+              interleaved: bool = False, stacked: bool | None = None, rows: tuple[int, int] | None = None
+              ) -> torch.Tensor:
     """`part_slice` of one part of a parameter from its source tensor (a safetensors slice or a tensor): the
     part itself, or a stacked experts' tensor holding it among the others (`stacked`; by default a tensor of
     three dims, see index_tensors); `interleaved`: a STACKED_INTERLEAVED tensor (GPT-OSS), whose expert is
-    read whole, then sliced."""
+    read whole, then sliced; `rows`: (first row, rows) of the part in a FUSED tensor (fused_part_rows)."""
+    if rows is not None:
+        return fused_part(tensor_slice, *rows, part_slice)
     if interleaved:
         return slice_window(interleaved_expert_part(tensor_slice, part), part_slice)
     if stacked or (stacked is None and len(source_shape(tensor_slice)) == 3):
         assert not transposed, "a converted checkpoint stores every expert part apart"
         tensor_slice = stacked_expert_part(tensor_slice, part)
     return slice_window(tensor_slice, part_slice, transposed)
+
+
+def fused_part(tensor_slice, first_row: int, rows: int, part_slice) -> torch.Tensor:
+    """`part_slice` of the part at rows [first_row, first_row + rows) of a FUSED tensor, read only there."""
+    if part_slice is None:
+        return tensor_slice[first_row:first_row + rows]
+    if part_slice.dim == 0:
+        return tensor_slice[first_row + part_slice.start:first_row + part_slice.start + part_slice.length]
+    return tensor_slice[first_row:first_row + rows, part_slice.start:part_slice.start + part_slice.length]
 
 
 def slice_window(tensor_slice, part_slice, transposed: bool = False) -> torch.Tensor:
@@ -413,6 +461,7 @@ class CheckpointReader:
             shape = (self.mxfp4[name] if name in self.mxfp4 else self._handle(path).get_slice(name)).get_shape()
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
+        self.fused_rows = fused_part_rows(self.index, config, map_name)
 
     def _handle(self, path: Path):
         if path not in self._handles:
@@ -426,7 +475,7 @@ class CheckpointReader:
         else:
             tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
         return read_part(tensor_slice, part, part_slice, source_name in self.transposed,
-                         source_name in self.interleaved)
+                         source_name in self.interleaved, rows=self.fused_rows.get((name, part)))
 
     def close(self) -> None:
         self._handles.clear()

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear, llama3 and YaRN scaling), as Hugging Face computes them."""
+"""Rotary position embeddings (default, linear, llama3, YaRN and LongRoPE scaling), as Hugging Face computes them."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(rope.long_factor if rope.long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "yarn":
         # YaRN (arXiv 2309.00071): frequencies of fewer than beta_slow rotations over the original context are
         # interpolated (divided by `factor`), of more than beta_fast kept, a linear ramp between
@@ -47,7 +50,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def attention_scaling(rope: RopeConfig) -> float:
-    """The factor YaRN scales cos and sin by (1 for the other types)."""
+    """The factor YaRN and LongRoPE scale cos and sin by (1 for the other types)."""
+    if rope.rope_type == "longrope":
+        return rope.attention_factor
     if rope.rope_type != "yarn":
         return 1.0
     if rope.attention_factor is not None:

@@ -29,7 +29,14 @@ if TYPE_CHECKING:
 
 from torch_shift.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from torch_shift.models.decoder import DecoderLM
-from torch_shift.models.loader import STACKED_INTERLEAVED, WeightSource, hf_name_mapper, index_tensors, read_part
+from torch_shift.models.loader import (
+    STACKED_INTERLEAVED,
+    WeightSource,
+    fused_part_rows,
+    hf_name_mapper,
+    index_tensors,
+    read_part,
+)
 
 # torchtitan Llama 3 name -> Hugging Face name. torchtitan >= 0.3 nests q/k/v under
 # `attention.qkv_linear`; earlier releases put them on `attention` and call the head `output`.
@@ -118,11 +125,13 @@ class _NamedSource:
 
         self.index = index_tensors(shapes, config, where, map_name)
         self.interleaved = {n for n in shapes if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
+        self.fused_rows = fused_part_rows(self.index, config, map_name)
 
-    def _read(self, tensor: torch.Tensor, part: str | None, part_slice, source_name: str) -> torch.Tensor:
-        """`part_slice` of `tensor` (the whole part as the source holds it, or every expert's parts stacked), in
-        the decoder's row order."""
-        tensor = read_part(tensor, part, part_slice, interleaved=source_name in self.interleaved)
+    def _read(self, tensor: torch.Tensor, name: str, part: str | None, part_slice, source_name: str) -> torch.Tensor:
+        """`part_slice` of `tensor` (the whole part as the source holds it, every expert's parts stacked, or every
+        part of a fused parameter), in the decoder's row order."""
+        tensor = read_part(tensor, part, part_slice, interleaved=source_name in self.interleaved,
+                           rows=self.fused_rows.get((name, part)))
         if self.rope_interleaved and part in ("q", "k"):
             # a plan slices q and k in whole heads along the rows, so the slice is permuted head by head
             assert part_slice is None or (part_slice.dim == 0 and part_slice.length % self.config.head_dim == 0)
@@ -163,9 +172,9 @@ class StateDictSource(_NamedSource):
                 blocks = blocks[part_slice.start // hd: (part_slice.start + part_slice.length) // hd]
             whole = self._whole(fused)
             tensor = whole.view(-1, hd, whole.shape[1]).index_select(0, blocks.to(whole.device)).flatten(0, 1)
-            return self._read(tensor, part, None, source_name)
+            return self._read(tensor, name, part, None, source_name)
         # the engine copies what this returns into its own buffers: the source's storage is only read
-        return self._read(self._whole(self.tensors[source_name]), part, part_slice, source_name)
+        return self._read(self._whole(self.tensors[source_name]), name, part, part_slice, source_name)
 
     def close(self) -> None:
         self._whole.clear()
@@ -206,7 +215,7 @@ class DCPSource(_NamedSource):
         key, md = self.entries[source_name]
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         dcp.load({key: tensor}, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
-        return self._read(tensor, part, part_slice, source_name)
+        return self._read(tensor, name, part, part_slice, source_name)
 
 
 class DecoderSource:

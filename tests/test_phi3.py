@@ -1,0 +1,167 @@
+"""Phi-3 (`Phi3ForCausalLM`: Phi-3, Phi-3.5, Phi-4) against Hugging Face `transformers` on random checkpoints:
+q/k/v and gate/up fused in the checkpoint (read part by part, and only a rank's rows), a sliding window, and
+LongRoPE's short and long factors with its attention factor, the long ones where the engine's context exceeds the
+original length (vLLM's rule; transformers switches per forward by its longest position, so each comparison stays
+on one side of it). The plain family also runs in conftest's FAMILIES (logits, convert, the SP-2 x TP-2 mesh)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
+from test_moe import _generate_rank
+from test_shift import assert_same_outputs
+
+from torch_shift import LLM, LLMEngine, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.handoff import handoff
+from torch_shift.models.rope import RotaryEmbedding
+from torch_shift.parallel.launch import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+FP32_ATOL = 1e-4
+ORIGINAL = 32  # LongRoPE's original context: prompts of up to 32 tokens run on the short factors
+HEAD_DIM = 16
+
+
+def longrope(seed: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(HEAD_DIM // 2, generator=g)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(HEAD_DIM // 2, generator=g)).tolist()}
+
+
+def build_phi3(name: str = "phi3_longrope", seed: int = 0):
+    """Four layers, a window of 8, LongRoPE with an original context of 32 in a model of 256 positions."""
+    config = transformers.Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=256, original_max_position_embeddings=ORIGINAL,
+        rope_parameters=longrope(), sliding_window=8, rms_norm_eps=1e-5, initializer_range=0.2,
+        bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    config.architectures = ["Phi3ForCausalLM"]
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory, build_phi3)("phi3_longrope")
+
+
+def test_config_reads_longrope_and_refuses_what_it_cannot_run(phi3):
+    hf_model, model_dir = phi3
+    config = ModelConfig.from_dir(model_dir)
+    assert config.family == "phi3" and config.sliding_window == 8
+    rope = config.rope
+    assert rope.rope_type == "longrope" and rope.original_max_position_embeddings == ORIGINAL and rope.long
+    assert rope.factor == 256 / ORIGINAL
+    assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(ORIGINAL)))
+    assert hf_model.model.rotary_emb.attention_scaling == pytest.approx(rope.attention_factor)
+    assert not config.for_context(ORIGINAL).rope.long and config.for_context(ORIGINAL + 1).rope.long
+    assert config.num_parameters == sum(p.numel() for p in hf_model.parameters())
+
+    hf = json.loads((model_dir / "config.json").read_text())
+    for old_name in ("su", "yarn"):  # Phi-3's earlier names for LongRoPE, as transformers' Phi3Config reads them
+        assert ModelConfig.from_hf_dict({**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": old_name}}
+                                        ).rope.rope_type == "longrope"
+    with pytest.raises(ValueError, match="short_factor must be a list of head_dim / 2 = 8 numbers"):
+        ModelConfig.from_hf_dict({**hf, "rope_parameters": {**hf["rope_parameters"], "short_factor": [1.0] * 4}})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75 is not supported"):  # Phi-4-mini's
+        ModelConfig.from_hf_dict({**hf, "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": 0.75}})
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_longrope_tables_match_transformers(phi3, long):
+    hf_model, model_dir = phi3
+    config = ModelConfig.from_dir(model_dir).for_context(256 if long else ORIGINAL)
+    length = 100 if long else ORIGINAL  # transformers' choice follows the longest position of its forward
+    positions = torch.arange(length)[None]
+    cos, sin = hf_model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    ours = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+    torch.testing.assert_close(ours.cos_sin[0, :length], cos[0], atol=0, rtol=0)
+    torch.testing.assert_close(ours.cos_sin[1, :length], sin[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_model_len": ORIGINAL, "max_num_batched_tokens": 8},  # the short factors; prompts in chunks
+    {"max_num_batched_tokens": 16},  # the long factors (context 256)
+    {"max_num_batched_tokens": 16, "compile": True},
+], ids=["short_chunked", "long", "long_compiled"])
+def test_greedy_tokens_and_logprobs_match_transformers(phi3, engine_args):
+    hf_model, model_dir = phi3
+    short = engine_args.get("max_model_len") == ORIGINAL
+    lengths, max_tokens = ([3, 17, 9, 1, 20], 10) if short else ([40, 33, 60, 35], 12)
+    prompts = random_prompts(len(lengths), lengths, seed=3)
+    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    with torch.no_grad():
+        for prompt, ref, out in zip(prompts, refs, outs):
+            logits = hf_model(torch.tensor([prompt + ref])).logits[0].float()
+            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+            for position, top in enumerate(out.outputs[0].logprobs):
+                for token, logprob in top.items():
+                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_short_and_long_factors_both_matter(phi3):
+    """The comparisons above would notice the wrong set: a prompt's logits under the other set move far beyond the
+    tolerance."""
+    hf_model, model_dir = phi3
+    prompt = random_prompts(1, [30], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]  # 30 positions: transformers' short factors
+    short = engine_logits(LLMEngine(EngineArgs(str(model_dir), max_model_len=ORIGINAL)), prompt)
+    long = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+    torch.testing.assert_close(short, ref, atol=FP32_ATOL, rtol=1e-5)
+    assert (long - ref).abs().max() > 100 * FP32_ATOL
+
+
+def test_in_memory_model_handed_off_gives_the_checkpoints_outputs(phi3):
+    """The fused tensors of transformers' own module read as the checkpoint's; the handed-off model's rotary tables
+    follow the engine's context (the short factors at max_model_len 32)."""
+    hf_model, model_dir = phi3
+    prompts = random_prompts(3, [4, 19, 1], seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    for engine_args in ({}, {"max_model_len": ORIGINAL}):
+        expected = LLM(str(model_dir), **engine_args).generate(prompts, greedy, use_tqdm=False)
+        got = handoff(hf_model, None, tokenizer=model_dir, **engine_args).generate(prompts, greedy, use_tqdm=False)
+        assert [_tokens_and_logprobs(o) for o in got] == [_tokens_and_logprobs(o) for o in expected]
+
+
+def _tokens_and_logprobs(output) -> tuple:
+    completion = output.outputs[0]
+    return completion.token_ids, [{t: lp.logprob for t, lp in top.items()} for top in completion.logprobs]
+
+
+# the layouts that slice q/k/v and gate/up (a rank's rows of each part of the fused tensors), and Flying and Seesaw
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}, {"tp"}),
+    "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
+    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 1.5, "tp_below": 1}},
+               {"dp@0", "dp@1", "tp2@0"}),
+    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
+               {"pp", "tp"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_every_layout_matches_one_rank(phi3, family):
+    world, engine_args, layouts = LAYOUTS[family]
+    _, model_dir = phi3
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] >= layouts, results[0][1]
