@@ -134,9 +134,15 @@ def test_keys_left_out_of_config_json_take_transformers_defaults():
                    "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128}
         if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
             written |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-        hf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**written)
+        config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
+        hf = getattr(transformers, config_class)(**written)
         got = ModelConfig.from_hf_dict(written)
         rope = hf.rope_parameters
+        if arch == "Gemma3ForCausalLM":  # a table per layer type
+            assert got.local_rope.theta == rope["sliding_attention"]["rope_theta"] == 10000.0
+            assert hf.sliding_window == 4096 and got.layer_windows == tuple(
+                hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)
+            rope = rope["full_attention"]
         assert (got.max_position_embeddings, got.rms_norm_eps, got.rope.theta, got.rope.rope_type) == (
             hf.max_position_embeddings, hf.rms_norm_eps, rope["rope_theta"], rope["rope_type"]), arch
         assert got.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads), arch

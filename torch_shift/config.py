@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # transformers' defaults for the keys a config.json leaves out (its config classes), Llama's for every family and
 # where a family's own differ
@@ -33,6 +34,9 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "gemma3_text": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                    "head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
     "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64,
                 "sliding_window": 128, "attention_bias": True,
@@ -244,6 +248,12 @@ class ModelConfig:
     o_proj_bias: bool = False
     attention_sinks: bool = False
     layer_windows: tuple[int | None, ...] = ()  # per layer, where layers differ; empty: `sliding_window` for all
+    # Gemma 3: RMSNorm scaling by (1 + weight) in float32, norms after attention and after the MLP too (beside the
+    # ones before), the embedding times sqrt(hidden_size) in the model dtype, and the windowed layers' rotary tables
+    # of their own (`local_rope`)
+    gemma_norms: bool = False
+    embed_scale: float | None = None
+    local_rope: RopeConfig | None = None
     # "mxfp4": the checkpoint stores GPT-OSS's experts as MXFP4 blocks and scales (what openai/gpt-oss-* ship),
     # dequantized as they are read (torch_shift.models.mxfp4); None: every weight as it is computed with
     quantization: str | None = None
@@ -274,9 +284,11 @@ class ModelConfig:
         head_dim = int(hf.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        act = hf.get("hidden_activation" if family == "gemma3_text" else "hidden_act", "silu")
+        if act == "swish" or (family == "gemma3_text" and act in ("gelu_pytorch_tanh", "gelu_new")):
+            act = "silu" if act == "swish" else "gelu_pytorch_tanh"  # the same functions under other names
+        elif act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu (gelu_pytorch_tanh for Gemma 3)")
         if hf.get("mlp_bias"):
             raise ValueError(f"{arch} with mlp_bias=true is not supported")
         sliding_window = hf.get("sliding_window")
@@ -290,6 +302,9 @@ class ModelConfig:
         moe = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}
         if family == "gpt_oss":
             moe |= _gpt_oss_fields(hf, layers, sliding_window)
+            sliding_window = None  # per layer (layer_windows)
+        if family == "gemma3_text":
+            moe |= _gemma3_fields(hf, layers, sliding_window, hidden, head_dim)
             sliding_window = None  # per layer (layer_windows)
         return cls(
             architecture=arch,
@@ -308,7 +323,7 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or family == "qwen2_moe" and bool(hf["qkv_bias"])
                             or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias"))),
             o_proj_bias=family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias")),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=int(sliding_window) if sliding_window else None,
             hidden_act=act,
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
@@ -356,7 +371,8 @@ class ModelConfig:
         shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
         sparse_mlps = num_sparse * (router + experts * expert + shared)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attention + 2 * h) + dense_mlps + sparse_mlps + embeddings + h
+        norms = (4 if self.gemma_norms else 2) * h
+        return self.num_hidden_layers * (attention + norms) + dense_mlps + sparse_mlps + embeddings + h
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -425,6 +441,34 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
     raise ValueError(f"{arch}: {method} checkpoints are not supported (torch_shift loads unquantized weights, and "
                      "GPT-OSS's MXFP4 experts); use a checkpoint in bf16 or fp32, e.g. one dequantized with "
                      "transformers' from_pretrained(...) and save_pretrained")
+
+
+def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None, hidden: int,
+                   head_dim: int) -> dict[str, Any]:
+    """Gemma 3's fields, as transformers' Gemma3TextConfig reads them; what its model computes and torch_shift's
+    does not is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"Gemma3ForCausalLM: {key}={hf[key]} is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM: use_bidirectional_attention=true is not supported")
+    if float(hf["query_pre_attn_scalar"]) != head_dim:
+        raise ValueError(f"Gemma3ForCausalLM: query_pre_attn_scalar={hf['query_pre_attn_scalar']} is not supported "
+                         f"(attention scores are scaled by head_dim ** -0.5, head_dim={head_dim})")
+    pattern = int(hf.get("sliding_window_pattern", 6))
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"Gemma3ForCausalLM: layer_types must be {num_layers} of 'sliding_attention' or "
+                         f"'full_attention', got {layer_types!r}")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise ValueError("Gemma3ForCausalLM: sliding_attention layers without a sliding_window")
+    local = dict((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma3ForCausalLM: rope type {local['rope_type']!r} of the sliding layers is not supported")
+    theta = float(local.get("rope_theta", hf["rope_local_base_freq"]))
+    return {"gemma_norms": True, "embed_scale": hidden ** 0.5, "local_rope": RopeConfig(theta=theta),
+            "layer_windows": tuple(int(sliding_window) if t == "sliding_attention" else None for t in layer_types)}
 
 
 def _gpt_oss_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> dict[str, Any]:

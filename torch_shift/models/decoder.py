@@ -1,6 +1,7 @@
-"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3, and with a sparse mixture of
-experts as the MLP of some or all layers (torch_shift.models.moe) Qwen2-MoE, Qwen3-MoE, Mixtral and GPT-OSS (with
-its attention sinks and alternating windowed and full layers).
+"""One decoder-only transformer for Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3 (its norms after
+attention and the MLP, scaling by 1 + weight, windowed layers with rotary tables of their own, GeGLU), and with a
+sparse mixture of experts as the MLP of some or all layers (torch_shift.models.moe) Qwen2-MoE, Qwen3-MoE, Mixtral
+and GPT-OSS (with its attention sinks and alternating windowed and full layers).
 
 No parallel code lives here. Head counts are attributes read when q/k/v are split, so a
 parallel plan that shards `qkv_proj` sets the local counts; tokens arrive flattened
@@ -25,7 +26,7 @@ from torch_shift.models.fused import (
     rms_norm_expression,
 )
 from torch_shift.models.linear import Linear
-from torch_shift.models.mlp import MLP
+from torch_shift.models.mlp import MLP, GeluMLP
 from torch_shift.models.moe import SparseMoeBlock
 from torch_shift.models.rope import RotaryEmbedding
 
@@ -70,6 +71,36 @@ class RMSNorm(nn.Module):
         return rms_norm_expression(x, self.weight, self.eps)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: in float32, scaled by 1 + weight, rounded to the input's dtype once (transformers'
+    Gemma3RMSNorm); with `residual`, (norm(x + residual), x + residual) as RMSNorm's."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The family's RMSNorm over `dim` features."""
+    return (GemmaRMSNorm if config.gemma_norms else RMSNorm)(dim, config.rms_norm_eps)
+
+
+def embed(config: ModelConfig, embed_tokens: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The tokens' embeddings, times Gemma's sqrt(hidden_size) rounded to their dtype where the family scales them."""
+    x = embed_tokens(input_ids)
+    return x if config.embed_scale is None else x * torch.tensor(config.embed_scale, dtype=x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, model_layer_idx: int | None = None):
         super().__init__()
@@ -83,10 +114,11 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm, self.k_norm = make_norm(config, self.head_dim), make_norm(config, self.head_dim)
         else:
             self.q_norm = self.k_norm = None
+        # Gemma 3's windowed layers rotate by their own table (RotaryEmbedding's local one)
+        self.local_rope = config.local_rope is not None and self.sliding_window is not None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
@@ -99,7 +131,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, local=True) if self.local_rope else rotary(positions, q, k)
         if self.sinks is None and self.sliding_window is None:
             out = attention(self.layer_idx, q, k, v)
         else:
@@ -113,11 +145,15 @@ class DecoderLayer(nn.Module):
         (whose MLP may be sparse), when the two differ (a pipeline stage's cache holds only its layers)."""
         super().__init__()
         model_layer_idx = layer_idx if model_layer_idx is None else model_layer_idx
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = make_norm(config, config.hidden_size)
         self.attn = Attention(config, layer_idx, model_layer_idx)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_norm = make_norm(config, config.hidden_size)
+        dense = GeluMLP if config.hidden_act == "gelu_pytorch_tanh" else MLP
         self.mlp = (SparseMoeBlock(config) if model_layer_idx in config.sparse_layers
-                    else MLP(config.hidden_size, config.intermediate_size))
+                    else dense(config.hidden_size, config.intermediate_size))
+        # Gemma 3: the attention's output normed before the residual add, the MLP's input and output normed
+        self.pre_feedforward_norm = make_norm(config, config.hidden_size) if config.gemma_norms else None
+        self.post_feedforward_norm = make_norm(config, config.hidden_size) if config.gemma_norms else None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn,
@@ -126,6 +162,10 @@ class DecoderLayer(nn.Module):
         """-> (this layer's MLP output, the residual stream before it): the hidden state after the layer is their
         sum, which the next norm adds (`residual`: the last layer's residual stream, x its MLP output; None: x is
         the hidden state itself)."""
+        if self.pre_feedforward_norm is not None:
+            hidden = x if residual is None else x + residual
+            hidden = hidden + self.post_attention_norm(self.attn(self.input_norm(hidden), positions, rotary, attention))
+            return self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(hidden))), hidden
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
@@ -140,15 +180,15 @@ class DecoderLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = embed(self.config, self.embed_tokens, input_ids), None
         for layer in self.layers:
             x, residual = layer(x, positions, self.rotary, attention, residual)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)

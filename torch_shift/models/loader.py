@@ -106,6 +106,10 @@ _PHI3_NAMES = _LLAMA_NAMES[:5] + [
     (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{}.mlp.gate_up_proj.weight", FUSED),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{}.mlp.down_proj.weight", None),
 ]
+_GEMMA_NORM_NAMES = [
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{}.pre_feedforward_norm.weight", None),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{}.post_feedforward_norm.weight", None),
+]
 NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "llama": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES,  # attention_bias=true: q, k, v and o biases
     "mistral": _LLAMA_NAMES,
@@ -116,6 +120,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "mixtral": _LLAMA_NAMES + _MIXTRAL_NAMES + _MOE_NAMES,
     "gpt_oss": _LLAMA_NAMES + _QKV_BIAS_NAMES + _O_BIAS_NAMES + _GPT_OSS_NAMES,
     "phi3": _PHI3_NAMES,
+    "gemma3_text": _LLAMA_NAMES + _QK_NORM_NAMES + _GEMMA_NORM_NAMES,
 }
 # Tensors some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
@@ -231,6 +236,8 @@ def expected_parts(config: ModelConfig) -> dict[tuple[str, str | None], tuple[in
                            (p + "mlp.experts.down_bias", expert_part(e)): (d,)}
         if config.qk_norm:
             shapes |= {(p + "attn.q_norm.weight", None): (hd,), (p + "attn.k_norm.weight", None): (hd,)}
+        if config.gemma_norms:
+            shapes |= {(p + f"{where}_feedforward_norm.weight", None): (d,) for where in ("pre", "post")}
     return shapes
 
 

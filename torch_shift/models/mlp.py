@@ -1,8 +1,10 @@
-"""The gated SiLU MLP: a dense layer's, and a mixture's shared expert (Qwen2-MoE)."""
+"""The gated MLPs: SiLU (a dense layer's, and a mixture's shared expert: Qwen2-MoE) and GELU's tanh approximation
+(Gemma 3's GeGLU)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torch_shift.models.fused import gate_up_silu
@@ -17,3 +19,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gate_up_silu(self.gate_up_proj, x))
+
+
+class GeluMLP(MLP):
+    """gelu_tanh(gate) * up, as transformers' Gemma3MLP (`gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

@@ -69,34 +69,42 @@ def attention_scaling(rope: RopeConfig) -> float:
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for every position up to `max_positions`, indexed by each token's position."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, local_rope: RopeConfig | None = None):
+        """`local_rope`: a second table (`local_cos_sin`), which Gemma 3's windowed layers rotate by."""
         super().__init__()
         self.rope = rope
+        self.local_rope = local_rope
         self.head_dim = head_dim
         self.max_positions = max_positions
-        self.register_buffer("cos_sin", self._table(None), persistent=False)
+        self.register_buffer("cos_sin", self._table(rope, None), persistent=False)
+        self.register_buffer("local_cos_sin", None if local_rope is None else self._table(local_rope, None),
+                             persistent=False)
 
-    def _table(self, device: torch.device | None) -> torch.Tensor:
-        inv_freq = inverse_frequencies(self.rope, self.head_dim)
+    def _table(self, rope: RopeConfig, device: torch.device | None) -> torch.Tensor:
+        inv_freq = inverse_frequencies(rope, self.head_dim)
         if device is not None:
             inv_freq = inv_freq.to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = attention_scaling(self.rope)
+        scale = attention_scaling(rope)
         if scale != 1.0:
             return torch.stack((emb.cos() * scale, emb.sin() * scale))
         return torch.stack((emb.cos(), emb.sin()))  # [2, max_positions, head_dim], float32
 
     def materialize(self, device: torch.device) -> None:
         """Rebuild the table after the module was created on the meta device."""
-        self.cos_sin = self._table(device)
+        self.cos_sin = self._table(self.rope, device)
+        if self.local_rope is not None:
+            self.local_cos_sin = self._table(self.local_rope, device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        if gpu_rotary_applies(positions, q, k, self.cos_sin):
-            return gpu_rotary(positions, q, k, self.cos_sin)
-        fused = rotary(positions, q, k, self.cos_sin)  # one pass on the CPU
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]; `local`: by the local table."""
+        cos_sin = self.local_cos_sin if local else self.cos_sin
+        if gpu_rotary_applies(positions, q, k, cos_sin):
+            return gpu_rotary(positions, q, k, cos_sin)
+        fused = rotary(positions, q, k, cos_sin)  # one pass on the CPU
         if fused is not None:
             return fused
-        return rotary_expression(positions, q, k, self.cos_sin)
+        return rotary_expression(positions, q, k, cos_sin)

@@ -27,7 +27,7 @@ from torch import nn
 from torch_shift.compilation import CompiledForward, seal
 from torch_shift.config import ModelConfig
 from torch_shift.kv.host_tier import KVRegion
-from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, RMSNorm
+from torch_shift.models.decoder import AttentionFn, DecoderLayer, DecoderLM, embed, make_norm
 from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import part_views
 from torch_shift.models.rope import RotaryEmbedding
@@ -50,14 +50,15 @@ class PipelineStage(nn.Module):
         self.layer_range = layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if is_first else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, layers.start + i) for i in range(len(layers)))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+        self.norm = make_norm(config, config.hidden_size) if is_last else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if is_last else None
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
+        self.config = config
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, the previous stage's hidden states [T, hidden] on the
         others -> hidden states [T, hidden] (after the final norm on the last stage)."""
-        x, residual = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs, None
+        x, residual = embed(self.config, self.embed_tokens, inputs) if self.embed_tokens is not None else inputs, None
         for layer in self.layers:
             x, residual = layer(x, positions, self.rotary, attention, residual)
         if residual is not None:

@@ -1,0 +1,201 @@
+"""Gemma 3 (`Gemma3ForCausalLM`: the text models, 270M and 1B) against Hugging Face `transformers` on random
+checkpoints: norms before and after attention and the MLP, each scaling by 1 + weight in float32, q/k norms, the
+embedding times sqrt(hidden_size), GeGLU (GELU's tanh approximation), windowed and full layers alternating with a
+rotary table each (the windowed layers' of their own base), the tied LM head; greedy tokens and logprobs chunked,
+preempted, eager, compiled and on the SDPA reference, bf16 as close as transformers' own, and every layout against
+one rank. What Gemma 3 computes and torch_shift does not (logit soft-capping, bidirectional attention, another
+query scale) is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
+from test_moe import _generate_rank
+from test_shift import assert_same_outputs
+
+from torch_shift import LLM, LLMEngine, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.llm_engine import EngineArgs
+from torch_shift.handoff import handoff
+from torch_shift.models import load_model
+from torch_shift.models.batch import CausalAttention
+from torch_shift.models.native_decoder import _supported
+from torch_shift.models.rope import RotaryEmbedding
+from torch_shift.parallel.launch import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+FP32_ATOL = 1e-4
+WINDOW = 8
+
+
+def build_gemma3(name: str = "gemma3", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Four layers (windowed, full, windowed, full), random norm weights (transformers starts them at zero: 1 + 0)."""
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB_SIZE, max_position_embeddings=256,
+        sliding_window=WINDOW, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=100.0,
+        rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.normal_(0.0, 0.3)
+    return model.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return checkpoint_cache(tmp_path_factory, build_gemma3)("gemma3")
+
+
+def test_config_reads_gemma3_and_refuses_what_it_cannot_run(gemma3):
+    hf_model, model_dir = gemma3
+    config = ModelConfig.from_dir(model_dir)
+    assert config.family == "gemma3_text" and config.gemma_norms and config.qk_norm and config.tie_word_embeddings
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.embed_scale == 8.0
+    assert config.layer_windows == (WINDOW, None) * 2 and config.sliding_window is None
+    assert config.rope.theta == 1e6 and config.local_rope.theta == 100.0
+    assert config.num_parameters == sum(p.numel() for p in hf_model.parameters())
+    hf = json.loads((model_dir / "config.json").read_text())
+    for change, message in [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+                            ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+                            ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+                            ({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24 is not supported"),
+                            ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported")]:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf_dict({**hf, **change})
+
+
+def test_rotary_tables_match_transformers(gemma3):
+    hf_model, model_dir = gemma3
+    config = ModelConfig.from_dir(model_dir)
+    ours = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
+    positions = torch.arange(200)[None]
+    for layer_type, table in (("full_attention", ours.cos_sin), ("sliding_attention", ours.local_cos_sin)):
+        cos, sin = hf_model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions, layer_type)
+        torch.testing.assert_close(table[0, :200], cos[0], atol=0, rtol=0)
+        torch.testing.assert_close(table[1, :200], sin[0], atol=0, rtol=0)
+
+
+PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
+MAX_TOKENS = 10
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"max_num_batched_tokens": 16},  # prompts split into chunks, mixed with decodes
+    {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},  # a pool small enough to preempt
+    {"max_num_batched_tokens": 16, "compile": False},
+    {"max_num_batched_tokens": 16, "compile": True},
+    {"max_num_batched_tokens": 16, "attention_backend": "sdpa"},
+], ids=["chunked", "preempted", "eager", "compiled", "sdpa"])
+def test_greedy_tokens_and_logprobs_match_transformers(gemma3, engine_args):
+    hf_model, model_dir = gemma3
+    prompts = random_prompts(8, PROMPT_LENGTHS)
+    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    with torch.no_grad():
+        for prompt, ref, out in zip(prompts, refs, outs):
+            logits = hf_model(torch.tensor([prompt + ref])).logits[0].float()
+            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+            for position, top in enumerate(out.outputs[0].logprobs):
+                for token, logprob in top.items():
+                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    engine = llm.engine
+    if "num_kv_blocks" in engine_args:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bf16_as_close_to_fp32_as_transformers(gemma3):
+    hf_model, model_dir = gemma3
+    prompt = random_prompts(1, [40], seed=2)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        hf_bf16 = build_gemma3(dtype=torch.bfloat16)
+        hf_err = (hf_bf16(torch.tensor([prompt])).logits[0].float() - ref).abs().mean()
+    got = engine_logits(LLMEngine(EngineArgs(str(model_dir), dtype="bfloat16")), prompt)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - ref).abs().mean() < 1.5 * hf_err
+    assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_each_of_gemmas_differences_matters(gemma3):
+    """The comparisons above would notice a difference dropped: the windowed layers' own rotary table, the norms
+    after attention and the MLP, and the embedding's scale each move the logits far beyond the tolerance."""
+    hf_model, model_dir = gemma3
+    prompt = random_prompts(1, [40], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+        got = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+        torch.testing.assert_close(got, ref, atol=FP32_ATOL, rtol=1e-5)
+        model = load_model(model_dir)
+        assert not _supported(model)  # the C++ decoder runs none of it: the forward does
+        positions, ids = torch.arange(len(prompt)), torch.tensor(prompt)
+
+        def logits(model) -> torch.Tensor:
+            return model.compute_logits(model(ids, positions, CausalAttention([len(prompt)], None)))
+
+        torch.testing.assert_close(logits(model), ref, atol=FP32_ATOL, rtol=1e-5)
+        for change in ("local_rope", "post_norms", "embed_scale"):
+            changed = load_model(model_dir)
+            if change == "local_rope":
+                changed.rotary.local_cos_sin = changed.rotary.cos_sin
+            elif change == "post_norms":
+                for layer in changed.layers:
+                    layer.post_feedforward_norm.weight.zero_()
+            else:
+                changed.config = dataclasses.replace(changed.config, embed_scale=None)
+            assert (logits(changed) - ref).abs().max() > 100 * FP32_ATOL, change
+
+
+def test_in_memory_model_and_converted_checkpoint_give_the_same_outputs(gemma3, tmp_path):
+    from torch_shift.models.convert import convert_checkpoint
+
+    hf_model, model_dir = gemma3
+    prompt = random_prompts(1, [30], seed=5)[0]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
+                               ref, atol=0, rtol=0)
+    prompts = random_prompts(3, [4, 19, 1], seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
+    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}, {"tp"}),
+    "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
+    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 1.5, "tp_below": 1}},
+               {"dp@0", "dp@1", "tp2@0"}),
+    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
+               {"pp", "tp"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_every_layout_matches_one_rank(gemma3, family):
+    """The extra norms replicated, the local rotary table on every rank and stage, the tied head sharded by
+    vocabulary: greedy tokens and logprobs of one rank."""
+    world, engine_args, layouts = LAYOUTS[family]
+    _, model_dir = gemma3
+    prompts = random_prompts(4, [3, 17, 40, 9])
+    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
+    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    for outputs, _ in results:
+        assert_same_outputs(outputs, ref)
+    assert results[0][1] >= layouts, results[0][1]
