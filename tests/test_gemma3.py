@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
+from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts, save_checkpoint
 from test_moe import _generate_rank
 from test_shift import assert_same_outputs
 
@@ -34,13 +34,14 @@ FP32_ATOL = 1e-4
 WINDOW = 8
 
 
-def build_gemma3(name: str = "gemma3", seed: int = 0, dtype: torch.dtype = torch.float32):
+def build_gemma3(name: str = "gemma3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """Four layers (windowed, full, windowed, full), random norm weights (transformers starts them at zero: 1 + 0)."""
-    config = transformers.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB_SIZE, max_position_embeddings=256,
-        sliding_window=WINDOW, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=100.0,
-        rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    config = transformers.Gemma3TextConfig(**{
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 256, "sliding_window": WINDOW, "sliding_window_pattern": 2, "rope_theta": 1e6,
+        "rope_local_base_freq": 100.0, "rms_norm_eps": 1e-6, "initializer_range": 0.2, "bos_token_id": 0,
+        "eos_token_id": 1, "pad_token_id": 3, **overrides})
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.Gemma3ForCausalLM(config).eval()
@@ -69,9 +70,33 @@ def test_config_reads_gemma3_and_refuses_what_it_cannot_run(gemma3):
                             ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
                             ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
                             ({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24 is not supported"),
+                            ({"attention_bias": True}, "attention_bias=true is not supported"),
                             ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported")]:
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf_dict({**hf, **change})
+
+
+def test_linear_scaling_of_the_full_layers_and_a_transformers_4_config(tmp_path):
+    """The larger Gemma 3 models scale their full layers' rotary table linearly (factor 8); config.json as
+    transformers 4 wrote it (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern) reads alike."""
+    hf_model = build_gemma3(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e4)
+    model_dir = save_checkpoint(hf_model, tmp_path / "gemma3")
+    config = ModelConfig.from_dir(model_dir)
+    assert (config.rope.rope_type, config.rope.factor, config.rope.theta) == ("linear", 8.0, 1e4)
+    prompt = random_prompts(1, [40], seed=4)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt), ref, atol=FP32_ATOL,
+                               rtol=1e-5)
+    written = json.loads((model_dir / "config.json").read_text())
+    del written["rope_parameters"], written["layer_types"]
+    written |= {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_theta": 1e4,
+                "rope_local_base_freq": 100.0, "sliding_window_pattern": 2}
+    (model_dir / "config.json").write_text(json.dumps(written))
+    assert ModelConfig.from_dir(model_dir) == config
+    with torch.no_grad():
+        reloaded = transformers.Gemma3ForCausalLM.from_pretrained(model_dir).eval()
+        torch.testing.assert_close(reloaded(torch.tensor([prompt])).logits[0], ref, atol=0, rtol=0)
 
 
 def test_rotary_tables_match_transformers(gemma3):

@@ -144,6 +144,39 @@ def test_mxfp4_dequantized_as_transformers_does(dtype):
     assert dequantize(blocks, scales, dtype).shape == (3, 40, 128)
 
 
+def test_mxfp4_expert_kept_only_for_its_reads():
+    """A gate/up projection's expert is dequantized once for its gate and up parts, then dropped (a loaded model's
+    experts are not held twice); a down projection's is not kept."""
+    generator = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (2, 8, 2, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.full((2, 8, 2), 127, dtype=torch.uint8)
+    gate_up = Mxfp4Experts("gate_up_proj", blocks, scales, torch.float32, reads=2)
+    first = gate_up[1]
+    assert gate_up[1] is first and gate_up._kept is None
+    assert gate_up[1] is not first and torch.equal(gate_up[1], first)
+    down = Mxfp4Experts("down_proj", blocks, scales, torch.float32)
+    down[0]
+    assert down._kept is None
+
+
+def test_mxfp4_blocks_and_scales_in_different_shards(gpt_oss_mxfp4, tmp_path):
+    _, model_dir = gpt_oss_mxfp4
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model_dir, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if not n.endswith("_scales")},
+              "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n.endswith("_scales")}}
+    for file, part in shards.items():
+        save_file(part, sharded / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    prompt = random_prompts(1, [20], seed=6)[0]
+    whole = engine_logits(LLMEngine(EngineArgs(str(model_dir), dtype="float32")), prompt)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(sharded), dtype="float32")), prompt), whole,
+                               atol=0, rtol=0)
+
+
 def test_mxfp4_nan_scales_and_unpaired_blocks_are_refused(gpt_oss_mxfp4, tmp_path):
     blocks, scales = torch.zeros(2, 3, 16, dtype=torch.uint8), torch.full((2, 3), 127, dtype=torch.uint8)
     scales[1, 2] = 0xFF

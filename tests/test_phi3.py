@@ -19,6 +19,7 @@ from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.handoff import handoff
+from torch_shift.models import load_model
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel.launch import run_ranks
 
@@ -142,6 +143,42 @@ def _tokens_and_logprobs(output) -> tuple:
     return completion.token_ids, [{t: lp.logprob for t, lp in top.items()} for top in completion.logprobs]
 
 
+def test_draft_model_follows_the_engines_context(phi3):
+    """A draft is loaded for the engine's context as the target is: the target itself as its own draft at
+    max_model_len 32 proposes with the short factors, so the check keeps every proposal."""
+    _, model_dir = phi3
+    prompts = random_prompts(3, [4, 12, 9], seed=8)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    plain = LLM(str(model_dir), max_model_len=ORIGINAL).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(str(model_dir), max_model_len=ORIGINAL, speculative_config={
+        "method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3, "goodput_budget": False})
+    draft = llm.engine.core.speculator.proposer.model
+    assert not draft.rotary.rope.long and not llm.engine.config.model.rope.long
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.stats()["spec_decode"]["acceptance_rate"] > 0.95
+
+
+def test_one_model_handed_to_engines_of_both_contexts(phi3):
+    """Each engine serves the model with its own context's tables (a copy of the module's where they differ); the
+    user's module and the first engine's outputs stay as they were."""
+    _, model_dir = phi3
+    model = load_model(model_dir)
+    assert model.rotary.rope.long
+    prompts = random_prompts(2, [4, 19], seed=7)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    short = LLM(model=model, tokenizer=str(model_dir), max_model_len=ORIGINAL)
+    first = short.generate(prompts, params, use_tqdm=False)
+    long = LLM(model=model, tokenizer=str(model_dir))
+    assert model.rotary.rope.long and model.config.rope.long
+    expected = {ORIGINAL: LLM(str(model_dir), max_model_len=ORIGINAL), 256: LLM(str(model_dir))}
+    for llm, context in ((short, ORIGINAL), (long, 256)):
+        got = [_tokens_and_logprobs(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == [_tokens_and_logprobs(o) for o in expected[context].generate(prompts, params, use_tqdm=False)]
+    assert [_tokens_and_logprobs(o) for o in first] == [
+        _tokens_and_logprobs(o) for o in short.generate(prompts, params, use_tqdm=False)]
+
+
 # the layouts that slice q/k/v and gate/up (a rank's rows of each part of the fused tensors), and Flying and Seesaw
 LAYOUTS = {
     "tp2": (2, {"tp": 2}, {"tp"}),
@@ -154,13 +191,15 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("context", [256, ORIGINAL], ids=["long", "short"])
 @pytest.mark.parametrize("family", list(LAYOUTS))
-def test_every_layout_matches_one_rank(phi3, family):
+def test_every_layout_matches_one_rank(phi3, family, context):
     world, engine_args, layouts = LAYOUTS[family]
+    engine_args = {**engine_args, "max_model_len": context}
     _, model_dir = phi3
-    prompts = random_prompts(4, [3, 17, 40, 9])
+    prompts = random_prompts(4, [3, 17, 14, 9])
     params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
-    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
+    ref = LLM(str(model_dir), max_model_len=context).generate(prompts, params, use_tqdm=False)
     results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
     for outputs, _ in results:
         assert_same_outputs(outputs, ref)

@@ -450,8 +450,9 @@ def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | No
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key) is not None:
             raise ValueError(f"Gemma3ForCausalLM: {key}={hf[key]} is not supported")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("Gemma3ForCausalLM: use_bidirectional_attention=true is not supported")
+    for key in ("use_bidirectional_attention", "attention_bias"):
+        if hf.get(key):
+            raise ValueError(f"Gemma3ForCausalLM: {key}=true is not supported")
     if float(hf["query_pre_attn_scalar"]) != head_dim:
         raise ValueError(f"Gemma3ForCausalLM: query_pre_attn_scalar={hf['query_pre_attn_scalar']} is not supported "
                          f"(attention scores are scaled by head_dim ** -0.5, head_dim={head_dim})")

@@ -12,6 +12,7 @@ as itself); ("shutdown", None) ends the started ranks.
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -22,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from torch_shift.attention import attention_backend
-from torch_shift.config import check_device_present, resolve_device
+from torch_shift.config import ModelConfig, check_device_present, resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
 from torch_shift.engine.step_plan import StepPlan
 from torch_shift.kv.cache import KVCache, available_memory_bytes, check_fits, kv_bytes_per_block
 from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
+from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.loader import CheckpointReader, WeightSource
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.parallel.layout_model import LayoutModel
@@ -134,9 +136,7 @@ class Worker:
         given = model is not None
         if given:
             device = next(model.parameters()).device
-            for rotary in (m for m in model.modules() if isinstance(m, RotaryEmbedding) and m.rope != mc.rope):
-                rotary.rope = mc.rope  # LongRoPE's factors for the engine's context (ModelConfig.for_context)
-                rotary.materialize(device)
+            model = _for_context(model, mc, device)
             model = model if isinstance(model, ShiftModule) else ReplicaModel(model)
         else:
             reader = weights or CheckpointReader(config.model_dir, mc)
@@ -324,6 +324,26 @@ def _step_peak_bytes(config: EngineConfig, model: LayoutModel, device: torch.dev
     torch.cuda.empty_cache()  # the pass's blocks go back to the device, where mem_get_info sees them free
     model.reset_counters()
     return peak
+
+
+def _for_context(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """A handed-over model with the rotary tables of the engine's context (LongRoPE's factors depend on
+    max_model_len: ModelConfig.for_context): itself, or a shallow copy with tables of its own, so that the user's
+    module (which another engine may serve) stays as it was."""
+    if not isinstance(model, DecoderLM) or model.rotary.rope == config.rope:
+        if any(isinstance(m, RotaryEmbedding) and m.rope != config.rope for m in model.modules()):
+            raise ValueError(
+                "this model's rotary tables were built for another context length (LongRoPE's long or short factors: "
+                f"the long ones above {config.rope.original_max_position_embeddings} tokens); build it from "
+                "load_model(path, config=ModelConfig.from_dir(path).for_context(max_model_len)), or hand over the "
+                "DecoderLM itself")
+        return model
+    copied = copy.copy(model)
+    copied._modules = dict(model._modules)
+    copied.config = config
+    copied.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
+    copied.rotary.materialize(device)
+    return copied
 
 
 def _num_kv_blocks(config: EngineConfig, model: LayoutModel, device: torch.device, rank: int) -> int:

@@ -459,7 +459,7 @@ class CheckpointReader:
                 blocks, scales = files.pop(name), files.pop(stem + MXFP4_SCALES)
                 self.mxfp4[stem] = Mxfp4Experts(stem, self._handle(blocks).get_slice(name),
                                                 self._handle(scales).get_slice(stem + MXFP4_SCALES),
-                                                mxfp4_dtype(config))
+                                                mxfp4_dtype(config), reads=2 if stem.endswith("gate_up_proj") else 1)
                 files[stem] = blocks
         self.files = files
         self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
@@ -518,10 +518,12 @@ def _map_name(name_map: list[tuple[re.Pattern, str, str | None]], hf_name: str) 
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
 ) -> DecoderLM:
-    """Build on the meta device, materialise empty parameters on `device`, fill them from safetensors."""
-    config = ModelConfig.from_dir(Path(model_dir))
+    """Build on the meta device, materialise empty parameters on `device`, fill them from safetensors. `config`:
+    the directory's as an engine runs it (`ModelConfig.for_context`); by default as config.json reads."""
+    config = config or ModelConfig.from_dir(Path(model_dir))
     reader = CheckpointReader(model_dir, config)
     try:
         return build_model(config, reader, dtype, device)

@@ -36,18 +36,19 @@ class Mxfp4Experts:
     """A stacked experts' projection stored as MXFP4 (`..._blocks` [E, out, in / 32, 16], `..._scales`
     [E, out, in / 32]: safetensors slices or tensors) read as GPT-OSS's unquantized checkpoints hold it, each
     expert's projection transposed ([E, in, out]): `get_shape()`, and one expert at a time (`[e]`), as
-    loader.interleaved_expert_part reads a safetensors slice. The last expert read is kept, so that its gate and
-    up parts, read one after the other, are dequantized once."""
+    loader.interleaved_expert_part reads a safetensors slice. An expert read is kept for `reads` reads of it (2: a
+    gate/up projection's gate and up parts, read one after the other, dequantized once), then dropped; what is
+    returned is read only (the kept tensor, or a view of it)."""
 
-    def __init__(self, name: str, blocks, scales, dtype: torch.dtype):
+    def __init__(self, name: str, blocks, scales, dtype: torch.dtype, reads: int = 1):
         blocks_shape, scales_shape = _shape(blocks), _shape(scales)
         if len(blocks_shape) != 4 or blocks_shape[-1] != 16 or scales_shape != blocks_shape[:-1]:
             raise ValueError(f"{name}: MXFP4 blocks [experts, rows, groups, 16] and scales [experts, rows, groups] "
                              f"expected, got shapes {blocks_shape} and {scales_shape}")
-        self.name, self.blocks, self.scales, self.dtype = name, blocks, scales, dtype
+        self.name, self.blocks, self.scales, self.dtype, self.reads = name, blocks, scales, dtype, reads
         experts, rows, groups, _ = blocks_shape
         self.shape = (experts, groups * 32, rows)
-        self._last: tuple[int, torch.Tensor] | None = None
+        self._kept: tuple[int, torch.Tensor, int] | None = None  # (expert, its values, reads left)
 
     def get_shape(self) -> tuple[int, ...]:
         return self.shape
@@ -55,13 +56,15 @@ class Mxfp4Experts:
     def __getitem__(self, expert: int) -> torch.Tensor:
         if not isinstance(expert, int):
             raise TypeError(f"{self.name}: MXFP4 experts are read one expert at a time, not {expert!r}")
-        if self._last is None or self._last[0] != expert:
+        if self._kept is None or self._kept[0] != expert:
             try:
-                values = dequantize(self.blocks[expert], self.scales[expert], self.dtype)
+                values = dequantize(self.blocks[expert], self.scales[expert], self.dtype).t()
             except ValueError as e:
                 raise ValueError(f"{self.name}, expert {expert}: {e}") from None
-            self._last = (expert, values.t())
-        return self._last[1]
+            self._kept = (expert, values, self.reads)
+        expert, values, left = self._kept
+        self._kept = (expert, values, left - 1) if left > 1 else None
+        return values
 
 
 def _shape(tensor) -> tuple[int, ...]:

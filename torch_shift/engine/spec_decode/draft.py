@@ -78,7 +78,7 @@ def load_draft_proposer(draft: DraftCheckpoint, dtype: torch.dtype, device: torc
                         decode_pool: bool = True, native_decode: bool = True) -> DraftModelProposer:
     """The draft loaded on rank 0's device in the target's dtype, with a pool for every sequence slot filled to
     the context, or what a bounded budget holds (then requests past it propose nothing until blocks come free)."""
-    model = load_model(draft.model_dir, dtype, device)
+    model = load_model(draft.model_dir, dtype, device, draft.config.for_context(max_model_len))
     if prepack_weights:
         prepare_linears(model)
     per_block = DraftModelProposer.kv_bytes_per_block(model, block_size)
