@@ -1,10 +1,11 @@
-"""Gemma 3 (`Gemma3ForCausalLM`: the text models, 270M and 1B) against Hugging Face `transformers` on random
+"""Gemma 3 (`Gemma3ForCausalLM`: the text models, 270M and 1B; and the language model of
+`Gemma3ForConditionalGeneration`, 4B-27B, its vision tower left out) against Hugging Face `transformers` on random
 checkpoints: norms before and after attention and the MLP, each scaling by 1 + weight in float32, q/k norms, the
 embedding times sqrt(hidden_size), GeGLU (GELU's tanh approximation), windowed and full layers alternating with a
 rotary table each (the windowed layers' of their own base), the tied LM head; greedy tokens and logprobs chunked,
 preempted, eager, compiled and on the SDPA reference, bf16 as close as transformers' own, and every layout against
-one rank. What Gemma 3 computes and torch_shift does not (logit soft-capping, bidirectional attention, another
-query scale) is refused."""
+one rank. What Gemma 3 computes and torch_shift does not (logit soft-capping, bidirectional attention, attention
+biases) is refused."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch_shift.models import load_model
 from torch_shift.models.batch import CausalAttention
 from torch_shift.models.native_decoder import _supported
 from torch_shift.models.rope import RotaryEmbedding
+from torch_shift.models.toy import build_tokenizer
 from torch_shift.parallel.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +71,7 @@ def test_config_reads_gemma3_and_refuses_what_it_cannot_run(gemma3):
     for change, message in [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
                             ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
                             ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
-                            ({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar=24 is not supported"),
+                            ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be > 0"),
                             ({"attention_bias": True}, "attention_bias=true is not supported"),
                             ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported")]:
         with pytest.raises(ValueError, match=message):
@@ -200,6 +202,69 @@ def test_in_memory_model_and_converted_checkpoint_give_the_same_outputs(gemma3, 
     assert [o.outputs[0].token_ids for o in got] == expected
 
 
+def build_gemma3_vision_language(seed: int = 0):
+    """Gemma3ForConditionalGeneration (the 4B-27B models' class) with a small vision tower, its language model
+    scaling attention by query_pre_attn_scalar ** -0.5 = 24 ** -0.5 (27B's kind: not head_dim's)."""
+    text = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 256, "sliding_window": WINDOW, "sliding_window_pattern": 2,
+            "rope_theta": 1e6, "rope_local_base_freq": 100.0, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB_SIZE - 1, boi_token_index=VOCAB_SIZE - 3,
+                                       eoi_token_index=VOCAB_SIZE - 2)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name and "language_model" in param_name:
+                param.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3_vl(tmp_path_factory):
+    hf_model = build_gemma3_vision_language()
+    model_dir = save_checkpoint(hf_model, tmp_path_factory.mktemp("gemma3_vl") / "model", with_tokenizer=False)
+    build_tokenizer(model_dir, vocab_size=VOCAB_SIZE)
+    return hf_model, model_dir
+
+
+def test_vision_language_checkpoint_serves_its_language_model(gemma3_vl, tmp_path):
+    """The 4B-27B checkpoints: config.json's text_config, the language model's tensors (`language_model.model.`),
+    the vision tower's left out; text prompts give transformers' tokens and logprobs, converted too."""
+    from torch_shift.models.convert import convert_checkpoint
+
+    hf_model, model_dir = gemma3_vl
+    config = ModelConfig.from_dir(model_dir)
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.family == "gemma3_text"
+    assert config.query_scale == pytest.approx(math.sqrt(16 / 24)) and config.layer_windows == (WINDOW, None) * 2
+    prompts = random_prompts(4, [3, 17, 40, 9], seed=2, vocab=VOCAB_SIZE - 3)  # no image tokens
+    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(str(model_dir), max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    with torch.no_grad():
+        for prompt, ref, out in zip(prompts, refs, outs):
+            logits = hf_model(input_ids=torch.tensor([prompt + ref])).logits[0].float()
+            assert logits.abs().max() > 5  # not flat: the comparison means something
+            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+            for position, top in enumerate(out.outputs[0].logprobs):
+                for token, logprob in top.items():
+                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    greedy = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
+    handed = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)  # its modules
+    assert [o.outputs[0].token_ids for o in handed] == [r[:6] for r in refs]
+    prompt = prompts[2]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
+                               ref, atol=0, rtol=0)
+
+
 LAYOUTS = {
     "tp2": (2, {"tp": 2}, {"tp"}),
     "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
@@ -211,12 +276,12 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(LAYOUTS))
-def test_every_layout_matches_one_rank(gemma3, family):
+@pytest.mark.parametrize("family", list(LAYOUTS) + ["tp2_vision_language"])
+def test_every_layout_matches_one_rank(gemma3, gemma3_vl, family):
     """The extra norms replicated, the local rotary table on every rank and stage, the tied head sharded by
     vocabulary: greedy tokens and logprobs of one rank."""
-    world, engine_args, layouts = LAYOUTS[family]
-    _, model_dir = gemma3
+    world, engine_args, layouts = LAYOUTS[family.removesuffix("_vision_language")]
+    _, model_dir = gemma3_vl if family.endswith("_vision_language") else gemma3
     prompts = random_prompts(4, [3, 17, 40, 9])
     params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
     ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)

@@ -134,11 +134,15 @@ def test_keys_left_out_of_config_json_take_transformers_defaults():
                    "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128}
         if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
             written |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-        config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
-        hf = getattr(transformers, config_class)(**written)
-        got = ModelConfig.from_hf_dict(written)
+        if arch == "Gemma3ForConditionalGeneration":  # the language model's keys in text_config
+            hf = transformers.Gemma3Config(text_config=written).text_config
+            got = ModelConfig.from_hf_dict({"architectures": [arch], "text_config": written})
+        else:
+            config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
+            hf = getattr(transformers, config_class)(**written)
+            got = ModelConfig.from_hf_dict(written)
         rope = hf.rope_parameters
-        if arch == "Gemma3ForCausalLM":  # a table per layer type
+        if arch.startswith("Gemma3"):  # a table per layer type
             assert got.local_rope.theta == rope["sliding_attention"]["rope_theta"] == 10000.0
             assert hf.sliding_window == 4096 and got.layer_windows == tuple(
                 hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types)

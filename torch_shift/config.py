@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3_text",  # its language model (text_config), the vision tower left out
 }
 # transformers' defaults for the keys a config.json leaves out (its config classes), Llama's for every family and
 # where a family's own differ
@@ -254,6 +255,9 @@ class ModelConfig:
     gemma_norms: bool = False
     embed_scale: float | None = None
     local_rope: RopeConfig | None = None
+    # attention scores scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (Gemma 3 27B): queries are
+    # multiplied by this, sqrt(head_dim / query_pre_attn_scalar), before the attention backend's own scale
+    query_scale: float | None = None
     # "mxfp4": the checkpoint stores GPT-OSS's experts as MXFP4 blocks and scales (what openai/gpt-oss-* ship),
     # dequantized as they are read (torch_shift.models.mxfp4); None: every weight as it is computed with
     quantization: str | None = None
@@ -271,6 +275,8 @@ class ModelConfig:
                 f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if arch == "Gemma3ForConditionalGeneration":
+            hf = _language_model_config(hf)
         hf = {**_HF_DEFAULTS, **_FAMILY_DEFAULTS.get(family, {}), **hf}
         try:
             hidden = int(hf["hidden_size"])
@@ -443,6 +449,17 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
                      "transformers' from_pretrained(...) and save_pretrained")
 
 
+def _language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json's language model (its `text_config`), with the keys transformers reads from
+    the top level where the text config leaves them out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{hf['architectures']}: config.json lacks its 'text_config'")
+    inherited = {k: hf[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+                                    "quantization_config") if k in hf and k not in text}
+    return {**text, **inherited, "architectures": hf["architectures"]}
+
+
 def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None, hidden: int,
                    head_dim: int) -> dict[str, Any]:
     """Gemma 3's fields, as transformers' Gemma3TextConfig reads them; what its model computes and torch_shift's
@@ -453,9 +470,9 @@ def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | No
     for key in ("use_bidirectional_attention", "attention_bias"):
         if hf.get(key):
             raise ValueError(f"Gemma3ForCausalLM: {key}=true is not supported")
-    if float(hf["query_pre_attn_scalar"]) != head_dim:
-        raise ValueError(f"Gemma3ForCausalLM: query_pre_attn_scalar={hf['query_pre_attn_scalar']} is not supported "
-                         f"(attention scores are scaled by head_dim ** -0.5, head_dim={head_dim})")
+    query_pre_attn_scalar = float(hf["query_pre_attn_scalar"])
+    if not query_pre_attn_scalar > 0:
+        raise ValueError(f"Gemma3ForCausalLM: query_pre_attn_scalar must be > 0, got {query_pre_attn_scalar}")
     pattern = int(hf.get("sliding_window_pattern", 6))
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
@@ -468,7 +485,9 @@ def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | No
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"Gemma3ForCausalLM: rope type {local['rope_type']!r} of the sliding layers is not supported")
     theta = float(local.get("rope_theta", hf["rope_local_base_freq"]))
+    query_scale = None if query_pre_attn_scalar == head_dim else math.sqrt(head_dim / query_pre_attn_scalar)
     return {"gemma_norms": True, "embed_scale": hidden ** 0.5, "local_rope": RopeConfig(theta=theta),
+            "query_scale": query_scale,
             "layer_windows": tuple(int(sliding_window) if t == "sliding_attention" else None for t in layer_types)}
 
 

@@ -119,6 +119,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # Gemma 3's windowed layers rotate by their own table (RotaryEmbedding's local one)
         self.local_rope = config.local_rope is not None and self.sliding_window is not None
+        self.query_scale = config.query_scale
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
@@ -132,6 +133,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k, local=True) if self.local_rope else rotary(positions, q, k)
+        if self.query_scale is not None:
+            q = q * self.query_scale
         if self.sinks is None and self.sliding_window is None:
             out = attention(self.layer_idx, q, k, v)
         else:

@@ -122,8 +122,12 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "phi3": _PHI3_NAMES,
     "gemma3_text": _LLAMA_NAMES + _QK_NORM_NAMES + _GEMMA_NORM_NAMES,
 }
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$")
+# Tensors some checkpoints carry that the model recomputes, and a vision-language model's vision tower (its language
+# model is served alone: Gemma3ForConditionalGeneration).
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$|(model\.)?(vision_tower|multi_modal_projector)\.")
+# A vision-language model's language model, as its checkpoints (`language_model.model.`) and transformers 5's modules
+# (`model.language_model.`) name it
+_LANGUAGE_MODEL = re.compile(r"^(language_model\.model\.|model\.language_model\.)")
 
 FUSED_PARTS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
@@ -380,7 +384,15 @@ def fused_part_rows(index: dict[PartKey, str], config: ModelConfig,
 def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None]:
     """Hugging Face tensor name -> (parameter name, part) for a model family."""
     name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
-    return lambda hf_name: _map_name(name_map, hf_name)
+    if family != "gemma3_text":
+        return lambda hf_name: _map_name(name_map, hf_name)
+
+    def language_model(hf_name: str) -> str:
+        if hf_name == "language_model.lm_head.weight":
+            return "lm_head.weight"
+        return _LANGUAGE_MODEL.sub("model.", hf_name)
+
+    return lambda hf_name: _map_name(name_map, language_model(hf_name))
 
 
 def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False,

@@ -292,6 +292,7 @@ def _supported(model: torch.nn.Module, group: object | None = None, head: bool =
     if (embed.device.type != "cpu" or dtype not in _DTYPE_CODES or not embed.is_contiguous()
             or embed.shape[0] != config.vocab_size or config.sparse_layers or config.attention_sinks
             or config.gemma_norms or config.embed_scale is not None or config.local_rope is not None
+            or config.query_scale is not None
             or config.head_dim % 2 or max(config.hidden_size, config.head_dim) >= _SPLIT_ROW or _sum_lanes() is None
             or type(model.rotary) is not RotaryEmbedding or model.rotary.cos_sin.dtype != torch.float32
             or not model.rotary.cos_sin.is_contiguous() or not _norm_ok(model.norm, dtype, eps)
