@@ -451,13 +451,15 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
 
 def _language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config.json's language model (its `text_config`), with the keys transformers reads from
-    the top level where the text config leaves them out."""
+    the top level where the text config leaves them out, and the top level's `tie_word_embeddings`, which decides
+    (transformers 5's composite configs; Gemma3Config's default: tied)."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{hf['architectures']}: config.json lacks its 'text_config'")
-    inherited = {k: hf[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings", "bos_token_id", "eos_token_id",
-                                    "quantization_config") if k in hf and k not in text}
-    return {**text, **inherited, "architectures": hf["architectures"]}
+    inherited = {k: hf[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "quantization_config")
+                 if k in hf and k not in text}
+    return {**text, **inherited, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "architectures": hf["architectures"]}
 
 
 def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None, hidden: int,
