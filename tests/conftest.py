@@ -150,6 +150,48 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def hf_greedy_logprobs(hf_model, prompts: list[list[int]], max_tokens: int) -> tuple[list, list[torch.Tensor]]:
+    """transformers' greedy outputs of `prompts` and the log-probabilities [max_tokens, vocab] of each output's
+    positions."""
+    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    with torch.no_grad():
+        logprobs = [torch.log_softmax(hf_model(torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
+                    for p, r in zip(prompts, refs)]
+    return refs, logprobs
+
+
+def assert_outputs_match_transformers(outputs, refs: list, ref_logprobs: list[torch.Tensor], atol: float,
+                                      num_logprobs: int = 3) -> None:
+    """Greedy tokens those of transformers, each position's returned logprobs (the token and the `num_logprobs`
+    top ones) the tokens transformers ranks there, within `atol` of its values."""
+    assert [o.outputs[0].token_ids for o in outputs] == refs
+    for out, ref in zip(outputs, ref_logprobs):
+        for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            assert set(top) == {token, *ref[position].topk(num_logprobs).indices.tolist()}
+            for t, logprob in top.items():
+                assert abs(logprob.logprob - ref[position, t].item()) <= atol
+
+
+def assert_converted_and_handed_off_alike(hf_model, model_dir: Path, out_dir: Path) -> None:
+    """`torch-shift convert` of the checkpoint gives the same logits, and transformers' module handed over in
+    memory the checkpoint's greedy tokens."""
+    from torch_shift import LLM, LLMEngine
+    from torch_shift.engine.llm_engine import EngineArgs
+    from torch_shift.handoff import handoff
+    from torch_shift.models.convert import convert_checkpoint
+
+    prompt = random_prompts(1, [30], seed=5)[0]
+    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
+    converted = convert_checkpoint(model_dir, out_dir, progress=False)
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
+                               ref, atol=0, rtol=0)
+    prompts = random_prompts(3, [4, 19, 1], seed=7)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
+    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
 def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through the paged-attention runner (chunked as scheduled)."""
     engine.add_request("probe", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))

@@ -15,9 +15,17 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts, save_checkpoint
-from test_moe import _generate_rank
-from test_shift import assert_same_outputs
+from conftest import (
+    VOCAB_SIZE,
+    assert_converted_and_handed_off_alike,
+    assert_outputs_match_transformers,
+    checkpoint_cache,
+    engine_logits,
+    hf_greedy_logprobs,
+    random_prompts,
+    save_checkpoint,
+)
+from test_moe import assert_layout_matches_one_rank
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -28,7 +36,6 @@ from torch_shift.models.batch import CausalAttention
 from torch_shift.models.native_decoder import _supported
 from torch_shift.models.rope import RotaryEmbedding
 from torch_shift.models.toy import build_tokenizer
-from torch_shift.parallel.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,18 +133,10 @@ MAX_TOKENS = 10
 def test_greedy_tokens_and_logprobs_match_transformers(gemma3, engine_args):
     hf_model, model_dir = gemma3
     prompts = random_prompts(8, PROMPT_LENGTHS)
-    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, MAX_TOKENS)
     llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    with torch.no_grad():
-        for prompt, ref, out in zip(prompts, refs, outs):
-            logits = hf_model(torch.tensor([prompt + ref])).logits[0].float()
-            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
-            for position, top in enumerate(out.outputs[0].logprobs):
-                for token, logprob in top.items():
-                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(llm.generate(prompts, params, use_tqdm=False), refs, ref_logprobs, FP32_ATOL)
     engine = llm.engine
     if "num_kv_blocks" in engine_args:
         assert engine.scheduler.num_preemptions > 0
@@ -187,19 +186,7 @@ def test_each_of_gemmas_differences_matters(gemma3):
 
 
 def test_in_memory_model_and_converted_checkpoint_give_the_same_outputs(gemma3, tmp_path):
-    from torch_shift.models.convert import convert_checkpoint
-
-    hf_model, model_dir = gemma3
-    prompt = random_prompts(1, [30], seed=5)[0]
-    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
-    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
-                               ref, atol=0, rtol=0)
-    prompts = random_prompts(3, [4, 19, 1], seed=7)
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
-    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == expected
+    assert_converted_and_handed_off_alike(*gemma3, tmp_path / "converted")
 
 
 def build_gemma3_vision_language(seed: int = 0):
@@ -242,19 +229,11 @@ def test_vision_language_checkpoint_serves_its_language_model(gemma3_vl, tmp_pat
     assert config.architecture == "Gemma3ForConditionalGeneration" and config.family == "gemma3_text"
     assert config.query_scale == pytest.approx(math.sqrt(16 / 24)) and config.layer_windows == (WINDOW, None) * 2
     prompts = random_prompts(4, [3, 17, 40, 9], seed=2, vocab=VOCAB_SIZE - 3)  # no image tokens
-    refs = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, MAX_TOKENS)
+    assert min(row.max() - row.min() for row in ref_logprobs).item() > 5  # not flat: the comparison means something
     llm = LLM(str(model_dir), max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    with torch.no_grad():
-        for prompt, ref, out in zip(prompts, refs, outs):
-            logits = hf_model(input_ids=torch.tensor([prompt + ref])).logits[0].float()
-            assert logits.abs().max() > 5  # not flat: the comparison means something
-            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
-            for position, top in enumerate(out.outputs[0].logprobs):
-                for token, logprob in top.items():
-                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(llm.generate(prompts, params, use_tqdm=False), refs, ref_logprobs, FP32_ATOL)
     greedy = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
     handed = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)  # its modules
     assert [o.outputs[0].token_ids for o in handed] == [r[:6] for r in refs]
@@ -280,12 +259,5 @@ LAYOUTS = {
 def test_every_layout_matches_one_rank(gemma3, gemma3_vl, family):
     """The extra norms replicated, the local rotary table on every rank and stage, the tied head sharded by
     vocabulary: greedy tokens and logprobs of one rank."""
-    world, engine_args, layouts = LAYOUTS[family.removesuffix("_vision_language")]
-    _, model_dir = gemma3_vl if family.endswith("_vision_language") else gemma3
-    prompts = random_prompts(4, [3, 17, 40, 9])
-    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
-    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
-    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
-    for outputs, _ in results:
-        assert_same_outputs(outputs, ref)
-    assert results[0][1] >= layouts, results[0][1]
+    model_dir = (gemma3_vl if family.endswith("_vision_language") else gemma3)[1]
+    assert_layout_matches_one_rank(model_dir, *LAYOUTS[family.removesuffix("_vision_language")])

@@ -7,25 +7,30 @@ dequantized as transformers does, other quantized checkpoints refused."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts, refuse_python_ulysses
+from conftest import (
+    VOCAB_SIZE,
+    assert_converted_and_handed_off_alike,
+    assert_outputs_match_transformers,
+    checkpoint_cache,
+    engine_logits,
+    hf_greedy_logprobs,
+    random_prompts,
+    refuse_python_ulysses,
+)
 from safetensors.torch import load_file, save_file
-from test_moe import SHARDED, _generate_rank
-from test_shift import assert_same_outputs
+from test_moe import SHARDED, assert_layout_matches_one_rank
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
 from torch_shift.engine.llm_engine import EngineArgs
-from torch_shift.handoff import handoff
 from torch_shift.models import load_model
 from torch_shift.models.convert import convert_checkpoint
 from torch_shift.models.mxfp4 import Mxfp4Experts, dequantize
 from torch_shift.models.rope import RotaryEmbedding
-from torch_shift.parallel.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,15 +213,11 @@ def test_mxfp4_checkpoint_matches_transformers(gpt_oss_mxfp4, dtype):
             assert torch.equal(layer.mlp.experts.gate_up_proj, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
         return
     prompts = random_prompts(8, PROMPT_LENGTHS, seed=2)
-    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, MAX_TOKENS)
     llm = LLM(str(model_dir), dtype=dtype, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    for out, ref in zip(outs, ref_logprobs):
-        for token, top, ref_row in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, ref):
-            for t, logprob in top.items():
-                assert math.isclose(logprob.logprob, ref_row[t].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(outs, refs, ref_logprobs, FP32_ATOL)
 
 
 def test_mxfp4_checkpoint_converts_to_an_unquantized_one(gpt_oss_mxfp4, tmp_path):
@@ -235,16 +236,7 @@ def test_mxfp4_checkpoint_converts_to_an_unquantized_one(gpt_oss_mxfp4, tmp_path
 @pytest.mark.parametrize("family", ["tp2", "ep_shift_sp2"])
 def test_mxfp4_checkpoint_in_layouts_matches_one_rank(gpt_oss_mxfp4, family):
     """Each rank reads its slice of the dequantized experts (TP: their rows; EP: whole experts)."""
-    world, engine_args, layouts = SHARDED[family]
-    _, model_dir = gpt_oss_mxfp4
-    prompts = random_prompts(4, [3, 17, 40, 9])
-    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0, logprobs=3)
-    engine_args = {**engine_args, "dtype": "float32"}
-    ref = LLM(str(model_dir), dtype="float32").generate(prompts, params, use_tqdm=False)
-    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
-    for outputs, _ in results:
-        assert_same_outputs(outputs, ref)
-    assert results[0][1] >= layouts, results[0][1]
+    assert_layout_matches_one_rank(gpt_oss_mxfp4[1], *SHARDED[family], dtype="float32")
 
 
 def test_yarn_rotary_tables_match_transformers(gpt_oss):
@@ -273,14 +265,6 @@ def test_sparse_block_matches_transformers(gpt_oss, dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=tolerance * ref.abs().max().item(), rtol=0)
 
 
-def _greedy_refs(hf_model, prompts, max_tokens):
-    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
-    with torch.no_grad():
-        logprobs = [torch.log_softmax(hf_model(torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
-                    for p, r in zip(prompts, refs)]
-    return refs, logprobs
-
-
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]
 MAX_TOKENS = 10
 
@@ -295,16 +279,11 @@ MAX_TOKENS = 10
 def test_greedy_tokens_and_logprobs_match_transformers(gpt_oss, engine_args):
     hf_model, model_dir = gpt_oss
     prompts = random_prompts(8, PROMPT_LENGTHS)
-    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, MAX_TOKENS)
     llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    for out, ref in zip(outs, ref_logprobs):
-        for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
-            assert set(top) == {token, *ref[position].topk(3).indices.tolist()}
-            for t, logprob in top.items():
-                assert math.isclose(logprob.logprob, ref[position, t].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(outs, refs, ref_logprobs, FP32_ATOL)
     engine = llm.engine
     if "num_kv_blocks" in engine_args:
         assert engine.scheduler.num_preemptions > 0
@@ -332,17 +311,7 @@ def test_sinks_and_windows_matter(gpt_oss):
 
 
 def test_converted_checkpoint_and_in_memory_model_give_the_same_outputs(gpt_oss, tmp_path):
-    hf_model, model_dir = gpt_oss
-    prompt = random_prompts(1, [30], seed=5)[0]
-    ref = engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt)
-    converted = convert_checkpoint(model_dir, tmp_path / "converted", progress=False)
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(converted), tokenizer=str(model_dir))), prompt),
-                               ref, atol=0, rtol=0)
-    prompts = random_prompts(3, [4, 19, 1], seed=7)
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, greedy, use_tqdm=False)]
-    got = handoff(hf_model, None, tokenizer=model_dir).generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == expected
+    assert_converted_and_handed_off_alike(*gpt_oss, tmp_path / "converted")
 
 
 # every family that shards the model, and DP replicas and pipeline stages (SHARDED: test_moe's)
@@ -362,10 +331,4 @@ def test_every_layout_matches_one_rank(gpt_oss, family, monkeypatch):
     _, model_dir = gpt_oss
     if engine_args.get("compile"):
         refuse_python_ulysses(monkeypatch)  # the compiled steps' Ulysses runs in C++
-    prompts = random_prompts(4, [3, 17, 40, 9])
-    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
-    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
-    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
-    for outputs, _ in results:
-        assert_same_outputs(outputs, ref)
-    assert results[0][1] >= layouts, results[0][1]
+    assert_layout_matches_one_rank(model_dir, world, engine_args, layouts)

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import (
     VOCAB_SIZE,
+    assert_outputs_match_transformers,
     checkpoint_cache,
     engine_logits,
     hf_greedy,
+    hf_greedy_logprobs,
     random_prompts,
     rewrite_config,
     save_checkpoint,
@@ -196,14 +197,6 @@ def test_router_picks_the_experts_transformers_picks_on_ties(moe_checkpoints, na
     assert torch.equal(ids[:8], ids[:1].expand(8, -1))
 
 
-def _greedy_refs(hf_model, prompts, max_tokens):
-    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
-    with torch.no_grad():
-        logprobs = [torch.log_softmax(hf_model(torch.tensor([p + r])).logits[0].float(), -1)[len(p) - 1:-1]
-                    for p, r in zip(prompts, refs)]
-    return refs, logprobs
-
-
 def _min_routing_margin(hf_model, sequences) -> float:
     """The smallest gap between a token's k-th and (k+1)-th router logit over `sequences` in every sparse layer."""
     margins = []
@@ -231,19 +224,14 @@ MAX_TOKENS = 10
 def test_greedy_tokens_and_logprobs_match_transformers(moe_checkpoints, name, engine_args):
     hf_model, model_dir = moe_checkpoints(name)
     prompts = random_prompts(8, PROMPT_LENGTHS)
-    refs, ref_logprobs = _greedy_refs(hf_model, prompts, MAX_TOKENS)
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, MAX_TOKENS)
     # no near-tie between the k-th and (k+1)-th expert: the router logits' float32 rounding (~1e-6 of logits of
     # a few units) cannot pick other experts
     assert _min_routing_margin(hf_model, [p + r for p, r in zip(prompts, refs)]) > 1e-4
     llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    for out, ref in zip(outs, ref_logprobs):
-        for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
-            assert set(top) == {token, *ref[position].topk(3).indices.tolist()}
-            for t, logprob in top.items():
-                assert math.isclose(logprob.logprob, ref[position, t].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(outs, refs, ref_logprobs, FP32_ATOL)
     engine = llm.engine
     if "num_kv_blocks" in engine_args:
         assert engine.scheduler.num_preemptions > 0
@@ -434,12 +422,17 @@ def test_layouts_that_shard_experts_match_one_rank(moe_checkpoints, family, name
     from the base's expert shards), SP x TP with KV heads replicated, Flying's TP groups of replicas, Seesaw's TP
     decode beside its pipeline: greedy tokens and logprobs those of one rank. Qwen2-MoE's shared expert is split
     as a dense MLP in each (whole on each SP rank of expert parallelism's base layout)."""
-    world, engine_args, layouts = SHARDED[family]
-    _, model_dir = moe_checkpoints(name)
-    prompts = random_prompts(4, [3, 17, 40, 9])
+    assert_layout_matches_one_rank(moe_checkpoints(name)[1], *SHARDED[family])
+
+
+def assert_layout_matches_one_rank(model_dir, world: int, engine_args: dict, layouts: set[str],
+                                   lengths: tuple[int, ...] = (3, 17, 40, 9), **common) -> None:
+    """Greedy tokens and logprobs of four requests (3-16 new tokens) in a layout of `world` ranks those of one rank,
+    the layouts of `layouts` among its steps; `common`: engine arguments of both."""
+    prompts = random_prompts(len(lengths), list(lengths))
     params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
-    ref = LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)
-    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
+    ref = LLM(str(model_dir), **common).generate(prompts, params, use_tqdm=False)
+    results = run_ranks(_generate_rank, world, model_dir, {**engine_args, **common}, prompts, params, timeout_s=300)
     for outputs, _ in results:
         assert_same_outputs(outputs, ref)
     assert results[0][1] >= layouts, results[0][1]

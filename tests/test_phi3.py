@@ -11,9 +11,15 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, checkpoint_cache, engine_logits, hf_greedy, random_prompts
-from test_moe import _generate_rank
-from test_shift import assert_same_outputs
+from conftest import (
+    VOCAB_SIZE,
+    assert_outputs_match_transformers,
+    checkpoint_cache,
+    engine_logits,
+    hf_greedy_logprobs,
+    random_prompts,
+)
+from test_moe import assert_layout_matches_one_rank
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -21,7 +27,6 @@ from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.handoff import handoff
 from torch_shift.models import load_model
 from torch_shift.models.rope import RotaryEmbedding
-from torch_shift.parallel.launch import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,18 +103,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(phi3, engine_args):
     short = engine_args.get("max_model_len") == ORIGINAL
     lengths, max_tokens = ([3, 17, 9, 1, 20], 10) if short else ([40, 33, 60, 35], 12)
     prompts = random_prompts(len(lengths), lengths, seed=3)
-    refs = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    refs, ref_logprobs = hf_greedy_logprobs(hf_model, prompts, max_tokens)
     llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, logprobs=3)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == refs
-    with torch.no_grad():
-        for prompt, ref, out in zip(prompts, refs, outs):
-            logits = hf_model(torch.tensor([prompt + ref])).logits[0].float()
-            logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
-            for position, top in enumerate(out.outputs[0].logprobs):
-                for token, logprob in top.items():
-                    assert math.isclose(logprob.logprob, logprobs[position, token].item(), abs_tol=FP32_ATOL)
+    assert_outputs_match_transformers(llm.generate(prompts, params, use_tqdm=False), refs, ref_logprobs, FP32_ATOL)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -194,13 +191,4 @@ LAYOUTS = {
 @pytest.mark.parametrize("context", [256, ORIGINAL], ids=["long", "short"])
 @pytest.mark.parametrize("family", list(LAYOUTS))
 def test_every_layout_matches_one_rank(phi3, family, context):
-    world, engine_args, layouts = LAYOUTS[family]
-    engine_args = {**engine_args, "max_model_len": context}
-    _, model_dir = phi3
-    prompts = random_prompts(4, [3, 17, 14, 9])
-    params = [SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, logprobs=3) for m in (3, 5, 12, 16)]
-    ref = LLM(str(model_dir), max_model_len=context).generate(prompts, params, use_tqdm=False)
-    results = run_ranks(_generate_rank, world, model_dir, engine_args, prompts, params, timeout_s=300)
-    for outputs, _ in results:
-        assert_same_outputs(outputs, ref)
-    assert results[0][1] >= layouts, results[0][1]
+    assert_layout_matches_one_rank(phi3[1], *LAYOUTS[family], lengths=(3, 17, 14, 9), max_model_len=context)
