@@ -134,8 +134,9 @@ def test_keys_left_out_of_config_json_take_transformers_defaults():
                    "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128}
         if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
             written |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-        if arch == "Gemma3ForConditionalGeneration":  # the language model's keys in text_config
-            hf = transformers.Gemma3Config(text_config=written).text_config
+        if arch.endswith("ForConditionalGeneration"):  # a vision-language model: its language model's text_config
+            config_class = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))
+            hf = config_class(text_config=written).text_config
             got = ModelConfig.from_hf_dict({"architectures": [arch], "text_config": written})
         else:
             config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")

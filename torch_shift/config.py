@@ -22,8 +22,15 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
-    "Gemma3ForConditionalGeneration": "gemma3_text",  # its language model (text_config), the vision tower left out
+    # vision-language models: their language model, text in and text out (the vision tower left out)
+    "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
 }
+# the vision-language architectures above -> whether their config class ties the LM head by default (transformers 5's
+# composite configs, where the top level's tie_word_embeddings decides)
+_VISION_LANGUAGE_TIED = {"Gemma3ForConditionalGeneration": True, "Qwen2VLForConditionalGeneration": False,
+                         "Qwen2_5_VLForConditionalGeneration": False}
 # transformers' defaults for the keys a config.json leaves out (its config classes), Llama's for every family and
 # where a family's own differ
 _HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
@@ -44,6 +51,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096}},
 }
+# ... and where an architecture's text config differs from its family's (Qwen2-VL's language model is a Qwen2)
+_ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    arch: {"rms_norm_eps": 1e-5, "rope_theta": 1e6}
+    for arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")}
 # Families whose attention takes transformers' `attention_bias` (q, k, v and o projections; Qwen2's q, k and v always
 # have a bias, Qwen2-MoE's where `qkv_bias`, Mistral's and Mixtral's never) and the families whose MLP is (in some or
 # all layers) a sparse mixture of experts.
@@ -146,6 +157,8 @@ class RopeConfig:
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
         if family == "phi3" and rope_type in ("su", "yarn"):
             rope_type = "longrope"  # Phi-3's older names for it (transformers' Phi3Config)
+        if rope_type == "mrope":  # Qwen2-VL's M-RoPE: a text token's three position ids are one, the plain rotation
+            rope_type = "default"
         if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, "
                              "longrope")
@@ -275,9 +288,9 @@ class ModelConfig:
                 f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        if arch == "Gemma3ForConditionalGeneration":
-            hf = _language_model_config(hf)
-        hf = {**_HF_DEFAULTS, **_FAMILY_DEFAULTS.get(family, {}), **hf}
+        if arch in _VISION_LANGUAGE_TIED and "text_config" in hf:  # else flat, as Qwen2-VL's hub configs
+            hf = _language_model_config(hf, _VISION_LANGUAGE_TIED[arch])
+        hf = {**_HF_DEFAULTS, **_FAMILY_DEFAULTS.get(family, {}), **_ARCHITECTURE_DEFAULTS.get(arch, {}), **hf}
         try:
             hidden = int(hf["hidden_size"])
             heads = int(hf["num_attention_heads"])
@@ -449,17 +462,18 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
                      "transformers' from_pretrained(...) and save_pretrained")
 
 
-def _language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+def _language_model_config(hf: dict[str, Any], tied_by_default: bool) -> dict[str, Any]:
     """A vision-language config.json's language model (its `text_config`), with the keys transformers reads from
     the top level where the text config leaves them out, and the top level's `tie_word_embeddings`, which decides
-    (transformers 5's composite configs; Gemma3Config's default: tied)."""
-    text = hf.get("text_config")
+    (transformers 5's composite configs; where it is left out, the class's default, or a text config that ties, as
+    Qwen2-VL's configs read configs saved before transformers 5)."""
+    text = hf["text_config"]
     if not isinstance(text, dict):
-        raise ValueError(f"{hf['architectures']}: config.json lacks its 'text_config'")
+        raise ValueError(f"{hf['architectures']}: config.json's 'text_config' is not an object")
     inherited = {k: hf[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "quantization_config")
                  if k in hf and k not in text}
-    return {**text, **inherited, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
-            "architectures": hf["architectures"]}
+    tied = hf.get("tie_word_embeddings", tied_by_default) or (not tied_by_default and text.get("tie_word_embeddings"))
+    return {**text, **inherited, "tie_word_embeddings": bool(tied), "architectures": hf["architectures"]}
 
 
 def _gemma3_fields(hf: dict[str, Any], num_layers: int, sliding_window: int | None, hidden: int,

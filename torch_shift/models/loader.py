@@ -124,7 +124,7 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
 }
 # Tensors some checkpoints carry that the model recomputes, and a vision-language model's vision tower (its language
 # model is served alone: Gemma3ForConditionalGeneration).
-_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$|(model\.)?(vision_tower|multi_modal_projector)\.")
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$|(model\.)?(vision_tower|multi_modal_projector|visual)\.")
 # A vision-language model's language model, as its checkpoints (`language_model.model.`) and transformers 5's modules
 # (`model.language_model.`) name it
 _LANGUAGE_MODEL = re.compile(r"^(language_model\.model\.|model\.language_model\.)")
@@ -384,8 +384,6 @@ def fused_part_rows(index: dict[PartKey, str], config: ModelConfig,
 def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None]:
     """Hugging Face tensor name -> (parameter name, part) for a model family."""
     name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
-    if family != "gemma3_text":
-        return lambda hf_name: _map_name(name_map, hf_name)
 
     def language_model(hf_name: str) -> str:
         if hf_name == "language_model.lm_head.weight":
