@@ -318,12 +318,12 @@ class ModelConfig:
         quantization = _quantization(hf, arch, family)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        moe = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}
+        extra = _moe_fields(hf, arch, family, layers, inter) if family in MOE_FAMILIES else {}  # a family's own
         if family == "gpt_oss":
-            moe |= _gpt_oss_fields(hf, layers, sliding_window)
+            extra |= _gpt_oss_fields(hf, layers, sliding_window)
             sliding_window = None  # per layer (layer_windows)
         if family == "gemma3_text":
-            moe |= _gemma3_fields(hf, layers, sliding_window, hidden, head_dim)
+            extra |= _gemma3_fields(hf, layers, sliding_window, hidden, head_dim)
             sliding_window = None  # per layer (layer_windows)
         return cls(
             architecture=arch,
@@ -349,7 +349,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
             quantization=quantization,
-            **moe,
+            **extra,
         )
 
     def for_context(self, max_model_len: int) -> ModelConfig:

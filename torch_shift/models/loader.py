@@ -122,8 +122,8 @@ NAME_MAPS: dict[str, list[tuple[str, str, str | None]]] = {
     "phi3": _PHI3_NAMES,
     "gemma3_text": _LLAMA_NAMES + _QK_NORM_NAMES + _GEMMA_NORM_NAMES,
 }
-# Tensors some checkpoints carry that the model recomputes, and a vision-language model's vision tower (its language
-# model is served alone: Gemma3ForConditionalGeneration).
+# Tensors some checkpoints carry that the model recomputes, and a vision-language model's vision tower and projector
+# (its language model is served alone: Gemma 3's, Qwen2-VL's).
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|freqs_cis)$|(model\.)?(vision_tower|multi_modal_projector|visual)\.")
 # A vision-language model's language model, as its checkpoints (`language_model.model.`) and transformers 5's modules
 # (`model.language_model.`) name it
@@ -382,7 +382,8 @@ def fused_part_rows(index: dict[PartKey, str], config: ModelConfig,
 
 
 def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None]:
-    """Hugging Face tensor name -> (parameter name, part) for a model family."""
+    """Hugging Face tensor name -> (parameter name, part) for a model family (a vision-language model's language
+    model under its text-only names)."""
     name_map = [(re.compile(p), target, part) for p, target, part in NAME_MAPS[family]]
 
     def language_model(hf_name: str) -> str:
