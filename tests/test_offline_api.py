@@ -3,6 +3,7 @@ TypeError that says what is wrong, with no KV block held and the engine usable a
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -114,6 +115,19 @@ def test_a_memory_size_beyond_the_machine_is_refused_by_name(llama, kwargs, opti
     """Were the allocator's RuntimeError, which names no option."""
     with pytest.raises(ValueError, match=f"{option}: .* GiB, more than the .* GiB of memory this machine has"):
         LLM(str(llama[1]), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, weights", [({}, "weights in bfloat16: 131.4 GiB"),
+                                             ({"dp": 2, "dtype": "float32"}, "weights in float32 for 2 replicas")])
+def test_weights_beyond_the_machine_are_refused_before_a_tensor_is_read(tmp_path, kwargs, weights, monkeypatch):
+    """Llama-3-70B's shape with no tensors at all: refused from config.json, were a kill by the OOM killer mid-load
+    (on a machine of less than 131 GiB: the test tells it 64)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16"}))
+    monkeypatch.setattr("torch_shift.kv.cache.total_memory_bytes", lambda device: 64 << 30)
+    with pytest.raises(ValueError, match=f"the model's {weights}.*, more than the 64.0 GiB of memory this machine has"):
+        LLM(str(tmp_path), **kwargs)
 
 
 def test_a_bad_shutdown_timeout_changes_nothing(llama):

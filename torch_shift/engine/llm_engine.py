@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device
 from torch_shift.engine.args import ENGINE_ARG_ALIASES, EngineArgs, EngineConfig
 from torch_shift.engine.core import CoreStep, EngineCore
 from torch_shift.engine.input_processor import Capacity, InputProcessor, Prompt, TokenizedPrompt, child_seed
@@ -44,7 +44,7 @@ from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
 from torch_shift.kv.block_manager import BlockManager
-from torch_shift.kv.cache import KVCache
+from torch_shift.kv.cache import KVCache, check_fits
 from torch_shift.kv.tier import TierAllocator
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.hub import resolve_model_dir
@@ -70,10 +70,25 @@ def engine_config(args: EngineArgs, weights: WeightSource | None = None,
     else:
         model_dir = resolve_model_dir(args.model, args.revision)
         config = args.create_engine_config(ModelConfig.from_dir(model_dir), model_dir)
+        check_weights_fit(config)
     if config.speculative is not None and config.speculative.method == "draft_model":
         config = replace(config, draft=DraftCheckpoint.resolve(config.speculative.model, config.model,
                                                                config.tokenizer_dir))
     return config
+
+
+def check_weights_fit(config: EngineConfig) -> None:
+    """A ValueError, before a tensor is read, where the weights cannot fit the device's whole memory: each replica
+    holds the whole model at least once (its ranks share one host's memory on the CPU, a GPU holds its share), so an
+    engine whose weights alone exceed it would be killed while loading (the OOM killer) instead."""
+    device = resolve_device(config.runner.device)
+    replicas, world = config.deployment.num_replicas, config.deployment.world_size
+    nbytes = config.model.num_parameters * config.dtype.itemsize * replicas
+    what = f"the model's weights in {str(config.dtype).removeprefix('torch.')}"
+    if replicas > 1:
+        what += f" for {replicas} replicas"
+    check_fits(nbytes if device.type == "cpu" else nbytes // world, device,
+               what if device.type == "cpu" else what + f", a GPU's share of {world}")
 
 
 class LLMEngine:
