@@ -166,6 +166,7 @@ def assert_outputs_match_transformers(outputs, refs: list, ref_logprobs: list[to
     top ones) the tokens transformers ranks there, within `atol` of its values."""
     assert [o.outputs[0].token_ids for o in outputs] == refs
     for out, ref in zip(outputs, ref_logprobs):
+        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
         for position, (token, top) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
             assert set(top) == {token, *ref[position].topk(num_logprobs).indices.tolist()}
             for t, logprob in top.items():

@@ -134,10 +134,15 @@ def test_keys_left_out_of_config_json_take_transformers_defaults():
                    "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128}
         if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"):
             written |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-        if arch.endswith("ForConditionalGeneration"):  # a vision-language model: its language model's text_config
+        if arch.endswith("ForConditionalGeneration"):  # a vision-language model: its language model's text_config,
+            # which transformers 4 wrote as its difference from the text config class's defaults, sizes included
+            text = {"num_hidden_layers": 2}
             config_class = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))
-            hf = config_class(text_config=written).text_config
-            got = ModelConfig.from_hf_dict({"architectures": [arch], "text_config": written})
+            hf = config_class(text_config=text).text_config
+            got = ModelConfig.from_hf_dict({"architectures": [arch], "text_config": text})
+            assert (got.vocab_size, got.hidden_size, got.intermediate_size, got.num_attention_heads,
+                    got.num_key_value_heads) == (hf.vocab_size, hf.hidden_size, hf.intermediate_size,
+                                                 hf.num_attention_heads, hf.num_key_value_heads), arch
         else:
             config_class = "Gemma3TextConfig" if arch == "Gemma3ForCausalLM" else arch.replace("ForCausalLM", "Config")
             hf = getattr(transformers, config_class)(**written)

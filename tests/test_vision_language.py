@@ -7,6 +7,7 @@ model of the whole checkpoint, a handoff of its modules, and TP-2 against one ra
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from conftest import (
     random_prompts,
     save_checkpoint,
 )
+from safetensors.torch import load_file, save_file
 from test_moe import assert_layout_matches_one_rank
 
 from torch_shift import LLM, SamplingParams
@@ -86,6 +88,31 @@ def test_flat_hub_config_and_tied_heads_read_as_transformers_reads_them(vision_l
     assert ModelConfig.from_hf_dict(written).tie_word_embeddings
     name = written["architectures"][0].removesuffix("ForConditionalGeneration")
     assert getattr(transformers, f"{name}Config")(**written).tie_word_embeddings
+
+
+def test_a_hub_config_of_mrope_alone_reads_as_the_plain_rotation(vision_language):
+    """The hub's Qwen2-VL configs name M-RoPE by "type" only (no rope_type beside it, as transformers 5 writes)."""
+    _, model_dir = vision_language
+    written = json.loads((model_dir / "config.json").read_text())
+    nested = ModelConfig.from_hf_dict(written)
+    flat = {k: v for k, v in written.items() if k != "text_config"} | written["text_config"]
+    flat["architectures"] = written["architectures"]
+    del flat["rope_parameters"]
+    flat |= {"rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    assert ModelConfig.from_hf_dict(flat) == nested
+
+
+def test_the_language_model_under_two_namings_is_refused(vision_language, tmp_path):
+    """Were the last name read silently taken."""
+    _, model_dir = vision_language
+    twice = tmp_path / "twice"
+    shutil.copytree(model_dir, twice)
+    tensors = load_file(twice / "model.safetensors")
+    tensors["language_model.model.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, twice / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensors '(language_model\.)?model\.norm\.weight' and "
+                                         r"'(language_model\.)?model\.norm\.weight' both hold norm\.weight"):
+        LLM(str(twice))
 
 
 @pytest.mark.slow

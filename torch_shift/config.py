@@ -42,18 +42,24 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    # with the sizes: the hub's Gemma 3 4B-27B configs (transformers 4.50) write text_config as its difference from
+    # Gemma3TextConfig, leaving some of them out
     "gemma3_text": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
                     "head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256,
-                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "vocab_size": 262208,
+                    "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4},
     "mixtral": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "gpt_oss": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64,
                 "sliding_window": 128, "attention_bias": True,
                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096}},
 }
-# ... and where an architecture's text config differs from its family's (Qwen2-VL's language model is a Qwen2)
+# ... and where an architecture's text config differs from its family's (Qwen2-VL's language model is a Qwen2; a
+# text_config saved by transformers 4 holds only its difference from Qwen2VLTextConfig's, sizes included)
 _ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
-    arch: {"rms_norm_eps": 1e-5, "rope_theta": 1e6}
+    arch: {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "vocab_size": 152064, "hidden_size": 8192,
+           "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
     for arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")}
 # Families whose attention takes transformers' `attention_bias` (q, k, v and o projections; Qwen2's q, k and v always
 # have a bias, Qwen2-MoE's where `qkv_bias`, Mistral's and Mixtral's never) and the families whose MLP is (in some or
@@ -288,7 +294,7 @@ class ModelConfig:
                 f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        if arch in _VISION_LANGUAGE_TIED and "text_config" in hf:  # else flat, as Qwen2-VL's hub configs
+        if arch in _VISION_LANGUAGE_TIED and hf.get("text_config") is not None:  # else flat (Qwen2-VL's hub configs)
             hf = _language_model_config(hf, _VISION_LANGUAGE_TIED[arch])
         hf = {**_HF_DEFAULTS, **_FAMILY_DEFAULTS.get(family, {}), **_ARCHITECTURE_DEFAULTS.get(arch, {}), **hf}
         try:

@@ -342,7 +342,7 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
             if tuple(shape) != implied:
                 raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
                                  f"config.json implies {implied}")
-            index |= {(param, p): source_name for p in parts_of[param]}
+            index |= _new_parts(index, {(param, p): source_name for p in parts_of[param]}, where)
             continue
         if part in (STACKED, STACKED_INTERLEAVED):  # every expert's parts in one tensor, each read from it
             if param not in parts_of:
@@ -351,19 +351,29 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
             if tuple(shape) != implied:
                 raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
                                  f"config.json implies {implied}")
-            index |= {(param, p): source_name for p in parts_of[param]}
+            index |= _new_parts(index, {(param, p): source_name for p in parts_of[param]}, where)
             continue
         if target not in expected:
             raise ValueError(f"{where}: tensor {source_name!r} has no place in this model (check config.json)")
         if tuple(shape) != expected[target]:
             raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
                              f"config.json implies {expected[target]}")
-        index[target] = source_name
+        index |= _new_parts(index, {target: source_name}, where)
     missing = sorted(f"{n}[{p}]" if p else n for n, p in set(expected) - set(index))
     if missing:
         raise ValueError(f"{where}: checkpoint lacks tensors for {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     return index
+
+
+def _new_parts(index: dict[PartKey, str], parts: dict[PartKey, str], where: str) -> dict[PartKey, str]:
+    """`parts`, none of which another tensor of the source already holds (a vision-language checkpoint's language
+    model under two namings, or per-expert tensors beside stacked ones)."""
+    for key, source_name in parts.items():
+        if key in index:
+            raise ValueError(f"{where}: tensors {index[key]!r} and {source_name!r} both hold "
+                             f"{key[0]}{f'[{key[1]}]' if key[1] else ''}")
+    return parts
 
 
 def fused_part_rows(index: dict[PartKey, str], config: ModelConfig,
