@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, check_device_present, resolve_device
 from torch_shift.engine.args import ENGINE_ARG_ALIASES, EngineArgs, EngineConfig
 from torch_shift.engine.core import CoreStep, EngineCore
 from torch_shift.engine.input_processor import Capacity, InputProcessor, Prompt, TokenizedPrompt, child_seed
@@ -82,6 +82,7 @@ def check_weights_fit(config: EngineConfig) -> None:
     holds the whole model at least once (its ranks share one host's memory on the CPU, a GPU holds its share), so an
     engine whose weights alone exceed it would be killed while loading (the OOM killer) instead."""
     device = resolve_device(config.runner.device)
+    check_device_present(device)  # a CUDA device named where there is none: that error first
     replicas, world = config.deployment.num_replicas, config.deployment.world_size
     nbytes = config.model.num_parameters * config.dtype.itemsize * replicas
     what = f"the model's weights in {str(config.dtype).removeprefix('torch.')}"
