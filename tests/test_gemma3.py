@@ -25,7 +25,7 @@ from conftest import (
     random_prompts,
     save_checkpoint,
 )
-from test_moe import assert_layout_matches_one_rank
+from test_moe import DENSE_SHARDED, assert_layout_matches_one_rank
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -244,14 +244,7 @@ def test_vision_language_checkpoint_serves_its_language_model(gemma3_vl, tmp_pat
                                ref, atol=0, rtol=0)
 
 
-LAYOUTS = {
-    "tp2": (2, {"tp": 2}, {"tp"}),
-    "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
-    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 1.5, "tp_below": 1}},
-               {"dp@0", "dp@1", "tp2@0"}),
-    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
-               {"pp", "tp"}),
-}
+LAYOUTS = DENSE_SHARDED
 
 
 @pytest.mark.slow

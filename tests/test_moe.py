@@ -412,6 +412,8 @@ SHARDED = {
     "ep_shift_sp2": (2, {"sp": 2, "shift_threshold": 8, "enable_expert_parallel": True}, {"base", "shift"}),
     "ep_shift_sp4": (4, {"sp": 4, "shift_threshold": 8, "enable_expert_parallel": True}, {"base", "shift"}),
 }
+# those of a dense model's weights: TP, Shift SP-2 x TP-2, Flying's TP group of replicas, Seesaw's TP decode
+DENSE_SHARDED = {family: SHARDED[family] for family in ("tp2", "shift_sp2_tp2", "flying", "seesaw")}
 
 
 @pytest.mark.slow

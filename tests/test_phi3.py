@@ -19,7 +19,7 @@ from conftest import (
     hf_greedy_logprobs,
     random_prompts,
 )
-from test_moe import assert_layout_matches_one_rank
+from test_moe import DENSE_SHARDED, assert_layout_matches_one_rank
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -177,14 +177,7 @@ def test_one_model_handed_to_engines_of_both_contexts(phi3):
 
 
 # the layouts that slice q/k/v and gate/up (a rank's rows of each part of the fused tensors), and Flying and Seesaw
-LAYOUTS = {
-    "tp2": (2, {"tp": 2}, {"tp"}),
-    "shift_sp2_tp2": (4, {"sp": 2, "tp": 2, "shift_threshold": 8}, {"base", "shift"}),
-    "flying": (2, {"dp": 2, "policy": "flying", "policy_config": {"dp_above": 1.5, "tp_below": 1}},
-               {"dp@0", "dp@1", "tp2@0"}),
-    "seesaw": (2, {"pp": 2, "policy": "seesaw", "block_size": 4, "num_kv_blocks": 64, "num_cpu_kv_blocks": 96},
-               {"pp", "tp"}),
-}
+LAYOUTS = DENSE_SHARDED
 
 
 @pytest.mark.slow
