@@ -79,6 +79,25 @@ def test_sharded_checkpoint_and_tied_embeddings(tmp_path, checkpoints):
                                atol=FP32_ATOL, rtol=1e-5)
 
 
+def test_a_tied_head_stored_beside_the_embedding_must_be_it(tmp_path, checkpoints):
+    """A checkpoint that holds `lm_head.weight` although config.json ties it: the embedding's copy loads, a
+    different head is refused by name (transformers unties it with a warning; it was dropped without a word)."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model, model_dir = checkpoints("llama_tied")
+    tensors = load_file(model_dir / "model.safetensors")
+    for name, head, loads in (("same", tensors["model.embed_tokens.weight"].clone(), True),
+                              ("other", torch.randn_like(tensors["model.embed_tokens.weight"]), False)):
+        shutil.copytree(model_dir, tmp_path / name)
+        save_file(tensors | {"lm_head.weight": head}, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        if loads:
+            assert torch.equal(load_model(tmp_path / name).lm_head.weight, hf_model.lm_head.weight)
+        else:
+            with pytest.raises(ValueError, match="ties the LM head to the embedding .* 'lm_head.weight' differs from "
+                                                 "'model.embed_tokens.weight'; set tie_word_embeddings to false"):
+                load_model(tmp_path / name)
+
+
 def test_transformers_4_config_layout(tmp_path, checkpoints):
     """config.json as transformers 4.x writes it: rope_theta and rope_scaling at the top level."""
     hf_model, model_dir = checkpoints("llama3")

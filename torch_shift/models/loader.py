@@ -490,6 +490,19 @@ class CheckpointReader:
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
         self.fused_rows = fused_part_rows(self.index, config, map_name)
+        if config.tie_word_embeddings:
+            self._check_tied_head([n for n in files if map_name(n) == ("lm_head.weight", None)])
+
+    def _check_tied_head(self, heads: list[str]) -> None:
+        """config.json ties the LM head to the embedding, which index_tensors reads for both; a head the checkpoint
+        holds beside it must be the embedding (transformers unties a different one, with a warning): refused,
+        rather than dropped without a word."""
+        embedding = self.index[("embed_tokens.weight", None)]
+        for head in heads:
+            if not torch.equal(*(self._handle(self.files[n]).get_slice(n)[:] for n in (head, embedding))):
+                raise ValueError(f"{self.model_dir}: config.json ties the LM head to the embedding "
+                                 f"(tie_word_embeddings), but the checkpoint's {head!r} differs from {embedding!r}; "
+                                 "set tie_word_embeddings to false in config.json to use it as the head")
 
     def _handle(self, path: Path):
         if path not in self._handles:
