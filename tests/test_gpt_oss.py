@@ -79,18 +79,18 @@ def test_config_reads_layers_windows_experts_and_counts_parameters(gpt_oss):
     assert config.num_parameters - config.num_active_parameters == 4 * (4 - 2) * per_expert
 
 
-def test_quantized_checkpoints_but_gpt_oss_mxfp4_are_refused_with_a_message(gpt_oss, tmp_path):
+def test_mxfp4_is_read_for_gpt_oss_only_and_unknown_methods_refused(gpt_oss, tmp_path):
     _, model_dir = gpt_oss
     hf = json.loads((model_dir / "config.json").read_text())
     hf["quantization_config"] = {"quant_method": "mxfp4"}
-    assert ModelConfig.from_hf_dict(hf).quantization == "mxfp4"
-    hf["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    with pytest.raises(ValueError, match="GptOssForCausalLM: awq checkpoints are not supported"):
+    assert ModelConfig.from_hf_dict(hf).quantization.method == "mxfp4"
+    hf["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match="GptOssForCausalLM: bitsandbytes checkpoints are not supported"):
         ModelConfig.from_hf_dict(hf)
     llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
              "num_hidden_layers": 1, "vocab_size": 128, "intermediate_size": 32,
              "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ValueError, match="LlamaForCausalLM: mxfp4 checkpoints are not supported"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM: mxfp4 checkpoints are read for GPT-OSS's experts only"):
         ModelConfig.from_hf_dict(llama)
 
 

@@ -277,9 +277,9 @@ class ModelConfig:
     # attention scores scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5 (Gemma 3 27B): queries are
     # multiplied by this, sqrt(head_dim / query_pre_attn_scalar), before the attention backend's own scale
     query_scale: float | None = None
-    # "mxfp4": the checkpoint stores GPT-OSS's experts as MXFP4 blocks and scales (what openai/gpt-oss-* ship),
-    # dequantized as they are read (torch_shift.models.mxfp4); None: every weight as it is computed with
-    quantization: str | None = None
+    # how the checkpoint stores its quantized weights, each dequantized as it is read (torch_shift.models.quantized,
+    # torch_shift.models.mxfp4); None: every weight as it is computed with
+    quantization: WeightQuantization | None = None
 
     def layer_window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s own window, or None where every layer has the step's (`sliding_window`)."""
@@ -454,18 +454,135 @@ def _moe_fields(hf: dict[str, Any], arch: str, family: str, num_layers: int, int
             "sparse_layers": sparse_layers}
 
 
-def _quantization(hf: dict[str, Any], arch: str, family: str) -> str | None:
-    """The checkpoint's quantized format, where torch_shift reads it (GPT-OSS's MXFP4 experts); any other
-    `quantization_config` is refused, before a tensor is read."""
+@dataclass(frozen=True)
+class WeightQuantization:
+    """A checkpoint's `quantization_config`, as far as reading its weights needs it. Every method is weight-only
+    here: the weights are dequantized as they load and the activations stay in the engine's dtype."""
+
+    method: str  # "gptq", "awq", "fp8", "compressed-tensors" or "mxfp4"
+    bits: int = 0
+    # integer formats: input columns per scale and zero point; 0: one per output row (a channel)
+    group_size: int = 0
+    # GPTQ's original format stores each zero point minus one (AutoGPTQ; "gptq_v2" does not)
+    zero_offset: int = 0
+    # FP8 and compressed-tensors' "block" strategy: (rows, columns) of the weight under one scale
+    block: tuple[int, int] | None = None
+    # compressed-tensors: how the weights are stored ("pack-quantized", "int-quantized", "naive-quantized",
+    # "float-quantized") and what one scale covers ("tensor", "channel", "group", "block")
+    format: str = ""
+    strategy: str = ""
+
+
+def _quantization(hf: dict[str, Any], arch: str, family: str) -> WeightQuantization | None:
+    """The checkpoint's quantized format, where torch_shift reads it; any other `quantization_config` is refused,
+    before a tensor is read."""
     quant = hf.get("quantization_config")
     if not quant:
         return None
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-    if family == "gpt_oss" and method == "mxfp4":
-        return "mxfp4"
-    raise ValueError(f"{arch}: {method} checkpoints are not supported (torch_shift loads unquantized weights, and "
-                     "GPT-OSS's MXFP4 experts); use a checkpoint in bf16 or fp32, e.g. one dequantized with "
-                     "transformers' from_pretrained(...) and save_pretrained")
+    if not isinstance(quant, dict):
+        raise ValueError(f"{arch}: config.json's 'quantization_config' is not an object")
+    method = quant.get("quant_method", "?")
+    where = f"{arch}: {method} checkpoint"
+    if method == "mxfp4":
+        if family != "gpt_oss":
+            raise ValueError(f"{where}s are read for GPT-OSS's experts only")
+        return WeightQuantization("mxfp4")
+    if method == "gptq":
+        checkpoint_format = quant.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(f"{where}: checkpoint_format {checkpoint_format!r} is not supported; supported: gptq, "
+                             "gptq_v2")
+        return WeightQuantization("gptq", bits=_packed_bits(quant, where), group_size=_group_size(quant, where),
+                                  zero_offset=1 if checkpoint_format == "gptq" else 0)
+    if method == "awq":
+        version = str(quant.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{where}: version {version!r} is not supported; supported: gemm (AutoAWQ's default)")
+        if _packed_bits(quant, where, key="w_bit" if "w_bit" in quant else "bits") != 4:
+            raise ValueError(f"{where}: AWQ's GEMM layout packs 4-bit weights only")
+        if not quant.get("zero_point", True):
+            raise ValueError(f"{where}: zero_point false is not supported")
+        return WeightQuantization("awq", bits=4, group_size=_group_size(quant, where, key="q_group_size"
+                                                                         if "q_group_size" in quant else "group_size"))
+    if method == "fp8":
+        if quant.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"{where}: activation_scheme {quant['activation_scheme']!r} is not supported; "
+                             "supported: dynamic")
+        if quant.get("expert_dtype", "fp8") != "fp8":
+            raise ValueError(f"{where}: expert_dtype {quant['expert_dtype']!r} is not supported; supported: fp8")
+        block = quant.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"{where}: weight_block_size {block!r} is not two positive integers")
+        return WeightQuantization("fp8", bits=8, block=tuple(block) if block else None)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, where)
+    raise ValueError(f"{arch}: {method} checkpoints are not supported (torch_shift reads GPTQ, AWQ, FP8, "
+                     "compressed-tensors and GPT-OSS's MXFP4 experts); use a checkpoint in bf16 or fp32, e.g. one "
+                     "dequantized with transformers' from_pretrained(...) and save_pretrained")
+
+
+def _packed_bits(quant: dict[str, Any], where: str, key: str = "bits") -> int:
+    bits = quant.get(key)
+    if bits not in (2, 4, 8):
+        raise ValueError(f"{where}: {key}={bits!r} is not supported; supported: 2, 4, 8")
+    return bits
+
+
+def _group_size(quant: dict[str, Any], where: str, key: str = "group_size") -> int:
+    group_size = quant.get(key, 128)
+    if not isinstance(group_size, int) or group_size == 0 or group_size < -1:
+        raise ValueError(f"{where}: {key}={group_size!r} is not a positive integer or -1")
+    return max(group_size, 0)
+
+
+_COMPRESSED_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+
+
+def _compressed_tensors(quant: dict[str, Any], where: str) -> WeightQuantization:
+    """compressed-tensors' config (llm-compressor's checkpoints): one scheme for every quantized linear layer,
+    compressed, its weights' quantization read and its activations' left to the engine's dtype."""
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if quant.get(key):
+            raise ValueError(f"{where}: {key} is not supported")
+    status = quant.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"{where}: quantization_status {status!r} is not supported; supported: compressed")
+    groups = quant.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}: {len(groups)} config_groups; supported: one scheme for every quantized layer")
+    (name, scheme), = groups.items()
+    fmt = scheme.get("format") or quant.get("format")
+    if fmt not in _COMPRESSED_FORMATS:
+        raise ValueError(f"{where}: format {fmt!r} is not supported; supported: {', '.join(_COMPRESSED_FORMATS)}")
+    weights = scheme.get("weights") or {}
+    if weights.get("dynamic"):
+        raise ValueError(f"{where}: {name}'s weights are quantized dynamically, which no checkpoint stores")
+    activations = scheme.get("input_activations")
+    if activations and not activations.get("dynamic"):
+        raise ValueError(f"{where}: {name}'s activations are quantized with static scales, which is not supported "
+                         "(dynamic ones are left in the engine's dtype)")
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if (kind, bits) not in (("int", 2), ("int", 4), ("int", 8), ("float", 8)):
+        raise ValueError(f"{where}: {name}'s {bits}-bit {kind} weights are not supported; supported: int 2, 4, 8 "
+                         "and float 8")
+    if (kind == "float") != (fmt == "float-quantized"):
+        raise ValueError(f"{where}: {kind} weights in format {fmt!r}")
+    strategy = weights.get("strategy", "tensor")
+    group_size, block = 0, None
+    if strategy == "group":
+        group_size = weights.get("group_size")
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"{where}: {name}'s group strategy with group_size {group_size!r}")
+    elif strategy == "block":
+        block = weights.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"{where}: {name}'s block strategy with block_structure {block!r}")
+        block = tuple(block)
+    elif strategy not in ("tensor", "channel"):
+        raise ValueError(f"{where}: {name}'s strategy {strategy!r} is not supported; supported: tensor, channel, "
+                         "group, block")
+    return WeightQuantization("compressed-tensors", bits=bits, group_size=group_size, block=block, format=fmt,
+                              strategy=strategy)
 
 
 def _language_model_config(hf: dict[str, Any], tied_by_default: bool) -> dict[str, Any]:

@@ -21,10 +21,11 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from torch_shift.config import ModelConfig
+from torch_shift.config import ModelConfig, WeightQuantization
 from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.moe import Experts
 from torch_shift.models.mxfp4 import Mxfp4Experts
+from torch_shift.models.quantized import QuantizedWeight, tensor_names
 
 # An MXFP4 tensor X (GPT-OSS's experts) is stored as X_blocks and X_scales (torch_shift.models.mxfp4).
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
@@ -471,27 +472,55 @@ class CheckpointReader:
         else:
             files = checkpoint_files(self.model_dir)
             map_name = hf_name_mapper(config.family)
-        self.mxfp4: dict[str, Mxfp4Experts] = {}
-        if config.quantization == "mxfp4":
+        # a weight stored quantized, by the name of the weight it stands for -> read as that weight
+        self.dequantized: dict[str, Mxfp4Experts | QuantizedWeight] = {}
+        quant = config.quantization
+        if quant is not None and quant.method == "mxfp4":
             for name in [n for n in files if n.endswith(MXFP4_BLOCKS)]:
                 stem = name.removesuffix(MXFP4_BLOCKS)
                 if stem + MXFP4_SCALES not in files:
                     raise ValueError(f"{self.model_dir}: tensor {name!r} has no {stem + MXFP4_SCALES!r} beside it")
                 blocks, scales = files.pop(name), files.pop(stem + MXFP4_SCALES)
-                self.mxfp4[stem] = Mxfp4Experts(stem, self._handle(blocks).get_slice(name),
-                                                self._handle(scales).get_slice(stem + MXFP4_SCALES),
-                                                mxfp4_dtype(config), reads=2 if stem.endswith("gate_up_proj") else 1)
+                self.dequantized[stem] = Mxfp4Experts(stem, self._handle(blocks).get_slice(name),
+                                                      self._handle(scales).get_slice(stem + MXFP4_SCALES),
+                                                      mxfp4_dtype(config),
+                                                      reads=2 if stem.endswith("gate_up_proj") else 1)
                 files[stem] = blocks
+        elif quant is not None:
+            self._pair_quantized(files, quant)
         self.files = files
         self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         shapes = {}
-        for name, path in files.items():
-            shape = (self.mxfp4[name] if name in self.mxfp4 else self._handle(path).get_slice(name)).get_shape()
+        for name in files:
+            shape = self._slice(name).get_shape()
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
         self.fused_rows = fused_part_rows(self.index, config, map_name)
         if config.tie_word_embeddings:
             self._check_tied_head([n for n in files if map_name(n) == ("lm_head.weight", None)])
+
+    def _pair_quantized(self, files: dict[str, Path], quant: WeightQuantization) -> None:
+        """Each quantized linear layer's tensors (quantized.tensor_names) -> one QuantizedWeight in `files` under
+        the name of the weight it stands for (`stem.weight`)."""
+        mark, needed, optional = tensor_names(quant)
+        for name in [n for n in files if n.endswith(mark)]:
+            stem = name.removesuffix(mark)
+            present = [s for s in needed if stem + s in files]
+            if not present and mark == ".weight":
+                continue  # a layer left unquantized
+            if len(present) < len(needed):
+                absent = ", ".join(repr(stem + s) for s in needed if s not in present)
+                raise ValueError(f"{self.model_dir}: tensor {name!r} has no {absent} beside it")
+            tensors = {s: self._handle(files.pop(stem + s)).get_slice(stem + s)
+                       for s in (mark, *needed, *optional) if stem + s in files}
+            self.dequantized[stem + ".weight"] = QuantizedWeight(stem + ".weight", tensors, quant)
+            files[stem + ".weight"] = self.model_dir  # read through self.dequantized
+
+    def _slice(self, name: str):
+        """The source tensor `name` as a safetensors slice (or a quantized weight read as one)."""
+        if name in self.dequantized:
+            return self.dequantized[name]
+        return self._handle(self.files[name]).get_slice(name)
 
     def _check_tied_head(self, heads: list[str]) -> None:
         """config.json ties the LM head to the embedding, which index_tensors reads for both; a head the checkpoint
@@ -499,7 +528,7 @@ class CheckpointReader:
         rather than dropped without a word."""
         embedding = self.index[("embed_tokens.weight", None)]
         for head in heads:
-            if not torch.equal(*(self._handle(self.files[n]).get_slice(n)[:] for n in (head, embedding))):
+            if not torch.equal(*(self._slice(n)[:] for n in (head, embedding))):
                 raise ValueError(f"{self.model_dir}: config.json ties the LM head to the embedding "
                                  f"(tie_word_embeddings), but the checkpoint's {head!r} differs from {embedding!r}; "
                                  "set tie_word_embeddings to false in config.json to use it as the head")
@@ -511,16 +540,12 @@ class CheckpointReader:
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
-        if source_name in self.mxfp4:
-            tensor_slice = self.mxfp4[source_name]
-        else:
-            tensor_slice = self._handle(self.files[source_name]).get_slice(source_name)
-        return read_part(tensor_slice, part, part_slice, source_name in self.transposed,
+        return read_part(self._slice(source_name), part, part_slice, source_name in self.transposed,
                          source_name in self.interleaved, rows=self.fused_rows.get((name, part)))
 
     def close(self) -> None:
         self._handles.clear()
-        self.mxfp4.clear()
+        self.dequantized.clear()
 
 
 def mxfp4_dtype(config: ModelConfig) -> torch.dtype:
