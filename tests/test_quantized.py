@@ -6,8 +6,8 @@ against one rank, `torch-shift convert`, and each unsupported configuration refu
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ from conftest import (
     build_hf_model,
     hf_greedy_logprobs,
     random_prompts,
-    rewrite_config,
     save_checkpoint,
 )
 from safetensors.torch import load_file, save_file
@@ -27,113 +26,21 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.config import ModelConfig, WeightQuantization
 from torch_shift.models import load_model
 from torch_shift.models.quantized import QuantizedWeight
+from torch_shift.models.toy import awq_tensors, fp8_tensors, gptq_tensors, quantize_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
 FP32_ATOL = 1e-4
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column AutoAWQ packs into a word's nibble 0, 1, ...
 
 
-def pack_words(codes: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
-    """Codes in [0, 2 ** bits) -> int32 words of 32 / bits codes along `dim`, code k of a word at bits k * bits
-    (k-th of `order` within each run), the last word filled with zeros."""
-    per_word = 32 // bits
-    codes = codes.to(torch.int64).movedim(dim, -1)
-    codes = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per_word))
-    runs = codes.reshape(*codes.shape[:-1], -1, per_word)
-    if order is not None:
-        runs = runs[..., list(order)]
-    words = (runs << (torch.arange(per_word) * bits)).sum(-1)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # the same 32 bits as a signed int32
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
-
-
-def integer_codes(weight: torch.Tensor, bits: int, group: torch.Tensor, groups: int):
-    """Asymmetric min-max codes of `weight` [out, in] in groups of input columns (`group`: each column's) -> codes
-    [in, out], zero points [groups, out] (int), scales [groups, out] (float16) and the dequantized weight [out, in],
-    scales[g] * (code - zero[g]) in float16."""
-    maxq = 2 ** bits - 1
-    low = torch.stack([weight[:, group == g].amin(1) for g in range(groups)]).clamp(max=0)
-    high = torch.stack([weight[:, group == g].amax(1) for g in range(groups)]).clamp(min=0)
-    scales = ((high - low) / maxq).clamp(min=1e-4).half()
-    zeros = torch.round(-low / scales.float()).clamp(1, maxq).to(torch.int32)  # GPTQ v1 stores zero - 1 >= 0
-    codes = torch.round(weight.t() / scales[group].float() + zeros[group]).clamp(0, maxq).to(torch.int32)
-    return codes, zeros, scales, (scales[group] * (codes - zeros[group])).t()
-
-
-def gptq_tensors(weight, bits, group_size, act_order, zero_offset, seed):
-    columns = weight.shape[1]
-    group = torch.arange(columns) // (group_size if group_size > 0 else columns)
-    if act_order:
-        group = group[torch.randperm(columns, generator=torch.Generator().manual_seed(seed))]
-    codes, zeros, scales, dense = integer_codes(weight, bits, group, int(group.max()) + 1)
-    return {"qweight": pack_words(codes, bits, 0), "qzeros": pack_words(zeros - zero_offset, bits, 1),
-            "scales": scales, "g_idx": group.to(torch.int32)}, dense
-
-
-def awq_tensors(weight, bits, group_size, act_order, zero_offset, seed):
-    group = torch.arange(weight.shape[1]) // group_size
-    codes, zeros, scales, dense = integer_codes(weight, 4, group, int(group.max()) + 1)
-    return {"qweight": pack_words(codes, 4, 1, AWQ_ORDER), "qzeros": pack_words(zeros, 4, 1, AWQ_ORDER),
-            "scales": scales}, dense
-
-
-def fp8_tensors(weight, block):
-    """float8_e4m3fn values and their float32 scales per block [rows, columns], as transformers' FP8 stores them
-    (`weight_scale_inv`: the factor that dequantizes)."""
-    rows, cols = block
-    grid = (math.ceil(weight.shape[0] / rows), math.ceil(weight.shape[1] / cols))
-    scales = torch.empty(grid)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            scales[i, j] = weight[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].abs().amax() / 448.0
-    per_element = scales.repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]
-    values = (weight / per_element).to(torch.float8_e4m3fn)
-    return {"weight": values, "weight_scale_inv": scales}, values.float() * per_element
-
-
-def write_integer_checkpoint(hf_model, out_dir, method: str, bits: int = 4, group_size: int = 32,
-                             act_order: bool = False, checkpoint_format: str = "gptq"):
-    """`hf_model`'s linear layers as a GPTQ or AWQ checkpoint (everything else as it is) -> the directory and a
-    copy of the model holding the weights the checkpoint stands for."""
-    save_checkpoint(hf_model, out_dir)
-    reference = build_hf_model("llama")
-    reference.load_state_dict(hf_model.state_dict())
-    tensors, zero_offset = {}, 1 if checkpoint_format == "gptq" else 0
-    make = gptq_tensors if method == "gptq" else awq_tensors
-    for name, weight in hf_model.state_dict().items():
-        stem = name.removesuffix(".weight")
-        if stem.split(".")[-1] not in LINEARS:
-            tensors[name] = weight.contiguous()
-            continue
-        packed, dense = make(weight, bits, group_size, act_order, zero_offset, seed=len(tensors))
-        tensors |= {f"{stem}.{suffix}": t for suffix, t in packed.items()}
-        reference.get_parameter(name).data.copy_(dense.float())
-    (out_dir / "model.safetensors").unlink()
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    quant = ({"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": False,
-              "checkpoint_format": checkpoint_format} if method == "gptq"
-             else {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True})
-    rewrite_config(out_dir, quantization_config=quant)
-    return out_dir, reference
-
-
-def write_fp8_checkpoint(hf_model, out_dir, block=(16, 32)):
-    """The checkpoint save_pretrained writes, its linear layers' weights (experts' too) in FP8."""
-    save_checkpoint(hf_model, out_dir)
-    tensors = {}
-    for name, weight in load_file(out_dir / "model.safetensors").items():
-        stem = name.removesuffix(".weight")
-        if stem.split(".")[-1] in LINEARS and weight.dim() == 2:
-            tensors |= {f"{stem}.{suffix}": t for suffix, t in fp8_tensors(weight, block)[0].items()}
-        else:
-            tensors[name] = weight.contiguous()
-    (out_dir / "model.safetensors").unlink()
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    rewrite_config(out_dir, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
-                                                 "weight_block_size": list(block)})
-    return out_dir
+def write_quantized_checkpoint(hf_model, out_dir, method: str, **kwargs):
+    """`hf_model` saved, then quantized by toy.quantize_checkpoint -> the quantized checkpoint's directory and a
+    copy of `hf_model` holding the weights it stands for (a dense model's: its names are the checkpoint's)."""
+    stands_for = quantize_checkpoint(save_checkpoint(hf_model, out_dir / "source"), out_dir / method, method,
+                                     **kwargs)
+    reference = copy.deepcopy(hf_model)
+    assert not reference.load_state_dict(stands_for, strict=False).unexpected_keys
+    return out_dir / method, reference
 
 
 def write_compressed_checkpoint(hf_model, out_dir, fmt: str, **weights):
@@ -182,11 +89,11 @@ COMPRESSED = {
 }
 
 
-INTEGER = {  # name -> (method, bits, group_size, act_order, checkpoint_format)
-    "gptq": ("gptq", 4, 32, True, "gptq"),
-    "gptq_v2_8bit": ("gptq", 8, -1, False, "gptq_v2"),
-    "gptq_2bit": ("gptq", 2, 16, False, "gptq"),
-    "awq": ("awq", 4, 32, False, "gptq"),
+INTEGER = {  # name -> quantize_checkpoint's arguments
+    "gptq": {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True},
+    "gptq_v2_8bit": {"method": "gptq", "bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2", "symmetric": True},
+    "gptq_2bit": {"method": "gptq", "bits": 2, "group_size": 16},
+    "awq": {"method": "awq", "group_size": 32},
 }
 
 
@@ -210,10 +117,12 @@ def quantized(tmp_path_factory):
             model = build_moe_model("qwen3_moe") if name == "fp8_qwen3_moe" else build_hf_model("llama")
             out_dir = tmp_path_factory.mktemp(name)
             if name in INTEGER:
-                cache[name] = write_integer_checkpoint(model, out_dir, *INTEGER[name])[::-1]
+                cache[name] = write_quantized_checkpoint(model, out_dir, **INTEGER[name])[::-1]
             else:
-                if name.startswith("fp8"):
-                    write_fp8_checkpoint(model, out_dir)
+                if name.startswith("fp8"):  # blocks of 16 rows: transformers requires whole blocks
+                    out_dir = out_dir / "fp8"
+                    quantize_checkpoint(save_checkpoint(model, out_dir.with_name("source")), out_dir, "fp8",
+                                        block=(16, 32))
                 else:
                     write_compressed_checkpoint(model, out_dir, COMPRESSED[name][0], **COMPRESSED[name][1])
                 cache[name] = reference_of(out_dir), out_dir
@@ -269,7 +178,7 @@ def _weights(seed: int = 0) -> dict[str, QuantizedWeight]:
         tensors, _ = gptq_tensors(weight, bits, group_size, act_order, 1, seed)
         weights[f"gptq{bits}"] = QuantizedWeight("w", {"." + k: v for k, v in tensors.items()}, WeightQuantization(
             "gptq", bits=bits, group_size=max(group_size, 0), zero_offset=1))
-    tensors, _ = awq_tensors(weight, 4, 16, False, 0, seed)
+    tensors, _ = awq_tensors(weight, 16)
     weights["awq"] = QuantizedWeight("w", {"." + k: v for k, v in tensors.items()},
                                      WeightQuantization("awq", bits=4, group_size=16))
     for block in ((16, 32), (32, 48)):  # the second cut at the weight's edges
@@ -307,9 +216,9 @@ def test_formats_dequantize_by_their_formulas():
     """Each format's weight is its formula on the codes: GPTQ's v1 zero points one above the stored ones, AWQ's
     interleaved columns, FP8's float32 product, the edges of partial FP8 blocks."""
     weight = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
-    for make, quant in ((gptq_tensors, WeightQuantization("gptq", bits=4, group_size=16, zero_offset=1)),
-                        (awq_tensors, WeightQuantization("awq", bits=4, group_size=16))):
-        tensors, dense = make(weight, 4, 16, quant.method == "gptq", quant.zero_offset, 1)
+    for (tensors, dense), quant in ((gptq_tensors(weight, 4, 16, True), WeightQuantization(
+            "gptq", bits=4, group_size=16, zero_offset=1)),
+                                    (awq_tensors(weight, 16), WeightQuantization("awq", bits=4, group_size=16))):
         got = QuantizedWeight("w", {"." + k: v for k, v in tensors.items()}, quant)[:]
         assert got.dtype == torch.float16 and torch.equal(got, dense), quant.method
     tensors, dense = fp8_tensors(weight, (32, 48))

@@ -31,9 +31,7 @@ _AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)
 
 def tensor_names(quant: WeightQuantization) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """(the suffix that marks a quantized weight, the suffixes it needs, the ones it may have) for `quant`."""
-    if quant.method == "compressed-tensors":
-        return TENSORS["pack-quantized" if quant.format == "pack-quantized" else "compressed"]
-    return TENSORS[quant.method]
+    return TENSORS[_kind(quant)]
 
 
 class QuantizedWeight:
@@ -72,6 +70,7 @@ class QuantizedWeight:
 
 
 def _kind(quant: WeightQuantization) -> str:
+    """The key of `quant`'s layout in TENSORS, _SHAPES and _DEQUANTIZE."""
     if quant.method != "compressed-tensors":
         return quant.method
     return "pack-quantized" if quant.format == "pack-quantized" else "compressed"

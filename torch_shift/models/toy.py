@@ -257,3 +257,135 @@ def write_random_checkpoint(
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+# -- quantized copies of a checkpoint (GPTQ, AWQ, FP8), as their tools write them ------------------------------
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column AutoAWQ packs into a word's nibble 0, 1, ...
+
+
+def pack_words(codes: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Codes in [0, 2 ** bits) -> int32 words of 32 / bits codes along `dim`, code k of a word at bits k * bits
+    (the k-th of `order` within each run), the last word filled with zeros."""
+    per_word = 32 // bits
+    codes = codes.to(torch.int64).movedim(dim, -1)
+    codes = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per_word))
+    runs = codes.reshape(*codes.shape[:-1], -1, per_word)
+    if order is not None:
+        runs = runs[..., list(order)]
+    words = (runs << (torch.arange(per_word) * bits)).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # the same 32 bits as a signed int32
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def integer_codes(weight: torch.Tensor, bits: int, group: torch.Tensor, symmetric: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
+    """Min-max codes of `weight` [out, in] in groups of input columns (`group`: each column's) -> codes [in, out],
+    zero points [groups, out] (int32, in [1, 2 ** bits - 1]: GPTQ's original format stores them minus one;
+    `symmetric`: 2 ** (bits - 1), the range symmetric about zero), scales [groups, out] (float16) and the weight
+    they stand for [out, in], scales[g] * (code - zero[g]) in float16."""
+    weight = weight.float()
+    maxq, groups = 2 ** bits - 1, int(group.max()) + 1
+    low = torch.stack([weight[:, group == g].amin(1) for g in range(groups)]).clamp(max=0)
+    high = torch.stack([weight[:, group == g].amax(1) for g in range(groups)]).clamp(min=0)
+    if symmetric:
+        high = torch.maximum(high, -low)
+        low = -high
+    scales = ((high - low) / maxq).clamp(min=1e-6).half()
+    zeros = torch.round(-low / scales.float()).clamp(1, maxq).to(torch.int32)
+    if symmetric:
+        zeros = torch.full_like(zeros, 2 ** (bits - 1))
+    codes = torch.round(weight.t() / scales[group].float() + zeros[group]).clamp(0, maxq).to(torch.int32)
+    return codes, zeros, scales, (scales[group] * (codes - zeros[group])).t()
+
+
+def gptq_tensors(weight: torch.Tensor, bits: int = 4, group_size: int = 128, act_order: bool = False,
+                 zero_offset: int = 1, seed: int = 0, symmetric: bool = False
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A weight [out, in] as GPTQ stores it ({"qweight", "qzeros", "scales", "g_idx"}) and the weight those stand
+    for; `act_order`: groups of scattered columns (act-order's g_idx); `zero_offset` 1: zero points stored minus
+    one (checkpoint_format "gptq"), 0 ("gptq_v2")."""
+    columns = weight.shape[1]
+    group = torch.arange(columns) // (group_size if group_size > 0 else columns)
+    if act_order:
+        group = group[torch.randperm(columns, generator=torch.Generator().manual_seed(seed))]
+    codes, zeros, scales, dense = integer_codes(weight, bits, group, symmetric)
+    return {"qweight": pack_words(codes, bits, 0), "qzeros": pack_words(zeros - zero_offset, bits, 1),
+            "scales": scales, "g_idx": group.to(torch.int32)}, dense
+
+
+def awq_tensors(weight: torch.Tensor, group_size: int = 128) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A weight [out, in] as AutoAWQ's GEMM layout stores it in 4 bits ({"qweight", "qzeros", "scales"}) and the
+    weight those stand for."""
+    codes, zeros, scales, dense = integer_codes(weight, 4, torch.arange(weight.shape[1]) // group_size)
+    return {"qweight": pack_words(codes, 4, 1, AWQ_ORDER), "qzeros": pack_words(zeros, 4, 1, AWQ_ORDER),
+            "scales": scales}, dense
+
+
+def fp8_tensors(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A weight [out, in] in float8_e4m3fn with a float32 scale per block [rows, columns] (the last ones cut at the
+    edges), as transformers' FP8 stores it ({"weight", "weight_scale_inv"}: the factor that dequantizes), and the
+    weight those stand for."""
+    weight = weight.float()
+    rows, cols = block
+    blocks = torch.nn.functional.pad(weight.abs(), (0, -weight.shape[1] % cols, 0, -weight.shape[0] % rows))
+    scales = blocks.unflatten(0, (-1, rows)).unflatten(2, (-1, cols)).amax((1, 3)).clamp(min=1e-12) / 448.0
+    per_element = scales.repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]
+    values = (weight / per_element).to(torch.float8_e4m3fn)
+    return {"weight": values, "weight_scale_inv": scales}, values.float() * per_element
+
+
+def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str, bits: int = 4,
+                        group_size: int = 128, act_order: bool = False, checkpoint_format: str = "gptq",
+                        symmetric: bool = False, block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """Write a copy of the checkpoint in `model_dir` (its safetensors files and every other file) to `out_dir` with
+    its linear layers' weights (QUANTIZED_LINEARS; embeddings, heads and routers as they are) quantized by
+    `method` ("gptq", "awq" or "fp8"; `symmetric`: GPTQ's sym) and the matching `quantization_config` in
+    config.json -> each quantized weight's name -> the weight it stands for."""
+    from safetensors.torch import load_file, save_file
+
+    if method not in ("gptq", "awq", "fp8"):
+        raise ValueError(f"method {method!r}: one of gptq, awq, fp8")
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stands_for = {}
+    for path in sorted(model_dir.iterdir()):
+        if path.suffix != ".safetensors":
+            if path.is_file():
+                (out_dir / path.name).write_bytes(path.read_bytes())
+            continue
+        tensors = {}
+        for name, weight in load_file(path).items():
+            stem = name.removesuffix(".weight")
+            if stem == name or stem.split(".")[-1] not in QUANTIZED_LINEARS or weight.dim() != 2:
+                tensors[name] = weight
+                continue
+            if method == "gptq":
+                packed, dense = gptq_tensors(weight, bits, group_size, act_order,
+                                             1 if checkpoint_format == "gptq" else 0, len(stands_for), symmetric)
+            elif method == "awq":
+                packed, dense = awq_tensors(weight, group_size)
+            else:
+                packed, dense = fp8_tensors(weight, block)
+            tensors |= {f"{stem}.{suffix}": t for suffix, t in packed.items()}
+            stands_for[name] = dense
+        save_file(tensors, out_dir / path.name, metadata={"format": "pt"})
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():  # each tensor of a quantized weight where the weight was
+        entries = json.loads(index.read_text())
+        weight_map = entries["weight_map"]
+        for name in stands_for:
+            file, stem = weight_map.pop(name), name.removesuffix(".weight")
+            suffixes = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
+                        "fp8": ("weight", "weight_scale_inv")}[method]
+            weight_map |= {f"{stem}.{suffix}": file for suffix in suffixes}
+        index.write_text(json.dumps(entries, indent=2))
+    quant = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
+                      "sym": symmetric, "checkpoint_format": checkpoint_format},
+             "awq": {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
+                     "zero_point": True},
+             "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}}[method]
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
+    return stands_for
