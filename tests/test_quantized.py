@@ -327,3 +327,22 @@ def test_a_missing_companion_tensor_is_named(quantized, tmp_path):
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.qweight' has no "
                                          r"'model.layers.1.mlp.down_proj.qzeros' beside it"):
         load_model(broken)
+
+
+def test_a_float16_checkpoint_keeps_its_dtype_on_a_cpu_with_a_warning(quantized, caplog):
+    """dtype "auto" keeps a float16 checkpoint's dtype (vLLM's rule, what GPTQ and AWQ checkpoints name) and says
+    what float16 costs on a CPU; a dtype given is taken without a word."""
+    from dataclasses import replace
+
+    from torch_shift.engine.llm_engine import EngineArgs
+
+    _, model_dir = quantized("gptq")
+    config = replace(ModelConfig.from_dir(model_dir), torch_dtype="float16")
+    with caplog.at_level("WARNING", logger="torch_shift"):
+        assert EngineArgs(str(model_dir)).create_engine_config(config, model_dir).dtype == torch.float16
+    assert "dtype='float32' holds float16 weights exactly" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torch_shift"):
+        assert EngineArgs(str(model_dir), dtype="float16").create_engine_config(config, model_dir).dtype == \
+            torch.float16
+    assert "float16" not in caplog.text
