@@ -66,6 +66,8 @@ def write_compressed_checkpoint(hf_model, out_dir, fmt: str, **weights):
             if args.strategy == "group":
                 weight = weight.view(weight.shape[0], -1, args.group_size)
                 low, high = weight.amin(-1), weight.amax(-1)
+            elif args.strategy == "tensor":
+                low, high = weight.amin().reshape(1), weight.amax().reshape(1)
             else:
                 low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
             scale, zero_point = calculate_qparams(low, high, args)
@@ -86,6 +88,8 @@ COMPRESSED = {
     "w8_channel_packed_asym": ("pack-quantized", {"num_bits": 8, "type": "int", "symmetric": False,
                                                   "strategy": "channel"}),
     "fp8_channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}),
+    # the format compressed-tensors itself infers for float8 weights of one scale per tensor
+    "fp8_tensor_naive": ("naive-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}),
 }
 
 
@@ -291,6 +295,7 @@ def _compressed(weights: dict | None = None, **changes) -> dict:
     (_compressed(quantization_status="frozen"), "quantization_status 'frozen'"),
     ({**_compressed(), "config_groups": {}}, "0 config_groups"),
     (_compressed({"num_bits": 4, "type": "float"}), "4-bit float weights are not supported"),
+    (_compressed({"num_bits": 8, "type": "float"}), "float weights in format 'pack-quantized'"),
     (_compressed({"strategy": "token"}), "strategy 'token'"),
     (_compressed({"strategy": "group", "group_size": None}), "group_size None"),
     (_compressed({"dynamic": True}), "quantized dynamically"),

@@ -565,7 +565,7 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> WeightQuantization
     if (kind, bits) not in (("int", 2), ("int", 4), ("int", 8), ("float", 8)):
         raise ValueError(f"{where}: {name}'s {bits}-bit {kind} weights are not supported; supported: int 2, 4, 8 "
                          "and float 8")
-    if (kind == "float") != (fmt == "float-quantized"):
+    if fmt == "float-quantized" and kind != "float" or fmt in ("pack-quantized", "int-quantized") and kind != "int":
         raise ValueError(f"{where}: {kind} weights in format {fmt!r}")
     strategy = weights.get("strategy", "tensor")
     group_size, block = 0, None
