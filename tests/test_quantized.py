@@ -351,3 +351,19 @@ def test_a_float16_checkpoint_keeps_its_dtype_on_a_cpu_with_a_warning(quantized,
         assert EngineArgs(str(model_dir), dtype="float16").create_engine_config(config, model_dir).dtype == \
             torch.float16
     assert "float16" not in caplog.text
+
+
+def test_a_sharded_checkpoint_is_quantized_and_read_alike(tmp_path):
+    """toy.quantize_checkpoint keeps a sharded checkpoint's index right, and the reader pairs each weight's tensors
+    across the shards: the same parameters as from one file."""
+    model = build_hf_model("llama")
+    one = quantize_checkpoint(save_checkpoint(model, tmp_path / "one"), tmp_path / "one_gptq", "gptq", group_size=32)
+    sharded_dir = save_checkpoint(model, tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list(sharded_dir.glob("*.safetensors"))) > 2
+    sharded = quantize_checkpoint(sharded_dir, tmp_path / "sharded_gptq", "gptq", group_size=32)
+    assert one.keys() == sharded.keys()
+    index = json.loads((tmp_path / "sharded_gptq" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.down_proj.qweight" in index and "model.layers.0.mlp.down_proj.weight" not in index
+    expected = dict(load_model(tmp_path / "one_gptq").named_parameters())
+    for name, value in load_model(tmp_path / "sharded_gptq").named_parameters():
+        assert torch.equal(value, expected[name]), name
