@@ -107,9 +107,17 @@ def blocked_layout(dtype: torch.dtype) -> bool:
     if dtype not in _BLOCKED_CODES:
         return False
     kernels = _blocked_kernel(dtype)[0]
-    if kernels is None or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if kernels is None or (dtype == torch.bfloat16 and native_bf16()):
         return False
     return not kernels.packed_gemv_dtypes & _GEMV_DTYPES[dtype][1]
+
+
+def native_bf16() -> bool:
+    """Whether the CPU has bfloat16 instructions (AVX512_BF16 or AMX), which oneDNN's bfloat16 matmuls use. Without
+    them oneDNN emulates bfloat16 on AVX-512 (`torch.ops.mkldnn._is_mkldnn_bf16_supported()` is true from AVX-512
+    on), at a quarter of its float32 rate on a Xeon without AMX, and a row alone comes out with other bits than in a
+    matmul of more rows: the blocks run bfloat16 there."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class PackedWeight:
