@@ -283,6 +283,9 @@ def _compressed(weights: dict | None = None, **changes) -> dict:
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format 'marlin'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*mlp.*": {}}}, "dynamic"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "4-bit weights only"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point false"),
@@ -291,7 +294,9 @@ def _compressed(weights: dict | None = None, **changes) -> dict:
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes checkpoints are not supported"),
     ({"quant_method": "mxfp4"}, "GPT-OSS's experts only"),
-    (_compressed(sparsity_config={"format": "sparse-24"}), "sparsity_config is not supported"),
+    (_compressed(sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]}),
+     "sparsity_config is not supported"),
+    (_compressed(moe_sparsity_config={"format": "sparse-24-bitmask"}), "moe_sparsity_config is not supported"),
     (_compressed(quantization_status="frozen"), "quantization_status 'frozen'"),
     ({**_compressed(), "config_groups": {}}, "0 config_groups"),
     (_compressed({"num_bits": 4, "type": "float"}), "4-bit float weights are not supported"),
@@ -308,6 +313,22 @@ def _compressed(weights: dict | None = None, **changes) -> dict:
 def test_unsupported_quantization_is_refused(quant, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(_config(quant))
+
+
+def test_configs_read_as_hub_checkpoints_write_them():
+    """Qwen2.5's GPTQ-Int4 (no checkpoint_format: the original one) and llm-compressor's w4a16 of 2024 (a "dense"
+    sparsity_config without targets); a compression_config (compressed-tensors' old name) is named."""
+    qwen_gptq = {"bits": 4, "desc_act": False, "exllama_config": {"version": 1}, "group_size": 128,
+                 "quant_method": "gptq", "sym": True, "true_sequential": True, "use_exllama": True}
+    assert ModelConfig.from_hf_dict(_config(qwen_gptq)).quantization == WeightQuantization(
+        "gptq", bits=4, group_size=128, zero_offset=1)
+    dense = _compressed(sparsity_config={"format": "dense", "global_sparsity": 0.1, "targets": [], "ignore": [],
+                                         "sparsity_structure": "unstructured"})
+    assert ModelConfig.from_hf_dict(_config(dense)).quantization.format == "pack-quantized"
+    legacy = _config({})
+    legacy["compression_config"] = _compressed()
+    with pytest.raises(ValueError, match="'compression_config' .* rename it to 'quantization_config'"):
+        ModelConfig.from_hf_dict(legacy)
 
 
 def test_dynamic_activations_leave_the_weights_read():
@@ -367,3 +388,55 @@ def test_a_sharded_checkpoint_is_quantized_and_read_alike(tmp_path):
     expected = dict(load_model(tmp_path / "one_gptq").named_parameters())
     for name, value in load_model(tmp_path / "sharded_gptq").named_parameters():
         assert torch.equal(value, expected[name]), name
+
+
+def _copy_checkpoint(model_dir, out_dir):
+    out_dir.mkdir()
+    for f in model_dir.iterdir():
+        (out_dir / f.name).write_bytes(f.read_bytes())
+    return load_file(out_dir / "model.safetensors")
+
+
+def test_gptqs_zero_biases_beside_layers_without_one_are_dropped(quantized, tmp_path):
+    """Older AutoGPTQ checkpoints give every quantized layer a bias, zeros where the model has none: dropped, as
+    vLLM drops them; one that is not zero is refused."""
+    _, model_dir = quantized("gptq")
+    copy_dir = tmp_path / "with_biases"
+    tensors = _copy_checkpoint(model_dir, copy_dir)
+    stems = [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]
+    tensors |= {f"{stem}.bias": torch.zeros(tensors[f"{stem}.scales"].shape[1], dtype=torch.float16)
+                for stem in stems}
+    save_file(tensors, copy_dir / "model.safetensors", metadata={"format": "pt"})
+    expected = dict(load_model(model_dir).named_parameters())
+    for name, value in load_model(copy_dir).named_parameters():
+        assert torch.equal(value, expected[name]), name
+    tensors[f"{stems[0]}.bias"][0] = 1.0
+    save_file(tensors, copy_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{stems[0]}.bias' is not part of a LlamaForCausalLM, and not zero"):
+        load_model(copy_dir)
+
+
+def test_fp8_with_a_scale_per_tensor_is_named(quantized, tmp_path):
+    _, model_dir = quantized("fp8")
+    copy_dir = tmp_path / "per_tensor"
+    tensors = _copy_checkpoint(model_dir, copy_dir)
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name.removesuffix("_inv")] = tensors.pop(name).amax().reshape(1)
+    save_file(tensors, copy_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="FP8 with one scale per tensor"):
+        load_model(copy_dir)
+
+
+def test_scales_and_zero_points_of_other_shapes_are_refused():
+    """A zero point unpacked where pack-quantized packs it (compressed-tensors' layout before April 2025) and a
+    g_idx naming a group that is not there."""
+    weights = _weights()
+    group_asym = weights["compressed_group_asym"]
+    tensors = dict(group_asym.tensors)
+    tensors[".weight_zero_point"] = torch.zeros(40, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r".weight_zero_point has shape \(40, 4\), the weight implies \(5, 4\)"):
+        QuantizedWeight("w", tensors, group_asym.quant)
+    tensors = dict(group_asym.tensors)
+    tensors[".weight_g_idx"] = torch.full((64,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="names groups outside the 4 of its scales"):
+        QuantizedWeight("w", tensors, group_asym.quant)[:]

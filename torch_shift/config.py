@@ -478,6 +478,9 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> WeightQuantizat
     before a tensor is read."""
     quant = hf.get("quantization_config")
     if not quant:
+        if hf.get("compression_config"):
+            raise ValueError(f"{arch}: config.json's 'compression_config' (compressed-tensors' name before "
+                             "'quantization_config') is not read; rename it to 'quantization_config'")
         return None
     if not isinstance(quant, dict):
         raise ValueError(f"{arch}: config.json's 'quantization_config' is not an object")
@@ -488,10 +491,14 @@ def _quantization(hf: dict[str, Any], arch: str, family: str) -> WeightQuantizat
             raise ValueError(f"{where}s are read for GPT-OSS's experts only")
         return WeightQuantization("mxfp4")
     if method == "gptq":
-        checkpoint_format = quant.get("checkpoint_format", "gptq")
+        checkpoint_format = "marlin" if quant.get("is_marlin_format") else quant.get("checkpoint_format", "gptq")
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise ValueError(f"{where}: checkpoint_format {checkpoint_format!r} is not supported; supported: gptq, "
                              "gptq_v2")
+        if quant.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+            raise ValueError(f"{where}: pack_dtype {quant['pack_dtype']!r} is not supported; supported: int32")
+        if quant.get("dynamic"):
+            raise ValueError(f"{where}: per-module overrides (dynamic) are not supported")
         return WeightQuantization("gptq", bits=_packed_bits(quant, where), group_size=_group_size(quant, where),
                                   zero_offset=1 if checkpoint_format == "gptq" else 0)
     if method == "awq":
@@ -541,7 +548,10 @@ _COMPRESSED_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "fl
 def _compressed_tensors(quant: dict[str, Any], where: str) -> WeightQuantization:
     """compressed-tensors' config (llm-compressor's checkpoints): one scheme for every quantized linear layer,
     compressed, its weights' quantization read and its activations' left to the engine's dtype."""
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    sparsity = quant.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format") != "dense" and sparsity.get("targets"):  # a dense one: llm-compressor 2024
+        raise ValueError(f"{where}: sparsity_config is not supported")
+    for key in ("transform_config", "kv_cache_scheme", "moe_sparsity_config"):
         if quant.get(key):
             raise ValueError(f"{where}: {key} is not supported")
     status = quant.get("quantization_status", "compressed")

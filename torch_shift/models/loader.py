@@ -487,7 +487,7 @@ class CheckpointReader:
                                                       reads=2 if stem.endswith("gate_up_proj") else 1)
                 files[stem] = blocks
         elif quant is not None:
-            self._pair_quantized(files, quant)
+            self._pair_quantized(files, quant, map_name)
         self.files = files
         self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         shapes = {}
@@ -499,10 +499,15 @@ class CheckpointReader:
         if config.tie_word_embeddings:
             self._check_tied_head([n for n in files if map_name(n) == ("lm_head.weight", None)])
 
-    def _pair_quantized(self, files: dict[str, Path], quant: WeightQuantization) -> None:
+    def _pair_quantized(self, files: dict[str, Path], quant: WeightQuantization,
+                        map_name: Callable[[str], PartKey | None]) -> None:
         """Each quantized linear layer's tensors (quantized.tensor_names) -> one QuantizedWeight in `files` under
         the name of the weight it stands for (`stem.weight`)."""
         mark, needed, optional = tensor_names(quant)
+        if quant.method == "fp8" and (scale := next((n for n in files if n.endswith(".weight_scale")), None)):
+            raise ValueError(f"{self.model_dir}: tensor {scale!r}: FP8 with one scale per tensor (AutoFP8's and "
+                             "vLLM's own checkpoints) is not supported; supported: block scales (weight_scale_inv)")
+        expected = expected_parts(self.config)
         for name in [n for n in files if n.endswith(mark)]:
             stem = name.removesuffix(mark)
             present = [s for s in needed if stem + s in files]
@@ -515,6 +520,13 @@ class CheckpointReader:
                        for s in (mark, *needed, *optional) if stem + s in files}
             self.dequantized[stem + ".weight"] = QuantizedWeight(stem + ".weight", tensors, quant)
             files[stem + ".weight"] = self.model_dir  # read through self.dequantized
+            bias = stem + ".bias"
+            if quant.method in ("gptq", "awq") and bias in files and map_name(bias) not in expected:
+                # older AutoGPTQ gave every quantized layer a bias, zeros where the layer has none (vLLM skips them)
+                if bool(self._handle(files[bias]).get_slice(bias)[:].any()):
+                    raise ValueError(f"{self.model_dir}: tensor {bias!r} is not part of a "
+                                     f"{self.config.architecture}, and not zero")
+                files.pop(bias)
 
     def _slice(self, name: str):
         """The source tensor `name` as a safetensors slice (or a quantized weight read as one)."""

@@ -92,10 +92,13 @@ def _groups(columns: int, group_size: int) -> int:
     return math.ceil(columns / group_size) if group_size else 1
 
 
-def _group_of_column(weight: QuantizedWeight, columns: int, g_idx: str | None) -> torch.Tensor:
-    """Each input column's group: the checkpoint's g_idx (GPTQ's act-order), else consecutive runs."""
+def _group_of_column(weight: QuantizedWeight, columns: int, g_idx: str | None, groups: int) -> torch.Tensor:
+    """Each input column's group of `groups`: the checkpoint's g_idx (act-order), else consecutive runs."""
     if g_idx in weight.tensors:
-        return weight.read(g_idx).long()
+        group = weight.read(g_idx).long()
+        if bool((group < 0).any()) or bool((group >= groups).any()):
+            raise ValueError(f"{g_idx} names groups outside the {groups} of its scales")
+        return group
     group_size = weight.quant.group_size or columns
     return torch.arange(columns) // group_size
 
@@ -123,9 +126,7 @@ def _gptq(weight: QuantizedWeight, first: int, end: int) -> torch.Tensor:
     zeros = unpack(weight.read(".qzeros", slice(None), slice(word, math.ceil(end / per_word))), bits, 1)
     zeros = zeros[:, first - word * per_word:end - word * per_word] + weight.quant.zero_offset
     scales = weight.read(".scales", slice(None), slice(first, end))
-    group = _group_of_column(weight, out_columns, ".g_idx")
-    if bool((group < 0).any()) or bool((group >= scales.shape[0]).any()):
-        raise ValueError(f"g_idx names groups outside the {scales.shape[0]} of .scales")
+    group = _group_of_column(weight, out_columns, ".g_idx", scales.shape[0])
     return (scales[group] * (codes - zeros[group])).t()
 
 
@@ -152,7 +153,7 @@ def _awq(weight: QuantizedWeight, first: int, end: int) -> torch.Tensor:
     codes = _awq_codes(weight.read(".qweight", slice(None), slice(word, last_word)), first, end, word)
     zeros = _awq_codes(weight.read(".qzeros", slice(None), slice(word, last_word)), first, end, word)
     scales = weight.read(".scales", slice(None), slice(first, end))
-    group = _group_of_column(weight, weight.shape[1], None)
+    group = _group_of_column(weight, weight.shape[1], None, scales.shape[0])
     return ((codes - zeros[group]) * scales[group]).t()
 
 
@@ -208,7 +209,12 @@ def _compressed_shape(weight: QuantizedWeight) -> tuple[int, int]:
         shape = weight.tensor_shape(".weight")
     if len(shape) != 2:
         raise ValueError(f"the weight's shape {shape} is not a linear layer's [out, in]")
-    _expect(_squeezed(weight.tensor_shape(".weight_scale")), _compressed_grid(weight.quant, shape), ".weight_scale")
+    grid = _compressed_grid(weight.quant, shape)
+    _expect(_squeezed(weight.tensor_shape(".weight_scale")), grid, ".weight_scale")
+    if ".weight_zero_point" in weight.tensors:
+        packed = weight.quant.format == "pack-quantized" and weight.quant.strategy in ("group", "channel")
+        implied = (math.ceil(grid[0] * weight.quant.bits / 32), grid[1]) if packed else grid
+        _expect(_squeezed(weight.tensor_shape(".weight_zero_point")), implied, ".weight_zero_point")
     if ".weight_g_idx" in weight.tensors:
         _expect(weight.tensor_shape(".weight_g_idx"), (shape[1],), ".weight_g_idx")
     return shape
@@ -239,7 +245,7 @@ def _compressed_rows(weight: QuantizedWeight, suffix: str, first: int, end: int)
     else:
         values = weight.read(suffix).reshape(grid)[first:end]
     if quant.strategy == "group":
-        return values[:, _group_of_column(weight, columns, ".weight_g_idx")]
+        return values[:, _group_of_column(weight, columns, ".weight_g_idx", grid[1])]
     if quant.strategy == "block":
         return _block_scales(values[first // quant.block[0]:math.ceil(end / quant.block[0])], quant.block,
                              first, end, columns)
