@@ -119,14 +119,14 @@ def _gptq_shape(weight: QuantizedWeight) -> tuple[int, int]:
 
 
 def _gptq(weight: QuantizedWeight, first: int, end: int) -> torch.Tensor:
-    bits, out_columns = weight.quant.bits, weight.shape[1]
+    bits, in_features = weight.quant.bits, weight.shape[1]
     per_word = 32 // bits
     codes = unpack(weight.read(".qweight", slice(None), slice(first, end)), bits, 0)
     word = first // per_word
     zeros = unpack(weight.read(".qzeros", slice(None), slice(word, math.ceil(end / per_word))), bits, 1)
     zeros = zeros[:, first - word * per_word:end - word * per_word] + weight.quant.zero_offset
     scales = weight.read(".scales", slice(None), slice(first, end))
-    group = _group_of_column(weight, out_columns, ".g_idx", scales.shape[0])
+    group = _group_of_column(weight, in_features, ".g_idx", scales.shape[0])
     return (scales[group] * (codes - zeros[group])).t()
 
 
