@@ -344,10 +344,7 @@ def test_dynamic_activations_leave_the_weights_read():
 def test_a_missing_companion_tensor_is_named(quantized, tmp_path):
     _, model_dir = quantized("gptq")
     broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in model_dir.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(broken / "model.safetensors")
+    tensors = _copy_checkpoint(model_dir, broken)
     del tensors["model.layers.1.mlp.down_proj.qzeros"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.qweight' has no "

@@ -212,12 +212,16 @@ def _compressed_shape(weight: QuantizedWeight) -> tuple[int, int]:
     grid = _compressed_grid(weight.quant, shape)
     _expect(_squeezed(weight.tensor_shape(".weight_scale")), grid, ".weight_scale")
     if ".weight_zero_point" in weight.tensors:
-        packed = weight.quant.format == "pack-quantized" and weight.quant.strategy in ("group", "channel")
-        implied = (math.ceil(grid[0] * weight.quant.bits / 32), grid[1]) if packed else grid
+        implied = (math.ceil(grid[0] * weight.quant.bits / 32), grid[1]) if _packed_zero_points(weight.quant) else grid
         _expect(_squeezed(weight.tensor_shape(".weight_zero_point")), implied, ".weight_zero_point")
     if ".weight_g_idx" in weight.tensors:
         _expect(weight.tensor_shape(".weight_g_idx"), (shape[1],), ".weight_g_idx")
     return shape
+
+
+def _packed_zero_points(quant: WeightQuantization) -> bool:
+    """pack-quantized packs a group or channel scheme's zero points along dim 0 (a tensor's one is stored as it is)."""
+    return quant.format == "pack-quantized" and quant.strategy in ("group", "channel")
 
 
 def _compressed_grid(quant: WeightQuantization, shape: tuple[int, int]) -> tuple[int, int]:
@@ -235,7 +239,7 @@ def _compressed_rows(weight: QuantizedWeight, suffix: str, first: int, end: int)
     one scale as [1, 1])."""
     quant, columns = weight.quant, weight.shape[1]
     grid = _compressed_grid(quant, weight.shape)
-    if suffix == ".weight_zero_point" and quant.format == "pack-quantized" and quant.strategy in ("group", "channel"):
+    if suffix == ".weight_zero_point" and _packed_zero_points(quant):
         per_word = 32 // quant.bits
         word = first // per_word
         words = weight.read(suffix).reshape(-1, grid[1])[word:math.ceil(end / per_word)]

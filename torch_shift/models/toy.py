@@ -349,7 +349,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
         raise ValueError(f"method {method!r}: one of gptq, awq, fp8")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stands_for = {}
+    stands_for, written = {}, {}  # each quantized weight's name -> the weight it stands for, its tensors' names
     for path in sorted(model_dir.iterdir()):
         if path.suffix != ".safetensors":
             if path.is_file():
@@ -368,18 +368,17 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
                 packed, dense = awq_tensors(weight, group_size)
             else:
                 packed, dense = fp8_tensors(weight, block)
-            tensors |= {f"{stem}.{suffix}": t for suffix, t in packed.items()}
+            written[name] = [f"{stem}.{suffix}" for suffix in packed]
+            tensors |= dict(zip(written[name], packed.values()))
             stands_for[name] = dense
         save_file(tensors, out_dir / path.name, metadata={"format": "pt"})
     index = out_dir / "model.safetensors.index.json"
     if index.is_file():  # each tensor of a quantized weight where the weight was
         entries = json.loads(index.read_text())
         weight_map = entries["weight_map"]
-        for name in stands_for:
-            file, stem = weight_map.pop(name), name.removesuffix(".weight")
-            suffixes = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
-                        "fp8": ("weight", "weight_scale_inv")}[method]
-            weight_map |= {f"{stem}.{suffix}": file for suffix in suffixes}
+        for name, names in written.items():
+            file = weight_map.pop(name)
+            weight_map |= dict.fromkeys(names, file)
         index.write_text(json.dumps(entries, indent=2))
     quant = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
                       "sym": symmetric, "checkpoint_format": checkpoint_format},
