@@ -22,7 +22,10 @@ tokens and 16-128 new tokens (throughput: prompt and generated tokens over the w
 Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2
 against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
 GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt: its linear layers',
-causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate, and batch-1 TPOT against the
+causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate
+timed in its engine's process on every core just before and just after it, the median over the prompts; in
+parentheses against the rate at the run's start: a VM's rate moves from one second to the next), and batch-1 TPOT
+against the
 weights' bytes over the bandwidth measured just before and after that engine's own run (the machine's read rate
 moved between 30 and 51 GB/s within an hour), and, for every torch_shift engine, against the model's matmuls run
 alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's process: a
@@ -43,6 +46,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peer_vllm import GemmRate, timed_prompts
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -89,7 +94,8 @@ def make_work(model_dir: Path, model: dict = MODEL, seed: int = 0) -> dict:
         n, m = rng.randint(64, 512), rng.randint(16, 128)
         batch.append({"prompt": [rng.randrange(2, vocab) for _ in range(n)], "max_tokens": m})
     return {"model": str(model_dir), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            "max_model_len": MAX_MODEL_LEN, "single": single, "batch": batch, "repeats": 3}
+            "max_model_len": MAX_MODEL_LEN, "single": single, "batch": batch, "repeats": 3,
+            "gemm_threads": os.cpu_count()}
 
 
 def batch_tokens(work: dict) -> int:
@@ -118,7 +124,9 @@ def run_torch_shift(spec: dict) -> dict:
 
     single = spec["single"]
     timed([single["prompt"]], [2])  # warm-up
-    ttft = min(timed([single["prompt"]], [1])[0] for _ in range(spec["repeats"]))
+    gemm_rate = GemmRate(spec["engine_args"].get("dtype", "float32"), spec["gemm_threads"], extra=engine_matmul)
+    pairs = timed_prompts(timed, single["prompt"], spec["repeats"], gemm_rate)
+    ttft = min(p[0] for p in pairs)
     weights = gemv_weights(llm, spec["model"], spec["engine_args"].get("dtype", "float32"))
     # each generation between two timings of the step's matmuls alone: its TPOT over their mean is one pair's
     # TPOT / GEMVs (the machine's read rate drifts within minutes, so the two are set side by side, not apart)
@@ -139,9 +147,19 @@ def run_torch_shift(spec: dict) -> dict:
     return {"engine": "torch_shift", "load_s": load_s, "ttft_s": ttft,
             "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "weights_alone_s": weights_alone_s,
             "tpot_over_gemvs": statistics.median(paired) if paired else None,
-            "batch_s": batch_s,
+            "batch_s": batch_s, "ttft_pairs": pairs,
             "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "steps_by_layout": stats["steps_by_layout"]}
+
+
+def engine_matmul(x, w):
+    """torch_shift's own matmul on `w` prepared as the engine prepares its weights (GemmRate's `extra`)."""
+    from torch_shift.models.linear import PackedWeight, packing_supported
+
+    if not packing_supported(w.device, w.dtype):
+        return None
+    packed = PackedWeight(w)
+    return lambda: packed(x, None)
 
 
 def gemv_weights(llm, model_dir: str, dtype: str) -> list | None:
@@ -307,6 +325,7 @@ def summarize(runs: list[dict], work: dict) -> dict:
                                 if all(r.get("weights_alone_s") for r in runs) else None),
             "tpot_over_gemvs": (statistics.median(r["tpot_over_gemvs"] for r in runs)
                                 if all(r.get("tpot_over_gemvs") for r in runs) else None),
+            "ttft_pairs": [p for r in runs for p in r.get("ttft_pairs", [])],
             "rounds": len(runs), "load_s": statistics.median(r["load_s"] for r in runs)}
 
 
@@ -429,12 +448,14 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
         ratios = ("", "", "") if peer is None or s is peer else (
             f"{s['throughput_tok_s'] / peer['throughput_tok_s']:.2f}", f"{s['ttft_s'] / peer['ttft_s']:.2f}",
             f"{s['tpot_s'] / peer['tpot_s']:.2f}")
-        prefill = flops / s["ttft_s"] / gemm
+        prefill = f"{flops / s['ttft_s'] / gemm:.2f}"
+        if s.get("ttft_pairs"):  # each prompt against the GEMM rate of its own seconds, then the rate at the start
+            prefill = f"{statistics.median(flops / t / ((a + b) / 2) for t, a, b in s['ttft_pairs']):.2f} ({prefill})"
         run_bandwidth = s.get("read_bandwidth") or bandwidth
         bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
         alone = f"{s['tpot_over_gemvs']:.2f}" if s.get("tpot_over_gemvs") else ""
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
-              f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:13.2f} {run_bandwidth / 1e9:8.1f} "
+              f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:>13s} {run_bandwidth / 1e9:8.1f} "
               f"{bound:12.2f} {alone:>11s} "
               f"{'' if same is None else f'{same}/{num_requests}':>12s}")
 

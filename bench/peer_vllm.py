@@ -7,7 +7,8 @@ dependency of torch_shift).
 SPEC.json: {"model": dir, "dtype": "float32", "tp": 1, "max_num_batched_tokens": 2048, "max_model_len": n,
             "single": {"prompt": [ids], "max_tokens": 64}, "batch": [{"prompt": [ids], "max_tokens": n}, ...],
             "repeats": 3}
-Prints one JSON object: ttft_s, tpot_s (best of the repeats), batch_s, and the batch's token ids.
+Prints one JSON object: ttft_s, tpot_s (best of the repeats), batch_s, the batch's token ids, and ttft_pairs: each
+repeat's TTFT beside the GEMM rate measured in this process just before and just after it (`gemm_rate`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,60 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+# The GEMM that bench_peers.py sets a prefill against: 2048 x 1024 by 2816 x 1024, on every core
+GEMM_SHAPE = (2048, 1024, 2816)
+
+
+class GemmRate:
+    """The machine's GEMM rate in FLOP/s now, on `threads` threads: each matmul (`F.linear`, oneDNN's on its packed
+    weight, and the callable `extra(x, w)` returns, where it returns one: bench_peers.py adds torch_shift's) called
+    back to back for `seconds` after one call, the fastest one's mean rate over them. Timed beside each prompt of a
+    run, over about as long as the prompt takes: this machine's rate moved between 57 and 158 GFLOP/s a core from one
+    half-second to the next within a minute (a VM's neighbours), so a prefill is set against the rate of its own
+    seconds (bench_peers.py)."""
+
+    def __init__(self, dtype: str, threads: int, extra=None, seconds: float = 0.15):
+        import torch
+
+        rows, k, n = GEMM_SHAPE
+        self.threads, self.flop, self.seconds = threads, 2 * rows * k * n, seconds
+        x, w = torch.randn(rows, k).to(getattr(torch, dtype)), torch.randn(n, k).to(getattr(torch, dtype))
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.matmuls = [lambda: torch.nn.functional.linear(x, w),
+                        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")]
+        matmul = extra(x, w) if extra is not None else None
+        if matmul is not None:
+            self.matmuls.append(matmul)
+
+    def __call__(self) -> float:
+        import torch
+
+        user_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                best = 0.0
+                for matmul in self.matmuls:
+                    matmul()
+                    calls, start = 0, time.perf_counter()
+                    while (elapsed := time.perf_counter() - start) < self.seconds:
+                        matmul()
+                        calls += 1
+                    best = max(best, calls * self.flop / elapsed)
+                return best
+        finally:
+            torch.set_num_threads(user_threads)
+
+
+def timed_prompts(timed, prompt: list[int], repeats: int, gemm_rate: GemmRate) -> list[list[float]]:
+    """[TTFT, GEMM rate before, GEMM rate after] of each of `repeats` one-token generations of `prompt`."""
+    pairs = []
+    for _ in range(repeats):
+        before = gemm_rate()
+        ttft = timed([prompt], [1])[0]
+        pairs.append([ttft, before, gemm_rate()])
+    return pairs
 
 
 def main() -> None:
@@ -40,7 +95,8 @@ def main() -> None:
 
     single = spec["single"]
     timed([single["prompt"]], [2])  # warm-up
-    ttft = min(timed([single["prompt"]], [1])[0] for _ in range(spec["repeats"]))
+    pairs = timed_prompts(timed, single["prompt"], spec["repeats"], GemmRate(spec["dtype"], spec["gemm_threads"]))
+    ttft = min(p[0] for p in pairs)
     full = min(timed([single["prompt"]], [single["max_tokens"]])[0] for _ in range(spec["repeats"]))
     batch = spec["batch"]
     prompts, max_tokens = [r["prompt"] for r in batch], [r["max_tokens"] for r in batch]
@@ -48,7 +104,7 @@ def main() -> None:
     batch_s, outs = min(runs, key=lambda r: r[0])
     print(json.dumps({"engine": "vllm", "load_s": load_s, "ttft_s": ttft,
                       "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "batch_s": batch_s,
-                      "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}))
+                      "ttft_pairs": pairs, "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}))
 
 
 if __name__ == "__main__":
