@@ -180,7 +180,9 @@ def test_bf16_gemv_on_the_tile_unit_against_the_dot_products(shape):
 def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):
     """The blocked kernel's matmul (K in runs of 256, x packed, sums waiting in float32 between runs) gives every row
     the bits the GEMV gives it alone: a prefill chunk and a decode step compute a token alike. K of 600 (a partial
-    run), 40 features (a partial block), rows that are no multiple of the 6-row panels, a strided input."""
+    run), 40 features (a partial block; three blocks: a pair and one, as AVX-512 tiles take them), rows that are no
+    multiple of the 6-row panels, odd and even counts of panels (AVX-512 tiles take two at a time), a strided
+    input."""
     torch.manual_seed(2)
     weight = torch.randn(40, 600).to(dtype)
     bias = torch.randn(40).to(dtype)
@@ -191,6 +193,8 @@ def test_blocked_matmul_rows_equal_the_gemvs_rows(dtype):
         assert_close(together, reference(x, weight, b), dtype, 600)
         for row in (0, 1, 5, 6, 97, 130):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), row
+        for rows in (17, 30, 125):  # 3, 5 and 21 panels (20 and 1 in the kernel's ranges of panels)
+            assert torch.equal(packed(x[:rows], b), together[:rows]), rows
 
 
 def test_a_weight_packed_in_another_layout_keeps_onednn():

@@ -592,6 +592,55 @@ TS_AVX2 void tile(const float* xp, const float* w, int64_t kc, float* c) {
   }
 }
 
+// The same tiles on AVX-512 (CPUs whose bfloat16 runs in these blocks: AVX-512 without AVX512-BF16, such as Ice Lake
+// and Cascade Lake, or a VM that hides it): P panels of 6 rows (P <= 2, `panel_stride` apart in xp) against NB blocks
+// (NB <= 2: micro-panels w[0..NB), kc x 16 each) in 512-bit registers, their sums at c + b * block_stride + r * 16 for
+// row r (the tile's panels adjacent there, as gemm_blocks lays them out): 24 accumulators, two weight vectors and x in
+// the 32 registers. Each sum is the AVX2 tile's chain of FMAs, so a row's bits do not depend on which tile ran it.
+// Against the AVX2 tile on 2 cores of a Xeon without AVX512-BF16 (bench/ab_cpu_linear.py, 8 layers of the 106M
+// model's linears, same bits): bfloat16 1.40 / 1.66 / 1.80 / 1.80x at 17 / 64 / 512 / 2,048 rows (298 GFLOP/s at
+// 512, oneDNN's float32 300-340 there), float32 1.57-1.78x; one thread 1.81x at 512 rows (docs/performance.md).
+#define TS_AVX512_TILES __attribute__((target("avx512f,avx2,fma")))
+const bool tiles_on_avx512 = __builtin_cpu_supports("avx512f");
+
+template <bool kFirst, int P, int NB>
+TS_AVX512_TILES void tile512(const float* xp, int64_t panel_stride, const float* const* w, int64_t kc, float* c,
+                             int64_t block_stride) {
+  constexpr int R = P * kRows16;
+  __m512 acc[R][NB];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b)
+      acc[r][b] = kFirst ? _mm512_setzero_ps() : _mm512_load_ps(c + b * block_stride + r * kBlock16);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 wv[NB];
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w[b] + k * kBlock16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xp[(r / kRows16) * panel_stride + k * kRows16 + r % kRows16]);
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(c + b * block_stride + r * kBlock16, acc[r][b]);
+}
+
+template <bool kFirst>
+TS_AVX512_TILES void tile512_of(int panels, int blocks, const float* xp, int64_t panel_stride, const float* const* w,
+                                int64_t kc, float* c, int64_t block_stride) {
+  switch (panels * 2 + blocks) {
+    case 3: return tile512<kFirst, 1, 1>(xp, panel_stride, w, kc, c, block_stride);
+    case 4: return tile512<kFirst, 1, 2>(xp, panel_stride, w, kc, c, block_stride);
+    case 5: return tile512<kFirst, 2, 1>(xp, panel_stride, w, kc, c, block_stride);
+    default: return tile512<kFirst, 2, 2>(xp, panel_stride, w, kc, c, block_stride);
+  }
+}
+
 // A buffer of a thread, 64-byte aligned, that lives from call to call (a fresh one a call would page-fault its memory
 // in every time)
 inline float* scratch(std::vector<float>& buffer, int64_t floats) {
@@ -625,6 +674,21 @@ TS_AVX2 void gemm_blocks(const float* xp, int64_t rows, const T* w, int64_t N, i
       }
       for (int64_t p0 = 0; p0 < panels; p0 += kMcPanels) {
         const int64_t p1 = std::min(panels, p0 + kMcPanels);
+        if (tiles_on_avx512) {  // two blocks' micro-panels (32 KiB) in L1, two panels of x at a time against them
+          for (int64_t j = 0; j < blocks; j += 2) {
+            const int nb = int(std::min<int64_t>(2, blocks - j));
+            for (int64_t p = p0; p < p1; p += 2) {
+              const int np = int(std::min<int64_t>(2, p1 - p));
+              const float* xc = xp + (c * panels + p) * kKc * kRows16;
+              float* tile_sums = sums + (j * panels + p) * kRows16 * kBlock16;
+              if (c == 0)
+                tile512_of<true>(np, nb, xc, kKc * kRows16, panel_of + j, kc, tile_sums, panels * kRows16 * kBlock16);
+              else
+                tile512_of<false>(np, nb, xc, kKc * kRows16, panel_of + j, kc, tile_sums, panels * kRows16 * kBlock16);
+            }
+          }
+          continue;
+        }
         for (int64_t j = 0; j < blocks; ++j) {
           float* block_sums = sums + j * panels * kRows16 * kBlock16;
           for (int64_t p = p0; p < p1; ++p) {
