@@ -421,7 +421,8 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
 // A bfloat16 x is converted to float32 once a call, weights as they are read (the GEMV) or once a run of k-steps (the
 // matmul); products of bf16 values are exact in float32 and the sums run in float32, the result rounded to bf16 once
 // (as the bf16 dot-product instructions do). On 2 Zen 3 cores: 113-183 GFLOP/s at 512 rows, run to run (oneDNN's
-// float32: 120-150), 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py).
+// float32: 120-150), 1.2-1.8x oneDNN's rate at 4-16 rows (bench/bench_linear.py). Where the CPU has AVX-512 (its
+// bfloat16 in these blocks for want of AVX512-BF16), the same loops run in 512-bit registers (tiles_on_avx512).
 namespace avx2 {
 
 #define TS_AVX2 __attribute__((target("avx2,fma")))
@@ -467,6 +468,53 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     for (int v = 0; v < 2 * B; ++v) _mm256_storeu_ps(y + r * kPair + v * 8, acc[r][v]);
 }
 
+// rows_of_blocks in 512-bit registers, a block of 16 features a register, on CPUs with AVX-512 (tiles_on_avx512): up to
+// 6 rows against two blocks at a time (12 accumulators, where AVX2's 16 registers took two blocks up to 3 rows only),
+// each sum the same chain of FMAs as rows_of_blocks'. Against the AVX2 loops on 2 cores of a Xeon without AVX512-BF16
+// (bench/ab_cpu_linear.py, 16 layers of the 106M model's linears: from memory; same bits): bfloat16 1.01 / 1.03 / 1.33
+// / 1.40 / 1.41x at 1 / 2 / 4 / 8 / 16 rows (176 GFLOP/s at 16), float32 1.06 / 1.04 / 1.38 / 1.47 / 1.50x.
+#define TS_AVX512_TILES __attribute__((target("avx512f,avx2,fma")))
+bool avx512_cpu() {
+  __builtin_cpu_init();  // (a static initializer may run before libgcc's own)
+  return __builtin_cpu_supports("avx512f");
+}
+const bool tiles_on_avx512 = avx512_cpu();
+
+TS_AVX512_TILES inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TS_AVX512_TILES inline __m512 load16(const uint16_t* p) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
+template <int R, int B, typename W>
+TS_AVX512_TILES void rows_of_blocks512(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
+  __m512 acc[R][B];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[B];
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) {
+      const W* at = w + b * kBlock16 * K + k * kBlock16;
+      if constexpr (sizeof(W) == 2)
+        if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
+      wv[b] = load16(at);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 2
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(y + r * kPair + b * kBlock16, acc[r][b]);
+}
+
 // The outputs of a row, bias added: float32 stored, bfloat16 rounded (load8: cpu_common.h)
 TS_AVX2 inline void store8(__m256 v, float* out) { _mm256_storeu_ps(out, v); }
 TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
@@ -474,6 +522,13 @@ TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 // R rows of x against the one or two blocks of 16 features that start at `w`
 template <int R, typename W>
 TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y) {
+  if (tiles_on_avx512) {
+    if (blocks == 2)
+      rows_of_blocks512<R, 2>(x, x_stride, w, K, y);
+    else
+      rows_of_blocks512<R, 1>(x, x_stride, w, K, y);
+    return;
+  }
   if (blocks == 2 && R <= 3) {
     rows_of_blocks<R, 2>(x, x_stride, w, K, y);
     return;
@@ -600,9 +655,6 @@ TS_AVX2 void tile(const float* xp, const float* w, int64_t kc, float* c) {
 // Against the AVX2 tile on 2 cores of a Xeon without AVX512-BF16 (bench/ab_cpu_linear.py, 8 layers of the 106M
 // model's linears, same bits): bfloat16 1.40 / 1.66 / 1.80 / 1.80x at 17 / 64 / 512 / 2,048 rows (298 GFLOP/s at
 // 512, oneDNN's float32 300-340 there), float32 1.57-1.78x; one thread 1.81x at 512 rows (docs/performance.md).
-#define TS_AVX512_TILES __attribute__((target("avx512f,avx2,fma")))
-const bool tiles_on_avx512 = __builtin_cpu_supports("avx512f");
-
 template <bool kFirst, int P, int NB>
 TS_AVX512_TILES void tile512(const float* xp, int64_t panel_stride, const float* const* w, int64_t kc, float* c,
                              int64_t block_stride) {

@@ -25,7 +25,9 @@ On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a 
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
 kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `BLOCKED_GEMV_ROWS` rows (on the same decode pool)
 and a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in float32
-there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md).
+there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md). Where the CPU has AVX-512
+but not its bfloat16 instructions (Ice Lake, Cascade Lake, a VM that hides them), bfloat16 takes these blocks too, and
+the kernel runs them in 512-bit registers: the GEMV at 1.3-1.4x and the matmul at 1.7-1.8x the AVX2 loops' rate.
 
 The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
 oneDNN tensor never enters a compiled graph. Its CPU implementation is C++ (kernels/cpu_ops.cpp) where that builds,
