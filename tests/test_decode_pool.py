@@ -262,7 +262,7 @@ def test_which_steps_the_pool_takes(layers4):
     assert budget is not None and budget > 0
     limit = pool.max_tokens
     packed = next(m.packed for m in engine.model.modules() if getattr(m, "packed", None) is not None)
-    assert limit == packed.gemv_max_rows  # GEMV_MAX_ROWS; BLOCKED_GEMV_ROWS for the AVX2 blocks
+    assert limit == packed.gemv_max_rows  # GEMV_MAX_ROWS; the blocks' ts_blocked_gemv_rows
     assert [pool.workers(tokens, 2) for tokens in (0, 1, limit, limit + 1)] == [0, 1, 1, 0]
     assert pool.workers(1, 1) == 0 and pool.workers(4, 200) == MAX_WORKERS
     assert pool.workers(1, 2, kv_tokens=budget) == 1 and pool.workers(1, 2, kv_tokens=budget + 1) == 0

@@ -13,7 +13,6 @@ from torch_shift.models import linear
 from torch_shift.models.linear import (
     AMX_BF16_CODE,
     AMX_DOT_GEMV_MAX_ROWS,
-    BLOCKED_GEMV_ROWS,
     GEMV_MAX_ROWS,
     PackedWeight,
     _gemv_kernel,
@@ -82,7 +81,7 @@ def test_packed_matches_reference_for_every_row_count(dtype, blocked, shape):
         # as it did on every torch measured (2.11, 2.13)
         assert (packed.gemv is not None) == gemv_expected(dtype)
         assert packed.gemv is None or dtype != torch.float32 or packed.rounds_as_onednn
-    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, BLOCKED_GEMV_ROWS + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
+    for rows in [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, packed.gemv_max_rows + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
         x = torch.randn(rows, in_features).to(dtype)
         for b in (None, bias):
             out = packed(x, b)
@@ -259,7 +258,7 @@ def test_the_operators_cpp_implementation_is_the_python_one(dtype, blocked):
     bias = torch.randn(192).to(dtype)
     packed = PackedWeight(weight, blocked)
     assert packed.native
-    for rows in [0, 1, 2, 5, BLOCKED_GEMV_ROWS + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
+    for rows in [0, 1, 2, 5, packed.gemv_max_rows + 1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100]:
         x = torch.randn(rows, 256).to(dtype)[:, :128]
         for b in (None, bias):
             out = packed(x, b)
@@ -283,7 +282,7 @@ def test_blocked_kernel_sums_exactly_and_rounds_as_torch(dtype):
         weight = torch.randint(-8, 9, (out_features, in_features)).to(dtype)
         bias = torch.randint(-300, 301, (out_features,)).to(dtype)
         packed = PackedWeight(weight, blocked=True)
-        for rows in (1, 5, BLOCKED_GEMV_ROWS, BLOCKED_GEMV_ROWS + 1, 200):
+        for rows in (1, 5, packed.gemv_max_rows, packed.gemv_max_rows + 1, 200):
             x = torch.randint(-8, 9, (rows, in_features)).to(dtype)
             for b in (None, bias):
                 exact = reference(x, weight, b)

@@ -75,6 +75,8 @@ class CpuKernels:
         self.blocked_linear = lib.ts_blocked_linear
         self.blocked_linear.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64]
         self.blocked_linear.restype = ctypes.c_int
+        lib.ts_blocked_gemv_rows.restype = i64
+        self.blocked_gemv_rows = lib.ts_blocked_gemv_rows()  # the rows up to which the blocks run the GEMV
         self.library = lib
         self.rms_norm = lib.ts_rms_norm
         self.rms_norm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, ptr]

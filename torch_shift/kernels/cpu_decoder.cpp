@@ -47,6 +47,7 @@ extern "C" int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, in
 extern "C" int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t rows, const void* weight,
                                  int64_t N, int64_t K, const void* bias, void* out, int64_t out_row_stride,
                                  int64_t gemv_rows);
+extern "C" int64_t ts_blocked_gemv_rows();
 extern "C" int ts_argmax(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out);
 extern "C" int ts_sample_rows(int dtype, const void* x, int64_t rows, int64_t cols, int64_t row_stride,
                               const float* draws, int64_t* out);
@@ -87,7 +88,6 @@ extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
 namespace {
 
 constexpr int64_t kMaxTokens = 64;       // native_decoder.py's MAX_TOKENS: a decoder's max_tokens at most
-constexpr int64_t kBlockedGemvRows = 16;  // linear.py's BLOCKED_GEMV_ROWS, as PackedWeight runs the blocks
 constexpr int64_t kQueue = 2;       // steps launched and not finished, at most: the one running and the next
 constexpr int64_t kResults = 64;    // steps whose return codes are kept
 constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleeps after this without a step
@@ -395,11 +395,13 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
 
 // out[rows, N] = x[rows, K] @ W.T (+ bias) as the eager forward's packed linear runs it: the GEMV on oneDNN's
 // layout (max_tokens is at most the rows it takes there), or the 16-feature blocks' kernel with its GEMV for up to
-// kBlockedGemvRows rows and its matmul for more (models/linear.py's PackedWeight)
+// ts_blocked_gemv_rows() rows and its matmul for more (models/linear.py's PackedWeight)
+const int64_t blocked_gemv_rows = ts_blocked_gemv_rows();
+
 int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t handle, int64_t N,
            int64_t K, const void* bias, void* out, int64_t out_stride) {
   if (d.blocked)
-    return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, kBlockedGemvRows);
+    return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, blocked_gemv_rows);
   // oneDNN's matmul (cpu_ops.cpp's packed_linear): above GEMV_MAX_ROWS, or AMX_DOT_GEMV_MAX_ROWS (bf16 on AMX without
   // the tile unit's GEMV)
   if (rows > d.gemv_rows)

@@ -1297,6 +1297,12 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
   return 0;
 }
 
+// The rows up to which the 16-feature blocks run as the GEMV, the matmul above (PackedWeight.gemv_max_rows, the C++
+// decoder): in 512-bit registers the GEMV stays ahead of the matmul up to 24 rows (bfloat16 from memory, 2 cores of
+// a Xeon without AVX512-BF16: 177 against 138 GFLOP/s at 16 rows, 198 against 182 at 24, level at 28-32, behind
+// from 40); in AVX2 ones up to 16 (Zen 3).
+int64_t ts_blocked_gemv_rows() { return avx2::tiles_on_avx512 ? 24 : 16; }
+
 // out[rows, N] = x[rows, K] @ W.T (+ bias), dtype 0 float32 or 1 bfloat16 (x, weight, bias and out alike), W in
 // 16-feature blocks (avx2 above; ceil(N / 16) of them): matmuls of at most `gemv_rows` rows as the GEMV (on the decode
 // pool when armed), others panel by panel. Returns 0, or -1 where this CPU has no AVX2 and FMA.
@@ -1380,6 +1386,7 @@ int ts_blocked_linear(int, const void*, int64_t, int64_t, const void*, int64_t, 
                       int64_t) {
   return -1;
 }
+int64_t ts_blocked_gemv_rows() { return 0; }
 int ts_gemv_amx(int) { return 0; }
 int ts_gemv_pool_arm(int) { return 0; }
 int ts_gemv_pool_workers() { return 0; }

@@ -23,11 +23,12 @@ that layout too, on the tile unit (and where that cannot run, in dot products up
 
 On a CPU with AVX2 but without the AVX-512 instructions that kernel needs for a dtype (Zen 3, many cloud VMs), the
 weight goes instead into torch_shift's own 16-feature blocks (`blocked_layout`), which one AVX2 kernel of
-kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `BLOCKED_GEMV_ROWS` rows (on the same decode pool)
-and a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in float32
-there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md). Where the CPU has AVX-512
-but not its bfloat16 instructions (Ice Lake, Cascade Lake, a VM that hides them), bfloat16 takes these blocks too, and
-the kernel runs them in 512-bit registers: the GEMV at 1.3-1.4x and the matmul at 1.7-1.8x the AVX2 loops' rate.
+kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `BLOCKED_GEMV_ROWS` rows (on the same decode
+pool) and a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in
+float32 there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md). Where the CPU has
+AVX-512 but not its bfloat16 instructions (Ice Lake, Cascade Lake, a VM that hides them), bfloat16 takes these blocks
+too, and the kernel runs them in 512-bit registers: the GEMV at 1.3-1.4x and the matmul at 1.7-1.8x the AVX2 loops'
+rate, the GEMV up to 24 rows.
 
 The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
 oneDNN tensor never enters a compiled graph. Its CPU implementation is C++ (kernels/cpu_ops.cpp) where that builds,
@@ -74,8 +75,9 @@ GEMV_MAX_ROWS = 64
 # tiles' 32), its dot products read that layout up to this many rows, oneDNN's AMX matmul above: 1.1-1.2x faster than
 # oneDNN at 2-3 rows and 1.04-1.13x at 5, slower from 6.
 AMX_DOT_GEMV_MAX_ROWS = 5
-# the AVX2 kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
-# matmul in panels of rows above (ts_blocked_linear)
+# the kernel on torch_shift's 16-feature blocks runs every row count, as its GEMV up to this many rows and as a
+# matmul in panels of rows above (ts_blocked_linear): in AVX2 registers; in AVX-512 ones, up to 24
+# (ts_blocked_gemv_rows, which PackedWeight takes)
 BLOCKED_GEMV_ROWS = 16
 _GEMV_DTYPES = {torch.float32: (0, 1), torch.bfloat16: (1, 2)}  # the kernel's dtype code, its capability bit
 _GEMV_BLOCK = 64
@@ -156,7 +158,7 @@ class PackedWeight:
         # matmuls of up to this many rows run the GEMV (0: none); the blocked kernel runs every row count
         from torch_shift.kernels import gemv_on_tile_unit
 
-        self.gemv_max_rows = (0 if self.gemv is None else BLOCKED_GEMV_ROWS if self.blocked
+        self.gemv_max_rows = (0 if self.gemv is None else self.gemv[0].blocked_gemv_rows if self.blocked
                               else GEMV_MAX_ROWS if self.gemv_code != AMX_BF16_CODE
                               or (gemv_on_tile_unit() and self.in_features % 32 == 0)
                               else AMX_DOT_GEMV_MAX_ROWS)
@@ -238,7 +240,7 @@ class PackedWeight:
             status = kernels.blocked_linear(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
                                             self.out_features, self.in_features,
                                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                            self.out_features, BLOCKED_GEMV_ROWS)
+                                            self.out_features, self.gemv_max_rows)
         else:
             status = kernels.packed_gemv(code, x.data_ptr(), self.in_features, rows, self._weight_ptr,
                                          self.out_features, self.in_features, None if bias is None else bias.data_ptr(),
