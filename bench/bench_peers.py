@@ -25,13 +25,12 @@ GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-
 causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate
 timed in its engine's process on every core just before and just after it, the median over the prompts; in
 parentheses against the rate at the run's start: a VM's rate moves from one second to the next), and batch-1 TPOT
-against the
-weights' bytes over the bandwidth measured just before and after that engine's own run (the machine's read rate
-moved between 30 and 51 GB/s within an hour), and, for every torch_shift engine, against the model's matmuls run
-alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's process: a
-layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed just before
-and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over its two
-timings' mean, what a step costs beyond reading its weights).
+against the weights' bytes over the bandwidth measured just before and after that engine's own run (the machine's
+read rate moved between 30 and 51 GB/s within an hour), and, for every torch_shift engine, against the model's
+matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's
+process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
+just before and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over
+its two timings' mean, what a step costs beyond reading its weights).
 """
 
 from __future__ import annotations
