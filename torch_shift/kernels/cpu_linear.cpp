@@ -469,16 +469,20 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
 }
 
 // rows_of_blocks in 512-bit registers, a block of 16 features a register, on CPUs with AVX-512 (tiles_on_avx512): up to
-// 6 rows against two blocks at a time (12 accumulators, where AVX2's 16 registers took two blocks up to 3 rows only),
-// each sum the same chain of FMAs as rows_of_blocks'. Against the AVX2 loops on 2 cores of a Xeon without AVX512-BF16
+// kRows512 rows against two blocks at a time (24 accumulators, where AVX2's 16 registers took two blocks up to 3 rows
+// only, and groups of up to 6 rows that each read and converted the weights again), each sum the same chain of FMAs as
+// rows_of_blocks'. Against the AVX2 loops on 2 cores of a Xeon without AVX512-BF16
 // (bench/ab_cpu_linear.py, 16 layers of the 106M model's linears: from memory; same bits): bfloat16 1.01 / 1.03 / 1.33
-// / 1.40 / 1.41x at 1 / 2 / 4 / 8 / 16 rows (176 GFLOP/s at 16), float32 1.06 / 1.04 / 1.38 / 1.47 / 1.50x.
+// / 1.40 / 1.41x at 1 / 2 / 4 / 8 / 16 rows (176 GFLOP/s at 16), float32 1.06 / 1.04 / 1.38 / 1.47 / 1.50x, in groups of
+// up to 6 rows; groups of up to 12 against those: bfloat16 1.25 / 1.29 / 1.11 / 1.03x at 8 / 12 / 16 / 24 rows (214
+// GFLOP/s at 12), level at 1-6.
 #define TS_AVX512_TILES __attribute__((target("avx512f,avx2,fma")))
 bool avx512_cpu() {
   __builtin_cpu_init();  // (a static initializer may run before libgcc's own)
   return __builtin_cpu_supports("avx512f");
 }
 const bool tiles_on_avx512 = avx512_cpu();
+constexpr int kRows512 = 12;  // a GEMV's group of rows in 512-bit registers
 
 TS_AVX512_TILES inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 TS_AVX512_TILES inline __m512 load16(const uint16_t* p) {
@@ -489,7 +493,7 @@ TS_AVX512_TILES inline __m512 load16(const uint16_t* p) {
 template <int R, int B, typename W>
 TS_AVX512_TILES void rows_of_blocks512(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
   __m512 acc[R][B];
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -502,14 +506,14 @@ TS_AVX512_TILES void rows_of_blocks512(const float* x, int64_t x_stride, const W
         if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
       wv[b] = load16(at);
     }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
 #pragma GCC unroll 2
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv[b], xv, acc[r][b]);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int b = 0; b < B; ++b) _mm512_storeu_ps(y + r * kPair + b * kBlock16, acc[r][b]);
@@ -522,18 +526,26 @@ TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 // R rows of x against the one or two blocks of 16 features that start at `w`
 template <int R, typename W>
 TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y) {
-  if (tiles_on_avx512) {
-    if (blocks == 2)
-      rows_of_blocks512<R, 2>(x, x_stride, w, K, y);
-    else
-      rows_of_blocks512<R, 1>(x, x_stride, w, K, y);
-    return;
-  }
   if (blocks == 2 && R <= 3) {
     rows_of_blocks<R, 2>(x, x_stride, w, K, y);
     return;
   }
   for (int64_t s = 0; s < blocks; ++s) rows_of_blocks<R, 1>(x, x_stride, w + s * kBlock16 * K, K, y + s * kBlock16);
+}
+
+// rows_of_pair in 512-bit registers: `rows` (1 to kRows512) rows of x against the one or two blocks at `w`
+template <typename W>
+TS_AVX512_TILES void rows_of_pair512(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t K,
+                                     int64_t blocks, float* y) {
+  switch (rows * 2 + (blocks == 2)) {
+#define TS_ROWS(R)                                                       \
+  case 2 * R: return rows_of_blocks512<R, 1>(x, x_stride, w, K, y);      \
+  case 2 * R + 1: return rows_of_blocks512<R, 2>(x, x_stride, w, K, y)
+    TS_ROWS(1); TS_ROWS(2); TS_ROWS(3); TS_ROWS(4); TS_ROWS(5); TS_ROWS(6);
+    TS_ROWS(7); TS_ROWS(8); TS_ROWS(9); TS_ROWS(10); TS_ROWS(11); TS_ROWS(12);
+#undef TS_ROWS
+    default: __builtin_unreachable();  // rows_range makes groups of 1 to kRows512 rows
+  }
 }
 
 // rows [r0, r1) of x (float32, rows x_stride apart) against pair p of blocks (features [32 p, 32 p + 32), weights
@@ -543,23 +555,28 @@ TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t 
 template <typename W, typename T>
 TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1, const W* w, int64_t K,
                         const T* bias, T* out, int64_t out_stride, int64_t p, int64_t N) {
-  alignas(32) float y[kRows16 * kPair];
+  alignas(64) float y[kRows512 * kPair];
   const int64_t n = p * kPair, width = std::min(kPair, N - n), blocks = (width + kBlock16 - 1) / kBlock16;
   T bias_pair[kPair] = {};
   if (bias) std::memcpy(bias_pair, bias + n, width * sizeof(T));
   __m256 bias_v[4];
   for (int v = 0; v < 4; ++v) bias_v[v] = load8(bias_pair + v * 8);
-  const int64_t groups = (r1 - r0 + kRows16 - 1) / kRows16;
+  const int64_t group_rows = tiles_on_avx512 ? kRows512 : kRows16;
+  const int64_t groups = (r1 - r0 + group_rows - 1) / group_rows;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t rows = (r1 - r0) / (groups - g);  // groups as equal as they can be
     const float* xr = x + r0 * x_stride;
-    switch (rows) {
-      case 1: rows_of_pair<1>(xr, x_stride, w, K, blocks, y); break;
-      case 2: rows_of_pair<2>(xr, x_stride, w, K, blocks, y); break;
-      case 3: rows_of_pair<3>(xr, x_stride, w, K, blocks, y); break;
-      case 4: rows_of_pair<4>(xr, x_stride, w, K, blocks, y); break;
-      case 5: rows_of_pair<5>(xr, x_stride, w, K, blocks, y); break;
-      default: rows_of_pair<6>(xr, x_stride, w, K, blocks, y); break;
+    if (tiles_on_avx512) {
+      rows_of_pair512(rows, xr, x_stride, w, K, blocks, y);
+    } else {
+      switch (rows) {
+        case 1: rows_of_pair<1>(xr, x_stride, w, K, blocks, y); break;
+        case 2: rows_of_pair<2>(xr, x_stride, w, K, blocks, y); break;
+        case 3: rows_of_pair<3>(xr, x_stride, w, K, blocks, y); break;
+        case 4: rows_of_pair<4>(xr, x_stride, w, K, blocks, y); break;
+        case 5: rows_of_pair<5>(xr, x_stride, w, K, blocks, y); break;
+        default: rows_of_pair<6>(xr, x_stride, w, K, blocks, y); break;
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* o = out + (r0 + r) * out_stride + n;
