@@ -27,8 +27,8 @@ kernels/cpu_linear.cpp reads for every row count: the GEMV for up to `BLOCKED_GE
 pool) and a matmul in panels of rows for more, at or above oneDNN's float32 rate on those CPUs; bfloat16 is summed in
 float32 there, where oneDNN and F.linear emulate it at a sixth of that rate (docs/performance.md). Where the CPU has
 AVX-512 but not its bfloat16 instructions (Ice Lake, Cascade Lake, a VM that hides them), bfloat16 takes these blocks
-too, and the kernel runs them in 512-bit registers: the GEMV at 1.3-1.4x and the matmul at 1.7-1.8x the AVX2 loops'
-rate, the GEMV up to 24 rows.
+too, and the kernel runs them in 512-bit registers: the GEMV at 1.3-1.8x (4-16 rows) and the matmul at 1.7-1.8x the
+AVX2 loops' rate, the GEMV up to 24 rows.
 
 The packed matmul is the custom op `torch_shift::packed_linear`, which names its weight by a handle: an opaque
 oneDNN tensor never enters a compiled graph. Its CPU implementation is C++ (kernels/cpu_ops.cpp) where that builds,
