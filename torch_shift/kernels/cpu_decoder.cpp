@@ -396,12 +396,11 @@ int norm(const Decoder& d, const void* x, int64_t rows, const void* weight, void
 // out[rows, N] = x[rows, K] @ W.T (+ bias) as the eager forward's packed linear runs it: the GEMV on oneDNN's
 // layout (max_tokens is at most the rows it takes there), or the 16-feature blocks' kernel with its GEMV for up to
 // ts_blocked_gemv_rows() rows and its matmul for more (models/linear.py's PackedWeight)
-const int64_t blocked_gemv_rows = ts_blocked_gemv_rows();
-
 int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, const void* w, int64_t handle, int64_t N,
            int64_t K, const void* bias, void* out, int64_t out_stride) {
   if (d.blocked)
-    return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride, blocked_gemv_rows);
+    return ts_blocked_linear(d.dtype, x, x_stride, rows, w, N, K, bias, out, out_stride,
+                             ts_blocked_gemv_rows());
   // oneDNN's matmul (cpu_ops.cpp's packed_linear): above GEMV_MAX_ROWS, or AMX_DOT_GEMV_MAX_ROWS (bf16 on AMX without
   // the tile unit's GEMV)
   if (rows > d.gemv_rows)

@@ -1318,7 +1318,10 @@ int ts_packed_gemv(int dtype, const void* x, int64_t x_row_stride, int64_t rows,
 // decoder): in 512-bit registers the GEMV stays ahead of the matmul up to 24 rows (bfloat16 from memory, 2 cores of
 // a Xeon without AVX512-BF16: 177 against 138 GFLOP/s at 16 rows, 198 against 182 at 24, level at 28-32, behind
 // from 40); in AVX2 ones up to 16 (Zen 3).
-int64_t ts_blocked_gemv_rows() { return avx2::tiles_on_avx512 ? 24 : 16; }
+int64_t ts_blocked_gemv_rows() {
+  static const bool avx512 = avx2::avx512_cpu();  // (not tiles_on_avx512: other files' static initializers call this)
+  return avx512 ? 24 : 16;
+}
 
 // out[rows, N] = x[rows, K] @ W.T (+ bias), dtype 0 float32 or 1 bfloat16 (x, weight, bias and out alike), W in
 // 16-feature blocks (avx2 above; ceil(N / 16) of them): matmuls of at most `gemv_rows` rows as the GEMV (on the decode
