@@ -209,6 +209,40 @@ def engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def assert_lm_head_rows_alone(model_dir, compiled: bool = False, exact: bool = True) -> None:
+    """forward(..., logits_indices): those rows of the whole forward's hidden states, bit for bit (`exact`; a sparse
+    MLP's experts multiply the rows routed to them together, so there a row's sums depend on the others), the last
+    layer's output projection and MLP run on them alone; on no rows too (a step of prompt chunks only); compiled
+    alike."""
+    from torch_shift.compilation import CompiledForward
+    from torch_shift.models import load_model
+    from torch_shift.models.batch import CausalAttention
+    from torch_shift.models.linear import prepare_linears
+
+    model = load_model(model_dir)
+    prepare_linears(model)  # as the engine runs them: a float32 row's sums do not depend on the rows beside it
+    lengths = [30, 17]
+    ids = torch.tensor(sum(random_prompts(2, lengths), []))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    attention = CausalAttention(lengths)
+    mlp_rows = []
+    model.layers[-1].mlp.register_forward_pre_hook(lambda module, args: mlp_rows.append(args[0].shape[0]))
+    indices = torch.tensor([29, 46])
+    with torch.no_grad():
+        whole = model(ids, positions, attention)
+        rows = model(ids, positions, attention, indices)
+        none = model(ids, positions, attention, indices[:0])
+    assert mlp_rows == [47, 2, 0]
+    torch.testing.assert_close(rows, whole[indices], atol=0 if exact else 1e-6, rtol=0 if exact else 1e-5)
+    assert none.shape == (0, whole.shape[1])
+    if compiled:
+        forward = CompiledForward(model)
+        with torch.no_grad():
+            torch.testing.assert_close(forward(ids, positions, attention, indices), rows, atol=0, rtol=0)
+            torch.testing.assert_close(forward(ids[:30], positions[:30], CausalAttention([30]), indices[:1]),
+                                       whole[29:30], atol=0, rtol=0)
+
+
 def refuse_python_ulysses(monkeypatch):
     """UlyssesAttention's Python path raises in a serving step (the start-up warm-up, whose attention is no paged
     step, keeps it): forked ranks inherit the patch."""

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     VOCAB_SIZE,
     assert_converted_and_handed_off_alike,
+    assert_lm_head_rows_alone,
     assert_outputs_match_transformers,
     checkpoint_cache,
     engine_logits,
@@ -141,6 +142,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(gemma3, engine_args):
     if "num_kv_blocks" in engine_args:
         assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_lm_heads_rows_alone_leave_the_last_layer(gemma3):
+    assert_lm_head_rows_alone(gemma3[1])  # Gemma's norms after attention and the MLP
 
 
 def test_bf16_as_close_to_fp32_as_transformers(gemma3):

@@ -14,6 +14,7 @@ import torch
 from conftest import (
     VOCAB_SIZE,
     assert_converted_and_handed_off_alike,
+    assert_lm_head_rows_alone,
     assert_outputs_match_transformers,
     checkpoint_cache,
     engine_logits,
@@ -263,6 +264,10 @@ def test_sparse_block_matches_transformers(gpt_oss, dtype):
     assert got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tolerance * ref.abs().max().item(), rtol=0)
+
+
+def test_the_lm_heads_rows_alone_leave_the_last_layer(gpt_oss):
+    assert_lm_head_rows_alone(gpt_oss[1], exact=False)  # a sparse MLP, sinks and windows
 
 
 PROMPT_LENGTHS = [3, 17, 40, 1, 9, 64, 33, 5]

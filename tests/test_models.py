@@ -7,7 +7,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAMILIES, build_hf_model, engine_logits, random_prompts, rewrite_config, save_checkpoint
+from conftest import (
+    FAMILIES,
+    assert_lm_head_rows_alone,
+    build_hf_model,
+    engine_logits,
+    random_prompts,
+    rewrite_config,
+    save_checkpoint,
+)
 
 from torch_shift import LLM, LLMEngine, SamplingParams
 from torch_shift.config import ModelConfig
@@ -28,6 +36,11 @@ def test_logits_match_transformers(checkpoints, family):
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=FP32_ATOL, rtol=1e-5)
     assert ref.abs().max() > 5  # logits not flat: the comparison means something
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_lm_heads_rows_alone_leave_the_last_layer(checkpoints, family):
+    assert_lm_head_rows_alone(checkpoints(family)[1], compiled=family == "llama")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

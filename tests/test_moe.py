@@ -533,7 +533,8 @@ def test_planner_prices_expert_parallelism_as_the_engine_places_it(moe_checkpoin
     ep = Layout("tp", tp=2, expert_parallel=True)
     assert run_ranks(_ep_weights_rank, 2, model_dir) == [memory_per_rank(shape, ep).weight_bytes] * 2
 
-    hw, seqs = get_profile("h100"), [Seq(64, 0), Seq(1, 100)]
+    # every row to the LM head (prompt logprobs): the last layer's MLP runs on all 65 tokens, as the others'
+    hw, seqs = get_profile("h100"), [Seq(64, 0, logits_rows=64), Seq(1, 100)]
     tp_cost = step_cost(shape, hw, Layout("tp", tp=2), seqs)
     ep_cost = step_cost(shape, hw, ep, seqs)
     experts = {c.name: c for c in tp_cost.ops}["experts"], {c.name: c for c in ep_cost.ops}["experts"]

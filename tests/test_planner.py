@@ -68,9 +68,10 @@ def test_tp2_one_layer_by_hand():
     ops = ops_of(cost)
     # per rank: 4 query heads, 1 KV head; 5 tokens; weights + tokens x (in + out) x 4 bytes
     assert ops["qkv"] == (2 * 5 * 64 * 48, 64 * 48 * 4 + 5 * (64 + 48) * 4)
-    assert ops["o_proj"] == (2 * 5 * 32 * 64, 32 * 64 * 4 + 5 * (32 + 64) * 4)
-    assert ops["gate_up"] == (2 * 5 * 64 * 128, 64 * 128 * 4 + 5 * (64 + 128) * 4)
-    assert ops["down"] == (2 * 5 * 64 * 64, 64 * 64 * 4 + 5 * (64 + 64) * 4)
+    # the last layer (the only one) projects and runs its MLP on the 2 sampled rows alone
+    assert ops["o_proj"] == (2 * 2 * 32 * 64, 32 * 64 * 4 + 2 * (32 + 64) * 4)
+    assert ops["gate_up"] == (2 * 2 * 64 * 128, 64 * 128 * 4 + 2 * (64 + 128) * 4)
+    assert ops["down"] == (2 * 2 * 64 * 64, 64 * 64 * 4 + 2 * (64 + 64) * 4)
     # prompt: keys 1+2+3+4 = 10; 4 FLOPs per (head, key, dim); K/V read (4) and written (4), 1 head of 8
     assert ops["attention_prefill"] == (4 * 8 * 4 * 10, 2 * 8 * 4 * (4 + 4) + 2 * 4 * 4 * 8 * 4)
     # decode: 11 keys; 11 positions read, 1 written
@@ -80,15 +81,16 @@ def test_tp2_one_layer_by_hand():
     assert ops["embedding"] == (0, 5 * 64 * 8)
     assert ops["sampling"] == (0, 2 * 2 * 512 * 4)
     assert comms_of(cost) == {
-        "tp_all_reduce": ("all_reduce", 2, 2, 2 * (2 * 1 * 5 * 64 * 4 // 2)),
+        "tp_all_reduce": ("all_reduce", 2, 2, 2 * (2 * 1 * 2 * 64 * 4 // 2)),
         "lm_head_all_gather": ("all_gather", 2, 1, 1 * 2 * 256 * 4),
     }
-    # roofline at 1e9 FLOP/s and 1e9 bytes/s: the layer's linears are compute-bound, the LM head memory-bound
+    # roofline at 1e9 FLOP/s and 1e9 bytes/s: q/k/v on 5 rows is compute-bound, the MLP on 2 rows and the LM head
+    # memory-bound
     by_op = {o.name: o for o in cost.ops}
-    assert by_op["gate_up"].time_s == pytest.approx(81920e-9) and by_op["gate_up"].compute_s > by_op["gate_up"].memory_s
-    assert by_op["qkv"].time_s == pytest.approx(30720e-9)
+    assert by_op["qkv"].time_s == pytest.approx(30720e-9) and by_op["qkv"].compute_s > by_op["qkv"].memory_s
+    assert by_op["gate_up"].time_s == pytest.approx(34304e-9) and by_op["gate_up"].memory_s > by_op["gate_up"].compute_s
     assert by_op["lm_head"].time_s == pytest.approx(68096e-9) and by_op["lm_head"].memory_s > by_op["lm_head"].compute_s
-    assert cost.communication_s == pytest.approx(2 * (1e-5 + 1280e-9) + 1e-5 + 2048e-9)
+    assert cost.communication_s == pytest.approx(2 * (1e-5 + 512e-9) + 1e-5 + 2048e-9)
     assert cost.total_s == pytest.approx(sum(cost.breakdown().values()))
     assert cost.total_s == pytest.approx(sum(o.time_s for o in cost.ops) + cost.communication_s)
 
@@ -96,9 +98,10 @@ def test_tp2_one_layer_by_hand():
 def test_sp2_one_layer_by_hand():
     cost = step_cost(SHAPE, unit_profile(), Layout("sp_tp", sp=2, tp=1), BATCH)
     ops = ops_of(cost)
-    # 5 tokens padded to 6: 3 per SP rank through the full (tp=1) weights
+    # 5 tokens, 3 and 2 on the SP ranks, through the full (tp=1) weights; both sampled rows (positions 3 and 4) on
+    # the second rank, whose last layer's MLP runs on them alone
     assert ops["qkv"] == (2 * 3 * 64 * 96, 64 * 96 * 4 + 3 * (64 + 96) * 4)
-    assert ops["down"] == (2 * 3 * 128 * 64, 128 * 64 * 4 + 3 * (128 + 64) * 4)
+    assert ops["down"] == (2 * 2 * 128 * 64, 128 * 64 * 4 + 2 * (128 + 64) * 4)
     # after the all-to-all a rank attends all 5 tokens with half the heads: as TP-2
     tp2 = ops_of(step_cost(SHAPE, unit_profile(), Layout("tp", tp=2), BATCH))
     assert ops["attention_prefill"] == tp2["attention_prefill"] and ops["attention_decode"] == tp2["attention_decode"]
@@ -116,7 +119,7 @@ def test_sp2_tp2_replicates_kv_heads_and_reduces_over_tp():
     comms = comms_of(cost)
     # 4 head chunks of 2 KV heads: each chunk carries 1 (replicated) KV head; 3 local tokens of 6
     assert comms["sp_all_to_all_qkv"] == ("all_to_all", 2, 1, 6 * (2 + 2) * 8 * 4 // 2)
-    assert comms["tp_all_reduce"] == ("all_reduce", 2, 2, 2 * (3 * 64 * 4))
+    assert comms["tp_all_reduce"] == ("all_reduce", 2, 2, 2 * (2 * 64 * 4))  # the 2 sampled rows' (last layer)
     assert comms["lm_head_all_gather"] == ("all_gather", 4, 1, 3 * 2 * 128 * 4)
     assert ops_of(cost)["qkv"][0] == 2 * 3 * 64 * (4 + 2 * 1) * 8
 
@@ -320,7 +323,8 @@ def test_moe_layer_by_hand():
 def _group_ops_of(shape, seqs):
     from torch_shift.planner.cost import _group_ops
 
-    return _group_ops(shape, seqs, tp=1, sp=1, num_layers=shape.num_layers, first_stage=True, last_stage=True)
+    # not the last stage, whose last layer's MLP runs on the sampled rows alone
+    return _group_ops(shape, seqs, tp=1, sp=1, num_layers=shape.num_layers, first_stage=True, last_stage=False)
 
 
 @pytest.mark.parametrize("config,total,active", [
@@ -348,10 +352,12 @@ def test_moe_configs_have_their_published_sizes(tmp_path, capsys, config, total,
     decode = ops_of(step_cost(shape, get_profile("h100"), Layout("tp"), [Seq(1, 100)]))["experts"][1]
     prefill = ops_of(step_cost(shape, get_profile("h100"), Layout("tp"), [Seq(512, 0)]))["experts"][1]
     h, k, layers = shape.hidden_size, shape.experts_per_token, shape.num_layers
-    per_expert = 3 * h * shape.expert_intermediate_size * 2 * layers  # bf16 weights over all layers
-    per_pair = 2 * h * 2 * layers  # a token-expert pair's input and output
-    assert decode == pytest.approx(k * per_expert + k * per_pair, rel=1e-9)
-    assert prefill == pytest.approx(shape.num_experts * per_expert + 512 * k * per_pair, rel=1e-6)
+    per_expert = 3 * h * shape.expert_intermediate_size * 2  # bf16 weights of a layer
+    per_pair = 2 * h * 2  # a token-expert pair's input and output
+    assert decode == pytest.approx(layers * (k * per_expert + k * per_pair), rel=1e-9)
+    # the last layer's experts on the prompt's last row alone
+    assert prefill == pytest.approx((layers - 1) * (shape.num_experts * per_expert + 512 * k * per_pair)
+                                    + k * per_expert + k * per_pair, rel=1e-6)
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--hardware", "h100x8", "--synthetic", "2048:64",
                  "--num-requests", "16", "--rate", "4", "--policies", "dp,tp", "--json", str(out)]) == 0
@@ -483,7 +489,9 @@ def _ledger_rank(rank, world, model_dir, sp, tp):
     if rank == 0:
         schedule = engine.scheduler.schedule
         engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
-        for i, prompt in enumerate(random_prompts(3, [13, 6, 9], seed=2)):
+        # one base step of 36 tokens, 18 on each SP rank, with two of the LM head's rows each (positions 9, 17 | 26,
+        # 35): the ranks' last layers sum as many rows, the cost model's busiest rank's (the ledgers stay alike)
+        for i, prompt in enumerate(random_prompts(4, [10, 8, 9, 9], seed=2)):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()

@@ -323,9 +323,10 @@ def _ledger_rank(rank, world, model_dir, n):
 
 def test_communication_ledger_matches_the_formulas(llama):
     """(SP, TP) = (2, 2), P = 4, 2 layers, hidden d = 64, 8 heads and 2 KV heads of 8 dims, vocab 512, fp32.
-    Base (paper 000, Alg. 2 and Table 2): per layer two TP all-reduces of n/SP x d, a q/k/v all-to-all and
-    an output all-to-all over SP; shift (Alg. 3): per layer two all-reduces of n x d over all P ranks.
-    Both: the LM head's all-gather of 1 row x V/P logits; base also sums the sampled row over SP."""
+    Base (paper 000, Alg. 2 and Table 2): per layer two TP all-reduces of n/SP x d (the last layer's of the
+    sampled row alone, on the SP rank that holds it), a q/k/v all-to-all and an output all-to-all over SP; shift
+    (Alg. 3): per layer two all-reduces of n x d over all P ranks. Both: the LM head's all-gather of 1 row x V/P
+    logits; base also sums the sampled row over SP."""
     _, model_dir = llama
     n, sp, tp, p, d, layers, f32 = 13, 2, 2, 4, 64, 2, 4
     counts = [7, 6]  # 13 tokens over SP = 2: SP rank 0 (global ranks 0, 1) holds 7, SP rank 1 (2, 3) holds 6
@@ -335,8 +336,10 @@ def test_communication_ledger_matches_the_formulas(llama):
              ("shift", "all_reduce"): 2 * layers, ("shift", "all_gather"): 1}
     for rank, (got_bytes, got_calls) in enumerate(run_ranks(_ledger_rank, 4, model_dir, n)):
         n_local = counts[rank // tp]
+        sampled_local = rank // tp  # the sampled row (position 12) is SP rank 1's
         expected = {
-            ("base", "all_reduce"): (layers * 2 * (2 * (tp - 1) * n_local * d * f32 // tp)
+            ("base", "all_reduce"): ((layers - 1) * 2 * (2 * (tp - 1) * n_local * d * f32 // tp)
+                                     + 2 * (2 * (tp - 1) * sampled_local * d * f32 // tp)
                                      + 2 * (sp - 1) * d * f32 // sp),
             # messages of 7 rows from both SP ranks: the rank of 6 tokens pads its own
             ("base", "all_to_all"): layers * (sp - 1) * counts[0] * (qkv_chunk + out_chunk) * f32,

@@ -108,10 +108,10 @@ _DYNAMO_CONFIG = {"specialize_float": True, "recompile_limit": 1 << 30, "accumul
 
 
 class CompiledForward:
-    """`forward(input_ids, positions, attention)` compiled with a dynamic token dimension; call it with the step's
-    attention callable. Until `seal()` every call checks dynamo's guards (and compiles where they fail); after it,
-    only the guards that tell this code's compiled graphs apart run (`skip_guard_eval_unsafe`), as vLLM's
-    compiled forwards skip them: the full check of every parameter's shape and stride cost 0.2-0.35 ms a step
+    """`forward(input_ids, positions, attention[, logits_indices])` compiled with a dynamic token dimension; call it
+    with the step's attention callable. Until `seal()` every call checks dynamo's guards (and compiles where they
+    fail); after it, only the guards that tell this code's compiled graphs apart run (`skip_guard_eval_unsafe`), as
+    vLLM's compiled forwards skip them: the full check of every parameter's shape and stride cost 0.2-0.35 ms a step
     (10% of a batch-1 decode step where the weights read in microseconds; docs/performance.md). The engine seals
     its forwards once its start-up warm-up has compiled them; tests/test_compile.py checks that serving never
     needs a graph the warm-up did not make."""
@@ -131,16 +131,20 @@ class CompiledForward:
         # a forward the warm-up never ran keeps its guards: sealed, it could run another module's graph of this code
         self.sealed = self._ran
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        args = (input_ids, positions, attention_op) if logits_indices is None else (
+            input_ids, positions, attention_op, logits_indices)
         with step_attention(attention):
             if self.sealed:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._compiled(input_ids, positions, attention_op)
-            # an unbacked token count: a one-token step reuses the graph instead of specialising on size 1
-            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-            torch._dynamo.decorators.mark_unbacked(positions, 0)
+                    return self._compiled(*args)
+            # an unbacked token count (and count of rows for the LM head): a one-token step reuses the graph
+            # instead of specialising on size 1
+            for tensor in args[:2] + args[3:]:
+                torch._dynamo.decorators.mark_unbacked(tensor, 0)
             with torch._dynamo.config.patch(_DYNAMO_CONFIG):
-                hidden = self._compiled(input_ids, positions, attention_op)
+                hidden = self._compiled(*args)
             self._ran = True
             return hidden
 

@@ -408,7 +408,10 @@ int linear(const Decoder& d, const void* x, int64_t x_stride, int64_t rows, cons
   return ts_packed_gemv(d.gemv_code, x, x_stride, rows, w, N, K, bias, out, out_stride);
 }
 
-int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, const void* attention) {
+// `keep` (the last layer; null on the others): only these rows go on after the attention, which reads every token's
+// keys and values: the LM head's rows, as DecoderLM.forward's logits_indices
+int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, const void* attention,
+               const int64_t* keep = nullptr, int64_t num_keep = 0) {
   const int dt = d.dtype;
   const int64_t H = d.hidden, I = d.intermediate, hd = d.head_dim, rows = d.qkv_rows();
   const int64_t q_size = d.heads * hd, kv_size = d.kv_heads * hd;
@@ -432,7 +435,22 @@ int layer_step(Decoder& d, const Layer& L, const int64_t* positions, int64_t T, 
   if ((rc = ts_step_attention(attention, L.kv_layer, d.q.data(), q_size, hd, d.k.data(), kv_size, hd, v, rows, hd,
                               T, d.heads, d.kv_heads, hd, L.window, d.attn.data())) != 0)
     return rc;
-  rc = linear(d, d.attn.data(), q_size, T, L.o, L.o_handle, H, q_size, L.o_bias, d.h.data(), H);
+  const char* attended = d.attn.data();
+  if (keep != nullptr) {  // the kept rows of the attention into q's room, of the residual stream through h's
+    for (int64_t r = 0; r < num_keep; ++r) {
+      std::memcpy(d.row(d.q, r, q_size), d.row(d.attn, keep[r], q_size), q_size * d.elem);
+      std::memcpy(d.row(d.h, r, H), d.row(d.x, keep[r], H), H * d.elem);
+    }
+    std::memcpy(d.x.data(), d.h.data(), num_keep * H * d.elem);
+    attended = d.q.data();
+    T = num_keep;
+    if (T == 0) {  // no logits rows (prompt chunks only): the layer's two all-reduces of no rows, as a peer's forward
+      for (int i = 0; i < 2 && d.communicator >= 0; ++i)
+        if ((rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), 0, H)) != 0) return rc;
+      return 0;
+    }
+  }
+  rc = linear(d, attended, q_size, T, L.o, L.o_handle, H, q_size, L.o_bias, d.h.data(), H);
   if (rc != 0) return rc;
   if (d.communicator >= 0 && (rc = ts_decoder_all_reduce(d.communicator, dt, d.h.data(), T, H)) != 0) return rc;
   // the residual add and the norm after it, as the eager forward's RMSNorm(x, residual): x += h, h = norm(x)
@@ -457,8 +475,12 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
     if (input_ids[t] < 0 || input_ids[t] >= d.vocab) return -201;
     std::memcpy(d.row(d.x, t, H), static_cast<const char*>(d.embed) + input_ids[t] * row_bytes, row_bytes);
   }
-  for (const Layer& layer : d.layers) {
-    const int rc = layer_step(d, layer, positions, num_tokens, attention);
+  for (int64_t r = 0; r < num_logits; ++r)
+    if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
+  for (size_t i = 0; i < d.layers.size(); ++i) {  // the last layer's projections and MLP on the logits rows alone
+    const bool last = i + 1 == d.layers.size();
+    const int rc = layer_step(d, d.layers[i], positions, num_tokens, attention, last ? logits_rows : nullptr,
+                              num_logits);
     if (rc != 0) return rc;
   }
   if (num_logits == 0)  // a shard's peers gather their empty rows all the same (in Python, a rank without the decoder)
@@ -466,12 +488,8 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
                ? ts_decoder_all_gather(d.communicator, d.dtype, d.shard.data(), 0, d.lm_head_rows, logits, d.vocab)
                : 0;
   if (d.lm_head == nullptr && argmax != nullptr) return -200;
-  for (int64_t r = 0; r < num_logits; ++r) {  // the logits rows first: RMSNorm is row by row
-    if (logits_rows[r] < 0 || logits_rows[r] >= num_tokens) return -201;
-    std::memcpy(d.row(d.q, r, H), d.row(d.x, logits_rows[r], H), row_bytes);
-  }
-  // without an LM head the rows' final hidden states are the step's result
-  int rc = norm(d, d.q.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
+  // the logits rows are the first of x; without an LM head their final hidden states are the step's result
+  int rc = norm(d, d.x.data(), num_logits, d.final_norm, d.lm_head == nullptr ? logits : d.h.data());
   if (rc != 0 || d.lm_head == nullptr) return rc;
   const bool gathered = d.gathers_logits();
   rc = linear(d, d.h.data(), H, num_logits, d.lm_head, d.lm_head_handle, d.lm_head_rows, H, nullptr,

@@ -122,8 +122,11 @@ class Attention(nn.Module):
         self.query_scale = config.query_scale
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """-> the output projection of every token's attention, or of the tokens at `logits_indices` only (every
+        token's keys and values are still computed and written)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -139,7 +142,8 @@ class Attention(nn.Module):
             out = attention(self.layer_idx, q, k, v)
         else:
             out = attention(self.layer_idx, q, k, v, self.sinks, self.sliding_window)
-        return self.o_proj(out.flatten(1))
+        out = out.flatten(1)
+        return self.o_proj(out if logits_indices is None else out[logits_indices])
 
 
 class DecoderLayer(nn.Module):
@@ -160,20 +164,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attention: AttentionFn,
-        residual: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None, logits_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it): the hidden state after the layer is their
         sum, which the next norm adds (`residual`: the last layer's residual stream, x its MLP output; None: x is
-        the hidden state itself)."""
+        the hidden state itself). With `logits_indices`, of those tokens only: the last layer's attention reads
+        every token, and nothing after it needs the other tokens' rows (llama.cpp's graphs skip them alike)."""
         if self.pre_feedforward_norm is not None:
             hidden = x if residual is None else x + residual
-            hidden = hidden + self.post_attention_norm(self.attn(self.input_norm(hidden), positions, rotary, attention))
+            attended = self.attn(self.input_norm(hidden), positions, rotary, attention, logits_indices)
+            hidden = (hidden if logits_indices is None else hidden[logits_indices]) + self.post_attention_norm(attended)
             return self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(hidden))), hidden
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
             h, residual = self.input_norm(x, residual)
-        h, residual = self.post_attention_norm(self.attn(h, positions, rotary, attention), residual)
+        h = self.attn(h, positions, rotary, attention, logits_indices)
+        h, residual = self.post_attention_norm(h, residual if logits_indices is None else residual[logits_indices])
         return self.mlp(h), residual
 
 
@@ -189,11 +196,15 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size], or [R, hidden_size] of the tokens at
+        `logits_indices` ([R], the rows the LM head reads): the last layer's output projection and MLP run on
+        those rows alone (a 512-token prompt's first token: an eighth of an 8-layer model's linear layers)."""
         x, residual = embed(self.config, self.embed_tokens, input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, positions, self.rotary, attention, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, positions, self.rotary, attention, residual, logits_indices if i == last else None)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -132,14 +132,22 @@ class ShardDecoder:
         logits = self.decoder(input_ids, positions, logits_indices, attention)
         if logits is None:
             return None
-        # the ledger counts the call's all-reduces (two a layer, [tokens, hidden] each), as the forward's
+        # the ledger counts the call's all-reduces as the forward's
         model = self.decoder.model
-        comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
-                            * logits.element_size(), self.group)
+        record_decoder_all_reduces(model, len(input_ids), len(logits_indices), logits.element_size(), self.group)
         if self.decoder.gathers_logits:  # as VocabParallelLMHead's all-gather counts it
             comm.record_outside("all_gather", 1, len(logits) * model.lm_head.packed.out_features
                                 * logits.element_size(), self.group)
         return logits
+
+
+def record_decoder_all_reduces(model: nn.Module, num_tokens: int, num_logits: int, element_size: int,
+                               group: dist.ProcessGroup) -> None:
+    """Count a C++ decoder call's all-reduces in the ledger as the forward's: two a layer, [tokens, hidden] each, the
+    last layer's of its logits rows alone (DecoderLM.forward's logits_indices)."""
+    row_bytes = model.config.hidden_size * element_size
+    comm.record_outside("all_reduce", 2 * (len(model.layers) - 1), num_tokens * row_bytes, group)
+    comm.record_outside("all_reduce", 2, num_logits * row_bytes, group)
 
 
 class UlyssesDecoder:
@@ -189,9 +197,8 @@ class UlyssesDecoder:
         # this rank attends every head chunk itself), two all-reduces of [tokens, hidden] over "tp"
         if ulysses.exchanges:
             self._record_all_to_alls(ulysses)
-        model = self.decoder.model
-        comm.record_outside("all_reduce", 2 * len(model.layers), len(input_ids) * model.config.hidden_size
-                            * self.decoder.dtype.itemsize, self.tp_group)
+        record_decoder_all_reduces(self.decoder.model, len(input_ids), len(logits_rows), self.decoder.dtype.itemsize,
+                                   self.tp_group)
         return hidden
 
     def attend(self, ulysses: UlyssesAttention) -> bool:

@@ -55,12 +55,16 @@ class PipelineStage(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, config.local_rope)
         self.config = config
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, the previous stage's hidden states [T, hidden] on the
-        others -> hidden states [T, hidden] (after the final norm on the last stage)."""
+        others -> hidden states [T, hidden] (after the final norm on the last stage), or, on the last stage, of
+        the tokens at `logits_indices` only (DecoderLM.forward's)."""
+        assert logits_indices is None or self.norm is not None, "only the last stage's rows go to the LM head"
         x, residual = embed(self.config, self.embed_tokens, inputs) if self.embed_tokens is not None else inputs, None
-        for layer in self.layers:
-            x, residual = layer(x, positions, self.rotary, attention, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, positions, self.rotary, attention, residual, logits_indices if i == last else None)
         if residual is not None:
             return self.norm(x, residual)[0] if self.norm is not None else x + residual
         return self.norm(x) if self.norm is not None else x
@@ -219,8 +223,9 @@ class PipelineModel(LayoutCounters, nn.Module):
                       if native is not None else None)
             if logits is not None:
                 return logits
-            hidden = self.forwards.get("tp", self.tp)(batch.input_ids, batch.positions, batch.attention)
-            return self.tp.compute_logits(hidden[batch.logits_indices])
+            hidden = self.forwards.get("tp", self.tp)(batch.input_ids, batch.positions, batch.attention,
+                                                      batch.logits_indices)
+            return self.tp.compute_logits(hidden)
 
     def _pipeline(self, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Activations arriving from the stage before are all posted for at once; each micro-batch's output
@@ -243,10 +248,11 @@ class PipelineModel(LayoutCounters, nn.Module):
             else:
                 inputs, work = received[m]
                 work.wait()
-            hidden = forward(inputs, batch.positions, batch.attention)
             if last:
-                logits.append(stage.lm_head(hidden[batch.logits_indices]))
+                hidden = forward(inputs, batch.positions, batch.attention, batch.logits_indices)
+                logits.append(stage.lm_head(hidden))
             else:
+                hidden = forward(inputs, batch.positions, batch.attention)
                 sends.append(comm.isend(hidden, self.stage_ranks[index + 1], _ACTIVATION_TAG + m))
         for work in sends:
             work.wait()

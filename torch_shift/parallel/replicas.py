@@ -117,11 +117,11 @@ class ReplicaModel(LayoutCounters, nn.Module):
                 logits = native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
                 if logits is not None:
                     return logits if self.leaders[key] else None
-            hidden = forward(batch.input_ids, batch.positions, batch.attention)
+            hidden = forward(batch.input_ids, batch.positions, batch.attention, batch.logits_indices)
             # a view's LM head holds the rank's rows of the vocabulary: every rank of the group computes its share,
             # which the group gathers (the first rank's whole head alone, while the others waited, made a TP-2 batch-1
             # decode step of the 106M model 6-10% longer: docs/performance.md)
-            logits = model.compute_logits(hidden[batch.logits_indices])
+            logits = model.compute_logits(hidden)
         return logits if key is None or self.leaders[key] else None
 
 

@@ -423,8 +423,7 @@ class ShiftModule(LayoutCounters, nn.Module):
             return logits
         if which == "shift":
             assert self.shift is not None, "this ShiftModule was built without a shift layout"
-            hidden = self.forwards["shift"](input_ids, positions, attention)
-            return self.shift.compute_logits(hidden[logits_indices])
+            return self.shift.compute_logits(self.forwards["shift"](input_ids, positions, attention, logits_indices))
         return self._base_step(input_ids, positions, attention, logits_indices)
 
     def _base_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
@@ -434,8 +433,7 @@ class ShiftModule(LayoutCounters, nn.Module):
             # plain TP: the step's attention as it is (wrapped for Ulysses with SP 1, its all-to-alls only copied,
             # and the compiled forward's attention ran its Python path instead of the C++ one: a TP-2 decode step
             # of the 106M model took 2 ms more for it, docs/performance.md)
-            hidden = self.forwards["base"](input_ids, positions, attention)
-            return self.base.compute_logits(hidden[logits_indices])
+            return self.base.compute_logits(self.forwards["base"](input_ids, positions, attention, logits_indices))
         n = input_ids.shape[0]
         if self._solo(n) and callable(getattr(attention, "over", None)):
             return self._solo_step(input_ids, positions, attention, logits_indices)
@@ -457,11 +455,10 @@ class ShiftModule(LayoutCounters, nn.Module):
             rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
             rows[mine] = mine_rows
         elif n_local or self.experts_over_sp:
-            hidden = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local], ulysses)
-            if n_local:
-                rows = hidden[local.clamp(0, n_local - 1)] * mine[:, None].to(hidden.dtype)
-            else:
-                rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
+            mine_rows = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local],
+                                              ulysses, local[mine])
+            rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
+            rows[mine] = mine_rows
         else:
             hidden = self._attend_only(ulysses)
             rows = hidden.new_zeros(logits_indices.shape[0], hidden.shape[-1])
@@ -483,7 +480,7 @@ class ShiftModule(LayoutCounters, nn.Module):
             native = self.native_decoders.get("base")
             rows = native.step(input_ids, positions, logits_indices, ulysses) if native is not None else None
             if rows is None:
-                rows = self.forwards["base"](input_ids, positions, ulysses)[logits_indices]
+                rows = self.forwards["base"](input_ids, positions, ulysses, logits_indices)
         else:
             weight = self.base.embed_tokens.weight
             rows = weight.new_zeros(logits_indices.shape[0], self.config.hidden_size)

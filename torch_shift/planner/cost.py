@@ -14,6 +14,8 @@ lasts as long as its slowest group.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -178,6 +180,21 @@ def _sparse_layers(shape: ModelShape, num_layers: int) -> int:
     return round(num_layers * shape.num_sparse_layers / shape.num_layers)
 
 
+def _busiest_rank_rows(seqs: Sequence[Seq], sp: int) -> int:
+    """The LM head's rows on the SP rank that holds the most of them: each rank holds a contiguous share of the step's
+    tokens (ShiftModule._base_step: n // sp each, one more on the first n % sp), a sequence's rows are its last
+    tokens."""
+    tokens = sum(s.num_new_tokens for s in seqs)
+    ends = list(itertools.accumulate(tokens // sp + (r < tokens % sp) for r in range(sp)))
+    per_rank = [0] * sp
+    end = 0
+    for s in seqs:
+        end += s.num_new_tokens
+        for position in range(end - s.logits_rows, end):
+            per_rank[bisect.bisect_right(ends, position)] += 1
+    return max(per_rank)
+
+
 def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_layers: int,
                first_stage: bool, last_stage: bool, expert_parallel: bool = False) -> list[Op]:
     """The ops of one rank of an (SP x) TP group running `num_layers` layers of one (micro-)batch. A sparse
@@ -190,10 +207,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
     q_lin, kv_lin = _heads_per_rank(shape, tp)  # heads in the rank's q/k/v and o shards
     q_att, kv_att = _heads_per_rank(shape, sp * tp)  # heads it attends (after the all-to-all)
     d, h = shape.head_dim, shape.hidden_size
-    layer = [
-        ops.linear("qkv", shape, local, h, (q_lin + 2 * kv_lin) * d, bias=shape.attention_bias),
-        ops.linear("o_proj", shape, local, q_lin * d, h),
-    ]
+    layer = [ops.linear("qkv", shape, local, h, (q_lin + 2 * kv_lin) * d, bias=shape.attention_bias)]
     prefill = [s for s in seqs if s.num_new_tokens > 1]
     decode = [s for s in seqs if s.num_new_tokens == 1]
     per_kind = []  # (ops of one layer of the kind, how many layers)
@@ -209,36 +223,50 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
             attention_ops.append(ops.attention(shape, decode, q_att, kv_att, "attention_decode", window))
         if count and attention_ops:
             per_kind.append((attention_ops, count))
+
+    def after_attention(n: int, step_rows: int, sparse_layer: bool) -> list[Op]:
+        """One layer's output projection and MLP on `n` rows of the `step_rows` over the SP ranks (none read a weight
+        for no rows)."""
+        if not n:
+            return []
+        out = [ops.linear("o_proj", shape, n, q_lin * d, h)]
+        if not sparse_layer:
+            inter = shape.intermediate_size // tp
+            return out + [ops.linear("gate_up", shape, n, h, 2 * inter), ops.linear("down", shape, n, inter, h)]
+        if shape.shared_expert_intermediate_size:  # split as a dense MLP, whole on an SP rank of EP's base
+            shared = shape.shared_expert_intermediate_size // tp
+            out += [ops.linear("shared_expert_gate_up", shape, n, h, 2 * shared + 1),
+                    ops.linear("shared_expert_down", shape, n, shared, h)]
+        out.append(ops.linear("router", shape, n, h, shape.num_experts))
+        if expert_parallel:  # E / n whole experts per rank: 1/n of the step's token-expert pairs
+            return out + [ops.experts(shape, step_rows, shape.expert_intermediate_size, ranks=sp * tp)]
+        return out + [ops.experts(shape, n, shape.expert_intermediate_size // tp)]
+
     sparse = _sparse_layers(shape, num_layers)
+    # the last stage's last layer (sparse where any is) runs its projection and MLP on the LM head's rows alone
+    # (DecoderLM.forward's logits_indices): on an SP rank, on those among its own tokens
+    last = last_stage and num_layers > 0
+    for sparse_layer, count in ((False, num_layers - sparse), (True, sparse)):
+        last_here = last and sparse_layer == (sparse > 0)
+        if count - last_here:
+            per_kind.append((after_attention(local, tokens, sparse_layer), count - last_here))
+        if count and last_here:
+            per_kind.append((after_attention(_busiest_rank_rows(seqs, sp), rows, sparse_layer), 1))
     if num_layers - sparse:
-        inter = shape.intermediate_size // tp
-        per_kind.append(([ops.linear("gate_up", shape, local, h, 2 * inter), ops.linear("down", shape, local, inter, h),
-                          ops.layer_elementwise(shape, local, q_lin, kv_lin, inter)], num_layers - sparse))
-    if sparse and shape.shared_expert_intermediate_size:  # split as a dense MLP, whole on an SP rank of EP's base
-        shared = shape.shared_expert_intermediate_size // tp
-        per_kind.append(([ops.linear("shared_expert_gate_up", shape, local, h, 2 * shared + 1),
-                          ops.linear("shared_expert_down", shape, local, shared, h)], sparse))
-    if sparse and expert_parallel:  # E / n whole experts per rank: 1/n of the step's token-expert pairs
-        n, width = sp * tp, shape.expert_intermediate_size
-        per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
-                          ops.experts(shape, tokens, width, ranks=n),
-                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * width // n
-                                                + shape.shared_expert_intermediate_size // tp)],
-                         sparse))
-    elif sparse:
-        columns = shape.expert_intermediate_size // tp
-        per_kind.append(([ops.linear("router", shape, local, h, shape.num_experts),
-                          ops.experts(shape, local, columns),
-                          ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.experts_per_token * columns
-                                                + shape.shared_expert_intermediate_size // tp)],
-                         sparse))
+        per_kind.append(([ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.intermediate_size // tp)],
+                         num_layers - sparse))
+    if sparse:
+        columns = (shape.experts_per_token * shape.expert_intermediate_size // (sp * tp) if expert_parallel
+                   else shape.experts_per_token * (shape.expert_intermediate_size // tp))
+        per_kind.append(([ops.layer_elementwise(shape, local, q_lin, kv_lin,
+                                                columns + shape.shared_expert_intermediate_size // tp)], sparse))
     result = [Op(o.name, o.flops * num_layers, o.bytes * num_layers, o.rate, o.dtype, o.rows) for o in layer]
     for kind_ops, count in per_kind:
         result += [Op(o.name, o.flops * count, o.bytes * count, o.rate, o.dtype, o.rows) for o in kind_ops]
     if first_stage:
         result.append(ops.embedding(shape, local))
     if last_stage:
-        result.append(ops.final_norm(shape, local))
+        result.append(ops.final_norm(shape, _busiest_rank_rows(seqs, sp)))
         if rows:
             result.append(ops.lm_head(shape, rows, -(-shape.vocab_size // (sp * tp))))
             result.append(ops.sampling(shape, rows))
@@ -256,18 +284,30 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
     q_att, kv_att = _heads_per_rank(shape, sp * tp)
     out = []
     sparse = _sparse_layers(shape, num_layers) if expert_parallel else 0
+    # the last stage's last layer (sparse where any is) sums and exchanges the LM head's rows alone (_group_ops)
+    last = int(last_stage and num_layers > 0)
+    last_sparse = int(last and sparse > 0)
+
+    def per_layer(name: str, op: str, size: int, calls: int, row_bytes: int, last_calls: int) -> None:
+        """`calls` collectives of the rank's rows, `last_calls` of them the last layer's, of its rows alone."""
+        if last_calls:
+            out.append((name, op, size, calls - last_calls, local * row_bytes))
+            out.append((name, op, size, last_calls, _busiest_rank_rows(seqs, sp) * row_bytes))
+        else:
+            out.append((name, op, size, calls, local * row_bytes))
+
     if tp > 1:  # o_proj and down_proj are row-parallel (layers.RowParallelLinear)
-        out.append(("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, local * h * a))
+        per_layer("tp_all_reduce", "all_reduce", tp, 2 * num_layers - sparse, h * a, (1 if last_sparse else 2) * last)
     if sparse and tp > 1:  # expert_parallel: the experts' outputs summed in float32
-        out.append(("ep_all_reduce", "all_reduce", tp, sparse, local * h * 4))
+        per_layer("ep_all_reduce", "all_reduce", tp, sparse, h * 4, last_sparse)
     if sparse and tp > 1 and shape.shared_expert_intermediate_size:  # expert_parallel: a shared expert's own sum
-        out.append(("shared_expert_all_reduce", "all_reduce", tp, sparse, local * h * a))
+        per_layer("shared_expert_all_reduce", "all_reduce", tp, sparse, h * a, last_sparse)
     if sparse and sp > 1:  # expert_parallel: the pair counts, the pairs' rows and expert ids to their experts'
-        pairs = local * shape.experts_per_token  # ranks, the outputs back: four all-to-alls (expert_parallel.py)
+        k = shape.experts_per_token  # ranks, the outputs back: four all-to-alls (expert_parallel.py)
         out.append(("ep_all_to_all_counts", "all_to_all", sp, sparse, sp * 8))
-        out.append(("ep_all_to_all_dispatch", "all_to_all", sp, sparse, pairs * h * a))
-        out.append(("ep_all_to_all_expert_ids", "all_to_all", sp, sparse, pairs * 8))
-        out.append(("ep_all_to_all_combine", "all_to_all", sp, sparse, pairs * h * a))
+        per_layer("ep_all_to_all_dispatch", "all_to_all", sp, sparse, k * h * a, last_sparse)
+        per_layer("ep_all_to_all_expert_ids", "all_to_all", sp, sparse, k * 8, last_sparse)
+        per_layer("ep_all_to_all_combine", "all_to_all", sp, sparse, k * h * a, last_sparse)
     if sp > 1:  # ulysses.UlyssesAttention: one fused q/k/v all-to-all, one for the output
         out.append(("sp_all_to_all_qkv", "all_to_all", sp, num_layers, sp * local * (q_att + 2 * kv_att) * d * a))
         out.append(("sp_all_to_all_out", "all_to_all", sp, num_layers, sp * local * q_att * d * a))
@@ -377,8 +417,8 @@ def _price_group(shape: ModelShape, hw: HardwareProfile, seqs: Sequence[Seq], *,
     op_costs = _merge(_price(hw, _group_ops(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
                                             first_stage=True, last_stage=True, expert_parallel=expert_parallel),
                              active, attention_hw))
-    comm = tuple(_price_collectives(hw, _group_collectives(shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers,
-                                                           last_stage=True, expert_parallel=expert_parallel)))
+    comm = _merge_collectives(_price_collectives(hw, _group_collectives(
+        shape, seqs, tp=tp, sp=sp, num_layers=shape.num_layers, last_stage=True, expert_parallel=expert_parallel)))
     return op_costs, comm, sum(c.time_s for c in op_costs) + sum(c.time_s for c in comm)
 
 

@@ -240,8 +240,8 @@ class DraftModelProposer:
         if self.native is not None and self.native.runs(len(input_ids), attention):
             logits = self.native(input_ids, positions_t, tensor(logits_indices), attention)
         if logits is None:
-            hidden = self.model(input_ids, positions_t, attention)
-            logits = self.model.compute_logits(hidden[tensor(logits_indices)]) if len(logits_indices) else None
+            hidden = self.model(input_ids, positions_t, attention, tensor(logits_indices))
+            logits = self.model.compute_logits(hidden) if len(logits_indices) else None
         if not len(logits_indices):
             return []
         next_tokens = argmax_list(logits)
