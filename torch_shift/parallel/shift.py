@@ -449,14 +449,11 @@ class ShiftModule(LayoutCounters, nn.Module):
         local = logits_indices - start
         mine = (local >= 0) & (local < n_local)
         native = self.native_decoders.get("base") if n_local else None
-        mine_rows = (native.step(input_ids[start:start + n_local], positions[start:start + n_local], local[mine],
-                                 ulysses) if native is not None else None)
+        ids, at = input_ids[start:start + n_local], positions[start:start + n_local]
+        mine_rows = native.step(ids, at, local[mine], ulysses) if native is not None else None
+        if mine_rows is None and (n_local or self.experts_over_sp):
+            mine_rows = self.forwards["base"](ids, at, ulysses, local[mine])
         if mine_rows is not None:
-            rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
-            rows[mine] = mine_rows
-        elif n_local or self.experts_over_sp:
-            mine_rows = self.forwards["base"](input_ids[start:start + n_local], positions[start:start + n_local],
-                                              ulysses, local[mine])
             rows = mine_rows.new_zeros(logits_indices.shape[0], mine_rows.shape[-1])
             rows[mine] = mine_rows
         else:

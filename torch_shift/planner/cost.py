@@ -184,6 +184,8 @@ def _busiest_rank_rows(seqs: Sequence[Seq], sp: int) -> int:
     """The LM head's rows on the SP rank that holds the most of them: each rank holds a contiguous share of the step's
     tokens (ShiftModule._base_step: n // sp each, one more on the first n % sp), a sequence's rows are its last
     tokens."""
+    if sp == 1:
+        return sum(s.logits_rows for s in seqs)
     tokens = sum(s.num_new_tokens for s in seqs)
     ends = list(itertools.accumulate(tokens // sp + (r < tokens % sp) for r in range(sp)))
     per_rank = [0] * sp
@@ -204,6 +206,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
     tokens = sum(s.num_new_tokens for s in seqs)
     local = -(-tokens // sp)  # tokens on the busiest SP rank (ShiftModule._base_step)
     rows = sum(s.logits_rows for s in seqs)
+    last_rows = _busiest_rank_rows(seqs, sp)  # the LM head's rows on this rank: the last layer's after its attention
     q_lin, kv_lin = _heads_per_rank(shape, tp)  # heads in the rank's q/k/v and o shards
     q_att, kv_att = _heads_per_rank(shape, sp * tp)  # heads it attends (after the all-to-all)
     d, h = shape.head_dim, shape.hidden_size
@@ -251,7 +254,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
         if count - last_here:
             per_kind.append((after_attention(local, tokens, sparse_layer), count - last_here))
         if count and last_here:
-            per_kind.append((after_attention(_busiest_rank_rows(seqs, sp), rows, sparse_layer), 1))
+            per_kind.append((after_attention(last_rows, rows, sparse_layer), 1))
     if num_layers - sparse:
         per_kind.append(([ops.layer_elementwise(shape, local, q_lin, kv_lin, shape.intermediate_size // tp)],
                          num_layers - sparse))
@@ -266,7 +269,7 @@ def _group_ops(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: int, num_
     if first_stage:
         result.append(ops.embedding(shape, local))
     if last_stage:
-        result.append(ops.final_norm(shape, _busiest_rank_rows(seqs, sp)))
+        result.append(ops.final_norm(shape, last_rows))
         if rows:
             result.append(ops.lm_head(shape, rows, -(-shape.vocab_size // (sp * tp))))
             result.append(ops.sampling(shape, rows))
@@ -287,12 +290,13 @@ def _group_collectives(shape: ModelShape, seqs: Sequence[Seq], *, tp: int, sp: i
     # the last stage's last layer (sparse where any is) sums and exchanges the LM head's rows alone (_group_ops)
     last = int(last_stage and num_layers > 0)
     last_sparse = int(last and sparse > 0)
+    last_rows = _busiest_rank_rows(seqs, sp)
 
     def per_layer(name: str, op: str, size: int, calls: int, row_bytes: int, last_calls: int) -> None:
         """`calls` collectives of the rank's rows, `last_calls` of them the last layer's, of its rows alone."""
         if last_calls:
             out.append((name, op, size, calls - last_calls, local * row_bytes))
-            out.append((name, op, size, last_calls, _busiest_rank_rows(seqs, sp) * row_bytes))
+            out.append((name, op, size, last_calls, last_rows * row_bytes))
         else:
             out.append((name, op, size, calls, local * row_bytes))
 
