@@ -28,6 +28,7 @@ WORK = {  # name: runs of (cached tokens, new tokens)
     "decode 256 x 300": [(299, 1)] * 256,
     "prompt 512": [(0, 512)],
     "chunk 512 after 1024": [(1024, 512)],
+    "chunk 2048 after 2048": [(2048, 2048)],  # a 4,096-token prompt's second chunk
 }
 
 

@@ -14,10 +14,11 @@ is reported.
 The model: a random Llama of 106M parameters (hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, MLP 2816,
 vocab 8192), weights far beyond the CPU's caches; or, with `--model qwen2.5-0.5b`, random weights of Qwen2.5-0.5B's
 shape (494M parameters: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, q/k/v bias, an embedding of
-151,936 tokens tied to the LM head). The work, token ids on both sides (greedy, `ignore_eos`,
-prefix caching off, `max_num_batched_tokens` 2048): one 512-token prompt with 64 new tokens (TTFT: the time to
-generate one token; TPOT: the time of 64 less that of one, over 63) and a batch of 64 requests of 64-512 prompt
-tokens and 16-128 new tokens (throughput: prompt and generated tokens over the wall time of `generate`).
+151,936 tokens tied to the LM head). The work, token ids on both sides (greedy, `ignore_eos`, prefix caching off,
+`max_num_batched_tokens` 2048): one 512-token prompt (`--prompt-tokens N` for another length) with 64 new tokens
+(TTFT: the time to generate one token; TPOT: the time of 64 less that of one, over 63) and a batch of 64 requests of
+64-512 prompt tokens and 16-128 new tokens (throughput: prompt and generated tokens over the wall time of
+`generate`).
 
 Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2
 against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
@@ -84,17 +85,26 @@ def log(message: str) -> None:
 
 
 # -- the work ----------------------------------------------------------------------------------------------
-def make_work(model_dir: Path, model: dict = MODEL, seed: int = 0) -> dict:
+def make_work(model_dir: Path, model: dict = MODEL, seed: int = 0, prompt_tokens: int = 512) -> dict:
     rng = random.Random(seed)
     vocab = model["vocab_size"]
-    single = {"prompt": [rng.randrange(2, vocab) for _ in range(512)], "max_tokens": 64}
+    prompt = [rng.randrange(2, vocab) for _ in range(512)]
     batch = []
     for _ in range(64):
         n, m = rng.randint(64, 512), rng.randint(16, 128)
         batch.append({"prompt": [rng.randrange(2, vocab) for _ in range(n)], "max_tokens": m})
+    # another length: the same batch, the prompt cut or continued from a generator of its own
+    more = random.Random(seed + 1)
+    prompt = prompt[:prompt_tokens] + [more.randrange(2, vocab) for _ in range(prompt_tokens - len(prompt))]
+    single = {"prompt": prompt, "max_tokens": 64}
     return {"model": str(model_dir), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-            "max_model_len": MAX_MODEL_LEN, "single": single, "batch": batch, "repeats": 3,
+            "max_model_len": max_model_len(prompt_tokens), "single": single, "batch": batch, "repeats": 3,
             "gemm_threads": os.cpu_count()}
+
+
+def max_model_len(prompt_tokens: int) -> int:
+    """The engines' context: MAX_MODEL_LEN, or the single prompt and its new tokens in whole blocks of 256."""
+    return max(MAX_MODEL_LEN, -(-(prompt_tokens + 64) // 256) * 256)
 
 
 def batch_tokens(work: dict) -> int:
@@ -358,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                              "4 bits, symmetric, AWQ: 4 bits, both in groups of 128; FP8: blocks of 128 x 128; "
                              "toy.quantize_checkpoint): vLLM keeps them quantized and runs them in bfloat16 in every "
                              "row (it refuses float32 for them), torch_shift dequantizes them as they load")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="the single prompt's length (TTFT, TPOT at its context; prefilled in chunks of "
+                             f"{MAX_NUM_BATCHED_TOKENS} tokens beyond that); the batch stays as it is")
     parser.add_argument("--torch-shift-args", type=json.loads, default={}, metavar="JSON",
                         help='engine arguments added to every torch_shift configuration, e.g. \'{"compile": true}\'')
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine's process may take")
@@ -378,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch_shift.models.toy import quantize_checkpoint, tiny_llama_config, write_random_checkpoint
 
+    if args.prompt_tokens < 1:
+        parser.error("--prompt-tokens must be at least 1")
     model = MODELS[args.model]
+    if max_model_len(args.prompt_tokens) > model["max_position_embeddings"]:  # a random model: any context will do
+        model = {**model, "max_position_embeddings": max_model_len(args.prompt_tokens)}
     report: dict = {"model": model, "init_std": INIT_STD, "rows": {}, "model_numbers": model_numbers(model)}
     with tempfile.TemporaryDirectory(prefix="torch_shift_peers_") as tmp_name:
         tmp = Path(tmp_name)
@@ -387,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             quantize_checkpoint(model_dir, tmp / args.quantization, args.quantization,
                                 symmetric=True)  # vLLM-CPU runs 4-bit GPTQ with sym only
             model_dir, report["quantization"] = tmp / args.quantization, args.quantization
-        work = make_work(model_dir, model)
+        work = make_work(model_dir, model, prompt_tokens=args.prompt_tokens)
         log(f"model: {report['model_numbers']['parameters'] / 1e6:.0f}M parameters; batch: {len(work['batch'])} "
             f"requests, {batch_tokens(work)} tokens")
         log("machine limits ...")
