@@ -146,3 +146,40 @@ def test_triton_linears_in_a_compiled_graph_engine_match_transformers(checkpoint
     assert llm.engine.runner.graphs.num_replays >= MAX_TOKENS - 1
     chosen = {key[2]: tile for key, tile in triton_linear._choices.items()}
     assert set(chosen) >= {1, 8} and all(tile is not None for tile in chosen.values()), triton_linear._choices
+
+
+@pytest.mark.parametrize("async_scheduling", [None, True], ids=["default", "async"])
+@pytest.mark.parametrize("method", ["suffix", "ngram", "draft_model"])
+def test_speculative_decoding_on_the_gpu_keeps_the_tokens(llama, method, async_scheduling):
+    """The GPU's default engine (Triton, CUDA graphs) with each method against the same engine without one: greedy
+    and seeded outputs the same, proposals accepted, every block given back. Asynchronous scheduling is off by
+    default with a speculator; asked for, only the steps after which nothing is proposed run ahead. The draft model
+    is the target itself, whose proposals a check accepts."""
+    _, model_dir = llama
+    prompts = [p * 3 + p[:2] for p in random_prompts(6, [4, 7, 3, 9, 5, 6], seed=0)]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0.7, seed=3, n=2, top_k=20)] + [GREEDY] * 2
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 3},
+            "suffix": {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_min_token_prob": 0.0},
+            "draft_model": {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4},
+            }[method] | {"goodput_budget": False}
+    llm = LLM(str(model_dir), device="cuda", block_size=4, gpu_memory_utilization=0.2)
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(model_dir), device="cuda", block_size=4, gpu_memory_utilization=0.2, speculative_config=spec,
+              async_scheduling=async_scheduling)
+    assert llm.engine.runner.graphs is not None
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, reference):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for cg, cw in zip(g.outputs, w.outputs):
+            for lg, lw in zip(cg.logprobs or [], cw.logprobs or []):
+                assert max(abs(lg[t].logprob - lw[t].logprob) for t in lw) < 1e-4
+    stats = llm.stats()["spec_decode"]
+    assert stats["method"] == method and stats["num_accepted_tokens"] > 0, stats
+    assert not llm.engine.block_manager.req_blocks
