@@ -83,19 +83,21 @@ inline int64_t onednn_k_run(int64_t K) { return K <= 1024 ? 512 : 1024; }
 // the second's slower, 44).
 constexpr int64_t kStreamAheadBytes = 4096;
 // A block run as one group of rows (up to kMaxOneGroup) also requests every line of its stream this far ahead into L2
-// (prefetcht2), on Intel CPUs: the stream's rate fell from 28 GB/s at one row to 19 at eight, the products' time adding
+// (prefetcht2): the stream's rate fell from 28 GB/s at one row to 19 at eight, the products' time adding
 // to the reads' instead of hiding under them. bench/ab_cpu_linear.py --kernel packed (8 layers of the 106M model's
 // linears, 2 threads of an AMX Xeon), float32 at 1 / 2 / 3 / 4 / 6 / 8 / 9 rows: 1.01-1.04 / 1.02-1.04 / 1.13 /
 // 1.18-1.23 / 1.43 / 1.26-1.34 / 1.32x; two of the four lines, 0.97-1.00x; 32-128 KiB ahead alike; prefetchnta 0.4x.
 // bfloat16's dot products (AMX off): 1.03 / 1.09 / 1.15 / 1.06x at 1 / 2 / 4 / 8 rows. Not for blocks of several
 // groups, which request the next block already (16 rows with the weights in L3: 0.80x), nor on the tile unit
-// (1.01-1.04x, in the spread). AMD CPUs: not measured, kept as they were.
+// (1.01-1.04x, in the spread). On a Zen 4 EPYC (family 25, model 17), the same command: float32 at 1 / 4 / 8 / 9 rows
+// 1.07-1.15 / 1.17-1.22 / 1.54-1.68 / 1.93-2.08x, bfloat16 at 1 / 2 / 4 / 6 / 8 / 9 rows 1.34 / 1.22 / 1.58 / 2.04 /
+// 1.98 / 1.55x; so on every CPU.
 constexpr int64_t kL2AheadBytes = 65536;
 bool intel_cpu() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
 }
-const bool on_intel = intel_cpu();  // what was measured there only: these requests, F32HalfBlock
+const bool on_intel = intel_cpu();  // what was measured there only: every group requesting the next block's lines
 
 // A run of k-steps' sums (R rows of V vectors, features f0 on) into `out`: the first run's stored, a later one's added
 // to what the runs before it left (exact), the bias after the last; oneDNN's order (onednn_k_run)
@@ -165,7 +167,9 @@ struct F32Rows {
 // packed (as above) at 10 / 12 / 14 / 15 / 16 / 17 rows: 1.13 / 1.10-1.13 / 1.15-1.17 / 1.10 / 1.08 / 1.07x; with the
 // weights in L3 1.05 / 1.05 / 0.91 at 10 / 12 / 14 and 0.82-0.83 at 16-17 (a group's broadcast of x feeds four
 // products, a half's two). 18 rows 0.71x (spills); a quarter block of one vector at 15-28 rows 0.44-0.84x (one product
-// a broadcast). On Intel CPUs (on_intel). Each output the same chain of FMAs as F32Rows', stored as theirs (store_run).
+// a broadcast). On a Zen 4 EPYC, against one group's rows requested ahead: 10 / 11 / 12 / 13 / 14 rows 1.45-1.47 /
+// 1.17-1.18 / 1.16-1.17 / 1.08-1.17 / 1.06-1.07x, 15 / 16 / 17 rows 0.90-0.92 / 0.79 / 0.70x (half_block_max_rows).
+// Each output the same chain of FMAs as F32Rows', stored as theirs (store_run).
 template <int R>
 struct F32HalfBlock {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* wb, int64_t K,
@@ -196,6 +200,7 @@ struct F32HalfBlock {
 };
 
 constexpr int kMaxHalfBlockRows = 17;
+const int64_t half_block_max_rows = on_intel ? kMaxHalfBlockRows : 14;
 using HalfBlockFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
                              int);
 
@@ -373,19 +378,20 @@ TS_AMX_TARGET void amx_block(const uint16_t* x, int64_t x_stride, int64_t rows, 
 // / 40 / 48 / 64 rows on an AMX Xeon, all against the groups after the first (bench/ab_cpu_linear.py --kernel packed,
 // 8 layers of the 106M model's linears, 2 threads): 1.06-1.08 / 1.04 / 1.06 / 1.04 / 1.02 / 1.03 / 0.96-1.00x; every
 // line requested in the first two groups 0.84-1.01x; every second, fourth or sixteenth line (for the L2's streamer to
-// fill in) 0.78-0.90x; none 0.79-0.86x.
+// fill in) 0.78-0.90x; none 0.79-0.86x. On a Zen 4 EPYC all of them against the groups after the first: 0.98-1.05x at
+// 15-64 rows, so there the groups after the first.
 template <template <int> class Rows, typename T>
 void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64_t K, const T* bias, T* out,
                    int64_t out_stride, int64_t b, const T* next_block = nullptr) {
   if constexpr (std::is_same_v<T, float>) {
-    if (on_intel && rows > kMaxOneGroup && rows <= kMaxHalfBlockRows) {
+    if (rows > kMaxOneGroup && rows <= half_block_max_rows) {
       f32_block_in_halves(x, x_stride, rows, w, K, bias, out, out_stride, b);
       return;
     }
   }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
-  const bool far = on_intel && groups == 1;  // requests kL2AheadBytes ahead (several groups request the next block)
+  const bool far = groups == 1;  // requests kL2AheadBytes ahead (several groups request the next block)
   const int64_t requesting = on_intel ? groups : groups - 1;  // the groups that request a share of the next block
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
