@@ -224,6 +224,7 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) 
 // kHalves: the weight in oneDNN's AMX layout, a block of 64 features as two blocks of 32 (the header's formulas)
 template <int R, bool kHalves>
 struct Bf16Rows {
+  static constexpr bool halves = kHalves;
   __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
       const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
       int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0, bool far_ahead = false) {
@@ -269,6 +270,70 @@ struct Bf16Rows {
     }
   }
 };
+
+// R rows of bfloat16 x against half a block (features 32 h to 32 h + 31, two of Bf16Rows' four vectors) in one pass;
+// bf16_block_in_halves runs 9-17 rows so, the block in two halves, and more rows in sets of up to 17, each set's halves
+// in turn: as F32HalfBlock, two accumulators a row keep the rows in registers where four spilled (9 rows: 36 of the
+// 32), and each half's lines stream from memory once where groups of up to 6 read the block from L2 again.
+// bench/ab_cpu_linear.py --kernel packed (8 layers of the 106M model's linears, 2 threads of a Zen 4 EPYC), against
+// one group of 9 rows and groups of up to 6 beyond: 9 / 10 / 11 / 12 / 13 / 14 / 15 / 16 / 17 rows 1.01-1.04 / 1.48 /
+// 1.47 / 1.39-1.40 / 1.53 / 1.43-1.70 / 1.58-1.79 / 1.50-1.54 / 1.42-1.48x, 18 / 20 / 24 / 32 / 40 / 48 / 64 rows (in
+// sets) 1.48 / 1.40 / 1.45 / 1.19 / 1.19 / 1.14 / 1.11x; 18 and 20 rows in one set spill, 0.53-0.58x; 5-8 rows in
+// halves 0.93-1.03x. (float32 in sets of up to 14 at 20-64 rows: 0.86-1.01x, its products bound there.) Each output
+// the same chain of dot products as Bf16Rows', stored as theirs.
+template <int R, bool kHalves>
+struct Bf16HalfBlock {
+  __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
+      const uint16_t* x, int64_t x_stride, const uint16_t* wb, int64_t K, const uint16_t* bias, uint16_t* out,
+      int64_t out_stride, int64_t n, int half) {
+    constexpr int64_t kWidth = kHalves ? kBlock / 2 : kBlock;
+    const uint16_t* ws = half == 0 ? wb : kHalves ? wb + kWidth * K : wb + 64;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint16_t* wk = ws + k * kWidth;
+      const char* lines = reinterpret_cast<const char*>(wk);
+      _mm_prefetch(lines + kStreamAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(lines + kL2AheadBytes, _MM_HINT_T2);
+      _mm_prefetch(lines + kL2AheadBytes + 64, _MM_HINT_T2);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2; ++j) {
+        const int64_t f = n + 32 * half + 16 * j;
+        __m512 y = acc[r][j];
+        if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + f));
+        _mm256_storeu_si256((__m256i*)(out + r * out_stride + f), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+  }
+};
+
+constexpr int kBf16HalfFirstRows = 9, kBf16HalfLastRows = 17;
+using Bf16HalfBlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
+                                 int64_t, int64_t, int);
+
+template <bool kHalves, int... I>  // rows kBf16HalfFirstRows + I
+constexpr std::array<Bf16HalfBlockFn, sizeof...(I)> bf16_half_block_fns(std::integer_sequence<int, I...>) {
+  return {&Bf16HalfBlock<kBf16HalfFirstRows + I, kHalves>::run...};
+}
+template <bool kHalves>
+constexpr auto kBf16HalfBlockFns =
+    bf16_half_block_fns<kHalves>(std::make_integer_sequence<int, kBf16HalfLastRows - kBf16HalfFirstRows + 1>());
+
+// rows [kBf16HalfFirstRows, kBf16HalfLastRows] of x against block b of a bfloat16 weight, half by half
+template <bool kHalves>
+void bf16_block_in_halves(const uint16_t* x, int64_t x_stride, int64_t rows, const uint16_t* w, int64_t K,
+                          const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t b) {
+  const Bf16HalfBlockFn run = kBf16HalfBlockFns<kHalves>[rows - kBf16HalfFirstRows];
+  for (int half = 0; half < 2; ++half) run(x, x_stride, w + b * kBlock * K, K, bias, out, out_stride, b * kBlock, half);
+}
 
 template <int R>
 using Bf16Rows64 = Bf16Rows<R, false>;
@@ -388,6 +453,15 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
       f32_block_in_halves(x, x_stride, rows, w, K, bias, out, out_stride, b);
       return;
     }
+  } else if (rows >= kBf16HalfFirstRows) {
+    const int64_t sets = (rows + kBf16HalfLastRows - 1) / kBf16HalfLastRows;
+    for (int64_t g = 0, r0 = 0; g < sets; ++g) {
+      const int64_t n = (rows - r0) / (sets - g);  // kBf16HalfFirstRows or more: rows > 17 (sets - 1)
+      bf16_block_in_halves<Rows<1>::halves>(x + r0 * x_stride, x_stride, n, w, K, bias, out + r0 * out_stride,
+                                            out_stride, b);
+      r0 += n;
+    }
+    return;
   }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
