@@ -54,9 +54,10 @@ constexpr int kMaxRows = 6;  // 6 x 4 accumulators, 4 weight vectors and x: 29 o
 // less than a second group's read of each block again (from L2, its dot products not overlapping the first group's
 // stream from memory). 8 layers of the 106M model's linears on 2 Zen 4 cores, one group against groups of up to 6
 // (bench/ab_cpu_linear.py --kernel packed): 7-9 rows 1.11-1.19x in bfloat16 and 1.36-1.54x in float32; 10 rows in
-// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again (on
-// Intel CPUs float32's 10-17 rows run in half blocks instead: F32HalfBlock). (The AVX2 kernel's 16 registers spill too
-// much for this: 7-9 rows in one group ran 0.62-0.71x there.)
+// one group spilled more and ran 0.78x in bfloat16, so from 10 rows on the groups are of up to kMaxRows again
+// (float32's 10-14 rows, 10-17 on Intel CPUs, run in half blocks instead: F32HalfBlock; bfloat16's from 9 rows on:
+// Bf16HalfBlock).
+// (The AVX2 kernel's 16 registers spill too much for this: 7-9 rows in one group ran 0.62-0.71x there.)
 constexpr int kMaxOneGroup = 9;
 
 inline int64_t row_groups(int64_t rows) { return rows <= kMaxOneGroup ? 1 : (rows + kMaxRows - 1) / kMaxRows; }
@@ -456,7 +457,7 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   } else if (rows >= kBf16HalfFirstRows) {
     const int64_t sets = (rows + kBf16HalfLastRows - 1) / kBf16HalfLastRows;
     for (int64_t g = 0, r0 = 0; g < sets; ++g) {
-      const int64_t n = (rows - r0) / (sets - g);  // kBf16HalfFirstRows or more: rows > 17 (sets - 1)
+      const int64_t n = (rows - r0) / (sets - g);  // 9 or more, as rows > 17 (sets - 1)
       bf16_block_in_halves<Rows<1>::halves>(x + r0 * x_stride, x_stride, n, w, K, bias, out + r0 * out_stride,
                                             out_stride, b);
       r0 += n;
