@@ -1,6 +1,7 @@
 """Packed linear layers: oneDNN's matmul and torch_shift's GEMV kernel on the same prepared weight, against
 F.linear in float64."""
 
+import contextlib
 import ctypes
 import os
 
@@ -136,6 +137,48 @@ def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
             assert torch.equal(packed(x[row:row + 1], b), together[row:row + 1]), (in_features, row)
         for rows in (7, 10, 14, 16, 17, 18, 41, GEMV_MAX_ROWS):  # one group, half blocks, groups of up to 6
             assert torch.equal(packed(x[:rows], b), together[:rows]), (in_features, rows)
+
+
+@pytest.mark.skipif(not gemv_expected(torch.bfloat16), reason="no bfloat16 GEMV here")
+@pytest.mark.parametrize("in_features", [96, 1024])
+def test_bf16_dot_products_read_both_layouts_alike(in_features):
+    """oneDNN's bfloat16 blocks of 64 features and its AMX layout's blocks of 32 (read by the dot products where the
+    tile unit cannot run), each packed here by its formula (cpu_linear.cpp's header): every output the same chain of
+    dot products either way, so the same bits at every row count, one group, half blocks and sets of them."""
+    torch.manual_seed(5)
+    out_features = 192
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    pairs = weight.view(out_features, in_features // 2, 2)
+    layouts = {code: pairs.view(out_features // width, width, in_features // 2, 2).transpose(1, 2).contiguous()
+               for code, width in ((1, 64), (AMX_BF16_CODE, 32))}
+    x = torch.randn(GEMV_MAX_ROWS, 2 * in_features).to(torch.bfloat16)[:, :in_features]
+    kernels = cpu_kernels()
+    with gemv_on_tile_unit_off():
+        for rows in (1, 2, 8, 9, 12, 17, 18, 35, GEMV_MAX_ROWS):
+            for b in (None, bias):
+                outs = []
+                for code, packed in layouts.items():
+                    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+                    assert kernels.packed_gemv(code, x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features,
+                                               in_features, None if b is None else b.data_ptr(), out.data_ptr(),
+                                               out_features) == 0
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1]), rows
+                assert_close(outs[0], reference(x[:rows], weight, b), torch.bfloat16, in_features)
+
+
+@contextlib.contextmanager
+def gemv_on_tile_unit_off():
+    """The dot products on a CPU with AMX too (a no-op elsewhere)."""
+    on = gemv_on_tile_unit()
+    if on:
+        gemv_on_tile_unit(0)
+    try:
+        yield
+    finally:
+        if on:
+            gemv_on_tile_unit(1)
 
 
 @pytest.mark.parametrize("shape", [(192, 1024), (64, 4096), (1536, 96)])
