@@ -222,6 +222,20 @@ __attribute__((target("avx512f"))) inline __m512 bf16_to_f32(const uint16_t* p) 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// x's pair of bfloat16 at p (two consecutive k) in every lane pair: a row's operand of _mm512_dpbf16_ps
+__attribute__((target("avx512f,avx512bf16"))) inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// 16 float32 sums, plus the bias's features f to f + 15 where there is one, rounded to bfloat16 at out[f]
+__attribute__((target("avx512f,avx512bf16,avx512bw"))) inline void store_bf16_sums(__m512 sums, const uint16_t* bias,
+                                                                                   uint16_t* out, int64_t f) {
+  if (bias) sums = _mm512_add_ps(sums, bf16_to_f32(bias + f));
+  _mm256_storeu_si256((__m256i*)(out + f), (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
 // kHalves: the weight in oneDNN's AMX layout, a block of 64 features as two blocks of 32 (the header's formulas)
 template <int R, bool kHalves>
 struct Bf16Rows {
@@ -252,22 +266,15 @@ struct Bf16Rows {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk_high), w3 = (__m512bh)_mm512_loadu_si512(wk_high + 32);
         for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          const __m512bh xv = broadcast_pair(x + r * x_stride + k);
           acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
           acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
           acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
           acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xv);
         }
       }
-      const int64_t n = b * kBlock;
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) {
-          __m512 y = acc[r][j];
-          if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + n + 16 * j));
-          _mm256_storeu_si256((__m256i*)(out + r * out_stride + n + 16 * j), (__m256i)_mm512_cvtneps_pbh(y));
-        }
+        for (int j = 0; j < 4; ++j) store_bf16_sums(acc[r][j], bias, out + r * out_stride, b * kBlock + 16 * j);
     }
   }
 };
@@ -299,20 +306,13 @@ struct Bf16HalfBlock {
       _mm_prefetch(lines + kL2AheadBytes + 64, _MM_HINT_T2);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        const __m512bh xv = broadcast_pair(x + r * x_stride + k);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 2; ++j) {
-        const int64_t f = n + 32 * half + 16 * j;
-        __m512 y = acc[r][j];
-        if (bias) y = _mm512_add_ps(y, bf16_to_f32(bias + f));
-        _mm256_storeu_si256((__m256i*)(out + r * out_stride + f), (__m256i)_mm512_cvtneps_pbh(y));
-      }
+      for (int j = 0; j < 2; ++j) store_bf16_sums(acc[r][j], bias, out + r * out_stride, n + 32 * half + 16 * j);
   }
 };
 
