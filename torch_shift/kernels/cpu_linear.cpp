@@ -92,13 +92,25 @@ constexpr int64_t kStreamAheadBytes = 4096;
 // groups, which request the next block already (16 rows with the weights in L3: 0.80x), nor on the tile unit
 // (1.01-1.04x, in the spread). On a Zen 4 EPYC (family 25, model 17), the same command: float32 at 1 / 4 / 8 / 9 rows
 // 1.07-1.15 / 1.17-1.22 / 1.54-1.68 / 1.93-2.08x, bfloat16 at 1 / 2 / 4 / 6 / 8 / 9 rows 1.34 / 1.22 / 1.58 / 2.04 /
-// 1.98 / 1.55x; so on every CPU.
+// 1.98 / 1.55x (against the near requests alone).
 constexpr int64_t kL2AheadBytes = 65536;
 bool intel_cpu() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
 }
 const bool on_intel = intel_cpu();  // what was measured there only: every group requesting the next block's lines
+
+// Which of the two requests a block of R rows makes. On a Zen 4 EPYC one group's stream of up to 5 rows reads fastest
+// with neither (a loop without requests reads the weights at the rate of a sum over them, with the near ones at 0.7
+// of it); from 6 rows on it still wants the far ones. bench/ab_cpu_linear.py --kernel packed (as above) against every
+// request, 2 threads: bfloat16 at 1 / 2 / 3 / 4 / 5 rows 1.11-1.15 / 1.08-1.16 / 1.06 / 1.07-1.16 / 1.09x, float32
+// 1.18-1.26 / 1.08-1.10 / 1.12 / 1.08-1.15 / 1.09x, 6-9 rows 0.92-1.07x; one thread (a rank of two): bfloat16 1.11 /
+// 1.32 / 1.30 / 1.39 / 1.23x, float32 1.08 / 1.18 / 1.25 / 1.15 / 1.30x, 6-9 rows 0.93-1.09x. Without the far
+// requests at 6-9 rows too, against with them: float32 0.78-0.88x, bfloat16 0.79-1.16x (one thread at 8 rows 0.79x).
+// Several groups' blocks (float32 from 15 rows) and half blocks keep every request (without the near ones:
+// 0.92-1.10x, 0.94-1.04x).
+inline bool near_requests(bool one_group) { return on_intel || !one_group; }
+inline bool far_requests(bool one_group, int rows) { return one_group && (on_intel || rows >= 6); }
 
 // A run of k-steps' sums (R rows of V vectors, features f0 on) into `out`: the first run's stored, a later one's added
 // to what the runs before it left (exact), the bias after the last; oneDNN's order (onednn_k_run)
@@ -120,9 +132,10 @@ struct F32Rows {
   __attribute__((target("avx512f"))) static void run(const float* x, int64_t x_stride, const float* w, int64_t K,
                                                      const float* bias, float* out, int64_t out_stride,
                                                      int64_t begin, int64_t end, const char* prefetch = nullptr,
-                                                     int64_t prefetch_lines = 0, bool far_ahead = false) {
+                                                     int64_t prefetch_lines = 0, bool one_group = false) {
     const int64_t run_length = onednn_k_run(K);
     int64_t credit = 0;  // prefetch: k-steps' shares of lines not yet requested, in units of 1 / K line
+    const bool near = near_requests(one_group), far = far_requests(one_group, R);
     for (int64_t b = begin; b < end; ++b) {
       const float* wb = w + b * kBlock * K;
       const int64_t n = b * kBlock;
@@ -136,14 +149,16 @@ struct F32Rows {
             for (credit += prefetch_lines; credit >= K; credit -= K, prefetch += 64) __builtin_prefetch(prefetch, 0, 1);
           }
           const float* wk = wb + k * kBlock;
-          _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes + 128, _MM_HINT_T0);
-          if (far_ahead) {
-            const char* far = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
-            _mm_prefetch(far, _MM_HINT_T2);
-            _mm_prefetch(far + 64, _MM_HINT_T2);
-            _mm_prefetch(far + 128, _MM_HINT_T2);
-            _mm_prefetch(far + 192, _MM_HINT_T2);
+          if (near) {
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes + 128, _MM_HINT_T0);
+          }
+          if (far) {
+            const char* lines = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
+            _mm_prefetch(lines, _MM_HINT_T2);
+            _mm_prefetch(lines + 64, _MM_HINT_T2);
+            _mm_prefetch(lines + 128, _MM_HINT_T2);
+            _mm_prefetch(lines + 192, _MM_HINT_T2);
           }
           const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
           const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -242,8 +257,9 @@ struct Bf16Rows {
   static constexpr bool halves = kHalves;
   __attribute__((target("avx512f,avx512bf16,avx512bw"))) static void run(
       const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
-      int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0, bool far_ahead = false) {
+      int64_t out_stride, int64_t begin, int64_t end, const char* = nullptr, int64_t = 0, bool one_group = false) {
     constexpr int64_t kWidth = kHalves ? kBlock / 2 : kBlock;  // features a k-pair row of the stream holds
+    const bool near = near_requests(one_group), far = far_requests(one_group, R);
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* wb = w + b * kBlock * K;
       const uint16_t* wb_high = kHalves ? wb + kWidth * K : wb + 64;  // features 32-63
@@ -253,15 +269,17 @@ struct Bf16Rows {
       for (int64_t k = 0; k < K; k += 2) {
         const uint16_t* wk = wb + k * kWidth;  // features 0-31 x 2 consecutive k
         const uint16_t* wk_high = wb_high + k * kWidth;
-        _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wk_high) + kStreamAheadBytes, _MM_HINT_T0);
-        if (far_ahead) {
-          const char* far = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
-          const char* far_high = reinterpret_cast<const char*>(wk_high) + kL2AheadBytes;
-          _mm_prefetch(far, _MM_HINT_T2);
-          _mm_prefetch(far + 64, _MM_HINT_T2);
-          _mm_prefetch(far_high, _MM_HINT_T2);
-          _mm_prefetch(far_high + 64, _MM_HINT_T2);
+        if (near) {
+          _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamAheadBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(wk_high) + kStreamAheadBytes, _MM_HINT_T0);
+        }
+        if (far) {
+          const char* lines = reinterpret_cast<const char*>(wk) + kL2AheadBytes;
+          const char* lines_high = reinterpret_cast<const char*>(wk_high) + kL2AheadBytes;
+          _mm_prefetch(lines, _MM_HINT_T2);
+          _mm_prefetch(lines + 64, _MM_HINT_T2);
+          _mm_prefetch(lines_high, _MM_HINT_T2);
+          _mm_prefetch(lines_high + 64, _MM_HINT_T2);
         }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk_high), w3 = (__m512bh)_mm512_loadu_si512(wk_high + 32);
@@ -466,7 +484,7 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
-  const bool far = groups == 1;  // requests kL2AheadBytes ahead (several groups request the next block)
+  const bool one_group = groups == 1;  // its requests: near_requests, far_requests (several groups request the next block)
   const int64_t requesting = on_intel ? groups : groups - 1;  // the groups that request a share of the next block
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
@@ -481,15 +499,15 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
       pf_lines = last - first;
     }
     switch (n) {
-      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 6: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 7: Rows<7>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      case 8: Rows<8>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
-      default: Rows<9>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, far); break;
+      case 1: Rows<1>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 2: Rows<2>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 3: Rows<3>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 4: Rows<4>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 5: Rows<5>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 6: Rows<6>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 7: Rows<7>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      case 8: Rows<8>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
+      default: Rows<9>::run(xr, x_stride, w, K, bias, outr, out_stride, b, b + 1, pf, pf_lines, one_group); break;
     }
     r0 += n;
   }
