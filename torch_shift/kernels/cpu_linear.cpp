@@ -108,7 +108,8 @@ const bool on_intel = intel_cpu();  // what was measured there only: every group
 // 1.32 / 1.30 / 1.39 / 1.23x, float32 1.08 / 1.18 / 1.25 / 1.15 / 1.30x, 6-9 rows 0.93-1.09x. Without the far
 // requests at 6-9 rows too, against with them: float32 0.78-0.88x, bfloat16 0.79-1.16x (one thread at 8 rows 0.79x).
 // Several groups' blocks (float32 from 15 rows) and half blocks keep every request (without the near ones:
-// 0.92-1.10x, 0.94-1.04x). Measured on Zen 4 only; other AMD CPUs with these kernels (Zen 5) follow it unmeasured.
+// 0.92-1.10x, 0.94-1.04x; bfloat16's half blocks with no requests at all 0.65-0.78x). Measured on Zen 4 only; other
+// AMD CPUs with these kernels (Zen 5) follow it unmeasured.
 inline bool near_requests(bool one_group) { return on_intel || !one_group; }
 inline bool far_requests(bool one_group, int rows) { return one_group && (on_intel || rows >= 6); }
 
