@@ -485,7 +485,7 @@ void rows_of_block(const T* x, int64_t x_stride, int64_t rows, const T* w, int64
   }
   const int64_t groups = row_groups(rows);
   const int64_t next_lines = next_block ? kBlock * K * int64_t(sizeof(T)) / 64 : 0;
-  const bool one_group = groups == 1;  // its requests: near_requests, far_requests (several groups request the next block)
+  const bool one_group = groups == 1;  // near_requests, far_requests (several groups request the next block)
   const int64_t requesting = on_intel ? groups : groups - 1;  // the groups that request a share of the next block
   for (int64_t g = 0, r0 = 0; g < groups; ++g) {
     const int64_t n = (rows - r0) / (groups - g);
