@@ -26,8 +26,10 @@ GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-
 causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate
 timed in its engine's process on every core just before and just after it, the median over the prompts; in
 parentheses against the rate at the run's start: a VM's rate moves from one second to the next), and batch-1 TPOT
-against the weights' bytes over the bandwidth measured just before and after that engine's own run (the machine's
-read rate moved between 30 and 51 GB/s within an hour), and, for every torch_shift engine, against the model's
+against the weights' bytes over the read bandwidth measured in its engine's process on every core just before and
+just after each generation (`TPOT/(B/BW)`, the median over the generations; the machine's read rate moved between 28
+and 60 GB/s within minutes; `BW GB/s`, the median of the generations' bandwidths), and, for every torch_shift engine,
+against the model's
 matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's
 process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
 just before and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over
@@ -47,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_vllm import GemmRate, timed_prompts
+from peer_vllm import GemmRate, best_seconds, read_bandwidth, timed_generations, timed_prompts, tpot_pairs
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -139,15 +141,15 @@ def run_torch_shift(spec: dict) -> dict:
     weights = gemv_weights(llm, spec["model"], spec["engine_args"].get("dtype", "float32"))
     # each generation between two timings of the step's matmuls alone: its TPOT over their mean is one pair's
     # TPOT / GEMVs (the machine's read rate drifts within minutes, so the two are set side by side, not apart)
-    fulls, alone, paired = [], [], []
+    generations, alone, paired = [], [], []
     for _ in range(spec["repeats"]):
         before = weights_read_alone(weights)
-        fulls.append(timed([single["prompt"]], [single["max_tokens"]])[0])
+        generations += timed_generations(timed, single["prompt"], single["max_tokens"], 1)
         after = weights_read_alone(weights)
         if before and after:
             alone += [before, after]
-            paired.append((fulls[-1] - ttft) / (single["max_tokens"] - 1) / ((before + after) / 2))
-    full = min(fulls)
+            paired.append((generations[-1][0] - ttft) / (single["max_tokens"] - 1) / ((before + after) / 2))
+    full = min(g[0] for g in generations)
     weights_alone_s = min(alone) if alone else None
     batch = spec["batch"]
     batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
@@ -156,7 +158,7 @@ def run_torch_shift(spec: dict) -> dict:
     return {"engine": "torch_shift", "load_s": load_s, "ttft_s": ttft,
             "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "weights_alone_s": weights_alone_s,
             "tpot_over_gemvs": statistics.median(paired) if paired else None,
-            "batch_s": batch_s, "ttft_pairs": pairs,
+            "batch_s": batch_s, "ttft_pairs": pairs, "tpot_pairs": tpot_pairs(generations, ttft, single["max_tokens"]),
             "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "steps_by_layout": stats["steps_by_layout"]}
 
@@ -212,7 +214,7 @@ def weights_read_alone(weights: list | None) -> float | None:
     arm_gemv_pool(max(0, (os.cpu_count() or 1) - 1))
     try:
         with torch.inference_mode():
-            return _best(lambda: [w(rows[w.in_features], None) for w in weights])
+            return best_seconds(lambda: [w(rows[w.in_features], None) for w in weights])
     finally:
         arm_gemv_pool(0)
         torch.set_num_threads(threads)
@@ -242,33 +244,6 @@ def measure_vllm(vllm_python: str, work: dict, engine_args: dict, binding: str, 
 
 
 # -- the machine's limits ------------------------------------------------------------------------------------
-def _best(fn, reps=10) -> float:
-    """The shortest of `reps` timed calls after two warm-ups (a 2-thread GEMM measured 20-50% low in some runs with
-    5 repeats after 1 warm-up)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def read_bandwidth(threads: int | None = None) -> float:
-    """Bytes a second that a sum over 1 GiB reads, on `threads` threads (default: every core)."""
-    import torch
-
-    user_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads or os.cpu_count())
-        with torch.inference_mode():
-            big = torch.ones(1 << 28)  # 1 GiB of float32
-            return big.numel() * 4 / _best(big.sum)
-    finally:
-        torch.set_num_threads(user_threads)
-
-
 def machine_limits(threads: list[int]) -> dict:
     """The GEMM rate (2048 x 1024 by 2816 x 1024: the faster of the engine's own matmul, on its prepared weight, and
     F.linear) and the memory bandwidth (a sum over 1 GiB), per thread count and dtype."""
@@ -287,9 +262,9 @@ def machine_limits(threads: list[int]) -> dict:
                     x = torch.randn(2048, 1024).to(dtype)
                     w = torch.randn(2816, 1024).to(dtype)
                     packed = PackedWeight(w) if packing_supported(w.device, dtype) else None
-                    seconds = _best(lambda: torch.nn.functional.linear(x, w))
+                    seconds = best_seconds(lambda: torch.nn.functional.linear(x, w))
                     if packed is not None:
-                        seconds = min(seconds, _best(lambda: packed(x, None)))
+                        seconds = min(seconds, best_seconds(lambda: packed(x, None)))
                     flops = 2 * 2048 * 1024 * 2816 / seconds
                     result["gemm_flops"].setdefault(str(dtype).split(".")[-1], {})[n] = flops
     finally:
@@ -337,6 +312,7 @@ def summarize(runs: list[dict], work: dict) -> dict:
             "tpot_over_gemvs": (statistics.median(r["tpot_over_gemvs"] for r in runs)
                                 if all(r.get("tpot_over_gemvs") for r in runs) else None),
             "ttft_pairs": [p for r in runs for p in r.get("ttft_pairs", [])],
+            "tpot_pairs": [p for r in runs for p in r.get("tpot_pairs", [])],
             "rounds": len(runs), "load_s": statistics.median(r["load_s"] for r in runs)}
 
 
@@ -469,8 +445,12 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
         prefill = f"{flops / s['ttft_s'] / gemm:.2f}"
         if s.get("ttft_pairs"):  # each prompt against the GEMM rate of its own seconds, then the rate at the start
             prefill = f"{statistics.median(flops / t / ((a + b) / 2) for t, a, b in s['ttft_pairs']):.2f} ({prefill})"
-        run_bandwidth = s.get("read_bandwidth") or bandwidth
-        bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
+        if s.get("tpot_pairs"):  # each generation against the read rate of its own seconds
+            run_bandwidth = statistics.median((a + b) / 2 for _, a, b in s["tpot_pairs"])
+            bound = statistics.median(t / (weight_bytes / ((a + b) / 2)) for t, a, b in s["tpot_pairs"])
+        else:
+            run_bandwidth = s.get("read_bandwidth") or bandwidth
+            bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
         alone = f"{s['tpot_over_gemvs']:.2f}" if s.get("tpot_over_gemvs") else ""
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
               f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:>13s} {run_bandwidth / 1e9:8.1f} "

@@ -14,6 +14,7 @@ repeat's TTFT beside the GEMM rate measured in this process just before and just
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -62,6 +63,50 @@ class GemmRate:
             torch.set_num_threads(user_threads)
 
 
+def best_seconds(fn, reps=10) -> float:
+    """The shortest of `reps` timed calls after two warm-ups (a 2-thread GEMM measured 20-50% low in some runs with
+    5 repeats after 1 warm-up)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(threads: int | None = None) -> float:
+    """Bytes a second that a sum over 1 GiB reads, on `threads` threads (default: every core)."""
+    import torch
+
+    user_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads or os.cpu_count())
+        with torch.inference_mode():
+            big = torch.ones(1 << 28)  # 1 GiB of float32
+            return big.numel() * 4 / best_seconds(big.sum)
+    finally:
+        torch.set_num_threads(user_threads)
+
+
+def timed_generations(timed, prompt: list[int], max_tokens: int, repeats: int) -> list[list[float]]:
+    """[seconds, read bandwidth before, read bandwidth after] of each of `repeats` generations of `max_tokens` tokens
+    of `prompt`: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its read rate moved
+    between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh session)."""
+    generations = []
+    for _ in range(repeats):
+        before = read_bandwidth()
+        seconds = timed([prompt], [max_tokens])[0]
+        generations.append([seconds, before, read_bandwidth()])
+    return generations
+
+
+def tpot_pairs(generations: list[list[float]], ttft_s: float, max_tokens: int) -> list[list[float]]:
+    """[TPOT, read bandwidth before, after] of each of `timed_generations`' generations."""
+    return [[(seconds - ttft_s) / (max_tokens - 1), before, after] for seconds, before, after in generations]
+
+
 def timed_prompts(timed, prompt: list[int], repeats: int, gemm_rate: GemmRate) -> list[list[float]]:
     """[TTFT, GEMM rate before, GEMM rate after] of each of `repeats` one-token generations of `prompt`."""
     pairs = []
@@ -97,14 +142,16 @@ def main() -> None:
     timed([single["prompt"]], [2])  # warm-up
     pairs = timed_prompts(timed, single["prompt"], spec["repeats"], GemmRate(spec["dtype"], spec["gemm_threads"]))
     ttft = min(p[0] for p in pairs)
-    full = min(timed([single["prompt"]], [single["max_tokens"]])[0] for _ in range(spec["repeats"]))
+    generations = timed_generations(timed, single["prompt"], single["max_tokens"], spec["repeats"])
+    full = min(g[0] for g in generations)
     batch = spec["batch"]
     prompts, max_tokens = [r["prompt"] for r in batch], [r["max_tokens"] for r in batch]
     runs = [timed(prompts, max_tokens) for _ in range(spec.get("batch_repeats", 1))]
     batch_s, outs = min(runs, key=lambda r: r[0])
     print(json.dumps({"engine": "vllm", "load_s": load_s, "ttft_s": ttft,
                       "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "batch_s": batch_s,
-                      "ttft_pairs": pairs, "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}))
+                      "ttft_pairs": pairs, "tpot_pairs": tpot_pairs(generations, ttft, single["max_tokens"]),
+                      "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}))
 
 
 if __name__ == "__main__":

@@ -31,3 +31,13 @@ def test_bracketed_runs_keep_their_bandwidth():
     assert summary["read_bandwidth"] == pytest.approx(25e9)
     # one run without it: no median of the others passed off as the whole's
     assert summarize([run(0.3, 2.0, read_bandwidth=20e9), run(0.5, 4.0)], WORK)["read_bandwidth"] is None
+
+
+def test_each_generation_keeps_the_bandwidth_of_its_own_seconds():
+    from peer_vllm import tpot_pairs
+
+    # two generations of 11 tokens after a 0.1 s prompt, each between two read-rate timings
+    pairs = tpot_pairs([[0.6, 20e9, 22e9], [1.1, 40e9, 44e9]], 0.1, 11)
+    assert pairs == [[pytest.approx(0.05), 20e9, 22e9], [pytest.approx(0.1), 40e9, 44e9]]
+    summary = summarize([run(0.3, 2.0, tpot_pairs=pairs[:1]), run(0.5, 4.0, tpot_pairs=pairs[1:])], WORK)
+    assert summary["tpot_pairs"] == pairs
