@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -268,6 +270,25 @@ def test_which_steps_the_pool_takes(layers4):
     assert pool.workers(1, 2, kv_tokens=budget) == 1 and pool.workers(1, 2, kv_tokens=budget + 1) == 0
     assert not decode_pool.DecodePool(LLM(str(layers4), decode_pool=False).engine.model, torch.device("cpu"),
                                       False).workers(1, 2)
+
+
+def test_a_gpu_engines_steps_build_no_cpu_kernels(tmp_path):
+    """A GPU engine's runner calls the pool's step, idle and stop like a CPU one's; in a process that never loaded
+    the CPU kernels, they ask nothing of them, so a GPU machine builds no C++ (it did, about 20 s at the first step,
+    found on an H200) and needs no compiler."""
+    script = """
+import torch
+from torch_shift import kernels
+from torch_shift.engine import decode_pool
+pool = decode_pool.DecodePool(torch.nn.Linear(4, 4), torch.device("cuda"))
+assert not pool.enabled and pool.step(1) == 0 and pool.step(1, asynchronous=True) == 0
+decode_pool.end_step(); decode_pool.idle(); decode_pool.stop()
+assert kernels._libraries.cache_info().currsize == 0, "the CPU kernels were looked for"
+"""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # nothing built here, whatever the user's cache holds
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "torch_shift").exists()
 
 
 def test_dp_replicas_run_their_lone_steps_on_the_pool(layers4, disarmed, monkeypatch):

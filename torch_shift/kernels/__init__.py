@@ -394,16 +394,23 @@ def arm_gemv_pool(workers: int) -> int:
     return 0 if pool is None else pool[0](workers)
 
 
+def _loaded_gemv_pool() -> tuple[Callable[[int], int], Callable[[], int], Callable[[], None]] | None:
+    """`_gemv_pool()` where this process has looked for the libraries already; None, with nothing built, where it
+    has not, as then no pool can be armed (an engine on a GPU never needs the CPU kernels and never builds them)."""
+    return _gemv_pool() if _libraries.cache_info().currsize else None
+
+
 def stop_gemv_pool() -> None:
     """End the decode pool's threads (arming starts new ones)."""
-    pool = _gemv_pool()
+    pool = _loaded_gemv_pool()
     if pool is not None:
         pool[2]()
 
 
 def gemv_pool_workers() -> int:
-    """The decode pool's workers armed now (0 in a child forked from an armed process)."""
-    pool = _gemv_pool()
+    """The decode pool's workers armed now (0 in a child forked from an armed process, or where no library was
+    loaded)."""
+    pool = _loaded_gemv_pool()
     return 0 if pool is None else pool[1]()
 
 
