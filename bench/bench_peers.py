@@ -27,8 +27,9 @@ causal attention's and the LM head's products, `prompt_flops`) against the GEMM 
 timed in its engine's process on every core just before and just after it, the median over the prompts; in
 parentheses against the rate at the run's start: a VM's rate moves from one second to the next), and batch-1 TPOT
 against the weights' bytes over the read bandwidth measured in its engine's process on every core just before and
-just after each generation (`TPOT/(B/BW)`, the median over the generations; the machine's read rate moved between 28
-and 60 GB/s within minutes; `BW GB/s`, the median of the generations' bandwidths), and, for every torch_shift engine,
+just after each generation (`TPOT/(B/BW)`, the median over the generations whose two timings agree within 15%, their
+count in parentheses, or over all of them where none do: the machine's read rate moved between 28 and 60 GB/s within
+minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every torch_shift engine,
 against the model's
 matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's
 process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
@@ -49,7 +50,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_vllm import GemmRate, best_seconds, read_bandwidth, timed_generations, timed_prompts, tpot_pairs
+from peer_vllm import (
+    GemmRate,
+    best_seconds,
+    bytes_over_bandwidth,
+    read_bandwidth,
+    timed_generations,
+    timed_prompts,
+    tpot_pairs,
+)
 
 HERE = Path(__file__).resolve().parent
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -144,21 +153,21 @@ def run_torch_shift(spec: dict) -> dict:
     generations, alone, paired = [], [], []
     for _ in range(spec["repeats"]):
         before = weights_read_alone(weights)
-        generations += timed_generations(timed, single["prompt"], single["max_tokens"], 1)
+        generations += tpot_pairs(timed_generations(timed, single["prompt"], single["max_tokens"], 1),
+                                  single["max_tokens"])
         after = weights_read_alone(weights)
         if before and after:
             alone += [before, after]
-            paired.append((generations[-1][0] - ttft) / (single["max_tokens"] - 1) / ((before + after) / 2))
-    full = min(g[0] for g in generations)
+            paired.append(generations[-1][0] / ((before + after) / 2))
     weights_alone_s = min(alone) if alone else None
     batch = spec["batch"]
     batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
     stats = llm.stats()
     llm.shutdown()
     return {"engine": "torch_shift", "load_s": load_s, "ttft_s": ttft,
-            "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "weights_alone_s": weights_alone_s,
+            "tpot_s": min(g[0] for g in generations), "weights_alone_s": weights_alone_s,
             "tpot_over_gemvs": statistics.median(paired) if paired else None,
-            "batch_s": batch_s, "ttft_pairs": pairs, "tpot_pairs": tpot_pairs(generations, ttft, single["max_tokens"]),
+            "batch_s": batch_s, "ttft_pairs": pairs, "tpot_pairs": generations,
             "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "steps_by_layout": stats["steps_by_layout"]}
 
@@ -445,16 +454,17 @@ def print_row(row: str, entry: dict, report: dict, work: dict) -> None:
         prefill = f"{flops / s['ttft_s'] / gemm:.2f}"
         if s.get("ttft_pairs"):  # each prompt against the GEMM rate of its own seconds, then the rate at the start
             prefill = f"{statistics.median(flops / t / ((a + b) / 2) for t, a, b in s['ttft_pairs']):.2f} ({prefill})"
-        if s.get("tpot_pairs"):  # each generation against the read rate of its own seconds
-            run_bandwidth = statistics.median((a + b) / 2 for _, a, b in s["tpot_pairs"])
-            bound = statistics.median(t / (weight_bytes / ((a + b) / 2)) for t, a, b in s["tpot_pairs"])
+        steady = ""
+        if s.get("tpot_pairs"):  # each generation against the read rate of its own seconds, where it held steady
+            bound, run_bandwidth, num_steady = bytes_over_bandwidth(s["tpot_pairs"], weight_bytes)
+            steady = f" ({num_steady}/{len(s['tpot_pairs'])})"
         else:
             run_bandwidth = s.get("read_bandwidth") or bandwidth
             bound = s["tpot_s"] / (weight_bytes / run_bandwidth)
         alone = f"{s['tpot_over_gemvs']:.2f}" if s.get("tpot_over_gemvs") else ""
         print(f"{name:14s} {s['throughput_tok_s']:8.0f} {s['ttft_s'] * 1e3:9.0f} {s['tpot_s'] * 1e3:9.1f} "
               f"{ratios[0]:>13s} {ratios[1]:>12s} {ratios[2]:>12s} {prefill:>13s} {run_bandwidth / 1e9:8.1f} "
-              f"{bound:12.2f} {alone:>11s} "
+              f"{f'{bound:.2f}{steady}':>12s} {alone:>11s} "
               f"{'' if same is None else f'{same}/{num_requests}':>12s}")
 
     if peer is not None:

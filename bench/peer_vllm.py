@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -91,20 +92,40 @@ def read_bandwidth(threads: int | None = None) -> float:
 
 
 def timed_generations(timed, prompt: list[int], max_tokens: int, repeats: int) -> list[list[float]]:
-    """[seconds, read bandwidth before, read bandwidth after] of each of `repeats` generations of `max_tokens` tokens
-    of `prompt`: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its read rate moved
-    between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh session)."""
+    """[seconds, read bandwidth before, read bandwidth after, the prompt's seconds] of each of `repeats` generations of
+    `max_tokens` tokens of `prompt`, each just after a one-token generation of it, the two between the same two
+    read-rate timings: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its read rate moved
+    between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh session), and a
+    generation's prompt is taken from its time in the same spell (a TTFT timed apart, 0.22 s in one spell and 0.42 s
+    in the next, took a generation's TPOT from 5.5 to 2.4 ms)."""
     generations = []
     for _ in range(repeats):
         before = read_bandwidth()
+        prompt_seconds = timed([prompt], [1])[0]
         seconds = timed([prompt], [max_tokens])[0]
-        generations.append([seconds, before, read_bandwidth()])
+        generations.append([seconds, before, read_bandwidth(), prompt_seconds])
     return generations
 
 
-def tpot_pairs(generations: list[list[float]], ttft_s: float, max_tokens: int) -> list[list[float]]:
+def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[float]]:
     """[TPOT, read bandwidth before, after] of each of `timed_generations`' generations."""
-    return [[(seconds - ttft_s) / (max_tokens - 1), before, after] for seconds, before, after in generations]
+    return [[(seconds - prompt_seconds) / (max_tokens - 1), before, after]
+            for seconds, before, after, prompt_seconds in generations]
+
+
+# a generation whose two read-rate timings differ by more than this straddles a change of the machine's spell: the
+# rate of its own seconds is unknown (on the Zen 4 of docs/performance.md one run had 33/33, 52/34 and 60/36 GB/s)
+STEADY_BANDWIDTH = 0.15
+
+
+def bytes_over_bandwidth(pairs: list[list[float]], nbytes: float) -> tuple[float, float, int]:
+    """(median of TPOT / (nbytes / read rate), median read rate, generations counted) over `tpot_pairs`' generations
+    whose read rate held steady around them (STEADY_BANDWIDTH), or over all of them where none did."""
+    steady = [p for p in pairs if max(p[1], p[2]) <= (1 + STEADY_BANDWIDTH) * min(p[1], p[2])]
+    counted = steady or pairs
+    rates = [(before + after) / 2 for _, before, after in counted]
+    return (statistics.median(t / (nbytes / rate) for (t, _, _), rate in zip(counted, rates)),
+            statistics.median(rates), len(steady))
 
 
 def timed_prompts(timed, prompt: list[int], repeats: int, gemm_rate: GemmRate) -> list[list[float]]:
@@ -142,15 +163,15 @@ def main() -> None:
     timed([single["prompt"]], [2])  # warm-up
     pairs = timed_prompts(timed, single["prompt"], spec["repeats"], GemmRate(spec["dtype"], spec["gemm_threads"]))
     ttft = min(p[0] for p in pairs)
-    generations = timed_generations(timed, single["prompt"], single["max_tokens"], spec["repeats"])
-    full = min(g[0] for g in generations)
+    generations = tpot_pairs(timed_generations(timed, single["prompt"], single["max_tokens"], spec["repeats"]),
+                             single["max_tokens"])
     batch = spec["batch"]
     prompts, max_tokens = [r["prompt"] for r in batch], [r["max_tokens"] for r in batch]
     runs = [timed(prompts, max_tokens) for _ in range(spec.get("batch_repeats", 1))]
     batch_s, outs = min(runs, key=lambda r: r[0])
     print(json.dumps({"engine": "vllm", "load_s": load_s, "ttft_s": ttft,
-                      "tpot_s": (full - ttft) / (single["max_tokens"] - 1), "batch_s": batch_s,
-                      "ttft_pairs": pairs, "tpot_pairs": tpot_pairs(generations, ttft, single["max_tokens"]),
+                      "tpot_s": min(g[0] for g in generations), "batch_s": batch_s,
+                      "ttft_pairs": pairs, "tpot_pairs": generations,
                       "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}))
 
 

@@ -36,8 +36,22 @@ def test_bracketed_runs_keep_their_bandwidth():
 def test_each_generation_keeps_the_bandwidth_of_its_own_seconds():
     from peer_vllm import tpot_pairs
 
-    # two generations of 11 tokens after a 0.1 s prompt, each between two read-rate timings
-    pairs = tpot_pairs([[0.6, 20e9, 22e9], [1.1, 40e9, 44e9]], 0.1, 11)
+    # two generations of 11 tokens, each after a one-token generation of its prompt (0.1 s, then 0.2 s in a slower
+    # spell), the two between two read-rate timings
+    pairs = tpot_pairs([[0.6, 20e9, 22e9, 0.1], [1.2, 40e9, 44e9, 0.2]], 11)
     assert pairs == [[pytest.approx(0.05), 20e9, 22e9], [pytest.approx(0.1), 40e9, 44e9]]
     summary = summarize([run(0.3, 2.0, tpot_pairs=pairs[:1]), run(0.5, 4.0, tpot_pairs=pairs[1:])], WORK)
     assert summary["tpot_pairs"] == pairs
+
+
+def test_batch_one_tpot_is_set_against_the_generations_whose_read_rate_held():
+    from peer_vllm import bytes_over_bandwidth
+
+    # 4 MB at 40 GB/s is 0.1 ms: the steady generations read 1.2x and 1.4x it; the third straddles a change of spell
+    pairs = [[1.2e-4, 40e9, 42e9], [1.4e-4, 41e9, 39e9], [0.8e-4, 60e9, 34e9]]
+    bound, rate, steady = bytes_over_bandwidth(pairs, 4e6)
+    assert steady == 2 and rate == pytest.approx(40.5e9)
+    assert bound == pytest.approx((1.2e-4 / (4e6 / 41e9) + 1.4e-4 / (4e6 / 40e9)) / 2)
+    # none steady: every generation counts, and the count says so
+    bound, rate, steady = bytes_over_bandwidth(pairs[2:], 4e6)
+    assert steady == 0 and bound == pytest.approx(0.8e-4 / (4e6 / 47e9))
