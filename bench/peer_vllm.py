@@ -96,8 +96,8 @@ def timed_generations(timed, prompt: list[int], max_tokens: int, repeats: int) -
     `max_tokens` tokens of `prompt`, each just after a one-token generation of it, the two between the same two
     read-rate timings: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its read rate moved
     between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh session), and a
-    generation's prompt is taken from its time in the same spell (a TTFT timed apart, 0.22 s in one spell and 0.42 s
-    in the next, took a generation's TPOT from 5.5 to 2.4 ms)."""
+    generation's prompt is taken from its time in the same spell (a TTFT timed apart, 0.42 s in a slow spell against
+    0.22-0.24 s in others, put a bf16 TPOT at 3.3 ms against 6.9 ms a run later)."""
     generations = []
     for _ in range(repeats):
         before = read_bandwidth()

@@ -396,7 +396,7 @@ def arm_gemv_pool(workers: int) -> int:
 
 def _loaded_gemv_pool() -> tuple[Callable[[int], int], Callable[[], int], Callable[[], None]] | None:
     """`_gemv_pool()` where this process has looked for the libraries already; None, with nothing built, where it
-    has not, as then no pool can be armed (an engine on a GPU never needs the CPU kernels and never builds them)."""
+    has not, as then no pool can be armed (an engine on a GPU asks at every step and arms none: it builds no C++)."""
     return _gemv_pool() if _libraries.cache_info().currsize else None
 
 
