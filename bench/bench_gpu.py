@@ -9,7 +9,8 @@ vocab 32000). Measured in one run, with the GPU's HBM bandwidth (a device copy) 
 for each engine configuration given (the engine's default: Triton attention, compiled, with CUDA graphs, scheduled
 asynchronously; the same scheduled synchronously; every prompt through the paged kernel; every linear through
 cuBLAS; Triton with graphs, not compiled; Triton eager; SDPA eager). With --profile, where a decode step's and the
-prefill's time goes (wall against GPU time, the kernels, the Python functions); with --planner, the planner
+prefill's time goes (wall against GPU time, the kernels, the Python functions, and, timed without the profiler, how
+much of a decode step the host spends waiting for the GPU); with --planner, the planner
 calibrated on this GPU (`torch-shift calibrate --device cuda`) against the first configuration's steps.
 
     python bench/bench_gpu.py --configs default,synchronous --hf-batches 256 [--profile 1,64] [--planner]
@@ -143,9 +144,37 @@ def profile_decode(llm, prompts, steps: int) -> dict:
     profiler.disable()
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+    unprofiled = {max_tokens: host_blocked(lambda: run(max_tokens)) for max_tokens in (1, steps + 1)}
     return {"wall_per_step_s": wall, "gpu_busy_per_step_s": busy, "kernels_per_step": launched,
             "kernel_table": table, "step_kernels": step_kernels, "python_profile": stream.getvalue(),
-            "idle_in_step_us": sum(max(0.0, g) for g, _, _ in gaps), "largest_gaps_us": gaps[:8]}
+            "idle_in_step_us": sum(max(0.0, g) for g, _, _ in gaps), "largest_gaps_us": gaps[:8],
+            "unprofiled_wall_per_step_s": (unprofiled[steps + 1][0] - unprofiled[1][0]) / steps,
+            "host_blocked_per_step_s": (unprofiled[steps + 1][1] - unprofiled[1][1]) / steps}
+
+
+def host_blocked(fn) -> tuple[float, float]:
+    """(seconds, of them the host's blocked in `torch.cuda.Event.synchronize`) of `fn()`, with no profiler on. A step
+    whose host waits for the GPU for much of its time is bound by the GPU. Under the profiler, whose own host cost
+    runs in every operator, an H200's batch-1 steps showed a 117 us gap before each graph, while the host waited 0.64
+    ms of each 1.14 ms step without it (docs/performance.md, sixty-eighth session)."""
+    blocked = 0.0
+    synchronize = torch.cuda.Event.synchronize
+
+    def timed(event):
+        nonlocal blocked
+        start = time.perf_counter()
+        try:
+            return synchronize(event)
+        finally:
+            blocked += time.perf_counter() - start
+
+    torch.cuda.Event.synchronize = timed
+    try:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start, blocked
+    finally:
+        torch.cuda.Event.synchronize = synchronize
 
 
 def profile_prefill(llm, prompt) -> dict:
@@ -347,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             for key in [k for k in result if k.startswith("profile")]:
                 p = result[key]
                 idle = f", idle between its kernels {p['idle_in_step_us']:.0f} us" if "idle_in_step_us" in p else ""
+                if "host_blocked_per_step_s" in p:
+                    idle += (f"; without the profiler {p['unprofiled_wall_per_step_s'] * 1e3:.3f} ms a step, the host "
+                             f"waiting for the GPU {p['host_blocked_per_step_s'] * 1e3:.3f} ms of it")
                 log(f"{name} {key}: wall {p['wall_per_step_s'] * 1e3:.3f} ms a step, GPU busy "
                     f"{p['gpu_busy_per_step_s'] * 1e3:.3f} ms, {p['kernels_per_step']:.0f} kernels{idle}\n"
                     f"largest gaps (us, after, before): {p.get('largest_gaps_us', [])}\n"
