@@ -311,3 +311,36 @@ def test_a_fresh_prompt_runs_on_sdpas_fused_kernels(dtype):
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) / 4.0
     ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vv)
     assert out.shape == q.shape and (out.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_a_fresh_prompts_kv_heads_are_read_in_place_with_the_bits_of_repeated_ones(monkeypatch):
+    """16-bit prompts give FlashAttention each query head's K/V head in place (`enable_gqa`): the bits of K/V repeated
+    per query head. Where no fused kernel takes GQA (a GPU without FlashAttention), the heads are repeated, and are
+    from then on for those inputs."""
+    from torch.nn.attention import sdpa_kernel
+
+    from torch_shift.attention import triton_paged
+    from torch_shift.attention.triton_paged import _PROMPT_BACKENDS, causal_attention
+
+    g = torch.Generator().manual_seed(1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(40, heads, 64, generator=g).to(device, torch.bfloat16) for heads in (8, 2, 2))
+    with sdpa_kernel(_PROMPT_BACKENDS):
+        repeated = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1).unsqueeze(0) for x in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1))),
+            is_causal=True)[0].transpose(0, 1)
+    monkeypatch.setattr(triton_paged, "_GQA_IN_PLACE", {})
+    assert torch.equal(causal_attention(q, k, v), repeated) and not triton_paged._GQA_IN_PLACE
+
+    sdpa, asked = torch.nn.functional.scaled_dot_product_attention, []
+
+    def no_gqa(*args, enable_gqa=False, **kwargs):
+        asked.append(enable_gqa)
+        if enable_gqa:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(triton_paged.F, "scaled_dot_product_attention", no_gqa)
+    assert torch.equal(causal_attention(q, k, v), repeated) and torch.equal(causal_attention(q, k, v), repeated)
+    assert asked == [True, False, False]
+    assert triton_paged._GQA_IN_PLACE == {(q.device, torch.bfloat16, 64): False}

@@ -429,14 +429,30 @@ class TritonPagedAttention:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [n, heads, dim] over k/v [n, kv_heads, dim], causal (a prompt with nothing before it), through SDPA as
-    its fused kernels take it: 4-D [1, heads, n, dim] (3-D inputs go to the math kernel) and K/V repeated per
-    query head (SDPA's GQA argument is not on every backend)."""
+    its fused kernels take it: 4-D [1, heads, n, dim] (3-D inputs go to the math kernel). FlashAttention reads
+    each query head's K/V head in place (SDPA's `enable_gqa`); the memory-efficient kernel (fp32 on a GPU) does not
+    take that, and there K/V are repeated per query head (each layer's copies of a prompt's keys and values; the same
+    bits either way)."""
     group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    key = (q.device, q.dtype, q.shape[-1])
+    q = q.transpose(0, 1).unsqueeze(0)
     with sdpa_kernel(_PROMPT_BACKENDS):
+        # FlashAttention runs 16-bit inputs only (float32 goes to the memory-efficient kernel)
+        if group > 1 and q.dtype != torch.float32 and _GQA_IN_PLACE.get(key, True):
+            try:
+                out = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                                     is_causal=True, enable_gqa=True)
+                return out[0].transpose(0, 1)
+            except RuntimeError:  # no fused kernel here takes GQA (a GPU without FlashAttention): repeated from now on
+                _GQA_IN_PLACE[key] = False
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        k, v = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+
+
+# (device, dtype, head_dim): False where no fused kernel took `enable_gqa`
+_GQA_IN_PLACE: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 
 
 # FlashAttention, else the memory-efficient kernel (fp32 on a GPU); not cuDNN's, which SDPA tries first on sm90 and
