@@ -443,6 +443,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
                 out = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                                      is_causal=True, enable_gqa=True)
                 return out[0].transpose(0, 1)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError:  # no fused kernel here takes GQA (a GPU without FlashAttention): repeated from now on
                 _GQA_IN_PLACE[key] = False
         if group > 1:
