@@ -413,7 +413,7 @@ def test_one_token_steps_run_on_the_first_sp_rank_over_the_shared_kv(tmp_path, l
     all-to-alls, in the C++ decoder and on the eager path alike. The same tokens and logprobs, to the last bit, as
     the all-to-alls' (the caches not shared); one-token steps read the KV that steps of several tokens wrote into the
     other ranks' caches, and a later prompt's chunk reads, through its prefix cache hit, the KV that one-token steps
-    wrote there."""
+    wrote there. Without TP, SP rank 0 computes a one-token step's logits alone, with the whole LM head."""
     dtype, model_dir, layout = _sp_model(tmp_path, layout)
     solo_steps = []
     original = ShiftModule._solo_step
@@ -455,6 +455,9 @@ def test_one_token_steps_run_on_the_first_sp_rank_over_the_shared_kv(tmp_path, l
     assert shared_native == exchanged and shared_eager == exchanged
     assert ledger_native == ledger_eager
     assert ledger_eager[("base", "all_to_all")] < ledger_exchanged[("base", "all_to_all")]  # none in one-token steps
+    # SP rank 0 holds the whole LM head where the base layout is SP alone: its one-token steps gather no logits
+    gathers = ledger_eager.get(("base", "all_gather"), 0)
+    assert gathers < ledger_exchanged[("base", "all_gather")] if layout.get("tp", 1) == 1 else gathers > 0
 
 
 @pytest.mark.timeout(120)

@@ -285,6 +285,48 @@ def test_a_sleeping_rank_is_woken_by_its_peer_s_next_step():
         assert sleeps >= 1 and cpu_s < 0.1, waits  # asleep in the kernel, not spinning
 
 
+def _nap_rank(rank, world):
+    """Rank 0 waits for rank 1's broadcast in naps (a worker without work in the last step: Worker.follow): it gets
+    the message, asleep between its looks and unannounced, and rank 1 publishes without a futex wake; a wait
+    longer than the naps' bound (a server idling) sleeps until woken."""
+    from torch_shift.parallel import shm
+
+    dist.init_process_group("gloo")
+    comm = ShmCommunicator.create(dist.group.WORLD, timeout_s=30.0, slot_bytes=SLOT_BYTES)
+    wakes = []
+    futex = shm._futex
+
+    def counted_futex(address, op, *args):
+        if op == shm._FUTEX_WAKE:
+            wakes.append(address)
+        return futex(address, op, *args)
+
+    shm._futex = counted_futex
+    results = []
+    # the second in several chunks of slots; the third after the naps' bound
+    for message, delay_s in (("plan", 0.05), ({"step": 2, "tokens": list(range(300))}, 0.05), ("later", 0.4)):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(delay_s)
+        sleeps, cpu_start, start = comm.sleeps, time.process_time(), time.monotonic()
+        got = comm.broadcast_object(message if rank == 1 else None, src=1, timeout_s=None,
+                                    nap_s=0.002 if rank == 0 else None)
+        results.append((got == message, time.monotonic() - start, time.process_time() - cpu_start,
+                        comm.sleeps - sleeps))
+    comm.close()
+    return results, wakes
+
+
+def test_a_napping_rank_gets_the_broadcast_without_a_wake_up_call():
+    (napped, _), (sent, wakes) = run_ranks(_nap_rank, 2)
+    assert all(received for received, *_ in napped + sent)
+    for _, wall_s, cpu_s, sleeps in napped[:2]:
+        assert 0.04 < wall_s < 5.0 and sleeps == 0 and cpu_s < 0.03, napped  # in naps: never on the futex
+    assert len(wakes) == 1  # rank 1 woke rank 0 only for the third, which it slept for past the naps' bound
+    _, wall_s, cpu_s, sleeps = napped[2]
+    assert 0.35 < wall_s < 5.0 and sleeps >= 1 and cpu_s < 0.1, napped
+
+
 def _native_all_reduce_rank(rank, world):
     """The all-reduce operator of compiled forwards, in C++ (kernels/cpu_ops.cpp), between the communicator's
     Python collectives: the same sums on every rank as gloo's; a peer late by more than its spin (the rest waited

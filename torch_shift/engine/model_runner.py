@@ -87,6 +87,7 @@ class ModelRunner:
         self.native_decode = (native_decode and self.device.type == "cpu" and self.attention.name == "cpu"
                               and model.native_decode())
         self.launch_steps = launch_steps and self.native_decode and deployment.world_size == 1
+        self.had_no_work = False  # in the last step: no group of the plan computed anything on this rank
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -240,6 +241,7 @@ class ModelRunner:
             if threads is not None and threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
+        self.had_no_work = all(self.model.idle_in(self.deployment[group.layout], group.num_tokens) for group in mine)
         tokens = sum(group.num_tokens for group in mine)
         # the C++ decoder hands attention's items to the pool's threads; elsewhere attention runs on the step's one
         # thread, and a long context keeps its threads (decode_pool.KV_SHARE_OF_WEIGHTS)
@@ -323,7 +325,8 @@ class ModelRunner:
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         for i, group in enumerate(plan.groups):
             layout = self.deployment[group.layout]
-            if self.rank not in layout.ranks:
+            if self.rank not in layout.ranks or self.model.idle_in(layout, group.num_tokens):
+                assert self.rank not in layout.ranks or layout.logits_rank != self.rank
                 continue
             kv, _ = self.pool_view(group.layout)
             member = layout.replicas.index(self.replica)

@@ -38,6 +38,8 @@ from torch_shift.parallel.runtime import ParallelRuntime
 from torch_shift.parallel.shared_kv import share_kv_caches
 from torch_shift.parallel.shift import ShiftModule
 
+# a rank without work looks for the next plan this often: a step that needs it again starts up to this much late
+_IDLE_NAP_S = 1e-3
 _CPU_KV_BUDGET_BYTES = 4 << 30  # default cap on CPU, where no device memory bounds the pool
 
 
@@ -163,6 +165,8 @@ class Worker:
         kv_cache = shared.own if shared is not None else KVCache(*kv_shape, device)
         if shared is not None:
             model.share_kv(shared.peers)
+        elif isinstance(model, ShiftModule):  # every rank of the replica agreed: no one-token steps on SP rank 0 alone
+            model.drop_solo_head()
         if tier_blocks and host_tier is None and runtime is not None:
             tier_blocks, host_tier = _map_host_tier(config, runtime, tier_blocks)
         runner = ModelRunner(model, kv_cache, config.deployment, rank, config.scheduler.max_num_seqs,
@@ -235,7 +239,10 @@ class Worker:
         `begin_call`), under torchrun."""
         assert self.runtime is not None and self.rank != 0
         while True:
-            kind, payload = self.runtime.broadcast()
+            # a rank without work in the last step (another replica's request, SP rank 0's one-token steps) waits
+            # for the next plan in naps: asleep on the futex, rank 0 woke it at each plan, a system call of 60-1,240
+            # us in the middle of its step that also ran this rank on rank 0's core (docs/performance.md)
+            kind, payload = self.runtime.broadcast(nap_s=_IDLE_NAP_S if self.runner.had_no_work else None)
             if kind == "step":
                 self.runner.execute(payload)
                 continue

@@ -59,6 +59,11 @@ class LayoutModel(Protocol):
         rank that returns the layout's logits (`Layout.logits_rank`), None on the others."""
         ...
 
+    def idle_in(self, layout: Layout, num_tokens: int) -> bool:
+        """Whether this rank of `layout` computes nothing in its steps of `num_tokens` tokens (the runner then
+        prepares no inputs for it, and the rank naps while it waits for the next plan: Worker.follow)."""
+        ...
+
     def prepare_weights(self, drop_dense: bool = True) -> int:
         """Prepare the weights for the machine's matmul (torch_shift.models.linear); returns bytes packed."""
         ...

@@ -178,6 +178,9 @@ class PipelineModel(LayoutCounters, nn.Module):
         return prepare_linears(self, drop_dense)
 
     # -- KV ---------------------------------------------------------------------------------------------
+    def idle_in(self, layout: Layout, num_tokens: int) -> bool:
+        return False
+
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""
         config = self.config

@@ -92,6 +92,9 @@ class ReplicaModel(LayoutCounters, nn.Module):
         """After the start-up warm-up: the compiled forwards stop checking every guard (compilation.CompiledForward)."""
         seal(self.forwards.values())
 
+    def idle_in(self, layout: Layout, num_tokens: int) -> bool:
+        return False
+
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""
         assert layout.kv_width == 1, f"{layout.name}: a layout over several replicas views its pools by width"

@@ -146,16 +146,17 @@ class ParallelRuntime:
             raise RuntimeError("the parallel engine was shut down" + (f": {self._closed_reason}"
                                                                        if self._closed_reason else ""))
 
-    def broadcast(self, message: Any = None) -> Any:
+    def broadcast(self, message: Any = None, nap_s: float | None = None) -> Any:
         """Rank 0 sends `message`; every rank returns it. The other ranks wait for it without a deadline (they
-        idle there for as long as a server does), rank 0 for them within the timeout."""
+        idle there for as long as a server does), rank 0 for them within the timeout. `nap_s`: a rank that waits
+        looks for the message every `nap_s` seconds instead of being woken (shared memory only)."""
         box = [message]
         with self._in_collective:
             self._check_open()
             try:
                 if self.control is not None:
                     timeout = self.timeout.total_seconds() if self.rank == 0 else None
-                    return self.control.broadcast_object(message, src=0, timeout_s=timeout)
+                    return self.control.broadcast_object(message, src=0, timeout_s=timeout, nap_s=nap_s)
                 dist.broadcast_object_list(box, src=0, group=self.groups.control_group)
             except Exception as e:
                 raise self.failure(e) from e

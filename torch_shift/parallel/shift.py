@@ -315,6 +315,11 @@ class ShiftModule(LayoutCounters, nn.Module):
                                    self.num_local_kv_heads)
         self.solo_steps = False  # one-token base steps on SP rank 0 alone (share_kv)
         self._kv_peers: list[KVCache | None] | None = None
+        # whether SP rank 0 holds the whole LM head for those steps (`solo_lm_head`, None on the other SP ranks; set on
+        # every SP rank by build_shift_module): else the SP ranks share its vocabulary in them, in two collectives
+        # that wake each idle SP rank on a core SP rank 0's decode pool is using
+        self.solo_head = False
+        self.solo_lm_head: Linear | None = None
 
     def share_kv(self, peers: list[KVCache | None] | None) -> None:
         """The SP group's KV caches are shared (torch_shift.parallel.shared_kv; the same call on every rank of the
@@ -331,8 +336,27 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.solo_steps = False
         self._kv_peers = None
 
+    def solo_head_possible(self) -> bool:
+        """Whether SP rank 0 may hold the whole LM head for one-token base steps (the same answer on every rank): a
+        base layout of SP ranks alone (no TP, no experts over them) whose one-token steps run in the base layout (no
+        shift layout, or a threshold of 0). The head costs (SP - 1) / SP of the vocabulary's rows more on that
+        rank."""
+        groups = self.groups
+        return (groups.sp > 1 and groups.tp == 1 and not self.experts_over_sp
+                and (self.shift is None or self.shift_threshold == 0))
+
+    def drop_solo_head(self) -> None:
+        """The SP ranks' KV is not shared (the same call on every rank of the replica): SP rank 0's whole LM head,
+        for one-token steps on it alone, goes."""
+        self.solo_head = False
+        self.solo_lm_head = None
+
     def _solo(self, num_tokens: int) -> bool:
         return self.solo_steps and num_tokens == 1
+
+    def idle_in(self, layout: Layout, num_tokens: int) -> bool:
+        """An SP rank but the first in a one-token base step where SP rank 0 holds the whole LM head."""
+        return (self.solo_head and self.groups.sp_rank != 0 and layout.kind != "shift" and self._solo(num_tokens))
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache (the same in both layouts): every layer, the
@@ -435,7 +459,10 @@ class ShiftModule(LayoutCounters, nn.Module):
             # of the 106M model took 2 ms more for it, docs/performance.md)
             return self.base.compute_logits(self.forwards["base"](input_ids, positions, attention, logits_indices))
         n = input_ids.shape[0]
-        if self._solo(n) and callable(getattr(attention, "over", None)):
+        solo_attention = callable(getattr(attention, "over", None))
+        # the other SP ranks skipped this step (idle_in), whatever attention it runs
+        assert solo_attention or not (self.solo_head and self._solo(n)), "a one-token step without the shared KV"
+        if self._solo(n) and solo_attention:
             return self._solo_step(input_ids, positions, attention, logits_indices)
         # SP rank r holds counts[r] tokens (n // sp or one more), after those of ranks < r, none padded: a step of
         # fewer tokens than SP ranks leaves the last ranks no rows, and they read no weights (padded, batch-1 decode
@@ -463,10 +490,12 @@ class ShiftModule(LayoutCounters, nn.Module):
         return self.base.compute_logits(rows)
 
     def _solo_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                   logits_indices: torch.Tensor) -> torch.Tensor:
+                   logits_indices: torch.Tensor) -> torch.Tensor | None:
         """A one-token base step over the shared KV (share_kv): SP rank 0 runs every layer for the token and
-        attends each head chunk into that chunk's rank's cache (`attention.over` it); the other SP ranks wait for
-        the LM head, whose vocabulary the SP ranks share."""
+        attends each head chunk into that chunk's rank's cache (`attention.over` it), then the LM head alone where
+        it holds it whole (`solo_head`: the other SP ranks return None at once; a static SP-2 batch-1 float32 step
+        of the 106M model spent 0.9 ms of 12-14 in the two collectives, docs/performance.md); else the other SP
+        ranks wait for the LM head, whose vocabulary the SP ranks share."""
         sp = self.groups.sp
         if self.groups.sp_rank == 0:
             own = attention.kv_cache
@@ -478,6 +507,10 @@ class ShiftModule(LayoutCounters, nn.Module):
             rows = native.step(input_ids, positions, logits_indices, ulysses) if native is not None else None
             if rows is None:
                 rows = self.forwards["base"](input_ids, positions, ulysses, logits_indices)
+            if self.solo_head:
+                return self.solo_lm_head(rows)
+        elif self.solo_head:  # SP rank 0 computes the logits alone: nothing to do here
+            return None
         else:
             weight = self.base.embed_tokens.weight
             rows = weight.new_zeros(logits_indices.shape[0], self.config.hidden_size)
@@ -518,7 +551,28 @@ def build_shift_module(config: ModelConfig, groups: ShiftGroups, read: TensorRea
     base = load_base(config, groups, read, dtype, device, expert_parallel)
     # with SP = 1 the base layout is already full TP: one layout, one copy of the weights
     shift = derive_shift(base, config, groups, shift_weights) if shift_threshold is not None and groups.sp > 1 else None
-    return ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
+    module = ShiftModule(base, shift, groups, config, shift_threshold, shift_weights)
+    if module.solo_head_possible() and device.type == "cpu":  # the only device whose SP ranks share their KV
+        module.solo_head = True
+        if groups.sp_rank == 0:
+            module.solo_lm_head = load_solo_lm_head(base, config, read, dtype, device)
+    return module
+
+
+def load_solo_lm_head(base: DecoderLM, config: ModelConfig, read: TensorReader, dtype: torch.dtype,
+                      device: torch.device) -> Linear:
+    """The whole LM head, for SP rank 0's one-token steps (ShiftModule.share_kv): read whole, or the whole
+    embedding where the two are tied."""
+    head = Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+    if config.tie_word_embeddings:
+        weight = base.embed_tokens.weight.data
+    else:
+        weight = read("lm_head.weight", None, PartSlice(0, 0, config.vocab_size)).to(device=device, dtype=dtype)
+    if tuple(weight.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"lm_head.weight: read shape {tuple(weight.shape)}, expected "
+                         f"{(config.vocab_size, config.hidden_size)}")
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return head.eval()
 
 
 def _weights_sample(model: nn.Module) -> dict[str, tuple]:
