@@ -84,7 +84,7 @@ _SLOT_ALIGN = 64
 
 # Spin (yielding the core) this long before sleeping until the peer publishes, at most _MAX_SLEEP_S at a time
 _SPIN_S = 1e-3
-_NAPS_FOR_S = 0.1  # a wait in naps (broadcast_object's nap_s) announces that it sleeps after this: a server idling
+_NAPS_FOR_S = 0.1  # a wait in naps (broadcast_object's nap_s) sleeps until woken after this long: a server out of work
 _MAX_SLEEP_S = 1e-2
 _LIVENESS_INTERVAL_S = 0.05
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64's system call number (the only machine served)

@@ -335,6 +335,9 @@ class NullModel(torch.nn.Module):
     def forward_step(self, layout, micro_batches):
         return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
+    def idle_in(self, layout, num_tokens: int) -> bool:
+        return False  # every rank of a step runs its (empty) forward, as the engine's collectives would have it
+
 
 def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> dict[int, float]:
     from torch_shift import LLM, SamplingParams
