@@ -313,6 +313,7 @@ def _nap_rank(rank, world):
                                     nap_s=0.002 if rank == 0 else None)
         results.append((got == message, time.monotonic() - start, time.process_time() - cpu_start,
                         comm.sleeps - sleeps))
+    wakes = list(wakes)  # those of the three broadcasts, not of close's own wait
     comm.close()
     return results, wakes
 
