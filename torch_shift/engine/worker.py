@@ -240,8 +240,9 @@ class Worker:
         assert self.runtime is not None and self.rank != 0
         while True:
             # a rank without work in the last step (another replica's request, SP rank 0's one-token steps) waits
-            # for the next plan in naps: asleep on the futex, rank 0 woke it at each plan, a system call of 60-1,240
-            # us in the middle of its step that also ran this rank on rank 0's core (docs/performance.md)
+            # for the next plan in naps: asleep on the futex instead, it had rank 0 wake it at each plan, a system
+            # call of 60-1,240 us in the middle of rank 0's step that ran this rank on rank 0's core
+            # (docs/performance.md)
             kind, payload = self.runtime.broadcast(nap_s=_IDLE_NAP_S if self.runner.had_no_work else None)
             if kind == "step":
                 self.runner.execute(payload)
