@@ -682,6 +682,9 @@ class SchedulerConfig:
     # None: where the runner launches the C++ decoder's steps on the CPU (decided once the engine has its runner)
     async_scheduling: bool | None = False
     max_logprobs: int = 20  # the most logprobs a request may ask for a token (vLLM's; -1: the whole vocabulary)
+    # decode steps one plan runs where every running request decodes greedily (vLLM v0's multi-step scheduling;
+    # torch_shift.engine.scheduler)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -693,3 +696,5 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")

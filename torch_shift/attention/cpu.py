@@ -115,6 +115,13 @@ class CpuPagedAttention:
                       kv_cache.block_size)
         self._slot_mapping_ptr = self.slot_mapping.data_ptr()
 
+    def advance_arrays(self) -> tuple[int, int, int, int, int, int]:
+        """Where a multi-step run's C++ steps move each decode on (NativeDecoder.steps): the runs' cached tokens (int32,
+        read in place by the installed step), the slot mapping, the block table, its row stride, the runs' rows of
+        it, and the tokens a block holds."""
+        num_runs, _, _, num_computed, table, stride, table_rows, block_size = self._runs
+        return num_computed, self._slot_mapping_ptr, table, stride, table_rows, block_size
+
     def over(self, kv_cache: KVCache) -> CpuPagedAttention:
         """This step's attention over another cache laid out as this one (an SP peer's, torch_shift.parallel.shared_kv):
         the same runs, block table and slots, that cache's memory."""

@@ -102,6 +102,11 @@ class EngineArgs:
                                                "(default: on with one rank, on a GPU without speculative decoding "
                                                "and on the CPU where the C++ decoder runs the small steps; with "
                                                "speculative decoding, the steps after which nothing is proposed)")
+    num_scheduler_steps: int | None = _arg(None, "decode steps one step plan runs on every rank, where every "
+                                                 "running request decodes greedily and nothing waits (vLLM v0's "
+                                                 "multi-step scheduling: rank 0's host work and the plan's broadcast "
+                                                 "once for them all; tokens reach the outputs in runs of that many; "
+                                                 "default: 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "
@@ -243,6 +248,17 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool) and not (name in ("compile", "cuda_graphs", "async_scheduling")
                                                                    and getattr(self, name) is None):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.num_scheduler_steps is not None and (isinstance(self.num_scheduler_steps, bool)
+                                                     or not isinstance(self.num_scheduler_steps, int)
+                                                     or self.num_scheduler_steps < 1):
+            raise ValueError(f"num_scheduler_steps must be an int >= 1 or None, got {self.num_scheduler_steps!r}")
+        if (self.num_scheduler_steps or 1) > 1:
+            if self.async_scheduling:
+                raise ValueError("num_scheduler_steps > 1 runs its steps synchronously: leave async_scheduling "
+                                 "unset or False")
+            if self.speculative_config is not None:
+                raise ValueError("num_scheduler_steps > 1 cannot run with speculative decoding (a step checks "
+                                 "proposals instead)")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
                                                  or not isinstance(self.shift_threshold, int)
                                                  or self.shift_threshold < 0):
@@ -313,8 +329,8 @@ class EngineArgs:
         to overlap (True is allowed there, as a test of the path). With speculative decoding only the steps after
         which nothing is proposed run ahead (torch_shift.engine.core); on a GPU that is asked for (True), not
         measured there yet."""
-        possible = deployment.world_size == 1
-        if self.async_scheduling and not possible:
+        possible = deployment.world_size == 1 and (self.num_scheduler_steps or 1) == 1
+        if self.async_scheduling and deployment.world_size > 1:
             raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1)")
         if self.async_scheduling is None:
             if not possible:
@@ -364,7 +380,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
                                       policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
-                                      async_scheduling=self._schedules_async(deployment)),
+                                      async_scheduling=self._schedules_async(deployment),
+                                      num_scheduler_steps=self.num_scheduler_steps or 1),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,
                                     seesaw_weights=self.seesaw_weights, expert_parallel=self.enable_expert_parallel,

@@ -221,7 +221,11 @@ class EngineCore:
         else:
             result = self.executor(plan)
         entries = [group.entries for group in output.groups if group.entries]
-        sampled = self.sample(entries, result.logits)
+        if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
+            sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
+                       for e, drawn in zip(group, tokens.T.tolist())}
+        else:
+            sampled = self.sample(entries, result.logits)
         seconds = self.step_seconds(start) if self.speculator is not None else None
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:

@@ -120,6 +120,12 @@ class InputBatch:
         offsets = np.arange(len(request_of_token)) - np.repeat(np.cumsum(num_spec) - num_spec, num_spec)
         self.token_ids[rows[request_of_token], starts[request_of_token] + offsets] = group.spec_token_ids
 
+    def write_drawn(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Tokens a multi-step run drew, where the next of its steps reads its input ids; not counted as known (they
+        arrive later as ordinary token deltas, over them)."""
+        self._ensure_token_columns(int(positions.max()) + 1)
+        self.token_ids[rows, positions] = tokens
+
     # -- one group's step -------------------------------------------------------------------------------
     def prepare(self, group: GroupStep, member: int, kv_width: int) -> HostInputs:
         """The inputs of `group` as this replica (`member`-th of the layout's replicas) sees them;

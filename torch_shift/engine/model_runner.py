@@ -16,6 +16,7 @@ traffic outside the layouts' own collectives and the pipeline's activations).
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,9 +30,10 @@ from torch_shift.attention import attention_backend as make_attention_backend
 from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine import decode_pool as pool
 from torch_shift.engine.input_batch import HostInputs, InputBatch
-from torch_shift.engine.step_plan import StepPlan, split_micro_batches
+from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
+from torch_shift.models.fused import argmax_list
 from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
@@ -330,6 +332,13 @@ class ModelRunner:
                 continue
             kv, _ = self.pool_view(group.layout)
             member = layout.replicas.index(self.replica)
+            if group.num_steps > 1:
+                drawn = self._run_steps(group, layout, kv, member)
+                if self.rank == 0:
+                    logits[i] = drawn
+                elif layout.logits_rank == self.rank:
+                    dist.send(drawn, dst=0, tag=i)
+                continue
             self.batch.write_spec_tokens(group, member)
             micro_batches = []
             for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
@@ -352,10 +361,40 @@ class ModelRunner:
             return None
         for i, group in enumerate(plan.groups):
             leader = self.deployment[group.layout].logits_rank
-            if leader != 0 and group.num_logits:
+            if leader != 0 and group.num_steps > 1:
+                logits[i] = torch.empty(group.num_steps, group.num_logits, dtype=torch.long)
+                dist.recv(logits[i], src=leader, tag=i)
+            elif leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
+
+    def _run_steps(self, group: GroupStep, layout: Layout, kv: KVCache, member: int) -> torch.Tensor:
+        """The decode steps of a multi-step run (GroupStep.num_steps): in one call where the model's decoder runs them
+        all (LayoutModel.forward_steps), else one by one, every rank of the layout that computes drawing each row's
+        token as the sampler draws a greedy one (the argmax of its logits, which it holds whole) and writing it where
+        the next step reads its input id. Returns the tokens drawn, [num_steps, rows] (int64, on the host)."""
+        rows = group.rows[member]
+        step = copy.copy(group)  # advanced a position per step
+        drawn = None
+        for j in range(group.num_steps):
+            inputs = self.batch.to_device(self.batch.prepare(step, member, layout.kv_width))
+            batch = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
+                               inputs.logits_indices)
+            if j == 0:
+                drawn = self.model.forward_steps(layout, batch, group.num_steps)
+                if drawn is not None:
+                    return torch.from_numpy(drawn)
+                drawn = np.empty((group.num_steps, len(rows)), dtype=np.int64)
+            out = self.model.forward_step(layout, [batch])
+            assert out is not None and out.shape[0] == len(rows) and out.shape[1] >= self.vocab_size, (
+                f"a rank of {layout.name} computing a multi-step run lacks the step's logits")
+            drawn[j] = argmax_list(out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size])
+            if j + 1 < group.num_steps:
+                step.num_computed = step.num_computed + 1
+                step.num_kv_tokens += len(rows)
+                self.batch.write_drawn(rows, step.num_computed, drawn[j])
+        return torch.from_numpy(drawn)
 
 
 def step_threads(deployment: Deployment, groups: Sequence[tuple[str, int]], rank: int, host_cores: int) -> int | None:
@@ -413,6 +452,7 @@ class StepResult:
     """Rank 0's result of a step: per group its logits (None: no logits rows), and the time this rank spent
     in tier copies and in switching weights between layouts."""
 
+    # (a multi-step run's group: the tokens each step drew, int64 [num_steps, rows]; GroupStep.num_steps)
     logits: list[torch.Tensor | None]
     swap_seconds: float = 0.0
     reshard_seconds: float = 0.0

@@ -90,6 +90,9 @@ class SchedulerOutput:
     # requests whose block tables lost blocks since the last output (rejected proposals' blocks given back):
     # request -> blocks left. Blocks past those may since have been taken again, other ones in their places
     shrunk_block_tables: dict[str, int] = field(default_factory=dict)
+    # decode steps the plan runs (multi-step scheduling, SchedulerConfig.num_scheduler_steps): each entry a decode
+    # with KV blocks for that many tokens, drawing greedily on the ranks; then it has drawn that many tokens
+    num_steps: int = 1
 
     @property
     def has_swaps(self) -> bool:
@@ -376,6 +379,7 @@ class Scheduler:
         num_moved = self.num_preemptions
         running = RequestStatus.RUNNING
         step = self.num_steps
+        num_steps = self._run_length()
         for request in list(self.running):
             if request.status is not running:
                 continue  # preempted this step for another's blocks
@@ -413,6 +417,8 @@ class Scheduler:
                 group.budget -= num_new
 
         ran_out_of_blocks = self.num_preemptions > num_moved  # swapping in or admitting would only thrash
+        if num_steps > 1:
+            num_steps = self._run_blocks(groups, num_steps, ran_out_of_blocks)
         self._admitting = True
         try:
             if not ran_out_of_blocks and decision.phase != "prefill" and self.swapped:
@@ -433,8 +439,43 @@ class Scheduler:
                     request.num_output_placeholders += 1
         output.removed_request_ids, self._removed = self._removed, []
         output.shrunk_block_tables, self._shrunk = self._shrunk, {}
+        output.num_steps = num_steps
         self.num_steps += 1
         return output
+
+    def _run_length(self) -> int:
+        """The decode steps this step's plan may run (vLLM v0's multi-step scheduling): 1, or where every running
+        request decodes, draws its tokens by argmax (Request.draws_argmax, so every rank of its group draws the
+        same) and has its last token on the host, and nothing waits or sits in the tier, up to
+        num_scheduler_steps, no more than the request closest to its length (max_tokens, the context) has left."""
+        num_steps = self.config.num_scheduler_steps
+        if num_steps == 1 or self.waiting or self.swapped or not self.running:
+            return 1
+        max_model_len = self.config.max_model_len
+        for request in self.running:
+            num_tokens = len(request.all_token_ids)
+            if (not request.draws_argmax or request.spec_token_ids or request.num_output_placeholders
+                    or num_tokens - request.num_computed_tokens != 1):
+                return 1
+            num_steps = min(num_steps, request.max_tokens - len(request.output_token_ids), max_model_len - num_tokens)
+        return max(num_steps, 1)
+
+    def _run_blocks(self, groups: dict[tuple[int, ...], _Group], num_steps: int, ran_out_of_blocks: bool) -> int:
+        """The blocks of a run of `num_steps` decode steps, taken once every running request holds its next
+        token's (never another's: a run takes only free blocks, preempting nobody); the steps it runs: 1 where a
+        running request was not scheduled (paused, preempted), a group is a pipeline's, or the free blocks fall short.
+        Blocks taken before then stay with their requests, for their next tokens."""
+        entries = [(group, e) for group in groups.values() for e in group.entries]
+        deployment = self.policy.deployment
+        # a pipeline's last stage draws the tokens its first stage embeds next
+        if (ran_out_of_blocks or len(entries) != len(self.running)
+                or any(deployment[group.layout].pp > 1 for group in groups.values())):
+            return 1
+        for group, entry in entries:
+            if not self._allocate(entry.request, group.replicas, entry.num_computed_tokens + num_steps,
+                                  view=group.kv_view):
+                return 1
+        return num_steps
 
     def _swap_in(self, groups: dict[tuple[int, ...], _Group], decision, output: SchedulerOutput) -> None:
         """Requests in the tier onto the device, first come first, into groups the policy routes them
@@ -549,6 +590,7 @@ class Scheduler:
         scheduled (asynchronous scheduling) still receives its token. Returns the requests that received tokens."""
         updated = []
         running, pools, max_model_len = RequestStatus.RUNNING, self.pools, self.config.max_model_len
+        several = output.num_steps > 1  # every entry drew a token in each of the run's steps
         for group in output.groups:
             pool = pools[group.replicas[0]] if len(group.replicas) == 1 else None
             for entry in group.entries:
@@ -556,9 +598,9 @@ class Scheduler:
                 status = request.status
                 if status._finished:
                     continue  # finished or aborted since it was scheduled
-                if entry.spec_token_ids:
+                if entry.spec_token_ids or several:
                     request.num_output_placeholders -= 1
-                    self._update_speculating(entry, pool, sampled_token_ids[request.request_id])
+                    self._update_several(entry, pool, sampled_token_ids[request.request_id])
                     updated.append(request)
                     continue
                 before = entry.num_computed_tokens
@@ -599,10 +641,11 @@ class Scheduler:
         request.stop_reason = request.error
         self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
-    def _update_speculating(self, entry: ScheduledRequest, pool: BlockManager | None, drawn: list[int]) -> None:
-        """A request that verified proposed tokens: computed are its last token and the accepted proposals (all
-        drawn tokens but the last); blocks that held only rejected proposals go back."""
-        assert entry.sample, entry  # proposals follow a request's last token: a speculating entry always samples
+    def _update_several(self, entry: ScheduledRequest, pool: BlockManager | None, drawn: list[int]) -> None:
+        """A request that drew several tokens in the step (the accepted proposals and one more after checking
+        proposed tokens, or one in each step of a multi-step run): computed are its last token and every drawn
+        token but the last; blocks that held only rejected proposals go back."""
+        assert entry.sample, entry  # proposals and runs follow a request's last token: such an entry always samples
         request, rid = entry.request, entry.request.request_id
         before = entry.num_computed_tokens
         request.num_computed_tokens = after = before + len(drawn)

@@ -73,6 +73,9 @@ class GroupStep:
     num_tokens: int = -1
     num_kv_tokens: int = -1
     num_logits: int = -1
+    # decode steps the group runs (multi-step scheduling): in each the ranks draw every request's token by argmax
+    # and feed it to the next; the logits rank returns them all (ModelRunner)
+    num_steps: int = 1
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -191,7 +194,7 @@ class PlanBuilder:
                              np.array(num_computed, dtype=_INT), num_scheduled.count(1),
                              np.array(logits_counts, dtype=_INT), micro_batch_count(layout.pp, num_tokens),
                              *spec, num_tokens=num_tokens, num_kv_tokens=sum(num_computed),
-                             num_logits=sum(logits_counts))
+                             num_logits=sum(logits_counts), num_steps=output.num_steps)
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],

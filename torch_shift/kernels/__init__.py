@@ -451,6 +451,9 @@ class DecoderKernels:
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
         self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
+        self.steps = library.ts_decoder_steps
+        self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
+        self.steps.restype = ctypes.c_int
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int
         self.launch = library.ts_decoder_launch

@@ -673,6 +673,34 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
   return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
 }
 
+// `num_steps` decode steps of a multi-step run (ModelRunner._run_steps), as that many ts_decoder_step calls with
+// argmax (required) without returning to Python between them: token i is run i and logits row i (decodes only);
+// after each step but the last, each token's input id becomes its row's argmax and its position, its run's cached
+// tokens (`num_computed`, int32, which the installed step reads in place) and its KV slot (`slot_mapping`, read so
+// too: block_table[table_rows[i]][position / tokens_per_block] * tokens_per_block + position % tokens_per_block)
+// move one further. drawn [num_steps, num_tokens] gets each step's argmax rows; logits hold the last step's. The
+// codes of ts_decoder_step; -200 also for num_steps < 1.
+int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int64_t num_tokens,
+                     const int64_t* logits_rows, void* logits, int64_t* argmax, int64_t num_steps, int64_t* drawn,
+                     int32_t* num_computed, int64_t* slot_mapping, const int32_t* block_table, int64_t table_stride,
+                     const int32_t* table_rows, int64_t tokens_per_block) {
+  if (num_steps < 1 || argmax == nullptr || tokens_per_block < 1) return -200;
+  for (int64_t s = 0; s < num_steps; ++s) {
+    const int rc = ts_decoder_step(decoder, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax);
+    if (rc != 0) return rc;
+    std::memcpy(drawn + s * num_tokens, argmax, num_tokens * sizeof(int64_t));
+    if (s + 1 == num_steps) break;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t position = ++positions[i];
+      input_ids[i] = argmax[i];
+      ++num_computed[i];
+      slot_mapping[i] = int64_t(block_table[table_rows[i] * table_stride + position / tokens_per_block]) *
+                            tokens_per_block + position % tokens_per_block;
+    }
+  }
+  return 0;
+}
+
 // A sequence-parallel rank's part in a step that gives it no tokens (fewer than SP ranks): each layer's Ulysses
 // attention with no rows of its own, which brings the other ranks' q/k/v of its head chunk, attends them and sends the
 // outputs back (ts_step_attention), the layers one after another without returning to Python between them. Its waits

@@ -71,6 +71,7 @@ class NativeDecoder:
         # where it cannot
         self.max_tokens = max_tokens
         self.dtype = model.embed_tokens.weight.dtype
+        self.element_size = model.embed_tokens.weight.element_size()
         # the vocabulary, or this rank's shard of it; without the head, the hidden size (its rows' hidden states)
         self.logits_width = (model.config.vocab_size if gathers_logits else model.lm_head.packed.out_features if head
                              else model.config.hidden_size)
@@ -176,6 +177,36 @@ class NativeDecoder:
         if row_argmax is not None:
             setattr(logits, ROW_ARGMAX, row_argmax)
         return logits
+
+    def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
+              num_steps: int) -> np.ndarray | None:
+        """A multi-step run's `num_steps` decode steps in one call (ts_decoder_steps; decodes only, a logits row each):
+        each row's argmax in each step, int64 [num_steps, rows], each fed to the next step as its row's input id, its
+        position and KV slot moved on in `attention`'s arrays, which the C++ step reads (`advance_arrays`); None,
+        nothing run, where the decoder finds no argmax (a shard's vocabulary, no head) or `attention` cannot move on
+        or did not install in C++."""
+        advance = getattr(attention, "advance_arrays", None)
+        if not self.finds_argmax or advance is None:
+            return None
+        if self.launched:
+            self.wait()
+        input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
+        num_tokens = input_ids.shape[0]
+        assert rows.shape[0] == num_tokens, "a run's steps are decodes, a logits row each"
+        logits = torch.empty(num_tokens, self.logits_width, dtype=self.dtype)
+        row_argmax = np.empty(num_tokens, dtype=np.int64)
+        drawn = np.empty((num_steps, num_tokens), dtype=np.int64)
+        if not enter_step_attention(attention):
+            exit_step_attention()
+            return None
+        try:
+            rc = self.kernels.steps(self.handle, input_ids.data_ptr(), positions.data_ptr(), num_tokens,
+                                    rows.data_ptr(), logits.data_ptr(), row_argmax.ctypes.data, num_steps,
+                                    drawn.ctypes.data, *advance())
+        finally:
+            exit_step_attention()
+        self._check(rc)
+        return drawn
 
     def attend(self, attention: object) -> bool:
         """A sequence-parallel rank's part in a step that gives it no tokens: each layer's attention of its head chunk

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -139,6 +140,26 @@ class ShardDecoder:
             comm.record_outside("all_gather", 1, len(logits) * model.lm_head.packed.out_features
                                 * logits.element_size(), self.group)
         return logits
+
+
+    def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
+              num_steps: int) -> np.ndarray | None:
+        """A multi-step run's steps in one call (NativeDecoder.steps), counted in the ledger as `step`'s each; None
+        where `step` would decline them."""
+        if (not self.decoder.runs(len(input_ids), attention)
+                or comm.native_communicator(self.group) != self.communicator):
+            return None
+        drawn = self.decoder.steps(input_ids, positions, logits_indices, attention, num_steps)
+        if drawn is None:
+            return None
+        model = self.decoder.model
+        for _ in range(num_steps):
+            record_decoder_all_reduces(model, len(input_ids), len(logits_indices), self.decoder.element_size,
+                                       self.group)
+            if self.decoder.gathers_logits:
+                comm.record_outside("all_gather", 1, len(logits_indices) * model.lm_head.packed.out_features
+                                    * self.decoder.element_size, self.group)
+        return drawn
 
 
 def record_decoder_all_reduces(model: nn.Module, num_tokens: int, num_logits: int, element_size: int,

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from torch_shift.kv.host_tier import KVRegion
@@ -57,6 +58,13 @@ class LayoutModel(Protocol):
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """Run one step of `layout` over its micro-batches in order; returns the logits of all of them on the
         rank that returns the layout's logits (`Layout.logits_rank`), None on the others."""
+        ...
+
+    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> np.ndarray | None:
+        """A multi-step run's `num_steps` decode steps of `batch` (decodes only, a logits row each) in one call,
+        where this rank's decoder runs them all (the C++ decoder with its argmax: NativeDecoder.steps): each row's
+        argmax in each step, int64 [num_steps, rows], fed to the next step as its input id; else None, nothing run
+        (the runner then runs them one by one through `forward_step`). Every rank of the layout decides alike."""
         ...
 
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:

@@ -181,6 +181,9 @@ class PipelineModel(LayoutCounters, nn.Module):
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:
         return False
 
+    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> None:
+        return None  # one by one (Seesaw's TP decode); a pipeline layout runs no runs (Scheduler._run_blocks)
+
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""
         config = self.config

@@ -34,13 +34,11 @@ from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_
 
 
 class ReplicaModel(LayoutCounters, nn.Module):
-    def __init__(self, model: DecoderLM, views: dict[str, DecoderLM] | None = None,
-                 leaders: dict[str, bool] | None = None, view_weights: str = "view"):
+    def __init__(self, model: DecoderLM, views: dict[str, DecoderLM] | None = None, view_weights: str = "view"):
         super().__init__()
         self.model = model
         self.view_weights = view_weights  # Flying's TP weights: zero-copy "view"s or "copy"
         self.views = nn.ModuleDict(views or {})
-        self.leaders = leaders or {}
         self.num_local_kv_heads = model.config.num_key_value_heads
         self.num_kv_layers = model.config.num_hidden_layers
         self.reset_counters()  # every layout's weights are resident: no reshard ever
@@ -95,6 +93,18 @@ class ReplicaModel(LayoutCounters, nn.Module):
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:
         return False
 
+    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> np.ndarray | None:
+        """A multi-step run in one call of the replica's own C++ decoder, or of its view's in Flying's TP group."""
+        key = layout.name if layout.kv_width > 1 else None
+        native = self.native_decoder if key is None else self.view_decoders.get(key)
+        if native is None:
+            return None
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention, num_steps)
+        if drawn is not None:
+            self.layout_counts[layout.name] += num_steps
+        return drawn
+
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""
         assert layout.kv_width == 1, f"{layout.name}: a layout over several replicas views its pools by width"
@@ -103,7 +113,8 @@ class ReplicaModel(LayoutCounters, nn.Module):
 
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """The replica's own layout runs its full weights; a layout over several replicas (Flying's TP
-        group) the views of them derived for it, returning logits on the group's first rank only."""
+        group) the views of them derived for it, whose logits every rank of the group holds whole (gathered; the
+        runner takes the first rank's, and each rank draws from its own in a multi-step run)."""
         (batch,) = micro_batches
         self.layout_counts[layout.name] += 1
         key = layout.name if layout.kv_width > 1 else None
@@ -119,13 +130,13 @@ class ReplicaModel(LayoutCounters, nn.Module):
             if native is not None:
                 logits = native.step(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
                 if logits is not None:
-                    return logits if self.leaders[key] else None
+                    return logits
             hidden = forward(batch.input_ids, batch.positions, batch.attention, batch.logits_indices)
             # a view's LM head holds the rank's rows of the vocabulary: every rank of the group computes its share,
             # which the group gathers (the first rank's whole head alone, while the others waited, made a TP-2 batch-1
             # decode step of the 106M model 6-10% longer: docs/performance.md)
             logits = model.compute_logits(hidden)
-        return logits if key is None or self.leaders[key] else None
+        return logits
 
 
 def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, rank: int, config: ModelConfig,
@@ -143,10 +154,9 @@ def build_layout_model(deployment: Deployment, groups: DeploymentGroups | None, 
         return build_shift_module(config, groups.replica, read, dtype, device,
                                   shift_threshold if with_shift else None, shift_weights, expert_parallel)
     full = build_model(config, read, dtype, device)
-    views, leaders = {}, {}
+    views = {}
     for layout in deployment.layouts_of(rank):
         if layout.kv_width > 1:
             group, mesh = groups.pool[layout.ranks]
             views[layout.name] = derive_tp(full, config, None, tp_plan(mesh, layout.name), group, flying_weights)
-            leaders[layout.name] = rank == layout.ranks[0]
-    return ReplicaModel(full, views, leaders, flying_weights)
+    return ReplicaModel(full, views, flying_weights)

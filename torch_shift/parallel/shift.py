@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -436,6 +437,19 @@ class ShiftModule(LayoutCounters, nn.Module):
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
             return self._forward("shift" if layout.kind == "shift" else "base", batch.input_ids, batch.positions,
                                  batch.attention, batch.logits_indices)
+
+    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> np.ndarray | None:
+        """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's; not the
+        SP base's, whose logits SP rank 0 computes after the call (_solo_step)."""
+        which = "shift" if layout.kind == "shift" else "base"
+        native = self.native_decoders.get(which)
+        if native is None or (which == "base" and self.groups.sp > 1):
+            return None
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention, num_steps)
+        if drawn is not None:
+            self.layout_counts[layout.name] += num_steps
+        return drawn
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                  logits_indices: torch.Tensor) -> torch.Tensor:

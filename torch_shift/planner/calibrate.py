@@ -335,6 +335,9 @@ class NullModel(torch.nn.Module):
     def forward_step(self, layout, micro_batches):
         return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
+    def forward_steps(self, layout, batch, num_steps: int):
+        return None
+
     def idle_in(self, layout, num_tokens: int) -> bool:
         return False  # every rank of a step runs its (empty) forward, as the engine's collectives would have it
 

@@ -143,8 +143,9 @@ class ClockedEngine(LLMEngine):
     last_step_modelled_s: float = 0.0
 
     def __init__(self, args: EngineArgs, *rest, **kwargs):
-        # steps one after the other, each priced as it runs (asynchronous scheduling would overlap them)
-        super().__init__(replace(args, async_scheduling=False), *rest, **kwargs)
+        # steps one after the other, each priced as it runs (asynchronous scheduling would overlap them), single ones
+        # (a multi-step run's tokens are drawn on the ranks, which a simulator has not)
+        super().__init__(replace(args, async_scheduling=False, num_scheduler_steps=None), *rest, **kwargs)
         forward = self.core.executor
 
         def timed_forward(plan: StepPlan) -> StepResult:

@@ -1,0 +1,203 @@
+"""Multi-step scheduling (SchedulerConfig.num_scheduler_steps, vLLM v0's): where every running request decodes
+greedily and nothing waits, one step plan runs several decode steps on every rank, each drawing its tokens by argmax
+and feeding them to the next. Tokens, finish reasons and KV blocks must be those of single steps: with stops inside a
+run, lengths that cut a run short, requests that arrive, sample or return logprobs meanwhile, and every layout."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from torch_shift import LLM, SamplingParams
+from torch_shift.config import SchedulerConfig
+from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.policies import SingleGroupPolicy
+from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.scheduler import Scheduler
+from torch_shift.kv.block_manager import BlockManager
+
+ENGINE = {"dtype": "float32", "max_num_seqs": 6, "num_kv_blocks": 64, "block_size": 4,
+          "max_num_batched_tokens": 32, "max_model_len": 128, "seed": 0, "compile": False}
+
+
+def _scheduler(num_blocks: int = 16, num_steps: int = 4, max_num_seqs: int = 4) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_num_seqs, max_model_len=64,
+                             num_scheduler_steps=num_steps)
+    return Scheduler(config, BlockManager(num_blocks, 4), SingleGroupPolicy("single"))
+
+
+def _greedy(request_id: str, prompt: list[int], max_tokens: int, **params) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+                   max_tokens=max_tokens)
+
+
+def test_a_run_takes_blocks_for_every_step_and_receives_every_token():
+    sched = _scheduler()
+    request = _greedy("a", [5, 6, 7, 8, 9], 10)
+    sched.add_request(request)
+    prefill = sched.schedule()
+    assert prefill.num_steps == 1  # a prompt's step is a single one
+    sched.update_from_output(prefill, {"a": 11})
+    run = sched.schedule()
+    (entry,) = run.scheduled
+    assert run.num_steps == 4 and (entry.num_computed_tokens, entry.num_tokens, entry.sample) == (5, 1, True)
+    # positions 5-8 are written in the run: 9 tokens, 3 blocks of 4
+    assert len(sched.block_manager.req_blocks["a"]) == 3
+    assert sched.update_from_output(run, {"a": [12, 13, 14, 15]}) == [request]
+    assert request.output_token_ids == [11, 12, 13, 14, 15] and request.num_computed_tokens == 9
+    second = sched.schedule()
+    assert second.num_steps == 4
+    sched.update_from_output(second, {"a": [16, 17, 18, 19]})
+    last = sched.schedule()
+    assert last.num_steps == 1  # one token left before max_tokens: no step past the request's length
+    sched.update_from_output(last, {"a": 20})
+    assert request.status == RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 10
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_a_stop_inside_a_run_ends_the_request_there_and_frees_its_blocks():
+    sched = _scheduler()
+    request = _greedy("a", [5, 6, 7, 8, 9], 20, stop_token_ids=[13])
+    sched.add_request(request)
+    sched.update_from_output(sched.schedule(), {"a": 11})
+    run = sched.schedule()
+    assert run.num_steps == 4
+    sched.update_from_output(run, {"a": [12, 13, 14, 15]})  # the tokens after the stop were drawn for nothing
+    assert request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids == [11, 12, 13]
+    assert sched.block_manager.num_free_blocks == 16 and not sched.requests
+
+
+@pytest.mark.parametrize("other", ["waiting", "sampled", "logprobs", "bias"])
+def test_single_steps_while_a_request_waits_or_does_not_draw_its_argmax(other):
+    sched = _scheduler(max_num_seqs=1 if other == "waiting" else 4)
+    sched.add_request(_greedy("a", [5, 6, 7], 20))
+    params = {"sampled": dict(temperature=0.8, seed=1), "logprobs": dict(temperature=0.0, logprobs=1),
+              "bias": dict(temperature=0.0, logit_bias={3: 1.0}), "waiting": dict(temperature=0.0)}[other]
+    sched.add_request(Request("b", [8, 9], SamplingParams(max_tokens=20, **params), max_tokens=20))
+    for _ in range(3):
+        output = sched.schedule()
+        assert output.num_steps == 1
+        sched.update_from_output(output, {e.request_id: 30 for e in output.scheduled})
+    assert sched.requests["a"].num_computed_tokens > 3  # the first one decodes meanwhile
+
+
+def test_a_run_takes_only_free_blocks_and_preempts_nobody():
+    sched = _scheduler(num_blocks=4)
+    for rid in "ab":
+        sched.add_request(_greedy(rid, [5, 6, 7, 8, 9, 10, 11], 20))
+    first = sched.schedule()
+    sched.update_from_output(first, {"a": 12, "b": 12})
+    # each holds 2 blocks (7 tokens, then its 8th position): no free block is left for a run's positions 8-10
+    output = sched.schedule()
+    assert output.num_steps == 1 and not output.preempted_request_ids and sched.num_preemptions == 0
+    assert [len(sched.block_manager.req_blocks[rid]) for rid in "ab"] == [2, 2]
+
+
+def test_num_scheduler_steps_is_checked():
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="num_scheduler_steps"):
+            EngineArgs("m", num_scheduler_steps=bad)
+    with pytest.raises(ValueError, match="synchronously"):
+        EngineArgs("m", num_scheduler_steps=4, async_scheduling=True)
+    with pytest.raises(ValueError, match="speculative"):
+        EngineArgs("m", num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    one = SimpleNamespace(world_size=1)
+    # one rank on the CPU launches its steps asynchronously by default, and a run is synchronous
+    assert EngineArgs("m", device="cpu", num_scheduler_steps=4)._schedules_async(one) is False
+
+
+def _generate(model_dir, num_steps: int, prompts, params, calls=None, **engine):
+    llm = LLM(str(model_dir), num_scheduler_steps=num_steps, **{**ENGINE, **engine})
+    if calls is not None:  # rank 0's model: its multi-step runs in one call of its C++ decoder, or None
+        model = llm.engine.worker.runner.model
+        forward_steps = model.forward_steps
+
+        def counted(*args):
+            drawn = forward_steps(*args)
+            calls.append(drawn is not None)
+            return drawn
+
+        model.forward_steps = counted
+    runs = []
+    executor = llm.engine.core.executor
+
+    def spy(plan, *args, **options):
+        runs.append(max(group.num_steps for group in plan.groups))
+        return executor(plan, *args, **options)
+
+    llm.engine.core.executor = spy
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        engine_ = llm.engine
+        for pool in engine_.scheduler.pools:
+            assert pool.num_free_blocks == pool.num_blocks  # nothing leaked
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs], runs
+    finally:
+        llm.shutdown()
+
+
+def _work():
+    from conftest import random_prompts
+
+    shared = random_prompts(1, [12], seed=5)[0]  # a prefix several prompts share: the prefix cache serves it
+    prompts = [shared + p if i % 3 == 0 else p for i, p in enumerate(random_prompts(6, [5, 17, 9, 30, 2, 11], seed=1))]
+    return prompts, [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0) for i in range(6)]
+
+
+@pytest.mark.parametrize("native_decode", [True, False], ids=["cpp", "python"])
+def test_runs_give_the_tokens_of_single_steps(llama, native_decode):
+    """A run's steps in one call of the C++ decoder, or one by one in Python, with the tokens of single steps."""
+    _, model_dir = llama
+    prompts, params = _work()
+    reference, _ = _generate(model_dir, 1, prompts, params)
+    # a token the requests draw mid-output, as a stop token: requests end inside a run
+    drawn = [t for tokens, _ in reference for t in tokens[1:-1]]
+    stop = max(set(drawn), key=drawn.count)
+    for p in params:
+        p.stop_token_ids = [stop]
+    single, single_runs = _generate(model_dir, 1, prompts, params)
+    calls = []
+    outputs, runs = _generate(model_dir, 4, prompts, params, calls, native_decode=native_decode)
+    assert outputs == single and set(single_runs) == {1}
+    assert calls and set(calls) == {native_decode}
+    assert any(reason == "stop" for _, reason in outputs) and any(reason == "length" for _, reason in outputs)
+    assert 4 in runs and 1 in runs  # runs of 4, and single steps for prompts and the ends of requests
+    assert len(runs) < len(single_runs)
+
+
+def test_a_request_that_samples_makes_the_steps_single_while_it_runs(llama):
+    _, model_dir = llama
+    prompts, params = _work()
+    params[1] = SamplingParams(max_tokens=6, temperature=0.9, seed=3)  # ends before the others
+    params[2] = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    single, _ = _generate(model_dir, 1, prompts, params)
+    outputs, runs = _generate(model_dir, 4, prompts, params)
+    assert outputs == single and 4 in runs
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=0), dict(sp=2, shift_threshold=8),
+                                    dict(dp=2), dict(dp=2, policy="flying"), dict(pp=2, policy="seesaw"), dict(pp=2)],
+                         ids=["tp2", "sp2", "shift", "dp2", "flying", "seesaw", "pp2"])
+def test_every_layout_runs_them_with_the_tokens_of_one_device(layers4, layout):
+    """Each rank that computes a run's steps draws the tokens from the logits it holds whole (a TP rank's gathered
+    vocabulary, Flying's TP group's, SP rank 0 alone over the shared KV, a DP replica's own rank, which sends them to
+    rank 0; Seesaw decodes in TP), in one call of its C++ decoder where that finds the argmax; a pipeline's steps
+    stay single."""
+    prompts, params = _work()
+    reference, _ = _generate(layers4, 1, prompts, params)
+    calls = []
+    outputs, runs = _generate(layers4, 4, prompts, params, calls, **layout)
+    assert outputs == reference
+    assert (4 in runs) == (layout != dict(pp=2))
+    # in one call of rank 0's C++ decoder, but where SP rank 0 computes the LM head after it (static SP) and in a
+    # pipeline deployment's model (Seesaw's decode)
+    one_by_one = layout in (dict(sp=2, shift_threshold=0), dict(pp=2, policy="seesaw"))
+    assert set(calls) == ({False} if one_by_one else set() if layout == dict(pp=2) else {True})
+
+
+def test_four_ranks_run_them(layers4):
+    prompts, params = _work()
+    reference, _ = _generate(layers4, 1, prompts, params)
+    outputs, runs = _generate(layers4, 4, prompts, params, dp=2, tp=2)
+    assert outputs == reference and 4 in runs
