@@ -107,7 +107,7 @@ def test_num_scheduler_steps_is_checked():
     assert EngineArgs("m", device="cpu", num_scheduler_steps=4)._schedules_async(one) is False
 
 
-def _generate(model_dir, num_steps: int, prompts, params, calls=None, **engine):
+def _generate(model_dir, num_steps: int, prompts, params, calls=None, stats=None, **engine):
     llm = LLM(str(model_dir), num_scheduler_steps=num_steps, **{**ENGINE, **engine})
     if calls is not None:  # rank 0's model: its multi-step runs in one call of its C++ decoder, or None
         model = llm.engine.worker.runner.model
@@ -132,6 +132,8 @@ def _generate(model_dir, num_steps: int, prompts, params, calls=None, **engine):
         engine_ = llm.engine
         for pool in engine_.scheduler.pools:
             assert pool.num_free_blocks == pool.num_blocks  # nothing leaked
+        if stats is not None:
+            stats.update(llm.stats())
         return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs], runs
     finally:
         llm.shutdown()
@@ -157,13 +159,14 @@ def test_runs_give_the_tokens_of_single_steps(llama, native_decode):
     for p in params:
         p.stop_token_ids = [stop]
     single, single_runs = _generate(model_dir, 1, prompts, params)
-    calls = []
-    outputs, runs = _generate(model_dir, 4, prompts, params, calls, native_decode=native_decode)
+    calls, stats = [], {}
+    outputs, runs = _generate(model_dir, 4, prompts, params, calls, stats, native_decode=native_decode)
     assert outputs == single and set(single_runs) == {1}
     assert calls and set(calls) == {native_decode}
     assert any(reason == "stop" for _, reason in outputs) and any(reason == "length" for _, reason in outputs)
     assert 4 in runs and 1 in runs  # runs of 4, and single steps for prompts and the ends of requests
     assert len(runs) < len(single_runs)
+    assert stats["num_steps"] == sum(runs) and stats["num_decode_steps"] > 0  # a run counts as its steps
 
 
 def test_a_request_that_samples_makes_the_steps_single_while_it_runs(llama):
@@ -190,10 +193,9 @@ def test_every_layout_runs_them_with_the_tokens_of_one_device(layers4, layout):
     outputs, runs = _generate(layers4, 4, prompts, params, calls, **layout)
     assert outputs == reference
     assert (4 in runs) == (layout != dict(pp=2))
-    # in one call of rank 0's C++ decoder, but where SP rank 0 computes the LM head after it (static SP) and in a
-    # pipeline deployment's model (Seesaw's decode)
-    one_by_one = layout in (dict(sp=2, shift_threshold=0), dict(pp=2, policy="seesaw"))
-    assert set(calls) == ({False} if one_by_one else set() if layout == dict(pp=2) else {True})
+    # in one call of rank 0's C++ decoder, but where SP rank 0 computes the LM head after it (static SP)
+    assert set(calls) == ({False} if layout == dict(sp=2, shift_threshold=0) else set() if layout == dict(pp=2)
+                          else {True})
 
 
 def test_four_ranks_run_them(layers4):
@@ -201,3 +203,29 @@ def test_four_ranks_run_them(layers4):
     reference, _ = _generate(layers4, 1, prompts, params)
     outputs, runs = _generate(layers4, 4, prompts, params, dp=2, tp=2)
     assert outputs == reference and 4 in runs
+
+
+def test_a_stop_string_inside_a_run_cuts_the_tokens_after_it(llama):
+    """A stop string completed by a token in the middle of a run ends the output there, its text and tokens those of
+    single steps (the run's later tokens were drawn for nothing)."""
+    _, model_dir = llama
+    prompts, _ = _work()
+    greedy = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    llm = LLM(str(model_dir), **ENGINE)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    stops = [text[len(text) // 2:len(text) // 2 + 2] for text in texts]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]) for stop in stops if stop]
+    outputs = {}
+    for num_steps in (1, 8):
+        llm = LLM(str(model_dir), num_scheduler_steps=num_steps, **ENGINE)
+        try:
+            outs = llm.generate(prompts[:len(params)], params, use_tqdm=False)
+            outputs[num_steps] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                  for o in outs]
+            assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        finally:
+            llm.shutdown()
+    assert outputs[8] == outputs[1] and any(reason == "stop" for _, _, reason in outputs[1])

@@ -26,6 +26,7 @@ class EngineStats:
         # weight switches, counted apart), and the decode-only steps' batch sizes
         self.time_s: Counter[str] = Counter()
         self._decode_batches = [0, 0]  # requests and steps of decode-only steps
+        self._run_steps = 1  # decode steps the last plan runs (a multi-step run's)
         # speculative decoding (vLLM's counters): checks (a request with proposed tokens in a step), proposed
         # tokens, accepted ones, and accepted ones by position in the proposal
         self.spec_method: str | None = None
@@ -36,9 +37,12 @@ class EngineStats:
         self.num_cut_tokens = 0  # proposed tokens the goodput budget left unchecked (spec_decode/budget.py)
 
     def record_plan(self, plan: StepPlan) -> None:
-        """A step plan about to run: its layouts, and whether some replica switched layout."""
+        """A step plan about to run: its layouts, and whether some replica switched layout. A multi-step run
+        (GroupStep.num_steps) counts as its steps, their tokens and mean time (`record_step`)."""
+        self._run_steps = 1
         if not plan.groups:
             return  # only tier copies this step
+        runs = self._run_steps = plan.groups[0].num_steps
         names = [g.layout for g in plan.groups]
         # a switch: some replica runs under another layout than the last time it ran (replicas of data
         # parallelism that idle or rejoin under their own layout do not switch)
@@ -50,19 +54,20 @@ class EngineStats:
         self.last_step_switched = switched
         self.num_switches += switched
         self.last_step_layout = "+".join(names)
-        self.num_steps += 1
+        self.num_steps += runs
         for name in names:
-            self.steps_by_layout[name] += 1
-        self.num_scheduled_tokens += sum(g.num_tokens for g in plan.groups)
+            self.steps_by_layout[name] += runs
+        self.num_scheduled_tokens += sum(g.num_tokens for g in plan.groups) * runs
 
     def record_step(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
                     reshard_s: float) -> None:
         """A step that ran: its wall time on rank 0, of which `swap_s` in tier copies and `reshard_s` in weight
         switches."""
-        self.last_step_seconds = elapsed
+        runs = self._run_steps
+        self.last_step_seconds = elapsed / runs
         totals = self._switch_seconds if self.last_step_switched else self._step_seconds
         totals[0] += elapsed
-        totals[1] += 1
+        totals[1] += runs
         num_requests = sum(len(group) for group in entries)
         num_decodes = 0
         for group in entries:  # decodes come first in a group
@@ -76,8 +81,8 @@ class EngineStats:
         self.time_s["swapping"] += swap_s
         self.time_s["resharding"] += reshard_s
         if kind == "decode" and num_requests:
-            self._decode_batches[0] += num_requests
-            self._decode_batches[1] += 1
+            self._decode_batches[0] += num_requests * runs
+            self._decode_batches[1] += runs
 
     def record_spec(self, checks: list[tuple[int, int]]) -> None:
         """The step's checks of proposed tokens, each as (proposed, accepted) tokens (Speculator.observe)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -181,8 +182,18 @@ class PipelineModel(LayoutCounters, nn.Module):
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:
         return False
 
-    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> None:
-        return None  # one by one (Seesaw's TP decode); a pipeline layout runs no runs (Scheduler._run_blocks)
+    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> np.ndarray | None:
+        """A multi-step run of Seesaw's TP layout in one call of its C++ decoder (a pipeline layout runs none:
+        Scheduler._run_blocks)."""
+        if layout.pp > 1 or self.tp_decoder is None:
+            return None
+        self.activate("tp")
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            drawn = self.tp_decoder.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
+                                          num_steps)
+        if drawn is not None:
+            self.layout_counts[layout.name] += num_steps
+        return drawn
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""
