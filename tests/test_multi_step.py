@@ -193,8 +193,9 @@ def test_every_layout_runs_them_with_the_tokens_of_one_device(layers4, layout):
     outputs, runs = _generate(layers4, 4, prompts, params, calls, **layout)
     assert outputs == reference
     assert (4 in runs) == (layout != dict(pp=2))
-    # in one call of rank 0's C++ decoder, but where SP rank 0 computes the LM head after it (static SP)
-    assert set(calls) == ({False} if layout == dict(sp=2, shift_threshold=0) else set() if layout == dict(pp=2)
+    # in one call of rank 0's C++ decoder; static SP's runs of one request too (SP rank 0 alone over the shared KV,
+    # its own decoder with the whole LM head), its runs of several one by one (the ranks split the tokens)
+    assert set(calls) == ({False, True} if layout == dict(sp=2, shift_threshold=0) else set() if layout == dict(pp=2)
                           else {True})
 
 

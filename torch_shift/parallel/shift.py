@@ -28,6 +28,7 @@ from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.moe import Experts, SparseMoeBlock
+from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import check_ranks_agree, tensor_digest, value_digest
@@ -305,7 +306,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.reset_counters()  # both layouts' weights are resident: no reshard ever
         self.forwards = {"base": self.base, "shift": self.shift}  # per layout; see compile_layouts()
         # a layout's small steps in C++ (native_decode): a TP layout's, and the base layout's SP ranks' tokens
-        self.native_decoders: dict[str, ShardDecoder | UlyssesDecoder] = {}
+        self.native_decoders: dict[str, ShardDecoder | UlyssesDecoder | NativeDecoder] = {}
         # both layouts attend head chunk `shift rank`: the KV cache holds the shift plan's KV heads
         _, self.num_local_kv_heads = _local_head_counts(shift_plan(groups), config)
         self.num_kv_layers = config.num_hidden_layers
@@ -351,6 +352,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         for one-token steps on it alone, goes."""
         self.solo_head = False
         self.solo_lm_head = None
+        self.native_decoders.pop("solo", None)
 
     def _solo(self, num_tokens: int) -> bool:
         return self.solo_steps and num_tokens == 1
@@ -420,6 +422,14 @@ class ShiftModule(LayoutCounters, nn.Module):
                 decoder = ShardDecoder.build(model)
             if decoder is not None:
                 self.native_decoders[which] = decoder
+        if "base" in self.native_decoders and self.solo_lm_head is not None:
+            # SP rank 0's one-token steps with the whole LM head, for multi-step runs: the base layers' C++ decoder
+            # (the TP group is this rank alone) with that head and its argmax
+            solo = copy.copy(self.base)
+            solo._modules = {**self.base._modules, "lm_head": self.solo_lm_head}
+            decoder = NativeDecoder.build(solo, self.groups.tp_group, None)
+            if decoder is not None:
+                self.native_decoders["solo"] = decoder
         warn_where_decoders_differ({which: which in self.native_decoders for which in models}, self.groups.shift_group)
         return bool(self.native_decoders)
 
@@ -439,14 +449,23 @@ class ShiftModule(LayoutCounters, nn.Module):
                                  batch.attention, batch.logits_indices)
 
     def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int) -> np.ndarray | None:
-        """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's; not the
-        SP base's, whose logits SP rank 0 computes after the call (_solo_step)."""
+        """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's, and SP
+        rank 0's one-token steps over the shared KV where it holds the whole LM head (`solo_head`: its own decoder
+        of the base layers and that head)."""
         which = "shift" if layout.kind == "shift" else "base"
+        attention = batch.attention
+        if which == "base" and self.groups.sp > 1:
+            # SP rank 0 alone over the shared KV with the whole LM head (a run of one request); the other SP ranks
+            # are idle in those steps (idle_in)
+            which = "solo"
+            if not (self.solo_head and self._solo(len(batch.input_ids)) and callable(getattr(attention, "over", None))):
+                return None
+            attention = self._solo_attention(attention, len(batch.input_ids))
         native = self.native_decoders.get(which)
-        if native is None or (which == "base" and self.groups.sp > 1):
+        if native is None:
             return None
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
-            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention, num_steps)
+            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, attention, num_steps)
         if drawn is not None:
             self.layout_counts[layout.name] += num_steps
         return drawn
@@ -510,13 +529,8 @@ class ShiftModule(LayoutCounters, nn.Module):
         it holds it whole (`solo_head`: the other SP ranks return None at once; a static SP-2 batch-1 float32 step
         of the 106M model spent 0.9 ms of 12-14 in the two collectives, docs/performance.md); else the other SP
         ranks wait for the LM head, whose vocabulary the SP ranks share."""
-        sp = self.groups.sp
         if self.groups.sp_rank == 0:
-            own = attention.kv_cache
-            chunk_attention = [attention if cache is None else attention.over(
-                cache.regroup(own.num_layers, own.num_kv_heads)) for cache in self._kv_peers]
-            ulysses = UlyssesAttention(attention, self.groups.sp_group, [len(input_ids)] + [0] * (sp - 1),
-                                       self.kv_send_index, chunk_attention)
+            ulysses = self._solo_attention(attention, len(input_ids))
             native = self.native_decoders.get("base")
             rows = native.step(input_ids, positions, logits_indices, ulysses) if native is not None else None
             if rows is None:
@@ -529,6 +543,14 @@ class ShiftModule(LayoutCounters, nn.Module):
             weight = self.base.embed_tokens.weight
             rows = weight.new_zeros(logits_indices.shape[0], self.config.hidden_size)
         return self.base.compute_logits(comm.all_reduce(rows, self.groups.sp_group))
+
+    def _solo_attention(self, attention: AttentionFn, num_tokens: int) -> UlyssesAttention:
+        """SP rank 0's attention in a step it runs alone over the shared KV: each head chunk into its rank's cache."""
+        own = attention.kv_cache
+        chunk_attention = [attention if cache is None else attention.over(
+            cache.regroup(own.num_layers, own.num_kv_heads)) for cache in self._kv_peers]
+        return UlyssesAttention(attention, self.groups.sp_group, [num_tokens] + [0] * (self.groups.sp - 1),
+                                self.kv_send_index, chunk_attention)
 
     def _attend_only(self, ulysses: UlyssesAttention) -> torch.Tensor:
         """A rank without rows in the step (fewer tokens than SP ranks): only its head chunk of each layer's

@@ -45,6 +45,12 @@ class UlyssesAttention:
         assert chunk_attention is None or (len(chunk_attention) == self.sp and counts[self.sp_rank] == sum(counts))
         self.chunk_attention = chunk_attention
 
+    def advance_arrays(self) -> tuple[int, ...]:
+        """Where a multi-step run moves its decodes on (NativeDecoder.steps), for a step this rank attends alone over
+        every head chunk's cache: the inner paged step's arrays, which each chunk's view of it shares."""
+        assert self.chunk_attention is not None, "a run's steps exchange nothing"
+        return self.inner.advance_arrays()
+
     @property
     def exchanges(self) -> bool:
         """Whether the step's attention runs the all-to-alls (not where this rank attends every chunk itself)."""
