@@ -141,7 +141,6 @@ class ShardDecoder:
                                 * logits.element_size(), self.group)
         return logits
 
-
     def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
               num_steps: int) -> np.ndarray | None:
         """A multi-step run's steps in one call (NativeDecoder.steps), counted in the ledger as `step`'s each; None
