@@ -11,7 +11,8 @@ for it. Any other step waits for the launched ones first.
 Every rank runs this, rank 0 included, on the same plan: there is one path for one rank and many.
 Rank 0 returns the logits of every group in plan order; a group without rank 0 sends its logits
 from the rank that has them (the first, or a pipeline's last stage) to rank 0 (the only other
-traffic outside the layouts' own collectives and the pipeline's activations).
+traffic outside the layouts' own collectives and the pipeline's activations). A multi-step run's group
+(GroupStep.num_steps) returns, and sends, the tokens its steps drew instead.
 """
 
 from __future__ import annotations
