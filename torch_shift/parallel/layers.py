@@ -127,38 +127,39 @@ class ShardDecoder:
         """The step's logits (every rank's, of the same `logits_indices` on every rank, whose shards it gathers), or
         None where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
         delays only the Python collectives make), or another communicator than the one it was built with."""
-        if (not self.decoder.runs(len(input_ids), attention)
-                or comm.native_communicator(self.group) != self.communicator):
+        if not self._takes(len(input_ids), attention):
             return None
         logits = self.decoder(input_ids, positions, logits_indices, attention)
         if logits is None:
             return None
-        # the ledger counts the call's all-reduces as the forward's
-        model = self.decoder.model
-        record_decoder_all_reduces(model, len(input_ids), len(logits_indices), logits.element_size(), self.group)
-        if self.decoder.gathers_logits:  # as VocabParallelLMHead's all-gather counts it
-            comm.record_outside("all_gather", 1, len(logits) * model.lm_head.packed.out_features
-                                * logits.element_size(), self.group)
+        self._record(len(input_ids), len(logits_indices))
         return logits
 
     def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
               num_steps: int) -> np.ndarray | None:
         """A multi-step run's steps in one call (NativeDecoder.steps), counted in the ledger as `step`'s each; None
         where `step` would decline them."""
-        if (not self.decoder.runs(len(input_ids), attention)
-                or comm.native_communicator(self.group) != self.communicator):
+        if not self._takes(len(input_ids), attention):
             return None
         drawn = self.decoder.steps(input_ids, positions, logits_indices, attention, num_steps)
         if drawn is None:
             return None
-        model = self.decoder.model
         for _ in range(num_steps):
-            record_decoder_all_reduces(model, len(input_ids), len(logits_indices), self.decoder.element_size,
-                                       self.group)
-            if self.decoder.gathers_logits:
-                comm.record_outside("all_gather", 1, len(logits_indices) * model.lm_head.packed.out_features
-                                    * self.decoder.element_size, self.group)
+            self._record(len(input_ids), len(logits_indices))
         return drawn
+
+    def _takes(self, num_tokens: int, attention: object) -> bool:
+        return (self.decoder.runs(num_tokens, attention)
+                and comm.native_communicator(self.group) == self.communicator)
+
+    def _record(self, num_tokens: int, num_logits: int) -> None:
+        """Count a call's step in the ledger as the forward's: its all-reduces, and where the head is sharded the
+        logits' all-gather, as VocabParallelLMHead's counts it."""
+        model, element_size = self.decoder.model, self.decoder.element_size
+        record_decoder_all_reduces(model, num_tokens, num_logits, element_size, self.group)
+        if self.decoder.gathers_logits:
+            comm.record_outside("all_gather", 1, num_logits * model.lm_head.packed.out_features * element_size,
+                                self.group)
 
 
 def record_decoder_all_reduces(model: nn.Module, num_tokens: int, num_logits: int, element_size: int,
