@@ -18,6 +18,7 @@ import torch
 
 from torch_shift.kv.host_tier import KVRegion
 from torch_shift.models.decoder import AttentionFn
+from torch_shift.parallel import comm
 from torch_shift.parallel.comm import CommLedger
 from torch_shift.parallel.layouts import Layout
 
@@ -41,6 +42,18 @@ class LayoutCounters:
         self.ledger = CommLedger()  # bytes each collective sent from this rank, by layout (eager steps)
         self.num_reshards = 0
         self.reshard_seconds = 0.0
+
+    def run_steps_in_one_call(self, decoder, layout: Layout, batch: MicroBatch, num_steps: int,
+                              attention: AttentionFn | None = None) -> np.ndarray | None:
+        """`forward_steps` through `decoder`'s `steps` (a C++ decoder, or a shard's), attending through `attention`
+        (default the batch's): counted as `num_steps` forwards of `layout`, their collectives in the ledger; None where
+        the decoder declines them."""
+        with comm.recording(self.ledger), comm.layout_scope(layout.name):
+            drawn = decoder.steps(batch.input_ids, batch.positions, batch.logits_indices,
+                                  batch.attention if attention is None else attention, num_steps)
+        if drawn is not None:
+            self.layout_counts[layout.name] += num_steps
+        return drawn
 
 
 @runtime_checkable

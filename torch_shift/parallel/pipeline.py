@@ -188,12 +188,7 @@ class PipelineModel(LayoutCounters, nn.Module):
         if layout.pp > 1 or self.tp_decoder is None:
             return None
         self.activate("tp")
-        with comm.recording(self.ledger), comm.layout_scope(layout.name):
-            drawn = self.tp_decoder.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
-                                          num_steps)
-        if drawn is not None:
-            self.layout_counts[layout.name] += num_steps
-        return drawn
+        return self.run_steps_in_one_call(self.tp_decoder, layout, batch, num_steps)
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""

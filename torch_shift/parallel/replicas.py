@@ -97,13 +97,7 @@ class ReplicaModel(LayoutCounters, nn.Module):
         """A multi-step run in one call of the replica's own C++ decoder, or of its view's in Flying's TP group."""
         key = layout.name if layout.kv_width > 1 else None
         native = self.native_decoder if key is None else self.view_decoders.get(key)
-        if native is None:
-            return None
-        with comm.recording(self.ledger), comm.layout_scope(layout.name):
-            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, batch.attention, num_steps)
-        if drawn is not None:
-            self.layout_counts[layout.name] += num_steps
-        return drawn
+        return None if native is None else self.run_steps_in_one_call(native, layout, batch, num_steps)
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""

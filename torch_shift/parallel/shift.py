@@ -462,13 +462,7 @@ class ShiftModule(LayoutCounters, nn.Module):
                 return None
             attention = self._solo_attention(attention, len(batch.input_ids))
         native = self.native_decoders.get(which)
-        if native is None:
-            return None
-        with comm.recording(self.ledger), comm.layout_scope(layout.name):
-            drawn = native.steps(batch.input_ids, batch.positions, batch.logits_indices, attention, num_steps)
-        if drawn is not None:
-            self.layout_counts[layout.name] += num_steps
-        return drawn
+        return None if native is None else self.run_steps_in_one_call(native, layout, batch, num_steps, attention)
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                  logits_indices: torch.Tensor) -> torch.Tensor:
