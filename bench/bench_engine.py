@@ -687,7 +687,8 @@ def _broadcast_rank(rank: int, world: int, tiny_dir: Path, n: int, prompt_len: i
     torch.set_num_threads(1)
     bs = 16
     max_tokens = 2 * math.ceil(n * prompt_len / max(2048, n)) + steps + 16  # nobody finishes before the timed steps
-    llm = LLM(str(tiny_dir), tp=2, dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
+    llm = LLM(str(tiny_dir), tp=2, dtype="float32", num_scheduler_steps=1, max_num_seqs=n,
+              max_num_batched_tokens=max(2048, n),
               num_kv_blocks=n * (math.ceil((prompt_len + max_tokens + 1) / bs) + 1), max_model_len=prompt_len + max_tokens + 8)
     engine = llm.engine
     engine.runner.model = NullModel(TINY2_CONFIG["vocab_size"], max(2048, n), engine.runner.model)

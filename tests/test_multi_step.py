@@ -5,13 +5,14 @@ run, lengths that cut a run short, requests that arrive, sample or return logpro
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.config import SchedulerConfig
-from torch_shift.engine.args import EngineArgs
+from torch_shift.engine.args import OFFLINE_SCHEDULER_STEPS, EngineArgs
 from torch_shift.engine.policies import SingleGroupPolicy
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.scheduler import Scheduler
@@ -95,7 +96,7 @@ def test_a_run_takes_only_free_blocks_and_preempts_nobody():
 
 
 def test_num_scheduler_steps_is_checked():
-    for bad in (0, -2, 1.5, True):
+    for bad in (0, -2, 1.5, True, 1 << 16):
         with pytest.raises(ValueError, match="num_scheduler_steps"):
             EngineArgs("m", num_scheduler_steps=bad)
     with pytest.raises(ValueError, match="synchronously"):
@@ -107,8 +108,26 @@ def test_num_scheduler_steps_is_checked():
     assert EngineArgs("m", device="cpu", num_scheduler_steps=4)._schedules_async(one) is False
 
 
-def _generate(model_dir, num_steps: int, prompts, params, calls=None, stats=None, **engine):
+def test_offline_generation_on_several_cpu_ranks_runs_eight_steps_by_default():
+    """num_scheduler_steps=None: 8 where no request can arrive during a run (LLM's offline generation) and nothing
+    overlaps a step's host work (several ranks), on the CPU; 1 for a server or LLMEngine, one rank (which schedules
+    asynchronously), a GPU and speculative decoding; a value given holds."""
+    one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
+    cpu = EngineArgs("m", device="cpu")
+    assert cpu._scheduler_steps(two, offline=True) == OFFLINE_SCHEDULER_STEPS == 8
+    assert cpu._scheduler_steps(two, offline=False) == cpu._scheduler_steps(one, offline=True) == 1
+    assert EngineArgs("m", device="cuda")._scheduler_steps(two, offline=True) == 1
+    spec = EngineArgs("m", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert spec._scheduler_steps(two, offline=True) == 1
+    assert EngineArgs("m", device="cpu", num_scheduler_steps=1)._scheduler_steps(two, offline=True) == 1
+    assert EngineArgs("m", device="cpu", num_scheduler_steps=3)._scheduler_steps(one, offline=False) == 3
+
+
+def _generate(model_dir, num_steps: int, prompts, params, calls=None, stats=None, cut=None, interrupted=False,
+              **engine):
     llm = LLM(str(model_dir), num_scheduler_steps=num_steps, **{**ENGINE, **engine})
+    if interrupted:  # as a request arriving at a server would, before every run: each ends after its first step
+        llm.engine.interrupt_run()
     if calls is not None:  # rank 0's model: its multi-step runs in one call of its C++ decoder, or None
         model = llm.engine.worker.runner.model
         forward_steps = model.forward_steps
@@ -119,12 +138,16 @@ def _generate(model_dir, num_steps: int, prompts, params, calls=None, stats=None
             return drawn
 
         model.forward_steps = counted
-    runs = []
+    runs = []  # the steps each plan ran
     executor = llm.engine.core.executor
 
     def spy(plan, *args, **options):
-        runs.append(max(group.num_steps for group in plan.groups))
-        return executor(plan, *args, **options)
+        result = executor(plan, *args, **options)
+        planned = max(group.num_steps for group in plan.groups)
+        runs.append(planned if planned == 1 else max(len(tokens) for tokens in result.logits))
+        if cut is not None and planned > 1:  # some group's run ended early
+            cut.append(min(len(tokens) for tokens in result.logits) < planned)
+        return result
 
     llm.engine.core.executor = spy
     try:
@@ -147,22 +170,29 @@ def _work():
     return prompts, [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0) for i in range(6)]
 
 
-@pytest.mark.parametrize("native_decode", [True, False], ids=["cpp", "python"])
-def test_runs_give_the_tokens_of_single_steps(llama, native_decode):
-    """A run's steps in one call of the C++ decoder, or one by one in Python, with the tokens of single steps."""
-    _, model_dir = llama
+def _work_with_a_stop_token(model_dir):
+    """_work's requests with a token they draw mid-output as a stop token (requests end inside runs), and their
+    outputs and steps in single steps."""
     prompts, params = _work()
     reference, _ = _generate(model_dir, 1, prompts, params)
-    # a token the requests draw mid-output, as a stop token: requests end inside a run
     drawn = [t for tokens, _ in reference for t in tokens[1:-1]]
     stop = max(set(drawn), key=drawn.count)
     for p in params:
         p.stop_token_ids = [stop]
-    single, single_runs = _generate(model_dir, 1, prompts, params)
-    calls, stats = [], {}
-    outputs, runs = _generate(model_dir, 4, prompts, params, calls, stats, native_decode=native_decode)
+    return prompts, params, *_generate(model_dir, 1, prompts, params)
+
+
+@pytest.mark.parametrize("native_decode", [True, False], ids=["cpp", "python"])
+def test_runs_give_the_tokens_of_single_steps(llama, native_decode):
+    """A run's steps in one call of the C++ decoder, or one by one in Python, with the tokens of single steps; a run
+    ends after the step in which a request drew a stop token."""
+    _, model_dir = llama
+    prompts, params, single, single_runs = _work_with_a_stop_token(model_dir)
+    calls, stats, cut = [], {}, []
+    outputs, runs = _generate(model_dir, 4, prompts, params, calls, stats, cut, native_decode=native_decode)
     assert outputs == single and set(single_runs) == {1}
     assert calls and set(calls) == {native_decode}
+    assert True in cut and False in cut  # runs that a stop token ended early, and whole runs
     assert any(reason == "stop" for _, reason in outputs) and any(reason == "length" for _, reason in outputs)
     assert 4 in runs and 1 in runs  # runs of 4, and single steps for prompts and the ends of requests
     assert len(runs) < len(single_runs)
@@ -186,13 +216,12 @@ def test_every_layout_runs_them_with_the_tokens_of_one_device(layers4, layout):
     """Each rank that computes a run's steps draws the tokens from the logits it holds whole (a TP rank's gathered
     vocabulary, Flying's TP group's, SP rank 0 alone over the shared KV, a DP replica's own rank, which sends them to
     rank 0; Seesaw decodes in TP), in one call of its C++ decoder where that finds the argmax; a pipeline's steps
-    stay single."""
-    prompts, params = _work()
-    reference, _ = _generate(layers4, 1, prompts, params)
-    calls = []
-    outputs, runs = _generate(layers4, 4, prompts, params, calls, **layout)
-    assert outputs == reference
-    assert (4 in runs) == (layout != dict(pp=2))
+    stay single. Each ends its runs alike after a step that drew a stop token."""
+    prompts, params, reference, _ = _work_with_a_stop_token(layers4)
+    calls, cut = [], []
+    outputs, runs = _generate(layers4, 4, prompts, params, calls, cut=cut, **layout)
+    assert outputs == reference and any(reason == "stop" for _, reason in outputs)
+    assert (4 in runs) == (True in cut) == (layout != dict(pp=2))
     # in one call of rank 0's C++ decoder; static SP's runs of one request too (SP rank 0 alone over the shared KV,
     # its own decoder with the whole LM head), its runs of several one by one (the ranks split the tokens)
     assert set(calls) == ({False, True} if layout == dict(sp=2, shift_threshold=0) else set() if layout == dict(pp=2)
@@ -200,10 +229,10 @@ def test_every_layout_runs_them_with_the_tokens_of_one_device(layers4, layout):
 
 
 def test_four_ranks_run_them(layers4):
-    prompts, params = _work()
-    reference, _ = _generate(layers4, 1, prompts, params)
-    outputs, runs = _generate(layers4, 4, prompts, params, dp=2, tp=2)
-    assert outputs == reference and 4 in runs
+    prompts, params, reference, _ = _work_with_a_stop_token(layers4)
+    cut = []
+    outputs, runs = _generate(layers4, 4, prompts, params, cut=cut, dp=2, tp=2)
+    assert outputs == reference and 4 in runs and True in cut
 
 
 def test_a_stop_string_inside_a_run_cuts_the_tokens_after_it(llama):
@@ -230,3 +259,116 @@ def test_a_stop_string_inside_a_run_cuts_the_tokens_after_it(llama):
         finally:
             llm.shutdown()
     assert outputs[8] == outputs[1] and any(reason == "stop" for _, _, reason in outputs[1])
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(native_decode=False), dict(tp=2), dict(dp=2),
+                                    dict(sp=2, shift_threshold=0)], ids=["one", "python", "tp2", "dp2", "sp2"])
+def test_rank_0s_interrupt_ends_every_run_after_its_step_on_every_rank(layers4, layout):
+    """Interrupted (a request arrived at the server, torch_shift.parallel.runs), each run's leader ends it after the
+    step it is in, and every rank of the run stops there with it: in the C++ decoder's one call, a DP replica's rank,
+    and static SP's steps of several requests in Python over both ranks."""
+    prompts, params = _work()
+    reference, _ = _generate(layers4, 1, prompts, params)
+    cut = []
+    outputs, runs = _generate(layers4, 4, prompts, params, cut=cut, interrupted=True, **layout)
+    assert outputs == reference and set(runs) == {1} and cut and set(cut) == {True}
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(sp=2, shift_threshold=0)], ids=["tp2", "sp2"])
+def test_interrupts_at_any_moment_leave_the_tokens_alone(layers4, layout):
+    """Rank 0's front end interrupts whenever a request arrives: set and cleared at random moments while two ranks run
+    (the C++ decoder's runs of TP-2; static SP's steps of several requests in Python over both ranks), every rank
+    still stops at the same step, and the tokens are single steps'."""
+    import random
+    import threading
+
+    prompts, params = _work()
+    reference, _ = _generate(layers4, 1, prompts, params)
+    llm = LLM(str(layers4), num_scheduler_steps=4, **layout, **ENGINE)
+    done = threading.Event()
+
+    def toggle():
+        rng = random.Random(0)
+        while not done.is_set():
+            (llm.engine.interrupt_run if rng.random() < 0.5 else llm.engine.clear_run_interrupt)()
+            time.sleep(rng.random() * 2e-3)
+
+    thread = threading.Thread(target=toggle)
+    thread.start()
+    try:
+        for _ in range(3):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == reference
+    finally:
+        done.set()
+        thread.join()
+        llm.shutdown()
+
+
+def test_a_request_that_arrives_at_the_server_during_a_run_ends_it_after_its_step(llama):
+    """The server's engine loop (AsyncEngine) interrupts a run when a request arrives: the run in progress ends after
+    the step it is in, the new request is scheduled next, and both get the tokens of single steps."""
+    import asyncio
+    import threading
+
+    from torch_shift.engine.llm_engine import LLMEngine
+    from torch_shift.serve.async_engine import AsyncEngine
+
+    _, model_dir = llama
+    first, second = _work()[0][:2]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), **ENGINE)
+    try:
+        expected = [o.outputs[0].token_ids for o in reference.generate([first, second], params, use_tqdm=False)]
+    finally:
+        reference.shutdown()
+    engine = LLMEngine(EngineArgs(str(model_dir), num_scheduler_steps=8, native_decode=False, **ENGINE))
+    runner = engine.worker.runner
+    steps_in_runs = []  # the steps each run ran
+    run_steps, forward_step = runner._run_steps, runner.model.forward_step
+    arrived = threading.Event()
+    calls = []
+
+    def counted_run(*args):
+        calls.clear()
+        drawn = run_steps(*args)
+        steps_in_runs.append(len(drawn))
+        return drawn
+
+    def step(*args):
+        calls.append(True)
+        if len(calls) == 3 and not arrived.is_set():  # in the third step of the first run: the second request comes
+            arrived.set()
+            asyncio.run_coroutine_threadsafe(serve(second), running["loop"])
+            deadline = time.monotonic() + 10
+            while not runner.run_words[0]:
+                assert time.monotonic() < deadline, "the request's arrival did not interrupt the run"
+                time.sleep(1e-3)
+        return forward_step(*args)
+
+    runner._run_steps, runner.model.forward_step = counted_run, step
+    async_engine = AsyncEngine(engine)
+    tokens = {}
+
+    async def serve(prompt):
+        async with async_engine.open([f"r{len(tokens)}"], [prompt], [params]) as submission:
+            key = len(tokens)
+            tokens[key] = None
+            async for _, output in submission:
+                tokens[key] = output.outputs[0].token_ids
+
+    running = {}
+
+    async def main():
+        running["loop"] = asyncio.get_running_loop()
+        await serve(first)
+        while len(tokens) < 2 or any(t is None or len(t) < 24 for t in tokens.values()):
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        async_engine.shutdown()
+        engine.shutdown()
+    assert arrived.is_set() and [tokens[0], tokens[1]] == expected
+    assert steps_in_runs[0] == 4  # the interrupt came in step 3: the leader ended the run at the start of step 4

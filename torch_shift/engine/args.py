@@ -24,6 +24,7 @@ from torch_shift.engine.sampling_params import MAX_SEED
 from torch_shift.engine.spec_decode import SpeculativeConfig
 from torch_shift.parallel.layouts import Deployment, build_deployment
 from torch_shift.parallel.plan import validate_expert_parallel
+from torch_shift.parallel.runs import MAX_RUN_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ def check_alias_pairs(engine_args: dict[str, Any]) -> None:
 
 
 COMPILE_MIN_PARAMETERS = 50_000_000  # compile=None compiles one rank's model from this size up
+# num_scheduler_steps=None in offline generation on several CPU ranks: 8 steps a plan ran two-rank batch-1 decode at
+# 0.92-0.94x the TPOT of single steps (docs/performance.md, "Several decode steps per plan")
+OFFLINE_SCHEDULER_STEPS = 8
 
 
 def _arg(default: Any, help: str, *, flags: tuple[str, ...] = (), choices: tuple | None = None,
@@ -106,7 +110,9 @@ class EngineArgs:
                                                  "running request decodes greedily and nothing waits (vLLM v0's "
                                                  "multi-step scheduling: rank 0's host work and the plan's broadcast "
                                                  "once for them all; tokens reach the outputs in runs of that many; "
-                                                 "default: 1)")
+                                                 "a run ends early after a step that drew a request's stop token; "
+                                                 "default: 8 in offline generation (LLM, `generate`) on several "
+                                                 "CPU ranks, else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "
@@ -250,8 +256,9 @@ class EngineArgs:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_scheduler_steps is not None and (isinstance(self.num_scheduler_steps, bool)
                                                      or not isinstance(self.num_scheduler_steps, int)
-                                                     or self.num_scheduler_steps < 1):
-            raise ValueError(f"num_scheduler_steps must be an int >= 1 or None, got {self.num_scheduler_steps!r}")
+                                                     or not 1 <= self.num_scheduler_steps <= MAX_RUN_STEPS):
+            raise ValueError(f"num_scheduler_steps must be an int from 1 to {MAX_RUN_STEPS} or None, got "
+                             f"{self.num_scheduler_steps!r}")
         if (self.num_scheduler_steps or 1) > 1:
             if self.async_scheduling:
                 raise ValueError("num_scheduler_steps > 1 runs its steps synchronously: leave async_scheduling "
@@ -340,9 +347,23 @@ class EngineArgs:
             return None
         return self.async_scheduling
 
+    def _scheduler_steps(self, deployment: Deployment, offline: bool) -> int:
+        """num_scheduler_steps=None: OFFLINE_SCHEDULER_STEPS in offline generation (`offline`: LLM, where no request
+        arrives while a run computes) on several CPU ranks, whose steps' host work and plan broadcast nothing overlaps
+        (asynchronous scheduling needs one rank); 1 elsewhere: requests that arrive between steps (serve,
+        LLMEngine) would wait for a run, one rank schedules asynchronously, a GPU's steps are not measured with runs,
+        and speculative decoding checks proposals instead."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        if (offline and deployment.world_size > 1 and resolve_device(self.device).type == "cpu"
+                and self.speculative_config is None and not self.async_scheduling):
+            return OFFLINE_SCHEDULER_STEPS
+        return 1
+
     def create_engine_config(self, model_config: ModelConfig, model_dir: Path | None = None,
-                             dtype: torch.dtype | None = None) -> EngineConfig:
-        """The engine's configuration for a model (`dtype`: that of a model already built, which holds)."""
+                             dtype: torch.dtype | None = None, offline: bool = False) -> EngineConfig:
+        """The engine's configuration for a model (`dtype`: that of a model already built, which holds; `offline`:
+        for LLM's offline generation, see _scheduler_steps)."""
         if dtype is None:
             dtype = resolve_dtype(self.dtype, model_config.torch_dtype)
             if dtype == torch.float16 and self.dtype in (None, "auto") and resolve_device(self.device).type == "cpu":
@@ -381,7 +402,7 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
                                       policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
                                       async_scheduling=self._schedules_async(deployment),
-                                      num_scheduler_steps=self.num_scheduler_steps or 1),
+                                      num_scheduler_steps=self._scheduler_steps(deployment, offline)),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,
                                     seesaw_weights=self.seesaw_weights, expert_parallel=self.enable_expert_parallel,

@@ -224,6 +224,9 @@ class EngineCore:
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
                        for e, drawn in zip(group, tokens.T.tolist())}
+            steps_run = [len(tokens) for tokens in result.logits]
+            if min(steps_run) < output.num_steps:  # a group drew a stop token
+                self.stats.cut_run(plan, steps_run)
         else:
             sampled = self.sample(entries, result.logits)
         seconds = self.step_seconds(start) if self.speculator is not None else None

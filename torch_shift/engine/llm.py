@@ -48,7 +48,7 @@ class LLM:
             module, model = model, "in-memory"
         if model is None:
             model = "in-memory" if weights is not None else default_model_dir()
-        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), weights, module)
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), weights, module, offline=True)
         self._ids = itertools.count()
         # the ranks this process started end when this object is collected (`del llm`) or at exit
         weakref.finalize(self, self.engine.shutdown)

@@ -60,16 +60,16 @@ logger = logging.getLogger("torch_shift.engine")
 
 
 def engine_config(args: EngineArgs, weights: WeightSource | None = None,
-                  model: torch.nn.Module | None = None) -> EngineConfig:
+                  model: torch.nn.Module | None = None, offline: bool = False) -> EngineConfig:
     """The engine's configuration: the model's config from `model`, `weights` or the checkpoint (a directory
-    or a hub id), the dtype of a model already built."""
+    or a hub id), the dtype of a model already built (`offline`: EngineArgs.create_engine_config's)."""
     if model is not None:
-        config = args.create_engine_config(model.config, dtype=next(model.parameters()).dtype)
+        config = args.create_engine_config(model.config, dtype=next(model.parameters()).dtype, offline=offline)
     elif weights is not None:
-        config = args.create_engine_config(weights.config)
+        config = args.create_engine_config(weights.config, offline=offline)
     else:
         model_dir = resolve_model_dir(args.model, args.revision)
-        config = args.create_engine_config(ModelConfig.from_dir(model_dir), model_dir)
+        config = args.create_engine_config(ModelConfig.from_dir(model_dir), model_dir, offline=offline)
         check_weights_fit(config)
     if config.speculative is not None and config.speculative.method == "draft_model":
         config = replace(config, draft=DraftCheckpoint.resolve(config.speculative.model, config.model,
@@ -94,18 +94,20 @@ def check_weights_fit(config: EngineConfig) -> None:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, weights: WeightSource | None = None,
-                 model: ShiftModule | DecoderLM | None = None):
+                 model: ShiftModule | DecoderLM | None = None, *, offline: bool = False):
         """`weights`: read the model from this source (e.g. a training job's state dict, see
         torch_shift.handoff) instead of the checkpoint directory `args.model`. `model`: serve this
         model as built: a ShiftModule from `torch_shift.parallelize` (on the ranks that built it, every
-        one of them running this, as under torchrun) or a DecoderLM; its layout, dtype and device hold."""
+        one of them running this, as under torchrun) or a DecoderLM; its layout, dtype and device hold.
+        `offline`: the engine of LLM's offline generation, whose requests never arrive while a step runs
+        (EngineArgs.num_scheduler_steps' default)."""
         if isinstance(model, ShiftModule):
             args = replace(args, sp=model.groups.sp, tp=model.groups.tp, shift_threshold=model.shift_threshold,
                            shift_weights=model.shift_weights)
         if model is not None:  # a module's parameters place the engine: one on the CPU stays there beside a GPU
             args = replace(args, device=str(next(model.parameters()).device))
         self.args = args
-        self.config = engine_config(args, weights, model)
+        self.config = engine_config(args, weights, model, offline)
         self._holding_threads = 0  # steps_in_a_row blocks open
         with _torch_import_side_effects_undone():
             self.worker: Worker | None = Worker.create(self.config, weights, model)
@@ -414,6 +416,17 @@ class LLMEngine:
             self._holding_threads -= 1
             if not self._holding_threads and self.worker is not None:
                 self.worker.runner.end_step()
+
+    def interrupt_run(self) -> None:
+        """From any thread: a multi-step run in progress (num_scheduler_steps) ends after its current step, so that
+        a request added or aborted meanwhile waits for no more than that; until `clear_run_interrupt`, which the
+        loop that adds requests between steps calls before it adds them (torch_shift.serve.async_engine)."""
+        if self.worker is not None:
+            self.worker.runner.interrupt_runs()
+
+    def clear_run_interrupt(self) -> None:
+        if self.worker is not None:
+            self.worker.runner.clear_run_interrupt()
 
     def idle(self) -> None:
         """Out of work: the decode pool's threads sleep (engine/decode_pool.py)."""

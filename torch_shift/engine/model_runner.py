@@ -40,6 +40,7 @@ from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
+from torch_shift.parallel.runs import RUN_WORDS, RunEnd, clear_interrupt, interrupt, limit_word
 
 
 class ModelRunner:
@@ -48,7 +49,8 @@ class ModelRunner:
                  attention_backend: str = "auto", compile: bool = False, host_tier: torch.Tensor | None = None,
                  kv_swap: str = "sync", interconnect_gbps: float | None = None,
                  barrier: Callable[[], None] | None = None, cuda_graphs: bool = False, host_cores: int | None = None,
-                 decode_pool: bool = True, native_decode: bool = True, launch_steps: bool = False):
+                 decode_pool: bool = True, native_decode: bool = True, launch_steps: bool = False,
+                 run_words: np.ndarray | None = None):
         """`host_tier`: the host tier's memory (torch_shift.kv.host_tier), shared by every rank, copies
         run `kv_swap` ("sync" or "async") and wait for every rank with `barrier` around them (None: one rank);
         `interconnect_gbps`: emulate a link of that bandwidth (comm.emulated_link); `cuda_graphs`: capture decode
@@ -58,7 +60,9 @@ class ModelRunner:
         GEMV on that kernel's decode pool where the model's weights allow it (torch_shift.engine.decode_pool);
         `native_decode`: run them through one C++ call where the layout and model allow it
         (torch_shift.models.native_decoder); `launch_steps`: launch those of them that run on the decode pool on the
-        C++ decoder's thread and return before their logits are written (asynchronous scheduling, one rank)."""
+        C++ decoder's thread and return before their logits are written (asynchronous scheduling, one rank);
+        `run_words`: the int64 words every rank shares, through which rank 0 interrupts multi-step runs
+        (torch_shift.parallel.runs; None: a process's own with one rank, and no interrupt with several)."""
         pool.idle()  # another engine of this thread may hold its threads: this one compiles and starts with them
         self.model = model
         self.kv_cache = kv_cache
@@ -91,6 +95,11 @@ class ModelRunner:
                               and model.native_decode())
         self.launch_steps = launch_steps and self.native_decode and deployment.world_size == 1
         self.had_no_work = False  # in the last step: no group of the plan computed anything on this rank
+        if run_words is None and deployment.world_size == 1:
+            run_words = np.zeros(RUN_WORDS, dtype=np.int64)
+        assert run_words is None or len(run_words) >= RUN_WORDS
+        self.run_words = run_words
+        self._num_runs = 0  # plans with multi-step runs so far: each run's number, the same on every rank
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -301,6 +310,16 @@ class ModelRunner:
         if self.launch_steps:
             self.model.wait_launched()
 
+    def interrupt_runs(self) -> None:
+        """Rank 0, from any thread: a multi-step run in progress ends after its current step (a request arrived or
+        was aborted); until `clear_run_interrupt`. A no-op where the ranks share no memory."""
+        if self.run_words is not None:
+            interrupt(self.run_words)
+
+    def clear_run_interrupt(self) -> None:
+        if self.run_words is not None:
+            clear_interrupt(self.run_words)
+
     def end_step(self) -> None:
         """The engine's step returns to its caller: the thread gets its OpenMP threads back (the pool stays armed)."""
         pool.end_step()
@@ -326,6 +345,8 @@ class ModelRunner:
                          swap_seconds: float) -> StepResult | None:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
+        if plan.groups and plan.groups[0].num_steps > 1:
+            self._num_runs += 1
         for i, group in enumerate(plan.groups):
             layout = self.deployment[group.layout]
             if self.rank not in layout.ranks or self.model.idle_in(layout, group.num_tokens):
@@ -337,8 +358,10 @@ class ModelRunner:
                 drawn = self._run_steps(group, layout, kv, member)
                 if self.rank == 0:
                     logits[i] = drawn
-                elif layout.logits_rank == self.rank:
-                    dist.send(drawn, dst=0, tag=i)
+                elif layout.logits_rank == self.rank:  # the steps not run (a stop token drawn): -1
+                    sent = torch.full((group.num_steps, drawn.shape[1]), -1, dtype=torch.long)
+                    sent[:len(drawn)] = drawn
+                    dist.send(sent, dst=0, tag=i)
                 continue
             self.batch.write_spec_tokens(group, member)
             micro_batches = []
@@ -363,8 +386,9 @@ class ModelRunner:
         for i, group in enumerate(plan.groups):
             leader = self.deployment[group.layout].logits_rank
             if leader != 0 and group.num_steps > 1:
-                logits[i] = torch.empty(group.num_steps, group.num_logits, dtype=torch.long)
-                dist.recv(logits[i], src=leader, tag=i)
+                drawn = torch.empty(group.num_steps, group.num_logits, dtype=torch.long)
+                dist.recv(drawn, src=leader, tag=i)
+                logits[i] = drawn[:int((drawn[:, 0] >= 0).sum())]
             elif leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
@@ -374,8 +398,13 @@ class ModelRunner:
         """The decode steps of a multi-step run (GroupStep.num_steps): in one call where the model's decoder runs them
         all (LayoutModel.forward_steps), else one by one, every rank of the layout that computes drawing each row's
         token as the sampler draws a greedy one (the argmax of its logits, which it holds whole) and writing it where
-        the next step reads its input id. Returns the tokens drawn, [num_steps, rows] (int64, on the host)."""
+        the next step reads its input id. The run ends early after a step in which a row drew one of the group's
+        stop tokens (every such rank draws the same), or after the step in which rank 0 interrupted it
+        (`interrupt_runs`; torch_shift.parallel.runs). Returns the tokens drawn, [steps run, rows] (int64, on the
+        host)."""
         rows = group.rows[member]
+        run_end = RunEnd(group.stop_token_ids, self.run_words, limit_word(self.deployment.layouts.index(layout)),
+                         self._num_runs, self.rank == layout.ranks[0])
         step = copy.copy(group)  # advanced a position per step
         drawn = None
         for j in range(group.num_steps):
@@ -383,14 +412,17 @@ class ModelRunner:
             batch = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                                inputs.logits_indices)
             if j == 0:
-                drawn = self.model.forward_steps(layout, batch, group.num_steps)
+                drawn = self.model.forward_steps(layout, batch, group.num_steps, run_end)
                 if drawn is not None:
                     return torch.from_numpy(drawn)
                 drawn = np.empty((group.num_steps, len(rows)), dtype=np.int64)
+            run_end.begin_step(j, group.num_steps)
             out = self.model.forward_step(layout, [batch])
             assert out is not None and out.shape[0] == len(rows) and out.shape[1] >= self.vocab_size, (
                 f"a rank of {layout.name} computing a multi-step run lacks the step's logits")
             drawn[j] = argmax_list(out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size])
+            if run_end.ends_after(j, drawn[j]):
+                return torch.from_numpy(drawn[:j + 1])
             if j + 1 < group.num_steps:
                 step.num_computed = step.num_computed + 1
                 step.num_kv_tokens += len(rows)

@@ -59,6 +59,16 @@ class EngineStats:
             self.steps_by_layout[name] += runs
         self.num_scheduled_tokens += sum(g.num_tokens for g in plan.groups) * runs
 
+    def cut_run(self, plan: StepPlan, steps_run: list[int]) -> None:
+        """A multi-step run whose groups ran `steps_run` steps each, some fewer than `record_plan` counted (a group
+        that drew a stop token ends its run)."""
+        planned = self._run_steps
+        for group, ran in zip(plan.groups, steps_run):
+            self.steps_by_layout[group.layout] -= planned - ran
+            self.num_scheduled_tokens -= group.num_tokens * (planned - ran)
+        self._run_steps = max(steps_run)
+        self.num_steps -= planned - self._run_steps
+
     def record_step(self, entries: list[list[ScheduledRequest]], elapsed: float, swap_s: float,
                     reshard_s: float) -> None:
         """A step that ran: its wall time on rank 0, of which `swap_s` in tier copies and `reshard_s` in weight

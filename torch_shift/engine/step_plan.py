@@ -74,8 +74,10 @@ class GroupStep:
     num_kv_tokens: int = -1
     num_logits: int = -1
     # decode steps the group runs (multi-step scheduling): in each the ranks draw every request's token by argmax
-    # and feed it to the next; the logits rank returns them all (ModelRunner)
+    # and feed it to the next; the logits rank returns them all (ModelRunner). The run ends early after a step in
+    # which some request drew one of stop_token_ids (int64: its requests' end and stop tokens, Request.check_stop's)
     num_steps: int = 1
+    stop_token_ids: np.ndarray | None = None
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -195,6 +197,9 @@ class PlanBuilder:
                              np.array(logits_counts, dtype=_INT), micro_batch_count(layout.pp, num_tokens),
                              *spec, num_tokens=num_tokens, num_kv_tokens=sum(num_computed),
                              num_logits=sum(logits_counts), num_steps=output.num_steps)
+            if output.num_steps > 1:
+                step.stop_token_ids = np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids
+                                                                     for e in entries))), dtype=np.int64)
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],

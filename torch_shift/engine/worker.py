@@ -175,7 +175,8 @@ class Worker:
                              config.tier.kv_swap, parallel.interconnect_gbps,
                              runtime.barrier if runtime is not None else None, runner_config.cuda_graphs,
                              runtime.host_cores if runtime is not None else None, runner_config.decode_pool,
-                             runner_config.native_decode, config.scheduler.async_scheduling is not False)
+                             runner_config.native_decode, config.scheduler.async_scheduling is not False,
+                             runtime.control.words if runtime is not None and runtime.control is not None else None)
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------

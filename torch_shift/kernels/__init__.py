@@ -452,7 +452,8 @@ class DecoderKernels:
         self.step = library.ts_decoder_step
         self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
         self.steps = library.ts_decoder_steps
-        self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
+        self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
+                               ptr, i64, ctypes.c_int]
         self.steps.restype = ctypes.c_int
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int

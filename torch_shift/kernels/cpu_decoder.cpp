@@ -673,23 +673,46 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
   return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
 }
 
-// `num_steps` decode steps of a multi-step run (ModelRunner._run_steps), as that many ts_decoder_step calls with
-// argmax (required) without returning to Python between them: token i is run i and logits row i (decodes only);
+// Up to `num_steps` decode steps of a multi-step run (ModelRunner._run_steps), as that many ts_decoder_step calls
+// with argmax (required) without returning to Python between them: token i is run i and logits row i (decodes only);
 // after each step but the last, each token's input id becomes its row's argmax and its position, its run's cached
 // tokens (`num_computed`, int32, which the installed step reads in place) and its KV slot (`slot_mapping`, read so
 // too: block_table[table_rows[i]][position / tokens_per_block] * tokens_per_block + position % tokens_per_block)
-// move one further. drawn [num_steps, num_tokens] gets each step's argmax rows; logits hold the last step's. The
-// codes of ts_decoder_step; -200 also for num_steps < 1.
+// move one further. The run ends after the first step in which some row draws one of `stop_ids` (num_stop_ids of
+// them: the run's requests' end and stop tokens; every rank of a layout draws the same rows, so ends alike), or, where
+// `limit` is not null, as torch_shift.parallel.runs describes: the words every rank shares, `limit` the run's
+// ((run << 16) | steps), which the `leader` writes at the start of each step (its steps, then the step's number + 1
+// once `interrupt` is set) and every rank reads after it. drawn [num_steps, num_tokens] gets each step's argmax rows;
+// logits hold the last step's. Returns the steps run (>= 1), or the codes of ts_decoder_step; -200 also for
+// num_steps out of 1-65535.
 int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int64_t num_tokens,
                      const int64_t* logits_rows, void* logits, int64_t* argmax, int64_t num_steps, int64_t* drawn,
                      int32_t* num_computed, int64_t* slot_mapping, const int32_t* block_table, int64_t table_stride,
-                     const int32_t* table_rows, int64_t tokens_per_block) {
-  if (num_steps < 1 || argmax == nullptr || tokens_per_block < 1) return -200;
+                     const int32_t* table_rows, int64_t tokens_per_block, const int64_t* stop_ids,
+                     int64_t num_stop_ids, int64_t* limit, const int64_t* interrupt, int64_t run, int leader) {
+  constexpr int64_t kSteps = (int64_t(1) << 16) - 1;
+  if (num_steps < 1 || num_steps > kSteps || argmax == nullptr || tokens_per_block < 1 || num_stop_ids < 0 ||
+      (limit != nullptr && interrupt == nullptr))
+    return -200;
+  const int64_t tag = run << 16;
   for (int64_t s = 0; s < num_steps; ++s) {
+    if (limit != nullptr && leader) {
+      if (s == 0) __atomic_store_n(limit, tag | num_steps, __ATOMIC_RELEASE);
+      if (__atomic_load_n(interrupt, __ATOMIC_ACQUIRE) != 0 &&
+          (__atomic_load_n(limit, __ATOMIC_RELAXED) & kSteps) > s + 1)
+        __atomic_store_n(limit, tag | (s + 1), __ATOMIC_RELEASE);
+    }
     const int rc = ts_decoder_step(decoder, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax);
     if (rc != 0) return rc;
     std::memcpy(drawn + s * num_tokens, argmax, num_tokens * sizeof(int64_t));
     if (s + 1 == num_steps) break;
+    for (int64_t i = 0; i < num_tokens; ++i)
+      for (int64_t j = 0; j < num_stop_ids; ++j)
+        if (argmax[i] == stop_ids[j]) return static_cast<int>(s + 1);
+    if (limit != nullptr) {
+      const int64_t word = __atomic_load_n(limit, __ATOMIC_ACQUIRE);
+      if ((word >> 16) != run || (word & kSteps) <= s + 1) return static_cast<int>(s + 1);
+    }
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t position = ++positions[i];
       input_ids[i] = argmax[i];
@@ -698,7 +721,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
                             tokens_per_block + position % tokens_per_block;
     }
   }
-  return 0;
+  return static_cast<int>(num_steps);
 }
 
 // A sequence-parallel rank's part in a step that gives it no tokens (fewer than SP ranks): each layer's Ulysses

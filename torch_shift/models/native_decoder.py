@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +44,9 @@ from torch_shift.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, 
 from torch_shift.models.fused import _DTYPE_CODES, _SPLIT_ROW, ROW_ARGMAX, _silu_lanes, _sum_lanes
 from torch_shift.models.linear import Linear, gemv_rows
 from torch_shift.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from torch_shift.parallel.runs import RunEnd
 
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
@@ -179,10 +183,11 @@ class NativeDecoder:
         return logits
 
     def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
-              num_steps: int) -> np.ndarray | None:
-        """A multi-step run's `num_steps` decode steps in one call (ts_decoder_steps; decodes only, a logits row each):
-        each row's argmax in each step, int64 [num_steps, rows], each fed to the next step as its row's input id, its
-        position and KV slot moved on in `attention`'s arrays, which the C++ step reads (`advance_arrays`); None,
+              num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+        """A multi-step run's decode steps in one call (ts_decoder_steps; decodes only, a logits row each): each row's
+        argmax in each step, int64 [steps run, rows], each fed to the next step as its row's input id, its position
+        and KV slot moved on in `attention`'s arrays, which the C++ step reads (`advance_arrays`); `num_steps` of them,
+        or fewer where `run_end` ends the run (a stop token drawn, rank 0's interrupt); None,
         nothing run, where the decoder finds no argmax (a shard's vocabulary, no head) or `attention` cannot move on
         or did not install in C++."""
         advance = getattr(attention, "advance_arrays", None)
@@ -202,11 +207,12 @@ class NativeDecoder:
         try:
             rc = self.kernels.steps(self.handle, input_ids.data_ptr(), positions.data_ptr(), num_tokens,
                                     rows.data_ptr(), logits.data_ptr(), row_argmax.ctypes.data, num_steps,
-                                    drawn.ctypes.data, *advance())
+                                    drawn.ctypes.data, *advance(), *run_end.native_args(num_steps))
         finally:
             exit_step_attention()
-        self._check(rc)
-        return drawn
+        if rc < 0:
+            self._check(rc)
+        return drawn[:rc]
 
     def attend(self, attention: object) -> bool:
         """A sequence-parallel rank's part in a step that gives it no tokens: each layer's attention of its head chunk

@@ -5,8 +5,9 @@ tensor-parallel decode step runs 16 or more of them. `ShmCommunicator` serves th
 /dev/shm that every rank of a process group maps (vLLM's CPU build does the same).
 
 The segment: a header of one row of int64 words per rank, then two slots of `slot_bytes` per rank (one per
-parity of the step number). Group rank 0 creates the file, sends its name through the group, every rank maps
-it and rank 0 removes it as soon as all have, so nothing is left behind when a process is killed.
+parity of the step number), then a page of int64 words the ranks share for their own use (`words`: the engine's
+multi-step runs, torch_shift.parallel.runs). Group rank 0 creates the file, sends its name through the group, every
+rank maps it and rank 0 removes it as soon as all have, so nothing is left behind when a process is killed.
 
 The protocol. Every rank numbers the steps it takes, 1, 2, 3, ... in the same order on every rank (a
 collective is one step, or one per chunk when its message is larger than a slot). In step s a rank copies its
@@ -91,6 +92,7 @@ _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64's system call number 
 
 _SUPPORTED_MACHINES = ("x86_64", "AMD64")
 _MAX_CACHED_VIEWS = 256
+_SHARED_WORDS = 512  # ShmCommunicator.words
 
 
 class _ProcessIdentity(NamedTuple):
@@ -260,6 +262,10 @@ class ShmCommunicator:
             self._slots = [segment[offsets[0]:offsets[0] + world_size * slot_bytes].view(world_size, slot_bytes)
                            for offsets in self._slot_offset]
         self._views: dict[tuple, tuple] = {}
+        words_offset = header_bytes + 2 * world_size * slot_bytes
+        with torch.inference_mode(False):
+            # int64 words every rank of the group reads and writes as it pleases, outside the protocol (zeros at first)
+            self.words: np.ndarray = segment[words_offset:words_offset + 8 * _SHARED_WORDS].numpy().view(np.int64)
         # the last step this rank published, and its collectives so far: in an array that the C++ all-reduce of
         # compiled forwards (register_native) counts in too
         self._counters = np.zeros(2, dtype=np.int64)
@@ -290,7 +296,7 @@ class ShmCommunicator:
         dist.all_gather_object(identities, _process_identity(), group=group)
         if not _can_share_memory(identities):
             return None
-        nbytes = _header_bytes(world_size) + 2 * world_size * slot_bytes
+        nbytes = _header_bytes(world_size) + 2 * world_size * slot_bytes + 8 * _SHARED_WORDS
         path = _create_segment_file(nbytes) if rank == 0 else None
         communicator = None
         try:

@@ -335,7 +335,7 @@ class NullModel(torch.nn.Module):
     def forward_step(self, layout, micro_batches):
         return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
-    def forward_steps(self, layout, batch, num_steps: int):
+    def forward_steps(self, layout, batch, num_steps: int, run_end):
         return None
 
     def idle_in(self, layout, num_tokens: int) -> bool:
@@ -359,7 +359,7 @@ def _overhead_rank(rank: int, world: int, steps: int, device: str = "cpu") -> di
             blocks = n * ((prompt + steps + 40) // 16 + 2)
             llm = LLM(str(model_dir), dtype="float32", max_num_seqs=n, max_num_batched_tokens=max(2048, n),
                       num_kv_blocks=blocks, max_model_len=min(4096, blocks * 16), enable_prefix_caching=False,
-                      device=device, cuda_graphs=False, native_decode=False)
+                      device=device, cuda_graphs=False, native_decode=False, num_scheduler_steps=1)
             engine = llm.engine
             engine.runner.model = NullModel(vocab, max(2048, n), engine.runner.model, device)
             params = SamplingParams(max_tokens=steps + 30, temperature=0.0, ignore_eos=True)

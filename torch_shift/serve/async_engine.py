@@ -124,6 +124,7 @@ class AsyncEngine:
                                  f"{self.num_waiting_seqs} are waiting; this request adds {submission.num_seqs}")
             self._pending_seqs += submission.num_seqs
         self._commands.put(submission)
+        self.engine.interrupt_run()  # a multi-step run in progress ends after its step
         self._wake.set()
         try:
             while not submission.accepted.done():
@@ -139,6 +140,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self.engine.interrupt_run()
         self._wake.set()
 
     def close(self) -> None:
@@ -263,6 +265,7 @@ class AsyncEngine:
         try:
             with self.engine.steps_in_a_row():  # this thread runs nothing but the engine
                 while not self._stopping and self.error is None:
+                    self.engine.clear_run_interrupt()  # before the commands: one that comes after interrupts
                     self._apply_commands()
                     if not self.engine.has_unfinished_requests():
                         self._wake.wait(timeout=0.5)

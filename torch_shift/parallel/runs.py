@@ -1,0 +1,83 @@
+"""What ends a multi-step run early (GroupStep.num_steps, ModelRunner._run_steps): a stop token drawn, which every
+rank of the run's layout draws alike, or rank 0's interrupt (a request arrived or was aborted while the run computes:
+torch_shift.serve.async_engine), which they must all see at the same step.
+
+The interrupt lives in int64 words every rank of the deployment shares (`words`: the control channel's,
+ShmCommunicator.words, or a process's own with one rank). Word 0 is the interrupt: rank 0's front end sets it from
+any thread, its engine loop clears it before it takes new requests. Word 1 + i is the limit of the runs of the
+deployment's i-th layout, (run << 16) | steps. The run's leader (its layout's first rank, which computes every step)
+writes it at the start of each step: the run's steps at the first, the step's number + 1 where the interrupt is set.
+Every rank reads it after the step, whose collectives the leader joined after its write (x86-64's stores stay in
+order, as the collectives' own protocol relies on). A rank that finds a later run's number there stops too: the
+leader went on to its next run while this rank had yet to read, so it left the run at this step. Written by one
+rank, read after a step by the others, the word needs no agreement of its own; the C++ decoder's runs read and write
+it as this class does (kernels/cpu_decoder.cpp, ts_decoder_steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+RUN_WORDS = 512  # shared words the runs use: the interrupt, then one per layout
+MAX_RUN_STEPS = (1 << 16) - 1
+_INTERRUPT = 0
+
+
+def limit_word(layout_index: int) -> int:
+    """The word of the runs of the deployment's `layout_index`-th layout."""
+    assert 1 + layout_index < RUN_WORDS, layout_index
+    return 1 + layout_index
+
+
+@dataclass
+class RunEnd:
+    """One rank's part in ending one run: the group's stop tokens; where the ranks share `words` (None: they do
+    not, and nothing interrupts the run), the run's limit word, its number (each rank counts every plan's runs, so
+    the same on every rank) and whether this rank leads it."""
+
+    stop_token_ids: np.ndarray  # int64
+    words: np.ndarray | None = None
+    word: int = 0
+    run: int = 0
+    leader: bool = False
+
+    def native_args(self, num_steps: int) -> tuple[int, int, int, int, int, int]:
+        """ts_decoder_steps' arguments after the run's own: the stop tokens (address, count), the limit and interrupt
+        words' addresses (0: none), the run's number and whether this rank leads it."""
+        assert 1 <= num_steps <= MAX_RUN_STEPS, num_steps
+        stops = self.stop_token_ids
+        assert stops.dtype == np.int64 and stops.flags.c_contiguous
+        if self.words is None:
+            return stops.ctypes.data, len(stops), 0, 0, self.run, 0
+        base = self.words.ctypes.data
+        return stops.ctypes.data, len(stops), base + 8 * self.word, base + 8 * _INTERRUPT, self.run, int(self.leader)
+
+    def begin_step(self, step: int, num_steps: int) -> None:
+        """Before step `step` (from 0) of a run of `num_steps` that runs its steps in Python: the leader's writes."""
+        words = self.words
+        if words is None or not self.leader:
+            return
+        if step == 0:
+            words[self.word] = self.run << 16 | num_steps
+        if words[_INTERRUPT] and int(words[self.word]) & MAX_RUN_STEPS > step + 1:
+            words[self.word] = self.run << 16 | (step + 1)
+
+    def ends_after(self, step: int, drawn: np.ndarray) -> bool:
+        """After step `step`, which drew `drawn`: whether the run ends with it."""
+        if np.isin(drawn, self.stop_token_ids).any():
+            return True
+        if self.words is None:
+            return False
+        limit = int(self.words[self.word])
+        return limit >> 16 != self.run or limit & MAX_RUN_STEPS <= step + 1
+
+
+def interrupt(words: np.ndarray) -> None:
+    """A multi-step run in progress ends after its current step (any thread of rank 0)."""
+    words[_INTERRUPT] = 1
+
+
+def clear_interrupt(words: np.ndarray) -> None:
+    words[_INTERRUPT] = 0
