@@ -372,3 +372,43 @@ def test_a_request_that_arrives_at_the_server_during_a_run_ends_it_after_its_ste
         engine.shutdown()
     assert arrived.is_set() and [tokens[0], tokens[1]] == expected
     assert steps_in_runs[0] == 4  # the interrupt came in step 3: the leader ended the run at the start of step 4
+
+
+def _sampled_work_with_a_stop_token(model_dir):
+    """_work's prompts, requests that sample (seeded, unseeded with top-k and top-p, greedy beside them) with a token
+    they draw mid-output as a stop token, and their outputs in single steps, taken synchronously (a step launched
+    ahead of its tokens draws for a request that has just stopped: the engine's generator then moves on further)."""
+    prompts, params = _work()
+    for i, p in enumerate(params):
+        if i % 3 == 0:
+            p.temperature, p.seed = 0.8, 100 + i
+        elif i % 3 == 1:
+            p.temperature, p.top_k, p.top_p = 1.0, 20, 0.9
+    reference, _ = _generate(model_dir, 1, prompts, params, async_scheduling=False)
+    drawn = [t for tokens, _ in reference for t in tokens[1:-1]]
+    stop = max(set(drawn), key=drawn.count)
+    for p in params:
+        p.stop_token_ids = [stop]
+    return prompts, params, *_generate(model_dir, 1, prompts, params, async_scheduling=False)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(native_decode=False), dict(tp=2), dict(sp=2, shift_threshold=0),
+                                    dict(dp=2)], ids=["one", "python", "tp2", "sp2", "dp2"])
+def test_requests_that_sample_run_with_the_tokens_of_single_steps(layers4, layout):
+    """Requests that sample (temperature, top-k, top-p; seeded or from the engine's generator) run in runs: every rank
+    draws each step's tokens with the uniforms the sampler would have taken before that step (in the C++ decoder's
+    call or in Python), and a run that a stop token ends early leaves the generators where single steps would. DP's
+    two replicas, which would end their runs at different steps, run such requests in single steps. (The reference
+    is the layout's own single steps: DP's groups order the engine's draws otherwise than one process.)"""
+    prompts, params, _, _ = _sampled_work_with_a_stop_token(layers4)
+    reference, _ = _generate(layers4, 1, prompts, params, async_scheduling=False, **layout)
+    cut = []
+    outputs, runs = _generate(layers4, 4, prompts, params, cut=cut, **layout)
+    assert outputs == reference and any(reason == "stop" for _, reason in outputs)
+    if layout == dict(dp=2):  # one replica with work: its requests run
+        prompts, params = prompts[:1], [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5)]
+        reference, _ = _generate(layers4, 1, prompts, params, async_scheduling=False, **layout)
+        outputs, runs = _generate(layers4, 4, prompts, params, **layout)
+        assert outputs == reference and 4 in runs
+        return
+    assert 4 in runs and True in cut

@@ -42,6 +42,7 @@ SampleFn = Callable[[list[list[ScheduledRequest]], list], dict[str, int | list[i
 SampleOnDeviceFn = Callable[[list[list[ScheduledRequest]], list, LaunchedStep | None, np.ndarray | None],
                             tuple[list[Request], torch.Tensor | None]]
 DrawsFn = Callable[[list[list[ScheduledRequest]]], np.ndarray | None]
+RunDrawsFn = Callable[[list[ScheduledRequest], int], tuple[np.ndarray, Callable[[int], None]] | None]
 
 
 @dataclass
@@ -77,16 +78,21 @@ class _InFlight:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, plan_builder: PlanBuilder, executor: Executor, sample: SampleFn,
                  stats: EngineStats, speculator: Speculator | None = None,
-                 sample_on_device: SampleOnDeviceFn | None = None, draws: DrawsFn | None = None):
+                 sample_on_device: SampleOnDeviceFn | None = None, draws: DrawsFn | None = None,
+                 run_draws: RunDrawsFn | None = None):
         """`sample_on_device`: schedule asynchronously (one rank), drawing tokens with it; with a speculator, in
         the steps after which it proposes nothing. `draws`: what a step's sampling requests draw with, fixed before
-        it runs (OutputProcessor.draws): a step launched on the C++ decoder's thread draws its tokens with them."""
+        it runs (OutputProcessor.draws): a step launched on the C++ decoder's thread draws its tokens with them.
+        `run_draws`: the same for a multi-step run's steps (OutputProcessor.run_draws), where its requests may sample
+        (Scheduler.sampled_runs); None: runs of requests that draw their argmax only."""
         self.scheduler = scheduler
         self.plan_builder = plan_builder
         self.executor = executor
         self.sample = sample
         self.sample_on_device = sample_on_device
         self.draws = draws
+        self.run_draws = run_draws
+        scheduler.sampled_runs = run_draws is not None
         self.stats = stats
         self.speculator = speculator
         self.in_flight: _InFlight | None = None
@@ -209,6 +215,14 @@ class EngineCore:
             return None
         self.stats.record_plan(plan)
         start = time.perf_counter()
+        entries = [group.entries for group in output.groups if group.entries]  # the plan's groups'
+        rewind = None
+        if output.num_steps > 1 and self.run_draws is not None:
+            drawn = [self.run_draws(group, output.num_steps) for group in entries]
+            # a run whose requests sample has one group (Scheduler._run_blocks), whose requests all end it at one step
+            assert len(drawn) == 1 or drawn == [None] * len(drawn), "a run of several groups whose requests sample"
+            if drawn[0] is not None:
+                plan.groups[0].run_draws, rewind = drawn[0]
         if self.draws is not None:
             # where the runner launches steps on the C++ decoder's thread, a step that waits for its tokens (a check,
             # a step whose tokens the speculator proposes from, a request sampled on the host) is launched there too,
@@ -220,13 +234,14 @@ class EngineCore:
                 result.launched.synchronize()
         else:
             result = self.executor(plan)
-        entries = [group.entries for group in output.groups if group.entries]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
                        for e, drawn in zip(group, tokens.T.tolist())}
             steps_run = [len(tokens) for tokens in result.logits]
-            if min(steps_run) < output.num_steps:  # a group drew a stop token
+            if min(steps_run) < output.num_steps:  # a group drew a stop token, or was interrupted
                 self.stats.cut_run(plan, steps_run)
+            if rewind is not None:
+                rewind(steps_run[0])
         else:
             sampled = self.sample(entries, result.logits)
         seconds = self.step_seconds(start) if self.speculator is not None else None

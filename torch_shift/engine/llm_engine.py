@@ -43,6 +43,7 @@ from torch_shift.engine.spec_decode.draft import (
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
+from torch_shift.kernels import cpu_kernels
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, check_fits
 from torch_shift.kv.tier import TierAllocator
@@ -178,8 +179,15 @@ class LLMEngine:
             sample_on_device = self.output_processor.sample_on_device
             if self.worker.runner.launch_steps:
                 draws = self.output_processor.draws
+        run_draws = None
+        # a multi-step run's requests sample where every rank draws them with the CPU kernel, as the sampler would
+        if (config.scheduler.num_scheduler_steps > 1 and self.worker is not None
+                and self.worker.runner.device.type == "cpu" and config.dtype in (torch.float32, torch.bfloat16)
+                and cpu_kernels() is not None):
+            run_draws = self.output_processor.run_draws
         self.core = EngineCore(scheduler, PlanBuilder(config.deployment, config.scheduler.max_num_seqs), executor,
-                               self.output_processor.sample, self.stats_recorder, speculator, sample_on_device, draws)
+                               self.output_processor.sample, self.stats_recorder, speculator, sample_on_device, draws,
+                               run_draws)
         widest = max(layout.kv_width for layout in config.deployment.layouts)  # pools a sequence may span
         capacity = Capacity(
             pool_tokens=pools[0].capacity_tokens, widest=widest, pool_blocks=pools[0].num_blocks,

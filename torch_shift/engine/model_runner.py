@@ -34,13 +34,13 @@ from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
-from torch_shift.models.fused import argmax_list
+from torch_shift.models.fused import argmax_list, sample_rows
 from torch_shift.models.native_decoder import LaunchedStep
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
-from torch_shift.parallel.runs import RUN_WORDS, RunEnd, clear_interrupt, interrupt, limit_word
+from torch_shift.parallel.runs import RUN_WORDS, Run, clear_interrupt, interrupt, limit_word
 
 
 class ModelRunner:
@@ -397,14 +397,14 @@ class ModelRunner:
     def _run_steps(self, group: GroupStep, layout: Layout, kv: KVCache, member: int) -> torch.Tensor:
         """The decode steps of a multi-step run (GroupStep.num_steps): in one call where the model's decoder runs them
         all (LayoutModel.forward_steps), else one by one, every rank of the layout that computes drawing each row's
-        token as the sampler draws a greedy one (the argmax of its logits, which it holds whole) and writing it where
-        the next step reads its input id. The run ends early after a step in which a row drew one of the group's
-        stop tokens (every such rank draws the same), or after the step in which rank 0 interrupted it
-        (`interrupt_runs`; torch_shift.parallel.runs). Returns the tokens drawn, [steps run, rows] (int64, on the
-        host)."""
+        token as the sampler would from the logits it holds whole (the argmax, or the kernel's draw with the plan's
+        `run_draws`, those the sampler would have drawn with) and writing it where the next step reads its input id.
+        The run ends early after a step in which a row drew one of the group's stop tokens (every such rank draws the
+        same), or after the step in which rank 0 interrupted it (`interrupt_runs`; torch_shift.parallel.runs).
+        Returns the tokens drawn, [steps run, rows] (int64, on the host)."""
         rows = group.rows[member]
-        run_end = RunEnd(group.stop_token_ids, self.run_words, limit_word(self.deployment.layouts.index(layout)),
-                         self._num_runs, self.rank == layout.ranks[0])
+        run = Run(group.num_steps, group.stop_token_ids, group.run_draws, self.run_words,
+                  limit_word(self.deployment.layouts.index(layout)), self._num_runs, self.rank == layout.ranks[0])
         step = copy.copy(group)  # advanced a position per step
         drawn = None
         for j in range(group.num_steps):
@@ -412,22 +412,27 @@ class ModelRunner:
             batch = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                                inputs.logits_indices)
             if j == 0:
-                drawn = self.model.forward_steps(layout, batch, group.num_steps, run_end)
+                drawn = self.model.forward_steps(layout, batch, run)
                 if drawn is not None:
                     return torch.from_numpy(drawn)
                 drawn = np.empty((group.num_steps, len(rows)), dtype=np.int64)
-            run_end.begin_step(j, group.num_steps)
+            run.begin_step(j)
             out = self.model.forward_step(layout, [batch])
             assert out is not None and out.shape[0] == len(rows) and out.shape[1] >= self.vocab_size, (
                 f"a rank of {layout.name} computing a multi-step run lacks the step's logits")
-            drawn[j] = argmax_list(out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size])
-            if run_end.ends_after(j, drawn[j]):
+            logits = out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size]
+            if run.draws is None:
+                drawn[j] = argmax_list(logits)
+            else:
+                tokens = sample_rows(logits, run.draws[j])
+                assert tokens is not None, "the run's rows sample where the CPU kernel draws (Scheduler.sampled_runs)"
+                drawn[j] = tokens.numpy()
+            if run.ends_after(j, drawn[j]):
                 return torch.from_numpy(drawn[:j + 1])
-            if j + 1 < group.num_steps:
-                step.num_computed = step.num_computed + 1
-                step.num_kv_tokens += len(rows)
-                self.batch.write_drawn(rows, step.num_computed, drawn[j])
-        return torch.from_numpy(drawn)
+            step.num_computed = step.num_computed + 1
+            step.num_kv_tokens += len(rows)
+            self.batch.write_drawn(rows, step.num_computed, drawn[j])
+        raise AssertionError("a run ends with its last step")
 
 
 def step_threads(deployment: Deployment, groups: Sequence[tuple[str, int]], rank: int, host_cores: int) -> int | None:

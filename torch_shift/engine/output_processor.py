@@ -9,6 +9,7 @@ reaches into it), and `make_outputs` then reports them finished.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -139,6 +140,15 @@ class OutputProcessor:
         order, before the step: a step launched on the C++ decoder's thread draws its tokens with them."""
         requests = [e.request for entries in entries_by_group for e in entries if e.sample]
         return self.sampler.draws(requests) if requests else None
+
+    def run_draws(self, entries: list[ScheduledRequest], num_steps: int
+                  ) -> tuple[np.ndarray, Callable[[int], None]] | None:
+        """What a multi-step run's group draws with in each step (Sampler.run_draws) and the function that rewinds
+        the generators to the steps it ran; None where every request draws its argmax."""
+        requests = [e.request for e in entries]
+        if all(r.draws_argmax for r in requests):
+            return None
+        return self.sampler.run_draws(requests, num_steps)
 
     def sample_on_device(self, entries_by_group: list[list[ScheduledRequest]], logits_by_group: list,
                          launched: LaunchedStep | None = None, draws: np.ndarray | None = None

@@ -78,6 +78,9 @@ class Request:
         # nothing it draws reads its outputs on the host and it returns no logprobs: it may be scheduled again
         # before its last token arrives
         self.samples_on_device = not reads_outputs and p.logprobs is None and p.prompt_logprobs is None
+        # every rank of a multi-step run draws its tokens as the sampler would (Scheduler.sampled_runs): its argmax,
+        # or the CPU kernel's draw with the uniforms taken before the run
+        self.samples_in_runs = self.draws_argmax or (self.samples_on_device and not p.logit_bias)
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

@@ -13,6 +13,7 @@ elsewhere, PyTorch's operators.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,25 @@ class Sampler:
                 or cpu_kernels() is None):
             return None
         return self._cpu_draws(requests, [r.greedy for r in requests])
+
+    def run_draws(self, requests: list[Request], num_steps: int) -> tuple[np.ndarray, Callable[[int], None]]:
+        """What the rows of a multi-step run's `requests` (which sample on the device without a logit bias, one of
+        them at least not by argmax, on the CPU's kernel) draw with in each of its steps, float32 [num_steps, 5,
+        rows]: `draws`' of each step, taken in order now, as single steps would take them before each; and a function
+        of the steps the run ran that leaves the generators where that many single steps would have."""
+        generators = [self._generator(torch.device("cpu"))] + [r.generator for r in requests if r.generator is not None]
+        states = [generator.get_state() for generator in generators]
+        greedy = [r.greedy for r in requests]
+        draws = np.stack([self._cpu_draws(requests, greedy) for _ in range(num_steps)])
+
+        def rewind(steps_run: int) -> None:
+            if steps_run < num_steps:
+                for generator, state in zip(generators, states):
+                    generator.set_state(state)
+                for _ in range(steps_run):
+                    self._uniforms(requests, torch.device("cpu"))
+
+        return draws, rewind
 
     def _cpu_draws(self, requests: list[Request], greedy: list[bool]) -> np.ndarray:
         params = [r.sampling_params for r in requests]

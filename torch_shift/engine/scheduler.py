@@ -201,6 +201,9 @@ class Scheduler:
         self.num_steps = 0
         self.last_decision = None
         self.view = SchedulerView(self)
+        # multi-step runs may hold requests that sample (EngineCore sets it where every rank draws them as the
+        # sampler would); else only requests that draw their argmax
+        self.sampled_runs = False
 
     @property
     def block_manager(self) -> BlockManager:
@@ -446,15 +449,17 @@ class Scheduler:
     def _run_length(self) -> int:
         """The decode steps this step's plan may run (vLLM v0's multi-step scheduling): 1, or where every running
         request decodes, draws its tokens by argmax (Request.draws_argmax, so every rank of its group draws the
-        same) and has its last token on the host, and nothing waits or sits in the tier, up to
-        num_scheduler_steps, no more than the request closest to its length (max_tokens, the context) has left."""
+        same) or, with `sampled_runs`, samples with uniforms taken before the run (Request.samples_in_runs), has its
+        last token on the host, and nothing waits or sits in the tier, up to num_scheduler_steps, no more than the
+        request closest to its length (max_tokens, the context) has left."""
         num_steps = self.config.num_scheduler_steps
         if num_steps == 1 or self.waiting or self.swapped or not self.running:
             return 1
         max_model_len = self.config.max_model_len
         for request in self.running:
             num_tokens = len(request.all_token_ids)
-            if (not request.draws_argmax or request.spec_token_ids or request.num_output_placeholders
+            if (not (request.draws_argmax or self.sampled_runs and request.samples_in_runs)
+                    or request.spec_token_ids or request.num_output_placeholders
                     or num_tokens - request.num_computed_tokens != 1):
                 return 1
             num_steps = min(num_steps, request.max_tokens - len(request.output_token_ids), max_model_len - num_tokens)
@@ -464,12 +469,16 @@ class Scheduler:
         """The blocks of a run of `num_steps` decode steps, taken once every running request holds its next
         token's (never another's: a run takes only free blocks, preempting nobody); the steps it runs: 1 where a
         running request was not scheduled (paused, preempted), a group is a pipeline's, or the free blocks fall short.
-        Blocks taken before then stay with their requests, for their next tokens."""
+        Blocks taken before then stay with their requests, for their next tokens. A run whose requests sample has
+        one group: groups that end their runs at different steps would leave the sampler's generator where no
+        single steps would."""
         entries = [(group, e) for group in groups.values() for e in group.entries]
         deployment = self.policy.deployment
+        num_groups = sum(1 for group in groups.values() if group.entries)
         # a pipeline's last stage draws the tokens its first stage embeds next
         if (ran_out_of_blocks or len(entries) != len(self.running)
-                or any(deployment[group.layout].pp > 1 for group in groups.values())):
+                or any(deployment[group.layout].pp > 1 for group in groups.values())
+                or num_groups > 1 and not all(e.request.draws_argmax for _, e in entries)):
             return 1
         for group, entry in entries:
             if not self._allocate(entry.request, group.replicas, entry.num_computed_tokens + num_steps,

@@ -453,7 +453,7 @@ class DecoderKernels:
         self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
         self.steps = library.ts_decoder_steps
         self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
-                               ptr, i64, ctypes.c_int]
+                               ptr, i64, ctypes.c_int, ptr]
         self.steps.restype = ctypes.c_int
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int

@@ -654,6 +654,12 @@ void ts_decoder_destroy(void* decoder) {
   delete static_cast<Decoder*>(decoder);
 }
 
+// Whether a step launched by this process (ts_decoder_launch) has not completed: no other step may run meanwhile.
+static bool launched_step_runs(const Decoder& d) {
+  return d.async != nullptr && d.async->owner == getpid() &&
+         d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed);
+}
+
 // One step: input_ids and positions [num_tokens] (int64), logits [num_logits, vocab] of the rows logits_rows
 // (int64) in the model's dtype, and where argmax is not null each logits row's argmax (int64, as ts_argmax), found
 // while the logits are in cache: called from Python after the step, the argmax took 100-120 us against 9-12 us
@@ -667,9 +673,7 @@ void ts_decoder_destroy(void* decoder) {
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
   Decoder& d = *static_cast<Decoder*>(decoder);
-  if (d.async != nullptr && d.async->owner == getpid() &&
-      d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed))
-    return -202;
+  if (launched_step_runs(d)) return -202;
   return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
 }
 
@@ -682,18 +686,22 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
 // them: the run's requests' end and stop tokens; every rank of a layout draws the same rows, so ends alike), or, where
 // `limit` is not null, as torch_shift.parallel.runs describes: the words every rank shares, `limit` the run's
 // ((run << 16) | steps), which the `leader` writes at the start of each step (its steps, then the step's number + 1
-// once `interrupt` is set) and every rank reads after it. drawn [num_steps, num_tokens] gets each step's argmax rows;
-// logits hold the last step's. Returns the steps run (>= 1), or the codes of ts_decoder_step; -200 also for
-// num_steps out of 1-65535.
+// once `interrupt` is set) and every rank reads after it. Each row's token is its argmax, or where `draws` is not null
+// (float32 [num_steps, 5, num_tokens]: each step's ts_sample_rows draws) the one drawn with them. drawn [num_steps,
+// num_tokens] gets each step's tokens; logits hold the last step's. Returns the steps run (>= 1), or the codes of
+// ts_decoder_step; -200 also for num_steps out of 1-65535.
 int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int64_t num_tokens,
                      const int64_t* logits_rows, void* logits, int64_t* argmax, int64_t num_steps, int64_t* drawn,
                      int32_t* num_computed, int64_t* slot_mapping, const int32_t* block_table, int64_t table_stride,
                      const int32_t* table_rows, int64_t tokens_per_block, const int64_t* stop_ids,
-                     int64_t num_stop_ids, int64_t* limit, const int64_t* interrupt, int64_t run, int leader) {
+                     int64_t num_stop_ids, int64_t* limit, const int64_t* interrupt, int64_t run, int leader,
+                     const float* draws) {
   constexpr int64_t kSteps = (int64_t(1) << 16) - 1;
   if (num_steps < 1 || num_steps > kSteps || argmax == nullptr || tokens_per_block < 1 || num_stop_ids < 0 ||
       (limit != nullptr && interrupt == nullptr))
     return -200;
+  Decoder& d = *static_cast<Decoder*>(decoder);
+  if (launched_step_runs(d)) return -202;
   const int64_t tag = run << 16;
   for (int64_t s = 0; s < num_steps; ++s) {
     if (limit != nullptr && leader) {
@@ -702,7 +710,8 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
           (__atomic_load_n(limit, __ATOMIC_RELAXED) & kSteps) > s + 1)
         __atomic_store_n(limit, tag | (s + 1), __ATOMIC_RELEASE);
     }
-    const int rc = ts_decoder_step(decoder, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax);
+    const int rc = run_step(d, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax, nullptr,
+                            draws == nullptr ? nullptr : draws + s * 5 * num_tokens);
     if (rc != 0) return rc;
     std::memcpy(drawn + s * num_tokens, argmax, num_tokens * sizeof(int64_t));
     if (s + 1 == num_steps) break;
@@ -731,9 +740,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
 // step is installed; -202 while a launched step runs; -300 where an all-to-all failed (ts_collective_error).
 int ts_decoder_attend(void* decoder) {
   Decoder& d = *static_cast<Decoder*>(decoder);
-  if (d.async != nullptr && d.async->owner == getpid() &&
-      d.async->completed.load(std::memory_order_acquire) != d.async->launched.load(std::memory_order_relaxed))
-    return -202;
+  if (launched_step_runs(d)) return -202;
   if (!ts_ulysses_installed()) return -100;
   const int64_t hd = d.head_dim, q_size = d.heads * hd, kv_size = d.kv_heads * hd;
   for (const Layer& L : d.layers) {

@@ -46,7 +46,7 @@ from torch_shift.models.linear import Linear, gemv_rows
 from torch_shift.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from torch_shift.parallel.runs import RunEnd
+    from torch_shift.parallel.runs import Run
 
 # kernels/cpu_decoder.cpp's ModelField and LayerField
 _MODEL_FIELDS = ("dtype", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "lanes", "positions",
@@ -183,13 +183,13 @@ class NativeDecoder:
         return logits
 
     def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
-              num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+              run: Run) -> np.ndarray | None:
         """A multi-step run's decode steps in one call (ts_decoder_steps; decodes only, a logits row each): each row's
-        argmax in each step, int64 [steps run, rows], each fed to the next step as its row's input id, its position
-        and KV slot moved on in `attention`'s arrays, which the C++ step reads (`advance_arrays`); `num_steps` of them,
-        or fewer where `run_end` ends the run (a stop token drawn, rank 0's interrupt); None,
-        nothing run, where the decoder finds no argmax (a shard's vocabulary, no head) or `attention` cannot move on
-        or did not install in C++."""
+        token in each step (its argmax, or drawn with `run.draws`), int64 [steps run, rows], each fed to the next step
+        as its row's input id, its position and KV slot moved on in `attention`'s arrays, which the C++ step reads
+        (`advance_arrays`); `run.num_steps` of them, or fewer where the run ends early (a stop token drawn, rank 0's
+        interrupt); None, nothing run, where the decoder finds no argmax (a shard's vocabulary, no head) or
+        `attention` cannot move on or did not install in C++."""
         advance = getattr(attention, "advance_arrays", None)
         if not self.finds_argmax or advance is None:
             return None
@@ -200,14 +200,14 @@ class NativeDecoder:
         assert rows.shape[0] == num_tokens, "a run's steps are decodes, a logits row each"
         logits = torch.empty(num_tokens, self.logits_width, dtype=self.dtype)
         row_argmax = np.empty(num_tokens, dtype=np.int64)
-        drawn = np.empty((num_steps, num_tokens), dtype=np.int64)
+        drawn = np.empty((run.num_steps, num_tokens), dtype=np.int64)
         if not enter_step_attention(attention):
             exit_step_attention()
             return None
         try:
             rc = self.kernels.steps(self.handle, input_ids.data_ptr(), positions.data_ptr(), num_tokens,
-                                    rows.data_ptr(), logits.data_ptr(), row_argmax.ctypes.data, num_steps,
-                                    drawn.ctypes.data, *advance(), *run_end.native_args(num_steps))
+                                    rows.data_ptr(), logits.data_ptr(), row_argmax.ctypes.data, run.num_steps,
+                                    drawn.ctypes.data, *advance(), *run.native_args(num_tokens))
         finally:
             exit_step_attention()
         if rc < 0:

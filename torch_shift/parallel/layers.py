@@ -15,7 +15,7 @@ from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
 from torch_shift.models.native_decoder import NativeDecoder
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import warn_where_ranks_differ
-from torch_shift.parallel.runs import RunEnd
+from torch_shift.parallel.runs import Run
 from torch_shift.parallel.ulysses import UlyssesAttention
 
 
@@ -137,12 +137,12 @@ class ShardDecoder:
         return logits
 
     def steps(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, attention: object,
-              num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+              run: Run) -> np.ndarray | None:
         """A multi-step run's steps in one call (NativeDecoder.steps), counted in the ledger as `step`'s each; None
         where `step` would decline them."""
         if not self._takes(len(input_ids), attention):
             return None
-        drawn = self.decoder.steps(input_ids, positions, logits_indices, attention, num_steps, run_end)
+        drawn = self.decoder.steps(input_ids, positions, logits_indices, attention, run)
         if drawn is None:
             return None
         for _ in range(len(drawn)):

@@ -21,7 +21,7 @@ from torch_shift.models.decoder import AttentionFn
 from torch_shift.parallel import comm
 from torch_shift.parallel.comm import CommLedger
 from torch_shift.parallel.layouts import Layout
-from torch_shift.parallel.runs import RunEnd
+from torch_shift.parallel.runs import Run
 
 
 @dataclass
@@ -44,14 +44,14 @@ class LayoutCounters:
         self.num_reshards = 0
         self.reshard_seconds = 0.0
 
-    def run_steps_in_one_call(self, decoder, layout: Layout, batch: MicroBatch, num_steps: int,
-                              run_end: RunEnd, attention: AttentionFn | None = None) -> np.ndarray | None:
+    def run_steps_in_one_call(self, decoder, layout: Layout, batch: MicroBatch, run: Run,
+                              attention: AttentionFn | None = None) -> np.ndarray | None:
         """`forward_steps` through `decoder`'s `steps` (a C++ decoder, or a shard's), attending through `attention`
         (default the batch's): counted as forwards of `layout`, one per step run, their collectives in the ledger;
         None where the decoder declines them."""
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
             drawn = decoder.steps(batch.input_ids, batch.positions, batch.logits_indices,
-                                  batch.attention if attention is None else attention, num_steps, run_end)
+                                  batch.attention if attention is None else attention, run)
         if drawn is not None:
             self.layout_counts[layout.name] += len(drawn)
         return drawn
@@ -74,12 +74,13 @@ class LayoutModel(Protocol):
         rank that returns the layout's logits (`Layout.logits_rank`), None on the others."""
         ...
 
-    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+    def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run's decode steps of `batch` (decodes only, a logits row each) in one call, where this rank's
-        decoder runs them all (the C++ decoder with its argmax: NativeDecoder.steps): each row's argmax in each step,
-        int64 [steps run, rows], fed to the next step as its input id; `num_steps` steps, or fewer where `run_end` ends
-        the run (a stop token drawn, rank 0's interrupt); else None, nothing run (the runner then runs them one by one
-        through `forward_step`). Every rank of the layout decides alike."""
+        decoder runs them all (the C++ decoder, which draws the tokens: NativeDecoder.steps): each row's token in each
+        step (its argmax, or drawn with the run's draws), int64 [steps run, rows], fed to the next step as its input
+        id; `run.num_steps` steps, or fewer where the run ends early (a stop token drawn, rank 0's interrupt); else
+        None, nothing run (the runner then runs them one by one through `forward_step`). Every rank of the layout
+        decides alike."""
         ...
 
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:

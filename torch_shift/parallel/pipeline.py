@@ -37,7 +37,7 @@ from torch_shift.parallel.groups import DeploymentGroups
 from torch_shift.parallel.layers import ShardDecoder, shard_group, warn_where_decoders_differ
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout, stage_layers
-from torch_shift.parallel.runs import RunEnd
+from torch_shift.parallel.runs import Run
 from torch_shift.parallel.shift import TensorReader, load_base
 
 _ACTIVATION_TAG = 1 << 16  # point-to-point tags of activations (logits to rank 0 use the group index)
@@ -183,13 +183,13 @@ class PipelineModel(LayoutCounters, nn.Module):
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:
         return False
 
-    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+    def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run of Seesaw's TP layout in one call of its C++ decoder (a pipeline layout runs none:
         Scheduler._run_blocks)."""
         if layout.pp > 1 or self.tp_decoder is None:
             return None
         self.activate("tp")
-        return self.run_steps_in_one_call(self.tp_decoder, layout, batch, num_steps, run_end)
+        return self.run_steps_in_one_call(self.tp_decoder, layout, batch, run)
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under `layout`."""

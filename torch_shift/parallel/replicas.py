@@ -30,7 +30,7 @@ from torch_shift.parallel.layers import ShardDecoder, shard_group, warn_where_de
 from torch_shift.parallel.layout_model import LayoutCounters, MicroBatch
 from torch_shift.parallel.layouts import Deployment, Layout
 from torch_shift.parallel.plan import tp_plan
-from torch_shift.parallel.runs import RunEnd
+from torch_shift.parallel.runs import Run
 from torch_shift.parallel.shift import TensorReader, build_shift_module, derive_tp
 
 
@@ -94,11 +94,11 @@ class ReplicaModel(LayoutCounters, nn.Module):
     def idle_in(self, layout: Layout, num_tokens: int) -> bool:
         return False
 
-    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+    def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run in one call of the replica's own C++ decoder, or of its view's in Flying's TP group."""
         key = layout.name if layout.kv_width > 1 else None
         native = self.native_decoder if key is None else self.view_decoders.get(key)
-        return None if native is None else self.run_steps_in_one_call(native, layout, batch, num_steps, run_end)
+        return None if native is None else self.run_steps_in_one_call(native, layout, batch, run)
 
     def kv_region(self, layout: Layout) -> KVRegion:
         """What this rank's pool holds of the whole KV cache under a layout of width 1: all of it."""

@@ -32,46 +32,59 @@ def limit_word(layout_index: int) -> int:
 
 
 @dataclass
-class RunEnd:
-    """One rank's part in ending one run: the group's stop tokens; where the ranks share `words` (None: they do
-    not, and nothing interrupts the run), the run's limit word, its number (each rank counts every plan's runs, so
-    the same on every rank) and whether this rank leads it."""
+class Run:
+    """One rank's part in one multi-step run: its steps; how its rows draw their tokens (`draws`: float32
+    [num_steps, 5, rows] of models.fused.sample_rows, or None: each row's argmax); what ends it early: the group's
+    stop tokens and, where the ranks share `words` (None: they do not, and nothing interrupts the run), the run's
+    limit word, its number (each rank counts every plan's runs, so the same on every rank) and whether this rank
+    leads it."""
 
+    num_steps: int
     stop_token_ids: np.ndarray  # int64
+    draws: np.ndarray | None = None
     words: np.ndarray | None = None
     word: int = 0
-    run: int = 0
+    number: int = 0
     leader: bool = False
 
-    def native_args(self, num_steps: int) -> tuple[int, int, int, int, int, int]:
-        """ts_decoder_steps' arguments after the run's own: the stop tokens (address, count), the limit and interrupt
-        words' addresses (0: none), the run's number and whether this rank leads it."""
-        assert 1 <= num_steps <= MAX_RUN_STEPS, num_steps
-        stops = self.stop_token_ids
-        assert stops.dtype == np.int64 and stops.flags.c_contiguous
-        if self.words is None:
-            return stops.ctypes.data, len(stops), 0, 0, self.run, 0
-        base = self.words.ctypes.data
-        return stops.ctypes.data, len(stops), base + 8 * self.word, base + 8 * _INTERRUPT, self.run, int(self.leader)
+    def __post_init__(self):
+        assert 1 <= self.num_steps <= MAX_RUN_STEPS, self.num_steps
+        assert self.stop_token_ids.dtype == np.int64 and self.stop_token_ids.flags.c_contiguous
+        assert self.draws is None or (self.draws.dtype == np.float32 and self.draws.flags.c_contiguous
+                                      and self.draws.shape[:2] == (self.num_steps, 5))
 
-    def begin_step(self, step: int, num_steps: int) -> None:
-        """Before step `step` (from 0) of a run of `num_steps` that runs its steps in Python: the leader's writes."""
+    def native_args(self, num_rows: int) -> tuple[int, int, int, int, int, int, int]:
+        """ts_decoder_steps' arguments after the run's own: the stop tokens (address, count), the limit and interrupt
+        words' addresses (0: none), the run's number, whether this rank leads it, and the draws' address (0: none)."""
+        stops = self.stop_token_ids
+        draws = 0
+        if self.draws is not None:
+            assert self.draws.shape[2] == num_rows, (self.draws.shape, num_rows)
+            draws = self.draws.ctypes.data
+        if self.words is None:
+            return stops.ctypes.data, len(stops), 0, 0, self.number, 0, draws
+        base = self.words.ctypes.data
+        return (stops.ctypes.data, len(stops), base + 8 * self.word, base + 8 * _INTERRUPT, self.number,
+                int(self.leader), draws)
+
+    def begin_step(self, step: int) -> None:
+        """Before step `step` (from 0) of a run whose steps run in Python: the leader's writes."""
         words = self.words
         if words is None or not self.leader:
             return
         if step == 0:
-            words[self.word] = self.run << 16 | num_steps
+            words[self.word] = self.number << 16 | self.num_steps
         if words[_INTERRUPT] and int(words[self.word]) & MAX_RUN_STEPS > step + 1:
-            words[self.word] = self.run << 16 | (step + 1)
+            words[self.word] = self.number << 16 | (step + 1)
 
     def ends_after(self, step: int, drawn: np.ndarray) -> bool:
         """After step `step`, which drew `drawn`: whether the run ends with it."""
-        if np.isin(drawn, self.stop_token_ids).any():
+        if step + 1 >= self.num_steps or np.isin(drawn, self.stop_token_ids).any():
             return True
         if self.words is None:
             return False
         limit = int(self.words[self.word])
-        return limit >> 16 != self.run or limit & MAX_RUN_STEPS <= step + 1
+        return limit >> 16 != self.number or limit & MAX_RUN_STEPS <= step + 1
 
 
 def interrupt(words: np.ndarray) -> None:

@@ -56,7 +56,7 @@ from torch_shift.parallel.plan import (
     validate_expert_parallel,
     validate_mesh_for_model,
 )
-from torch_shift.parallel.runs import RunEnd
+from torch_shift.parallel.runs import Run
 from torch_shift.parallel.ulysses import UlyssesAttention, kv_send_index
 
 # Reads one part of a parameter (our name, part or None), restricted to a slice (None: all of it).
@@ -449,7 +449,7 @@ class ShiftModule(LayoutCounters, nn.Module):
             return self._forward("shift" if layout.kind == "shift" else "base", batch.input_ids, batch.positions,
                                  batch.attention, batch.logits_indices)
 
-    def forward_steps(self, layout: Layout, batch: MicroBatch, num_steps: int, run_end: RunEnd) -> np.ndarray | None:
+    def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's, and SP
         rank 0's one-token steps over the shared KV where it holds the whole LM head (`solo_head`: its own decoder
         of the base layers and that head)."""
@@ -465,7 +465,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         native = self.native_decoders.get(which)
         if native is None:
             return None
-        return self.run_steps_in_one_call(native, layout, batch, num_steps, run_end, attention)
+        return self.run_steps_in_one_call(native, layout, batch, run, attention)
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                  logits_indices: torch.Tensor) -> torch.Tensor:

@@ -335,7 +335,7 @@ class NullModel(torch.nn.Module):
     def forward_step(self, layout, micro_batches):
         return self.logits[: sum(batch.logits_indices.shape[0] for batch in micro_batches)]
 
-    def forward_steps(self, layout, batch, num_steps: int, run_end):
+    def forward_steps(self, layout, batch, run):
         return None
 
     def idle_in(self, layout, num_tokens: int) -> bool:
