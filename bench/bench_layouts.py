@@ -511,6 +511,10 @@ def main(argv=None) -> int:
     ap.add_argument("--flying-dp-above", default=None,
                     help="bursty part: also Flying at each of these dp_above values (requests per replica, or 'never': "
                          "as torch-shift plan's sweep), as configurations Flying@V")
+    ap.add_argument("--scheduler-steps", type=int, default=None,
+                    help="bursty part: also each torch_shift configuration with num_scheduler_steps at this value "
+                         "(a server's multi-step runs, which an arriving request ends after its step), as "
+                         "configurations NAME/N")
     ap.add_argument("--rounds", type=int, default=1,
                     help="bursty part: serve the stream this many times per configuration, configurations alternated; "
                          "ratios against the peer per round and their median")
@@ -553,6 +557,13 @@ def main(argv=None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+    if args.scheduler_steps is not None:
+        if args.scheduler_steps < 2:
+            ap.error(f"--scheduler-steps must be at least 2, got {args.scheduler_steps}")
+        for name in list(configs):
+            CONFIGS[f"{name}/{args.scheduler_steps}"] = {**CONFIGS[name],
+                                                         "num_scheduler_steps": str(args.scheduler_steps)}
+            configs.append(f"{name}/{args.scheduler_steps}")
     if args.vllm_python:
         PEERS["vLLM TP-2"] = {"python": args.vllm_python, "tp": 2}
         configs.append("vLLM TP-2")

@@ -59,9 +59,9 @@ def families(tmp_path_factory):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Steps the C++ decoder ran (called, or launched on its thread)."""
+    """Steps the C++ decoder ran (called, launched on its thread, or in a multi-step run's call)."""
     calls = []
-    original, original_launch = NativeDecoder.__call__, NativeDecoder.launch
+    original, original_launch, original_steps = NativeDecoder.__call__, NativeDecoder.launch, NativeDecoder.steps
 
     def call(self, input_ids, *args):
         calls.append(len(input_ids))
@@ -71,8 +71,14 @@ def counted(monkeypatch):
         calls.append(len(input_ids))
         return original_launch(self, input_ids, *args, **options)
 
+    def steps(self, input_ids, *args):
+        drawn = original_steps(self, input_ids, *args)
+        calls.extend([len(input_ids)] * (0 if drawn is None else len(drawn)))
+        return drawn
+
     monkeypatch.setattr(NativeDecoder, "__call__", call)
     monkeypatch.setattr(NativeDecoder, "launch", launch)
+    monkeypatch.setattr(NativeDecoder, "steps", steps)
     return calls
 
 

@@ -483,7 +483,9 @@ def test_fp8_halves_weight_bytes_not_activations(tmp_path):
 
 # -- against torch_shift's own layouts ---------------------------------------------------------------------
 def _ledger_rank(rank, world, model_dir, sp, tp):
-    llm = LLM(str(model_dir), sp=sp, tp=tp, shift_threshold=8, enable_prefix_caching=False, max_num_seqs=4)
+    # single steps: the plans are the steps the cost model prices
+    llm = LLM(str(model_dir), sp=sp, tp=tp, shift_threshold=8, enable_prefix_caching=False, max_num_seqs=4,
+              num_scheduler_steps=1)
     engine, module = llm.engine, llm.engine.model
     plans = []
     if rank == 0:

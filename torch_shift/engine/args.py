@@ -107,10 +107,12 @@ class EngineArgs:
                                                "and on the CPU where the C++ decoder runs the small steps; with "
                                                "speculative decoding, the steps after which nothing is proposed)")
     num_scheduler_steps: int | None = _arg(None, "decode steps one step plan runs on every rank, where every "
-                                                 "running request decodes greedily and nothing waits (vLLM v0's "
+                                                 "running request decodes (greedy, or sampled without penalties, "
+                                                 "bias, grammar or logprobs) and nothing waits (vLLM v0's "
                                                  "multi-step scheduling: rank 0's host work and the plan's broadcast "
                                                  "once for them all; tokens reach the outputs in runs of that many; "
-                                                 "a run ends early after a step that drew a request's stop token; "
+                                                 "a run ends early after a step that drew a request's stop token "
+                                                 "or in which a request reached the server; "
                                                  "default: 8 in offline generation (LLM, `generate`) on several "
                                                  "CPU ranks, else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")

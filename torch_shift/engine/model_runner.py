@@ -358,7 +358,7 @@ class ModelRunner:
                 drawn = self._run_steps(group, layout, kv, member)
                 if self.rank == 0:
                     logits[i] = drawn
-                elif layout.logits_rank == self.rank:  # the steps not run (a stop token drawn): -1
+                elif layout.logits_rank == self.rank:  # the steps a run that ended early did not run: -1
                     sent = torch.full((group.num_steps, drawn.shape[1]), -1, dtype=torch.long)
                     sent[:len(drawn)] = drawn
                     dist.send(sent, dst=0, tag=i)

@@ -61,7 +61,7 @@ class EngineStats:
 
     def cut_run(self, plan: StepPlan, steps_run: list[int]) -> None:
         """A multi-step run whose groups ran `steps_run` steps each, some fewer than `record_plan` counted (a group
-        that drew a stop token ends its run)."""
+        that drew a stop token, or that rank 0 interrupted, ends its run)."""
         planned = self._run_steps
         for group, ran in zip(plan.groups, steps_run):
             self.steps_by_layout[group.layout] -= planned - ran

@@ -1,6 +1,7 @@
-"""What ends a multi-step run early (GroupStep.num_steps, ModelRunner._run_steps): a stop token drawn, which every
-rank of the run's layout draws alike, or rank 0's interrupt (a request arrived or was aborted while the run computes:
-torch_shift.serve.async_engine), which they must all see at the same step.
+"""A multi-step run on a rank (GroupStep.num_steps, ModelRunner._run_steps): its steps, how its rows draw their
+tokens, and what ends it early: a stop token drawn, which every rank of the run's layout draws alike, or rank 0's
+interrupt (a request arrived or was aborted while the run computes: torch_shift.serve.async_engine), which they must
+all see at the same step.
 
 The interrupt lives in int64 words every rank of the deployment shares (`words`: the control channel's,
 ShmCommunicator.words, or a process's own with one rank). Word 0 is the interrupt: rank 0's front end sets it from

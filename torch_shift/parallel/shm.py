@@ -264,8 +264,10 @@ class ShmCommunicator:
         self._views: dict[tuple, tuple] = {}
         words_offset = header_bytes + 2 * world_size * slot_bytes
         with torch.inference_mode(False):
-            # int64 words every rank of the group reads and writes as it pleases, outside the protocol (zeros at first)
-            self.words: np.ndarray = segment[words_offset:words_offset + 8 * _SHARED_WORDS].numpy().view(np.int64)
+            # int64 words every rank of the group reads and writes as it pleases, outside the protocol (zeros at
+            # first; None once closed: a holder of them keeps the mapping)
+            self.words: np.ndarray | None = segment[words_offset:words_offset + 8 * _SHARED_WORDS].numpy().view(
+                np.int64)
         # the last step this rank published, and its collectives so far: in an array that the C++ all-reduce of
         # compiled forwards (register_native) counts in too
         self._counters = np.zeros(2, dtype=np.int64)
@@ -581,6 +583,7 @@ class ShmCommunicator:
         self._header.release()
         self._bytes.release()
         self._slots = []
+        self.words = None
         self._segment = None  # the mapping goes with its last view
 
     # -- chunks: messages larger than a slot -----------------------------------------------------------------
