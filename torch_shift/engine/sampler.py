@@ -131,8 +131,8 @@ class Sampler:
     def run_draws(self, requests: list[Request], num_steps: int) -> tuple[np.ndarray, Callable[[int], None]]:
         """What the rows of a multi-step run's `requests` (which sample on the device without a logit bias, one of
         them at least not by argmax, on the CPU's kernel) draw with in each of its steps, float32 [num_steps, 5,
-        rows]: `draws`' of each step, taken in order now, as single steps would take them before each; and a function
-        of the steps the run ran that leaves the generators where that many single steps would have."""
+        rows]: what `draws` gives, for each step in order, taken now as single steps would take them before each;
+        and a function of the steps the run ran that leaves the generators where that many single steps would."""
         generators = [self._generator(torch.device("cpu"))] + [r.generator for r in requests if r.generator is not None]
         states = [generator.get_state() for generator in generators]
         greedy = [r.greedy for r in requests]
