@@ -73,11 +73,11 @@ class GroupStep:
     num_tokens: int = -1
     num_kv_tokens: int = -1
     num_logits: int = -1
-    # decode steps the group runs (multi-step scheduling): in each the ranks draw every request's token by argmax
-    # and feed it to the next; the logits rank returns them all (ModelRunner). The run ends early after a step in
-    # which some request drew one of stop_token_ids (int64: its requests' end and stop tokens, Request.check_stop's).
-    # run_draws: what its rows draw with in each step where some of them sample (float32 [num_steps, 5, rows]:
-    # Sampler.run_draws), else None: each row's argmax
+    # decode steps the group runs (multi-step scheduling): in each the ranks draw every request's token (its argmax,
+    # or with run_draws) and feed it to the next; the logits rank returns them all (ModelRunner). The run ends early
+    # after a step in which some request drew one of stop_token_ids (int64: its requests' end and stop tokens,
+    # Request.check_stop's). run_draws: what its rows draw with in each step where some of them sample (float32
+    # [num_steps, 5, rows]: Sampler.run_draws), else None: each row's argmax
     num_steps: int = 1
     stop_token_ids: np.ndarray | None = None
     run_draws: np.ndarray | None = None
