@@ -123,6 +123,21 @@ def test_offline_generation_on_several_cpu_ranks_runs_eight_steps_by_default():
     assert EngineArgs("m", device="cpu", num_scheduler_steps=3)._scheduler_steps(one, offline=False) == 3
 
 
+def test_llm_runs_eight_steps_at_two_ranks_and_an_engine_of_its_own_one(layers4):
+    from torch_shift.engine.llm_engine import LLMEngine
+
+    llm = LLM(str(layers4), tp=2, **ENGINE)
+    try:
+        assert llm.engine.config.scheduler.num_scheduler_steps == 8
+    finally:
+        llm.shutdown()
+    engine = LLMEngine(EngineArgs(str(layers4), tp=2, **ENGINE))
+    try:
+        assert engine.config.scheduler.num_scheduler_steps == 1
+    finally:
+        engine.shutdown()
+
+
 def _generate(model_dir, num_steps: int, prompts, params, calls=None, stats=None, cut=None, interrupted=False,
               **engine):
     llm = LLM(str(model_dir), num_scheduler_steps=num_steps, **{**ENGINE, **engine})
