@@ -218,11 +218,11 @@ class EngineCore:
         entries = [group.entries for group in output.groups if group.entries]  # the plan's groups'
         rewind = None
         if output.num_steps > 1 and self.run_draws is not None:
-            drawn = [self.run_draws(group, output.num_steps) for group in entries]
+            draws_by_group = [self.run_draws(group, output.num_steps) for group in entries]
             # a run whose requests sample has one group (Scheduler._run_blocks), whose requests all end it at one step
-            assert len(drawn) == 1 or drawn == [None] * len(drawn), "a run of several groups whose requests sample"
-            if drawn[0] is not None:
-                plan.groups[0].run_draws, rewind = drawn[0]
+            assert len(entries) == 1 or draws_by_group == [None] * len(entries), "several groups' runs that sample"
+            if draws_by_group[0] is not None:
+                plan.groups[0].run_draws, rewind = draws_by_group[0]
         if self.draws is not None:
             # where the runner launches steps on the C++ decoder's thread, a step that waits for its tokens (a check,
             # a step whose tokens the speculator proposes from, a request sampled on the host) is launched there too,
