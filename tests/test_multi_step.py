@@ -101,8 +101,7 @@ def test_num_scheduler_steps_is_checked():
             EngineArgs("m", num_scheduler_steps=bad)
     with pytest.raises(ValueError, match="synchronously"):
         EngineArgs("m", num_scheduler_steps=4, async_scheduling=True)
-    with pytest.raises(ValueError, match="speculative"):
-        EngineArgs("m", num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    EngineArgs("m", num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     one = SimpleNamespace(world_size=1)
     # one rank on the CPU launches its steps asynchronously by default, and a run is synchronous
     assert EngineArgs("m", device="cpu", num_scheduler_steps=4)._schedules_async(one) is False
@@ -111,14 +110,15 @@ def test_num_scheduler_steps_is_checked():
 def test_offline_generation_on_several_cpu_ranks_runs_eight_steps_by_default():
     """num_scheduler_steps=None: 8 where no request can arrive during a run (LLM's offline generation) and nothing
     overlaps a step's host work (several ranks), on the CPU; 1 for a server or LLMEngine, one rank (which schedules
-    asynchronously), a GPU and speculative decoding; a value given holds."""
+    asynchronously) and a GPU; with speculative decoding too (runs take the steps after which nothing is proposed); a
+    value given holds."""
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     cpu = EngineArgs("m", device="cpu")
     assert cpu._scheduler_steps(two, offline=True) == OFFLINE_SCHEDULER_STEPS == 8
     assert cpu._scheduler_steps(two, offline=False) == cpu._scheduler_steps(one, offline=True) == 1
     assert EngineArgs("m", device="cuda")._scheduler_steps(two, offline=True) == 1
     spec = EngineArgs("m", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert spec._scheduler_steps(two, offline=True) == 1
+    assert spec._scheduler_steps(two, offline=True) == 8
     assert EngineArgs("m", device="cpu", num_scheduler_steps=1)._scheduler_steps(two, offline=True) == 1
     assert EngineArgs("m", device="cpu", num_scheduler_steps=3)._scheduler_steps(one, offline=False) == 3
 

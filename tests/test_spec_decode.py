@@ -521,8 +521,8 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
     steps, calls = [], []
     executor, propose = core.executor, speculator.propose
     core.executor = lambda plan, *tokens, **options: steps.append(plan) or executor(plan, *tokens, **options)
-    speculator.propose = lambda updated, num_running: calls.append(
-        {r.request_id: r.num_output_tokens for r in updated}) or propose(updated, num_running)
+    speculator.propose = lambda updated, *args: calls.append(
+        {r.request_id: r.num_output_tokens for r in updated}) or propose(updated, *args)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert len(calls) < len(steps) / 2, (len(calls), len(steps))
@@ -585,6 +585,59 @@ def test_quiet_steps_run_ahead_of_the_host(llama):
     assert {pipelined for _, pipelined in speculator.sync_penalty.intervals} == {False, True}
     assert engine.stats()["num_preemptions"] > 0 and core.in_flight is None
     assert not engine.block_manager.req_blocks and not speculator.proposer.tokens.buffers  # every request forgotten
+
+
+@pytest.mark.parametrize("layout", [dict(num_scheduler_steps=4, async_scheduling=False), dict(tp=2)],
+                         ids=["one-rank", "tp2"])
+def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
+    """Multi-step scheduling beside speculative decoding: the speculator's quiet steps (every request waits for a
+    probe or a backoff's end) and the step after which a proposal may follow run as one plan's run, the others singly
+    with their checks; a run never holds proposals. Two ranks run 8 steps a plan by default with speculation too. The
+    intervals after plain decodes, in runs and alone, are timed for the budget; the outputs are those without
+    speculation (greedy, seeded sampling, a stop token mid-output), every block back."""
+    model_dir = layers4 if layout.get("tp") else llama[1]
+    prompts = random_prompts(3, [6, 30, 11], seed=3) + repetitive_prompts(2, seed=4)
+    params = [SamplingParams(max_tokens=30 + 6 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(5)]
+    engine = dict(compile=False, block_size=4, num_kv_blocks=64, max_num_batched_tokens=32, **layout)
+    reference = [o.outputs[0].token_ids for o in LLM(str(model_dir), **{**engine, "num_scheduler_steps": 1})
+                 .generate(prompts, params, use_tqdm=False)]
+    stop = reference[1][len(reference[1]) // 2]
+    params[1].stop_token_ids = [stop]
+    reference[1] = reference[1][:reference[1].index(stop) + 1]
+    llm = LLM(str(model_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 6}, **engine)
+    try:
+        core, speculator = llm.engine.core, llm.engine.core.speculator
+        assert core.scheduler.config.num_scheduler_steps == layout.get("num_scheduler_steps", 8)
+        # fixed prices (a check pays from a rate of 0.3, probes every 16 tokens); the last two requests propose
+        # their true continuations with noise, the others nothing (they wait: backoffs)
+        speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
+        speculator._prices = lambda num_running, cost: (0.3, 16)
+        oracle = NoisyOracle({}, 0)
+        truth = {tuple(prompt): tokens for prompt, tokens in zip(prompts[3:], reference[3:])}
+        oracle._propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in truth.get(
+            tuple(request.prompt_token_ids), [])[request.num_output_tokens:request.num_output_tokens + k]]
+        plans = []
+        executor = core.executor
+
+        def spy(plan, *tokens, **options):
+            plans.append((max(group.num_steps for group in plan.groups),
+                          any(group.num_spec is not None for group in plan.groups)))
+            return executor(plan, *tokens, **options)
+
+        core.executor = spy
+        for proposer in (speculator.proposer, oracle):
+            speculator.proposer = proposer
+            plans.clear()
+            outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert outputs == reference
+            assert any(steps > 1 for steps, _ in plans) and any(checks for _, checks in plans)
+            assert not any(steps > 1 and checks for steps, checks in plans)  # a run never checks proposals
+        assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+        assert {pipelined for _, pipelined in speculator.sync_penalty.intervals} == {False, True}
+        assert not llm.engine.block_manager.req_blocks
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("seed", range(2))

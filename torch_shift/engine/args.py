@@ -112,7 +112,8 @@ class EngineArgs:
                                                  "multi-step scheduling: rank 0's host work and the plan's broadcast "
                                                  "once for them all; tokens reach the outputs in runs of that many; "
                                                  "a run ends early after a step that drew a request's stop token "
-                                                 "or in which a request reached the server; "
+                                                 "or in which a request reached the server; with speculative "
+                                                 "decoding, only the steps after which nothing is proposed; "
                                                  "default: 8 in offline generation (LLM, `generate`) on several "
                                                  "CPU ranks, else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
@@ -265,9 +266,6 @@ class EngineArgs:
             if self.async_scheduling:
                 raise ValueError("num_scheduler_steps > 1 runs its steps synchronously: leave async_scheduling "
                                  "unset or False")
-            if self.speculative_config is not None:
-                raise ValueError("num_scheduler_steps > 1 cannot run with speculative decoding (a step checks "
-                                 "proposals instead)")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
                                                  or not isinstance(self.shift_threshold, int)
                                                  or self.shift_threshold < 0):
@@ -353,12 +351,12 @@ class EngineArgs:
         """num_scheduler_steps=None: OFFLINE_SCHEDULER_STEPS in offline generation (`offline`: LLM, where no request
         arrives while a run computes) on several CPU ranks, whose steps' host work and plan broadcast nothing overlaps
         (asynchronous scheduling needs one rank); 1 elsewhere: requests that arrive between steps (serve,
-        LLMEngine) would wait for a run, one rank schedules asynchronously, a GPU's steps are not measured with runs,
-        and speculative decoding checks proposals instead."""
+        LLMEngine) would wait for a run, one rank schedules asynchronously and a GPU's steps are not measured with
+        runs. With speculative decoding, runs take the steps after which nothing is proposed (EngineCore)."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         if (offline and deployment.world_size > 1 and resolve_device(self.device).type == "cpu"
-                and self.speculative_config is None and not self.async_scheduling):
+                and not self.async_scheduling):
             return OFFLINE_SCHEDULER_STEPS
         return 1
 

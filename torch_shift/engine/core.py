@@ -20,7 +20,7 @@ from them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,9 +101,11 @@ class EngineCore:
         self._proposed_for = -1
         # a step's forward and sampling time from its start on perf_counter's clock (a simulator sets its model's)
         self.step_seconds: Callable[[float], float] = lambda start: time.perf_counter() - start
-        # the last call of `step` with a speculator that may run steps ahead: its start, and the plain decode step it
-        # ran as (requests, whether launched behind the one in flight), or None: any other (speculator.sync_penalty)
-        self._last_call: tuple[float, tuple[int, bool] | None] | None = None
+        # the last call of `step` with a speculator that may run steps ahead (asynchronously, or in multi-step runs):
+        # its start, and the plain decode steps it ran (requests, whether launched behind the one in flight or in a
+        # run, steps), or None: any other (speculator.sync_penalty)
+        self._last_call: tuple[float, tuple[int, bool, int] | None] | None = None
+        self._steps_run = 1  # by the last plan (the most of its groups')
         self._speculator_seconds = 0.0  # the speculator's time after the last step run synchronously
 
     @property
@@ -127,7 +129,7 @@ class EngineCore:
         """One step on every rank; None when there was nothing to run (asynchronously: the step completed, the
         one before the step launched; None when none was in flight)."""
         if self.sample_on_device is None:
-            return self._step()
+            return self._step() if self.speculator is None else self._step_in_runs()
         speculator = self.speculator
         if speculator is not None:
             self._time_call()
@@ -141,7 +143,7 @@ class EngineCore:
             if speculator is not None and done is not None and _plain_decode(done.entries):
                 # less the speculator's own time (its asks are priced apart: Speculator._prices)
                 self._last_call = (self._last_call[0] + self._speculator_seconds,
-                                   (sum(map(len, done.entries)), False))
+                                   (sum(map(len, done.entries)), False, 1))
             return done
         in_flight = self.in_flight
         output = self.scheduler.schedule()
@@ -163,10 +165,25 @@ class EngineCore:
         # while the device runs the step just launched
         done = None if in_flight is None else self._complete(launched_behind=True)
         if speculator is not None and done is not None and _plain_decode(entries):
-            self._last_call = (self._last_call[0], (sum(map(len, entries)), True))
+            self._last_call = (self._last_call[0], (sum(map(len, entries)), True, 1))
         if self.scheduler.requests:  # else its requests all finished (stop tokens, stop strings): it is dropped
             self.in_flight = _InFlight(output, entries, requests, tokens, host_tokens, copied, result.swap_seconds,
                                        result.reshard_seconds)
+        return done
+
+    def _step_in_runs(self) -> CoreStep | None:
+        """A synchronous step beside the speculator. Where plans run several decode steps, the speculator's quiet
+        steps run in runs and the others singly: the intervals between calls after plain decodes in runs (per step)
+        and alone are what SyncPenalty prices a check's single step against, as it prices a synchronous step against
+        one launched ahead of the host."""
+        if self.scheduler.config.num_scheduler_steps == 1:
+            return self._step()
+        self._time_call()
+        self._speculator_seconds = 0.0
+        done = self._step()
+        if done is not None and _plain_decode(done.entries):
+            self._last_call = (self._last_call[0] + self._speculator_seconds,
+                               (sum(map(len, done.entries)), self._steps_run > 1, self._steps_run))
         return done
 
     def _quiet_ahead(self) -> bool:
@@ -189,8 +206,8 @@ class EngineCore:
         one that runs ahead of the host."""
         now = time.perf_counter()
         if self._last_call is not None and self._last_call[1] is not None:
-            num_requests, pipelined = self._last_call[1]
-            self.speculator.sync_penalty.observe(num_requests, pipelined, now - self._last_call[0])
+            num_requests, pipelined, steps = self._last_call[1]
+            self.speculator.sync_penalty.observe(num_requests, pipelined, (now - self._last_call[0]) / steps)
         self._last_call = (now, None)
 
     def _complete(self, launched_behind: bool = False) -> CoreStep:
@@ -209,7 +226,7 @@ class EngineCore:
         return CoreStep(step.output, step.entries, updated, step.swap_seconds, step.reshard_seconds)
 
     def _step(self) -> CoreStep | None:
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(self._max_run_steps())
         plan = self.plan_builder.build(output)  # every output: the rows of the requests it removed come free
         if output.is_empty and not output.has_swaps:
             return None
@@ -234,6 +251,7 @@ class EngineCore:
                 result.launched.synchronize()
         else:
             result = self.executor(plan)
+        steps_run = [1]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
                        for e, drawn in zip(group, tokens.T.tolist())}
@@ -244,33 +262,53 @@ class EngineCore:
                 rewind(steps_run[0])
         else:
             sampled = self.sample(entries, result.logits)
+        self._steps_run = max(steps_run)
         seconds = self.step_seconds(start) if self.speculator is not None else None
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:
-            self._speculate(output.num_scheduled_tokens, entries, updated, sampled, seconds, False)
+            self._speculate(output.num_scheduled_tokens, entries, updated, sampled, seconds, False, steps_run)
         _stamp_first_tokens(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
 
+    def _max_run_steps(self) -> int | None:
+        """The most steps a multi-step run of the next plan may take beside the speculator: its quiet steps (those
+        after which every request the last propose saw waits) and the one after which a proposal may follow; 1 where
+        the running requests are not the ones it saw. None without a speculator."""
+        speculator = self.speculator
+        if speculator is None:
+            return None
+        if speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for:
+            return speculator.quiet_steps + 1
+        return 1
+
     def _speculate(self, num_tokens: int, entries: list[list[ScheduledRequest]], updated: list[Request],
-                   sampled: dict[str, int | list[int]], seconds: float | None, launched_behind: bool) -> None:
+                   sampled: dict[str, int | list[int]], seconds: float | None, launched_behind: bool,
+                   steps_run: Sequence[int] = (1,)) -> None:
         """After a step of `num_tokens` tokens that ran in `seconds` (None: it ran ahead of the host), the
         speculator: nothing where every request the last propose saw waits, else the step's checks observed and
         the next proposals made; none while a step launched behind this one computes the tokens they would
-        follow."""
+        follow. `steps_run`: a multi-step run's steps, by group (its decodes priced at their mean)."""
         speculator, scheduler = self.speculator, self.scheduler
         num_running = len(scheduler.running)
+        num_steps = max(steps_run)
+        if seconds is not None:
+            seconds /= num_steps
         # the requests the last propose saw (none finished, none came in: counted by the scheduler, since a finish
-        # and an arrival in one step keep the number), each decoding a token, all of them waiting
+        # and an arrival in one step keep the number), each decoding a token a step, all of them waiting
         if (speculator.quiet_steps and scheduler.num_running_changes == self._proposed_for
-                and len(updated) == num_tokens == num_running):
-            speculator.skip_step(updated)
-        elif launched_behind:  # a request finished, or came in, while a step ran ahead
+                and len(updated) == num_tokens == num_running and min(steps_run) == num_steps):
+            skipped = min(num_steps, speculator.quiet_steps)
+            speculator.skip_step(updated, skipped)
+            num_steps -= skipped
+        if not num_steps:
+            return
+        if launched_behind:  # a request finished, or came in, while a step ran ahead
             speculator.pass_step(updated)
         else:
             start = time.perf_counter()
             if seconds is not None:
                 self.stats.record_spec(speculator.observe(entries, sampled, seconds))
-            speculator.propose(updated, num_running)
+            speculator.propose(updated, num_running, num_steps)
             self._proposed_for = scheduler.num_running_changes
             self.stats.num_cut_tokens = speculator.num_cut_tokens
             self._speculator_seconds = time.perf_counter() - start

@@ -348,7 +348,9 @@ class Scheduler:
         return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
 
     # -- one step ---------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_run_steps: int | None = None) -> SchedulerOutput:
+        """The next step's plan. `max_run_steps`: the most decode steps a run of it may take, below
+        num_scheduler_steps (with speculative decoding, the steps until a proposal may follow: EngineCore)."""
         output = SchedulerOutput()
         if self.tier is not None:
             self.tier.advance()
@@ -382,7 +384,8 @@ class Scheduler:
         num_moved = self.num_preemptions
         running = RequestStatus.RUNNING
         step = self.num_steps
-        num_steps = self._run_length()
+        assert max_run_steps is None or max_run_steps >= 1, max_run_steps
+        num_steps = self._run_length() if max_run_steps is None else min(self._run_length(), max_run_steps)
         for request in list(self.running):
             if request.status is not running:
                 continue  # preempted this step for another's blocks

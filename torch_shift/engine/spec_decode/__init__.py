@@ -209,13 +209,14 @@ class Speculator:
     def method(self) -> str:
         return self.config.method
 
-    def propose(self, updated: list[Request], num_running: int) -> None:
-        """Proposals for the requests that received tokens this step (the others keep theirs); none in a step of
-        `disable_by_batch_size` running requests or more. Under the goodput budget, a request whose check could not
-        pay is not asked for a proposal (the proposer's time saved), except one token every PROBE_EVERY steps (or
-        more: `_prices`), never checked but scored against the token it draws next, which keeps its acceptance rate
-        current at no step's cost (a checked probe cost a fifth of a batch-1 step on the default model). Until its
-        next probe, or the end of a backoff, such a request is not looked at."""
+    def propose(self, updated: list[Request], num_running: int, steps: int = 1) -> None:
+        """Proposals for the requests that received tokens this step (the others keep theirs; `steps`: the steps
+        since the last call, a multi-step run's); none in a step of `disable_by_batch_size` running requests or more.
+        Under the goodput budget, a request whose check could not pay is not asked for a proposal (the proposer's time
+        saved), except one token every PROBE_EVERY steps (or more: `_prices`), never checked but scored against the
+        token it draws next, which keeps its acceptance rate current at no step's cost (a checked probe cost a fifth of
+        a batch-1 step on the default model). Until its next probe, or the end of a backoff, such a request is not
+        looked at."""
         quiet = self._quiet
         alive, due = [], []
         for request in updated:
@@ -230,11 +231,11 @@ class Speculator:
             if self._below_bar:
                 self._below_bar.discard(request.request_id)
             due.append(request)
-        self._steps += 1
-        steps = self._steps
+        self._steps += steps
         self.quiet_steps = 0
         if self._below_bar:  # those not looked at probe on their steps all the same
-            self._probe_quiet(alive)
+            self._probe_quiet(alive, steps)
+        steps = self._steps
         config = self.config
         limit = config.disable_by_batch_size
         if not due:
@@ -388,10 +389,12 @@ class Speculator:
             if probe:
                 self._shadows[request.request_id] = (probe[0], request.greedy, len(request.all_token_ids))
 
-    def _probe_quiet(self, updated: list[Request]) -> None:
-        """On a probe's step, the probes of the requests below the bar among `updated` that are not looked at (a quiet
-        step's: the next step computes already; each probe is scored against the token drawn in its place)."""
-        if self._steps % self._last_probe_every or self._last_bar > 1.0:
+    def _probe_quiet(self, updated: list[Request], steps: int = 1) -> None:
+        """Where a probe's step was among the last `steps` steps, the probes of the requests below the bar among
+        `updated` that are not looked at (a quiet step's: the next step computes already; each probe is scored against
+        the token drawn in its place)."""
+        every = self._last_probe_every
+        if self._steps // every == (self._steps - steps) // every or self._last_bar > 1.0:
             return
         below, shadows = self._below_bar, self._shadows
         probing = [r for r in updated if r.request_id in below and r.request_id not in shadows
@@ -408,15 +411,17 @@ class Speculator:
         quiet = self._quiet
         return max(0, min((quiet.get(r.request_id, 0) - len(r.all_token_ids) - ahead - 1 for r in requests), default=0))
 
-    def skip_step(self, updated: list[Request]) -> None:
-        """A step of the requests the last propose saw, each decoding one token (`updated`), ran while they all wait:
-        nothing to check or propose; their probes scored."""
-        self.quiet_steps -= 1
-        self._steps += 1
+    def skip_step(self, updated: list[Request], steps: int = 1) -> None:
+        """`steps` steps (a multi-step run's, at most the quiet steps left) of the requests the last propose saw, each
+        decoding a token a step (`updated`), ran while they all wait: nothing to check or propose; their probes
+        scored."""
+        assert steps >= 1, steps
+        self.quiet_steps -= steps
+        self._steps += steps
         if self._shadows:
             self._score_shadows(updated)
         if self._below_bar:
-            self._probe_quiet(updated)
+            self._probe_quiet(updated, steps)
 
     def pass_step(self, updated: list[Request]) -> None:
         """A step ran ahead of the host (asynchronous scheduling) and is not a quiet one (a request finished or

@@ -162,12 +162,12 @@ def _huber_fit(x: np.ndarray, y: np.ndarray, keep: list[int] | None = None) -> n
 
 class SyncPenalty:
     """What a plain decode step costs when the host waits for it and when it runs ahead of the host (asynchronous
-    scheduling), per range of batch sizes [2^i, 2^(i+1)): the median interval between the engine core's calls after
-    such a step run synchronously (less the speculator's own time in it, priced per ask), and after one launched
-    behind the step in flight. A check waits for its tokens, as does the step whose tokens a proposal follows: it
-    costs a synchronous step's interval and its proposals' fitted time (with_sync_penalty), while the fit
-    (StepCostFit) sees synchronous steps' forwards and sampling only. Measured on free text in one process: pipelined
-    steps 1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
+    scheduling, or inside a multi-step run), per range of batch sizes [2^i, 2^(i+1)): the median interval between the
+    engine core's calls after such a step run synchronously (less the speculator's own time in it, priced per ask),
+    and after one launched behind the step in flight (or a run's, per step). A check waits for its tokens, as does
+    the step whose tokens a proposal follows: it costs a synchronous step's interval and its proposals' fitted time
+    (with_sync_penalty), while the fit (StepCostFit) sees synchronous steps' forwards and sampling only. Measured on
+    free text in one process: pipelined steps 1.6 ms, synchronous ones 2.3-2.6 (docs/performance.md)."""
 
     def __init__(self, window: int = 32, min_steps: int = 4):
         self.min_steps = min_steps
