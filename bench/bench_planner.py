@@ -62,7 +62,7 @@ def run_config(model_dir: str, config: dict) -> dict:
                                   enable_prefix_caching=False, **config))
     plans = []
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    engine.scheduler.schedule = lambda *args: plans.append(schedule(*args)) or plans[-1]
     vocab = MODEL["vocab_size"]
     counter = iter(range(1 << 30))
 

@@ -99,8 +99,8 @@ def test_prefix_cache_hits_give_identical_outputs_and_compute_fewer_tokens(llama
     scheduled = []
     original = llm.engine.scheduler.schedule
 
-    def counting_schedule():
-        plan = original()
+    def counting_schedule(*args):
+        plan = original(*args)
         scheduled.append(plan.num_scheduled_tokens)
         return plan
 

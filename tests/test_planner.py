@@ -490,7 +490,7 @@ def _ledger_rank(rank, world, model_dir, sp, tp):
     plans = []
     if rank == 0:
         schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+        engine.scheduler.schedule = lambda *args: plans.append(schedule(*args)) or plans[-1]
         # one base step of 36 tokens, 18 on each SP rank, with two of the LM head's rows each (positions 9, 17 | 26,
         # 35): the ranks' last layers sum as many rows, the cost model's busiest rank's (the ledgers stay alike)
         for i, prompt in enumerate(random_prompts(4, [10, 8, 9, 9], seed=2)):
