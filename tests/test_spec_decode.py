@@ -600,8 +600,11 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
     params = [SamplingParams(max_tokens=30 + 6 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
               for i in range(5)]
     engine = dict(compile=False, block_size=4, num_kv_blocks=64, max_num_batched_tokens=32, **layout)
-    reference = [o.outputs[0].token_ids for o in LLM(str(model_dir), **{**engine, "num_scheduler_steps": 1})
-                 .generate(prompts, params, use_tqdm=False)]
+    plain = LLM(str(model_dir), **{**engine, "num_scheduler_steps": 1})
+    try:
+        reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
     stop = reference[1][len(reference[1]) // 2]
     params[1].stop_token_ids = [stop]
     reference[1] = reference[1][:reference[1].index(stop) + 1]
