@@ -138,13 +138,7 @@ class EngineCore:
         if self.scheduler.num_host_sampled or (speculator is not None and not self._quiet_ahead()):
             if self.in_flight is not None:
                 return self._complete()
-            self._speculator_seconds = 0.0
-            done = self._step()
-            if speculator is not None and done is not None and _plain_decode(done.entries):
-                # less the speculator's own time (its asks are priced apart: Speculator._prices)
-                self._last_call = (self._last_call[0] + self._speculator_seconds,
-                                   (sum(map(len, done.entries)), False, 1))
-            return done
+            return self._step() if speculator is None else self._timed_step()
         in_flight = self.in_flight
         output = self.scheduler.schedule()
         assert speculator is None or not any(group.num_spec_tokens for group in output.groups)
@@ -179,6 +173,12 @@ class EngineCore:
         if self.scheduler.config.num_scheduler_steps == 1:
             return self._step()
         self._time_call()
+        return self._timed_step()
+
+    def _timed_step(self) -> CoreStep | None:
+        """A step that waits for its tokens, beside the speculator: after a plain decode (alone, or a multi-step
+        run's), the call's start for the next `_time_call`, less the speculator's own time (its asks are priced
+        apart: Speculator._prices)."""
         self._speculator_seconds = 0.0
         done = self._step()
         if done is not None and _plain_decode(done.entries):

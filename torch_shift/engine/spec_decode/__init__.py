@@ -209,8 +209,8 @@ class Speculator:
     def method(self) -> str:
         return self.config.method
 
-    def propose(self, updated: list[Request], num_running: int, steps: int = 1) -> None:
-        """Proposals for the requests that received tokens this step (the others keep theirs; `steps`: the steps
+    def propose(self, updated: list[Request], num_running: int, num_steps: int = 1) -> None:
+        """Proposals for the requests that received tokens this step (the others keep theirs; `num_steps`: the steps
         since the last call, a multi-step run's); none in a step of `disable_by_batch_size` running requests or more.
         Under the goodput budget, a request whose check could not pay is not asked for a proposal (the proposer's time
         saved), except one token every PROBE_EVERY steps (or more: `_prices`), never checked but scored against the
@@ -231,10 +231,10 @@ class Speculator:
             if self._below_bar:
                 self._below_bar.discard(request.request_id)
             due.append(request)
-        self._steps += steps
+        self._steps += num_steps
         self.quiet_steps = 0
         if self._below_bar:  # those not looked at probe on their steps all the same
-            self._probe_quiet(alive, steps)
+            self._probe_quiet(alive, num_steps)
         steps = self._steps
         config = self.config
         limit = config.disable_by_batch_size
