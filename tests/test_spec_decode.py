@@ -517,7 +517,7 @@ def test_steps_where_every_request_waits_call_no_speculator(llama):
     # prices fixed (measured ones move with the machine, and the bar and the probes' spacing with them): a check
     # pays from a rate of 0.9, probes every 16 tokens
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-    speculator._prices = lambda num_running, cost: (0.9, 16)
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.9, 16)
     steps, calls = [], []
     executor, propose = core.executor, speculator.propose
     core.executor = lambda plan, *tokens, **options: steps.append(plan) or executor(plan, *tokens, **options)
@@ -554,7 +554,7 @@ def test_quiet_steps_run_ahead_of_the_host(llama):
     # fixed prices, as above, with a lower bar (a check pays from a rate of 0.3): the repetitive prompts' proposals
     # are checked, the random ones' find nothing and back off
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-    speculator._prices = lambda num_running, cost: (0.3, 16)
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.3, 16)
     ran_ahead, checked, passed = [], [], []
     executor, pass_step = core.executor, speculator.pass_step
 
@@ -615,7 +615,7 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
         # fixed prices (a check pays from a rate of 0.3, probes every 16 tokens); the last two requests propose
         # their true continuations with noise, the others nothing (they wait: backoffs)
         speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-        speculator._prices = lambda num_running, cost: (0.3, 16)
+        speculator._prices = lambda num_running, cost, wait_seconds: (0.3, 16)
         oracle = NoisyOracle({}, 0)
         truth = {tuple(prompt): tokens for prompt, tokens in zip(prompts[3:], reference[3:])}
         oracle._propose = lambda request, k: [t if oracle.rng.random() < 0.85 else t + 1 for t in truth.get(
@@ -669,7 +669,8 @@ def test_quiet_steps_ahead_under_random_arrivals_stops_and_aborts(llama, seed):
     engine = llm.engine
     core, speculator = engine.core, engine.core.speculator
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-    speculator._prices = lambda num_running, cost: (rng.choice([0.3, 0.9, 2.0]), 16)  # checks, probes, neither
+    # checks, probes, neither
+    speculator._prices = lambda num_running, cost, wait_seconds: (rng.choice([0.3, 0.9, 2.0]), 16)
     oracle = NoisyOracle(dict(expected), seed)  # the true continuations, some tokens wrong: checks keep a part
     finished = []
     oracle.on_finish = lambda request, cache: finished.append(request.request_id)
@@ -772,7 +773,7 @@ def _speculator_where_no_check_pays(bar: float = 2.0) -> tuple[Speculator, list[
     speculator = Speculator(config, 1000, _TellsFinishes())
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
     speculator.step_cost.lacks_checks = lambda num_requests: False
-    speculator._prices = lambda num_running, cost: (bar, 16)
+    speculator._prices = lambda num_running, cost, wait_seconds: (bar, 16)
     params = SamplingParams(max_tokens=100)
     return speculator, [Request(name, list(range(1, n)), params, 100) for name, n in (("a", 6), ("b", 9))]
 
@@ -827,7 +828,7 @@ def test_steps_run_ahead_through_the_ends_of_waits_where_no_check_pays(llama):
     core, speculator = llm.engine.core, llm.engine.core.speculator
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
     speculator.step_cost.lacks_checks = lambda num_requests: False
-    speculator._prices = lambda num_running, cost: (2.0, 16)
+    speculator._prices = lambda num_running, cost, wait_seconds: (2.0, 16)
     launches, executor = [], core.executor
     core.executor = lambda plan, *tokens, **options: launches.append(
         (bool(options.get("launch")), core.in_flight is not None)) or executor(plan, *tokens, **options)
@@ -849,7 +850,7 @@ def test_a_finish_and_an_arrival_in_one_step_that_ran_ahead(llama):
     engine = llm.engine
     core, speculator = engine.core, engine.core.speculator
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-    speculator._prices = lambda num_running, cost: (2.0, 64)  # no check can pay: quiet up to the next probe
+    speculator._prices = lambda num_running, cost, wait_seconds: (2.0, 64)  # no check can pay: quiet up to the next probe
     finished = []
     on_finish = speculator.on_finish
     speculator.on_finish = lambda request: finished.append(request.request_id) or on_finish(request)
@@ -1461,6 +1462,46 @@ def test_a_check_is_priced_against_steps_that_run_ahead_of_the_host():
     assert seconds(with_sync_penalty(cost, 1, (0.5e-3, 0.4e-3)), 1, 4, 1) == pytest.approx(0.7e-3 + 4 * 2e-5 + 1e-4)
     assert lowest_paying_rate(16, 1, cost) < 0.25 < lowest_paying_rate(16, 1, priced) < 0.6
     assert tokens_that_pay([0.25, 0.8], [16, 16], 2, with_sync_penalty(cost, 2, (1.9e-3, 1.6e-3)))[0] == 0
+
+
+def test_a_look_pays_for_the_step_that_waited_for_it():
+    """A request is looked at from its last token: the step before the look waits for it, unless it checked
+    proposals (it waits anyway) or ended a multi-step run. The asks made after plain single steps bear the price of
+    such a wait (the synchronous interval less the pipelined one), shared among a step's asks: where most asks
+    follow plain steps (free text whose proposals rarely pay), fewer rates pay for a look."""
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
+    speculator = Speculator(config, 1000, _Sevens())
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=1000), 1000)
+    for _ in range(100):  # each look after a plain single step: the step before it waited for the look
+        request.spec_token_ids = []
+        speculator.propose([request], 1)
+        assert request.spec_token_ids  # asked (no fit yet: the method's starting rate clears the unfitted bar)
+    waited = speculator.look_wait_share
+    assert waited > 0.99
+    for _ in range(20):  # each look after a check: its step waited for its tokens anyway
+        speculator.propose([request], 1)
+    assert speculator.look_wait_share < 0.5 * waited
+    after_check = speculator.look_wait_share
+    request.spec_token_ids = []
+    speculator.propose([request], 1, num_steps=8)  # the look after a run: its steps ran ahead
+    assert speculator.look_wait_share < after_check
+    other = Request("s", [1, 2, 4], SamplingParams(max_tokens=1000), 1000)
+    for _ in range(100):  # two requests looked at after one plain step share its wait
+        request.spec_token_ids = other.spec_token_ids = []
+        speculator.propose([request, other], 2)
+    assert speculator.look_wait_share == pytest.approx(0.5, abs=0.01)
+
+    cost = (1.3e-3, 1e-4, 2e-5, 1e-4)
+    priced = with_sync_penalty(cost, 1, (2.5e-3, 1.6e-3))
+    wait = priced[3] - cost[3]
+    assert wait == pytest.approx(2.52e-3 - 1.61e-3)
+    bars = []
+    for share in (0.0, 0.5, 1.0):
+        speculator.look_wait_share, speculator._bar_key = share, None
+        bars.append(speculator._prices(1, priced, wait)[0])
+    ask = speculator.ask_seconds / speculator.found_share
+    assert bars[0] == lowest_paying_rate(config.max_proposal_tokens, 1, priced, ask) < bars[1] < bars[2] <= 1.0
+    assert bars[2] == lowest_paying_rate(config.max_proposal_tokens, 1, priced, ask + wait / speculator.found_share)
 
 
 class _Sevens:

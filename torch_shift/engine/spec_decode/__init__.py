@@ -125,6 +125,14 @@ class Speculator:
         # outputs took 60-80 us a request; added to the step's time, as before, the fit spread it over a and c)
         self.ask_seconds = 0.0
         self.found_share = 1.0
+        # and the share of a step waiting for its tokens that each ask cost: a request is looked at from its last
+        # token, so the step before the look waits for it unless it checked proposals (a check waits for its tokens
+        # anyway) or ended a multi-step run; the steps before looks that follow a plain step cost the wait's price
+        # (SyncPenalty) on top of the proposer's time. Priced with a check only, free text under Shift in runs of 8
+        # kept checking at rates near the bar, its steps each waiting, and ran 0.81-0.89x the plain engine
+        # (docs/performance.md)
+        self.look_wait_share = 0.0
+        self._look_waited = False  # whether the looks of the current propose followed a step that waited for them
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
@@ -219,6 +227,7 @@ class Speculator:
         looked at."""
         quiet = self._quiet
         alive, due = [], []
+        checked = False
         for request in updated:
             if request.status._finished:  # as the scheduler reads it: the property is a call per request
                 self.on_finish(request)
@@ -226,6 +235,7 @@ class Speculator:
             alive.append(request)
             if request.spec_token_ids:
                 request.spec_token_ids = []
+                checked = True
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
             if self._below_bar:
@@ -233,6 +243,7 @@ class Speculator:
             due.append(request)
         self._steps += num_steps
         self.quiet_steps = 0
+        self._look_waited = num_steps == 1 and not checked
         if self._below_bar:  # those not looked at probe on their steps all the same
             self._probe_quiet(alive, num_steps)
         steps = self._steps
@@ -329,8 +340,8 @@ class Speculator:
         (`cost`: the fit's, None without the budget or before a fit)."""
         if cost is None:
             return (UNFITTED_BAR if self.config.goodput_budget else 0.0), PROBE_EVERY, False
-        bar, probe_every = self._prices(num_running, with_sync_penalty(cost, num_running,
-                                                                       self.sync_penalty.at(num_running)))
+        priced = with_sync_penalty(cost, num_running, self.sync_penalty.at(num_running))
+        bar, probe_every = self._prices(num_running, priced, priced[3] - cost[3])
         explore = steps - self._explored_at >= EXPLORE_EVERY and self.step_cost.lacks_checks(num_running)
         return bar, probe_every, explore
 
@@ -381,6 +392,7 @@ class Speculator:
         found = sum(1 for p in proposals if p)
         self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
         self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
+        self.look_wait_share += ASK_AVERAGING * ((1.0 / asked if self._look_waited else 0.0) - self.look_wait_share)
         return proposals
 
     def _keep_probes(self, requests: list[Request], probes: list[list[int]]) -> None:
@@ -437,11 +449,12 @@ class Speculator:
         if self._below_bar:
             self._probe_quiet([r for r in updated if not r.status._finished])
 
-    def _prices(self, num_running: int, cost: StepCost) -> tuple[float, int]:
+    def _prices(self, num_running: int, cost: StepCost, wait_seconds: float = 0.0) -> tuple[float, int]:
         """The lowest rate at which a request can pay for its ask and its check (above 1: none can), and the tokens
         between a request's probes; kept while the fit and the batch size stay and the ask's price moves by less
-        than a fifth."""
-        ask = self.ask_seconds / max(self.found_share, 0.05)
+        than a fifth. `wait_seconds`: what a step that waits for its tokens costs beyond one that does not (an ask
+        pays its share of such steps: look_wait_share)."""
+        ask = (self.ask_seconds + self.look_wait_share * wait_seconds) / max(self.found_share, 0.05)
         if self._bar_key != (num_running, cost) or not 0.8 * self._bar_ask <= ask <= 1.25 * self._bar_ask:
             self._bar_key, self._bar_ask = (num_running, cost), ask
             # priced at the longest proposal; beside a draft model, a suffix draft's (the draft's k forwards are
