@@ -850,7 +850,8 @@ def test_a_finish_and_an_arrival_in_one_step_that_ran_ahead(llama):
     engine = llm.engine
     core, speculator = engine.core, engine.core.speculator
     speculator.step_cost.at = lambda num_requests: (1e-3, 1e-4, 1e-4, 1e-4)
-    speculator._prices = lambda num_running, cost, wait_seconds: (2.0, 64)  # no check can pay: quiet up to the next probe
+    # no check can pay: quiet up to the next probe
+    speculator._prices = lambda num_running, cost, wait_seconds: (2.0, 64)
     finished = []
     on_finish = speculator.on_finish
     speculator.on_finish = lambda request: finished.append(request.request_id) or on_finish(request)
