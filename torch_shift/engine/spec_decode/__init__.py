@@ -125,14 +125,13 @@ class Speculator:
         # outputs took 60-80 us a request; added to the step's time, as before, the fit spread it over a and c)
         self.ask_seconds = 0.0
         self.found_share = 1.0
-        # and the share of a step waiting for its tokens that each ask cost: a request is looked at from its last
+        # and the share of a step waiting for its tokens that each look's ask cost: a request is looked at from its last
         # token, so the step before the look waits for it unless it checked proposals (a check waits for its tokens
         # anyway) or ended a multi-step run; the steps before looks that follow a plain step cost the wait's price
         # (SyncPenalty) on top of the proposer's time. Priced with a check only, free text under Shift in runs of 8
         # kept checking at rates near the bar, its steps each waiting, and ran 0.81-0.89x the plain engine
         # (docs/performance.md)
         self.look_wait_share = 0.0
-        self._look_waited = False  # whether the looks of the current propose followed a step that waited for them
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
         self._bar_ask = 0.0  # and the price of an ask it was found with
         self._bar = 0.0
@@ -243,7 +242,6 @@ class Speculator:
             due.append(request)
         self._steps += num_steps
         self.quiet_steps = 0
-        self._look_waited = num_steps == 1 and not checked
         if self._below_bar:  # those not looked at probe on their steps all the same
             self._probe_quiet(alive, num_steps)
         steps = self._steps
@@ -309,8 +307,10 @@ class Speculator:
             return
         if self._draft_beside is not None:
             self._price_draft_model(num_running, cost)
-        proposals = self._ask(proposing + explored + probing,
-                              rooms + [explorer_room] * len(explored) + [1] * len(probing))
+        asked = proposing + explored + probing
+        proposals = self._ask(asked, rooms + [explorer_room] * len(explored) + [1] * len(probing))
+        waited = num_steps == 1 and not checked  # the probes of quiet steps (_probe_quiet) wait for nothing
+        self.look_wait_share += ASK_AVERAGING * ((1.0 / len(asked) if waited else 0.0) - self.look_wait_share)
         self._keep_probes(probing, proposals[len(proposing) + len(explored):])
         if explored:
             explorer.spec_token_ids = proposals[len(proposing)]
@@ -392,7 +392,6 @@ class Speculator:
         found = sum(1 for p in proposals if p)
         self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)
         self.found_share += ASK_AVERAGING * (found / asked - self.found_share)
-        self.look_wait_share += ASK_AVERAGING * ((1.0 / asked if self._look_waited else 0.0) - self.look_wait_share)
         return proposals
 
     def _keep_probes(self, requests: list[Request], probes: list[list[int]]) -> None:
