@@ -128,8 +128,8 @@ class Speculator:
         # and the share of a step waiting for its tokens that each look's ask cost: a request is looked at from its last
         # token, so the step before the look waits for it unless it checked proposals (a check waits for its tokens
         # anyway) or ended a multi-step run; the steps before looks that follow a plain step cost the wait's price
-        # (SyncPenalty) on top of the proposer's time. Priced with a check only, free text under Shift in runs of 8
-        # kept checking at rates near the bar, its steps each waiting, and ran 0.81-0.89x the plain engine
+        # (SyncPenalty) on top of the proposer's time. Priced with a check only, free text under Shift whose rates sat
+        # near the bar ran about half its steps singly, each waiting, where the plain engine ran runs of 8
         # (docs/performance.md)
         self.look_wait_share = 0.0
         self._bar_key: tuple | None = None  # (batch size, step cost) of `_bar`
