@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_peers import run_json_process
-from spec_work import AGENT_TURNS, in_turn, run_work
+from spec_work import AGENT_TURNS, run_work
 
 from torch_shift import LLM, SamplingParams
 
@@ -231,22 +231,78 @@ def acceptance_ceiling(method: str, turns: dict[str, list[tuple[list[int], list[
     return ceiling
 
 
-def run_methods(layout: str, methods: list[str], work: dict, repeat: int = 0) -> dict[str, dict]:
-    """One engine of `layout` per method, made for this run, on the work of spec_work.run_work: in one process all
-    at once and run in turn prompt by prompt; a layout of several ranks (one parallel engine per process at a
-    time) one method after the other, in the order of row `repeat` of a Williams square (spec_work.in_turn): with a
-    fixed order the plain engine always ran first, and the machine's drift between the engines' runs (its agent
-    TPOT moved 4.3-5.6 ms between repeats) went into every ratio the same way."""
-    def start(method: str) -> LLM:
-        name, _, mode = method.partition(":")
-        if mode not in ("", "sync"):
-            raise ValueError(f"method {method!r}: the only suffix of a method is ':sync'")
-        llm = LLM(MODEL_DIR, compile=False, speculative_config=METHODS[name],
-                  async_scheduling=False if mode else None, **LAYOUTS[layout])
-        llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        return llm
+def start_engine(model_dir: str, method: str, speculative_config: dict | None, layout: dict) -> LLM:
+    """`method`'s engine (its configuration `speculative_config`) of `layout`'s engine arguments, warmed up."""
+    mode = method.partition(":")[2]
+    if mode not in ("", "sync"):
+        raise ValueError(f"method {method!r}: the only suffix of a method is ':sync'")
+    llm = LLM(model_dir, compile=False, speculative_config=speculative_config,
+              async_scheduling=False if mode else None, **layout)
+    llm.generate(SEEDS[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    return llm
 
-    def finish(llm: LLM, row: dict) -> dict:
+
+def _host_engine(connection, model_dir: str, method: str, speculative_config: dict | None, layout: dict) -> None:
+    """EngineProcess's process: the engine, then each call that comes through `connection` answered in turn."""
+    try:
+        llm = start_engine(model_dir, method, speculative_config, layout)
+    except BaseException as e:  # noqa: BLE001 - told to the parent, which raises it
+        connection.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    engine = TorchShiftEngine(llm)
+    connection.send(("ready", None))
+    while True:
+        call, args = connection.recv()
+        if call == "shutdown":
+            llm.shutdown()
+            connection.send(("done", None))
+            return
+        connection.send(("done", engine.generate(*args) if call == "generate" else llm.stats()))
+
+
+class EngineProcess:
+    """An engine of several ranks in a process of its own, so that the engines of several methods (one parallel
+    engine per process) stay up together and run_work runs them in turn prompt by prompt, as it runs one process's:
+    one engine after the other, Shift's plain TPOT moved 1.9-3.4 ms between the engines' minutes and its ratios with
+    it (docs/performance.md). Its calls: an LLM's generate (as TorchShiftEngine), stats and shutdown."""
+
+    def __init__(self, method: str, layout: dict):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        name = method.partition(":")[0]
+        self.process = context.Process(target=_host_engine, args=(child, MODEL_DIR, method, METHODS[name], layout))
+        self.process.start()
+        child.close()
+        self._reply()
+
+    def _reply(self):
+        kind, value = self.connection.recv()
+        if kind == "error":
+            self.process.join()
+            raise RuntimeError(f"the engine's process failed: {value}")
+        return value
+
+    def generate(self, prompts, max_tokens, temperature, seed, ignore_eos):
+        self.connection.send(("generate", (prompts, max_tokens, temperature, seed, ignore_eos)))
+        return self._reply()
+
+    def stats(self) -> dict:
+        self.connection.send(("stats", None))
+        return self._reply()
+
+    def shutdown(self) -> None:
+        self.connection.send(("shutdown", None))
+        self._reply()
+        self.process.join()
+
+
+def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
+    """One engine of `layout` per method, made for this run and up together, on the work of spec_work.run_work (run
+    in turn prompt by prompt): in this process, or, for a layout of several ranks, each in a process of its own
+    (EngineProcess)."""
+    def finish(llm: LLM | EngineProcess, row: dict) -> dict:
         spec = llm.stats()["spec_decode"]
         row["acceptance_rate"] = spec and spec["acceptance_rate"]
         row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
@@ -254,12 +310,17 @@ def run_methods(layout: str, methods: list[str], work: dict, repeat: int = 0) ->
         return row
 
     if LAYOUTS[layout]:
-        rows = {}
-        for method in in_turn(methods, repeat):
-            llm = start(method)
-            rows[method] = finish(llm, run_work({method: TorchShiftEngine(llm)}, work)[method])
-        return {method: rows[method] for method in methods}
-    llms = {method: start(method) for method in methods}
+        engines = {}
+        try:
+            for method in methods:
+                engines[method] = EngineProcess(method, LAYOUTS[layout])
+        except BaseException:
+            for engine in engines.values():
+                engine.shutdown()
+            raise
+        rows = run_work(engines, work)
+        return {method: finish(engine, rows[method]) for method, engine in engines.items()}
+    llms = {method: start_engine(MODEL_DIR, method, METHODS[method.partition(":")[0]], {}) for method in methods}
     rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)
     return {method: finish(llm, rows[method]) for method, llm in llms.items()}
 
@@ -348,11 +409,11 @@ def main() -> None:
     rows = []
     peer_methods = vllm_methods(args.vllm_python) if args.vllm_python else ()
     for layout in args.layouts.split(","):
-        # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), in one
-        # process run in turn with the others prompt by prompt (spec_work.run_work); medians over repeats
+        # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), all up at
+        # once and run in turn prompt by prompt (spec_work.run_work); medians over repeats
         runs: dict[tuple[str, str], list[dict]] = {}
         for repeat in range(args.repeats):
-            results = run_methods(layout, args.methods.split(","), work, repeat)
+            results = run_methods(layout, args.methods.split(","), work)
             if args.vllm_python and layout == "one":
                 for method in args.methods.split(","):
                     if method in peer_methods:

@@ -3,9 +3,9 @@
 
 An engine is anything with `generate(prompts, max_tokens, temperature, seed, ignore_eos) -> token ids per prompt`.
 TPOT of a prompt is measured alike on both: the time of generating its tokens minus the time of generating its first
-one (a run of one token), over the tokens after the first. `run_work` takes several engines of one process and
-runs them in turn, prompt by prompt, so that the machine's slow and fast spells (10-35% apart on this CPU) fall
-on all of them alike.
+one (a run of one token), over the tokens after the first. `run_work` takes several engines, all up at once
+(bench_spec's of several ranks each in a process of its own), and runs them in turn, prompt by prompt, so that the
+machine's slow and fast spells (10-35% apart on this CPU) fall on all of them alike.
 """
 
 from __future__ import annotations

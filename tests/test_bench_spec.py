@@ -1,6 +1,6 @@
 """bench_spec.py's widened target: the default model with MLPs widened by neurons the down projection multiplies by
 zero computes the same function (the benchmark's premise for its weight-bound rows); the engines' order prompt by
-prompt (spec_work.in_turn) balanced."""
+prompt (spec_work.in_turn) balanced; engines of several ranks up together, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -42,31 +42,69 @@ def test_engines_take_every_place_and_follow_every_other_engine_alike():
         assert sorted(follows) == sorted([(a, b) for a in names for b in names if a != b] * times)
 
 
-def test_several_ranks_run_their_methods_in_the_squares_order(monkeypatch):
-    """A layout of several ranks runs one engine at a time: repeat r takes row r of the Williams square, so that no
-    method always runs first (the machine drifts between the engines' runs); rows come back in the given order."""
+def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_its_own(monkeypatch):
+    """A layout of several ranks (one parallel engine per process) starts each method's engine in a process of its
+    own, and the work runs them all in turn prompt by prompt, as in one process; each engine's stats are read, then
+    it is shut down. An engine that fails to start shuts the ones started before it down."""
     import bench_spec
 
-    started = []
+    events = []
 
-    class Engine:
-        def __init__(self, model, speculative_config=None, **kwargs):
-            started.append(next(name for name, config in bench_spec.METHODS.items() if config is speculative_config))
-
-        def generate(self, *args, **kwargs):
-            return []
+    class Hosted:
+        def __init__(self, method, layout):
+            if method == "broken":
+                raise RuntimeError("the engine's process failed")
+            self.method = method
+            events.append(("start", method, tuple(sorted(layout))))
 
         def stats(self):
+            events.append(("stats", self.method))
             return {"spec_decode": None}
 
         def shutdown(self):
-            pass
+            events.append(("shutdown", self.method))
 
-    monkeypatch.setattr(bench_spec, "LLM", Engine)
-    monkeypatch.setattr(bench_spec, "TorchShiftEngine", lambda llm: llm)
-    monkeypatch.setattr(bench_spec, "run_work", lambda engines, work: {name: {} for name in engines})
+    def run_work(engines, work):
+        events.append(("work", tuple(engines)))
+        return {name: {} for name in engines}
+
+    monkeypatch.setattr(bench_spec, "EngineProcess", Hosted)
+    monkeypatch.setattr(bench_spec, "run_work", run_work)
     methods = ["none", "ngram", "suffix"]
-    for repeat in range(6):
-        started.clear()
-        rows = bench_spec.run_methods("shift", methods, {}, repeat)
-        assert started == in_turn(methods, repeat) and list(rows) == methods
+    rows = bench_spec.run_methods("shift", methods, {})
+    layout = tuple(sorted(bench_spec.LAYOUTS["shift"]))
+    assert events == ([("start", m, layout) for m in methods] + [("work", tuple(methods))]
+                      + [event for m in methods for event in (("stats", m), ("shutdown", m))])
+    assert list(rows) == methods and rows["none"]["acceptance_rate"] is None
+    events.clear()
+    try:
+        bench_spec.run_methods("shift", ["none", "broken"], {})
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a failed start was not raised")
+    assert events == [("start", "none", layout), ("shutdown", "none")]
+
+
+def test_an_engine_process_generates_the_engines_tokens(monkeypatch):
+    """EngineProcess: an engine of two ranks in a process of its own, driven through a pipe, gives the tokens of the
+    same engine in this process, its stats and a clean shutdown; a method it cannot start is raised with the
+    process's error."""
+    import bench_spec
+
+    monkeypatch.setattr(bench_spec, "MODEL_DIR", str(default_model_dir()))
+    prompt = LLM(compile=False).tokenizer.encode("And God said")
+    expected = bench_spec.TorchShiftEngine(LLM(compile=False)).generate([prompt], 16, 0.0, None, False)
+    engine = bench_spec.EngineProcess("ngram", {"tp": 2})
+    try:
+        assert engine.generate([prompt], 16, 0.0, None, False) == expected
+        assert engine.stats()["spec_decode"]["method"] == "ngram"
+    finally:
+        engine.shutdown()
+    assert engine.process.exitcode == 0
+    try:
+        bench_spec.EngineProcess("none:fast", {"tp": 2})
+    except RuntimeError as e:
+        assert "':sync'" in str(e)
+    else:
+        raise AssertionError("a method the engine refuses was not raised")
