@@ -252,7 +252,11 @@ def _host_engine(connection, model_dir: str, method: str, speculative_config: di
     engine = TorchShiftEngine(llm)
     connection.send(("ready", None))
     while True:
-        call, args = connection.recv()
+        try:
+            call, args = connection.recv()
+        except EOFError:  # the benchmark ended without shutting its engines down (an error, Ctrl+C)
+            llm.shutdown()
+            return
         if call == "shutdown":
             llm.shutdown()
             connection.send(("done", None))
