@@ -301,6 +301,11 @@ class EngineProcess:
         self._reply()
         self.process.join()
 
+    def close(self) -> None:
+        """Where the benchmark failed: the pipe closed, which shuts the engine down in its process."""
+        self.connection.close()
+        self.process.join(timeout=60)
+
 
 def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
     """One engine of `layout` per method, made for this run and up together, on the work of spec_work.run_work (run
@@ -318,11 +323,11 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
         try:
             for method in methods:
                 engines[method] = EngineProcess(method, LAYOUTS[layout])
+            rows = run_work(engines, work)
         except BaseException:
             for engine in engines.values():
-                engine.shutdown()
+                engine.close()
             raise
-        rows = run_work(engines, work)
         return {method: finish(engine, rows[method]) for method, engine in engines.items()}
     llms = {method: start_engine(MODEL_DIR, method, METHODS[method.partition(":")[0]], {}) for method in methods}
     rows = run_work({method: TorchShiftEngine(llm) for method, llm in llms.items()}, work)

@@ -45,7 +45,8 @@ def test_engines_take_every_place_and_follow_every_other_engine_alike():
 def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_its_own(monkeypatch):
     """A layout of several ranks (one parallel engine per process) starts each method's engine in a process of its
     own, and the work runs them all in turn prompt by prompt, as in one process; each engine's stats are read, then
-    it is shut down. An engine that fails to start shuts the ones started before it down."""
+    it is shut down. An engine that fails to start closes the ones started before it (their processes then shut their
+    engines down)."""
     import bench_spec
 
     events = []
@@ -63,6 +64,9 @@ def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_it
 
         def shutdown(self):
             events.append(("shutdown", self.method))
+
+        def close(self):
+            events.append(("close", self.method))
 
     def run_work(engines, work):
         events.append(("work", tuple(engines)))
@@ -83,7 +87,7 @@ def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_it
         pass
     else:
         raise AssertionError("a failed start was not raised")
-    assert events == [("start", "none", layout), ("shutdown", "none")]
+    assert events == [("start", "none", layout), ("close", "none")]
 
 
 def test_an_engine_process_generates_the_engines_tokens(monkeypatch):
@@ -101,6 +105,9 @@ def test_an_engine_process_generates_the_engines_tokens(monkeypatch):
         assert engine.stats()["spec_decode"]["method"] == "ngram"
     finally:
         engine.shutdown()
+    assert engine.process.exitcode == 0
+    engine = bench_spec.EngineProcess("none", {"tp": 2})
+    engine.close()  # the pipe closed: the process shuts its engine down and ends
     assert engine.process.exitcode == 0
     try:
         bench_spec.EngineProcess("none:fast", {"tp": 2})
