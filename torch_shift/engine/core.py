@@ -191,7 +191,7 @@ class EngineCore:
         are the running ones, and they wait (quiet steps), or the step in flight decodes each of them and the
         speculator finds, without its tokens, that it would propose nothing after it (Speculator.relook_ahead)."""
         speculator, scheduler = self.speculator, self.scheduler
-        if scheduler.num_running_changes != self._proposed_for:
+        if not self._running_as_proposed():
             return False
         if speculator.quiet_steps:
             return True
@@ -270,6 +270,11 @@ class EngineCore:
         _stamp_first_tokens(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
 
+    def _running_as_proposed(self) -> bool:
+        """Whether the running requests are those the speculator's last propose saw: none joined or left since (the
+        scheduler counts both, since a finish and an arrival in one step keep their number)."""
+        return self.scheduler.num_running_changes == self._proposed_for
+
     def _max_run_steps(self) -> int | None:
         """The most steps a multi-step run of the next plan may take beside the speculator: its quiet steps (those
         after which every request the last propose saw waits) and the one after which a proposal may follow; 1 where
@@ -277,7 +282,7 @@ class EngineCore:
         speculator = self.speculator
         if speculator is None:
             return None
-        if speculator.quiet_steps and self.scheduler.num_running_changes == self._proposed_for:
+        if speculator.quiet_steps and self._running_as_proposed():
             return speculator.quiet_steps + 1
         return 1
 
@@ -293,9 +298,8 @@ class EngineCore:
         num_steps = max(steps_run)
         if seconds is not None:
             seconds /= num_steps
-        # the requests the last propose saw (none finished, none came in: counted by the scheduler, since a finish
-        # and an arrival in one step keep the number), each decoding a token a step, all of them waiting
-        if (speculator.quiet_steps and scheduler.num_running_changes == self._proposed_for
+        # the requests the last propose saw, each decoding a token a step, all of them waiting
+        if (speculator.quiet_steps and self._running_as_proposed()
                 and len(updated) == num_tokens == num_running and min(steps_run) == num_steps):
             skipped = min(num_steps, speculator.quiet_steps)
             speculator.skip_step(updated, skipped)

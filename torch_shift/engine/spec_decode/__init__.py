@@ -341,6 +341,7 @@ class Speculator:
         if cost is None:
             return (UNFITTED_BAR if self.config.goodput_budget else 0.0), PROBE_EVERY, False
         priced = with_sync_penalty(cost, num_running, self.sync_penalty.at(num_running))
+        # a check's cost d carries the wait priced there: the synchronous interval less the pipelined one
         bar, probe_every = self._prices(num_running, priced, priced[3] - cost[3])
         explore = steps - self._explored_at >= EXPLORE_EVERY and self.step_cost.lacks_checks(num_running)
         return bar, probe_every, explore
