@@ -147,6 +147,9 @@ class PackedWeight:
             self.tensor = padded.view(-1, _BLOCKED_WIDTH, self.in_features).transpose(1, 2).contiguous()
             self.address = self.tensor.data_ptr()
         else:
+            if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                raise ValueError("bfloat16 in oneDNN's layout needs AVX-512 (or AVX-NE-CONVERT), which this CPU "
+                                 "lacks; the 16-feature blocks (blocked=True) run it here")
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             self.address = torch.ops.mkldnn.data_ptr(self.tensor)
             self.gemv = _gemv_kernel(weight, self.tensor)
