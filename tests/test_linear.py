@@ -118,6 +118,14 @@ def test_gemv_rows_are_independent_and_inputs_may_be_views(dtype, blocked, in_fe
         assert torch.equal(packed(x.reshape(lead, -1, in_features), b), together.reshape(lead, -1, 256))
 
 
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN packs bfloat16 on this CPU")
+def test_bfloat16_in_onednns_layout_where_onednn_cannot_pack_it_is_a_value_error():
+    """Without AVX-512 oneDNN refuses to pack bfloat16 (a RuntimeError of its own): PackedWeight says so, and names
+    the 16-feature blocks, which run it there."""
+    with pytest.raises(ValueError, match="16-feature blocks"):
+        PackedWeight(torch.randn(64, 32).to(torch.bfloat16), blocked=False)
+
+
 @pytest.mark.skipif(not gemv_expected(torch.float32), reason="the AVX-512 GEMV kernel does not run here")
 @pytest.mark.parametrize("in_features", [96, 512, 640, 1024, 1408, 2816])
 def test_a_float32_row_rounds_alike_through_the_gemv_and_onednn(in_features):
