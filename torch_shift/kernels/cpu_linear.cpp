@@ -539,8 +539,9 @@ constexpr int64_t kPair = 2 * kBlock16;
 // bfloat16 weights are prefetched this far ahead of each block's stream, a line every other k-step: 1-2 rows 1.05-1.17x
 // on one thread and 1.02-1.13x on two (bench/ab_cpu_linear.py); float32's streams ran 0.85x with it
 constexpr int64_t kBf16AheadBytes = 1024;
-template <int R, int B, typename W>
-TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_t K, float* y) {
+template <int R, int B, typename W, bool kAhead = false>
+TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_t K, float* y,
+                            const W* ahead = nullptr) {
   // every weight vector of a k-step held while each row's x is broadcast once, where that fits the 16 registers (or
   // the weights are float32, read by the FMAs from memory); else each bfloat16 weight vector in turn, every row's x
   // broadcast again for it: 3 rows of two blocks, whose held vectors spilled (1.38-1.40x on one Zen 3 core)
@@ -552,6 +553,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
 #pragma GCC unroll 4
     for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kBlock16), _MM_HINT_T1);
     if constexpr (kHeld) {
       __m256 wv[2 * B];
 #pragma GCC unroll 4
@@ -644,14 +646,24 @@ TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 
 // R rows of x against the one or two blocks of 16 features that start at `w`
 template <int R, typename W>
-TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y) {
+TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y,
+                          int64_t blocks_after = 0) {
   if constexpr (R <= 3) {
     if (blocks == 2) {
       rows_of_blocks<R, 2>(x, x_stride, w, K, y);
       return;
     }
   }
-  for (int64_t s = 0; s < blocks; ++s) rows_of_blocks<R, 1>(x, x_stride, w + s * kBlock16 * K, K, y + s * kBlock16);
+  for (int64_t s = 0; s < blocks; ++s) {
+    if constexpr (sizeof(W) == 4) {
+      if (s + 1 < blocks + blocks_after) {
+        rows_of_blocks<R, 1, W, true>(x, x_stride, w + s * kBlock16 * K, K, y + s * kBlock16,
+                                      w + (s + 1) * kBlock16 * K);
+        continue;
+      }
+    }
+    rows_of_blocks<R, 1>(x, x_stride, w + s * kBlock16 * K, K, y + s * kBlock16);
+  }
 }
 
 // rows_of_pair in 512-bit registers: `rows` (1 to kRows512) rows of x against the one or two blocks at `w`
@@ -684,6 +696,10 @@ TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1
   for (int v = 0; v < 4; ++v) bias_v[v] = load8(bias_pair + v * 8);
   const int64_t group_rows = tiles_on_avx512 ? kRows512 : kRows16;
   const int64_t groups = (r1 - r0 + group_rows - 1) / group_rows;
+  // float32 rows of one block at a time (4-6) request the next block's lines, a second stream beside their own: on one
+  // Zen 3 core and on two, 1.09-1.24x at 4-6 rows (one stream read 16 GB/s a core, two blocks at a time 23-26);
+  // bfloat16's rows there are bound by the FMAs, and ran 0.86-0.91x at 5-6 rows with it
+  const int64_t ahead = sizeof(W) == 4 && groups == 1 && n + kPair < N ? 1 : 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t rows = (r1 - r0) / (groups - g);  // groups as equal as they can be
     const float* xr = x + r0 * x_stride;
@@ -694,9 +710,9 @@ TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1
         case 1: rows_of_pair<1>(xr, x_stride, w, K, blocks, y); break;
         case 2: rows_of_pair<2>(xr, x_stride, w, K, blocks, y); break;
         case 3: rows_of_pair<3>(xr, x_stride, w, K, blocks, y); break;
-        case 4: rows_of_pair<4>(xr, x_stride, w, K, blocks, y); break;
-        case 5: rows_of_pair<5>(xr, x_stride, w, K, blocks, y); break;
-        default: rows_of_pair<6>(xr, x_stride, w, K, blocks, y); break;
+        case 4: rows_of_pair<4>(xr, x_stride, w, K, blocks, y, ahead); break;
+        case 5: rows_of_pair<5>(xr, x_stride, w, K, blocks, y, ahead); break;
+        default: rows_of_pair<6>(xr, x_stride, w, K, blocks, y, ahead); break;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
