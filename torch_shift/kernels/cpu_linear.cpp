@@ -696,9 +696,9 @@ TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1
   for (int v = 0; v < 4; ++v) bias_v[v] = load8(bias_pair + v * 8);
   const int64_t group_rows = tiles_on_avx512 ? kRows512 : kRows16;
   const int64_t groups = (r1 - r0 + group_rows - 1) / group_rows;
-  // float32 rows of one block at a time (4-6) request the next block's lines, a second stream beside their own: on one
-  // Zen 3 core and on two, 1.09-1.24x at 4-6 rows (one stream read 16 GB/s a core, two blocks at a time 23-26);
-  // bfloat16's rows there are bound by the FMAs, and ran 0.86-0.91x at 5-6 rows with it
+  // float32 rows of one block at a time (4-6) request the next block's lines, a second stream beside their own (one
+  // stream read 16 GB/s a Zen 3 core, two blocks at a time 23-26): 1.04-1.26x at 4, 6 and 8 rows on one core and on
+  // two, 0.96-1.10x at 5; bfloat16's rows there are bound by the FMAs, and ran 0.86-0.99x at 5-6 rows with it
   const int64_t ahead = sizeof(W) == 4 && groups == 1 && n + kPair < N ? 1 : 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t rows = (r1 - r0) / (groups - g);  // groups as equal as they can be
