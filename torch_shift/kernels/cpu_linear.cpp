@@ -539,6 +539,15 @@ constexpr int64_t kPair = 2 * kBlock16;
 // bfloat16 weights are prefetched this far ahead of each block's stream, a line every other k-step: 1-2 rows 1.05-1.17x
 // on one thread and 1.02-1.13x on two (bench/ab_cpu_linear.py); float32's streams ran 0.85x with it
 constexpr int64_t kBf16AheadBytes = 1024;
+// Weight vector v (8 features: block v / 2, half v % 2) of k-step k, as float32; bfloat16 streams prefetched ahead
+template <typename W>
+TS_AVX2 inline __m256 weight_vector(const W* w, int64_t K, int64_t k, int v) {
+  const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
+  if constexpr (sizeof(W) == 2)
+    if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
+  return load8(at);
+}
+
 template <int R, int B, typename W, bool kAhead = false>
 TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_t K, float* y,
                             const W* ahead = nullptr) {
@@ -557,12 +566,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     if constexpr (kHeld) {
       __m256 wv[2 * B];
 #pragma GCC unroll 4
-      for (int v = 0; v < 2 * B; ++v) {
-        const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
-        if constexpr (sizeof(W) == 2)
-          if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
-        wv[v] = load8(at);
-      }
+      for (int v = 0; v < 2 * B; ++v) wv[v] = weight_vector(w, K, k, v);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
@@ -572,10 +576,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     } else {
 #pragma GCC unroll 4
       for (int v = 0; v < 2 * B; ++v) {
-        const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
-        if constexpr (sizeof(W) == 2)
-          if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
-        const __m256 wv = load8(at);
+        const __m256 wv = weight_vector(w, K, k, v);
         asm volatile("" ::: "memory");  // x's broadcasts loaded again, not kept in registers from the last vector
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r)
