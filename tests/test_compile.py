@@ -194,11 +194,87 @@ def test_a_forward_the_warm_up_never_ran_keeps_its_guards():
     assert torch.equal(forward(ids[:3], positions[:3], None), ids[:3] * 2 + 1)
 
 
+def test_compiled_forwards_of_one_module_class_keep_their_graphs_apart():
+    """dynamo keeps a code object's graphs together and, once sealed, tells them apart only by the guards that failed
+    when one compiled. Through the model class's shared `forward`, the first module's sealed call at the second's
+    thread count ran the second module's graph (here: its constant). Each CompiledForward has a code object of its
+    own: its sealed call at a count it never compiled for raises."""
+    import torch
+
+    from torch_shift.compilation import CompiledForward
+
+    class Scale(torch.nn.Module):
+        def __init__(self, factor: int):
+            super().__init__()
+            self.factor = factor
+
+        def forward(self, input_ids, positions, attention):
+            return input_ids * self.factor + positions
+
+    ids, positions = torch.arange(5), torch.ones(5, dtype=torch.long)
+    threads = torch.get_num_threads()
+    forwards = {}
+    try:
+        for factor, count in ((2, threads), (3, threads + 1)):
+            torch.set_num_threads(count)
+            forwards[factor] = CompiledForward(Scale(factor))
+            assert torch.equal(forwards[factor](ids, positions, None), ids * factor + 1)
+            forwards[factor].seal()
+        assert torch.equal(forwards[3](ids, positions, None), ids * 3 + 1)
+        torch.set_num_threads(threads)
+        assert torch.equal(forwards[2](ids[:3], positions[:3], None), ids[:3] * 2 + 1)
+        torch.set_num_threads(threads + 1)
+        with pytest.raises(RuntimeError, match="Recompilation"):
+            forwards[2](ids, positions, None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# prompt sets of over 64 tokens (a prefill the compiled forward runs, not the C++ decoder), none a prefix of another
+CALLER_PROMPTS = [random_prompts(2, [50, 30], seed=11), random_prompts(2, [45, 40], seed=12),
+                  random_prompts(3, [30, 30, 30], seed=13), random_prompts(2, [60, 20], seed=14)]
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_steps_at_its_own_thread_count_whatever_its_callers(llama):
+    """dynamo guards on the thread count: a compiled engine whose caller then called torch.set_num_threads(1), and a
+    compiled one-process engine beside a compiled TP-2 engine (whose rank 0, this process, runs its own share of the
+    cores), raised "Recompilation triggered" at their next prompt. An engine now steps at the count it was built with
+    and gives the caller its own back."""
+    import torch
+
+    _, model_dir = llama
+    eager = LLM(str(model_dir), max_num_batched_tokens=128)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in CALLER_PROMPTS]
+    eager.shutdown()
+    threads = torch.get_num_threads()
+    one = LLM(str(model_dir), compile=True, max_num_batched_tokens=128)
+    tp = None
+    try:
+        torch.set_num_threads(threads + 1)
+        assert _token_ids(one.generate(CALLER_PROMPTS[0], PARAMS, use_tqdm=False)) == expected[0]
+        assert torch.get_num_threads() == threads + 1
+        torch.set_num_threads(threads)
+        tp = LLM(str(model_dir), tp=2, compile=True, max_num_batched_tokens=128)
+        caller = torch.get_num_threads()
+        assert _token_ids(one.generate(CALLER_PROMPTS[1], PARAMS, use_tqdm=False)) == expected[1]
+        assert _token_ids(tp.generate(CALLER_PROMPTS[2], PARAMS, use_tqdm=False)) == expected[2]
+        assert _token_ids(one.generate(CALLER_PROMPTS[3], PARAMS, use_tqdm=False)) == expected[3]
+        assert torch.get_num_threads() == caller
+    finally:
+        if tp is not None:
+            tp.shutdown()
+        one.shutdown()
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_a_process_builds_more_compiled_engines_than_dynamos_recompile_limit(llama):
-    """Every compiled forward of a process adds entries to the model code's dynamo cache, which compiles at most
-    recompile_limit (8) of them: the ninth compiled engine of a process (a notebook, a sweep, a test suite) ran its
-    warm-up eagerly, and its first sealed step raised "Recompilation triggered". Here with the limit at 2."""
+    """dynamo compiles at most recompile_limit (8) graphs of a code object: when every compiled forward of a process
+    added its own to the model class's `forward`, the ninth compiled engine of a process (a notebook, a sweep, a
+    test suite) ran its warm-up eagerly, and its first sealed step raised "Recompilation triggered". Each
+    CompiledForward now has a code object of its own, and the limit is lifted while one compiles. Here with the
+    limit at 2."""
     import torch._dynamo
 
     _, model_dir = llama
@@ -227,8 +303,11 @@ def test_compiled_dp_replicas_that_borrow_cores_do_not_recompile(llama):
     try:
         for run in _run(llm):
             assert [_token_ids(o) for o in run] == expected
+        caller_threads, threads, forward_step = torch.get_num_threads(), [], llm.engine.model.forward_step
+        llm.engine.model.forward_step = lambda *a: threads.append(torch.get_num_threads()) or forward_step(*a)
         assert _token_ids(llm.generate(SERVING[1], PARAMS, use_tqdm=False)) == expected[2]  # a lone request
-        assert torch.get_num_threads() == local_cores()
+        assert threads and set(threads) == {local_cores()}  # its replica ran on the idle rank's core too
+        assert torch.get_num_threads() == caller_threads  # given back when the call returned
     finally:
         llm.shutdown()
 
@@ -259,7 +338,6 @@ def test_compiled_sp_steps_run_ulysses_in_cpp_and_lend_idle_cores_without_recomp
             assert [_token_ids(o) for o in run] == expected
         assert _token_ids(llm.generate(SERVING[1], PARAMS, use_tqdm=False)) == expected[2]  # one-token steps
         assert set(llm.engine.model.layout_counts) == {"base"}
-        assert torch.get_num_threads() == local_cores()
         # rank 0 ran the one-token steps on every core, the others on its own share (the decode pool's worker on the
         # lent core counts, where the pool runs them: not for this small a model)
         threads, forward_step = {}, llm.engine.model.forward_step

@@ -156,8 +156,8 @@ def test_forked_ranks_run_several_threads_after_the_parent_did():
 
 def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
     """A DP-2 engine: a lone request's replica runs on the host's cores (rank 0 here, this process), a batch
-    over both replicas on each rank's own share; the tokens are the single device's; the user's thread count
-    comes back at shutdown."""
+    over both replicas on each rank's own share, and the call returns with rank 0's own; the tokens are the single
+    device's; the user's thread count comes back at shutdown."""
     _, model_dir = llama
     expected = tokens(LLM(str(model_dir)))
     lone = LLM(str(model_dir)).generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
@@ -165,9 +165,12 @@ def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
     llm = LLM(str(model_dir), dp=2)
     try:
         assert llm.engine.worker.runner.host_cores == cores
+        step_threads, forward_step = [], llm.engine.model.forward_step
+        llm.engine.model.forward_step = lambda *a: step_threads.append(torch.get_num_threads()) or forward_step(*a)
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids == lone
         assert llm.stats()["steps_by_layout"]["dp@0"] > 0
-        assert torch.get_num_threads() == cores
+        assert step_threads and set(step_threads) == {cores}
+        assert torch.get_num_threads() == max(1, cores // 2)  # the runtime's count, given back after the steps
         assert tokens(llm) == expected
         assert torch.get_num_threads() == max(1, cores // 2)
     finally:

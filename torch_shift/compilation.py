@@ -13,6 +13,7 @@ to its last (a forward of the 106M peer model 4-6% faster, docs/performance.md).
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -100,11 +101,27 @@ _CPU_INDUCTOR_OPTIONS = {**_INDUCTOR_OPTIONS, "cpp_wrapper": True}
 # dynamo's settings while a forward compiles:
 # - the model's float attributes (each RMSNorm's eps) as constants: unspecialised, each was a graph input made into a
 #   float64 tensor at every call (17 in an 8-layer model);
-# - no limit on the model code's compiled entries: every compiled forward of a process adds its own (engines built one
-#   after another in a notebook, a sweep or a test suite; Flying's views), and past dynamo's recompile_limit (8) a
-#   forward's warm-up ran eagerly, so that the ninth engine of a process raised "Recompilation triggered" at its
-#   first sealed step (measured)
+# - no limit on a forward's compiled entries (one for each thread count it runs at): when every compiled forward of
+#   a process added its own to the model class's code (engines built one after another in a notebook, a sweep or a
+#   test suite; Flying's views), past dynamo's recompile_limit (8) a forward's warm-up ran eagerly, so that the ninth
+#   engine of a process raised "Recompilation triggered" at its first sealed step (measured)
 _DYNAMO_CONFIG = {"specialize_float": True, "recompile_limit": 1 << 30, "accumulated_recompile_limit": 1 << 30}
+
+
+_forward_codes = itertools.count()
+
+
+def _own_code(model: torch.nn.Module) -> Callable:
+    """`model`'s call through a code object of its own, so that dynamo keeps this forward's graphs apart from every
+    other's: it keeps a code object's graphs together and, sealed (`skip_guard_eval_unsafe`), tells them apart only
+    by the guards that failed when one of them compiled. Through the model class's shared `forward`, a sealed call at
+    a thread count this module never compiled for ran a graph another module compiled at it
+    (tests/test_compile.py)."""
+    def forward(*args):
+        return model(*args)
+
+    code = forward.__code__.replace(co_name=f"compiled_forward_{next(_forward_codes)}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
 
 
 class CompiledForward:
@@ -123,7 +140,7 @@ class CompiledForward:
         if on_cpu:
             register_native_attention()
             register_native_operators()
-        self._compiled = torch.compile(model, dynamic=True, options=options)
+        self._compiled = torch.compile(_own_code(model), dynamic=True, options=options)
         self.sealed = False
         self._ran = False
 

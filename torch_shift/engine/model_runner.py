@@ -85,6 +85,12 @@ class ModelRunner:
                                         lambda layout_name: pool_view()(layout_name), barrier)
         self.interconnect_gbps = interconnect_gbps
         self.host_cores = host_cores
+        # the intra-op threads of this rank's steps, whatever the calling thread's count is when one runs (the user's
+        # torch.set_num_threads, another engine's rank 0 in the same process): dynamo guards on the count, and a
+        # compiled forward called at one it was not compiled for raised "Recompilation triggered" (measured)
+        self.threads = (own_threads(host_cores, deployment.world_size) if host_cores is not None
+                        else torch.get_num_threads())
+        self._caller_threads: int | None = None  # the calling thread's count before the steps; given back after
         kv_bytes_per_token = kv_bytes_per_block(kv_cache.num_layers, 1, kv_cache.num_kv_heads, kv_cache.head_dim,
                                                 kv_cache.dtype)
         self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
@@ -183,7 +189,7 @@ class ModelRunner:
     def _max_threads(self, layout: Layout) -> int:
         """The most threads a rank of `layout` runs its steps on (the same on every rank of it)."""
         if self.host_cores is None:
-            return torch.get_num_threads()
+            return self.threads
         counts = borrowed_thread_counts(self.deployment, layout, self.host_cores)
         return max([own_threads(self.host_cores, self.deployment.world_size)]
                    + [threads for by_rank in counts for threads in by_rank.values()])
@@ -246,11 +252,13 @@ class ModelRunner:
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
-        threads = None  # the thread's own
+        if self._caller_threads is None:
+            self._caller_threads = torch.get_num_threads()
+        threads = self.threads
         if self.host_cores is not None:
             threads = step_threads(self.deployment, [(group.layout, group.num_tokens) for group in plan.groups],
-                                   self.rank, self.host_cores)
-            if threads is not None and threads != torch.get_num_threads():
+                                   self.rank, self.host_cores) or threads
+            if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)  # each count's compiled graphs were made at start-up (_warm_up)
         mine = [group for group in plan.groups if self.rank in self.deployment[group.layout].ranks]
         self.had_no_work = all(self.model.idle_in(self.deployment[group.layout], group.num_tokens) for group in mine)
@@ -323,11 +331,19 @@ class ModelRunner:
     def end_step(self) -> None:
         """The engine's step returns to its caller: the thread gets its OpenMP threads back (the pool stays armed)."""
         pool.end_step()
+        self._give_threads_back()
 
     def idle(self) -> None:
         """Out of work: the thread gets its threads back and the decode pool's threads sleep."""
         self.wait_launched()
         pool.idle()
+        self._give_threads_back()
+
+    def _give_threads_back(self) -> None:
+        """The calling thread's intra-op thread count as it was before this engine's steps."""
+        caller, self._caller_threads = self._caller_threads, None
+        if caller is not None and caller != torch.get_num_threads():
+            torch.set_num_threads(caller)
 
     def close(self) -> None:
         """The engine closes: as `idle`, and the decode pool's threads end."""
