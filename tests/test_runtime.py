@@ -121,6 +121,7 @@ def test_parallel_llms_one_after_another_match_single_device_and_leave_the_proce
             assert opened  # the rendezvous store and gloo's sockets
             assert not [(a, port) for a, port in opened if a.is_unspecified], opened  # none on every interface
             assert tokens(llm) == expected
+            assert torch.get_num_threads() == threads  # while the engine lives too
         finally:
             llm.shutdown()
         assert not any(p.is_alive() for p in ranks)
@@ -156,8 +157,8 @@ def test_forked_ranks_run_several_threads_after_the_parent_did():
 
 def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
     """A DP-2 engine: a lone request's replica runs on the host's cores (rank 0 here, this process), a batch
-    over both replicas on each rank's own share, and the call returns with rank 0's own; the tokens are the single
-    device's; the user's thread count comes back at shutdown."""
+    over both replicas on each rank's own share; the tokens are the single device's; between its calls the user's
+    process keeps the user's thread count (it is built on its share, then gives the count back)."""
     _, model_dir = llama
     expected = tokens(LLM(str(model_dir)))
     lone = LLM(str(model_dir)).generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
@@ -170,12 +171,17 @@ def test_a_dp_replica_alone_with_work_borrows_the_idle_ranks_core(llama):
         assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids == lone
         assert llm.stats()["steps_by_layout"]["dp@0"] > 0
         assert step_threads and set(step_threads) == {cores}
-        assert torch.get_num_threads() == max(1, cores // 2)  # the runtime's count, given back after the steps
+        assert torch.get_num_threads() == threads  # the user's count, given back after the steps
+        step_threads.clear()
         assert tokens(llm) == expected
-        assert torch.get_num_threads() == max(1, cores // 2)
+        assert max(1, cores // 2) in step_threads  # batches over both replicas: each rank on its own share
+        assert torch.get_num_threads() == threads
+        torch.set_num_threads(threads + 1)  # the user's to change while the engine lives
+        assert tokens(llm) == expected
+        assert torch.get_num_threads() == threads + 1
     finally:
         llm.shutdown()
-    assert torch.get_num_threads() == threads
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.timeout(120)

@@ -119,6 +119,8 @@ class LLMEngine:
             except BaseException:
                 self.shutdown()
                 raise
+        if self.parallel is not None:  # built on rank 0's share of the cores; its runner steps on it
+            self.parallel.give_threads_back()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

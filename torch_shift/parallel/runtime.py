@@ -69,7 +69,7 @@ class ParallelRuntime:
     def _init_state(self, timeout_s: float) -> None:
         self.timeout = timedelta(seconds=timeout_s)
         self.launched: LocalRanks | None = None
-        self._user_threads: int | None = None  # the thread count to restore at shutdown
+        self._user_threads: int | None = None  # the user's thread count, given back once the engine is built
         self._user_excepthook = sys.excepthook  # init_process_group wraps it (a rank prefix): restored at shutdown
         self._closed = False
         self._closed_reason: str | None = None  # why it was shut down, when not by its owner
@@ -127,13 +127,21 @@ class ParallelRuntime:
         _holder = self
         # at exit this runs before multiprocessing's own handler, which would wait forever for a stopped rank
         atexit.register(self.shutdown)
-        self._user_threads = torch.get_num_threads()  # restored at shutdown
+        # the engine is built on this rank's share of the cores (its compiled forwards' count), then the user's
+        # count comes back (give_threads_back); the runner takes the share for each step (ModelRunner)
+        self._user_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=self.timeout,
                               master_listen_fd=listener.detach(), wait_for_workers=False)
         # the started ranks join through torchrun's environment (env://), whose keys init_process_group
         # puts under this prefix
         return {**args, "store": dist.PrefixStore("default_pg", store), "rank": 0, "world_size": world}
+
+    def give_threads_back(self) -> None:
+        """Rank 0 in the user's process, its engine built: the user's intra-op thread count as it was before."""
+        threads, self._user_threads = self._user_threads, None
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     @property
     def device(self) -> torch.device:
@@ -284,8 +292,7 @@ class ParallelRuntime:
         if released and _holder is self:  # else the next engine is refused rather than joining a stale group
             _holder = None
         atexit.unregister(self.shutdown)
-        if self._user_threads is not None:
-            torch.set_num_threads(self._user_threads)
+        self.give_threads_back()  # a construction that failed
         if released and getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
             sys.excepthook = self._user_excepthook  # unless someone set one of their own since
         if interrupted is not None:
