@@ -56,6 +56,32 @@ def test_generate_never_touches_requests_added_through_the_engine(llm):
     assert _clean(llm)
 
 
+def test_calls_from_several_threads_wait_for_each_other(llm):
+    """Two threads' generate calls shared the engine's requests: the second raised a ValueError about requests it
+    never added. Each call now waits for the one in progress, and gets what it gets alone."""
+    import threading
+
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [[[5 + i, 6, 7 + i]] * (i + 1) for i in range(4)]
+    expected = [[o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)] for p in prompts]
+    got, errors = {}, []
+
+    def call(i):
+        try:
+            got[i] = [o.outputs[0].token_ids for o in llm.generate(prompts[i], params, use_tqdm=False)]
+            llm.stats()
+        except Exception as e:  # noqa: BLE001 - any error fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and [got[i] for i in range(len(prompts))] == expected
+    assert _clean(llm)
+
+
 def test_an_interrupt_while_generate_adds_its_requests_leaves_none_behind(llm, monkeypatch):
     core, calls = llm.engine.core, []
     add = core.add_request

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -50,6 +51,9 @@ class LLM:
             model = "in-memory" if weights is not None else default_model_dir()
         self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), weights, module, offline=True)
         self._ids = itertools.count()
+        # one public call at a time: another thread's call waits for it (two threads' generate calls shared the
+        # engine's requests, and the second raised a ValueError about requests it never added)
+        self._calls = threading.RLock()
         # the ranks this process started end when this object is collected (`del llm`) or at exit
         weakref.finalize(self, self.engine.shutdown)
 
@@ -87,7 +91,11 @@ class LLM:
     def _on_every_rank(self, call, name: str, *arguments):
         """Run `call` on rank 0; under torchrun the other ranks, which call the same method (`name`) with the
         same `arguments`, follow rank 0's steps meanwhile and return its result (or raise its error); a rank whose
-        call differs makes every rank raise a ValueError."""
+        call differs makes every rank raise a ValueError. A call from another thread waits for this one."""
+        with self._calls:
+            return self._call_on_every_rank(call, name, *arguments)
+
+    def _call_on_every_rank(self, call, name: str, *arguments):
         engine = self.engine
         digest = value_digest((name, arguments)) if engine.every_rank_runs_the_program else None
         if not engine.is_driver:
