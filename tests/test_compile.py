@@ -268,6 +268,57 @@ def test_a_compiled_engine_steps_at_its_own_thread_count_whatever_its_callers(ll
         torch.set_num_threads(threads)
 
 
+def _default_dtype(torch):
+    torch.set_default_dtype(torch.float64)
+    return lambda: torch.set_default_dtype(torch.float32)
+
+
+def _deterministic(torch):
+    torch.use_deterministic_algorithms(True)
+    return lambda: torch.use_deterministic_algorithms(False)
+
+
+def _matmul_precision(torch):
+    torch.set_float32_matmul_precision("medium")
+    return lambda: torch.set_float32_matmul_precision("highest")
+
+
+def _autocast(torch):
+    block = torch.autocast("cpu", dtype=torch.bfloat16)
+    block.__enter__()
+    return lambda: block.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_steps_under_the_torch_settings_it_was_built_under(llama):
+    """dynamo guards on torch's global settings: after the caller changed the default dtype, deterministic
+    algorithms or the float32 matmul precision, or inside an autocast block, a compiled engine's next prompt raised
+    "Recompilation triggered". Its steps now run under the settings of its construction, with the same tokens, and
+    the caller's settings come back after each call."""
+    import torch
+
+    _, model_dir = llama
+    settings = [_default_dtype, _deterministic, _matmul_precision, _autocast]
+    prompts = [random_prompts(2, [50, 30], seed=21 + i) for i in range(len(settings))]
+    eager = LLM(str(model_dir), max_num_batched_tokens=128)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in prompts]
+    eager.shutdown()
+    llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=128)
+    try:
+        for setting, prompt, tokens in zip(settings, prompts, expected):
+            undo = setting(torch)
+            try:
+                caller = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                          torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
+                assert _token_ids(llm.generate(prompt, PARAMS, use_tqdm=False)) == tokens, setting.__name__
+                assert caller == (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                                  torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
+            finally:
+                undo()
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 def test_a_process_builds_more_compiled_engines_than_dynamos_recompile_limit(llama):
     """dynamo compiles at most recompile_limit (8) graphs of a code object: when every compiled forward of a process

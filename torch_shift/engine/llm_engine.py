@@ -15,7 +15,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -398,7 +398,8 @@ class LLMEngine:
         every request that finished: no per-step objects for the others)."""
         start = time.perf_counter()
         try:
-            step = self.last_core_step = self.core.step()
+            with self._torch_state():  # the sampler's and the proposer's work too
+                step = self.last_core_step = self.core.step()
         finally:  # the caller's thread gets its threads back from the decode pool (engine/decode_pool.py)
             if not self.core.has_unfinished_requests():
                 self.idle()
@@ -438,6 +439,10 @@ class LLMEngine:
         if self.worker is not None:
             self.worker.runner.clear_run_interrupt()
 
+    def _torch_state(self):
+        """A block of the engine's own work under torch's settings of its construction (engine/torch_state.py)."""
+        return self.worker.runner.torch_state.applied() if self.worker is not None else nullcontext()
+
     def idle(self) -> None:
         """Out of work: the decode pool's threads sleep (engine/decode_pool.py)."""
         if self.worker is not None:
@@ -448,7 +453,8 @@ class LLMEngine:
         themselves). Returns per group its entries in plan order and its logits (None: no logits rows)."""
         plan = self.core.plan_builder.build(output)
         self.stats_recorder.record_plan(plan)
-        result = self.core.executor(plan)
+        with self._torch_state():
+            result = self.core.executor(plan)
         return [group.entries for group in output.groups if group.entries], result.logits
 
     # -- ranks ----------------------------------------------------------------------------------------------

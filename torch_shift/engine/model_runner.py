@@ -32,6 +32,7 @@ from torch_shift.attention.backend import AttentionBatch
 from torch_shift.engine import decode_pool as pool
 from torch_shift.engine.input_batch import HostInputs, InputBatch
 from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batches
+from torch_shift.engine.torch_state import TorchState
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.models.fused import argmax_list, sample_rows
@@ -91,6 +92,7 @@ class ModelRunner:
         self.threads = (own_threads(host_cores, deployment.world_size) if host_cores is not None
                         else torch.get_num_threads())
         self._caller_threads: int | None = None  # the calling thread's count before the steps; given back after
+        self.torch_state = TorchState.current()  # torch's settings of every step (engine/torch_state.py)
         kv_bytes_per_token = kv_bytes_per_block(kv_cache.num_layers, 1, kv_cache.num_kv_heads, kv_cache.head_dim,
                                                 kv_cache.dtype)
         self.decode_pool = pool.DecodePool(model, self.device, decode_pool and isinstance(model, torch.nn.Module),
@@ -240,7 +242,8 @@ class ModelRunner:
         `previous_tokens`: the last step's sampled tokens, still on the device, where the plan's placeholders take
         their ids (asynchronous scheduling, one rank); `launch`: a step the C++ decoder runs may be launched on its
         thread and return before its logits are written (asynchronous scheduling, `launch_steps`), its tokens drawn
-        there with `draws` where given (Sampler.draws), else its rows' argmax."""
+        there with `draws` where given (Sampler.draws), else its rows' argmax. Its callers run it under
+        `torch_state` (LLMEngine.step, Worker.follow)."""
         launch = launch and self._launches(plan)
         if not launch:
             self.wait_launched()

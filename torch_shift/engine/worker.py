@@ -239,6 +239,10 @@ class Worker:
         call's result, None after "shutdown", and raises rank 0's error. `digest`: this rank's call (see
         `begin_call`), under torchrun."""
         assert self.runtime is not None and self.rank != 0
+        with self.runner.torch_state.applied():  # torchrun's ranks: the user's settings may have changed since
+            return self._follow(digest)
+
+    def _follow(self, digest: str | None) -> Any:
         while True:
             # a rank without work in the last step (another replica's request, SP rank 0's one-token steps) waits
             # for the next plan in naps: asleep on the futex instead, it had rank 0 wake it at each plan, a system
