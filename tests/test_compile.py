@@ -198,7 +198,7 @@ def test_compiled_forwards_of_one_module_class_keep_their_graphs_apart():
     """dynamo keeps a code object's graphs together and, once sealed, tells them apart only by the guards that failed
     when one compiled. Through the model class's shared `forward`, the first module's sealed call at the second's
     thread count ran the second module's graph (here: its constant). Each CompiledForward has a code object of its
-    own: its sealed call at a count it never compiled for raises."""
+    own: its sealed call at a count it never compiled for finds no graph and runs eagerly."""
     import torch
 
     from torch_shift.compilation import CompiledForward
@@ -224,8 +224,8 @@ def test_compiled_forwards_of_one_module_class_keep_their_graphs_apart():
         torch.set_num_threads(threads)
         assert torch.equal(forwards[2](ids[:3], positions[:3], None), ids[:3] * 2 + 1)
         torch.set_num_threads(threads + 1)
-        with pytest.raises(RuntimeError, match="Recompilation"):
-            forwards[2](ids, positions, None)
+        assert torch.equal(forwards[2](ids, positions, None), ids * 2 + 1)  # eager: no graph of its own fits
+        assert forwards[2].guarded
     finally:
         torch.set_num_threads(threads)
 
@@ -315,6 +315,35 @@ def test_a_compiled_engine_steps_under_the_torch_settings_it_was_built_under(lla
                                   torch.get_float32_matmul_precision(), torch.is_autocast_enabled("cpu"))
             finally:
                 undo()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_runs_eagerly_after_the_user_resets_dynamo(llama, caplog):
+    """torch.compiler.reset() drops every graph, and a default device is a torch function mode, which dynamo
+    guards: a sealed forward's next call raised "Recompilation triggered". Such a call now falls back to dynamo's
+    full guards and runs eagerly where no graph fits (never compiling while serving), with eager's tokens, and says
+    so once."""
+    import torch
+
+    _, model_dir = llama
+    prompts = [random_prompts(2, [50, 30], seed=31 + i) for i in range(3)]
+    eager = LLM(str(model_dir), max_num_batched_tokens=128)
+    expected = [_token_ids(eager.generate(p, PARAMS, use_tqdm=False)) for p in prompts]
+    eager.shutdown()
+    llm = LLM(str(model_dir), compile=True, max_num_batched_tokens=128)
+    try:
+        torch.set_default_device("cpu")
+        try:
+            assert _token_ids(llm.generate(prompts[0], PARAMS, use_tqdm=False)) == expected[0]
+        finally:
+            torch.set_default_device(None)
+        torch.compiler.reset()
+        for prompt, tokens in zip(prompts[1:], expected[1:]):
+            assert _token_ids(llm.generate(prompt, PARAMS, use_tqdm=False)) == tokens
+        assert all(f.guarded and not f.sealed for f in llm.engine.model.forwards.values() if f is not None)
+        assert sum("no longer fit" in r.getMessage() for r in caplog.records) == 1
     finally:
         llm.shutdown()
 
