@@ -176,9 +176,8 @@ class CompiledForward:
             self._ran = True
             return hidden
 
-
     def _unseal(self) -> None:
-        """A sealed call matched none of the graphs: the user reset dynamo (`torch.compiler.reset()`) or changed
+        """A sealed call matched none of its graphs: the user reset dynamo (`torch.compiler.reset()`) or changed
         what its guards read beyond what the engine sets for its steps (a default device, a torch function mode).
         From now on every guard runs (0.2-0.35 ms a step) and a step that no graph fits runs the forward eagerly,
         with the same results on the CPU, instead of compiling while serving."""

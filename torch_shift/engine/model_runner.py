@@ -88,7 +88,8 @@ class ModelRunner:
         self.host_cores = host_cores
         # the intra-op threads of this rank's steps, whatever the calling thread's count is when one runs (the user's
         # torch.set_num_threads, another engine's rank 0 in the same process): dynamo guards on the count, and a
-        # compiled forward called at one it was not compiled for raised "Recompilation triggered" (measured)
+        # compiled forward called at one it was not compiled for has no graph for it (it raised "Recompilation
+        # triggered"; compilation.CompiledForward now runs such a call eagerly)
         self.threads = (own_threads(host_cores, deployment.world_size) if host_cores is not None
                         else torch.get_num_threads())
         self._caller_threads: int | None = None  # the calling thread's count before the steps; given back after
