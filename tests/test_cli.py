@@ -306,6 +306,26 @@ def test_dtype_names_and_a_misspelt_option(capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "usage: torch-shift generate" in err and "--temprature: did you mean --temperature?" in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--modle", "m", "x"])
+    err = capsys.readouterr().err
+    # the usage in one line beside the error, not every option (45 lines) above it
+    assert err.splitlines() == ["usage: torch-shift generate [OPTIONS] PROMPT [PROMPT ...]",
+                                "torch-shift generate: error: unrecognized arguments: --modle; "
+                                "--modle: did you mean --model?"]
+
+
+def test_version_and_help(capsys):
+    from torch_shift import __version__
+    from torch_shift.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"torch-shift {__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: torch-shift serve [OPTIONS] [MODEL]\n") and "--max-model-len" in out
 
 
 def test_a_vllm_serve_command_line_moves_over(capsys):

@@ -32,6 +32,18 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
             text += " (default: %(default)s)"
         return text
 
+    def _format_usage(self, usage, actions, groups, prefix) -> str:
+        """A command's usage as `PROG [OPTIONS] POSITIONALS` where listing every option would take several lines: the
+        help lists them below it, and an error (argparse prints the usage first) stays beside its message."""
+        if usage is None:
+            full = super()._format_usage(usage, actions, groups, prefix)
+            if full.count("\n") <= 4:
+                return full
+            positionals = [self._format_args(action, self._get_default_metavar_for_positional(action))
+                           for action in actions if not action.option_strings]
+            usage = " ".join([self._prog, "[OPTIONS]", *positionals])
+        return super()._format_usage(usage, actions, groups, prefix)
+
 
 def _subcommand(sub, name: str, summary: str, description: str) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=summary, description=description, formatter_class=_HelpFormatter)
@@ -53,9 +65,19 @@ def _refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
             plain = name.removeprefix("--").removeprefix("no-")
             close = [option for option in difflib.get_close_matches(name, options, n=3, cutoff=0.86)
                      if option.removeprefix("--").removeprefix("no-") != plain]
+            close = close or [option for option in options if _transposed(name, option)]  # --modle: --model
             if close:
                 hints.append(f"{name}: did you mean {close[0]}?")
     parser.error(f"unrecognized arguments: {' '.join(unknown)}" + ("; " + "; ".join(hints) if hints else ""))
+
+
+def _transposed(a: str, b: str) -> bool:
+    """Whether `a` is `b` with two neighbouring characters swapped."""
+    if len(a) != len(b):
+        return False
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    i = differ[0] if len(differ) == 2 and differ[1] == differ[0] + 1 else None
+    return i is not None and a[i] == b[i + 1] and a[i + 1] == b[i]
 
 
 def _require_extra(extra: str, command: str, *modules: str) -> None:
@@ -199,8 +221,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0: all tokens")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the best one")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: none")
-    g.add_argument("--n", type=int, default=1, help="samples per prompt")
-    g.add_argument("--sample-seed", type=int, default=None, help="seed of every prompt's sampling (default: none)")
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (more than 1 needs --temperature above 0)")
+    g.add_argument("--sample-seed", type=int, default=None,
+                   help="seed of every prompt's own sampling, as SamplingParams(seed=...); --seed seeds the engine "
+                        "(default: none)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
     g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
@@ -448,14 +472,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from torch_shift import __version__
+
     parser = argparse.ArgumentParser(prog="torch-shift", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"torch-shift {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = _subcommand(sub, "generate", "generate text offline from prompts on the command line",
                       "Generate text offline for each prompt and print it (or one JSON object per line).\n"
                       "Example: torch-shift generate \"And God said\" --max-tokens 40")
     _add_engine_args(gen)
     _add_sampling_args(gen)
-    gen.add_argument("prompts", nargs="+", help="prompt strings (or token ids with --token-ids)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt strings (or token ids with --token-ids)")
     gen.add_argument("--token-ids", action="store_true", help="each prompt is a list of token ids: '1 2 3'")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
