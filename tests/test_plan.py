@@ -168,7 +168,12 @@ def test_plan_says_each_reason_a_candidate_cannot_run_once(capsys):
     rows = [line for line in captured.out.splitlines() if line.startswith(("SP3", "Shift"))]
     assert len(rows) == 3 and all(line.endswith("cannot run [1]") for line in rows)
     assert any(line.startswith("[1] " + reason) for line in captured.out.splitlines())
-    assert "recommended: DP3: the only candidate that served the whole workload" in captured.out
+    assert "recommended: DP3: the only one of 4 candidates that served the whole workload" in captured.out
+
+
+def test_plan_on_one_device_says_its_one_candidate_was_the_only_one_simulated(capsys):
+    assert main(["plan", "--hardware", "h100", "--synthetic", "256:64", "--num-requests", "8", "--rate", "2"]) == 0
+    assert "recommended: TP1: the only candidate simulated (" in capsys.readouterr().out
 
 
 def test_plan_names_a_model_given_by_its_config_file_after_its_directory(tmp_path, capsys):

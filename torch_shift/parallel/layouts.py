@@ -260,7 +260,10 @@ def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int
     if seesaw:
         # one KV buffer per rank, viewed as a stage's layers with every head or every layer with a head slice:
         # the same bytes per block only when both split evenly
-        check_width(config, pp, "TP")
+        try:
+            check_width(config, pp, "TP")
+        except ValueError as e:
+            raise ValueError(f"policy 'seesaw' decodes in TP={pp} over a replica's pp={pp} ranks, and {e}") from None
         if num_layers % pp:
             raise ValueError(f"policy 'seesaw' needs num_hidden_layers={num_layers} divisible by pp={pp} (a rank's "
                              "KV pool holds as many bytes per block under PP as under TP)")

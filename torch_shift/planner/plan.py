@@ -308,11 +308,14 @@ def recommend(results: Sequence[CandidateResult], slo: dict[str, float]) -> Reco
         reason = f"no candidate meets {bounds}; this one misses it by the smallest factor ({miss(best):.2f}x)"
     else:
         best = fastest(ran)
-        reason = (f"the only candidate that served the whole workload ({best.metrics['throughput_tok_s']:.1f} tok/s)"
-                  if len(ran) == 1 else
-                  f"the highest throughput ({best.metrics['throughput_tok_s']:.1f} tok/s, ties within "
-                  f"{THROUGHPUT_TIE:.0%}) of {len(ran)} candidates, then the lowest median TTFT "
-                  f"({best.metrics['ttft_p50_ms']:.1f} ms)")
+        rate = f"{best.metrics['throughput_tok_s']:.1f} tok/s"
+        if len(results) == 1:
+            reason = f"the only candidate simulated ({rate})"
+        elif len(ran) == 1:
+            reason = f"the only one of {len(results)} candidates that served the whole workload ({rate})"
+        else:
+            reason = (f"the highest throughput ({rate}, ties within {THROUGHPUT_TIE:.0%}) of {len(ran)} candidates, "
+                      f"then the lowest median TTFT ({best.metrics['ttft_p50_ms']:.1f} ms)")
     threshold = best_shift.candidate.params["threshold"] if best_shift else None
     if best_shift is not None:
         reason += (f"; Shift's sweep found threshold {threshold} best (TTFT p50 "
