@@ -210,7 +210,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, 400),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, 400),
-    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": []}, 400),
+    ("/v1/completions", {"prompt": [[]]}, 400),
     ("/v1/completions", {"prompt": [600, 7]}, 400),
     ("/v1/completions", {"prompt": "word " * 400}, 400),
     ("/v1/completions", {"prompt": PROMPT, "model": "gpt-5"}, 404),
@@ -221,6 +222,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      400),  # beyond the engine's max_logprobs (20, vLLM's default)
 ]
+
+
+def test_an_empty_string_is_a_prompt_where_the_tokenizer_adds_a_bos_token(server, reference):
+    """As offline (and in vLLM): the tokens are what must not be empty."""
+    assert reference.tokenizer.encode("")
+    out = server.client().completions.create(model="tiny", prompt="", max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy(reference, "").text
 
 
 @pytest.mark.parametrize("path,body,status", BAD_REQUESTS)

@@ -298,10 +298,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
 
     def prepare(prompt: str | list[int], max_tokens: int | None, what: str) -> TokenizedPrompt:
         """Tokenize (off the event loop) and check the prompt against the context, with vLLM's wording."""
-        if not prompt:
-            raise APIError(400, f"{what}: the {what} is empty", param=what)
         text = prompt if isinstance(prompt, str) else None
         token_ids = need_tokenizer("give the prompt as token ids").encode(prompt) if text is not None else prompt
+        if not token_ids:  # as the engine refuses it: "" is a prompt where the tokenizer adds a BOS token
+            raise APIError(400, f"{what}: the {what} is empty", param=what)
         if len(token_ids) >= max_model_len:
             raise APIError(400, f"This model's maximum context length is {max_model_len} tokens{bound}. However, "
                                 f"your request has {len(token_ids)} input tokens ({what}), which leaves no room for "
