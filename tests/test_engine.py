@@ -420,6 +420,45 @@ def test_structured_outputs_as_vllm_reads_them():
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_a_grammar_is_compiled_once_for_every_sequence_that_follows_it(monkeypatch):
+    """A request of n samples compiled its grammar n times, and every request again (a 40,000-value enum: 0.3 s a
+    sample on the engine's thread); now once, each sequence with a copy of its matcher, and refusals are kept too."""
+    pytest.importorskip("llguidance")
+    from torch_shift.engine import structured_output
+
+    compiled = []
+    compile_grammar = structured_output.GrammarCompiler._compile
+    monkeypatch.setattr(structured_output.GrammarCompiler, "_compile",
+                        lambda self, so: compiled.append(so) or compile_grammar(self, so))
+    llm = LLM()
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, n=8, structured_outputs=choice)
+    outs = llm.generate(["And God said", "In the beginning"], params, use_tqdm=False)
+    texts = [o.text for out in outs for o in out.outputs]
+    assert len(texts) == 16 and set(texts) <= {"yes", "no", "maybe"} and len(set(texts)) > 1
+    assert compiled == [choice]
+    # an equal grammar given again (its dict schema as text) is not compiled again; another one is
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for so in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema)),
+               StructuredOutputsParams(choice=("yes", "no", "maybe"))):
+        llm.generate("And God said", SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=so),
+                     use_tqdm=False)
+    assert len(compiled) == 2
+    bad = StructuredOutputsParams(regex=r"[+-\d]")
+    for _ in range(2):
+        with pytest.raises(ParameterError, match="the regex cannot be used"):
+            llm.generate("x", SamplingParams(structured_outputs=bad), use_tqdm=False)
+    assert len(compiled) == 3
+    with pytest.raises(ParameterError, match="nests too deeply"):
+        nested: dict = {}
+        for _ in range(5000):
+            nested = {"not": nested}
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
+            json=nested, disable_additional_properties=True)), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("regex, ascii_regex", [
     (r"\d", "[0-9]"), (r"[\d]", "[[0-9]]"), (r"[^\d\s]", r"[^[0-9]\s]"), (r"\D", "[^0-9]"), (r"[\D]", "[[^0-9]]"),
     (r"\\d", r"\\d"), (r"[]\d]", "[][0-9]]"), (r"[^]\d]", "[^][0-9]]"), (r"[[:alpha:]\d]", "[[:alpha:][0-9]]"),

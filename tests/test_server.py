@@ -725,6 +725,22 @@ def test_response_format_json_schema_and_json_object(server):
         assert out.choices[0].text.startswith("{")
 
 
+def test_the_server_compiles_grammars_off_the_engine_thread(server, monkeypatch):
+    """A large schema compiled on the engine's thread held every other client's requests (40 s for a request of
+    128 samples of a 85,000-value enum): the server compiles it on a worker thread, and the step copies it."""
+    from torch_shift.engine import structured_output
+
+    threads = []
+    compile_grammar = structured_output.GrammarCompiler._compile
+    monkeypatch.setattr(structured_output.GrammarCompiler, "_compile",
+                        lambda self, so: threads.append(threading.current_thread().name) or compile_grammar(self, so))
+    enum = [f"w{i:05d}" for i in range(2000)]
+    out = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=4,
+                                             n=4, extra_body={"structured_outputs": {"json": {"enum": enum}}})
+    assert all(json.loads(c.text) in enum for c in out.choices)
+    assert len(threads) == 1 and threads[0] != "torch-shift-engine"
+
+
 def test_vllms_structured_outputs_field(server):
     """vLLM's `structured_outputs` request field: a regex, a choice, a JSON schema, a Lark grammar; one at a time,
     and not beside response_format; a bad one is a 400 naming the field."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from dataclasses import dataclass, replace
 
 from torch_shift.engine.args import EngineConfig
@@ -99,6 +100,7 @@ class InputProcessor:
         self.uses_priority = uses_priority  # the layout policy reads priorities (Flying)
         self.policy_name = policy_name
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        self._grammars_lock = threading.Lock()
 
     def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
         """Check a prompt (text, token ids, vLLM's prompt dict, or one tokenized before: its ids checked again, as
@@ -199,9 +201,12 @@ class InputProcessor:
                                 f"{arrival_time!r}")
             if not math.isfinite(arrival_time):
                 raise ValueError(f"arrival_time must be finite, got {arrival_time}")
-        grammar_compiler = self._grammar_compiler() if params.structured_outputs is not None else None
-        if grammar_compiler is not None and params.structured_outputs.starts_after is not None:
-            grammar_marker = self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammar_compiler().prototype(params.structured_outputs)
+            if params.structured_outputs.starts_after is not None:
+                grammar_marker = self.tokenizer.encode(params.structured_outputs.starts_after,
+                                                       add_special_tokens=False)
         prompt = self.tokenize_prompt(prompt)
         token_ids = prompt.token_ids
         # A sequence never outgrows the context nor the whole KV pool (which would leave it
@@ -220,8 +225,8 @@ class InputProcessor:
                             arrival_time=arrival_time, priority=priority)
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
-            if grammar_compiler is not None:
-                matcher = grammar_compiler.matcher(params.structured_outputs)
+            if grammar is not None:
+                matcher = grammar.deep_copy()
                 if params.structured_outputs.starts_after is None:
                     child.grammar = matcher
                 else:
@@ -229,10 +234,18 @@ class InputProcessor:
             children.append(child)
         return ParentRequest(request_id, prompt.text, token_ids, params, children)
 
+    def compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile the grammars of `params` that ask for structured outputs, as `process` would (ParameterError where
+        one cannot be used), so that `process` finds them compiled: a server calls this off the engine's thread."""
+        for p in params:
+            if p.structured_outputs is not None:
+                self._grammar_compiler().prototype(p.structured_outputs)
+
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer; this model has none")
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.config.model.vocab_size,
-                                             self.eos_token_ids)
+        with self._grammars_lock:  # one compiler, whichever thread asks first
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.config.model.vocab_size,
+                                                 self.eos_token_ids)
         return self._grammars

@@ -118,6 +118,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         submission = Submission(request_ids, prompts, params, loop, accepted=loop.create_future(), priority=priority)
         self._check_running()
+        if any(p.structured_outputs is not None for p in params):
+            # compiled here, off the engine's thread, whose step then copies them (a large schema took 0.3 s a
+            # sequence there, every other client waiting)
+            await asyncio.to_thread(self.engine.input_processor.compile_grammars, params)
         with self._lock:
             if self.num_waiting_seqs + submission.num_seqs > self.max_waiting_seqs:
                 raise EngineFull(f"the server queues at most {self.max_waiting_seqs} waiting sequences and "
