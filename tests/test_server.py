@@ -741,6 +741,25 @@ def test_the_server_compiles_grammars_off_the_engine_thread(server, monkeypatch)
     assert len(threads) == 1 and threads[0] != "torch-shift-engine"
 
 
+def test_a_non_streamed_response_is_built_off_the_event_loop(server, monkeypatch):
+    """A 36 MB response (64 samples of 1,000 tokens, 20 logprobs each) built and encoded on the event loop held every
+    other client's stream and /health for 7.8 s."""
+    from torch_shift.serve import api_server
+
+    threads = []
+    for name in ("completion_choice", "chat_logprobs"):
+        original = getattr(api_server, name)
+        monkeypatch.setattr(api_server, name, lambda *a, _original=original, **k: threads.append(
+            threading.current_thread()) or _original(*a, **k))
+    client = server.client()
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    assert out.choices[0].logprobs.top_logprobs
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert chat.choices[0].logprobs.content
+    assert len(threads) == 2 and server.thread not in threads
+
+
 def test_vllms_structured_outputs_field(server):
     """vLLM's `structured_outputs` request field: a regex, a choice, a JSON schema, a Lark grammar; one at a time,
     and not beside response_format; a bad one is a 400 naming the field."""
