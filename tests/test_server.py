@@ -203,6 +203,11 @@ def test_logprobs_and_echo_with_prompt_logprobs(server, reference):
     assert echo.usage.completion_tokens == 0
 
 
+_DEEP_ARGUMENTS = '{"a":' * 5000 + "1" + "}" * 5000  # a string: the body itself is flat
+_DEEP_PARAMETERS: dict = {"type": "object"}
+for _ in range(480):
+    _DEEP_PARAMETERS = {"not": _DEEP_PARAMETERS}
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "8"}, 400),
@@ -221,6 +226,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      400),  # beyond the engine's max_logprobs (20, vLLM's default)
+    # nested beyond Python's stack where the request is read: a plain-text 500 from Starlette before
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": _DEEP_ARGUMENTS}}]}], "max_tokens": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tool_choice": "none",
+                              "tools": [{"type": "function", "function": {"name": "f",
+                                                                          "parameters": _DEEP_PARAMETERS}}]}, 400),
 ]
 
 
@@ -758,6 +770,20 @@ def test_a_non_streamed_response_is_built_off_the_event_loop(server, monkeypatch
                                           temperature=0, logprobs=True, top_logprobs=2)
     assert chat.choices[0].logprobs.content
     assert len(threads) == 2 and server.thread not in threads
+
+
+def test_a_defect_is_an_openai_error_object(server, monkeypatch):
+    from torch_shift.serve import api_server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(api_server, "completion_choice", broken)
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "internal server error (RuntimeError)", "type": "server_error",
+                                        "param": None, "code": 500}
+    assert server.idle_free_blocks()
 
 
 def test_vllms_structured_outputs_field(server):

@@ -263,6 +263,17 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
     async def api_error(request: Request, exc: APIError):
         return exc.response()
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError):
+        # a body whose JSON nests thousands of levels deep (a tool call's arguments, a tool's parameters) parses,
+        # then overflows Python's stack where the request's parts are copied, read or rendered
+        return APIError(400, "the request nests too deeply to be read", code=400).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        # a defect, logged with its traceback by the server: the client gets OpenAI's error object, not plain text
+        return APIError(500, f"internal server error ({type(exc).__name__})", "server_error", code=500).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
