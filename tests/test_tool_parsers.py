@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -304,3 +305,25 @@ def test_a_streamed_forced_call_is_held_while_a_stop_string_may_cut_it():
     assert parser.feed('{"a": 1}') == {}
     (call,) = parser.finish("stop")["tool_calls"]
     assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and call["index"] == 0 and call["id"]
+
+
+@pytest.mark.parametrize("mode", ["required", "named"])
+@pytest.mark.parametrize("reasoning", [None, "qwen3"])
+def test_a_forced_choices_free_text_is_the_same_whole_and_streamed(mode, reasoning):
+    """A grammar that never started (it waits for a reasoning parser's </think>, which a model that does not think
+    never writes) leaves free text: sent as content by the stream, it was dropped from the whole message (a helper's
+    probe). Both now keep it; with stop strings both drop it, a call a stop string may have cut being no call."""
+    text = "The children of Israel said unto"
+    for stop_strings in (False, True):
+        output = ChatOutputFormat(ToolChoice(mode, tools=[], function="f" if mode == "named" else None, schema={}),
+                                  reasoning_parser=REASONING_PARSERS[reasoning] if reasoning else None,
+                                  stop_strings=stop_strings)
+        whole = output.parser().parse(text, "length")
+        parser = output.parser()
+        deltas = [parser.feed(piece) for piece in re.findall(r"\S+\s*", text)] + [parser.finish("length")]
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert "tool_calls" not in whole and not any("tool_calls" in d for d in deltas)
+        if stop_strings:
+            assert streamed == "" and whole["content"] == (None if reasoning else "")
+        else:
+            assert streamed == whole["content"] == text

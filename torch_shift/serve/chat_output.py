@@ -106,8 +106,11 @@ class ChatOutputParser:
         self._keep_truncated_calls(parser, finish_reason)
         parsed = parser.parse_whole(content)
         content, calls = parsed.content, parsed.tool_calls
-        if self.output.tools.forced and not calls:
-            content = None  # a forced call cut short by a stop string is no call, and no text (vLLM's)
+        if self.output.tools.forced and not calls and self.output.stop_strings:
+            # a forced call cut short by a stop string is no call, and no text (vLLM's). Otherwise the text stays, as
+            # the stream sends it: what a grammar that never started left (it waits for a reasoning parser's
+            # </think>, which a model that does not think never writes)
+            content = None
         return content, calls if self.output.tools.parallel else calls[:1]
 
     def feed(self, text: str) -> dict:
