@@ -339,6 +339,8 @@ def test_engine_checks_name_their_field(llama):
     for params, priority, param in [(SamplingParams(stop_token_ids=[10_000]), 0, "stop_token_ids"),
                                     (SamplingParams(logit_bias={10_000: 1.0}), 0, "logit_bias"),
                                     (SamplingParams(logprobs=10_000), 0, "logprobs"),
+                                    # more than the context leaves after the prompt: never met
+                                    (SamplingParams(min_tokens=100_000, max_tokens=None), 0, "min_tokens"),
                                     (SamplingParams(), -1, "priority")]:
         with pytest.raises(ParameterError) as error:
             llm.generate([[6, 7]], params, use_tqdm=False, priority=[priority])

@@ -623,6 +623,16 @@ def test_what_clients_send_as_null_and_an_assistant_reply_sent_back_are_accepted
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply["content"]},
              {"role": "user", "content": "and?"}]
     assert text([plain[0], reply, plain[2]], **nulls) == text(plain)
+    # values that ask for what the server does anyway, and one that asks for more
+    assert text(plain, modalities=["text"], service_tier="auto") == text(plain, service_tier="default") == text(plain)
+    for unsupported in ({"modalities": ["text", "audio"]}, {"service_tier": "flex"}):
+        response = post(server, "/v1/chat/completions", {"messages": plain, "max_tokens": 4, **unsupported})
+        assert response.status_code == 400 and "unknown field" in response.text, response.text
+    # min_tokens beyond the room the prompt leaves was met by as many tokens as the context had
+    for max_tokens in (200, None):  # clipped to the room the prompt leaves, or that room
+        response = post(server, "/v1/completions", {"prompt": [5] * 200, "min_tokens": 100, "max_tokens": max_tokens})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens", response.text
+        assert "min_tokens (100) exceeds the 56 tokens that a prompt of 200 tokens leaves" in response.text
     refusal = {"role": "assistant", "content": None, "refusal": "I cannot help with that."}
     assert text([plain[0], refusal, plain[2]]) == text([plain[0], {"role": "assistant", "content": refusal["refusal"]},
                                                         plain[2]])

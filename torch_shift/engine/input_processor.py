@@ -215,6 +215,10 @@ class InputProcessor:
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise ParameterError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
+                                               f"that a prompt of {len(token_ids)} tokens leaves in this engine's "
+                                               f"context of {max_len}")
         children = []
         for i in range(params.n):
             child_params = params

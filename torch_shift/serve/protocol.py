@@ -382,6 +382,8 @@ class NamedToolChoice(_Strict):
 # which asks for nothing; any other value is refused as an unknown field
 _UNSUPPORTED_WHEN_SET = ("functions", "function_call", "modalities", "prediction", "service_tier", "audio",
                          "web_search_options", "verbosity")
+# and the values of them that ask for what the server does anyway: text out, the one tier it has
+_ASKING_NOTHING = {"modalities": (["text"],), "service_tier": ("auto", "default")}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -408,8 +410,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="before")
     @classmethod
     def _unset_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _UNSUPPORTED_WHEN_SET):
-            data = {k: v for k, v in data.items() if not (k in _UNSUPPORTED_WHEN_SET and v is None)}
+        def asks_nothing(name: str, value: Any) -> bool:
+            return name in _UNSUPPORTED_WHEN_SET and (value is None or value in _ASKING_NOTHING.get(name, ()))
+
+        if isinstance(data, dict) and any(asks_nothing(k, v) for k, v in data.items()):
+            data = {k: v for k, v in data.items() if not asks_nothing(k, v)}
         return data
 
     @field_validator("chat_template_kwargs")
