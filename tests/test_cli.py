@@ -347,8 +347,14 @@ def test_a_vllm_serve_command_line_moves_over(capsys):
     several = parser.parse_args(["serve", "--served-model-name", "a", "b", "--api-key", "k1", "k2"])
     assert (several.served_model_name, several.api_key) == (["a", "b"], ["k1", "k2"])  # vLLM's: several of each
     assert parser.parse_args(["serve", "--max-model-len", "auto"]).max_model_len is None
+    from torch_shift.serve.options import CorsOptions
+
+    assert CorsOptions.from_args(parser.parse_args(["serve"])) == CorsOptions()  # vLLM's defaults: any origin
+    cors = parser.parse_args(["serve", "--allowed-origins", '["http://a.example"]', "--allow-credentials",
+                              "--allowed-methods", '["GET", "POST"]'])
+    assert CorsOptions.from_args(cors) == CorsOptions(("http://a.example",), True, ("GET", "POST"), ("*",))
     assert parser.parse_args(["serve", "--max-model-len", "-1"]).max_model_len is None
-    for bad in (["--log-level", "notset"], ["--max-model-len", "1.5K"]):
+    for bad in (["--log-level", "notset"], ["--max-model-len", "1.5K"], ["--allowed-origins", "http://a.example"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
     capsys.readouterr()

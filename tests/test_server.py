@@ -25,6 +25,7 @@ from torch_shift import LLM, SamplingParams
 from torch_shift.engine.llm_engine import EngineArgs
 from torch_shift.parallel.launch import free_port
 from torch_shift.serve.api_server import create_server
+from torch_shift.serve.options import CorsOptions
 
 PROMPT = "the quick brown fox"
 
@@ -413,6 +414,22 @@ def test_api_key_models_health_and_openapi(checkpoints):
         assert httpx.get(s.url + "/health").json() == {"status": "ok"}
         assert httpx.head(s.url + "/health").status_code == 200  # balancers that probe without a body
         assert "/v1/chat/completions" in httpx.get(s.url + "/openapi.json").json()["paths"]
+        # a browser's preflight carries no key; the request after it does (vLLM's CORS defaults: any origin)
+        origin = {"origin": "http://localhost:3000"}
+        preflight = httpx.options(s.url + "/v1/completions", headers={
+            **origin, "access-control-request-method": "POST", "access-control-request-headers": "authorization"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        answered = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                              headers={**origin, "authorization": "Bearer sekret"})
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "*"
+    finally:
+        s.stop()
+    s = RunningServer(model_dir, cors=CorsOptions(allowed_origins=("http://app.example",)))
+    try:
+        for origin, allowed in (("http://app.example", True), ("http://elsewhere.example", False)):
+            preflight = httpx.options(s.url + "/v1/completions", headers={
+                "origin": origin, "access-control-request-method": "POST"})
+            assert (preflight.headers.get("access-control-allow-origin") == origin) == allowed
     finally:
         s.stop()
 

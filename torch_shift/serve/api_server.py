@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,7 +38,7 @@ from torch_shift.engine.sampling_params import SamplingParams
 from torch_shift.serve.async_engine import AsyncEngine, EngineFull, EngineStopped, Submission
 from torch_shift.serve.chat_output import ChatOutputFormat
 from torch_shift.serve.metrics import EngineMetrics
-from torch_shift.serve.options import ChatOptions
+from torch_shift.serve.options import ChatOptions, CorsOptions
 from torch_shift.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -210,7 +211,7 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
               api_key: str | Sequence[str] | None = None,
               max_body_bytes: int = 1 << 20, max_n: int = 128, max_prompts_per_request: int = 256,
               on_shutdown: Callable[[], None] | None = None, chat_options: ChatOptions | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, cors: CorsOptions | None = None) -> FastAPI:
     served_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = served_names[0]
 
@@ -222,6 +223,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
 
     app = FastAPI(title="torch_shift", version="0.1.0", lifespan=lifespan)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    cors = cors or CorsOptions()
+    # outside the API key's guard: a browser's preflight request carries no key
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_credentials=cors.allow_credentials,
+                       allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers)
     llm = engine.engine
     tokenizer = llm.tokenizer
     chat_options = chat_options or ChatOptions()
@@ -760,7 +765,7 @@ def run_server(engine_args, args) -> int:
             api_key=args.api_key or os.environ.get(API_KEY_ENV), max_waiting_seqs=args.max_waiting_seqs,
             max_body_bytes=args.max_body_bytes, max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
             step_deadline_s=args.step_deadline_s, on_fatal=exit_on_fatal, chat_options=ChatOptions.from_args(args),
-            log_requests=args.enable_log_requests)
+            log_requests=args.enable_log_requests, cors=CorsOptions.from_args(args))
     except BaseException:
         sock.close()
         raise
@@ -840,12 +845,13 @@ def create_server(engine_args, served_model_name: str | Sequence[str] | None = N
                   max_waiting_seqs: int = 256, max_body_bytes: int = 1 << 20, max_n: int = 128,
                   max_prompts_per_request: int = 256, step_deadline_s: float = 30.0,
                   on_fatal: Callable[[], None] | None = None, chat_options: ChatOptions | None = None,
-                  log_requests: bool = False) -> tuple[FastAPI, AsyncEngine]:
+                  log_requests: bool = False, cors: CorsOptions | None = None) -> tuple[FastAPI, AsyncEngine]:
     """Build the engine (rank 0 of a parallel one starts its other ranks), its async wrapper and the app.
     `on_fatal` runs (from another thread) when the engine failed or stalled; every client in flight has been
     told by then. `chat_options`: tools and reasoning (vLLM's --enable-auto-tool-choice, --tool-call-parser,
     --reasoning-parser, --chat-template). `log_requests`: each admitted request logged at INFO on the
-    "torch_shift.serve" logger (vLLM's --enable-log-requests)."""
+    "torch_shift.serve" logger (vLLM's --enable-log-requests). `cors`: which browser origins may call it (vLLM's
+    --allowed-origins and its other CORS flags; by default any)."""
     from torch_shift.engine.llm_engine import LLMEngine
 
     chat_options = chat_options or ChatOptions()
@@ -871,7 +877,7 @@ def create_server(engine_args, served_model_name: str | Sequence[str] | None = N
 
     app = build_app(async_engine, names, metrics, api_key=api_key, max_body_bytes=max_body_bytes, max_n=max_n,
                     max_prompts_per_request=max_prompts_per_request, on_shutdown=stop, chat_options=chat_options,
-                    log_requests=log_requests)
+                    log_requests=log_requests, cors=cors)
     app.state.stop = stop
     app.state.served_model_name = name
     return app, async_engine

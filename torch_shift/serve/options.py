@@ -20,6 +20,34 @@ def _port(text: str) -> int:
     return port
 
 
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'a JSON list of strings, such as \'["http://localhost:3000"]\', got {text!r}')
+    return value
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    """Which browser origins may call the server (vLLM's defaults: any origin, method and header, no
+    credentials), as Starlette's CORSMiddleware takes them."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CorsOptions:
+        return cls(tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods),
+                   tuple(args.allowed_headers))
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -57,6 +85,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     from torch_shift.serve.reasoning import REASONING_PARSERS
     from torch_shift.serve.tool_parsers import TOOL_PARSERS
 
+    c = parser.add_argument_group("CORS (vLLM's flags: browsers' cross-origin requests)")
+    c.add_argument("--allowed-origins", type=_json_list, default=["*"], help="origins allowed, a JSON list")
+    c.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, auth headers)")
+    c.add_argument("--allowed-methods", type=_json_list, default=["*"], help="methods allowed, a JSON list")
+    c.add_argument("--allowed-headers", type=_json_list, default=["*"], help="headers allowed, a JSON list")
     t = parser.add_argument_group("tools and reasoning (vLLM's flags)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='honour tool_choice "auto" (the default when a request gives tools): the model\'s calls are '
