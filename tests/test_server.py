@@ -1166,6 +1166,25 @@ def test_metrics_carry_vllms_names(server):
                 name.removeprefix("torch_shift:") in {n.removeprefix("vllm:") for n in families}]  # no duplicates
 
 
+def test_an_aborted_request_counts_each_of_its_samples(server):
+    """As vLLM's child requests: a finished request of n samples counts n ends, and so does an aborted one (it
+    counted 1)."""
+    def aborted() -> float:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        return sum(x.value for x in families["vllm:request_success"].samples
+                   if x.name.endswith("_total") and x.labels["finished_reason"] == "abort")
+
+    before = aborted()
+    body = {"prompt": PROMPT, "max_tokens": 200, "n": 3, "temperature": 1.0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        next(line for line in response.iter_lines() if line.startswith("data:"))
+    assert server.idle_free_blocks()
+    deadline = time.monotonic() + 10
+    while aborted() < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted() == before + 3
+
+
 def test_speculative_decoding_through_the_server(checkpoints, reference):
     """--speculative-config's engine argument: streamed and whole completions equal the engine's without
     speculation, and vLLM's spec-decode counters move."""

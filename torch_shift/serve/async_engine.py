@@ -239,11 +239,16 @@ class AsyncEngine:
                     self._add(command)
                 continue
             _, request_id = command
+            tracked = self.engine.output_processor.requests.get(request_id)
+            # each of its sequences counts as vLLM's child requests do: by its own end, or as aborted here
+            reasons = [child.status.value if child.status.finished else "abort"
+                       for child in tracked.parent.children] if tracked is not None else []
             self.engine.abort_request(request_id)  # a no-op for a request that already finished
             with self._lock:
                 known = self._streams.pop(request_id, None) is not None
             if known and self.metrics is not None:
-                self.metrics.on_finished("abort", request_id)
+                for reason in reasons or ["abort"]:
+                    self.metrics.on_finished(reason, request_id)
         if changed and self.metrics is not None:
             self.metrics.update_gauges(self.engine)  # aborts free blocks now, not at the next step
 
