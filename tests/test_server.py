@@ -244,6 +244,16 @@ def test_an_empty_string_is_a_prompt_where_the_tokenizer_adds_a_bos_token(server
     assert out.choices[0].text == greedy(reference, "").text
 
 
+def test_a_body_json_cannot_read_says_why(server):
+    """FastAPI's "There was an error parsing the body", for what its JSON parser raised beside JSON errors."""
+    for body, why in ((b'{"prompt": "\xff\xfe"}', "the body is not UTF-8 text: invalid start byte at byte 12"),
+                      (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "the body's JSON nests too deeply"),
+                      (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "the body cannot be read: Exceeds the limit")):
+        response = httpx.post(server.url + "/v1/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=30)
+        assert response.status_code == 400 and why in response.json()["error"]["message"], response.text
+
+
 @pytest.mark.parametrize("path,body,status", BAD_REQUESTS)
 def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(server, reference, path, body, status):
     kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {

@@ -285,6 +285,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
             message = f"Invalid URL ({request.method} {request.url.path})"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and exc.__cause__ is not None and exc.detail == _UNPARSED_BODY:
+            message = _unparsed_body_message(exc.__cause__)
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message, _status_type(exc.status_code), code=exc.status_code,
@@ -593,6 +595,20 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
         return await asyncio.to_thread(respond)
 
     return app
+
+
+_UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's, for what the JSON parser raised beside JSON errors
+
+
+def _unparsed_body_message(cause: BaseException) -> str:
+    """Why FastAPI could not read a body, from the error its JSON parser raised."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not UTF-8 text: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests too deeply to be read"
+    if isinstance(cause, ValueError):  # Python's bound on an integer's digits
+        return f"the body cannot be read: {cause}"
+    return f"the body cannot be read: {type(cause).__name__}"
 
 
 def _json_response(body: dict) -> Response:
