@@ -189,13 +189,9 @@ class GrammarCompiler:
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()  # grammar's key -> its fresh matcher, or refusal
         self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher of `params`' grammar (ParameterError where it cannot be used); `prototype(params)
-        .deep_copy()` for each of several sequences that follow one grammar."""
-        return self.prototype(params).deep_copy()
-
     def prototype(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar's matcher, kept to be copied: never given to a sequence itself."""
+        """The compiled grammar's matcher (ParameterError where it cannot be used), kept to be copied: each sequence
+        that follows it gets `prototype(params).deep_copy()`, never the prototype itself."""
         try:
             key = _grammar_key(params)
         except ValueError as e:  # a schema that is not JSON (disable_additional_properties reads it)
