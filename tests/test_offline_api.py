@@ -124,6 +124,15 @@ def test_requests_aborted_while_generate_runs_end_it_with_an_error(llm):
     (lambda llm: llm.chat([{"role": "assistant", "content": None, "tool_calls": ["x"]}]), "a tool call is"),
     (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_kwargs={"self": 1}), "own arguments"),
     (lambda llm: llm.chat([{"role": "user", "content": "a"}], add_generation_prompt="x"), "True or False"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_kwargs={"chat_template": "x"}),
+     "own arguments"),  # was rendered with the model's template, the one given silently dropped
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], lora_request=object()), "no LoRA"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], mm_processor_kwargs={}), "text only"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_content_format="xml"), "'openai'"),
+    (lambda llm: llm.tokenizer.apply_chat_template([{"role": "user", "content": "a"}], return_tensors="pt"),
+     "return_tensors .* not supported"),  # was a template variable: a list came back where a tensor was asked for
+    (lambda llm: llm.generate({"prompt": "a", "multi_modal_data": {"image": 1}}), "multi_modal_data: .* text only"),
+    (lambda llm: llm.generate({"prompt_token_ids": [5], "prompt": 5}), "is their text"),
 ])
 def test_a_mistake_is_said_plainly(llm, call, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -184,3 +193,39 @@ def test_a_fresh_process_keeps_its_environment_warnings_and_start_method(llama):
               "multiprocessing.set_start_method('spawn')\nprint('ok')")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_what_scripts_written_for_vllm_pass_and_read(llm, llama):
+    """A probe's findings: vLLM's LLM.chat parameters (in vLLM's order) and LLM arguments, a TokensPrompt with its
+    text, and transformers' tokenizer names."""
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    template = "X{{ messages[0]['content'] }}Y"
+    given = llm.chat(messages, params, False, None, template)[0]  # vLLM's positional order
+    assert given.prompt == "XhiY" == llm.tokenizer.apply_chat_template(messages, chat_template=template)
+    assert given.outputs[0].token_ids == llm.generate([llm.tokenizer.encode("XhiY", add_special_tokens=False)],
+                                                      params, use_tqdm=False)[0].outputs[0].token_ids
+    plain = llm.chat(messages, params, use_tqdm=False, lora_request=None, chat_template_content_format="string",
+                     mm_processor_kwargs=None)[0]
+    assert plain.prompt == llm.tokenizer.apply_chat_template(messages)
+    ids = llm.tokenizer.encode("the quick")
+    out = llm.generate({"prompt_token_ids": ids, "prompt": "the quick", "multi_modal_data": None}, params,
+                       use_tqdm=False)[0]
+    assert (out.prompt, out.prompt_token_ids) == ("the quick", ids)
+    tok = llm.get_tokenizer()
+    assert tok.eos_token_id in tok.eos_token_ids and tok.convert_tokens_to_ids(tok.eos_token) == tok.eos_token_id
+    assert tok("the quick") == {"input_ids": ids} and tok(["a", "b"])["input_ids"] == [tok.encode("a"),
+                                                                                       tok.encode("b")]
+    assert tok.batch_decode([ids[1:], ids[1:2]]) == [tok.decode(ids[1:]), tok.decode(ids[1:2])]
+    assert tok.get_vocab()[tok.convert_ids_to_tokens([ids[-1]])[0]] == ids[-1] and len(tok.get_vocab()) == len(tok)
+    assert set(tok.all_special_ids) >= {tok.eos_token_id} and len(tok.all_special_tokens) == len(tok.all_special_ids)
+    assert _clean(llm)
+    _, model_dir = llama
+    taken = LLM(str(model_dir), trust_remote_code=True, disable_log_stats=True, kv_cache_dtype="auto",
+                quantization=None, tokenizer_mode="auto")
+    taken.shutdown()
+    for kwargs, error in (({"swap_space": 4}, "cpu_kv_gb"), ({"kv_cache_dtype": "fp8"}, "model's dtype"),
+                          ({"quantization": "awq"}, "read from its config.json"),
+                          ({"trust_remote_code": "yes"}, "taken: True or False")):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))}=.*vLLM's argument; .*{error}"):
+            LLM(str(model_dir), **kwargs)

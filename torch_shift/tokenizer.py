@@ -121,6 +121,37 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    # transformers' names that scripts written for vLLM's get_tokenizer() reach for
+    @property
+    def eos_token_id(self) -> int | None:
+        """The eos token's id (None without one); `eos_token_ids` holds every id that ends a request."""
+        return self._token_id(self.eos_token)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self._added_token_ids)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [self.backend.id_to_token(token_id) for token_id in self.all_special_ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(token) for token in tokens]
+
+    def batch_decode(self, sequences: Iterable[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """transformers' call, without tensors: {"input_ids": ids} (a list of them for a list of texts)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; with add_special_tokens, the post-processor's special tokens and exactly one bos."""
         if not isinstance(text, str):
@@ -201,15 +232,24 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render messages with the chat template as transformers does; token ids if tokenize (no extra bos).
         `continue_final_message`: the text ends inside the last message (an assistant turn the model continues),
-        cut after its content, as transformers cuts it."""
+        cut after its content, as transformers cuts it. `chat_template`: a Jinja template instead of the model's.
+        Other keywords are template variables, as in transformers, but for transformers' options of its tensor
+        outputs (`return_tensors`, `return_dict`, `padding`, ...), which are refused: this returns text or a list
+        of ids. (Defaults differ from transformers': text with the generation prompt, as vLLM renders chats.)"""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second opens a new one")
-        template = self._template_for(kwargs.get("tools"))
+        refused = sorted(name for name in _TENSOR_OUTPUT_OPTIONS if kwargs.get(name) not in (None, False))
+        if refused:
+            raise ValueError(f"apply_chat_template: {', '.join(refused)} (transformers' tensor outputs) are not "
+                             "supported: it returns the text, or a list of token ids with tokenize=True")
+        kwargs = {name: value for name, value in kwargs.items() if name not in _TENSOR_OUTPUT_OPTIONS}
+        template = self._template_for(kwargs.get("tools")) if chat_template is None else chat_template
         if template is None:
             raise ValueError(
                 "This tokenizer has no chat template (none in tokenizer_config.json, chat_template.jinja or "
@@ -256,6 +296,11 @@ class Tokenizer:
         with_special = self.backend.encode("a", add_special_tokens=True).ids
         without_special = self.backend.encode("a", add_special_tokens=False).ids
         return with_special[:1] == [self.bos_token_id] and without_special[:1] != [self.bos_token_id]
+
+
+# transformers' apply_chat_template options for tensor outputs, which this tokenizer does not make
+_TENSOR_OUTPUT_OPTIONS = ("return_tensors", "return_dict", "return_assistant_tokens_mask", "padding", "truncation",
+                          "max_length")
 
 
 class IncrementalDetokenizer:

@@ -21,10 +21,25 @@ PROMPT_KINDS = ("a prompt is a string or a list of token ids, or vLLM's {'prompt
                 "{'prompt_token_ids': [ids]}")
 
 
+# vLLM's prompt dicts' optional fields, each taken as None only: torch_shift reads text, and salts no cache
+_NONE_ONLY_PROMPT_FIELDS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "cache_salt")
+
+
 def unwrap_prompt(prompt):
-    """vLLM's prompt dicts as the text or token ids they hold; anything else as it is."""
+    """vLLM's prompt dicts as the text or token ids they hold (token ids beside their text, vLLM's TokensPrompt with
+    `prompt`, as a TokenizedPrompt); anything else as it is."""
     if isinstance(prompt, dict):
-        keys = set(prompt)
+        given = [name for name in _NONE_ONLY_PROMPT_FIELDS if prompt.get(name) is not None]
+        if given:
+            raise ValueError(f"a prompt's {', '.join(given)}: torch_shift reads text only and salts no cache "
+                             "(leave it out or give None)")
+        keys = set(prompt) - set(_NONE_ONLY_PROMPT_FIELDS)
+        if keys == {"prompt_token_ids", "prompt"}:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"a prompt dict's 'prompt' beside its 'prompt_token_ids' is their text, got "
+                                f"{type(prompt['prompt']).__name__}")
+            token_ids = unwrap_prompt({"prompt_token_ids": prompt["prompt_token_ids"]})
+            return TokenizedPrompt(prompt["prompt"], list(token_ids))
         if keys == {"prompt"}:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"{{'prompt': ...}} holds text, got {type(prompt['prompt']).__name__} (token ids go "
@@ -105,10 +120,12 @@ class InputProcessor:
     def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
         """Check a prompt (text, token ids, vLLM's prompt dict, or one tokenized before: its ids checked again, as
         another engine or the caller may have made it) and tokenize it."""
+        if not isinstance(prompt, TokenizedPrompt):
+            prompt = unwrap_prompt(prompt)
         if isinstance(prompt, TokenizedPrompt):
             text, prompt = prompt.text, prompt.token_ids
         else:
-            prompt = text = unwrap_prompt(prompt)
+            text = prompt
         if isinstance(prompt, str):  # "" too: a tokenizer that adds a BOS makes a prompt of it (vLLM's)
             if (error := lone_surrogate_error(prompt, "the prompt")) is not None:
                 raise ValueError(error)

@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_shift.engine.args import EngineArgs
-from torch_shift.engine.input_processor import PROMPT_KINDS, unwrap_prompt
+from torch_shift.engine.input_processor import PROMPT_KINDS, TokenizedPrompt, unwrap_prompt
 from torch_shift.engine.llm_engine import LLMEngine, Prompt, refuse_vllm_options
 from torch_shift.engine.outputs import RequestOutput
 from torch_shift.engine.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ from torch_shift.models.default import default_model_dir
 from torch_shift.models.loader import WeightSource
 from torch_shift.parallel.agreement import value_digest
 from torch_shift.parallel.shift import ShiftModule
-from torch_shift.tokenizer import lone_surrogate_error
+from torch_shift.tokenizer import lone_surrogate_error, template_reads_content_parts
 
 # What a module passed to LLM fixes by itself (its mesh, parallelize's arguments, its parameters).
 _SET_BY_MODULE = ("sp", "tp", "shift_threshold", "shift_weights", "dtype", "device", "revision")
@@ -34,6 +34,7 @@ class LLM:
         under torchrun: rank 0 schedules, the others follow in `generate`) or a DecoderLM; or `weights`: an
         in-memory weight source (see torch_shift.handoff), with `model` then only a name. Engine arguments:
         see EngineArgs (vLLM's names of the parallel degrees are accepted too)."""
+        engine_args = _without_vllm_only_arguments(engine_args)
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -210,10 +211,14 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
-        continue_final_message: bool = False,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template and generate, as vLLM's `LLM.chat` (under
         torchrun on every rank, as `generate`).
@@ -224,12 +229,24 @@ class LLM:
         output: `torch_shift.serve.tool_parsers.TOOL_PARSERS["hermes"].parse(text)` (or the model's format).
         `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3).
         `continue_final_message` (with `add_generation_prompt=False`): the output continues the last message, as
-        vLLM's (an assistant turn begun by the caller)."""
+        vLLM's (an assistant turn begun by the caller). `chat_template`: a Jinja template instead of the model's.
+        vLLM's parameters in vLLM's order; `lora_request` and `mm_processor_kwargs` must be None, and
+        `chat_template_content_format` "auto" ("string" and "openai" are vLLM's too: a message's text content is read
+        either way, as the template reads it)."""
         from torch_shift.serve.tools import TEMPLATE_CALL_ARGUMENTS, check_tools, template_messages
 
         def chat():
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so no chat template")
+            if lora_request is not None:
+                raise ValueError("lora_request: torch_shift serves no LoRA adapters (give None)")
+            if mm_processor_kwargs is not None:
+                raise ValueError("mm_processor_kwargs: torch_shift reads text only (give None)")
+            if chat_template_content_format not in ("auto", "string", "openai"):
+                raise ValueError(f"chat_template_content_format is 'auto', 'string' or 'openai' (vLLM's), got "
+                                 f"{chat_template_content_format!r}")
+            if chat_template is not None and not isinstance(chat_template, str):
+                raise TypeError(f"chat_template is a Jinja template (a str), got {type(chat_template).__name__}")
             if tools is not None:
                 check_tools(tools)
             conversations = messages
@@ -245,11 +262,13 @@ class LLM:
             if reserved:
                 raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are the template call's own arguments "
                                  "(chat's parameters), not template variables")
+            reads_parts = (template_reads_content_parts(chat_template) if chat_template is not None
+                           else self.tokenizer.reads_content_parts(tools))
             texts = [
-                self.tokenizer.apply_chat_template(template_messages(c, self.tokenizer.reads_content_parts(tools)),
+                self.tokenizer.apply_chat_template(template_messages(c, reads_parts),
                                                    add_generation_prompt=add_generation_prompt, tools=tools,
                                                    continue_final_message=continue_final_message,
-                                                   **(chat_template_kwargs or {}))
+                                                   chat_template=chat_template, **(chat_template_kwargs or {}))
                 for c in conversations
             ]
             for i, text in enumerate(texts):  # a lone surrogate in any field the template renders
@@ -262,17 +281,42 @@ class LLM:
                 output.prompt = text  # the rendered conversation, as vLLM's
             return outputs
 
-        return self._on_every_rank(chat, "chat", messages, sampling_params, add_generation_prompt, tools,
-                                   chat_template_kwargs, continue_final_message)
+        return self._on_every_rank(chat, "chat", messages, sampling_params, chat_template, add_generation_prompt,
+                                   continue_final_message, tools, chat_template_kwargs)
+
+
+# vLLM's LLM arguments without a torch_shift engine argument: the values that ask for what torch_shift does anyway
+# (taken, and dropped), and what the others would ask for (refused, saying so)
+_VLLM_ONLY_ARGUMENTS = {
+    "trust_remote_code": ((True, False), "torch_shift runs no code from a checkpoint: its model classes are its own"),
+    "disable_log_stats": ((True, False), "an LLM logs no periodic statistics (LLM.stats() returns them)"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "quantization": ((None,), "a checkpoint's quantization is read from its config.json (GPTQ, AWQ, FP8 and "
+                              "compressed-tensors, dequantized as they load)"),
+    "tokenizer_mode": (("auto", "hf"), "the tokenizer is the checkpoint's tokenizer.json, read by `tokenizers`"),
+    "swap_space": ((), "torch_shift's host tier of the KV cache is cpu_kv_gb (GiB; --swap-space on the command line)"),
+}
+
+
+def _without_vllm_only_arguments(engine_args: dict) -> dict:
+    """`engine_args` without vLLM's arguments that ask for what torch_shift does anyway; a ValueError for one that asks
+    for more, naming what it would take."""
+    for name in sorted(set(engine_args) & set(_VLLM_ONLY_ARGUMENTS)):
+        taken, why = _VLLM_ONLY_ARGUMENTS[name]
+        value = engine_args[name]
+        if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
+            accepted = f" (taken: {' or '.join(map(repr, taken))})" if taken else ""
+            raise ValueError(f"{name}={value!r}: vLLM's argument; {why}{accepted}")
+    return {name: value for name, value in engine_args.items() if name not in _VLLM_ONLY_ARGUMENTS}
 
 
 def _prompt_of(prompt, index: int) -> Prompt:
     """A prompt as the engine takes it (text or token ids); vLLM's prompt dicts are unwrapped."""
     try:
         prompt = unwrap_prompt(prompt)
-    except TypeError as e:
-        raise TypeError(f"prompt {index}: {e}") from None
-    if not isinstance(prompt, (str, list, tuple)):
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"prompt {index}: {e}") from None
+    if not isinstance(prompt, (str, list, tuple, TokenizedPrompt)):
         raise TypeError(f"prompt {index}: got {type(prompt).__name__}; {PROMPT_KINDS}")
     return prompt
 

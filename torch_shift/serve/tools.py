@@ -262,7 +262,7 @@ def null_content_error(role: Any, content: Any, tool_calls: Any) -> str | None:
 # names a chat template call takes itself (Tokenizer.apply_chat_template's and the request's own fields): never
 # template variables from chat_template_kwargs
 TEMPLATE_CALL_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                     "tokenize", "return_dict", "self"})
+                                     "tokenize", "return_dict", "self", "chat_template"})
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]], content_parts: bool = False) -> list[dict[str, Any]]:
