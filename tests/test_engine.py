@@ -199,7 +199,8 @@ def test_eos_ends_generation_unless_ignored(llama, tmp_path):
     assert llm.engine.eos_token_ids == frozenset({1, eos})
     stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == tokens[: tokens.index(eos) + 1]
-    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    # the model's end id beside the tokenizer's eos (1) is a stop token id to vLLM: its id is the stop_reason
+    assert llm.tokenizer.eos_token_id == 1 and stopped.finish_reason == "stop" and stopped.stop_reason == eos
     ignored = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == tokens and ignored.finish_reason == "length"
 

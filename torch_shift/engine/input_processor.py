@@ -243,7 +243,8 @@ class InputProcessor:
                 child_params = replace(params, seed=child_seed(params.seed, i))
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids,
-                            arrival_time=arrival_time, priority=priority)
+                            arrival_time=arrival_time, priority=priority,
+                            primary_eos_token_id=None if self.tokenizer is None else self.tokenizer.eos_token_id)
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
             if grammar is not None:

@@ -41,13 +41,18 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         priority: int = 0,
+        primary_eos_token_id: int | None = None,
     ):
+        """`primary_eos_token_id`: the tokenizer's eos, which ends a request with no stop_reason; the model's other
+        end ids (generation_config.json's) end it with their id as stop_reason, as vLLM makes them stop_token_ids.
+        None: none of them gives a stop_reason."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # max_tokens clipped to the model's context
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
+        self.primary_eos_token_id = primary_eos_token_id
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         # what min_tokens keeps from being drawn: the model's end ids with ignore_eos too (vLLM's rule)
         self.min_tokens_banned = eos_token_ids | self.stop_token_ids
@@ -129,6 +134,8 @@ class Request:
         if num_outputs >= self.sampling_params.min_tokens:
             last = outputs[-1]
             if last in self.eos_token_ids:
+                if self.primary_eos_token_id is not None and last != self.primary_eos_token_id:
+                    self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if last in self.stop_token_ids:
                 self.stop_reason = last
