@@ -271,6 +271,61 @@ def test_construction_ends_within_the_timeout_when_a_rank_stops_answering(llama,
     assert {p.pid for p in multiprocessing.active_children()} <= children_before
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_before_the_control_group_ends_the_construction_with_its_exit(llama, monkeypatch):
+    """The control group, which has no timeout once made, was made without one: a rank that died before it joined
+    left rank 0 waiting for it for good (a helper's probe: no timeout, no Ctrl+C). Now made under the bound, and the
+    error names the rank, not the store's key."""
+    from torch_shift.parallel import groups
+
+    _, model_dir = llama
+    parent = os.getpid()
+    build = groups.DeploymentGroups.build.__func__
+
+    def die_in_started_ranks(cls, *args, **kwargs):
+        if os.getpid() != parent:
+            os._exit(7)
+        return build(cls, *args, **kwargs)
+
+    monkeypatch.setattr(groups.DeploymentGroups, "build", classmethod(die_in_started_ranks))
+    children_before = {p.pid for p in multiprocessing.active_children()}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the parallel engine could not start: rank 1 exited with code 7"):
+        LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=5)
+    assert time.monotonic() - start < 5 + 30
+    assert {p.pid for p in multiprocessing.active_children()} <= children_before
+    assert tokens(LLM(str(model_dir)))  # the process is still whole
+
+
+def _wait_on_the_control_group(rank: int, world_size: int) -> float:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torch_shift.config import ModelConfig
+    from torch_shift.parallel.groups import DeploymentGroups
+    from torch_shift.parallel.layouts import build_deployment
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64})
+    bound = timedelta(seconds=2)
+    dist.init_process_group("gloo", timeout=bound)
+    control = DeploymentGroups.build(build_deployment(config, tp=2), bound).control_group
+    if rank == 1:
+        time.sleep(4)  # an idle server: past the forward's bound
+    start = time.monotonic()
+    dist.broadcast_object_list([None] if rank == 0 else ["plan"], src=1, group=control)
+    return time.monotonic() - start
+
+
+def test_the_control_group_is_made_under_the_bound_then_waits_without_one():
+    """Made under the forward's bound (a rank that died before it joined ends the construction), the control group
+    then waits as long as a server idles."""
+    waited = run_ranks(_wait_on_the_control_group, 2, timeout_s=60)
+    assert waited[0] > 2
+
+
 EXIT_WITH_A_STOPPED_RANK = """
 import os, signal, sys
 from torch_shift import LLM

@@ -149,8 +149,9 @@ class DeploymentGroups:
     pool: dict[tuple[int, ...], tuple[dist.ProcessGroup, DeviceMesh]]  # this rank's groups binding replicas
 
     @classmethod
-    def build(cls, deployment, replica: ShiftGroups | None = None) -> DeploymentGroups:
-        """`replica`: this rank's replica groups as already built (a module from `parallelize`)."""
+    def build(cls, deployment, timeout: timedelta, replica: ShiftGroups | None = None) -> DeploymentGroups:
+        """`replica`: this rank's replica groups as already built (a module from `parallelize`); `timeout`: the
+        bound of the forward's collectives, which the control group is made under."""
         world = dist.get_world_size()
         if world != deployment.world_size:
             # a pipeline replica's ranks are its stages (and, under Seesaw, its TP group too)
@@ -162,8 +163,11 @@ class DeploymentGroups:
                              f"{deployment.world_size} differs from the world size {world}")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         # Ranks wait on the control group between requests, for as long as the server idles: no
-        # timeout there; the forward's collectives keep the process group's bound.
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        # timeout there; the forward's collectives keep the process group's bound. It is made under that bound,
+        # then lifted: made with no bound, a rank that died before it joined left the others waiting for it forever
+        # (gloo's rendezvous waits out the group's timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
         per_replica = world // deployment.num_replicas
         # a replica's ("sp", "tp") submesh: every replica has one unless its ranks only pipeline (static PP,
         # whose stages talk point to point)

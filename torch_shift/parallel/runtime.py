@@ -59,12 +59,27 @@ class ParallelRuntime:
             else:  # the user's group (torchrun): every rank of it must be building the same engine
                 assert fingerprint is not None, "ranks of the user's program compare their engines' fingerprints"
                 every_rank_joins(timeout_s, fingerprint)
-            self.groups = DeploymentGroups.build(deployment)
+            self.groups = DeploymentGroups.build(deployment, self.timeout)
             self.rank = dist.get_rank()
             self._share_memory(timeout_s)
-        except BaseException:
+        except BaseException as e:
+            # (a user's mistake is said as it is: no rank to wait for)
+            failed = (self._rank_that_failed(0.0 if isinstance(e, (ValueError, TypeError)) else 1.0)
+                      if isinstance(e, Exception) else None)
             self.shutdown(timeout_s=2.0)  # started ranks must not outlive a failed construction
+            if failed is not None:  # what gloo or the store says of it names no rank
+                raise RuntimeError(f"the parallel engine could not start: {failed}") from e
             raise
+
+    def _rank_that_failed(self, wait_s: float = 1.0) -> str | None:
+        """What went wrong with a rank this process started, waiting up to `wait_s` for one whose connection closed
+        to be seen exiting; None where none failed (or none was started)."""
+        if self.launched is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while (failed := self.launched.failed()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return failed
 
     def _init_state(self, timeout_s: float) -> None:
         self.timeout = timedelta(seconds=timeout_s)
@@ -90,7 +105,7 @@ class ParallelRuntime:
         runtime = cls.__new__(cls)
         runtime._init_state(timeout_s)
         every_rank_joins(timeout_s, fingerprint)
-        runtime.groups = DeploymentGroups.build(deployment, replica_groups)
+        runtime.groups = DeploymentGroups.build(deployment, runtime.timeout, replica_groups)
         runtime.rank = dist.get_rank()
         runtime._share_memory(timeout_s)
         return runtime
