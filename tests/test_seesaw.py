@@ -521,6 +521,21 @@ def test_tier_and_link_arguments_are_checked():
             EngineArgs("model", **bad)
 
 
+def test_a_tier_larger_than_dev_shm_is_refused_before_any_rank_starts(layers4, monkeypatch):
+    """Were torch's "unable to allocate shared memory" (a 64 MB /dev/shm, Docker's default) after a file the size of
+    the tier was left in /dev/shm, on every try."""
+    import multiprocessing
+
+    from torch_shift.kv import host_tier
+
+    monkeypatch.setattr(host_tier, "_shm_free_bytes", lambda: 64 << 20)
+    left_before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ValueError, match=r"the host KV tier needs .* GiB of /dev/shm, which has 0.06 GiB free: "
+                                         r"lower cpu_kv_gb"):
+        LLM(str(layers4), pp=2, policy="seesaw", cpu_kv_gb=1.0)
+    assert not multiprocessing.active_children() and set(os.listdir("/dev/shm")) <= left_before
+
+
 def test_a_shared_host_tier_is_made_in_shared_memory_without_a_private_copy():
     """The tier ranks share: zero-filled, shared, and never held twice (a copy into shared memory made the README's
     cpu_kv_gb=8 take 16 GiB at its peak, and an engine built after another ran out of memory)."""

@@ -49,6 +49,9 @@ def create_host_tier(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -
     # made in shared memory (zero-filled by the kernel) rather than moved there: `share_memory_()` copies the
     # tensor into a new shared storage, so the tier took twice its size until the copy was freed
     numel = math.prod(shape)
+    error = _shm_room_error(numel * dtype.itemsize)
+    if error is not None:  # torch's error, where /dev/shm is too small, named no option and left its file there
+        raise ValueError(error)
     storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
@@ -62,11 +65,8 @@ def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadca
     nbytes = numel * dtype.itemsize
     path = None
     if rank == 0:
-        free = _shm_free_bytes()
         # a sparse file larger than /dev/shm maps fine and dies of SIGBUS at the first touch
-        error = (None if free is None or free >= nbytes else
-                 f"the host KV tier needs {nbytes / 2**30:.2f} GiB of /dev/shm, which has {free / 2**30:.2f} GiB "
-                 "free: lower cpu_kv_gb or enlarge /dev/shm")
+        error = _shm_room_error(nbytes)
         path = os.path.join("/dev/shm", f"torch_shift_kv_tier_{uuid.uuid4().hex}")
     path, error = broadcast((path, error) if rank == 0 else None)
     if error is not None:
@@ -82,6 +82,15 @@ def map_host_tier(shape: tuple[int, ...], dtype: torch.dtype, rank: int, broadca
         if rank == 0 and os.path.exists(path):
             os.unlink(path)
     return tier.view(shape)
+
+
+def _shm_room_error(nbytes: int) -> str | None:
+    """Why a tier of `nbytes` does not fit in /dev/shm's free space; None where it does (or /dev/shm is not there)."""
+    free = _shm_free_bytes()
+    if free is None or free >= nbytes:
+        return None
+    return (f"the host KV tier needs {nbytes / 2**30:.2f} GiB of /dev/shm, which has {free / 2**30:.2f} GiB free: "
+            "lower cpu_kv_gb or enlarge /dev/shm")
 
 
 def _shm_free_bytes() -> int | None:
