@@ -350,3 +350,34 @@ def test_the_process_exits_and_ends_a_stopped_rank(llama, tmp_path):
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
         assert time.monotonic() < deadline, f"rank {pid} outlived its process"
         time.sleep(0.1)
+
+
+FORK_A_CHILD_THAT_EXITS = """
+import os, sys, time
+from torch_shift import LLM, SamplingParams
+llm = LLM(sys.argv[1], sp=2, tp=1)
+params = SamplingParams(max_tokens=6, temperature=0.0)
+before = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0].token_ids
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # its exit handlers run in the child
+deadline = time.monotonic() + 30
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    assert time.monotonic() < deadline, "the forked child hung at its exit"
+    time.sleep(0.05)
+after = llm.generate("the quick brown fox", params, use_tqdm=False)[0].outputs[0].token_ids
+assert after == before, (before, after)
+llm.shutdown()
+print("ok")
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_ranks_alone(llama, tmp_path):
+    """A helper's probe: the child's copy of the runtime's exit handler (and multiprocessing's, which took the ranks
+    for its daemonic children) terminated the parent's rank, then the child hung at its exit in gloo's destructors."""
+    _, model_dir = llama
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_A_CHILD_THAT_EXITS)
+    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.split()[-1:] == ["ok"], result.stderr[-2000:]

@@ -14,6 +14,8 @@ process group destroyed at shutdown, which ends the started ranks within a bound
 from __future__ import annotations
 
 import atexit
+import ctypes
+import multiprocessing
 import os
 import socket
 import sys
@@ -34,6 +36,31 @@ from torch_shift.parallel.shm import ShmCommunicator
 
 # the runtime whose started ranks hold this process's default process group, if any
 _holder: ParallelRuntime | None = None
+
+
+_kept_in_child: list = []
+
+
+def _forget_ranks_in_child() -> None:
+    """In a child forked from a process that holds ranks (the user's `os.fork()`): the ranks stay the parent's.
+    multiprocessing's exit handler would terminate them from the child as its own daemonic children, and the
+    process groups' destructors, run as the child exits, wait for gloo's threads, which a fork does not copy
+    (measured: the child hung at its exit): they are kept alive until the child ends."""
+    global _holder
+    if _holder is None:
+        return
+    if _holder.launched is not None:
+        for process in _holder.launched.procs.values():
+            multiprocessing.process._children.discard(process)
+    if dist.is_initialized():
+        groups = list(dist.distributed_c10d._world.pg_map)
+        _kept_in_child.extend(groups)
+        for group in groups:  # past the interpreter's own teardown of modules, which would drop the list
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _holder = None
+
+
+os.register_at_fork(after_in_child=_forget_ranks_in_child)
 
 
 class ParallelRuntime:
@@ -82,6 +109,7 @@ class ParallelRuntime:
         return failed
 
     def _init_state(self, timeout_s: float) -> None:
+        self._pid = os.getpid()
         self.timeout = timedelta(seconds=timeout_s)
         self.launched: LocalRanks | None = None
         self._user_threads: int | None = None  # the user's thread count, given back once the engine is built
@@ -267,6 +295,8 @@ class ParallelRuntime:
         ranks end it). Idempotent; a no-op under torchrun."""
         global _holder
         check_timeout(timeout_s)
+        if os.getpid() != self._pid:  # a forked child's copy (its exit runs this): the ranks are the parent's
+            return
         with self._close_lock:
             if self._closed or self.launched is None:
                 return
