@@ -229,3 +229,20 @@ def test_what_scripts_written_for_vllm_pass_and_read(llm, llama):
                           ({"trust_remote_code": "yes"}, "taken: True or False")):
         with pytest.raises(ValueError, match=f"{next(iter(kwargs))}=.*vLLM's argument; .*{error}"):
             LLM(str(model_dir), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"tp": 2, "policy": "flying"}, "it needs dp >= 2"),
+    ({"tp": 2, "policy": "shift"}, "it needs sp > 1"),
+    ({"dp": 2, "policy": "flying", "policy_config": {"tp_width": 4}}, "tp_width=4"),
+])
+def test_a_policy_that_cannot_run_is_refused_before_any_rank_starts(llama, monkeypatch, kwargs, error):
+    """These were refused after the ranks had started and loaded the weights (a helper's probe)."""
+    from torch_shift.parallel import runtime
+
+    def no_ranks(*args, **kw):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(runtime, "LocalRanks", no_ranks)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(llama[1]), **kwargs)

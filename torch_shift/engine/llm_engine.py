@@ -109,6 +109,9 @@ class LLMEngine:
             args = replace(args, device=str(next(model.parameters()).device))
         self.args = args
         self.config = engine_config(args, weights, model, offline)
+        # the policy checks its options against the deployment before a rank starts or a weight loads (flying over
+        # dp=2 with tp=2 was refused only after both)
+        build_policy(self.config.policy, self.config.deployment, self.config.policy_options)
         self._holding_threads = 0  # steps_in_a_row blocks open
         with _torch_import_side_effects_undone():
             self.worker: Worker | None = Worker.create(self.config, weights, model)
