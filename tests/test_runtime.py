@@ -326,6 +326,28 @@ def test_the_control_group_is_made_under_the_bound_then_waits_without_one():
     assert waited[0] > 2
 
 
+@pytest.mark.timeout(120)
+def test_after_a_failed_step_the_next_call_fails_at_once(llama):
+    """A stopped rank: the step fails after distributed_timeout_s, and each later call waited that long again (a
+    helper's probe). The failed step now ends the ranks, and the next call says why at once."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=5)
+    worker = llm.engine.parallel.launched.procs[1]
+    try:
+        assert tokens(llm)
+        os.kill(worker.pid, signal.SIGSTOP)
+        with pytest.raises(RuntimeError, match="rank 1"):
+            tokens(llm)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="the parallel engine was shut down: a step failed .*rank 1.*; "
+                                               "create a new engine"):
+            tokens(llm)
+        assert time.monotonic() - start < 1.0
+        assert not worker.is_alive()
+    finally:
+        _continue_and_shutdown(llm, [worker.pid])
+
+
 EXIT_WITH_A_STOPPED_RANK = """
 import os, signal, sys
 from torch_shift import LLM

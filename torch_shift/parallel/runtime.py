@@ -215,9 +215,9 @@ class ParallelRuntime:
 
     def run_step(self, plan: Any, execute) -> Any:
         """Rank 0: send the step plan to every rank and run `execute(plan)` here with them. Interrupted inside
-        (KeyboardInterrupt in a notebook), the started ranks stay in the step's collectives, which rank 0 can no
-        longer meet: they are ended at once, and the engine's next call says why instead of waiting out the
-        timeout."""
+        (KeyboardInterrupt in a notebook), or failed (a rank died or stopped answering), the started ranks are
+        left in collectives that rank 0 no longer meets: they are ended at once, and the engine's next call says
+        why instead of waiting out the timeout again (a stopped rank cost every later call the whole timeout)."""
         try:
             with self._in_collective:
                 self.broadcast(("step", plan))
@@ -226,9 +226,10 @@ class ParallelRuntime:
                 except Exception as e:
                     raise self.failure(e) from e
         except BaseException as e:
-            if not isinstance(e, Exception) and self.launched is not None and not self._closed:
-                self._closed_reason = (f"a step was interrupted ({type(e).__name__}) while the ranks were in it; "
-                                       "create a new engine")
+            if self.launched is not None and not self._closed:
+                what = (f"a step was interrupted ({type(e).__name__}) while the ranks were in it"
+                        if not isinstance(e, Exception) else f"a step failed ({_first_line(e)})")
+                self._closed_reason = f"{what}; create a new engine"
                 self.shutdown(timeout_s=4.0)
             raise
 
@@ -254,7 +255,7 @@ class ParallelRuntime:
         """The error to raise when a collective failed: a started rank's own report when there is one
         (it may reach us a moment after its sockets closed), else the collective's error."""
         if self._closed:
-            return RuntimeError(f"the parallel engine was shut down ({error})")
+            return RuntimeError(f"the parallel engine was shut down ({_first_line(error)})")
         deadline = time.monotonic() + wait_s
         while self.launched is not None:
             report = self.launched.failed()
@@ -263,7 +264,9 @@ class ParallelRuntime:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        return RuntimeError(f"a rank failed or stopped answering: {error}")
+        # the first line: an error raised through the C++ kernels carries the Python stack after it ("At: ..."),
+        # which the chained error keeps
+        return RuntimeError(f"a rank failed or stopped answering: {_first_line(error)}")
 
     def _release_shared_memory(self) -> None:
         if self.control is not None:
@@ -342,6 +345,11 @@ class ParallelRuntime:
             sys.excepthook = self._user_excepthook  # unless someone set one of their own since
         if interrupted is not None:
             raise interrupted
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def check_timeout(timeout_s: float) -> None:
