@@ -478,3 +478,14 @@ def test_the_command_shows_the_librarys_notes_such_as_a_first_kernel_build(capsy
         assert capsys.readouterr().err == "[torch-shift] building libtorch_shift_cpu.so ...\n"
     finally:
         library_log.handlers[:], library_log.level, library_log.propagate = saved
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
+    from torch_shift import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert cli.main(["generate", "x"]) == 130
+    assert capsys.readouterr().err == "[torch-shift] interrupted\n"

@@ -589,6 +589,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"torch-shift: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C: the engine's ranks are ended as the interrupt unwound; no traceback
+        print("[torch-shift] interrupted", file=sys.stderr)
+        return 130
 
 
 def _dashed_flags(argv: Sequence[str]) -> list[str]:
