@@ -519,6 +519,9 @@ def test_tier_and_link_arguments_are_checked():
                        ({"interconnect_gbps": 10, "device": "cuda"}, ValueError)):
         with pytest.raises(error):
             EngineArgs("model", **bad)
+    for timeout in (0, -3, float("nan"), float("inf")):  # one message, whichever way the timeout is wrong
+        with pytest.raises(ValueError, match="distributed_timeout_s must be .*> 0"):
+            EngineArgs("model", distributed_timeout_s=timeout)
 
 
 def test_a_tier_larger_than_dev_shm_is_refused_before_any_rank_starts(layers4, monkeypatch):

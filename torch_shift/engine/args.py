@@ -228,7 +228,8 @@ class EngineArgs:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
             if value is not None and (not value >= 0 or value == float("inf")):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+                bound = "> 0" if name == "distributed_timeout_s" else ">= 0"  # one message for every bad timeout
+                raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
         if self.interconnect_gbps == 0:
             raise ValueError("interconnect_gbps must be > 0 (None: no emulated link)")
         if self.interconnect_gbps is not None and resolve_device(self.device).type == "cuda":
