@@ -237,7 +237,7 @@ class EngineArgs:
             raise ValueError("interconnect_gbps emulates a link between CPU ranks; it cannot run on a GPU (give "
                              "device='cpu')")
         if not self.distributed_timeout_s > 0:
-            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s!r}")
+            raise ValueError(f"distributed_timeout_s must be a finite number > 0, got {self.distributed_timeout_s!r}")
         for name in ("num_cpu_kv_blocks", "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
