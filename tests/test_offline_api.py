@@ -205,9 +205,15 @@ def test_what_scripts_written_for_vllm_pass_and_read(llm, llama):
     assert given.prompt == "XhiY" == llm.tokenizer.apply_chat_template(messages, chat_template=template)
     assert given.outputs[0].token_ids == llm.generate([llm.tokenizer.encode("XhiY", add_special_tokens=False)],
                                                       params, use_tqdm=False)[0].outputs[0].token_ids
-    plain = llm.chat(messages, params, use_tqdm=False, lora_request=None, chat_template_content_format="string",
+    plain = llm.chat(messages, params, use_tqdm=False, lora_request=None, chat_template_content_format="auto",
                      mm_processor_kwargs=None)[0]
     assert plain.prompt == llm.tokenizer.apply_chat_template(messages)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    walks = "{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}{% for p in m.content %}" \
+            "P:{{ p.text }}{% endfor %}{% endif %}{% endfor %}"
+    for content_format, rendered in (("string", "S:a\nb"), ("openai", "P:aP:b"), ("auto", "P:aP:b")):
+        assert llm.chat(parts, params, use_tqdm=False, chat_template=walks,
+                        chat_template_content_format=content_format)[0].prompt == rendered
     ids = llm.tokenizer.encode("the quick")
     out = llm.generate({"prompt_token_ids": ids, "prompt": "the quick", "multi_modal_data": None}, params,
                        use_tqdm=False)[0]

@@ -230,9 +230,9 @@ class LLM:
         `chat_template_kwargs`: further template variables (e.g. `{"enable_thinking": False}` for Qwen3).
         `continue_final_message` (with `add_generation_prompt=False`): the output continues the last message, as
         vLLM's (an assistant turn begun by the caller). `chat_template`: a Jinja template instead of the model's.
-        vLLM's parameters in vLLM's order; `lora_request` and `mm_processor_kwargs` must be None, and
-        `chat_template_content_format` "auto" ("string" and "openai" are vLLM's too: a message's text content is read
-        either way, as the template reads it)."""
+        vLLM's parameters in vLLM's order; `lora_request` and `mm_processor_kwargs` must be None;
+        `chat_template_content_format`: "auto" (as the template reads a message's content), "string" (text parts
+        joined) or "openai" (the parts as given), as vLLM's."""
         from torch_shift.serve.tools import TEMPLATE_CALL_ARGUMENTS, check_tools, template_messages
 
         def chat():
@@ -262,7 +262,11 @@ class LLM:
             if reserved:
                 raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are the template call's own arguments "
                                  "(chat's parameters), not template variables")
-            reads_parts = (template_reads_content_parts(chat_template) if chat_template is not None
+            # vLLM's content formats: "string" joins a message's text parts, "openai" gives the template the parts,
+            # "auto" does what the template reads
+            reads_parts = ({"string": False, "openai": True}.get(chat_template_content_format)
+                           if chat_template_content_format != "auto" else
+                           template_reads_content_parts(chat_template) if chat_template is not None
                            else self.tokenizer.reads_content_parts(tools))
             texts = [
                 self.tokenizer.apply_chat_template(template_messages(c, reads_parts),
