@@ -98,9 +98,9 @@ class ParallelRuntime:
                 raise RuntimeError(f"the parallel engine could not start: {failed}") from e
             raise
 
-    def _rank_that_failed(self, wait_s: float = 1.0) -> str | None:
-        """What went wrong with a rank this process started, waiting up to `wait_s` for one whose connection closed
-        to be seen exiting; None where none failed (or none was started)."""
+    def _rank_that_failed(self, wait_s: float) -> str | None:
+        """What went wrong with a rank this process started, waiting up to `wait_s` for its report or its exit (they
+        may come a moment after its sockets closed); None where none failed (or none was started)."""
         if self.launched is None:
             return None
         deadline = time.monotonic() + wait_s
@@ -256,14 +256,9 @@ class ParallelRuntime:
         (it may reach us a moment after its sockets closed), else the collective's error."""
         if self._closed:
             return RuntimeError(f"the parallel engine was shut down ({_first_line(error)})")
-        deadline = time.monotonic() + wait_s
-        while self.launched is not None:
-            report = self.launched.failed()
-            if report is not None:
-                return RuntimeError(report)
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        report = self._rank_that_failed(wait_s)
+        if report is not None:
+            return RuntimeError(report)
         # the first line: an error raised through the C++ kernels carries the Python stack after it ("At: ..."),
         # which the chained error keeps
         return RuntimeError(f"a rank failed or stopped answering: {_first_line(error)}")
