@@ -126,8 +126,9 @@ def test_requests_aborted_while_generate_runs_end_it_with_an_error(llm):
     (lambda llm: llm.chat([{"role": "user", "content": "a"}], add_generation_prompt="x"), "True or False"),
     (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_kwargs={"chat_template": "x"}),
      "own arguments"),  # was rendered with the model's template, the one given silently dropped
-    (lambda llm: llm.chat([{"role": "user", "content": "a"}], lora_request=object()), "no LoRA"),
-    (lambda llm: llm.chat([{"role": "user", "content": "a"}], mm_processor_kwargs={}), "text only"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], lora_request=object()), "lora_request: .*no LoRA"),
+    (lambda llm: llm.chat([{"role": "user", "content": "a"}], mm_processor_kwargs={}),
+     "mm_processor_kwargs: .*multi-modal inputs"),
     (lambda llm: llm.chat([{"role": "user", "content": "a"}], chat_template_content_format="xml"), "'openai'"),
     (lambda llm: llm.tokenizer.apply_chat_template([{"role": "user", "content": "a"}], return_tensors="pt"),
      "return_tensors .* not supported"),  # was a template variable: a list came back where a tensor was asked for

@@ -238,10 +238,7 @@ class LLM:
         def chat():
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so no chat template")
-            if lora_request is not None:
-                raise ValueError("lora_request: torch_shift serves no LoRA adapters (give None)")
-            if mm_processor_kwargs is not None:
-                raise ValueError("mm_processor_kwargs: torch_shift reads text only (give None)")
+            refuse_vllm_options(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
             if chat_template_content_format not in ("auto", "string", "openai"):
                 raise ValueError(f"chat_template_content_format is 'auto', 'string' or 'openai' (vLLM's), got "
                                  f"{chat_template_content_format!r}")
@@ -264,10 +261,12 @@ class LLM:
                                  "(chat's parameters), not template variables")
             # vLLM's content formats: "string" joins a message's text parts, "openai" gives the template the parts,
             # "auto" does what the template reads
-            reads_parts = ({"string": False, "openai": True}.get(chat_template_content_format)
-                           if chat_template_content_format != "auto" else
-                           template_reads_content_parts(chat_template) if chat_template is not None
-                           else self.tokenizer.reads_content_parts(tools))
+            if chat_template_content_format != "auto":
+                reads_parts = chat_template_content_format == "openai"
+            elif chat_template is not None:
+                reads_parts = template_reads_content_parts(chat_template)
+            else:
+                reads_parts = self.tokenizer.reads_content_parts(tools)
             texts = [
                 self.tokenizer.apply_chat_template(template_messages(c, reads_parts),
                                                    add_generation_prompt=add_generation_prompt, tools=tools,

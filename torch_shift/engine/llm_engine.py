@@ -523,8 +523,8 @@ def refuse_vllm_options(**options) -> None:
     that names them."""
     given = [name for name, value in options.items() if value is not None]
     if given:
-        raise ValueError(f"{', '.join(given)}: not supported by torch_shift (no LoRA adapters, tokenizer options or "
-                         "request tracing); leave it out or pass None")
+        raise ValueError(f"{', '.join(given)}: not supported by torch_shift (no LoRA adapters, multi-modal inputs, "
+                         "tokenizer options or request tracing); leave it out or pass None")
 
 
 def _no_forward(plan: StepPlan) -> StepResult:
