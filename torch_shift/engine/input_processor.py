@@ -111,6 +111,8 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        # the end id whose stop gives no stop_reason (Request): the tokenizer's eos, as vLLM's
+        self.primary_eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.capacity = capacity
         self.uses_priority = uses_priority  # the layout policy reads priorities (Flying)
         self.policy_name = policy_name
@@ -244,7 +246,7 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, token_ids, child_params, max_tokens, self.eos_token_ids,
                             arrival_time=arrival_time, priority=priority,
-                            primary_eos_token_id=None if self.tokenizer is None else self.tokenizer.eos_token_id)
+                            primary_eos_token_id=self.primary_eos_token_id)
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
             if grammar is not None:
