@@ -111,14 +111,14 @@ class LLMEngine:
         self.config = engine_config(args, weights, model, offline)
         # the policy checks its options against the deployment before a rank starts or a weight loads (flying over
         # dp=2 with tp=2 was refused only after both)
-        build_policy(self.config.policy, self.config.deployment, self.config.policy_options)
+        policy = build_policy(self.config.policy, self.config.deployment, self.config.policy_options)
         self._holding_threads = 0  # steps_in_a_row blocks open
         with _torch_import_side_effects_undone():
             self.worker: Worker | None = Worker.create(self.config, weights, model)
         self.tokenizer = _load_tokenizer(self.config)
         if self.is_driver:
             try:
-                self._init_driver(self.worker.runner.kv_cache.num_blocks, self.worker.num_tier_blocks)
+                self._init_driver(self.worker.runner.kv_cache.num_blocks, self.worker.num_tier_blocks, policy)
             except BaseException:
                 self.shutdown()
                 raise
@@ -145,10 +145,11 @@ class LLMEngine:
         engine.tokenizer = None
         if callable(num_kv_blocks):
             num_kv_blocks = num_kv_blocks(engine.config.deployment)
-        engine._init_driver(num_kv_blocks, num_tier_blocks(engine.config))
+        engine._init_driver(num_kv_blocks, num_tier_blocks(engine.config),
+                            build_policy(engine.config.policy, engine.config.deployment, engine.config.policy_options))
         return engine
 
-    def _init_driver(self, num_kv_blocks: int, tier_blocks: int) -> None:
+    def _init_driver(self, num_kv_blocks: int, tier_blocks: int, policy: Policy) -> None:
         if self.config.scheduler.async_scheduling is None:  # on the CPU: where the runner launches the decoder's steps
             launches = self.worker is not None and self.worker.runner.launch_steps
             self.config = replace(self.config, scheduler=replace(self.config.scheduler, async_scheduling=launches))
@@ -166,7 +167,6 @@ class LLMEngine:
         tier = None
         if tier_blocks:
             tier = TierAllocator(tier_blocks, config.cache.block_size, async_copies=config.tier.kv_swap == "async")
-        policy = build_policy(config.policy, config.deployment, config.policy_options)
         scheduler = Scheduler(config.scheduler, pools, policy, tier)
         self.stats_recorder = EngineStats(config.deployment)
         speculator = None
