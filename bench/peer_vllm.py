@@ -25,7 +25,7 @@ GEMM_SHAPE = (2048, 1024, 2816)
 
 class GemmRate:
     """The machine's GEMM rate in FLOP/s now, on `threads` threads: each matmul (`F.linear`, oneDNN's on its packed
-    weight, and the callable `extra(x, w)` returns, where it returns one: bench_peers.py adds torch_shift's) called
+    weight where this CPU packs the dtype, and the callable `extra(x, w)` returns, where it returns one: bench_peers.py adds torch_shift's) called
     back to back for `seconds` after one call, the fastest one's mean rate over them. Timed beside each prompt of a
     run, over about as long as the prompt takes: this machine's rate moved between 57 and 158 GFLOP/s a core from one
     half-second to the next within a minute (a VM's neighbours), so a prefill is set against the rate of its own
@@ -37,9 +37,13 @@ class GemmRate:
         rows, k, n = GEMM_SHAPE
         self.threads, self.flop, self.seconds = threads, 2 * rows * k * n, seconds
         x, w = torch.randn(rows, k).to(getattr(torch, dtype)), torch.randn(n, k).to(getattr(torch, dtype))
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.matmuls = [lambda: torch.nn.functional.linear(x, w),
-                        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")]
+        self.matmuls = [lambda: torch.nn.functional.linear(x, w)]
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        except RuntimeError:  # bfloat16 on a CPU without AVX-512 or AVX-NE-CONVERT: oneDNN refuses to pack it
+            packed = None
+        if packed is not None:
+            self.matmuls.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
         matmul = extra(x, w) if extra is not None else None
         if matmul is not None:
             self.matmuls.append(matmul)
