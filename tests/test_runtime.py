@@ -403,3 +403,31 @@ def test_a_forked_child_that_exits_leaves_the_parents_ranks_alone(llama, tmp_pat
     result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stdout.split()[-1:] == ["ok"], result.stderr[-2000:]
+
+
+IN_A_POOL_WORKER = """
+import multiprocessing, sys
+from torch_shift import LLM
+
+def build(model_dir):
+    try:
+        LLM(model_dir, tp=2)
+    except RuntimeError as e:
+        return str(e)
+    return "built"
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        print(pool.apply(build, (sys.argv[1],)))
+"""
+
+
+def test_an_engine_of_several_ranks_in_a_pool_worker_is_refused_by_name(llama, tmp_path):
+    """A Pool worker is daemonic, and multiprocessing refuses it children with a bare AssertionError."""
+    _, model_dir = llama
+    script = tmp_path / "pool.py"
+    script.write_text(IN_A_POOL_WORKER)
+    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cannot start in a daemonic process" in result.stdout, result.stdout

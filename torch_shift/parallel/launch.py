@@ -172,6 +172,12 @@ class LocalRanks:
 
     def __init__(self, fn: Callable[..., Any], world_size: int, ranks: list[int], *args: Any, port: int,
                  threads: int | None = 1, start_method: str | None = None, host_cores: int | None = None):
+        if mp.current_process().daemon:  # multiprocessing's own check is a bare assert in Process.start
+            raise RuntimeError(
+                f"an engine of {world_size} local ranks cannot start in a daemonic process (such as a "
+                f"multiprocessing.Pool worker), whose children multiprocessing forbids: start it from a "
+                f"non-daemonic process (multiprocessing.Process(daemon=False), or a concurrent.futures "
+                f"ProcessPoolExecutor), or run one rank")
         method = start_method or default_start_method()
         ctx = mp.get_context(method)
         if method == "fork" and (threads != 1 or host_cores is not None) and not release_openmp_threads():

@@ -163,9 +163,13 @@ class ParallelRuntime:
         port = listener.getsockname()[1]
         cores = local_cores()
         threads = own_threads(cores, world)
-        self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
-                                   threads=threads, start_method=default_start_method(self.device_type),
-                                   host_cores=cores if self.device_type == "cpu" else None)
+        try:
+            self.launched = LocalRanks(worker_main, world, list(range(1, world)), *worker_args, port=port,
+                                       threads=threads, start_method=default_start_method(self.device_type),
+                                       host_cores=cores if self.device_type == "cpu" else None)
+        except BaseException:
+            listener.close()
+            raise
         self.host_cores = self.launched.host_cores
         _holder = self
         # at exit this runs before multiprocessing's own handler, which would wait forever for a stopped rank
