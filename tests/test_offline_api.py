@@ -56,6 +56,26 @@ def test_generate_never_touches_requests_added_through_the_engine(llm):
     assert _clean(llm)
 
 
+def test_reset_prefix_cache_forgets_every_cached_prefix(llm):
+    prompt = list(range(5, 5 + 40))  # two whole blocks and more
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    pool = llm.engine.block_manager
+    llm.generate([prompt], params, use_tqdm=False)
+    hits = pool.num_prefix_hits
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert pool.num_prefix_hits > hits
+    assert llm.reset_prefix_cache() is True
+    hits = pool.num_prefix_hits
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert pool.num_prefix_hits == hits
+    llm.engine.add_request("running", [5, 6], SamplingParams(max_tokens=2))
+    assert llm.reset_prefix_cache() is False  # vLLM's answer while a request holds blocks
+    with pytest.raises(ValueError, match="reset_running_requests"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+    llm.engine.abort_request("running")
+    assert _clean(llm)
+
+
 def test_calls_from_several_threads_wait_for_each_other(llm):
     """Two threads' generate calls shared the engine's requests: the second raised a ValueError about requests it
     never added. Each call now waits for the one in progress, and gets what it gets alone."""

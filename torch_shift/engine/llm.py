@@ -73,6 +73,16 @@ class LLM:
         (`generation_config="auto"`), over SamplingParams' own."""
         return SamplingParams(**self.engine.default_sampling_fields)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: the KV cache forgets every cached prefix (after the weights changed, or between benchmark runs);
+        True once done. No request runs between calls of this object's own methods; one added through `engine` and
+        unfinished makes it False, with nothing forgotten (`reset_running_requests`, which would preempt such
+        requests first, is refused)."""
+        if reset_running_requests:
+            raise ValueError("reset_prefix_cache(reset_running_requests=True) is not supported: finish or abort "
+                             "the engine's requests first")
+        return self._on_every_rank(self.engine.reset_prefix_cache, "reset_prefix_cache")
+
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: the engine's counters and gauges under vLLM's names
         (`torch_shift.engine.metrics`: Counter, Gauge, Vector); under torchrun every rank gets rank 0's."""

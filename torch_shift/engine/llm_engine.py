@@ -395,6 +395,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix of every replica's pool (after the weights changed, or before a
+        benchmark), where no request holds blocks; False, and nothing forgotten, while requests are unfinished."""
+        if self.has_unfinished_requests():
+            return False
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+        return True
+
     # -- one step -----------------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of every request that advanced (with `final_only`, of
