@@ -78,6 +78,7 @@ def test_a_stopped_rank_is_reported_and_a_shutdown_from_another_thread_ends_it(l
         while llm.engine.unresponsive_ranks(max_silence_s=0.5) != [1]:
             assert time.monotonic() < deadline, "the stopped rank was not reported"
             time.sleep(0.05)
+        assert llm.engine.unresponsive_reason(max_silence_s=0.5) == "rank 1 gave no sign of life for 0.5 s"
 
         errors: list[BaseException] = []
 
@@ -431,3 +432,18 @@ def test_an_engine_of_several_ranks_in_a_pool_worker_is_refused_by_name(llama, t
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cannot start in a daemonic process" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_died_while_idle_is_reported_by_its_exit_code(llama):
+    """The server's watchdog logged a killed rank as one that "gave no sign of life"."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir), tp=2)
+    worker = llm.engine.parallel.launched.procs[1]
+    try:
+        assert llm.engine.unresponsive_reason(max_silence_s=1.0) is None
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        assert llm.engine.unresponsive_reason(max_silence_s=1.0) == f"rank 1 exited with code {-signal.SIGKILL}"
+    finally:
+        llm.shutdown(timeout_s=5)

@@ -498,6 +498,11 @@ class LLMEngine:
         runtime = self.parallel
         return [] if runtime is None else runtime.unresponsive_ranks(max_silence_s)
 
+    def unresponsive_reason(self, max_silence_s: float) -> str | None:
+        """`unresponsive_ranks` in words: each one's exit code, or its silence; None where every rank answers."""
+        runtime = self.parallel
+        return None if runtime is None else runtime.unresponsive_reason(max_silence_s)
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """End the ranks this process started and leave the process group, within about `timeout_s`.
         Safe from any thread, also while another thread is blocked in a step; a step after it raises."""

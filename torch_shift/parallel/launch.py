@@ -212,6 +212,13 @@ class LocalRanks:
         return [r for r, p in self.procs.items()
                 if not p.is_alive() or now - self.heartbeats[r] > max_silence_s]
 
+    def describe(self, rank: int, max_silence_s: float) -> str:
+        """What a silent rank (`silent_ranks`) is: its exit, or its silence."""
+        code = self.procs[rank].exitcode
+        if code is not None:
+            return f"rank {rank} exited with code {code}"
+        return f"rank {rank} gave no sign of life for {max_silence_s:.1f} s"
+
     def stop(self, grace_s: float = 5.0, kill_after_s: float = 1.0) -> None:
         """Wait up to `grace_s` for the ranks to exit, then terminate them, and kill those still there
         `kill_after_s` later (a stopped process does not act on SIGTERM). Returns within about

@@ -287,6 +287,14 @@ class ParallelRuntime:
         launched = self.launched
         return [] if launched is None else launched.silent_ranks(max_silence_s)
 
+    def unresponsive_reason(self, max_silence_s: float) -> str | None:
+        """`unresponsive_ranks` in words ("rank 1 exited with code -9"), or None where every rank answers."""
+        launched = self.launched
+        if launched is None:
+            return None
+        ranks = launched.silent_ranks(max_silence_s)
+        return "; ".join(launched.describe(r, max_silence_s) for r in ranks) or None
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Rank 0 of (b): end the started ranks and leave the process group, within about `timeout_s`.
 

@@ -170,10 +170,7 @@ class AsyncEngine:
             deadline = max(self.step_deadline_s, _STEP_DEADLINE_FACTOR * max(self._recent_steps, default=0.0))
             if running_s > deadline:
                 return f"step {self.engine.num_steps} has run for {running_s:.1f} s (deadline {deadline:.1f} s)"
-        ranks = self.engine.unresponsive_ranks(self.step_deadline_s)  # heartbeats: also while idle
-        if ranks:
-            return f"ranks {ranks} gave no sign of life for {self.step_deadline_s:.1f} s"
-        return None
+        return self.engine.unresponsive_reason(self.step_deadline_s)  # heartbeats: also while idle
 
     def _check_running(self) -> None:
         if self.error is not None:
