@@ -153,6 +153,34 @@ def test_rope_keys_read_as_transformers_reads_them(tmp_path, llama, case):
                                rtol=1e-5)
 
 
+def test_a_linear_scaling_extends_the_context_as_vllm_reads_it(tmp_path, llama):
+    """vLLM's context of a linearly scaled rotation is config.json's length times the factor; the engine refused any
+    max_model_len beyond 32 here."""
+    import transformers
+
+    model_dir = shutil.copytree(llama[1], tmp_path / "linear")
+    rewrite_config(model_dir, max_position_embeddings=32,
+                   rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+    assert ModelConfig.from_dir(model_dir).max_position_embeddings == 128
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt = random_prompts(1, [100])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    engine = LLMEngine(EngineArgs(str(model_dir)))
+    assert engine.scheduler_config.max_model_len == 128
+    torch.testing.assert_close(engine_logits(engine, prompt), ref, atol=FP32_ATOL, rtol=1e-5)
+
+
+def test_a_yarn_context_beyond_config_json_is_refused_with_its_remedy(tmp_path, llama):
+    """Qwen's long-context recipe adds YaRN and keeps max_position_embeddings at the pretrained length; vLLM 0.32 and
+    transformers take max_position_embeddings as YaRN's whole context, so the engine refuses more and says how."""
+    model_dir = shutil.copytree(llama[1], tmp_path / "yarn")
+    rewrite_config(model_dir, max_position_embeddings=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
+    with pytest.raises(ValueError, match="max_position_embeddings to 128"):
+        LLMEngine(EngineArgs(str(model_dir), max_model_len=100))
+
+
 def test_keys_left_out_of_config_json_take_transformers_defaults():
     """A config.json without a key reads as transformers' config class of its family reads it: Mixtral's rope theta
     (1e6) and norm epsilon (1e-5), Mistral's window (4096), Qwen3's head_dim (128), each family's context (were

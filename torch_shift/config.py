@@ -223,6 +223,15 @@ def _longrope_fields(merged: dict[str, Any], hf: dict[str, Any], original: int) 
                      "long": int(hf["max_position_embeddings"]) > original}
 
 
+def _longest_context(max_position_embeddings: int, rope: RopeConfig) -> int:
+    """The model's longest context as vLLM 0.32 derives it (`_get_and_verify_max_len`): a linear scaling's factor
+    times the config's length; YaRN's, LongRoPE's and llama3's configs write their whole length (transformers'
+    _compute_yarn_parameters assumes so too)."""
+    if rope.rope_type == "linear":
+        return round(max_position_embeddings * rope.factor)
+    return max_position_embeddings
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the decoder needs from a Hugging Face config.json, normalised across families."""
@@ -236,7 +245,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_position_embeddings: int  # the longest context: config.json's, scaled where its rotation is (_longest_context)
     rms_norm_eps: float
     rope: RopeConfig
     tie_word_embeddings: bool
@@ -331,6 +340,7 @@ class ModelConfig:
         if family == "gemma3_text":
             extra |= _gemma3_fields(hf, layers, sliding_window, hidden, head_dim)
             sliding_window = None  # per layer (layer_windows)
+        rope = RopeConfig.from_hf(hf, family)
         return cls(
             architecture=arch,
             family=family,
@@ -341,9 +351,9 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(hf["max_position_embeddings"]),
+            max_position_embeddings=_longest_context(int(hf["max_position_embeddings"]), rope),
             rms_norm_eps=float(hf["rms_norm_eps"]),
-            rope=RopeConfig.from_hf(hf, family),
+            rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=(family == "qwen2" or family == "qwen2_moe" and bool(hf["qkv_bias"])
                             or family in ATTENTION_BIAS_FAMILIES and bool(hf.get("attention_bias"))),
