@@ -20,6 +20,8 @@ def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     order = scores.argsort(descending=True)
     probs = torch.softmax(scores, dim=-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.min_p > 0.0:  # first, as vLLM: top_p's mass is of what min_p keeps
+        keep &= probs >= params.min_p * probs.max()
     if params.top_k > 0:
         keep[order[params.top_k:]] = False
     if params.top_p < 1.0:
@@ -28,9 +30,6 @@ def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
         before = torch.cumsum(kept[order], dim=0) - kept[order]  # mass of strictly better tokens
         keep[order[before >= params.top_p]] = False
     probs = torch.where(keep, probs, 0.0)
-    probs = probs / probs.sum()
-    if params.min_p > 0.0:
-        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
     return probs / probs.sum()
 
 
@@ -39,6 +38,7 @@ def expected_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     SamplingParams(temperature=0.6, top_k=5),
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=0.9, min_p=0.1),
+    SamplingParams(temperature=2.0, top_p=0.7, min_p=0.2),  # top_p over what min_p kept: 2 tokens, not 4
 ])
 def test_draws_follow_the_distribution(params):
     """20,000 rows drawn in one call: counts against the float64 distribution (chi-square at p = 0.001 over the
@@ -95,23 +95,24 @@ def test_seeded_rows_drawn_together_or_one_by_one_agree():
 
 def _reference_weights(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """sample_row's weights by its definition, in float64: x = logits / temperature (float32), exp(x - max), the
-    top_k largest, the top_p mass of the largest (ties by index), the weights below min_p of the largest dropped."""
+    weights below min_p of the largest dropped, the top_k largest, the top_p mass of what is left (ties by index)."""
     x = logits.astype(np.float32) / np.float32(temperature)
     order = np.lexsort((np.arange(len(x)), -x.astype(np.float64)))  # largest first, ties by index
-    keep = np.ones(len(x), dtype=bool)
+    w = np.exp(x.astype(np.float64) - x.max())
+    keep = w >= min_p
     if 0 < top_k < len(x):
         keep[order[top_k:]] = False
-    w = np.where(keep, np.exp(x.astype(np.float64) - x.max()), 0.0)
+    w = np.where(keep, w, 0.0)
     if top_p < 1.0:
         before = np.cumsum(w[order]) - w[order]
         cut = order[(before >= top_p * w.sum()) & (np.arange(len(x)) > 0)]
         w[cut] = 0.0
-    return np.where(w < min_p, 0.0, w)
+    return w
 
 
 @pytest.mark.parametrize("vocab, temperature, top_k, top_p, min_p", [
     (100, 1.0, 0, 1.0, 0.0), (3000, 0.7, 40, 1.0, 0.0), (3000, 1.2, 0, 0.9, 0.0), (50_000, 2.0, 0, 0.95, 0.0),
-    (50_000, 0.8, 1000, 0.5, 0.05), (257, 0.5, 0, 1.0, 0.1)])
+    (50_000, 0.8, 1000, 0.5, 0.05), (257, 0.5, 0, 1.0, 0.1), (3000, 1.0, 0, 0.5, 0.2)])
 def test_the_cpu_kernels_draw_is_the_inverse_cdf_of_its_definition(vocab, temperature, top_k, top_p, min_p):
     """models.fused.sample_rows (the C++ draw that the host's sampler and the C++ decoder's launched steps run)
     against its definition in float64: at uniforms across [0, 1), the token drawn is the one whose cumulative weight
@@ -154,7 +155,8 @@ def test_the_cpu_kernels_draw_at_the_edges():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, top_k=5),
-                                    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05)])
+                                    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05),
+                                    SamplingParams(temperature=2.0, top_p=0.7, min_p=0.2)])
 def test_pytorchs_draw_follows_the_distribution_too(params, monkeypatch):
     """Where the CPU kernel does not run (a GPU, no compiler), PyTorch's operators draw, with the same uniforms."""
     import torch_shift.engine.sampler as sampler_module

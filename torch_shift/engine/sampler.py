@@ -223,12 +223,13 @@ class Sampler:
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        if any(mp > 0.0 for mp in min_p):  # before top-k and top-p, as vLLM: top_p's mass is of what min_p keeps
+            probs = torch.softmax(logits_t, dim=-1)
+            mp = _to(device, min_p, torch.float32)[:, None]
+            logits_t = logits_t.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, _NEG_INF)
         if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
             logits_t = _top_k_top_p(logits_t, top_k, top_p)
         probs = torch.softmax(logits_t, dim=-1)
-        if any(mp > 0.0 for mp in min_p):
-            mp = _to(device, min_p, torch.float32)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         sampled = inverse_cdf(probs, uniform)
         if any(greedy):
             sampled = torch.where(_to(device, greedy, torch.bool), argmax(logits), sampled)

@@ -485,9 +485,10 @@ void keep_top_p(float* w, int64_t cols, float top_p, std::vector<double>& bins,
 }
 
 // One token drawn from a row of logits: temperature <= 0 draws the argmax (argmax_row). Else, with x = logits /
-// temperature (float32), weights w = exp(x - max x) (exp_nonpositive; 0 below e^-87), the top_k largest kept
-// (keep_top_k) where 0 < top_k < cols, then the top_p mass (keep_top_p) where top_p < 1, and the weights below min_p
-// of the largest (1) zeroed: the first token whose cumulative weight (in double, over blocks of kSampleBlock) exceeds
+// temperature (float32), weights w = exp(x - max x) (exp_nonpositive; 0 below e^-87), the weights below min_p of
+// the largest (1) zeroed, then the top_k largest kept (keep_top_k) where 0 < top_k < cols, then the top_p mass of
+// what is left (keep_top_p) where top_p < 1 (vLLM's order: min_p before top-k/top-p): the first token whose
+// cumulative weight (in double, over blocks of kSampleBlock) exceeds
 // uniform (in [0, 1)) times their total; never a token of weight 0. A row with a NaN, or all -inf, draws its argmax.
 // PyTorch's operators (the sampler's path elsewhere) took 2 ms for top-p or top-k over 32k logits, 9 ms over 128k;
 // this 0.05-0.09 and 0.2-0.55 ms (docs/performance.md).
@@ -534,10 +535,10 @@ int64_t sample_row(const T* row, int64_t cols, float temperature, int64_t top_k,
     const float d = x[c] - largest;
     x[c] = d > -87.0f ? exp_nonpositive<vfloat, vint>(vfloat{} + d)[0] : 0.0f;
   }
-  if (top_k > 0 && top_k < cols) keep_top_k(x, cols, top_k, bins, order);
-  if (top_p < 1.0f) keep_top_p(x, cols, top_p, bins, order);
   if (min_p > 0.0f)
     for (c = 0; c < cols; ++c) x[c] = x[c] < min_p ? 0.0f : x[c];
+  if (top_k > 0 && top_k < cols) keep_top_k(x, cols, top_k, bins, order);
+  if (top_p < 1.0f) keep_top_p(x, cols, top_p, bins, order);
   const double total = weight_sum(x, cols);
   if (!(total > 0.0)) return argmax_row(row, cols);
   const double target = static_cast<double>(uniform) * total;
