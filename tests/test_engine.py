@@ -281,6 +281,31 @@ def test_sampling_params_changed_after_they_were_made_are_checked_again(llama):
         llm.engine.add_request(7, [6, 7], SamplingParams())
 
 
+def test_unfinished_outputs_hold_back_what_a_stop_string_may_still_cut(llama):
+    """vLLM's output_text_buffer_length: a step's cumulative text leaves out the last len(longest stop) - 1
+    characters until the output ends, so no text it showed is cut later (it showed them, then took them back)."""
+    _, model_dir = llama
+    llm = LLM(str(model_dir))
+    output = llm.generate([[6, 7]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    free = output.text
+    # a stop string across a token boundary, so that its start is shown before its end is drawn
+    ends = [len(llm.get_tokenizer().decode(output.token_ids[:k])) for k in range(1, len(output.token_ids))]
+    stop = next(free[e - 2:e + 2] for e in ends if 2 <= e and free.find(free[e - 2:e + 2]) == e - 2
+                and "\ufffd" not in free[e - 2:e + 2] and len(free[e - 2:e + 2]) == 4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop)
+    engine = llm.engine
+    engine.add_request("held", [6, 7], params)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert texts[-1] == free[:free.index(stop)]
+    assert all(texts[-1].startswith(text) for text in texts), texts
+    assert params.stop == [stop] and params.output_text_buffer_length == len(stop) - 1
+    assert SamplingParams(stop=stop, include_stop_str_in_output=True).output_text_buffer_length == 0
+    assert SamplingParams().stop == [] and SamplingParams(top_k=-1).top_k == -1  # vLLM's normal forms
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"seed": "x"}, "seed must be an int"), ({"seed": 1.5}, "seed must be an int"), ({"seed": -1}, "seed must be"),
     ({"seed": 2**70}, "seed must be"), ({"tokenizer": "/nonexistent"}, "no tokenizer.json there"),

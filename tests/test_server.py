@@ -901,7 +901,7 @@ def test_a_choice_that_finished_is_streamed_once_while_its_siblings_go_on():
                    for i, (text, finish) in enumerate((first, second))]
         return RequestOutput("r", "p", [1], None, choices, finished=all(f for _, f in (first, second)))
 
-    tracker = DeltaTracker(stop=["."])
+    tracker = DeltaTracker()
     sent = [[(d.choice.index, d.text, d.choice.finish_reason) for d in tracker.deltas(out)] for out in (
         step(("ab", None), ("x", None)), step(("ab", "stop"), ("xy", None)), step(("ab", "stop"), ("xyz", None)),
         step(("ab", "stop"), ("xyz!", "length")))]

@@ -413,9 +413,10 @@ class OutputProcessor:
         completions = []
         for i, child in enumerate(parent.children):
             finish = child.status.value if child.status.finished else None
+            text, held = tracked.texts[i], child.sampling_params.output_text_buffer_length
             completions.append(CompletionOutput(
                 index=i,
-                text=tracked.texts[i],
+                text=text[:-held] if held and finish is None else text,  # a stop string's start may still be cut
                 token_ids=list(child.output_token_ids),
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                 logprobs=child.logprobs,

@@ -88,6 +88,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     skip_clone: bool = False  # vLLM's hint that the params need not be copied: nothing to honour here
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    output_text_buffer_length: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def check_int(name: str, value, low: int, allow_none: bool = False) -> None:
@@ -155,8 +156,6 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                f"({self.max_tokens})")
-        if self.top_k == -1:
-            self.top_k = 0
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -165,7 +164,11 @@ class SamplingParams:
         for s in stop:  # no text the model writes could ever match a lone surrogate
             if (error := lone_surrogate_error(s, f"stop string {s!r}")) is not None:
                 raise ParameterError("stop", error)
-        self.stop_strings = tuple(stop)
+        self.stop, self.stop_strings = stop, tuple(stop)  # vLLM's normal form: a list, [] for None
+        # characters of an unfinished output's text held back, the start of a stop string that may still be cut
+        # (vLLM's field and rule)
+        self.output_text_buffer_length = (max(map(len, stop)) - 1 if stop and not self.include_stop_str_in_output
+                                          else 0)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}")
         stop_ids = list(self.stop_token_ids or [])

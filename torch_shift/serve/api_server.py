@@ -674,7 +674,7 @@ async def _completion_chunks(rid: str, submission: Submission, model: str, body:
 
     async for index, out in submission:
         usage.saw(index, out)
-        tracker = trackers.setdefault(index, DeltaTracker(body.stop))
+        tracker = trackers.setdefault(index, DeltaTracker())
         for delta in tracker.deltas(out):
             c, (t0, t1) = delta.choice, delta.token_range
             if c.finish_reason == "error":
@@ -726,7 +726,7 @@ async def _chat_chunks(rid: str, submission: Submission, model: str, body: ChatC
     for i in range(body.n):
         yield chunk([{"index": i, "delta": {"role": output.role, "content": ""}, "logprobs": None,
                       "finish_reason": None}], role_usage)
-    tracker = DeltaTracker(body.stop)
+    tracker = DeltaTracker()
     parsers = [output.parser() for _ in range(body.n)]
     async for _, out in submission:
         usage.saw(0, out)

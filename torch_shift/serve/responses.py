@@ -165,17 +165,12 @@ class Delta:
 
 @dataclass
 class DeltaTracker:
-    """What each choice of one engine request has sent so far; text near a stop string is held back."""
+    """What each choice of one engine request has sent so far (an unfinished output's text leaves out what a stop
+    string may still cut: SamplingParams.output_text_buffer_length)."""
 
-    stop: str | list[str] | None
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)  # choices whose last delta was sent
-
-    def __post_init__(self) -> None:
-        # characters held back while streaming: the start of a stop string may still be cut
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        self.hold_back = max([len(s) - 1 for s in stops] + [0])
 
     def deltas(self, out: RequestOutput) -> list[Delta]:
         """The new part of each choice; a finished choice once (an n > 1 request's outputs carry the
@@ -184,7 +179,7 @@ class DeltaTracker:
         for c in out.outputs:
             if c.index in self.finished:
                 continue
-            end = len(c.text) - (0 if c.finish_reason is not None else self.hold_back)
+            end = len(c.text)
             first = c.index not in self.sent_tokens
             start = self.sent_chars.get(c.index, 0)
             t0, t1 = self.sent_tokens.get(c.index, 0), len(c.token_ids)
