@@ -593,3 +593,14 @@ def test_the_emulated_link_delays_each_transfer_by_its_bytes_over_the_bandwidth(
     an all-gather 4000: 4 ms each at 1 MB/s; none outside the emulated link."""
     for delays in run_ranks(_emulated_link_rank, 2):
         assert delays == [pytest.approx(0.004), pytest.approx(0.004)]
+
+
+@pytest.mark.parametrize("tier, option", [({"num_cpu_kv_blocks": 4}, "raise num_cpu_kv_blocks"),
+                                          ({"cpu_kv_gb": 1e-5}, "raise cpu_kv_gb")])
+def test_a_prompt_beyond_seesaws_tier_names_the_option_that_sized_it(layers4, tier, option):
+    llm = LLM(str(layers4), pp=2, policy="seesaw", block_size=4, num_kv_blocks=14, **tier)
+    try:
+        with pytest.raises(ValueError, match=f"host KV tier.*{option}"):
+            llm.generate([list(range(5, 45))], PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -161,7 +161,8 @@ class InputProcessor:
         if len(token_ids) >= pool_tokens and pool_tokens < cap.pool_tokens:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; the host KV tier, through which policy "
                              f"'seesaw' moves every request, holds only {pool_tokens} tokens "
-                             f"({cap.tier_blocks} blocks of {cap.block_size}): raise cpu_kv_gb")
+                             f"({cap.tier_blocks} blocks of {cap.block_size}): raise "
+                             + ("num_cpu_kv_blocks" if self.config.tier.num_blocks is not None else "cpu_kv_gb"))
         if len(token_ids) >= pool_tokens:
             widest = pool_tokens // cap.pool_tokens
             where = "the KV pool holds" if widest == 1 else f"the KV pools of {widest} replicas hold"
