@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -314,11 +315,14 @@ class WeightSource(Protocol):
 
 
 def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where: str,
-                  map_name: Callable[[str], tuple[str, str | None] | None]) -> dict[tuple[str, str | None], str]:
+                  map_name: Callable[[str], tuple[str, str | None] | None],
+                  name_in_source: Callable[[str, str | None], str | None] | None = None,
+                  ) -> dict[tuple[str, str | None], str]:
     """(parameter name, part) -> source tensor name, checked against what `config` implies.
 
     `shapes` holds every tensor of the source (name -> shape as the model sees it); `map_name`
-    places a source name in the model, or returns None for a name that has no place there.
+    places a source name in the model, or returns None for a name that has no place there;
+    `name_in_source`, its inverse where there is one, names a missing tensor as the source would.
     Raises ValueError for a foreign tensor, a missing one, or a shape the config does not imply.
     """
     expected = expected_parts(config)
@@ -360,7 +364,9 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
             raise ValueError(f"{where}: tensor {source_name!r} has shape {tuple(shape)}, "
                              f"config.json implies {expected[target]}")
         index |= _new_parts(index, {target: source_name}, where)
-    missing = sorted(f"{n}[{p}]" if p else n for n, p in set(expected) - set(index))
+    absent = set(expected) - set(index)
+    named = {key: name_in_source(*key) if name_in_source is not None else None for key in absent}
+    missing = sorted({named[(n, p)] or (f"{n}[{p}]" if p else n) for n, p in absent})
     if missing:
         raise ValueError(f"{where}: checkpoint lacks tensors for {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -403,6 +409,36 @@ def hf_name_mapper(family: str) -> Callable[[str], tuple[str, str | None] | None
         return _LANGUAGE_MODEL.sub("model.", hf_name)
 
     return lambda hf_name: _map_name(name_map, language_model(hf_name))
+
+
+def hf_tensor_name(family: str, param: str, part: str | None) -> str | None:
+    """The Hugging Face tensor a (parameter, part) is read from (`hf_name_mapper`'s inverse): its own tensor where the
+    family's names have one (a projection, an expert's), else the tensor that holds every part (Phi-3's fused
+    projections, GPT-OSS's stacked experts); None where no name of the family places it."""
+    whole = None
+    for pattern, target, part_template in NAME_MAPS[family]:
+        found = re.fullmatch(re.escape(target).replace(r"\{\}", r"(\d+)"), param)
+        if found is None:
+            continue
+        groups = list(found.groups())
+        if part_template in (FUSED, STACKED, STACKED_INTERLEAVED):
+            whole = whole or _fill(pattern, groups)
+            continue
+        if part_template is None or part is None:
+            if part_template is None and part is None:
+                return _fill(pattern, groups)
+            continue
+        expert = re.fullmatch(re.escape(part_template).replace(r"\{1\}", r"(\d+)"), part)
+        if expert is not None:
+            return _fill(pattern, groups + list(expert.groups()))
+    return whole
+
+
+def _fill(pattern: str, groups: list[str]) -> str:
+    """A name map's pattern with its number groups filled in, in order."""
+    for group in groups:
+        pattern = pattern.replace(r"(\d+)", group, 1)
+    return pattern.replace("\\.", ".")
 
 
 def read_part(tensor_slice, part: str | None, part_slice, transposed: bool = False,
@@ -468,10 +504,11 @@ class CheckpointReader:
                                  f"{', '.join(absent)}")
             self.transposed = {n for n, e in manifest["tensors"].items() if e.get("transposed")}
             places = {n: (e["param"], e["part"]) for n, e in manifest["tensors"].items()}
-            map_name = places.get
+            map_name, name_in_source = places.get, None
         else:
             files = checkpoint_files(self.model_dir)
             map_name = hf_name_mapper(config.family)
+            name_in_source = partial(hf_tensor_name, config.family)
         # a weight stored quantized, by the name of the weight it stands for -> read as that weight
         self.dequantized: dict[str, Mxfp4Experts | QuantizedWeight] = {}
         quant = config.quantization
@@ -494,7 +531,7 @@ class CheckpointReader:
         for name in files:
             shape = self._slice(name).get_shape()
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
-        self.index = index_tensors(shapes, config, str(self.model_dir), map_name)
+        self.index = index_tensors(shapes, config, str(self.model_dir), map_name, name_in_source)
         self.fused_rows = fused_part_rows(self.index, config, map_name)
         if config.tie_word_embeddings:
             self._check_tied_head([n for n in files if map_name(n) == ("lm_head.weight", None)])
