@@ -230,6 +230,16 @@ def test_unsupported_architecture_names_supported_ones(tmp_path, llama):
         load_model(model_dir)
 
 
+def test_a_config_without_architectures_is_read_by_its_model_type(tmp_path, llama):
+    """As transformers' AutoModelForCausalLM reads it; the error said "unsupported architectures []"."""
+    model_dir = shutil.copytree(llama[1], tmp_path / "untyped")
+    rewrite_config(model_dir, architectures=None)
+    assert ModelConfig.from_dir(model_dir) == ModelConfig.from_dir(llama[1])
+    rewrite_config(model_dir, model_type="gpt2")
+    with pytest.raises(ValueError, match="names no architectures, and its model_type 'gpt2' is none of gemma3, "):
+        ModelConfig.from_dir(model_dir)
+
+
 def test_every_part_of_every_family_has_its_hugging_face_name():
     """hf_tensor_name (a missing tensor's name in the loader's error) is the inverse of hf_name_mapper: every part a
     model of each supported architecture reads maps back from the name it gives."""

@@ -27,6 +27,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
 }
+# a config.json without `architectures`: its model_type's causal LM (transformers' AutoModelForCausalLM mapping)
+_CAUSAL_LM_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                            "qwen3": "Qwen3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                            "gpt_oss": "GptOssForCausalLM", "phi3": "Phi3ForCausalLM",
+                            "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 # the vision-language architectures above -> whether their config class ties the LM head by default (transformers 5's
 # composite configs, where the top level's tie_word_embeddings decides)
 _VISION_LANGUAGE_TIED = {"Gemma3ForConditionalGeneration": True, "Qwen2VLForConditionalGeneration": False,
@@ -297,7 +303,12 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         architectures = hf.get("architectures") or []
+        if not architectures and hf.get("model_type") in _CAUSAL_LM_OF_MODEL_TYPE:  # transformers' auto class's way
+            architectures = [_CAUSAL_LM_OF_MODEL_TYPE[hf["model_type"]]]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not architectures:
+            raise ValueError(f"config.json names no architectures, and its model_type {hf.get('model_type')!r} is "
+                             f"none of {', '.join(sorted(_CAUSAL_LM_OF_MODEL_TYPE))}")
         if arch is None:
             raise ValueError(
                 f"unsupported architectures {architectures!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
