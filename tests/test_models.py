@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,54 @@ def test_keys_left_out_of_config_json_take_transformers_defaults():
             assert got.rope.original_max_position_embeddings == rope["original_max_position_embeddings"]
 
 
+def _pickled_checkpoint(source: Path, out: Path, shards: int, legacy: bool = False) -> Path:
+    """`source`'s weights as PyTorch's pickled pytorch_model*.bin files (one, or shards under their index)."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors = {}
+    for f in sorted(source.glob("*.safetensors")):
+        tensors |= load_file(f)
+    names = sorted(tensors)
+    if shards == 1:
+        torch.save(tensors, out / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+        return out
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = names[i::shards]
+        torch.save({n: tensors[n] for n in part}, out / file, _use_new_zipfile_serialization=not legacy)
+        weight_map |= dict.fromkeys(part, file)
+    (out / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+@pytest.mark.parametrize("shards, legacy", [(1, False), (3, False), (1, True)])
+def test_pickled_bin_checkpoints_load_as_their_safetensors(tmp_path, llama, shards, legacy):
+    """vLLM reads pytorch_model*.bin where a checkpoint has no safetensors (older fine-tunes); one file, shards
+    under their index, and torch.save's format before 1.6 (read whole: it cannot be mapped)."""
+    hf_model, model_dir = llama
+    pickled = _pickled_checkpoint(model_dir, tmp_path / "bin", shards, legacy)
+    assert not list(pickled.glob("*.safetensors"))
+    prompt = random_prompts(1, [40])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(pickled))), prompt), ref, atol=FP32_ATOL,
+                               rtol=1e-5)
+
+
+def test_a_pickled_checkpoint_serves_tensor_parallel_ranks(tmp_path, llama):
+    _, model_dir = llama
+    pickled = _pickled_checkpoint(model_dir, tmp_path / "bin", 2)
+    prompts, params = random_prompts(3, [9, 17, 30]), SamplingParams(max_tokens=6, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(pickled), tp=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
+
+
 def test_unsupported_architecture_names_supported_ones(tmp_path, llama):
     model_dir = shutil.copytree(llama[1], tmp_path / "gpt2")
     rewrite_config(model_dir, architectures=["GPT2LMHeadModel"])
@@ -309,6 +358,11 @@ def test_resolve_hub_id_from_local_cache(tmp_path, monkeypatch, llama):
     assert resolve_model_dir("tiny/llama") == snapshot
     with pytest.raises(ValueError, match=f"'tiny/absent'.*{cache}"):
         resolve_model_dir("tiny/absent")
+    pickled = cache / "models--tiny--pickled" / "snapshots" / ("b" * 40)  # no safetensors: the .bin files
+    _pickled_checkpoint(llama[1], pickled, 1)
+    (cache / "models--tiny--pickled" / "refs").mkdir()
+    (cache / "models--tiny--pickled" / "refs" / "main").write_text("b" * 40)
+    assert resolve_model_dir("tiny/pickled") == pickled
 
 
 def test_hub_id_with_dots_resolves_from_a_cache_laid_out_by_huggingface_hub(tmp_path, monkeypatch, llama):

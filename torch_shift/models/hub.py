@@ -10,6 +10,8 @@ from huggingface_hub.utils import validate_repo_id
 
 _CHECKPOINT_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                      "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.*"]
+# fetched only where a snapshot has no safetensors (an older checkpoint), as vLLM falls back to them
+_PICKLED_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
 _FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -34,8 +36,8 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
         return path
     repo_id = str(model)
     if looks_like_path(repo_id):
-        what = ("a model is a checkpoint directory (config.json, *.safetensors) or a Hugging Face hub id such as "
-                "Qwen/Qwen2.5-0.5B-Instruct")
+        what = ("a model is a checkpoint directory (config.json, *.safetensors or pytorch_model*.bin) or a Hugging "
+                "Face hub id such as Qwen/Qwen2.5-0.5B-Instruct")
         if path.is_file():
             raise ValueError(f"{path} is a file: {what}; pass its directory, {path.parent}")
         if path.suffix in _FILE_SUFFIXES:
@@ -46,8 +48,7 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     except HFValidationError as e:
         raise ValueError(f"model {repo_id!r}: no such directory, and not a Hugging Face hub id ({e})") from None
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES,
-                                      local_files_only=True))
+        return _snapshot(repo_id, revision, local_files_only=True)
     except Exception:
         pass
     if constants.HF_HUB_OFFLINE:
@@ -56,9 +57,17 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
             "(HF_HUB_OFFLINE is set, so nothing was downloaded)"
         )
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES, etag_timeout=5))
+        return _snapshot(repo_id, revision, etag_timeout=5)
     except Exception as e:
         raise ValueError(
             f"model {repo_id!r}: no such directory, not in the Hugging Face cache {constants.HF_HUB_CACHE}, "
             f"and could not be downloaded ({type(e).__name__}: {e})"
         ) from None
+
+
+def _snapshot(repo_id: str, revision: str | None, **kwargs) -> Path:
+    """The snapshot's checkpoint files: safetensors, else PyTorch's pickled ones."""
+    path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CHECKPOINT_FILES, **kwargs))
+    if not any(path.glob("*.safetensors")):
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_PICKLED_FILES, **kwargs))
+    return path

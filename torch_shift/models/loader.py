@@ -1,5 +1,5 @@
-"""Build a model on the meta device and load it from safetensors: a Hugging Face directory or a
-converted torch_shift checkpoint (`torch-shift convert`).
+"""Build a model on the meta device and load it from safetensors (or PyTorch's pickled `.bin` files): a Hugging Face
+directory or a converted torch_shift checkpoint (`torch-shift convert`).
 
 Each family has one name map: Hugging Face tensor name -> (parameter name, part), where the
 part names the slot of a fused parameter (q/k/v in `qkv_proj`, gate/up in `gate_up_proj`) or of a
@@ -273,26 +273,73 @@ def part_views(model: torch.nn.Module, name: str) -> dict[str | None, torch.Tens
     return dict(zip(FUSED_PARTS[leaf], param.data.split(sizes, dim=0)))
 
 
+# A checkpoint's weights: safetensors files, else (as vLLM falls back) PyTorch's pickled files, each form alone or
+# sharded under its index
+SAFETENSORS, PICKLED = ("*.safetensors", "model.safetensors.index.json"), ("pytorch_model*.bin",
+                                                                            "pytorch_model.bin.index.json")
+
+
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file that holds it (single file or sharded index)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
-        if missing:
-            raise ValueError(f"{model_dir}: shard files listed in {index.name} are missing: {', '.join(missing)}")
-        return {name: model_dir / f for name, f in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no *.safetensors file (pickled .bin checkpoints are not loaded)")
-    names: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as fh:
-            for name in fh.keys():
-                names[name] = f
-    return names
+    """Map every tensor name to the file that holds it (single file or sharded index): safetensors, else pickled
+    `pytorch_model*.bin` files."""
+    for pattern, index_name in (SAFETENSORS, PICKLED):
+        index = model_dir / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map")
+            missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+            if missing:
+                raise ValueError(f"{model_dir}: shard files listed in {index.name} are missing: {', '.join(missing)}")
+            return {name: model_dir / f for name, f in weight_map.items()}
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            names: dict[str, Path] = {}
+            for f in files:
+                for name in open_weights_file(f).keys():
+                    names[name] = f
+            return names
+    raise ValueError(f"{model_dir} holds no *.safetensors or pytorch_model*.bin file")
+
+
+class PickledWeights:
+    """A `pytorch_model*.bin` file read as a safetensors handle reads: `keys()`, and `get_slice(name)`, whose reads
+    are new tensors, from the file mapped where its format allows (a rank touches only the pages of its slices).
+    Unpickled with `weights_only`: no code in the file runs."""
+
+    def __init__(self, path: Path):
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # torch.save's legacy format (before 1.6) cannot be mapped: read whole
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise ValueError(f"{path} holds no state dict of tensors")
+        self.tensors: dict[str, torch.Tensor] = tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return TensorSlice(self.tensors[name])
+
+
+class TensorSlice:
+    """A tensor read as a safetensors slice: `get_shape()`, and each read (`[...]`) a copy of its own, never a view
+    of the file's mapping."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index].clone(memory_format=torch.contiguous_format)
+
+
+def open_weights_file(path: Path):
+    """A safetensors handle, or PickledWeights for a pickled file."""
+    return PickledWeights(path) if path.suffix == ".bin" else safe_open(path, framework="pt")
 
 
 # A torch_shift checkpoint (`torch-shift convert`): this file lists every stored tensor.
@@ -529,7 +576,7 @@ class CheckpointReader:
         self.interleaved = {n for n in files if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         shapes = {}
         for name in files:
-            shape = self._slice(name).get_shape()
+            shape = source_shape(self._slice(name))
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name, name_in_source)
         self.fused_rows = fused_part_rows(self.index, config, map_name)
@@ -584,7 +631,7 @@ class CheckpointReader:
 
     def _handle(self, path: Path):
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = open_weights_file(path)
         return self._handles[path]
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
