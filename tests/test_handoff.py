@@ -138,6 +138,32 @@ def test_single_process_handoff_of_plain_tensors(llama):
         handoff(hf_model.state_dict())
 
 
+def test_a_head_beside_a_tied_embedding_must_be_the_embedding(llama, tmp_path):
+    """As a checkpoint directory is checked: a config that ties the head, with the source holding another
+    lm_head.weight, is refused (the engine served the embedding as the head, silently other tokens); a tied model's
+    one parameter under both names is taken."""
+    import torch.distributed.checkpoint as dcp
+
+    hf_model, _ = llama
+    untied = {n: t.detach() for n, t in hf_model.state_dict().items()}
+    tied_config = hf_model.config.to_dict() | {"tie_word_embeddings": True}
+    with pytest.raises(ValueError, match="ties the LM head to the embedding .* 'lm_head.weight' differs from "
+                                         "'model.embed_tokens.weight'"):
+        handoff(untied, tied_config)
+    dcp.save(untied, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        handoff_from_dcp(str(tmp_path / "dcp"), tied_config)
+    tied = build_hf_model("llama_tied", seed=0)
+    assert tied.state_dict()["lm_head.weight"] is not None
+    prompts = random_prompts(2, [4, 9], seed=7)
+    got = handoff({n: t.detach() for n, t in tied.named_parameters()} | {"lm_head.weight": tied.lm_head.weight},
+                  tied.config.to_dict()).generate(prompts, GREEDY, use_tqdm=False)
+    with torch.no_grad():
+        want = [tied.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+                .tolist() for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
 def test_torchtitan_names_and_rope_rows(llama):
     """torchtitan names map explicitly; its interleaved-RoPE q/k rows become half-split rows."""
     assert torchtitan_to_hf_name("layers.3.attention.qkv_linear.wk.weight") == "model.layers.3.self_attn.k_proj.weight"

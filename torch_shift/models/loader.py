@@ -420,6 +420,21 @@ def index_tensors(shapes: dict[str, tuple[int, ...]], config: ModelConfig, where
     return index
 
 
+def check_tied_head(config: ModelConfig, index: dict[PartKey, str], names, map_name: Callable,
+                    same: Callable[[str, str], bool], where: str) -> None:
+    """The config ties the LM head to the embedding, which index_tensors reads for both: a head the source holds
+    beside it (`names`) must be the embedding (`same(head, embedding)`; transformers unties a different one, with a
+    warning), refused rather than dropped without a word, from a directory or a training job's tensors alike."""
+    if not config.tie_word_embeddings:
+        return
+    embedding = index[("embed_tokens.weight", None)]
+    for head in [n for n in names if map_name(n) == ("lm_head.weight", None)]:
+        if not same(head, embedding):
+            raise ValueError(f"{where}: the config ties the LM head to the embedding (tie_word_embeddings), but the "
+                             f"source's {head!r} differs from {embedding!r}; set tie_word_embeddings to false in "
+                             "the config to use it as the head")
+
+
 def _new_parts(index: dict[PartKey, str], parts: dict[PartKey, str], where: str) -> dict[PartKey, str]:
     """`parts`, none of which another tensor of the source already holds (a vision-language checkpoint's language
     model under two namings, or per-expert tensors beside stacked ones)."""
@@ -580,8 +595,9 @@ class CheckpointReader:
             shapes[name] = tuple(shape)[::-1] if name in self.transposed else tuple(shape)
         self.index = index_tensors(shapes, config, str(self.model_dir), map_name, name_in_source)
         self.fused_rows = fused_part_rows(self.index, config, map_name)
-        if config.tie_word_embeddings:
-            self._check_tied_head([n for n in files if map_name(n) == ("lm_head.weight", None)])
+        check_tied_head(config, self.index, files, map_name, lambda a, b: torch.equal(self._slice(a)[:],
+                                                                                     self._slice(b)[:]),
+                        str(self.model_dir))
 
     def _pair_quantized(self, files: dict[str, Path], quant: WeightQuantization,
                         map_name: Callable[[str], PartKey | None]) -> None:
@@ -617,17 +633,6 @@ class CheckpointReader:
         if name in self.dequantized:
             return self.dequantized[name]
         return self._handle(self.files[name]).get_slice(name)
-
-    def _check_tied_head(self, heads: list[str]) -> None:
-        """config.json ties the LM head to the embedding, which index_tensors reads for both; a head the checkpoint
-        holds beside it must be the embedding (transformers unties a different one, with a warning): refused,
-        rather than dropped without a word."""
-        embedding = self.index[("embed_tokens.weight", None)]
-        for head in heads:
-            if not torch.equal(*(self._slice(n)[:] for n in (head, embedding))):
-                raise ValueError(f"{self.model_dir}: config.json ties the LM head to the embedding "
-                                 f"(tie_word_embeddings), but the checkpoint's {head!r} differs from {embedding!r}; "
-                                 "set tie_word_embeddings to false in config.json to use it as the head")
 
     def _handle(self, path: Path):
         if path not in self._handles:

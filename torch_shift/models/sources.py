@@ -32,6 +32,7 @@ from torch_shift.models.decoder import DecoderLM
 from torch_shift.models.loader import (
     STACKED_INTERLEAVED,
     WeightSource,
+    check_tied_head,
     fused_part_rows,
     hf_name_mapper,
     index_tensors,
@@ -124,6 +125,7 @@ class _NamedSource:
             return hf_map(hf_name) if hf_name is not None else None
 
         self.index = index_tensors(shapes, config, where, map_name)
+        check_tied_head(config, self.index, shapes, map_name, self._same_tensor, where)
         self.interleaved = {n for n in shapes if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         self.fused_rows = fused_part_rows(self.index, config, map_name)
 
@@ -137,6 +139,10 @@ class _NamedSource:
             assert part_slice is None or (part_slice.dim == 0 and part_slice.length % self.config.head_dim == 0)
             return half_split_rope_rows(tensor, tensor.shape[0] // self.config.head_dim)
         return tensor
+
+    def _same_tensor(self, a: str, b: str) -> bool:
+        """Whether the source's tensors `a` and `b` hold the same values (a tied head beside the embedding)."""
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
@@ -176,6 +182,13 @@ class StateDictSource(_NamedSource):
         # the engine copies what this returns into its own buffers: the source's storage is only read
         return self._read(self._whole(self.tensors[source_name]), name, part, part_slice, source_name)
 
+    def _same_tensor(self, a: str, b: str) -> bool:
+        tensor_a, tensor_b = self.tensors[a], self.tensors[b]
+        if tensor_a is tensor_b:  # a tied model's parameter under both names
+            return True
+        # every rank builds its source (the handoff is collective): a DTensor's whole is gathered on each
+        return torch.equal(self._whole(tensor_a), self._whole(tensor_b))
+
     def close(self) -> None:
         self._whole.clear()
 
@@ -209,13 +222,19 @@ class DCPSource(_NamedSource):
         super().__init__(shapes, config, naming, str(self.checkpoint_dir))
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
+        source_name = self.index[(name, part)]
+        return self._read(self._load(source_name), name, part, part_slice, source_name)
+
+    def _load(self, source_name: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
-        source_name = self.index[(name, part)]
         key, md = self.entries[source_name]
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         dcp.load({key: tensor}, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
-        return self._read(tensor, name, part, part_slice, source_name)
+        return tensor
+
+    def _same_tensor(self, a: str, b: str) -> bool:
+        return torch.equal(self._load(a), self._load(b))
 
 
 class DecoderSource:
