@@ -237,11 +237,46 @@ BAD_REQUESTS = [
 ]
 
 
-def test_an_empty_string_is_a_prompt_where_the_tokenizer_adds_a_bos_token(server, reference):
-    """As offline (and in vLLM): the tokens are what must not be empty."""
+def test_an_empty_string_is_a_prompt_in_a_list_and_refused_alone(server, reference):
+    """vLLM 0.32's server: a prompt of "" alone is refused by its request's validator; in a list it is a prompt of the
+    tokenizer's bos, as offline."""
     assert reference.tokenizer.encode("")
-    out = server.client().completions.create(model="tiny", prompt="", max_tokens=8, temperature=0)
-    assert out.choices[0].text == greedy(reference, "").text
+    out = server.client().completions.create(model="tiny", prompt=["", PROMPT], max_tokens=8, temperature=0)
+    assert [c.text for c in out.choices] == [greedy(reference, "").text, greedy(reference, PROMPT).text]
+    alone = httpx.post(server.url + "/v1/completions", json={"prompt": "", "max_tokens": 8}, timeout=30)
+    assert alone.status_code == 400
+    assert "Either prompt or prompt_embeds must be provided and non-empty." in alone.json()["error"]["message"]
+
+
+def test_a_model_card_has_vllms_fields(checkpoints, server):
+    card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
+    assert card["root"] == str(checkpoints("llama")[1]) and card["parent"] is None
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_logprobs"]
+
+
+def test_the_whole_vocabularys_logprobs_where_max_logprobs_allows_them(checkpoints, server):
+    """-1 asks for every token's logprob (vLLM's), in completions' logprobs and chat's top_logprobs; beyond the
+    default max_logprobs (20) it is refused with vLLM's words, not by the request's schema."""
+    _, model_dir = checkpoints("llama")
+    vocab = server.engine.model_config.vocab_size
+    for max_logprobs, status in ((-1, 200), (20, 400)):
+        s = server if max_logprobs == 20 else RunningServer(model_dir, engine={"max_logprobs": -1})
+        try:
+            completion = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1,
+                                                                     "logprobs": -1}, timeout=60)
+            chat = httpx.post(s.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+                "top_logprobs": -1}, timeout=60)
+            assert (completion.status_code, chat.status_code) == (status, status), (completion.text, chat.text)
+            if status == 200:
+                assert len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+                # a dict keyed by token text: tokens of one text (byte pieces) share a key
+                assert 20 < len(completion.json()["choices"][0]["logprobs"]["top_logprobs"][0]) <= vocab
+            else:
+                assert "greater than max allowed: 20" in completion.json()["error"]["message"]
+        finally:
+            if s is not server:
+                s.stop()
 
 
 def test_a_body_json_cannot_read_says_why(server):

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
@@ -408,9 +409,16 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
 
     created = int(time.time())
 
+    root = str(llm.model_dir) if llm.model_dir is not None else served_model_name
+    # OpenAI's legacy card fields, as vLLM fills them: what a client may do with the model
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                  "group": None, "is_blocking": False}
+
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "torch_shift",
-                "max_model_len": max_model_len}
+        return {"id": name, "object": "model", "created": created, "owned_by": "torch_shift", "root": root,
+                "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
     @app.get("/v1/models")
     async def models():

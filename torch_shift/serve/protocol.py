@@ -225,7 +225,8 @@ class _SamplingRequest(_Body):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
-    logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (vLLM's)
+    # at most the engine's max_logprobs (vLLM's); -1 the whole vocabulary's, where max_logprobs is -1
+    logprobs: Int | None = Field(default=None, ge=-1)
     echo: bool | None = False
     best_of: Int | None = None
     suffix: str | None = None
@@ -238,6 +239,13 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt_logprobs must be >= 0, or -1 for the whole vocabulary")
         if value is not None and value != 0 and info.data.get("stream"):
             raise ValueError("prompt_logprobs are not available when stream=true")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _a_text_prompt_has_text(cls, value):  # vLLM's rule and words; "" in a list of prompts is a prompt of a bos
+        if value == "":
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         return value
 
     @field_validator("suffix")
@@ -391,7 +399,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: Int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs (vLLM's)
+    top_logprobs: Int | None = Field(default=None, ge=-1)  # as CompletionRequest.logprobs
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -30,7 +30,9 @@ def _logprob(value: float) -> float:
 
 
 def _top(entry: PositionLogprobs, k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens of a position and their logprobs (the chosen token too, only if among them)."""
+    """The k most likely tokens of a position and their logprobs (the chosen token too, only if among them); k = -1:
+    every token's (vLLM's)."""
+    k = len(entry) if k < 0 else k
     ranked = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k)
     return [(t, _logprob(logprob)) for _, t, logprob in ranked]
 
