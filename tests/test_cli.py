@@ -489,3 +489,20 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_generate", interrupted)
     assert cli.main(["generate", "x"]) == 130
     assert capsys.readouterr().err == "[torch-shift] interrupted\n"
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["convert", "--model", "m", "--out", "o", "--max-shard-size-mb", "0"], "--max-shard-size-mb"),
+    (["convert", "--model", "m", "--out", "o", "--max-shard-size-mb", "-5"], "--max-shard-size-mb"),
+    (["plan", "--hardware", "h100", "--synthetic", "128:32", "--world", "0"], "--world"),
+    (["bench", "--url", "http://127.0.0.1:1", "--num-requests", "0"], "--num-requests"),
+    (["bench", "--url", "http://127.0.0.1:1", "--rate", "-1"], "--rate"),
+])
+def test_a_count_size_or_rate_of_zero_is_a_usage_error(argv, option, capsys):
+    """They ran empty work (a benchmark of no requests, a shard per tensor) or took 0 as "unset" (plan's world)."""
+    from torch_shift.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be > 0" in capsys.readouterr().err

@@ -152,6 +152,19 @@ def _typed(kind):
     return parse
 
 
+def positive(kind):
+    """An argparse type of `kind` (int or float) above 0 (a count, a size or a rate: 0 ran empty work)."""
+    typed = _typed(kind)
+
+    def parse(value: str):
+        number = typed(value)
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+        return number
+    parse.__name__ = kind.__name__
+    return parse
+
+
 # options whose type the field's annotation does not say, or that the command line treats apart
 _OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object,
                  "dtype": dtype_name, "max_model_len": _context_length, "max_num_batched_tokens": _size,
@@ -508,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="auto", type=dtype_name,
                          choices=["auto", "float32", "bfloat16", "float16"],
                          help="dtype of the stored weights ('auto': the checkpoint's)")
-    convert.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest output file")
+    convert.add_argument("--max-shard-size-mb", type=positive(float), default=2048.0, help="largest output file")
     convert.add_argument("--overwrite", action="store_true", help="replace --out once the conversion succeeded")
     convert.set_defaults(func=_convert)
 
@@ -536,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "default: the embedded model")
     plan.add_argument("--hardware", required=True, help="h100, h200, a100, a100-pcie, l4, a10 with an optional "
                                                         "count (h200x8), or a profile from torch-shift calibrate")
-    plan.add_argument("--world", type=int, default=None, help="devices to deploy on (default: the hardware's)")
+    plan.add_argument("--world", type=positive(int), default=None,
+                      help="devices to deploy on (default: the hardware's)")
     plan.add_argument("--dtype", default="auto", type=_short_dtype_name,
                       choices=["auto", "fp32", "bf16", "fp16", "fp8"],
                       help="weight dtype ('auto': the checkpoint's)")

@@ -38,6 +38,8 @@ TABLE5_CONFIGS = ["TP:sp=1,tp=2,shift_threshold=none", "SP:sp=2,tp=1,shift_thres
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    from torch_shift.cli import positive
+
     target = parser.add_argument_group("target")
     target.add_argument("--url", help="a running OpenAI-compatible server (else --model starts one per --config)")
     target.add_argument("--model", help="checkpoint directory for servers this command starts")
@@ -53,21 +55,22 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("workload")
     load.add_argument("--workload", choices=["poisson", "gamma", "phases", "trace"], default="poisson",
                       help="arrival process")
-    load.add_argument("--num-requests", type=int, default=64, help="requests (poisson, gamma, trace)")
-    load.add_argument("--rate", type=float, default=4.0, help="mean requests/s (poisson, gamma)")
-    load.add_argument("--cv", type=float, default=2.0, help="gamma: coefficient of variation of the gaps")
+    load.add_argument("--num-requests", type=positive(int), default=64, help="requests (poisson, gamma, trace)")
+    load.add_argument("--rate", type=positive(float), default=4.0, help="mean requests/s (poisson, gamma)")
+    load.add_argument("--cv", type=positive(float), default=2.0, help="gamma: coefficient of variation of the gaps")
     load.add_argument("--phases", default="5:1,5:12,5:1,5:12",
                       help="phases: duration_s:rate,... (alternating low/high load, paper 004 style)")
-    load.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (fixed lengths)")
-    load.add_argument("--output-len", type=int, default=32, help="output tokens (fixed lengths)")
+    load.add_argument("--prompt-len", type=positive(int), default=128, help="prompt tokens (fixed lengths)")
+    load.add_argument("--output-len", type=positive(int), default=32, help="output tokens (fixed lengths)")
     load.add_argument("--lengths-from-trace", action="store_true", help="sample lengths from --trace")
     load.add_argument("--trace", default=str(DEFAULT_TRACE),
                       help="CSV with arrived_at,num_prefill_tokens,num_decode_tokens (default: the first 2,000 "
                            "requests of the Azure LLM inference trace 2023, shipped with torch_shift)")
-    load.add_argument("--length-scale", type=float, default=1.0, help="trace lengths are multiplied by this")
-    load.add_argument("--max-prompt", type=int, default=1024, help="trace prompt lengths are clipped to this")
-    load.add_argument("--max-output", type=int, default=256, help="trace output lengths are clipped to this")
-    load.add_argument("--time-compression", type=float, default=10.0, help="trace replay: arrivals divided by this")
+    load.add_argument("--length-scale", type=positive(float), default=1.0, help="trace lengths are multiplied by this")
+    load.add_argument("--max-prompt", type=positive(int), default=1024, help="trace prompt lengths are clipped to this")
+    load.add_argument("--max-output", type=positive(int), default=256, help="trace output lengths are clipped to this")
+    load.add_argument("--time-compression", type=positive(float), default=10.0,
+                      help="trace replay: arrivals divided by this")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompt tokens")
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="bench/results/serve", help="folder for results.json and timeline.png")
