@@ -488,8 +488,8 @@ void keep_top_p(float* w, int64_t cols, float top_p, std::vector<double>& bins,
 // temperature (float32), weights w = exp(x - max x) (exp_nonpositive; 0 below e^-87), the weights below min_p of
 // the largest (1) zeroed, then the top_k largest kept (keep_top_k) where 0 < top_k < cols, then the top_p mass of
 // what is left (keep_top_p) where top_p < 1 (vLLM's order: min_p before top-k/top-p): the first token whose
-// cumulative weight (in double, over blocks of kSampleBlock) exceeds
-// uniform (in [0, 1)) times their total; never a token of weight 0. A row with a NaN, or all -inf, draws its argmax.
+// cumulative weight (in double, over blocks of kSampleBlock) exceeds uniform (in [0, 1)) times their total; never a
+// token of weight 0. A row with a NaN, or all -inf, draws its argmax.
 // PyTorch's operators (the sampler's path elsewhere) took 2 ms for top-p or top-k over 32k logits, 9 ms over 128k;
 // this 0.05-0.09 and 0.2-0.55 ms (docs/performance.md).
 template <typename T>
