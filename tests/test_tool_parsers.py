@@ -210,6 +210,12 @@ REASONING = [  # (parser, prompt, output, reasoning, content)
     ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "4, without thinking.", None, "4, without thinking."),
     ("qwen3", "<|im_start|>assistant\n<think>\n", "the template opened it</think>4", "the template opened it", "4"),
     ("qwen3", "<|im_start|>assistant\n", "No think block here", None, "No think block here"),
+    # a call in a block the model never closed begins the answer (vLLM's qwen3); in one it closes, it is reasoning
+    ("qwen3", "<|im_start|>assistant\n", "<think>maybe <tool_call>\n{}\n</tool_call>", "maybe ",
+     "<tool_call>\n{}\n</tool_call>"),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "let me call <tool_call>x", "let me call ", "<tool_call>x"),
+    ("qwen3", "<|im_start|>assistant\n", "<think>a <tool_call> b</think>c", "a <tool_call> b", "c"),
+    ("qwen3", "<|im_start|>assistant\n", "<think>a <tool_c", "a <tool_c", None),
 ]
 
 
@@ -253,6 +259,25 @@ def test_reasoning_is_kept_out_of_content_and_tool_parsing():
     # only reasoning: content null beside it (vLLM's); without a reasoning parser an empty output is ""
     assert output.parser().parse("<think>x</think>", "stop")["content"] is None
     assert ChatOutputFormat(ToolChoice("none")).parser().parse("", "stop")["content"] == ""
+
+
+def test_a_call_in_a_thinking_block_never_closed_is_a_call():
+    """The model called a tool without closing its thinking: the call was reasoning, and lost (vLLM's qwen3 takes
+    it)."""
+    output = ChatOutputFormat(ToolChoice("auto", tools=[]), TOOL_PARSERS["hermes"], REASONING_PARSERS["qwen3"],
+                              prompt="<|im_start|>assistant\n")
+    text = '<think>maybe <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n' \
+           '</tool_call>'
+    message = output.parser().parse(text, "stop")
+    assert message["reasoning"] == "maybe " and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", WEATHER)]
+    for pieces in splits(text):
+        parser = output.parser()
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish("stop")]
+        assert "".join(d.get("reasoning", "") for d in deltas) == "maybe "
+        arguments = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+        assert json.loads(arguments) == WEATHER and parser.tools_called
 
 
 def test_only_the_first_call_without_parallel_tool_calls():

@@ -10,6 +10,8 @@ either way. The answer alone (the content) goes on to tool-call parsing.
   `<think>` or when the rendered prompt ends inside an open `<think>` (templates that start the thinking
   themselves; a later `<think>` dropped as for `deepseek_r1`); otherwise all of it is content, as with
   `chat_template_kwargs={"enable_thinking": false}`, where the template closes an empty thinking block in the prompt.
+  A thinking block the model never closes ends at its first `<tool_call>`, the call beginning the content (vLLM
+  0.32's qwen3 takes every `<tool_call>` so; here one inside a block that does close stays reasoning).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class ReasoningParser:
 
     name = ""
     end = END  # the text that ends the reasoning (a constrained output's grammar waits for it)
+    # markers that begin the content where the reasoning never ends: held from there until END comes (reasoning
+    # after all) or the output ends (content)
+    implicit_ends: tuple[str, ...] = ()
 
     def __init__(self, prompt: str = ""):
         # "opening": the output may begin with <think>; "reasoning" until </think>; then "content"
@@ -82,13 +87,21 @@ class ReasoningParser:
                     end = self._buffer.find(END)
                 elif end >= 0:
                     self._unopened = False
-            if end < 0:
+            implicit = min((i for i in map(self._buffer.find, self.implicit_ends) if i >= 0), default=-1)
+            if end < 0 and implicit >= 0:
+                reasoning, self._buffer = self._buffer[:implicit], self._buffer[implicit:]
+                if not final:
+                    return reasoning, ""
+                self._state = "content"
+            elif end < 0:
                 keep = 0 if final else max(held_marker_prefix(self._buffer, END),
-                                           held_marker_prefix(self._buffer, START) if self._unopened else 0)
+                                           held_marker_prefix(self._buffer, START) if self._unopened else 0,
+                                           *(held_marker_prefix(self._buffer, m) for m in self.implicit_ends))
                 reasoning = self._buffer[:len(self._buffer) - keep]
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return reasoning, ""
-            reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "content"
+            else:
+                reasoning, self._buffer, self._state = self._buffer[:end], self._buffer[end + len(END):], "content"
         content, self._buffer = self._buffer, ""
         return reasoning, content
 
@@ -102,6 +115,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    implicit_ends = ("<tool_call>",)  # a call in a block the model never closed: the answer (vLLM 0.32's qwen3)
 
     def starts_in_reasoning(self, prompt: str) -> bool:
         return prompt.rfind(START) > prompt.rfind(END)  # the prompt ends inside an open thinking block
