@@ -63,6 +63,10 @@ RECORDED = [
     ("mistral",  # a call before v11 without its array (vLLM's parser reads it too)
      'Sure.[TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', "Sure.",
      [("get_weather", WEATHER)]),
+    # before v11, calls without arguments (vLLM's parser gives them "{}"; they were text, the calls lost)
+    ("mistral", '[TOOL_CALLS][{"name": "now"}, {"name": "today", "arguments": null}]', None,
+     [("now", {}), ("today", {})]),
+    ("mistral", '[TOOL_CALLS]{"name": "now"}', None, [("now", {})]),
 ]
 MALFORMED = [  # (parser, output): never a call, all of it content, whole or streamed
     ("hermes", "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),

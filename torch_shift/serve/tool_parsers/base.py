@@ -282,10 +282,10 @@ class CallArrayReader:
     parser after the array's opening bracket: Mistral's format before its v11 tokenizer, and the output of
     tool_choice "required"."""
 
-    def __init__(self, parser: ToolParser, argument_keys: tuple[str, ...], encoded_arguments: bool = False):
+    def __init__(self, parser: ToolParser, argument_keys: tuple[str, ...], lenient_arguments: bool = False):
         self.parser = parser
         self.argument_keys = argument_keys
-        self.encoded_arguments = encoded_arguments  # see CallObject
+        self.lenient_arguments = lenient_arguments  # see CallObject
         self.expect = "element_or_end"
         self.raw = ""  # read since the marker while no call of the array was announced
 
@@ -303,7 +303,7 @@ class CallArrayReader:
             return False
         ch = text[0]
         if ch == "{" and self.expect in ("element_or_end", "element"):
-            p._begin_call(self.raw, CallObject(self.argument_keys, encoded_arguments=self.encoded_arguments))
+            p._begin_call(self.raw, CallObject(self.argument_keys, lenient_arguments=self.lenient_arguments))
             self.expect = "comma_or_end"
             return True
         if (ch == "]" and self.expect in ("element_or_end", "comma_or_end")) or (ch == "," and

@@ -193,16 +193,17 @@ class CallObject:
     are ignored. With `name` given, the whole object is the arguments.
 
     `committed` once the name is known and the arguments have begun: from then on the call can be announced and
-    its arguments streamed as they arrive. With `encoded_arguments`, the arguments may also be a JSON string holding
-    an object's JSON text (Mistral's models before v11 write them so at times; vLLM takes the text), committed once
-    the string is whole."""
+    its arguments streamed as they arrive. With `lenient_arguments` (Mistral's format before v11, as vLLM's mistral
+    parser reads it), the arguments may also be a JSON string holding an object's JSON text (its models write them
+    so at times; vLLM takes the text), committed once the string is whole, or null, or absent from a call of its name
+    alone, for none ("{}")."""
 
     def __init__(self, argument_keys: tuple[str, ...] = ("arguments",), name: str | None = None,
-                 encoded_arguments: bool = False):
+                 lenient_arguments: bool = False):
         self.json = JsonValue("{")
         self.argument_keys = argument_keys
         self.name = name
-        self.encoded_arguments = encoded_arguments
+        self.lenient_arguments = lenient_arguments
         self._whole_is_arguments = name is not None
         self._arguments_start: int | None = 0 if name is not None else None
         self._checked: set[str] = set()
@@ -214,9 +215,12 @@ class CallObject:
 
     @property
     def committed(self) -> bool:
-        # (a named call's arguments begin with their first character: an empty output announces nothing)
+        if self._decoded is not None:
+            return self.name is not None
+        # (a named call's arguments begin with their first character: an empty output announces nothing; a
+        # string's or a null's once they are whole: _decoded)
         return (self.name is not None and self._arguments_start is not None and bool(self.json.chars)
-                and (self._decoded is not None or self.json.chars[self._arguments_start] != '"'))
+                and self.json.chars[self._arguments_start] not in '"n')
 
     def push(self, ch: str) -> None:
         if self._whole_is_arguments and not self.json.chars and ch in WHITESPACE:
@@ -247,29 +251,35 @@ class CallObject:
                 if self._arguments_start is not None:
                     raise MalformedCall(f"the call's arguments are given twice ({' and '.join(self.argument_keys)})")
                 first = self.json.chars[members[key][0]]
-                if first != "{" and not (first == '"' and self.encoded_arguments):
+                if first != "{" and not (first in '"n' and self.lenient_arguments):
                     raise MalformedCall(f"the call's {key!r} is not a JSON object")
                 self._arguments_start = members[key][0]
         if (self._arguments_start is not None and self._decoded is None
-                and self.json.chars[self._arguments_start] == '"' and members[self._argument_key()][1] is not None):
-            decoded = json.loads(self.json.text(self._arguments_start, members[self._argument_key()][1]))
-            try:
-                if not isinstance(json.loads(decoded), dict):
-                    raise ValueError
-            except ValueError:
-                raise MalformedCall("the call's arguments are a string that holds no JSON object") from None
-            self._decoded = decoded
+                and self.json.chars[self._arguments_start] in '"n' and members[self._argument_key()][1] is not None):
+            value = json.loads(self.json.text(self._arguments_start, members[self._argument_key()][1]))
+            if value is None:
+                self._decoded = "{}"
+            else:
+                try:
+                    if not isinstance(value, str) or not isinstance(json.loads(value), dict):
+                        raise ValueError
+                except ValueError:
+                    raise MalformedCall("the call's arguments are a string that holds no JSON object") from None
+                self._decoded = value
         if self.json.done and self.name is None:
             raise MalformedCall("the call has no name")
         if self.json.done and self._arguments_start is None:  # as vLLM's parsers: a call names its arguments
-            raise MalformedCall(f"the call has no {' or '.join(map(repr, self.argument_keys))}")
+            # (leniently, a call of its name alone: none; one with other keys may have meant them as its arguments)
+            if not self.lenient_arguments or set(members) != {"name"}:
+                raise MalformedCall(f"the call has no {' or '.join(map(repr, self.argument_keys))}")
+            self._decoded = "{}"
 
     def arguments(self) -> str:
         """The arguments' JSON text so far (all of it once `done`)."""
-        if self._arguments_start is None:
-            return ""
         if self._decoded is not None:
             return self._decoded
+        if self._arguments_start is None:
+            return ""
         if self._whole_is_arguments:
             return self.json.text(0)
         end = self.json.members[self._argument_key()][1]

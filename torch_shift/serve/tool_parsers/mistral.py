@@ -62,13 +62,13 @@ class MistralToolParser(ToolParser):
                 return False
             if text[0] == "[":
                 self._buffer, self._raw = text[1:], self._raw + "["
-                self._state, self._array = "array", CallArrayReader(self, ("arguments",), encoded_arguments=True)
+                self._state, self._array = "array", CallArrayReader(self, ("arguments",), lenient_arguments=True)
                 self._array.raw = self._raw
             elif text[0] in _NAME_CHARACTERS:
                 self._state, self._function = "name", ""
             elif text[0] == "{":  # one call without its array: a call, as vLLM reads it
                 self._buffer = text
-                self._begin_call(self._raw, CallObject(("arguments",), encoded_arguments=True))
+                self._begin_call(self._raw, CallObject(("arguments",), lenient_arguments=True))
                 self._state = "content"
             else:
                 self._fail(self._raw)
