@@ -240,11 +240,10 @@ class ToolParser:
             self._call_index = len(self.calls)
             self.calls.append(ToolCall(self.make_call_id(), call.name, ""))
             self._out.tool_calls.append(ToolCallDelta(self._call_index, self.calls[-1].id, call.name))
-        arguments = call.arguments()
-        if len(arguments) > self._sent_arguments:
-            piece = arguments[self._sent_arguments:]
-            self._sent_arguments = len(arguments)
-            self.calls[self._call_index].arguments = arguments
+        piece = call.arguments(self._sent_arguments)
+        if piece:
+            self._sent_arguments += len(piece)
+            self.calls[self._call_index].arguments += piece
             last = self._out.tool_calls[-1] if self._out.tool_calls else None
             if last is not None and last.index == self._call_index:
                 last.arguments += piece

@@ -274,16 +274,17 @@ class CallObject:
                 raise MalformedCall(f"the call has no {' or '.join(map(repr, self.argument_keys))}")
             self._decoded = "{}"
 
-    def arguments(self) -> str:
-        """The arguments' JSON text so far (all of it once `done`)."""
+    def arguments(self, offset: int = 0) -> str:
+        """The arguments' JSON text so far (all of it once `done`), after its first `offset` characters (a stream's
+        next piece, without joining what it sent before: that made a long argument's stream quadratic)."""
         if self._decoded is not None:
-            return self._decoded
+            return self._decoded[offset:]
         if self._arguments_start is None:
             return ""
         if self._whole_is_arguments:
-            return self.json.text(0)
+            return self.json.text(offset)
         end = self.json.members[self._argument_key()][1]
-        return self.json.text(self._arguments_start, end)
+        return self.json.text(self._arguments_start + offset, end)
 
     def _argument_key(self) -> str:
         return next(k for k in self.argument_keys if k in self.json.members)
