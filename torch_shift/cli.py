@@ -11,6 +11,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+from torch_shift.argtypes import positive, typed
+
 DESCRIPTION = """\
 torch-shift: PyTorch-native LLM inference that changes its parallel layout while it serves.
 
@@ -141,30 +143,6 @@ def _context_length(value: str) -> int | None:
     return None if value.strip() in ("auto", "-1") else _size(value)
 
 
-def _typed(kind):
-    """An argparse type that names what it wanted: argparse reports 'invalid int value' with the option's name."""
-    def parse(value: str):
-        try:
-            return kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{'an integer' if kind is int else 'a number'}, got {value!r}") from None
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def positive(kind):
-    """An argparse type of `kind` (int or float) above 0 (a count, a size or a rate: 0 ran empty work)."""
-    typed = _typed(kind)
-
-    def parse(value: str):
-        number = typed(value)
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
-        return number
-    parse.__name__ = kind.__name__
-    return parse
-
-
 # options whose type the field's annotation does not say, or that the command line treats apart
 _OPTION_TYPES = {"shift_threshold": _threshold, "policy_config": _json_object, "speculative_config": _json_object,
                  "dtype": dtype_name, "max_model_len": _context_length, "max_num_batched_tokens": _size,
@@ -193,7 +171,7 @@ def engine_options() -> list[tuple[str, dict]]:
         if base is bool:
             spec["action"] = argparse.BooleanOptionalAction
         else:
-            spec["type"] = _OPTION_TYPES.get(f.name) or {int: _typed(int), float: _typed(float)}.get(base, base)
+            spec["type"] = _OPTION_TYPES.get(f.name) or {int: typed(int), float: typed(float)}.get(base, base)
             if meta["choices"]:
                 spec["choices"] = meta["choices"]
         options.append((f.name, spec))

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch_shift.argtypes import positive
 from torch_shift.bench.traffic import (
     DEFAULT_TRACE,
     LengthSource,
@@ -38,8 +39,6 @@ TABLE5_CONFIGS = ["TP:sp=1,tp=2,shift_threshold=none", "SP:sp=2,tp=1,shift_thres
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    from torch_shift.cli import positive
-
     target = parser.add_argument_group("target")
     target.add_argument("--url", help="a running OpenAI-compatible server (else --model starts one per --config)")
     target.add_argument("--model", help="checkpoint directory for servers this command starts")
