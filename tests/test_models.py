@@ -79,6 +79,16 @@ def test_bf16_long_prompt_as_close_to_fp32_as_transformers(tmp_path):
     assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def assert_engine_logits_match(hf_model, model_dir, prompt_len: int = 40) -> LLMEngine:
+    """The engine's prompt logits of a `prompt_len`-token prompt against transformers' (float32); the engine."""
+    prompt = random_prompts(1, [prompt_len])[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    engine = LLMEngine(EngineArgs(str(model_dir)))
+    torch.testing.assert_close(engine_logits(engine, prompt), ref, atol=FP32_ATOL, rtol=1e-5)
+    return engine
+
+
 def test_sharded_checkpoint_and_tied_embeddings(tmp_path, checkpoints):
     hf_model, _ = checkpoints("llama_tied")
     model_dir = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="100KB")
@@ -86,11 +96,7 @@ def test_sharded_checkpoint_and_tied_embeddings(tmp_path, checkpoints):
     assert len(list(model_dir.glob("*.safetensors"))) > 2
     model = load_model(model_dir)
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
-    prompt = random_prompts(1, [12])[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt), ref,
-                               atol=FP32_ATOL, rtol=1e-5)
+    assert_engine_logits_match(hf_model, model_dir, 12)
 
 
 def test_a_tied_head_stored_beside_the_embedding_must_be_it(tmp_path, checkpoints):
@@ -123,10 +129,7 @@ def test_transformers_4_config_layout(tmp_path, checkpoints):
     (old / "config.json").write_text(json.dumps(config))
     assert ModelConfig.from_dir(old).rope == ModelConfig.from_dir(model_dir).rope
     assert ModelConfig.from_dir(old).rope.rope_type == "llama3"
-    prompt = random_prompts(1, [40])[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(old))), prompt), ref, atol=FP32_ATOL, rtol=1e-5)
+    assert_engine_logits_match(hf_model, old)
 
 
 ROPE_CONFIGS = {  # config.json's rope keys as written -> what transformers reads them as
@@ -147,11 +150,7 @@ def test_rope_keys_read_as_transformers_reads_them(tmp_path, llama, case):
     model_dir = shutil.copytree(llama[1], tmp_path / case)
     rewrite_config(model_dir, **ROPE_CONFIGS[case])
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompt = random_prompts(1, [40])[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(model_dir))), prompt), ref, atol=FP32_ATOL,
-                               rtol=1e-5)
+    assert_engine_logits_match(hf_model, model_dir)
 
 
 def test_a_linear_scaling_extends_the_context_as_vllm_reads_it(tmp_path, llama):
@@ -164,12 +163,7 @@ def test_a_linear_scaling_extends_the_context_as_vllm_reads_it(tmp_path, llama):
                    rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
     assert ModelConfig.from_dir(model_dir).max_position_embeddings == 128
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompt = random_prompts(1, [100])[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    engine = LLMEngine(EngineArgs(str(model_dir)))
-    assert engine.scheduler_config.max_model_len == 128
-    torch.testing.assert_close(engine_logits(engine, prompt), ref, atol=FP32_ATOL, rtol=1e-5)
+    assert assert_engine_logits_match(hf_model, model_dir, 100).scheduler_config.max_model_len == 128
 
 
 def test_a_yarn_context_beyond_config_json_is_refused_with_its_remedy(tmp_path, llama):
@@ -253,11 +247,7 @@ def test_pickled_bin_checkpoints_load_as_their_safetensors(tmp_path, llama, shar
     hf_model, model_dir = llama
     pickled = _pickled_checkpoint(model_dir, tmp_path / "bin", shards, legacy)
     assert not list(pickled.glob("*.safetensors"))
-    prompt = random_prompts(1, [40])[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(engine_logits(LLMEngine(EngineArgs(str(pickled))), prompt), ref, atol=FP32_ATOL,
-                               rtol=1e-5)
+    assert_engine_logits_match(hf_model, pickled)
 
 
 def test_a_pickled_checkpoint_serves_tensor_parallel_ranks(tmp_path, llama):

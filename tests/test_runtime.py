@@ -359,14 +359,17 @@ print(pid, flush=True)
 """
 
 
+def _run_script(path, text: str, model_dir) -> subprocess.CompletedProcess:
+    """`text` run as a script of its own, given the model directory."""
+    path.write_text(text)
+    return subprocess.run([sys.executable, str(path), str(model_dir)], capture_output=True, text=True, timeout=120)
+
+
 def test_the_process_exits_and_ends_a_stopped_rank(llama, tmp_path):
     """Issue 10 item 3, offline: a process that exits without shutdown() while its rank is stopped exits
     (multiprocessing's own exit handler would wait for that rank forever) and the rank ends."""
     _, model_dir = llama
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_WITH_A_STOPPED_RANK)
-    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
-                            timeout=120)
+    result = _run_script(tmp_path / "exit.py", EXIT_WITH_A_STOPPED_RANK, model_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 10
@@ -399,10 +402,7 @@ def test_a_forked_child_that_exits_leaves_the_parents_ranks_alone(llama, tmp_pat
     """A helper's probe: the child's copy of the runtime's exit handler (and multiprocessing's, which took the ranks
     for its daemonic children) terminated the parent's rank, then the child hung at its exit in gloo's destructors."""
     _, model_dir = llama
-    script = tmp_path / "fork.py"
-    script.write_text(FORK_A_CHILD_THAT_EXITS)
-    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
-                            timeout=120)
+    result = _run_script(tmp_path / "fork.py", FORK_A_CHILD_THAT_EXITS, model_dir)
     assert result.returncode == 0 and result.stdout.split()[-1:] == ["ok"], result.stderr[-2000:]
 
 
@@ -426,10 +426,7 @@ if __name__ == "__main__":
 def test_an_engine_of_several_ranks_in_a_pool_worker_is_refused_by_name(llama, tmp_path):
     """A Pool worker is daemonic, and multiprocessing refuses it children with a bare AssertionError."""
     _, model_dir = llama
-    script = tmp_path / "pool.py"
-    script.write_text(IN_A_POOL_WORKER)
-    result = subprocess.run([sys.executable, str(script), str(model_dir)], capture_output=True, text=True,
-                            timeout=120)
+    result = _run_script(tmp_path / "pool.py", IN_A_POOL_WORKER, model_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cannot start in a daemonic process" in result.stdout, result.stdout
 
