@@ -154,7 +154,7 @@ def test_a_head_beside_a_tied_embedding_must_be_the_embedding(llama, tmp_path):
     with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'"):
         handoff_from_dcp(str(tmp_path / "dcp"), tied_config)
     tied = build_hf_model("llama_tied", seed=0)
-    assert tied.state_dict()["lm_head.weight"] is not None
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight  # one parameter under both names
     prompts = random_prompts(2, [4, 9], seed=7)
     got = handoff({n: t.detach() for n, t in tied.named_parameters()} | {"lm_head.weight": tied.lm_head.weight},
                   tied.config.to_dict()).generate(prompts, GREEDY, use_tqdm=False)

@@ -164,6 +164,15 @@ def test_a_linear_scaling_extends_the_context_as_vllm_reads_it(tmp_path, llama):
     assert ModelConfig.from_dir(model_dir).max_position_embeddings == 128
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert assert_engine_logits_match(hf_model, model_dir, 100).scheduler_config.max_model_len == 128
+    with pytest.raises(ValueError, match="context of 128 tokens .config.json's max_position_embeddings x its linear "
+                                         "rope factor 4."):
+        LLMEngine(EngineArgs(str(model_dir), max_model_len=200))
+    # Gemma 3's length is already scaled (131,072 with a factor of 8), as vLLM reads it
+    gemma = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "num_hidden_layers": 2, "vocab_size": 512, "intermediate_size": 128, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma.rope.rope_type == "linear" and gemma.max_position_embeddings == 131072
 
 
 def test_a_yarn_context_beyond_config_json_is_refused_with_its_remedy(tmp_path, llama):

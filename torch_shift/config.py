@@ -229,11 +229,11 @@ def _longrope_fields(merged: dict[str, Any], hf: dict[str, Any], original: int) 
                      "long": int(hf["max_position_embeddings"]) > original}
 
 
-def _longest_context(max_position_embeddings: int, rope: RopeConfig) -> int:
+def _longest_context(max_position_embeddings: int, rope: RopeConfig, family: str) -> int:
     """The model's longest context as vLLM 0.32 derives it (`_get_and_verify_max_len`): a linear scaling's factor
-    times the config's length; YaRN's, LongRoPE's and llama3's configs write their whole length (transformers'
-    _compute_yarn_parameters assumes so too)."""
-    if rope.rope_type == "linear":
+    times the config's length, but Gemma 3's (131,072 with a factor of 8) is already scaled; YaRN's, LongRoPE's and
+    llama3's configs write their whole length (transformers' _compute_yarn_parameters assumes so too)."""
+    if rope.rope_type == "linear" and family != "gemma3_text":
         return round(max_position_embeddings * rope.factor)
     return max_position_embeddings
 
@@ -362,7 +362,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=_longest_context(int(hf["max_position_embeddings"]), rope),
+            max_position_embeddings=_longest_context(int(hf["max_position_embeddings"]), rope, family),
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -374,13 +374,16 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             rope = model_config.rope
-            yarn = round(rope.original_max_position_embeddings * rope.factor) if rope.rope_type == "yarn" else 0
+            scaled = model_config.family != "gemma3_text" and rope.rope_type == "linear"
+            yarn_context = (round(rope.original_max_position_embeddings * rope.factor) if rope.rope_type == "yarn"
+                            else 0)
             remedy = (f": YaRN's factor {rope.factor:g} over {rope.original_max_position_embeddings} tokens reaches "
-                      f"{yarn}, and transformers and vLLM take max_position_embeddings as YaRN's whole context, so "
-                      f"set max_position_embeddings to {yarn} in config.json to serve that"
-                      if yarn > model_config.max_position_embeddings else "")
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{model_config.max_position_embeddings}{remedy}")
+                      f"{yarn_context}, and transformers and vLLM 0.32 take max_position_embeddings as YaRN's whole "
+                      f"context, so set max_position_embeddings to {yarn_context} in config.json to serve that"
+                      if yarn_context > model_config.max_position_embeddings else "")
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
+                             f"{model_config.max_position_embeddings} tokens (config.json's max_position_embeddings"
+                             + (f" x its linear rope factor {rope.factor:g}" if scaled else "") + f"){remedy}")
         model_config = model_config.for_context(max_model_len)
         deployment = build_deployment(
             model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,

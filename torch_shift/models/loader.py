@@ -296,8 +296,8 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         if files:
             names: dict[str, Path] = {}
             for f in files:
-                for name in open_weights_file(f).keys():
-                    names[name] = f
+                with open_weights_file(f) as handle:
+                    names |= dict.fromkeys(handle.keys(), f)
             return names
     raise ValueError(f"{model_dir} holds no *.safetensors or pytorch_model*.bin file")
 
@@ -318,6 +318,12 @@ class PickledWeights:
 
     def keys(self) -> list[str]:
         return list(self.tensors)
+
+    def __enter__(self) -> PickledWeights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tensors = {}
 
     def get_slice(self, name: str) -> TensorSlice:
         return TensorSlice(self.tensors[name])

@@ -409,7 +409,9 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
 
     created = int(time.time())
 
-    root = str(llm.model_dir) if llm.model_dir is not None else served_model_name
+    # the model as the server was given it (a hub id stays one, as vLLM's card shows it)
+    given = llm.args.model
+    root = given if isinstance(given, str) else str(llm.model_dir) if llm.model_dir is not None else served_model_name
     # OpenAI's legacy card fields, as vLLM fills them: what a client may do with the model
     permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
                   "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,

@@ -261,7 +261,7 @@ class CallObject:
                 self._decoded = "{}"
             else:
                 try:
-                    if not isinstance(value, str) or not isinstance(json.loads(value), dict):
+                    if not isinstance(json.loads(value), dict):
                         raise ValueError
                 except ValueError:
                     raise MalformedCall("the call's arguments are a string that holds no JSON object") from None
