@@ -229,13 +229,12 @@ def _longrope_fields(merged: dict[str, Any], hf: dict[str, Any], original: int) 
                      "long": int(hf["max_position_embeddings"]) > original}
 
 
-def _longest_context(max_position_embeddings: int, rope: RopeConfig, family: str) -> int:
-    """The model's longest context as vLLM 0.32 derives it (`_get_and_verify_max_len`): a linear scaling's factor
-    times the config's length, but Gemma 3's (131,072 with a factor of 8) is already scaled; YaRN's, LongRoPE's and
-    llama3's configs write their whole length (transformers' _compute_yarn_parameters assumes so too)."""
-    if rope.rope_type == "linear" and family != "gemma3_text":
-        return round(max_position_embeddings * rope.factor)
-    return max_position_embeddings
+def context_scale(rope: RopeConfig, family: str) -> float:
+    """What config.json's max_position_embeddings is multiplied by for the model's longest context, as vLLM 0.32
+    derives it (`_get_and_verify_max_len`): a linear scaling's factor, but Gemma 3's length (131,072 with a factor
+    of 8) is already scaled; YaRN's, LongRoPE's and llama3's configs write their whole length (transformers'
+    _compute_yarn_parameters assumes so too)."""
+    return rope.factor if rope.rope_type == "linear" and family != "gemma3_text" else 1.0
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,7 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    max_position_embeddings: int  # the longest context: config.json's, scaled where its rotation is (_longest_context)
+    max_position_embeddings: int  # the longest context: config.json's, scaled where its rotation is (context_scale)
     rms_norm_eps: float
     rope: RopeConfig
     tie_word_embeddings: bool
@@ -362,7 +361,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=_longest_context(int(hf["max_position_embeddings"]), rope, family),
+            max_position_embeddings=round(int(hf["max_position_embeddings"]) * context_scale(rope, family)),
             rms_norm_eps=float(hf["rms_norm_eps"]),
             rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torch_shift.attention import canonical_backend_name
-from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_device, resolve_dtype
+from torch_shift.config import CacheConfig, ModelConfig, SchedulerConfig, context_scale, resolve_device, resolve_dtype
 from torch_shift.engine.policies import POLICIES, policy_options
 from torch_shift.engine.sampling_params import MAX_SEED
 from torch_shift.engine.spec_decode import SpeculativeConfig
@@ -374,7 +374,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             rope = model_config.rope
-            scaled = model_config.family != "gemma3_text" and rope.rope_type == "linear"
+            scale = context_scale(rope, model_config.family)
             yarn_context = (round(rope.original_max_position_embeddings * rope.factor) if rope.rope_type == "yarn"
                             else 0)
             remedy = (f": YaRN's factor {rope.factor:g} over {rope.original_max_position_embeddings} tokens reaches "
@@ -383,7 +383,7 @@ class EngineArgs:
                       if yarn_context > model_config.max_position_embeddings else "")
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
                              f"{model_config.max_position_embeddings} tokens (config.json's max_position_embeddings"
-                             + (f" x its linear rope factor {rope.factor:g}" if scaled else "") + f"){remedy}")
+                             + (f" x its linear rope factor {scale:g}" if scale != 1.0 else "") + f"){remedy}")
         model_config = model_config.for_context(max_model_len)
         deployment = build_deployment(
             model_config, sp=self.sp, tp=self.tp, dp=self.dp, pp=self.pp,

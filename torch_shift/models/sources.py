@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +107,9 @@ class _NamedSource:
     """What the state-dict and DCP sources share: the name index and the RoPE row order."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], config: ModelConfig, naming: str, where: str,
-                 rope_interleaved: bool | None = None):
+                 same_tensor: Callable[[str, str], bool], rope_interleaved: bool | None = None):
+        """`same_tensor(a, b)`: whether the source's tensors `a` and `b` hold the same values (a tied head beside the
+        embedding)."""
         if naming not in NAMINGS:
             raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, got {naming!r}")
         if naming == "auto":
@@ -125,7 +127,7 @@ class _NamedSource:
             return hf_map(hf_name) if hf_name is not None else None
 
         self.index = index_tensors(shapes, config, where, map_name)
-        check_tied_head(config, self.index, shapes, map_name, self._same_tensor, where)
+        check_tied_head(config, self.index, shapes, map_name, same_tensor, where)
         self.interleaved = {n for n in shapes if (map_name(n) or (None, None))[1] == STACKED_INTERLEAVED}
         self.fused_rows = fused_part_rows(self.index, config, map_name)
 
@@ -139,10 +141,6 @@ class _NamedSource:
             assert part_slice is None or (part_slice.dim == 0 and part_slice.length % self.config.head_dim == 0)
             return half_split_rope_rows(tensor, tensor.shape[0] // self.config.head_dim)
         return tensor
-
-    def _same_tensor(self, a: str, b: str) -> bool:
-        """Whether the source's tensors `a` and `b` hold the same values (a tied head beside the embedding)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         pass
@@ -166,7 +164,7 @@ class StateDictSource(_NamedSource):
         shapes |= {n: (len(blocks) * config.head_dim, fused.shape[1])
                    for n, (fused, blocks) in self.fused_parts.items()}
         self._whole = _WholeTensors()
-        super().__init__(shapes, config, naming, "state dict", rope_interleaved)
+        super().__init__(shapes, config, naming, "state dict", self._same_tensor, rope_interleaved)
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
@@ -219,7 +217,7 @@ class DCPSource(_NamedSource):
         self.entries = {_WRAPPER_PREFIXES.sub("", k[len(key_prefix):]): (k, md) for k, md in metadata.items()
                         if k.startswith(key_prefix) and isinstance(md, TensorStorageMetadata)}
         shapes = {n: tuple(md.size) for n, (_, md) in self.entries.items()}
-        super().__init__(shapes, config, naming, str(self.checkpoint_dir))
+        super().__init__(shapes, config, naming, str(self.checkpoint_dir), self._same_tensor)
 
     def __call__(self, name: str, part: str | None, part_slice=None) -> torch.Tensor:
         source_name = self.index[(name, part)]
