@@ -9,11 +9,12 @@ import math
 import random
 import re
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import LogLines, hf_greedy, random_prompts, rewrite_config
+from conftest import VOCAB_SIZE, LogLines, hf_greedy, random_prompts, rewrite_config
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine.errors import ParameterError
@@ -842,6 +843,73 @@ def test_vllms_calling_conventions(llama):
         seen.append([o.request_id for o in engine.step()])
     seen = [ids for ids in seen if ids]  # a launched step's outputs come with the next step (asynchronous scheduling)
     assert seen[:2] == [["each"], ["each"]] and sorted(seen[2]) == ["each", "final"] and len(seen) == 3
+
+
+def test_a_request_of_several_samples_steps_as_vllms_engine_does(llama):
+    """LLMEngine.step gives a request of n samples as vLLM's engine does: one output per sample that advanced, that
+    sample alone in it; a finished sample never again; the request `finished` on its last sample's last output.
+    Merged with RequestOutput.add they are what FINAL_ONLY gives at once. get_num_unfinished_requests counts
+    samples; metrics carry vLLM's names."""
+    from torch_shift import EngineArgs
+    from torch_shift.engine.llm_engine import LLMEngine
+
+    _, model_dir = llama
+    engine = LLMEngine.from_engine_args(EngineArgs(str(model_dir)))
+    # about half the vocabulary ends a sample: the samples end at different steps
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=12, stop_token_ids=list(range(VOCAB_SIZE // 2)))
+    before = time.time()
+    engine.add_request("each", [6, 7, 8], params)
+    assert engine.get_num_unfinished_requests() == 3
+    outputs, ended_at, step = [], {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            assert len(out.outputs) == 1 and out.outputs[0].index not in ended_at
+            if out.outputs[0].finished():
+                ended_at[out.outputs[0].index] = step
+            outputs.append(out)
+        assert engine.get_num_unfinished_requests() == 3 - len(ended_at)
+    assert sorted(ended_at) == [0, 1, 2] and len(set(ended_at.values())) > 1
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    merged = outputs[0]
+    for out in outputs[1:]:
+        merged.add(out, aggregate=False)
+    engine.add_request("final", [6, 7, 8], replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step()
+    (final,) = finals
+    assert final.finished and len(final.outputs) == 3
+    assert ({c.index: (c.token_ids, c.finish_reason) for c in merged.outputs}
+            == {c.index: (c.token_ids, c.finish_reason) for c in final.outputs})
+    times = outputs[-1].metrics
+    assert before <= times.arrival_time <= time.time()
+    assert 0 < times.queued_ts <= times.scheduled_ts <= times.first_token_ts <= times.last_token_ts
+    assert times.first_token_latency == times.first_token_ts - times.queued_ts
+    assert times.num_generation_tokens == len(outputs[-1].outputs[0].token_ids) and times.num_preemptions == 0
+    assert outputs[-1].lora_request is None and outputs[-1].kv_transfer_params is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_request_outputs_merge_as_vllms():
+    """RequestOutput.add: a later output's samples replace those of the same index (new ones appended), or with
+    `aggregate` extend them."""
+    from torch_shift.engine.outputs import CompletionOutput, RequestOutput
+
+    def output(index, text, tokens, finish=None):
+        return RequestOutput("r", "p", [1], None, [CompletionOutput(index, text, tokens, None, None, finish)],
+                             finished=finish is not None)
+
+    replaced = output(0, "a", [1])
+    replaced.add(output(1, "x", [9]), aggregate=False)
+    replaced.add(output(0, "ab", [1, 2], "stop"), aggregate=False)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in replaced.outputs] == [
+        (0, "ab", [1, 2], "stop"), (1, "x", [9], None)]
+    assert replaced.finished
+    joined = output(0, "a", [1])
+    joined.add(output(0, "b", [2], "length"), aggregate=True)
+    assert (joined.outputs[0].text, joined.outputs[0].token_ids, joined.outputs[0].finish_reason) == (
+        "ab", [1, 2], "length")
 
 
 def test_vllm_names_through_llm(llama):

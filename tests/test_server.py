@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import LogLines
+from conftest import VOCAB_SIZE, LogLines
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
@@ -175,6 +175,27 @@ def test_n_with_seed_is_reproducible_and_stop_strings(server, reference):
     streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+
+
+def test_samples_that_end_at_different_steps_stream_as_one_request(server):
+    """n samples, some ending steps before the others (the engine gives one output per sample that advanced): the
+    stream's choices join into the response's, each choice ends once, usage counts every token."""
+    client = server.client()
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=12, n=3, seed=11, temperature=1.0, logprobs=0,
+                  extra_body={"stop_token_ids": list(range(VOCAB_SIZE // 2))})
+    whole = client.completions.create(**kwargs)
+    assert len({len(c.logprobs.tokens) for c in whole.choices}) > 1
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts, ends = {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                assert choice.index not in ends
+                ends[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert ends == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_logprobs_and_echo_with_prompt_logprobs(server, reference):

@@ -222,7 +222,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(step.output, sampled)
         if self.speculator is not None:  # a step that ran ahead checked nothing: no observe, nor a fair time
             self._speculate(step.output.num_scheduled_tokens, step.entries, updated, sampled, None, launched_behind)
-        _stamp_first_tokens(updated)
+        _stamp_token_times(updated)
         return CoreStep(step.output, step.entries, updated, step.swap_seconds, step.reshard_seconds)
 
     def _step(self) -> CoreStep | None:
@@ -267,7 +267,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(output, sampled)
         if self.speculator is not None:
             self._speculate(output.num_scheduled_tokens, entries, updated, sampled, seconds, False, steps_run)
-        _stamp_first_tokens(updated)
+        _stamp_token_times(updated)
         return CoreStep(output, entries, updated, result.swap_seconds, result.reshard_seconds)
 
     def _running_as_proposed(self) -> bool:
@@ -323,8 +323,9 @@ def _plain_decode(entries: list[list[ScheduledRequest]]) -> bool:
     return all(e.num_tokens == 1 and not e.spec_token_ids for group in entries for e in group) and any(entries)
 
 
-def _stamp_first_tokens(updated: list[Request]) -> None:
+def _stamp_token_times(updated: list[Request]) -> None:
     now = time.monotonic()
     for request in updated:
         if request.first_token_time is None:
             request.first_token_time = now
+        request.last_token_time = now

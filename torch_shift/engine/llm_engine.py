@@ -395,6 +395,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: the unfinished sequences, each sample of a request of several counting as one (vLLM's child
+        requests)."""
+        return sum(not child.status.finished for tracked in self.output_processor.requests.values()
+                   for child in tracked.parent.children)
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix of every replica's pool (after the weights changed, or before a
         benchmark), where no request holds blocks; False, and nothing forgotten, while requests are unfinished."""

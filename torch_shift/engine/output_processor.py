@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torch_shift.engine.input_processor import ParentRequest
-from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from torch_shift.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, RequestStateStats
 from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.sampler import Sampler, draw_uniforms, topk_logprobs
 from torch_shift.engine.sampling_params import RequestOutputKind
@@ -37,6 +37,7 @@ class _Tracked:
         self.num_detokenized = [0] * len(parent.children)  # output tokens of each sample turned into text
         self.stops = StopStrings(parent.params.stop_strings) if parent.params.stop_strings else None
         self.final_only = parent.params.output_kind == RequestOutputKind.FINAL_ONLY  # (vLLM's output_kind)
+        self.sent_finished: set[int] = set()  # samples whose finished output went out (several, streamed)
 
 
 class StopStrings:
@@ -348,20 +349,41 @@ class OutputProcessor:
         return stopped
 
     def make_outputs(self, updated: list[Request], final_only: bool = False) -> list[RequestOutput]:
-        """The outputs of the user requests that advanced (with `final_only`, of those that finished: no
-        per-step objects for the others); a finished one is forgotten."""
-        touched: dict[str, _Tracked] = {}
-        for request in updated:
-            tracked, _ = self.sample_of[request.request_id]
-            if request.status.finished or not (final_only or tracked.final_only):
-                touched[tracked.parent.request_id] = tracked
+        """The outputs of the user requests that advanced, as vLLM's engine gives them: a request of one sample, or
+        of several with FINAL_ONLY, as one output (with `final_only`, or FINAL_ONLY, only once finished, all its
+        samples together); a request of several samples otherwise as one output per sample that advanced, each
+        holding that sample alone (a finished sample is not sent again, and the request's outputs are `finished`
+        from its last sample's last). A finished request is forgotten."""
         outputs = []
-        for tracked in touched.values():
+        whole: dict[str, _Tracked] = {}
+        several: dict[str, tuple[_Tracked, list[int]]] = {}
+        for request in updated:
+            tracked, index = self.sample_of[request.request_id]
+            if final_only or tracked.final_only or len(tracked.parent.children) == 1:
+                if request.status.finished or not (final_only or tracked.final_only):
+                    whole[tracked.parent.request_id] = tracked
+                continue
+            indices = several.setdefault(tracked.parent.request_id, (tracked, []))[1]
+            if index not in tracked.sent_finished and index not in indices:
+                indices.append(index)
+        for request_id, (tracked, indices) in several.items():
+            children = tracked.parent.children
+            # a sample that ended without advancing (none here yet) still gets its last output
+            indices += [i for i, c in enumerate(children)
+                        if c.status.finished and i not in tracked.sent_finished and i not in indices]
+            for k, index in enumerate(indices):
+                if children[index].status.finished:
+                    tracked.sent_finished.add(index)
+                finished = k == len(indices) - 1 and len(tracked.sent_finished) == len(children)
+                if finished:
+                    self.remove(request_id)
+                outputs.append(self._output(tracked, [index], finished))
+        for tracked in whole.values():
             finished = all(c.status.finished for c in tracked.parent.children)
             if finished:
                 self.remove(tracked.parent.request_id)
             if finished or not (final_only or tracked.final_only):
-                outputs.append(self._output(tracked))
+                outputs.append(self._output(tracked, range(len(tracked.parent.children)), finished))
         return outputs
 
     def _detokenize(self, tracked: _Tracked, index: int, request: Request) -> bool:
@@ -408,10 +430,12 @@ class OutputProcessor:
         tracked.texts[index] = text
         return stopped
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _output(self, tracked: _Tracked, indices, finished: bool) -> RequestOutput:
+        """The request's output holding its samples `indices`."""
         parent = tracked.parent
         completions = []
-        for i, child in enumerate(parent.children):
+        for i in indices:
+            child = parent.children[i]
             finish = child.status.value if child.status.finished else None
             text, held = tracked.texts[i], child.sampling_params.output_text_buffer_length
             completions.append(CompletionOutput(
@@ -423,17 +447,25 @@ class OutputProcessor:
                 finish_reason=finish,
                 stop_reason=child.stop_reason,
             ))
-        first = parent.children[0]
+        first = parent.children[indices[0]]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=parent.children[0].prompt_logprobs,
             outputs=completions,
-            finished=all(c.finish_reason is not None for c in completions),
+            finished=finished,
             num_cached_tokens=first.num_cached_tokens,
-            metrics={"arrival_time": first.arrival_time, "first_scheduled_time": first.first_scheduled_time,
-                     "first_token_time": first.first_token_time},
+            metrics=RequestStateStats(
+                num_generation_tokens=max(len(c.token_ids) for c in completions),
+                num_preemptions=first.num_preemptions,
+                arrival_time=first.arrival_time,
+                queued_ts=first.queued_time,
+                scheduled_ts=first.first_scheduled_time or 0.0,
+                first_token_ts=first.first_token_time or 0.0,
+                last_token_ts=first.last_token_time or 0.0,
+                first_token_latency=(first.first_token_time - first.queued_time
+                                     if first.first_token_time is not None else 0.0)),
         )
 
 

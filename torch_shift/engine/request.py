@@ -56,7 +56,10 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         # what min_tokens keeps from being drawn: the model's end ids with ignore_eos too (vLLM's rule)
         self.min_tokens_banned = eos_token_ids | self.stop_token_ids
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # vLLM's: the wall-clock (unix) time it arrived, which orders requests; the engine's own timestamps below are
+        # monotonic
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.queued_time = time.monotonic()
         self.priority = priority
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -94,8 +97,9 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None
         )
-        self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
         self.waiting_grammar = None  # a WaitingGrammar: the matcher that becomes `grammar` after its marker
         self.error: str | None = None  # why the request cannot go on (set by the sampler); it finishes with "error"

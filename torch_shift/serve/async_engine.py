@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch_shift.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
 from torch_shift.engine.outputs import RequestOutput
@@ -86,6 +86,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _streams and _pending_seqs (engine thread, watchdog, clients)
         self._streams: dict[str, tuple[Submission, int]] = {}
+        # requests of several samples (engine thread): their samples' outputs so far, merged (None before the first)
+        self._samples: dict[str, RequestOutput | None] = {}
         self._pending_seqs = 0  # submitted, not yet added by the engine thread
         self._stopping = False
         self._step_started: float | None = None
@@ -206,12 +208,14 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for request_id, prompt, params in zip(submission.request_ids, submission.prompts, submission.params):
-                self.engine.add_request(request_id, prompt, params, priority=submission.priority,
-                                        arrival_time=time.monotonic())
+                self.engine.add_request(request_id, prompt, params, priority=submission.priority)
                 added.append(request_id)
+                if params.n > 1:
+                    self._samples[request_id] = None
         except (ValueError, TypeError) as e:
             for request_id in added:  # all of a client request's prompts run, or none
                 self.engine.abort_request(request_id)
+                self._samples.pop(request_id, None)
             self._settle(submission, e)
             return
         with self._lock:
@@ -241,6 +245,7 @@ class AsyncEngine:
             reasons = [child.status.value if child.status.finished else "abort"
                        for child in tracked.parent.children] if tracked is not None else []
             self.engine.abort_request(request_id)  # a no-op for a request that already finished
+            self._samples.pop(request_id, None)
             with self._lock:
                 known = self._streams.pop(request_id, None) is not None
             if known and self.metrics is not None:
@@ -256,8 +261,23 @@ class AsyncEngine:
         self._step_started = None
         if self.metrics is not None:
             self.metrics.on_step(self.engine)
+        # a request of several samples advances by one output per sample that advanced (vLLM's engine): its client
+        # gets them merged, all its samples in one output a step
+        merged: dict[str, RequestOutput] = {}
+        for out in outputs:
+            if out.request_id in self._samples:
+                whole = self._samples[out.request_id]
+                if whole is None:
+                    whole = self._samples[out.request_id] = replace(out, outputs=list(out.outputs))
+                else:
+                    whole.add(out, aggregate=False)
+                    whole.metrics = out.metrics
+                out = replace(whole, outputs=sorted(whole.outputs, key=lambda c: c.index))  # the client's own
+                if out.finished:
+                    del self._samples[out.request_id]
+            merged[out.request_id] = out
         with self._lock:
-            for out in outputs:
+            for out in merged.values():
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted meanwhile

@@ -144,20 +144,20 @@ class EngineMetrics:
         self.kv_usage.labels(m).set(engine.kv_usage)
 
     def on_output(self, out: RequestOutput) -> None:
+        """A request's output after a step, all its samples in it (the server merges a step's outputs per request)."""
         m, now = self.model_name, time.monotonic()
-        rid = out.request_id
+        rid, times = out.request_id, out.metrics
         tokens = sum(len(c.token_ids) for c in out.outputs)
         seen = self._seen_tokens.get(rid, 0)
-        arrival = out.metrics.get("arrival_time", now)
-        scheduled = out.metrics.get("first_scheduled_time")
+        scheduled = times.scheduled_ts or None
         if seen == 0:
             num_prompt = len(out.prompt_token_ids)
             self.prompt_tokens.labels(m).inc(num_prompt)
             self.prefix_cache_queries.labels(m).inc(num_prompt)
             self.prefix_cache_hits.labels(m).inc(out.num_cached_tokens)
-            self.ttft.labels(m).observe(now - arrival)
+            self.ttft.labels(m).observe(now - times.queued_ts)
             if scheduled is not None:
-                self.queue_time.labels(m).observe(scheduled - arrival)
+                self.queue_time.labels(m).observe(scheduled - times.queued_ts)
                 self.prefill_time.labels(m).observe(now - scheduled)
         else:
             self.itl.labels(m).observe(now - self._last_token_time[rid])
@@ -165,8 +165,8 @@ class EngineMetrics:
         self._seen_tokens[rid] = tokens
         self._last_token_time[rid] = now
         if out.finished:
-            first = out.metrics.get("first_token_time") or now
-            self.e2e.labels(m).observe(now - arrival)
+            first = times.first_token_ts or now
+            self.e2e.labels(m).observe(now - times.queued_ts)
             self.decode_time.labels(m).observe(now - first)
             if scheduled is not None:
                 self.inference_time.labels(m).observe(now - scheduled)
