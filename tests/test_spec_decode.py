@@ -82,6 +82,10 @@ def test_options_are_vllms_and_a_wrong_one_is_named():
         ({"method": "suffix", "disable_by_batch_size": 0}, "disable_by_batch_size=0"),
         ({"method": "suffix", "suffix_decoding_max_spec_factor": float("inf")}, "must be a finite number"),
         ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "must be >= 2"),  # would never propose
+        # the depth named, not the token count it fills in
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth=0 must be >= 2"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 2.5},
+         "suffix_decoding_max_tree_depth=2.5 must be an integer"),
         ("{not json", "not JSON"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -119,10 +119,13 @@ class SpeculativeConfig:
             if not ok:
                 raise ValueError(f"speculative_config: {name}={getattr(self, name)!r} {what}")
 
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+        # the depth first: suffix decoding's num_speculative_tokens is the depth where not given
+        for name in ("suffix_decoding_max_tree_depth", "num_speculative_tokens", "prompt_lookup_min",
+                     "prompt_lookup_max", "suffix_decoding_max_cached_requests"):
             require(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool), name,
                     "must be an integer")
+        require(self.suffix_decoding_max_tree_depth >= 2, "suffix_decoding_max_tree_depth",
+                "must be >= 2 (a match of L tokens leaves depth - L to propose)")
         require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
         require(isinstance(self.goodput_budget, bool), "goodput_budget", "must be true or false")
         require(isinstance(self.enable_suffix_decoding, bool), "enable_suffix_decoding", "must be true or false")
@@ -133,8 +136,6 @@ class SpeculativeConfig:
         require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1")
         require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
                 f"must be >= prompt_lookup_min={self.prompt_lookup_min}")
-        require(self.suffix_decoding_max_tree_depth >= 2, "suffix_decoding_max_tree_depth",
-                "must be >= 2 (a match of L tokens leaves depth - L to propose)")
         require(self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests", "must be >= 0")
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
             number = getattr(self, name)
