@@ -928,6 +928,37 @@ def test_stop_strings_cut_accepted_tokens(llama):
     assert any(o.outputs[0].finish_reason == "stop" for o in reference)
 
 
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_stop_string_ends_a_check_that_a_stop_token_ends_later(llama, include_stop_str_in_output):
+    """A check that accepts the tokens completing a stop string and, after them, one of `stop_token_ids`: the
+    output ends at the stop string, as decoding without speculation ends it before the stop token is drawn (the stop
+    token's id had made the search for stop strings skip the check's text)."""
+    _, model_dir = llama
+    prompts = repetitive_prompts(4, seed=2)
+    base = LLM(str(model_dir), compile=False)
+    tokenizer = base.get_tokenizer()
+    free = base.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    cases = []
+    for prompt, out in zip(prompts, free):
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        ends = next((n for n in range(1, len(ids) + 1) if stop and stop in tokenizer.decode(ids[:n])), None)
+        later = [t for t in ids[ends:ends + 6] if t not in ids[:ends]] if ends else []
+        if later:
+            cases.append((prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                 stop_token_ids=[later[-1]], logprobs=1,
+                                                 include_stop_str_in_output=include_stop_str_in_output)))
+    assert len(cases) >= 2
+    reference = base.generate([p for p, _ in cases], [q for _, q in cases], use_tqdm=False)
+    assert all(isinstance(o.outputs[0].stop_reason, str) for o in reference)
+    # one check of the true continuation covers the stop string and the stop token after it
+    llm = LLM(str(model_dir), compile=False, speculative_config={**SPECS["suffix"], "num_speculative_tokens": 24})
+    full = {tuple(p): o.outputs[0].token_ids + [7] * 30 for p, o in zip(prompts, free)}
+    llm.engine.core.speculator.proposer.propose = lambda requests, rooms: [
+        full[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k] for r, k in zip(requests, rooms)]
+    assert _outputs(llm.generate([p for p, _ in cases], [q for _, q in cases], use_tqdm=False)) == _outputs(reference)
+
+
 def test_structured_output_with_speculation(llama):
     pytest.importorskip("llguidance")
     _, model_dir = llama

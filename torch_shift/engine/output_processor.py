@@ -411,10 +411,13 @@ class OutputProcessor:
             if not new_text:
                 continue
             text += new_text
-            # as in vLLM, stop strings count only once more than min_tokens tokens were generated
+            # as in vLLM, stop strings count only once more than min_tokens tokens were generated, and also where a
+            # stop token, the length or an error ended the request after them (a check's later token; or this
+            # token, with include_stop_str_in_output)
+            found_before = (isinstance(request.stop_reason, str)
+                            and request.status is not RequestStatus.FINISHED_ERROR)
             found = (tracked.stops.find(text, len(new_text))
-                     if tracked.stops is not None and request.stop_reason is None and i + 1 > params.min_tokens
-                     else None)
+                     if tracked.stops is not None and not found_before and i + 1 > params.min_tokens else None)
             if found is not None:
                 stop, idx = found
                 text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
