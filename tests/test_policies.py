@@ -328,6 +328,27 @@ def test_protocol_flying_switches_on_load_with_hysteresis_and_moves_the_other_wi
     assert policy.stats()["num_mode_switches"] == 2
 
 
+def test_protocol_flying_counts_proposed_tokens_averaged_and_never_splits_for_a_lone_request():
+    """Proposed tokens count in Flying's load, averaged over steps: requests proposing every step reach DP where
+    the same requests without proposals stay in TP; a lone request whose proposals come and go never switches (it
+    swung the load across both thresholds, and each switch recomputed it)."""
+    options = FlyingOptions(dp_above=4, tp_below=1)
+    lone = FlyingPolicy(build_deployment(CONFIG, dp=2, flying=True), options)
+    a = placed("a", 4, "tp2@0", (0, 1))
+    for i in range(64):
+        a.spec_token_ids = [7] * 24 if i % 2 else []
+        assert lone.decide(FakeView(running=(a,))) == StepDecision(("tp2@0",))
+    assert lone.mode == "tp" and lone.stats()["num_mode_switches"] == 0
+    for k, mode in ((0, "tp"), (3, "dp")):  # 4 requests on 2 replicas: 2 per replica, 8 with 3 proposed each
+        policy = FlyingPolicy(build_deployment(CONFIG, dp=2, flying=True), options)
+        running = tuple(placed(f"r{i}", 4, "tp2@0", (0, 1)) for i in range(4))
+        for r in running:
+            r.spec_token_ids = [7] * k
+        for _ in range(32):
+            policy.decide(FakeView(running=running))
+        assert policy.mode == mode and policy.stats()["num_mode_switches"] == (mode == "dp")
+
+
 def test_protocol_flying_binds_a_group_for_a_priority_or_a_too_long_request_and_pauses_then_moves():
     policy = FlyingPolicy(build_deployment(CONFIG, dp=4, flying=True),
                           FlyingOptions(tp_width=1, priority_width=2, max_pause_steps=3))

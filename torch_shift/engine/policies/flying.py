@@ -3,8 +3,11 @@
 Three reasons to bind a group, each decided at the step plan (the safe point):
 - load (paper 004 Use Case 1): under light load the replicas run as TP groups of `tp_width` (low
   latency); when the requests in the system reach `dp_above` per replica they run as DP replicas
-  (no queue), and go back to TP when the load falls to `tp_below` per replica (hysteresis); a request
-  with proposed tokens (speculative decoding) counts once per token its next step computes. With
+  (no queue), and go back to TP when the load falls to `tp_below` per replica (hysteresis); proposed
+  tokens (speculative decoding) count in the load as tokens of the steps, averaged over the last steps (a
+  request's proposals come and go from one step to the next, and a switch recomputes every running request), and
+  raise it to DP only where there is a request for every replica (a lone request's proposals cannot be spread
+  over replicas). With
   `dp_above=None` load never splits them, for machines where a TP group out-serves its replicas at every
   load (`torch-shift plan` sweeps `dp_above` on a machine's profile and a workload). At a
   switch the requests running in the other width move: their KV is dropped and recomputed in the
@@ -29,6 +32,10 @@ from dataclasses import dataclass
 from torch_shift.engine.policies.base import Policy, SchedulerView, StepDecision
 from torch_shift.engine.request import Request
 from torch_shift.parallel.layouts import Deployment, check_width
+
+# the load's proposed tokens, an exponential average over steps: alone, a request proposing k tokens every other
+# step swung the load between 1 and 1 + k, across both thresholds, and switched (recomputing it) every few steps
+PROPOSED_AVERAGING = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class FlyingPolicy(Policy):
         self.paused_since: dict[str, int] = {}  # request -> the step at which a priority group paused it
         self.num_mode_switches = 0
         self.num_binds = 0
+        self.proposed_load = 0.0  # proposed tokens a step, averaged over steps
 
     def _check_width(self, name: str, width: int) -> int:
         if width == 1 or width in self.groups:
@@ -126,9 +134,9 @@ class FlyingPolicy(Policy):
     # -- the decision -----------------------------------------------------------------------------------
     def decide(self, view: SchedulerView) -> StepDecision:
         running = view.running
-        # a request's proposed tokens (speculative decoding) count in the load: each is a token of the next step
-        load = view.num_waiting + sum(1 + len(r.spec_token_ids) for r in running)
-        self._update_mode(load / self.deployment.num_replicas)
+        proposed = sum(len(r.spec_token_ids) for r in running)
+        self.proposed_load += PROPOSED_AVERAGING * (proposed - self.proposed_load)
+        self._update_mode(view.num_waiting + len(running))
         for rid, width in self.needs.items():
             if rid not in self.pinned:
                 self.pinned[rid] = self._least_busy(self.groups[width], view)
@@ -168,11 +176,14 @@ class FlyingPolicy(Policy):
             # else: paused by a priority group (hard preemption): its KV stays
         return StepDecision(tuple(bound), recompute=tuple(moves))
 
-    def _update_mode(self, load_per_replica: float) -> None:
+    def _update_mode(self, num_requests: int) -> None:
         if self.tp_width == 1:
             return
+        num_replicas = self.deployment.num_replicas
+        load_per_replica = (num_requests + self.proposed_load) / num_replicas
         mode = self.mode
-        if mode == "tp" and self.dp_above is not None and load_per_replica >= self.dp_above:
+        if (mode == "tp" and self.dp_above is not None and load_per_replica >= self.dp_above
+                and (num_requests >= num_replicas or num_requests >= self.dp_above * num_replicas)):
             mode = "dp"
         elif mode == "dp" and load_per_replica <= self.tp_below:
             mode = "tp"
