@@ -368,7 +368,7 @@ class OutputProcessor:
                 indices.append(index)
         for request_id, (tracked, indices) in several.items():
             children = tracked.parent.children
-            # a sample that ended without advancing (none here yet) still gets its last output
+            # a sample that ended in this step without advancing still gets its last output, and the request its end
             indices += [i for i, c in enumerate(children)
                         if c.status.finished and i not in tracked.sent_finished and i not in indices]
             for k, index in enumerate(indices):
