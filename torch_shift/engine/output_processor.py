@@ -397,6 +397,10 @@ class OutputProcessor:
         tracked.num_detokenized[index] = num_outputs
         text = tracked.texts[index]
         stopped = False
+        # also where a stop token, the length or an error ended the request after the stop string (a check's later
+        # token; or this token, with include_stop_str_in_output): not once a stop string was found
+        searches = tracked.stops is not None and not (isinstance(request.stop_reason, str)
+                                                      and request.status is not RequestStatus.FINISHED_ERROR)
         for i in range(first, num_outputs):
             token_id = outputs[i]
             last = i == num_outputs - 1
@@ -411,13 +415,9 @@ class OutputProcessor:
             if not new_text:
                 continue
             text += new_text
-            # as in vLLM, stop strings count only once more than min_tokens tokens were generated, and also where a
-            # stop token, the length or an error ended the request after them (a check's later token; or this
-            # token, with include_stop_str_in_output)
-            found_before = (isinstance(request.stop_reason, str)
-                            and request.status is not RequestStatus.FINISHED_ERROR)
+            # as in vLLM, stop strings count only once more than min_tokens tokens were generated
             found = (tracked.stops.find(text, len(new_text))
-                     if tracked.stops is not None and not found_before and i + 1 > params.min_tokens else None)
+                     if searches and i + 1 > params.min_tokens else None)
             if found is not None:
                 stop, idx = found
                 text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
