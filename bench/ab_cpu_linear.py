@@ -9,6 +9,10 @@ third within minutes; separate processes cannot compare kernels that differ by 5
     python bench/ab_cpu_linear.py --base HEAD~1 --rows 1,2,512
     python bench/ab_cpu_linear.py --base 69d0193 --rows 512 --threads 1 --layers 1
     python bench/ab_cpu_linear.py --kernel packed --base HEAD~1 --rows 1,6,7,12,16
+    python bench/ab_cpu_linear.py --base HEAD~1 --rows 7,8 --shapes gate/up=24576x192,down=192x12288
+
+`--shapes`: the weights as name=NxK (out x in features) instead of the peer model's; the example is a TP-2 rank's MLP
+of bench_spec.py's widened default model (`--intermediate 24576`).
 
 Needs AVX2 and FMA (`--kernel packed`: AVX-512, and AVX512-BF16 for bfloat16), and a C++ compiler.
 """
@@ -31,6 +35,18 @@ from torch_shift.models.linear import PackedWeight
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate/up": (5632, 1024), "down": (1024, 2816)}
 KERNELS = Path(__file__).resolve().parents[1] / "torch_shift" / "kernels"
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
+    """`name=NxK,...` as SHAPES: each weight's output and input features."""
+    shapes = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        n, _, k = size.partition("x")
+        if not (name and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+            raise SystemExit(f"--shapes: {item!r} is not name=NxK with N and K positive integers")
+        shapes[name] = (int(n), int(k))
+    return shapes
 
 
 def build(revision: str | None, directory: Path) -> ctypes.CDLL:
@@ -63,28 +79,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="layers of weights (8: 360 MiB in float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: as torch starts)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", default=None, help="name=NxK,... (default: the peer model's linears)")
     parser.add_argument("--kernel", choices=("blocked", "packed"), default="blocked",
                         help="blocked: the AVX2 kernel on torch_shift's 16-feature blocks; packed: the AVX-512 GEMV "
                              "on oneDNN's packed weights (up to GEMV_MAX_ROWS rows: 64)")
     args = parser.parse_args(argv)
     if compiler() is None:
         raise SystemExit("no C++ compiler")
+    shapes = SHAPES if args.shapes is None else parse_shapes(args.shapes)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"base": build(args.base, Path(tmp) / "base"), "this": build(None, Path(tmp) / "this")}
         print(f"cpu_linear.cpp ({args.kernel}): this tree against {args.base}; {args.layers} layers of "
-              f"{', '.join(SHAPES)}, {torch.get_num_threads()} threads; GFLOP/s best (median) of {args.repeats}")
+              f"{', '.join(shapes)}, {torch.get_num_threads()} threads; GFLOP/s best (median) of {args.repeats}")
         print(f"{'dtype':9s} {'rows':>5s} {'base':>16s} {'this':>16s} {'this/base':>10s}  same bits")
         for dtype in [getattr(torch, name) for name in args.dtypes.split(",")]:
             packed = args.kernel == "packed"
             layers = [[PackedWeight(torch.randn(shape).to(dtype) * 0.05, blocked=not packed)
-                       for shape in SHAPES.values()] for _ in range(args.layers)]
+                       for shape in shapes.values()] for _ in range(args.layers)]
             if packed and layers[0][0].gemv is None:
                 raise SystemExit(f"the AVX-512 GEMV does not run {dtype} on this CPU")
             code = layers[0][0].gemv_code if packed else {torch.float32: 0, torch.bfloat16: 1}[dtype]
             for rows in [int(r) for r in args.rows.split(",")]:
-                xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES.values()}
+                xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes.values()}
                 outs = {name: [[torch.empty(rows, w.out_features, dtype=dtype) for w in layer] for layer in layers]
                         for name in builds}
 
@@ -111,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                         start = time.perf_counter()
                         run(name)
                         seconds[name].append(time.perf_counter() - start)
-                flops = 2 * rows * sum(n * k for n, k in SHAPES.values()) * args.layers
+                flops = 2 * rows * sum(n * k for n, k in shapes.values()) * args.layers
                 rate = {name: (flops / min(s) / 1e9, flops / statistics.median(s) / 1e9) for name, s in seconds.items()}
                 print(f"{str(dtype)[6:]:9s} {rows:5d} " + " ".join(f"{b:7.1f} ({m:6.1f})" for b, m in rate.values())
                       + f" {rate['this'][0] / rate['base'][0]:10.2f}  {same}")

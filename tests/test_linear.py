@@ -428,6 +428,14 @@ def test_ab_cpu_linear_builds_both_revisions_and_compares_their_bits(capsys):
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32 ")]
     assert [line[1] for line in lines] == ["1", "17"]
     assert all(float(line[-2]) > 0 and line[-1] in ("True", "False") for line in lines)
+    # weights of other shapes (a TP rank's MLP), in bfloat16
+    assert main(["--base", "HEAD", "--rows", "7", "--dtypes", "bfloat16", "--layers", "1", "--repeats", "1",
+                 "--shapes", "gate/up=96x64,down=32x48"]) == 0
+    out = capsys.readouterr().out
+    assert "1 layers of gate/up, down" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("bfloat16 ")] == ["7"]
+    with pytest.raises(SystemExit, match="not name=NxK"):
+        main(["--shapes", "down=32by48"])
     if gemv_expected(torch.float32):  # the AVX-512 GEMV on oneDNN's packed weights: the same file, the same bits
         assert main(["--kernel", "packed", "--base", "HEAD", "--rows", "1,7", "--dtypes", "float32", "--layers", "1",
                      "--repeats", "1"]) == 0
