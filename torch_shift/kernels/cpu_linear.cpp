@@ -539,12 +539,17 @@ constexpr int64_t kPair = 2 * kBlock16;
 // bfloat16 weights are prefetched this far ahead of each block's stream, a line every other k-step: 1-2 rows 1.05-1.17x
 // on one thread and 1.02-1.13x on two (bench/ab_cpu_linear.py); float32's streams ran 0.85x with it
 constexpr int64_t kBf16AheadBytes = 1024;
+// and this far for groups of 4-6 rows, whose k-steps take longer (their FMAs) while memory's latency stays: 8 layers of
+// a TP-2 rank's MLP of the widened default model and of the 106M model's linears (bench/ab_cpu_linear.py, a Zen 3,
+// same bits), on one thread and on two: 1.06-1.10x at 4 rows, 1.01-1.13x at 5-16 (groups of them); 1-3 rows kept 1 KiB
+// (0.91-0.96x at 4 KiB)
+constexpr int64_t kBf16ManyRowsAheadBytes = 4096;
 // Weight vector v (8 features: block v / 2, half v % 2) of k-step k, as float32; bfloat16 streams prefetched ahead
-template <typename W>
+template <typename W, int64_t kAheadBytes = kBf16AheadBytes>
 TS_AVX2 inline __m256 weight_vector(const W* w, int64_t K, int64_t k, int v) {
   const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
   if constexpr (sizeof(W) == 2)
-    if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kBf16AheadBytes, _MM_HINT_T0);
+    if (v % 2 == 0 && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at) + kAheadBytes, _MM_HINT_T0);
   return load8(at);
 }
 
@@ -555,6 +560,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
   // the weights are float32, read by the FMAs from memory); else each bfloat16 weight vector in turn, every row's x
   // broadcast again for it: 3 rows of two blocks, whose held vectors spilled (1.38-1.40x on one Zen 3 core)
   constexpr bool kHeld = sizeof(W) == 4 || 2 * R * B + 2 * B + 1 <= 16;
+  constexpr int64_t kAheadBytes = R >= 4 ? kBf16ManyRowsAheadBytes : kBf16AheadBytes;
   static_assert(kHeld || 2 * R * B + 2 <= 16, "more accumulators than AVX2's registers hold");
   __m256 acc[R][2 * B];
 #pragma GCC unroll 6
@@ -566,7 +572,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     if constexpr (kHeld) {
       __m256 wv[2 * B];
 #pragma GCC unroll 4
-      for (int v = 0; v < 2 * B; ++v) wv[v] = weight_vector(w, K, k, v);
+      for (int v = 0; v < 2 * B; ++v) wv[v] = weight_vector<W, kAheadBytes>(w, K, k, v);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
@@ -576,7 +582,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     } else {
 #pragma GCC unroll 4
       for (int v = 0; v < 2 * B; ++v) {
-        const __m256 wv = weight_vector(w, K, k, v);
+        const __m256 wv = weight_vector<W, kAheadBytes>(w, K, k, v);
         asm volatile("" ::: "memory");  // x's broadcasts loaded again, not kept in registers from the last vector
 #pragma GCC unroll 6
         for (int r = 0; r < R; ++r)
