@@ -708,8 +708,8 @@ TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1
   // two, 0.96-1.10x at 5; bfloat16's rows there are bound by the FMAs, and ran 0.86-0.99x at 5-6 rows with it
   const int64_t ahead = sizeof(W) == 4 && groups == 1 && n + kPair < N ? 1 : 0;
   for (int64_t g = 0; g < groups; ++g) {
-    // groups as equal as they can be; bfloat16 in AVX2 registers: groups of kRows16, the rest last (a group's
-    // conversions of the weights and its FMAs share the vector ports, and a whole group's FMAs pay for them best). 8
+    // groups as equal as they can be; bfloat16 in AVX2 registers: full groups of kRows16, the rest last (a group of 6
+    // runs its FMAs at the best rate of any count: 77-83 GFLOP/s on one Zen 3 core, 43-45 at 3 rows, 60-75 at 4). 8
     // layers of a TP-2 rank's MLP of the widened default model (bench/ab_cpu_linear.py, a Zen 3, same bits), against
     // equal groups: 1.07-1.20x at 7 rows, 1.05-1.08x at 8, 1.19x at 15, 0.97-1.11x at 9-16; the 106M model's
     // linears 1.02-1.07x at 7-16 rows. float32 (bound by reading the weights) 0.93-0.99x at 10 and 16 rows so.
