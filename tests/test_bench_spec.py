@@ -1,6 +1,7 @@
 """bench_spec.py's widened target: the default model with MLPs widened by neurons the down projection multiplies by
 zero computes the same function (the benchmark's premise for its weight-bound rows); the engines' order prompt by
-prompt (spec_work.in_turn) balanced; engines of several ranks up together, each in a process of its own."""
+prompt (spec_work.in_turn) balanced; a prompt's TPOT with its prefix cached alike in both timed runs; engines of
+several ranks up together, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch_shift.models.default import default_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import spec_work  # noqa: E402
 from bench_spec import widened  # noqa: E402
 from spec_work import in_turn  # noqa: E402
 
@@ -42,6 +44,29 @@ def test_engines_take_every_place_and_follow_every_other_engine_alike():
             assert sorted(order[place] for order in orders) == sorted(names * times)
         follows = [(a, b) for order in orders for a, b in zip(order, order[1:])]
         assert sorted(follows) == sorted([(a, b) for a in names for b in names if a != b] * times)
+
+
+def test_a_prompts_tpot_counts_no_prefill_that_a_prefix_cache_saved(monkeypatch):
+    """An engine that caches prefixes prefills a prompt once; `tpot` times its run of one token and its full run from
+    the same cache, so that what is left is decode time alone (a clock moved by the engine's modelled work)."""
+    prefill_s, cached_prefill_s, decode_s = 0.100, 0.008, 0.004
+    clock = [0.0]
+
+    class Caching:
+        def __init__(self):
+            self.cached = set()
+
+        def generate(self, prompts, max_tokens, temperature, seed, ignore_eos):
+            (prompt,) = prompts
+            clock[0] += cached_prefill_s if tuple(prompt) in self.cached else prefill_s
+            self.cached.add(tuple(prompt))
+            clock[0] += decode_s * (max_tokens - 1)
+            return [list(range(max_tokens))]
+
+    monkeypatch.setattr(spec_work.time, "perf_counter", lambda: clock[0])
+    seconds, tokens = spec_work.tpot(Caching(), [1, 2, 3], 96)
+    assert tokens == list(range(96))
+    assert seconds == pytest.approx(decode_s)
 
 
 def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_its_own(monkeypatch):
