@@ -539,10 +539,10 @@ constexpr int64_t kPair = 2 * kBlock16;
 // bfloat16 weights are prefetched this far ahead of each block's stream, a line every other k-step: 1-2 rows 1.05-1.17x
 // on one thread and 1.02-1.13x on two (bench/ab_cpu_linear.py); float32's streams ran 0.85x with it
 constexpr int64_t kBf16AheadBytes = 1024;
-// and this far for groups of 4-6 rows, whose k-steps take longer (their FMAs) while memory's latency stays: 8 layers of
-// a TP-2 rank's MLP of the widened default model and of the 106M model's linears (bench/ab_cpu_linear.py, a Zen 3,
-// same bits), on one thread and on two: 1.06-1.10x at 4 rows, 1.01-1.13x at 5-16 (groups of them); 1-3 rows kept 1 KiB
-// (0.91-0.96x at 4 KiB)
+// and this far for groups of 3-6 rows taken a block at a time, whose k-steps take longer (their FMAs) while memory's
+// latency stays: 8 layers of a TP-2 rank's MLP of the widened default model and of the 106M model's linears
+// (bench/ab_cpu_linear.py, a Zen 3, same bits), on one thread and on two: 1.06-1.10x at 4 rows, 1.01-1.13x at 5-16
+// (groups of them); 1-3 rows two blocks at a time kept 1 KiB (0.91-0.96x at 4 KiB)
 constexpr int64_t kBf16ManyRowsAheadBytes = 4096;
 // Weight vector v (8 features: block v / 2, half v % 2) of k-step k, as float32; bfloat16 streams prefetched ahead
 template <typename W, int64_t kAheadBytes = kBf16AheadBytes>
@@ -560,7 +560,7 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
   // the weights are float32, read by the FMAs from memory); else each bfloat16 weight vector in turn, every row's x
   // broadcast again for it: 3 rows of two blocks, whose held vectors spilled (1.38-1.40x on one Zen 3 core)
   constexpr bool kHeld = sizeof(W) == 4 || 2 * R * B + 2 * B + 1 <= 16;
-  constexpr int64_t kAheadBytes = R >= 4 ? kBf16ManyRowsAheadBytes : kBf16AheadBytes;
+  constexpr int64_t kAheadBytes = R >= 3 ? kBf16ManyRowsAheadBytes : kBf16AheadBytes;
   static_assert(kHeld || 2 * R * B + 2 <= 16, "more accumulators than AVX2's registers hold");
   __m256 acc[R][2 * B];
 #pragma GCC unroll 6
@@ -651,11 +651,14 @@ TS_AVX512_TILES void rows_of_blocks512(const float* x, int64_t x_stride, const W
 TS_AVX2 inline void store8(__m256 v, float* out) { _mm256_storeu_ps(out, v); }
 TS_AVX2 inline void store8(__m256 v, uint16_t* out) { store_bf16x8(v, out); }
 
-// R rows of x against the one or two blocks of 16 features that start at `w`
+// R rows of x against the one or two blocks of 16 features that start at `w`: one and two rows (three in float32) take
+// both blocks at once; three bfloat16 rows one block at a time, whose weight vectors stay held (two blocks at once
+// spilled them: 8 layers of a TP-2 rank's MLP of the widened default model, 1.29x on one Zen 3 core, and the
+// one-process shapes 1.18x on two; the 106M model's linears 0.97-0.99x, same bits)
 template <int R, typename W>
 TS_AVX2 void rows_of_pair(const float* x, int64_t x_stride, const W* w, int64_t K, int64_t blocks, float* y,
                           int64_t blocks_after = 0) {
-  if constexpr (R <= 3) {
+  if constexpr (R <= 2 || (R == 3 && sizeof(W) == 4)) {
     if (blocks == 2) {
       rows_of_blocks<R, 2>(x, x_stride, w, K, y);
       return;
