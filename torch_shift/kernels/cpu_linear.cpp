@@ -1494,11 +1494,13 @@ int ts_blocked_linear(int dtype, const void* x, int64_t x_row_stride, int64_t ro
   }
   const float* xf = static_cast<const float*>(x);
   int64_t xf_stride = x_row_stride;
-  thread_local std::vector<float> converted;
+  // grown, never resized down: a vector resized to each call's rows x K zero-filled what the call before had cut off
+  // (every down projection after its layer's smaller inputs: 1.5% of a decoding process's cycles in memset)
+  thread_local std::vector<float> converted_buffer;
   if (dtype == 1) {
-    converted.resize(rows * K);
-    avx2::convert_rows(static_cast<const uint16_t*>(x), x_row_stride, rows, K, converted.data());
-    xf = converted.data();
+    float* converted = avx2::scratch(converted_buffer, rows * K);
+    avx2::convert_rows(static_cast<const uint16_t*>(x), x_row_stride, rows, K, converted);
+    xf = converted;
     xf_stride = K;
   }
   run_matmul({dtype == 1 ? 2 : 3, xf, xf_stride, rows, weight, N, K, bias, out, out_row_stride});
