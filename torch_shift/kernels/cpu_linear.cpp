@@ -556,12 +556,11 @@ TS_AVX2 inline __m256 weight_vector(const W* w, int64_t K, int64_t k, int v) {
 template <int R, int B, typename W, bool kAhead = false>
 TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_t K, float* y,
                             const W* ahead = nullptr) {
-  // every weight vector of a k-step held while each row's x is broadcast once, where that fits the 16 registers (or
-  // the weights are float32, read by the FMAs from memory); else each bfloat16 weight vector in turn, every row's x
-  // broadcast again for it: 3 rows of two blocks, whose held vectors spilled (1.38-1.40x on one Zen 3 core)
-  constexpr bool kHeld = sizeof(W) == 4 || 2 * R * B + 2 * B + 1 <= 16;
+  // every weight vector of a k-step held while each row's x is broadcast once: that must fit the 16 registers, or
+  // the weights be float32, read by the FMAs from memory (bfloat16 vectors taken in turn instead, every row's x
+  // broadcast again for each, ran three rows of two blocks slower than four rows of one: rows_of_pair)
+  static_assert(sizeof(W) == 4 || 2 * R * B + 2 * B + 1 <= 16, "more weight vectors and sums than AVX2's registers");
   constexpr int64_t kAheadBytes = R >= 3 ? kBf16ManyRowsAheadBytes : kBf16AheadBytes;
-  static_assert(kHeld || 2 * R * B + 2 <= 16, "more accumulators than AVX2's registers hold");
   __m256 acc[R][2 * B];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
@@ -569,25 +568,14 @@ TS_AVX2 void rows_of_blocks(const float* x, int64_t x_stride, const W* w, int64_
     for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kBlock16), _MM_HINT_T1);
-    if constexpr (kHeld) {
-      __m256 wv[2 * B];
+    __m256 wv[2 * B];
 #pragma GCC unroll 4
-      for (int v = 0; v < 2 * B; ++v) wv[v] = weight_vector<W, kAheadBytes>(w, K, k, v);
+    for (int v = 0; v < 2 * B; ++v) wv[v] = weight_vector<W, kAheadBytes>(w, K, k, v);
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
 #pragma GCC unroll 4
-        for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xv, acc[r][v]);
-      }
-    } else {
-#pragma GCC unroll 4
-      for (int v = 0; v < 2 * B; ++v) {
-        const __m256 wv = weight_vector<W, kAheadBytes>(w, K, k, v);
-        asm volatile("" ::: "memory");  // x's broadcasts loaded again, not kept in registers from the last vector
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r)
-          acc[r][v] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(x + r * x_stride + k), acc[r][v]);
-      }
+      for (int v = 0; v < 2 * B; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xv, acc[r][v]);
     }
   }
 #pragma GCC unroll 6
