@@ -545,7 +545,7 @@ constexpr int64_t kBf16AheadBytes = 1024;
 // (groups of them); 1-3 rows two blocks at a time kept 1 KiB (0.91-0.96x at 4 KiB)
 constexpr int64_t kBf16ManyRowsAheadBytes = 4096;
 // Weight vector v (8 features: block v / 2, half v % 2) of k-step k, as float32; bfloat16 streams prefetched ahead
-template <typename W, int64_t kAheadBytes = kBf16AheadBytes>
+template <typename W, int64_t kAheadBytes>
 TS_AVX2 inline __m256 weight_vector(const W* w, int64_t K, int64_t k, int v) {
   const W* at = w + (v / 2) * kBlock16 * K + k * kBlock16 + (v % 2) * 8;
   if constexpr (sizeof(W) == 2)
@@ -700,10 +700,11 @@ TS_AVX2 void rows_range(const float* x, int64_t x_stride, int64_t r0, int64_t r1
   const int64_t ahead = sizeof(W) == 4 && groups == 1 && n + kPair < N ? 1 : 0;
   for (int64_t g = 0; g < groups; ++g) {
     // groups as equal as they can be; bfloat16 in AVX2 registers: full groups of kRows16, the rest last (a group of 6
-    // runs its FMAs at the best rate of any count: 77-83 GFLOP/s on one Zen 3 core, 43-45 at 3 rows, 60-75 at 4). 8
-    // layers of a TP-2 rank's MLP of the widened default model (bench/ab_cpu_linear.py, a Zen 3, same bits), against
-    // equal groups: 1.07-1.20x at 7 rows, 1.05-1.08x at 8, 1.19x at 15, 0.97-1.11x at 9-16; the 106M model's
-    // linears 1.02-1.07x at 7-16 rows. float32 (bound by reading the weights) 0.93-0.99x at 10 and 16 rows so.
+    // runs its FMAs at the best rate of any count: 77-83 GFLOP/s on one Zen 3 core, 43-45 at 3 rows before they ran a
+    // block at a time, 60-75 at 4). 8 layers of a TP-2 rank's MLP of the widened default model (bench/ab_cpu_linear.py,
+    // a Zen 3, same bits), against equal groups: 1.07-1.20x at 7 rows, 1.05-1.08x at 8, 1.19x at 15, 0.97-1.11x at
+    // 9-16; the 106M model's linears 1.02-1.07x at 7-16 rows. float32 (bound by reading the weights) 0.93-0.99x at 10
+    // and 16 rows so.
     const int64_t rows = sizeof(W) == 2 && !tiles_on_avx512 ? std::min<int64_t>(kRows16, r1 - r0)
                                                             : (r1 - r0) / (groups - g);
     const float* xr = x + r0 * x_stride;
