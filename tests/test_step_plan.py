@@ -98,7 +98,7 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
                for _ in range(num_replicas)]
     shared_prefix = [rng.randrange(10, 500) for _ in range(12)]
     counts = {"steps": 0, "preempted": 0, "aborted": 0, "prefix_hits": 0, "widths": set(), "decode_plan_bytes": [],
-              "accepted": 0, "rejected": 0}
+              "accepted": 0, "rejected": 0, "one_request_checks": 0, "one_request_chunks": 0}
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.5 and sched.num_unfinished < 6 * num_replicas:
@@ -123,6 +123,8 @@ def run(policy_name: str, num_replicas: int, seed: int, steps: int = 400, num_bl
         for group, group_entries in zip(plan.groups, entries):
             layout = deployment[group.layout]
             counts["widths"].add(layout.kv_width)
+            if len(group.num_scheduled) == 1 and group.num_decodes == 0:  # InputBatch._prepare_one's
+                counts["one_request_checks" if group.num_spec is not None else "one_request_chunks"] += 1
             for member, replica in enumerate(layout.replicas):
                 batches[replica].write_spec_tokens(group, member)
                 inputs = batches[replica].to_device(batches[replica].prepare(group, member, layout.kv_width))
@@ -176,6 +178,7 @@ def test_deltas_reproduce_the_full_plan_inputs_with_speculation(policy, num_repl
     monkeypatch.setattr(input_batch, "_FEW_TOKENS", few_tokens)
     counts = run(policy, num_replicas, seed=num_replicas + 10, speculate=True)
     assert counts["steps"] > 150 and counts["preempted"] > 0 and counts["accepted"] > 50 and counts["rejected"] > 50
+    assert counts["one_request_checks"] > 0 and counts["one_request_chunks"] > 0
 
 
 def test_decode_plan_size_does_not_grow_with_context():
