@@ -98,10 +98,10 @@ def launches(monkeypatch):
     read_there = Launches()
     original = NativeDecoder.launch
 
-    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None):
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None, first_stage=0):
         read_there.append(placeholders is not None)
         read_there.drawn.append(draws is not None)
-        return original(self, input_ids, positions, logits_indices, attention, placeholders, draws)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders, draws, first_stage)
 
     monkeypatch.setattr(NativeDecoder, "launch", launch)
     return read_there
@@ -643,6 +643,71 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["spec_decode"]["num_drafts"] > 0
     assert any(check for check, _ in checks) and all(alone for check, alone in checks if check)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+def test_a_batch_1_check_in_two_stages(families, monkeypatch):
+    """A batch-1 greedy check launched on the decoder's thread runs in two stages: the proposals that pay (two
+    here), then more of the draft only where every row of the first drew the next proposal (run_in_stages). An
+    oracle proposes each request's true continuation, a token wrong here and there, so that second stages run, are
+    skipped and reject within themselves: the tokens of the engine without speculation, the speculator counting the
+    proposals a skipped second stage did not check as not proposed, every KV block back."""
+    from torch_shift.engine import spec_decode
+
+    monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 0)
+    _, model_dir = families("llama")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [9, 14, 5], seed=11)]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, async_scheduling=False)
+    expected = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
+                                                                         "num_speculative_tokens": 8})
+    runner, speculator = llm.engine.worker.runner, llm.engine.core.speculator
+    runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    assert speculator.staged_check_tokens >= 8
+    truth = {tuple(p["prompt_token_ids"]): tokens for p, tokens in zip(prompts, expected)}
+    wrong = iter(range(1 << 20))
+
+    class Oracle:
+        name = "oracle"
+
+        def propose(self, requests, max_tokens):
+            out = []
+            for request, k in zip(requests, max_tokens):
+                done = request.num_output_tokens
+                tokens = truth[tuple(request.prompt_token_ids)][done:done + k]
+                # every fifth proposal wrong: first stages that reject, second stages skipped or rejecting
+                out.append([t if next(wrong) % 5 else t + 1 for t in tokens])
+            return out
+
+        def on_finish(self, request, cache):
+            pass
+
+    speculator.proposer = Oracle()
+    monkeypatch.setattr(spec_decode, "tokens_that_pay", lambda rates, lengths, num_running, cost: [
+        min(2, n) for n in lengths])
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    stages = []  # per staged check: (its first stage's proposals, the proposals accepted, those counted)
+    observe = speculator.observe
+
+    def observed(entries, sampled, seconds):
+        checks = observe(entries, sampled, seconds)
+        for (e,), (counted, accepted) in zip(entries, checks):
+            if 0 < e.request.spec_stage < len(e.spec_token_ids):
+                stages.append((e.request.spec_stage, accepted, counted, len(e.spec_token_ids)))
+        return checks
+
+    speculator.observe = observed
+    outputs = [list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) for prompt in prompts]
+    assert outputs == expected
+    ran = [s for s in stages if s[1] > s[0]]
+    skipped = [s for s in stages if s[1] <= s[0]]
+    assert ran and skipped and any(accepted < proposed for _, accepted, _, proposed in ran)
+    assert all(counted == proposed for _, _, counted, proposed in ran)
+    assert all(counted == first + 1 for first, _, counted, _ in skipped)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

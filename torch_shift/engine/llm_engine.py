@@ -184,6 +184,9 @@ class LLMEngine:
             sample_on_device = self.output_processor.sample_on_device
             if self.worker.runner.launch_steps:
                 draws = self.output_processor.draws
+                if speculator is not None:  # checks launched too (EngineCore._step): a batch-1 one in two stages
+                    runner = self.worker.runner
+                    speculator.staged_check_tokens = min(runner.decode_pool.max_tokens, runner.native_step_tokens)
         run_draws = None
         # a multi-step run's requests sample where every rank draws them with the CPU kernel, as the sampler would
         if (config.scheduler.num_scheduler_steps > 1 and self.worker is not None

@@ -305,7 +305,7 @@ class ModelRunner:
         inputs = self.batch.to_device(host, previous_tokens)
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                           inputs.logits_indices)
-        logits, launched = self.model.launch_step(layout, step, placeholders, draws)
+        logits, launched = self.model.launch_step(layout, step, placeholders, draws, group.first_stage)
         return StepResult([logits], launched=launched)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:

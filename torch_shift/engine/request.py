@@ -103,8 +103,10 @@ class Request:
         self.grammar = None  # an llguidance matcher when the output is constrained (structured_output.py)
         self.waiting_grammar = None  # a WaitingGrammar: the matcher that becomes `grammar` after its marker
         self.error: str | None = None  # why the request cannot go on (set by the sampler); it finishes with "error"
-        # speculative decoding: tokens proposed to follow its last one, checked at its next step
+        # speculative decoding: tokens proposed to follow its last one, checked at its next step; of those, the ones a
+        # batch-1 check runs first, the rest only where all of them are accepted (0: one stage; Speculator.propose)
         self.spec_token_ids: list[int] = []
+        self.spec_stage = 0
 
     @property
     def num_tokens(self) -> int:

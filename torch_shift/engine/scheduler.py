@@ -269,6 +269,7 @@ class Scheduler:
         self._placed(request, -1)
         if request.spec_token_ids:
             request.spec_token_ids = []
+            request.spec_stage = 0
         for r in request.replicas:
             if free_blocks:
                 self.pools[r].free(request.request_id)

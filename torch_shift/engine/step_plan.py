@@ -65,6 +65,8 @@ class GroupStep:
     # known tokens), and those tokens, concatenated in request order; None when no request has any
     num_spec: np.ndarray | None = None
     spec_token_ids: np.ndarray | None = None
+    # a batch-1 check run in two stages (Request.spec_stage): the tokens of its first; 0: one stage
+    first_stage: int = 0
     # asynchronous scheduling: the decodes (their indices in the step, which are their token indices) whose input
     # token the last step sampled and has not reached the host, and where each is in that step's sampled tokens
     placeholders: np.ndarray | None = None
@@ -203,6 +205,9 @@ class PlanBuilder:
             if output.num_steps > 1:
                 step.stop_token_ids = np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids
                                                                      for e in entries))), dtype=np.int64)
+            if len(entries) == 1 and entries[0].spec_token_ids and 0 < entries[0].request.spec_stage < len(
+                    entries[0].spec_token_ids):  # the scheduler may have cut the proposals to its token budget
+                step.first_stage = 1 + entries[0].request.spec_stage
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],

@@ -458,7 +458,8 @@ class DecoderKernels:
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int
         self.launch = library.ts_decoder_launch
-        self.launch.argtypes, self.launch.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr], i64
+        self.launch.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
+        self.launch.restype = i64
         self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits
         self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int
         self.silu_mul = library.ts_decoder_silu_mul

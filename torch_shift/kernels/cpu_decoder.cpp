@@ -67,6 +67,7 @@ extern "C" int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, i
 extern "C" void* ts_paged_step_copy_new();
 extern "C" void ts_paged_step_copy_delete(void* copy);
 extern "C" int ts_paged_step_copy_fill(void* copy);
+extern "C" int ts_paged_step_copy_narrow(void* copy, int64_t first, int64_t num_tokens);
 extern "C" void ts_gemv_pool_always_caller();
 extern "C" void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target);
 extern "C" int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx);
@@ -129,6 +130,7 @@ struct Launched {
   void* logits = nullptr;
   int64_t* argmax = nullptr;
   void* attention = nullptr;  // the paged step installed at launch, copied (cpu_ops.cpp's PagedStepCopy)
+  int64_t first_stage = 0;     // a check run in two stages: the tokens of the first (run_in_stages); 0: one
 };
 
 struct Async {
@@ -503,6 +505,33 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
 }
 
 #if defined(__linux__)
+// A batch-1 check of proposed tokens (a launched step of one run, every token a logits row, argmax drawn) in two
+// stages: its first `s.first_stage` tokens, then the others only where every row of the first drew the next token
+// (the proposals they check all accepted). The second stage attends to the first's cached keys and values, as a
+// prompt's later chunk does. Where the first stage rejects a proposal, the rows after it are left unwritten, their
+// argmax -1: the sampler reads no row past the first rejected proposal. So a check that stops early computes no row
+// past its first stage, and one that goes on pays no return to the host between the stages (the host's work between
+// two checks: 0.6-0.9 ms on the edit work, docs/performance.md).
+int run_in_stages(Decoder& d, Launched& s) {
+  const int64_t n = static_cast<int64_t>(s.input_ids.size()), first = s.first_stage;
+  const int64_t* ids = s.input_ids.data();
+  const int64_t* pos = s.positions.data();
+  const int64_t* rows = s.logits_rows.data();  // 0 .. n - 1: a stage's own rows are their first ones
+  int rc = ts_paged_step_copy_narrow(s.attention, 0, first);
+  if (rc == 0) rc = run_step(d, ids, pos, first, rows, first, s.logits, s.argmax, s.attention);
+  if (rc != 0) return rc;
+  bool accepted = true;
+  for (int64_t i = 0; i < first && accepted; ++i) accepted = s.argmax[i] == ids[i + 1];
+  if (!accepted) {
+    std::fill(s.argmax + first, s.argmax + n, int64_t{-1});
+    return 0;
+  }
+  rc = ts_paged_step_copy_narrow(s.attention, first, n - first);
+  if (rc != 0) return rc;
+  return run_step(d, ids + first, pos + first, n - first, rows, n - first,
+                  static_cast<char*>(s.logits) + first * d.vocab * d.elem, s.argmax + first, s.attention);
+}
+
 // The launched steps' thread: runs them in order. Its OpenMP regions run on one thread, as a pooled step's caller's
 // (torch_shift/engine/decode_pool.py), so that its results are those of a step run by the engine's thread; its GEMVs
 // go through the pool as its caller, where the engine's thread helps.
@@ -530,7 +559,9 @@ void* async_main(void* arg) {
           s.input_ids[s.placeholders[i]] = a.last_argmax[source];
       }
       const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
-      if (rc == 0)
+      if (rc == 0 && s.first_stage > 0)
+        rc = run_in_stages(d, s);
+      else if (rc == 0)
         rc = run_step(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
                       s.logits_rows.data(), num_logits, s.logits, s.argmax, s.attention,
                       s.draws.empty() ? nullptr : s.draws.data());
@@ -757,16 +788,23 @@ int ts_decoder_attend(void* decoder) {
 // argmax alive until it waited for the ticket. `placeholders` (num_placeholders of them, or null): indices of input
 // ids that the step launched just before this one sampled, taken from its argmax rows `sources` when this one starts.
 // `draws` (or null): ts_sample_rows' float32 [5, num_logits], copied: each row's token is drawn by them into argmax
-// (and read so by the next step's placeholders) instead of its argmax.
+// (and read so by the next step's placeholders) instead of its argmax. `first_stage` (> 0, below num_tokens): a
+// batch-1 check whose every token is a logits row, with argmax and no draws or placeholders, run in two stages of
+// that many tokens and the rest (run_in_stages); 0: one stage.
 int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                           const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
                           const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders,
-                          const float* draws) {
+                          const float* draws, int64_t first_stage) {
 #if defined(__linux__)
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
-      num_placeholders < 0 || num_placeholders > num_tokens)
+      num_placeholders < 0 || num_placeholders > num_tokens || first_stage < 0 || first_stage >= num_tokens)
     return -200;
+  if (first_stage > 0) {  // run_in_stages' step: every token a logits row, in order, argmax drawn, one run
+    if (num_logits != num_tokens || draws != nullptr || num_placeholders != 0) return -200;
+    for (int64_t r = 0; r < num_logits; ++r)
+      if (logits_rows[r] != r) return -200;
+  }
   for (int64_t i = 0; i < num_placeholders; ++i)
     if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
   if (!start_async(d)) return -203;
@@ -786,6 +824,7 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
     s.draws.clear();
   s.logits = logits;
   s.argmax = argmax;
+  s.first_stage = first_stage;
   a.launched.store(ticket, std::memory_order_seq_cst);
   wake(a);
   return ticket;

@@ -232,6 +232,7 @@ struct PagedStepCopy {
   PagedStep step;
   std::vector<int32_t> ints;  // query_start | query_len | num_computed | block-table rows | those rows of the table
   std::vector<int64_t> slots;
+  int32_t num_computed = 0;  // a one-run step's cached tokens as filled (ts_paged_step_copy_narrow moves them)
 };
 
 bool ulysses_installed = false;  // the step's attention is Ulysses' around the paged step (ulysses_attention)
@@ -1048,6 +1049,19 @@ int ts_paged_step_copy_fill(void* copy) {
   c.step.query_start = ints, c.step.query_len = ints + runs, c.step.num_computed = ints + 2 * runs;
   c.step.block_table_row = ints + 3 * runs, c.step.block_table = table;
   c.step.slot_mapping = c.slots.data();
+  c.num_computed = runs == 1 ? ints[2] : 0;
+  return 0;
+}
+
+// A one-run copy narrowed to its tokens [first, first + num_tokens), as a step of those tokens alone: the tokens
+// before them cached (a check of proposed tokens run in stages: cpu_decoder.cpp). 0, or -200 for a copy of several
+// runs or tokens outside its run.
+int ts_paged_step_copy_narrow(void* copy, int64_t first, int64_t num_tokens) {
+  PagedStepCopy& c = *static_cast<PagedStepCopy*>(copy);
+  if (c.step.num_runs != 1 || first < 0 || num_tokens < 1 || first + num_tokens > int64_t(c.slots.size())) return -200;
+  c.ints[1] = static_cast<int32_t>(num_tokens);
+  c.ints[2] = c.num_computed + static_cast<int32_t>(first);
+  c.step.slot_mapping = c.slots.data() + first;
   return 0;
 }
 

@@ -231,12 +231,15 @@ class NativeDecoder:
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None,
-               draws: np.ndarray | None = None) -> tuple[torch.Tensor, LaunchedStep]:
+               draws: np.ndarray | None = None, first_stage: int = 0) -> tuple[torch.Tensor, LaunchedStep]:
         """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
         (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
         (indices of input ids, rows of the last launched step's logits) whose tokens those ids take. `draws`
         (Sampler.draws: float32 [5, logits rows]): each row's token is drawn with them (models.fused.sample_rows)
-        instead of its argmax, into the step's `row_argmax`."""
+        instead of its argmax, into the step's `row_argmax`. `first_stage` (> 0): a batch-1 check of proposed tokens,
+        every token a logits row, run in two stages: the rows after its first `first_stage` only where each of those
+        drew the next input id (the proposals they check all accepted); else those rows are not run, their argmax -1
+        (cpu_decoder.cpp's run_in_stages)."""
         assert not self.tensor_parallel and self.head, "a parallel rank's steps run in step with its peers"
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
@@ -256,7 +259,7 @@ class NativeDecoder:
             ticket = self.kernels.launch(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                          rows.data_ptr(), num_logits, logits.data_ptr(), row_argmax.ctypes.data,
                                          index_address, sources_address, num_placeholders,
-                                         None if draws is None else draws.ctypes.data)
+                                         None if draws is None else draws.ctypes.data, first_stage)
         finally:
             exit_step_attention()
         if ticket == -203:

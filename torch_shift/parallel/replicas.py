@@ -74,13 +74,14 @@ class ReplicaModel(LayoutCounters, nn.Module):
         return self.native_decoder is not None or bool(self.view_decoders)
 
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None,
-                    draws: np.ndarray | None = None) -> tuple[torch.Tensor, LaunchedStep]:
+                    draws: np.ndarray | None = None, first_stage: int = 0) -> tuple[torch.Tensor, LaunchedStep]:
         """The replica's own step of at most MAX_TOKENS tokens launched on the C++ decoder's thread (asynchronous
-        scheduling; `NativeDecoder.launch`): its logits, written once the returned step ran."""
+        scheduling; `NativeDecoder.launch`, `first_stage` a check's in two stages): its logits, written once the
+        returned step ran."""
         assert layout.kv_width == 1 and self.native_decoder is not None
         self.layout_counts[layout.name] += 1
         return self.native_decoder.launch(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
-                                          placeholders, draws)
+                                          placeholders, draws, first_stage)
 
     def wait_launched(self) -> None:
         """Wait for the steps `launch_step` launched."""

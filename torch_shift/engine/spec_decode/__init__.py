@@ -80,6 +80,12 @@ DISABLED_STEPS = 1 << 30  # the quiet steps of a batch at disable_by_batch_size:
 RELOOK_PROBES = 4
 
 
+# A batch-1 check's second stage runs up to this many of the draft's tokens, or as many as the first (Speculator.
+# _second_stage). On the edit work of bench_spec.py the second stage ran in 60 of 78 staged checks and kept 4.7
+# tokens a run; 3 to 6 read alike (0.97-0.99x the TPOT of one-stage checks, alternated; docs/performance.md)
+SECOND_STAGE_TOKENS = 6
+
+
 def num_accepted(proposed, drawn) -> int:
     """The proposed tokens a check accepted: those the request drew in their places, up to the first it did not."""
     accepted = 0
@@ -112,6 +118,10 @@ class Speculator:
         # few tokens (a 64-request step 10.6 ms, with a check of 4 tokens 32 ms, on an AMX Xeon): where a step's
         # plain decodes fit, its proposals are cut to fit beside them, which a linear price of the step cannot say
         self.max_step_tokens = max_step_tokens
+        # a batch-1 check of up to this many tokens may run in two stages (0: none; the engine sets it where such a
+        # step is launched on the C++ decoder's thread, kernels/cpu_decoder.cpp's run_in_stages): the proposals that
+        # pay, then more of the draft, run only where all of the first are accepted, with no return to the host between
+        self.staged_check_tokens = 0
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
         # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
@@ -196,10 +206,17 @@ class Speculator:
                 proposed = e.spec_token_ids
                 if proposed:
                     request = e.request
-                    num_proposed += len(proposed)
                     if e.num_tokens != 1 + len(proposed):
                         decode_only = False  # a prompt chunk: its cost is not a decode's
                     accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
+                    stage = request.spec_stage
+                    run_as = len(proposed)  # the proposals of a one-stage check of the rows that ran
+                    if 0 < stage < len(proposed):  # in two stages (_second_stage)
+                        if accepted > stage:
+                            decode_only = False  # two passes over the weights: not the cost of one step
+                        else:  # the second did not run: the first's rows checked `stage` proposals and one more
+                            proposed, run_as = proposed[:stage + 1], stage
+                    num_proposed += run_as
                     self.acceptance.observe(request.request_id, len(proposed), accepted, request.greedy)
                     checks.append((len(proposed), accepted))
                     if self._tell_checked is not None:
@@ -234,6 +251,7 @@ class Speculator:
             alive.append(request)
             if request.spec_token_ids:
                 request.spec_token_ids = []
+                request.spec_stage = 0
                 checked = True
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
@@ -314,7 +332,7 @@ class Speculator:
         self._keep_probes(probing, proposals[len(proposing) + len(explored):])
         if explored:
             explorer.spec_token_ids = proposals[len(proposing)]
-        proposals = proposals[:len(proposing)]
+        proposals = drafts = proposals[:len(proposing)]
         keep = [len(p) for p in proposals]
         if cost is not None:
             lengths, keep = keep, tokens_that_pay(rates, keep, num_running, cost)
@@ -334,6 +352,21 @@ class Speculator:
                     quiet[request.request_id] = request.num_tokens + wait - steps % wait
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
+        if self.staged_check_tokens and num_running == 1 and len(proposing) == 1 and keep[0]:
+            self._second_stage(proposing[0], drafts[0], keep[0], room_left)
+
+    def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None) -> None:
+        """A batch-1 check of `keep` proposals that pay, followed in the same step by more of its draft (as many
+        again and one, at least SECOND_STAGE_TOKENS): run only where the first stage's rows accept all of theirs, the
+        proposals they check and the next (run_in_stages). A second stage of one row would only draw the token after
+        the draft's next: not made. Only for a request that draws its argmax, which the C++ decoder finds as the
+        sampler does."""
+        more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
+        if room_left is not None:
+            more = min(more, room_left - keep)
+        if more >= 2 and request.draws_argmax:
+            request.spec_token_ids = draft[:keep + more]
+            request.spec_stage = keep
 
     def _step_prices(self, num_running: int, cost: StepCost | None, steps: int) -> tuple[float, int, bool]:
         """A propose's bar, probe interval and whether it explores, in its `steps`-th step of `num_running` decodes
