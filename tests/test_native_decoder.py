@@ -648,23 +648,44 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-def test_a_batch_1_check_in_two_stages(families, monkeypatch):
-    """A batch-1 greedy check launched on the decoder's thread runs in two stages: the proposals that pay (two
-    here), then more of the draft only where every row of the first drew the next proposal (run_in_stages). An
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
+    """A batch-1 greedy check runs in two stages on the C++ decoder: the proposals that pay (two here), then more
+    of the draft only where every row of the first drew the next proposal (run_in_stages). With one rank the check
+    is launched on the decoder's thread; under Shift it is a TP-2 step, both ranks running the same stages. An
     oracle proposes each request's true continuation, a token wrong here and there, so that second stages run, are
-    skipped and reject within themselves: the tokens of the engine without speculation, the speculator counting the
-    proposals a skipped second stage did not check as not proposed, every KV block back."""
+    skipped and reject within themselves: the tokens of the same engine without speculation, the speculator
+    counting the proposals a skipped second stage did not check as not proposed, every KV block back."""
     from torch_shift.engine import spec_decode
 
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 0)
+    staged_rows = []  # rank 0's decoder: each staged step's rows' argmax (-1: a row not run)
+    call, launch = NativeDecoder.__call__, NativeDecoder.launch
+
+    def staged_call(self, input_ids, positions, logits_indices, attention, first_stage=0):
+        logits = call(self, input_ids, positions, logits_indices, attention, first_stage)
+        if first_stage:
+            staged_rows.append(getattr(logits, ROW_ARGMAX))
+        return logits
+
+    def staged_launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None,
+                      first_stage=0):
+        logits, step = launch(self, input_ids, positions, logits_indices, attention, placeholders, draws, first_stage)
+        if first_stage:
+            staged_rows.append(step.row_argmax)  # written once the step ran: read after the generations
+        return logits, step
+
+    monkeypatch.setattr(NativeDecoder, "__call__", staged_call)
+    monkeypatch.setattr(NativeDecoder, "launch", staged_launch)
     _, model_dir = families("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [9, 14, 5], seed=11)]
     greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    reference = LLM(str(model_dir), compile=False, seed=0, async_scheduling=False)
-    expected = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    expected = [list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+                for prompt in prompts]
     reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
-                                                                         "num_speculative_tokens": 8})
+                                                                         "num_speculative_tokens": 8}, **layout)
     runner, speculator = llm.engine.worker.runner, llm.engine.core.speculator
     runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
     assert speculator.staged_check_tokens >= 8
@@ -708,6 +729,9 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch):
     assert ran and skipped and any(accepted < proposed for _, accepted, _, proposed in ran)
     assert all(counted == proposed for _, _, counted, proposed in ran)
     assert all(counted == first + 1 for first, _, counted, _ in skipped)
+    # the C++ decoder ran them: second stages run whole, and skipped (their rows' argmax -1)
+    assert len(staged_rows) == len(stages)
+    assert any((rows == -1).any() for rows in staged_rows) and any((rows >= 0).all() for rows in staged_rows)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

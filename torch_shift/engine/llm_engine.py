@@ -173,6 +173,11 @@ class LLMEngine:
         if config.speculative is not None:
             speculator = Speculator(config.speculative, config.scheduler.max_model_len, self._draft_proposer(),
                                     self.worker.runner.native_step_tokens if self.worker is not None else 0)
+            if self.worker is not None:  # a batch-1 check in two stages on the C++ decoder
+                staged = self.worker.runner.staged_check_tokens
+                if hasattr(policy, "threshold"):  # Shift's: a step of more tokens runs the base layout (None: all)
+                    staged = min(staged, policy.threshold or 0)
+                speculator.staged_check_tokens = staged
             self.stats_recorder.spec_method = config.speculative.label
             self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
@@ -184,9 +189,6 @@ class LLMEngine:
             sample_on_device = self.output_processor.sample_on_device
             if self.worker.runner.launch_steps:
                 draws = self.output_processor.draws
-                if speculator is not None:  # checks launched too (EngineCore._step): a batch-1 one in two stages
-                    runner = self.worker.runner
-                    speculator.staged_check_tokens = min(runner.decode_pool.max_tokens, runner.native_step_tokens)
         run_draws = None
         # a multi-step run's requests sample where every rank draws them with the CPU kernel, as the sampler would
         if (config.scheduler.num_scheduler_steps > 1 and self.worker is not None

@@ -183,6 +183,15 @@ class ModelRunner:
             return 0
         return self.model.native_decoder.max_tokens
 
+    @property
+    def staged_check_tokens(self) -> int:
+        """The most tokens of a batch-1 check this rank's C++ decoder runs in two stages (GroupStep.first_stage): with
+        one rank, one launched on the decode pool; 0 where none does (Speculator.staged_check_tokens)."""
+        if not self.native_decode:
+            return 0
+        tokens = self.model.staged_check_tokens()
+        return min(tokens, self.decode_pool.max_tokens) if self.launch_steps else tokens
+
     def _native(self, layout: Layout) -> bool:
         """Whether the C++ decoder runs `layout`'s small steps on this rank alone (a replica's own; a
         tensor-parallel layout's run it inside the model's forward_step, in step with the other ranks)."""
@@ -391,8 +400,8 @@ class ModelRunner:
                     break
                 inputs = self.batch.to_device(host, previous_tokens)
                 micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
-                                                self.attention.build(inputs.attention, kv),
-                                                inputs.logits_indices))
+                                                self.attention.build(inputs.attention, kv), inputs.logits_indices,
+                                                piece.first_stage))
             if micro_batches:
                 out = self.model.forward_step(layout, micro_batches)
             else:

@@ -450,7 +450,7 @@ class DecoderKernels:
         self.destroy = library.ts_decoder_destroy
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
-        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr], ctypes.c_int
+        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64], ctypes.c_int
         self.steps = library.ts_decoder_steps
         self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
                                ptr, i64, ctypes.c_int, ptr]

@@ -172,6 +172,7 @@ struct Decoder {
   // scratch for max_tokens tokens
   std::vector<char> x, h, qkv, q, k, attn, gate_up, act, shard;  // shard: the LM head's rows, before their gather
   Async* async = nullptr;  // the launched steps' thread, started at the first launch
+  void* stage_copy = nullptr;  // the installed paged step, copied for a synchronous check in two stages
 
   int64_t qkv_rows() const { return (heads + 2 * kv_heads) * head_dim; }
   bool gathers_logits() const { return communicator >= 0 && lm_head != nullptr && lm_head_rows != vocab; }
@@ -512,24 +513,36 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
 // argmax -1: the sampler reads no row past the first rejected proposal. So a check that stops early computes no row
 // past its first stage, and one that goes on pays no return to the host between the stages (the host's work between
 // two checks: 0.6-0.9 ms on the edit work, docs/performance.md).
-int run_in_stages(Decoder& d, Launched& s) {
-  const int64_t n = static_cast<int64_t>(s.input_ids.size()), first = s.first_stage;
-  const int64_t* ids = s.input_ids.data();
-  const int64_t* pos = s.positions.data();
-  const int64_t* rows = s.logits_rows.data();  // 0 .. n - 1: a stage's own rows are their first ones
-  int rc = ts_paged_step_copy_narrow(s.attention, 0, first);
-  if (rc == 0) rc = run_step(d, ids, pos, first, rows, first, s.logits, s.argmax, s.attention);
+// `rows`: 0 .. n - 1 (a stage's own rows are their first ones); `copy`: the step's PagedStepCopy, narrowed to each
+// stage in turn. The ranks of a tensor-parallel shard run the same stages: each finds the same argmax of the logits
+// gathered whole.
+int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
+                  void* logits, int64_t* argmax, void* copy) {
+  int rc = ts_paged_step_copy_narrow(copy, 0, first);
+  if (rc == 0) rc = run_step(d, ids, pos, first, rows, first, logits, argmax, copy);
   if (rc != 0) return rc;
   bool accepted = true;
-  for (int64_t i = 0; i < first && accepted; ++i) accepted = s.argmax[i] == ids[i + 1];
+  for (int64_t i = 0; i < first && accepted; ++i) accepted = argmax[i] == ids[i + 1];
   if (!accepted) {
-    std::fill(s.argmax + first, s.argmax + n, int64_t{-1});
+    std::fill(argmax + first, argmax + n, int64_t{-1});
     return 0;
   }
-  rc = ts_paged_step_copy_narrow(s.attention, first, n - first);
+  rc = ts_paged_step_copy_narrow(copy, first, n - first);
   if (rc != 0) return rc;
   return run_step(d, ids + first, pos + first, n - first, rows, n - first,
-                  static_cast<char*>(s.logits) + first * d.vocab * d.elem, s.argmax + first, s.attention);
+                  static_cast<char*>(logits) + first * d.vocab * d.elem, argmax + first, copy);
+}
+
+// Whether a step may run in two stages of `first_stage` tokens and the rest: a batch-1 check whose every token is a
+// logits row in order, with argmax, no draws, and the vocabulary's logits on this rank
+bool stages_ok(const Decoder& d, int64_t num_tokens, const int64_t* logits_rows, int64_t num_logits,
+               const int64_t* argmax, const float* draws, int64_t first_stage) {
+  if (first_stage < 1 || first_stage >= num_tokens || num_logits != num_tokens || argmax == nullptr ||
+      draws != nullptr || d.lm_head == nullptr || (!d.gathers_logits() && d.lm_head_rows != d.vocab))
+    return false;
+  for (int64_t r = 0; r < num_logits; ++r)
+    if (logits_rows[r] != r) return false;
+  return true;
 }
 
 // The launched steps' thread: runs them in order. Its OpenMP regions run on one thread, as a pooled step's caller's
@@ -560,7 +573,8 @@ void* async_main(void* arg) {
       }
       const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
       if (rc == 0 && s.first_stage > 0)
-        rc = run_in_stages(d, s);
+        rc = run_in_stages(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
+                           s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention);
       else if (rc == 0)
         rc = run_step(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
                       s.logits_rows.data(), num_logits, s.logits, s.argmax, s.attention,
@@ -682,6 +696,8 @@ void ts_decoder_destroy(void* decoder) {
 #if defined(__linux__)
   stop_async(*static_cast<Decoder*>(decoder));
 #endif
+  if (static_cast<Decoder*>(decoder)->stage_copy != nullptr)
+    ts_paged_step_copy_delete(static_cast<Decoder*>(decoder)->stage_copy);
   delete static_cast<Decoder*>(decoder);
 }
 
@@ -701,11 +717,21 @@ static bool launched_step_runs(const Decoder& d) {
 // all-to-all failed (ts_collective_error); else the failing kernel's code. A rank's shard of the vocabulary gathers
 // every rank's rows of the logits [num_logits, vocab] through its communicator; a decoder without an LM head writes
 // the rows' final hidden states, after the model's last norm (logits [num_logits, hidden]), and no argmax.
+// `first_stage` (> 0): a batch-1 check in two stages, as a launched one's (run_in_stages; -200 where it cannot).
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
-                    const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax) {
+                    const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
+                    int64_t first_stage) {
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (launched_step_runs(d)) return -202;
-  return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
+  if (first_stage == 0)
+    return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
+  // the installed step copied, to narrow it to each stage (not with Ulysses' all-to-alls around the paged step)
+  if (num_tokens > d.max_tokens || ts_ulysses_installed() ||
+      !stages_ok(d, num_tokens, logits_rows, num_logits, argmax, nullptr, first_stage))
+    return -200;
+  if (d.stage_copy == nullptr) d.stage_copy = ts_paged_step_copy_new();
+  if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
+  return run_in_stages(d, input_ids, positions, num_tokens, first_stage, logits_rows, logits, argmax, d.stage_copy);
 }
 
 // Up to `num_steps` decode steps of a multi-step run (ModelRunner._run_steps), as that many ts_decoder_step calls
@@ -800,11 +826,9 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
   if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
       num_placeholders < 0 || num_placeholders > num_tokens || first_stage < 0 || first_stage >= num_tokens)
     return -200;
-  if (first_stage > 0) {  // run_in_stages' step: every token a logits row, in order, argmax drawn, one run
-    if (num_logits != num_tokens || draws != nullptr || num_placeholders != 0) return -200;
-    for (int64_t r = 0; r < num_logits; ++r)
-      if (logits_rows[r] != r) return -200;
-  }
+  if (first_stage > 0 && (num_placeholders != 0 ||
+                          !stages_ok(d, num_tokens, logits_rows, num_logits, argmax, draws, first_stage)))
+    return -200;
   for (int64_t i = 0; i < num_placeholders; ++i)
     if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
   if (!start_async(d)) return -203;

@@ -157,9 +157,10 @@ class NativeDecoder:
                 and native_attention() is not None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                 attention: object) -> torch.Tensor | None:
+                 attention: object, first_stage: int = 0) -> torch.Tensor | None:
         """The step's logits (or its logits rows' hidden states, `head=False`); None, nothing run, where `attention`
-        did not install in C++ (the caller runs the step's forward instead)."""
+        did not install in C++ (the caller runs the step's forward instead). `first_stage`: a batch-1 check in two
+        stages (`launch`'s)."""
         if self.launched:
             self.wait()
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
@@ -174,7 +175,8 @@ class NativeDecoder:
         try:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                    rows.data_ptr(), num_logits, logits.data_ptr(),
-                                   None if row_argmax is None else row_argmax.__array_interface__["data"][0])
+                                   None if row_argmax is None else row_argmax.__array_interface__["data"][0],
+                                   first_stage)
         finally:
             exit_step_attention()
         self._check(rc)

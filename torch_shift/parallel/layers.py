@@ -124,13 +124,14 @@ class ShardDecoder:
         return None if decoder is None else cls(decoder, group, communicator)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-             attention: object) -> torch.Tensor | None:
+             attention: object, first_stage: int = 0) -> torch.Tensor | None:
         """The step's logits (every rank's, of the same `logits_indices` on every rank, whose shards it gathers), or
         None where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
-        delays only the Python collectives make), or another communicator than the one it was built with."""
+        delays only the Python collectives make), or another communicator than the one it was built with.
+        `first_stage`: a batch-1 check in two stages (NativeDecoder.launch), each rank running the same ones."""
         if not self._takes(len(input_ids), attention):
             return None
-        logits = self.decoder(input_ids, positions, logits_indices, attention)
+        logits = self.decoder(input_ids, positions, logits_indices, attention, first_stage)
         if logits is None:
             return None
         self._record(len(input_ids), len(logits_indices))

@@ -32,6 +32,7 @@ class MicroBatch:
     positions: torch.Tensor  # [T]
     attention: AttentionFn  # the step's attention over this rank's KV pool (torch_shift.attention)
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
+    first_stage: int = 0  # a batch-1 check in two stages where the C++ decoder runs it (GroupStep.first_stage)
 
 
 class LayoutCounters:
@@ -103,6 +104,11 @@ class LayoutModel(Protocol):
 
     def seal_compiled(self) -> None:
         """Once every compiled forward ran (the runner's warm-up): skip dynamo's full guard check from then on."""
+        ...
+
+    def staged_check_tokens(self) -> int:
+        """The most tokens of a batch-1 check that the C++ decoder of the layout such a small step runs in (after
+        `native_decode`) takes in two stages (`MicroBatch.first_stage`); 0 where none does."""
         ...
 
     def reset_counters(self) -> None:

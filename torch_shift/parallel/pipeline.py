@@ -220,6 +220,9 @@ class PipelineModel(LayoutCounters, nn.Module):
             warn_where_decoders_differ({"tp": self.tp_decoder is not None}, shard_group(self.tp))
         return self.tp_decoder is not None
 
+    def staged_check_tokens(self) -> int:
+        return 0  # Seesaw's TP steps run their checks in one stage
+
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor | None:
         """A step of `layout`: Seesaw's TP layout (every rank returns the logits, gathered over the
         vocabulary), or the pipeline over the micro-batches (the last stage returns the logits of all of

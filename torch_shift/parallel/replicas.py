@@ -73,6 +73,10 @@ class ReplicaModel(LayoutCounters, nn.Module):
             warn_where_decoders_differ({name: decoder is not None}, shard_group(view))
         return self.native_decoder is not None or bool(self.view_decoders)
 
+    def staged_check_tokens(self) -> int:
+        """The replica's own decoder's; none where Flying may merge replicas into a TP layout for small steps."""
+        return self.native_decoder.max_tokens if self.native_decoder is not None and not self.views else 0
+
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None,
                     draws: np.ndarray | None = None, first_stage: int = 0) -> tuple[torch.Tensor, LaunchedStep]:
         """The replica's own step of at most MAX_TOKENS tokens launched on the C++ decoder's thread (asynchronous
@@ -116,7 +120,8 @@ class ReplicaModel(LayoutCounters, nn.Module):
         key = layout.name if layout.kv_width > 1 else None
         if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
                                                                                             batch.attention):
-            logits = self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention)
+            logits = self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
+                                         batch.first_stage)
             if logits is not None:
                 return logits
         model = self.views[key] if key is not None else self.model

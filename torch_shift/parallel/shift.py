@@ -440,6 +440,12 @@ class ShiftModule(LayoutCounters, nn.Module):
             return "base"
         return "shift"
 
+    def staged_check_tokens(self) -> int:
+        """The shift layout's (full TP), where a small step runs; static TP's without it."""
+        decoder = self.native_decoders.get("shift") or (self.native_decoders.get("base") if self.groups.sp == 1
+                                                         else None)
+        return decoder.decoder.max_tokens if isinstance(decoder, ShardDecoder) else 0
+
     def forward_step(self, layout: Layout, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """One engine step: a layout of kind "shift" runs full TP, any other (the deployment's SP x TP
         base, "tp", "dp@i") the base layout."""
@@ -447,7 +453,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.layout_counts[layout.name] += 1
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
             return self._forward("shift" if layout.kind == "shift" else "base", batch.input_ids, batch.positions,
-                                 batch.attention, batch.logits_indices)
+                                 batch.attention, batch.logits_indices, batch.first_stage)
 
     def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's, and SP
@@ -468,11 +474,12 @@ class ShiftModule(LayoutCounters, nn.Module):
         return self.run_steps_in_one_call(native, layout, batch, run, attention)
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
+                 logits_indices: torch.Tensor, first_stage: int = 0) -> torch.Tensor:
         if which == "base" and self.groups.sp > 1:
             return self._base_step(input_ids, positions, attention, logits_indices)
         native = self.native_decoders.get(which)
-        logits = native.step(input_ids, positions, logits_indices, attention) if native is not None else None
+        logits = (native.step(input_ids, positions, logits_indices, attention, first_stage) if native is not None
+                  else None)
         if logits is not None:
             return logits
         if which == "shift":
