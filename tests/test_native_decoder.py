@@ -648,11 +648,12 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}], ids=["one-rank", "shift", "dp"])
 def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     """A batch-1 greedy check runs in two stages on the C++ decoder: the proposals that pay (two here), then more
     of the draft only where every row of the first drew the next proposal (run_in_stages). With one rank the check
-    is launched on the decoder's thread; under Shift it is a TP-2 step, both ranks running the same stages. An
+    is launched on the decoder's thread; under Shift it is a TP-2 step, both ranks running the same stages; with DP-2
+    a replica's own synchronous step. An
     oracle proposes each request's true continuation, a token wrong here and there, so that second stages run, are
     skipped and reject within themselves: the tokens of the same engine without speculation, the speculator
     counting the proposals a skipped second stage did not check as not proposed, every KV block back."""
