@@ -166,8 +166,10 @@ class NativeDecoder:
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
         logits = torch.empty(num_logits, self.logits_width, dtype=self.dtype)
-        # (a shard's logits have no argmax of the vocabulary's unless gathered here, nor hidden states any)
+        # (a shard's logits have no argmax of the vocabulary's unless gathered here, nor hidden states any; without
+        # it a check runs in one stage)
         row_argmax = np.empty(num_logits, dtype=np.int64) if self.finds_argmax else None
+        first_stage = first_stage if row_argmax is not None else 0
         # not a context manager: its calls were 8% of a batch-1 step's Python
         if not enter_step_attention(attention):
             exit_step_attention()

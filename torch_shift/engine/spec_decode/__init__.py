@@ -118,9 +118,10 @@ class Speculator:
         # few tokens (a 64-request step 10.6 ms, with a check of 4 tokens 32 ms, on an AMX Xeon): where a step's
         # plain decodes fit, its proposals are cut to fit beside them, which a linear price of the step cannot say
         self.max_step_tokens = max_step_tokens
-        # a batch-1 check of up to this many tokens may run in two stages (0: none; the engine sets it where such a
-        # step is launched on the C++ decoder's thread, kernels/cpu_decoder.cpp's run_in_stages): the proposals that
-        # pay, then more of the draft, run only where all of the first are accepted, with no return to the host between
+        # a batch-1 check of up to this many tokens may run in two stages (0: none; the engine sets it where the C++
+        # decoder runs such a step: ModelRunner.staged_check_tokens, kernels/cpu_decoder.cpp's run_in_stages): the
+        # proposals that pay, then more of the draft, run only where all of the first are accepted, with no return to
+        # the host between
         self.staged_check_tokens = 0
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
