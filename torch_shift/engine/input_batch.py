@@ -112,8 +112,8 @@ class InputBatch:
         if group.num_spec is None:
             return
         if len(group.num_spec) == 1:  # a batch-1 check: one slice (the general path's ten numpy calls: 70-85 us cold)
-            row, start, num_spec = int(group.rows[member][0]), int(self.num_tokens[group.rows[member][0]]), \
-                int(group.num_spec[0])
+            row = int(group.rows[member][0])
+            start, num_spec = int(self.num_tokens[row]), int(group.num_spec[0])
             self._ensure_token_columns(start + num_spec)
             self.token_ids[row, start:start + num_spec] = group.spec_token_ids
             return

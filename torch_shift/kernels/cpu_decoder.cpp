@@ -534,11 +534,12 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
 }
 
 // Whether a step may run in two stages of `first_stage` tokens and the rest: a batch-1 check whose every token is a
-// logits row in order, with argmax, no draws, and the vocabulary's logits on this rank
-bool stages_ok(const Decoder& d, int64_t num_tokens, const int64_t* logits_rows, int64_t num_logits,
-               const int64_t* argmax, const float* draws, int64_t first_stage) {
+// logits row in order, with argmax and no draws (run_step refuses an argmax where the rank lacks the vocabulary's
+// logits)
+bool stages_ok(int64_t num_tokens, const int64_t* logits_rows, int64_t num_logits, const int64_t* argmax,
+               const float* draws, int64_t first_stage) {
   if (first_stage < 1 || first_stage >= num_tokens || num_logits != num_tokens || argmax == nullptr ||
-      draws != nullptr || d.lm_head == nullptr || (!d.gathers_logits() && d.lm_head_rows != d.vocab))
+      draws != nullptr)
     return false;
   for (int64_t r = 0; r < num_logits; ++r)
     if (logits_rows[r] != r) return false;
@@ -727,7 +728,7 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
     return run_step(d, input_ids, positions, num_tokens, logits_rows, num_logits, logits, argmax, nullptr);
   // the installed step copied, to narrow it to each stage (not with Ulysses' all-to-alls around the paged step)
   if (num_tokens > d.max_tokens || ts_ulysses_installed() ||
-      !stages_ok(d, num_tokens, logits_rows, num_logits, argmax, nullptr, first_stage))
+      !stages_ok(num_tokens, logits_rows, num_logits, argmax, nullptr, first_stage))
     return -200;
   if (d.stage_copy == nullptr) d.stage_copy = ts_paged_step_copy_new();
   if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
@@ -827,7 +828,7 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
       num_placeholders < 0 || num_placeholders > num_tokens || first_stage < 0 || first_stage >= num_tokens)
     return -200;
   if (first_stage > 0 && (num_placeholders != 0 ||
-                          !stages_ok(d, num_tokens, logits_rows, num_logits, argmax, draws, first_stage)))
+                          !stages_ok(num_tokens, logits_rows, num_logits, argmax, draws, first_stage)))
     return -200;
   for (int64_t i = 0; i < num_placeholders; ++i)
     if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
