@@ -98,10 +98,10 @@ def launches(monkeypatch):
     read_there = Launches()
     original = NativeDecoder.launch
 
-    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None, first_stage=0):
+    def launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None, *stages):
         read_there.append(placeholders is not None)
         read_there.drawn.append(draws is not None)
-        return original(self, input_ids, positions, logits_indices, attention, placeholders, draws, first_stage)
+        return original(self, input_ids, positions, logits_indices, attention, placeholders, draws, *stages)
 
     monkeypatch.setattr(NativeDecoder, "launch", launch)
     return read_there
@@ -663,15 +663,16 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     staged_rows = []  # rank 0's decoder: each staged step's rows' argmax (-1: a row not run)
     call, launch = NativeDecoder.__call__, NativeDecoder.launch
 
-    def staged_call(self, input_ids, positions, logits_indices, attention, first_stage=0):
-        logits = call(self, input_ids, positions, logits_indices, attention, first_stage)
+    def staged_call(self, input_ids, positions, logits_indices, attention, first_stage=0, redraft=None):
+        logits = call(self, input_ids, positions, logits_indices, attention, first_stage, redraft)
         if first_stage:
             staged_rows.append(getattr(logits, ROW_ARGMAX))
         return logits
 
     def staged_launch(self, input_ids, positions, logits_indices, attention, placeholders=None, draws=None,
-                      first_stage=0):
-        logits, step = launch(self, input_ids, positions, logits_indices, attention, placeholders, draws, first_stage)
+                      first_stage=0, redraft=None):
+        logits, step = launch(self, input_ids, positions, logits_indices, attention, placeholders, draws, first_stage,
+                              redraft)
         if first_stage:
             staged_rows.append(step.row_argmax)  # written once the step ran: read after the generations
         return logits, step
@@ -733,6 +734,58 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     # the C++ decoder ran them: second stages run whole, and skipped (their rows' argmax -1)
     assert len(staged_rows) == len(stages)
     assert any((rows == -1).any() for rows in staged_rows) and any((rows >= 0).all() for rows in staged_rows)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}], ids=["one-rank", "shift", "dp"])
+def test_a_batch_1_check_that_redrafts(tmp_path, layout):
+    """With suffix decoding a batch-1 greedy check's stages after the first are drafted by the C++ decoder from the
+    request's tokens and those each stage drew, after a rejection too (run_redrafting): the tokens of the same engine
+    without speculation, a stop token ending a check mid-stage included; checks of several stages, some after a
+    stage that rejected a proposal, each stage observed as a check; every KV block back. The model's attention adds
+    nothing (o_proj zero), so each token follows from the one before and the output falls into a cycle; the prompt
+    holds the cycle reversed, so that drafts from it are rejected until the output's own copies outweigh it."""
+    model = build_hf_model("llama", **SHAPES)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model_dir = save_checkpoint(model, tmp_path)
+    greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    starts = random_prompts(2, [6, 4], seed=5)
+    cycles = [reference.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
+              for p in starts]
+    prompts = [{"prompt_token_ids": p + list(reversed(c))} for p, c in zip(starts, cycles)]
+    expected = [list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+                for prompt in prompts]
+    stop = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, stop_token_ids=[expected[0][60]])
+    expected.append(list(reference.generate(prompts[0], stop, use_tqdm=False)[0].outputs[0].token_ids))
+    reference.shutdown()
+    assert len(expected[2]) <= 61
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
+                                                                         "num_speculative_tokens": 8}, **layout)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    speculator = llm.engine.core.speculator
+    assert speculator.staged_check_tokens >= 8
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    checks, observe = [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        stages = [e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None]
+        found = observe(entries, sampled, seconds)
+        if stages:
+            assert found == stages[0]  # each stage a check
+            checks.append(stages[0])
+        return found
+
+    speculator.observe = observed
+    outputs = [list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) for prompt in prompts]
+    outputs.append(list(llm.generate(prompts[0], stop, use_tqdm=False)[0].outputs[0].token_ids))
+    assert outputs == expected
+    assert any(len(stages) > 1 for stages in checks)
+    assert any(accepted < proposed for stages in checks for proposed, accepted in stages[:-1])  # went on after one
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

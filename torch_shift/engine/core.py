@@ -33,6 +33,7 @@ from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerO
 from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder
+from torch_shift.models.fused import ROW_ARGMAX
 from torch_shift.models.native_decoder import LaunchedStep
 
 # (plan), or asynchronously (plan, the last step's tokens on the device, launch=True): a CPU step the C++ decoder runs
@@ -251,6 +252,8 @@ class EngineCore:
                 result.launched.synchronize()
         else:
             result = self.executor(plan)
+        if result.redraft is not None:
+            _take_redrafted(entries, result)
         steps_run = [1]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
@@ -329,3 +332,15 @@ def _stamp_token_times(updated: list[Request]) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
+
+
+def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -> None:
+    """A batch-1 check whose stages after the first the C++ decoder drafted (GroupStep.redraft): its rows' argmax are
+    the tokens it drew at the step's positions (-1 past them), each but the last a proposal accepted there, so the
+    sampler checks it as a one-stage check of those proposals and one that no token equals (-1) where the last was
+    drawn; its request keeps the stages the decoder ran, each a check of its own (Speculator.observe)."""
+    ((entry,),) = entries
+    drawn = getattr(result.logits[0], ROW_ARGMAX).tolist()
+    num_drawn = drawn.index(-1) if -1 in drawn else len(drawn)
+    entry.spec_token_ids = (*drawn[:num_drawn - 1], -1)
+    entry.request.spec_stages = result.redraft.stages()

@@ -36,7 +36,7 @@ from torch_shift.engine.torch_state import TorchState
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.models.fused import argmax_list, sample_rows
-from torch_shift.models.native_decoder import LaunchedStep
+from torch_shift.models.native_decoder import LaunchedStep, Redraft
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
@@ -312,10 +312,20 @@ class ModelRunner:
         if host.placeholders is not None and self._sampled_by_launched(previous_tokens):
             placeholders, previous_tokens = (host.placeholders, host.placeholder_sources), None
         inputs = self.batch.to_device(host, previous_tokens)
+        redraft = self._redraft(group, 0)
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
-                          inputs.logits_indices)
-        logits, launched = self.model.launch_step(layout, step, placeholders, draws, group.first_stage)
-        return StepResult([logits], launched=launched)
+                          inputs.logits_indices, group.first_stage, redraft)
+        logits, launched = self.model.launch_step(layout, step, placeholders, draws)
+        return StepResult([logits], launched=launched, redraft=redraft)
+
+    def _redraft(self, group: GroupStep, member: int) -> Redraft | None:
+        """What the C++ decoder drafts a batch-1 check's later stages from (GroupStep.redraft): the request's tokens
+        up to the check's first input id, as this rank's batch holds them (every rank of the layout the same)."""
+        if group.redraft is None:
+            return None
+        row = int(group.rows[member][0])
+        history = self.batch.token_ids[row, :int(group.num_computed[0]) + 1]
+        return Redraft.of(history, group.stop_token_ids, *group.redraft)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:
         """Whether `tokens` are the argmax rows of the last step launched; else any launched step is waited for,
@@ -374,6 +384,7 @@ class ModelRunner:
                          swap_seconds: float) -> StepResult | None:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
+        step_redraft = None
         if plan.groups and plan.groups[0].num_steps > 1:
             self._num_runs += 1
         for i, group in enumerate(plan.groups):
@@ -393,6 +404,9 @@ class ModelRunner:
                     dist.send(sent, dst=0, tag=i)
                 continue
             self.batch.write_spec_tokens(group, member)
+            redraft = self._redraft(group, member)
+            if redraft is not None:
+                step_redraft = redraft
             micro_batches = []
             for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
                 host = self.batch.prepare(piece, member, layout.kv_width)
@@ -401,7 +415,7 @@ class ModelRunner:
                 inputs = self.batch.to_device(host, previous_tokens)
                 micro_batches.append(MicroBatch(inputs.input_ids, inputs.positions,
                                                 self.attention.build(inputs.attention, kv), inputs.logits_indices,
-                                                piece.first_stage))
+                                                piece.first_stage, redraft))
             if micro_batches:
                 out = self.model.forward_step(layout, micro_batches)
             else:
@@ -421,7 +435,7 @@ class ModelRunner:
             elif leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
-        return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before)
+        return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before, redraft=step_redraft)
 
     def _run_steps(self, group: GroupStep, layout: Layout, kv: KVCache, member: int) -> torch.Tensor:
         """The decode steps of a multi-step run (GroupStep.num_steps): in one call where the model's decoder runs them
@@ -524,3 +538,5 @@ class StepResult:
     swap_seconds: float = 0.0
     reshard_seconds: float = 0.0
     launched: LaunchedStep | None = None  # the step runs on the C++ decoder's thread: its logits are written after
+    # a batch-1 check whose later stages the C++ decoder drafted (GroupStep.redraft): the stages it ran, once it ran
+    redraft: Redraft | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,20 @@ class RequestStatus(enum.Enum):
 
 for _status in RequestStatus:  # a plain attribute: this is read for every request at every step
     _status._finished = _status.value in ("stop", "length", "abort", "error")
+
+
+class Redrafting(NamedTuple):
+    """A batch-1 check's stages after its first, drafted by the C++ decoder with suffix decoding's rule over the
+    request's own tokens and those each stage drew (Speculator._second_stage; kernels/cpu_decoder.cpp's
+    run_redrafting): the most proposals a stage checks after one that rejected a proposal and after one that accepted
+    all, the most stages, and the suffix tree's depth, speculation factor and least token probability."""
+
+    fresh_tokens: int
+    more_tokens: int
+    max_stages: int
+    max_depth: int
+    max_spec_factor: float
+    min_token_prob: float
 
 
 class Request:
@@ -107,6 +122,10 @@ class Request:
         # batch-1 check runs first, the rest only where all of them are accepted (0: one stage; Speculator.propose)
         self.spec_token_ids: list[int] = []
         self.spec_stage = 0
+        # its stages after the first drafted by the C++ decoder (the proposals past the first stage only hold the
+        # check's slots), and once the step ran each stage's proposed and accepted tokens
+        self.spec_redraft: Redrafting | None = None
+        self.spec_stages: list[tuple[int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:

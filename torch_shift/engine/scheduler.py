@@ -270,6 +270,7 @@ class Scheduler:
         if request.spec_token_ids:
             request.spec_token_ids = []
             request.spec_stage = 0
+            request.spec_redraft = None
         for r in request.replicas:
             if free_blocks:
                 self.pools[r].free(request.request_id)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from torch_shift.engine.request import Redrafting
 from torch_shift.engine.scheduler import SchedulerOutput
 from torch_shift.kv.tier import SwapOp
 from torch_shift.parallel.layouts import Deployment, micro_batch_count
@@ -65,8 +66,10 @@ class GroupStep:
     # known tokens), and those tokens, concatenated in request order; None when no request has any
     num_spec: np.ndarray | None = None
     spec_token_ids: np.ndarray | None = None
-    # a batch-1 check run in two stages (Request.spec_stage): the tokens of its first; 0: one stage
+    # a batch-1 check run in two stages (Request.spec_stage): the tokens of its first; 0: one stage. With `redraft`
+    # (Request.spec_redraft) the stages after the first are drafted by the C++ decoder, ended by stop_token_ids too
     first_stage: int = 0
+    redraft: Redrafting | None = None
     # asynchronous scheduling: the decodes (their indices in the step, which are their token indices) whose input
     # token the last step sampled and has not reached the host, and where each is in that step's sampled tokens
     placeholders: np.ndarray | None = None
@@ -207,7 +210,12 @@ class PlanBuilder:
                                                                      for e in entries))), dtype=np.int64)
             if len(entries) == 1 and entries[0].spec_token_ids and 0 < entries[0].request.spec_stage < len(
                     entries[0].spec_token_ids):  # the scheduler may have cut the proposals to its token budget
-                step.first_stage = 1 + entries[0].request.spec_stage
+                request = entries[0].request
+                step.first_stage = 1 + request.spec_stage
+                if request.spec_redraft is not None:
+                    step.redraft = request.spec_redraft
+                    step.stop_token_ids = np.array(sorted(request.eos_token_ids | request.stop_token_ids),
+                                                   dtype=np.int64)
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],

@@ -41,7 +41,8 @@ _SOURCES = ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_elementwise.cpp", "cpu_s
 _HEADERS = ("cpu_common.h", "cpu_no_contract.h", "cpu_threads.h")  # part of the build's key, as the sources
 # operator implementations registered with PyTorch's dispatcher: a library of their own, as they need torch's full
 # headers (a failure to build them loses only them); the GEMV and attention kernels linked in again
-_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_decoder.cpp")
+_OPS_SOURCES = ("cpu_ops.cpp", "cpu_linear.cpp", "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_decoder.cpp",
+                "cpu_suffix.cpp")
 _LIBRARIES = {"libtorch_shift_cpu.so": _SOURCES, "libtorch_shift_ops.so": _OPS_SOURCES}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -450,7 +451,7 @@ class DecoderKernels:
         self.destroy = library.ts_decoder_destroy
         self.destroy.argtypes, self.destroy.restype = [ptr], None
         self.step = library.ts_decoder_step
-        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64], ctypes.c_int
+        self.step.argtypes, self.step.restype = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr], ctypes.c_int
         self.steps = library.ts_decoder_steps
         self.steps.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr,
                                ptr, i64, ctypes.c_int, ptr]
@@ -458,7 +459,7 @@ class DecoderKernels:
         self.attend = library.ts_decoder_attend
         self.attend.argtypes, self.attend.restype = [ptr], ctypes.c_int
         self.launch = library.ts_decoder_launch
-        self.launch.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
+        self.launch.argtypes = [ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr]
         self.launch.restype = i64
         self.wait = library.ts_decoder_wait  # ctypes lets go of the GIL while it waits
         self.wait.argtypes, self.wait.restype = [ptr, i64], ctypes.c_int

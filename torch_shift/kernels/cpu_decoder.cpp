@@ -69,6 +69,11 @@ extern "C" void ts_paged_step_copy_delete(void* copy);
 extern "C" int ts_paged_step_copy_fill(void* copy);
 extern "C" int ts_paged_step_copy_narrow(void* copy, int64_t first, int64_t num_tokens);
 extern "C" void ts_gemv_pool_always_caller();
+extern "C" int64_t ts_suffix_draft(const int64_t* tokens, int64_t num_tokens, const int64_t* ends, int64_t num_ends,
+                                   int64_t scan_len, const int64_t* context, int64_t context_len, int64_t first_len,
+                                   int64_t min_count, int64_t max_depth, int64_t max_spec_tokens,
+                                   double max_spec_factor, double min_token_prob, double beat, int64_t* out_tokens,
+                                   double* out_scores, int64_t* out_match_len);
 extern "C" void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target);
 extern "C" int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx);
 extern "C" int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride,
@@ -122,6 +127,22 @@ struct Layer {
   int64_t qkv_handle, o_handle, gate_up_handle, down_handle;
 };
 
+// A batch-1 check whose stages after the first are drafted here (run_redrafting), with suffix decoding's rule over
+// the request's own tokens (cpu_suffix.cpp; torch_shift/engine/spec_decode/suffix.py's local tree), as
+// torch_shift.models.native_decoder.Redraft lays it out
+struct Redraft {
+  const int64_t* history;  // the request's tokens up to the step's first input id, included
+  int64_t history_len;
+  const int64_t* stop_ids;  // a stage that draws one of them ends the check
+  int64_t num_stops;
+  int64_t fresh_tokens;  // the most proposals a stage checks after one that rejected a proposal
+  int64_t more_tokens;   // after one that accepted every proposal
+  int64_t max_stages;
+  int64_t max_depth;  // the suffix tree's
+  double max_spec_factor, min_token_prob;
+  int64_t* stages;  // written: [1 + 2 * max_stages], the stages run, then each one's proposed and accepted tokens
+};
+
 // A launched step: its inputs copied, the caller's outputs (alive until it waited for the step)
 struct Launched {
   std::vector<int64_t> input_ids, positions, logits_rows;
@@ -131,6 +152,9 @@ struct Launched {
   int64_t* argmax = nullptr;
   void* attention = nullptr;  // the paged step installed at launch, copied (cpu_ops.cpp's PagedStepCopy)
   int64_t first_stage = 0;     // a check run in two stages: the tokens of the first (run_in_stages); 0: one
+  bool redrafts = false;       // its later stages drafted here (Redraft, copied with its history and stop tokens)
+  Redraft redraft;
+  std::vector<int64_t> history, stop_ids;
 };
 
 struct Async {
@@ -533,6 +557,62 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
                   static_cast<char*>(logits) + first * d.vocab * d.elem, argmax + first, copy);
 }
 
+// A batch-1 check of `n` tokens (the step's scheduled slots) whose first stage checks `first` - 1 proposals, as
+// run_in_stages' does, and whose later stages are drafted here from the request's tokens and those drawn so far: a
+// stage's next input is the token its rows drew after the proposals they accepted, followed by a fresh draft of at
+// most `r.fresh_tokens` (after a rejection) or `r.more_tokens` (after a stage that accepted all) tokens, at the
+// position after the last accepted one (its KV written over a rejected proposal's). The check ends at a stage that
+// draws a stop token, finds no draft, leaves no slot for another, or is the `r.max_stages`-th; the host's work and the
+// step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on the edit work, docs/performance.md) are
+// paid once. On return argmax[j] is the token drawn at the step's position j for j below the tokens drawn (each a
+// proposal accepted there, the last one not) and -1 after them: the rows of a one-stage check whose proposals were
+// those tokens. `ids` is the step's input ids (scratch: written over).
+int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
+                   void* logits, int64_t* argmax, void* copy, Redraft& r) {
+  std::vector<int64_t> history(r.history, r.history + r.history_len);
+  history.reserve(r.history_len + n);
+  std::vector<int64_t> draft(static_cast<size_t>(n));
+  std::vector<double> scores(static_cast<size_t>(n));
+  int64_t& num_stages = r.stages[0];
+  num_stages = 0;
+  int64_t begin = 0, length = first;
+  for (;;) {
+    int rc = ts_paged_step_copy_narrow(copy, begin, length);
+    if (rc == 0)
+      rc = run_step(d, ids + begin, pos + begin, length, rows, length,
+                    static_cast<char*>(logits) + begin * d.vocab * d.elem, argmax + begin, copy);
+    if (rc != 0) return rc;
+    int64_t accepted = 0;
+    while (accepted < length - 1 && argmax[begin + accepted] == ids[begin + accepted + 1]) ++accepted;
+    r.stages[1 + 2 * num_stages] = length - 1;
+    r.stages[2 + 2 * num_stages] = accepted;
+    ++num_stages;
+    bool stop = false;
+    for (int64_t i = begin; i <= begin + accepted; ++i) {
+      history.push_back(argmax[i]);
+      for (int64_t j = 0; j < r.num_stops; ++j) stop = stop || argmax[i] == r.stop_ids[j];
+    }
+    const int64_t next = begin + accepted + 1;  // the drawn token's position: the next stage's first
+    std::fill(argmax + next, argmax + n, int64_t{-1});
+    if (stop || next >= n || num_stages >= r.max_stages) return 0;
+    const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
+    const int64_t context_len = std::min<int64_t>(r.max_depth, static_cast<int64_t>(history.size()));
+    if (cap < 1 || context_len < 2) return 0;
+    const int64_t* tokens = history.data();
+    const int64_t num_tokens = static_cast<int64_t>(history.size());
+    int64_t match_len = 0;
+    // suffix.py's SuffixProposer.speculate over the request's own tree: matches from one token, found at least twice
+    const int64_t num = ts_suffix_draft(tokens, num_tokens, nullptr, 0, num_tokens, tokens + num_tokens - context_len,
+                                        context_len, 1, 2, r.max_depth, cap, r.max_spec_factor, r.min_token_prob, 0.0,
+                                        draft.data(), scores.data(), &match_len);
+    if (num <= 0) return 0;
+    ids[next] = argmax[next - 1];
+    std::copy(draft.begin(), draft.begin() + num, ids + next + 1);
+    begin = next;
+    length = 1 + num;
+  }
+}
+
 // Whether a step may run in two stages of `first_stage` tokens and the rest: a batch-1 check whose every token is a
 // logits row in order, with argmax and no draws (run_step refuses an argmax where the rank lacks the vocabulary's
 // logits)
@@ -573,7 +653,10 @@ void* async_main(void* arg) {
           s.input_ids[s.placeholders[i]] = a.last_argmax[source];
       }
       const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
-      if (rc == 0 && s.first_stage > 0)
+      if (rc == 0 && s.redrafts)
+        rc = run_redrafting(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
+                            s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention, s.redraft);
+      else if (rc == 0 && s.first_stage > 0)
         rc = run_in_stages(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
                            s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention);
       else if (rc == 0)
@@ -721,7 +804,7 @@ static bool launched_step_runs(const Decoder& d) {
 // `first_stage` (> 0): a batch-1 check in two stages, as a launched one's (run_in_stages; -200 where it cannot).
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
-                    int64_t first_stage) {
+                    int64_t first_stage, Redraft* redraft) {
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (launched_step_runs(d)) return -202;
   if (first_stage == 0)
@@ -732,6 +815,11 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
     return -200;
   if (d.stage_copy == nullptr) d.stage_copy = ts_paged_step_copy_new();
   if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
+  if (redraft != nullptr) {
+    std::vector<int64_t> ids(input_ids, input_ids + num_tokens);
+    return run_redrafting(d, ids.data(), positions, num_tokens, first_stage, logits_rows, logits, argmax,
+                          d.stage_copy, *redraft);
+  }
   return run_in_stages(d, input_ids, positions, num_tokens, first_stage, logits_rows, logits, argmax, d.stage_copy);
 }
 
@@ -821,7 +909,7 @@ int ts_decoder_attend(void* decoder) {
 int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                           const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
                           const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders,
-                          const float* draws, int64_t first_stage) {
+                          const float* draws, int64_t first_stage, const Redraft* redraft) {
 #if defined(__linux__)
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (num_tokens < 1 || num_tokens > d.max_tokens || num_logits < 0 || num_logits > num_tokens || argmax == nullptr ||
@@ -850,6 +938,14 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
   s.logits = logits;
   s.argmax = argmax;
   s.first_stage = first_stage;
+  s.redrafts = redraft != nullptr && first_stage > 0;
+  if (s.redrafts) {  // the caller's stage counts stay its own (alive until it waited for the ticket)
+    s.history.assign(redraft->history, redraft->history + redraft->history_len);
+    s.stop_ids.assign(redraft->stop_ids, redraft->stop_ids + redraft->num_stops);
+    s.redraft = *redraft;
+    s.redraft.history = s.history.data();
+    s.redraft.stop_ids = s.stop_ids.data();
+  }
   a.launched.store(ticket, std::memory_order_seq_cst);
   wake(a);
   return ticket;

@@ -61,6 +61,35 @@ _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer"
 MAX_TOKENS = 64
 
 
+class Redraft(ctypes.Structure):
+    """kernels/cpu_decoder.cpp's Redraft: a batch-1 check whose stages after the first the C++ decoder drafts itself
+    with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id), each
+    stage's next input the token drawn after the proposals accepted (run_redrafting). `of` builds one; `stages()`
+    reads the stages it ran once the step ran."""
+
+    _fields_ = [("history", ctypes.c_void_p), ("history_len", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
+                ("num_stops", ctypes.c_int64), ("fresh_tokens", ctypes.c_int64), ("more_tokens", ctypes.c_int64),
+                ("max_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64), ("max_spec_factor", ctypes.c_double),
+                ("min_token_prob", ctypes.c_double), ("stage_counts", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, history: np.ndarray, stop_token_ids: np.ndarray, fresh_tokens: int, more_tokens: int,
+           max_stages: int, max_depth: int, max_spec_factor: float, min_token_prob: float) -> Redraft:
+        history = np.ascontiguousarray(history, dtype=np.int64)
+        stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
+        counts = np.zeros(1 + 2 * max_stages, dtype=np.int64)
+        redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
+                      len(stops), fresh_tokens, more_tokens, max_stages, max_depth, max_spec_factor, min_token_prob,
+                      counts.__array_interface__["data"][0])
+        redraft._arrays = (history, stops, counts)  # alive while the decoder may read or write them
+        return redraft
+
+    def stages(self) -> list[tuple[int, int]]:
+        """Each stage's proposed and accepted tokens, in order."""
+        counts = self._arrays[2]
+        return [(int(counts[1 + 2 * i]), int(counts[2 + 2 * i])) for i in range(int(counts[0]))]
+
+
 class NativeDecoder:
     """`decoder(input_ids, positions, logits_indices, attention)` -> logits, for a step of 1 to `max_tokens` tokens
     whose attention is the CPU paged kernel's (`runs` says which steps)."""
@@ -157,10 +186,10 @@ class NativeDecoder:
                 and native_attention() is not None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-                 attention: object, first_stage: int = 0) -> torch.Tensor | None:
+                 attention: object, first_stage: int = 0, redraft: Redraft | None = None) -> torch.Tensor | None:
         """The step's logits (or its logits rows' hidden states, `head=False`); None, nothing run, where `attention`
-        did not install in C++ (the caller runs the step's forward instead). `first_stage`: a batch-1 check in two
-        stages (`launch`'s)."""
+        did not install in C++ (the caller runs the step's forward instead). `first_stage`, `redraft`: a batch-1
+        check in stages (`launch`'s)."""
         if self.launched:
             self.wait()
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
@@ -169,7 +198,8 @@ class NativeDecoder:
         # (a shard's logits have no argmax of the vocabulary's unless gathered here, nor hidden states any; without
         # it a check runs in one stage)
         row_argmax = np.empty(num_logits, dtype=np.int64) if self.finds_argmax else None
-        first_stage = first_stage if row_argmax is not None else 0
+        if row_argmax is None:
+            first_stage, redraft = 0, None
         # not a context manager: its calls were 8% of a batch-1 step's Python
         if not enter_step_attention(attention):
             exit_step_attention()
@@ -178,7 +208,7 @@ class NativeDecoder:
             rc = self.kernels.step(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                    rows.data_ptr(), num_logits, logits.data_ptr(),
                                    None if row_argmax is None else row_argmax.__array_interface__["data"][0],
-                                   first_stage)
+                                   first_stage, None if redraft is None else ctypes.addressof(redraft))
         finally:
             exit_step_attention()
         self._check(rc)
@@ -235,7 +265,8 @@ class NativeDecoder:
 
     def launch(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                attention: object, placeholders: tuple[np.ndarray, np.ndarray] | None = None,
-               draws: np.ndarray | None = None, first_stage: int = 0) -> tuple[torch.Tensor, LaunchedStep]:
+               draws: np.ndarray | None = None, first_stage: int = 0,
+               redraft: Redraft | None = None) -> tuple[torch.Tensor, LaunchedStep]:
         """The step of `__call__`, launched on the decoder's thread after those launched before it: its logits
         (and their rows' argmax, `ROW_ARGMAX`), written once the returned step ran, and that step. `placeholders`:
         (indices of input ids, rows of the last launched step's logits) whose tokens those ids take. `draws`
@@ -243,7 +274,9 @@ class NativeDecoder:
         instead of its argmax, into the step's `row_argmax`. `first_stage` (> 0): a batch-1 check of proposed tokens,
         every token a logits row, run in two stages: the rows after its first `first_stage` only where each of those
         drew the next input id (the proposals they check all accepted); else those rows are not run, their argmax -1
-        (cpu_decoder.cpp's run_in_stages)."""
+        (cpu_decoder.cpp's run_in_stages). `redraft` (with `first_stage`): the stages after the first are drafted by
+        the decoder, each after the token its last drew (run_redrafting): the rows that end up drawn hold those
+        tokens, each the next's input, and -1 after them."""
         assert not self.tensor_parallel and self.head, "a parallel rank's steps run in step with its peers"
         input_ids, positions, rows = _int64(input_ids), _int64(positions), _int64(logits_indices)
         num_logits = rows.shape[0]
@@ -263,7 +296,8 @@ class NativeDecoder:
             ticket = self.kernels.launch(self.handle, input_ids.data_ptr(), positions.data_ptr(), input_ids.shape[0],
                                          rows.data_ptr(), num_logits, logits.data_ptr(), row_argmax.ctypes.data,
                                          index_address, sources_address, num_placeholders,
-                                         None if draws is None else draws.ctypes.data, first_stage)
+                                         None if draws is None else draws.ctypes.data, first_stage,
+                                         None if redraft is None else ctypes.addressof(redraft))
         finally:
             exit_step_attention()
         if ticket == -203:
@@ -271,7 +305,7 @@ class NativeDecoder:
         assert ticket > 0, f"the C++ decoder refused a launch ({ticket})"
         if draws is None:  # rows drawn otherwise are not their argmax
             setattr(logits, ROW_ARGMAX, row_argmax)
-        step = LaunchedStep(self, ticket, logits, row_argmax, attention, draws)
+        step = LaunchedStep(self, ticket, logits, row_argmax, attention, draws, redraft)
         self.launched.append(step)
         return logits, step
 
@@ -300,13 +334,14 @@ class LaunchedStep:
     event's does for a GPU's step)."""
 
     def __init__(self, decoder: NativeDecoder, ticket: int, logits: torch.Tensor, row_argmax: np.ndarray,
-                 attention: object, draws: np.ndarray | None = None):
+                 attention: object, draws: np.ndarray | None = None, redraft: Redraft | None = None):
         self.decoder = weakref.ref(decoder)  # a decoder gone waited for its steps (_destroy)
         self.ticket = ticket
         self.logits = logits
         self.row_argmax = row_argmax  # each row's token: its argmax, or drawn with `draws`
         self.draws = draws
         self.attention = attention  # keeps the KV cache it writes alive
+        self.redraft = redraft  # and the stage counts it writes
         self.done = False
 
     def synchronize(self) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch_shift.models.fused import gate_up_silu
 from torch_shift.models.linear import PackedWeight, linear
 from torch_shift.models.moe import Experts, SparseMoeBlock, adopt_routing
-from torch_shift.models.native_decoder import NativeDecoder
+from torch_shift.models.native_decoder import NativeDecoder, Redraft
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import warn_where_ranks_differ
 from torch_shift.parallel.runs import Run
@@ -124,14 +124,15 @@ class ShardDecoder:
         return None if decoder is None else cls(decoder, group, communicator)
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
-             attention: object, first_stage: int = 0) -> torch.Tensor | None:
+             attention: object, first_stage: int = 0, redraft: Redraft | None = None) -> torch.Tensor | None:
         """The step's logits (every rank's, of the same `logits_indices` on every rank, whose shards it gathers), or
         None where the decoder does not take it: more tokens than it runs, another attention, an emulated link (whose
         delays only the Python collectives make), or another communicator than the one it was built with.
-        `first_stage`: a batch-1 check in two stages (NativeDecoder.launch), each rank running the same ones."""
+        `first_stage`, `redraft`: a batch-1 check in stages (NativeDecoder.launch), each rank running the same ones
+        (each drafts the same from the same tokens)."""
         if not self._takes(len(input_ids), attention):
             return None
-        logits = self.decoder(input_ids, positions, logits_indices, attention, first_stage)
+        logits = self.decoder(input_ids, positions, logits_indices, attention, first_stage, redraft)
         if logits is None:
             return None
         self._record(len(input_ids), len(logits_indices))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from torch_shift.parallel.comm import CommLedger
 from torch_shift.parallel.layouts import Layout
 from torch_shift.parallel.runs import Run
 
+if TYPE_CHECKING:
+    from torch_shift.models.native_decoder import Redraft
+
 
 @dataclass
 class MicroBatch:
@@ -33,6 +36,7 @@ class MicroBatch:
     attention: AttentionFn  # the step's attention over this rank's KV pool (torch_shift.attention)
     logits_indices: torch.Tensor  # rows of the hidden states that go through the LM head
     first_stage: int = 0  # a batch-1 check in two stages where the C++ decoder runs it (GroupStep.first_stage)
+    redraft: Redraft | None = None  # and its stages after the first drafted there (GroupStep.redraft)
 
 
 class LayoutCounters:

@@ -78,14 +78,14 @@ class ReplicaModel(LayoutCounters, nn.Module):
         return self.native_decoder.max_tokens if self.native_decoder is not None and not self.views else 0
 
     def launch_step(self, layout: Layout, batch: MicroBatch, placeholders: tuple | None = None,
-                    draws: np.ndarray | None = None, first_stage: int = 0) -> tuple[torch.Tensor, LaunchedStep]:
+                    draws: np.ndarray | None = None) -> tuple[torch.Tensor, LaunchedStep]:
         """The replica's own step of at most MAX_TOKENS tokens launched on the C++ decoder's thread (asynchronous
-        scheduling; `NativeDecoder.launch`, `first_stage` a check's in two stages): its logits, written once the
-        returned step ran."""
+        scheduling; `NativeDecoder.launch`, the batch's `first_stage` and `redraft` a check's in stages): its logits,
+        written once the returned step ran."""
         assert layout.kv_width == 1 and self.native_decoder is not None
         self.layout_counts[layout.name] += 1
         return self.native_decoder.launch(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
-                                          placeholders, draws, first_stage)
+                                          placeholders, draws, batch.first_stage, batch.redraft)
 
     def wait_launched(self) -> None:
         """Wait for the steps `launch_step` launched."""
@@ -121,7 +121,7 @@ class ReplicaModel(LayoutCounters, nn.Module):
         if key is None and self.native_decoder is not None and self.native_decoder.runs(len(batch.input_ids),
                                                                                             batch.attention):
             logits = self.native_decoder(batch.input_ids, batch.positions, batch.logits_indices, batch.attention,
-                                         batch.first_stage)
+                                         batch.first_stage, batch.redraft)
             if logits is not None:
                 return logits
         model = self.views[key] if key is not None else self.model

@@ -28,7 +28,7 @@ from torch_shift.models.decoder import AttentionFn, DecoderLM
 from torch_shift.models.linear import Linear, prepare_linears
 from torch_shift.models.loader import FUSED_PARTS, part_views
 from torch_shift.models.moe import Experts, SparseMoeBlock
-from torch_shift.models.native_decoder import NativeDecoder
+from torch_shift.models.native_decoder import NativeDecoder, Redraft
 from torch_shift.models.sources import model_source
 from torch_shift.parallel import comm
 from torch_shift.parallel.agreement import check_ranks_agree, tensor_digest, value_digest
@@ -453,7 +453,7 @@ class ShiftModule(LayoutCounters, nn.Module):
         self.layout_counts[layout.name] += 1
         with comm.recording(self.ledger), comm.layout_scope(layout.name):
             return self._forward("shift" if layout.kind == "shift" else "base", batch.input_ids, batch.positions,
-                                 batch.attention, batch.logits_indices, batch.first_stage)
+                                 batch.attention, batch.logits_indices, batch.first_stage, batch.redraft)
 
     def forward_steps(self, layout: Layout, batch: MicroBatch, run: Run) -> np.ndarray | None:
         """A multi-step run in one call of the shard's C++ decoder: the shift layout's TP steps, static TP's, and SP
@@ -474,12 +474,12 @@ class ShiftModule(LayoutCounters, nn.Module):
         return self.run_steps_in_one_call(native, layout, batch, run, attention)
 
     def _forward(self, which: str, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                 logits_indices: torch.Tensor, first_stage: int = 0) -> torch.Tensor:
+                 logits_indices: torch.Tensor, first_stage: int = 0, redraft: Redraft | None = None) -> torch.Tensor:
         if which == "base" and self.groups.sp > 1:
             return self._base_step(input_ids, positions, attention, logits_indices)
         native = self.native_decoders.get(which)
-        logits = (native.step(input_ids, positions, logits_indices, attention, first_stage) if native is not None
-                  else None)
+        logits = (native.step(input_ids, positions, logits_indices, attention, first_stage, redraft)
+                  if native is not None else None)
         if logits is not None:
             return logits
         if which == "shift":

@@ -15,7 +15,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from torch_shift.engine.request import Request, RequestStatus
+from torch_shift.engine.request import Redrafting, Request, RequestStatus
 from torch_shift.engine.spec_decode.budget import (
     AcceptanceRates,
     StepCost,
@@ -84,6 +84,10 @@ RELOOK_PROBES = 4
 # _second_stage). On the edit work of bench_spec.py the second stage ran in 60 of 78 staged checks and kept 4.7
 # tokens a run; 3 to 6 read alike (0.97-0.99x the TPOT of one-stage checks, alternated; docs/performance.md)
 SECOND_STAGE_TOKENS = 6
+# A batch-1 check whose stages after the first the C++ decoder drafts (Redrafting) holds slots for this many tokens
+# and runs at most REDRAFT_STAGES stages: about as long as a multi-step run of 8 plain steps holds the engine
+REDRAFT_TOKENS = 32
+REDRAFT_STAGES = 8
 
 
 def num_accepted(proposed, drawn) -> int:
@@ -207,6 +211,18 @@ class Speculator:
                 proposed = e.spec_token_ids
                 if proposed:
                     request = e.request
+                    stages = request.spec_stages
+                    if stages is not None:  # the C++ decoder drafted its stages after the first: each a check
+                        request.spec_stages = None
+                        if len(stages) > 1:
+                            decode_only = False  # several passes over the weights: not the cost of one step
+                        num_proposed += stages[0][0]
+                        for num, accepted in stages:
+                            self.acceptance.observe(request.request_id, num, accepted, request.greedy)
+                            checks.append((num, accepted))
+                            if self._tell_checked is not None:
+                                self._tell_checked(request.request_id, num, accepted)
+                        continue
                     if e.num_tokens != 1 + len(proposed):
                         decode_only = False  # a prompt chunk: its cost is not a decode's
                     accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
@@ -253,6 +269,7 @@ class Speculator:
             if request.spec_token_ids:
                 request.spec_token_ids = []
                 request.spec_stage = 0
+                request.spec_redraft = None
                 checked = True
             if quiet and len(request.all_token_ids) < quiet.get(request.request_id, 0):
                 continue
@@ -354,18 +371,41 @@ class Speculator:
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
         if self.staged_check_tokens and num_running == 1 and len(proposing) == 1 and keep[0]:
-            self._second_stage(proposing[0], drafts[0], keep[0], room_left)
+            fresh = keep[0] if cost is None else tokens_that_pay(rates, [k], num_running, cost)[0]
+            self._second_stage(proposing[0], drafts[0], keep[0], room_left, fresh)
 
-    def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None) -> None:
-        """A batch-1 check of `keep` proposals that pay, followed in the same step by more of its draft (as many
-        again and one, at least SECOND_STAGE_TOKENS): run only where the first stage's rows accept all of theirs, the
-        proposals they check and the next (run_in_stages). A second stage of one row would only draw the token after
-        the draft's next: not made. Only for a request that draws its argmax, which the C++ decoder finds as the
-        sampler does."""
+    def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None,
+                      fresh: int) -> None:
+        """A batch-1 check of `keep` proposals that pay, followed in the same step by more: run only where the first
+        stage's rows accept all of theirs, the proposals they check and the next (run_in_stages), with no return to
+        the host between. Only for a request that draws its argmax, which the C++ decoder finds as the sampler does.
+        With suffix decoding the decoder drafts every later stage itself from the request's tokens and those drawn
+        so far, after a rejection too (Redrafting: at most `fresh` proposals, those that pay for a whole draft at the
+        request's rate, after a rejection, and as many again and one, at least SECOND_STAGE_TOKENS, after a stage that
+        accepted all; the check holds slots for up to REDRAFT_TOKENS tokens); else the second stage is more of the
+        same draft (as many again and one, at least SECOND_STAGE_TOKENS). A second stage of one row would only draw
+        the token after the draft's next: not made."""
+        if not request.draws_argmax:
+            return
+        proposer = self.proposer  # suffix decoding drafting in C++: the decoder drafts with the same rule
+        if isinstance(proposer, SuffixProposer) and proposer.native is not None:
+            slots = min(REDRAFT_TOKENS, self.staged_check_tokens) - 1  # the proposals the check holds slots for
+            slots = min(slots, request.max_tokens - len(request.output_token_ids) - 1,
+                        self.max_model_len - request.num_tokens - 1)
+            if room_left is not None:
+                slots = min(slots, room_left)
+            if slots - keep >= 2:
+                # past the first stage only the slots count: the decoder writes each stage's ids
+                request.spec_token_ids = draft[:keep] + [draft[keep - 1]] * (slots - keep)
+                request.spec_stage = keep
+                request.spec_redraft = Redrafting(max(fresh, 1), max(fresh + 1, SECOND_STAGE_TOKENS), REDRAFT_STAGES,
+                                                  proposer.max_depth, proposer.max_spec_factor,
+                                                  proposer.min_token_prob)
+            return
         more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
         if room_left is not None:
             more = min(more, room_left - keep)
-        if more >= 2 and request.draws_argmax:
+        if more >= 2:
             request.spec_token_ids = draft[:keep + more]
             request.spec_stage = keep
 
