@@ -743,10 +743,11 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
 def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     """With suffix decoding a batch-1 greedy check's stages after the first are drafted by the C++ decoder from the
     request's tokens and those each stage drew, after a rejection too (run_redrafting): the tokens of the same engine
-    without speculation, a stop token ending a check mid-stage included; checks of several stages, some after a
-    stage that rejected a proposal, each stage observed as a check; every KV block back. The model's attention adds
-    nothing (o_proj zero), so each token follows from the one before and the output falls into a cycle; the prompt
-    holds the cycle reversed, so that drafts from it are rejected until the output's own copies outweigh it."""
+    without speculation, a stop token included; checks of several stages, some after a stage that rejected a
+    proposal, some stages that found no draft and decoded a token alone, each stage with a draft observed as a check;
+    every KV block back. The model's attention adds nothing (o_proj zero), so each token follows from the one before
+    and the output falls into a cycle; two prompts hold the cycle reversed, so that drafts from it are rejected until
+    the output's own copies outweigh it."""
     model = build_hf_model("llama", **SHAPES)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -755,17 +756,23 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
     starts = random_prompts(2, [6, 4], seed=5)
-    cycles = [reference.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
-              for p in starts]
-    prompts = [{"prompt_token_ids": p + list(reversed(c))} for p, c in zip(starts, cycles)]
+    outputs = [list(reference.generate({"prompt_token_ids": p}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+               for p in starts]
+    # a prompt that ends as the first start does, after which it held the first output's first 3 tokens and then 4
+    # others: a first stage accepts 3, and the next token follows nothing in the prompt
+    others = [t for t in range(model.config.vocab_size) if t not in outputs[0] + starts[0]][:4]
+    prompts = [{"prompt_token_ids": starts[0] + outputs[0][:3] + others + starts[0][-1:]}]
+    prompts += [{"prompt_token_ids": p + list(reversed(o[-24:]))} for p, o in zip(starts, outputs)]
     expected = [list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
                 for prompt in prompts]
-    stop = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, stop_token_ids=[expected[0][60]])
-    expected.append(list(reference.generate(prompts[0], stop, use_tqdm=False)[0].outputs[0].token_ids))
+    stop = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, stop_token_ids=[expected[1][60]])
+    expected.append(list(reference.generate(prompts[1], stop, use_tqdm=False)[0].outputs[0].token_ids))
     reference.shutdown()
-    assert len(expected[2]) <= 61
-    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
-                                                                         "num_speculative_tokens": 8}, **layout)
+    assert len(expected[3]) <= 61
+    # no earlier outputs cached: every draft is the request's own, which the decoder redrafts, going on with a token
+    # alone where it finds none
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
     llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
     speculator = llm.engine.core.speculator
     assert speculator.staged_check_tokens >= 8
@@ -776,16 +783,17 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
         stages = [e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None]
         found = observe(entries, sampled, seconds)
         if stages:
-            assert found == stages[0]  # each stage a check
+            assert found == [s for s in stages[0] if s[0]]  # each stage with a draft a check
             checks.append(stages[0])
         return found
 
     speculator.observe = observed
     outputs = [list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) for prompt in prompts]
-    outputs.append(list(llm.generate(prompts[0], stop, use_tqdm=False)[0].outputs[0].token_ids))
+    outputs.append(list(llm.generate(prompts[1], stop, use_tqdm=False)[0].outputs[0].token_ids))
     assert outputs == expected
     assert any(len(stages) > 1 for stages in checks)
     assert any(accepted < proposed for stages in checks for proposed, accepted in stages[:-1])  # went on after one
+    assert any(proposed == 0 for stages in checks for proposed, _ in stages)  # a token alone
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

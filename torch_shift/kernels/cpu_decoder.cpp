@@ -138,7 +138,8 @@ struct Redraft {
   int64_t fresh_tokens;  // the most proposals a stage checks after one that rejected a proposal
   int64_t more_tokens;   // after one that accepted every proposal
   int64_t max_stages;
-  int64_t max_depth;  // the suffix tree's
+  int64_t plain_stages;  // a stage without a draft decodes the drawn token alone (nonzero), else the check ends
+  int64_t max_depth;     // the suffix tree's
   double max_spec_factor, min_token_prob;
   int64_t* stages;  // written: [1 + 2 * max_stages], the stages run, then each one's proposed and accepted tokens
 };
@@ -561,8 +562,9 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
 // run_in_stages' does, and whose later stages are drafted here from the request's tokens and those drawn so far: a
 // stage's next input is the token its rows drew after the proposals they accepted, followed by a fresh draft of at
 // most `r.fresh_tokens` (after a rejection) or `r.more_tokens` (after a stage that accepted all) tokens, at the
-// position after the last accepted one (its KV written over a rejected proposal's). The check ends at a stage that
-// draws a stop token, finds no draft, leaves no slot for another, or is the `r.max_stages`-th; the host's work and the
+// position after the last accepted one (its KV written over a rejected proposal's), or with `r.plain_stages` where no
+// draft is found, the token alone. The check ends at a stage that draws a stop token, finds no draft (without
+// plain_stages), leaves no slot for another, or is the `r.max_stages`-th; the host's work and the
 // step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on the edit work, docs/performance.md) are
 // paid once. On return argmax[j] is the token drawn at the step's position j for j below the tokens drawn (each a
 // proposal accepted there, the last one not) and -1 after them: the rows of a one-stage check whose proposals were
@@ -597,15 +599,20 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     if (stop || next >= n || num_stages >= r.max_stages) return 0;
     const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
     const int64_t context_len = std::min<int64_t>(r.max_depth, static_cast<int64_t>(history.size()));
-    if (cap < 1 || context_len < 2) return 0;
-    const int64_t* tokens = history.data();
-    const int64_t num_tokens = static_cast<int64_t>(history.size());
-    int64_t match_len = 0;
-    // suffix.py's SuffixProposer.speculate over the request's own tree: matches from one token, found at least twice
-    const int64_t num = ts_suffix_draft(tokens, num_tokens, nullptr, 0, num_tokens, tokens + num_tokens - context_len,
-                                        context_len, 1, 2, r.max_depth, cap, r.max_spec_factor, r.min_token_prob, 0.0,
-                                        draft.data(), scores.data(), &match_len);
-    if (num <= 0) return 0;
+    int64_t num = 0;  // none: the check ends, or the next stage decodes the drawn token alone and the one after it
+                      // drafts again (plain_stages)
+    if (cap >= 1 && context_len >= 2) {
+      const int64_t* tokens = history.data();
+      const int64_t num_tokens = static_cast<int64_t>(history.size());
+      int64_t match_len = 0;
+      // suffix.py's SuffixProposer.speculate over the request's own tree: matches from one token, found twice or more
+      num = std::max<int64_t>(ts_suffix_draft(tokens, num_tokens, nullptr, 0, num_tokens,
+                                              tokens + num_tokens - context_len, context_len, 1, 2, r.max_depth, cap,
+                                              r.max_spec_factor, r.min_token_prob, 0.0, draft.data(), scores.data(),
+                                              &match_len),
+                              0);
+    }
+    if (num == 0 && r.plain_stages == 0) return 0;
     ids[next] = argmax[next - 1];
     std::copy(draft.begin(), draft.begin() + num, ids + next + 1);
     begin = next;

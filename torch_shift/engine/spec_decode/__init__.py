@@ -218,6 +218,8 @@ class Speculator:
                             decode_only = False  # several passes over the weights: not the cost of one step
                         num_proposed += stages[0][0]
                         for num, accepted in stages:
+                            if not num:  # a stage that found no draft decoded its token alone
+                                continue
                             self.acceptance.observe(request.request_id, num, accepted, request.greedy)
                             checks.append((num, accepted))
                             if self._tell_checked is not None:
@@ -379,16 +381,18 @@ class Speculator:
         """A batch-1 check of `keep` proposals that pay, followed in the same step by more: run only where the first
         stage's rows accept all of theirs, the proposals they check and the next (run_in_stages), with no return to
         the host between. Only for a request that draws its argmax, which the C++ decoder finds as the sampler does.
-        With suffix decoding the decoder drafts every later stage itself from the request's tokens and those drawn
-        so far, after a rejection too (Redrafting: at most `fresh` proposals, those that pay for a whole draft at the
-        request's rate, after a rejection, and as many again and one, at least SECOND_STAGE_TOKENS, after a stage that
-        accepted all; the check holds slots for up to REDRAFT_TOKENS tokens); else the second stage is more of the
-        same draft (as many again and one, at least SECOND_STAGE_TOKENS). A second stage of one row would only draw
-        the token after the draft's next: not made."""
+        With suffix decoding, where the draft came from the request's own tree, the decoder drafts every later stage
+        itself from the request's tokens and those drawn so far, after a rejection too (Redrafting: at most `fresh`
+        proposals, those that pay for a whole draft at the request's rate, after a rejection, and as many again and
+        one, at least SECOND_STAGE_TOKENS, after a stage that accepted all; the check holds slots for up to
+        REDRAFT_TOKENS tokens); else (a draft from the global tree of earlier outputs, which the decoder does not
+        hold: redrafted from the request's own tokens, edits that repeat earlier ones ran 1.24-1.29x slower) the
+        second stage is more of the same draft (as many again and one, at least SECOND_STAGE_TOKENS). A second stage
+        of one row would only draw the token after the draft's next: not made."""
         if not request.draws_argmax:
             return
         proposer = self.proposer  # suffix decoding drafting in C++: the decoder drafts with the same rule
-        if isinstance(proposer, SuffixProposer) and proposer.native is not None:
+        if isinstance(proposer, SuffixProposer) and proposer.native is not None and not proposer.last_from_global:
             slots = min(REDRAFT_TOKENS, self.staged_check_tokens) - 1  # the proposals the check holds slots for
             slots = min(slots, request.max_tokens - len(request.output_token_ids) - 1,
                         self.max_model_len - request.num_tokens - 1)
@@ -398,9 +402,12 @@ class Speculator:
                 # past the first stage only the slots count: the decoder writes each stage's ids
                 request.spec_token_ids = draft[:keep] + [draft[keep - 1]] * (slots - keep)
                 request.spec_stage = keep
+                # where earlier outputs are cached, a stage that finds no draft in the request's own tokens ends the
+                # check and the proposer looks in both trees (going on with the token alone there, the edit work ran
+                # 1.08-1.15x slower than with two-stage checks; ending there, 0.96-1.01x; docs/performance.md)
                 request.spec_redraft = Redrafting(max(fresh, 1), max(fresh + 1, SECOND_STAGE_TOKENS), REDRAFT_STAGES,
-                                                  proposer.max_depth, proposer.max_spec_factor,
-                                                  proposer.min_token_prob)
+                                                  proposer.global_tree.num_cached == 0, proposer.max_depth,
+                                                  proposer.max_spec_factor, proposer.min_token_prob)
             return
         more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
         if room_left is not None:

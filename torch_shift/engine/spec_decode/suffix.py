@@ -320,6 +320,9 @@ class SuffixProposer:
         self.tokens = RequestTokens(headroom=max_depth + 2)
         self._ceilings: dict[tuple[int, int], int] = {}
         self.native: NativeDraft | None = None
+        # whether the last draft came from the global tree (the C++ decoder redrafts a check's later stages only from
+        # the request's own tokens: Speculator._second_stage)
+        self.last_from_global = False
         if NATIVE:
             from torch_shift.kernels import cpu_kernels
 
@@ -340,6 +343,7 @@ class SuffixProposer:
     def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
         """The draft for a request whose tokens are `context_tokens`, which is `padded[:n]` (`padded`: int64, PAD
         after them)."""
+        self.last_from_global = False
         context = context_tokens[-self.max_depth:]
         max_len = len(context) - 1  # as ArcticInference: the whole pattern is never the match
         if max_len < 1 or max_tokens <= 0:
@@ -371,7 +375,8 @@ class SuffixProposer:
         else:
             remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
                                 self.max_spec_factor, self.min_token_prob, beat=local.score)
-        return remote if remote.score > local.score else local
+        self.last_from_global = remote.score > local.score
+        return remote if self.last_from_global else local
 
     def _ceiling(self, max_len: int, max_tokens: int) -> int:
         """The most a global tree's path can score for a context of max_len + 1 tokens (matches from 2 tokens)."""
