@@ -620,6 +620,12 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   }
 }
 
+bool redraft_ok(const Redraft& r) {
+  return r.history != nullptr && r.history_len >= 1 && (r.stop_ids != nullptr || r.num_stops == 0) &&
+         r.num_stops >= 0 && r.fresh_tokens >= 1 && r.more_tokens >= 1 && r.max_stages >= 1 && r.max_depth >= 1 &&
+         r.stages != nullptr;
+}
+
 // Whether a step may run in two stages of `first_stage` tokens and the rest: a batch-1 check whose every token is a
 // logits row in order, with argmax and no draws (run_step refuses an argmax where the rank lacks the vocabulary's
 // logits)
@@ -808,7 +814,8 @@ static bool launched_step_runs(const Decoder& d) {
 // all-to-all failed (ts_collective_error); else the failing kernel's code. A rank's shard of the vocabulary gathers
 // every rank's rows of the logits [num_logits, vocab] through its communicator; a decoder without an LM head writes
 // the rows' final hidden states, after the model's last norm (logits [num_logits, hidden]), and no argmax.
-// `first_stage` (> 0): a batch-1 check in two stages, as a launched one's (run_in_stages; -200 where it cannot).
+// `first_stage` (> 0): a batch-1 check in two stages, as a launched one's (run_in_stages; -200 where it cannot), or
+// with `redraft` (non-null) in stages drafted here after the first (run_redrafting).
 int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                     const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
                     int64_t first_stage, Redraft* redraft) {
@@ -821,6 +828,7 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
       !stages_ok(num_tokens, logits_rows, num_logits, argmax, nullptr, first_stage))
     return -200;
   if (d.stage_copy == nullptr) d.stage_copy = ts_paged_step_copy_new();
+  if (redraft != nullptr && !redraft_ok(*redraft)) return -200;
   if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
   if (redraft != nullptr) {
     std::vector<int64_t> ids(input_ids, input_ids + num_tokens);
@@ -912,7 +920,8 @@ int ts_decoder_attend(void* decoder) {
 // `draws` (or null): ts_sample_rows' float32 [5, num_logits], copied: each row's token is drawn by them into argmax
 // (and read so by the next step's placeholders) instead of its argmax. `first_stage` (> 0, below num_tokens): a
 // batch-1 check whose every token is a logits row, with argmax and no draws or placeholders, run in two stages of
-// that many tokens and the rest (run_in_stages); 0: one stage.
+// that many tokens and the rest (run_in_stages); 0: one stage. `redraft` (or null; with first_stage): the stages
+// after the first drafted here (run_redrafting), its history and stop tokens copied, its stage counts written.
 int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t* positions, int64_t num_tokens,
                           const int64_t* logits_rows, int64_t num_logits, void* logits, int64_t* argmax,
                           const int64_t* placeholders, const int64_t* sources, int64_t num_placeholders,
@@ -925,6 +934,7 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
   if (first_stage > 0 && (num_placeholders != 0 ||
                           !stages_ok(num_tokens, logits_rows, num_logits, argmax, draws, first_stage)))
     return -200;
+  if (redraft != nullptr && !redraft_ok(*redraft)) return -200;
   for (int64_t i = 0; i < num_placeholders; ++i)
     if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
   if (!start_async(d)) return -203;
