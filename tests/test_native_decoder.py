@@ -738,6 +738,16 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     llm.shutdown()
 
 
+def _cycling_model(tmp_path: Path) -> Path:
+    """A random Llama whose attention adds nothing (o_proj zero): each token follows from the one before, and a
+    greedy output falls into a cycle."""
+    model = build_hf_model("llama", **SHAPES)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return save_checkpoint(model, tmp_path)
+
+
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 @pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}], ids=["one-rank", "shift", "dp"])
 def test_a_batch_1_check_that_redrafts(tmp_path, layout):
@@ -748,11 +758,7 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     every KV block back. The model's attention adds nothing (o_proj zero), so each token follows from the one before
     and the output falls into a cycle; two prompts hold the cycle reversed, so that drafts from it are rejected until
     the output's own copies outweigh it."""
-    model = build_hf_model("llama", **SHAPES)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    model_dir = save_checkpoint(model, tmp_path)
+    model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
     starts = random_prompts(2, [6, 4], seed=5)
@@ -760,7 +766,8 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
                for p in starts]
     # a prompt that ends as the first start does, after which it held the first output's first 3 tokens and then 4
     # others: a first stage accepts 3, and the next token follows nothing in the prompt
-    others = [t for t in range(model.config.vocab_size) if t not in outputs[0] + starts[0]][:4]
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    others = [t for t in range(vocab_size) if t not in outputs[0] + starts[0]][:4]
     prompts = [{"prompt_token_ids": starts[0] + outputs[0][:3] + others + starts[0][-1:]}]
     prompts += [{"prompt_token_ids": p + list(reversed(o[-24:]))} for p, o in zip(starts, outputs)]
     expected = [list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
@@ -794,6 +801,36 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     assert any(len(stages) > 1 for stages in checks)
     assert any(accepted < proposed for stages in checks for proposed, accepted in stages[:-1])  # went on after one
     assert any(proposed == 0 for stages in checks for proposed, _ in stages)  # a token alone
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
+def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path):
+    """A TP-2 step over an emulated link is not the C++ decoder's (ShardDecoder declines it): a redrafting check runs
+    the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    start = random_prompts(1, [6], seed=5)[0]
+    layout = dict(tp=2, interconnect_gbps=100.0)
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
+    prompt = {"prompt_token_ids": start + list(reversed(cycle))}
+    expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
+    speculator = llm.engine.core.speculator
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    redrafts, builder = [], llm.engine.core.plan_builder.build
+
+    def build(*args):
+        plan = builder(*args)
+        redrafts.extend(group.redraft is not None for group in plan.groups)
+        return plan
+
+    llm.engine.core.plan_builder.build = build
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert any(redrafts) and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

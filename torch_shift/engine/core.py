@@ -338,9 +338,13 @@ def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -
     """A batch-1 check whose stages after the first the C++ decoder drafted (GroupStep.redraft): its rows' argmax are
     the tokens it drew at the step's positions (-1 past them), each but the last a proposal accepted there, so the
     sampler checks it as a one-stage check of those proposals and one that no token equals (-1) where the last was
-    drawn; its request keeps the stages the decoder ran, each a check of its own (Speculator.observe)."""
+    drawn; its request keeps the stages the decoder ran, each a check of its own (Speculator.observe). Nothing where
+    the decoder declined the step (its forward checked every slot's proposal in one stage)."""
+    stages = result.redraft.stages()
+    if not stages:
+        return
     ((entry,),) = entries
     drawn = getattr(result.logits[0], ROW_ARGMAX).tolist()
     num_drawn = drawn.index(-1) if -1 in drawn else len(drawn)
     entry.spec_token_ids = (*drawn[:num_drawn - 1], -1)
-    entry.request.spec_stages = result.redraft.stages()
+    entry.request.spec_stages = stages

@@ -70,8 +70,8 @@ class Redraft(ctypes.Structure):
     _fields_ = [("history", ctypes.c_void_p), ("history_len", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
                 ("num_stops", ctypes.c_int64), ("fresh_tokens", ctypes.c_int64), ("more_tokens", ctypes.c_int64),
                 ("max_stages", ctypes.c_int64), ("plain_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64),
-                ("max_spec_factor", ctypes.c_double),
-                ("min_token_prob", ctypes.c_double), ("stage_counts", ctypes.c_void_p)]
+                ("max_spec_factor", ctypes.c_double), ("min_token_prob", ctypes.c_double),
+                ("stage_counts", ctypes.c_void_p)]
 
     @classmethod
     def of(cls, history: np.ndarray, stop_token_ids: np.ndarray, fresh_tokens: int, more_tokens: int,
@@ -82,13 +82,13 @@ class Redraft(ctypes.Structure):
         counts = np.zeros(1 + 2 * max_stages, dtype=np.int64)
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
                       len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
-                      min_token_prob,
-                      counts.__array_interface__["data"][0])
+                      min_token_prob, counts.__array_interface__["data"][0])
         redraft._arrays = (history, stops, counts)  # alive while the decoder may read or write them
         return redraft
 
     def stages(self) -> list[tuple[int, int]]:
-        """Each stage's proposed and accepted tokens, in order."""
+        """Each stage's proposed and accepted tokens, in order; none where the decoder did not run the check (it
+        declined the step, whose forward ran instead as a one-stage check)."""
         counts = self._arrays[2]
         return [(int(counts[1 + 2 * i]), int(counts[2 + 2 * i])) for i in range(int(counts[0]))]
 

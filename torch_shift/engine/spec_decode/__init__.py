@@ -384,11 +384,11 @@ class Speculator:
         With suffix decoding, where the draft came from the request's own tree, the decoder drafts every later stage
         itself from the request's tokens and those drawn so far, after a rejection too (Redrafting: at most `fresh`
         proposals, those that pay for a whole draft at the request's rate, after a rejection, and as many again and
-        one, at least SECOND_STAGE_TOKENS, after a stage that accepted all; the check holds slots for up to
-        REDRAFT_TOKENS tokens); else (a draft from the global tree of earlier outputs, which the decoder does not
-        hold: redrafted from the request's own tokens, edits that repeat earlier ones ran 1.24-1.29x slower) the
-        second stage is more of the same draft (as many again and one, at least SECOND_STAGE_TOKENS). A second stage
-        of one row would only draw the token after the draft's next: not made."""
+        one, at least SECOND_STAGE_TOKENS, after a stage that accepted all, each stage at most num_speculative_tokens;
+        the check holds slots for up to REDRAFT_TOKENS tokens); else (a draft from the global tree of earlier outputs,
+        which the decoder does not hold: redrafted from the request's own tokens, edits that repeat earlier ones ran
+        1.24-1.29x slower) the second stage is more of the same draft (as many again and one, at least
+        SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the draft's next: not made."""
         if not request.draws_argmax:
             return
         proposer = self.proposer  # suffix decoding drafting in C++: the decoder drafts with the same rule
@@ -405,9 +405,10 @@ class Speculator:
                 # where earlier outputs are cached, a stage that finds no draft in the request's own tokens ends the
                 # check and the proposer looks in both trees (going on with the token alone there, the edit work ran
                 # 1.08-1.15x slower than with two-stage checks; ending there, 0.96-1.01x; docs/performance.md)
-                request.spec_redraft = Redrafting(max(fresh, 1), max(fresh + 1, SECOND_STAGE_TOKENS), REDRAFT_STAGES,
-                                                  proposer.global_tree.num_cached == 0, proposer.max_depth,
-                                                  proposer.max_spec_factor, proposer.min_token_prob)
+                k = self.config.max_proposal_tokens  # each stage a check of at most num_speculative_tokens
+                request.spec_redraft = Redrafting(max(fresh, 1), min(max(fresh + 1, SECOND_STAGE_TOKENS), k),
+                                                  REDRAFT_STAGES, proposer.global_tree.num_cached == 0,
+                                                  proposer.max_depth, proposer.max_spec_factor, proposer.min_token_prob)
             return
         more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
         if room_left is not None:
