@@ -805,7 +805,7 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     llm.shutdown()
 
 
-def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path):
+def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch):
     """A TP-2 step over an emulated link is not the C++ decoder's (ShardDecoder declines it): a redrafting check runs
     the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation."""
     model_dir = _cycling_model(tmp_path)
@@ -829,8 +829,11 @@ def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path):
         return plan
 
     llm.engine.core.plan_builder.build = build
+    ran, stages = [], native_decoder.Redraft.stages
+    monkeypatch.setattr(native_decoder.Redraft, "stages", lambda self: ran.append(stages(self)) or ran[-1])
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert any(redrafts) and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert ran and not any(ran)  # the decoder ran none of them
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 
