@@ -206,16 +206,14 @@ class PlanBuilder:
                              *spec, num_tokens=num_tokens, num_kv_tokens=sum(num_computed),
                              num_logits=sum(logits_counts), num_steps=output.num_steps)
             if output.num_steps > 1:
-                step.stop_token_ids = np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids
-                                                                     for e in entries))), dtype=np.int64)
+                step.stop_token_ids = _stop_token_ids(entries)
             if len(entries) == 1 and entries[0].spec_token_ids and 0 < entries[0].request.spec_stage < len(
                     entries[0].spec_token_ids):  # the scheduler may have cut the proposals to its token budget
                 request = entries[0].request
                 step.first_stage = 1 + request.spec_stage
                 if request.spec_redraft is not None:
                     step.redraft = request.spec_redraft
-                    step.stop_token_ids = np.array(sorted(request.eos_token_ids | request.stop_token_ids),
-                                                   dtype=np.int64)
+                    step.stop_token_ids = _stop_token_ids(entries)
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],
@@ -223,6 +221,13 @@ class PlanBuilder:
             groups.append(step)
         deltas = {replica: d for replica, d in deltas.items() if not d.is_empty}
         return StepPlan(deltas, groups, output.swap_outs, output.swap_ins)
+
+
+def _stop_token_ids(entries) -> np.ndarray:
+    """The end and stop tokens of the entries' requests (Request.check_stop's), int64: those that end a multi-step
+    run or a redrafting check after the step that drew one."""
+    return np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids for e in entries))),
+                    dtype=np.int64)
 
 
 def split_micro_batches(group: GroupStep) -> list[GroupStep]:

@@ -541,10 +541,19 @@ int run_step(Decoder& d, const int64_t* input_ids, const int64_t* positions, int
 // `rows`: 0 .. n - 1 (a stage's own rows are their first ones); `copy`: the step's PagedStepCopy, narrowed to each
 // stage in turn. The ranks of a tensor-parallel shard run the same stages: each finds the same argmax of the logits
 // gathered whole.
+// One stage of a staged check: its `length` tokens from the step's `begin`-th, their rows' logits and argmax at the
+// same rows of the step's (`rows`: 0 .. length - 1), the paged step `copy` narrowed to them.
+int run_stage(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t begin, int64_t length, const int64_t* rows,
+              void* logits, int64_t* argmax, void* copy) {
+  const int rc = ts_paged_step_copy_narrow(copy, begin, length);
+  return rc != 0 ? rc
+                 : run_step(d, ids + begin, pos + begin, length, rows, length,
+                            static_cast<char*>(logits) + begin * d.vocab * d.elem, argmax + begin, copy);
+}
+
 int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
                   void* logits, int64_t* argmax, void* copy) {
-  int rc = ts_paged_step_copy_narrow(copy, 0, first);
-  if (rc == 0) rc = run_step(d, ids, pos, first, rows, first, logits, argmax, copy);
+  const int rc = run_stage(d, ids, pos, 0, first, rows, logits, argmax, copy);
   if (rc != 0) return rc;
   bool accepted = true;
   for (int64_t i = 0; i < first && accepted; ++i) accepted = argmax[i] == ids[i + 1];
@@ -552,10 +561,7 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
     std::fill(argmax + first, argmax + n, int64_t{-1});
     return 0;
   }
-  rc = ts_paged_step_copy_narrow(copy, first, n - first);
-  if (rc != 0) return rc;
-  return run_step(d, ids + first, pos + first, n - first, rows, n - first,
-                  static_cast<char*>(logits) + first * d.vocab * d.elem, argmax + first, copy);
+  return run_stage(d, ids, pos, first, n - first, rows, logits, argmax, copy);
 }
 
 // A batch-1 check of `n` tokens (the step's scheduled slots) whose first stage checks `first` - 1 proposals, as
@@ -568,10 +574,10 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
 // step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on the edit work, docs/performance.md) are
 // paid once. On return argmax[j] is the token drawn at the step's position j for j below the tokens drawn (each a
 // proposal accepted there, the last one not) and -1 after them: the rows of a one-stage check whose proposals were
-// those tokens. `ids` is the step's input ids (scratch: written over).
+// those tokens. `ids` is the step's input ids and `history` the request's tokens, r.history's (scratch: both written
+// over).
 int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
-                   void* logits, int64_t* argmax, void* copy, Redraft& r) {
-  std::vector<int64_t> history(r.history, r.history + r.history_len);
+                   void* logits, int64_t* argmax, void* copy, Redraft& r, std::vector<int64_t>& history) {
   history.reserve(r.history_len + n);
   std::vector<int64_t> draft(static_cast<size_t>(n));
   std::vector<double> scores(static_cast<size_t>(n));
@@ -579,10 +585,7 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   num_stages = 0;
   int64_t begin = 0, length = first;
   for (;;) {
-    int rc = ts_paged_step_copy_narrow(copy, begin, length);
-    if (rc == 0)
-      rc = run_step(d, ids + begin, pos + begin, length, rows, length,
-                    static_cast<char*>(logits) + begin * d.vocab * d.elem, argmax + begin, copy);
+    const int rc = run_stage(d, ids, pos, begin, length, rows, logits, argmax, copy);
     if (rc != 0) return rc;
     int64_t accepted = 0;
     while (accepted < length - 1 && argmax[begin + accepted] == ids[begin + accepted + 1]) ++accepted;
@@ -668,7 +671,8 @@ void* async_main(void* arg) {
       const int64_t num_logits = static_cast<int64_t>(s.logits_rows.size());
       if (rc == 0 && s.redrafts)
         rc = run_redrafting(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
-                            s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention, s.redraft);
+                            s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention, s.redraft,
+                            s.history);
       else if (rc == 0 && s.first_stage > 0)
         rc = run_in_stages(d, s.input_ids.data(), s.positions.data(), static_cast<int64_t>(s.input_ids.size()),
                            s.first_stage, s.logits_rows.data(), s.logits, s.argmax, s.attention);
@@ -832,8 +836,9 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
   if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
   if (redraft != nullptr) {
     std::vector<int64_t> ids(input_ids, input_ids + num_tokens);
+    std::vector<int64_t> history(redraft->history, redraft->history + redraft->history_len);
     return run_redrafting(d, ids.data(), positions, num_tokens, first_stage, logits_rows, logits, argmax,
-                          d.stage_copy, *redraft);
+                          d.stage_copy, *redraft, history);
   }
   return run_in_stages(d, input_ids, positions, num_tokens, first_stage, logits_rows, logits, argmax, d.stage_copy);
 }

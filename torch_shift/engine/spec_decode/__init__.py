@@ -217,29 +217,25 @@ class Speculator:
                         if len(stages) > 1:
                             decode_only = False  # several passes over the weights: not the cost of one step
                         num_proposed += stages[0][0]
-                        for num, accepted in stages:
-                            if not num:  # a stage that found no draft decoded its token alone
-                                continue
-                            self.acceptance.observe(request.request_id, num, accepted, request.greedy)
-                            checks.append((num, accepted))
-                            if self._tell_checked is not None:
-                                self._tell_checked(request.request_id, num, accepted)
-                        continue
-                    if e.num_tokens != 1 + len(proposed):
-                        decode_only = False  # a prompt chunk: its cost is not a decode's
-                    accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
-                    stage = request.spec_stage
-                    run_as = len(proposed)  # the proposals of a one-stage check of the rows that ran
-                    if 0 < stage < len(proposed):  # in two stages (_second_stage)
-                        if accepted > stage:
-                            decode_only = False  # two passes over the weights: not the cost of one step
-                        else:  # the second did not run: the first's rows checked `stage` proposals and one more
-                            proposed, run_as = proposed[:stage + 1], stage
-                    num_proposed += run_as
-                    self.acceptance.observe(request.request_id, len(proposed), accepted, request.greedy)
-                    checks.append((len(proposed), accepted))
-                    if self._tell_checked is not None:
-                        self._tell_checked(request.request_id, len(proposed), accepted)
+                        outcomes = [stage for stage in stages if stage[0]]  # not those that decoded a token alone
+                    else:
+                        if e.num_tokens != 1 + len(proposed):
+                            decode_only = False  # a prompt chunk: its cost is not a decode's
+                        accepted = num_accepted(proposed, sampled.get(request.request_id, ()))
+                        stage = request.spec_stage
+                        run_as = len(proposed)  # the proposals of a one-stage check of the rows that ran
+                        if 0 < stage < len(proposed):  # in two stages (_second_stage)
+                            if accepted > stage:
+                                decode_only = False  # two passes over the weights: not the cost of one step
+                            else:  # the second did not run: the first's rows checked `stage` proposals and one more
+                                proposed, run_as = proposed[:stage + 1], stage
+                        num_proposed += run_as
+                        outcomes = [(len(proposed), accepted)]
+                    for num, accepted in outcomes:
+                        self.acceptance.observe(request.request_id, num, accepted, request.greedy)
+                        checks.append((num, accepted))
+                        if self._tell_checked is not None:
+                            self._tell_checked(request.request_id, num, accepted)
                 elif e.num_tokens != 1:
                     decode_only = False
         if shadows:
@@ -373,19 +369,19 @@ class Speculator:
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
         if self.staged_check_tokens and num_running == 1 and len(proposing) == 1 and keep[0]:
-            fresh = keep[0] if cost is None else tokens_that_pay(rates, [k], num_running, cost)[0]
-            self._second_stage(proposing[0], drafts[0], keep[0], room_left, fresh)
+            self._second_stage(proposing[0], drafts[0], keep[0], room_left, rates[0], cost)
 
-    def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None,
-                      fresh: int) -> None:
+    def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None, rate: float,
+                      cost: StepCost | None) -> None:
         """A batch-1 check of `keep` proposals that pay, followed in the same step by more: run only where the first
         stage's rows accept all of theirs, the proposals they check and the next (run_in_stages), with no return to
         the host between. Only for a request that draws its argmax, which the C++ decoder finds as the sampler does.
         With suffix decoding, where the draft came from the request's own tree, the decoder drafts every later stage
-        itself from the request's tokens and those drawn so far, after a rejection too (Redrafting: at most `fresh`
-        proposals, those that pay for a whole draft at the request's rate, after a rejection, and as many again and
-        one, at least SECOND_STAGE_TOKENS, after a stage that accepted all, each stage at most num_speculative_tokens;
-        the check holds slots for up to REDRAFT_TOKENS tokens); else (a draft from the global tree of earlier outputs,
+        itself from the request's tokens and those drawn so far, after a rejection too (Redrafting: after a rejection
+        at most the proposals that pay for a whole draft at the request's `rate` (`cost`: the step cost fit's; None,
+        no fit or no budget: `keep`), and as many again and one, at least SECOND_STAGE_TOKENS, after a stage that
+        accepted all, each stage at most num_speculative_tokens; the check holds slots for up to REDRAFT_TOKENS
+        tokens); else (a draft from the global tree of earlier outputs,
         which the decoder does not hold: redrafted from the request's own tokens, edits that repeat earlier ones ran
         1.24-1.29x slower) the second stage is more of the same draft (as many again and one, at least
         SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the draft's next: not made."""
@@ -406,6 +402,7 @@ class Speculator:
                 # check and the proposer looks in both trees (going on with the token alone there, the edit work ran
                 # 1.08-1.15x slower than with two-stage checks; ending there, 0.96-1.01x; docs/performance.md)
                 k = self.config.max_proposal_tokens  # each stage a check of at most num_speculative_tokens
+                fresh = keep if cost is None else tokens_that_pay([rate], [k], 1, cost)[0]
                 request.spec_redraft = Redrafting(max(fresh, 1), min(max(fresh + 1, SECOND_STAGE_TOKENS), k),
                                                   REDRAFT_STAGES, proposer.global_tree.num_cached == 0,
                                                   proposer.max_depth, proposer.max_spec_factor, proposer.min_token_prob)
