@@ -805,6 +805,45 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     llm.shutdown()
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
+    """With earlier outputs cached, a redrafting check's later stages are drafted from them too (rank 0 holds the
+    global tree; under Shift it tells rank 1 each draft): a request whose own tokens hold nothing to repeat, but
+    whose prompt ends as an earlier output began, runs checks of several stages, and its tokens stay those without
+    speculation. The model's attention adds nothing (o_proj zero), so each token follows from the one before."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    start = random_prompts(1, [6], seed=5)[0]
+    earlier = list(reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    others = [t for t in range(vocab_size) if t not in earlier + start][:4]
+    prompt = {"prompt_token_ids": others + earlier[:2]}  # its output follows the earlier one's from its third token
+    expected = list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    reference.shutdown()
+    assert len(set(earlier[2:12])) == 10  # the first tokens repeat nothing: their drafts are the earlier output's
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
+                                                                         "num_speculative_tokens": 8}, **layout)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    speculator = llm.engine.core.speculator
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    assert llm.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids == earlier
+    checks, observe = [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
+        return observe(entries, sampled, seconds)
+
+    speculator.observe = observed
+    assert list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == expected
+    # the first check's draft and its later stages' could only come from the earlier output
+    assert checks and len(checks[0]) > 1 and all(proposed > 0 for proposed, _ in checks[0])
+    assert sum(accepted for stages in checks for _, accepted in stages) >= 20
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
 def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch):
     """A TP-2 step over an emulated link is not the C++ decoder's (ShardDecoder declines it): a redrafting check runs
     the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation."""

@@ -36,7 +36,6 @@ from torch_shift.engine.spec_decode.budget import (
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import (
     PAD,
-    Draft,
     GlobalTree,
     NativeDraft,
     SuffixProposer,
@@ -262,7 +261,7 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few,
     compacted away before it)."""
     rng = random.Random(7)
     depth = 8
-    tree = GlobalTree(depth, max_cached_requests=5)
+    tree = GlobalTree(depth, max_cached_requests=5, kernels=cpu_kernels() if few == "native" else None)
     outputs = []
     for i in range(40 * lookup_every):
         outputs.append([rng.randrange(4) for _ in range(rng.randint(2, 30))])
@@ -272,11 +271,10 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few,
         if i % lookup_every:
             continue
         context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
-        if few == "native":
-            candidates = tree.candidates(np.array(context))
+        if few == "native":  # the tree's index in C++
             context_array = np.array(context)
-            draft = (NativeDraft(cpu_kernels())(tree.address, len(tree.tokens), candidates, 0, address(context_array),
-                                                len(context), 2, 1, depth, 6, 1.0, 0.1) if candidates else Draft())
+            draft = NativeDraft(cpu_kernels()).from_tree(tree.indexed(), address(context_array), len(context), depth,
+                                                         6, 1.0, 0.1)
         else:
             draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
         expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)

@@ -40,6 +40,7 @@ from torch_shift.engine.spec_decode.draft import (
     SuffixBesideDraftProposer,
     load_draft_proposer,
 )
+from torch_shift.engine.spec_decode.suffix import SuffixProposer
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.engine.worker import Worker, num_tier_blocks
@@ -178,6 +179,9 @@ class LLMEngine:
                 if hasattr(policy, "threshold"):  # Shift's: a step of more tokens runs the base layout (None: all)
                     staged = min(staged, policy.threshold or 0)
                 speculator.staged_check_tokens = staged
+                speculator.tree_replica = config.deployment.replica_of(0)
+                if isinstance(speculator.proposer, SuffixProposer):
+                    self.worker.runner.suffix_global_tree = speculator.proposer.global_tree
             self.stats_recorder.spec_method = config.speculative.label
             self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),

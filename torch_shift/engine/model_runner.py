@@ -76,6 +76,9 @@ class ModelRunner:
         self.attention = make_attention_backend(attention_backend, self.device, self.dtype)
         self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window)
         self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
+        # rank 0's: the suffix proposer's tree of earlier outputs (suffix.py's GlobalTree, set by the engine), which a
+        # redrafting check's drafts look in too (GroupStep.redraft)
+        self.suffix_global_tree = None
         self.swapper = None
         if host_tier is not None:
             assert barrier is not None or deployment.world_size == 1
@@ -325,7 +328,10 @@ class ModelRunner:
             return None
         row = int(group.rows[member][0])
         history = self.batch.token_ids[row, :int(group.num_computed[0]) + 1]
-        return Redraft.of(history, group.stop_token_ids, *group.redraft)
+        tree = self.suffix_global_tree if group.redraft.global_tree else None
+        if tree is None:  # another rank's, or the check's drafts look only in the request's own tokens
+            return Redraft.of(history, group.stop_token_ids, *group.redraft)
+        return Redraft.of(history, group.stop_token_ids, *group.redraft, tree)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:
         """Whether `tokens` are the argmax rows of the last step launched; else any launched step is waited for,

@@ -37,7 +37,8 @@ class Redrafting(NamedTuple):
     request's own tokens and those each stage drew (Speculator._second_stage; kernels/cpu_decoder.cpp's
     run_redrafting): the most proposals a stage checks after one that rejected a proposal and after one that accepted
     all, the most stages, whether a stage that finds no draft decodes its token alone (else the check ends there),
-    and the suffix tree's depth, speculation factor and least token probability."""
+    the suffix tree's depth, speculation factor and least token probability, and whether the drafts look in the
+    global tree of earlier outputs too (rank 0 holds it: a layout with rank 0 among its ranks)."""
 
     fresh_tokens: int
     more_tokens: int
@@ -46,6 +47,7 @@ class Redrafting(NamedTuple):
     max_depth: int
     max_spec_factor: float
     min_token_prob: float
+    global_tree: bool
 
 
 class Request:

@@ -98,6 +98,21 @@ class CpuKernels:
         self.suffix_draft.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, f64, f64, f64, ptr, ptr,
                                       ptr]
         self.suffix_draft.restype = i64
+        self.suffix_draft_global = lib.ts_suffix_draft_global
+        self.suffix_draft_global.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, f64, f64, f64, ptr, ptr, ptr]
+        self.suffix_draft_global.restype = i64
+        self.pair_index_new = lib.ts_pair_index_new
+        self.pair_index_new.argtypes = []
+        self.pair_index_new.restype = ptr
+        self.pair_index_delete = lib.ts_pair_index_delete
+        self.pair_index_delete.argtypes = [ptr]
+        self.pair_index_delete.restype = None
+        self.pair_index_add = lib.ts_pair_index_add
+        self.pair_index_add.argtypes = [ptr, ptr, i64, i64]
+        self.pair_index_add.restype = None
+        self.pair_index_clear = lib.ts_pair_index_clear
+        self.pair_index_clear.argtypes = [ptr]
+        self.pair_index_clear.restype = None
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int | None:

@@ -74,6 +74,11 @@ extern "C" int64_t ts_suffix_draft(const int64_t* tokens, int64_t num_tokens, co
                                    int64_t min_count, int64_t max_depth, int64_t max_spec_tokens,
                                    double max_spec_factor, double min_token_prob, double beat, int64_t* out_tokens,
                                    double* out_scores, int64_t* out_match_len);
+extern "C" int64_t ts_suffix_draft_global(void* index, const int64_t* tokens, int64_t num_tokens,
+                                          const int64_t* context, int64_t context_len, int64_t max_depth,
+                                          int64_t max_spec_tokens, double max_spec_factor, double min_token_prob,
+                                          double beat, int64_t* out_tokens, double* out_scores,
+                                          int64_t* out_match_len);
 extern "C" void ts_gemv_pool_help(const std::atomic<int64_t>* counter, int64_t target);
 extern "C" int ts_pool_run_pieces(int64_t pieces, void (*piece)(const void* ctx, int64_t b), const void* ctx);
 extern "C" int ts_step_attention(const void* copy, int64_t layer_idx, const void* q, int64_t q_row_stride,
@@ -128,7 +133,8 @@ struct Layer {
 };
 
 // A batch-1 check whose stages after the first are drafted here (run_redrafting), with suffix decoding's rule over
-// the request's own tokens (cpu_suffix.cpp; torch_shift/engine/spec_decode/suffix.py's local tree), as
+// the request's own tokens (cpu_suffix.cpp; torch_shift/engine/spec_decode/suffix.py's local tree) and, with
+// global_tree, over the outputs of earlier requests too (suffix.py's GlobalTree), as
 // torch_shift.models.native_decoder.Redraft lays it out
 struct Redraft {
   const int64_t* history;  // the request's tokens up to the step's first input id, included
@@ -141,6 +147,13 @@ struct Redraft {
   int64_t plain_stages;  // a stage without a draft decodes the drawn token alone (nonzero), else the check ends
   int64_t max_depth;     // the suffix tree's
   double max_spec_factor, min_token_prob;
+  // nonzero: the drafts look in the global tree too, which one rank of the layout holds (global_tokens: its array of
+  // global_size tokens, global_index its pairs' (cpu_suffix.cpp's PairIndex); null on the others), and over several
+  // ranks that rank's drafts reach the others through the communicator (share_draft)
+  int64_t global_tree;
+  const int64_t* global_tokens;
+  int64_t global_size;
+  void* global_index;
   int64_t* stages;  // written: [1 + 2 * max_stages], the stages run, then each one's proposed and accepted tokens
 };
 
@@ -564,9 +577,58 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
   return run_stage(d, ids, pos, first, n - first, rows, logits, argmax, copy);
 }
 
+// The draft of at most `cap` tokens after `history` (suffix.py's SuffixProposer.speculate): the request's own tree's
+// (matches from one token, found twice or more), or where r.global_tree asks and it scores more, the global tree's
+// (matches from two tokens), which is searched only where a path there could score more (its ceiling). Writes
+// draft[0, num) and returns num.
+int64_t draft_after(const Redraft& r, const std::vector<int64_t>& history, int64_t cap, int64_t* draft,
+                    std::vector<int64_t>& remote, std::vector<double>& scores) {
+  const int64_t context_len = std::min<int64_t>(r.max_depth, static_cast<int64_t>(history.size()));
+  if (cap < 1 || context_len < 2) return 0;
+  const int64_t num_tokens = static_cast<int64_t>(history.size());
+  const int64_t* context = history.data() + num_tokens - context_len;
+  int64_t match_len = 0;
+  const int64_t num = std::max<int64_t>(
+      ts_suffix_draft(history.data(), num_tokens, nullptr, 0, num_tokens, context, context_len, 1, 2, r.max_depth,
+                      cap, r.max_spec_factor, r.min_token_prob, 0.0, draft, scores.data(), &match_len),
+      0);
+  if (r.global_index == nullptr) return num;
+  const double score = num > 0 ? scores[num - 1] : 0.0;
+  int64_t ceiling = 0;  // suffix.py's path_limit over the match lengths the global tree allows
+  for (int64_t length = 2; length < context_len; ++length)
+    ceiling = std::max({ceiling, std::min({cap, static_cast<int64_t>(std::min(length * r.max_spec_factor,
+                                                                              static_cast<double>(r.max_depth)) +
+                                                                     1e-6),
+                                           r.max_depth - length})});
+  if (score >= static_cast<double>(ceiling)) return num;
+  const int64_t found = ts_suffix_draft_global(r.global_index, r.global_tokens, r.global_size, context, context_len,
+                                               r.max_depth, cap, r.max_spec_factor, r.min_token_prob, score,
+                                               remote.data(), scores.data(), &match_len);
+  if (found <= 0 || scores[found - 1] <= score) return num;
+  std::copy(remote.begin(), remote.begin() + found, draft);
+  return found;
+}
+
+// The draft of the rank that holds the global tree, on every rank of the layout: summed in float32 over the
+// communicator with zeros from the others (token ids below 2^24 are exact there). Returns its token count, or -300
+// where the all-reduce failed.
+int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, bool holder,
+                    std::vector<float>& words) {
+  words.assign(static_cast<size_t>(1 + cap), 0.0f);
+  if (holder) {
+    words[0] = static_cast<float>(num);
+    for (int64_t i = 0; i < num; ++i) words[1 + i] = static_cast<float>(draft[i]);
+  }
+  const int rc = ts_decoder_all_reduce(d.communicator, 0, words.data(), 1, 1 + cap);
+  if (rc != 0) return rc;
+  num = static_cast<int64_t>(words[0]);
+  for (int64_t i = 0; i < num; ++i) draft[i] = static_cast<int64_t>(words[1 + i]);
+  return num;
+}
+
 // A batch-1 check of `n` tokens (the step's scheduled slots) whose first stage checks `first` - 1 proposals, as
-// run_in_stages' does, and whose later stages are drafted here from the request's tokens and those drawn so far: a
-// stage's next input is the token its rows drew after the proposals they accepted, followed by a fresh draft of at
+// run_in_stages' does, and whose later stages are drafted here from the request's tokens and those drawn so far (and
+// with r.global_tree the earlier outputs: draft_after, share_draft): a stage's next input is the token its rows drew after the proposals they accepted, followed by a fresh draft of at
 // most `r.fresh_tokens` (after a rejection) or `r.more_tokens` (after a stage that accepted all) tokens, at the
 // position after the last accepted one (its KV written over a rejected proposal's), or with `r.plain_stages` where no
 // draft is found, the token alone. The check ends at a stage that draws a stop token, finds no draft (without
@@ -579,8 +641,12 @@ int run_in_stages(Decoder& d, const int64_t* ids, const int64_t* pos, int64_t n,
 int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
                    void* logits, int64_t* argmax, void* copy, Redraft& r, std::vector<int64_t>& history) {
   history.reserve(r.history_len + n);
-  std::vector<int64_t> draft(static_cast<size_t>(n));
+  std::vector<int64_t> draft(static_cast<size_t>(n)), remote(static_cast<size_t>(n));
   std::vector<double> scores(static_cast<size_t>(n));
+  std::vector<float> words;
+  // over several ranks with the global tree, one rank drafts and tells the others
+  const bool shared = r.global_tree != 0 && d.communicator >= 0;
+  const bool drafts = !shared || r.global_index != nullptr;
   int64_t& num_stages = r.stages[0];
   num_stages = 0;
   int64_t begin = 0, length = first;
@@ -601,20 +667,11 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     std::fill(argmax + next, argmax + n, int64_t{-1});
     if (stop || next >= n || num_stages >= r.max_stages) return 0;
     const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
-    const int64_t context_len = std::min<int64_t>(r.max_depth, static_cast<int64_t>(history.size()));
-    int64_t num = 0;  // none: the check ends, or the next stage decodes the drawn token alone and the one after it
-                      // drafts again (plain_stages)
-    if (cap >= 1 && context_len >= 2) {
-      const int64_t* tokens = history.data();
-      const int64_t num_tokens = static_cast<int64_t>(history.size());
-      int64_t match_len = 0;
-      // suffix.py's SuffixProposer.speculate over the request's own tree: matches from one token, found twice or more
-      num = std::max<int64_t>(ts_suffix_draft(tokens, num_tokens, nullptr, 0, num_tokens,
-                                              tokens + num_tokens - context_len, context_len, 1, 2, r.max_depth, cap,
-                                              r.max_spec_factor, r.min_token_prob, 0.0, draft.data(), scores.data(),
-                                              &match_len),
-                              0);
-    }
+    // none: the check ends, or the next stage decodes the drawn token alone and the one after it drafts again
+    // (plain_stages)
+    int64_t num = drafts ? draft_after(r, history, cap, draft.data(), remote, scores) : 0;
+    if (shared && cap >= 1 && (num = share_draft(d, cap, num, draft.data(), drafts, words)) < 0)
+      return static_cast<int>(num);
     if (num == 0 && r.plain_stages == 0) return 0;
     ids[next] = argmax[next - 1];
     std::copy(draft.begin(), draft.begin() + num, ids + next + 1);
@@ -623,10 +680,12 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   }
 }
 
-bool redraft_ok(const Redraft& r) {
+bool redraft_ok(const Decoder& d, const Redraft& r) {
   return r.history != nullptr && r.history_len >= 1 && (r.stop_ids != nullptr || r.num_stops == 0) &&
          r.num_stops >= 0 && r.fresh_tokens >= 1 && r.more_tokens >= 1 && r.max_stages >= 1 && r.max_depth >= 1 &&
-         r.stages != nullptr;
+         r.stages != nullptr &&
+         (r.global_index == nullptr || (r.global_tree != 0 && r.global_tokens != nullptr && r.global_size >= 0)) &&
+         (r.global_tree == 0 || d.vocab <= (int64_t{1} << 24));  // share_draft's float32 words
 }
 
 // Whether a step may run in two stages of `first_stage` tokens and the rest: a batch-1 check whose every token is a
@@ -832,7 +891,7 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
       !stages_ok(num_tokens, logits_rows, num_logits, argmax, nullptr, first_stage))
     return -200;
   if (d.stage_copy == nullptr) d.stage_copy = ts_paged_step_copy_new();
-  if (redraft != nullptr && !redraft_ok(*redraft)) return -200;
+  if (redraft != nullptr && !redraft_ok(d, *redraft)) return -200;
   if (ts_paged_step_copy_fill(d.stage_copy) != 0) return -100;
   if (redraft != nullptr) {
     std::vector<int64_t> ids(input_ids, input_ids + num_tokens);
@@ -939,7 +998,7 @@ int64_t ts_decoder_launch(void* decoder, const int64_t* input_ids, const int64_t
   if (first_stage > 0 && (num_placeholders != 0 ||
                           !stages_ok(num_tokens, logits_rows, num_logits, argmax, draws, first_stage)))
     return -200;
-  if (redraft != nullptr && !redraft_ok(*redraft)) return -200;
+  if (redraft != nullptr && !redraft_ok(d, *redraft)) return -200;
   for (int64_t i = 0; i < num_placeholders; ++i)
     if (placeholders[i] < 0 || placeholders[i] >= num_tokens) return -200;
   if (!start_async(d)) return -203;

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_no_contract.h"  // scores compare exactly with the Python rule's
@@ -63,6 +66,20 @@ Path grow_path(const int64_t* tokens, int64_t num_tokens, std::vector<int64_t> e
   }
   return path;
 }
+
+// The global tree's index (suffix.py's GlobalTree, with these kernels): the end positions of every pair of adjacent
+// tokens in its array. Read by the proposer on the engine's thread and by the C++ decoder, drafting a check's later
+// stages (cpu_decoder.cpp's run_redrafting) on its own thread while the engine's may index new outputs: a shared
+// mutex. Positions of evicted outputs stay (their tokens are PAD now: they match nothing) until the tree is compacted.
+struct PairIndex {
+  struct Hash {
+    size_t operator()(const std::pair<int64_t, int64_t>& p) const {
+      return std::hash<int64_t>()(p.first * 0x9E3779B97F4A7C15ull ^ p.second);
+    }
+  };
+  std::shared_mutex mutex;
+  std::unordered_map<std::pair<int64_t, int64_t>, std::vector<int64_t>, Hash> ends;
+};
 
 }  // namespace
 
@@ -151,6 +168,42 @@ int64_t ts_suffix_draft(const int64_t* tokens, int64_t num_tokens, const int64_t
     }
   }
   return best_tokens;
+}
+
+void* ts_pair_index_new() { return new PairIndex(); }
+
+void ts_pair_index_delete(void* index) { delete static_cast<PairIndex*>(index); }
+
+// The pairs of tokens[start, end): each (tokens[i - 1], tokens[i]) at position i, for i from start + 1
+void ts_pair_index_add(void* index, const int64_t* tokens, int64_t start, int64_t end) {
+  PairIndex& x = *static_cast<PairIndex*>(index);
+  std::unique_lock<std::shared_mutex> lock(x.mutex);
+  for (int64_t i = start + 1; i < end; ++i) x.ends[{tokens[i - 1], tokens[i]}].push_back(i);
+}
+
+void ts_pair_index_clear(void* index) {
+  PairIndex& x = *static_cast<PairIndex*>(index);
+  std::unique_lock<std::shared_mutex> lock(x.mutex);
+  x.ends.clear();
+}
+
+// ts_suffix_draft over the global tree (tokens[0, num_tokens), indexed by `index`): the candidates are the end
+// positions of the context's last two tokens, matches from two tokens on, found once or more (suffix.py's
+// SuffixProposer.speculate). Positions at or past num_tokens (the tree grew into a larger array since the caller
+// read it) match nothing.
+int64_t ts_suffix_draft_global(void* index, const int64_t* tokens, int64_t num_tokens, const int64_t* context,
+                               int64_t context_len, int64_t max_depth, int64_t max_spec_tokens,
+                               double max_spec_factor, double min_token_prob, double beat, int64_t* out_tokens,
+                               double* out_scores, int64_t* out_match_len) {
+  *out_match_len = 0;
+  if (context_len < 3) return 0;
+  PairIndex& x = *static_cast<PairIndex*>(index);
+  std::shared_lock<std::shared_mutex> lock(x.mutex);
+  const auto found = x.ends.find({context[context_len - 2], context[context_len - 1]});
+  if (found == x.ends.end()) return 0;
+  return ts_suffix_draft(tokens, num_tokens, found->second.data(), static_cast<int64_t>(found->second.size()), 0,
+                         context, context_len, 2, 1, max_depth, max_spec_tokens, max_spec_factor, min_token_prob,
+                         beat, out_tokens, out_scores, out_match_len);
 }
 
 }  // extern "C"

@@ -46,6 +46,7 @@ from torch_shift.models.linear import Linear, gemv_rows
 from torch_shift.models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from torch_shift.engine.spec_decode.suffix import GlobalTree
     from torch_shift.parallel.runs import Run
 
 # kernels/cpu_decoder.cpp's ModelField and LayerField
@@ -63,27 +64,36 @@ MAX_TOKENS = 64
 
 class Redraft(ctypes.Structure):
     """kernels/cpu_decoder.cpp's Redraft: a batch-1 check whose stages after the first the C++ decoder drafts itself
-    with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id), each
-    stage's next input the token drawn after the proposals accepted (run_redrafting). `of` builds one; `stages()`
-    reads the stages it ran once the step ran."""
+    with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id) and, with
+    `global_tree`, the outputs of earlier requests (the suffix proposer's GlobalTree with its index in C++, which rank
+    0 holds and passes as `tree`), each stage's next input the token drawn after the proposals accepted
+    (run_redrafting). `of` builds one; `stages()` reads the stages it ran once the step ran."""
 
     _fields_ = [("history", ctypes.c_void_p), ("history_len", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
                 ("num_stops", ctypes.c_int64), ("fresh_tokens", ctypes.c_int64), ("more_tokens", ctypes.c_int64),
                 ("max_stages", ctypes.c_int64), ("plain_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64),
                 ("max_spec_factor", ctypes.c_double), ("min_token_prob", ctypes.c_double),
-                ("stage_counts", ctypes.c_void_p)]
+                ("global_tree", ctypes.c_int64), ("global_tokens", ctypes.c_void_p), ("global_size", ctypes.c_int64),
+                ("global_index", ctypes.c_void_p), ("stage_counts", ctypes.c_void_p)]
 
     @classmethod
     def of(cls, history: np.ndarray, stop_token_ids: np.ndarray, fresh_tokens: int, more_tokens: int,
-           max_stages: int, plain_stages: bool, max_depth: int, max_spec_factor: float,
-           min_token_prob: float) -> Redraft:
+           max_stages: int, plain_stages: bool, max_depth: int, max_spec_factor: float, min_token_prob: float,
+           global_tree: bool, tree: GlobalTree | None = None) -> Redraft:
         history = np.ascontiguousarray(history, dtype=np.int64)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
         counts = np.zeros(1 + 2 * max_stages, dtype=np.int64)
+        tokens = index = None
+        if tree is not None:  # its outputs indexed now; read while the step runs, on the decoder's thread too
+            assert global_tree and tree.native_index is not None
+            tokens, index = tree.indexed().tokens, tree.native_index
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
                       len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
-                      min_token_prob, counts.__array_interface__["data"][0])
-        redraft._arrays = (history, stops, counts)  # alive while the decoder may read or write them
+                      min_token_prob, int(global_tree), None if tokens is None else tokens.ctypes.data,
+                      0 if tokens is None else len(tokens), index, counts.__array_interface__["data"][0])
+        # alive while the decoder may read or write them (the tree's array too: the tree grows into a new one, and
+        # the tree, which frees its index)
+        redraft._arrays = (history, stops, counts, tokens, tree)
         return redraft
 
     def stages(self) -> list[tuple[int, int]]:

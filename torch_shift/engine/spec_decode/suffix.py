@@ -23,6 +23,7 @@ edit and agent work (docs/performance.md).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -214,6 +215,22 @@ class NativeDraft:
         return Draft(self.out_tokens[:num], scores[-1], self.match_len.value, scores)
 
 
+    def from_tree(self, tree: GlobalTree, context_address: int, context_len: int, max_depth: int,
+                  max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
+        """The global tree's draft (its C++ index's candidates: matches from two tokens, found once or more); only
+        paths scoring more than `beat` are grown."""
+        if max_spec_tokens > self.size:
+            self._grow(max_spec_tokens)
+        num = self.kernels.suffix_draft_global(tree.native_index, tree.address, len(tree.tokens), context_address,
+                                               context_len, max_depth, max_spec_tokens, max_spec_factor,
+                                               min_token_prob, beat, *self._addresses)
+        assert num >= 0, num
+        if num == 0:
+            return Draft()
+        scores = self.out_scores[:num]
+        return Draft(self.out_tokens[:num], scores[-1], self.match_len.value, scores)
+
+
 def address(tokens: np.ndarray) -> int:
     """The address of a C-contiguous int64 array's first element."""
     assert tokens.dtype == np.int64 and tokens.flags.c_contiguous, (tokens.dtype, tokens.flags)
@@ -222,15 +239,21 @@ def address(tokens: np.ndarray) -> int:
 
 class GlobalTree:
     """The outputs of the last `max_cached_requests` finished requests, separated by PAD, with an index of the
-    end positions of every pair of adjacent tokens."""
+    end positions of every pair of adjacent tokens: in C++ where `kernels` (torch_shift.kernels.CpuKernels) are given
+    (`native_index`, which the C++ decoder also reads while it drafts a check's later stages), else in `pairs`."""
 
-    def __init__(self, max_depth: int, max_cached_requests: int):
+    def __init__(self, max_depth: int, max_cached_requests: int, kernels=None):
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.tokens = np.full(1024, PAD, dtype=np.int64)
         self.address = address(self.tokens)  # of self.tokens (the C++ matcher's argument)
         self.length = 1  # tokens[0] is PAD: every sequence has a PAD before it
-        self.pairs: dict[tuple[int, int], array] = {}  # int64 positions (the C++ matcher reads them in place)
+        self.pairs: dict[tuple[int, int], array] = {}  # int64 positions, without kernels
+        self.kernels = kernels
+        self.native_index: int | None = None  # kernels/cpu_suffix.cpp's PairIndex
+        if kernels is not None:
+            self.native_index = kernels.pair_index_new()
+            weakref.finalize(self, kernels.pair_index_delete, self.native_index)
         self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
         # sequences not in `pairs` yet: indexed at the next lookup, so that a batch that never looks (nothing pays
         # for a check) does not index its outputs (80 us a request of 100 tokens, 64 at a time)
@@ -263,6 +286,12 @@ class GlobalTree:
         self.length = end + 1  # a PAD after it
 
     def _index(self) -> None:
+        if self.native_index is not None:
+            for start, end in self.unindexed:
+                if self.tokens[start] != PAD:  # else evicted before it was indexed
+                    self.kernels.pair_index_add(self.native_index, self.address, start, end)
+            self.unindexed.clear()
+            return
         pairs = self.pairs
         for start, end in self.unindexed:
             values = self.tokens[start:end].tolist()
@@ -281,6 +310,8 @@ class GlobalTree:
         live = [self.tokens[s:e].copy() for s, e in self.sequences]
         self.tokens[:] = PAD
         self.pairs.clear()
+        if self.native_index is not None:
+            self.kernels.pair_index_clear(self.native_index)
         self.sequences.clear()
         self.length, self.num_dead = 1, 0
         for seq in live:
@@ -290,13 +321,18 @@ class GlobalTree:
             self.length = end + 1
         self.unindexed = list(self.sequences)
 
-    def candidates(self, context: np.ndarray) -> array | None:
-        """The end positions of the context's last two tokens (some may be evicted: PAD now); None if none."""
-        if len(context) < 3:
-            return None
+    def indexed(self) -> GlobalTree:
+        """The tree with every output it holds indexed (outputs are indexed at the first lookup after they came)."""
         if self.unindexed:
             self._index()
-        return self.pairs.get((int(context[-2]), int(context[-1])))
+        return self
+
+    def candidates(self, context: np.ndarray) -> array | None:
+        """The end positions of the context's last two tokens (some may be evicted: PAD now); None if none (the
+        Python index's)."""
+        if len(context) < 3:
+            return None
+        return self.indexed().pairs.get((int(context[-2]), int(context[-1])))
 
     def matches(self, context: np.ndarray) -> list[np.ndarray]:
         positions = self.candidates(context)
@@ -316,18 +352,19 @@ class SuffixProposer:
         # a match of L >= 1 tokens leaves at most depth - L to propose: any larger factor allows the same
         self.max_spec_factor = min(max_spec_factor, max_depth)
         self.min_token_prob = min_token_prob
-        self.global_tree = GlobalTree(max_depth, max_cached_requests)
         self.tokens = RequestTokens(headroom=max_depth + 2)
         self._ceilings: dict[tuple[int, int], int] = {}
         self.native: NativeDraft | None = None
-        # whether the last draft came from the global tree (the C++ decoder redrafts a check's later stages only from
-        # the request's own tokens: Speculator._second_stage)
+        # whether the last draft came from the global tree (the C++ decoder searches it only in rank 0's replica:
+        # Speculator._second_stage)
         self.last_from_global = False
+        kernels = None
         if NATIVE:
             from torch_shift.kernels import cpu_kernels
 
             kernels = cpu_kernels()
             self.native = NativeDraft(kernels) if kernels is not None else None
+        self.global_tree = GlobalTree(max_depth, max_cached_requests, kernels)
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
         return [self.propose_one(request, k) for request, k in zip(requests, max_tokens)]
@@ -366,12 +403,8 @@ class SuffixProposer:
             return local
         tree = self.global_tree
         if self.native is not None:
-            candidates = tree.candidates(context)
-            if not candidates:
-                return local
-            remote = self.native(tree.address, len(tree.tokens), candidates, 0, context_address, len(context), 2, 1,
-                                 self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob,
-                                 beat=local.score)
+            remote = self.native.from_tree(tree.indexed(), context_address, len(context), self.max_depth, max_tokens,
+                                           self.max_spec_factor, self.min_token_prob, beat=local.score)
         else:
             remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
                                 self.max_spec_factor, self.min_token_prob, beat=local.score)
