@@ -784,13 +784,20 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     speculator = llm.engine.core.speculator
     assert speculator.staged_check_tokens >= 8
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
-    checks, observe = [], speculator.observe
+    checks, observe, priced = [], speculator.observe, []
+    fit_observe = speculator.step_cost.observe
+    speculator.step_cost.observe = lambda *args: priced.append(args) or fit_observe(*args)
 
     def observed(entries, sampled, seconds):
         stages = [e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None]
+        num_priced = len(priced)
         found = observe(entries, sampled, seconds)
         if stages:
-            assert found == [s for s in stages[0] if s[0]]  # each stage with a draft a check
+            assert found == [s[:2] for s in stages[0] if s[0]]  # each stage with a draft a check
+            # each stage priced as a step of its proposals, its time in the decoder and a share of the host's
+            assert [p[:3] for p in priced[num_priced:]] == [(1, s.proposed, int(s.proposed > 0)) for s in stages[0]]
+            assert all(p[3] >= s.seconds > 0 for p, s in zip(priced[num_priced:], stages[0]))
+            assert sum(p[3] for p in priced[num_priced:]) == pytest.approx(seconds)
             checks.append(stages[0])
         return found
 
@@ -799,8 +806,8 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout):
     outputs.append(list(llm.generate(prompts[1], stop, use_tqdm=False)[0].outputs[0].token_ids))
     assert outputs == expected
     assert any(len(stages) > 1 for stages in checks)
-    assert any(accepted < proposed for stages in checks for proposed, accepted in stages[:-1])  # went on after one
-    assert any(proposed == 0 for stages in checks for proposed, _ in stages)  # a token alone
+    assert any(accepted < proposed for stages in checks for proposed, accepted, _ in stages[:-1])  # went on after one
+    assert any(stage.proposed == 0 for stages in checks for stage in stages)  # a token alone
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 
@@ -838,8 +845,8 @@ def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
     speculator.observe = observed
     assert list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == expected
     # the first check's draft and its later stages' could only come from the earlier output
-    assert checks and len(checks[0]) > 1 and all(proposed > 0 for proposed, _ in checks[0])
-    assert sum(accepted for stages in checks for _, accepted in stages) >= 20
+    assert checks and len(checks[0]) > 1 and all(stage.proposed > 0 for stage in checks[0])
+    assert sum(stage.accepted for stages in checks for stage in stages) >= 20
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

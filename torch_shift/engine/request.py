@@ -127,9 +127,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_stage = 0
         # its stages after the first drafted by the C++ decoder (the proposals past the first stage only hold the
-        # check's slots), and once the step ran each stage's proposed and accepted tokens
+        # check's slots), and once the step ran each stage's proposed and accepted tokens and seconds
         self.spec_redraft: Redrafting | None = None
-        self.spec_stages: list[tuple[int, int]] | None = None
+        self.spec_stages: list[tuple[int, int, float]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -154,7 +155,9 @@ struct Redraft {
   const int64_t* global_tokens;
   int64_t global_size;
   void* global_index;
-  int64_t* stages;  // written: [1 + 2 * max_stages], the stages run, then each one's proposed and accepted tokens
+  // written: [1 + 3 * max_stages], the stages run, then each one's proposed and accepted tokens and nanoseconds (its
+  // draft's and its rows'), which price a check's tokens (Speculator.observe)
+  int64_t* stages;
 };
 
 // A launched step: its inputs copied, the caller's outputs (alive until it waited for the step)
@@ -650,13 +653,18 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   int64_t& num_stages = r.stages[0];
   num_stages = 0;
   int64_t begin = 0, length = first;
+  auto stage_start = std::chrono::steady_clock::now();
   for (;;) {
     const int rc = run_stage(d, ids, pos, begin, length, rows, logits, argmax, copy);
     if (rc != 0) return rc;
     int64_t accepted = 0;
     while (accepted < length - 1 && argmax[begin + accepted] == ids[begin + accepted + 1]) ++accepted;
-    r.stages[1 + 2 * num_stages] = length - 1;
-    r.stages[2 + 2 * num_stages] = accepted;
+    const auto stage_end = std::chrono::steady_clock::now();
+    r.stages[1 + 3 * num_stages] = length - 1;
+    r.stages[2 + 3 * num_stages] = accepted;
+    r.stages[3 + 3 * num_stages] =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(stage_end - stage_start).count();
+    stage_start = stage_end;
     ++num_stages;
     bool stop = false;
     for (int64_t i = begin; i <= begin + accepted; ++i) {

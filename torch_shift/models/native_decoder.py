@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +62,15 @@ _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "kv_layer"
 MAX_TOKENS = 64
 
 
+class Stage(NamedTuple):
+    """A stage of a redrafting check: its proposed and accepted tokens, and its seconds in the decoder (its draft's
+    and its rows')."""
+
+    proposed: int
+    accepted: int
+    seconds: float
+
+
 class Redraft(ctypes.Structure):
     """kernels/cpu_decoder.cpp's Redraft: a batch-1 check whose stages after the first the C++ decoder drafts itself
     with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id) and, with
@@ -82,7 +91,7 @@ class Redraft(ctypes.Structure):
            global_tree: bool, tree: GlobalTree | None = None) -> Redraft:
         history = np.ascontiguousarray(history, dtype=np.int64)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
-        counts = np.zeros(1 + 2 * max_stages, dtype=np.int64)
+        counts = np.zeros(1 + 3 * max_stages, dtype=np.int64)
         tokens = index = None
         if tree is not None:  # its outputs indexed now; read while the step runs, on the decoder's thread too
             assert global_tree and tree.native_index is not None
@@ -96,11 +105,12 @@ class Redraft(ctypes.Structure):
         redraft._arrays = (history, stops, counts, tokens, tree)
         return redraft
 
-    def stages(self) -> list[tuple[int, int]]:
-        """Each stage's proposed and accepted tokens, in order; none where the decoder did not run the check (it
-        declined the step, whose forward ran instead as a one-stage check)."""
+    def stages(self) -> list[Stage]:
+        """The stages the decoder ran, in order; none where it did not run the check (it declined the step, whose
+        forward ran instead as a one-stage check)."""
         counts = self._arrays[2]
-        return [(int(counts[1 + 2 * i]), int(counts[2 + 2 * i])) for i in range(int(counts[0]))]
+        return [Stage(int(counts[1 + 3 * i]), int(counts[2 + 3 * i]), 1e-9 * int(counts[3 + 3 * i]))
+                for i in range(int(counts[0]))]
 
 
 class NativeDecoder:

@@ -197,23 +197,16 @@ class NativeDraft:
         self._addresses = (ctypes.addressof(self.out_tokens), ctypes.addressof(self.out_scores),
                            ctypes.addressof(self.match_len))
 
-    def __call__(self, tokens_address: int, num_tokens: int, ends: array | None, scan_len: int, context_address: int,
-                 context_len: int, first_len: int, min_count: int, max_depth: int, max_spec_tokens: int,
-                 max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
-        """`ends`: the candidates, or None for every position below `scan_len` that holds the context's last token
-        (first_len 1)."""
+    def __call__(self, tokens_address: int, num_tokens: int, scan_len: int, context_address: int, context_len: int,
+                 first_len: int, min_count: int, max_depth: int, max_spec_tokens: int, max_spec_factor: float,
+                 min_token_prob: float, beat: float = 0.0) -> Draft:
+        """The candidates: every position below `scan_len` that holds the context's last token."""
         if max_spec_tokens > self.size:
             self._grow(max_spec_tokens)
-        ends_address, num_ends = ends.buffer_info() if ends is not None else (None, 0)
-        num = self.kernels.suffix_draft(tokens_address, num_tokens, ends_address, num_ends, scan_len, context_address,
-                                        context_len, first_len, min_count, max_depth, max_spec_tokens,
-                                        max_spec_factor, min_token_prob, beat, *self._addresses)
-        assert num >= 0, num
-        if num == 0:
-            return Draft()
-        scores = self.out_scores[:num]
-        return Draft(self.out_tokens[:num], scores[-1], self.match_len.value, scores)
-
+        num = self.kernels.suffix_draft(tokens_address, num_tokens, None, 0, scan_len, context_address, context_len,
+                                        first_len, min_count, max_depth, max_spec_tokens, max_spec_factor,
+                                        min_token_prob, beat, *self._addresses)
+        return self._draft(num)
 
     def from_tree(self, tree: GlobalTree, context_address: int, context_len: int, max_depth: int,
                   max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
@@ -224,6 +217,10 @@ class NativeDraft:
         num = self.kernels.suffix_draft_global(tree.native_index, tree.address, len(tree.tokens), context_address,
                                                context_len, max_depth, max_spec_tokens, max_spec_factor,
                                                min_token_prob, beat, *self._addresses)
+        return self._draft(num)
+
+    def _draft(self, num: int) -> Draft:
+        """The draft of `num` tokens the kernel wrote."""
         assert num >= 0, num
         if num == 0:
             return Draft()
@@ -255,7 +252,7 @@ class GlobalTree:
             self.native_index = kernels.pair_index_new()
             weakref.finalize(self, kernels.pair_index_delete, self.native_index)
         self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
-        # sequences not in `pairs` yet: indexed at the next lookup, so that a batch that never looks (nothing pays
+        # sequences not indexed yet: indexed at the next lookup, so that a batch that never looks (nothing pays
         # for a check) does not index its outputs (80 us a request of 100 tokens, 64 at a time)
         self.unindexed: list[tuple[int, int]] = []
         self.num_dead = 0
@@ -330,6 +327,7 @@ class GlobalTree:
     def candidates(self, context: np.ndarray) -> array | None:
         """The end positions of the context's last two tokens (some may be evicted: PAD now); None if none (the
         Python index's)."""
+        assert self.native_index is None, "a tree indexed in C++ is searched there: NativeDraft.from_tree"
         if len(context) < 3:
             return None
         return self.indexed().pairs.get((int(context[-2]), int(context[-1])))
@@ -390,7 +388,7 @@ class SuffixProposer:
         if self.native is not None:
             padded_address = address(padded)
             context_address = padded_address + 8 * (len(context_tokens) - len(context))  # context ends the tokens
-            local = self.native(padded_address, len(padded), None, len(context_tokens), context_address, len(context),
+            local = self.native(padded_address, len(padded), len(context_tokens), context_address, len(context),
                                 1, 2, self.max_depth, max_tokens, self.max_spec_factor, self.min_token_prob)
         else:
             ends = np.flatnonzero(context_tokens == context[-1])
