@@ -851,6 +851,46 @@ def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
     llm.shutdown()
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+def test_a_dp_replica_without_rank_0_does_not_redraft_from_earlier_outputs(tmp_path):
+    """Under DP-2 the global tree lives on rank 0: a request on replica 1 whose drafts come from earlier outputs gets
+    no redrafting check that searches them (its drafts from the tree run in two stages), and its tokens stay those
+    without speculation."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, dp=2)
+    start = random_prompts(1, [6], seed=5)[0]
+    earlier = list(reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    others = [t for t in range(vocab_size) if t not in earlier + start][:5]
+    prompts = [{"prompt_token_ids": others[4:] + start[:3]}, {"prompt_token_ids": others[:4] + earlier[:2]}]
+    expected = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, [short, greedy], use_tqdm=False)]
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, dp=2, speculative_config={"method": "suffix",
+                                                                                "num_speculative_tokens": 8})
+    speculator = llm.engine.core.speculator
+    assert speculator.tree_replica == 0
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    llm.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)
+    replicas, redrafts, observe = set(), [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        for e in (e for group in entries for e in group if e.request.max_tokens == 40 and e.request.replicas):
+            replicas.add(e.request.replicas)
+            redrafts.append(e.request.spec_redraft)
+        return observe(entries, sampled, seconds)
+
+    speculator.observe = observed
+    outputs = llm.generate(prompts, [short, greedy], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert replicas == {(1,)}  # the second request went to the replica without rank 0
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] >= 20
+    assert not any(r is not None and r.global_tree for r in redrafts)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
 def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch):
     """A TP-2 step over an emulated link is not the C++ decoder's (ShardDecoder declines it): a redrafting check runs
     the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation."""

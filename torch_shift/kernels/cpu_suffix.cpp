@@ -71,6 +71,8 @@ Path grow_path(const int64_t* tokens, int64_t num_tokens, std::vector<int64_t> e
 // tokens in its array. Read by the proposer on the engine's thread and by the C++ decoder, drafting a check's later
 // stages (cpu_decoder.cpp's run_redrafting) on its own thread while the engine's may index new outputs: a shared
 // mutex. Positions of evicted outputs stay (their tokens are PAD now: they match nothing) until the tree is compacted.
+// Both libraries link this file (kernels/__init__.py): an index the proposer's library made is read by the decoder's
+// library's copy of these functions, the same type built by the same compiler.
 struct PairIndex {
   struct Hash {
     size_t operator()(const std::pair<int64_t, int64_t>& p) const {
