@@ -36,6 +36,7 @@ from torch_shift.engine.spec_decode.budget import (
 from torch_shift.engine.spec_decode.ngram import ngram_proposal
 from torch_shift.engine.spec_decode.suffix import (
     PAD,
+    Draft,
     GlobalTree,
     NativeDraft,
     SuffixProposer,
@@ -273,12 +274,15 @@ def test_global_tree_matches_an_explicit_trie_and_evicts_first_in_first_out(few,
         context = [rng.randrange(4) for _ in range(rng.randint(3, 12))]
         if few == "native":  # the tree's index in C++
             context_array = np.array(context)
-            draft = NativeDraft(cpu_kernels()).from_tree(tree.indexed(), address(context_array), len(context), depth,
-                                                         6, 1.0, 0.1)
+            found = NativeDraft(cpu_kernels()).from_tree(tree, address(context_array), len(context), depth, 6, 1.0,
+                                                         0.1)
+            draft = found if found is not None else Draft()
         else:
             draft = best_draft(tree.tokens, tree.matches(np.array(context)), 2, depth, 6, 1.0, 0.1)
         expected, score = brute_speculate(build_trie(cached, depth), context, depth, 6, 1.0, 0.1, first_len=2)
         assert draft.token_ids == expected and draft.score == pytest.approx(score), (i, context)
+        if few == "native" and expected:  # the pair filter lets every pair of a cached output through
+            assert tree.may_hold(np.array(context)), (i, context)
     assert tree.num_dead <= tree.length  # evicted outputs were compacted away as they accumulated
 
 

@@ -209,15 +209,19 @@ class NativeDraft:
         return self._draft(num)
 
     def from_tree(self, tree: GlobalTree, context_address: int, context_len: int, max_depth: int,
-                  max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, beat: float = 0.0) -> Draft:
-        """The global tree's draft (its C++ index's candidates: matches from two tokens, found once or more); only
-        paths scoring more than `beat` are grown."""
+                  max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
+                  beat: float = 0.0) -> Draft | None:
+        """The global tree's draft (its C++ index's candidates: matches from two tokens, found once or more), None
+        where none is found; only paths scoring more than `beat` are grown. Half the requests of bench_spec's
+        proposer cost find none: each such call is the ctypes call alone (1.3 us; 3.4-4.4 us through `_draft`)."""
         if max_spec_tokens > self.size:
             self._grow(max_spec_tokens)
-        num = self.kernels.suffix_draft_global(tree.native_index, tree.address, len(tree.tokens), context_address,
-                                               context_len, max_depth, max_spec_tokens, max_spec_factor,
-                                               min_token_prob, beat, *self._addresses)
-        return self._draft(num)
+        if tree.unindexed:
+            tree.indexed()
+        num = self.kernels.suffix_draft_global(*tree.native_array, context_address, context_len, max_depth,
+                                               max_spec_tokens, max_spec_factor, min_token_prob, beat,
+                                               *self._addresses)
+        return self._draft(num) if num else None
 
     def _draft(self, num: int) -> Draft:
         """The draft of `num` tokens the kernel wrote."""
@@ -234,6 +238,13 @@ def address(tokens: np.ndarray) -> int:
     return tokens.ctypes.data
 
 
+# A filter of 2^20 bits over the hashes of the pairs in the C++ index: a pair whose bit is unset ends in no output, so
+# its lookup makes no call into C++ (a ctypes call of 2.2-2.6 us, where the Python dict's miss took 0.3: bench_spec's
+# proposer cost at 256 requests went from 0.85 to 1.1 ms without it; docs/performance.md)
+_PAIR_MASK = (1 << 20) - 1
+_PAIR_MULTIPLIER = 1_000_003  # token ids below 2^31: first * it + second stays below 2^63 (numpy's int64)
+
+
 class GlobalTree:
     """The outputs of the last `max_cached_requests` finished requests, separated by PAD, with an index of the
     end positions of every pair of adjacent tokens: in C++ where `kernels` (torch_shift.kernels.CpuKernels) are given
@@ -242,15 +253,16 @@ class GlobalTree:
     def __init__(self, max_depth: int, max_cached_requests: int, kernels=None):
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
-        self.tokens = np.full(1024, PAD, dtype=np.int64)
-        self.address = address(self.tokens)  # of self.tokens (the C++ matcher's argument)
         self.length = 1  # tokens[0] is PAD: every sequence has a PAD before it
         self.pairs: dict[tuple[int, int], array] = {}  # int64 positions, without kernels
         self.kernels = kernels
         self.native_index: int | None = None  # kernels/cpu_suffix.cpp's PairIndex
+        self.pair_filter: np.ndarray | None = None  # with the C++ index (_PAIR_MASK)
         if kernels is not None:
             self.native_index = kernels.pair_index_new()
             weakref.finalize(self, kernels.pair_index_delete, self.native_index)
+            self.pair_filter = np.zeros(_PAIR_MASK + 1, dtype=bool)
+        self._hold(np.full(1024, PAD, dtype=np.int64))
         self.sequences: deque[tuple[int, int]] = deque()  # (start, end) in order of arrival
         # sequences not indexed yet: indexed at the next lookup, so that a batch that never looks (nothing pays
         # for a check) does not index its outputs (80 us a request of 100 tokens, 64 at a time)
@@ -275,18 +287,26 @@ class GlobalTree:
         if end + self.max_depth + 2 > len(self.tokens):
             grown = np.full(2 * (end + self.max_depth + 2), PAD, dtype=np.int64)
             grown[:self.length] = self.tokens[:self.length]
-            self.tokens = grown
-            self.address = address(grown)
+            self._hold(grown)
         self.tokens[start:end] = token_ids
         self.unindexed.append((start, end))
         self.sequences.append((start, end))
         self.length = end + 1  # a PAD after it
+
+    def _hold(self, tokens: np.ndarray) -> None:
+        """`tokens` becomes the tree's array: its address (the C++ matcher's argument) and, with the C++ index,
+        the index, address and size as ts_suffix_draft_global takes them (`native_array`)."""
+        self.tokens = tokens
+        self.address = address(tokens)
+        self.native_array = (self.native_index, self.address, len(tokens))
 
     def _index(self) -> None:
         if self.native_index is not None:
             for start, end in self.unindexed:
                 if self.tokens[start] != PAD:  # else evicted before it was indexed
                     self.kernels.pair_index_add(self.native_index, self.address, start, end)
+                    tokens = self.tokens[start:end]
+                    self.pair_filter[(tokens[:-1] * _PAIR_MULTIPLIER + tokens[1:]) & _PAIR_MASK] = True
             self.unindexed.clear()
             return
         pairs = self.pairs
@@ -309,6 +329,7 @@ class GlobalTree:
         self.pairs.clear()
         if self.native_index is not None:
             self.kernels.pair_index_clear(self.native_index)
+            self.pair_filter[:] = False
         self.sequences.clear()
         self.length, self.num_dead = 1, 0
         for seq in live:
@@ -323,6 +344,11 @@ class GlobalTree:
         if self.unindexed:
             self._index()
         return self
+
+    def may_hold(self, context: np.ndarray) -> bool:
+        """False where no indexed output holds the context's last two tokens (the C++ index's filter); True where
+        one may."""
+        return bool(self.pair_filter[(int(context[-2]) * _PAIR_MULTIPLIER + int(context[-1])) & _PAIR_MASK])
 
     def candidates(self, context: np.ndarray) -> array | None:
         """The end positions of the context's last two tokens (some may be evicted: PAD now); None if none (the
@@ -401,8 +427,12 @@ class SuffixProposer:
             return local
         tree = self.global_tree
         if self.native is not None:
-            remote = self.native.from_tree(tree.indexed(), context_address, len(context), self.max_depth, max_tokens,
+            if not tree.indexed().may_hold(context):
+                return local
+            remote = self.native.from_tree(tree, context_address, len(context), self.max_depth, max_tokens,
                                            self.max_spec_factor, self.min_token_prob, beat=local.score)
+            if remote is None:
+                return local
         else:
             remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
                                 self.max_spec_factor, self.min_token_prob, beat=local.score)
