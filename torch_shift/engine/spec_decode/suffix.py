@@ -212,8 +212,7 @@ class NativeDraft:
                   max_spec_tokens: int, max_spec_factor: float, min_token_prob: float,
                   beat: float = 0.0) -> Draft | None:
         """The global tree's draft (its C++ index's candidates: matches from two tokens, found once or more), None
-        where none is found; only paths scoring more than `beat` are grown. Half the requests of bench_spec's
-        proposer cost find none: each such call is the ctypes call alone (1.3 us; 3.4-4.4 us through `_draft`)."""
+        where none is found; only paths scoring more than `beat` are grown."""
         if max_spec_tokens > self.size:
             self._grow(max_spec_tokens)
         if tree.unindexed:
@@ -238,9 +237,9 @@ def address(tokens: np.ndarray) -> int:
     return tokens.ctypes.data
 
 
-# A filter of 2^20 bits over the hashes of the pairs in the C++ index: a pair whose bit is unset ends in no output, so
-# its lookup makes no call into C++ (a ctypes call of 2.2-2.6 us, where the Python dict's miss took 0.3: bench_spec's
-# proposer cost at 256 requests went from 0.85 to 1.1 ms without it; docs/performance.md)
+# A filter of 2^20 flags (1 MB) over the hashes of the pairs in the C++ index: a pair whose flag is unset ends in no
+# output, so its lookup makes no call into C++ (a ctypes call of 2.2-2.6 us, where the Python dict's miss took 0.3:
+# bench_spec's proposer cost at 256 requests went from 0.85 to 1.1 ms without it; docs/performance.md)
 _PAIR_MASK = (1 << 20) - 1
 _PAIR_MULTIPLIER = 1_000_003  # token ids below 2^31: first * it + second stays below 2^63 (numpy's int64)
 
