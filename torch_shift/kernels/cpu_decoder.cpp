@@ -631,16 +631,16 @@ int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, 
 
 // A batch-1 check of `n` tokens (the step's scheduled slots) whose first stage checks `first` - 1 proposals, as
 // run_in_stages' does, and whose later stages are drafted here from the request's tokens and those drawn so far (and
-// with r.global_tree the earlier outputs: draft_after, share_draft): a stage's next input is the token its rows drew after the proposals they accepted, followed by a fresh draft of at
-// most `r.fresh_tokens` (after a rejection) or `r.more_tokens` (after a stage that accepted all) tokens, at the
-// position after the last accepted one (its KV written over a rejected proposal's), or with `r.plain_stages` where no
-// draft is found, the token alone. The check ends at a stage that draws a stop token, finds no draft (without
-// plain_stages), leaves no slot for another, or is the `r.max_stages`-th; the host's work and the
-// step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on the edit work, docs/performance.md) are
-// paid once. On return argmax[j] is the token drawn at the step's position j for j below the tokens drawn (each a
-// proposal accepted there, the last one not) and -1 after them: the rows of a one-stage check whose proposals were
-// those tokens. `ids` is the step's input ids and `history` the request's tokens, r.history's (scratch: both written
-// over).
+// with r.global_tree the earlier outputs: draft_after, share_draft): a stage's next input is the token its rows drew
+// after the proposals they accepted, followed by a fresh draft of at most `r.fresh_tokens` (after a rejection) or
+// `r.more_tokens` (after a stage that accepted all) tokens, at the position after the last accepted one (its KV written
+// over a rejected proposal's), or with `r.plain_stages` where no draft is found, the token alone. The check ends at a
+// stage that draws a stop token, finds no draft (without plain_stages), leaves no slot for another, or is the
+// `r.max_stages`-th; the host's work and the step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on
+// the edit work, docs/performance.md) are paid once. On return argmax[j] is the token drawn at the step's position j
+// for j below the tokens drawn (each a proposal accepted there, the last one not) and -1 after them: the rows of a
+// one-stage check whose proposals were those tokens. `ids` is the step's input ids and `history` the request's tokens,
+// r.history's (scratch: both written over).
 int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
                    void* logits, int64_t* argmax, void* copy, Redraft& r, std::vector<int64_t>& history) {
   history.reserve(r.history_len + n);
