@@ -328,9 +328,8 @@ class ModelRunner:
             return None
         row = int(group.rows[member][0])
         history = self.batch.token_ids[row, :int(group.num_computed[0]) + 1]
+        # None on another rank, or where the check's drafts look only in the request's own tokens
         tree = self.suffix_global_tree if group.redraft.global_tree else None
-        if tree is None:  # another rank's, or the check's drafts look only in the request's own tokens
-            return Redraft.of(history, group.stop_token_ids, *group.redraft)
         return Redraft.of(history, group.stop_token_ids, *group.redraft, tree)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:

@@ -92,14 +92,16 @@ class Redraft(ctypes.Structure):
         history = np.ascontiguousarray(history, dtype=np.int64)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
         counts = np.zeros(1 + 3 * max_stages, dtype=np.int64)
-        tokens = index = None
+        tokens = index = tokens_address = None
+        size = 0
         if tree is not None:  # its outputs indexed now; read while the step runs, on the decoder's thread too
             assert global_tree and tree.native_index is not None
-            tokens, index = tree.indexed().tokens, tree.native_index
+            index, tokens_address, size = tree.indexed().native_array
+            tokens = tree.tokens
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
                       len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
-                      min_token_prob, int(global_tree), None if tokens is None else tokens.ctypes.data,
-                      0 if tokens is None else len(tokens), index, counts.__array_interface__["data"][0])
+                      min_token_prob, int(global_tree), tokens_address, size, index,
+                      counts.__array_interface__["data"][0])
         # alive while the decoder may read or write them (the tree's array too: the tree grows into a new one, and
         # the tree, which frees its index)
         redraft._arrays = (history, stops, counts, tokens, tree)
