@@ -857,6 +857,64 @@ def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}], ids=["one-rank", "shift", "dp"])
+def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, layout):
+    """A redrafting check is a run whose steps are its stages (torch_shift.parallel.runs): interrupted, as a request
+    arriving at the server does, it ends after the stage it is in on every rank of its layout, and the tokens stay
+    those without speculation; with the interrupt set and cleared at random moments, the same tokens (a rank that
+    ended a stage apart from the others would draw other tokens, or wait for them forever)."""
+    import random
+
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    start = random_prompts(1, [6], seed=5)[0]
+    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
+    prompt = {"prompt_token_ids": start + list(cycle)}  # its output repeats the cycle: long checks accepted
+    expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    speculator = llm.engine.core.speculator
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    checks, observe = [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
+        return observe(entries, sampled, seconds)
+
+    speculator.observe = observed
+    try:
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert any(len(stages) > 1 for stages in checks)
+        checks.clear()
+        llm.engine.interrupt_run()
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+        assert checks and all(len(stages) == 1 for stages in checks)
+        llm.engine.clear_run_interrupt()
+        done = threading.Event()
+
+        def toggle():
+            rng = random.Random(0)
+            while not done.is_set():
+                (llm.engine.interrupt_run if rng.random() < 0.5 else llm.engine.clear_run_interrupt)()
+                time.sleep(rng.random() * 2e-3)
+
+        thread = threading.Thread(target=toggle)
+        thread.start()
+        try:
+            for _ in range(3):
+                assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+        finally:
+            done.set()
+            thread.join()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 def test_a_dp_replica_without_rank_0_does_not_redraft_from_earlier_outputs(tmp_path):
     """Under DP-2 the global tree lives on rank 0: a request on replica 1 whose drafts come from earlier outputs gets
     no redrafting check that searches them (its drafts from the tree run in two stages), and its tokens stay those

@@ -111,7 +111,8 @@ class ModelRunner:
             run_words = np.zeros(RUN_WORDS, dtype=np.int64)
         assert run_words is None or len(run_words) >= RUN_WORDS
         self.run_words = run_words
-        self._num_runs = 0  # plans with multi-step runs so far: each run's number, the same on every rank
+        # plans with multi-step runs or redrafting checks so far: each one's number, the same on every rank
+        self._num_runs = 0
         if compile:
             model.compile_layouts()
             self._warm_up()
@@ -315,22 +316,26 @@ class ModelRunner:
         if host.placeholders is not None and self._sampled_by_launched(previous_tokens):
             placeholders, previous_tokens = (host.placeholders, host.placeholder_sources), None
         inputs = self.batch.to_device(host, previous_tokens)
-        redraft = self._redraft(group, 0)
+        self._num_runs += group.redraft is not None
+        redraft = self._redraft(group, layout, 0)
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                           inputs.logits_indices, group.first_stage, redraft)
         logits, launched = self.model.launch_step(layout, step, placeholders, draws)
         return StepResult([logits], launched=launched, redraft=redraft)
 
-    def _redraft(self, group: GroupStep, member: int) -> Redraft | None:
+    def _redraft(self, group: GroupStep, layout: Layout, member: int) -> Redraft | None:
         """What the C++ decoder drafts a batch-1 check's later stages from (GroupStep.redraft): the request's tokens
-        up to the check's first input id, as this rank's batch holds them (every rank of the layout the same)."""
+        up to the check's first input id, as this rank's batch holds them (every rank of the layout the same), and
+        the run words through which rank 0 ends it after a stage (its number counted as a run's)."""
         if group.redraft is None:
             return None
         row = int(group.rows[member][0])
         history = self.batch.token_ids[row, :int(group.num_computed[0]) + 1]
         # None on another rank, or where the check's drafts look only in the request's own tokens
         tree = self.suffix_global_tree if group.redraft.global_tree else None
-        return Redraft.of(history, group.stop_token_ids, *group.redraft, tree)
+        run = Run(group.redraft.max_stages, group.stop_token_ids, None, self.run_words,
+                  limit_word(self.deployment.layouts.index(layout)), self._num_runs, self.rank == layout.ranks[0])
+        return Redraft.of(history, group.stop_token_ids, *group.redraft, tree, run)
 
     def _sampled_by_launched(self, tokens: torch.Tensor | None) -> bool:
         """Whether `tokens` are the argmax rows of the last step launched; else any launched step is waited for,
@@ -390,7 +395,7 @@ class ModelRunner:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         step_redraft = None
-        if plan.groups and plan.groups[0].num_steps > 1:
+        if any(group.num_steps > 1 or group.redraft is not None for group in plan.groups):
             self._num_runs += 1
         for i, group in enumerate(plan.groups):
             layout = self.deployment[group.layout]
@@ -409,7 +414,7 @@ class ModelRunner:
                     dist.send(sent, dst=0, tag=i)
                 continue
             self.batch.write_spec_tokens(group, member)
-            redraft = self._redraft(group, member)
+            redraft = self._redraft(group, layout, member)
             if redraft is not None:
                 step_redraft = redraft
             micro_batches = []

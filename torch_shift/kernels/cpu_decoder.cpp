@@ -103,6 +103,7 @@ constexpr int64_t kMaxTokens = 64;       // native_decoder.py's MAX_TOKENS: a de
 constexpr int64_t kQueue = 2;       // steps launched and not finished, at most: the one running and the next
 constexpr int64_t kResults = 64;    // steps whose return codes are kept
 constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleeps after this without a step
+constexpr int64_t kRunSteps = (int64_t(1) << 16) - 1;  // a run's steps (a check's stages) in its limit word's low bits
 
 // the fields of one layer in the array ts_decoder_create reads (torch_shift/models/native_decoder.py writes it)
 enum LayerField {
@@ -158,6 +159,13 @@ struct Redraft {
   // written: [1 + 3 * max_stages], the stages run, then each one's proposed and accepted tokens and nanoseconds (its
   // draft's and its rows'), which price a check's tokens (Speculator.observe)
   int64_t* stages;
+  // or null: the words through which rank 0 ends the check after its current stage, as a multi-step run's
+  // (ts_decoder_steps; torch_shift.parallel.runs): the check's limit word, the interrupt, the check's run number and
+  // whether this rank leads it
+  int64_t* limit;
+  const int64_t* interrupt;
+  int64_t run;
+  int64_t leader;
 };
 
 // A launched step: its inputs copied, the caller's outputs (alive until it waited for the step)
@@ -637,7 +645,9 @@ int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, 
 // over a rejected proposal's), or with `r.plain_stages` where no draft is found, the token alone. The check ends at a
 // stage that draws a stop token, finds no draft (without plain_stages), leaves no slot for another, or is the
 // `r.max_stages`-th; the host's work and the step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on
-// the edit work, docs/performance.md) are paid once. On return argmax[j] is the token drawn at the step's position j
+// the edit work, docs/performance.md) are paid once. With r.limit, rank 0's interrupt (a request arrived) ends it after
+// the stage running then, as a multi-step run's (ts_decoder_steps): the leader writes the limit before each stage,
+// every rank reads it after the stage, whose collectives the leader joined after its write. On return argmax[j] is the token drawn at the step's position j
 // for j below the tokens drawn (each a proposal accepted there, the last one not) and -1 after them: the rows of a
 // one-stage check whose proposals were those tokens. `ids` is the step's input ids and `history` the request's tokens,
 // r.history's (scratch: both written over).
@@ -654,7 +664,14 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   num_stages = 0;
   int64_t begin = 0, length = first;
   auto stage_start = std::chrono::steady_clock::now();
+  const int64_t tag = r.run << 16;
   for (;;) {
+    if (r.limit != nullptr && r.leader) {
+      if (num_stages == 0) __atomic_store_n(r.limit, tag | r.max_stages, __ATOMIC_RELEASE);
+      if (__atomic_load_n(r.interrupt, __ATOMIC_ACQUIRE) != 0 &&
+          (__atomic_load_n(r.limit, __ATOMIC_RELAXED) & kRunSteps) > num_stages + 1)
+        __atomic_store_n(r.limit, tag | (num_stages + 1), __ATOMIC_RELEASE);
+    }
     const int rc = run_stage(d, ids, pos, begin, length, rows, logits, argmax, copy);
     if (rc != 0) return rc;
     int64_t accepted = 0;
@@ -674,6 +691,10 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     const int64_t next = begin + accepted + 1;  // the drawn token's position: the next stage's first
     std::fill(argmax + next, argmax + n, int64_t{-1});
     if (stop || next >= n || num_stages >= r.max_stages) return 0;
+    if (r.limit != nullptr) {
+      const int64_t word = __atomic_load_n(r.limit, __ATOMIC_ACQUIRE);
+      if ((word >> 16) != r.run || (word & kRunSteps) <= num_stages) return 0;
+    }
     const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
     // none: the check ends, or the next stage decodes the drawn token alone and the one after it drafts again
     // (plain_stages)
@@ -691,7 +712,7 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
 bool redraft_ok(const Decoder& d, const Redraft& r) {
   return r.history != nullptr && r.history_len >= 1 && (r.stop_ids != nullptr || r.num_stops == 0) &&
          r.num_stops >= 0 && r.fresh_tokens >= 1 && r.more_tokens >= 1 && r.max_stages >= 1 && r.max_depth >= 1 &&
-         r.stages != nullptr &&
+         r.stages != nullptr && (r.limit == nullptr || (r.interrupt != nullptr && r.max_stages <= kRunSteps)) &&
          (r.global_index == nullptr || (r.global_tree != 0 && r.global_tokens != nullptr && r.global_size >= 0)) &&
          (r.global_tree == 0 || d.vocab <= (int64_t{1} << 24));  // share_draft's float32 words
 }
@@ -929,8 +950,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
                      const int32_t* table_rows, int64_t tokens_per_block, const int64_t* stop_ids,
                      int64_t num_stop_ids, int64_t* limit, const int64_t* interrupt, int64_t run, int leader,
                      const float* draws) {
-  constexpr int64_t kSteps = (int64_t(1) << 16) - 1;
-  if (num_steps < 1 || num_steps > kSteps || argmax == nullptr || tokens_per_block < 1 || num_stop_ids < 0 ||
+  if (num_steps < 1 || num_steps > kRunSteps || argmax == nullptr || tokens_per_block < 1 || num_stop_ids < 0 ||
       (limit != nullptr && interrupt == nullptr))
     return -200;
   Decoder& d = *static_cast<Decoder*>(decoder);
@@ -940,7 +960,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
     if (limit != nullptr && leader) {
       if (s == 0) __atomic_store_n(limit, tag | num_steps, __ATOMIC_RELEASE);
       if (__atomic_load_n(interrupt, __ATOMIC_ACQUIRE) != 0 &&
-          (__atomic_load_n(limit, __ATOMIC_RELAXED) & kSteps) > s + 1)
+          (__atomic_load_n(limit, __ATOMIC_RELAXED) & kRunSteps) > s + 1)
         __atomic_store_n(limit, tag | (s + 1), __ATOMIC_RELEASE);
     }
     const int rc = run_step(d, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax, nullptr,
@@ -953,7 +973,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
         if (argmax[i] == stop_ids[j]) return static_cast<int>(s + 1);
     if (limit != nullptr) {
       const int64_t word = __atomic_load_n(limit, __ATOMIC_ACQUIRE);
-      if ((word >> 16) != run || (word & kSteps) <= s + 1) return static_cast<int>(s + 1);
+      if ((word >> 16) != run || (word & kRunSteps) <= s + 1) return static_cast<int>(s + 1);
     }
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t position = ++positions[i];

@@ -83,12 +83,15 @@ class Redraft(ctypes.Structure):
                 ("max_stages", ctypes.c_int64), ("plain_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64),
                 ("max_spec_factor", ctypes.c_double), ("min_token_prob", ctypes.c_double),
                 ("global_tree", ctypes.c_int64), ("global_tokens", ctypes.c_void_p), ("global_size", ctypes.c_int64),
-                ("global_index", ctypes.c_void_p), ("stage_counts", ctypes.c_void_p)]
+                ("global_index", ctypes.c_void_p), ("stage_counts", ctypes.c_void_p), ("limit", ctypes.c_void_p),
+                ("interrupt", ctypes.c_void_p), ("run", ctypes.c_int64), ("leader", ctypes.c_int64)]
 
     @classmethod
     def of(cls, history: np.ndarray, stop_token_ids: np.ndarray, fresh_tokens: int, more_tokens: int,
            max_stages: int, plain_stages: bool, max_depth: int, max_spec_factor: float, min_token_prob: float,
-           global_tree: bool, tree: GlobalTree | None = None) -> Redraft:
+           global_tree: bool, tree: GlobalTree | None = None, run: Run | None = None) -> Redraft:
+        """`run`: the words and number through which rank 0 ends the check after its current stage, as a multi-step
+        run's (torch_shift.parallel.runs); None: nothing interrupts it."""
         history = np.ascontiguousarray(history, dtype=np.int64)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
         counts = np.zeros(1 + 3 * max_stages, dtype=np.int64)
@@ -101,7 +104,8 @@ class Redraft(ctypes.Structure):
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
                       len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
                       min_token_prob, int(global_tree), tokens_address, size, index,
-                      counts.__array_interface__["data"][0])
+                      counts.__array_interface__["data"][0], *(run.word_addresses() if run is not None else (0, 0)),
+                      run.number if run is not None else 0, int(run is not None and run.leader))
         # alive while the decoder may read or write them (the tree's array too: the tree grows into a new one, and
         # the tree, which frees its index)
         redraft._arrays = (history, stops, counts, tokens, tree)

@@ -1,7 +1,8 @@
 """A multi-step run on a rank (GroupStep.num_steps, ModelRunner._run_steps): its steps, how its rows draw their
 tokens, and what ends it early: a stop token drawn, which every rank of the run's layout draws alike, or rank 0's
 interrupt (a request arrived or was aborted while the run computes: torch_shift.serve.async_engine), which they must
-all see at the same step.
+all see at the same step. A batch-1 check whose later stages the C++ decoder drafts (GroupStep.redraft) is a run
+too, its stages its steps: a request that arrives while it computes waits for one stage, not for the check.
 
 The interrupt lives in int64 words every rank of the deployment shares (`words`: the control channel's,
 ShmCommunicator.words, or a process's own with one rank). Word 0 is the interrupt: rank 0's front end sets it from
@@ -62,11 +63,15 @@ class Run:
         if self.draws is not None:
             assert self.draws.shape[2] == num_rows, (self.draws.shape, num_rows)
             draws = self.draws.ctypes.data
+        return (stops.ctypes.data, len(stops), *self.word_addresses(), self.number,
+                int(self.words is not None and self.leader), draws)
+
+    def word_addresses(self) -> tuple[int, int]:
+        """The run's limit word's address and the interrupt's; (0, 0) where the ranks share no words."""
         if self.words is None:
-            return stops.ctypes.data, len(stops), 0, 0, self.number, 0, draws
+            return 0, 0
         base = self.words.ctypes.data
-        return (stops.ctypes.data, len(stops), base + 8 * self.word, base + 8 * _INTERRUPT, self.number,
-                int(self.leader), draws)
+        return base + 8 * self.word, base + 8 * _INTERRUPT
 
     def begin_step(self, step: int) -> None:
         """Before step `step` (from 0) of a run whose steps run in Python: the leader's writes."""

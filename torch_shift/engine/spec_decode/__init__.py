@@ -85,9 +85,12 @@ RELOOK_PROBES = 4
 # tokens a run; 3 to 6 read alike (0.97-0.99x the TPOT of one-stage checks, alternated; docs/performance.md)
 SECOND_STAGE_TOKENS = 6
 # A batch-1 check whose stages after the first the C++ decoder drafts (Redrafting) holds slots for this many tokens
-# and runs at most REDRAFT_STAGES stages: about as long as a multi-step run of 8 plain steps holds the engine
-REDRAFT_TOKENS = 32
-REDRAFT_STAGES = 8
+# and runs at most REDRAFT_STAGES stages (rank 0's interrupt ends it after a stage, as a multi-step run:
+# torch_shift.parallel.runs). 16 stages against 8, alternated on bench_spec's work: TPOT ratios to no speculation
+# 1.03-1.06x higher under Shift and in one process (agent and edit medians; docs/performance.md), the host's work and
+# the plan between checks paid half as often
+REDRAFT_TOKENS = 64
+REDRAFT_STAGES = 16
 
 
 def num_accepted(proposed, drawn) -> int:
