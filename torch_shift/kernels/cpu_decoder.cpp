@@ -647,10 +647,10 @@ int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, 
 // `r.max_stages`-th; the host's work and the step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on
 // the edit work, docs/performance.md) are paid once. With r.limit, rank 0's interrupt (a request arrived) ends it after
 // the stage running then, as a multi-step run's (ts_decoder_steps): the leader writes the limit before each stage,
-// every rank reads it after the stage, whose collectives the leader joined after its write. On return argmax[j] is the token drawn at the step's position j
-// for j below the tokens drawn (each a proposal accepted there, the last one not) and -1 after them: the rows of a
-// one-stage check whose proposals were those tokens. `ids` is the step's input ids and `history` the request's tokens,
-// r.history's (scratch: both written over).
+// every rank reads it after the stage, whose collectives the leader joined after its write. On return argmax[j] is the
+// token drawn at the step's position j for j below the tokens drawn (each a proposal accepted there, the last one not)
+// and -1 after them: the rows of a one-stage check whose proposals were those tokens. `ids` is the step's input ids and
+// `history` the request's tokens, r.history's (scratch: both written over).
 int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
                    void* logits, int64_t* argmax, void* copy, Redraft& r, std::vector<int64_t>& history) {
   history.reserve(r.history_len + n);
