@@ -180,7 +180,17 @@ def serve_and_load(model_dir: Path, name: str, engine_args: dict, specs, boundar
         snapshots.append(scrape(server.url))  # after the last request: the drain belongs to the last phase
     finally:
         server.stop()
+    for r in failed_requests(records):  # said, so that a run's rare failure can be told apart from its figures
+        log(f"  {name}: request {r['id']} (arriving at {r['arrival_s']:.1f} s) failed after {r['output_tokens']} "
+            f"tokens, status {r['status']}: {r['error']}")
     return {"records": records, "snapshots": snapshots, "startup_s": startup_s}
+
+
+def failed_requests(records: list[dict]) -> list[dict]:
+    """The records of requests that did not end well (an HTTP status other than 200, or an error in the stream),
+    without their token times."""
+    return [{key: value for key, value in r.items() if key != "token_times_s"} for r in records
+            if r["status"] != 200 or r["error"]]
 
 
 def in_window(records: list[dict], start: float, end: float) -> list[dict]:
@@ -316,7 +326,7 @@ def serve_stream(model_dir: Path, name: str, specs, phases: list[tuple[float, fl
     overall["output_tok_s"] = sum(r["output_tokens"] for r in ok) / (max(r["end_s"] for r in ok)
                                                                       - min(r["start_s"] for r in ok))
     return {"phases": per_phase, "by_kind": by_phase, "startup_s": run["startup_s"], "overall": overall,
-            "timeline": timeline(records, 1.0)}
+            "timeline": timeline(records, 1.0), "failed": failed_requests(records)}
 
 
 def compare_with_peer(results: dict, peer: str) -> str:
