@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +139,27 @@ def layers4(tmp_path_factory):
     """A Llama with 4 layers and 4 KV heads: DP-2, TP-2, TP-4, PP-2, PP-4 and Flying's groups are all possible."""
     model = build_hf_model("llama", num_key_value_heads=4, num_hidden_layers=4)
     return save_checkpoint(model, tmp_path_factory.mktemp("layers4"))
+
+
+@contextlib.contextmanager
+def interrupted_at_random(engine, seed: int = 0):
+    """Rank 0's interrupt of multi-step runs and redrafting checks (a request arriving at a server:
+    LLMEngine.interrupt_run) set and cleared at random moments by a thread while the body runs."""
+    done = threading.Event()
+
+    def toggle():
+        rng = random.Random(seed)
+        while not done.is_set():
+            (engine.interrupt_run if rng.random() < 0.5 else engine.clear_run_interrupt)()
+            time.sleep(rng.random() * 2e-3)
+
+    thread = threading.Thread(target=toggle)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def random_prompts(num: int, lengths: list[int] | None = None, seed: int = 0, vocab: int = VOCAB_SIZE) -> list[list[int]]:

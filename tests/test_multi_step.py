@@ -294,29 +294,17 @@ def test_interrupts_at_any_moment_leave_the_tokens_alone(layers4, layout):
     """Rank 0's front end interrupts whenever a request arrives: set and cleared at random moments while two ranks run
     (the C++ decoder's runs of TP-2; static SP's steps of several requests in Python over both ranks), every rank
     still stops at the same step, and the tokens are single steps'."""
-    import random
-    import threading
+    from conftest import interrupted_at_random
 
     prompts, params = _work()
     reference, _ = _generate(layers4, 1, prompts, params)
     llm = LLM(str(layers4), num_scheduler_steps=4, **layout, **ENGINE)
-    done = threading.Event()
-
-    def toggle():
-        rng = random.Random(0)
-        while not done.is_set():
-            (llm.engine.interrupt_run if rng.random() < 0.5 else llm.engine.clear_run_interrupt)()
-            time.sleep(rng.random() * 2e-3)
-
-    thread = threading.Thread(target=toggle)
-    thread.start()
     try:
-        for _ in range(3):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == reference
+        with interrupted_at_random(llm.engine):
+            for _ in range(3):
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == reference
     finally:
-        done.set()
-        thread.join()
         llm.shutdown()
 
 

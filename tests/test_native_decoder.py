@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import build_hf_model, hf_greedy, random_prompts, save_checkpoint
+from conftest import build_hf_model, hf_greedy, interrupted_at_random, random_prompts, save_checkpoint
 
 from torch_shift import LLM, SamplingParams
 from torch_shift.engine import decode_pool
@@ -863,8 +863,6 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
     arriving at the server does, it ends after the stage it is in on every rank of its layout, and the tokens stay
     those without speculation; with the interrupt set and cleared at random moments, the same tokens (a rank that
     ended a stage apart from the others would draw other tokens, or wait for them forever)."""
-    import random
-
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
@@ -893,22 +891,9 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
         assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
         assert checks and all(len(stages) == 1 for stages in checks)
         llm.engine.clear_run_interrupt()
-        done = threading.Event()
-
-        def toggle():
-            rng = random.Random(0)
-            while not done.is_set():
-                (llm.engine.interrupt_run if rng.random() < 0.5 else llm.engine.clear_run_interrupt)()
-                time.sleep(rng.random() * 2e-3)
-
-        thread = threading.Thread(target=toggle)
-        thread.start()
-        try:
+        with interrupted_at_random(llm.engine):
             for _ in range(3):
                 assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
-        finally:
-            done.set()
-            thread.join()
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     finally:
         llm.shutdown()
