@@ -316,12 +316,17 @@ class ModelRunner:
         if host.placeholders is not None and self._sampled_by_launched(previous_tokens):
             placeholders, previous_tokens = (host.placeholders, host.placeholder_sources), None
         inputs = self.batch.to_device(host, previous_tokens)
-        self._num_runs += group.redraft is not None
+        self._count_run(plan)
         redraft = self._redraft(group, layout, 0)
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                           inputs.logits_indices, group.first_stage, redraft)
         logits, launched = self.model.launch_step(layout, step, placeholders, draws)
         return StepResult([logits], launched=launched, redraft=redraft)
+
+    def _count_run(self, plan: StepPlan) -> None:
+        """Every rank counts each plan with a multi-step run or a redrafting check alike (their runs' numbers)."""
+        if any(group.num_steps > 1 or group.redraft is not None for group in plan.groups):
+            self._num_runs += 1
 
     def _redraft(self, group: GroupStep, layout: Layout, member: int) -> Redraft | None:
         """What the C++ decoder drafts a batch-1 check's later stages from (GroupStep.redraft): the request's tokens
@@ -395,8 +400,7 @@ class ModelRunner:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
         step_redraft = None
-        if any(group.num_steps > 1 or group.redraft is not None for group in plan.groups):
-            self._num_runs += 1
+        self._count_run(plan)
         for i, group in enumerate(plan.groups):
             layout = self.deployment[group.layout]
             if self.rank not in layout.ranks or self.model.idle_in(layout, group.num_tokens):

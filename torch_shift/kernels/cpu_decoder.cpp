@@ -105,6 +105,23 @@ constexpr int64_t kResults = 64;    // steps whose return codes are kept
 constexpr int64_t kSpinBeforeSleepNs = 2'000'000;  // the decoder's thread sleeps after this without a step
 constexpr int64_t kRunSteps = (int64_t(1) << 16) - 1;  // a run's steps (a check's stages) in its limit word's low bits
 
+// torch_shift.parallel.runs' limit word, (run << 16) | steps, through which rank 0's interrupt ends a multi-step run
+// (ts_decoder_steps) or a redrafting check (run_redrafting) after its current step. The leader writes it before step
+// `done` (from 0) of `total`; every rank reads it after the step, whose collectives the leader joined after its write.
+inline void lead_run_step(int64_t* limit, const int64_t* interrupt, int64_t run, int64_t total, int64_t done) {
+  const int64_t tag = run << 16;
+  if (done == 0) __atomic_store_n(limit, tag | total, __ATOMIC_RELEASE);
+  if (__atomic_load_n(interrupt, __ATOMIC_ACQUIRE) != 0 &&
+      (__atomic_load_n(limit, __ATOMIC_RELAXED) & kRunSteps) > done + 1)
+    __atomic_store_n(limit, tag | (done + 1), __ATOMIC_RELEASE);
+}
+
+// Whether the run ends after its `done`-th step: its limit says so, or the leader went on to a later run.
+inline bool run_ends_after(const int64_t* limit, int64_t run, int64_t done) {
+  const int64_t word = __atomic_load_n(limit, __ATOMIC_ACQUIRE);
+  return (word >> 16) != run || (word & kRunSteps) <= done;
+}
+
 // the fields of one layer in the array ts_decoder_create reads (torch_shift/models/native_decoder.py writes it)
 enum LayerField {
   kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kKvLayer, kWindow, kO, kOBias, kPostNorm, kGateUp, kDown, kQkvHandle,
@@ -646,11 +663,10 @@ int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, 
 // stage that draws a stop token, finds no draft (without plain_stages), leaves no slot for another, or is the
 // `r.max_stages`-th; the host's work and the step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on
 // the edit work, docs/performance.md) are paid once. With r.limit, rank 0's interrupt (a request arrived) ends it after
-// the stage running then, as a multi-step run's (ts_decoder_steps): the leader writes the limit before each stage,
-// every rank reads it after the stage, whose collectives the leader joined after its write. On return argmax[j] is the
-// token drawn at the step's position j for j below the tokens drawn (each a proposal accepted there, the last one not)
-// and -1 after them: the rows of a one-stage check whose proposals were those tokens. `ids` is the step's input ids and
-// `history` the request's tokens, r.history's (scratch: both written over).
+// the stage running then, as a multi-step run's (lead_run_step, run_ends_after). On return argmax[j] is the token drawn
+// at the step's position j for j below the tokens drawn (each a proposal accepted there, the last one not) and -1 after
+// them: the rows of a one-stage check whose proposals were those tokens. `ids` is the step's input ids and `history`
+// the request's tokens, r.history's (scratch: both written over).
 int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int64_t first, const int64_t* rows,
                    void* logits, int64_t* argmax, void* copy, Redraft& r, std::vector<int64_t>& history) {
   history.reserve(r.history_len + n);
@@ -664,14 +680,8 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
   num_stages = 0;
   int64_t begin = 0, length = first;
   auto stage_start = std::chrono::steady_clock::now();
-  const int64_t tag = r.run << 16;
   for (;;) {
-    if (r.limit != nullptr && r.leader) {
-      if (num_stages == 0) __atomic_store_n(r.limit, tag | r.max_stages, __ATOMIC_RELEASE);
-      if (__atomic_load_n(r.interrupt, __ATOMIC_ACQUIRE) != 0 &&
-          (__atomic_load_n(r.limit, __ATOMIC_RELAXED) & kRunSteps) > num_stages + 1)
-        __atomic_store_n(r.limit, tag | (num_stages + 1), __ATOMIC_RELEASE);
-    }
+    if (r.limit != nullptr && r.leader) lead_run_step(r.limit, r.interrupt, r.run, r.max_stages, num_stages);
     const int rc = run_stage(d, ids, pos, begin, length, rows, logits, argmax, copy);
     if (rc != 0) return rc;
     int64_t accepted = 0;
@@ -691,10 +701,7 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     const int64_t next = begin + accepted + 1;  // the drawn token's position: the next stage's first
     std::fill(argmax + next, argmax + n, int64_t{-1});
     if (stop || next >= n || num_stages >= r.max_stages) return 0;
-    if (r.limit != nullptr) {
-      const int64_t word = __atomic_load_n(r.limit, __ATOMIC_ACQUIRE);
-      if ((word >> 16) != r.run || (word & kRunSteps) <= num_stages) return 0;
-    }
+    if (r.limit != nullptr && run_ends_after(r.limit, r.run, num_stages)) return 0;
     const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
     // none: the check ends, or the next stage decodes the drawn token alone and the one after it drafts again
     // (plain_stages)
@@ -955,14 +962,8 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
     return -200;
   Decoder& d = *static_cast<Decoder*>(decoder);
   if (launched_step_runs(d)) return -202;
-  const int64_t tag = run << 16;
   for (int64_t s = 0; s < num_steps; ++s) {
-    if (limit != nullptr && leader) {
-      if (s == 0) __atomic_store_n(limit, tag | num_steps, __ATOMIC_RELEASE);
-      if (__atomic_load_n(interrupt, __ATOMIC_ACQUIRE) != 0 &&
-          (__atomic_load_n(limit, __ATOMIC_RELAXED) & kRunSteps) > s + 1)
-        __atomic_store_n(limit, tag | (s + 1), __ATOMIC_RELEASE);
-    }
+    if (limit != nullptr && leader) lead_run_step(limit, interrupt, run, num_steps, s);
     const int rc = run_step(d, input_ids, positions, num_tokens, logits_rows, num_tokens, logits, argmax, nullptr,
                             draws == nullptr ? nullptr : draws + s * 5 * num_tokens);
     if (rc != 0) return rc;
@@ -971,10 +972,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
     for (int64_t i = 0; i < num_tokens; ++i)
       for (int64_t j = 0; j < num_stop_ids; ++j)
         if (argmax[i] == stop_ids[j]) return static_cast<int>(s + 1);
-    if (limit != nullptr) {
-      const int64_t word = __atomic_load_n(limit, __ATOMIC_ACQUIRE);
-      if ((word >> 16) != run || (word & kRunSteps) <= s + 1) return static_cast<int>(s + 1);
-    }
+    if (limit != nullptr && run_ends_after(limit, run, s + 1)) return static_cast<int>(s + 1);
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t position = ++positions[i];
       input_ids[i] = argmax[i];

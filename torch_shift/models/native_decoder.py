@@ -104,8 +104,7 @@ class Redraft(ctypes.Structure):
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
                       len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
                       min_token_prob, int(global_tree), tokens_address, size, index,
-                      counts.__array_interface__["data"][0], *(run.word_addresses() if run is not None else (0, 0)),
-                      run.number if run is not None else 0, int(run is not None and run.leader))
+                      counts.__array_interface__["data"][0], *(run.native_words() if run is not None else (0, 0, 0, 0)))
         # alive while the decoder may read or write them (the tree's array too: the tree grows into a new one, and
         # the tree, which frees its index)
         redraft._arrays = (history, stops, counts, tokens, tree)

@@ -63,15 +63,15 @@ class Run:
         if self.draws is not None:
             assert self.draws.shape[2] == num_rows, (self.draws.shape, num_rows)
             draws = self.draws.ctypes.data
-        return (stops.ctypes.data, len(stops), *self.word_addresses(), self.number,
-                int(self.words is not None and self.leader), draws)
+        return (stops.ctypes.data, len(stops), *self.native_words(), draws)
 
-    def word_addresses(self) -> tuple[int, int]:
-        """The run's limit word's address and the interrupt's; (0, 0) where the ranks share no words."""
+    def native_words(self) -> tuple[int, int, int, int]:
+        """The C++ decoder's view of what ends the run on rank 0's interrupt: the limit word's address, the interrupt's
+        (0, 0 where the ranks share no words), the run's number and whether this rank leads it."""
         if self.words is None:
-            return 0, 0
+            return 0, 0, self.number, 0
         base = self.words.ctypes.data
-        return base + 8 * self.word, base + 8 * _INTERRUPT
+        return base + 8 * self.word, base + 8 * _INTERRUPT, self.number, int(self.leader)
 
     def begin_step(self, step: int) -> None:
         """Before step `step` (from 0) of a run whose steps run in Python: the leader's writes."""
