@@ -900,6 +900,50 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+def test_a_redrafting_check_ends_at_the_stage_that_completes_a_stop_string(tmp_path, layout):
+    """A request with a stop string: its redrafting checks end after a stage that drew a token that may complete it
+    (Tokenizer.stop_string_token_ids), not up to REDRAFT_STAGES stages later, whose tokens the host would only cut
+    off; the text and tokens those of the engine without speculation. (With no such tokens, the checks drew 64 tokens
+    for an output of 12 here.)"""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    start = random_prompts(1, [6], seed=5)[0]
+    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
+    prompt = {"prompt_token_ids": start + list(cycle)}  # its output repeats the cycle: long checks accepted
+    text = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    # the stop: three characters of the output (no replacement character), those it completes latest
+    windows = [text[i:i + 3] for i in range(len(text) - 2) if "\ufffd" not in text[i:i + 3]]
+    stop = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, stop=[max(windows, key=text.find)])
+    expected = reference.generate(prompt, stop, use_tqdm=False)[0].outputs[0]
+    reference.shutdown()
+    assert expected.finish_reason == "stop" and len(expected.token_ids) >= 10
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
+    speculator = llm.engine.core.speculator
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    checks, observe = [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
+        return observe(entries, sampled, seconds)
+
+    speculator.observe = observed
+    try:
+        output = llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0]
+        assert (output.text, output.token_ids, output.finish_reason) == (
+            expected.text, expected.token_ids, expected.finish_reason)
+        assert any(len(stages) > 1 for stages in checks)
+        drawn = sum(accepted + 1 for stages in checks for _, accepted, _ in stages)
+        # what plain steps and checks' rows drew in all: the output, and the rest of the stop's stage at most
+        assert drawn <= len(expected.token_ids) + 8, (drawn, len(expected.token_ids))
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 def test_a_dp_replica_without_rank_0_does_not_redraft_from_earlier_outputs(tmp_path):
     """Under DP-2 the global tree lives on rank 0: a request on replica 1 whose drafts come from earlier outputs gets
     no redrafting check that searches them (its drafts from the tree run in two stages), and its tokens stay those

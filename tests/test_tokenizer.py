@@ -455,3 +455,64 @@ def test_token_bytes_of_sentencepiece_byte_fallback(tmp_path: Path) -> None:
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == " Hello world 日本".encode()
     assert tokenizer.token_bytes(pieces.index("<0xE6>")) == b"\xe6"
     assert tokenizer.token_bytes(2) == b"</s>"
+
+
+def _wordpiece_dir(out: Path) -> Path:
+    """A BERT-style tokenizer: WordPiece pieces ("##" continues a word), whose decoder joins words with spaces."""
+    backend = tokenizers.Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.train_from_iterator(["the quick brown fox jumps over the lazy dog: observation, answer!"] * 50,
+                                tokenizers.trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]", "[SEP]"],
+                                                                     show_progress=False))
+    backend.decoder = decoders.WordPiece()
+    out.mkdir(parents=True)
+    backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[SEP]", "unk_token": "[UNK]"}))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece"])
+def test_the_token_that_completes_a_stop_string_is_a_stop_string_token(tokenizer: Tokenizer, tmp_path: Path,
+                                                                        kind: str) -> None:
+    """Tokenizer.stop_string_token_ids holds the token at whose step the output processor finds a stop string (as
+    OutputProcessor._detokenize: the incremental detokenizer's text, StopStrings), over random outputs and stop
+    strings cut from their own text, unless the detokenizer held text back before it (a redrafting check ends after a
+    stage that drew such a token, and one that starts with text held runs one stage: it never runs on past the stop);
+    and it is a small part of the vocabulary."""
+    from torch_shift.engine.output_processor import StopStrings
+
+    if kind == "sentencepiece":
+        tokenizer = Tokenizer.from_dir(_sentencepiece_style_dir(tmp_path / "sp"))
+    elif kind == "wordpiece":
+        tokenizer = Tokenizer.from_dir(_wordpiece_dir(tmp_path / "wp"))
+    rng = random.Random(0)
+    words = ["the", " quick", " brown", "\n", ": ", "Observation", " café", " 你好", " 😀", "!", "  ", "fox"]
+    num_found = num_held = 0
+    for trial in range(300):
+        if trial % 2:
+            ids = [rng.randrange(tokenizer.vocab_size) for _ in range(24)]
+        else:
+            ids = tokenizer.encode("".join(rng.choice(words) for _ in range(12)), add_special_tokens=False)
+        skip = trial % 3 != 0
+        text = tokenizer.decode(ids, skip_special_tokens=skip)
+        if not text.strip():
+            continue
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            start = rng.randrange(len(text))
+            stops.append(text[start:start + rng.randrange(1, 7)])
+        enders = tokenizer.stop_string_token_ids(stops)
+        detokenizer = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id or 0], skip)
+        finder, seen = StopStrings(tuple(stops)), ""
+        for i, token_id in enumerate(ids):
+            held = detokenizer.holds_text
+            new_text = detokenizer.step(token_id)
+            seen += new_text
+            if new_text and finder.find(seen, len(new_text)) is not None:
+                assert token_id in enders or held, (kind, stops, ids[:i + 1], seen)
+                num_found += 1
+                num_held += held
+                break
+    assert num_found - num_held >= 100, (num_found, num_held)  # found with no text held
+    assert len(tokenizer.stop_string_token_ids(["Observation:"])) < tokenizer.vocab_size // 10

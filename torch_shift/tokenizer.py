@@ -28,6 +28,9 @@ def _byte_level_bytes() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
+# lists of stop strings whose tokens (Tokenizer.stop_string_token_ids) a tokenizer keeps, the oldest dropped first
+STOP_STRING_SETS = 64
+
 # Prompt tokens handed to DecodeStream as context, so that the first generated token decodes as it would after
 # the prompt (e.g. SentencePiece's leading space is kept instead of stripped as at the start of a text).
 _DETOKENIZER_CONTEXT_TOKENS = 8
@@ -195,6 +198,76 @@ class Tokenizer:
             return piece.replace("▁", " ").encode()
         return self.token_to_str(token_id).encode()
 
+    def stop_string_token_ids(self, stops: Sequence[str]) -> frozenset[int]:
+        """The tokens that may complete one of `stops` in the text the detokenizer emits, where it held no text back
+        before them (IncrementalDetokenizer.holds_text: held text comes out with the next token, whatever its bytes).
+        A stop string is then found at the step of the token that brings its last byte, so such a token holds that
+        byte, the bytes before it in the token being a suffix of the stop string (its start came earlier) or ending
+        with all of it. Each token's bytes are `token_bytes`'s, and where those are a token's text decoded alone, also
+        its text decoded after another token (`_emitted_bytes`). A stop string holding U+FFFD, which the detokenizer
+        writes for bytes that form no character, may end at any token. A redrafting check ends after a stage that drew
+        one (Request.redraft_stop_token_ids). Kept for the last STOP_STRING_SETS lists of stop strings."""
+        stops = tuple(stops)
+        found = self._stop_string_tokens.get(stops)
+        if found is not None:
+            return found
+        emitted_bytes = self._emitted_bytes  # read once, now (a call with no stop strings reads it ahead)
+        if any("\ufffd" in stop for stop in stops):  # the detokenizer writes it for bytes no token holds
+            return self._keep_stop_string_tokens(stops, frozenset(range(self.vocab_size)))
+        by_last: dict[int, set[bytes]] = {}
+        for stop in stops:
+            encoded = stop.encode()
+            by_last.setdefault(encoded[-1], set()).add(encoded)
+        ids: set[int] = set()
+        for last, group in by_last.items():
+            lengths = sorted({len(s) for s in group})
+            suffixes = {s[-n:] for s in group for n in range(1, len(s) + 1)}
+            for token_id in self._tokens_holding_byte(last):
+                for emitted in emitted_bytes[token_id]:
+                    end = emitted.find(last)
+                    while end != -1 and token_id not in ids:
+                        head = emitted[:end + 1]
+                        if head in suffixes or any(head[-n:] in group for n in lengths if n < len(head)):
+                            ids.add(token_id)
+                        end = emitted.find(last, end + 1)
+        return self._keep_stop_string_tokens(stops, frozenset(ids))
+
+    def _keep_stop_string_tokens(self, stops: tuple[str, ...], ids: frozenset[int]) -> frozenset[int]:
+        if len(self._stop_string_tokens) >= STOP_STRING_SETS:
+            del self._stop_string_tokens[next(iter(self._stop_string_tokens))]
+        self._stop_string_tokens[stops] = ids
+        return ids
+
+    @cached_property
+    def _stop_string_tokens(self) -> dict[tuple[str, ...], frozenset[int]]:
+        return {}
+
+    def _tokens_holding_byte(self, byte: int) -> list[int]:
+        held = self._holding_byte.get(byte)
+        if held is None:
+            held = self._holding_byte[byte] = [i for i, variants in enumerate(self._emitted_bytes)
+                                               if any(byte in b for b in variants)]
+        return held
+
+    @cached_property
+    def _holding_byte(self) -> dict[int, list[int]]:
+        return {}
+
+    @cached_property
+    def _emitted_bytes(self) -> list[tuple[bytes, ...]]:
+        """Per token id, the bytes it may add to the detokenized text (stop_string_token_ids): token_bytes', and where
+        those are its text decoded alone (another decoder than ByteLevel's, ByteFallback's or Metaspace's), also its
+        text decoded after another token, as the detokenizer emits it (a WordPiece decoder joins words with a space
+        there and drops a piece's "##"). About 0.35 s for a vocabulary of 152k tokens, once."""
+        own = list(map(self.token_bytes, range(self.vocab_size)))
+        if self._decoder_types & {"ByteLevel", "ByteFallback", "Metaspace", "Replace"}:
+            return [(b,) for b in own]
+        added = self._added_token_ids
+        before = next(i for i in range(self.vocab_size) if i not in added)
+        start = len(self.backend.decode([before], skip_special_tokens=False))
+        after = self.backend.decode_batch([[before, i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return [(b, text[start:].encode()) for b, text in zip(own, after)]
+
     @cached_property
     def _added_token_ids(self) -> frozenset[int]:
         return frozenset(self.backend.get_added_tokens_decoder())
@@ -333,6 +406,12 @@ class IncrementalDetokenizer:
         if len(self._chunks) > 1:
             self._chunks[:] = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether text is held back for a character not finished yet (or a skipped special token's step gave none):
+        the next token's text holds it, whatever that token's bytes."""
+        return self._num_held_back_ids > 0
 
     def step(self, token_id: int) -> str:
         if self._flushed:

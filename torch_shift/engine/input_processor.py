@@ -117,6 +117,11 @@ class InputProcessor:
         self.uses_priority = uses_priority  # the layout policy reads priorities (Flying)
         self.policy_name = policy_name
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
+        # the tokens that may complete a request's stop strings end its redrafting checks
+        # (Request.redraft_stop_token_ids): found where the engine speculates (the vocabulary's bytes read now)
+        self._finds_stop_string_tokens = tokenizer is not None and config.speculative is not None
+        if self._finds_stop_string_tokens:
+            tokenizer.stop_string_token_ids(())
         self._grammars_lock = threading.Lock()
 
     def tokenize_prompt(self, prompt: Prompt | TokenizedPrompt) -> TokenizedPrompt:
@@ -250,6 +255,8 @@ class InputProcessor:
                             primary_eos_token_id=self.primary_eos_token_id)
             if i > 0:
                 child.prompt_logprobs = None  # computed once per prompt
+            if params.stop_strings and self._finds_stop_string_tokens:
+                child.stop_string_token_ids = self.tokenizer.stop_string_token_ids(params.stop_strings)
             if grammar is not None:
                 matcher = grammar.deep_copy()
                 if params.structured_outputs.starts_after is None:

@@ -431,6 +431,8 @@ class OutputProcessor:
                     stopped = True
                 break
         tracked.texts[index] = text
+        if searches:
+            request.holds_text = detok.holds_text
         return stopped
 
     def _output(self, tracked: _Tracked, indices, finished: bool) -> RequestOutput:

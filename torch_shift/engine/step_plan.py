@@ -212,8 +212,11 @@ class PlanBuilder:
                 request = entries[0].request
                 step.first_stage = 1 + request.spec_stage
                 if request.spec_redraft is not None:
-                    step.redraft = request.spec_redraft
-                    step.stop_token_ids = _stop_token_ids(entries)
+                    # text held back for an unfinished character comes out with a later token, whatever its bytes:
+                    # the check ends after its first stage (Request.redraft_stop_token_ids)
+                    step.redraft = (request.spec_redraft._replace(max_stages=1) if request.holds_text
+                                    else request.spec_redraft)
+                    step.stop_token_ids = request.redraft_stop_token_ids()
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],
@@ -224,8 +227,8 @@ class PlanBuilder:
 
 
 def _stop_token_ids(entries) -> np.ndarray:
-    """The end and stop tokens of the entries' requests (Request.check_stop's), int64: those that end a multi-step
-    run or a redrafting check after the step that drew one."""
+    """The end and stop tokens of the entries' requests (Request.check_stop's), int64 and sorted: those that end a
+    multi-step run after the step that drew one."""
     return np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids for e in entries))),
                     dtype=np.int64)
 

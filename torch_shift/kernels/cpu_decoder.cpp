@@ -158,7 +158,7 @@ struct Layer {
 struct Redraft {
   const int64_t* history;  // the request's tokens up to the step's first input id, included
   int64_t history_len;
-  const int64_t* stop_ids;  // a stage that draws one of them ends the check
+  const int64_t* stop_ids;  // a stage that draws one of them ends the check (sorted)
   int64_t num_stops;
   int64_t fresh_tokens;  // the most proposals a stage checks after one that rejected a proposal
   int64_t more_tokens;   // after one that accepted every proposal
@@ -696,7 +696,7 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     bool stop = false;
     for (int64_t i = begin; i <= begin + accepted; ++i) {
       history.push_back(argmax[i]);
-      for (int64_t j = 0; j < r.num_stops; ++j) stop = stop || argmax[i] == r.stop_ids[j];
+      stop = stop || std::binary_search(r.stop_ids, r.stop_ids + r.num_stops, argmax[i]);
     }
     const int64_t next = begin + accepted + 1;  // the drawn token's position: the next stage's first
     std::fill(argmax + next, argmax + n, int64_t{-1});
@@ -944,7 +944,8 @@ int ts_decoder_step(void* decoder, const int64_t* input_ids, const int64_t* posi
 // tokens (`num_computed`, int32, which the installed step reads in place) and its KV slot (`slot_mapping`, read so
 // too: block_table[table_rows[i]][position / tokens_per_block] * tokens_per_block + position % tokens_per_block)
 // move one further. The run ends after the first step in which some row draws one of `stop_ids` (num_stop_ids of
-// them: the run's requests' end and stop tokens; every rank of a layout draws the same rows, so ends alike), or, where
+// them, sorted: the run's requests' end and stop tokens, torch_shift.engine.step_plan's; every rank of a layout draws
+// the same rows, so ends alike), or, where
 // `limit` is not null, as torch_shift.parallel.runs describes: the words every rank shares, `limit` the run's
 // ((run << 16) | steps), which the `leader` writes at the start of each step (its steps, then the step's number + 1
 // once `interrupt` is set) and every rank reads after it. Each row's token is its argmax, or where `draws` is not null
@@ -970,8 +971,7 @@ int ts_decoder_steps(void* decoder, int64_t* input_ids, int64_t* positions, int6
     std::memcpy(drawn + s * num_tokens, argmax, num_tokens * sizeof(int64_t));
     if (s + 1 == num_steps) break;
     for (int64_t i = 0; i < num_tokens; ++i)
-      for (int64_t j = 0; j < num_stop_ids; ++j)
-        if (argmax[i] == stop_ids[j]) return static_cast<int>(s + 1);
+      if (std::binary_search(stop_ids, stop_ids + num_stop_ids, argmax[i])) return static_cast<int>(s + 1);
     if (limit != nullptr && run_ends_after(limit, run, s + 1)) return static_cast<int>(s + 1);
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t position = ++positions[i];

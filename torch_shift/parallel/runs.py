@@ -52,6 +52,7 @@ class Run:
     def __post_init__(self):
         assert 1 <= self.num_steps <= MAX_RUN_STEPS, self.num_steps
         assert self.stop_token_ids.dtype == np.int64 and self.stop_token_ids.flags.c_contiguous
+        assert (np.diff(self.stop_token_ids) > 0).all(), "the C++ decoder looks stop tokens up in sorted order"
         assert self.draws is None or (self.draws.dtype == np.float32 and self.draws.flags.c_contiguous
                                       and self.draws.shape[:2] == (self.num_steps, 5))
 
