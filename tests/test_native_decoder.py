@@ -738,6 +738,26 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     llm.shutdown()
 
 
+def _cycle_prompt(reference: LLM, greedy: SamplingParams) -> dict:
+    """A prompt that holds the cycle the cycling model's greedy output falls into: its output repeats the cycle, so
+    long checks are accepted."""
+    start = random_prompts(1, [6], seed=5)[0]
+    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
+    return {"prompt_token_ids": start + list(cycle)}
+
+
+def _recorded_checks(speculator) -> list:
+    """The stages of each redrafting check the speculator observes from now on (Request.spec_stages), in order."""
+    checks, observe = [], speculator.observe
+
+    def observed(entries, sampled, seconds):
+        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
+        return observe(entries, sampled, seconds)
+
+    speculator.observe = observed
+    return checks
+
+
 def _cycling_model(tmp_path: Path) -> Path:
     """A random Llama whose attention adds nothing (o_proj zero): each token follows from the one before, and a
     greedy output falls into a cycle."""
@@ -841,13 +861,7 @@ def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
     speculator = llm.engine.core.speculator
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
     assert llm.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids == earlier
-    checks, observe = [], speculator.observe
-
-    def observed(entries, sampled, seconds):
-        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
-        return observe(entries, sampled, seconds)
-
-    speculator.observe = observed
+    checks = _recorded_checks(speculator)
     assert list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) == expected
     # the first check's draft and its later stages' could only come from the earlier output
     assert checks and len(checks[0]) > 1 and all(stage.proposed > 0 for stage in checks[0])
@@ -866,9 +880,7 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
-    start = random_prompts(1, [6], seed=5)[0]
-    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
-    prompt = {"prompt_token_ids": start + list(cycle)}  # its output repeats the cycle: long checks accepted
+    prompt = _cycle_prompt(reference, greedy)
     expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
@@ -876,13 +888,7 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
     llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
     speculator = llm.engine.core.speculator
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
-    checks, observe = [], speculator.observe
-
-    def observed(entries, sampled, seconds):
-        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
-        return observe(entries, sampled, seconds)
-
-    speculator.observe = observed
+    checks = _recorded_checks(speculator)
     try:
         assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
         assert any(len(stages) > 1 for stages in checks)
@@ -909,9 +915,7 @@ def test_a_redrafting_check_ends_at_the_stage_that_completes_a_stop_string(tmp_p
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
-    start = random_prompts(1, [6], seed=5)[0]
-    cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
-    prompt = {"prompt_token_ids": start + list(cycle)}  # its output repeats the cycle: long checks accepted
+    prompt = _cycle_prompt(reference, greedy)
     text = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
     # the stop: three characters of the output (no replacement character), those it completes latest
     windows = [text[i:i + 3] for i in range(len(text) - 2) if "\ufffd" not in text[i:i + 3]]
@@ -923,13 +927,7 @@ def test_a_redrafting_check_ends_at_the_stage_that_completes_a_stop_string(tmp_p
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
     speculator = llm.engine.core.speculator
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
-    checks, observe = [], speculator.observe
-
-    def observed(entries, sampled, seconds):
-        checks.extend(e.request.spec_stages for group in entries for e in group if e.request.spec_stages is not None)
-        return observe(entries, sampled, seconds)
-
-    speculator.observe = observed
+    checks = _recorded_checks(speculator)
     try:
         output = llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0]
         assert (output.text, output.token_ids, output.finish_reason) == (
