@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import build_hf_model, hf_greedy, interrupted_at_random, random_prompts, save_checkpoint
 
 from torch_shift import LLM, SamplingParams
-from torch_shift.engine import decode_pool
+from torch_shift.engine import core, decode_pool
 from torch_shift.kernels import decoder_kernels
 from torch_shift.models import native_decoder
 from torch_shift.models.fused import ROW_ARGMAX, argmax_list
@@ -942,10 +942,11 @@ def test_a_redrafting_check_ends_at_the_stage_that_completes_a_stop_string(tmp_p
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-def test_a_dp_replica_without_rank_0_does_not_redraft_from_earlier_outputs(tmp_path):
-    """Under DP-2 the global tree lives on rank 0: a request on replica 1 whose drafts come from earlier outputs gets
-    no redrafting check that searches them (its drafts from the tree run in two stages), and its tokens stay those
-    without speculation."""
+def test_a_dp_replica_without_rank_0_redrafts_from_its_copy_of_earlier_outputs(tmp_path):
+    """Under DP-2 the global tree of earlier outputs is rank 0's, and rank 1 keeps a copy that adds what rank 0's took
+    before each step (StepPlan.global_tree_outputs): a request on replica 1 whose drafts come from an earlier output
+    gets redrafting checks whose later stages draft from the copy, and its tokens stay those without speculation.
+    (Without the copy its first check's later stages found no draft.)"""
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -957,26 +958,28 @@ def test_a_dp_replica_without_rank_0_does_not_redraft_from_earlier_outputs(tmp_p
     prompts = [{"prompt_token_ids": others[4:] + start[:3]}, {"prompt_token_ids": others[:4] + earlier[:2]}]
     expected = [list(o.outputs[0].token_ids) for o in reference.generate(prompts, [short, greedy], use_tqdm=False)]
     reference.shutdown()
+    assert len(set(earlier[2:12])) == 10  # the first tokens repeat nothing: their drafts are the earlier output's
     llm = LLM(str(model_dir), compile=False, seed=0, dp=2, speculative_config={"method": "suffix",
                                                                                 "num_speculative_tokens": 8})
     speculator = llm.engine.core.speculator
-    assert speculator.tree_replica == 0
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
     llm.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)
-    replicas, redrafts, observe = set(), [], speculator.observe
+    replicas, checks, observe = set(), [], speculator.observe
 
     def observed(entries, sampled, seconds):
-        for e in (e for group in entries for e in group if e.request.max_tokens == 40 and e.request.replicas):
-            replicas.add(e.request.replicas)
-            redrafts.append(e.request.spec_redraft)
+        for e in (e for group in entries for e in group if e.request.max_tokens == 40):
+            replicas.add(e.request.replicas)  # () once it finished
+            if e.request.spec_stages is not None:
+                checks.append(e.request.spec_stages)
         return observe(entries, sampled, seconds)
 
     speculator.observe = observed
     outputs = llm.generate(prompts, [short, greedy], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    assert replicas == {(1,)}  # the second request went to the replica without rank 0
+    assert replicas - {()} == {(1,)}  # the second request went to the replica without rank 0
+    # the first check's draft and its later stages' could only come from the earlier output
+    assert checks and len(checks[0]) > 1 and all(stage.proposed > 0 for stage in checks[0])
     assert llm.stats()["spec_decode"]["num_accepted_tokens"] >= 20
-    assert not any(r is not None and r.global_tree for r in redrafts)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 
@@ -1005,8 +1008,8 @@ def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, mon
         return plan
 
     llm.engine.core.plan_builder.build = build
-    ran, stages = [], native_decoder.Redraft.stages
-    monkeypatch.setattr(native_decoder.Redraft, "stages", lambda self: ran.append(stages(self)) or ran[-1])
+    ran, stages = [], native_decoder.redraft_stages
+    monkeypatch.setattr(core, "redraft_stages", lambda counts: ran.append(stages(counts)) or ran[-1])
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert any(redrafts) and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
     assert ran and not any(ran)  # the decoder ran none of them

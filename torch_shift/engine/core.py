@@ -34,7 +34,7 @@ from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder
 from torch_shift.models.fused import ROW_ARGMAX
-from torch_shift.models.native_decoder import LaunchedStep
+from torch_shift.models.native_decoder import LaunchedStep, redraft_stages
 
 # (plan), or asynchronously (plan, the last step's tokens on the device, launch=True): a CPU step the C++ decoder runs
 # may return before its logits are written (StepResult.launched)
@@ -96,6 +96,10 @@ class EngineCore:
         scheduler.sampled_runs = run_draws is not None
         self.stats = stats
         self.speculator = speculator
+        # the suffix proposer's global tree where other replicas' ranks keep copies of it (its `additions` kept,
+        # Worker.build): each plan run carries what it took since the last (StepPlan.global_tree_outputs)
+        tree = getattr(speculator.proposer, "global_tree", None) if speculator is not None else None
+        self.copied_tree = tree if tree is not None and tree.additions is not None else None
         self.in_flight: _InFlight | None = None
         # the scheduler's count of requests that joined or left `running` when the speculator last proposed: the
         # running requests are the ones it saw while the count stays
@@ -146,6 +150,7 @@ class EngineCore:
         plan = self.plan_builder.build(output, None if in_flight is None else in_flight.sources)
         if output.is_empty and not output.has_swaps:
             return None if in_flight is None else self._complete()
+        assert self.copied_tree is None, "asynchronous scheduling runs one rank"
         self.stats.record_plan(plan)
         entries = [group.entries for group in output.groups if group.entries]
         draws = self.draws(entries) if self.draws is not None else None
@@ -231,6 +236,8 @@ class EngineCore:
         plan = self.plan_builder.build(output)  # every output: the rows of the requests it removed come free
         if output.is_empty and not output.has_swaps:
             return None
+        if self.copied_tree is not None:
+            plan.global_tree_outputs = self.copied_tree.take_additions()
         self.stats.record_plan(plan)
         start = time.perf_counter()
         entries = [group.entries for group in output.groups if group.entries]  # the plan's groups'
@@ -252,7 +259,7 @@ class EngineCore:
                 result.launched.synchronize()
         else:
             result = self.executor(plan)
-        if result.redraft is not None:
+        if result.redraft_counts is not None:
             _take_redrafted(entries, result)
         steps_run = [1]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
@@ -340,7 +347,7 @@ def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -
     sampler checks it as a one-stage check of those proposals and one that no token equals (-1) where the last was
     drawn; its request keeps the stages the decoder ran, each a check of its own (Speculator.observe). Nothing where
     the decoder declined the step (its forward checked every slot's proposal in one stage)."""
-    stages = result.redraft.stages()
+    stages = redraft_stages(result.redraft_counts)
     if not stages:
         return
     ((entry,),) = entries

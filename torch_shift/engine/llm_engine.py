@@ -43,7 +43,7 @@ from torch_shift.engine.spec_decode.draft import (
 from torch_shift.engine.spec_decode.suffix import SuffixProposer
 from torch_shift.engine.stats import EngineStats
 from torch_shift.engine.step_plan import PlanBuilder, StepPlan
-from torch_shift.engine.worker import Worker, num_tier_blocks
+from torch_shift.engine.worker import Worker, copies_global_tree, num_tier_blocks
 from torch_shift.kernels import cpu_kernels
 from torch_shift.kv.block_manager import BlockManager
 from torch_shift.kv.cache import KVCache, check_fits
@@ -179,9 +179,10 @@ class LLMEngine:
                 if hasattr(policy, "threshold"):  # Shift's: a step of more tokens runs the base layout (None: all)
                     staged = min(staged, policy.threshold or 0)
                 speculator.staged_check_tokens = staged
-                speculator.tree_replica = config.deployment.replica_of(0)
                 if isinstance(speculator.proposer, SuffixProposer):
-                    self.worker.runner.suffix_global_tree = speculator.proposer.global_tree
+                    tree = self.worker.runner.suffix_global_tree = speculator.proposer.global_tree
+                    if any(copies_global_tree(config, rank) for rank in range(config.deployment.world_size)):
+                        tree.additions = []  # for the plans (EngineCore._step)
             self.stats_recorder.spec_method = config.speculative.label
             self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),

@@ -35,7 +35,7 @@ from torch_shift.engine.step_plan import GroupStep, StepPlan, split_micro_batche
 from torch_shift.engine.torch_state import TorchState
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
-from torch_shift.models.fused import argmax_list, sample_rows
+from torch_shift.models.fused import ROW_ARGMAX, argmax_list, sample_rows
 from torch_shift.models.native_decoder import LaunchedStep, Redraft
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
@@ -76,9 +76,11 @@ class ModelRunner:
         self.attention = make_attention_backend(attention_backend, self.device, self.dtype)
         self.batch = InputBatch(max_rows, max_model_len, kv_cache.block_size, self.device, sliding_window)
         self._kv_views: dict[str, tuple[KVCache, KVRegion | None]] = {}
-        # rank 0's: the suffix proposer's tree of earlier outputs (suffix.py's GlobalTree, set by the engine), which a
-        # redrafting check's drafts look in too (GroupStep.redraft)
+        # the suffix proposer's tree of earlier outputs (suffix.py's GlobalTree) that a redrafting check's drafts look
+        # in too (GroupStep.redraft): rank 0's own (set by the engine), or on the ranks of another replica a copy
+        # that adds what rank 0's took before each step (`copies_global_tree`, set by Worker.build)
         self.suffix_global_tree = None
+        self.copies_global_tree = False
         self.swapper = None
         if host_tier is not None:
             assert barrier is not None or deployment.world_size == 1
@@ -269,6 +271,9 @@ class ModelRunner:
         delta = plan.deltas.get(self.replica)
         if delta is not None:
             self.batch.apply(delta)
+        if self.copies_global_tree and plan.global_tree_outputs:
+            for token_ids in plan.global_tree_outputs:
+                self.suffix_global_tree.add(token_ids)
         if self._caller_threads is None:
             self._caller_threads = torch.get_num_threads()
         threads = self.threads
@@ -321,7 +326,7 @@ class ModelRunner:
         step = MicroBatch(inputs.input_ids, inputs.positions, self.attention.build(inputs.attention, kv),
                           inputs.logits_indices, group.first_stage, redraft)
         logits, launched = self.model.launch_step(layout, step, placeholders, draws)
-        return StepResult([logits], launched=launched, redraft=redraft)
+        return StepResult([logits], launched=launched, redraft_counts=None if redraft is None else redraft.counts)
 
     def _count_run(self, plan: StepPlan) -> None:
         """Every rank counts each plan with a multi-step run or a redrafting check alike (their runs' numbers)."""
@@ -331,13 +336,14 @@ class ModelRunner:
     def _redraft(self, group: GroupStep, layout: Layout, member: int) -> Redraft | None:
         """What the C++ decoder drafts a batch-1 check's later stages from (GroupStep.redraft): the request's tokens
         up to the check's first input id, as this rank's batch holds them (every rank of the layout the same), and
-        the run words through which rank 0 ends it after a stage (its number counted as a run's)."""
+        the run words through which rank 0 ends it after a stage (its number counted as a run's), and on the layout's
+        first rank the global tree (its drafts reach the layout's other ranks: share_draft)."""
         if group.redraft is None:
             return None
         row = int(group.rows[member][0])
         history = self.batch.token_ids[row, :int(group.num_computed[0]) + 1]
         # None on another rank, or where the check's drafts look only in the request's own tokens
-        tree = self.suffix_global_tree if group.redraft.global_tree else None
+        tree = self.suffix_global_tree if group.redraft.global_tree and self.rank == min(layout.ranks) else None
         run = Run(group.redraft.max_stages, group.stop_token_ids, None, self.run_words,
                   limit_word(self.deployment.layouts.index(layout)), self._num_runs, self.rank == layout.ranks[0])
         return Redraft.of(history, group.stop_token_ids, *group.redraft, tree, run)
@@ -399,7 +405,7 @@ class ModelRunner:
                          swap_seconds: float) -> StepResult | None:
         resharded_before = self.model.reshard_seconds
         logits: list[torch.Tensor | None] = [None] * len(plan.groups)
-        step_redraft = None
+        redraft_counts = None
         self._count_run(plan)
         for i, group in enumerate(plan.groups):
             layout = self.deployment[group.layout]
@@ -419,8 +425,6 @@ class ModelRunner:
                 continue
             self.batch.write_spec_tokens(group, member)
             redraft = self._redraft(group, layout, member)
-            if redraft is not None:
-                step_redraft = redraft
             micro_batches = []
             for piece in split_micro_batches(group):  # the group itself, unless a pipeline cuts it
                 host = self.batch.prepare(piece, member, layout.kv_width)
@@ -436,8 +440,14 @@ class ModelRunner:
                 out = self.graphs.replay(host, previous_tokens)
             if self.rank == 0:
                 logits[i] = out
+                redraft_counts = redraft_counts if redraft is None else redraft.counts
             elif layout.logits_rank == self.rank and group.num_logits:
                 dist.send(out.contiguous(), dst=0, tag=i)
+                if redraft is not None:  # the stages it ran and the tokens they drew (core._take_redrafted)
+                    argmax = getattr(out, ROW_ARGMAX, None)  # none where the decoder declined the check
+                    drawn = np.full(group.num_logits, -1, dtype=np.int64) if argmax is None else argmax
+                    dist.send(torch.from_numpy(np.concatenate([redraft.counts, drawn])), dst=0,
+                              tag=len(plan.groups) + i)
         if self.rank != 0:
             return None
         for i, group in enumerate(plan.groups):
@@ -449,7 +459,13 @@ class ModelRunner:
             elif leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
-        return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before, redraft=step_redraft)
+                if group.redraft is not None:
+                    received = torch.empty(1 + 3 * group.redraft.max_stages + group.num_logits, dtype=torch.long)
+                    dist.recv(received, src=leader, tag=len(plan.groups) + i)
+                    redraft_counts = received[:1 + 3 * group.redraft.max_stages].numpy()
+                    setattr(logits[i], ROW_ARGMAX, received[len(redraft_counts):].numpy())
+        return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before,
+                          redraft_counts=redraft_counts)
 
     def _run_steps(self, group: GroupStep, layout: Layout, kv: KVCache, member: int) -> torch.Tensor:
         """The decode steps of a multi-step run (GroupStep.num_steps): in one call where the model's decoder runs them
@@ -552,5 +568,6 @@ class StepResult:
     swap_seconds: float = 0.0
     reshard_seconds: float = 0.0
     launched: LaunchedStep | None = None  # the step runs on the C++ decoder's thread: its logits are written after
-    # a batch-1 check whose later stages the C++ decoder drafted (GroupStep.redraft): the stages it ran, once it ran
-    redraft: Redraft | None = None
+    # a batch-1 check whose later stages the C++ decoder drafted (GroupStep.redraft): what it wrote of the stages it
+    # ran, once it ran (Redraft.counts; from another layout's logits rank, received with its rows' argmax)
+    redraft_counts: np.ndarray | None = None

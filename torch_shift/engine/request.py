@@ -37,14 +37,13 @@ class Redrafting(NamedTuple):
     """A batch-1 check's stages after its first, drafted by the C++ decoder with suffix decoding's rule over the
     request's own tokens and those each stage drew (Speculator._second_stage; kernels/cpu_decoder.cpp's
     run_redrafting): the most proposals a stage checks after one that rejected a proposal and after one that accepted
-    all, the most stages, whether a stage that finds no draft decodes its token alone (else the check ends there),
-    the suffix tree's depth, speculation factor and least token probability, and whether the drafts look in the
-    global tree of earlier outputs too (rank 0 holds it: a layout with rank 0 among its ranks)."""
+    all, the most stages, the suffix tree's depth, speculation factor and least token probability, and whether the
+    drafts look in the global tree of earlier outputs too (rank 0's, or its copy on another replica's ranks:
+    ModelRunner.suffix_global_tree). A stage that finds no draft decodes its token alone."""
 
     fresh_tokens: int
     more_tokens: int
     max_stages: int
-    plain_stages: bool
     max_depth: int
     max_spec_factor: float
     min_token_prob: float

@@ -101,6 +101,9 @@ class StepPlan:
     # KV moved to and from the host tier (torch_shift.kv.tier) before the forward: outs, then ins
     swap_outs: list[SwapOp] = field(default_factory=list)
     swap_ins: list[SwapOp] = field(default_factory=list)
+    # the outputs rank 0's suffix global tree took since the last plan run, in order, which the ranks of the other
+    # replicas add to their copies before the step (ModelRunner.suffix_global_tree); None: none kept
+    global_tree_outputs: list[np.ndarray] | None = None
 
 
 @dataclass(slots=True)

@@ -26,7 +26,9 @@ from torch_shift.attention import attention_backend
 from torch_shift.config import ModelConfig, check_device_present, resolve_device
 from torch_shift.engine.args import EngineConfig
 from torch_shift.engine.model_runner import ModelRunner, StepResult, run_without_kv
+from torch_shift.engine.spec_decode.suffix import GlobalTree
 from torch_shift.engine.step_plan import StepPlan
+from torch_shift.kernels import cpu_kernels
 from torch_shift.kv.cache import KVCache, available_memory_bytes, check_fits, kv_bytes_per_block
 from torch_shift.kv.host_tier import create_host_tier, map_host_tier, tier_shape
 from torch_shift.models.decoder import DecoderLM
@@ -89,6 +91,16 @@ def create_local_tier(config: EngineConfig, num_blocks: int) -> torch.Tensor | N
     if not num_blocks or (world > 1 and "RANK" in os.environ):
         return None
     return create_host_tier(_tier_shape(config, num_blocks), config.dtype, shared=world > 1)
+
+
+def copies_global_tree(config: EngineConfig, rank: int) -> bool:
+    """Whether `rank` keeps a copy of rank 0's suffix global tree of earlier outputs, which the first rank of its
+    layout searches as rank 0 does its own when the C++ decoder drafts a redrafting check's later stages
+    (ModelRunner._redraft): a rank of a replica without rank 0, in an engine that speculates with suffix decoding.
+    The copy adds what rank 0's took, in order, before each step (StepPlan.global_tree_outputs)."""
+    deployment = config.deployment
+    return (config.speculative is not None and config.speculative.method == "suffix"
+            and deployment.replica_of(rank) != deployment.replica_of(0))
 
 
 class Worker:
@@ -177,6 +189,11 @@ class Worker:
                              runtime.host_cores if runtime is not None else None, runner_config.decode_pool,
                              runner_config.native_decode, config.scheduler.async_scheduling is not False,
                              runtime.control.words if runtime is not None and runtime.control is not None else None)
+        if runner.native_decode and copies_global_tree(config, rank) and (kernels := cpu_kernels()) is not None:
+            spec = config.speculative
+            runner.suffix_global_tree = GlobalTree(spec.suffix_decoding_max_tree_depth,
+                                                   spec.suffix_decoding_max_cached_requests, kernels)
+            runner.copies_global_tree = True
         return cls(config, runtime, runner, tier_blocks)
 
     # -- the control channel ----------------------------------------------------------------------------

@@ -163,7 +163,6 @@ struct Redraft {
   int64_t fresh_tokens;  // the most proposals a stage checks after one that rejected a proposal
   int64_t more_tokens;   // after one that accepted every proposal
   int64_t max_stages;
-  int64_t plain_stages;  // a stage without a draft decodes the drawn token alone (nonzero), else the check ends
   int64_t max_depth;     // the suffix tree's
   double max_spec_factor, min_token_prob;
   // nonzero: the drafts look in the global tree too, which one rank of the layout holds (global_tokens: its array of
@@ -659,8 +658,8 @@ int64_t share_draft(const Decoder& d, int64_t cap, int64_t num, int64_t* draft, 
 // with r.global_tree the earlier outputs: draft_after, share_draft): a stage's next input is the token its rows drew
 // after the proposals they accepted, followed by a fresh draft of at most `r.fresh_tokens` (after a rejection) or
 // `r.more_tokens` (after a stage that accepted all) tokens, at the position after the last accepted one (its KV written
-// over a rejected proposal's), or with `r.plain_stages` where no draft is found, the token alone. The check ends at a
-// stage that draws a stop token, finds no draft (without plain_stages), leaves no slot for another, or is the
+// over a rejected proposal's), or where no draft is found, the token alone. The check ends at a stage that draws a
+// stop token, leaves no slot for another, or is the
 // `r.max_stages`-th; the host's work and the step plan between checks (about 1.4 ms of a TP-2 rank's 5-6 ms check on
 // the edit work, docs/performance.md) are paid once. With r.limit, rank 0's interrupt (a request arrived) ends it after
 // the stage running then, as a multi-step run's (lead_run_step, run_ends_after). On return argmax[j] is the token drawn
@@ -703,12 +702,10 @@ int run_redrafting(Decoder& d, int64_t* ids, const int64_t* pos, int64_t n, int6
     if (stop || next >= n || num_stages >= r.max_stages) return 0;
     if (r.limit != nullptr && run_ends_after(r.limit, r.run, num_stages)) return 0;
     const int64_t cap = std::min(accepted == length - 1 ? r.more_tokens : r.fresh_tokens, n - next - 1);
-    // none: the check ends, or the next stage decodes the drawn token alone and the one after it drafts again
-    // (plain_stages)
+    // none: the next stage decodes the drawn token alone and the one after it drafts again
     int64_t num = drafts ? draft_after(r, history, cap, draft.data(), remote, scores) : 0;
     if (shared && cap >= 1 && (num = share_draft(d, cap, num, draft.data(), drafts, words)) < 0)
       return static_cast<int>(num);
-    if (num == 0 && r.plain_stages == 0) return 0;
     ids[next] = argmax[next - 1];
     std::copy(draft.begin(), draft.begin() + num, ids + next + 1);
     begin = next;

@@ -74,13 +74,14 @@ class Stage(NamedTuple):
 class Redraft(ctypes.Structure):
     """kernels/cpu_decoder.cpp's Redraft: a batch-1 check whose stages after the first the C++ decoder drafts itself
     with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id) and, with
-    `global_tree`, the outputs of earlier requests (the suffix proposer's GlobalTree with its index in C++, which rank
-    0 holds and passes as `tree`), each stage's next input the token drawn after the proposals accepted
-    (run_redrafting). `of` builds one; `stages()` reads the stages it ran once the step ran."""
+    `global_tree`, the outputs of earlier requests (the suffix proposer's GlobalTree with its index in C++, which the
+    layout's first rank holds and passes as `tree`: rank 0's, or its copy, ModelRunner.suffix_global_tree), each
+    stage's next input the token drawn after the proposals accepted
+    (run_redrafting). `of` builds one; `redraft_stages(counts)` reads the stages it ran once the step ran."""
 
     _fields_ = [("history", ctypes.c_void_p), ("history_len", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
                 ("num_stops", ctypes.c_int64), ("fresh_tokens", ctypes.c_int64), ("more_tokens", ctypes.c_int64),
-                ("max_stages", ctypes.c_int64), ("plain_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64),
+                ("max_stages", ctypes.c_int64), ("max_depth", ctypes.c_int64),
                 ("max_spec_factor", ctypes.c_double), ("min_token_prob", ctypes.c_double),
                 ("global_tree", ctypes.c_int64), ("global_tokens", ctypes.c_void_p), ("global_size", ctypes.c_int64),
                 ("global_index", ctypes.c_void_p), ("stage_counts", ctypes.c_void_p), ("limit", ctypes.c_void_p),
@@ -88,7 +89,7 @@ class Redraft(ctypes.Structure):
 
     @classmethod
     def of(cls, history: np.ndarray, stop_token_ids: np.ndarray, fresh_tokens: int, more_tokens: int,
-           max_stages: int, plain_stages: bool, max_depth: int, max_spec_factor: float, min_token_prob: float,
+           max_stages: int, max_depth: int, max_spec_factor: float, min_token_prob: float,
            global_tree: bool, tree: GlobalTree | None = None, run: Run | None = None) -> Redraft:
         """`run`: the words and number through which rank 0 ends the check after its current stage, as a multi-step
         run's (torch_shift.parallel.runs); None: nothing interrupts it."""
@@ -102,7 +103,7 @@ class Redraft(ctypes.Structure):
             index, tokens_address, size = tree.indexed().native_array
             tokens = tree.tokens
         redraft = cls(history.__array_interface__["data"][0], len(history), stops.__array_interface__["data"][0],
-                      len(stops), fresh_tokens, more_tokens, max_stages, int(plain_stages), max_depth, max_spec_factor,
+                      len(stops), fresh_tokens, more_tokens, max_stages, max_depth, max_spec_factor,
                       min_token_prob, int(global_tree), tokens_address, size, index,
                       counts.__array_interface__["data"][0], *(run.native_words() if run is not None else (0, 0, 0, 0)))
         # alive while the decoder may read or write them (the tree's array too: the tree grows into a new one, and
@@ -110,12 +111,18 @@ class Redraft(ctypes.Structure):
         redraft._arrays = (history, stops, counts, tokens, tree)
         return redraft
 
-    def stages(self) -> list[Stage]:
-        """The stages the decoder ran, in order; none where it did not run the check (it declined the step, whose
-        forward ran instead as a one-stage check)."""
-        counts = self._arrays[2]
-        return [Stage(int(counts[1 + 3 * i]), int(counts[2 + 3 * i]), 1e-9 * int(counts[3 + 3 * i]))
-                for i in range(int(counts[0]))]
+    @property
+    def counts(self) -> np.ndarray:
+        """What the decoder writes of the stages it ran (int64 [1 + 3 max_stages]: `redraft_stages` reads it)."""
+        return self._arrays[2]
+
+
+def redraft_stages(counts: np.ndarray) -> list[Stage]:
+    """The stages a redrafting check ran, in order, from its Redraft's `counts` once the step ran (on the layout's
+    logits rank, or received from it: ModelRunner); none where the decoder did not run the check (it declined the
+    step, whose forward ran instead as a one-stage check)."""
+    return [Stage(int(counts[1 + 3 * i]), int(counts[2 + 3 * i]), 1e-9 * int(counts[3 + 3 * i]))
+            for i in range(int(counts[0]))]
 
 
 class NativeDecoder:

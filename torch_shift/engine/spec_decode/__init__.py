@@ -130,9 +130,6 @@ class Speculator:
         # proposals that pay, then more of the draft, run only where all of the first are accepted, with no return to
         # the host between
         self.staged_check_tokens = 0
-        # the replica whose ranks include rank 0, which holds the suffix proposer's global tree: there the C++ decoder
-        # drafts a redrafting check's later stages from that tree too (the engine sets it: Deployment.replica_of(0))
-        self.tree_replica = 0
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
         # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
@@ -392,21 +389,17 @@ class Speculator:
         stage's rows accept all of theirs, the proposals they check and the next (run_in_stages), with no return to
         the host between. Only for a request that draws its argmax, which the C++ decoder finds as the sampler does.
         With suffix decoding the decoder drafts every later stage itself from the request's tokens and those drawn so
-        far, after a rejection too, and, in the replica whose ranks include rank 0 (`tree_replica`), from the global
-        tree of earlier outputs as the proposer does (Redrafting: after a rejection at most the proposals that pay for
-        a whole draft at the request's `rate` (`cost`: the step cost fit's; None, no fit or no budget: `keep`), and as
-        many again and one, at least SECOND_STAGE_TOKENS, after a stage that accepted all, each stage at most
-        num_speculative_tokens; the check holds slots for up to REDRAFT_TOKENS tokens). In another replica a draft
-        from the global tree, which no rank there holds, is not redrafted (redrafted from the request's own tokens,
-        edits that repeat earlier ones ran 1.24-1.29x slower): the second stage is more of the same draft (as many
-        again and one, at least SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the
-        draft's next: not made."""
+        far, after a rejection too, and from the global tree of earlier outputs as the proposer does (rank 0's, or in
+        another replica its first rank's copy: ModelRunner.suffix_global_tree) (Redrafting: after a rejection at most
+        the proposals that pay for a whole draft at the request's `rate` (`cost`: the step cost fit's; None, no fit or
+        no budget: `keep`), and as many again and one, at least SECOND_STAGE_TOKENS, after a stage that accepted all,
+        each stage at most num_speculative_tokens; the check holds slots for up to REDRAFT_TOKENS tokens). With
+        another proposer the second stage is more of the same draft (as many again and one, at least
+        SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the draft's next: not made."""
         if not request.draws_argmax:
             return
         proposer = self.proposer  # suffix decoding drafting in C++: the decoder drafts with the same rule
-        sees_tree = self.tree_replica in request.replicas
-        if isinstance(proposer, SuffixProposer) and proposer.native is not None and (
-                sees_tree or not proposer.last_from_global):
+        if isinstance(proposer, SuffixProposer) and proposer.native is not None:
             slots = min(REDRAFT_TOKENS, self.staged_check_tokens) - 1  # the proposals the check holds slots for
             slots = min(slots, request.max_tokens - len(request.output_token_ids) - 1,
                         self.max_model_len - request.num_tokens - 1)
@@ -416,17 +409,13 @@ class Speculator:
                 # past the first stage only the slots count: the decoder writes each stage's ids
                 request.spec_token_ids = draft[:keep] + [draft[keep - 1]] * (slots - keep)
                 request.spec_stage = keep
-                # a stage that finds no draft decodes its token alone and the next drafts again, unless earlier
-                # outputs are cached that the decoder does not search: then the check ends and the proposer looks in
-                # both trees (going on there, the edit work ran 1.08-1.15x slower than with two-stage checks; with
-                # both trees searched here, 0.89-0.94x the check that ends; docs/performance.md)
+                # a stage that finds no draft decodes its token alone and the next drafts again (with both trees
+                # searched there, 0.89-0.94x the TPOT of checks that ended at such a stage; docs/performance.md)
                 k = self.config.max_proposal_tokens  # each stage a check of at most num_speculative_tokens
                 fresh = keep if cost is None else tokens_that_pay([rate], [k], 1, cost)[0]
-                global_tree = sees_tree and proposer.global_tree.num_cached > 0
                 request.spec_redraft = Redrafting(max(fresh, 1), min(max(fresh + 1, SECOND_STAGE_TOKENS), k),
-                                                  REDRAFT_STAGES, proposer.global_tree.num_cached == 0 or global_tree,
-                                                  proposer.max_depth, proposer.max_spec_factor,
-                                                  proposer.min_token_prob, global_tree)
+                                                  REDRAFT_STAGES, proposer.max_depth, proposer.max_spec_factor,
+                                                  proposer.min_token_prob, proposer.global_tree.num_cached > 0)
             return
         more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
         if room_left is not None:

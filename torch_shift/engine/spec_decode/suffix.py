@@ -267,12 +267,17 @@ class GlobalTree:
         # for a check) does not index its outputs (80 us a request of 100 tokens, 64 at a time)
         self.unindexed: list[tuple[int, int]] = []
         self.num_dead = 0
+        # rank 0's tree, where the ranks of other replicas keep copies of it: the outputs added since the last
+        # take_additions, in order (None: no copies kept)
+        self.additions: list[np.ndarray] | None = None
 
     @property
     def num_cached(self) -> int:
         return len(self.sequences)
 
-    def add(self, token_ids: list[int]) -> None:
+    def add(self, token_ids: list[int] | np.ndarray) -> None:
+        if self.additions is not None:
+            self.additions.append(np.array(token_ids, dtype=np.int64))
         if self.max_cached_requests == 0 or len(token_ids) < 2:
             return
         while len(self.sequences) >= self.max_cached_requests:
@@ -291,6 +296,13 @@ class GlobalTree:
         self.unindexed.append((start, end))
         self.sequences.append((start, end))
         self.length = end + 1  # a PAD after it
+
+    def take_additions(self) -> list[np.ndarray]:
+        """The outputs added since the last call, in order: what a copy of the tree adds to hold the same
+        (StepPlan.global_tree_outputs)."""
+        assert self.additions is not None, "a tree whose additions are not kept"
+        additions, self.additions = self.additions, []
+        return additions
 
     def _hold(self, tokens: np.ndarray) -> None:
         """`tokens` becomes the tree's array: its address (the C++ matcher's argument) and, with the C++ index,
@@ -378,9 +390,6 @@ class SuffixProposer:
         self.tokens = RequestTokens(headroom=max_depth + 2)
         self._ceilings: dict[tuple[int, int], int] = {}
         self.native: NativeDraft | None = None
-        # whether the last draft came from the global tree (the C++ decoder searches it only in rank 0's replica:
-        # Speculator._second_stage)
-        self.last_from_global = False
         kernels = None
         if NATIVE:
             from torch_shift.kernels import cpu_kernels
@@ -403,7 +412,6 @@ class SuffixProposer:
     def speculate(self, context_tokens: np.ndarray, padded: np.ndarray, max_tokens: int) -> Draft:
         """The draft for a request whose tokens are `context_tokens`, which is `padded[:n]` (`padded`: int64, PAD
         after them)."""
-        self.last_from_global = False
         context = context_tokens[-self.max_depth:]
         max_len = len(context) - 1  # as ArcticInference: the whole pattern is never the match
         if max_len < 1 or max_tokens <= 0:
@@ -435,8 +443,7 @@ class SuffixProposer:
         else:
             remote = best_draft(tree.tokens, tree.matches(context), 2, self.max_depth, max_tokens,
                                 self.max_spec_factor, self.min_token_prob, beat=local.score)
-        self.last_from_global = remote.score > local.score
-        return remote if self.last_from_global else local
+        return remote if remote.score > local.score else local
 
     def _ceiling(self, max_len: int, max_tokens: int) -> int:
         """The most a global tree's path can score for a context of max_len + 1 tokens (matches from 2 tokens)."""
