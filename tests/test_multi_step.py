@@ -276,6 +276,45 @@ def test_a_stop_string_inside_a_run_cuts_the_tokens_after_it(llama):
     assert outputs[8] == outputs[1] and any(reason == "stop" for _, _, reason in outputs[1])
 
 
+@pytest.mark.parametrize("native_decode", [True, False], ids=["native", "python"])
+def test_a_run_of_one_request_ends_at_the_step_that_completes_its_stop_string(llama, native_decode):
+    """A request running alone: its run ends after the step that drew a token that may complete one of its stop
+    strings (Request.lone_stop_token_ids), so no step draws a token past the stop the host cuts the text at; the text
+    and tokens those of single steps. (Without those tokens the first prompt's runs drew 17 tokens for an output of
+    14.)"""
+    _, model_dir = llama
+    prompts, _ = _work()
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), **ENGINE)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    llm = LLM(str(model_dir), num_scheduler_steps=8, native_decode=native_decode, **ENGINE)
+    drawn, execute = [], llm.engine.core.executor
+
+    def counted(plan, *args, **kwargs):
+        result = execute(plan, *args, **kwargs)
+        drawn.extend(len(tokens) if group.num_steps > 1 else group.num_logits
+                     for group, tokens in zip(plan.groups, result.logits))
+        return result
+
+    llm.engine.core.executor = counted
+    try:
+        num_stopped = 0
+        for prompt, text in zip(prompts, texts):
+            stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text)) if "\ufffd" not in text[i:i + 3])
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+            drawn.clear()
+            (output,) = llm.generate([prompt], [params], use_tqdm=False)
+            num_stopped += output.outputs[0].finish_reason == "stop"
+            assert sum(drawn) == len(output.outputs[0].token_ids), (stop, drawn, output.outputs[0].token_ids)
+        assert num_stopped >= 4
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("layout", [dict(), dict(native_decode=False), dict(tp=2), dict(dp=2),
                                     dict(sp=2, shift_threshold=0)], ids=["one", "python", "tp2", "dp2", "sp2"])
 def test_rank_0s_interrupt_ends_every_run_after_its_step_on_every_rank(layers4, layout):

@@ -205,8 +205,9 @@ class Tokenizer:
         byte, the bytes before it in the token being a suffix of the stop string (its start came earlier) or ending
         with all of it. Each token's bytes are `token_bytes`'s, and where those are a token's text decoded alone, also
         its text decoded after another token (`_emitted_bytes`). A stop string holding U+FFFD, which the detokenizer
-        writes for bytes that form no character, may end at any token. A redrafting check ends after a stage that drew
-        one (Request.redraft_stop_token_ids). Kept for the last STOP_STRING_SETS lists of stop strings."""
+        writes for bytes that form no character, may end at any token. A multi-step run or a redrafting check of one
+        request ends after a step that drew one (Request.lone_stop_token_ids). Kept for the last STOP_STRING_SETS lists
+        of stop strings."""
         stops = tuple(stops)
         found = self._stop_string_tokens.get(stops)
         if found is not None:

@@ -117,9 +117,10 @@ class InputProcessor:
         self.uses_priority = uses_priority  # the layout policy reads priorities (Flying)
         self.policy_name = policy_name
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
-        # the tokens that may complete a request's stop strings end its redrafting checks
-        # (Request.redraft_stop_token_ids): found where the engine speculates (the vocabulary's bytes read now)
-        self._finds_stop_string_tokens = tokenizer is not None and config.speculative is not None
+        # the tokens that may complete a request's stop strings end its runs and redrafting checks while it runs alone
+        # (Request.lone_stop_token_ids): found where the engine has either (the vocabulary's bytes read now)
+        self._finds_stop_string_tokens = tokenizer is not None and (
+            config.scheduler.num_scheduler_steps > 1 or config.speculative is not None)
         if self._finds_stop_string_tokens:
             tokenizer.stop_string_token_ids(())
         self._grammars_lock = threading.Lock()

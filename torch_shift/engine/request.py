@@ -74,11 +74,12 @@ class Request:
         self.primary_eos_token_id = primary_eos_token_id
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         # the tokens that may complete one of its stop strings (Tokenizer.stop_string_token_ids; found by the input
-        # processor where the engine speculates), and whether its detokenizer holds back text for an unfinished
-        # character (set by the output processor): what ends its redrafting checks early (redraft_stop_token_ids)
+        # processor where the engine runs multi-step runs or speculates), and whether its detokenizer holds back text
+        # for an unfinished character (set by the output processor): what ends its runs and redrafting checks early
+        # while it runs alone (lone_stop_token_ids)
         self.stop_string_token_ids: frozenset[int] = frozenset()
         self.holds_text = False
-        self._redraft_stop_token_ids: np.ndarray | None = None
+        self._lone_stop_token_ids: np.ndarray | None = None
         # what min_tokens keeps from being drawn: the model's end ids with ignore_eos too (vLLM's rule)
         self.min_tokens_banned = eos_token_ids | self.stop_token_ids
         # vLLM's: the wall-clock (unix) time it arrived, which orders requests; the engine's own timestamps below are
@@ -155,16 +156,17 @@ class Request:
         return (len(self.output_token_ids) + num_more >= self.max_tokens
                 or len(self.all_token_ids) + num_more >= max_model_len)
 
-    def redraft_stop_token_ids(self) -> np.ndarray:
-        """What ends a redrafting check of this request after the stage that drew one (int64, sorted): its end and
-        stop tokens (check_stop's) and the tokens that may complete one of its stop strings, so that the check does
-        not run up to spec_decode.REDRAFT_STAGES stages past a stop string the host then finds. (Text held back for
-        an unfinished character comes out with whichever token follows: a check that starts so runs one stage,
-        step_plan.) A multi-step run of several requests ends at their end and stop tokens only."""
-        if self._redraft_stop_token_ids is None:
-            self._redraft_stop_token_ids = np.array(
+    def lone_stop_token_ids(self) -> np.ndarray:
+        """What ends a multi-step run or a redrafting check of this request alone after the step (stage) that drew
+        one (int64, sorted): its end and stop tokens (check_stop's) and the tokens that may complete one of its stop
+        strings, so that its steps do not run on past a stop string the host then finds (a run's up to
+        num_scheduler_steps, a check's up to spec_decode.REDRAFT_STAGES). Text held back for an unfinished character
+        comes out with whichever token follows: a run or check that starts so runs one step (Scheduler._run_length,
+        step_plan)."""
+        if self._lone_stop_token_ids is None:
+            self._lone_stop_token_ids = np.array(
                 sorted(self.eos_token_ids | self.stop_token_ids | self.stop_string_token_ids), dtype=np.int64)
-        return self._redraft_stop_token_ids
+        return self._lone_stop_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -143,6 +143,8 @@ class PlanBuilder:
                 known.num_blocks = min(known.num_blocks, num_blocks)
 
         groups = []
+        # a run of one request also ends at a token that may complete one of its stop strings
+        alone = sum(len(group.entries) for group in output.groups) == 1
         for group in output.groups:
             if not group.entries:
                 continue
@@ -209,17 +211,17 @@ class PlanBuilder:
                              *spec, num_tokens=num_tokens, num_kv_tokens=sum(num_computed),
                              num_logits=sum(logits_counts), num_steps=output.num_steps)
             if output.num_steps > 1:
-                step.stop_token_ids = _stop_token_ids(entries)
+                step.stop_token_ids = entries[0].request.lone_stop_token_ids() if alone else _stop_token_ids(entries)
             if len(entries) == 1 and entries[0].spec_token_ids and 0 < entries[0].request.spec_stage < len(
                     entries[0].spec_token_ids):  # the scheduler may have cut the proposals to its token budget
                 request = entries[0].request
                 step.first_stage = 1 + request.spec_stage
                 if request.spec_redraft is not None:
                     # text held back for an unfinished character comes out with a later token, whatever its bytes:
-                    # the check ends after its first stage (Request.redraft_stop_token_ids)
+                    # the check ends after its first stage (Request.lone_stop_token_ids)
                     step.redraft = (request.spec_redraft._replace(max_stages=1) if request.holds_text
                                     else request.spec_redraft)
-                    step.stop_token_ids = request.redraft_stop_token_ids()
+                    step.stop_token_ids = request.lone_stop_token_ids()
             if placeholders:
                 step.placeholders = np.array(placeholders, dtype=np.int64)
                 step.placeholder_sources = np.array([in_flight[entries[i].request.request_id] for i in placeholders],
@@ -231,7 +233,8 @@ class PlanBuilder:
 
 def _stop_token_ids(entries) -> np.ndarray:
     """The end and stop tokens of the entries' requests (Request.check_stop's), int64 and sorted: those that end a
-    multi-step run after the step that drew one."""
+    multi-step run of several requests after the step that drew one. It runs on past a stop string (the host cuts the
+    text there): ending it at each token that may complete one would cut the run of every request."""
     return np.array(sorted(set().union(*(e.request.eos_token_ids | e.request.stop_token_ids for e in entries))),
                     dtype=np.int64)
 
