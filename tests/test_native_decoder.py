@@ -949,11 +949,22 @@ def test_a_redrafting_check_ends_at_the_stage_that_completes_a_stop_string(tmp_p
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-def test_a_dp_replica_without_rank_0_redrafts_from_its_copy_of_earlier_outputs(tmp_path):
+@pytest.mark.parametrize("declined", [False, True], ids=["redrafted", "declined"])
+def test_a_dp_replica_without_rank_0_redrafts_from_its_copy_of_earlier_outputs(tmp_path, monkeypatch, declined):
     """Under DP-2 the global tree of earlier outputs is rank 0's, and rank 1 keeps a copy that adds what rank 0's took
     before each step (StepPlan.global_tree_outputs): a request on replica 1 whose drafts come from an earlier output
-    gets redrafting checks whose later stages draft from the copy, and its tokens stay those without speculation.
-    (Without the copy its first check's later stages found no draft.)"""
+    gets redrafting checks whose later stages draft from the copy, their stages and tokens sent to rank 0, and its
+    tokens stay those without speculation. (Without the copy its first check's later stages found no draft.) Where
+    rank 1's decoder declines the checks (as over an emulated link), the forward's rows are read as one-stage checks'
+    (their drawn tokens were -1s read as the request's)."""
+    if declined:  # forked ranks inherit it; rank 0's own steps run on
+        call = native_decoder.NativeDecoder.__call__
+
+        def declining(self, *args, **kwargs):
+            redraft = args[5] if len(args) > 5 else kwargs.get("redraft")
+            return None if redraft is not None and dist.get_rank() != 0 else call(self, *args, **kwargs)
+
+        monkeypatch.setattr(native_decoder.NativeDecoder, "__call__", declining)
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -984,11 +995,50 @@ def test_a_dp_replica_without_rank_0_redrafts_from_its_copy_of_earlier_outputs(t
     outputs = llm.generate(prompts, [short, greedy], use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert replicas - {()} == {(1,)}  # the second request went to the replica without rank 0
-    # the first check's draft and its later stages' could only come from the earlier output
-    assert checks and len(checks[0]) > 1 and all(stage.proposed > 0 for stage in checks[0])
-    assert llm.stats()["spec_decode"]["num_accepted_tokens"] >= 20
+    if declined:
+        assert not checks and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    else:  # the first check's draft and its later stages' could only come from the earlier output
+        assert checks and len(checks[0]) > 1 and all(stage.proposed > 0 for stage in checks[0])
+        assert llm.stats()["spec_decode"]["num_accepted_tokens"] >= 20
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_request_that_arrives_beside_a_redrafting_check_makes_it_one_of_two_stages(tmp_path, replica):
+    """Under DP-2 a request alone on a replica gets a redrafting check (its proposals made while it ran alone); one
+    that arrives before the check runs takes the other replica, and the plan of both runs the check as a plain check in
+    two stages (the engine reads a redrafting check's rows as its plan's only group: core._take_redrafted), on either
+    replica; the tokens stay those without speculation."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, [6], seed=5)[0]
+    reference = LLM(str(model_dir), compile=False, seed=0)
+    expected = list(reference.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, dp=2, speculative_config={"method": "suffix",
+                                                                                "num_speculative_tokens": 8})
+    _check_every_proposal(llm.engine.core.speculator)
+    engine, outputs = llm.engine, {}
+    try:
+        if replica == 1:  # the first request takes replica 0 and ends at once
+            engine.add_request("first", {"prompt_token_ids": prompt[1:]}, short)
+        engine.add_request("long", {"prompt_token_ids": prompt}, greedy)
+        redrafted = arrived = False
+        while engine.has_unfinished_requests():
+            request = engine.core.scheduler.requests.get("long")
+            if not arrived and request is not None and request.spec_redraft is not None:
+                assert request.replicas == (replica,)
+                engine.add_request("arrived", {"prompt_token_ids": prompt[2:]}, short)
+                redrafted = arrived = True
+            for output in engine.step():
+                outputs[output.request_id] = output
+        assert redrafted and list(outputs["long"].outputs[0].token_ids) == expected
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,8 +29,12 @@ def _byte_level_bytes() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
-# lists of stop strings whose tokens (Tokenizer.stop_string_token_ids) a tokenizer keeps, the oldest dropped first
+# Tokenizer.stop_string_token_ids: the lists of stop strings whose tokens a tokenizer keeps (the oldest dropped
+# first), and the most stop strings and tokens it finds (past them: any token, and a run or check of one request
+# runs one step at a time)
 STOP_STRING_SETS = 64
+MAX_STOP_STRINGS = 64
+STOP_STRING_TOKENS = 4096
 
 # Prompt tokens handed to DecodeStream as context, so that the first generated token decodes as it would after
 # the prompt (e.g. SentencePiece's leading space is kept instead of stripped as at the start of a text).
@@ -198,61 +203,67 @@ class Tokenizer:
             return piece.replace("▁", " ").encode()
         return self.token_to_str(token_id).encode()
 
-    def stop_string_token_ids(self, stops: Sequence[str]) -> frozenset[int]:
+    def stop_string_token_ids(self, stops: Sequence[str]) -> frozenset[int] | None:
         """The tokens that may complete one of `stops` in the text the detokenizer emits, where it held no text back
-        before them (IncrementalDetokenizer.holds_text: held text comes out with the next token, whatever its bytes).
-        A stop string is then found at the step of the token that brings its last byte, so such a token holds that
-        byte, the bytes before it in the token being a suffix of the stop string (its start came earlier) or ending
-        with all of it. Each token's bytes are `token_bytes`'s, and where those are a token's text decoded alone, also
-        its text decoded after another token (`_emitted_bytes`). A stop string holding U+FFFD, which the detokenizer
-        writes for bytes that form no character, may end at any token. A multi-step run or a redrafting check of one
-        request ends after a step that drew one (Request.lone_stop_token_ids). Kept for the last STOP_STRING_SETS lists
-        of stop strings."""
+        before them (IncrementalDetokenizer.holds_text: held text comes out with the next token, whatever its bytes);
+        None where any token may, or more than STOP_STRING_TOKENS would. A stop string is then found at the step of
+        the token that brings its last byte: such a token starts with a suffix of the stop string (its start came
+        earlier) or holds all of it. Each token's bytes are `token_bytes`'s, and where those are a token's text
+        decoded alone, also its text decoded after another token (`_emitted_bytes`). A stop string holding U+FFFD,
+        which the detokenizer writes for bytes that form no character, may end at any token; more than
+        MAX_STOP_STRINGS of them are not looked at (any token). A multi-step run or a redrafting check of one request
+        ends after a step that drew one (Request.lone_stop_token_ids). Kept for the last STOP_STRING_SETS lists of
+        stop strings; a new list costs about 1-3 ms at 152k tokens (the vocabulary's bytes, once: 0.4 s)."""
         stops = tuple(stops)
-        found = self._stop_string_tokens.get(stops)
-        if found is not None:
-            return found
-        emitted_bytes = self._emitted_bytes  # read once, now (a call with no stop strings reads it ahead)
-        if any("\ufffd" in stop for stop in stops):  # the detokenizer writes it for bytes no token holds
-            return self._keep_stop_string_tokens(stops, frozenset(range(self.vocab_size)))
-        by_last: dict[int, set[bytes]] = {}
-        for stop in stops:
-            encoded = stop.encode()
-            by_last.setdefault(encoded[-1], set()).add(encoded)
-        ids: set[int] = set()
-        for last, group in by_last.items():
-            lengths = sorted({len(s) for s in group})
-            suffixes = {s[-n:] for s in group for n in range(1, len(s) + 1)}
-            for token_id in self._tokens_holding_byte(last):
-                for emitted in emitted_bytes[token_id]:
-                    end = emitted.find(last)
-                    while end != -1 and token_id not in ids:
-                        head = emitted[:end + 1]
-                        if head in suffixes or any(head[-n:] in group for n in lengths if n < len(head)):
-                            ids.add(token_id)
-                        end = emitted.find(last, end + 1)
-        return self._keep_stop_string_tokens(stops, frozenset(ids))
-
-    def _keep_stop_string_tokens(self, stops: tuple[str, ...], ids: frozenset[int]) -> frozenset[int]:
+        if stops in self._stop_string_tokens:
+            return self._stop_string_tokens[stops]
+        # the vocabulary's bytes in order and joined, made once (a call with no stop strings makes them ahead)
+        starts, ids_by_start = self._sorted_emitted_bytes
+        blob, offsets, ids_by_offset = self._joined_emitted_bytes
+        ids: set[int] | None = set()
+        if len(stops) > MAX_STOP_STRINGS or any("\ufffd" in stop for stop in stops):
+            ids = None
+        for encoded in (stop.encode() for stop in stops if ids is not None):
+            for n in range(1, len(encoded) + 1):
+                suffix = encoded[-n:]
+                k = bisect.bisect_left(starts, suffix)
+                while k < len(starts) and starts[k].startswith(suffix):
+                    ids.add(ids_by_start[k])
+                    k += 1
+            place = blob.find(encoded)
+            while place != -1 and len(ids) <= STOP_STRING_TOKENS:  # every place, overlapping ones too
+                k = bisect.bisect_right(offsets, place) - 1
+                if place + len(encoded) <= offsets[k + 1]:  # inside one token's bytes
+                    ids.add(ids_by_offset[k])
+                place = blob.find(encoded, place + 1)
+            if len(ids) > STOP_STRING_TOKENS:
+                ids = None
+        found = None if ids is None else frozenset(ids)
         if len(self._stop_string_tokens) >= STOP_STRING_SETS:
             del self._stop_string_tokens[next(iter(self._stop_string_tokens))]
-        self._stop_string_tokens[stops] = ids
-        return ids
+        self._stop_string_tokens[stops] = found
+        return found
 
     @cached_property
-    def _stop_string_tokens(self) -> dict[tuple[str, ...], frozenset[int]]:
+    def _stop_string_tokens(self) -> dict[tuple[str, ...], frozenset[int] | None]:
         return {}
-
-    def _tokens_holding_byte(self, byte: int) -> list[int]:
-        held = self._holding_byte.get(byte)
-        if held is None:
-            held = self._holding_byte[byte] = [i for i, variants in enumerate(self._emitted_bytes)
-                                               if any(byte in b for b in variants)]
-        return held
 
     @cached_property
-    def _holding_byte(self) -> dict[int, list[int]]:
-        return {}
+    def _joined_emitted_bytes(self) -> tuple[bytes, list[int], list[int]]:
+        """Every token's `_emitted_bytes` joined, where each starts (and the end), and the id of each: the tokens that
+        hold some bytes are the places a search of the whole finds them inside one."""
+        variants = [(b, i) for i, token in enumerate(self._emitted_bytes) for b in token]
+        offsets = [0]
+        for b, _ in variants:
+            offsets.append(offsets[-1] + len(b))
+        return b"".join(b for b, _ in variants), offsets, [i for _, i in variants]
+
+    @cached_property
+    def _sorted_emitted_bytes(self) -> tuple[list[bytes], list[int]]:
+        """Every token's `_emitted_bytes` in byte order, and the id of each: the tokens that start with some bytes are
+        a range of it."""
+        pairs = sorted((b, i) for i, variants in enumerate(self._emitted_bytes) for b in variants)
+        return [b for b, _ in pairs], [i for _, i in pairs]
 
     @cached_property
     def _emitted_bytes(self) -> list[tuple[bytes, ...]]:

@@ -463,7 +463,8 @@ class ModelRunner:
                     received = torch.empty(1 + 3 * group.redraft.max_stages + group.num_logits, dtype=torch.long)
                     dist.recv(received, src=leader, tag=len(plan.groups) + i)
                     redraft_counts = received[:1 + 3 * group.redraft.max_stages].numpy()
-                    setattr(logits[i], ROW_ARGMAX, received[len(redraft_counts):].numpy())
+                    if redraft_counts[0] > 0:  # else the decoder declined it: its logits are a one-stage check's
+                        setattr(logits[i], ROW_ARGMAX, received[len(redraft_counts):].numpy())
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before,
                           redraft_counts=redraft_counts)
 

@@ -77,7 +77,7 @@ class Request:
         # processor where the engine runs multi-step runs or speculates), and whether its detokenizer holds back text
         # for an unfinished character (set by the output processor): what ends its runs and redrafting checks early
         # while it runs alone (lone_stop_token_ids)
-        self.stop_string_token_ids: frozenset[int] = frozenset()
+        self.stop_string_token_ids: frozenset[int] | None = frozenset()  # None: any token
         self.holds_text = False
         self._lone_stop_token_ids: np.ndarray | None = None
         # what min_tokens keeps from being drawn: the model's end ids with ignore_eos too (vLLM's rule)
@@ -160,13 +160,20 @@ class Request:
         """What ends a multi-step run or a redrafting check of this request alone after the step (stage) that drew
         one (int64, sorted): its end and stop tokens (check_stop's) and the tokens that may complete one of its stop
         strings, so that its steps do not run on past a stop string the host then finds (a run's up to
-        num_scheduler_steps, a check's up to spec_decode.REDRAFT_STAGES). Text held back for an unfinished character
-        comes out with whichever token follows: a run or check that starts so runs one step (Scheduler._run_length,
-        step_plan)."""
+        num_scheduler_steps, a check's up to spec_decode.REDRAFT_STAGES). Where any token may (stops_at_any_token), a
+        run or check runs one step."""
         if self._lone_stop_token_ids is None:
             self._lone_stop_token_ids = np.array(
-                sorted(self.eos_token_ids | self.stop_token_ids | self.stop_string_token_ids), dtype=np.int64)
+                sorted(self.eos_token_ids | self.stop_token_ids | (self.stop_string_token_ids or frozenset())),
+                dtype=np.int64)
         return self._lone_stop_token_ids
+
+    @property
+    def stops_at_any_token(self) -> bool:
+        """Whether any token it draws next may complete one of its stop strings: its detokenizer holds text back, or
+        its stop strings may end at any token (Tokenizer.stop_string_token_ids' None). A run or a redrafting check of
+        it alone then runs one step (Scheduler._run_length, step_plan)."""
+        return self.holds_text or self.stop_string_token_ids is None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -456,12 +456,12 @@ class Scheduler:
         request decodes, draws its tokens by argmax (Request.draws_argmax, so every rank of its group draws the
         same) or, with `sampled_runs`, samples with uniforms taken before the run (Request.samples_in_runs), has its
         last token on the host, and nothing waits or sits in the tier, up to num_scheduler_steps, no more than the
-        request closest to its length (max_tokens, the context) has left; 1 for a request alone whose detokenizer
-        holds text back (its stop strings may complete at any token)."""
+        request closest to its length (max_tokens, the context) has left; 1 for a request alone whose stop strings
+        may complete at any token (Request.stops_at_any_token)."""
         num_steps = self.config.num_scheduler_steps
         if num_steps == 1 or self.waiting or self.swapped or not self.running:
             return 1
-        if len(self.running) == 1 and self.running[0].holds_text:  # Request.lone_stop_token_ids
+        if len(self.running) == 1 and self.running[0].stops_at_any_token:  # Request.lone_stop_token_ids
             return 1
         max_model_len = self.config.max_model_len
         for request in self.running:

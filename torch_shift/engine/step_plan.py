@@ -80,8 +80,9 @@ class GroupStep:
     num_logits: int = -1
     # decode steps the group runs (multi-step scheduling): in each the ranks draw every request's token (its argmax,
     # or with run_draws) and feed it to the next; the logits rank returns them all (ModelRunner). The run ends early
-    # after a step in which some request drew one of stop_token_ids (int64: its requests' end and stop tokens,
-    # Request.check_stop's). run_draws: what its rows draw with in each step where some of them sample (float32
+    # after a step in which some request drew one of stop_token_ids (int64, sorted: its requests' end and stop tokens,
+    # Request.check_stop's, and for a request alone those that may complete its stop strings,
+    # Request.lone_stop_token_ids). run_draws: what its rows draw with in each step where some of them sample (float32
     # [num_steps, 5, rows]: Sampler.run_draws), else None: each row's argmax
     num_steps: int = 1
     stop_token_ids: np.ndarray | None = None
@@ -216,10 +217,10 @@ class PlanBuilder:
                     entries[0].spec_token_ids):  # the scheduler may have cut the proposals to its token budget
                 request = entries[0].request
                 step.first_stage = 1 + request.spec_stage
-                if request.spec_redraft is not None:
-                    # text held back for an unfinished character comes out with a later token, whatever its bytes:
-                    # the check ends after its first stage (Request.lone_stop_token_ids)
-                    step.redraft = (request.spec_redraft._replace(max_stages=1) if request.holds_text
+                # a redrafting check: only in a plan of this request alone, whose result the engine reads as the check's
+                # (core._take_redrafted); where its stop strings may complete at any token, one stage
+                if request.spec_redraft is not None and alone:
+                    step.redraft = (request.spec_redraft._replace(max_stages=1) if request.stops_at_any_token
                                     else request.spec_redraft)
                     step.stop_token_ids = request.lone_stop_token_ids()
             if placeholders:

@@ -276,10 +276,10 @@ class GlobalTree:
         return len(self.sequences)
 
     def add(self, token_ids: list[int] | np.ndarray) -> None:
-        if self.additions is not None:
-            self.additions.append(np.array(token_ids, dtype=np.int64))
         if self.max_cached_requests == 0 or len(token_ids) < 2:
             return
+        if self.additions is not None:
+            self.additions.append(np.array(token_ids, dtype=np.int64))
         while len(self.sequences) >= self.max_cached_requests:
             start, end = self.sequences.popleft()
             self.tokens[start:end] = PAD  # index entries into it no longer match: filtered at lookup
