@@ -36,7 +36,7 @@ from torch_shift.engine.torch_state import TorchState
 from torch_shift.kv.cache import KVCache, kv_bytes_per_block
 from torch_shift.kv.host_tier import KVRegion, SwapExecutor
 from torch_shift.models.fused import ROW_ARGMAX, argmax_list, sample_rows
-from torch_shift.models.native_decoder import LaunchedStep, Redraft
+from torch_shift.models.native_decoder import LaunchedStep, Redraft, redraft_counts_length
 from torch_shift.parallel import comm
 from torch_shift.parallel.launch import own_threads
 from torch_shift.parallel.layout_model import LayoutModel, MicroBatch
@@ -460,11 +460,12 @@ class ModelRunner:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
                 if group.redraft is not None:
-                    received = torch.empty(1 + 3 * group.redraft.max_stages + group.num_logits, dtype=torch.long)
+                    num_counts = redraft_counts_length(group.redraft.max_stages)
+                    received = torch.empty(num_counts + group.num_logits, dtype=torch.long)
                     dist.recv(received, src=leader, tag=len(plan.groups) + i)
-                    redraft_counts = received[:1 + 3 * group.redraft.max_stages].numpy()
+                    redraft_counts = received[:num_counts].numpy()
                     if redraft_counts[0] > 0:  # else the decoder declined it: its logits are a one-stage check's
-                        setattr(logits[i], ROW_ARGMAX, received[len(redraft_counts):].numpy())
+                        setattr(logits[i], ROW_ARGMAX, received[num_counts:].numpy())
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before,
                           redraft_counts=redraft_counts)
 

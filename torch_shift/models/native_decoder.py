@@ -76,8 +76,8 @@ class Redraft(ctypes.Structure):
     with suffix decoding's rule over the request's own tokens (`history`, up to the step's first input id) and, with
     `global_tree`, the outputs of earlier requests (the suffix proposer's GlobalTree with its index in C++, which the
     layout's first rank holds and passes as `tree`: rank 0's, or its copy, ModelRunner.suffix_global_tree), each
-    stage's next input the token drawn after the proposals accepted
-    (run_redrafting). `of` builds one; `redraft_stages(counts)` reads the stages it ran once the step ran."""
+    stage's next input the token drawn after the proposals accepted (run_redrafting). `of` builds one;
+    `redraft_stages(counts)` reads the stages it ran once the step ran."""
 
     _fields_ = [("history", ctypes.c_void_p), ("history_len", ctypes.c_int64), ("stop_ids", ctypes.c_void_p),
                 ("num_stops", ctypes.c_int64), ("fresh_tokens", ctypes.c_int64), ("more_tokens", ctypes.c_int64),
@@ -95,7 +95,7 @@ class Redraft(ctypes.Structure):
         run's (torch_shift.parallel.runs); None: nothing interrupts it."""
         history = np.ascontiguousarray(history, dtype=np.int64)
         stops = np.ascontiguousarray(stop_token_ids, dtype=np.int64)
-        counts = np.zeros(1 + 3 * max_stages, dtype=np.int64)
+        counts = np.zeros(redraft_counts_length(max_stages), dtype=np.int64)
         tokens = index = tokens_address = None
         size = 0
         if tree is not None:  # its outputs indexed now; read while the step runs, on the decoder's thread too
@@ -115,6 +115,12 @@ class Redraft(ctypes.Structure):
     def counts(self) -> np.ndarray:
         """What the decoder writes of the stages it ran (int64 [1 + 3 max_stages]: `redraft_stages` reads it)."""
         return self._arrays[2]
+
+
+def redraft_counts_length(max_stages: int) -> int:
+    """The length of a check's `counts` (Redraft.counts) of up to `max_stages` stages: the stages run, then each one's
+    proposed and accepted tokens and nanoseconds."""
+    return 1 + 3 * max_stages
 
 
 def redraft_stages(counts: np.ndarray) -> list[Stage]:
