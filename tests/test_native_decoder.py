@@ -611,6 +611,13 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, lau
     assert sum(launches.drawn) >= 20 and not all(launches.drawn)  # sampled there, and greedy steps by argmax
 
 
+def _check_every_proposal(speculator) -> None:
+    """Every request's proposals checked whole, whatever the step cost fit made of the timed steps (on a loaded
+    machine it priced later checks out, and a test's second generation made none)."""
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)
+    speculator.step_cost.at = lambda num_running: None
+
+
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 def test_launched_steps_beside_speculative_decoding(families, launches, monkeypatch):
     """With speculative decoding (on by default here too) the steps after which nothing is proposed are launched on
@@ -634,6 +641,7 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
     assert llm.engine.config.scheduler.async_scheduling and llm.engine.worker.runner.launch_steps
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    _check_every_proposal(llm.engine.core.speculator)
     checks, launch = [], runner._launch  # (whether a launched step checks proposals, whether nothing was in flight)
     runner._launch = lambda plan, previous, draws: checks.append(
         (plan.groups[0].num_spec is not None, previous is None)) or launch(plan, previous, draws)
@@ -645,13 +653,6 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
     assert any(check for check, _ in checks) and all(alone for check, alone in checks if check)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
-
-
-def _check_every_proposal(speculator) -> None:
-    """Every request's proposals checked whole, whatever the step cost fit made of the timed steps (on a loaded
-    machine it priced later checks out, and a test's second generation made none)."""
-    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)
-    speculator.step_cost.at = lambda num_running: None
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
@@ -720,6 +721,9 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     monkeypatch.setattr(spec_decode, "tokens_that_pay", lambda rates, lengths, num_running, cost: [
         min(2, n) for n in lengths])
     speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request checked
+    # a fixed step cost: without a fit (none yet, or none plausible from steps timed on a loaded machine) a check
+    # keeps its whole draft in one stage, and CI once saw no second stage run
+    speculator.step_cost.at = lambda num_running: (1e-3, 1e-4, 1e-4, 1e-4)
     stages = []  # per staged check: (its first stage's proposals, the proposals accepted, those counted)
     observe = speculator.observe
 
