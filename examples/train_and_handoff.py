@@ -13,6 +13,7 @@ generations, then training resumes from where it stopped. Needs `pip install tra
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("prompts", nargs="*", default=["torch_shift is", "Shift parallelism"])
     args = parser.parse_args()
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("the model trained here is transformers' Llama: pip install transformers")
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")

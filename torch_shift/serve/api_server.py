@@ -352,8 +352,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
         try:
             async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
                 if log_requests:  # vLLM's --enable-log-requests: once admitted
-                    logger.info("Received request %s: prompt tokens %s, priority %d, params: %s", rid,
-                                [len(p.token_ids) for p in prompts], priority, params)
+                    logger.info("Received request %s: %s, priority %d, params: %s", rid,
+                                ", ".join(f"{len(p.token_ids)} prompt tokens" for p in prompts), priority, params)
                 yield rid, submission
         except (ValueError, TypeError) as e:
             raise _parameter_error(e, fields) from None
@@ -826,7 +826,7 @@ def run_server(engine_args, args) -> int:
     try:
         server.run(sockets=[sock])
     except (KeyboardInterrupt, _StopSignal):
-        print("[torch-shift] stopped", file=sys.stderr, flush=True)
+        pass
     finally:
         if on_main_thread:  # a supervisor's second SIGTERM does not cut the ranks' stop short
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -835,6 +835,8 @@ def run_server(engine_args, args) -> int:
         gc.unfreeze()  # frozen objects outlive the interpreter's last collection (nanobind, under triton, lists them)
         if on_main_thread:  # None: a handler installed from C, which Python cannot put back
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
+    if server.started:  # also where uvicorn ended on the signal itself, raising nothing
+        print("[torch-shift] stopped", file=sys.stderr, flush=True)
     return 0 if async_engine.error is None else 1
 
 
