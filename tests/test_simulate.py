@@ -213,3 +213,31 @@ def test_the_simulator_prices_speculative_steps():
     assert 1.2 < stats["mean_accepted_length"] - 1 < 2.0  # fewer: proposals shorten near max_tokens
     assert len(spec.steps) < 0.6 * len(plain.steps)
     assert max(r.finish_s for r in spec.requests) < 0.7 * max(r.finish_s for r in plain.requests)
+
+
+def test_a_speculative_simulation_does_not_depend_on_the_proposers_wall_time(monkeypatch):
+    """The speculator prices a proposal with the proposer's time per ask, measured on the host's clock; a simulated
+    engine's does not advance, so a slow (or loaded) machine makes the same plan. (Timed by the host, 0.1 ms more per
+    ask took a third more simulated steps: the budget's bar rose with it.)"""
+    import time
+
+    from torch_shift.engine.spec_decode.suffix import SuffixProposer
+
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+                                       "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                                       "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
+    shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
+    specs = [RequestSpec(f"r{i}", 0.0, list(range(8 + i, 208 + i)), 64) for i in range(4)]
+
+    def run():
+        engine = SimulatedEngine.simulated(EngineArgs("config-only", tp=2, speculative_config={
+            "method": "suffix", "num_speculative_tokens": 4}), config, 256, CostModelTimer(shape, hw, 16),
+            spec_acceptance=0.7, seed=1)
+        result = simulate(engine, specs)
+        return len(result.steps), [r.finish_s for r in result.requests]
+
+    fast = run()
+    propose = SuffixProposer.propose
+    monkeypatch.setattr(SuffixProposer, "propose", lambda self, requests, max_tokens: time.sleep(0.002) or propose(
+        self, requests, max_tokens))
+    assert run() == fast

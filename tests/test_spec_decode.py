@@ -1564,6 +1564,7 @@ def test_probes_are_scored_against_the_next_draw_and_never_checked():
 
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
     speculator = Speculator(config, 1000, _Sevens())
+    speculator.clock = lambda: 0.0  # asks cost nothing: a stall in one (2.4 ms) lifted the bar above probed's rate
     dear_check = (1.5e-3, 0.0, 2e-5, 3e-4)  # a check pays from a rate of about 0.2 on
     speculator.step_cost.at = lambda num_requests: dear_check
     for i in range(50):  # the method's rate: mostly rejections
@@ -1653,6 +1654,7 @@ def test_a_request_below_the_bar_is_not_looked_at_until_its_next_probe():
 
     config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "goodput_budget": True})
     speculator = Speculator(config, 1000, _Sevens())
+    speculator.clock = lambda: 0.0  # asks cost nothing: a slow one stretched the probes' interval
     speculator.step_cost.at = lambda num_requests: (1.5e-3, 0.0, 2e-5, 3e-4)
     for i in range(50):
         speculator.acceptance.observe(f"earlier{i}", 4, 0, greedy=False)

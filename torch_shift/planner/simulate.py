@@ -35,6 +35,11 @@ StepTimer = Callable[[StepPlan, Deployment], float]
 
 
 # -- step times ---------------------------------------------------------------------------------------------
+def _standing_clock() -> float:
+    """A simulated engine's clock for the host's own work (SimulatedEngine.simulated): it never advances."""
+    return 0.0
+
+
 def cost_layout(layout: EngineLayout, num_micro_batches: int | None = None, expert_parallel: bool = False) -> Layout:
     """The cost model's description of an engine layout (Shift's shift layout is plain TP over its ranks; with
     `expert_parallel` both hold whole experts, as `enable_expert_parallel` places them)."""
@@ -192,6 +197,11 @@ class SimulatedEngine(ClockedEngine):
         engine.core.sample = engine._filler_sample
         engine.core.executor = engine._modelled_forward
         engine.core.step_seconds = lambda start: engine.last_step_modelled_s  # what the speculator's budget reads
+        speculator = engine.core.speculator
+        if speculator is not None:
+            # the host's own time proposing and fitting is not modelled: on the virtual clock it takes none, so that
+            # a plan does not depend on the speed or the load of the machine that makes it
+            speculator.clock = speculator.step_cost.clock = _standing_clock
         return engine
 
     def _modelled_forward(self, plan: StepPlan) -> StepResult:

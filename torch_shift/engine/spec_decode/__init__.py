@@ -143,6 +143,7 @@ class Speculator:
         # outputs took 60-80 us a request; added to the step's time, as before, the fit spread it over a and c)
         self.ask_seconds = 0.0
         self.found_share = 1.0
+        self.clock = time.perf_counter  # what times the asks (a simulated engine's stands still: planner/simulate.py)
         # and the share of a step waiting for its tokens that each look's ask cost: a request is looked at from its last
         # token, so the step before the look waits for it unless it checked proposals (a check waits for its tokens
         # anyway) or ended a multi-step run; the steps before looks that follow a plain step cost the wait's price
@@ -473,11 +474,11 @@ class Speculator:
 
     def _ask(self, requests: list[Request], max_tokens: list[int]) -> list[list[int]]:
         """The proposer's proposals, its time per request asked and the share of asks that found one followed."""
-        start = time.perf_counter()
+        start = self.clock()
         proposals = self.proposer.propose(requests, max_tokens)
-        propose_seconds = time.perf_counter() - start
+        propose_seconds = self.clock() - start
         if self._draft_beside is not None:  # the draft model's forwards are priced apart: _price_draft_model
-            propose_seconds -= self._draft_beside.last_draft_seconds
+            propose_seconds = max(propose_seconds - self._draft_beside.last_draft_seconds, 0.0)
         asked = len(proposals)
         found = sum(1 for p in proposals if p)
         self.ask_seconds += ASK_AVERAGING * (propose_seconds / asked - self.ask_seconds)

@@ -55,6 +55,7 @@ class StepCostFit:
         self.min_steps = min_steps
         self.ranges: dict[int, _Range] = {}  # R's bit length -> its range's last steps
         self.fitted: dict[int, StepCost] = {}
+        self.clock = time.perf_counter  # what times the fits, which space them (FIT_SHARE)
 
     def observe(self, num_requests: int, num_proposed: int, num_checks: int, seconds: float) -> None:
         key = num_requests.bit_length()
@@ -69,7 +70,7 @@ class StepCostFit:
             steps_range.num_checked += 1
         steps_range.since_fit += 1
         if steps_range.since_fit >= steps_range.due:
-            start = time.perf_counter()
+            start = self.clock()
             mean_seconds = self._fit(key)
             # the next fit: every min_steps steps until one fits, then every REFIT_EVERY while the window fills
             # (also after a try that found every step alike), then every REFIT_EVERY_FULL steps or more, as
@@ -79,7 +80,7 @@ class StepCostFit:
             if key not in self.fitted and len(steps) < self.min_steps + REFIT_EVERY:
                 steps_range.due = self.min_steps
             elif len(steps) == self.window:
-                fit_seconds = time.perf_counter() - start
+                fit_seconds = self.clock() - start
                 steps_range.due = max(REFIT_EVERY_FULL, math.ceil(fit_seconds / (FIT_SHARE * mean_seconds)))
 
     def _fit(self, key: int) -> float:
