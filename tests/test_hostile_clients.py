@@ -289,7 +289,7 @@ def test_a_stopped_worker_is_detected_within_the_deadline(model_dir):
 
 @pytest.mark.slow
 def test_sigterm_ends_every_process_while_a_worker_is_stopped(model_dir):
-    server, worker = _start_two_ranks(model_dir, "--step-deadline-s", "2")
+    server, worker = _start_two_ranks(model_dir, "--step-deadline-s", "5")  # SIGTERM first
     try:
         pool, stream, plain = _in_flight(server)
         os.kill(worker, signal.SIGSTOP)

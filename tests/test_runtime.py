@@ -343,7 +343,7 @@ def test_after_a_failed_step_the_next_call_fails_at_once(llama):
         with pytest.raises(RuntimeError, match="the parallel engine was shut down: a step failed .*rank 1.*; "
                                                "create a new engine"):
             tokens(llm)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 2.5  # at once, not after the 5 s timeout again
         assert not worker.is_alive()
     finally:
         _continue_and_shutdown(llm, [worker.pid])

@@ -566,7 +566,10 @@ def test_server_with_parallel_ranks(checkpoints, reference, name):
         assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text \
             == expected
         # a burst of 6 at once: the flying policy's DP needs 3 in the system at one step, which 3 requests
-        # arriving a step apart on a busy machine did not always reach once steps got faster
+        # arriving a step apart on a busy machine did not always reach once steps got faster; six prompts in one
+        # request arrive together whatever the load, six clients side by side as they come
+        batch = client.completions.create(model="tiny", prompt=[PROMPT] * 6, max_tokens=8, temperature=0)
+        assert [c.text for c in batch.choices] == [expected] * 6
         with ThreadPoolExecutor(6) as pool:
             texts = pool.map(lambda _: client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
                                                                  temperature=0).choices[0].text, range(6))

@@ -355,10 +355,11 @@ def test_communication_ledger_matches_the_formulas(llama):
 def _idle_rank(rank, world, model_dir):
     import time
 
-    llm = LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=2)
+    # (a timeout of 2 s also bounded the start-up's and the steps' collectives: tight on a loaded machine)
+    llm = LLM(str(model_dir), sp=2, tp=1, distributed_timeout_s=5)
     first = llm.generate(random_prompts(2, [5, 9]), PARAMS, use_tqdm=False)
     if rank == 0:
-        time.sleep(4)  # longer than the collectives' timeout: the other rank waits on the control group
+        time.sleep(7)  # longer than the collectives' timeout: the other rank waits on the control group
     second = llm.generate(random_prompts(2, [5, 9]), PARAMS, use_tqdm=False)
     return [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
