@@ -23,6 +23,9 @@ rank's steps after which nothing is proposed run ahead of the host (torch_shift.
                                [--intermediate 24576] [--draft DIR | --draft-layers N] [--draft-intermediate N]
                                [--vllm-python VENV/bin/python] [--json out.json]
 
+Each repeat's ratios are printed beside the machine's read rate before and after it (a sum over 1 GiB) and the plain
+engine's TPOT: a plain step reads the weights, a check's rows also multiply, so the ratios follow the read rate.
+
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
 memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
 draft is then the default model itself.
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_peers import run_json_process
+from peer_vllm import read_bandwidth
 from spec_work import AGENT_TURNS, run_work
 
 from torch_shift import LLM, SamplingParams
@@ -416,13 +420,17 @@ def main() -> None:
         print(f"{method} with every proposal checked for free: agent {ceiling['agent']:.2f}, edit "
               f"{ceiling['edit']:.2f} tokens per step (the most its TPOT ratio to none can reach here)", flush=True)
     rows = []
+    spells = []  # per layout: each repeat's read rates, and every engine's results
     peer_methods = vllm_methods(args.vllm_python) if args.vllm_python else ()
     for layout in args.layouts.split(","):
         # every method's engine made afresh for every repeat (no suffix tree remembers an earlier repeat), all up at
         # once and run in turn prompt by prompt (spec_work.run_work); medians over repeats
         runs: dict[tuple[str, str], list[dict]] = {}
+        read_rates: list[tuple[float, float]] = []  # the machine's read rate before and after each repeat
         for repeat in range(args.repeats):
+            before = read_bandwidth()
             results = run_methods(layout, args.methods.split(","), work)
+            read_rates.append((before, read_bandwidth()))
             if args.vllm_python and layout == "one":
                 for method in args.methods.split(","):
                     if method in peer_methods:
@@ -432,6 +440,7 @@ def main() -> None:
                 runs.setdefault((engine, method), []).append(result)
                 print(json.dumps({"engine": engine, "layout": layout, "method": method, "repeat": repeat, **result}),
                       flush=True)
+        spells.append((layout, read_rates, runs))
         for (engine, method), results in runs.items():
             row = {"engine": engine, "layout": layout, "method": method, "repeats": results}
             for key in results[0]:
@@ -458,6 +467,21 @@ def main() -> None:
         print(f"| {r['engine']} | {r['layout']} | {r['method']} | {r['agent_tpot_ms']:.2f} | {r['edit_tpot_ms']:.2f} | "
               f"{r['free_tpot_ms']:.2f} | {r['throughput_64']:.0f} | {accepted} | "
               f"{ratios(r, by_key.get((r['engine'], r['layout'], 'none')))} | {ratios(r, peer)} |")
+    # the ratios follow the machine's read rate, which moves between repeats (docs/performance.md, eighty-sixth
+    # session): each repeat's beside its rate and the plain engine's TPOT
+    for layout, read_rates, runs in spells:
+        plain = runs.get(("torch_shift", "none"))
+        if plain is None:
+            continue
+        for repeat, (before, after) in enumerate(read_rates):
+            base = plain[repeat]
+            per_method = "; ".join(
+                method + " " + ", ".join(f"{work} {base[key] / r[repeat][key]:.2f}" for work, key in (
+                    ("agent", "agent_tpot_ms"), ("edit", "edit_tpot_ms"), ("free", "free_tpot_ms")))
+                for (engine, method), r in runs.items() if engine == "torch_shift" and method != "none")
+            print(f"{layout} repeat {repeat}: read {before / 1e9:.0f} / {after / 1e9:.0f} GB/s before / after, plain "
+                  f"agent TPOT {base['agent_tpot_ms']:.2f} ms; TPOT x none: {per_method}")
+    figures["read_bandwidth_per_repeat"] = {layout: read_rates for layout, read_rates, _ in spells}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
