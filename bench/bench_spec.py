@@ -24,7 +24,9 @@ rank's steps after which nothing is proposed run ahead of the host (torch_shift.
                                [--vllm-python VENV/bin/python] [--json out.json]
 
 Each repeat's ratios are printed beside the machine's read rate before and after it (a sum over 1 GiB) and the plain
-engine's TPOT: a plain step reads the weights, a check's rows also multiply, so the ratios follow the read rate.
+engine's TPOT, and each method's ratios over the prompts whose plain TPOT fell in the faster and the slower half: a
+plain step reads the weights, a check's rows also multiply, so the ratios follow the read rate, which on the machine of
+docs/performance.md flips between two levels every 10-40 s.
 
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
 memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
@@ -364,6 +366,31 @@ def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200)
     return row
 
 
+def ratios_by_plain_half(plain: list[dict], method: list[dict], work: str) -> tuple[float, float, float] | None:
+    """A method's TPOT ratio to no speculation (the plain engine's TPOT over the method's, summed) on `work`'s prompts
+    (run_work's "<work>_tpots_ms" of each repeat, `plain`'s and `method`'s in the same order), over the prompts whose
+    plain TPOT was in the faster half, then the slower half, each against the median of its own prompt's plain TPOTs
+    over the repeats (prompts differ in length: a long one is not a slow spell); and the bound between the halves, as
+    a fraction of that median. None with fewer than two prompts timed by both."""
+    key = f"{work}_tpots_ms"
+    runs = [list(zip(base[key], run[key])) for base, run in zip(plain, method)]
+    pairs = []
+    for index in range(min(map(len, runs), default=0)):
+        timed = [run[index] for run in runs if None not in run[index]]
+        if timed:
+            median = statistics.median(p for p, _ in timed)
+            pairs += [(p / median, p, m) for p, m in timed]
+    if len(pairs) < 2:
+        return None
+    pairs.sort()
+    fast, slow = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
+
+    def ratio(half):
+        return sum(p for _, p, _ in half) / sum(m for _, _, m in half)
+
+    return ratio(fast), ratio(slow), fast[-1][0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="one,shift")
@@ -444,6 +471,8 @@ def main() -> None:
         for (engine, method), results in runs.items():
             row = {"engine": engine, "layout": layout, "method": method, "repeats": results}
             for key in results[0]:
+                if key.endswith("_tpots_ms"):  # each prompt's: in "repeats" only
+                    continue
                 values = [r[key] for r in results if r[key] is not None]
                 row[key] = statistics.median(values) if values else None
             rows.append(row)
@@ -481,6 +510,22 @@ def main() -> None:
                 for (engine, method), r in runs.items() if engine == "torch_shift" and method != "none")
             print(f"{layout} repeat {repeat}: read {before / 1e9:.0f} / {after / 1e9:.0f} GB/s before / after, plain "
                   f"agent TPOT {base['agent_tpot_ms']:.2f} ms; TPOT x none: {per_method}")
+    # each prompt's TPOT beside the plain engine's of the same prompt (timed within a second or so: one spell; the
+    # read rate holds each of its levels for 10-40 s here), the prompts split by the plain engine's TPOT
+    for layout, _, runs in spells:
+        plain = runs.get(("torch_shift", "none"))
+        if plain is None:
+            continue
+        for (engine, method), results in runs.items():
+            if engine != "torch_shift" or method == "none":
+                continue
+            halves = []
+            for work in ("agent", "edit", "free"):
+                split = ratios_by_plain_half(plain, results, work)
+                if split is not None:
+                    halves.append(f"{work} {split[0]:.2f} / {split[1]:.2f} (<= {split[2]:.2f} / above)")
+            print(f"{layout} {method}, TPOT x none where the plain TPOT was in the faster / slower half of its own "
+                  "prompt's over the repeats (the bound: over that prompt's median): " + "; ".join(halves))
     figures["read_bandwidth_per_repeat"] = {layout: read_rates for layout, read_rates, _ in spells}
     if args.json:
         with open(args.json, "w") as f:

@@ -64,37 +64,43 @@ def in_turn(names: list[str], index: int) -> list[str]:
     return order[::-1] if row >= n else order
 
 
-def agent_loops(engines: dict[str, Engine], work: dict) -> dict[str, list[float]]:
+def agent_loops(engines: dict[str, Engine], work: dict) -> dict[str, list[float | None]]:
     """Turns of an agent: each prompt carries the earlier turns' outputs and an observation; each engine keeps
-    its own history (its own outputs), turn by turn in turn."""
-    tpots: dict[str, list[float]] = {name: [] for name in engines}
+    its own history (its own outputs), turn by turn in turn. Each engine's TPOT of every turn (None: one token)."""
+    tpots: dict[str, list[float | None]] = {name: [] for name in engines}
     turn = 0
     for prompt, observations in zip(work["agent_prompts"], work["agent_observations"]):
         history = {name: list(prompt) for name in engines}
         for observation in observations:
             for name in in_turn(list(engines), turn):
                 t, tokens = tpot(engines[name], history[name], 64)
-                tpots[name] += [t] if t is not None else []
+                tpots[name].append(t)
                 history[name] += tokens + observation
             turn += 1
     return tpots
 
 
+def _mean_ms(tpots: list[float | None]) -> float:
+    return 1e3 * statistics.mean(t for t in tpots if t is not None)
+
+
 def run_work(engines: dict[str, Engine], work: dict) -> dict[str, dict]:
-    """The three batch-1 workloads (mean TPOT in ms; each free prompt under every one of FREE_SEEDS), then 64 sampled
-    requests at once (output tok/s, the median of rounds in rotated order), for each engine, the engines in turn at
-    every prompt (in_turn)."""
-    rows = {name: {"agent_tpot_ms": 1e3 * statistics.mean(t)} for name, t in agent_loops(engines, work).items()}
+    """The three batch-1 workloads (mean TPOT in ms, and each prompt's in order: "agent_tpots_ms" and so on, None
+    for a single token; each free prompt under every one of FREE_SEEDS), then 64 sampled requests at once (output
+    tok/s, the median of rounds in rotated order), for each engine, the engines in turn at every prompt (in_turn):
+    the engines' TPOTs of one prompt were timed within a second or so of each other."""
+    rows = {name: {"agent_tpot_ms": _mean_ms(tpots), "agent_tpots_ms": [t and 1e3 * t for t in tpots]}
+            for name, tpots in agent_loops(engines, work).items()}
     free = [(prompt, seed) for seed in FREE_SEEDS for prompt in work["free_prompts"]]
-    for key, prompts, max_tokens, temperature in (("edit_tpot_ms", [(p, None) for p in work["edit_prompts"]], 96, 0.0),
-                                                  ("free_tpot_ms", free, 64, 0.8)):
-        tpots: dict[str, list[float]] = {name: [] for name in engines}
+    for key, prompts, max_tokens, temperature in (("edit", [(p, None) for p in work["edit_prompts"]], 96, 0.0),
+                                                  ("free", free, 64, 0.8)):
+        tpots: dict[str, list[float | None]] = {name: [] for name in engines}
         for index, (prompt, seed) in enumerate(prompts):
             for name in in_turn(list(engines), index):
-                t = tpot(engines[name], prompt, max_tokens, temperature, seed)[0]
-                tpots[name] += [t] if t is not None else []
+                tpots[name].append(tpot(engines[name], prompt, max_tokens, temperature, seed)[0])
         for name in engines:
-            rows[name][key] = 1e3 * statistics.mean(tpots[name])
+            rows[name][f"{key}_tpot_ms"] = _mean_ms(tpots[name])
+            rows[name][f"{key}_tpots_ms"] = [t and 1e3 * t for t in tpots[name]]
     # the 64-request batch THROUGHPUT_ROUNDS times per engine, the order rotated each round (one run each in a fixed
     # order moved a row by up to 30% with the machine's spells): the median. A seed per round: with one seed, a
     # round repeated the last one's sampled outputs, which the suffix method's global tree then held whole (98% of

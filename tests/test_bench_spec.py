@@ -113,6 +113,38 @@ def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_it
     assert events == [("start", "none", layout), ("close", "none")]
 
 
+def test_ratios_split_by_the_plain_engines_tpot_of_each_prompt():
+    """Each prompt's TPOT is set against the plain engine's of the same prompt (timed a second apart: one spell of
+    the machine's read rate), and the prompts split by the plain TPOT against its own prompt's median over the
+    repeats: faster half, slower half (a longer prompt is not a slower spell)."""
+    import bench_spec
+
+    # prompt 0 plain 2.0 / 3.0 / 2.5 (median 2.5), prompt 1 plain 8.0 / 8.8 / None (median 8.4); one single-token
+    plain = [{"agent_tpots_ms": [2.0, 8.0]}, {"agent_tpots_ms": [3.0, 8.8]}, {"agent_tpots_ms": [2.5, None]}]
+    method = [{"agent_tpots_ms": [1.0, 4.0]}, {"agent_tpots_ms": [1.5, 4.0]}, {"agent_tpots_ms": [1.0, 4.0]}]
+    # over their medians: 0.8 (2.0, 1.0), 0.952 (8.0, 4.0), 1.0 (2.5, 1.0), 1.048 (8.8, 4.0), 1.2 (3.0, 1.5)
+    fast, slow, bound = bench_spec.ratios_by_plain_half(plain, method, "agent")
+    assert fast == pytest.approx((2.0 + 8.0) / (1.0 + 4.0)) and bound == pytest.approx(8.0 / 8.4)
+    assert slow == pytest.approx((2.5 + 8.8 + 3.0) / (1.0 + 4.0 + 1.5))
+    assert bench_spec.ratios_by_plain_half([{"agent_tpots_ms": [2.0]}], [{"agent_tpots_ms": [1.0]}], "agent") is None
+
+
+def test_run_work_keeps_each_prompts_tpot_in_order():
+    """run_work's rows hold each prompt's TPOT in milliseconds, in the work's order, None for a single token, beside
+    the means over the rest."""
+    class Fixed:
+        def generate(self, prompts, max_tokens, temperature, seed, ignore_eos):
+            return [[5] * (1 if prompts[0][0] == 9 else max_tokens) for _ in prompts]
+
+    work = {"agent_prompts": [[1]], "agent_observations": [[[2], [3]]], "edit_prompts": [[4], [9]],
+            "free_prompts": [[6]], "throughput_prompts": [[7]]}
+    row = spec_work.run_work({"plain": Fixed()}, work)["plain"]
+    assert len(row["agent_tpots_ms"]) == 2 and all(t >= 0 for t in row["agent_tpots_ms"])
+    assert row["edit_tpots_ms"][1] is None and row["edit_tpots_ms"][0] >= 0
+    assert row["edit_tpot_ms"] == pytest.approx(row["edit_tpots_ms"][0])
+    assert len(row["free_tpots_ms"]) == len(spec_work.FREE_SEEDS)
+
+
 def test_an_engine_process_generates_the_engines_tokens(monkeypatch):
     """EngineProcess: an engine of two ranks in a process of its own, driven through a pipe, gives the tokens of the
     same engine in this process, its stats and a clean shutdown; a method it cannot start is raised with the
