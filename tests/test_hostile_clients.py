@@ -202,7 +202,9 @@ def test_disconnecting_clients_abort_their_requests(server):
     generated = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
     aborted = after.get("vllm:request_success_total{abort}", 0) - before.get(
         "vllm:request_success_total{abort}", 0)
-    assert aborted == 4 and generated < 4 * 1800 / 2, (aborted, generated)
+    # well short of their 7,200 tokens (1,500-1,750 on a 2-core Zen 4; a faster or a loaded machine makes more
+    # before the server sees the clients leave)
+    assert aborted == 4 and generated < 4 * 1800 * 3 / 4, (aborted, generated)
     assert after["vllm:kv_cache_usage_perc"] == 0.0
 
 
