@@ -24,9 +24,10 @@ rank's steps after which nothing is proposed run ahead of the host (torch_shift.
                                [--vllm-python VENV/bin/python] [--json out.json]
 
 Each repeat's ratios are printed beside the machine's read rate before and after it (a sum over 1 GiB) and the plain
-engine's TPOT, and each method's ratios over the prompts whose plain TPOT fell in the faster and the slower half: a
-plain step reads the weights, a check's rows also multiply, so the ratios follow the read rate, which on the machine of
-docs/performance.md flips between two levels every 10-40 s.
+engine's TPOT, and each method's ratios over the prompts whose plain TPOT fell in the faster and the slower half of
+that prompt's over the repeats (ratios_by_plain_half): a plain step reads the weights, a check's rows also multiply,
+so the ratios follow the read rate, which on the machine of docs/performance.md flips between two levels every
+10-40 s.
 
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
 memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
