@@ -586,7 +586,7 @@ def test_server_with_parallel_ranks(checkpoints, reference, name):
             samples[("torch_shift:layout_switches_total", None)]
         # Ctrl+C in a terminal (SIGINT to the process group: rank 1 too) or a supervisor's SIGTERM: uvicorn shuts
         # down, the engine stops its rank, and the server says so and exits 0 without a traceback (uvicorn raises
-        # the signal again after its shutdown, or not: to the group it raised nothing, and the server said nothing)
+        # the signal again after its shutdown, or not: servers run by hand with Ctrl+C once said nothing)
         if name == "sp2":
             os.killpg(proc.pid, signal.SIGINT)
         else:
