@@ -24,8 +24,8 @@ rank's steps after which nothing is proposed run ahead of the host (torch_shift.
                                [--vllm-python VENV/bin/python] [--json out.json]
 
 Each repeat's ratios are printed beside the machine's read rate before and after it (a sum over 1 GiB) and the plain
-engine's TPOT, and each method's ratios over the prompts whose plain TPOT fell in the faster and the slower half of
-that prompt's over the repeats (ratios_by_plain_half): a plain step reads the weights, a check's rows also multiply,
+engine's TPOT, and each method's ratios over the repeats in which a prompt's plain TPOT was below, then above, that
+prompt's median over the repeats (ratios_by_plain_half): a plain step reads the weights, a check's rows also multiply,
 so the ratios follow the read rate, which on the machine of docs/performance.md flips between two levels every
 10-40 s.
 
@@ -367,29 +367,28 @@ def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200)
     return row
 
 
-def ratios_by_plain_half(plain: list[dict], method: list[dict], work: str) -> tuple[float, float, float] | None:
+def ratios_by_plain_half(plain: list[dict], method: list[dict], work: str) -> tuple[float, float] | None:
     """A method's TPOT ratio to no speculation (the plain engine's TPOT over the method's, summed) on `work`'s prompts
-    (run_work's "<work>_tpots_ms" of each repeat, `plain`'s and `method`'s in the same order), over the prompts whose
-    plain TPOT was in the faster half, then the slower half, each against the median of its own prompt's plain TPOTs
-    over the repeats (prompts differ in length: a long one is not a slow spell); and the bound between the halves, as
-    a fraction of that median. None with fewer than two prompts timed by both."""
+    (run_work's "<work>_tpots_ms" of each repeat, `plain`'s and `method`'s in the same order), over the repeats in
+    which a prompt's plain TPOT was below the median of that prompt's plain TPOTs over the repeats, then over those in
+    which it was above (prompts differ in length: a long one is not a slow spell; a repeat at the median is in
+    neither). None where either side has no timing."""
     key = f"{work}_tpots_ms"
     runs = [list(zip(base[key], run[key])) for base, run in zip(plain, method)]
-    pairs = []
+    fast, slow = [], []
     for index in range(min(map(len, runs), default=0)):
         timed = [run[index] for run in runs if None not in run[index]]
         if timed:
             median = statistics.median(p for p, _ in timed)
-            pairs += [(p / median, p, m) for p, m in timed]
-    if len(pairs) < 2:
+            fast += [(p, m) for p, m in timed if p < median]
+            slow += [(p, m) for p, m in timed if p > median]
+    if not fast or not slow:
         return None
-    pairs.sort()
-    fast, slow = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
 
-    def ratio(half):
-        return sum(p for _, p, _ in half) / sum(m for _, _, m in half)
+    def ratio(side):
+        return sum(p for p, _ in side) / sum(m for _, m in side)
 
-    return ratio(fast), ratio(slow), fast[-1][0]
+    return ratio(fast), ratio(slow)
 
 
 def main() -> None:
@@ -524,9 +523,9 @@ def main() -> None:
             for work in ("agent", "edit", "free"):
                 split = ratios_by_plain_half(plain, results, work)
                 if split is not None:
-                    halves.append(f"{work} {split[0]:.2f} / {split[1]:.2f} (<= {split[2]:.2f} / above)")
-            print(f"{layout} {method}, TPOT x none where the plain TPOT was in the faster / slower half of its own "
-                  "prompt's over the repeats (the bound: over that prompt's median): " + "; ".join(halves))
+                    halves.append(f"{work} {split[0]:.2f} / {split[1]:.2f}")
+            print(f"{layout} {method}, TPOT x none where the plain TPOT was below / above its own prompt's median over "
+                  "the repeats: " + "; ".join(halves))
     figures["read_bandwidth_per_repeat"] = {layout: read_rates for layout, read_rates, _ in spells}
     if args.json:
         with open(args.json, "w") as f:

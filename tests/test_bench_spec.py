@@ -115,17 +115,21 @@ def test_several_ranks_run_every_methods_engine_together_each_in_a_process_of_it
 
 def test_ratios_split_by_the_plain_engines_tpot_of_each_prompt():
     """Each prompt's TPOT is set against the plain engine's of the same prompt (timed a second apart: one spell of
-    the machine's read rate), and the prompts split by the plain TPOT against its own prompt's median over the
-    repeats: faster half, slower half (a longer prompt is not a slower spell)."""
+    the machine's read rate), and the repeats split by whether the plain TPOT was below or above its own prompt's
+    median over the repeats (a longer prompt is not a slower spell; a repeat at the median is in neither half)."""
     import bench_spec
 
-    # prompt 0 plain 2.0 / 3.0 / 2.5 (median 2.5), prompt 1 plain 8.0 / 8.8 / None (median 8.4); one single-token
+    # prompt 0 plain 2.0 / 3.0 / 2.5 (median 2.5), prompt 1 plain 8.0 / 8.8 / None (median 8.4)
     plain = [{"agent_tpots_ms": [2.0, 8.0]}, {"agent_tpots_ms": [3.0, 8.8]}, {"agent_tpots_ms": [2.5, None]}]
     method = [{"agent_tpots_ms": [1.0, 4.0]}, {"agent_tpots_ms": [1.5, 4.0]}, {"agent_tpots_ms": [1.0, 4.0]}]
-    # over their medians: 0.8 (2.0, 1.0), 0.952 (8.0, 4.0), 1.0 (2.5, 1.0), 1.048 (8.8, 4.0), 1.2 (3.0, 1.5)
-    fast, slow, bound = bench_spec.ratios_by_plain_half(plain, method, "agent")
-    assert fast == pytest.approx((2.0 + 8.0) / (1.0 + 4.0)) and bound == pytest.approx(8.0 / 8.4)
-    assert slow == pytest.approx((2.5 + 8.8 + 3.0) / (1.0 + 4.0 + 1.5))
+    fast, slow = bench_spec.ratios_by_plain_half(plain, method, "agent")
+    assert fast == pytest.approx((2.0 + 8.0) / (1.0 + 4.0)) and slow == pytest.approx((3.0 + 8.8) / (1.5 + 4.0))
+    # a short and a long prompt at every repeat's same rate: no spell, so both halves read alike (splitting by rank
+    # put the short prompt's median repeat in one half and the long one's in the other)
+    plain = [{"agent_tpots_ms": [2.0 * f, 9.0 * f]} for f in (0.99, 1.0, 1.01)]
+    method = [{"agent_tpots_ms": [1.0 * f, 7.5 * f]} for f in (0.99, 1.0, 1.01)]
+    fast, slow = bench_spec.ratios_by_plain_half(plain, method, "agent")
+    assert fast == pytest.approx(slow) == pytest.approx(11.0 / 8.5)
     assert bench_spec.ratios_by_plain_half([{"agent_tpots_ms": [2.0]}], [{"agent_tpots_ms": [1.0]}], "agent") is None
 
 
