@@ -291,7 +291,8 @@ def test_a_stopped_worker_is_detected_within_the_deadline(model_dir):
 
 @pytest.mark.slow
 def test_sigterm_ends_every_process_while_a_worker_is_stopped(model_dir):
-    server, worker = _start_two_ranks(model_dir, "--step-deadline-s", "5")  # SIGTERM first
+    # a deadline SIGTERM's shutdown beats (with 2 s the stalled step's watchdog could end the stream first)
+    server, worker = _start_two_ranks(model_dir, "--step-deadline-s", "5")
     try:
         pool, stream, plain = _in_flight(server)
         os.kill(worker, signal.SIGSTOP)

@@ -352,8 +352,10 @@ def build_app(engine: AsyncEngine, served_model_name: str | Sequence[str], metri
         try:
             async with engine.open(ids, prompts, [params] * len(prompts), priority) as submission:
                 if log_requests:  # vLLM's --enable-log-requests: once admitted
-                    logger.info("Received request %s: %s, priority %d, params: %s", rid,
-                                ", ".join(f"{len(p.token_ids)} prompt tokens" for p in prompts), priority, params)
+                    lengths = ", ".join(str(len(p.token_ids)) for p in prompts)
+                    logger.info("Received request %s: %s of %s tokens, priority %d, params: %s", rid,
+                                "a prompt" if len(prompts) == 1 else f"{len(prompts)} prompts", lengths, priority,
+                                params)
                 yield rid, submission
         except (ValueError, TypeError) as e:
             raise _parameter_error(e, fields) from None
