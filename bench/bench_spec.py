@@ -25,9 +25,9 @@ rank's steps after which nothing is proposed run ahead of the host (torch_shift.
 
 Each repeat's ratios are printed beside the machine's read rate before and after it (a sum over 1 GiB) and the plain
 engine's TPOT, and each method's ratios over the repeats in which a prompt's plain TPOT was below, then above, that
-prompt's median over the repeats (ratios_by_plain_half): a plain step reads the weights, a check's rows also multiply,
-so the ratios follow the read rate, which on the machine of docs/performance.md flips between two levels every
-10-40 s.
+prompt's median over the repeats (ratios_below_and_above_median): a plain step reads the weights, a check's rows also
+multiply, so the ratios follow the read rate, which on the machine of docs/performance.md flips between two levels
+every 10-40 s.
 
 With --intermediate, the target is the default model widened (`widened`): the same function with weights read from
 memory at every step, as a larger model's, where the issue's premise (decode bound by reading weights) holds; its
@@ -367,7 +367,7 @@ def run_vllm(vllm_python: str, method: str, work: dict, timeout_s: float = 1200)
     return row
 
 
-def ratios_by_plain_half(plain: list[dict], method: list[dict], work: str) -> tuple[float, float] | None:
+def ratios_below_and_above_median(plain: list[dict], method: list[dict], work: str) -> tuple[float, float] | None:
     """A method's TPOT ratio to no speculation (the plain engine's TPOT over the method's, summed) on `work`'s prompts
     (run_work's "<work>_tpots_ms" of each repeat, `plain`'s and `method`'s in the same order), over the repeats in
     which a prompt's plain TPOT was below the median of that prompt's plain TPOTs over the repeats, then over those in
@@ -521,7 +521,7 @@ def main() -> None:
                 continue
             halves = []
             for work in ("agent", "edit", "free"):
-                split = ratios_by_plain_half(plain, results, work)
+                split = ratios_below_and_above_median(plain, results, work)
                 if split is not None:
                     halves.append(f"{work} {split[0]:.2f} / {split[1]:.2f}")
             print(f"{layout} {method}, TPOT x none where the plain TPOT was below / above its own prompt's median over "

@@ -122,15 +122,16 @@ def test_ratios_split_by_the_plain_engines_tpot_of_each_prompt():
     # prompt 0 plain 2.0 / 3.0 / 2.5 (median 2.5), prompt 1 plain 8.0 / 8.8 / None (median 8.4)
     plain = [{"agent_tpots_ms": [2.0, 8.0]}, {"agent_tpots_ms": [3.0, 8.8]}, {"agent_tpots_ms": [2.5, None]}]
     method = [{"agent_tpots_ms": [1.0, 4.0]}, {"agent_tpots_ms": [1.5, 4.0]}, {"agent_tpots_ms": [1.0, 4.0]}]
-    fast, slow = bench_spec.ratios_by_plain_half(plain, method, "agent")
+    fast, slow = bench_spec.ratios_below_and_above_median(plain, method, "agent")
     assert fast == pytest.approx((2.0 + 8.0) / (1.0 + 4.0)) and slow == pytest.approx((3.0 + 8.8) / (1.5 + 4.0))
     # a short and a long prompt at every repeat's same rate: no spell, so both halves read alike (splitting by rank
     # put the short prompt's median repeat in one half and the long one's in the other)
     plain = [{"agent_tpots_ms": [2.0 * f, 9.0 * f]} for f in (0.99, 1.0, 1.01)]
     method = [{"agent_tpots_ms": [1.0 * f, 7.5 * f]} for f in (0.99, 1.0, 1.01)]
-    fast, slow = bench_spec.ratios_by_plain_half(plain, method, "agent")
+    fast, slow = bench_spec.ratios_below_and_above_median(plain, method, "agent")
     assert fast == pytest.approx(slow) == pytest.approx(11.0 / 8.5)
-    assert bench_spec.ratios_by_plain_half([{"agent_tpots_ms": [2.0]}], [{"agent_tpots_ms": [1.0]}], "agent") is None
+    one_repeat = ([{"agent_tpots_ms": [2.0]}], [{"agent_tpots_ms": [1.0]}])
+    assert bench_spec.ratios_below_and_above_median(*one_repeat, "agent") is None
 
 
 def test_run_work_keeps_each_prompts_tpot_in_order():
