@@ -497,7 +497,9 @@ def main() -> None:
               f"{r['free_tpot_ms']:.2f} | {r['throughput_64']:.0f} | {accepted} | "
               f"{ratios(r, by_key.get((r['engine'], r['layout'], 'none')))} | {ratios(r, peer)} |")
     # the ratios follow the machine's read rate, which moves between repeats (docs/performance.md, eighty-sixth
-    # session): each repeat's beside its rate and the plain engine's TPOT
+    # session): each repeat's beside its rate and the plain engine's TPOT; then each prompt's TPOT beside the plain
+    # engine's of the same prompt (timed within a second or so: one spell; the read rate holds each of its levels for
+    # 10-40 s here), split by the plain engine's TPOT
     for layout, read_rates, runs in spells:
         plain = runs.get(("torch_shift", "none"))
         if plain is None:
@@ -510,12 +512,6 @@ def main() -> None:
                 for (engine, method), r in runs.items() if engine == "torch_shift" and method != "none")
             print(f"{layout} repeat {repeat}: read {before / 1e9:.0f} / {after / 1e9:.0f} GB/s before / after, plain "
                   f"agent TPOT {base['agent_tpot_ms']:.2f} ms; TPOT x none: {per_method}")
-    # each prompt's TPOT beside the plain engine's of the same prompt (timed within a second or so: one spell; the
-    # read rate holds each of its levels for 10-40 s here), the prompts split by the plain engine's TPOT
-    for layout, _, runs in spells:
-        plain = runs.get(("torch_shift", "none"))
-        if plain is None:
-            continue
         for (engine, method), results in runs.items():
             if engine != "torch_shift" or method == "none":
                 continue

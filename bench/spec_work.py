@@ -80,8 +80,10 @@ def agent_loops(engines: dict[str, Engine], work: dict) -> dict[str, list[float 
     return tpots
 
 
-def _mean_ms(tpots: list[float | None]) -> float:
-    return 1e3 * statistics.mean(t for t in tpots if t is not None)
+def _tpot_columns(work: str, tpots: list[float | None]) -> dict:
+    """A row's columns of `work`'s TPOTs (seconds, None for a single token): their mean and each one, in ms."""
+    return {f"{work}_tpot_ms": 1e3 * statistics.mean(t for t in tpots if t is not None),
+            f"{work}_tpots_ms": [None if t is None else 1e3 * t for t in tpots]}
 
 
 def run_work(engines: dict[str, Engine], work: dict) -> dict[str, dict]:
@@ -89,8 +91,7 @@ def run_work(engines: dict[str, Engine], work: dict) -> dict[str, dict]:
     for a single token; each free prompt under every one of FREE_SEEDS), then 64 sampled requests at once (output
     tok/s, the median of rounds in rotated order), for each engine, the engines in turn at every prompt (in_turn):
     the engines' TPOTs of one prompt were timed within a second or so of each other."""
-    rows = {name: {"agent_tpot_ms": _mean_ms(tpots), "agent_tpots_ms": [None if t is None else 1e3 * t for t in tpots]}
-            for name, tpots in agent_loops(engines, work).items()}
+    rows = {name: _tpot_columns("agent", tpots) for name, tpots in agent_loops(engines, work).items()}
     free = [(prompt, seed) for seed in FREE_SEEDS for prompt in work["free_prompts"]]
     for key, prompts, max_tokens, temperature in (("edit", [(p, None) for p in work["edit_prompts"]], 96, 0.0),
                                                   ("free", free, 64, 0.8)):
@@ -99,8 +100,7 @@ def run_work(engines: dict[str, Engine], work: dict) -> dict[str, dict]:
             for name in in_turn(list(engines), index):
                 tpots[name].append(tpot(engines[name], prompt, max_tokens, temperature, seed)[0])
         for name in engines:
-            rows[name][f"{key}_tpot_ms"] = _mean_ms(tpots[name])
-            rows[name][f"{key}_tpots_ms"] = [None if t is None else 1e3 * t for t in tpots[name]]
+            rows[name].update(_tpot_columns(key, tpots[name]))
     # the 64-request batch THROUGHPUT_ROUNDS times per engine, the order rotated each round (one run each in a fixed
     # order moved a row by up to 30% with the machine's spells): the median. A seed per round: with one seed, a
     # round repeated the last one's sampled outputs, which the suffix method's global tree then held whole (98% of

@@ -191,15 +191,22 @@ def test_a_simulated_engine_with_a_short_context_does_not_warn_as_a_server_would
     assert engine.max_context_tokens == 32 and "KV cache holds" not in caplog.text
 
 
-def test_the_simulator_prices_speculative_steps():
-    """With speculation, a decode step is priced with every proposed token (the weights are read once for all of
-    them) and adds the accepted ones: fewer, slightly dearer steps. Each proposed token is accepted with probability
-    0.7 until the first rejection: of 4 proposed, 0.7 + 0.7^2 + 0.7^3 + 0.7^4 = 1.77 accepted on average."""
+def _speculative_work() -> tuple:
+    """The speculative simulations' model (the 106M peer model's shape, its config only), its cost shape on two A10s,
+    and four requests of 200 prompt tokens and 64 new ones."""
     config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
                                        "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
                                        "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
     shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
     specs = [RequestSpec(f"r{i}", 0.0, list(range(8 + i, 208 + i)), 64) for i in range(4)]
+    return config, shape, hw, specs
+
+
+def test_the_simulator_prices_speculative_steps():
+    """With speculation, a decode step is priced with every proposed token (the weights are read once for all of
+    them) and adds the accepted ones: fewer, slightly dearer steps. Each proposed token is accepted with probability
+    0.7 until the first rejection: of 4 proposed, 0.7 + 0.7^2 + 0.7^3 + 0.7^4 = 1.77 accepted on average."""
+    config, shape, hw, specs = _speculative_work()
     results = {}
     for name, extra, acceptance in (("plain", {}, 0.0), ("suffix", {"speculative_config": {
             "method": "suffix", "num_speculative_tokens": 4}}, 0.7)):
@@ -223,11 +230,7 @@ def test_a_speculative_simulation_does_not_depend_on_the_proposers_wall_time(mon
 
     from torch_shift.engine.spec_decode.suffix import SuffixProposer
 
-    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
-                                       "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-                                       "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096})
-    shape, hw = ModelShape.from_config(config, dtype="bf16"), get_profile("a10x2")
-    specs = [RequestSpec(f"r{i}", 0.0, list(range(8 + i, 208 + i)), 64) for i in range(4)]
+    config, shape, hw, specs = _speculative_work()
 
     def run():
         engine = SimulatedEngine.simulated(EngineArgs("config-only", tp=2, speculative_config={
