@@ -850,6 +850,51 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout, monkeypatch):
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 @pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+def test_a_redrafting_check_from_a_token_alone(tmp_path, layout, monkeypatch):
+    """Where the proposer finds no draft after a batch-1 request's last token but drafts pay at its rate, the request
+    still gets a redrafting check: its first stage decodes the token alone and the decoder drafts the stages after it
+    (Speculator._second_stage), where a plain step would wait for its token beside the speculator and then back off.
+    The tokens of the engine without speculation; such checks go on to stages with drafts; a plain decode step only
+    where the check would hold fewer than two slots (the last tokens); every KV block back. On by default at one rank
+    only (under Shift quiet steps run 8 to a plan), turned on here under Shift too."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": random_prompts(1, [6], seed=5)[0]}
+    reference = LLM(str(model_dir), compile=False, seed=0, **layout)
+    expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    reference.shutdown()
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    speculator = llm.engine.core.speculator
+    assert speculator.redraft_from_token_alone == (not layout)
+    speculator.redraft_from_token_alone = True
+    speculator._prices = lambda num_running, cost, wait_seconds: (0.0, 16)  # every request proposes
+    speculator.step_cost.at = lambda num_running: (1e-3, 1e-4, 1e-4, 1e-4)  # a fit, whatever the machine's timing
+    from torch_shift.engine import spec_decode
+
+    monkeypatch.setattr(spec_decode, "tokens_that_pay", lambda rates, lengths, num_running, cost: list(lengths))
+    checks = _recorded_checks(speculator)
+    plain, builder = [], llm.engine.core.plan_builder.build  # each plain decode step's position
+
+    def build(*args):
+        plan = builder(*args)
+        plain.extend(group.num_kv_tokens for group in plan.groups
+                     if group.num_tokens == 1 and group.num_spec is None and group.num_kv_tokens > 0)
+        return plan
+
+    llm.engine.core.plan_builder.build = build
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
+    alone = [stages for stages in checks if stages[0].proposed == 0]
+    assert alone and any(len(stages) > 1 and any(s.proposed for s in stages[1:]) for stages in alone)
+    end = len(prompt["prompt_token_ids"]) + len(expected)
+    assert all(position >= end - 3 for position in plain), (plain, end)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
 def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
     """With earlier outputs cached, a redrafting check's later stages are drafted from them too (rank 0 holds the
     global tree; under Shift it tells rank 1 each draft): a request whose own tokens hold nothing to repeat, but
@@ -1045,34 +1090,55 @@ def test_a_request_that_arrives_beside_a_redrafting_check_makes_it_one_of_two_st
         llm.shutdown()
 
 
-def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch):
+@pytest.mark.parametrize("from_token_alone", [False, True], ids=["drafted", "token-alone"])
+def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, monkeypatch, from_token_alone):
     """A TP-2 step over an emulated link is not the C++ decoder's (ShardDecoder declines it): a redrafting check runs
-    the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation."""
+    the forward as a one-stage check of every slot's proposal, and the tokens stay those without speculation. A check
+    from a token alone (a fit under which drafts pay, where the proposer found none) holds only fillers in its slots:
+    none of them is counted as a proposal."""
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     start = random_prompts(1, [6], seed=5)[0]
     layout = dict(tp=2, interconnect_gbps=100.0)
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
     cycle = reference.generate({"prompt_token_ids": start}, greedy, use_tqdm=False)[0].outputs[0].token_ids[-24:]
-    prompt = {"prompt_token_ids": start + list(reversed(cycle))}
+    # from a token alone: the start alone, whose first tokens the proposer finds no draft after
+    prompt = {"prompt_token_ids": start if from_token_alone else start + list(reversed(cycle))}
     expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
     speculator = llm.engine.core.speculator
     _check_every_proposal(speculator)
+    if from_token_alone:
+        speculator.redraft_from_token_alone = True  # (off by default at two ranks)
+        speculator.step_cost.at = lambda num_running: (1e-3, 1e-4, 1e-4, 1e-4)
+        from torch_shift.engine import spec_decode
+
+        monkeypatch.setattr(spec_decode, "tokens_that_pay", lambda rates, lengths, num_running, cost: list(lengths))
     redrafts, builder = [], llm.engine.core.plan_builder.build
 
     def build(*args):
         plan = builder(*args)
-        redrafts.extend(group.redraft is not None for group in plan.groups)
+        redrafts.extend(group.first_stage for group in plan.groups if group.redraft is not None)
         return plan
 
     llm.engine.core.plan_builder.build = build
     ran, stages = [], native_decoder.redraft_stages
     monkeypatch.setattr(core, "redraft_stages", lambda counts: ran.append(stages(counts)) or ran[-1])
+    from_alone, observe = [], speculator.observe  # what each check from a token alone was observed as
+
+    def observed(entries, sampled, seconds):
+        found = observe(entries, sampled, seconds)
+        from_alone.extend(found for group in entries for e in group
+                          if e.spec_token_ids and e.request.spec_stage == 0 and e.request.spec_redraft is not None)
+        return found
+
+    speculator.observe = observed
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected
-    assert any(redrafts) and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert redrafts and llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert (1 in redrafts) == from_token_alone == bool(from_alone)  # a first stage of the token alone
+    assert all(found == [] for found in from_alone)  # its fillers counted as no check
     assert ran and not any(ran)  # the decoder ran none of them
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()

@@ -130,6 +130,12 @@ class Speculator:
         # proposals that pay, then more of the draft, run only where all of the first are accepted, with no return to
         # the host between
         self.staged_check_tokens = 0
+        # with suffix decoding, a batch-1 request whose drafts pay but whose proposer finds none after its token gets a
+        # redrafting check from that token alone (_second_stage), where the engine sets this: at one rank without
+        # multi-step runs, where the plain step it replaces waits for its token beside the speculator (the agent work
+        # 1.00-1.07x, median 1.02x, the TPOT of plain steps there; under Shift, whose quiet steps run 8 to a plan,
+        # 0.97-1.01x: docs/performance.md)
+        self.redraft_from_token_alone = False
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
         # a proposer with a draft model beside free drafts (SuffixBesideDraftProposer): its forwards priced apart
@@ -221,6 +227,11 @@ class Speculator:
                         self._price_stages(stages, seconds)
                         decode_only = False  # priced by its stages
                         outcomes = [stage[:2] for stage in stages if stage[0]]  # not those that decoded a token alone
+                    elif request.spec_stage == 0 and request.spec_redraft is not None:
+                        # a redrafting check from the token alone that the decoder declined: its slots held no
+                        # proposals, only fillers, which its forward checked
+                        decode_only = False
+                        outcomes = []
                     else:
                         if e.num_tokens != 1 + len(proposed):
                             decode_only = False  # a prompt chunk: its cost is not a decode's
@@ -381,8 +392,12 @@ class Speculator:
                     quiet[request.request_id] = request.num_tokens + wait - steps % wait
         for request, proposal in zip(proposing, proposals):
             request.spec_token_ids = proposal
-        if self.staged_check_tokens and num_running == 1 and len(proposing) == 1 and keep[0]:
-            self._second_stage(proposing[0], drafts[0], keep[0], room_left, rates[0], cost)
+        if self.staged_check_tokens and num_running == 1 and len(proposing) == 1:
+            request = proposing[0]
+            self._second_stage(request, drafts[0], keep[0], room_left, rates[0], cost)
+            if request.spec_redraft is not None and not keep[0]:  # a check from its token alone: no backoff
+                self._backoff.pop(request.request_id, None)
+                quiet.pop(request.request_id, None)
 
     def _second_stage(self, request: Request, draft: list[int], keep: int, room_left: int | None, rate: float,
                       cost: StepCost | None) -> None:
@@ -396,7 +411,9 @@ class Speculator:
         no budget: `keep`), and as many again and one, at least SECOND_STAGE_TOKENS, after a stage that accepted all,
         each stage at most num_speculative_tokens; the check holds slots for up to REDRAFT_TOKENS tokens). With
         another proposer the second stage is more of the same draft (as many again and one, at least
-        SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the draft's next: not made."""
+        SECOND_STAGE_TOKENS). A second stage of one row would only draw the token after the draft's next: not made.
+        With `keep` 0 (no draft, or none that pays), a redrafting check whose first stage is the token alone, only
+        where `redraft_from_token_alone` and drafts pay at the request's rate; else nothing."""
         if not request.draws_argmax:
             return
         proposer = self.proposer  # suffix decoding drafting in C++: the decoder drafts with the same rule
@@ -406,17 +423,25 @@ class Speculator:
                         self.max_model_len - request.num_tokens - 1)
             if room_left is not None:
                 slots = min(slots, room_left)
+            k = self.config.max_proposal_tokens  # each stage a check of at most num_speculative_tokens
+            fresh = keep if cost is None else tokens_that_pay([rate], [k], 1, cost)[0]
+            # without a draft here, a check whose first stage decodes the token alone, where drafts pay at the
+            # request's rate and its later stages may run: its stages cost less than plain steps, which wait for
+            # their tokens beside the speculator, and each drafts again, where plain steps back off
+            if not keep and (not self.redraft_from_token_alone or not fresh or request.stops_at_any_token):
+                return
             if slots - keep >= 2:
                 # past the first stage only the slots count: the decoder writes each stage's ids
-                request.spec_token_ids = draft[:keep] + [draft[keep - 1]] * (slots - keep)
+                request.spec_token_ids = draft[:keep] + [draft[keep - 1] if keep else request.all_token_ids[-1]] * (
+                    slots - keep)
                 request.spec_stage = keep
                 # a stage that finds no draft decodes its token alone and the next drafts again (with both trees
                 # searched there, 0.89-0.94x the TPOT of checks that ended at such a stage; docs/performance.md)
-                k = self.config.max_proposal_tokens  # each stage a check of at most num_speculative_tokens
-                fresh = keep if cost is None else tokens_that_pay([rate], [k], 1, cost)[0]
                 request.spec_redraft = Redrafting(max(fresh, 1), min(max(fresh + 1, SECOND_STAGE_TOKENS), k),
                                                   REDRAFT_STAGES, proposer.max_depth, proposer.max_spec_factor,
                                                   proposer.min_token_prob, proposer.global_tree.num_cached > 0)
+            return
+        if not keep:
             return
         more = min(len(draft) - keep, max(keep + 1, SECOND_STAGE_TOKENS), self.staged_check_tokens - 1 - keep)
         if room_left is not None:
