@@ -739,6 +739,59 @@ def test_a_grammar_that_fails_in_a_check_keeps_the_tokens_accepted_before_it():
     assert request.stop_reason == request.error and not sched.pools[0].req_blocks
 
 
+@pytest.mark.parametrize("first_stage", [0, 2], ids=["token-alone", "drafted"])
+def test_a_redrafting_check_beside_an_admitted_request_drops_its_fillers(first_stage):
+    """A redrafting check's slots past its first stage's proposals hold fillers, which the C++ decoder drafts over,
+    only in a plan of its request alone: beside a request admitted into its group they are dropped (the check runs
+    its first stage's proposals, or its token alone), the budget they took given back; alone it keeps them, marked
+    (ScheduledRequest.spec_fillers). Every block back at the end."""
+    from torch_shift.engine.request import Redrafting
+
+    sched = make_scheduler(num_blocks=32, budget=64, max_seqs=4)
+    request = make_request("a", 9, max_tokens=40)
+    add(sched, request)
+    sched.update_from_output(sched.schedule(), {"a": 7})
+
+    def propose():
+        request.spec_token_ids = [11, 12][:first_stage] + [7] * (20 - first_stage)
+        request.spec_stage = first_stage
+        request.spec_redraft = Redrafting(2, 6, 16, 24, 1.0, 0.1, False)
+
+    propose()
+    out = sched.schedule()
+    (alone,) = out.scheduled
+    assert alone.num_tokens == 21 and alone.spec_fillers == 20 - first_stage
+    sched.update_from_output(out, {"a": [13]})  # nothing accepted
+    propose()
+    add(sched, make_request("b", 12, max_tokens=3))
+    out = sched.schedule()
+    check, admitted = out.scheduled
+    assert check.request_id == "a" and admitted.request_id == "b"
+    assert check.spec_token_ids == (11, 12)[:first_stage] and check.spec_fillers == 0
+    assert check.num_tokens == 1 + first_stage and admitted.num_tokens == 12
+    assert out.groups[0].num_spec_tokens == first_stage and out.num_scheduled_tokens == 13 + first_stage
+    sched.update_from_output(out, {"a": [11, 5][:first_stage] or [5], "b": 9})
+    for rid in ("a", "b"):
+        sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+    assert not sched.pools[0].req_blocks
+
+
+def test_a_declined_redrafting_checks_fillers_are_no_proposals():
+    """A redrafting check the C++ decoder declined ran its forward over every slot: its first stage's proposals
+    are counted as a check, the fillers after them (ScheduledRequest.spec_fillers) as nothing, also where its
+    request finished in that step (the scheduler then cleared the request's spec_stage and spec_redraft)."""
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 8})
+    speculator = Speculator(config, 100_000, _Sevens())
+    for finished in (False, True):
+        request = Request(f"r{finished}", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0), 50)
+        for num_real, drawn, counted in ((2, [11, 12, 7, 7], [(2, 2)]), (2, [11, 5], [(2, 1)]), (0, [7, 7], [])):
+            proposed = (11, 12)[:num_real] + (7,) * (6 - num_real)
+            if not finished:
+                request.spec_stage = num_real
+            entry = ScheduledRequest(request, 1 + len(proposed), 2, True, False, ([0],), proposed, 6 - num_real)
+            assert speculator.observe([[entry]], {request.request_id: drawn}, 1e-3) == counted
+
+
 class _TellsFinishes:
     """Proposes the token 7, as long as asked; records the requests it is told have finished."""
 

@@ -27,7 +27,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch_shift.config import SchedulerConfig
 from torch_shift.engine.policies.base import Policy
@@ -47,6 +47,9 @@ class ScheduledRequest:
     # proposed tokens checked this step (speculative decoding): they follow the request's last token, which is
     # computed with them; logits at every position of the entry
     spec_token_ids: tuple[int, ...] = ()  # a tuple: the empty one is shared, not allocated per entry per step
+    # a redrafting check's slots past its first stage's proposals (Request.spec_redraft): fillers, whose ids the C++
+    # decoder writes over with its own drafts; the last spec_fillers of spec_token_ids
+    spec_fillers: int = 0
 
     @property
     def request_id(self) -> str:
@@ -436,6 +439,8 @@ class Scheduler:
         finally:
             self._admitting, self._remaining = False, None
         for group in groups.values():
+            if len(group.entries) > 1:
+                _without_fillers(group)
             layout = self.policy.finalize(group.layout, sum(e.num_tokens for e in group.entries))
             output.groups.append(ScheduledGroup(layout, group.replicas, _decodes_first(group.entries),
                                                 group.num_spec_tokens))
@@ -595,9 +600,11 @@ class Scheduler:
                   else tuple(self.pools[r].req_blocks[rid] for r in group.replicas))
         num_known = start + num_new - len(spec_token_ids) if spec_token_ids else start + num_new
         num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+        fillers = (len(spec_token_ids) - request.spec_stage if request.spec_redraft is not None
+                   and request.spec_stage < len(spec_token_ids) else 0)
         return ScheduledRequest(request, num_new, start, num_known == num_tokens,
                                 request.prompt_logprobs is not None and request.wants_prompt_logprobs, tables,
-                                spec_token_ids)
+                                spec_token_ids, fillers)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: dict[str, int | list[int]]) -> list[Request]:
@@ -694,6 +701,20 @@ class Scheduler:
         request.status = status
         self.policy.on_finish(request)
         return request
+
+
+def _without_fillers(group: _Group) -> None:
+    """A redrafting check runs only in a plan of its request alone (step_plan): beside another request of its group
+    (one admitted this step) its filler slots would be computed as proposals, up to 63 more rows in the forward of a
+    prefill. They are dropped: it checks its first stage's proposals, or decodes its token (its blocks stay with it
+    for its next tokens, as a run's)."""
+    for i, entry in enumerate(group.entries):
+        if entry.spec_fillers:
+            num_kept = len(entry.spec_token_ids) - entry.spec_fillers
+            group.entries[i] = replace(entry, num_tokens=entry.num_tokens - entry.spec_fillers,
+                                       spec_token_ids=entry.spec_token_ids[:num_kept], spec_fillers=0)
+            group.num_spec_tokens -= entry.spec_fillers
+            group.budget += entry.spec_fillers
 
 
 def _decodes_first(entries: list[ScheduledRequest]) -> list[ScheduledRequest]:

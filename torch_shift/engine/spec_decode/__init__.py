@@ -227,11 +227,13 @@ class Speculator:
                         self._price_stages(stages, seconds)
                         decode_only = False  # priced by its stages
                         outcomes = [stage[:2] for stage in stages if stage[0]]  # not those that decoded a token alone
-                    elif request.spec_stage == 0 and request.spec_redraft is not None:
-                        # a redrafting check from the token alone that the decoder declined: its slots held no
-                        # proposals, only fillers, which its forward checked
+                    elif e.spec_fillers:
+                        # a redrafting check that the decoder declined: its forward checked every slot, those past its
+                        # first stage's proposals (none, from a token alone) fillers, which are no proposals
                         decode_only = False
-                        outcomes = []
+                        num_real = len(proposed) - e.spec_fillers
+                        accepted = num_accepted(proposed[:num_real], sampled.get(request.request_id, ()))
+                        outcomes = [(num_real, accepted)] if num_real else []
                     else:
                         if e.num_tokens != 1 + len(proposed):
                             decode_only = False  # a prompt chunk: its cost is not a decode's
