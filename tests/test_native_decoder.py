@@ -769,6 +769,15 @@ def _recorded_checks(speculator) -> list:
     return checks
 
 
+def _redrafting_engine(model_dir: Path, layout: dict) -> LLM:
+    """Suffix decoding of up to 8 tokens a stage, its drafts the request's own (no earlier outputs cached), the decode
+    pool's KV budget lifted (a model of 1 MB here)."""
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
+    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None
+    return llm
+
+
 def _cycling_model(tmp_path: Path) -> Path:
     """A random Llama whose attention adds nothing (o_proj zero): each token follows from the one before, and a
     greedy output falls into a cycle."""
@@ -809,9 +818,7 @@ def test_a_batch_1_check_that_redrafts(tmp_path, layout, monkeypatch):
     assert len(expected[3]) <= 61
     # no earlier outputs cached: every draft is the request's own, which the decoder redrafts, going on with a token
     # alone where it finds none
-    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
-        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    llm = _redrafting_engine(model_dir, layout)
     speculator = llm.engine.core.speculator
     assert speculator.staged_check_tokens >= 8
     _check_every_proposal(speculator)
@@ -863,9 +870,7 @@ def test_a_redrafting_check_from_a_token_alone(tmp_path, layout, monkeypatch):
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
     expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     reference.shutdown()
-    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
-        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    llm = _redrafting_engine(model_dir, layout)
     speculator = llm.engine.core.speculator
     assert speculator.redraft_from_token_alone == (not layout)
     speculator.redraft_from_token_alone = True
@@ -939,9 +944,7 @@ def test_rank_0s_interrupt_ends_a_redrafting_check_after_its_stage(tmp_path, lay
     prompt = _cycle_prompt(reference, greedy)
     expected = reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     reference.shutdown()
-    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={
-        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}, **layout)
-    llm.engine.worker.runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
+    llm = _redrafting_engine(model_dir, layout)
     speculator = llm.engine.core.speculator
     _check_every_proposal(speculator)
     checks = _recorded_checks(speculator)
