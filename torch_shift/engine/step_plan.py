@@ -213,11 +213,11 @@ class PlanBuilder:
                              num_logits=sum(logits_counts), num_steps=output.num_steps)
             if output.num_steps > 1:
                 step.stop_token_ids = entries[0].request.lone_stop_token_ids() if alone else _stop_token_ids(entries)
-            request = entries[0].request if len(entries) == 1 else None
             # the scheduler may have cut the proposals to its token budget; a redrafting check's first stage may
-            # decode the token alone (Speculator._second_stage)
-            if (request is not None and entries[0].spec_token_ids and request.spec_stage < len(
-                    entries[0].spec_token_ids) and (request.spec_stage > 0 or request.spec_redraft is not None)):
+            # decode the token alone, its other slots fillers (Speculator._second_stage)
+            if len(entries) == 1 and (entries[0].spec_fillers or 0 < entries[0].request.spec_stage < len(
+                    entries[0].spec_token_ids)):
+                request = entries[0].request
                 step.first_stage = 1 + request.spec_stage
                 # a redrafting check: only in a plan of this request alone, whose result the engine reads as the check's
                 # (core._take_redrafted); where its stop strings may complete at any token, one stage
