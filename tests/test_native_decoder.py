@@ -1134,7 +1134,7 @@ def test_a_redrafting_check_the_decoder_declines_runs_in_one_stage(tmp_path, mon
     def observed(entries, sampled, seconds):
         found = observe(entries, sampled, seconds)
         from_alone.extend(found for group in entries for e in group
-                          if e.spec_token_ids and e.request.spec_stage == 0 and e.request.spec_redraft is not None)
+                          if e.spec_token_ids and e.spec_fillers == len(e.spec_token_ids))
         return found
 
     speculator.observe = observed
