@@ -132,9 +132,9 @@ class Speculator:
         self.staged_check_tokens = 0
         # with suffix decoding, a batch-1 request whose drafts pay but whose proposer finds none after its token gets a
         # redrafting check from that token alone (_second_stage), where the engine sets this: at one rank without
-        # multi-step runs, where the plain step it replaces waits for its token beside the speculator (the agent work
-        # 1.00-1.07x, median 1.02x, the TPOT of plain steps there; under Shift, whose quiet steps run 8 to a plan,
-        # 0.97-1.01x: docs/performance.md)
+        # multi-step runs, where the plain step it replaces waits for its token beside the speculator (on the agent
+        # work, the TPOT without it over that with it 1.00-1.07x, median 1.02x; under Shift, whose quiet steps run 8
+        # to a plan, 0.97-1.01x: docs/performance.md)
         self.redraft_from_token_alone = False
         self.proposer = proposer if proposer is not None else build_proposer(config)
         self._tell_checked = getattr(self.proposer, "checked", None)
