@@ -900,6 +900,36 @@ def test_a_redrafting_check_from_a_token_alone(tmp_path, layout, monkeypatch):
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 @pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
+def test_redrafting_checks_count_the_rows_their_stages_ran(tmp_path, layout, monkeypatch):
+    """LLM.stats() after a batch-1 request whose checks redrafted: its scheduled tokens (and so /metrics' tokens per
+    step) are the rows its steps computed, each stage its proposals and the token before them, not the slots a plan
+    held for stages that never ran (checks of two stages here, ending before their slots); steps of checks are decode
+    steps, the prompt's the only other."""
+    model_dir = _cycling_model(tmp_path)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1, [6], seed=5)[0]
+    llm = _redrafting_engine(model_dir, layout)
+    speculator = llm.engine.core.speculator
+    _check_every_proposal(speculator)
+    from torch_shift.engine import spec_decode
+
+    monkeypatch.setattr(spec_decode, "tokens_that_pay", lambda rates, lengths, num_running, cost: list(lengths))
+    monkeypatch.setattr(spec_decode, "REDRAFT_STAGES", 2)
+    checks = _recorded_checks(speculator)
+    generated = len(llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    stats = llm.stats()
+    spec = stats["spec_decode"]
+    assert generated == 64 and any(len(stages) > 1 for stages in checks)
+    # a row per prompt token, per token drawn after the prompt's, per rejected proposal
+    num_rows = len(prompt) + generated - 1 + spec["num_draft_tokens"] - spec["num_accepted_tokens"]
+    assert stats["num_scheduled_tokens"] == num_rows
+    assert stats["num_decode_steps"] == stats["num_steps"] - 1
+    assert stats["time_s"]["decode"] > 0 and stats["time_s"]["mixed"] == 0
+    llm.shutdown()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}], ids=["one-rank", "shift"])
 def test_a_redrafting_check_drafts_from_earlier_outputs(tmp_path, layout):
     """With earlier outputs cached, a redrafting check's later stages are drafted from them too (rank 0 holds the
     global tree; under Shift it tells rank 1 each draft): a request whose own tokens hold nothing to repeat, but

@@ -260,7 +260,7 @@ class EngineCore:
         else:
             result = self.executor(plan)
         if result.redraft_counts is not None:
-            _take_redrafted(entries, result)
+            self.stats.num_scheduled_tokens -= _take_redrafted(entries, result)
         steps_run = [1]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
@@ -341,17 +341,19 @@ def _stamp_token_times(updated: list[Request]) -> None:
         request.last_token_time = now
 
 
-def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -> None:
+def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -> int:
     """A batch-1 check whose stages after the first the C++ decoder drafted (GroupStep.redraft): its rows' argmax are
     the tokens it drew at the step's positions (-1 past them), each but the last a proposal accepted there, so the
     sampler checks it as a one-stage check of those proposals and one that no token equals (-1) where the last was
     drawn; its request keeps the stages the decoder ran, each a check of its own (Speculator.observe). Nothing where
-    the decoder declined the step (its forward checked every slot's proposal in one stage)."""
+    the decoder declined the step (its forward checked every slot's proposal in one stage). Returns the entry's slots
+    that no stage computed (a stage computes its proposals and the token before them)."""
     stages = redraft_stages(result.redraft_counts)
     if not stages:
-        return
+        return 0
     ((entry,),) = entries
     drawn = getattr(result.logits[0], ROW_ARGMAX).tolist()
     num_drawn = drawn.index(-1) if -1 in drawn else len(drawn)
     entry.spec_token_ids = (*drawn[:num_drawn - 1], -1)
     entry.request.spec_stages = stages
+    return entry.num_tokens - sum(stage.proposed + 1 for stage in stages)
