@@ -153,18 +153,19 @@ def test_a_request_preempted_with_its_token_on_the_device_waits_for_it():
 
 
 def test_asynchronous_scheduling_is_on_for_one_rank_on_a_gpu():
+    """Decided after num_scheduler_steps (its second argument: steps one at a time here)."""
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
-    assert EngineArgs("m", device="cuda")._schedules_async(one)  # no GPU needed to decide: the device is only named
-    assert not EngineArgs("m", device="cuda")._schedules_async(two)
-    assert EngineArgs("m", device="cpu")._schedules_async(one) is None  # where the runner launches its steps
-    assert EngineArgs("m", device="cpu")._schedules_async(two) is False
+    assert EngineArgs("m", device="cuda")._schedules_async(one, 1)  # no GPU needed to decide: the device is only named
+    assert not EngineArgs("m", device="cuda")._schedules_async(two, 1)
+    assert EngineArgs("m", device="cpu")._schedules_async(one, 1) is None  # where the runner launches its steps
+    assert EngineArgs("m", device="cpu")._schedules_async(two, 1) is False
     # with speculative decoding: the quiet steps run ahead, measured on the CPU only
-    assert not EngineArgs("m", device="cuda", speculative_config={"method": "suffix"})._schedules_async(one)
-    assert EngineArgs("m", device="cpu", speculative_config={"method": "suffix"})._schedules_async(one) is None
-    assert EngineArgs("m", async_scheduling=True, speculative_config={"method": "suffix"})._schedules_async(one)
-    assert EngineArgs("m", device="cpu", async_scheduling=True)._schedules_async(one)
+    assert not EngineArgs("m", device="cuda", speculative_config={"method": "suffix"})._schedules_async(one, 1)
+    assert EngineArgs("m", device="cpu", speculative_config={"method": "suffix"})._schedules_async(one, 1) is None
+    assert EngineArgs("m", async_scheduling=True, speculative_config={"method": "suffix"})._schedules_async(one, 1)
+    assert EngineArgs("m", device="cpu", async_scheduling=True)._schedules_async(one, 1)
     with pytest.raises(ValueError, match="async_scheduling=True needs one rank"):
-        EngineArgs("m", async_scheduling=True)._schedules_async(two)
+        EngineArgs("m", async_scheduling=True)._schedules_async(two, 1)
     with pytest.raises(TypeError, match="async_scheduling must be True or False"):
         EngineArgs("m", async_scheduling="yes")
 

@@ -341,10 +341,11 @@ def test_a_pooled_step_holds_one_thread_after_its_count_was_raised(layers4, disa
 
 @pytest.mark.parametrize("asynchronous", [False, None])
 def test_a_generation_interrupted_while_pooled_gives_the_threads_back(layers4, disarmed, asynchronous):
-    """Synchronous steps on the pool's workers, or (the default) launched on the C++ decoder's thread, the engine's
-    thread helping: interrupted mid-generation, the thread has its OpenMP threads back, the pool sleeps and no
-    launched step is left running."""
-    llm = LLM(str(layers4), max_num_batched_tokens=32, async_scheduling=asynchronous, dtype=POOL_DTYPE)
+    """Synchronous steps on the pool's workers, or (the default for single steps) launched on the C++ decoder's
+    thread, the engine's thread helping: interrupted mid-generation, the thread has its OpenMP threads back, the pool
+    sleeps and no launched step is left running."""
+    llm = LLM(str(layers4), max_num_batched_tokens=32, async_scheduling=asynchronous, dtype=POOL_DTYPE,
+              num_scheduler_steps=1)
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None
     launched, launch_step = [], runner.model.launch_step

@@ -103,34 +103,42 @@ def test_num_scheduler_steps_is_checked():
         EngineArgs("m", num_scheduler_steps=4, async_scheduling=True)
     EngineArgs("m", num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     one = SimpleNamespace(world_size=1)
-    # one rank on the CPU launches its steps asynchronously by default, and a run is synchronous
-    assert EngineArgs("m", device="cpu", num_scheduler_steps=4)._schedules_async(one) is False
+    # one rank on the CPU launches its single steps asynchronously by default, and a run is synchronous
+    assert EngineArgs("m", device="cpu")._schedules_async(one, 1) is None
+    assert EngineArgs("m", device="cpu")._schedules_async(one, 4) is False
 
 
-def test_offline_generation_on_several_cpu_ranks_runs_eight_steps_by_default():
-    """num_scheduler_steps=None: 8 where no request can arrive during a run (LLM's offline generation) and nothing
-    overlaps a step's host work (several ranks), on the CPU; 1 for a server or LLMEngine, one rank (which schedules
-    asynchronously) and a GPU; with speculative decoding too (runs take the steps after which nothing is proposed); a
-    value given holds."""
+def test_offline_generation_on_the_cpu_runs_eight_steps_by_default():
+    """num_scheduler_steps=None: 8 where no request can arrive during a run (LLM's offline generation) on the CPU, at
+    one rank and several; 1 for a server or LLMEngine, a GPU, one rank given async_scheduling, and one rank with
+    speculative decoding (which checks from a token alone there); several ranks with speculative decoding run 8 (runs
+    take the steps after which nothing is proposed); a value given holds."""
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     cpu = EngineArgs("m", device="cpu")
-    assert cpu._scheduler_steps(two, offline=True) == OFFLINE_SCHEDULER_STEPS == 8
-    assert cpu._scheduler_steps(two, offline=False) == cpu._scheduler_steps(one, offline=True) == 1
+    assert cpu._scheduler_steps(two, offline=True) == cpu._scheduler_steps(one, offline=True) == 8
+    assert OFFLINE_SCHEDULER_STEPS == 8
+    assert cpu._scheduler_steps(two, offline=False) == cpu._scheduler_steps(one, offline=False) == 1
     assert EngineArgs("m", device="cuda")._scheduler_steps(two, offline=True) == 1
+    for asked in (True, False):  # one rank steps as asked
+        assert EngineArgs("m", device="cpu", async_scheduling=asked)._scheduler_steps(one, offline=True) == 1
+    assert EngineArgs("m", device="cpu", async_scheduling=False)._scheduler_steps(two, offline=True) == 8
     spec = EngineArgs("m", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert spec._scheduler_steps(two, offline=True) == 8
+    assert spec._scheduler_steps(one, offline=True) == 1
     assert EngineArgs("m", device="cpu", num_scheduler_steps=1)._scheduler_steps(two, offline=True) == 1
     assert EngineArgs("m", device="cpu", num_scheduler_steps=3)._scheduler_steps(one, offline=False) == 3
 
 
-def test_llm_runs_eight_steps_at_two_ranks_and_an_engine_of_its_own_one(layers4):
+def test_llm_runs_eight_steps_at_one_rank_and_two_and_an_engine_of_its_own_one(layers4):
     from torch_shift.engine.llm_engine import LLMEngine
 
-    llm = LLM(str(layers4), tp=2, **ENGINE)
-    try:
-        assert llm.engine.config.scheduler.num_scheduler_steps == 8
-    finally:
-        llm.shutdown()
+    for ranks in ({}, {"tp": 2}):
+        llm = LLM(str(layers4), **ranks, **ENGINE)
+        try:
+            scheduler = llm.engine.config.scheduler
+            assert (scheduler.num_scheduler_steps, scheduler.async_scheduling) == (8, False)
+        finally:
+            llm.shutdown()
     engine = LLMEngine(EngineArgs(str(layers4), tp=2, **ENGINE))
     try:
         assert engine.config.scheduler.num_scheduler_steps == 1

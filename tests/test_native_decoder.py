@@ -567,13 +567,13 @@ def test_steps_on_the_decode_pool_give_the_same_bits(families, dtype, counted):
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, launches):
-    """Asynchronous scheduling on the CPU (on by default where the C++ decoder runs): small steps launched on the
-    C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from the tokens of
-    the step before, which that thread drew (the argmax, or for sampled requests with the uniforms the sampler took
-    before the step). Greedy and seeded sampled requests (temperature, top-k, top-p, min-p), a stop token, prompts
-    arriving while others decode, a request with logprobs (whose steps are synchronous), one with a logit bias (whose
-    draws are the host's) and an abort with a step in flight: the synchronous engine's tokens and finish reasons,
-    every KV block returned."""
+    """Asynchronous scheduling on the CPU (on by default where the C++ decoder runs single steps): small steps
+    launched on the C++ decoder's thread while the engine prepares the next, their decodes' input ids read there from
+    the tokens of the step before, which that thread drew (the argmax, or for sampled requests with the uniforms the
+    sampler took before the step). Greedy and seeded sampled requests (temperature, top-k, top-p, min-p), a stop
+    token, prompts arriving while others decode, a request with logprobs (whose steps are synchronous), one with a
+    logit bias (whose draws are the host's) and an abort with a step in flight: the synchronous engine's tokens and
+    finish reasons, every KV block returned."""
     _, model_dir = families("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, [30, 7, 12, 3, 21], seed=5)]
     sampled = {1: {"top_k": 20}, 3: {"top_p": 0.7, "min_p": 0.02}, 4: {"temperature": 1.3}}
@@ -582,9 +582,9 @@ def test_launched_steps_give_the_synchronous_engines_tokens(families, dtype, lau
                                 **sampled.get(i, {})}) for i in range(5)]
     results = []
     for mode in (False, True):
-        # the default (None) on the CPU: on where the runner launches the decoder's steps
+        # the default (None) on the CPU: on where the runner launches the decoder's single steps
         llm = LLM(str(model_dir), dtype=dtype, async_scheduling=None if mode else False, compile=False, seed=0,
-                  max_num_seqs=4)
+                  max_num_seqs=4, num_scheduler_steps=1)
         runner = llm.engine.worker.runner
         assert runner.launch_steps is mode and llm.engine.config.scheduler.async_scheduling is mode
         runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
@@ -1198,7 +1198,7 @@ def test_the_decoders_thread_runs_on_one_openmp_thread(families):
 
     _, model_dir = families("llama")
     torch.set_num_threads(torch.get_num_threads())  # a count set process-wide, as a benchmark or a user does
-    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0)
+    llm = LLM(str(model_dir), dtype=torch.float32, compile=False, seed=0, num_scheduler_steps=1)
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None
     prompt = [{"prompt_token_ids": random_prompts(1, [20], seed=2)[0]}]

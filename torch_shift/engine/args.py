@@ -50,8 +50,10 @@ def check_alias_pairs(engine_args: dict[str, Any]) -> None:
 
 
 COMPILE_MIN_PARAMETERS = 50_000_000  # compile=None compiles one rank's model from this size up
-# num_scheduler_steps=None in offline generation on several CPU ranks: 8 steps a plan ran two-rank batch-1 decode at
-# 0.92-0.94x the TPOT of single steps (docs/performance.md, "Several decode steps per plan")
+# num_scheduler_steps=None in offline generation on the CPU: 8 steps a plan ran two-rank batch-1 decode at 0.92-0.94x
+# the TPOT of single steps (docs/performance.md, "Several decode steps per plan"), and one rank's bfloat16 batch-1
+# decode at 0.95-0.98x that of asynchronous single steps, float32's at 0.99-1.01x, 64 requests' throughput level
+# ("Runs of 8 steps at one rank too")
 OFFLINE_SCHEDULER_STEPS = 8
 
 
@@ -104,8 +106,9 @@ class EngineArgs:
     async_scheduling: bool | None = _arg(None, "schedule and launch the next step while this one's tokens are still "
                                                "on the device, where the host's work would otherwise leave it idle "
                                                "(default: on with one rank, on a GPU without speculative decoding "
-                                               "and on the CPU where the C++ decoder runs the small steps; with "
-                                               "speculative decoding, the steps after which nothing is proposed)")
+                                               "and on the CPU where the C++ decoder runs the small steps and "
+                                               "steps run singly (num_scheduler_steps); with speculative decoding, "
+                                               "the steps after which nothing is proposed)")
     num_scheduler_steps: int | None = _arg(None, "decode steps one step plan runs on every rank, where every "
                                                  "running request decodes (greedy, or sampled without penalties, "
                                                  "bias, grammar or logprobs) and nothing waits (vLLM v0's "
@@ -114,8 +117,8 @@ class EngineArgs:
                                                  "a run ends early after a step that drew a request's stop token "
                                                  "or in which a request reached the server; with speculative "
                                                  "decoding, only the steps after which nothing is proposed; "
-                                                 "default: 8 in offline generation (LLM, `generate`) on several "
-                                                 "CPU ranks, else 1)")
+                                                 "default: 8 in offline generation (LLM, `generate`) on the CPU, "
+                                                 "but for one rank with speculative decoding; else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "
@@ -330,14 +333,14 @@ class EngineArgs:
                              "backend")
         return possible if self.cuda_graphs is None else self.cuda_graphs
 
-    def _schedules_async(self, deployment: Deployment) -> bool | None:
+    def _schedules_async(self, deployment: Deployment, num_scheduler_steps: int) -> bool | None:
         """async_scheduling=None: on with one rank on a GPU and no speculative decoding; on the CPU, None: the
         engine turns it on where its runner launches the C++ decoder's small steps on a thread of their own
         (torch_shift.engine.model_runner), since elsewhere a CPU step runs in the calling thread and there is nothing
         to overlap (True is allowed there, as a test of the path). With speculative decoding only the steps after
         which nothing is proposed run ahead (torch_shift.engine.core); on a GPU that is asked for (True), not
-        measured there yet."""
-        possible = deployment.world_size == 1 and (self.num_scheduler_steps or 1) == 1
+        measured there yet. Never beside multi-step runs (`num_scheduler_steps`, as _scheduler_steps resolved it)."""
+        possible = deployment.world_size == 1 and num_scheduler_steps == 1
         if self.async_scheduling and deployment.world_size > 1:
             raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1)")
         if self.async_scheduling is None:
@@ -350,14 +353,17 @@ class EngineArgs:
 
     def _scheduler_steps(self, deployment: Deployment, offline: bool) -> int:
         """num_scheduler_steps=None: OFFLINE_SCHEDULER_STEPS in offline generation (`offline`: LLM, where no request
-        arrives while a run computes) on several CPU ranks, whose steps' host work and plan broadcast nothing overlaps
-        (asynchronous scheduling needs one rank); 1 elsewhere: requests that arrive between steps (serve,
-        LLMEngine) would wait for a run, one rank schedules asynchronously and a GPU's steps are not measured with
-        runs. With speculative decoding, runs take the steps after which nothing is proposed (EngineCore)."""
+        arrives while a run computes) on the CPU: several ranks' host work and plan broadcast nothing overlaps
+        (asynchronous scheduling needs one rank), and one rank's, which its asynchronous steps overlap, takes a
+        share of the cores the decode pool's GEMVs stream on. 1 elsewhere: requests that arrive between steps
+        (serve, LLMEngine) would wait for a run, a GPU's steps are not measured with runs, one rank given
+        `async_scheduling` steps as asked, and one rank with speculative decoding checks from a token alone where its
+        runs would take the steps after which nothing is proposed (Speculator.redraft_from_token_alone); with several
+        ranks, runs take those steps (EngineCore)."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
-        if (offline and deployment.world_size > 1 and resolve_device(self.device).type == "cpu"
-                and not self.async_scheduling):
+        if (offline and resolve_device(self.device).type == "cpu"
+                and (deployment.world_size > 1 or (self.async_scheduling is None and self.speculative_config is None))):
             return OFFLINE_SCHEDULER_STEPS
         return 1
 
@@ -400,6 +406,7 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_user(self.speculative_config)
         if speculative is not None:
             speculative.check_context(max_model_len)
+        num_scheduler_steps = self._scheduler_steps(deployment, offline)
         return EngineConfig(
             model=model_config, model_dir=model_dir, tokenizer_dir=tokenizer_dir, seed=self.seed,
             deployment=deployment, policy=self.policy or deployment.default_policy,
@@ -411,8 +418,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
                                       policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
-                                      async_scheduling=self._schedules_async(deployment),
-                                      num_scheduler_steps=self._scheduler_steps(deployment, offline)),
+                                      async_scheduling=self._schedules_async(deployment, num_scheduler_steps),
+                                      num_scheduler_steps=num_scheduler_steps),
             parallel=ParallelConfig(shift_threshold=self.shift_threshold, shift_weights=self.shift_weights,
                                     flying_weights=self.flying_weights,
                                     seesaw_weights=self.seesaw_weights, expert_parallel=self.enable_expert_parallel,
