@@ -83,8 +83,8 @@ class EngineStats:
         for group in entries:  # one-token decodes come first in a group, then checks of proposals and prompt chunks
             if group and group[-1].num_tokens == 1:
                 num_decodes += len(group)
-            else:  # a check decodes: it computes tokens past the prompt
-                num_decodes += sum(1 for e in group if e.num_computed_tokens >= e.request.num_prompt_tokens)
+            else:  # a check of proposals decodes (a chunk recomputing a preempted request's outputs does not)
+                num_decodes += sum(1 for e in group if e.num_tokens == 1 or e.spec_token_ids)
         kind = "decode" if num_decodes == num_requests else "prefill" if num_decodes == 0 else "mixed"
         if num_requests:
             self.time_s[kind] += elapsed - swap_s - reshard_s
