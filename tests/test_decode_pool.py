@@ -197,6 +197,31 @@ def _armed_in_decodes(llm) -> int:
     return max(seen)
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="the pool needs two threads or more")
+def test_a_multi_step_runs_steps_count_toward_the_pools_start(layers4, disarmed):
+    """The pool starts after SMALL_STEPS_BEFORE_POOL small steps in a row, each step of a multi-step run one of them:
+    `LLM` at one rank (8 decode steps a plan by default) runs its first run after a prompt on the pool, where counting
+    plans kept it off for 7 runs (56 tokens: 0.93-0.94x the TPOT with it, docs/performance.md)."""
+    llm = LLM(str(layers4), dtype=POOL_DTYPE, compile=False)
+    runner = llm.engine.worker.runner
+    if not runner.decode_pool.enabled:
+        pytest.skip("the GEMV kernel does not run here")
+    assert llm.engine.config.scheduler.num_scheduler_steps >= SMALL_STEPS_BEFORE_POOL
+    runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 0.3 MB here)
+    seen, run_groups = [], runner._run_groups
+
+    def spy(plan, *args):
+        seen.append((plan.groups[0].num_steps, gemv_pool_workers()))
+        return run_groups(plan, *args)
+
+    runner._run_groups = spy
+    llm.generate({"prompt_token_ids": random_prompts(1, [100], seed=3)[0]},
+                 SamplingParams(max_tokens=1 + 2 * SMALL_STEPS_BEFORE_POOL, ignore_eos=True), use_tqdm=False)
+    assert [steps for steps, _ in seen] == [1, SMALL_STEPS_BEFORE_POOL, SMALL_STEPS_BEFORE_POOL]  # the prompt, 2 runs
+    assert seen[0][1] == 0 and seen[1][1] > 0 and seen[2][1] > 0
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_engine_gives_the_same_outputs_with_and_without_the_pool(layers4, compile, disarmed, monkeypatch):
     """Steps whose matmuls all run the GEMV run on the pool (torch on one thread, compiled for it at start-up:
@@ -431,8 +456,8 @@ def test_a_long_context_keeps_the_pool_where_the_cpp_decoder_attends(layers4, na
         assert len(prompt) + 16 <= llm.engine.config.scheduler.max_model_len, budget
         seen, step = [], pool.step
 
-        def spy(tokens, kv_tokens=0, threads=None, asynchronous=False):
-            workers = step(tokens, kv_tokens, threads, asynchronous)
+        def spy(tokens, kv_tokens=0, threads=None, asynchronous=False, num_steps=1):
+            workers = step(tokens, kv_tokens, threads, asynchronous, num_steps)
             seen.append((tokens, kv_tokens, workers))
             return workers
 

@@ -78,10 +78,11 @@ class DecodePool:
         return min(threads - 1, MAX_WORKERS)
 
     def step(self, num_tokens: int, kv_tokens: int = 0, threads: int | None = None,
-             asynchronous: bool = False) -> int:
+             asynchronous: bool = False, num_steps: int = 1) -> int:
         """Set up a step of `num_tokens` tokens over `kv_tokens` cached ones (on this rank) to run on the pool where
         it may, else on `threads` threads (None: the calling thread's own); returns the pool's workers (with
-        `asynchronous`, a step launched on the C++ decoder's thread: those it would have had, none armed). The thread
+        `asynchronous`, a step launched on the C++ decoder's thread: those it would have had, none armed).
+        `num_steps`: the decode steps of a multi-step run, each a small step. The thread
         stays at one OpenMP thread after a pooled step: `end_step` (the engine's step returns) or `idle` gives them
         back. (A plain call: a context manager, with nothing to undo, cost 5% of the Python of a batch-1 step.)"""
         from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
@@ -90,7 +91,7 @@ class DecodePool:
         if threads is None:
             threads = held if held is not None else torch.get_num_threads()
         workers = self.workers(num_tokens, threads, kv_tokens)
-        self.small_steps = self.small_steps + 1 if workers else 0
+        self.small_steps = self.small_steps + num_steps if workers else 0
         armed = gemv_pool_workers()
         if workers and self.small_steps < SMALL_STEPS_BEFORE_POOL and not armed:
             workers = 0

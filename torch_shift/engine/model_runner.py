@@ -289,7 +289,8 @@ class ModelRunner:
         # thread, and a long context keeps its threads (decode_pool.KV_SHARE_OF_WEIGHTS)
         kv_tokens = 0 if all(self._native(self.deployment[group.layout]) for group in mine) else sum(
             group.num_kv_tokens for group in mine)
-        pooled = self.decode_pool.step(tokens, kv_tokens, threads, asynchronous=launch)
+        pooled = self.decode_pool.step(tokens, kv_tokens, threads, asynchronous=launch,
+                                       num_steps=max((group.num_steps for group in mine), default=1))
         if launch and pooled:
             return self._launch(plan, previous_tokens, draws)
         if launch:  # the pool does not run it now: it runs here, after those launched
