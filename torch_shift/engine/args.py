@@ -51,8 +51,8 @@ def check_alias_pairs(engine_args: dict[str, Any]) -> None:
 
 COMPILE_MIN_PARAMETERS = 50_000_000  # compile=None compiles one rank's model from this size up
 # num_scheduler_steps=None in offline generation on the CPU: 8 steps a plan ran two-rank batch-1 decode at 0.92-0.94x
-# the TPOT of single steps (docs/performance.md, "Several decode steps per plan"), and one rank's bfloat16 batch-1
-# decode at 0.95-0.98x that of asynchronous single steps, float32's at 0.99-1.01x, 64 requests' throughput level
+# the TPOT of single steps (docs/performance.md, "Several decode steps per plan"), and one rank's batch-1 decode at
+# 0.90-0.98x (bfloat16) and 0.96-0.98x (float32) that of asynchronous single steps, 64 requests' throughput level
 # ("Runs of 8 steps at one rank too")
 OFFLINE_SCHEDULER_STEPS = 8
 
