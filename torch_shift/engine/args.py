@@ -118,7 +118,8 @@ class EngineArgs:
                                                  "or in which a request reached the server; with speculative "
                                                  "decoding, only the steps after which nothing is proposed; "
                                                  "default: 8 in offline generation (LLM, `generate`) on the CPU, "
-                                                 "but for one rank with speculative decoding; else 1)")
+                                                 "but for one rank given async_scheduling or speculative "
+                                                 "decoding; else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "

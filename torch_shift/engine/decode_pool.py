@@ -12,8 +12,9 @@ back and spin against the pool's on its cores for milliseconds. Only the calling
 (`omp_set_num_threads`, which torch reads as its own: `torch.get_num_threads()`); other threads and torch's default for
 new ones keep theirs. A larger step puts the pool to sleep and runs on the thread's own count, as `idle` does when the
 engine runs out of work. Going from one to the other costs 0.1-0.2 ms (OpenMP's workers ended and started again, the
-pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row. Compiled forwards guard on
-the thread count: a runner compiles its layouts for one thread too (ModelRunner._warm_up).
+pool's woken), so the pool starts only after `SMALL_STEPS_BEFORE_POOL` small steps in a row (each step of a
+multi-step run one). Compiled forwards guard on the thread count: a runner compiles its layouts for one thread too
+(ModelRunner._warm_up).
 
 A step launched on the C++ decoder's own thread (asynchronous scheduling: torch_shift.models.native_decoder) takes the
 pool's place: the pool's workers sleep, the decoder's thread runs the GEMVs as the pool's caller, and the calling
@@ -81,10 +82,10 @@ class DecodePool:
              asynchronous: bool = False, num_steps: int = 1) -> int:
         """Set up a step of `num_tokens` tokens over `kv_tokens` cached ones (on this rank) to run on the pool where
         it may, else on `threads` threads (None: the calling thread's own); returns the pool's workers (with
-        `asynchronous`, a step launched on the C++ decoder's thread: those it would have had, none armed).
-        `num_steps`: the decode steps of a multi-step run, each a small step. The thread
-        stays at one OpenMP thread after a pooled step: `end_step` (the engine's step returns) or `idle` gives them
-        back. (A plain call: a context manager, with nothing to undo, cost 5% of the Python of a batch-1 step.)"""
+        `asynchronous`, a step launched on the C++ decoder's thread: those it would have had, none armed;
+        `num_steps`: a multi-step run's, each a small step). The thread stays at one OpenMP thread after a pooled
+        step: `end_step` (the engine's step returns) or `idle` gives them back. (A plain call: a context manager,
+        with nothing to undo, cost 5% of the Python of a batch-1 step.)"""
         from torch_shift.kernels import arm_gemv_pool, gemv_pool_workers
 
         held = getattr(_state, "held", None)
