@@ -201,7 +201,7 @@ def _armed_in_decodes(llm) -> int:
 def test_a_multi_step_runs_steps_count_toward_the_pools_start(layers4, disarmed):
     """The pool starts after SMALL_STEPS_BEFORE_POOL small steps in a row, each step of a multi-step run one of them:
     `LLM` at one rank (8 decode steps a plan by default) runs its first run after a prompt on the pool, where counting
-    plans kept it off for 7 runs (56 tokens: 0.93-0.94x the TPOT with it, docs/performance.md)."""
+    plans kept it off for 7 runs (56 tokens: 0.93-0.94x the TPOT with it in fast spells, docs/performance.md)."""
     llm = LLM(str(layers4), dtype=POOL_DTYPE, compile=False)
     runner = llm.engine.worker.runner
     if not runner.decode_pool.enabled:
