@@ -661,10 +661,12 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     """A batch-1 greedy check runs in two stages on the C++ decoder: the proposals that pay (two here), then more
     of the draft only where every row of the first drew the next proposal (run_in_stages). With one rank the check
     is launched on the decoder's thread; under Shift it is a TP-2 step, both ranks running the same stages; with DP-2
-    a replica's own synchronous step. An
+    a replica's own synchronous step, on the replica without rank 0 (a short request beside each takes rank 0's),
+    which sends rank 0 its rows' argmax. An
     oracle proposes each request's true continuation, a token wrong here and there, so that second stages run, are
     skipped and reject within themselves: the tokens of the same engine without speculation, the speculator
-    counting the proposals a skipped second stage did not check as not proposed, every KV block back."""
+    counting the proposals a skipped second stage did not check as not proposed, LLM.stats() the rows the stages
+    computed (a skipped second stage's slots not among them), every KV block back."""
     from torch_shift.engine import spec_decode
 
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 0)
@@ -688,11 +690,17 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     monkeypatch.setattr(NativeDecoder, "__call__", staged_call)
     monkeypatch.setattr(NativeDecoder, "launch", staged_launch)
     _, model_dir = families("llama")
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [9, 14, 5], seed=11)]
+    *prompts, beside = [{"prompt_token_ids": p} for p in random_prompts(4, [9, 14, 5, 3], seed=11)]
     greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def generate(engine, prompt):  # the prompt's tokens, under DP-2 on replica 1
+        if "dp" not in layout:
+            return list(engine.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        return list(engine.generate([beside, prompt], [short, greedy], use_tqdm=False)[1].outputs[0].token_ids)
+
     reference = LLM(str(model_dir), compile=False, seed=0, **layout)
-    expected = [list(reference.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
-                for prompt in prompts]
+    expected = [generate(reference, prompt) for prompt in prompts]
     reference.shutdown()
     llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix",
                                                                          "num_speculative_tokens": 8}, **layout)
@@ -709,7 +717,7 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
             out = []
             for request, k in zip(requests, max_tokens):
                 done = request.num_output_tokens
-                tokens = truth[tuple(request.prompt_token_ids)][done:done + k]
+                tokens = truth.get(tuple(request.prompt_token_ids), [])[done:done + k]
                 # every fifth proposal wrong: first stages that reject, second stages skipped or rejecting
                 out.append([t if next(wrong) % 5 else t + 1 for t in tokens])
             return out
@@ -725,6 +733,7 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     # keeps its whole draft in one stage, and CI once saw no second stage run
     speculator.step_cost.at = lambda num_running: (1e-3, 1e-4, 1e-4, 1e-4)
     stages = []  # per staged check: (its first stage's proposals, the proposals accepted, those counted)
+    replicas = set()
     observe = speculator.observe
 
     def observed(entries, sampled, seconds):
@@ -732,19 +741,32 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
         for (e,), (counted, accepted) in zip(entries, checks):
             if 0 < e.request.spec_stage < len(e.spec_token_ids):
                 stages.append((e.request.spec_stage, accepted, counted, len(e.spec_token_ids)))
+                replicas.add(e.request.replicas)
         return checks
 
     speculator.observe = observed
-    outputs = [list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids) for prompt in prompts]
+    outputs = [generate(llm, prompt) for prompt in prompts]
     assert outputs == expected
+    assert replicas == ({(1,)} if "dp" in layout else {(0,)})
     ran = [s for s in stages if s[1] > s[0]]
     skipped = [s for s in stages if s[1] <= s[0]]
     assert ran and skipped and any(accepted < proposed for _, accepted, _, proposed in ran)
     assert all(counted == proposed for _, _, counted, proposed in ran)
     assert all(counted == first + 1 for first, _, counted, _ in skipped)
-    # the C++ decoder ran them: second stages run whole, and skipped (their rows' argmax -1)
-    assert len(staged_rows) == len(stages)
-    assert any((rows == -1).any() for rows in staged_rows) and any((rows >= 0).all() for rows in staged_rows)
+    # rank 0's C++ decoder ran them (under DP-2 rank 1's, whose rows' argmax the stats below read): second stages
+    # run whole, and skipped (their rows' argmax -1)
+    assert len(staged_rows) == (0 if "dp" in layout else len(stages))
+    if staged_rows:
+        assert any((rows == -1).any() for rows in staged_rows) and any((rows >= 0).all() for rows in staged_rows)
+    stats = llm.stats()
+    spec = stats["spec_decode"]
+    # a row per prompt token, per token drawn after the prompt's, per rejected proposal that a stage checked, less
+    # one per skipped second stage: the first's last row checked a proposal and drew no token kept
+    num_rows = sum(len(p["prompt_token_ids"]) + len(out) - 1 for p, out in zip(prompts, outputs))
+    if "dp" in layout:
+        num_rows += len(prompts) * (len(beside["prompt_token_ids"]) + short.max_tokens - 1)
+    assert stats["num_scheduled_tokens"] == (num_rows + spec["num_draft_tokens"] - spec["num_accepted_tokens"]
+                                             - len(skipped))
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 

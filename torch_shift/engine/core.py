@@ -32,7 +32,7 @@ from torch_shift.engine.request import Request, RequestStatus
 from torch_shift.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from torch_shift.engine.spec_decode import Speculator
 from torch_shift.engine.stats import EngineStats
-from torch_shift.engine.step_plan import PlanBuilder
+from torch_shift.engine.step_plan import PlanBuilder, StepPlan
 from torch_shift.models.fused import ROW_ARGMAX
 from torch_shift.models.native_decoder import LaunchedStep, redraft_stages
 
@@ -261,6 +261,8 @@ class EngineCore:
             result = self.executor(plan)
         if result.redraft_counts is not None:
             self.stats.num_scheduled_tokens -= _take_redrafted(entries, result)
+        else:
+            self.stats.num_scheduled_tokens -= _unrun_second_stages(plan, result)
         steps_run = [1]
         if output.num_steps > 1:  # the ranks drew every token of the run (ModelRunner._run_steps)
             sampled = {e.request.request_id: drawn for group, tokens in zip(entries, result.logits)
@@ -339,6 +341,17 @@ def _stamp_token_times(updated: list[Request]) -> None:
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
+
+
+def _unrun_second_stages(plan: StepPlan, result: StepResult) -> int:
+    """The slots of batch-1 checks in two stages (GroupStep.first_stage, not redrafting) whose second stage the C++
+    decoder did not run, their first having rejected a proposal (run_in_stages: those rows' argmax -1)."""
+    unrun = 0
+    for group, logits in zip(plan.groups, result.logits):
+        argmax = getattr(logits, ROW_ARGMAX, None) if group.first_stage and group.redraft is None else None
+        if argmax is not None and argmax[group.first_stage] < 0:
+            unrun += group.num_tokens - group.first_stage
+    return unrun
 
 
 def _take_redrafted(entries: list[list[ScheduledRequest]], result: StepResult) -> int:

@@ -444,11 +444,11 @@ class ModelRunner:
                 redraft_counts = redraft_counts if redraft is None else redraft.counts
             elif layout.logits_rank == self.rank and group.num_logits:
                 dist.send(out.contiguous(), dst=0, tag=i)
-                if redraft is not None:  # the stages it ran and the tokens they drew (core._take_redrafted)
+                if group.first_stage:  # its stages and their tokens (core._take_redrafted, _unrun_second_stages)
                     argmax = getattr(out, ROW_ARGMAX, None)  # none where the decoder declined the check
                     drawn = np.full(group.num_logits, -1, dtype=np.int64) if argmax is None else argmax
-                    dist.send(torch.from_numpy(np.concatenate([redraft.counts, drawn])), dst=0,
-                              tag=len(plan.groups) + i)
+                    counts = redraft.counts if redraft is not None else np.array([argmax is not None], np.int64)
+                    dist.send(torch.from_numpy(np.concatenate([counts, drawn])), dst=0, tag=len(plan.groups) + i)
         if self.rank != 0:
             return None
         for i, group in enumerate(plan.groups):
@@ -460,12 +460,13 @@ class ModelRunner:
             elif leader != 0 and group.num_logits:
                 logits[i] = torch.empty(group.num_logits, self.vocab_size, dtype=self.dtype, device=self.device)
                 dist.recv(logits[i], src=leader, tag=i)
-                if group.redraft is not None:
-                    num_counts = redraft_counts_length(group.redraft.max_stages)
+                if group.first_stage:  # a check in stages: whether the decoder ran it so, then its rows' argmax
+                    num_counts = 1 if group.redraft is None else redraft_counts_length(group.redraft.max_stages)
                     received = torch.empty(num_counts + group.num_logits, dtype=torch.long)
                     dist.recv(received, src=leader, tag=len(plan.groups) + i)
-                    redraft_counts = received[:num_counts].numpy()
-                    if redraft_counts[0] > 0:  # else the decoder declined it: its logits are a one-stage check's
+                    if group.redraft is not None:
+                        redraft_counts = received[:num_counts].numpy()
+                    if received[0] > 0:  # else the decoder declined it: its logits are a one-stage check's
                         setattr(logits[i], ROW_ARGMAX, received[num_counts:].numpy())
         return StepResult(logits, swap_seconds, self.model.reshard_seconds - resharded_before,
                           redraft_counts=redraft_counts)
