@@ -55,3 +55,13 @@ def test_batch_one_tpot_is_set_against_the_generations_whose_read_rate_held():
     # none steady: every generation counts, and the count says so
     bound, rate, steady = bytes_over_bandwidth(pairs[2:], 4e6)
     assert steady == 0 and bound == pytest.approx(0.8e-4 / (4e6 / 47e9))
+
+
+def test_the_best_tpot_is_a_steady_generations():
+    from peer_vllm import best_tpot
+
+    # the third generation straddles a change of spell: its TPOT (its one-token run slow, the whole run fast) is
+    # below what any steady one read, and is not the one reported
+    pairs = [[1.2e-4, 40e9, 42e9], [1.4e-4, 41e9, 39e9], [0.6e-4, 34e9, 57e9]]
+    assert best_tpot(pairs) == 1.2e-4
+    assert best_tpot(pairs[2:]) == 0.6e-4  # none steady: the best of them all
