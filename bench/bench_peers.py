@@ -33,8 +33,8 @@ minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every
 against the model's
 matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's
 process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
-just before and just after each generation: `TPOT/GEMVs`, the median over the generations of each one's TPOT over
-its two timings' mean, what a step costs beyond reading its weights).
+just before and just after each generation: `TPOT/GEMVs`, the median over the generations (those whose read rate
+held, as above) of each one's TPOT over its two timings' mean, what a step costs beyond reading its weights).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from peer_vllm import (
     best_tpot,
     bytes_over_bandwidth,
     read_bandwidth,
+    steady,
     timed_generations,
     timed_prompts,
     tpot_pairs,
@@ -159,8 +160,10 @@ def run_torch_shift(spec: dict) -> dict:
         after = weights_read_alone(weights)
         if before and after:
             alone += [before, after]
-            paired.append(generations[-1][0] / ((before + after) / 2))
+            paired.append((generations[-1][0] / ((before + after) / 2), bool(steady(generations[-1:]))))
     weights_alone_s = min(alone) if alone else None
+    # the generations whose read rate held (a spell flip inside one reads a TPOT of nothing: best_tpot), else all
+    paired = [ratio for ratio, held in paired if held] or [ratio for ratio, _ in paired]
     batch = spec["batch"]
     batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
     stats = llm.stats()
