@@ -656,13 +656,15 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="a launched step needs the decode pool (two threads or more)")
-@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}], ids=["one-rank", "shift", "dp"])
+@pytest.mark.parametrize("layout", [{}, {"sp": 2, "shift_threshold": 32}, {"dp": 2}, {"dp": 2, "declined": True}],
+                         ids=["one-rank", "shift", "dp", "dp-declined"])
 def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     """A batch-1 greedy check runs in two stages on the C++ decoder: the proposals that pay (two here), then more
     of the draft only where every row of the first drew the next proposal (run_in_stages). With one rank the check
     is launched on the decoder's thread; under Shift it is a TP-2 step, both ranks running the same stages; with DP-2
     a replica's own synchronous step, on the replica without rank 0 (a short request beside each takes rank 0's),
-    which sends rank 0 its rows' argmax. An
+    which sends rank 0 its rows' argmax (or, where its decoder declines the check and the forward runs every row, that
+    it did not run it in stages). An
     oracle proposes each request's true continuation, a token wrong here and there, so that second stages run, are
     skipped and reject within themselves: the tokens of the same engine without speculation, the speculator
     counting the proposals a skipped second stage did not check as not proposed, LLM.stats() the rows the stages
@@ -670,10 +672,14 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     from torch_shift.engine import spec_decode
 
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 0)
+    layout = dict(layout)
+    declined = layout.pop("declined", False)
     staged_rows = []  # rank 0's decoder: each staged step's rows' argmax (-1: a row not run)
     call, launch = NativeDecoder.__call__, NativeDecoder.launch
 
     def staged_call(self, input_ids, positions, logits_indices, attention, first_stage=0, redraft=None):
+        if declined and first_stage and dist.get_rank() != 0:  # forked ranks inherit it
+            return None
         logits = call(self, input_ids, positions, logits_indices, attention, first_stage, redraft)
         if first_stage:
             staged_rows.append(getattr(logits, ROW_ARGMAX))
@@ -761,12 +767,14 @@ def test_a_batch_1_check_in_two_stages(families, monkeypatch, layout):
     stats = llm.stats()
     spec = stats["spec_decode"]
     # a row per prompt token, per token drawn after the prompt's, per rejected proposal that a stage checked, less
-    # one per skipped second stage: the first's last row checked a proposal and drew no token kept
+    # one per skipped second stage: the first's last row checked a proposal and drew no token kept; where the forward
+    # ran a declined check's rows, every slot (the speculator still counts the first stage's proposals only)
     num_rows = sum(len(p["prompt_token_ids"]) + len(out) - 1 for p, out in zip(prompts, outputs))
     if "dp" in layout:
         num_rows += len(prompts) * (len(beside["prompt_token_ids"]) + short.max_tokens - 1)
+    ran_whole = sum(num_slots - first for first, _, _, num_slots in skipped) if declined else 0
     assert stats["num_scheduled_tokens"] == (num_rows + spec["num_draft_tokens"] - spec["num_accepted_tokens"]
-                                             - len(skipped))
+                                             - len(skipped) + ran_whole)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     llm.shutdown()
 
