@@ -55,8 +55,8 @@ from peer_vllm import (
     best_seconds,
     best_tpot,
     bytes_over_bandwidth,
+    held,
     read_bandwidth,
-    steady,
     timed_generations,
     timed_prompts,
     tpot_pairs,
@@ -160,10 +160,10 @@ def run_torch_shift(spec: dict) -> dict:
         after = weights_read_alone(weights)
         if before and after:
             alone += [before, after]
-            paired.append((generations[-1][0] / ((before + after) / 2), bool(steady(generations[-1:]))))
+            paired.append((generations[-1][0] / ((before + after) / 2), held(generations[-1])))
     weights_alone_s = min(alone) if alone else None
     # the generations whose read rate held (a spell flip inside one reads a TPOT of nothing: best_tpot), else all
-    paired = [ratio for ratio, held in paired if held] or [ratio for ratio, _ in paired]
+    paired = [ratio for ratio, steady_rate in paired if steady_rate] or [ratio for ratio, _ in paired]
     batch = spec["batch"]
     batch_s, outs = timed([r["prompt"] for r in batch], [r["max_tokens"] for r in batch])
     stats = llm.stats()

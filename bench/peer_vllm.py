@@ -122,9 +122,14 @@ def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[flo
 STEADY_BANDWIDTH = 0.15
 
 
+def held(pair: list[float]) -> bool:
+    """Whether the read rate held around one of `tpot_pairs`' generations (STEADY_BANDWIDTH)."""
+    return max(pair[1], pair[2]) <= (1 + STEADY_BANDWIDTH) * min(pair[1], pair[2])
+
+
 def steady(pairs: list[list[float]]) -> list[list[float]]:
-    """`tpot_pairs`' generations whose read rate held around them (STEADY_BANDWIDTH)."""
-    return [p for p in pairs if max(p[1], p[2]) <= (1 + STEADY_BANDWIDTH) * min(p[1], p[2])]
+    """`tpot_pairs`' generations whose read rate held around them."""
+    return [p for p in pairs if held(p)]
 
 
 def best_tpot(pairs: list[list[float]]) -> float:
@@ -137,11 +142,11 @@ def best_tpot(pairs: list[list[float]]) -> float:
 def bytes_over_bandwidth(pairs: list[list[float]], nbytes: float) -> tuple[float, float, int]:
     """(median of TPOT / (nbytes / read rate), median read rate, generations counted) over `tpot_pairs`' generations
     whose read rate held steady around them (STEADY_BANDWIDTH), or over all of them where none did."""
-    held = steady(pairs)
-    counted = held or pairs
+    kept = steady(pairs)
+    counted = kept or pairs
     rates = [(before + after) / 2 for _, before, after in counted]
     return (statistics.median(t / (nbytes / rate) for (t, _, _), rate in zip(counted, rates)),
-            statistics.median(rates), len(held))
+            statistics.median(rates), len(kept))
 
 
 def timed_prompts(timed, prompt: list[int], repeats: int, gemm_rate: GemmRate) -> list[list[float]]:
