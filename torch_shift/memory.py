@@ -5,6 +5,9 @@ Where the kernel offers huge pages on request (`madvise` mode, the common defaul
 is first touched is backed by 2 MiB pages as it faults in; memory already written (a weight packed by oneDNN)
 is moved into huge pages by MADV_COLLAPSE (Linux 6.1+). Only the whole 2 MiB pages inside a tensor are
 advised, so no memory outside it changes. Advice that the kernel refuses changes nothing and is not an error.
+A weight packed inside `huge_page_allocations()` starts on a huge page, so that all of it (but a short tail) is
+backed by them: allocated at PyTorch's alignment, a weight of a few MB has a 2 MiB page at each end that is partly
+another allocation's, which only 4 KiB pages can back.
 
 Also: a step's small host arrays onto a GPU in one pinned copy (`to_device`).
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
@@ -46,6 +51,24 @@ def advise_huge_pages(address: int, nbytes: int, collapse: bool = False) -> int:
     if collapse:
         madvise(start, end - start, _MADV_COLLAPSE)  # synchronous; refused before Linux 6.1 or without THP
     return end - start
+
+
+@contextmanager
+def huge_page_allocations() -> Iterator[None]:
+    """Inside, this thread's CPU tensors of 2 MiB or more (a weight oneDNN packs, a copy in the GEMV's layout) are
+    allocated 2 MiB-aligned with their whole huge pages advised before they are written (kernels/cpu_ops.cpp's
+    HugePageAllocator, which stands in for PyTorch's default CPU allocator while a thread is inside); other threads'
+    allocations are unchanged. Without the operator library, or with a CPU allocator other than PyTorch's default
+    installed, allocations are as outside."""
+    from torch_shift.kernels import huge_page_scope
+
+    scope = huge_page_scope()
+    entered = scope is not None and scope(1) == 1
+    try:
+        yield
+    finally:
+        if entered:
+            scope(0)
 
 
 def to_device(arrays: list[np.ndarray], dtype: np.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -385,6 +385,17 @@ def _ops_gemv_amx() -> Callable[[int], int] | None:
 
 
 @lru_cache(maxsize=1)
+def huge_page_scope() -> Callable[[int], int] | None:
+    """The operator library's ts_huge_page_scope (cpu_ops.cpp; `torch_shift.memory.huge_page_allocations` calls it),
+    or None where that library does not build."""
+    if not cpu_ops():
+        return None
+    scope = _ops_library.ts_huge_page_scope
+    scope.argtypes, scope.restype = [ctypes.c_int], ctypes.c_int
+    return scope
+
+
+@lru_cache(maxsize=1)
 def _gemv_pool() -> tuple[Callable[[int], int], Callable[[], int], Callable[[], None]] | None:
     """The decode pool's entry points (arm, workers, stop) in the library the packed weights call: the operator library
     where it builds, else the kernels'; None where neither does."""

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -20,6 +21,7 @@
 #include <sched.h>
 #ifdef __linux__
 #include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -29,6 +31,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <initializer_list>
@@ -899,6 +902,49 @@ int register_once(torch::Library*& library, Add add) {
   }
 }
 
+
+// Packed weights on whole huge pages. oneDNN allocates a packed weight through PyTorch's CPU allocator (ATen's
+// IDeepRegistration.cpp), at a 64-byte alignment: a weight of a few MB then starts and ends inside 2 MiB pages that
+// only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
+// the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
+// ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned, their whole huge pages advised before
+// anything touches them; every other allocation, on any thread, is the default allocator's. The
+// allocator stands in for the default one only while some thread is inside a scope, and only where the default one
+// is installed, whose raw deleter (free) frees both allocators' memory.
+constexpr size_t kHugePage = size_t{2} << 20;
+thread_local int huge_page_depth = 0;
+
+void free_huge(void* data) { std::free(data); }
+
+struct HugePageAllocator final : c10::Allocator {
+  c10::Allocator* fallback = nullptr;  // the default CPU allocator
+
+  c10::DataPtr allocate(size_t nbytes) override {
+#ifdef __linux__
+    if (huge_page_depth > 0 && nbytes >= kHugePage) {
+      // the last huge page whole where that wastes at most an eighth of the allocation, else its 4 KiB pages
+      const size_t rounded = (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+      const size_t size = (rounded - nbytes) * 8 <= nbytes ? rounded : nbytes;
+      void* data = nullptr;
+      if (posix_memalign(&data, kHugePage, size) == 0) {
+        // refused where the kernel has no transparent huge pages: no error
+        madvise(data, size / kHugePage * kHugePage, MADV_HUGEPAGE);
+        return {data, data, &free_huge, c10::Device(c10::DeviceType::CPU)};
+      }
+    }
+#endif
+    return fallback->allocate(nbytes);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return fallback->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+std::mutex huge_page_mutex;
+HugePageAllocator huge_page_allocator;
+int huge_page_scopes = 0;  // threads' scopes open (the allocator stands in while any is)
+
 }  // namespace
 
 extern "C" {
@@ -924,6 +970,29 @@ int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_st
   } catch (const std::exception&) {
     return -1;
   }
+}
+
+// Enter (enter 1) or leave (0) a scope in which this thread's allocations through PyTorch's CPU allocator of a huge
+// page or more land on whole huge pages (HugePageAllocator). 1 where the scope entered does so; 0 where another CPU
+// allocator than PyTorch's default is installed, which stays (leaving such a scope changes nothing).
+int ts_huge_page_scope(int enter) {
+  std::lock_guard<std::mutex> lock(huge_page_mutex);
+  if (!enter) {
+    if (huge_page_depth == 0) return 0;
+    --huge_page_depth;
+    if (--huge_page_scopes == 0) c10::SetAllocator(c10::DeviceType::CPU, huge_page_allocator.fallback);
+    return 1;
+  }
+  if (huge_page_scopes == 0) {
+    c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+    if (current != c10::GetDefaultCPUAllocator()) return 0;
+    huge_page_allocator.fallback = current;
+    c10::SetAllocator(c10::DeviceType::CPU, &huge_page_allocator);
+    if (c10::GetAllocator(c10::DeviceType::CPU) != &huge_page_allocator) return 0;  // one of higher priority holds
+  }
+  ++huge_page_scopes;
+  ++huge_page_depth;
+  return 1;
 }
 
 // ShmCommunicator.register_native: communicator `id`'s segment, layout and counters (see ShmComm); replaces an
