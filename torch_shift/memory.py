@@ -63,8 +63,9 @@ def huge_page_allocations() -> Iterator[None]:
     from torch_shift.kernels import huge_page_scope
 
     scope = huge_page_scope()
-    entered = scope is not None and scope(1) == 1
+    entered = False
     try:
+        entered = scope is not None and scope(1) == 1
         yield
     finally:
         if entered:

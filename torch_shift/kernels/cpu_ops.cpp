@@ -902,19 +902,17 @@ int register_once(torch::Library*& library, Add add) {
   }
 }
 
-
 // Packed weights on whole huge pages. oneDNN allocates a packed weight through PyTorch's CPU allocator (ATen's
 // IDeepRegistration.cpp), at a 64-byte alignment: a weight of a few MB then starts and ends inside 2 MiB pages that
 // only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
 // the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
 // ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned, their whole huge pages advised before
-// anything touches them; every other allocation, on any thread, is the default allocator's. The
-// allocator stands in for the default one only while some thread is inside a scope, and only where the default one
-// is installed, whose raw deleter (free) frees both allocators' memory.
+// anything touches them; every other allocation, on any thread, is the default allocator's. The allocator stands in
+// for the default one only while some thread is inside a scope, and only where the default one is installed, whose
+// raw deleter (free) frees both allocators' memory: oneDNN frees its buffers through whichever is installed then.
+// (Memory glibc serves from its heap may have been touched before: MADV_COLLAPSE in PackedWeight moves it.)
 constexpr size_t kHugePage = size_t{2} << 20;
 thread_local int huge_page_depth = 0;
-
-void free_huge(void* data) { std::free(data); }
 
 struct HugePageAllocator final : c10::Allocator {
   c10::Allocator* fallback = nullptr;  // the default CPU allocator
@@ -929,7 +927,8 @@ struct HugePageAllocator final : c10::Allocator {
       if (posix_memalign(&data, kHugePage, size) == 0) {
         // refused where the kernel has no transparent huge pages: no error
         madvise(data, size / kHugePage * kHugePage, MADV_HUGEPAGE);
-        return {data, data, &free_huge, c10::Device(c10::DeviceType::CPU)};
+        c10::profiledCPUMemoryReporter().New(data, size);  // as the default's: its deleter reports the free
+        return {data, data, fallback->raw_deleter(), c10::Device(c10::DeviceType::CPU)};
       }
     }
 #endif
@@ -942,7 +941,7 @@ struct HugePageAllocator final : c10::Allocator {
 };
 
 std::mutex huge_page_mutex;
-HugePageAllocator huge_page_allocator;
+HugePageAllocator& huge_page_allocator = *new HugePageAllocator;  // never destroyed: it may stay installed at exit
 int huge_page_scopes = 0;  // threads' scopes open (the allocator stands in while any is)
 
 }  // namespace
@@ -980,7 +979,9 @@ int ts_huge_page_scope(int enter) {
   if (!enter) {
     if (huge_page_depth == 0) return 0;
     --huge_page_depth;
-    if (--huge_page_scopes == 0) c10::SetAllocator(c10::DeviceType::CPU, huge_page_allocator.fallback);
+    // the default back, unless another allocator was installed meanwhile
+    if (--huge_page_scopes == 0 && c10::GetAllocator(c10::DeviceType::CPU) == &huge_page_allocator)
+      c10::SetAllocator(c10::DeviceType::CPU, huge_page_allocator.fallback);
     return 1;
   }
   if (huge_page_scopes == 0) {
