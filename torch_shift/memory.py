@@ -56,7 +56,7 @@ def advise_huge_pages(address: int, nbytes: int, collapse: bool = False) -> int:
 @contextmanager
 def huge_page_allocations() -> Iterator[None]:
     """Inside, this thread's CPU tensors of 2 MiB or more (a weight oneDNN packs, a copy in the GEMV's layout) are
-    allocated 2 MiB-aligned with their whole huge pages advised before they are written (kernels/cpu_ops.cpp's
+    allocated 2 MiB-aligned on whole huge pages, advised before they are written (kernels/cpu_ops.cpp's
     HugePageAllocator, which stands in for PyTorch's default CPU allocator while a thread is inside); other threads'
     allocations are unchanged. Without the operator library, or with a CPU allocator other than PyTorch's default
     installed, allocations are as outside."""

@@ -906,12 +906,12 @@ int register_once(torch::Library*& library, Add add) {
 // IDeepRegistration.cpp), at a 64-byte alignment: a weight of a few MB then starts and ends inside 2 MiB pages that
 // only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
 // the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
-// ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned, their whole huge pages advised before
-// anything touches them; every other allocation, on any thread, is the default allocator's. The allocator stands in
+// ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned on whole huge pages (advised, and
+// collapsed where glibc hands back pages already written); every other allocation, on any thread, is the default allocator's. The allocator stands in
 // for the default one only while some thread is inside a scope, and only where the default one is installed, whose
 // raw deleter (free) frees both allocators' memory: oneDNN frees its buffers through whichever is installed then.
-// (Memory glibc serves from its heap may have been touched before: MADV_COLLAPSE in PackedWeight moves it.)
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, which older headers lack
 thread_local int huge_page_depth = 0;
 
 struct HugePageAllocator final : c10::Allocator {
@@ -925,8 +925,12 @@ struct HugePageAllocator final : c10::Allocator {
       const size_t size = (rounded - nbytes) * 8 <= nbytes ? rounded : nbytes;
       void* data = nullptr;
       if (posix_memalign(&data, kHugePage, size) == 0) {
-        // refused where the kernel has no transparent huge pages: no error
-        madvise(data, size / kHugePage * kHugePage, MADV_HUGEPAGE);
+        // refused where the kernel has no transparent huge pages (MADV_COLLAPSE: before Linux 6.1): no error. Where
+        // glibc serves the block from its heap, some of it may be 4 KiB pages written before: collapsed now, as
+        // they would be only up to the weight's last whole page after it is written (PackedWeight)
+        const size_t whole = size / kHugePage * kHugePage;
+        madvise(data, whole, MADV_HUGEPAGE);
+        madvise(data, whole, kMadvCollapse);
         c10::profiledCPUMemoryReporter().New(data, size);  // as the default's: its deleter reports the free
         return {data, data, fallback->raw_deleter(), c10::Device(c10::DeviceType::CPU)};
       }
