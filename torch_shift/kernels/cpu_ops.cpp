@@ -907,9 +907,10 @@ int register_once(torch::Library*& library, Add add) {
 // only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
 // the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
 // ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned on whole huge pages (advised, and
-// collapsed where glibc hands back pages already written); every other allocation, on any thread, is the default allocator's. The allocator stands in
-// for the default one only while some thread is inside a scope, and only where the default one is installed, whose
-// raw deleter (free) frees both allocators' memory: oneDNN frees its buffers through whichever is installed then.
+// collapsed where glibc hands back pages already written); every other allocation, on any thread, is the default
+// allocator's. The allocator stands in for the default one only while some thread is inside a scope, and only where
+// the default one is installed, whose raw deleter (free) frees both allocators' memory: oneDNN frees its buffers
+// through whichever is installed then.
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, which older headers lack
 thread_local int huge_page_depth = 0;
