@@ -392,11 +392,32 @@ def test_packed_weights_move_into_huge_pages_where_the_kernel_offers_them():
 
 
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
-def test_a_packed_weight_starts_on_a_huge_page_and_other_allocations_keep_the_default_allocator():
-    """oneDNN packs inside `huge_page_allocations()`: a weight of 5.5 MiB starts on a 2 MiB boundary, where PyTorch's
-    allocator would have left a partial huge page at either end (which only 4 KiB pages can back); another thread's
-    allocations during the scope, and every allocation after it, keep PyTorch's default allocator (64-byte aligned:
-    some of four off a 2 MiB boundary)."""
+def _mapping(address: int) -> tuple[int, int, str, dict[str, int]]:
+    """The mapping of this process that holds `address` (/proc/self/smaps): its start, end, permissions and numeric
+    fields (kB, or flags)."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            words = line.split()
+            if "-" in words[0] and not words[0].endswith(":"):
+                start, end = (int(x, 16) for x in words[0].split("-"))
+                current = (start, end, words[1], {}) if start <= address < end else None
+                found = found or current
+            elif current is not None and words[0].endswith(":") and words[1].isdigit():
+                current[3][words[0][:-1]] = int(words[1])
+    assert found is not None, hex(address)
+    return found
+
+
+@pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.float32), reason="no oneDNN")
+def test_packed_weights_lie_one_after_another_and_other_allocations_keep_the_default_allocator():
+    """oneDNN packs inside `huge_page_allocations()`: two weights of 5.5 MiB lie one right after the other, in one
+    mapping advised huge pages (kernels/cpu_ops.cpp's HugePageArena), where PyTorch's allocator would have left a
+    partial huge page at either end of each, which only 4 KiB pages can back. Freed after the scope (oneDNN frees
+    through the raw deleter of the allocator installed then), their memory goes back to the system and their
+    addresses stay reserved. Another thread's allocations during the scope, small ones, and every allocation after it
+    keep PyTorch's default allocator (at its 64-byte alignment: some of four off a 4 KiB boundary)."""
+    import gc
     import sys
     import threading
 
@@ -406,10 +427,19 @@ def test_a_packed_weight_starts_on_a_huge_page_and_other_allocations_keep_the_de
     if sys.platform != "linux" or huge_page_scope() is None:
         pytest.skip("the operator library does not build here")
     weight = torch.randn(1408, 1024)
-    packed = PackedWeight(weight)
-    assert packed.address % HUGE_PAGE == 0
+    first, second = PackedWeight(weight), PackedWeight(weight)
+    assert second.address == first.address + weight.nbytes  # oneDNN's packing of this shape: as many bytes
+    start, end, permissions, fields = _mapping(first.address)
+    assert start <= first.address and second.address + weight.nbytes <= end and permissions == "rw-p"
+    if _huge_pages_offered():
+        assert fields["THPeligible"] == 1
     x = torch.randn(3, 1024)
-    torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second(x, None), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    address = first.address
+    del first, second
+    gc.collect()
+    _, _, permissions, fields = _mapping(address)
+    assert permissions == "---p" and fields["Rss"] == 0
 
     def sizes():
         return [torch.empty(3 * HUGE_PAGE + 4096 * i, dtype=torch.uint8) for i in range(4)]
@@ -423,11 +453,12 @@ def test_a_packed_weight_starts_on_a_huge_page_and_other_allocations_keep_the_de
         thread = threading.Thread(target=lambda: elsewhere.extend(sizes()))
         thread.start()
         thread.join()
-        small = [torch.empty(HUGE_PAGE // 2, dtype=torch.uint8) for _ in range(4)]
+        small = [torch.empty(32 << 10, dtype=torch.uint8) for _ in range(4)]
     after = sizes()
-    assert all(t.data_ptr() % HUGE_PAGE == 0 for t in (inside, nested, outer))
+    assert nested.data_ptr() == inside.data_ptr() + inside.nbytes
+    assert outer.data_ptr() == nested.data_ptr() + nested.nbytes
     for default in elsewhere, small, after:
-        assert any(t.data_ptr() % HUGE_PAGE for t in default)
+        assert any(t.data_ptr() % 4096 for t in default)
 
 
 def test_bench_linear_prints_every_shape_and_row_count(capsys):

@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -906,40 +907,137 @@ int register_once(torch::Library*& library, Add add) {
 // IDeepRegistration.cpp), at a 64-byte alignment: a weight of a few MB then starts and ends inside 2 MiB pages that
 // only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
 // the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
-// ts_huge_page_scope, its allocations of a huge page or more come 2 MiB-aligned on whole huge pages (advised, and
-// collapsed where glibc hands back pages already written); every other allocation, on any thread, is the default
-// allocator's. The allocator stands in for the default one only while some thread is inside a scope, and only where
-// the default one is installed, whose raw deleter (free) frees both allocators' memory: oneDNN frees its buffers
-// through whichever is installed then.
+// ts_huge_page_scope, its allocations of kArenaMin or more are mapped one after another in address space reserved for
+// them (HugePageArena) and advised huge pages, so that consecutive weights share the huge page at their boundary
+// (collapsed into one as the later is mapped) and only the last one's tail is on 4 KiB pages; a freed one's memory
+// goes back to the system. Every other allocation, on any thread, is the default allocator's. The allocator stands in for the default
+// one while some thread is inside a scope or some block of the arena lives, and only where the default one is
+// installed: oneDNN frees its buffers through the raw deleter of whichever allocator is installed then, and this
+// one's sends the arena's blocks back to it and the rest to the default's.
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kArenaMin = size_t{64} << 10;  // smaller allocations stay in the caches through a step
 constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, which older headers lack
 thread_local int huge_page_depth = 0;
+c10::DeleterFnPtr default_raw_deleter = nullptr;  // the default allocator's, once this one stood in for it
+
+#ifdef __linux__
+// Address space reserved once (PROT_NONE, no memory: 1 TiB, else 64 GiB), handed out upwards and never reused: a
+// block is mapped at `next` over the reservation, and reserved again when freed. Where no reservation was possible, or it
+// is spent, allocations are 2 MiB-aligned blocks of their own (HugePageAllocator::aligned).
+struct HugePageArena {
+  std::atomic<char*> base{nullptr}, end{nullptr};  // the reservation (set once)
+  char* next = nullptr;
+  bool reserved = false;  // tried
+  std::unordered_map<const void*, size_t> blocks;  // the live blocks' sizes
+  std::mutex mutex;
+
+  // A block of `size` (a multiple of 4 KiB) mapped and advised, or null
+  char* map(size_t size) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!reserved) reserve();
+    if (next == nullptr || size > static_cast<size_t>(end.load() - next)) return nullptr;
+    char* block = next;
+    if (mmap(block, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+      return nullptr;
+    next += size;
+    blocks[block] = size;
+    // refused where the kernel has no transparent huge pages (MADV_COLLAPSE: before Linux 6.1): no error. The huge
+    // page at the block's start holds the tail of the block before, written on 4 KiB pages (a fault maps a huge page
+    // only where all of it lies inside one mapping): collapsed now that it does.
+    madvise(block, size, MADV_HUGEPAGE);
+    const uintptr_t start = reinterpret_cast<uintptr_t>(block);
+    if (start % kHugePage != 0)
+      madvise(reinterpret_cast<char*>(start / kHugePage * kHugePage), kHugePage, kMadvCollapse);
+    return block;
+  }
+
+  bool owns(const void* data) const {
+    const char* p = static_cast<const char*>(data);
+    return p >= base.load(std::memory_order_relaxed) && p < end.load(std::memory_order_relaxed);
+  }
+
+  void unmap(void* data) {
+    size_t size;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = blocks.find(data);
+      TORCH_INTERNAL_ASSERT(it != blocks.end(), "a block the huge-page arena did not hand out");
+      size = it->second;
+      blocks.erase(it);
+    }
+    // its memory back, its addresses still reserved: were they unmapped, the kernel could place another mapping
+    // there whose blocks `owns` would take for the arena's
+    mmap(data, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  }
+
+  size_t live() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return blocks.size();
+  }
+
+  void reserve() {
+    reserved = true;
+    for (const size_t bytes : {size_t{1} << 40, size_t{64} << 30}) {
+      void* at = mmap(nullptr, bytes + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (at == MAP_FAILED) continue;
+      next = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(at) + kHugePage - 1) / kHugePage * kHugePage);
+      end.store(next + bytes);
+      base.store(next);
+      return;
+    }
+  }
+};
+HugePageArena& huge_page_arena = *new HugePageArena;  // never destroyed: blocks may be freed at exit
+#endif
+
+// HugePageAllocator's deleter, its DataPtrs' and its raw one (oneDNN's frees)
+void free_huge_page_block(void* data) {
+#ifdef __linux__
+  if (huge_page_arena.owns(data)) {
+    c10::profiledCPUMemoryReporter().Delete(data);
+    huge_page_arena.unmap(data);
+    return;
+  }
+#endif
+  default_raw_deleter(data);
+}
 
 struct HugePageAllocator final : c10::Allocator {
   c10::Allocator* fallback = nullptr;  // the default CPU allocator
 
   c10::DataPtr allocate(size_t nbytes) override {
 #ifdef __linux__
-    if (huge_page_depth > 0 && nbytes >= kHugePage) {
-      // the last huge page whole where that wastes at most an eighth of the allocation, else its 4 KiB pages
-      const size_t rounded = (nbytes + kHugePage - 1) / kHugePage * kHugePage;
-      const size_t size = (rounded - nbytes) * 8 <= nbytes ? rounded : nbytes;
-      void* data = nullptr;
-      if (posix_memalign(&data, kHugePage, size) == 0) {
-        // refused where the kernel has no transparent huge pages (MADV_COLLAPSE: before Linux 6.1): no error. Where
-        // glibc serves the block from its heap, some of it may be 4 KiB pages written before: collapsed now, as
-        // they would be only up to the weight's last whole page after it is written (PackedWeight)
-        const size_t whole = size / kHugePage * kHugePage;
-        madvise(data, whole, MADV_HUGEPAGE);
-        madvise(data, whole, kMadvCollapse);
-        c10::profiledCPUMemoryReporter().New(data, size);  // as the default's: its deleter reports the free
-        return {data, data, fallback->raw_deleter(), c10::Device(c10::DeviceType::CPU)};
+    if (huge_page_depth > 0 && nbytes >= kArenaMin) {
+      const size_t size = (nbytes + 4095) / 4096 * 4096;
+      if (char* data = huge_page_arena.map(size)) {
+        c10::profiledCPUMemoryReporter().New(data, size);  // as the default's
+        return {data, data, free_huge_page_block, c10::Device(c10::DeviceType::CPU)};
       }
+      if (nbytes >= kHugePage) return aligned(nbytes);
     }
 #endif
     return fallback->allocate(nbytes);
   }
-  c10::DeleterFnPtr raw_deleter() const override { return fallback->raw_deleter(); }
+
+#ifdef __linux__
+  // Without the arena: a block of its own from 2 MiB, its last huge page whole where that wastes at most an eighth of
+  // the allocation, else its 4 KiB pages
+  c10::DataPtr aligned(size_t nbytes) {
+    const size_t rounded = (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+    const size_t size = (rounded - nbytes) * 8 <= nbytes ? rounded : nbytes;
+    void* data = nullptr;
+    if (posix_memalign(&data, kHugePage, size) != 0) return fallback->allocate(nbytes);
+    // where glibc serves the block from its heap, some of it may be 4 KiB pages written before: collapsed now, as
+    // they would be only up to the weight's last whole page after it is written (PackedWeight)
+    const size_t whole = size / kHugePage * kHugePage;
+    madvise(data, whole, MADV_HUGEPAGE);
+    madvise(data, whole, kMadvCollapse);
+    c10::profiledCPUMemoryReporter().New(data, size);  // as the default's: its deleter reports the free
+    return {data, data, default_raw_deleter, c10::Device(c10::DeviceType::CPU)};
+  }
+#endif
+
+  c10::DeleterFnPtr raw_deleter() const override { return free_huge_page_block; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
@@ -976,23 +1074,30 @@ int ts_packed_linear_rows(int64_t handle, int dtype, const void* x, int64_t x_st
   }
 }
 
-// Enter (enter 1) or leave (0) a scope in which this thread's allocations through PyTorch's CPU allocator of a huge
-// page or more land on whole huge pages (HugePageAllocator). 1 where the scope entered does so; 0 where another CPU
-// allocator than PyTorch's default is installed, which stays (leaving such a scope changes nothing).
+// Enter (enter 1) or leave (0) a scope in which this thread's allocations through PyTorch's CPU allocator of
+// kArenaMin or more land on huge pages (HugePageAllocator). 1 where the scope entered does so; 0 where another CPU
+// allocator than PyTorch's default (or this one) is installed, which stays (leaving such a scope changes nothing).
 int ts_huge_page_scope(int enter) {
   std::lock_guard<std::mutex> lock(huge_page_mutex);
   if (!enter) {
     if (huge_page_depth == 0) return 0;
     --huge_page_depth;
-    // the default back, unless another allocator was installed meanwhile
-    if (--huge_page_scopes == 0 && c10::GetAllocator(c10::DeviceType::CPU) == &huge_page_allocator)
+    --huge_page_scopes;
+#ifdef __linux__
+    const bool blocks_live = huge_page_arena.live() > 0;
+#else
+    const bool blocks_live = false;
+#endif
+    // the default back once no block of the arena lives, unless another allocator was installed meanwhile
+    if (huge_page_scopes == 0 && !blocks_live && c10::GetAllocator(c10::DeviceType::CPU) == &huge_page_allocator)
       c10::SetAllocator(c10::DeviceType::CPU, huge_page_allocator.fallback);
     return 1;
   }
-  if (huge_page_scopes == 0) {
-    c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  if (current != &huge_page_allocator) {
     if (current != c10::GetDefaultCPUAllocator()) return 0;
     huge_page_allocator.fallback = current;
+    default_raw_deleter = current->raw_deleter();
     c10::SetAllocator(c10::DeviceType::CPU, &huge_page_allocator);
     if (c10::GetAllocator(c10::DeviceType::CPU) != &huge_page_allocator) return 0;  // one of higher priority holds
   }
