@@ -5,9 +5,9 @@ Where the kernel offers huge pages on request (`madvise` mode, the common defaul
 is first touched is backed by 2 MiB pages as it faults in; memory already written (a weight packed by oneDNN)
 is moved into huge pages by MADV_COLLAPSE (Linux 6.1+). Only the whole 2 MiB pages inside a tensor are
 advised, so no memory outside it changes. Advice that the kernel refuses changes nothing and is not an error.
-Weights packed inside `huge_page_allocations()` lie one after another in address space of their own, so that
-all of them (but the last one's tail) are backed by huge pages: allocated at PyTorch's alignment, a weight of a few
-MB has a 2 MiB page at each end that is partly another allocation's, which only 4 KiB pages can back.
+Weights packed inside `huge_page_allocations()` lie one after another in address space of their own, so that the
+huge page at each boundary between two is one page: allocated at PyTorch's alignment, a weight of a few MB has a
+2 MiB page at each end that is partly another allocation's, which only 4 KiB pages can back.
 
 Also: a step's small host arrays onto a GPU in one pinned copy (`to_device`).
 """
@@ -59,9 +59,12 @@ def huge_page_allocations() -> Iterator[None]:
     mapped one after another in address space reserved for them and advised huge pages before they are written, the
     huge page at each boundary between two collapsed into one (kernels/cpu_ops.cpp's HugePageArena); a freed one's
     memory goes back to the system. Other threads' allocations are unchanged. PyTorch's default CPU allocator is
-    stood in for (HugePageAllocator, which hands it every other allocation) while a thread is inside or a tensor
-    allocated inside lives. Without the operator library, or with a CPU allocator other than PyTorch's default
-    installed, allocations are as outside."""
+    stood in for (HugePageAllocator, which hands it every other allocation) from the first scope on until a scope
+    ends with no tensor allocated inside alive: oneDNN frees a packed weight through whichever CPU allocator is
+    installed then, so another one installed meanwhile must not be. Where the process's address space is limited
+    (RLIMIT_AS, which the reservation would count against), tensors of 2 MiB or more start on a 2 MiB boundary
+    instead. Without the operator library, or with a CPU allocator other than PyTorch's default installed,
+    allocations are as outside."""
     from torch_shift.kernels import huge_page_scope
 
     scope = huge_page_scope()

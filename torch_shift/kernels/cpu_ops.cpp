@@ -21,7 +21,9 @@
 #include <sched.h>
 #ifdef __linux__
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -903,48 +905,72 @@ int register_once(torch::Library*& library, Add add) {
   }
 }
 
-// Packed weights on whole huge pages. oneDNN allocates a packed weight through PyTorch's CPU allocator (ATen's
+// Packed weights on huge pages. oneDNN allocates a packed weight through PyTorch's CPU allocator (ATen's
 // IDeepRegistration.cpp), at a 64-byte alignment: a weight of a few MB then starts and ends inside 2 MiB pages that
 // only 4 KiB pages can back, and a TP-2 rank's weights of the 106M model streamed a third of their bytes so, at 0.6x
 // the rate of huge pages on one thread of a Zen 4 EPYC (docs/performance.md, issue 20). While a thread is inside
-// ts_huge_page_scope, its allocations of kArenaMin or more are mapped one after another in address space reserved for
-// them (HugePageArena) and advised huge pages, so that consecutive weights share the huge page at their boundary
-// (collapsed into one as the later is mapped) and only the last one's tail is on 4 KiB pages; a freed one's memory
-// goes back to the system. Every other allocation, on any thread, is the default allocator's. The allocator stands in for the default
-// one while some thread is inside a scope or some block of the arena lives, and only where the default one is
-// installed: oneDNN frees its buffers through the raw deleter of whichever allocator is installed then, and this
-// one's sends the arena's blocks back to it and the rest to the default's.
+// ts_huge_page_scope, its allocations of kArenaMin or more are mapped one after another in address space reserved
+// for them (HugePageArena) and advised huge pages, so that consecutive weights share the huge page at their boundary
+// (collapsed into one as the later is mapped); a freed one's memory goes back to the system. Every other allocation,
+// on any thread, is the default allocator's. The allocator stands in for the default one from the first scope on
+// until a scope ends with no block of the arena alive, and only where the default one is installed: oneDNN frees its
+// buffers through the raw deleter of whichever allocator is installed then, and this one's sends the arena's blocks
+// back to it and the rest to the default's. (Another CPU allocator installed over it while blocks live would be
+// handed the arena's blocks by oneDNN's frees: PyTorch's mobile allocator, for one.)
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kArenaMin = size_t{64} << 10;  // smaller allocations stay in the caches through a step
 constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, which older headers lack
 thread_local int huge_page_depth = 0;
 c10::DeleterFnPtr default_raw_deleter = nullptr;  // the default allocator's, once this one stood in for it
+std::mutex huge_page_mutex;  // the scopes' count and the allocator's installation
 
 #ifdef __linux__
-// Address space reserved once (PROT_NONE, no memory: 1 TiB, else 64 GiB), handed out upwards and never reused: a
-// block is mapped at `next` over the reservation, and reserved again when freed. Where no reservation was possible, or it
-// is spent, allocations are 2 MiB-aligned blocks of their own (HugePageAllocator::aligned).
+// Address space reserved once, before the allocator first stands in (PROT_NONE: no memory, nothing charged; 1 TiB,
+// else 64 GiB; none where the process's address space is limited, RLIMIT_AS, which the reservation would count
+// against), handed out upwards and never reused: a block is made readable and writable at `next` (charged then,
+// failing without a hole where memory is refused), and made PROT_NONE again when freed, its memory given back, so
+// that every address inside the reservation is the arena's. Where there is none, or it is spent, allocations of 2 MiB
+// or more are 2 MiB-aligned blocks of their own (HugePageAllocator::aligned), the others the default allocator's.
 struct HugePageArena {
-  std::atomic<char*> base{nullptr}, end{nullptr};  // the reservation (set once)
+  std::atomic<char*> base{nullptr}, end{nullptr};  // the reservation (end stored last)
   char* next = nullptr;
-  bool reserved = false;  // tried
+  size_t page = 4096;
   std::unordered_map<const void*, size_t> blocks;  // the live blocks' sizes
   std::mutex mutex;
 
-  // A block of `size` (a multiple of 4 KiB) mapped and advised, or null
-  char* map(size_t size) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!reserved) reserve();
-    if (next == nullptr || size > static_cast<size_t>(end.load() - next)) return nullptr;
-    char* block = next;
-    if (mmap(block, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
-      return nullptr;
-    next += size;
-    blocks[block] = size;
+  void reserve() {
+    const long page_size = sysconf(_SC_PAGESIZE);
+    if (page_size > 0) page = static_cast<size_t>(page_size);
+    rlimit limit{};
+    if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur != RLIM_INFINITY) return;
+    for (const size_t bytes : {size_t{1} << 40, size_t{64} << 30}) {
+      void* at = mmap(nullptr, bytes + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (at == MAP_FAILED) continue;
+      char* first = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(at) + kHugePage - 1) / kHugePage * kHugePage);
+      next = first;
+      base.store(first, std::memory_order_release);
+      end.store(first + bytes, std::memory_order_release);
+      return;
+    }
+  }
+
+  // A block of at least `nbytes` made writable and advised, and its size; null where the arena has no room or the
+  // system refused the memory
+  char* map(size_t nbytes, size_t* size) {
+    *size = (nbytes + page - 1) / page * page;
+    char* block;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (next == nullptr || *size > static_cast<size_t>(end.load(std::memory_order_relaxed) - next)) return nullptr;
+      block = next;
+      if (mprotect(block, *size, PROT_READ | PROT_WRITE) != 0) return nullptr;
+      next += *size;
+      blocks[block] = *size;
+    }
     // refused where the kernel has no transparent huge pages (MADV_COLLAPSE: before Linux 6.1): no error. The huge
     // page at the block's start holds the tail of the block before, written on 4 KiB pages (a fault maps a huge page
     // only where all of it lies inside one mapping): collapsed now that it does.
-    madvise(block, size, MADV_HUGEPAGE);
+    madvise(block, *size, MADV_HUGEPAGE);
     const uintptr_t start = reinterpret_cast<uintptr_t>(block);
     if (start % kHugePage != 0)
       madvise(reinterpret_cast<char*>(start / kHugePage * kHugePage), kHugePage, kMadvCollapse);
@@ -952,8 +978,9 @@ struct HugePageArena {
   }
 
   bool owns(const void* data) const {
+    const char* last = end.load(std::memory_order_acquire);
     const char* p = static_cast<const char*>(data);
-    return p >= base.load(std::memory_order_relaxed) && p < end.load(std::memory_order_relaxed);
+    return last != nullptr && p >= base.load(std::memory_order_acquire) && p < last;
   }
 
   void unmap(void* data) {
@@ -965,29 +992,22 @@ struct HugePageArena {
       size = it->second;
       blocks.erase(it);
     }
-    // its memory back, its addresses still reserved: were they unmapped, the kernel could place another mapping
-    // there whose blocks `owns` would take for the arena's
-    mmap(data, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    madvise(data, size, MADV_DONTNEED);  // the memory back (also where the next call is refused)
+    mprotect(data, size, PROT_NONE);     // and its charge
   }
 
   size_t live() {
     std::lock_guard<std::mutex> lock(mutex);
     return blocks.size();
   }
-
-  void reserve() {
-    reserved = true;
-    for (const size_t bytes : {size_t{1} << 40, size_t{64} << 30}) {
-      void* at = mmap(nullptr, bytes + kHugePage, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (at == MAP_FAILED) continue;
-      next = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(at) + kHugePage - 1) / kHugePage * kHugePage);
-      end.store(next + bytes);
-      base.store(next);
-      return;
-    }
-  }
 };
 HugePageArena& huge_page_arena = *new HugePageArena;  // never destroyed: blocks may be freed at exit
+
+// In a forked child: a lock another thread of the parent held at the fork is free (only the forking thread exists)
+void reset_huge_page_locks() {
+  new (&huge_page_arena.mutex) std::mutex;
+  new (&huge_page_mutex) std::mutex;
+}
 #endif
 
 // HugePageAllocator's deleter, its DataPtrs' and its raw one (oneDNN's frees)
@@ -1008,8 +1028,8 @@ struct HugePageAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
 #ifdef __linux__
     if (huge_page_depth > 0 && nbytes >= kArenaMin) {
-      const size_t size = (nbytes + 4095) / 4096 * 4096;
-      if (char* data = huge_page_arena.map(size)) {
+      size_t size = 0;
+      if (char* data = huge_page_arena.map(nbytes, &size)) {
         c10::profiledCPUMemoryReporter().New(data, size);  // as the default's
         return {data, data, free_huge_page_block, c10::Device(c10::DeviceType::CPU)};
       }
@@ -1020,8 +1040,8 @@ struct HugePageAllocator final : c10::Allocator {
   }
 
 #ifdef __linux__
-  // Without the arena: a block of its own from 2 MiB, its last huge page whole where that wastes at most an eighth of
-  // the allocation, else its 4 KiB pages
+  // Without the arena: a block of its own on a 2 MiB boundary, its last huge page whole where that wastes at most an
+  // eighth of the allocation, else its 4 KiB pages
   c10::DataPtr aligned(size_t nbytes) {
     const size_t rounded = (nbytes + kHugePage - 1) / kHugePage * kHugePage;
     const size_t size = (rounded - nbytes) * 8 <= nbytes ? rounded : nbytes;
@@ -1043,9 +1063,8 @@ struct HugePageAllocator final : c10::Allocator {
   }
 };
 
-std::mutex huge_page_mutex;
 HugePageAllocator& huge_page_allocator = *new HugePageAllocator;  // never destroyed: it may stay installed at exit
-int huge_page_scopes = 0;  // threads' scopes open (the allocator stands in while any is)
+int huge_page_scopes = 0;  // threads' scopes open
 
 }  // namespace
 
@@ -1096,6 +1115,14 @@ int ts_huge_page_scope(int enter) {
   c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
   if (current != &huge_page_allocator) {
     if (current != c10::GetDefaultCPUAllocator()) return 0;
+#ifdef __linux__
+    static const bool reserved = [] {
+      pthread_atfork(nullptr, nullptr, reset_huge_page_locks);
+      huge_page_arena.reserve();
+      return true;
+    }();
+    (void)reserved;
+#endif
     huge_page_allocator.fallback = current;
     default_raw_deleter = current->raw_deleter();
     c10::SetAllocator(c10::DeviceType::CPU, &huge_page_allocator);
