@@ -39,7 +39,6 @@ has flushed the caches, against 4-7 us warm, and a decode step runs one after ev
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -192,17 +191,16 @@ class PackedWeight:
         found = _gemv_layout(self.dtype)
         if found is None or (self.dtype == torch.bfloat16 and self.in_features % 2):
             return
-        # a float32 copy that does not round as oneDNN's is dropped, which takes the copy to find out: it is made
-        # outside the huge-page arena, and moved there once kept, so that none leaves a hole between the weights there
-        float32 = self.dtype == torch.float32
-        self.gemv_tensor = _gemv_copy(weight, found[1], huge_pages=not float32)
+        # made outside the huge-page arena and moved there once kept (a float32 copy that does not round as oneDNN's
+        # is dropped, which takes the copy to find out), so that no dropped copy leaves a hole between the weights there
+        self.gemv_tensor = _gemv_copy(weight, found[1])
         self.gemv, self.address = found, self.gemv_tensor.data_ptr()
         self._weight_ptr = self.address
         self.gemv_max_rows = GEMV_MAX_ROWS
-        if float32 and not self.rounds_as_onednn:
+        if self.dtype == torch.float32 and not self.rounds_as_onednn:
             self.gemv = self.gemv_tensor = None
             self.address = torch.ops.mkldnn.data_ptr(self.tensor)
-        elif float32:
+        else:
             with huge_page_allocations():
                 self.gemv_tensor = self.gemv_tensor.clone()
             self.address = self._weight_ptr = self.gemv_tensor.data_ptr()
@@ -336,19 +334,17 @@ def _gemv_layout(dtype: torch.dtype):
     return _gemv_kernel(probe, torch.ops.mkldnn._reorder_linear_weight(probe, None), probing=True)
 
 
-def _gemv_copy(weight: torch.Tensor, code: int, huge_pages: bool = False) -> torch.Tensor:
+def _gemv_copy(weight: torch.Tensor, code: int) -> torch.Tensor:
     """`weight` in the GEMV's layout `code`, its features padded with zeros to whole blocks of 64: what _gemv_kernel
     finds oneDNN's packing to be, and the copy for a shape whose oneDNN packing the kernel cannot read (K padded, or
-    too few features padded). `huge_pages`: the copy (not the padded weight before it) in `huge_page_allocations`."""
+    too few features padded)."""
     out_features, in_features = weight.shape
     whole = F.pad(weight, (0, 0, 0, -out_features % _GEMV_BLOCK))
     if weight.dtype == torch.float32:  # element (n, k) at ((n / 64) * K + k) * 64 + n % 64
-        layout = whole.view(-1, _GEMV_BLOCK, in_features).transpose(1, 2)
-    else:  # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2
-        width = _GEMV_BLOCK // 2 if code == AMX_BF16_CODE else _GEMV_BLOCK
-        layout = whole.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3)
-    with huge_page_allocations() if huge_pages else contextlib.nullcontext():
-        return layout.contiguous()
+        return whole.view(-1, _GEMV_BLOCK, in_features).transpose(1, 2).contiguous()
+    # pairs of k in blocks of `width` features: (((n / width) * (K / 2) + k / 2) * width + n % width) * 2 + k % 2
+    width = _GEMV_BLOCK // 2 if code == AMX_BF16_CODE else _GEMV_BLOCK
+    return whole.view(-1, width, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 # out_features travels beside the handle: where one compiled graph serves several weights, dynamo makes the
