@@ -101,18 +101,21 @@ def test_num_scheduler_steps_is_checked():
             EngineArgs("m", num_scheduler_steps=bad)
     with pytest.raises(ValueError, match="synchronously"):
         EngineArgs("m", num_scheduler_steps=4, async_scheduling=True)
-    EngineArgs("m", num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    EngineArgs("m", num_scheduler_steps=4, speculative_config=ngram)
+    EngineArgs("m", num_scheduler_steps=4, async_scheduling=True, speculative_config=ngram)
     one = SimpleNamespace(world_size=1)
-    # one rank on the CPU launches its single steps asynchronously by default, and a run is synchronous
+    # one rank on the CPU launches its single steps asynchronously by default, and a run is synchronous; beside
+    # speculative decoding both (runs take the quiet steps)
     assert EngineArgs("m", device="cpu")._schedules_async(one, 1) is None
     assert EngineArgs("m", device="cpu")._schedules_async(one, 4) is False
+    assert EngineArgs("m", device="cpu", speculative_config=ngram)._schedules_async(one, 4) is None
 
 
 def test_offline_generation_on_the_cpu_runs_eight_steps_by_default():
     """num_scheduler_steps=None: 8 where no request can arrive during a run (LLM's offline generation) on the CPU, at
-    one rank and several; 1 for a server or LLMEngine, a GPU, one rank given async_scheduling, and one rank with
-    speculative decoding (which checks from a token alone there); several ranks with speculative decoding run 8 (runs
-    take the steps after which nothing is proposed); a value given holds."""
+    one rank and several; 1 for a server or LLMEngine, a GPU, and one rank given async_scheduling; with speculative
+    decoding 8 too (runs take the steps after which nothing is proposed); a value given holds."""
     one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     cpu = EngineArgs("m", device="cpu")
     assert cpu._scheduler_steps(two, offline=True) == cpu._scheduler_steps(one, offline=True) == 8
@@ -124,7 +127,7 @@ def test_offline_generation_on_the_cpu_runs_eight_steps_by_default():
     assert EngineArgs("m", device="cpu", async_scheduling=False)._scheduler_steps(two, offline=True) == 8
     spec = EngineArgs("m", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert spec._scheduler_steps(two, offline=True) == 8
-    assert spec._scheduler_steps(one, offline=True) == 1
+    assert spec._scheduler_steps(one, offline=True) == 8
     assert EngineArgs("m", device="cpu", num_scheduler_steps=1)._scheduler_steps(two, offline=True) == 1
     assert EngineArgs("m", device="cpu", num_scheduler_steps=3)._scheduler_steps(one, offline=False) == 3
 

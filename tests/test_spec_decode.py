@@ -593,14 +593,15 @@ def test_quiet_steps_run_ahead_of_the_host(llama):
     assert not engine.block_manager.req_blocks and not speculator.proposer.tokens.buffers  # every request forgotten
 
 
-@pytest.mark.parametrize("layout", [dict(num_scheduler_steps=4, async_scheduling=False), dict(tp=2)],
-                         ids=["one-rank", "tp2"])
+@pytest.mark.parametrize("layout", [dict(num_scheduler_steps=4, async_scheduling=False), dict(), dict(tp=2)],
+                         ids=["one-rank", "one-rank-async", "tp2"])
 def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
     """Multi-step scheduling beside speculative decoding: the speculator's quiet steps (every request waits for a
     probe or a backoff's end) and the step after which a proposal may follow run as one plan's run, the others singly
-    with their checks; a run never holds proposals. Two ranks run 8 steps a plan by default with speculation too. The
-    intervals after plain decodes, in runs and alone, are timed for the budget; the outputs are those without
-    speculation (greedy, seeded sampling, a stop token mid-output), every block back."""
+    with their checks; a run never holds proposals. One rank and two run 8 steps a plan by default with speculation
+    too, one rank beside single steps launched ahead of the host (a run never launched). The intervals after plain
+    decodes, in runs and alone, are timed for the budget; the outputs are those without speculation (greedy, seeded
+    sampling, a stop token mid-output), every block back."""
     model_dir = layers4 if layout.get("tp") else llama[1]
     prompts = random_prompts(3, [6, 30, 11], seed=3) + repetitive_prompts(2, seed=4)
     params = [SamplingParams(max_tokens=30 + 6 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
@@ -628,11 +629,14 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
             tuple(request.prompt_token_ids), [])[request.num_output_tokens:request.num_output_tokens + k]]
         plans = []
         executor = core.executor
+        launched = []
 
         def spy(plan, *tokens, **options):
             plans.append((max(group.num_steps for group in plan.groups),
                           any(group.num_spec is not None for group in plan.groups)))
-            return executor(plan, *tokens, **options)
+            result = executor(plan, *tokens, **options)
+            launched.append(result.launched is not None and plans[-1][0])
+            return result
 
         core.executor = spy
         for proposer in (speculator.proposer, oracle):
@@ -642,6 +646,7 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
             assert outputs == reference
             assert any(steps > 1 for steps, _ in plans) and any(checks for _, checks in plans)
             assert not any(steps > 1 and checks for steps, checks in plans)  # a run never checks proposals
+            assert (1 in launched) == (not layout) and not any(steps > 1 for steps in launched)
         assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
         assert {pipelined for _, pipelined in speculator.sync_penalty.intervals} == {False, True}
         assert not llm.engine.block_manager.req_blocks

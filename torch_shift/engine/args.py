@@ -107,8 +107,9 @@ class EngineArgs:
                                                "on the device, where the host's work would otherwise leave it idle "
                                                "(default: on with one rank, on a GPU without speculative decoding "
                                                "and on the CPU where the C++ decoder runs the small steps and "
-                                               "steps run singly (num_scheduler_steps); with speculative decoding, "
-                                               "the steps after which nothing is proposed)")
+                                               "steps run singly (num_scheduler_steps) or beside speculative "
+                                               "decoding; with speculative decoding, the steps after which nothing "
+                                               "is proposed that runs do not take)")
     num_scheduler_steps: int | None = _arg(None, "decode steps one step plan runs on every rank, where every "
                                                  "running request decodes (greedy, or sampled without penalties, "
                                                  "bias, grammar or logprobs) and nothing waits (vLLM v0's "
@@ -118,8 +119,7 @@ class EngineArgs:
                                                  "or in which a request reached the server; with speculative "
                                                  "decoding, only the steps after which nothing is proposed; "
                                                  "default: 8 in offline generation (LLM, `generate`) on the CPU, "
-                                                 "but for one rank given async_scheduling or speculative "
-                                                 "decoding; else 1)")
+                                                 "but for one rank given async_scheduling; else 1)")
     prepack_weights: bool = _arg(True, "linear weights in oneDNN's packed layout on the CPU (packed once at load)")
     decode_pool: bool = _arg(True, "on the CPU, steps of at most 64 tokens run their matmuls "
                                    "on threads of the GEMV kernel's own, which read the next weights while the step's "
@@ -267,10 +267,10 @@ class EngineArgs:
                                                      or not 1 <= self.num_scheduler_steps <= MAX_RUN_STEPS):
             raise ValueError(f"num_scheduler_steps must be an int from 1 to {MAX_RUN_STEPS} or None, got "
                              f"{self.num_scheduler_steps!r}")
-        if (self.num_scheduler_steps or 1) > 1:
-            if self.async_scheduling:
-                raise ValueError("num_scheduler_steps > 1 runs its steps synchronously: leave async_scheduling "
-                                 "unset or False")
+        if (self.num_scheduler_steps or 1) > 1 and self.async_scheduling and self.speculative_config is None:
+            raise ValueError("num_scheduler_steps > 1 runs its steps synchronously: leave async_scheduling unset or "
+                             "False (with speculative decoding both may be given: runs take the steps after which "
+                             "nothing is proposed, and single steps run ahead of the host elsewhere)")
         if self.shift_threshold is not None and (isinstance(self.shift_threshold, bool)
                                                  or not isinstance(self.shift_threshold, int)
                                                  or self.shift_threshold < 0):
@@ -340,8 +340,9 @@ class EngineArgs:
         (torch_shift.engine.model_runner), since elsewhere a CPU step runs in the calling thread and there is nothing
         to overlap (True is allowed there, as a test of the path). With speculative decoding only the steps after
         which nothing is proposed run ahead (torch_shift.engine.core); on a GPU that is asked for (True), not
-        measured there yet. Never beside multi-step runs (`num_scheduler_steps`, as _scheduler_steps resolved it)."""
-        possible = deployment.world_size == 1 and num_scheduler_steps == 1
+        measured there yet. Beside multi-step runs (`num_scheduler_steps`, as _scheduler_steps resolved it) only with
+        speculative decoding, whose quiet steps the runs take where they run two or more (EngineCore.step)."""
+        possible = deployment.world_size == 1 and (num_scheduler_steps == 1 or self.speculative_config is not None)
         if self.async_scheduling and deployment.world_size > 1:
             raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1)")
         if self.async_scheduling is None:
@@ -356,15 +357,15 @@ class EngineArgs:
         """num_scheduler_steps=None: OFFLINE_SCHEDULER_STEPS in offline generation (`offline`: LLM, where no request
         arrives while a run computes) on the CPU: several ranks' host work and plan broadcast nothing overlaps
         (asynchronous scheduling needs one rank), and one rank's, which its asynchronous steps overlap, takes a
-        share of the cores the decode pool's GEMVs stream on. 1 elsewhere: requests that arrive between steps
-        (serve, LLMEngine) would wait for a run, a GPU's steps are not measured with runs, one rank given
-        `async_scheduling` steps as asked, and one rank with speculative decoding checks from a token alone where its
-        runs would take the steps after which nothing is proposed (Speculator.redraft_from_token_alone); with several
-        ranks, runs take those steps (EngineCore)."""
+        share of the cores the decode pool's GEMVs stream on. With speculative decoding runs take the steps after
+        which nothing is proposed (EngineCore), at one rank beside single steps that run ahead of the host (a batch at
+        `disable_by_batch_size` in single steps made 0.97x the plain engine's throughput, in runs 1.01x:
+        docs/performance.md). 1 elsewhere: requests that arrive between steps (serve, LLMEngine) would wait for a run,
+        a GPU's steps are not measured with runs, and one rank given `async_scheduling` steps as asked."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         if (offline and resolve_device(self.device).type == "cpu"
-                and (deployment.world_size > 1 or (self.async_scheduling is None and self.speculative_config is None))):
+                and (deployment.world_size > 1 or self.async_scheduling is None)):
             return OFFLINE_SCHEDULER_STEPS
         return 1
 

@@ -144,8 +144,11 @@ class EngineCore:
             if self.in_flight is not None:
                 return self._complete()
             return self._step() if speculator is None else self._timed_step()
+        if speculator is not None and self._runs_quiet_steps():
+            # a multi-step run takes the quiet steps, once every token is on the host
+            return self._complete() if self.in_flight is not None else self._timed_step()
         in_flight = self.in_flight
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(max_run_steps=1)
         assert speculator is None or not any(group.num_spec_tokens for group in output.groups)
         plan = self.plan_builder.build(output, None if in_flight is None else in_flight.sources)
         if output.is_empty and not output.has_swaps:
@@ -206,6 +209,14 @@ class EngineCore:
                 and _plain_decode(in_flight.entries)
                 and speculator.relook_ahead([e.request for group in in_flight.entries for e in group], num_running))
 
+    def _runs_quiet_steps(self) -> bool:
+        """Whether the next quiet steps run as a multi-step run rather than singly ahead of the host: where plans
+        run several steps and, once the step in flight is done, the next may run two or more (Scheduler.run_length)
+        with nothing proposed between (the step in flight, where there is one, is the first of the quiet steps)."""
+        in_flight = self.in_flight is not None
+        return (self.scheduler.config.num_scheduler_steps > 1 and self.speculator.quiet_steps >= 1 + in_flight
+                and self._running_as_proposed() and self.scheduler.run_length(after_tokens_in_flight=in_flight) > 1)
+
     def _time_call(self) -> None:
         """The interval since the last call of `step`, told to the speculator where that call ran a plain decode step
         (synchronously, or launched behind the one in flight): what a step costs that waits for its tokens beside
@@ -248,7 +259,7 @@ class EngineCore:
             assert len(entries) == 1 or draws_by_group == [None] * len(entries), "several groups' runs that sample"
             if draws_by_group[0] is not None:
                 plan.groups[0].run_draws, rewind = draws_by_group[0]
-        if self.draws is not None:
+        if self.draws is not None and output.num_steps == 1:
             # where the runner launches steps on the C++ decoder's thread, a step that waits for its tokens (a check,
             # a step whose tokens the speculator proposes from, a request sampled on the host) is launched there too,
             # with nothing in flight, and waited for: run here, its GEMVs switched from the decoder's thread to the

@@ -179,8 +179,7 @@ class LLMEngine:
                 if hasattr(policy, "threshold"):  # Shift's: a step of more tokens runs the base layout (None: all)
                     staged = min(staged, policy.threshold or 0)
                 speculator.staged_check_tokens = staged
-                speculator.redraft_from_token_alone = (config.deployment.world_size == 1
-                                                       and config.scheduler.num_scheduler_steps == 1)
+                speculator.redraft_from_token_alone = config.deployment.world_size == 1
                 if isinstance(speculator.proposer, SuffixProposer):
                     tree = self.worker.runner.suffix_global_tree = speculator.proposer.global_tree
                     if any(copies_global_tree(config, rank) for rank in range(config.deployment.world_size)):

@@ -304,6 +304,7 @@ class ModelRunner:
         if not self.launch_steps or len(plan.groups) != 1 or plan.swap_outs or plan.swap_ins:
             return False
         group = plan.groups[0]
+        assert group.num_steps == 1, "a multi-step run is not launched: it waits for its tokens"
         return self._native(self.deployment[group.layout]) and 0 < group.num_tokens <= self.decode_pool.max_tokens
 
     def _launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None, draws: np.ndarray | None) -> StepResult:

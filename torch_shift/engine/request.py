@@ -172,7 +172,7 @@ class Request:
     def stops_at_any_token(self) -> bool:
         """Whether any token it draws next may complete one of its stop strings: its detokenizer holds text back, or
         its stop strings may end at any token (Tokenizer.stop_string_token_ids' None). A run or a redrafting check of
-        it alone then runs one step (Scheduler._run_length, step_plan)."""
+        it alone then runs one step (Scheduler.run_length, step_plan)."""
         return self.holds_text or self.stop_string_token_ids is None
 
     def append_output_token(self, token_id: int) -> None:

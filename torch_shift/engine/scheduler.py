@@ -390,7 +390,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         step = self.num_steps
         assert max_run_steps is None or max_run_steps >= 1, max_run_steps
-        num_steps = self._run_length() if max_run_steps is None else min(self._run_length(), max_run_steps)
+        num_steps = self.run_length() if max_run_steps is None else min(self.run_length(), max_run_steps)
         for request in list(self.running):
             if request.status is not running:
                 continue  # preempted this step for another's blocks
@@ -456,13 +456,14 @@ class Scheduler:
         self.num_steps += 1
         return output
 
-    def _run_length(self) -> int:
+    def run_length(self, after_tokens_in_flight: bool = False) -> int:
         """The decode steps this step's plan may run (vLLM v0's multi-step scheduling): 1, or where every running
         request decodes, draws its tokens by argmax (Request.draws_argmax, so every rank of its group draws the
         same) or, with `sampled_runs`, samples with uniforms taken before the run (Request.samples_in_runs), has its
         last token on the host, and nothing waits or sits in the tier, up to num_scheduler_steps, no more than the
         request closest to its length (max_tokens, the context) has left; 1 for a request alone whose stop strings
-        may complete at any token (Request.stops_at_any_token)."""
+        may complete at any token (Request.stops_at_any_token). `after_tokens_in_flight`: the run a plan could take
+        once the tokens of the step in flight (asynchronous scheduling) reach the host, none of them a stop token."""
         num_steps = self.config.num_scheduler_steps
         if num_steps == 1 or self.waiting or self.swapped or not self.running:
             return 1
@@ -470,12 +471,15 @@ class Scheduler:
             return 1
         max_model_len = self.config.max_model_len
         for request in self.running:
-            num_tokens = len(request.all_token_ids)
-            if (not (request.draws_argmax or self.sampled_runs and request.samples_in_runs)
-                    or request.spec_token_ids or request.num_output_placeholders
-                    or num_tokens - request.num_computed_tokens != 1):
+            on_their_way = request.num_output_placeholders
+            if on_their_way and not after_tokens_in_flight:
                 return 1
-            num_steps = min(num_steps, request.max_tokens - len(request.output_token_ids), max_model_len - num_tokens)
+            num_tokens = len(request.all_token_ids) + on_their_way
+            if (not (request.draws_argmax or self.sampled_runs and request.samples_in_runs)
+                    or request.spec_token_ids or num_tokens - request.num_computed_tokens != 1):
+                return 1
+            num_steps = min(num_steps, request.max_tokens - len(request.output_token_ids) - on_their_way,
+                            max_model_len - num_tokens)
         return max(num_steps, 1)
 
     def _run_blocks(self, groups: dict[tuple[int, ...], _Group], num_steps: int, ran_out_of_blocks: bool) -> int:
