@@ -623,7 +623,8 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
     """With speculative decoding (on by default here too) the steps after which nothing is proposed are launched on
     the decoder's thread, their input ids read there; a step that checks proposals is launched there too, with
     nothing in flight, and waited for. Greedy and seeded sampled requests: the tokens of the synchronous engine
-    without speculation."""
+    without speculation. Single steps only (num_scheduler_steps=1): by default quiet stretches of two steps or more
+    run as multi-step runs (test_spec_decode.py's test_quiet_steps_run_in_multi_step_runs)."""
     # the pool from a prefill's first small step on: on a Zen 3 every check of this work fell in the first 8 steps
     # after one, which run off the pool (decode_pool.SMALL_STEPS_BEFORE_POOL), and none was launched
     monkeypatch.setattr(decode_pool, "SMALL_STEPS_BEFORE_POOL", 0)
@@ -637,7 +638,7 @@ def test_launched_steps_beside_speculative_decoding(families, launches, monkeypa
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)
                 + reference.generate(prompts, sampled, use_tqdm=False)]
     reference.shutdown()
-    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix"})
+    llm = LLM(str(model_dir), compile=False, seed=0, speculative_config={"method": "suffix"}, num_scheduler_steps=1)
     assert llm.engine.config.scheduler.async_scheduling and llm.engine.worker.runner.launch_steps
     runner = llm.engine.worker.runner
     runner.decode_pool.kv_budget_tokens = None  # whatever its context (a model of 1 MB here)
