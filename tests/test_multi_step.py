@@ -57,6 +57,24 @@ def test_a_run_takes_blocks_for_every_step_and_receives_every_token():
     assert sched.block_manager.num_free_blocks == 16
 
 
+def test_the_run_after_the_tokens_in_flight():
+    """Scheduler.run_length(after_tokens_in_flight=True): with a step's token still on the device (asynchronous
+    scheduling, one placeholder), the run a plan could take once it arrives, its token counted against max_tokens;
+    a plan itself runs one step meanwhile."""
+    sched = _scheduler()
+    request = _greedy("a", [5, 6, 7, 8, 9], 6)
+    sched.add_request(request)
+    sched.update_from_output(sched.schedule(), {"a": 11})
+    ahead = sched.schedule(max_run_steps=1)  # launched ahead: its token is a placeholder
+    assert ahead.num_steps == 1 and request.num_output_placeholders == 1
+    assert sched.run_length() == 1 and sched.run_length(after_tokens_in_flight=True) == 4
+    sched.update_from_output(ahead, {"a": 12})
+    assert sched.run_length() == 4
+    sched.update_from_output(sched.schedule(max_run_steps=1), {"a": 13})
+    sched.schedule(max_run_steps=1)  # the fourth token in flight: two left after it
+    assert sched.run_length(after_tokens_in_flight=True) == 2
+
+
 def test_a_stop_inside_a_run_ends_the_request_there_and_frees_its_blocks():
     sched = _scheduler()
     request = _greedy("a", [5, 6, 7, 8, 9], 20, stop_token_ids=[13])
