@@ -128,6 +128,8 @@ def test_num_scheduler_steps_is_checked():
     assert EngineArgs("m", device="cpu")._schedules_async(one, 1) is None
     assert EngineArgs("m", device="cpu")._schedules_async(one, 4) is False
     assert EngineArgs("m", device="cpu", speculative_config=ngram)._schedules_async(one, 4) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineArgs("m", device="cuda", async_scheduling=True, speculative_config=ngram)._schedules_async(one, 4)
 
 
 def test_offline_generation_on_the_cpu_runs_eight_steps_by_default():

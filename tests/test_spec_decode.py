@@ -599,7 +599,8 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
     """Multi-step scheduling beside speculative decoding: the speculator's quiet steps (every request waits for a
     probe or a backoff's end) and the step after which a proposal may follow run as one plan's run, the others singly
     with their checks; a run never holds proposals. One rank and two run 8 steps a plan by default with speculation
-    too, one rank beside single steps launched ahead of the host (a run never launched). The intervals after plain
+    too, one rank beside single steps launched ahead of the host (there every other run that could start is declined,
+    so that a quiet step runs ahead and the next call completes it before the run). The intervals after plain
     decodes, in runs and alone, are timed for the budget; the outputs are those without speculation (greedy, seeded
     sampling, a stop token mid-output), every block back."""
     model_dir = layers4 if layout.get("tp") else llama[1]
@@ -629,24 +630,43 @@ def test_quiet_steps_run_in_multi_step_runs(llama, layers4, layout):
             tuple(request.prompt_token_ids), [])[request.num_output_tokens:request.num_output_tokens + k]]
         plans = []
         executor = core.executor
-        launched = []
+        events = []  # ("run?", a step in flight, whether a run follows) and ("plan", its steps, launched behind one)
 
         def spy(plan, *tokens, **options):
             plans.append((max(group.num_steps for group in plan.groups),
                           any(group.num_spec is not None for group in plan.groups)))
-            result = executor(plan, *tokens, **options)
-            launched.append(result.launched is not None and plans[-1][0])
-            return result
+            events.append(("plan", plans[-1][0], bool(options.get("launch")) and core.in_flight is not None))
+            return executor(plan, *tokens, **options)
 
         core.executor = spy
+        runs_quiet_steps, declined = core._runs_quiet_steps, [False]
+
+        def every_other_run_declined() -> bool:
+            # a run that could start with nothing in flight is declined every other time: a quiet step is launched
+            # ahead instead, and the next call completes it, then runs the rest
+            in_flight, runs = core.in_flight is not None, runs_quiet_steps()
+            if runs and not in_flight:
+                declined[0] = not declined[0]
+                runs = not declined[0]
+            events.append(("run?", in_flight, runs))
+            return runs
+
+        if not layout:
+            core._runs_quiet_steps = every_other_run_declined
         for proposer in (speculator.proposer, oracle):
             speculator.proposer = proposer
             plans.clear()
+            events.clear()
             outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             assert outputs == reference
             assert any(steps > 1 for steps, _ in plans) and any(checks for _, checks in plans)
             assert not any(steps > 1 and checks for steps, checks in plans)  # a run never checks proposals
-            assert (1 in launched) == (not layout) and not any(steps > 1 for steps in launched)
+            plan_events = [e for e in events if e[0] == "plan"]
+            assert any(ahead for _, _, ahead in plan_events) == (not layout)  # steps launched behind one in flight
+            # the step in flight completed, then a run (the next plan, where no request finished meanwhile)
+            follows = [next((e for e in events[i + 1:] if e[0] == "plan"), None) for i, e in enumerate(events)
+                       if e == ("run?", True, True)]
+            assert any(plan is not None and plan[1] > 1 for plan in follows) == (not layout)
         assert llm.stats()["spec_decode"]["num_accepted_tokens"] > 0
         assert {pipelined for _, pipelined in speculator.sync_penalty.intervals} == {False, True}
         assert not llm.engine.block_manager.req_blocks

@@ -345,6 +345,9 @@ class EngineArgs:
         possible = deployment.world_size == 1 and (num_scheduler_steps == 1 or self.speculative_config is not None)
         if self.async_scheduling and deployment.world_size > 1:
             raise ValueError("async_scheduling=True needs one rank (tp, sp, dp and pp 1)")
+        if self.async_scheduling and num_scheduler_steps > 1 and resolve_device(self.device).type != "cpu":
+            raise ValueError("async_scheduling=True beside num_scheduler_steps > 1 (speculative decoding) runs on the "
+                             "CPU only")
         if self.async_scheduling is None:
             if not possible:
                 return False

@@ -179,7 +179,9 @@ class LLMEngine:
                 if hasattr(policy, "threshold"):  # Shift's: a step of more tokens runs the base layout (None: all)
                     staged = min(staged, policy.threshold or 0)
                 speculator.staged_check_tokens = staged
-                speculator.redraft_from_token_alone = config.deployment.world_size == 1
+                # where its runs are single steps or beside steps ahead of the host (synchronous runs not measured)
+                speculator.redraft_from_token_alone = config.deployment.world_size == 1 and (
+                    config.scheduler.num_scheduler_steps == 1 or bool(config.scheduler.async_scheduling))
                 if isinstance(speculator.proposer, SuffixProposer):
                     tree = self.worker.runner.suffix_global_tree = speculator.proposer.global_tree
                     if any(copies_global_tree(config, rank) for rank in range(config.deployment.world_size)):

@@ -390,7 +390,9 @@ class Scheduler:
         running = RequestStatus.RUNNING
         step = self.num_steps
         assert max_run_steps is None or max_run_steps >= 1, max_run_steps
-        num_steps = self.run_length() if max_run_steps is None else min(self.run_length(), max_run_steps)
+        num_steps = 1 if max_run_steps == 1 else self.run_length()
+        if max_run_steps is not None:
+            num_steps = min(num_steps, max_run_steps)
         for request in list(self.running):
             if request.status is not running:
                 continue  # preempted this step for another's blocks
