@@ -109,7 +109,7 @@ class EngineArgs:
                                                "and on the CPU where the C++ decoder runs the small steps and "
                                                "steps run singly (num_scheduler_steps) or beside speculative "
                                                "decoding; with speculative decoding, the steps after which nothing "
-                                               "is proposed that runs do not take)")
+                                               "is proposed, where a multi-step run does not take them)")
     num_scheduler_steps: int | None = _arg(None, "decode steps one step plan runs on every rank, where every "
                                                  "running request decodes (greedy, or sampled without penalties, "
                                                  "bias, grammar or logprobs) and nothing waits (vLLM v0's "
