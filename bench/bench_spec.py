@@ -322,6 +322,7 @@ def run_methods(layout: str, methods: list[str], work: dict) -> dict[str, dict]:
         spec = llm.stats()["spec_decode"]
         row["acceptance_rate"] = spec and spec["acceptance_rate"]
         row["mean_accepted_length"] = spec and spec["mean_accepted_length"]
+        row["stages_by_rows"] = spec and spec["stages_by_rows"]
         llm.shutdown()
         return row
 
@@ -389,6 +390,25 @@ def ratios_below_and_above_median(plain: list[dict], method: list[dict], work: s
         return sum(p for p, _ in side) / sum(m for _, m in side)
 
     return ratio(fast), ratio(slow)
+
+
+def stages_table(repeats: list[dict]) -> str:
+    """LLM.stats()["spec_decode"]["stages_by_rows"] of each repeat summed: for each row count, its stages, their mean
+    time (as the speculator priced them: the decoder's seconds and a share of the check's host time) against the
+    one-row stages' (a stage that decodes its token alone: a plain step's work), and the proposals a stage accepted.
+    What a check's rows cost on this machine, beside the budget's choices (docs/performance.md)."""
+    totals: dict[int, list[float]] = {}
+    for stages in repeats:
+        for rows, figures in stages.items():
+            total = totals.setdefault(int(rows), [0, 0.0, 0.0])
+            total[0] += figures["stages"]
+            total[1] += figures["mean_seconds"] * figures["stages"]
+            total[2] += figures["mean_accepted"] * figures["stages"]
+    one_row = totals[1][1] / totals[1][0] if 1 in totals else None
+    return "; ".join(
+        f"{rows}: {num} x {seconds / num * 1e3:.2f} ms"
+        + (f" ({seconds / num / one_row:.2f}x)" if one_row else "") + f", {accepted / num:.2f} accepted"
+        for rows, (num, seconds, accepted) in sorted(totals.items()))
 
 
 def main() -> None:
@@ -471,7 +491,7 @@ def main() -> None:
         for (engine, method), results in runs.items():
             row = {"engine": engine, "layout": layout, "method": method, "repeats": results}
             for key in results[0]:
-                if key.endswith("_tpots_ms"):  # each prompt's: in "repeats" only
+                if key.endswith("_tpots_ms") or key == "stages_by_rows":  # in "repeats" only
                     continue
                 values = [r[key] for r in results if r[key] is not None]
                 row[key] = statistics.median(values) if values else None
@@ -522,6 +542,11 @@ def main() -> None:
                     halves.append(f"{work} {split[0]:.2f} / {split[1]:.2f}")
             print(f"{layout} {method}, TPOT x none where the plain TPOT was below / above its own prompt's median over "
                   "the repeats: " + "; ".join(halves))
+        for (engine, method), results in runs.items():
+            table = stages_table([r.get("stages_by_rows") or {} for r in results])
+            if table:
+                print(f"{layout} {method}, redrafting checks' stages by rows (proposals and the token before them) "
+                      "over the repeats: " + table)
     figures["read_bandwidth_per_repeat"] = {layout: read_rates for layout, read_rates, _ in spells}
     if args.json:
         with open(args.json, "w") as f:

@@ -935,7 +935,7 @@ def test_redrafting_checks_count_the_rows_their_stages_ran(tmp_path, layout, mon
     """LLM.stats() after a batch-1 request whose checks redrafted: its scheduled tokens (and so /metrics' tokens per
     step) are the rows its steps computed, each stage its proposals and the token before them, not the slots a plan
     held for stages that never ran (checks of two stages here, ending before their slots); steps of checks are decode
-    steps, the prompt's the only other."""
+    steps, the prompt's the only other; `stages_by_rows` counts the stages observed by their rows."""
     model_dir = _cycling_model(tmp_path)
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(1, [6], seed=5)[0]
@@ -956,6 +956,14 @@ def test_redrafting_checks_count_the_rows_their_stages_ran(tmp_path, layout, mon
     assert stats["num_scheduled_tokens"] == num_rows
     assert stats["num_decode_steps"] == stats["num_steps"] - 1
     assert stats["time_s"]["decode"] > 0 and stats["time_s"]["mixed"] == 0
+    # the stages by their rows, each as observed: their count, the proposals they kept, a time each
+    stages = [stage for check in checks for stage in check]
+    by_rows = spec["stages_by_rows"]
+    assert sorted(by_rows) == sorted({stage.proposed + 1 for stage in stages})
+    for rows, figures in by_rows.items():
+        of_rows = [stage for stage in stages if stage.proposed + 1 == rows]
+        assert figures["stages"] == len(of_rows) and figures["mean_seconds"] > 0
+        assert figures["mean_accepted"] * len(of_rows) == pytest.approx(sum(stage.accepted for stage in of_rows))
     llm.shutdown()
 
 

@@ -35,6 +35,7 @@ class EngineStats:
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
         self.num_cut_tokens = 0  # proposed tokens the goodput budget left unchecked (spec_decode/budget.py)
+        self.stages_by_rows: dict[int, list] = {}  # the speculator's (Speculator.stages_by_rows)
 
     def record_plan(self, plan: StepPlan) -> None:
         """A step plan about to run: its layouts, and whether some replica switched layout. A multi-step run
@@ -114,7 +115,9 @@ class EngineStats:
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
                 "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
-                "accepted_per_position": list(self.accepted_per_position), "num_cut_tokens": self.num_cut_tokens}
+                "accepted_per_position": list(self.accepted_per_position), "num_cut_tokens": self.num_cut_tokens,
+                "stages_by_rows": {rows: {"stages": num, "mean_seconds": seconds / num, "mean_accepted": accepted / num}
+                                   for rows, (num, seconds, accepted) in sorted(self.stages_by_rows.items())}}
 
     def as_dict(self) -> dict:
         """Which layouts ran: steps by layout name, layout switches (steps in which some replica runs under

@@ -144,6 +144,9 @@ class Speculator:
         self.sync_penalty = SyncPenalty()  # told by the engine core where steps may run ahead of the host
         self.acceptance = AcceptanceRates()
         self.num_cut_tokens = 0  # proposed tokens left unchecked because they would not pay
+        # redrafting checks' stages by their rows (proposals and the token before them): [stages, seconds as priced,
+        # accepted proposals] (LLM.stats()["spec_decode"]["stages_by_rows"]: what a check's rows cost on this machine)
+        self.stages_by_rows: dict[int, list] = {}
         # the proposer's seconds per request asked, and the share of asks that found a proposal (moving averages):
         # asking costs that time whether or not anything is checked (searching the suffix trees of many cached
         # outputs took 60-80 us a request; added to the step's time, as before, the fit spread it over a and c)
@@ -267,8 +270,12 @@ class Speculator:
         stages: every draft was checked whole, and the stages of 8-13 rows cost 1.8-2.7x a plain step's one
         (docs/performance.md)."""
         share = max(seconds - sum(stage[2] for stage in stages), 0.0) / len(stages)
-        for proposed, _, stage_seconds in stages:
+        for proposed, accepted, stage_seconds in stages:
             self.step_cost.observe(1, proposed, int(proposed > 0), stage_seconds + share)
+            tally = self.stages_by_rows.setdefault(proposed + 1, [0, 0.0, 0])
+            tally[0] += 1
+            tally[1] += stage_seconds + share
+            tally[2] += accepted
 
     @property
     def method(self) -> str:
