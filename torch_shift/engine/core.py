@@ -338,7 +338,6 @@ class EngineCore:
             speculator.propose(updated, num_running, num_steps)
             self._proposed_for = scheduler.num_running_changes
             self.stats.num_cut_tokens = speculator.num_cut_tokens
-            self.stats.stages_by_rows = speculator.stages_by_rows
             self._speculator_seconds = time.perf_counter() - start
 
 

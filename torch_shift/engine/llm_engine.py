@@ -188,6 +188,7 @@ class LLMEngine:
                         tree.additions = []  # for the plans (EngineCore._step)
             self.stats_recorder.spec_method = config.speculative.label
             self.stats_recorder.accepted_per_position = [0] * config.speculative.max_proposal_tokens
+            self.stats_recorder.stages_by_rows = speculator.stages_by_rows  # the speculator's tally, read as it grows
         self.output_processor = OutputProcessor(self.tokenizer, Sampler(mc.vocab_size, seed=config.seed),
                                                 config.scheduler.max_model_len)
         # the executor is the Worker's (no reference back to the engine: dropping it frees its process groups)

@@ -35,7 +35,7 @@ class EngineStats:
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
         self.num_cut_tokens = 0  # proposed tokens the goodput budget left unchecked (spec_decode/budget.py)
-        self.stages_by_rows: dict[int, list] = {}  # the speculator's (Speculator.stages_by_rows)
+        self.stages_by_rows: dict[int, list] = {}  # the speculator's own dict (Speculator.stages_by_rows)
 
     def record_plan(self, plan: StepPlan) -> None:
         """A step plan about to run: its layouts, and whether some replica switched layout. A multi-step run
