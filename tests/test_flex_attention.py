@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from conftest import random_prompts
 
 from torch_shift import LLM, SamplingParams
+from torch_shift.config import ModelConfig
+from torch_shift.engine.args import EngineArgs
 
 
 @pytest.mark.slow
@@ -23,3 +27,14 @@ def test_flex_paged_attention_matches_sdpa(checkpoints, family):
         for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
             assert set(lr) == set(lg)
             assert all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
+
+
+def test_flex_on_the_cpu_says_it_is_for_tests(caplog):
+    config = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256})
+    for backend, warned in (("FLEX_ATTENTION", True), ("auto", False), ("sdpa", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_shift"):
+            EngineArgs("unused", attention_backend=backend, device="cpu").create_engine_config(config)
+        assert ("attention_backend 'flex' on the CPU compiles FlexAttention again" in caplog.text) == warned, backend

@@ -94,7 +94,8 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "waiting requests in arrival order, or by priority (lower first) then "
                                           "arrival", choices=("fcfs", "priority"))
     attention_backend: str = _arg("auto", "'auto': the paged Triton kernel on a GPU, the paged CPU kernel on the "
-                                          "CPU, else sdpa; cpu, sdpa (gather + SDPA, any device), flex, triton "
+                                          "CPU, else sdpa; cpu, sdpa (gather + SDPA, any device), flex (GPUs; on the "
+                                          "CPU compiled per shape, for tests), triton "
                                           "(vLLM's names too: CPU_ATTN, TORCH_SDPA, FLEX_ATTENTION, TRITON_ATTN)")
     compile: bool | None = _arg(None, "torch.compile each layout's forward, compiled and warmed up at start-up "
                                        "(default: on where it is faster: a model of 50M parameters or more, on "
@@ -382,6 +383,11 @@ class EngineArgs:
                 logger.warning("the checkpoint's dtype is float16, which a CPU computes at a fraction of float32's "
                                "rate (a 512-token prompt 10x slower on a Xeon without AMX-FP16): dtype='float32' "
                                "holds float16 weights exactly, dtype='bfloat16' in half their memory")
+        if self.attention_backend == "flex" and resolve_device(self.device).type == "cpu":
+            logger.warning("attention_backend 'flex' on the CPU compiles FlexAttention again for each new shape of a "
+                           "step's queries and context (inductor's CPU kernel takes no dynamic shapes) and runs it "
+                           "uncompiled past torch's recompile limit: minutes where the paged CPU kernel takes seconds. "
+                           "It is there to test the GPU's path; serve with 'auto' (the paged CPU kernel) or 'sdpa'")
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             rope = model_config.rope

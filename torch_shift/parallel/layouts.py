@@ -139,16 +139,21 @@ class Deployment:
         return [layout.ranks for layout in self.layouts if layout.kv_width > 1]
 
 
-def check_width(config: ModelConfig, width: int, what: str = "TP") -> None:
-    """A tensor-parallel width must divide the query heads, the KV heads and the MLP width (the KV
-    adaptor splits whole KV heads: paper 004 needs H_kv % d == 0)."""
+def width_problems(config: ModelConfig, width: int, what: str = "TP") -> list[str]:
+    """What keeps a tensor-parallel width that splits whole heads from running: it must divide the query heads, the KV
+    heads and the MLP width (the KV adaptor splits whole KV heads: paper 004 needs H_kv % d == 0)."""
     h, h_kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     widths = [("num_attention_heads", h), ("num_key_value_heads", h_kv), ("intermediate_size", inter)]
     if config.is_moe:
         widths.append(("moe_intermediate_size", config.moe_intermediate_size))
     if config.shared_expert_intermediate_size:
         widths.append(("shared_expert_intermediate_size", config.shared_expert_intermediate_size))
-    problems = [f"{name}={n} is not divisible by {what}={width}" for name, n in widths if n % width]
+    return [f"{name}={n} is not divisible by {what}={width}" for name, n in widths if n % width]
+
+
+def check_width(config: ModelConfig, width: int, what: str = "TP") -> None:
+    """A ValueError naming every width_problems."""
+    problems = width_problems(config, width, what)
     if problems:
         raise ValueError(f"this model cannot run {what}={width}: " + "; ".join(problems))
 
@@ -260,10 +265,11 @@ def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int
     if seesaw:
         # one KV buffer per rank, viewed as a stage's layers with every head or every layer with a head slice:
         # the same bytes per block only when both split evenly
-        try:
-            check_width(config, pp, "TP")
-        except ValueError as e:
-            raise ValueError(f"policy 'seesaw' decodes in TP={pp} over a replica's pp={pp} ranks, and {e}") from None
+        problems = width_problems(config, pp, "TP")
+        if problems:
+            raise ValueError(f"policy 'seesaw' decodes in TP={pp} over a replica's pp={pp} ranks, splitting whole KV "
+                             f"heads without the replicas plain TP may use (a rank's KV pool holds the same bytes per "
+                             f"block under PP and TP): " + "; ".join(problems))
         if num_layers % pp:
             raise ValueError(f"policy 'seesaw' needs num_hidden_layers={num_layers} divisible by pp={pp} (a rank's "
                              "KV pool holds as many bytes per block under PP as under TP)")
