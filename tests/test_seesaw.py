@@ -55,8 +55,8 @@ def test_pipeline_deployments_and_what_they_refuse():
         build_deployment(CONFIG, seesaw=True)
     with pytest.raises(ValueError, match="combines only with dp"):
         build_deployment(CONFIG, pp=2, tp=2)
-    with pytest.raises(ValueError, match="seesaw.* decodes in TP=8 over a replica.s pp=8 ranks, splitting whole KV "
-                                         "heads without the replicas plain TP may use.*"
+    with pytest.raises(ValueError, match="seesaw.* decodes in TP=8 over a replica.s pp=8 ranks, which must split "
+                                         "the heads and the MLP evenly .no KV heads replicated, as plain TP may.*"
                                          "num_key_value_heads=4 is not divisible by TP=8"):
         build_deployment(ModelConfig.from_hf_dict({**_CONFIG_DICT, "num_hidden_layers": 8}), pp=8, seesaw=True)
     with pytest.raises(ValueError, match="num_hidden_layers=3 divisible by pp=2"):

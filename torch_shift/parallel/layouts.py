@@ -169,11 +169,7 @@ def flying_widths(config: ModelConfig, num_replicas: int) -> list[int]:
     widths = []
     d = 2
     while d <= num_replicas:
-        try:
-            check_width(config, d)
-        except ValueError:
-            pass
-        else:
+        if not width_problems(config, d):
             widths.append(d)
         d *= 2
     return widths
@@ -267,9 +263,9 @@ def _pipeline_deployment(config: ModelConfig, dp: int, pp: int, sp: int, tp: int
         # the same bytes per block only when both split evenly
         problems = width_problems(config, pp, "TP")
         if problems:
-            raise ValueError(f"policy 'seesaw' decodes in TP={pp} over a replica's pp={pp} ranks, splitting whole KV "
-                             f"heads without the replicas plain TP may use (a rank's KV pool holds the same bytes per "
-                             f"block under PP and TP): " + "; ".join(problems))
+            raise ValueError(f"policy 'seesaw' decodes in TP={pp} over a replica's pp={pp} ranks, which must split "
+                             "the heads and the MLP evenly (no KV heads replicated, as plain TP may: a rank's KV pool "
+                             "holds the same bytes per block under PP and TP): " + "; ".join(problems))
         if num_layers % pp:
             raise ValueError(f"policy 'seesaw' needs num_hidden_layers={num_layers} divisible by pp={pp} (a rank's "
                              "KV pool holds as many bytes per block under PP as under TP)")
