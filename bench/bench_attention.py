@@ -2,11 +2,18 @@
 beside the machine's streaming read rate measured in the same run.
 
     python bench/bench_attention.py [--threads 2] [--dtypes float32,bfloat16] [--backends cpu,sdpa]
+    python bench/bench_attention.py --backends cpu --against OTHER/libtorch_shift_cpu.so
+
 
 The shapes are bench_peers.py's model (16 query heads, 4 KV heads of 64, blocks of 16 tokens, 8 layers): every
 call goes to the next layer, and a sequence's blocks are scattered over the pool in random order, as a
 long-running server's are. Decode reports the rate at which the step's context (keys and values) is read,
 beside the machine's streaming rate (a single-pass sum over 1 GiB); prompts report the attention's GFLOP/s.
+
+`--against` takes another build of the CPU kernels (the libtorch_shift_cpu.so that another checkout built, under
+~/.cache/torch_shift/kernels): the cpu backend on it and on this checkout's build are timed call for call in one
+process, alternating, with the ratio of each round printed as a median and a range, and their outputs compared
+bit for bit (a kernel change that keeps the multiply-adds' order keeps the bits).
 """
 
 from __future__ import annotations
@@ -80,11 +87,54 @@ def streaming_read_rate() -> float:
     return data.numel() * 4 / best_seconds(lambda _: data.sum(), 1, rounds=5)
 
 
+def alternated(calls_a, calls_b, rounds: int = 9, round_seconds: float = 0.2) -> list[float]:
+    """Per round, the seconds of calls of calls_b over those of as many calls of calls_a (about `round_seconds`
+    each), the two taking turns going first (the machine's read rate drifts within seconds: side by side, not one
+    after the other)."""
+    start = time.perf_counter()
+    for i in range(2):
+        calls_a(i), calls_b(i)
+    calls = max(1, int(round_seconds / ((time.perf_counter() - start) / 4)))
+    ratios = []
+    for r in range(rounds):
+        seconds = {}
+        for name, fn in (("a", calls_a), ("b", calls_b)) if r % 2 == 0 else (("b", calls_b), ("a", calls_a)):
+            start = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            seconds[name] = time.perf_counter() - start
+        ratios.append(seconds["b"] / seconds["a"])
+    return ratios
+
+
+def compare_builds(other_library: str, work: dict[str, list[tuple[int, int]]], dtypes: list[torch.dtype]) -> None:
+    """The cpu backend on another build of the kernels against this checkout's, alternated (`--against`)."""
+    from torch_shift.attention.cpu import CpuBackend
+    from torch_shift.kernels import CpuKernels, cpu_kernels
+
+    this, other = CpuBackend(cpu_kernels()), CpuBackend(CpuKernels(other_library))
+    print(f"the cpu backend built here against {other_library}: its time over this build's (above 1: this build is "
+          f"faster), and whether the outputs are the same bits")
+    for dtype in dtypes:
+        for name, runs in work.items():
+            cache, batch, q, k, v = make_step(runs, dtype)
+            mine, theirs = this.build(batch, cache), other.build(batch, cache)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            outputs = [attention(layer, q, k, v) for attention in (mine, theirs) for layer in range(NUM_LAYERS)]
+            same = all(torch.equal(a.view(bits), b.view(bits))
+                       for a, b in zip(outputs[:NUM_LAYERS], outputs[NUM_LAYERS:], strict=True))
+            ratios = alternated(lambda i: mine(i % NUM_LAYERS, q, k, v), lambda i: theirs(i % NUM_LAYERS, q, k, v))
+            print(f"{name:<22} {str(dtype).removeprefix('torch.'):<9} {float(np.median(ratios)):>6.3f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})  {'same bits' if same else 'OUTPUTS DIFFER'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--backends", default="cpu,sdpa")
+    parser.add_argument("--against", metavar="LIBRARY", help="another build's libtorch_shift_cpu.so, alternated with "
+                        "this checkout's in one process (see above)")
     args = parser.parse_args(argv)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -110,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         figures = f"{flops / seconds / 1e9:>7.1f} GFLOP/s"
                     print(f"{name:<22} {dtype_name:<9} {backend_name:<7} {seconds * 1e6:>9.0f} {figures}")
+        if args.against:
+            compare_builds(args.against, WORK, [getattr(torch, name) for name in args.dtypes.split(",")])
     finally:
         torch.set_num_threads(previous_threads)
     return 0

@@ -212,14 +212,25 @@ struct Prefetcher {
   // the lines spread over `steps` calls of step()
   void spread(int64_t steps) { per_step = std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1)); }
   inline void step() {
-    for (int64_t i = 0; i < per_step && next < count; ++i) {
-      __builtin_prefetch(start[next] + offset, 0, 1);  // to L2: measured faster than to L1
-      offset += 64;
-      if (offset >= bytes[next]) {
-        ++next;
-        offset = 0;
+    int64_t at = offset;  // in registers for the loop, stored once
+    int range = next;
+    for (int64_t i = 0; i < per_step && range < count; ++i) {
+      __builtin_prefetch(start[range] + at, 0, 1);  // to L2: measured faster than to L1
+      at += 64;
+      if (at >= bytes[range]) {
+        ++range;
+        at = 0;
       }
     }
+    offset = at;
+    next = range;
+  }
+  // the AVX2 loops' calls: during a chunk's first piece of keys and its first 16 dimensions of values
+  inline void key_row(int64_t s, int64_t) {
+    if (s == 0) step();
+  }
+  inline void value_row(int64_t, int64_t, int64_t dv) {
+    if (dv == 0) step();
   }
   // the rest now, and empty again
   void finish() {
@@ -235,6 +246,8 @@ struct Prefetcher {
 // probability to the stack in the values loop)
 struct NoPrefetch {
   inline void step() {}
+  inline void key_row(int64_t, int64_t) {}
+  inline void value_row(int64_t, int64_t, int64_t) {}
 };
 
 // A chunk's first `seen` values weighted by `probs` added into rows [r0, r0 + RB)'s accumulators (first scaled by
@@ -431,16 +444,36 @@ inline void chunk_softmax(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, i
 template <typename T>
 constexpr bool kAvx2Type = std::is_same<T, float>::value || std::is_same<T, bf16_t>::value;
 
+// A decode item's requests for its next chunk from the AVX2 loops: the line of the next chunk's piece s that holds
+// what the loop reads of the current piece s (dimension d of its keys; dimensions [16 dv, 16 dv + 16) of value j), one
+// prefetch an iteration and no bookkeeping. A spread Prefetcher costs about ten instructions a line in these loops: on
+// a Zen 3 most of a float32 decode's samples fell in the quarter of its loops that requested (perf), and decodes with
+// no requests at all ran 1.2-1.3x faster in cache (1.3x slower from memory). With these (and the loads below held in
+// registers) float32 decodes in cache ran 1.3-1.5x faster than with it, bfloat16 ones from memory 1.2x.
+template <typename T>
+struct NextChunk {
+  const T* keys[kPieces];
+  const T* values[kPieces];
+  int64_t key_dim_stride, value_stride;
+  inline void key_row(int64_t s, int64_t d) const { __builtin_prefetch(keys[s] + d * key_dim_stride, 0, 1); }
+  inline void value_row(int64_t s, int64_t j, int64_t dv) const {
+    __builtin_prefetch(values[s] + j * value_stride + dv * kLanes, 0, 1);
+  }
+};
+
 // scores[r][s] of rows [0, RB) (their queries `q`, D apart) against one piece of 16 keys, dim-major `stride` apart;
-// a decode item's loop also requests the next chunk as it goes (`prefetcher`, for one piece of the chunk)
-template <int RB, typename KT>
+// a decode item's loop also requests its next chunk as it goes (`requests`)
+template <int RB, typename KT, typename Requests>
 inline void piece_scores_avx2(const float* q, int64_t D, const KT* keys, int64_t stride, vfloat (*scores)[kPieces],
-                              int64_t s, Prefetcher* prefetcher) {
+                              int64_t s, Requests& requests) {
   __m256 lo[RB], hi[RB];
   for (int r = 0; r < RB; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    if (prefetcher) prefetcher->step();
-    const __m256 k0 = load8(keys + d * stride), k1 = load8(keys + d * stride + 8);
+    requests.key_row(s, d);
+    __m256 k0 = load8(keys + d * stride), k1 = load8(keys + d * stride + 8);
+    // loaded once into registers: GCC folded each load into every row's multiply-add (twice the loads; float32
+    // decodes 1.09-1.14x slower, alternated on a Zen 3)
+    asm("" : "+x"(k0), "+x"(k1));
     for (int r = 0; r < RB; ++r) {
       const __m256 qv = _mm256_broadcast_ss(q + r * D + d);
       lo[r] = _mm256_fmadd_ps(qv, k0, lo[r]);
@@ -455,11 +488,11 @@ inline void piece_scores_avx2(const float* q, int64_t D, const KT* keys, int64_t
 }
 
 // rows [0, RB)'s accumulators (`acc`, D apart), dimensions [16 dv, 16 dv + 16): scaled by `correction`, plus the
-// chunk's first `seen` values weighted by `probs` (a decode item's loop requesting the next chunk: `prefetcher`)
-template <int RB, typename VT>
+// chunk's first `seen` values weighted by `probs` (a decode item's loop requesting its next chunk: `requests`)
+template <int RB, typename VT, typename Requests>
 inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, VT>* pieces, int64_t num_pieces,
                              int64_t value_stride, int64_t seen, const float (*probs)[kChunk],
-                             const float* correction, Prefetcher* prefetcher) {
+                             const float* correction, Requests& requests) {
   __m256 lo[RB], hi[RB];
   for (int r = 0; r < RB; ++r) {
     const __m256 c = _mm256_set1_ps(correction[r]);
@@ -470,8 +503,9 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
     const VT* values = pieces[s].values + dv * kLanes;
     const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
     for (int64_t j = 0; j < n; ++j) {
-      if (prefetcher) prefetcher->step();
-      const __m256 v0 = load8(values + j * value_stride), v1 = load8(values + j * value_stride + 8);
+      requests.value_row(s, j, dv);
+      __m256 v0 = load8(values + j * value_stride), v1 = load8(values + j * value_stride + 8);
+      asm("" : "+x"(v0), "+x"(v1));
       for (int r = 0; r < RB; ++r) {
         const __m256 p = _mm256_broadcast_ss(&probs[r][s * kLanes + j]);
         lo[r] = _mm256_fmadd_ps(p, v0, lo[r]);
@@ -492,22 +526,13 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 // chains of multiply-adds. (Prompt tiles once looped over one piece, then one vector of dimensions, at a time:
 // RB chains, each waiting on its last multiply-add; float32 prompts of 512 and chunks after 1,024 ran at 56-67
 // GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) A decode item also requests
-// the next chunk as it goes; a prompt tile's loops take NoPrefetch. Only a chunk's last piece can be partial.
-template <bool DECODE>
-inline auto& requests_in_loops(Prefetcher& prefetcher, NoPrefetch& none) {
-  if constexpr (DECODE)
-    return prefetcher;
-  else
-    return none;
-}
-
-template <int RB, bool DECODE, typename KT, typename VT>
+// its next chunk as it goes (`requests`: a Prefetcher, or a NextChunk in the AVX2 loops); a prompt tile's loops take
+// NoPrefetch. Only a chunk's last piece can be partial.
+template <int RB, bool DECODE, typename KT, typename VT, typename Requests>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
-                int64_t value_stride, int64_t chunk, float* padded, Prefetcher& prefetcher) {
+                int64_t value_stride, int64_t chunk, float* padded, Requests& requests) {
   const int64_t D = rows.head_dim;
   const int64_t DV = D / kLanes;
-  NoPrefetch none;
-  auto& requests = requests_in_loops<DECODE>(prefetcher, none);
   // a tile's rows see keys up to their last row's position (rows are in position order): the chunk's keys
   // past it only add zeros (a decode row sees the whole chunk)
   int64_t seen = kChunk;
@@ -526,13 +551,12 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
 #endif
   if constexpr (avx2) {
 #ifdef TS_AVX2_TILES
-    for (int64_t s = 0; s < num_pieces; ++s) {  // a decode item requests the next chunk during the first piece
-      Prefetcher* piece_requests = DECODE && s == 0 ? &prefetcher : nullptr;
+    for (int64_t s = 0; s < num_pieces; ++s) {
       if (pieces[s].n < kLanes) {
         pad_keys(pieces[s], D, key_dim_stride, padded);
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, piece_requests);
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, padded, kLanes, scores, s, requests);
       } else {
-        piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, piece_requests);
+        piece_scores_avx2<RB>(rows.q + r0 * D, D, pieces[s].keys, key_dim_stride, scores, s, requests);
       }
     }
 #endif
@@ -558,17 +582,20 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   float correction[RB];
   chunk_softmax<RB>(rows, r0, pieces, num_pieces, chunk, scores, probs, correction);
 #ifdef TS_AVX2_TILES
-  if constexpr (avx2) {  // a decode item's loop requests the next chunk during its first 16 dimensions
+  if constexpr (avx2) {
     for (int64_t dv = 0; dv < DV; ++dv)
       tile_values_avx2<RB>(rows.acc + r0 * D, D, dv, pieces, num_pieces, value_stride, seen, probs, correction,
-                           DECODE && dv == 0 ? &prefetcher : nullptr);
-    return;
-  }
+                           requests);
+  } else
 #endif
-  switch (DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1) {
-    case 4: chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
-    case 2: chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
-    default: chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests); break;
+  {
+    const int dvb = DV % 4 == 0 ? 4 : DV % 2 == 0 ? 2 : 1;
+    if (dvb == 4)
+      chunk_values<RB, 4>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests);
+    else if (dvb == 2)
+      chunk_values<RB, 2>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests);
+    else
+      chunk_values<RB, 1>(rows, r0, pieces, num_pieces, value_stride, seen, probs, correction, requests);
   }
 }
 
@@ -1013,13 +1040,19 @@ bool paired_dots(const Problem& p, int64_t query_len) {
 #endif
 }
 
+// One work item. `following`: the item its thread takes next (or null), whose first chunk a decode requests during
+// its own last one; `first_requested`: this item's first chunk was requested so by the one before. Returns whether
+// it requested the following item's.
 template <typename T>
-void attend(const Problem& p, const Item& item) {
+bool attend(const Problem& p, const Item& item, const Item* following = nullptr, bool first_requested = false) {
   const int64_t D = p.head_dim;
   const int64_t G = p.num_heads / p.num_kv_heads;
   const int64_t NH = item.num_kv_heads;
-  const int32_t* table = p.block_table + static_cast<int64_t>(p.block_table_row ? p.block_table_row[item.run]
-                                                                                  : item.run) * p.block_table_stride;
+  auto table_of = [&](const Item& it) {
+    return p.block_table +
+           static_cast<int64_t>(p.block_table_row ? p.block_table_row[it.run] : it.run) * p.block_table_stride;
+  };
+  const int32_t* table = table_of(item);
   const int64_t first_pos = static_cast<int64_t>(p.num_computed[item.run]) + item.first_query;
   const int64_t row0 = static_cast<int64_t>(p.query_start[item.run]) + item.first_query;
   const T* q = static_cast<const T*>(p.q);
@@ -1069,14 +1102,17 @@ void attend(const Problem& p, const Item& item) {
   const int64_t rows_per_head = rows.count / NH;
   const bool vector = D % kLanes == 0;
 
-  // A decode item's next chunk is requested a few lines at a time from inside its loops; a prompt tile's at
-  // once, before the current chunk (requests spread inside its loops cost it 2x, measured), and its loops take
-  // NoPrefetch (chunk_rows). The prefetcher stays empty where blocks are copied out.
+  // A decode item's next chunk is requested a few lines at a time from inside its loops (the AVX2 loops' float32 and
+  // bfloat16 chunks read in place: a NextChunk); a prompt tile's at once, before the current chunk (requests spread
+  // inside its loops cost it 2x, measured), and its loops take NoPrefetch (chunk_rows). The prefetcher stays empty
+  // where blocks are copied out.
   Prefetcher prefetcher;
+  NoPrefetch none;
   const bool decode = item.num_queries == 1;
-  // one chunk of head h against that head's rows
+  bool requested_following = false;
+  // one chunk of head h against that head's rows; a decode's loops request its next chunk (`requests`)
   auto attend_chunk = [&](int64_t h, auto* pieces, int64_t num_pieces, int64_t key_dim_stride, int64_t value_stride,
-                          int64_t chunk) {
+                          int64_t chunk, auto& requests) {
     using P = std::remove_pointer_t<decltype(pieces)>;
     using KT = std::remove_cv_t<std::remove_pointer_t<decltype(P::keys)>>;
     using VT = std::remove_cv_t<std::remove_pointer_t<decltype(P::values)>>;
@@ -1090,9 +1126,9 @@ void attend(const Problem& p, const Item& item) {
         constexpr int RB = decltype(rb)::value;
         for (int64_t r = from; r < to; r += RB) {
           if (decode)
-            chunk_rows<RB, true>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
+            chunk_rows<RB, true>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, requests);
           else
-            chunk_rows<RB, false>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, prefetcher);
+            chunk_rows<RB, false>(rows, r, pieces, num_pieces, key_dim_stride, value_stride, chunk, padded, none);
         }
       };
       // rows [from, from + count) in blocks of the largest of 4, 3, 2, 1 that divides count
@@ -1141,28 +1177,53 @@ void attend(const Problem& p, const Item& item) {
       }
       prefetcher.spread(NH * (D + kChunk));  // about the calls of step() in one chunk of every head
     };
-    request(first_chunk);
-    prefetcher.finish();
+    if (!first_requested) {
+      request(first_chunk);
+      prefetcher.finish();
+    }
+    // head h (of those from first_kv_head) of a run's chunk at `chunk` (its keys end at `end`, its blocks in `blocks`):
+    // its pieces, in place, and their count
+    auto run_pieces = [&](const int32_t* blocks, int64_t first_kv_head, int64_t end, int64_t chunk, int64_t h,
+                          Piece<T, T>* pieces) {
+      const int64_t chunk_end = std::min(end, chunk + kChunk);
+      int64_t num_pieces = 0;
+      for (int64_t start = chunk; start < chunk_end; start += kLanes) {
+        const int64_t block = start / p.block_size, offset = start % p.block_size;
+        const int64_t physical = blocks[block];
+        pieces[num_pieces++] = {kc + physical * p.k.block + (first_kv_head + h) * p.k.head + offset * p.k.token,
+                                vc + physical * p.v.block + (first_kv_head + h) * p.v.head + offset * p.v.token,
+                                std::min<int64_t>(kLanes, chunk_end - start)};
+      }
+      return num_pieces;
+    };
+    auto chunk_pieces = [&](int64_t chunk, int64_t h, Piece<T, T>* pieces) {
+      return run_pieces(table, item.first_kv_head, key_end, chunk, h, pieces);
+    };
     Piece<T, T> pieces[kPieces];
     // bfloat16 and float16 keys and values are converted once per chunk where many row blocks read them (a
     // prompt's tile), not at every read
     const bool convert_once = !std::is_same<T, float>::value && vector && rows_per_head > kRowsConvertedOnce;
     Piece<float, float> converted[kPieces];
+#ifdef TS_AVX2_TILES
+    const bool next_in_loops = kAvx2Type<T> && decode && vector && !convert_once;
+    // the following item's first chunk, requested during this item's last: a decode's of as many KV heads, its keys
+    // from position 0 (decodes of 300 tokens have 5 chunks: their first, requested at once, stalls the core where the
+    // loops' requests do not; 64 and 256 of them 1.07-1.16x faster in bfloat16, 1.02-1.11x in float32, alternated)
+    const bool request_following = next_in_loops && following && following->num_queries == 1 &&
+                                   following->num_kv_heads == NH && p.sliding_window <= 0;
+    const int64_t following_end = request_following ? p.num_computed[following->run] + following->first_query + 1 : 0;
+#else
+    const bool next_in_loops = false;
+    (void)following;
+#endif
     for (int64_t chunk = first_chunk; chunk < key_end; chunk += kChunk) {
       const int64_t chunk_end = std::min(key_end, chunk + kChunk);
-      if (chunk + kChunk < key_end) {
+      if (chunk + kChunk < key_end && !next_in_loops) {
         request(chunk + kChunk);
         if (!decode) prefetcher.finish();
       }
       for (int64_t h = 0; h < NH; ++h) {
-        int64_t num_pieces = 0;
-        for (int64_t start = chunk; start < chunk_end; start += kLanes) {
-          const int64_t block = start / p.block_size, offset = start % p.block_size;
-          const int64_t physical = table[block];
-          pieces[num_pieces++] = {kc + physical * p.k.block + (item.first_kv_head + h) * p.k.head + offset * p.k.token,
-                                  vc + physical * p.v.block + (item.first_kv_head + h) * p.v.head + offset * p.v.token,
-                                  std::min<int64_t>(kLanes, chunk_end - start)};
-        }
+        const int64_t num_pieces = chunk_pieces(chunk, h, pieces);
 #ifdef TS_BF16_DOT
         if constexpr (std::is_same<T, bf16_t>::value) {
           if (dot) {
@@ -1202,10 +1263,36 @@ void attend(const Problem& p, const Item& item) {
               }
             converted[s] = {keys, copied_values + s * kLanes * D, pieces[s].n};
           }
-          attend_chunk(h, converted, num_pieces, kLanes, D, chunk);
-        } else {
-          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk);
+          if (decode)
+            attend_chunk(h, converted, num_pieces, kLanes, D, chunk, prefetcher);
+          else
+            attend_chunk(h, converted, num_pieces, kLanes, D, chunk, none);
+          continue;
         }
+#ifdef TS_AVX2_TILES
+        if constexpr (kAvx2Type<T>) {
+          if (next_in_loops && (chunk + kChunk < key_end || request_following)) {
+            Piece<T, T> next_pieces[kPieces];
+            const int64_t num_next = chunk + kChunk < key_end
+                                         ? chunk_pieces(chunk + kChunk, h, next_pieces)
+                                         : run_pieces(table_of(*following), following->first_kv_head, following_end, 0,
+                                                      h, next_pieces);
+            requested_following = chunk + kChunk >= key_end;
+            NextChunk<T> next{{}, {}, p.k.dim, p.v.token};
+            for (int64_t s = 0; s < kPieces; ++s) {  // (a piece the next chunk lacks: its lines in this one, in cache)
+              const Piece<T, T>& piece = s < num_next ? next_pieces[s] : pieces[std::min(s, num_pieces - 1)];
+              next.keys[s] = piece.keys;
+              next.values[s] = piece.values;
+            }
+            attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, next);
+            continue;
+          }
+        }
+#endif
+        if (decode)
+          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, prefetcher);
+        else
+          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, none);
       }
       prefetcher.finish();
     }
@@ -1228,7 +1315,7 @@ void attend(const Problem& p, const Item& item) {
           }
           pieces[num_pieces++] = {keys, copied_values + start * D, valid};
         }
-        attend_chunk(h, pieces, num_pieces, kLanes, D, chunk);
+        attend_chunk(h, pieces, num_pieces, kLanes, D, chunk, none);
       }
     }
   }
@@ -1246,6 +1333,7 @@ void attend(const Problem& p, const Item& item) {
 #endif
     for (; d < D; ++d) store(rows.acc[m * D + d] * inv, dst + d);
   }
+  return requested_following;
 }
 
 template <typename T>
@@ -1300,13 +1388,22 @@ void run(const Problem& p, int64_t num_runs) {
       const Pieces& c = *static_cast<const Pieces*>(ctx);
       attend<T>(*c.p, c.items[i]);
     };
-    if (num_items < 2 || ts_pool_run_pieces(num_items, piece, &pieces) != 0)
-      for (const Item& item : items) attend<T>(p, item);
+    if (num_items < 2 || ts_pool_run_pieces(num_items, piece, &pieces) != 0) {
+      bool requested = false;
+      for (int64_t i = 0; i < num_items; ++i)
+        requested = attend<T>(p, items[i], i + 1 < num_items ? &items[i + 1] : nullptr, requested);
+    }
     return;
   }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) attend<T>(p, items[i]);
+    // each thread claims its next item before it attends to the current one, whose last chunk requests its first
+    bool requested = false;
+    for (int64_t i = next.fetch_add(1); i < num_items;) {
+      const int64_t following = next.fetch_add(1);
+      requested = attend<T>(p, items[i], following < num_items ? &items[following] : nullptr, requested);
+      i = following;
+    }
   });
 }
 
