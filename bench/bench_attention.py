@@ -4,7 +4,6 @@ beside the machine's streaming read rate measured in the same run.
     python bench/bench_attention.py [--threads 2] [--dtypes float32,bfloat16] [--backends cpu,sdpa]
     python bench/bench_attention.py --backends cpu --against OTHER/libtorch_shift_cpu.so
 
-
 The shapes are bench_peers.py's model (16 query heads, 4 KV heads of 64, blocks of 16 tokens, 8 layers): every
 call goes to the next layer, and a sequence's blocks are scattered over the pool in random order, as a
 long-running server's are. Decode reports the rate at which the step's context (keys and values) is read,
