@@ -2,23 +2,26 @@
 beside the machine's streaming read rate measured in the same run.
 
     python bench/bench_attention.py [--threads 2] [--dtypes float32,bfloat16] [--backends cpu,sdpa]
-    python bench/bench_attention.py --backends cpu --against OTHER/libtorch_shift_cpu.so
+    python bench/bench_attention.py --backends cpu --base HEAD~1 [--work "decode 1 x 544,prompt 512"]
 
 The shapes are bench_peers.py's model (16 query heads, 4 KV heads of 64, blocks of 16 tokens, 8 layers): every
 call goes to the next layer, and a sequence's blocks are scattered over the pool in random order, as a
 long-running server's are. Decode reports the rate at which the step's context (keys and values) is read,
 beside the machine's streaming rate (a single-pass sum over 1 GiB); prompts report the attention's GFLOP/s.
 
-`--against` takes another build of the CPU kernels (the libtorch_shift_cpu.so that another checkout built, under
-~/.cache/torch_shift/kernels): the cpu backend on it and on this checkout's build are timed call for call in one
-process, alternating, with the ratio of each round printed as a median and a range, and their outputs compared
-bit for bit (a kernel change that keeps the multiply-adds' order keeps the bits).
+`--base REV` builds the CPU kernels' library as it was at git revision REV and times the cpu backend on it against
+this tree's, in one process, taking turns (this machine's read rate drifts within seconds), with each round's ratio
+printed as a median and a range and the two builds' outputs compared bit for bit (a kernel change that keeps the
+multiply-adds' order keeps the bits): as bench/ab_cpu_linear.py does for the linear kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,13 +109,33 @@ def alternated(calls_a, calls_b, rounds: int = 9, round_seconds: float = 0.2) ->
     return ratios
 
 
-def compare_builds(other_library: str, work: dict[str, list[tuple[int, int]]], dtypes: list[torch.dtype]) -> None:
-    """The cpu backend on another build of the kernels against this checkout's, alternated (`--against`)."""
-    from torch_shift.attention.cpu import CpuBackend
-    from torch_shift.kernels import CpuKernels, cpu_kernels
+def build_at(revision: str, directory: Path):
+    """The CPU kernels' library (torch_shift.kernels' sources and headers) as they were at git `revision`."""
+    from torch_shift.kernels import _HEADERS, _SOURCES, CpuKernels, _compile_and_link, compiler
 
-    this, other = CpuBackend(cpu_kernels()), CpuBackend(CpuKernels(other_library))
-    print(f"the cpu backend built here against {other_library}: its time over this build's (above 1: this build is "
+    kernels = Path(__file__).resolve().parents[1] / "torch_shift" / "kernels"
+    for name in (*_SOURCES, *_HEADERS):
+        shown = subprocess.run(["git", "show", f"{revision}:torch_shift/kernels/{name}"], cwd=kernels,
+                               capture_output=True, text=True)
+        if shown.returncode != 0 and name in _SOURCES:
+            raise SystemExit(f"--base {revision}: git show found no torch_shift/kernels/{name}: {shown.stderr.strip()}")
+        if shown.returncode == 0:  # (a header this tree has may postdate the revision)
+            (directory / name).write_text(shown.stdout)
+    library = directory / "libbase_cpu.so"
+    error = _compile_and_link(compiler(), [directory / name for name in _SOURCES], library, native=True)
+    if error:
+        raise SystemExit(f"building the CPU kernels at {revision} failed:\n{error}")
+    return CpuKernels(library)
+
+
+def compare_builds(revision: str, work: dict[str, list[tuple[int, int]]], dtypes: list[torch.dtype]) -> None:
+    """The cpu backend on the kernels built at `revision` against this tree's, alternated (`--base`)."""
+    from torch_shift.attention.cpu import CpuBackend
+    from torch_shift.kernels import cpu_kernels
+
+    with tempfile.TemporaryDirectory() as directory:
+        this, other = CpuBackend(cpu_kernels()), CpuBackend(build_at(revision, Path(directory)))
+    print(f"the cpu backend built at {revision} against this tree's: its time over this tree's (above 1: this tree is "
           f"faster), and whether the outputs are the same bits")
     for dtype in dtypes:
         for name, runs in work.items():
@@ -132,9 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--backends", default="cpu,sdpa")
-    parser.add_argument("--against", metavar="LIBRARY", help="another build's libtorch_shift_cpu.so, alternated with "
-                        "this checkout's in one process (see above)")
+    parser.add_argument("--work", help="a comma list of the work's names (default: all of them)")
+    parser.add_argument("--base", metavar="REV", help="a git revision whose CPU kernels this tree's are timed against "
+                        "(see above)")
     args = parser.parse_args(argv)
+    work = WORK
+    if args.work:
+        unknown = [name for name in args.work.split(",") if name not in WORK]
+        if unknown:
+            raise SystemExit(f"--work: {', '.join(map(repr, unknown))} not among {', '.join(map(repr, WORK))}")
+        work = {name: WORK[name] for name in args.work.split(",")}
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -143,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'work':<22} {'dtype':<9} {'backend':<7} {'us/call':>9} {'rate':>16} {'of streaming':>13}")
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            for name, runs in WORK.items():
+            for name, runs in work.items():
                 cache, batch, q, k, v = make_step(runs, dtype)
                 context_bytes = sum(c + n for c, n in runs) * NUM_KV_HEADS * HEAD_DIM * 2 * q.element_size()
                 # QK and PV of every query against the keys it sees: n * c + n (n + 1) / 2 of them per run
@@ -159,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         figures = f"{flops / seconds / 1e9:>7.1f} GFLOP/s"
                     print(f"{name:<22} {dtype_name:<9} {backend_name:<7} {seconds * 1e6:>9.0f} {figures}")
-        if args.against:
-            compare_builds(args.against, WORK, [getattr(torch, name) for name in args.dtypes.split(",")])
+        if args.base:
+            compare_builds(args.base, work, [getattr(torch, name) for name in args.dtypes.split(",")])
     finally:
         torch.set_num_threads(previous_threads)
     return 0

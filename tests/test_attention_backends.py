@@ -328,3 +328,29 @@ def test_cpu_kernel_bf16_prompt_tiles_round_the_same_whatever_their_work_items(a
         torch.set_num_threads(threads)
         if not amx:
             kernels.attention_amx(1)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_bench_attention_times_a_revisions_kernels_against_this_trees(capsys):
+    """bench/bench_attention.py --base (the A/B figures in docs/performance.md): the CPU kernels at HEAD built apart and
+    alternated with this tree's in one process, a line per work with the ratio and whether the outputs are the same
+    bits; an unknown work's name refused."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    sys.path.insert(0, str(root / "bench"))
+    from bench_attention import main
+
+    assert main(["--threads", "1", "--dtypes", "float32", "--backends", "cpu", "--work", "decode 1 x 544",
+                 "--base", "HEAD"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("decode 1 x 544")]
+    assert len(rows) == 2, out  # this tree's timing, then the comparison
+    ratio = rows[1].split()[5]
+    assert float(ratio.removesuffix("x")) > 0 and rows[1].endswith(("same bits", "OUTPUTS DIFFER")), rows[1]
+    with pytest.raises(SystemExit, match="not among"):
+        main(["--work", "decode 3 x 5"])
