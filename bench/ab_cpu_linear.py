@@ -49,16 +49,28 @@ def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def build(revision: str | None, directory: Path) -> ctypes.CDLL:
-    """cpu_linear.cpp and the headers it includes at `revision` (None: this tree), built into `directory`."""
-    directory.mkdir(parents=True)
-    for name in ("cpu_linear.cpp", *_HEADERS):
+def write_kernel_sources(revision: str | None, names: tuple[str, ...], directory: Path,
+                         optional: tuple[str, ...] = ()) -> None:
+    """torch_shift/kernels/`names` as they were at git `revision` (None: this tree), written into `directory`; a name
+    in `optional` that the revision lacks is left out (a header newer than it)."""
+    for name in names:
         if revision is None:
             text = (KERNELS / name).read_text()
         else:
-            text = subprocess.run(["git", "show", f"{revision}:torch_shift/kernels/{name}"], cwd=KERNELS,
-                                  capture_output=True, text=True, check=True).stdout
+            shown = subprocess.run(["git", "show", f"{revision}:torch_shift/kernels/{name}"], cwd=KERNELS,
+                                   capture_output=True, text=True)
+            if shown.returncode != 0:
+                if name in optional:
+                    continue
+                raise SystemExit(f"{revision}: git show found no torch_shift/kernels/{name}: {shown.stderr.strip()}")
+            text = shown.stdout
         (directory / name).write_text(text)
+
+
+def build(revision: str | None, directory: Path) -> ctypes.CDLL:
+    """cpu_linear.cpp and the headers it includes at `revision` (None: this tree), built into `directory`."""
+    directory.mkdir(parents=True)
+    write_kernel_sources(revision, ("cpu_linear.cpp", *_HEADERS), directory)
     library = directory / "libab_linear.so"
     error = _compile_and_link(compiler(), [directory / "cpu_linear.cpp"], library, native=True)
     if error:

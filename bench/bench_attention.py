@@ -18,7 +18,6 @@ multiply-adds' order keeps the bits): as bench/ab_cpu_linear.py does for the lin
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -111,16 +110,11 @@ def alternated(calls_a, calls_b, rounds: int = 9, round_seconds: float = 0.2) ->
 
 def build_at(revision: str, directory: Path):
     """The CPU kernels' library (torch_shift.kernels' sources and headers) as they were at git `revision`."""
+    from ab_cpu_linear import write_kernel_sources
+
     from torch_shift.kernels import _HEADERS, _SOURCES, CpuKernels, _compile_and_link, compiler
 
-    kernels = Path(__file__).resolve().parents[1] / "torch_shift" / "kernels"
-    for name in (*_SOURCES, *_HEADERS):
-        shown = subprocess.run(["git", "show", f"{revision}:torch_shift/kernels/{name}"], cwd=kernels,
-                               capture_output=True, text=True)
-        if shown.returncode != 0 and name in _SOURCES:
-            raise SystemExit(f"--base {revision}: git show found no torch_shift/kernels/{name}: {shown.stderr.strip()}")
-        if shown.returncode == 0:  # (a header this tree has may postdate the revision)
-            (directory / name).write_text(shown.stdout)
+    write_kernel_sources(revision, (*_SOURCES, *_HEADERS), directory, optional=_HEADERS)
     library = directory / "libbase_cpu.so"
     error = _compile_and_link(compiler(), [directory / name for name in _SOURCES], library, native=True)
     if error:

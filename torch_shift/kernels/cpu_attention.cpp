@@ -1110,7 +1110,8 @@ bool attend(const Problem& p, const Item& item, const Item* following = nullptr,
   NoPrefetch none;
   const bool decode = item.num_queries == 1;
   bool requested_following = false;
-  // one chunk of head h against that head's rows; a decode's loops request its next chunk (`requests`)
+  // one chunk of head h against that head's rows; a decode's loops request its next chunk (`requests`), a prompt
+  // tile's take `none`
   auto attend_chunk = [&](int64_t h, auto* pieces, int64_t num_pieces, int64_t key_dim_stride, int64_t value_stride,
                           int64_t chunk, auto& requests) {
     using P = std::remove_pointer_t<decltype(pieces)>;
@@ -1263,10 +1264,7 @@ bool attend(const Problem& p, const Item& item, const Item* following = nullptr,
               }
             converted[s] = {keys, copied_values + s * kLanes * D, pieces[s].n};
           }
-          if (decode)
-            attend_chunk(h, converted, num_pieces, kLanes, D, chunk, prefetcher);
-          else
-            attend_chunk(h, converted, num_pieces, kLanes, D, chunk, none);
+          attend_chunk(h, converted, num_pieces, kLanes, D, chunk, prefetcher);
           continue;
         }
 #ifdef TS_AVX2_TILES
@@ -1289,10 +1287,7 @@ bool attend(const Problem& p, const Item& item, const Item* following = nullptr,
           }
         }
 #endif
-        if (decode)
-          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, prefetcher);
-        else
-          attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, none);
+        attend_chunk(h, pieces, num_pieces, p.k.dim, p.v.token, chunk, prefetcher);
       }
       prefetcher.finish();
     }
