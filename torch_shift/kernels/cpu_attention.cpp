@@ -518,6 +518,58 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
     _mm256_storeu_ps(acc + r * D + dv * kLanes + 8, hi[r]);
   }
 }
+
+// rows [0, RB)'s accumulators (`acc`, D apart), dimensions [d0, d0 + 8 NV) (NV <= 8: the sums in registers), scaled by
+// `correction`, plus the chunk's first `seen` float32 values weighted by `probs`: one row at a time, each value's
+// dimensions read in order. A value row holds every KV head's dimensions (this head's 256 B of every 1 KB), and
+// tile_values_avx2's passes of 16 dimensions over all the rows read 64 B of it at a time, an order the hardware's
+// prefetchers follow badly: a C model of a 64-sequence decode's reads ran 1.2-1.4x faster so, the kernel 1.14-1.2x
+// from memory on two threads (docs/performance.md). The other rows read the values from L1. Each sum is the same chain
+// of multiply-adds as there (the same bits). A decode's requests go in the same order: the next chunk's lines of the
+// group, position by position as its first row will read them, one an iteration.
+template <int RB, int NV, typename Requests>
+inline void row_values_group_avx2(float* acc, int64_t D, int64_t d0, const Piece<float, float>* pieces,
+                                  int64_t num_pieces, int64_t value_stride, int64_t seen, const float (*probs)[kChunk],
+                                  const float* correction, Requests& requests) {
+  constexpr int kUnits = NV / 2;  // of 16 dimensions
+  for (int r = 0; r < RB; ++r) {
+    __m256 sum[NV];
+    const __m256 c = _mm256_set1_ps(correction[r]);
+    for (int v = 0; v < NV; ++v) sum[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * v), c);
+    for (int64_t s = 0; s < num_pieces; ++s) {
+      const float* values = pieces[s].values + d0;
+      const int64_t n = std::min<int64_t>(pieces[s].n, seen - s * kLanes);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t i = r * kLanes + j; i < kLanes * kUnits; i += RB * kLanes)
+          requests.value_row(s, i / kUnits, d0 / kLanes + i % kUnits);
+        const __m256 p = _mm256_broadcast_ss(&probs[r][s * kLanes + j]);
+        for (int v = 0; v < NV; ++v)
+          sum[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(values + j * value_stride + 8 * v), sum[v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + r * D + d0 + 8 * v, sum[v]);
+  }
+}
+
+template <int RB, typename Requests>
+inline void row_values_avx2(float* acc, int64_t D, const Piece<float, float>* pieces, int64_t num_pieces,
+                            int64_t value_stride, int64_t seen, const float (*probs)[kChunk], const float* correction,
+                            Requests& requests) {
+  for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {  // groups of up to 64 dimensions
+    switch (std::min<int64_t>(4 * kLanes, D - d0) / kLanes) {
+#define TS_GROUP(U)                                                                                                 \
+  case U:                                                                                                           \
+    row_values_group_avx2<RB, 2 * U>(acc, D, d0, pieces, num_pieces, value_stride, seen, probs, correction, requests); \
+    break
+      TS_GROUP(1);
+      TS_GROUP(2);
+      TS_GROUP(3);
+      TS_GROUP(4);
+#undef TS_GROUP
+      default: assert(false);
+    }
+  }
+}
 #endif
 
 // Rows [r0, r0 + RB) (one KV head) against one chunk of keys starting at position `chunk`: scores, the online
@@ -525,9 +577,10 @@ inline void tile_values_avx2(float* acc, int64_t D, int64_t dv, const Piece<VT, 
 // Decode and prompt rows alike take the loops above: RB x pieces (scores) and RB x DVB (values) independent
 // chains of multiply-adds. (Prompt tiles once looped over one piece, then one vector of dimensions, at a time:
 // RB chains, each waiting on its last multiply-add; float32 prompts of 512 and chunks after 1,024 ran at 56-67
-// GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) A decode item also requests
-// its next chunk as it goes (`requests`: a Prefetcher, or a NextChunk in the AVX2 loops); a prompt tile's loops take
-// NoPrefetch. Only a chunk's last piece can be partial.
+// GFLOP/s against 74-92 now: bench_attention.py's shapes, one thread, alternated.) With AVX2, a float32 decode's
+// values take row_values_avx2 instead, a row at a time. A decode item also requests its next chunk as it goes
+// (`requests`: a Prefetcher, or a NextChunk in the AVX2 loops); a prompt tile's loops take NoPrefetch. Only a chunk's
+// last piece can be partial.
 template <int RB, bool DECODE, typename KT, typename VT, typename Requests>
 void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num_pieces, int64_t key_dim_stride,
                 int64_t value_stride, int64_t chunk, float* padded, Requests& requests) {
@@ -583,9 +636,13 @@ void chunk_rows(Rows& rows, int64_t r0, const Piece<KT, VT>* pieces, int64_t num
   chunk_softmax<RB>(rows, r0, pieces, num_pieces, chunk, scores, probs, correction);
 #ifdef TS_AVX2_TILES
   if constexpr (avx2) {
-    for (int64_t dv = 0; dv < DV; ++dv)
-      tile_values_avx2<RB>(rows.acc + r0 * D, D, dv, pieces, num_pieces, value_stride, seen, probs, correction,
-                           requests);
+    if constexpr (DECODE && std::is_same<VT, float>::value) {
+      row_values_avx2<RB>(rows.acc + r0 * D, D, pieces, num_pieces, value_stride, seen, probs, correction, requests);
+    } else {
+      for (int64_t dv = 0; dv < DV; ++dv)
+        tile_values_avx2<RB>(rows.acc + r0 * D, D, dv, pieces, num_pieces, value_stride, seen, probs, correction,
+                             requests);
+    }
   } else
 #endif
   {
