@@ -2,7 +2,7 @@
 beside the machine's streaming read rate measured in the same run.
 
     python bench/bench_attention.py [--threads 2] [--dtypes float32,bfloat16] [--backends cpu,sdpa]
-    python bench/bench_attention.py --backends cpu --base HEAD~1 [--work "decode 1 x 544,prompt 512"]
+    python bench/bench_attention.py --backends cpu --base HEAD~1 [--work "decode 1 x 544,prompt 512"] [--cold]
 
 The shapes are bench_peers.py's model (16 query heads, 4 KV heads of 64, blocks of 16 tokens, 8 layers): every
 call goes to the next layer, and a sequence's blocks are scattered over the pool in random order, as a
@@ -13,6 +13,11 @@ beside the machine's streaming rate (a single-pass sum over 1 GiB); prompts repo
 this tree's, in one process, taking turns (this machine's read rate drifts within seconds), with each round's ratio
 printed as a median and a range and the two builds' outputs compared bit for bit (a kernel change that keeps the
 multiply-adds' order keeps the bits): as bench/ab_cpu_linear.py does for the linear kernels.
+
+`--cold` reads 256 MiB before each call (not timed), so that a call finds none of its keys, values or metadata in the
+caches, as in an engine's step, where the weights stream through them between two layers' attention. Without it a
+decode's eight layers of context stay in the last-level cache when they fit (1 x 544: 8.9 MB), which no engine step
+sees; a kernel change that trades work in cache for an order of reads can read 0.94x warm and 1.13x cold.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -67,16 +73,32 @@ def make_step(runs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     return cache, batch, q, k, v
 
 
-def best_seconds(fn, calls: int, rounds: int = 5) -> float:
-    for i in range(2):
-        fn(i)
-    best = float("inf")
-    for _ in range(rounds):
+def evicting(nbytes: int = 256 << 20) -> Callable[[], object]:
+    """A read of `nbytes`, more than a CPU's last-level cache holds (`--cold`)."""
+    data = torch.ones(nbytes // 4)
+    return data.sum
+
+
+def call_seconds(fn, calls: int, evict: Callable[[], object] | None = None) -> float:
+    """The seconds of `calls` calls of fn(i); with `evict`, each call after evict(), which is not timed."""
+    if evict is None:
         start = time.perf_counter()
         for i in range(calls):
             fn(i)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+        return time.perf_counter() - start
+    total = 0.0
+    for i in range(calls):
+        evict()
+        start = time.perf_counter()
+        fn(i)
+        total += time.perf_counter() - start
+    return total
+
+
+def best_seconds(fn, calls: int, rounds: int = 5, evict: Callable[[], object] | None = None) -> float:
+    for i in range(2):
+        fn(i)
+    return min(call_seconds(fn, calls, evict) / calls for _ in range(rounds))
 
 
 def streaming_read_rate() -> float:
@@ -88,22 +110,20 @@ def streaming_read_rate() -> float:
     return data.numel() * 4 / best_seconds(lambda _: data.sum(), 1, rounds=5)
 
 
-def alternated(calls_a, calls_b, rounds: int = 9, round_seconds: float = 0.2) -> list[float]:
+def alternated(calls_a, calls_b, rounds: int = 9, round_seconds: float = 0.2,
+               evict: Callable[[], object] | None = None) -> list[float]:
     """Per round, the seconds of calls of calls_b over those of as many calls of calls_a (about `round_seconds`
-    each), the two taking turns going first (the machine's read rate drifts within seconds: side by side, not one
-    after the other)."""
+    each, evictions included), the two taking turns going first (the machine's read rate drifts within seconds: side
+    by side, not one after the other)."""
     start = time.perf_counter()
     for i in range(2):
-        calls_a(i), calls_b(i)
+        call_seconds(calls_a, 1, evict), call_seconds(calls_b, 1, evict)
     calls = max(1, int(round_seconds / ((time.perf_counter() - start) / 4)))
     ratios = []
     for r in range(rounds):
         seconds = {}
         for name, fn in (("a", calls_a), ("b", calls_b)) if r % 2 == 0 else (("b", calls_b), ("a", calls_a)):
-            start = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            seconds[name] = time.perf_counter() - start
+            seconds[name] = call_seconds(fn, calls, evict)
         ratios.append(seconds["b"] / seconds["a"])
     return ratios
 
@@ -122,7 +142,8 @@ def build_at(revision: str, directory: Path):
     return CpuKernels(library)
 
 
-def compare_builds(revision: str, work: dict[str, list[tuple[int, int]]], dtypes: list[torch.dtype]) -> None:
+def compare_builds(revision: str, work: dict[str, list[tuple[int, int]]], dtypes: list[torch.dtype],
+                   evict: Callable[[], object] | None = None) -> None:
     """The cpu backend on the kernels built at `revision` against this tree's, alternated (`--base`)."""
     from torch_shift.attention.cpu import CpuBackend
     from torch_shift.kernels import cpu_kernels
@@ -139,7 +160,8 @@ def compare_builds(revision: str, work: dict[str, list[tuple[int, int]]], dtypes
             outputs = [attention(layer, q, k, v) for attention in (mine, theirs) for layer in range(NUM_LAYERS)]
             same = all(torch.equal(a.view(bits), b.view(bits))
                        for a, b in zip(outputs[:NUM_LAYERS], outputs[NUM_LAYERS:], strict=True))
-            ratios = alternated(lambda i: mine(i % NUM_LAYERS, q, k, v), lambda i: theirs(i % NUM_LAYERS, q, k, v))
+            ratios = alternated(lambda i: mine(i % NUM_LAYERS, q, k, v), lambda i: theirs(i % NUM_LAYERS, q, k, v),
+                                evict=evict)
             print(f"{name:<22} {str(dtype).removeprefix('torch.'):<9} {float(np.median(ratios)):>6.3f}x "
                   f"({min(ratios):.2f}-{max(ratios):.2f})  {'same bits' if same else 'OUTPUTS DIFFER'}")
 
@@ -152,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="a comma list of the work's names (default: all of them)")
     parser.add_argument("--base", metavar="REV", help="a git revision whose CPU kernels this tree's are timed against "
                         "(see above)")
+    parser.add_argument("--cold", action="store_true", help="each call after a read of 256 MiB, not timed (see above)")
     args = parser.parse_args(argv)
     work = WORK
     if args.work:
@@ -163,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         bandwidth = streaming_read_rate()
-        print(f"streaming read: {bandwidth / 1e9:.1f} GB/s on {args.threads} threads")
+        evict = evicting() if args.cold else None
+        print(f"streaming read: {bandwidth / 1e9:.1f} GB/s on {args.threads} threads"
+              f"{'; each call after a read of 256 MiB (--cold)' if evict else ''}")
         print(f"{'work':<22} {'dtype':<9} {'backend':<7} {'us/call':>9} {'rate':>16} {'of streaming':>13}")
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
@@ -175,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 decode = all(n == 1 for _, n in runs)
                 for backend_name in args.backends.split(","):
                     attention = attention_backend(backend_name, torch.device("cpu"), dtype).build(batch, cache)
-                    calls = max(1, min(200, int(2e8 // context_bytes)))
-                    seconds = best_seconds(lambda i: attention(i % NUM_LAYERS, q, k, v), calls)
+                    calls = max(1, min(20 if evict else 200, int(2e8 // context_bytes)))
+                    seconds = best_seconds(lambda i: attention(i % NUM_LAYERS, q, k, v), calls, evict=evict)
                     if decode:
                         rate = context_bytes / seconds
                         figures = f"{rate / 1e9:>10.1f} GB/s {rate / bandwidth:>13.2f}"
@@ -184,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         figures = f"{flops / seconds / 1e9:>7.1f} GFLOP/s"
                     print(f"{name:<22} {dtype_name:<9} {backend_name:<7} {seconds * 1e6:>9.0f} {figures}")
         if args.base:
-            compare_builds(args.base, work, [getattr(torch, name) for name in args.dtypes.split(",")])
+            compare_builds(args.base, work, [getattr(torch, name) for name in args.dtypes.split(",")], evict)
     finally:
         torch.set_num_threads(previous_threads)
     return 0

@@ -354,3 +354,25 @@ def test_bench_attention_times_a_revisions_kernels_against_this_trees(capsys):
     assert float(ratio.removesuffix("x")) > 0 and rows[1].endswith(("same bits", "OUTPUTS DIFFER")), rows[1]
     with pytest.raises(SystemExit, match="not among"):
         main(["--work", "decode 3 x 5"])
+
+
+@needs_kernels
+def test_bench_attention_cold_times_each_call_after_an_untimed_eviction(capsys):
+    """bench/bench_attention.py --cold: every timed call follows a read that is not timed (an engine step's KV comes
+    from memory), and the decode rows still print their rate against the streaming read."""
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_attention import call_seconds, main
+
+    evictions = []
+    seconds = call_seconds(lambda i: None, 3, lambda: (evictions.append(1), time.sleep(0.05)))
+    assert len(evictions) == 3 and seconds < 0.05
+    assert main(["--threads", "1", "--dtypes", "float32", "--backends", "cpu", "--work", "decode 1 x 544",
+                 "--cold"]) == 0
+    out = capsys.readouterr().out
+    assert "(--cold)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("decode 1 x 544")]
+    assert len(rows) == 1 and rows[0][-2] == "GB/s" and float(rows[0][-1]) > 0, out
