@@ -15,9 +15,10 @@ printed as a median and a range and the two builds' outputs compared bit for bit
 multiply-adds' order keeps the bits): as bench/ab_cpu_linear.py does for the linear kernels.
 
 `--cold` reads 256 MiB before each call (not timed), so that a call finds none of its keys, values or metadata in the
-caches, as in an engine's step, where the weights stream through them between two layers' attention. Without it a
-decode's eight layers of context stay in the last-level cache when they fit (1 x 544: 8.9 MB), which no engine step
-sees; a kernel change that trades work in cache for an order of reads can read 0.94x warm and 1.13x cold.
+caches. Without it a decode's eight layers of context stay in the last-level cache when they fit (1 x 544: 8.9 MB). An
+engine's step lies between the two: its weights stream through the caches between two layers' attention, yet a long
+batch-1 decode's attention ran at about the warm rate there (perf, a Zen 3); a 64-sequence step's context (39 MB a
+layer) comes from memory either way.
 """
 
 from __future__ import annotations
