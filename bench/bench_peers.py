@@ -11,30 +11,30 @@ torchaudio torchcodec`), given by --vllm-python, through bench/peer_vllm.py; it 
 measurement is a fresh process of its engine; engines alternate within each round and the median of the rounds
 is reported.
 
-The model: a random Llama of 106M parameters (hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, MLP 2816,
-vocab 8192), weights far beyond the CPU's caches; or, with `--model qwen2.5-0.5b`, random weights of Qwen2.5-0.5B's
-shape (494M parameters: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, q/k/v bias, an embedding of
-151,936 tokens tied to the LM head). The work, token ids on both sides (greedy, `ignore_eos`, prefix caching off,
-`max_num_batched_tokens` 2048): one 512-token prompt (`--prompt-tokens N` for another length) with 64 new tokens
-(TTFT: the time to generate one token; TPOT: the time of 64 less that of one, over 63) and a batch of 64 requests of
-64-512 prompt tokens and 16-128 new tokens (throughput: prompt and generated tokens over the wall time of
-`generate`).
+The model: a random Llama of 106M parameters (hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, MLP 2816, vocab 8192),
+weights far beyond the CPU's caches; or, with `--model qwen2.5-0.5b`, random weights of Qwen2.5-0.5B's shape (494M
+parameters: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, q/k/v bias, an embedding of 151,936 tokens
+tied to the LM head). The work, token ids on both sides (greedy, `ignore_eos`, prefix caching off,
+`max_num_batched_tokens` 2048): one 512-token prompt (`--prompt-tokens N` for another length) with 64 new tokens (TTFT:
+the time to generate one token; TPOT: the time of 64 less that of one, timed just before and just after it, over 63) and
+a batch of 64 requests of 64-512 prompt tokens and 16-128 new tokens (throughput: prompt and generated tokens over the
+wall time of `generate`).
 
-Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2
-against torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's
-GEMM rate and memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt: its linear layers',
-causal attention's and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate
-timed in its engine's process on every core just before and just after it, the median over the prompts; in
-parentheses against the rate at the run's start: a VM's rate moves from one second to the next), and batch-1 TPOT
-against the weights' bytes over the read bandwidth measured in its engine's process on every core just before and
-just after each generation (`TPOT/(B/BW)`, the median over the generations whose two timings agree within 15%, their
-count in parentheses, or over all of them where none do: the machine's read rate moved between 28 and 60 GB/s within
-minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every torch_shift engine,
-against the model's
-matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank 0's
-process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
-just before and just after each generation: `TPOT/GEMVs`, the median over the generations (those whose read rate
-held, as above) of each one's TPOT over its two timings' mean, what a step costs beyond reading its weights).
+Rows: one process on every core in float32 and bfloat16, and two ranks of one core each in float32: vLLM TP-2 against
+torch_shift's TP-2, SP-2, Shift (SP-2 base, TP-2 at <= 64 tokens) and DP-2. Beside them: the machine's GEMM rate and
+memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt: its linear layers', causal attention's
+and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate timed in its engine's
+process on every core just before and just after it, the median over the prompts; in parentheses against the rate at the
+run's start: a VM's rate moves from one second to the next), and batch-1 TPOT against the weights' bytes over the read
+bandwidth measured in its engine's process on every core just before and just after each generation (`TPOT/(B/BW)`, the
+median over the generations whose two read-rate timings agree within 15%, and their two one-token timings as closely,
+their count in parentheses, or over all of them where none do: the machine's read rate moved between 28 and 60 GB/s
+within minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every torch_shift engine, against the
+model's matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank
+0's process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
+just before and just after each generation, each timing the median of 20 passes: `TPOT/GEMVs`, the median over the
+generations (those whose read rate held, as above) of each one's TPOT over its two timings' mean, what a step costs
+beyond reading its weights).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from peer_vllm import (
     best_tpot,
     bytes_over_bandwidth,
     held,
+    median_seconds,
     read_bandwidth,
     timed_generations,
     timed_prompts,
@@ -161,7 +162,7 @@ def run_torch_shift(spec: dict) -> dict:
         if before and after:
             alone += [before, after]
             paired.append((generations[-1][0] / ((before + after) / 2), held(generations[-1])))
-    weights_alone_s = min(alone) if alone else None
+    weights_alone_s = statistics.median(alone) if alone else None
     # the generations whose read rate held (a spell flip inside one reads a TPOT of nothing: best_tpot), else all
     paired = [ratio for ratio, steady_rate in paired if steady_rate] or [ratio for ratio, _ in paired]
     batch = spec["batch"]
@@ -213,8 +214,9 @@ def weights_read_alone(weights: list | None) -> float | None:
     """The time a batch-1 decode step's matmuls take alone: every packed weight of the model (`gemv_weights`) through
     the GEMV kernel at one row, back to back on the decode pool over every core of the host (as a pooled step of one
     rank runs them; a layout of several ranks reads the same bytes on the same cores, its ranks idle meanwhile), the
-    best of 10 passes. A reference for TPOT that moves with the machine's phases as the step does, unlike a
-    streaming sum measured apart. None where `weights` is."""
+    median of 20 passes (a TPOT is a mean over steps: the best pass, reported until 2026-12-08, set the step against
+    the machine's fastest instants). A reference for TPOT that moves with the machine's phases as the step does,
+    unlike a streaming sum measured apart. None where `weights` is."""
     import torch
 
     from torch_shift.kernels import arm_gemv_pool
@@ -227,7 +229,7 @@ def weights_read_alone(weights: list | None) -> float | None:
     arm_gemv_pool(max(0, (os.cpu_count() or 1) - 1))
     try:
         with torch.inference_mode():
-            return best_seconds(lambda: [w(rows[w.in_features], None) for w in weights])
+            return median_seconds(lambda: [w(rows[w.in_features], None) for w in weights])
     finally:
         arm_gemv_pool(0)
         torch.set_num_threads(threads)

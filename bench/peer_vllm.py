@@ -25,11 +25,11 @@ GEMM_SHAPE = (2048, 1024, 2816)
 
 class GemmRate:
     """The machine's GEMM rate in FLOP/s now, on `threads` threads: each matmul (`F.linear`, oneDNN's on its packed
-    weight where this CPU packs the dtype, and the callable `extra(x, w)` returns, where it returns one: bench_peers.py adds torch_shift's) called
-    back to back for `seconds` after one call, the fastest one's mean rate over them. Timed beside each prompt of a
-    run, over about as long as the prompt takes: this machine's rate moved between 57 and 158 GFLOP/s a core from one
-    half-second to the next within a minute (a VM's neighbours), so a prefill is set against the rate of its own
-    seconds (bench_peers.py)."""
+    weight where this CPU packs the dtype, and the callable `extra(x, w)` returns, where it returns one:
+    bench_peers.py adds torch_shift's) called back to back for `seconds` after one call, the fastest one's mean rate
+    over them. Timed beside each prompt of a run, over about as long as the prompt takes: this machine's rate moved
+    between 57 and 158 GFLOP/s a core from one half-second to the next within a minute (a VM's neighbours), so a
+    prefill is set against the rate of its own seconds (bench_peers.py)."""
 
     def __init__(self, dtype: str, threads: int, extra=None, seconds: float = 0.15):
         import torch
@@ -68,9 +68,9 @@ class GemmRate:
             torch.set_num_threads(user_threads)
 
 
-def best_seconds(fn, reps=10) -> float:
-    """The shortest of `reps` timed calls after two warm-ups (a 2-thread GEMM measured 20-50% low in some runs with
-    5 repeats after 1 warm-up)."""
+def timed_calls(fn, reps: int) -> list[float]:
+    """The seconds of each of `reps` calls of `fn` after two warm-ups (a 2-thread GEMM measured 20-50% low in some
+    runs with 5 repeats after 1 warm-up)."""
     fn()
     fn()
     times = []
@@ -78,7 +78,18 @@ def best_seconds(fn, reps=10) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_seconds(fn, reps=10) -> float:
+    """The shortest of `reps` timed calls (`timed_calls`): a rate the machine reaches, as STREAM reports its best."""
+    return min(timed_calls(fn, reps))
+
+
+def median_seconds(fn, reps=20) -> float:
+    """The median of `reps` timed calls (`timed_calls`): what a call typically costs, to set beside a mean over many
+    steps (the best of 20 passes over a model's weights ran 1.2-1.35x faster than their median on a Zen 3 VM)."""
+    return statistics.median(timed_calls(fn, reps))
 
 
 HUGE_PAGE = 2 << 20
@@ -123,25 +134,29 @@ def read_bandwidth(threads: int | None = None) -> float:
 
 
 def timed_generations(timed, prompt: list[int], max_tokens: int, repeats: int) -> list[list[float]]:
-    """[seconds, read bandwidth before, read bandwidth after, the prompt's seconds] of each of `repeats` generations of
-    `max_tokens` tokens of `prompt`, each just after a one-token generation of it, the two between the same two
-    read-rate timings: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its read rate moved
-    between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh session), and a
-    generation's prompt is taken from its time in the same spell (a TTFT timed apart, 0.42 s in a slow spell against
-    0.22-0.24 s in others, put a bf16 TPOT at 3.3 ms against 6.9 ms a run later)."""
+    """[seconds, read bandwidth before, read bandwidth after, the prompt's seconds before, after] of each of `repeats`
+    generations of `max_tokens` tokens of `prompt`, each between two one-token generations of it, the three between
+    the same two read-rate timings: a batch-1 TPOT is set against the bytes the machine read in its own seconds (its
+    read rate moved between 28 and 60 GB/s within minutes on the Zen 4 of docs/performance.md, sixty-seventh
+    session), and a generation's prompt is taken from its time in the same spell (a TTFT timed apart, 0.42 s in a
+    slow spell against 0.22-0.24 s in others, put a bf16 TPOT at 3.3 ms against 6.9 ms a run later; one one-token
+    run timed 2x slow on a Zen 3 put a float32 TPOT at 7.1 ms beside 19-21 ms, under the weights' read time)."""
     generations = []
     for _ in range(repeats):
         before = read_bandwidth()
-        prompt_seconds = timed([prompt], [1])[0]
+        prompt_before = timed([prompt], [1])[0]
         seconds = timed([prompt], [max_tokens])[0]
-        generations.append([seconds, before, read_bandwidth(), prompt_seconds])
+        prompt_after = timed([prompt], [1])[0]
+        generations.append([seconds, before, read_bandwidth(), prompt_before, prompt_after])
     return generations
 
 
 def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[float]]:
-    """[TPOT, read bandwidth before, after] of each of `timed_generations`' generations."""
-    return [[(seconds - prompt_seconds) / (max_tokens - 1), before, after]
-            for seconds, before, after, prompt_seconds in generations]
+    """[TPOT, read bandwidth before, after, whether the prompt's two timings agreed] of each of `timed_generations`'
+    generations, its prompt's seconds the mean of the two."""
+    return [[(seconds - (prompt_before + prompt_after) / 2) / (max_tokens - 1), before, after,
+             max(prompt_before, prompt_after) <= (1 + STEADY_BANDWIDTH) * min(prompt_before, prompt_after)]
+            for seconds, before, after, prompt_before, prompt_after in generations]
 
 
 # a generation whose two read-rate timings differ by more than this straddles a change of the machine's spell: the
@@ -149,30 +164,31 @@ def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[flo
 STEADY_BANDWIDTH = 0.15
 
 
-def held(pair: list[float]) -> bool:
-    """Whether the read rate held around one of `tpot_pairs`' generations (STEADY_BANDWIDTH)."""
-    return max(pair[1], pair[2]) <= (1 + STEADY_BANDWIDTH) * min(pair[1], pair[2])
+def held(pair: list) -> bool:
+    """Whether the read rate held around one of `tpot_pairs`' generations (STEADY_BANDWIDTH), and its prompt's two
+    timings agreed as closely."""
+    return max(pair[1], pair[2]) <= (1 + STEADY_BANDWIDTH) * min(pair[1], pair[2]) and (len(pair) < 4 or pair[3])
 
 
-def steady(pairs: list[list[float]]) -> list[list[float]]:
+def steady(pairs: list[list]) -> list[list]:
     """`tpot_pairs`' generations whose read rate held around them."""
     return [p for p in pairs if held(p)]
 
 
-def best_tpot(pairs: list[list[float]]) -> float:
+def best_tpot(pairs: list[list]) -> float:
     """The best TPOT of `tpot_pairs`' steady generations (of all where none was): a generation across a change of
     spell can read a TPOT no weight read allows (its one-token run slow, its whole run fast: 4.2 ms for a 9 ms step
     under Shift in one run)."""
-    return min(tpot for tpot, _, _ in steady(pairs) or pairs)
+    return min(p[0] for p in steady(pairs) or pairs)
 
 
-def bytes_over_bandwidth(pairs: list[list[float]], nbytes: float) -> tuple[float, float, int]:
+def bytes_over_bandwidth(pairs: list[list], nbytes: float) -> tuple[float, float, int]:
     """(median of TPOT / (nbytes / read rate), median read rate, generations counted) over `tpot_pairs`' generations
     whose read rate held steady around them (STEADY_BANDWIDTH), or over all of them where none did."""
     kept = steady(pairs)
     counted = kept or pairs
-    rates = [(before + after) / 2 for _, before, after in counted]
-    return (statistics.median(t / (nbytes / rate) for (t, _, _), rate in zip(counted, rates)),
+    rates = [(p[1] + p[2]) / 2 for p in counted]
+    return (statistics.median(p[0] / (nbytes / rate) for p, rate in zip(counted, rates)),
             statistics.median(rates), len(kept))
 
 

@@ -36,10 +36,10 @@ def test_bracketed_runs_keep_their_bandwidth():
 def test_each_generation_keeps_the_bandwidth_of_its_own_seconds():
     from peer_vllm import tpot_pairs
 
-    # two generations of 11 tokens, each after a one-token generation of its prompt (0.1 s, then 0.2 s in a slower
-    # spell), the two between two read-rate timings
-    pairs = tpot_pairs([[0.6, 20e9, 22e9, 0.1], [1.2, 40e9, 44e9, 0.2]], 11)
-    assert pairs == [[pytest.approx(0.05), 20e9, 22e9], [pytest.approx(0.1), 40e9, 44e9]]
+    # two generations of 11 tokens, each between two one-token generations of its prompt (0.1 s, then 0.2 s in a
+    # slower spell), the three between two read-rate timings
+    pairs = tpot_pairs([[0.6, 20e9, 22e9, 0.1, 0.1], [1.2, 40e9, 44e9, 0.19, 0.21]], 11)
+    assert pairs == [[pytest.approx(0.05), 20e9, 22e9, True], [pytest.approx(0.1), 40e9, 44e9, True]]
     summary = summarize([run(0.3, 2.0, tpot_pairs=pairs[:1]), run(0.5, 4.0, tpot_pairs=pairs[1:])], WORK)
     assert summary["tpot_pairs"] == pairs
 
@@ -65,6 +65,18 @@ def test_the_best_tpot_is_a_steady_generations():
     pairs = [[1.2e-4, 40e9, 42e9], [1.4e-4, 41e9, 39e9], [0.6e-4, 34e9, 57e9]]
     assert best_tpot(pairs) == 1.2e-4
     assert best_tpot(pairs[2:]) == 0.6e-4  # none steady: the best of them all
+
+
+def test_a_generation_whose_prompt_timings_disagree_is_not_steady():
+    from peer_vllm import best_tpot, bytes_over_bandwidth, tpot_pairs
+
+    # the second generation's first one-token run was slow (1.4 s against 0.7 s after it): its prompt's seconds are
+    # unknown, and the TPOT it reads (under the weights' read time) is neither the best one nor in the bound
+    pairs = tpot_pairs([[1.9, 40e9, 41e9, 0.7, 0.72], [1.9, 40e9, 41e9, 1.4, 0.7]], 64)
+    assert [p[3] for p in pairs] == [True, False]
+    assert best_tpot(pairs) == pytest.approx((1.9 - 0.71) / 63)
+    bound, _, steady = bytes_over_bandwidth(pairs, 4e6)
+    assert steady == 1 and bound == pytest.approx((1.9 - 0.71) / 63 / (4e6 / 40.5e9))
 
 
 def test_the_read_bandwidth_is_timed_over_huge_pages(monkeypatch):
