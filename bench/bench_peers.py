@@ -26,15 +26,15 @@ memory bandwidth, the prefill rate of each row (FLOP/s of the 512-token prompt: 
 and the LM head's products, `prompt_flops`) against the GEMM rate (each prompt against the rate timed in its engine's
 process on every core just before and just after it, the median over the prompts; in parentheses against the rate at the
 run's start: a VM's rate moves from one second to the next), and batch-1 TPOT against the weights' bytes over the read
-bandwidth measured in its engine's process on every core just before and just after each generation (`TPOT/(B/BW)`, the
-median over the generations whose two read-rate timings agree within 15%, and their two one-token timings as closely,
-their count in parentheses, or over all of them where none do: the machine's read rate moved between 28 and 60 GB/s
-within minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every torch_shift engine, against the
-model's matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over every core, in rank
-0's process: a layout of one rank its own weights, of several a packed copy of the whole model loaded for this; timed
-just before and just after each generation, each timing the median of 20 passes: `TPOT/GEMVs`, the median over the
-generations (those whose read rate held, as above) of each one's TPOT over its two timings' mean, what a step costs
-beyond reading its weights).
+bandwidth measured in its engine's process on every core just before and just after each of six generations
+(`TPOT/(B/BW)`, the median over the generations whose two read-rate timings agree within 15%, and their two one-token
+timings as closely, their count in parentheses, or over all of them where none do: the machine's read rate moved between
+28 and 60 GB/s within minutes; `BW GB/s`, the median of those generations' bandwidths), and, for every torch_shift
+engine, against the model's matmuls run alone (every packed weight through the GEMV at one row, on the decode pool over
+every core, in rank 0's process: a layout of one rank its own weights, of several a packed copy of the whole model
+loaded for this; timed just before and just after each generation, each timing the median of 20 passes: `TPOT/GEMVs`,
+the median over the generations (those whose read rate held, as above) of each one's TPOT over its two timings' mean,
+what a step costs beyond reading its weights).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def make_work(model_dir: Path, model: dict = MODEL, seed: int = 0, prompt_tokens
     single = {"prompt": prompt, "max_tokens": 64}
     return {"model": str(model_dir), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "max_model_len": max_model_len(prompt_tokens), "single": single, "batch": batch, "repeats": 3,
-            "gemm_threads": os.cpu_count()}
+            "generations": 6, "gemm_threads": os.cpu_count()}
 
 
 def max_model_len(prompt_tokens: int) -> int:
@@ -154,7 +154,7 @@ def run_torch_shift(spec: dict) -> dict:
     # each generation between two timings of the step's matmuls alone: its TPOT over their mean is one pair's
     # TPOT / GEMVs (the machine's read rate drifts within minutes, so the two are set side by side, not apart)
     generations, alone, paired = [], [], []
-    for _ in range(spec["repeats"]):
+    for _ in range(spec["generations"]):
         before = weights_read_alone(weights)
         generations += tpot_pairs(timed_generations(timed, single["prompt"], single["max_tokens"], 1),
                                   single["max_tokens"])

@@ -6,9 +6,10 @@ dependency of torch_shift).
 
 SPEC.json: {"model": dir, "dtype": "float32", "tp": 1, "max_num_batched_tokens": 2048, "max_model_len": n,
             "single": {"prompt": [ids], "max_tokens": 64}, "batch": [{"prompt": [ids], "max_tokens": n}, ...],
-            "repeats": 3}
-Prints one JSON object: ttft_s, tpot_s (best_tpot), batch_s, the batch's token ids, and ttft_pairs: each
-repeat's TTFT beside the GEMM rate measured in this process just before and just after it (`gemm_rate`).
+            "repeats": 3, "generations": 6}
+Prints one JSON object: ttft_s, tpot_s (best_tpot), batch_s, the batch's token ids, ttft_pairs: each of `repeats`
+TTFTs beside the GEMM rate measured in this process just before and just after it (`gemm_rate`), and tpot_pairs: each
+of `generations` batch-1 TPOTs beside the read rate just before and just after it (`tpot_pairs`).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def main() -> None:
     timed([single["prompt"]], [2])  # warm-up
     pairs = timed_prompts(timed, single["prompt"], spec["repeats"], GemmRate(spec["dtype"], spec["gemm_threads"]))
     ttft = min(p[0] for p in pairs)
-    generations = tpot_pairs(timed_generations(timed, single["prompt"], single["max_tokens"], spec["repeats"]),
+    generations = tpot_pairs(timed_generations(timed, single["prompt"], single["max_tokens"], spec["generations"]),
                              single["max_tokens"])
     batch = spec["batch"]
     prompts, max_tokens = [r["prompt"] for r in batch], [r["max_tokens"] for r in batch]
