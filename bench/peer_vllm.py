@@ -161,7 +161,8 @@ def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[flo
 
 
 # a generation whose two read-rate timings differ by more than this straddles a change of the machine's spell: the
-# rate of its own seconds is unknown (on the Zen 4 of docs/performance.md one run had 33/33, 52/34 and 60/36 GB/s)
+# rate of its own seconds is unknown (on the Zen 4 of docs/performance.md one run had 33/33, 52/34 and 60/36 GB/s);
+# nor is its prompt's time where its two one-token runs differ by more
 STEADY_BANDWIDTH = 0.15
 
 
@@ -172,7 +173,7 @@ def held(pair: list) -> bool:
 
 
 def steady(pairs: list[list]) -> list[list]:
-    """`tpot_pairs`' generations whose read rate held around them."""
+    """`tpot_pairs`' generations whose read rate held around them and whose prompt's timings agreed (`held`)."""
     return [p for p in pairs if held(p)]
 
 
