@@ -152,24 +152,29 @@ def timed_generations(timed, prompt: list[int], max_tokens: int, repeats: int) -
     return generations
 
 
-def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[float]]:
-    """[TPOT, read bandwidth before, after, whether the prompt's two timings agreed] of each of `timed_generations`'
-    generations, its prompt's seconds the mean of the two."""
-    return [[(seconds - (prompt_before + prompt_after) / 2) / (max_tokens - 1), before, after,
-             max(prompt_before, prompt_after) <= (1 + STEADY_BANDWIDTH) * min(prompt_before, prompt_after)]
-            for seconds, before, after, prompt_before, prompt_after in generations]
-
-
 # a generation whose two read-rate timings differ by more than this straddles a change of the machine's spell: the
 # rate of its own seconds is unknown (on the Zen 4 of docs/performance.md one run had 33/33, 52/34 and 60/36 GB/s);
 # nor is its prompt's time where its two one-token runs differ by more
 STEADY_BANDWIDTH = 0.15
 
 
+def agree(a: float, b: float) -> bool:
+    """Whether two timings of the same thing lie within STEADY_BANDWIDTH of each other."""
+    return max(a, b) <= (1 + STEADY_BANDWIDTH) * min(a, b)
+
+
+def tpot_pairs(generations: list[list[float]], max_tokens: int) -> list[list[float]]:
+    """[TPOT, read bandwidth before, after, whether the prompt's two timings agreed] of each of `timed_generations`'
+    generations, its prompt's seconds the mean of the two."""
+    return [[(seconds - (prompt_before + prompt_after) / 2) / (max_tokens - 1), before, after,
+             agree(prompt_before, prompt_after)]
+            for seconds, before, after, prompt_before, prompt_after in generations]
+
+
 def held(pair: list) -> bool:
     """Whether the read rate held around one of `tpot_pairs`' generations (STEADY_BANDWIDTH), and its prompt's two
     timings agreed as closely."""
-    return max(pair[1], pair[2]) <= (1 + STEADY_BANDWIDTH) * min(pair[1], pair[2]) and (len(pair) < 4 or pair[3])
+    return agree(pair[1], pair[2]) and (len(pair) < 4 or pair[3])
 
 
 def steady(pairs: list[list]) -> list[list]:
